@@ -85,7 +85,8 @@ def run_learner(
     try:
         model = spec.model_factory()
         versions = [-1] * P
-        bytes_in = 0
+        info = exchange.learners().get(m, {})
+        bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))
 
         def pull(p: int, version: int, params: dict[str, np.ndarray]) -> None:
             nonlocal bytes_in
@@ -98,14 +99,13 @@ def run_learner(
 
         for p in range(P):
             pull(p, *exchange.latest(p))
-        info = exchange.learners().get(m, {})
         step, processed = int(info.get("step", 0)), int(info.get("processed", 0))
         epoch, index = info.get("cursor", (0, 0))
         optimizer = nnx.Optimizer(model, spec.tx, wrt=nnx.Param)
         if step:
             _set_opt_counts(optimizer, step)
         c_tokens, c_steps = [0] * P, [0] * P
-        bytes_out, steps_this_attempt = 0, 0
+        steps_this_attempt = 0
         exchange.heartbeat(m, status="running", attempt=attempt, step=step, processed=processed, cursor=(epoch, index))
         log({"event": "start", "learner": m, "attempt": attempt, "step": step, "t": time.monotonic() - t0})
 
@@ -140,7 +140,8 @@ def run_learner(
                 c_steps[p] += 1
             for p in fragments_due(step, P, spec.period):
                 send(p)
-            exchange.heartbeat(m, step=step, processed=processed, cursor=(epoch, index), loss=loss)
+            exchange.heartbeat(m, step=step, processed=processed, cursor=(epoch, index), loss=loss,
+                               bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
             if step % spec.log_every == 0:
                 log({"event": "step", "learner": m, "step": step, "train/loss": loss,
                      "tokens": processed, "t": time.monotonic() - t0})
@@ -148,7 +149,7 @@ def run_learner(
         for p in range(P):
             if c_steps[p] > 0:
                 send(p)
-        exchange.heartbeat(m, status="done")
+        exchange.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
         log({"event": "stop", "learner": m, "attempt": attempt, "step": step, "t": time.monotonic() - t0})
         return {"learner": m, "attempt": attempt, "steps": step, "steps_this_attempt": steps_this_attempt,
                 "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in}

@@ -1,0 +1,101 @@
+"""Command line: ``ddiloco run CONFIG`` runs the pipeline flow and prints where the report is."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+import yaml
+from pydantic import ValidationError
+
+app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
+
+
+def _parse_sets(sets: list[str]) -> dict:
+    out = {}
+    for item in sets:
+        if "=" not in item:
+            raise typer.BadParameter(f"--set expects key=value (e.g. diloco.learners=2), got {item!r}")
+        key, value = item.split("=", 1)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _load(config: Path, sets: list[str]):
+    from configs.schema import load_config
+
+    try:
+        return load_config(config, _parse_sets(sets))
+    except ValidationError as exc:
+        lines = [f"invalid config {config}:"]
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        typer.echo("\n".join(lines), err=True)
+        raise typer.Exit(2)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    config: Path = typer.Argument(Path("configs/default.yaml"), help="YAML experiment config"),
+    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
+    run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>)"),
+):
+    """Shard → DiLoCo and DP pretraining → lm-eval → report, as one Prefect flow run."""
+    cfg = _load(config, set_)
+    from flows.pipeline import pipeline, preflight
+
+    try:
+        preflight(cfg)
+    except ValueError as exc:
+        typer.echo(f"invalid config {config}: {exc}", err=True)
+        raise typer.Exit(2)
+    rd = pipeline(config=cfg, run_dir=run_dir)
+    typer.echo(f"\nReport: {Path(rd) / 'report' / 'report.md'}")
+
+
+@app.command()
+def validate(
+    config: Path = typer.Argument(..., help="YAML experiment config"),
+    set_: list[str] = typer.Option([], "--set"),
+):
+    """Check a config (and the model it builds) without running anything."""
+    cfg = _load(config, set_)
+    from flows.pipeline import preflight
+
+    try:
+        preflight(cfg)
+    except ValueError as exc:
+        typer.echo(f"invalid config {config}: {exc}", err=True)
+        raise typer.Exit(2)
+    typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} tokens; "
+               f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} tokens per step")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="a finished run directory")):
+    """Rebuild report/ from a run directory's files."""
+    from evals.report import build_report
+
+    build_report(run_dir)
+    typer.echo(f"Report: {run_dir / 'report' / 'report.md'}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Pretraining flows: Decoupled DiLoCo (syncer + M learner tasks, concurrently) and the DP baseline.
+
+Each takes the experiment config and a run directory that already holds the sharded data
+(``flows.pipeline`` makes one), so either can be re-run alone from the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import wait
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from configs.schema import ExperimentConfig
+from tasks.metrics import write_json
+from tasks.pretrain import dp_task, learner_task, setup_diloco, syncer_task
+
+
+def _progress_line(run) -> str:
+    learners = run.exchange.learners()
+    up = sum(1 for v in learners.values() if v.get("status") == "running")
+    losses = [v["loss"] for v in learners.values() if "loss" in v]
+    loss = sum(losses) / len(losses) if losses else float("nan")
+    tokens = run.exchange.claimed_tokens
+    val = "n/a" if run.last_val_loss is None else f"{run.last_val_loss:.3f}"
+    return (f"diloco: tokens {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
+            f"train loss {loss:.3f}  held-out loss {val}  merges {run.merges}  "
+            f"learners up {up}/{len(run.specs)}  versions {run.syncer.versions}")
+
+
+@flow(name="pretrain-diloco", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True)
+def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: float = 10.0) -> dict:
+    """Decoupled DiLoCo: one syncer task and M learner tasks (retries) in one process.
+
+    Learners never wait for each other; the syncer merges fragments as they arrive (quorum K,
+    grace window). A learner that fails is retried by Prefect and rejoins from the current global
+    fragments while the others and the syncer keep going. Writes ``pretrain/diloco/summary.json``,
+    ``metrics/diloco_*.jsonl`` and ``checkpoints/diloco``; returns the summary.
+    """
+    logger = get_run_logger()
+    rd = Path(run_dir)
+    run = setup_diloco(config, rd)
+    d = config.diloco
+    logger.info(
+        "diloco: M=%d learners, P=%d fragments %s bytes, H=%d, K=%d, grace %.2fs, merge=%s, budget %s tokens "
+        "(%s tokens per learner step)", d.learners, d.fragments,
+        [sum(a.nbytes for a in g.values()) for g in run.syncer.global_params], d.sync_every, d.quorum,
+        d.grace_s, d.merge, f"{run.budget:,}", f"{config.tokens_per_learner_step:,}")
+    progress_id = create_progress_artifact(0.0, key="diloco-progress", description="DiLoCo tokens (%)")
+    syncer_future = syncer_task.submit(run)
+    learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
+    futures = [learner.submit(run, m) for m in range(d.learners)]
+    try:
+        while True:
+            done = wait(futures, timeout=progress_every_s)
+            logger.info(_progress_line(run))
+            update_progress_artifact(progress_id, 100.0 * run.exchange.claimed_tokens / run.budget)
+            if not done.not_done:
+                break
+            if syncer_future.state.is_final():
+                run.stop.set()
+                raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
+    finally:
+        run.learners_done.set()
+    for m, fut in enumerate(futures):
+        state = fut.state
+        if not state.is_completed():
+            logger.error("learner %d ended %s after its retries; its shard's remaining tokens went to the others",
+                         m, state.name)
+    summary = syncer_future.result()
+    for log in (run.merges_log, run.learners_log, run.eval_log):
+        log.close()
+    write_json(rd / "pretrain" / "diloco" / "summary.json", summary)
+    logger.info("diloco finished: %s tokens in %.1f s (%.0f tokens/s), %d merges, held-out loss %.4f",
+                f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"], summary["merges"],
+                summary["final_val_loss"])
+    return summary
+
+
+@flow(name="pretrain-dp", log_prints=True)
+def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
+    """The data-parallel baseline on the same data and token budget (global batch = M × learner batch)."""
+    summary = dp_task(config, Path(run_dir))
+    get_run_logger().info("dp finished: %s tokens in %.1f s (%.0f tokens/s), held-out loss %.4f",
+                          f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
+                          summary["final_val_loss"])
+    return summary
