@@ -96,8 +96,8 @@ class DiLoCoConfig(_Strict):
     learners: PositiveInt = Field(4, description="M, number of learners")
     fragments: PositiveInt = Field(4, description="P, number of parameter fragments")
     sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
-    quorum: PositiveInt = Field(1, description="K, minimum distinct learners before a merge")
-    grace_s: float = Field(0.5, ge=0.0, description="fixed grace window after quorum, seconds")
+    quorum: PositiveInt = Field(3, description="K, minimum distinct learners before a merge")
+    grace_s: float = Field(3.0, ge=0.0, description="fixed grace window after quorum, seconds")
     merge: Literal["mean", "token_weighted", "rda"] = "token_weighted"
     outer_lr: PositiveFloat = 0.7
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)

@@ -7,9 +7,11 @@ Per fragment p (``shared/docs/decoupled-diloco.md``, "Syncer merge"):
 1. collect submissions, at most one pending per learner (a newer one replaces the older);
 2. merge once ≥ K distinct learners are pending (minimum quorum) and either the grace window
    (seconds after quorum) has passed or every live learner has submitted;
-3. outer gradient per learner v_m = Θ_p(anchor) − θ_{m,p}; the anchor is the global version the
-   learner started from (``anchor="base"``, the default: a late submission contributes its own
-   progress) or the current one (``anchor="current"``, the paper's wording);
+3. outer gradient per learner v_m = Θ_p − θ_{m,p}, anchored at the *current* global fragment, also
+   for a late submission (the paper's rule). Anchoring late work at the version it started from
+   instead would add its progress on top of a Θ that already moved the same way: with momentum
+   and K < M that double counts and diverged in our runs; anchoring at Θ_p keeps a late
+   submission an average of parameters;
 4. merge the v_m with the configured rule (``mean``, ``token_weighted``, ``rda``);
 5. outer Nesterov SGD step, bump the version; the caller publishes.
 Submissions more than ``max_staleness`` versions behind, non-finite, or of the wrong shape are
@@ -18,7 +20,6 @@ never merged; they are counted in the token ledger as dropped, with the reason.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,15 +39,12 @@ class SyncerSettings:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     max_staleness: int = 1
-    anchor: str = "base"
 
     def __post_init__(self):
         if not 1 <= self.quorum <= self.num_learners:
             raise ValueError(f"quorum K={self.quorum} must be in [1, M={self.num_learners}]")
         if self.merge not in MERGE_RULES:
             raise ValueError(f"merge rule {self.merge!r} unknown; choose one of {sorted(MERGE_RULES)}")
-        if self.anchor not in ("base", "current"):
-            raise ValueError("anchor must be 'base' or 'current'")
 
 
 @dataclass
@@ -82,7 +80,6 @@ class Syncer:
             {k: np.array(params[k], dtype=np.float32, copy=True) for k in frag} for frag in self.fragments
         ]
         self.versions = [0] * len(self.fragments)
-        self.history = [deque([(0, g)], maxlen=settings.max_staleness + 1) for g in self.global_params]
         self.opt_states = [self.tx.init(g) for g in self.global_params]
         self.pending: list[dict[int, Submission]] = [{} for _ in self.fragments]
         self.quorum_at: list[float | None] = [None] * len(self.fragments)
@@ -145,14 +142,6 @@ class Syncer:
             return True
         return live <= set(self.pending[p])
 
-    def _anchor(self, p: int, base_version: int) -> dict[str, np.ndarray]:
-        if self.settings.anchor == "current":
-            return self.global_params[p]
-        for version, params in self.history[p]:
-            if version == base_version:
-                return params
-        return self.global_params[p]  # pragma: no cover - staleness check guarantees presence
-
     def merge(self, p: int, now: float) -> dict:
         """Merge every pending submission of fragment ``p`` into Θ_p (one outer step).
 
@@ -165,15 +154,14 @@ class Syncer:
         tokens = [s.tokens for s in subs]
         steps = [max(s.steps, 1) if s.tokens > 0 else s.steps for s in subs]
         deltas = []
+        anchor = self.global_params[p]
         for s in subs:
-            anchor = self._anchor(p, s.base_version)
             deltas.append({k: anchor[k] - s.params[k] for k in anchor})
         rule = MERGE_RULES[self.settings.merge]
         outer_grad = rule(deltas, tokens, steps, self.embedding_names)
         new_params, self.opt_states[p] = outer_step(self.tx, self.global_params[p], self.opt_states[p], outer_grad)
         self.global_params[p] = new_params
         self.versions[p] += 1
-        self.history[p].append((self.versions[p], new_params))
         for s in subs:
             key = (s.learner, p)
             prev_base, prev_tokens = self._credited.get(key, (None, 0))

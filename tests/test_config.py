@@ -1,0 +1,75 @@
+"""Config validation: bad input fails before any work, naming the field."""
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from configs.schema import ExperimentConfig, load_config, validate_against_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load_and_build(path):
+    from flows.pipeline import preflight
+
+    cfg = load_config(path)
+    preflight(cfg)  # builds the model and checks P against its tensors
+    assert path.read_text().startswith("# Run:")
+
+
+def test_default_config_meets_the_brief():
+    from flax import nnx
+
+    from models import build_model, count_params
+
+    cfg = load_config(ROOT / "configs" / "default.yaml")
+    assert cfg.diloco.learners == 4
+    assert cfg.dp_steps * cfg.tokens_per_dp_step >= 2_000_000
+    model = build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0))
+    assert count_params(model) >= 1_000_000
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"diloco": {"learners": 2, "quorum": 3}}, "diloco.quorum"),
+        ({"diloco": {"inner": {"lr": 0}}}, "diloco.inner.lr"),
+        ({"dp": {"inner": {"lr": -1e-3}}}, "dp.inner.lr"),
+        ({"diloco": {"outer_lr": 0}}, "diloco.outer_lr"),
+        ({"train": {"token_budget": 0}}, "train.token_budget"),
+        ({"data": {"source": "gopher"}}, "data.source"),
+        ({"model": {"kind": "rnn"}}, "model.kind"),
+        ({"model": {"d_model": 100, "n_heads": 3}}, "model.d_model"),
+        ({"diloco": {"learnres": 4}}, "diloco.learnres"),
+        ({"chaos": {"failures": [{"learner": 9, "at_step": 3}]}}, "chaos.failures[0].learner"),
+        ({"data": {"source": "local"}}, "data.paths"),
+    ],
+)
+def test_bad_config_names_the_field(overrides, field):
+    with pytest.raises(ValidationError) as info:
+        ExperimentConfig.model_validate(overrides)
+    text = str(info.value)
+    assert field.split(".")[-1].split("[")[0] in text, text
+
+
+def test_too_many_fragments_for_the_model():
+    cfg = ExperimentConfig.model_validate({"diloco": {"fragments": 500}})
+    with pytest.raises(ValueError, match="diloco.fragments"):
+        validate_against_model(cfg, n_tensors=20)
+
+
+def test_cli_rejects_bad_config_before_work(tmp_path):
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("diloco: {learners: 2, quorum: 4}\n")
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(bad)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "diloco.quorum" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(ROOT / "configs/default.yaml"),
+                          "--set", "diloco.fragments=99"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "diloco.fragments" in out.stderr

@@ -1,0 +1,348 @@
+"""The run report, on a small synthetic run directory whose numbers can be checked by hand.
+
+The run: 2 learners, 2 fragments, 32,768 tokens per method. Learner 1 fails at t = 8 s (step 40),
+a retry is scheduled at t = 9 s and attempt 1 starts at t = 12 s, so it is down for 4 s.
+Merges (seconds since training start, fragment, contributors):
+    2.0 f0 [0,1] | 4.0 f1 [0,1] | 6.0 f0 [0,1]          before the failure
+    8.5 f1 [0]   | 10.0 f0 [0]  | 11.5 f1 [0,1 (stale)]  while learner 1 is down → 3 merges,
+                                                         1 of them carrying its earlier submission
+    14.0 f0 [0,1] | 16.0 f1 [0,1]                        after the restart: merged again, first 14.0
+Final held-out losses: DiLoCo 3.30, DP 3.00 nats → gap = 100 × (3.30 − 3.00) / 3.00 = +10.00 %.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from PIL import Image
+
+from evals.report import (
+    NOT_RUN,
+    ReportInputError,
+    artifact_key,
+    build_report,
+    learner_failures,
+    publish_report_artifacts,
+)
+
+
+def _write(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+INNER = {"name": "adamw", "lr": 0.003, "warmup_steps": 4, "weight_decay": 0.1}
+MERGES = [  # (merged_at_s, fragment, contributors, stale)
+    (2.0, 0, [0, 1], [False, False]),
+    (4.0, 1, [0, 1], [False, False]),
+    (6.0, 0, [0, 1], [False, False]),
+    (8.5, 1, [0], [False]),
+    (10.0, 0, [0], [False]),
+    (11.5, 1, [0, 1], [False, True]),
+    (14.0, 0, [0, 1], [False, False]),
+    (16.0, 1, [0, 1], [False, False]),
+]
+
+
+def _make_run(root: Path) -> Path:
+    run = root / "tiny-20261129-101500"
+    _write(run / "config.json", {
+        "name": "tiny",
+        "seed": 0,
+        "data": {"source": "shakespeare", "seq_len": 64, "vocab_size": 512},
+        "model": {"kind": "dense", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 96},
+        "diloco": {"learners": 2, "fragments": 2, "sync_every": 8, "quorum": 1, "grace_s": 0.5,
+                   "merge": "token_weighted", "batch_size": 4, "inner": INNER},
+        "dp": {"enabled": True, "inner": INNER},
+        "train": {"token_budget": 32768},
+        "chaos": {"failures": [{"learner": 1, "at_step": 40}]},
+        "eval": {"enabled": True},
+    })
+    _write(run / "data" / "manifest.json", {
+        "source": "shakespeare",
+        "sha256": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+        "vocab_size": 512,
+        "seq_len": 64,
+        "documents": {"train": [f"play {i}" for i in range(39)], "val": ["hamlet", "macbeth"],
+                      "test": ["othello", "king lear"]},
+        "tokens": {"train": 1_200_000, "val": 60_000, "test": 58_000},
+        "shards": {"shard_00": 600_000, "shard_01": 600_000},
+    })
+    toks = [0, 8192, 16384, 24576, 32768]
+    _write_jsonl(run / "metrics" / "diloco_eval.jsonl", [
+        {"method": "diloco", "tokens": t, "wall_s": 5.0 * i, "step": 32 * i, "val/loss": loss}
+        for i, (t, loss) in enumerate(zip(toks, [6.20, 4.10, 3.60, 3.40, 3.30]))
+    ])
+    _write_jsonl(run / "metrics" / "dp_eval.jsonl", [
+        {"method": "dp", "tokens": t, "wall_s": 7.0 * i, "step": 16 * i, "val/loss": loss}
+        for i, (t, loss) in enumerate(zip(toks, [6.20, 3.90, 3.40, 3.25, 3.00]))
+    ])
+    _write_jsonl(run / "metrics" / "diloco_merges.jsonl", [
+        {"fragment": f, "version": v + 1, "contributors": c, "weights": [1 / len(c)] * len(c),
+         "tokens": [2048] * len(c), "steps": [8] * len(c), "quorum_at_s": t - 0.5, "merged_at_s": t,
+         "grace_s": 0.5, "stale": s, "bytes_in": 4096 * len(c), "bytes_out": 8192}
+        for v, (t, f, c, s) in enumerate(MERGES)
+    ])
+    _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
+        {"event": "start", "learner": 0, "attempt": 0, "t": 0.0, "step": 0, "reason": ""},
+        {"event": "start", "learner": 1, "attempt": 0, "t": 0.1, "step": 0, "reason": ""},
+        {"event": "step", "learner": 1, "step": 39, "train/loss": 4.0, "tokens": 9984, "t": 7.9},
+        {"event": "failure", "learner": 1, "attempt": 0, "t": 8.0, "step": 40, "reason": "injected failure"},
+        {"event": "retry", "learner": 1, "attempt": 0, "t": 9.0, "step": 40, "reason": "prefect retry"},
+        {"event": "start", "learner": 1, "attempt": 1, "t": 12.0, "step": 40, "reason": "resume"},
+        {"event": "stop", "learner": 0, "attempt": 0, "t": 20.0, "step": 144, "reason": "budget"},
+        {"event": "stop", "learner": 1, "attempt": 1, "t": 20.0, "step": 112, "reason": "budget"},
+        # The syncer appends its own events (a dropped submission) at the end of the run.
+        {"event": "dropped", "learner": 1, "fragment": 0, "reason": "stale", "tokens": 1024,
+         "base_version": 2, "t": 13.0, "source": "syncer"},
+    ])
+    _write(run / "pretrain" / "diloco" / "summary.json", {
+        "method": "diloco",
+        "hyperparameters": {"inner": INNER, "outer_lr": 0.7, "outer_momentum": 0.9, "sync_every": 8,
+                            "fragments": 2, "learners": 2, "batch_size": 4},
+        "tokens": 32768, "steps": 256, "wall_s": 20.0, "tokens_per_s": 1638.4,
+        "final_val_loss": 3.30, "merges": 8,
+        "bytes_to_syncer": 57344, "bytes_from_syncer": 2_097_152,
+        # As tasks/pretrain.py writes it: five counts, plus drop reasons and attempts.
+        "ledger": {"0": {"processed": 18432, "submitted": 18432, "merged": 18432, "dropped": 0, "pending": 0,
+                         "drop_reasons": {}, "attempts": 1},
+                   "1": {"processed": 14336, "submitted": 12288, "merged": 11264, "dropped": 1024,
+                         "pending": 2048, "drop_reasons": {"stale": 1024}, "attempts": 2}},
+        "params": 123456, "flops_per_token": 812345.0,
+    })
+    _write(run / "pretrain" / "dp" / "summary.json", {
+        "method": "dp",
+        "hyperparameters": {"inner": INNER, "batch_size": 8},
+        "tokens": 32768, "steps": 64, "wall_s": 28.0, "tokens_per_s": 1170.2857,
+        "final_val_loss": 3.00, "bytes_allreduced": 31_604_736,
+        "params": 123456, "flops_per_token": 812345.0,
+    })
+    _write(run / "eval" / "diloco.json", {
+        "heldout_ppl/word_perplexity": 85.25, "heldout_ppl/byte_perplexity": 2.6103,
+        "heldout_ppl/bits_per_byte": 1.3842, "heldout_nextline/acc": 0.31,
+        "heldout_nextline/acc_norm": 0.335, "eval_s": 12.5,
+    })
+    _write(run / "eval" / "dp.json", {
+        "heldout_ppl/word_perplexity": 70.5, "heldout_ppl/byte_perplexity": 2.5012,
+        "heldout_ppl/bits_per_byte": 1.3227, "heldout_nextline/acc": 0.345,
+        "heldout_nextline/acc_norm": 0.36, "eval_s": 11.0,
+    })
+    return run
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A fresh synthetic run for tests that change files."""
+    return _make_run(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """One report built once for the read-only tests (plotting costs about a second a build)."""
+    run = _make_run(tmp_path_factory.mktemp("built"))
+    report = build_report(run)
+    return run, report, (run / "report" / "report.md").read_text()
+
+
+def _row(report: dict, key: str) -> dict:
+    return next(r for r in report["comparison"] if r["key"] == key)
+
+
+def test_table_has_the_right_numbers(built):
+    run_dir, report, md = built
+    assert report["run"]["name"] == "tiny"
+    assert _row(report, "tokens")["diloco"] == 32768 and _row(report, "tokens")["dp"] == 32768
+    assert _row(report, "steps")["diloco"] == 256 and _row(report, "steps")["dp"] == 64
+    assert _row(report, "final_val_loss")["dp"] == 3.0
+    assert _row(report, "final_val_ppl")["diloco"] == pytest.approx(math.exp(3.3))  # 27.1126
+    assert _row(report, "merges")["diloco"] == 8 and _row(report, "merges")["dp"] is None
+    # DP's all-reduced bytes are read from its own field name.
+    assert _row(report, "bytes_sent")["dp"] == 31_604_736
+    assert _row(report, "heldout_nextline/acc")["dp"] == 0.345
+    assert "| training tokens (tokens) | 32,768 | 32,768 |" in md
+    assert "| optimizer steps (DiLoCo: inner steps summed over learners) (steps) | 256 | 64 |" in md
+    assert "| final held-out loss (nats/token) | 3.3000 | 3.0000 |" in md
+    assert "| final held-out perplexity exp(loss) | 27.113 | 20.086 |" in md
+    assert "| held-out word perplexity | 85.250 | 70.500 |" in md
+    assert "| bytes from syncer / all-reduced (DP) (bytes) | 2,097,152 (2.0 MiB) | 31,604,736 (30.1 MiB) |" in md
+    assert "| merges (DiLoCo) (merges) | 8 | — |" in md
+    # Header: versions and a git commit (or "unknown" where there is no commit yet).
+    assert "- git commit: `" in md and "prefect 3.9.1" in md and "lm_eval" in md
+    # Hyperparameters side by side (nested dicts flattened with slashes).
+    assert "| inner/lr | 0.003 | 0.003 |" in md
+    assert "| outer_lr | 0.7 | — |" in md
+    # Manifest summary: long title lists abbreviated.
+    assert "| documents/train | 39 items: play 0, play 1, play 2, … |" in md
+    assert "| tokens/train | 1,200,000 |" in md
+
+
+def test_loss_gap_percent(built):
+    run_dir, report, md = built
+    # Hand computation: 100 × (3.30 − 3.00) / 3.00 = 100 × 0.30 / 3.00 = +10.00 %.
+    assert report["loss_gap"]["status"] == "ok"
+    assert report["loss_gap"]["gap_pct"] == pytest.approx(10.0)
+    assert "+10.00% relative to DP's" in md
+
+
+def test_merges_while_learner_down(built):
+    run_dir, report, md = built
+    (f,) = report["failures"]
+    assert f["learner"] == 1 and f["failed_at_s"] == 8.0 and f["failed_at_step"] == 40
+    # The retry event at 9 s is not the restart; the start of attempt 1 at 12 s is.
+    assert f["restarted_at_s"] == 12.0 and f["downtime_s"] == 4.0
+    assert f["merges_while_down"] == 3  # 8.5, 10.0, 11.5
+    assert f["merges_while_down_by_fragment"] == {"0": 1, "1": 2}
+    assert f["merges_while_down_with_learner"] == 1  # the stale one at 11.5
+    assert f["merged_again_after_restart"] is True
+    assert f["first_merge_with_learner_after_restart_s"] == 14.0
+    assert "| 1 | 0 | 8.0 | 40 | injected failure | 12.0 | 4.0 | 3 | 0: 1, 1: 2 | 1 | yes |" in md
+
+
+def test_downtime_window_is_half_open():
+    events = [
+        {"event": "failure", "learner": 2, "attempt": 0, "t": 5.0},
+        {"event": "start", "learner": 2, "attempt": 1, "t": 9.0},
+    ]
+    merges = [  # at the failure instant counts, at the restart instant does not
+        {"fragment": 0, "merged_at_s": 5.0, "contributors": [0]},
+        {"fragment": 0, "merged_at_s": 9.0, "contributors": [0, 2]},
+    ]
+    (f,) = learner_failures(events, merges)
+    assert f["merges_while_down"] == 1 and f["merged_again_after_restart"] is True
+    # A learner that never comes back is down until the end of the run and never merged again.
+    (g,) = learner_failures(events[:1], merges)
+    assert g["restarted_at_s"] is None and g["merges_while_down"] == 2
+    assert g["merged_again_after_restart"] is False
+
+
+def test_ledger_table(built):
+    run_dir, report, md = built
+    led = report["ledger"]
+    assert led["columns"] == ["processed", "submitted", "merged", "dropped", "pending", "attempts", "drop_reasons"]
+    assert led["total"]["drop_reasons"] == {"stale": 1024}
+    assert led["total"]["processed"] == 32768  # 18,432 + 14,336 = the method's tokens
+    assert led["rows"][1]["merged_pct"] == pytest.approx(100 * 11264 / 14336)  # 78.57 %
+    assert "| 1 | 14,336 | 12,288 | 11,264 | 1,024 | 2,048 | 2 | stale: 1,024 | 78.6 |" in md
+    assert "| total | 32,768 | 30,720 | 29,696 | 1,024 | 2,048 | 3 | stale: 1,024 | 90.6 |" in md
+    # Learner events: the syncer's drop is counted; the last step is the stop's.
+    assert "| 1 | 2 | 1 | 1 | 112 | stop (budget) |" in md
+
+
+def test_plots_are_valid_images(built):
+    run_dir, report, md = built
+    for name in ("loss_vs_tokens", "loss_vs_time", "merges_over_time"):
+        assert report["plots"][name] == f"{name}.png"
+        path = run_dir / "report" / f"{name}.png"
+        assert path.stat().st_size > 0
+        with Image.open(path) as im:
+            im.verify()
+        with Image.open(path) as im:
+            assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 100
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and pixels.std() > 0  # not a blank canvas
+        assert f"]({name}.png)" in md
+
+
+def test_report_json_round_trips(built):
+    run_dir, report, md = built
+    on_disk = json.loads((run_dir / "report" / "report.json").read_text())
+    assert on_disk == report
+    assert on_disk["loss_gap"]["gap_pct"] == pytest.approx(10.0)
+    assert on_disk["failures"][0]["merges_while_down"] == 3
+
+
+def test_missing_dp_summary_says_not_run(run_dir: Path):
+    (run_dir / "pretrain" / "dp" / "summary.json").unlink()
+    report = build_report(run_dir)
+    assert report["methods"]["dp"]["status"] == NOT_RUN
+    assert _row(report, "tokens")["dp"] == NOT_RUN
+    # The eval curve still gives DP's final loss, so the gap is still defined.
+    assert _row(report, "final_val_loss")["dp"] == 3.0
+    assert report["loss_gap"]["gap_pct"] == pytest.approx(10.0)
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "| training tokens (tokens) | 32,768 | not run |" in md
+    assert "Data-parallel pretraining: **not run**" in md
+
+
+def test_dp_disabled_and_eval_disabled(run_dir: Path):
+    for p in ("pretrain/dp/summary.json", "metrics/dp_eval.jsonl", "eval/dp.json", "eval/diloco.json"):
+        (run_dir / p).unlink()
+    report = build_report(run_dir)
+    assert report["loss_gap"]["status"] == NOT_RUN
+    acc = _row(report, "heldout_nextline/acc")
+    assert acc["diloco"] == NOT_RUN and acc["dp"] == NOT_RUN
+    assert report["plots"]["loss_vs_tokens"] == "loss_vs_tokens.png"  # DiLoCo's curve alone
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "**Loss gap:** not run" in md
+
+
+def test_empty_run_dir_does_not_crash(tmp_path: Path):
+    report = build_report(tmp_path)
+    assert report["methods"]["diloco"]["status"] == NOT_RUN
+    assert report["plots"] == {"loss_vs_tokens": None, "loss_vs_time": None, "merges_over_time": None}
+    assert report["ledger"]["status"] == NOT_RUN and report["failures"] == []
+    assert not (tmp_path / "report" / "merges_over_time.png").exists()
+    assert "not run" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_corrupt_json_names_the_file(run_dir: Path):
+    bad = run_dir / "pretrain" / "diloco" / "summary.json"
+    bad.write_text('{"tokens": 32768, ')
+    with pytest.raises(ReportInputError, match=r"pretrain/diloco/summary\.json: corrupt JSON"):
+        build_report(run_dir)
+
+
+def test_corrupt_jsonl_names_file_and_line(run_dir: Path):
+    path = run_dir / "metrics" / "diloco_merges.jsonl"
+    path.write_text(path.read_text() + '{"fragment": 0, "merged_at\n')
+    with pytest.raises(ReportInputError, match=r"diloco_merges\.jsonl: corrupt JSON on line 9"):
+        build_report(run_dir)
+
+
+def test_artifact_key_is_prefect_safe():
+    assert artifact_key("report", "My Run_v2.1") == "report-my-run-v2-1"
+    assert artifact_key("ledger", "--") == "ledger-run"
+
+
+def test_publish_outside_a_run_is_refused(run_dir: Path):
+    report = build_report(run_dir)
+    with pytest.raises(RuntimeError, match="inside a Prefect flow or task run"):
+        publish_report_artifacts(report, run_dir)
+
+
+def test_publish_inside_a_flow(run_dir: Path, request: pytest.FixtureRequest):
+    """Needs the session-wide ``prefect_harness`` fixture from the project's conftest; we never
+    start a Prefect server here."""
+    try:
+        request.getfixturevalue("prefect_harness")
+    except pytest.FixtureLookupError:
+        pytest.skip("no prefect_harness fixture (conftest) in this session")
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    report = build_report(run_dir)
+
+    @flow
+    def publish() -> None:
+        publish_report_artifacts(report, run_dir)
+
+    publish()
+    keys = ["report-tiny", "comparison-tiny", "ledger-tiny"]
+    with get_client(sync_client=True) as client:
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    by_key = {a.key: a for a in arts}
+    assert set(by_key) == set(keys)
+    assert "+10.00%" in by_key["report-tiny"].data
+    table = by_key["comparison-tiny"].data
+    table = json.loads(table) if isinstance(table, str) else table
+    assert {"metric": "training tokens (tokens)", "diloco": "32,768", "dp": "32,768"} in table
