@@ -167,3 +167,20 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_dp_step():
     for k in expected:
         np.testing.assert_allclose(got[k], expected[k], atol=2e-6, err_msg=k)
     assert any(not np.allclose(expected[k], theta0[k]) for k in expected)  # the step moved something
+
+
+def test_default_model_fragments_within_four_thirds_of_ideal():
+    from configs.schema import load_config
+
+    cfg = load_config("configs/default.yaml")
+    model = build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0))
+    sizes = tensor_bytes(get_params(model))
+    for P in range(1, 13):
+        frags = balanced_fragments(sizes, P)
+        assert frags == balanced_fragments(sizes, P)
+        ideal = sum(sizes.values()) / P
+        heaviest = max(sum(sizes[n] for n in f) for f in frags)
+        # Graham's LPT bound: ≤ 4/3 of the optimum, which is ≥ max(ideal, largest whole tensor).
+        assert heaviest <= 4 / 3 * max(ideal, max(sizes.values())), P
+        if P == cfg.diloco.fragments:
+            assert heaviest <= 4 / 3 * ideal
