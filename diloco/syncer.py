@@ -84,7 +84,8 @@ class Syncer:
         self.pending: list[dict[int, Submission]] = [{} for _ in self.fragments]
         self.quorum_at: list[float | None] = [None] * len(self.fragments)
         self.ledger = {m: LedgerEntry() for m in range(settings.num_learners)}
-        self._credited: dict[tuple[int, int], tuple[int, int]] = {}
+        self._credited: dict[tuple[int, int], tuple[int, int]] = {}  # merged (base, tokens)
+        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # received (base, tokens)
         self.events: list[dict] = []
         self.num_merges = 0
 
@@ -93,12 +94,21 @@ class Syncer:
         return len(self.fragments)
 
     # -- receiving ---------------------------------------------------------------------------
-    def _reject(self, sub: Submission, reason: str, now: float) -> None:
+    def _fresh_tokens(self, sub: Submission) -> int:
+        """Tokens in ``sub`` not already in an earlier submission of the same learner, fragment and
+        base version (counters run from the learner's last receipt, so resends are cumulative)."""
+        key = (sub.learner, sub.fragment)
+        prev_base, prev_tokens = self._seen.get(key, (None, 0))
+        self._seen[key] = (sub.base_version, sub.tokens)
+        return max(sub.tokens - prev_tokens, 0) if prev_base == sub.base_version else sub.tokens
+
+    def _reject(self, sub: Submission, reason: str, now: float, tokens: int | None = None) -> None:
+        tokens = sub.tokens if tokens is None else tokens
         if 0 <= sub.learner < self.settings.num_learners:
-            self.ledger[sub.learner].drop(sub.tokens, reason)
+            self.ledger[sub.learner].drop(tokens, reason)
         self.events.append(
             {"event": "dropped", "learner": sub.learner, "fragment": sub.fragment, "reason": reason,
-             "tokens": sub.tokens, "base_version": sub.base_version, "t": now}
+             "tokens": tokens, "base_version": sub.base_version, "t": now}
         )
 
     def receive(self, sub: Submission, now: float) -> bool:
@@ -110,24 +120,25 @@ class Syncer:
             self._reject(sub, "unknown-fragment", now)
             return False
         p = sub.fragment
-        self.ledger[sub.learner].submitted += sub.tokens
+        fresh = self._fresh_tokens(sub)
+        self.ledger[sub.learner].submitted += fresh
         ref = self.global_params[p]
         if set(sub.params) != set(ref) or any(sub.params[k].shape != ref[k].shape for k in ref):
-            self._reject(sub, "wrong-tensors", now)
+            self._reject(sub, "wrong-tensors", now, fresh)
             return False
         if not all(np.isfinite(a).all() for a in sub.params.values()):
-            self._reject(sub, "non-finite", now)
+            self._reject(sub, "non-finite", now, fresh)
             return False
         if sub.base_version > self.versions[p] or sub.base_version < 0:
-            self._reject(sub, "unknown-version", now)
+            self._reject(sub, "unknown-version", now, fresh)
             return False
         if self.versions[p] - sub.base_version > self.settings.max_staleness:
-            self._reject(sub, "stale", now)
+            self._reject(sub, "stale", now, fresh)
             return False
         old = self.pending[p].get(sub.learner)
         if old is not None and old.base_version != sub.base_version:
             # The newer copy does not contain the older one's tokens: they are lost.
-            self._reject(old, "superseded", now)
+            self._reject(old, "superseded", now, old.tokens)
         self.pending[p][sub.learner] = sub
         if self.quorum_at[p] is None and len(self.pending[p]) >= self.settings.quorum:
             self.quorum_at[p] = now

@@ -125,12 +125,13 @@ def test_bad_submissions_are_quarantined_and_counted():
     params = {"a": np.zeros(2, np.float32)}
     s = Syncer(params, [["a"]], SyncerSettings(num_learners=2, quorum=1, max_staleness=0))
     assert not s.receive(Submission(0, 0, {"a": np.array([np.nan, 0], np.float32)}, 5, 1, 0, 1), 0.0)
-    assert not s.receive(Submission(0, 0, {"a": np.zeros(3, np.float32)}, 5, 1, 0, 1), 0.0)
+    # counters are cumulative since the last receipt: 10 tokens here are 5 new ones
+    assert not s.receive(Submission(0, 0, {"a": np.zeros(3, np.float32)}, 10, 2, 0, 1), 0.0)
     assert not s.receive(Submission(0, 3, {"a": np.zeros(2, np.float32)}, 5, 1, 0, 1), 0.0)
     assert s.ledger[0].drop_reasons == {"non-finite": 5, "wrong-tensors": 5, "unknown-fragment": 5}
     s.receive(Submission(1, 0, {"a": np.ones(2, np.float32)}, 5, 1, 0, 1), 0.0)
     s.poll(1.0, live=set())
-    assert not s.receive(Submission(0, 0, {"a": np.ones(2, np.float32)}, 7, 1, 0, 1), 1.0)  # stale
+    assert not s.receive(Submission(0, 0, {"a": np.ones(2, np.float32)}, 17, 3, 0, 1), 1.0)  # stale, 7 new
     assert s.ledger[0].drop_reasons["stale"] == 7
     # only learner 1 merged: v = 0 − 1 = −1, Nesterov μ=0.9: Θ = 0 − 0.7·(−1 + 0.9·(−1)) = 1.33
     np.testing.assert_allclose(s.global_params[0]["a"], 1.33, rtol=1e-6)
@@ -184,3 +185,20 @@ def test_default_model_fragments_within_four_thirds_of_ideal():
         assert heaviest <= 4 / 3 * max(ideal, max(sizes.values())), P
         if P == cfg.diloco.fragments:
             assert heaviest <= 4 / 3 * ideal
+
+
+def test_ledger_counts_cumulative_resends_once():
+    """Counters run from the last receipt, so a resend before receipt repeats earlier tokens."""
+    s = Syncer({"a": np.zeros(2, np.float32)}, [["a"]], SyncerSettings(num_learners=2, quorum=2))
+    sub = lambda m, tokens, base: Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, tokens // 8, base, 1)
+    s.receive(sub(0, 64, 0), 0.0)
+    s.receive(sub(0, 128, 0), 1.0)  # same base: includes the first 64 tokens, replaces it
+    assert s.ledger[0].submitted == 128 and s.ledger[0].dropped == 0
+    s.receive(sub(1, 96, 0), 1.0)
+    s.poll(1.0, live={0, 1})
+    assert (s.ledger[0].merged, s.ledger[1].merged) == (128, 96)
+    s.receive(sub(0, 192, 0), 2.0)  # learner 0 had not received v1 yet: 64 new tokens
+    assert s.ledger[0].submitted == 192
+    s.receive(sub(1, 32, 1), 2.0)
+    s.poll(2.0, live={0, 1})
+    assert (s.ledger[0].merged, s.ledger[1].merged) == (192, 128)
