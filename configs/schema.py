@@ -90,7 +90,8 @@ class InnerOptConfig(_Strict):
 class DiLoCoConfig(_Strict):
     """Decoupled DiLoCo: M learners, P fragments, period H, quorum K, fixed grace window.
 
-    Defaults follow ``shared/docs/decoupled-diloco.md``; where the paper is silent the value is ours.
+    Defaults follow DiLoCo (arXiv 2311.08105) and Decoupled DiLoCo (arXiv 2604.21428); where the papers
+    are silent the value is ours (see the README).
     """
 
     learners: PositiveInt = Field(4, description="M, number of learners")

@@ -1,7 +1,7 @@
 """Balanced tensor fragmentation and the staggered send schedule.
 
 Source: Decoupled DiLoCo (Douillard et al., 2026), "Fragments and schedule"; Streaming DiLoCo
-(arXiv 2501.18512) for the staggered offsets. See ``shared/docs/decoupled-diloco.md``.
+(arXiv 2501.18512) for the staggered offsets.
 """
 
 from __future__ import annotations

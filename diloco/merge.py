@@ -1,6 +1,6 @@
 """Token weights and merge rules for outer gradients.
 
-Sources (``shared/docs/decoupled-diloco.md``, "Syncer merge"): token-weighted merging
+Sources (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the syncer merge): token-weighted merging
 w_m = c_tokens · (c_tokens / c_steps) ("quantity × quality"), and Radial-Directional Averaging
 RDA = (Σ w‖v‖ / Σ w) · φ(Σ w φ(v) / Σ w), φ(x) = x/‖x‖, φ(0) = 0, per tensor, with embedding
 tensors merged by the plain weighted average.

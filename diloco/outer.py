@@ -1,6 +1,6 @@
 """The outer optimizer: SGD with Nesterov momentum on the merged outer gradient, per fragment.
 
-Source: DiLoCo (arXiv 2311.08105, Alg. 1) and ``shared/docs/decoupled-diloco.md`` step 7:
+Source: DiLoCo (Douillard et al., arXiv 2311.08105, Alg. 1), outer Nesterov step:
 buf ← μ·buf + Δ;  Θ ← Θ − lr·(Δ + μ·buf)  (optax.sgd(..., nesterov=True) computes exactly this).
 The outer learning rate is not decayed.
 """

@@ -207,7 +207,8 @@ def run_syncer(
             syncer.receive(sub, now)
         handle(syncer.poll(now, live_learners(exchange, heartbeat_timeout_s)))
         claimed = exchange.claimed_tokens
-        if claimed >= next_eval and not finished:
+        # (once the budget is spent, the final evaluation after the flush measures the end point)
+        if claimed >= next_eval and not finished and claimed < exchange.token_budget:
             on_eval(syncer.params(), claimed)
             while next_eval <= claimed:
                 next_eval += eval_every_tokens

@@ -3,7 +3,7 @@
 Pure bookkeeping with an explicit clock (``now`` in seconds is passed in): no threads, no I/O, so
 every rule here is testable in milliseconds. The loop that drives it lives in ``diloco.runtime``.
 
-Per fragment p (``shared/docs/decoupled-diloco.md``, "Syncer merge"):
+Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the syncer merge):
 1. collect submissions, at most one pending per learner (a newer one replaces the older);
 2. merge once ≥ K distinct learners are pending (minimum quorum) and either the grace window
    (seconds after quorum) has passed or every live learner has submitted;
@@ -49,7 +49,11 @@ class SyncerSettings:
 
 @dataclass
 class LedgerEntry:
-    """Tokens per learner, summed over fragments (divide by P for per-model tokens)."""
+    """Tokens per learner, summed over fragments (divide by P for per-model tokens).
+
+    submitted = merged + dropped + pending at every moment: a resend before receipt carries only
+    its new tokens, and a pending copy replaced by a newer one of the same base passes its tokens on.
+    """
 
     submitted: int = 0
     merged: int = 0
@@ -84,7 +88,7 @@ class Syncer:
         self.pending: list[dict[int, Submission]] = [{} for _ in self.fragments]
         self.quorum_at: list[float | None] = [None] * len(self.fragments)
         self.ledger = {m: LedgerEntry() for m in range(settings.num_learners)}
-        self._credited: dict[tuple[int, int], tuple[int, int]] = {}  # merged (base, tokens)
+        self._unmerged: dict[tuple[int, int], int] = {}  # submitted tokens of the pending copy
         self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # received (base, tokens)
         self.events: list[dict] = []
         self.num_merges = 0
@@ -135,10 +139,14 @@ class Syncer:
         if self.versions[p] - sub.base_version > self.settings.max_staleness:
             self._reject(sub, "stale", now, fresh)
             return False
+        key = (sub.learner, p)
         old = self.pending[p].get(sub.learner)
-        if old is not None and old.base_version != sub.base_version:
-            # The newer copy does not contain the older one's tokens: they are lost.
-            self._reject(old, "superseded", now, old.tokens)
+        carried = 0
+        if old is not None and old.base_version == sub.base_version:
+            carried = self._unmerged.get(key, 0)  # the newer copy contains the older one's work
+        elif old is not None:
+            self._reject(old, "superseded", now, self._unmerged.get(key, 0))  # its work is lost
+        self._unmerged[key] = carried + fresh
         self.pending[p][sub.learner] = sub
         if self.quorum_at[p] is None and len(self.pending[p]) >= self.settings.quorum:
             self.quorum_at[p] = now
@@ -174,11 +182,7 @@ class Syncer:
         self.global_params[p] = new_params
         self.versions[p] += 1
         for s in subs:
-            key = (s.learner, p)
-            prev_base, prev_tokens = self._credited.get(key, (None, 0))
-            credit = s.tokens - prev_tokens if prev_base == s.base_version else s.tokens
-            self.ledger[s.learner].merged += max(credit, 0)
-            self._credited[key] = (s.base_version, s.tokens)
+            self.ledger[s.learner].merged += self._unmerged.pop((s.learner, p), 0)
         record = {
             "fragment": p,
             "version": self.versions[p],
@@ -192,6 +196,8 @@ class Syncer:
             "merged_at_s": now,
             "bytes_in": int(sum(s.nbytes for s in subs)),
             "fragment_bytes": int(sum(a.nbytes for a in new_params.values())),
+            # published once, pulled by every learner: the syncer's send fan-out
+            "bytes_out": int(sum(a.nbytes for a in new_params.values())) * self.settings.num_learners,
             "outer_grad_norm": float(np.sqrt(sum(float(np.sum(g * g)) for g in outer_grad.values()))),
         }
         self.pending[p] = {}
@@ -209,9 +215,9 @@ class Syncer:
 
     def pending_tokens(self) -> dict[int, int]:
         out = {m: 0 for m in self.ledger}
-        for frag in self.pending:
-            for m, s in frag.items():
-                out[m] += s.tokens
+        for p, frag in enumerate(self.pending):
+            for m in frag:
+                out[m] += self._unmerged.get((m, p), 0)
         return out
 
     # -- state -------------------------------------------------------------------------------

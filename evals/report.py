@@ -1,5 +1,8 @@
 """The run report: Decoupled DiLoCo and the data-parallel (DP) baseline side by side.
 
+Decoupled DiLoCo: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training",
+arXiv 2604.21428 (2026).
+
 Everything is read back from one run directory (``docs/contracts.md``); nothing depends on the
 in-memory state of an earlier flow, so a report can be rebuilt for any finished (or half-finished)
 run::
@@ -30,8 +33,13 @@ run::
 Units used throughout: tokens (counts of BPE tokens), seconds (wall clock), bytes (payload bytes
 on the wire, as the methods record them), nats (natural-log cross entropy; perplexity = exp(loss)).
 
-Missing inputs are normal (DP disabled, eval disabled, no failures): the part they feed says
-"not run". A file that exists but is not valid JSON raises :class:`ReportInputError` naming it.
+A run directory is the folder the pipeline creates (``flows.pipeline.make_run_dir``): it holds
+``config.json`` and, once pretraining ran, ``pretrain/`` (plus ``data/``, ``metrics/``, ``eval/``,
+``checkpoints/``). A path that does not exist, or a folder with neither ``config.json`` nor
+``pretrain/``, raises :class:`ReportInputError` naming the path (and nothing is written there).
+Missing inputs inside a run directory are normal (DP disabled, eval disabled, no failures): the
+part they feed says "not run". A file that exists but is not valid JSON raises
+:class:`ReportInputError` naming it.
 
 :func:`publish_report_artifacts` publishes the report to Prefect and must run inside a flow or
 task run.
@@ -56,6 +64,8 @@ LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
 COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
 NOT_RUN = "not run"
 PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
+PAPER = ('Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Distributed '
+         'Pre-training", arXiv 2604.21428, 2026)')
 
 # The lm-eval metrics in the order the table shows them; anything else found follows, sorted.
 EVAL_METRICS = (
@@ -64,6 +74,9 @@ EVAL_METRICS = (
     ("heldout_ppl/bits_per_byte", "held-out bits per byte", "bits/byte", "{:.4f}"),
     ("heldout_nextline/acc", "next-line accuracy", "fraction", "{:.4f}"),
     ("heldout_nextline/acc_norm", "next-line accuracy (length-normalised)", "fraction", "{:.4f}"),
+    ("heldout_ppl/passages", "held-out perplexity passages", "passages", "int"),
+    ("heldout_nextline/questions", "next-line questions", "questions", "int"),
+    ("checkpoint_tokens", "tokens in the evaluated checkpoint", "tokens", "int"),
 )
 
 # Summary fields and the names the pretraining flows may use for them (first found wins).
@@ -80,11 +93,16 @@ SUMMARY_FIELDS: dict[str, tuple[str, ...]] = {
     "flops_per_token": ("flops_per_token",),
     "goodput": ("goodput",),
 }
-LEDGER_COLUMNS = ("processed", "submitted", "merged", "dropped", "pending")
+LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
+RUN_DIR_CONTENTS = (
+    "a run directory is the folder the pipeline creates: it holds config.json and, once "
+    "pretraining ran, pretrain/ (also data/, metrics/, eval/, checkpoints/)"
+)
 
 
 class ReportInputError(ValueError):
-    """A run-directory file exists but cannot be used (corrupt JSON, wrong shape). Names the file."""
+    """The input cannot be used: the path is not a run directory, or a run-directory file exists
+    but is corrupt (bad JSON, wrong shape). The message names the path."""
 
     def __init__(self, path: Path, problem: str):
         self.path = Path(path)
@@ -301,23 +319,29 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
 
 
 def _merge_stats(merges: list[dict]) -> dict:
+    """Counts over the merge log. ``bytes_in`` (submission bytes merged) and ``bytes_out`` (the
+    syncer's publish fan-out: fragment bytes × learners) are summed only when every record has
+    them; otherwise they are None ("not recorded", e.g. records written before ``bytes_out``
+    existed) and ``bytes_*_recorded`` says in how many records they were."""
     by_frag: dict[str, int] = {}
-    contributors, stale, b_in, b_out = [], 0, 0, 0
+    contributors, stale = [], 0
     for m in merges:
         k = str(m.get("fragment"))
         by_frag[k] = by_frag.get(k, 0) + 1
         contributors.append(len(m.get("contributors") or []))
         stale += sum(1 for s in (m.get("stale") or []) if s)
-        b_in += _num(m.get("bytes_in")) or 0
-        b_out += _num(m.get("bytes_out")) or 0
+    sums: dict[str, Any] = {}
+    for key in ("bytes_in", "bytes_out"):
+        vals = [v for m in merges if (v := _num(m.get(key))) is not None]
+        sums[key] = sum(vals) if len(vals) == len(merges) else None
+        sums[f"{key}_recorded"] = len(vals)
     times = [t for m in merges if (t := _merge_time(m)) is not None]
     return {
         "count": len(merges),
         "by_fragment": dict(sorted(by_frag.items())),
         "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
         "stale_contributions": stale,
-        "bytes_in": b_in,
-        "bytes_out": b_out,
+        **sums,
         "first_s": min(times) if times else None,
         "last_s": max(times) if times else None,
     }
@@ -350,20 +374,52 @@ def _learner_table(events: list[dict]) -> list[dict]:
     return [per[k] for k in sorted(per, key=lambda k: (0, k) if isinstance(k, int) else (1, str(k)))]
 
 
-def _ledger(summary: dict | None) -> dict:
-    """DiLoCo's token ledger per learner (tokens), a total row and merged % of processed.
+def _int(x: Any) -> int | None:
+    """A ledger count as a whole number of tokens (the syncer's per-fragment averages are rounded)."""
+    v = _num(x)
+    if v is None or not math.isfinite(v):
+        return None
+    return int(round(v))
 
-    Numeric entries become columns (the standard five first); dict-valued entries (e.g.
-    ``drop_reasons``: reason → tokens) are kept as dicts and summed key-wise in the total.
+
+def _fragments(config: dict | None, summary: dict | None) -> int | None:
+    """P, the number of fragments: from config.json, else the DiLoCo summary."""
+    p = _num(_nested(config, ("diloco", "fragments")))
+    if p is None and summary is not None:
+        hp = _first(summary, ("hyperparameters", "hparams")) or {}
+        p = _num(_first(hp, ("fragments (P)", "fragments"))) if isinstance(hp, dict) else None
+        if p is None and isinstance(summary.get("fragment_bytes"), list):
+            p = len(summary["fragment_bytes"]) or None
+    return int(p) if p else None
+
+
+def _ledger(summary: dict | None, fragments: int | None = None) -> dict:
+    """DiLoCo's token ledger per learner (whole tokens), a total row and merged % of processed.
+
+    Numeric entries become integer columns (the standard six first: processed, submitted,
+    not_submitted, merged, dropped, pending); dict-valued entries (``drop_reasons``: reason →
+    tokens) are kept as dicts and summed key-wise in the total. ``not_submitted`` is computed as
+    processed − submitted for summaries that do not record it. Each learner row is checked
+    against processed = submitted + not_submitted and submitted = merged + dropped + pending,
+    allowing ±P tokens (``tolerance``) for the rounding of the per-fragment averages; rows that
+    break either identity are listed in ``identity_violations``.
     """
+    empty = {"columns": [], "rows": [], "total": None, "fragments": fragments, "tolerance": None,
+             "not_submitted_computed": False, "identity_violations": []}
     if summary is None:
-        return {"status": NOT_RUN, "columns": [], "rows": [], "total": None}
+        return {"status": NOT_RUN, **empty}
     raw = summary.get("ledger")
     if isinstance(raw, dict) and isinstance(raw.get("ledger"), dict):
         raw = raw["ledger"]
     if not isinstance(raw, dict) or not raw:
-        return {"status": "not recorded", "columns": [], "rows": [], "total": None}
-    learners = {k: v for k, v in raw.items() if isinstance(v, dict)}
+        return {"status": "not recorded", **empty}
+    learners = {k: dict(v) for k, v in raw.items() if isinstance(v, dict)}
+    computed = False
+    for v in learners.values():
+        if v.get("not_submitted") is None and _num(v.get("processed")) is not None \
+                and _num(v.get("submitted")) is not None:
+            v["not_submitted"] = _num(v["processed"]) - _num(v["submitted"])
+            computed = True
     extra = sorted({c for v in learners.values() for c in v} - set(LEDGER_COLUMNS))
     columns = [c for c in LEDGER_COLUMNS if any(c in v for v in learners.values())] + extra
     dict_cols = {c for c in columns if any(isinstance(v.get(c), dict) for v in learners.values())}
@@ -373,14 +429,14 @@ def _ledger(summary: dict | None) -> dict:
         row: dict[str, Any] = {"learner": _lid(k)}
         for c in columns:
             if c in dict_cols:
-                row[c] = {str(kk): _num(vv) for kk, vv in (v.get(c) or {}).items()}
+                row[c] = {str(kk): _int(vv) for kk, vv in (v.get(c) or {}).items()}
             else:
-                row[c] = _num(v.get(c))
+                row[c] = _int(v.get(c))
         rows.append(row)
     total: dict[str, Any] = {"learner": "total"}
     for c in columns:
         if c in dict_cols:
-            acc: dict[str, float] = {}
+            acc: dict[str, int] = {}
             for r in rows:
                 for kk, vv in r[c].items():
                     acc[kk] = acc.get(kk, 0) + (vv or 0)
@@ -390,7 +446,23 @@ def _ledger(summary: dict | None) -> dict:
     for r in [*rows, total]:
         p, mg = r.get("processed"), r.get("merged")
         r["merged_pct"] = 100.0 * mg / p if p and mg is not None else None
-    return {"status": "ok", "columns": columns, "rows": rows, "total": total}
+    tol = fragments or 1
+    violations = []
+    identities = (
+        ("processed", ("submitted", "not_submitted")),
+        ("submitted", ("merged", "dropped", "pending")),
+    )
+    for r in rows:
+        for lhs, parts in identities:
+            vals = [r.get(c) for c in (lhs, *parts)]
+            if any(x is None for x in vals):
+                continue
+            diff = vals[0] - sum(vals[1:])
+            if abs(diff) > tol:
+                violations.append({"learner": r["learner"], "identity": f"{lhs} = {' + '.join(parts)}",
+                                   "difference": diff})
+    return {"status": "ok", "columns": columns, "rows": rows, "total": total, "fragments": fragments,
+            "tolerance": tol, "not_submitted_computed": computed, "identity_violations": violations}
 
 
 def _curve_summary(rows: list[dict] | None) -> dict:
@@ -415,8 +487,18 @@ def _curve_summary(rows: list[dict] | None) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _plot_loss(curves: dict[str, list[dict]], x_key: str, xlabel: str, title: str, path: Path) -> bool:
-    """Held-out loss (nats/token) against ``x_key`` for each method with a curve. False if none."""
+def _loss_figure(
+    curves: dict[str, list[dict]], x_key: str, xlabel: str, title: str,
+    finals: dict[str, float | None] | None = None,
+) -> Figure | None:
+    """Held-out loss (nats/token) against ``x_key`` for each method with a curve; None if none.
+
+    Points are ordered by ``x_key`` with a stable sort, so rows that share an x value keep their
+    file order (the file's later row is the later measurement) and the last point drawn is the
+    last row written at the largest x. The "final" label shows ``finals[m]`` (the value the
+    tables use: the summary's ``final_val_loss``) when given, else that last point's loss.
+    """
+    finals = finals or {}
     series = {}
     for m in METHODS:
         pts = [
@@ -425,20 +507,24 @@ def _plot_loss(curves: dict[str, list[dict]], x_key: str, xlabel: str, title: st
             if _num(r.get(x_key)) is not None and _num(r.get("val/loss")) is not None
         ]
         if pts:
-            series[m] = sorted(pts)
+            series[m] = sorted(pts, key=lambda xy: xy[0])  # stable: ties keep file order
     if not series:
-        return False
+        return None
+    final = {}
+    for m, pts in series.items():
+        f = _num(finals.get(m))
+        final[m] = f if f is not None and math.isfinite(f) else pts[-1][1]
     fig = Figure(figsize=(7.0, 4.5), dpi=120, layout="constrained")
     ax = fig.add_subplot()
-    finals = sorted(series, key=lambda m: series[m][-1][1])
+    order = sorted(series, key=lambda m: final[m])
     for m, pts in series.items():
         xs, ys = zip(*pts)
         ax.plot(xs, ys, marker="o", ms=3, lw=1.6, color=COLORS[m], label=LABELS[m])
         # Put the lower final value's label below its point and the higher one's above.
-        below = len(finals) > 1 and m == finals[0]
+        below = len(order) > 1 and m == order[0]
         ax.annotate(
-            f"final {ys[-1]:.4f}",
-            xy=(xs[-1], ys[-1]),
+            f"final {final[m]:.4f}",
+            xy=(xs[-1], final[m]),
             xytext=(-8, -14 if below else 10),
             textcoords="offset points",
             ha="right",
@@ -455,6 +541,17 @@ def _plot_loss(curves: dict[str, list[dict]], x_key: str, xlabel: str, title: st
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.legend()
+    return fig
+
+
+def _plot_loss(
+    curves: dict[str, list[dict]], x_key: str, xlabel: str, title: str, path: Path,
+    finals: dict[str, float | None] | None = None,
+) -> bool:
+    """:func:`_loss_figure` saved to ``path``. False (nothing written) if no method has a curve."""
+    fig = _loss_figure(curves, x_key, xlabel, title, finals)
+    if fig is None:
+        return False
     fig.savefig(path)
     return True
 
@@ -678,11 +775,18 @@ def build_report(run_dir: Path) -> dict:
     ``learners``, ``failures`` (downtime [s] and merges while down), ``plots`` (file names relative
     to ``report/``, or None when not drawn) and ``notes``.
 
-    Raises :class:`ReportInputError` naming the file when an input exists but is corrupt.
+    Raises :class:`ReportInputError` naming the path when ``run_dir`` does not exist or is not a
+    run directory (neither ``config.json`` nor ``pretrain/``; nothing is written then), and naming
+    the file when an input exists but is corrupt.
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory not found: {run_dir}")
+        what = "is not a directory" if run_dir.exists() else "does not exist"
+        raise ReportInputError(run_dir, f"{what}; {RUN_DIR_CONTENTS}")
+    if not (run_dir / "config.json").is_file() and not (run_dir / "pretrain").is_dir():
+        raise ReportInputError(
+            run_dir, f"not a run directory (no config.json and no pretrain/ folder); {RUN_DIR_CONTENTS}"
+        )
     out_dir = run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     notes: list[str] = []
@@ -748,7 +852,7 @@ def build_report(run_dir: Path) -> dict:
             "status": "ok" if manifest is not None else NOT_RUN,
             "items": _manifest_items(manifest) if manifest is not None else [],
         },
-        "ledger": _ledger(summaries["diloco"]),
+        "ledger": _ledger(summaries["diloco"], _fragments(config, summaries["diloco"])),
         "merges": {"status": "ok" if merges is not None else NOT_RUN, **_merge_stats(merges or [])},
         "learners": {
             "status": "ok" if events is not None else NOT_RUN,
@@ -763,13 +867,14 @@ def build_report(run_dir: Path) -> dict:
     plots = report["plots"]
     for name in ("loss_vs_tokens", "loss_vs_time", "merges_over_time"):
         (out_dir / f"{name}.png").unlink(missing_ok=True)  # never leave a stale plot from an old build
+    finals = {m: methods[m]["final_val_loss"] for m in METHODS}  # the tables' final loss
     plots["loss_vs_tokens"] = "loss_vs_tokens.png" if _plot_loss(
         curves, "tokens", "training tokens (all learners)", "Held-out loss vs tokens",
-        out_dir / "loss_vs_tokens.png",
+        out_dir / "loss_vs_tokens.png", finals,
     ) else None
     plots["loss_vs_time"] = "loss_vs_time.png" if _plot_loss(
         curves, "wall_s", "wall-clock time since training start (s)", "Held-out loss vs wall-clock time",
-        out_dir / "loss_vs_time.png",
+        out_dir / "loss_vs_time.png", finals,
     ) else None
     plots["merges_over_time"] = "merges_over_time.png" if _plot_merges(
         merges or [], failures, out_dir / "merges_over_time.png"
@@ -825,11 +930,21 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join(lines)
 
 
+def _bytes_or_missing(mg: dict, key: str) -> str:
+    """A merge-log byte total, or "not recorded" when (some) merge records lack the field."""
+    if mg.get(key) is not None:
+        return format_value(mg[key], "bytes")
+    n, of = mg.get(f"{key}_recorded", 0), mg.get("count", 0)
+    return "not recorded" + (f" (in {n} of {of} merge records)" if n else "")
+
+
 def render_markdown(report: dict) -> str:
     """The ``report.md`` text for a report dict from :func:`build_report` (pure)."""
     run, methods = report["run"], report["methods"]
     L: list[str] = []
     L.append(f"# Run report: {run['name']}")
+    L.append("")
+    L.append(f"{PAPER} compared with a data-parallel baseline on the same data and token budget.")
     L.append("")
     vers = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
     L.append(f"- run directory: `{run['run_dir']}`")
@@ -919,6 +1034,25 @@ def render_markdown(report: dict) -> str:
         rows = [[r["learner"]] + [_lcell(r[c]) for c in cols] + [format_value(r["merged_pct"], "{:.1f}")]
                 for r in [*led["rows"], led["total"]]]
         L.append(_table(["learner"] + cols + ["merged % of processed"], rows))
+        L.append("")
+        p = led.get("fragments")
+        tol = f"±{led['tolerance']} tokens (P = {p})" if p else f"±{led['tolerance']} token"
+        L.append(
+            "Tokens per learner: processed = trained on, submitted = sent to the syncer, not_submitted "
+            "= processed but never sent (progress overwritten when a newer global fragment arrived, or "
+            "still local at stop"
+            + ("; computed here as processed − submitted, as this summary does not record it"
+               if led.get("not_submitted_computed") else "")
+            + "), merged = in a merged global fragment, dropped = rejected by the syncer (drop_reasons "
+            "by reason), pending = submitted but not yet merged at stop, attempts = task attempts; "
+            "the syncer's counts are averaged over the P fragments and rounded, and per learner "
+            f"processed = submitted + not_submitted and submitted = merged + dropped + pending hold "
+            f"within {tol}."
+        )
+        for v in led.get("identity_violations") or []:
+            L.append("")
+            L.append(f"**Ledger check failed:** learner {v['learner']}: {v['identity']} is off by "
+                     f"{v['difference']:+,} tokens (more than {tol}).")
     else:
         L.append(f"*token ledger: {led['status']}.*")
     L.append("")
@@ -931,8 +1065,9 @@ def render_markdown(report: dict) -> str:
         L.append(
             f"{mg['count']} merges ({by}); mean contributors per merge "
             f"{format_value(mg['mean_contributors'], '{:.2f}')}; stale contributions "
-            f"{mg['stale_contributions']}; bytes into merges {format_value(mg['bytes_in'], 'bytes')}, "
-            f"bytes out {format_value(mg['bytes_out'], 'bytes')}; from "
+            f"{mg['stale_contributions']}; bytes into merges (learner submissions merged) "
+            f"{_bytes_or_missing(mg, 'bytes_in')}, bytes out (syncer publishes: fragment bytes × "
+            f"learners) {_bytes_or_missing(mg, 'bytes_out')}; from "
             f"{format_value(mg['first_s'], '{:.1f}')} s to {format_value(mg['last_s'], '{:.1f}')} s."
         )
     else:

@@ -58,17 +58,21 @@ def run(
 
     try:
         preflight(cfg)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"invalid config {config}: {exc}", err=True)
         raise typer.Exit(2)
-    rd = pipeline(config=cfg, run_dir=run_dir)
+    try:
+        rd = pipeline(config=cfg, run_dir=run_dir)
+    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
+        raise typer.Exit(1)
     typer.echo(f"\nReport: {Path(rd) / 'report' / 'report.md'}")
 
 
 @app.command()
 def validate(
     config: Path = typer.Argument(..., help="YAML experiment config"),
-    set_: list[str] = typer.Option([], "--set"),
+    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
 ):
     """Check a config (and the model it builds) without running anything."""
     cfg = _load(config, set_)
@@ -76,7 +80,7 @@ def validate(
 
     try:
         preflight(cfg)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         typer.echo(f"invalid config {config}: {exc}", err=True)
         raise typer.Exit(2)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
@@ -89,7 +93,11 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"))
     """Rebuild report/ from a run directory's files."""
     from evals.report import build_report
 
-    build_report(run_dir)
+    try:
+        build_report(run_dir)
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     typer.echo(f"Report: {run_dir / 'report' / 'report.md'}")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import shutil
 from pathlib import Path
 
 from flax import nnx
@@ -17,8 +18,20 @@ from tasks.data import shard_data_task
 from tasks.evaluate import evaluate_task, report_task
 
 
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
 def preflight(cfg: ExperimentConfig) -> None:
-    """Checks that need the model (P ≤ number of tensors), before any data is touched."""
+    """Checks beyond the schema, before any data is touched: P ≤ the model's tensors, and local
+    corpus files exist with a supported suffix. Raises ``ValueError``/``FileNotFoundError`` naming
+    the field."""
+    if cfg.data.source == "local":
+        for path in cfg.data.paths:
+            p = Path(path).expanduser()
+            if not p.is_file():
+                raise FileNotFoundError(f"data.paths: file not found: {path}")
+            if not p.name.endswith(LOCAL_SUFFIXES):
+                raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
     model = build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0))
     validate_against_model(cfg, len(get_params(model)))
 
@@ -39,9 +52,15 @@ def pipeline(config: ExperimentConfig = ExperimentConfig(), run_dir: str | None 
     """Run the whole experiment and return the run directory (the report is in ``report/``)."""
     logger = get_run_logger()
     preflight(config)
+    created = run_dir is None or not Path(run_dir).exists()
     rd = make_run_dir(config, run_dir)
     logger.info("run directory: %s", rd)
-    manifest = shard_data_task(config, rd)
+    try:
+        manifest = shard_data_task(config, rd)
+    except BaseException:
+        if created:  # never leave a half-made run behind: the data step writes nothing partial
+            shutil.rmtree(rd, ignore_errors=True)
+        raise
     logger.info("data: %s train tokens, %d shards, vocab %d", f"{manifest['splits']['train']['tokens']:,}",
                 len(manifest["shards"]), manifest["vocab_size"])
     pretrain_diloco(config, str(rd))

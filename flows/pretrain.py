@@ -23,11 +23,11 @@ def _progress_line(run) -> str:
     learners = run.exchange.learners()
     up = sum(1 for v in learners.values() if v.get("status") == "running")
     losses = [v["loss"] for v in learners.values() if "loss" in v]
-    loss = sum(losses) / len(losses) if losses else float("nan")
+    loss = f"{sum(losses) / len(losses):.3f}" if losses else "n/a"
     tokens = run.exchange.claimed_tokens
     val = "n/a" if run.last_val_loss is None else f"{run.last_val_loss:.3f}"
     return (f"diloco: tokens {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
-            f"train loss {loss:.3f}  held-out loss {val}  merges {run.merges}  "
+            f"train loss {loss}  held-out loss {val}  merges {run.merges}  "
             f"learners up {up}/{len(run.specs)}  versions {run.syncer.versions}")
 
 
@@ -65,11 +65,11 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
                 raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
     finally:
         run.learners_done.set()
-    for m, fut in enumerate(futures):
-        state = fut.state
-        if not state.is_completed():
-            logger.error("learner %d ended %s after its retries; its shard's remaining tokens went to the others",
-                         m, state.name)
+    # The exchange knows how each learner ended (Prefect's future state can lag behind).
+    for m, info in sorted(run.exchange.learners().items()):
+        if info.get("status") != "done":
+            logger.error("learner %d ended %s after its retries (%s); the others spent its share of the budget",
+                         m, info.get("status"), info.get("reason", "no reason recorded"))
     summary = syncer_future.result()
     for log in (run.merges_log, run.learners_log, run.eval_log):
         log.close()

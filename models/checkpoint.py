@@ -28,9 +28,12 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, ex
     """Save ``params`` (a pytree, e.g. ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), JSON
     ``meta`` and optional extra pytrees under ``ckpt_dir/step``; blocks until written.
 
-    Returns the step folder. An existing step is never overwritten (Orbax raises).
+    Returns the step folder. Raises ``FileExistsError`` if that step exists: a checkpoint that a
+    later step may read is never overwritten.
     """
     ckpt_dir = Path(ckpt_dir).absolute()
+    if (ckpt_dir / str(step)).exists():
+        raise FileExistsError(f"checkpoint {ckpt_dir / str(step)} already exists; it is never overwritten")
     items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
     for name, tree in (extra or {}).items():
         items[name] = ocp.args.StandardSave(tree)

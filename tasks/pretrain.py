@@ -68,8 +68,26 @@ class DiLoCoRun:
     merges: int = 0
 
 
+def ensure_fresh(run_dir: Path, method: str) -> None:
+    """Refuse to train ``method`` again into a run directory that already holds its results.
+
+    Raises ``FileExistsError`` naming what exists and the fix; nothing is written or deleted.
+    """
+    existing = [p for p in (run_dir / "checkpoints" / method, run_dir / "pretrain" / method,
+                            run_dir / "metrics" / f"{method}_eval.jsonl") if p.exists()]
+    if existing:
+        raise FileExistsError(
+            f"{run_dir} already holds {method} results ({', '.join(str(p.relative_to(run_dir)) for p in existing)}); "
+            "pass a new run directory, or delete those paths to train this method again"
+        )
+
+
 def setup_diloco(cfg: ExperimentConfig, run_dir: Path) -> DiLoCoRun:
-    """Build the global model, fragments, syncer, exchange (version 0 published) and learner specs."""
+    """Build the global model, fragments, syncer, exchange (version 0 published) and learner specs.
+
+    Raises ``FileExistsError`` if ``run_dir`` already holds DiLoCo results.
+    """
+    ensure_fresh(run_dir, "diloco")
     manifest = load_manifest(run_dir)
     vocab = int(manifest["vocab_size"])
     factory = _model_factory(cfg, vocab)
@@ -149,11 +167,14 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     ledger = {}
     for m, entry in s.ledger.items():
         processed = int(learners.get(m, {}).get("processed", 0))
+        # The syncer counts per fragment; averaging over the P fragments gives model-level tokens.
         ledger[str(m)] = {
             "processed": processed,
-            # the syncer's counts are summed over fragments; divide by P for model-level tokens
-            "submitted": entry.submitted / P, "merged": entry.merged / P, "dropped": entry.dropped / P,
-            "pending": pending[m] / P, "drop_reasons": {k: v / P for k, v in entry.drop_reasons.items()},
+            "submitted": round(entry.submitted / P),
+            "not_submitted": processed - round(entry.submitted / P),
+            "merged": round(entry.merged / P), "dropped": round(entry.dropped / P),
+            "pending": round(pending[m] / P),
+            "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
             "attempts": int(learners.get(m, {}).get("attempt", 1)),
         }
     meta = {"method": "diloco", "versions": s.versions, "merges": s.num_merges, "tokens": run.exchange.claimed_tokens,
@@ -202,6 +223,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
     Same model init, data (all training sequences), token budget and validation batches as DiLoCo.
     Writes ``metrics/dp_eval.jsonl``, ``checkpoints/dp`` and returns the summary dict.
     """
+    ensure_fresh(run_dir, "dp")
     manifest = load_manifest(run_dir)
     vocab = int(manifest["vocab_size"])
     model = _model_factory(cfg, vocab)()
@@ -235,8 +257,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
     wall = time.monotonic() - t0
     param_bytes = sum(tensor_bytes(get_params(model)).values())
     M = cfg.diloco.learners
-    # Ring all-reduce: each of M workers sends and receives 2(M−1)/M of the gradient bytes per step.
-    allreduce_bytes = int(2 * (M - 1) / M * param_bytes * M * steps)
+    # Ring all-reduce: each of M workers sends (and receives) 2(M−1)/M of the gradient bytes per step.
+    allreduce_bytes = int(2 * (M - 1) / M * param_bytes * M * steps)  # sent by all workers, in total
     meta = {"method": "dp", "steps": steps, "tokens": steps * tps}
     save_checkpoint(run_dir / "checkpoints" / "dp", steps * tps, nnx.to_pure_dict(nnx.state(model, nnx.Param)), meta)
     i = cfg.dp.inner
@@ -249,7 +271,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
         },
         "tokens": steps * tps, "steps": steps, "wall_s": wall, "tokens_per_s": steps * tps / wall,
         "final_val_loss": last, "merges": None,
-        "bytes_to_syncer": allreduce_bytes // 2, "bytes_from_syncer": allreduce_bytes // 2,
+        # no syncer: the equivalents are the bytes all workers send and receive in all-reduces
+        "bytes_to_syncer": allreduce_bytes, "bytes_from_syncer": allreduce_bytes,
         "allreduce_bytes": allreduce_bytes,
         "params": count_params(model), "flops_per_token": flops_per_token(cfg.model, vocab, cfg.data.seq_len),
     }

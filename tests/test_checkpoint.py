@@ -38,3 +38,12 @@ def test_mismatched_model_is_a_clear_error(tmp_path):
     bigger = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32), 40, 8, nnx.Rngs(0))
     with pytest.raises(CheckpointError, match="cannot restore"):
         load_into_model(tmp_path / "ck", bigger)
+
+
+def test_existing_step_is_never_overwritten(tmp_path):
+    a = build_model(CFG, 40, 8, nnx.Rngs(1))
+    pure = nnx.to_pure_dict(nnx.state(a, nnx.Param))
+    save_checkpoint(tmp_path / "ck", 3, pure, {"v": "first"})
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        save_checkpoint(tmp_path / "ck", 3, pure, {"v": "second"})
+    assert load_meta(tmp_path / "ck") == {"v": "first"}

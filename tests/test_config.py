@@ -73,3 +73,11 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(ROOT / "configs/default.yaml"),
                           "--set", "diloco.fragments=99"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "diloco.fragments" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(ROOT / "configs/tiny.yaml"),
+                          "--set", "data.source=local", "--set", "data.paths=[/nonexistent.txt]"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "data.paths: file not found: /nonexistent.txt" in out.stderr
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "report", str(tmp_path / "no-such-run")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "no-such-run" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "no-such-run").exists()

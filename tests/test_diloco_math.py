@@ -202,3 +202,21 @@ def test_ledger_counts_cumulative_resends_once():
     s.receive(sub(1, 32, 1), 2.0)
     s.poll(2.0, live={0, 1})
     assert (s.ledger[0].merged, s.ledger[1].merged) == (192, 128)
+
+
+def test_ledger_identity_holds_through_replacements():
+    s = Syncer({"a": np.zeros(2, np.float32)}, [["a"]], SyncerSettings(num_learners=2, quorum=2, max_staleness=1))
+    sub = lambda m, tokens, base: Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, max(tokens // 8, 1), base, 1)
+
+    def check():
+        pend = s.pending_tokens()
+        for m, e in s.ledger.items():
+            assert e.submitted == e.merged + e.dropped + pend[m], (m, e, pend)
+
+    s.receive(sub(0, 64, 0), 0.0); check()
+    s.receive(sub(0, 128, 0), 0.1); check()           # same base: replaces, carries 64
+    s.receive(sub(1, 32, 0), 0.1); s.poll(0.2, {0, 1}); check()
+    assert s.ledger[0].merged == 128
+    s.receive(sub(0, 8, 1), 0.3); check()             # after receipt of v1
+    s.receive(sub(0, 16, 0), 0.4); check()            # an older base while v1-based copy pending
+    assert s.ledger[0].drop_reasons == {"superseded": 8}

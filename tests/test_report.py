@@ -8,12 +8,15 @@ Merges (seconds since training start, fragment, contributors):
                                                          1 of them carrying its earlier submission
     14.0 f0 [0,1] | 16.0 f1 [0,1]                        after the restart: merged again, first 14.0
 Final held-out losses: DiLoCo 3.30, DP 3.00 nats → gap = 100 × (3.30 − 3.00) / 3.00 = +10.00 %.
+Token ledger (P = 2): learner 1 processed 14,336 = submitted 12,288 + not submitted 2,048, and
+submitted 12,288 = merged 10,240 + dropped 1,024 + pending 1,024.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import uuid
 from pathlib import Path
 
 import matplotlib.image
@@ -23,6 +26,7 @@ from PIL import Image
 from evals.report import (
     NOT_RUN,
     ReportInputError,
+    _loss_figure,
     artifact_key,
     build_report,
     learner_failures,
@@ -89,7 +93,8 @@ def _make_run(root: Path) -> Path:
     _write_jsonl(run / "metrics" / "diloco_merges.jsonl", [
         {"fragment": f, "version": v + 1, "contributors": c, "weights": [1 / len(c)] * len(c),
          "tokens": [2048] * len(c), "steps": [8] * len(c), "quorum_at_s": t - 0.5, "merged_at_s": t,
-         "grace_s": 0.5, "stale": s, "bytes_in": 4096 * len(c), "bytes_out": 8192}
+         "grace_s": 0.5, "stale": s, "bytes_in": 4096 * len(c), "fragment_bytes": 4096,
+         "bytes_out": 4096 * 2}  # fragment bytes × M learners
         for v, (t, f, c, s) in enumerate(MERGES)
     ])
     _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
@@ -112,11 +117,12 @@ def _make_run(root: Path) -> Path:
         "tokens": 32768, "steps": 256, "wall_s": 20.0, "tokens_per_s": 1638.4,
         "final_val_loss": 3.30, "merges": 8,
         "bytes_to_syncer": 57344, "bytes_from_syncer": 2_097_152,
-        # As tasks/pretrain.py writes it: five counts, plus drop reasons and attempts.
-        "ledger": {"0": {"processed": 18432, "submitted": 18432, "merged": 18432, "dropped": 0, "pending": 0,
-                         "drop_reasons": {}, "attempts": 1},
-                   "1": {"processed": 14336, "submitted": 12288, "merged": 11264, "dropped": 1024,
-                         "pending": 2048, "drop_reasons": {"stale": 1024}, "attempts": 2}},
+        # Integer token counts, drop reasons and attempts (processed = submitted + not_submitted,
+        # submitted = merged + dropped + pending).
+        "ledger": {"0": {"processed": 18432, "submitted": 18432, "not_submitted": 0, "merged": 18432,
+                         "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 1},
+                   "1": {"processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
+                         "dropped": 1024, "pending": 1024, "drop_reasons": {"stale": 1024}, "attempts": 2}},
         "params": 123456, "flops_per_token": 812345.0,
     })
     _write(run / "pretrain" / "dp" / "summary.json", {
@@ -224,17 +230,118 @@ def test_downtime_window_is_half_open():
     assert g["merged_again_after_restart"] is False
 
 
+LEDGER_SENTENCE_END = ("per learner processed = submitted + not_submitted and submitted = merged + dropped + "
+                       "pending hold within ±2 tokens (P = 2).")
+
+
 def test_ledger_table(built):
     run_dir, report, md = built
     led = report["ledger"]
-    assert led["columns"] == ["processed", "submitted", "merged", "dropped", "pending", "attempts", "drop_reasons"]
+    assert led["columns"] == ["processed", "submitted", "not_submitted", "merged", "dropped", "pending",
+                              "attempts", "drop_reasons"]
     assert led["total"]["drop_reasons"] == {"stale": 1024}
     assert led["total"]["processed"] == 32768  # 18,432 + 14,336 = the method's tokens
-    assert led["rows"][1]["merged_pct"] == pytest.approx(100 * 11264 / 14336)  # 78.57 %
-    assert "| 1 | 14,336 | 12,288 | 11,264 | 1,024 | 2,048 | 2 | stale: 1,024 | 78.6 |" in md
-    assert "| total | 32,768 | 30,720 | 29,696 | 1,024 | 2,048 | 3 | stale: 1,024 | 90.6 |" in md
+    assert led["total"]["not_submitted"] == 2048
+    assert led["rows"][1]["merged_pct"] == pytest.approx(100 * 10240 / 14336)  # 71.43 %
+    assert led["identity_violations"] == [] and not led["not_submitted_computed"]
+    assert ("| learner | processed | submitted | not_submitted | merged | dropped | pending | attempts "
+            "| drop_reasons | merged % of processed |") in md
+    assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
+    assert "| total | 32,768 | 30,720 | 2,048 | 28,672 | 1,024 | 1,024 | 3 | stale: 1,024 | 87.5 |" in md
+    # One sentence under the table: what each column means and the identities.
+    section = md.split("## DiLoCo token ledger")[1].split("\n## ")[0]
+    (sentence,) = [line for line in section.splitlines() if line.startswith("Tokens per learner:")]
+    for col in ("processed =", "submitted =", "not_submitted =", "merged =", "dropped =", "pending ="):
+        assert col in sentence
+    assert "progress overwritten when a newer global fragment arrived" in sentence
+    assert sentence.endswith(LEDGER_SENTENCE_END) and sentence.count(". ") == 0
+    assert "Ledger check failed" not in md
     # Learner events: the syncer's drop is counted; the last step is the stop's.
     assert "| 1 | 2 | 1 | 1 | 112 | stop (budget) |" in md
+
+
+def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
+    """An older summary: per-fragment averages (fractions) and no ``not_submitted``."""
+    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["ledger"] = {
+        "0": {"processed": 18432, "submitted": 18432.0, "merged": 18432.0, "dropped": 0.0, "pending": 0.0,
+              "drop_reasons": {}, "attempts": 1},
+        "1": {"processed": 14336, "submitted": 12287.75, "merged": 10240.25, "dropped": 1024.0,
+              "pending": 1023.5, "drop_reasons": {"stale": 1024.0}, "attempts": 2},
+    }
+    _write(path, summary)
+    report = build_report(run_dir)
+    led = report["ledger"]
+    assert led["not_submitted_computed"] and led["identity_violations"] == []
+    row = led["rows"][1]
+    assert row["not_submitted"] == 2048 and row["submitted"] == 12288  # 14,336 − 12,287.75, rounded
+    assert all(isinstance(row[c], int) for c in ("processed", "submitted", "not_submitted", "merged",
+                                                 "dropped", "pending"))
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
+    assert "computed here as processed − submitted" in md
+
+
+def test_ledger_identity_violation_is_reported(run_dir: Path):
+    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["ledger"]["1"]["merged"] = 10240 - 512  # 512 tokens unaccounted for (> P = 2)
+    _write(path, summary)
+    report = build_report(run_dir)
+    (v,) = report["ledger"]["identity_violations"]
+    assert v == {"learner": 1, "identity": "submitted = merged + dropped + pending", "difference": 512}
+    md = (run_dir / "report" / "report.md").read_text()
+    assert "**Ledger check failed:** learner 1: submitted = merged + dropped + pending is off by +512" in md
+
+
+def test_merge_bytes_out(built, run_dir: Path):
+    _, report, md = built
+    # 8 merges × (4,096 fragment bytes × 2 learners) published; submissions merged: 14 × 4,096.
+    assert report["merges"]["bytes_out"] == 8 * 8192 and report["merges"]["bytes_in"] == 14 * 4096
+    assert "bytes out (syncer publishes: fragment bytes × learners) 65,536 (64.0 KiB)" in md
+    # Records written before bytes_out existed: "not recorded", never 0.
+    path = run_dir / "metrics" / "diloco_merges.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out"} for r in rows])
+    old = build_report(run_dir)
+    assert old["merges"]["bytes_out"] is None and old["merges"]["bytes_in"] == 14 * 4096
+    old_md = (run_dir / "report" / "report.md").read_text()
+    assert "bytes out (syncer publishes: fragment bytes × learners) not recorded;" in old_md
+    # Some records with it, some without: still not a total.
+    _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out" or i < 3} for i, r in enumerate(rows)])
+    mixed = build_report(run_dir)
+    assert mixed["merges"]["bytes_out"] is None and mixed["merges"]["bytes_out_recorded"] == 3
+    assert "not recorded (in 3 of 8 merge records)" in (run_dir / "report" / "report.md").read_text()
+
+
+def test_loss_plot_final_is_the_last_row_when_tokens_tie(run_dir: Path):
+    """Two rows at the last token count: the later row is the final value, even with a lower loss
+    (sorting by (tokens, loss) would put 3.30 last and draw a jump down-then-up)."""
+    path = run_dir / "metrics" / "diloco_eval.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    rows.append({"method": "diloco", "tokens": 32768, "wall_s": 21.0, "step": 128, "val/loss": 3.28})
+    _write_jsonl(path, rows)
+    fig = _loss_figure({"diloco": rows}, "tokens", "tokens", "loss")
+    ax = fig.axes[0]
+    (line,) = ax.get_lines()
+    assert list(line.get_xdata()) == [0, 8192, 16384, 24576, 32768, 32768]
+    assert list(line.get_ydata())[-2:] == [3.30, 3.28]  # file order kept for the tie
+    assert [t.get_text() for t in ax.texts] == ["final 3.2800"]
+    assert ax.texts[0].xy == (32768, 3.28)
+    # In the report the annotation is the summary's final_val_loss (the flow's last evaluation).
+    spath = run_dir / "pretrain" / "diloco" / "summary.json"
+    summary = json.loads(spath.read_text())
+    summary["final_val_loss"] = 3.28
+    _write(spath, summary)
+    report = build_report(run_dir)
+    final = report["methods"]["diloco"]["final_val_loss"]
+    assert final == 3.28 and report["methods"]["diloco"]["curve"]["final_loss"] == 3.28
+    assert not any("differs from the last eval-curve point" in n for n in report["notes"])
+    finals = {m: report["methods"][m]["final_val_loss"] for m in ("diloco", "dp")}
+    for x_key in ("tokens", "wall_s"):
+        ax = _loss_figure({"diloco": rows}, x_key, "x", "loss", finals).axes[0]
+        assert [t.get_text() for t in ax.texts] == [f"final {final:.4f}"]
 
 
 def test_plots_are_valid_images(built):
@@ -286,12 +393,47 @@ def test_dp_disabled_and_eval_disabled(run_dir: Path):
 
 
 def test_empty_run_dir_does_not_crash(tmp_path: Path):
+    _write(tmp_path / "config.json", {"name": "empty"})  # a run that stopped right after it started
     report = build_report(tmp_path)
     assert report["methods"]["diloco"]["status"] == NOT_RUN
     assert report["plots"] == {"loss_vs_tokens": None, "loss_vs_time": None, "merges_over_time": None}
     assert report["ledger"]["status"] == NOT_RUN and report["failures"] == []
     assert not (tmp_path / "report" / "merges_over_time.png").exists()
     assert "not run" in (tmp_path / "report" / "report.md").read_text()
+
+
+@pytest.mark.parametrize("kind", ["missing", "not a run directory", "a file"])
+def test_not_a_run_directory_is_refused(tmp_path: Path, kind: str):
+    if kind == "missing":
+        path = tmp_path / "runs" / "no-such-run"
+    elif kind == "a file":
+        path = tmp_path / "notes.txt"
+        path.write_text("hello")
+    else:
+        path = tmp_path / "somewhere"
+        (path / "metrics").mkdir(parents=True)  # neither config.json nor pretrain/
+    with pytest.raises(ReportInputError) as info:
+        build_report(path)
+    msg = str(info.value)
+    assert str(path) in msg and "config.json" in msg and "pretrain/" in msg
+    assert not (path / "report").exists()
+    if kind == "missing":
+        assert not path.exists() and not path.parent.exists()
+
+
+def test_run_dir_with_only_pretrain_is_accepted(run_dir: Path):
+    (run_dir / "config.json").unlink()
+    report = build_report(run_dir)
+    assert report["run"]["name"] == run_dir.name and report["methods"]["diloco"]["status"] == "ok"
+
+
+def test_report_cites_the_paper(built):
+    _, _, md = built
+    assert "Douillard et al." in md and "arXiv 2604.21428" in md
+    import evals.report
+
+    src = Path(evals.report.__file__).read_text()
+    assert "shared/docs" not in src and "arXiv 2604.21428" in src
 
 
 def test_corrupt_json_names_the_file(run_dir: Path):
@@ -321,28 +463,50 @@ def test_publish_outside_a_run_is_refused(run_dir: Path):
 
 def test_publish_inside_a_flow(run_dir: Path, request: pytest.FixtureRequest):
     """Needs the session-wide ``prefect_harness`` fixture from the project's conftest; we never
-    start a Prefect server here."""
+    start a Prefect server here. The server is shared with other tests (the end-to-end flows
+    publish ``report-tiny`` too), so this run gets a name of its own and the artifacts are read
+    back by key *and* by this flow run's id."""
     try:
         request.getfixturevalue("prefect_harness")
     except pytest.FixtureLookupError:
         pytest.skip("no prefect_harness fixture (conftest) in this session")
     from prefect import flow
+    from prefect.artifacts import create_markdown_artifact
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.runtime import flow_run
 
+    name = f"tiny-publish-{uuid.uuid4().hex[:8]}"
+    config = json.loads((run_dir / "config.json").read_text())
+    _write(run_dir / "config.json", {**config, "name": name})
     report = build_report(run_dir)
+    assert report["run"]["name"] == name
 
     @flow
-    def publish() -> None:
-        publish_report_artifacts(report, run_dir)
+    def decoy() -> None:  # what another test of the session may have left under the usual key
+        create_markdown_artifact("another run's report", key="report-tiny")
 
-    publish()
-    keys = ["report-tiny", "comparison-tiny", "ledger-tiny"]
+    @flow
+    def publish() -> str:
+        publish_report_artifacts(report, run_dir)
+        return flow_run.id
+
+    decoy()
+    run_id = publish()
+    keys = [artifact_key(p, name) for p in ("report", "comparison", "ledger")]
+    assert keys == [f"report-{name}", f"comparison-{name}", f"ledger-{name}"]
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+    assert sorted(a.key for a in arts) == sorted(keys)  # one each, all from this flow run
     by_key = {a.key: a for a in arts}
-    assert set(by_key) == set(keys)
-    assert "+10.00%" in by_key["report-tiny"].data
-    table = by_key["comparison-tiny"].data
+    assert "+10.00%" in by_key[f"report-{name}"].data
+    assert str(run_dir.resolve()) in by_key[f"report-{name}"].description
+    table = by_key[f"comparison-{name}"].data
     table = json.loads(table) if isinstance(table, str) else table
     assert {"metric": "training tokens (tokens)", "diloco": "32,768", "dp": "32,768"} in table
+    ledger = by_key[f"ledger-{name}"].data
+    ledger = json.loads(ledger) if isinstance(ledger, str) else ledger
+    assert {"learner": "1", "processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
+            "dropped": 1024, "pending": 1024, "attempts": 2, "drop_reasons": '{"stale": 1024}',
+            "merged_pct": pytest.approx(100 * 10240 / 14336)} in ledger
