@@ -46,6 +46,19 @@ def _load(config: Path, sets: list[str]):
         raise typer.Exit(2)
 
 
+def _checked(config: Path, sets: list[str]):
+    """Schema validation plus the checks that need the model or the file system; exit 2 on error."""
+    cfg = _load(config, sets)
+    from flows.pipeline import preflight
+
+    try:
+        preflight(cfg)
+    except (ValueError, FileNotFoundError) as exc:
+        typer.echo(f"invalid config {config}: {exc}", err=True)
+        raise typer.Exit(2)
+    return cfg
+
+
 @app.command()
 def run(
     config: Path = typer.Argument(Path("configs/default.yaml"), help="YAML experiment config"),
@@ -53,14 +66,9 @@ def run(
     run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>)"),
 ):
     """Shard → DiLoCo and DP pretraining → lm-eval → report, as one Prefect flow run."""
-    cfg = _load(config, set_)
-    from flows.pipeline import pipeline, preflight
+    cfg = _checked(config, set_)
+    from flows.pipeline import pipeline
 
-    try:
-        preflight(cfg)
-    except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"invalid config {config}: {exc}", err=True)
-        raise typer.Exit(2)
     try:
         rd = pipeline(config=cfg, run_dir=run_dir)
     except (FileNotFoundError, FileExistsError, ConnectionError, ValueError, RuntimeError) as exc:
@@ -75,14 +83,7 @@ def validate(
     set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
 ):
     """Check a config (and the model it builds) without running anything."""
-    cfg = _load(config, set_)
-    from flows.pipeline import preflight
-
-    try:
-        preflight(cfg)
-    except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"invalid config {config}: {exc}", err=True)
-        raise typer.Exit(2)
+    cfg = _checked(config, set_)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
     typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} tokens; "
                f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} tokens per step")

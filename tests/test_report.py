@@ -461,15 +461,11 @@ def test_publish_outside_a_run_is_refused(run_dir: Path):
         publish_report_artifacts(report, run_dir)
 
 
-def test_publish_inside_a_flow(run_dir: Path, request: pytest.FixtureRequest):
+def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     """Needs the session-wide ``prefect_harness`` fixture from the project's conftest; we never
     start a Prefect server here. The server is shared with other tests (the end-to-end flows
     publish ``report-tiny`` too), so this run gets a name of its own and the artifacts are read
     back by key *and* by this flow run's id."""
-    try:
-        request.getfixturevalue("prefect_harness")
-    except pytest.FixtureLookupError:
-        pytest.skip("no prefect_harness fixture (conftest) in this session")
     from prefect import flow
     from prefect.artifacts import create_markdown_artifact
     from prefect.client.orchestration import get_client
