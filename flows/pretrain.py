@@ -6,7 +6,6 @@ Each takes the experiment config and a run directory that already holds the shar
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
