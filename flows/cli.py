@@ -102,6 +102,39 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"))
     typer.echo(f"Report: {run_dir / 'report' / 'report.md'}")
 
 
+@app.command()
+def goodput(
+    out: Optional[str] = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
+    set_: list[str] = typer.Option([], "--set", help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "
+                                   "--set restart_s=600 --set calibrate=true (see docs/goodput.md)"),
+):
+    """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
+    from diloco.goodput import GoodputConfig
+
+    try:
+        cfg = GoodputConfig.model_validate(_parse_sets(set_))
+    except ValidationError as exc:
+        lines = ["invalid goodput settings:"]
+        for err in exc.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+            lines.append(f"  {loc}: {err['msg']}")
+        typer.echo("\n".join(lines), err=True)
+        raise typer.Exit(2)
+    if out is not None and (Path(out) / "goodput.json").exists():
+        typer.echo(f"error: {Path(out) / 'goodput.json'} exists; choose another --out directory", err=True)
+        raise typer.Exit(2)
+    from flows.goodput import goodput as goodput_flow
+
+    try:
+        table = Path(goodput_flow(config=cfg, out_dir=out))
+    except (FileExistsError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)
+        raise typer.Exit(1)
+    text = table.read_text()
+    typer.echo("\n" + text.split("## Uptime")[0].rstrip())
+    typer.echo(f"\nTable: {table}\nFigure: {table.with_suffix('.png')}")
+
+
 def main() -> None:
     app()
 
