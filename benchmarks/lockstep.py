@@ -1,0 +1,107 @@
+"""Lock-step DiLoCo: where the gap to data-parallel training comes from.
+
+    python benchmarks/lockstep.py [--config configs/default.yaml] [--data RUN_DIR] [-H 8]
+                                  [--merge mean|rda] [--outer-lr 1.0] [--outer-momentum 0.0]
+                                  [--set key=value ...]
+
+The same M learners as the asynchronous run (model, init, shards, batch, inner AdamW and its
+schedule, token budget), but stepped in turn in one thread and merged exactly every H inner steps
+with all parameters as one fragment: no threads, no in-flight fragments, no staleness, so the
+result is deterministic. Comparing it with the asynchronous run and with DP separates three costs:
+
+* H = 1: averaging M AdamW updates taken on small batches is not one AdamW step on their union;
+* H > 1: the learners drift apart between merges;
+* asynchronous minus lock-step at the same H: progress overwritten while a fragment is in flight,
+  staleness, and quorum/grace effects.
+
+Merge: Θ ← Θ − lr·(Δ + μ·buf) with Δ the plain mean (or RDA) of the outer gradients Θ − θ_m
+(``diloco.merge``, ``diloco.outer``: the same functions the syncer uses). Prints the held-out loss
+(nats, the same validation batches as the pipeline) at about every eighth of the budget; asserts
+nothing. ``--data`` reuses a run directory whose ``data/`` was prepared for the same data config;
+without it the data is prepared into a temporary folder first (about 15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax.numpy as jnp
+import yaml
+from flax import nnx
+
+from configs.schema import load_config
+from diloco.merge import merge_mean, merge_rda
+from diloco.outer import make_outer_tx, outer_step
+from diloco.params import embedding_names, get_params, set_params, to_numpy
+from models.training import heldout_loss, make_inner_tx, train_step, val_batches
+from tasks.data import batch_at, load_manifest, load_sequences, prepare_data
+from tasks.pretrain import _model_factory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--data", type=Path, help="run directory whose data/ is already prepared")
+    ap.add_argument("-H", type=int, default=None, help="inner steps between merges (default: diloco.sync_every)")
+    ap.add_argument("--merge", choices=["mean", "rda"], default="mean")
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-momentum", type=float, default=0.0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = ap.parse_args()
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    cfg = load_config(args.config, overrides)
+    H = args.H or cfg.diloco.sync_every
+    M, B = cfg.diloco.learners, cfg.diloco.batch_size
+
+    run_dir = args.data
+    if run_dir is None:
+        run_dir = Path(tempfile.mkdtemp(prefix="lockstep-"))
+        prepare_data(cfg, run_dir)
+    factory = _model_factory(cfg, int(load_manifest(run_dir)["vocab_size"]))
+    tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
+    learners = [factory() for _ in range(M)]
+    theta = to_numpy(get_params(learners[0]))
+    for model in learners:
+        set_params(model, theta)
+    optimizers = [nnx.Optimizer(model, tx, wrt=nnx.Param) for model in learners]
+    shards = [load_sequences(run_dir, f"shard_{m:02d}") for m in range(M)]
+    cursors = [(0, 0)] * M
+    outer_tx = make_outer_tx(args.outer_lr, args.outer_momentum, cfg.diloco.outer_nesterov)
+    outer_state = outer_tx.init(theta)
+    embeddings = embedding_names(theta)
+    eval_model = factory()
+    val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
+
+    steps = cfg.learner_steps
+    tokens_per_round = M * cfg.tokens_per_learner_step
+    report_every = max(1, steps // 8)
+    print(f"lock-step DiLoCo: M={M} batch={B} H={H} merge={args.merge} outer lr={args.outer_lr} "
+          f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps}", flush=True)
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        for m, model in enumerate(learners):
+            batch, *cursors[m] = batch_at(shards[m], *cursors[m], batch_size=B, seed=cfg.seed + 1000 * (m + 1))
+            train_step(model, optimizers[m], jnp.asarray(batch))
+        if step % H == 0 or step == steps:
+            outer_grads = [{k: theta[k] - v for k, v in to_numpy(get_params(model)).items()} for model in learners]
+            rule = merge_rda if args.merge == "rda" else merge_mean
+            delta = rule(outer_grads, [1] * M, [1] * M, embeddings)
+            theta, outer_state = outer_step(outer_tx, theta, outer_state, delta)
+            for model in learners:
+                set_params(model, theta)
+        if step % report_every == 0 or step == steps:
+            set_params(eval_model, theta)
+            print(f"  tokens {step * tokens_per_round:>10,}  held-out loss {heldout_loss(eval_model, val):.4f} nats  "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
