@@ -23,10 +23,22 @@ def _parse_sets(sets: list[str]) -> dict:
     out = {}
     for item in sets:
         if "=" not in item:
-            raise typer.BadParameter(f"--set expects key=value (e.g. diloco.learners=2), got {item!r}")
+            raise typer.BadParameter(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
+                                 f"chip_mtbi_years=0.5), got {item!r}")
         key, value = item.split("=", 1)
         out[key] = yaml.safe_load(value)
     return out
+
+
+def _invalid(header: str, exc: ValidationError) -> typer.Exit:
+    """Print one line per validation error (field path first) and return the exit to raise."""
+    lines = [header]
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
+    typer.echo("\n".join(lines), err=True)
+    return typer.Exit(2)
 
 
 def _load(config: Path, sets: list[str]):
@@ -35,11 +47,9 @@ def _load(config: Path, sets: list[str]):
     try:
         return load_config(config, _parse_sets(sets))
     except ValidationError as exc:
-        lines = [f"invalid config {config}:"]
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {loc}: {err['msg']}")
-        typer.echo("\n".join(lines), err=True)
+        raise _invalid(f"invalid config {config}:", exc)
+    except yaml.YAMLError as exc:
+        typer.echo(f"error: {config} is not valid YAML: {exc}", err=True)
         raise typer.Exit(2)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
@@ -114,25 +124,34 @@ def goodput(
     try:
         cfg = GoodputConfig.model_validate(_parse_sets(set_))
     except ValidationError as exc:
-        lines = ["invalid goodput settings:"]
-        for err in exc.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-            lines.append(f"  {loc}: {err['msg']}")
-        typer.echo("\n".join(lines), err=True)
-        raise typer.Exit(2)
-    if out is not None and (Path(out) / "goodput.json").exists():
-        typer.echo(f"error: {Path(out) / 'goodput.json'} exists; choose another --out directory", err=True)
-        raise typer.Exit(2)
+        raise _invalid("invalid goodput settings:", exc)
+    if out is not None:
+        problem = _out_dir_problem(Path(out))
+        if problem:
+            typer.echo(f"error: --out {out}: {problem}", err=True)
+            raise typer.Exit(2)
     from flows.goodput import goodput as goodput_flow
 
     try:
         table = Path(goodput_flow(config=cfg, out_dir=out))
-    except (FileExistsError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)
         raise typer.Exit(1)
     text = table.read_text()
     typer.echo("\n" + text.split("## Uptime")[0].rstrip())
-    typer.echo(f"\nTable: {table}\nFigure: {table.with_suffix('.png')}")
+    typer.echo(f"\nTable: {table}\nFigure: {table.with_suffix('.png')}\nData: {table.with_suffix('.json')}")
+
+
+def _out_dir_problem(out: Path) -> str | None:
+    """Why ``out`` cannot take a new goodput run (None if it can): checked before Prefect starts."""
+    if out.exists() and not out.is_dir():
+        return "exists and is not a directory; choose a new directory"
+    if (out / "goodput.json").exists():
+        return "already holds a goodput run (goodput.json); choose another directory"
+    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not a writable directory"
+    return None
 
 
 def main() -> None:

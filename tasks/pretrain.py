@@ -188,7 +188,8 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "hyperparameters": {
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
             "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "merge": d.merge, "outer lr": d.outer_lr,
-            "outer momentum": d.outer_momentum, "nesterov": d.outer_nesterov,
+            "outer momentum": d.outer_momentum,
+            "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
             "batch (seqs/learner step)": d.batch_size, "seq len": cfg.data.seq_len,
             "inner optimizer": d.inner.name, "inner lr": d.inner.lr, "warmup steps": d.inner.warmup_steps,
             "weight decay": d.inner.weight_decay, "grad clip": d.inner.grad_clip,

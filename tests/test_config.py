@@ -81,3 +81,13 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no-such-run" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "no-such-run").exists()
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("data: [1\n")
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(broken)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "goodput", "--out", str(a_file)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "not a directory" in out.stderr and "Traceback" not in out.stderr
