@@ -18,13 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 
+from pydantic import ValidationError  # noqa: E402
+
+from configs.schema import parse_overrides, validation_lines  # noqa: E402
 from diloco.goodput import GoodputConfig, calibrate, markdown_report, run_goodput  # noqa: E402
 
 SENSITIVITY = [
@@ -41,21 +43,18 @@ SENSITIVITY = [
 ]
 
 
-def _sets(items: list[str]) -> dict:
-    out = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--set", action="append", default=[], help="a GoodputConfig field, key=value")
     ap.add_argument("--calibrate", action="store_true", help="also time the calibration")
     ap.add_argument("--sensitivity", action="store_true", help="recalibrate under other stated constants")
     args = ap.parse_args()
-    cfg = GoodputConfig.model_validate(_sets(args.set))
+    try:
+        cfg = GoodputConfig.model_validate(parse_overrides(args.set))
+    except ValidationError as exc:
+        ap.error("invalid goodput settings: " + "; ".join(validation_lines(exc)))
+    except ValueError as exc:
+        ap.error(str(exc))
     print(f"# goodput  {time.strftime('%Y-%m-%d')}  {platform.machine()}  {os.cpu_count()} cores  "
           f"python {platform.python_version()}  numpy {np.__version__}  scipy {scipy.__version__}")
     t = time.perf_counter()

@@ -36,8 +36,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax.numpy as jnp
 import yaml
 from flax import nnx
+from pydantic import ValidationError
 
-from configs.schema import load_config
+from configs.schema import load_config, parse_overrides, validation_lines
 from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
 from diloco.params import embedding_names, get_params, set_params, to_numpy
@@ -56,8 +57,17 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args()
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    cfg = load_config(args.config, overrides)
+    try:
+        cfg = load_config(args.config, parse_overrides(args.set))
+    except ValidationError as exc:
+        ap.error(f"invalid config {args.config}: " + "; ".join(validation_lines(exc)))
+    except (FileNotFoundError, ValueError, yaml.YAMLError) as exc:
+        ap.error(str(exc))
+    if args.H is not None and args.H < 1:
+        ap.error(f"-H must be ≥ 1 inner step, got {args.H}")
+    if args.data is not None and not (args.data / "data" / "manifest.json").is_file():
+        ap.error(f"--data {args.data}: no data/manifest.json there; pass a run directory whose data step "
+                 "finished, or omit --data to prepare the data first")
     H = args.H or cfg.diloco.sync_every
     M, B = cfg.diloco.learners, cfg.diloco.batch_size
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -236,6 +236,31 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
             node = node.setdefault(part, {})
         node[leaf] = value
     return ExperimentConfig.model_validate(raw)
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["diloco.learners=2", "seeds=5"]`` → ``{"diloco.learners": 2, "seeds": 5}`` (values parsed as YAML).
+
+    Raises ``ValueError`` naming the item that is not ``key=value``.
+    """
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
+                             f"chip_mtbi_years=0.5), got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def validation_lines(exc: ValidationError) -> list[str]:
+    """One line per validation error, the field path first (no pydantic boilerplate)."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc else msg)
+    return lines
 
 
 def validate_against_model(cfg: ExperimentConfig, n_tensors: int) -> None:

@@ -20,24 +20,19 @@ app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel 
 
 
 def _parse_sets(sets: list[str]) -> dict:
-    out = {}
-    for item in sets:
-        if "=" not in item:
-            raise typer.BadParameter(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
-                                 f"chip_mtbi_years=0.5), got {item!r}")
-        key, value = item.split("=", 1)
-        out[key] = yaml.safe_load(value)
-    return out
+    from configs.schema import parse_overrides
+
+    try:
+        return parse_overrides(sets)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc))
 
 
 def _invalid(header: str, exc: ValidationError) -> typer.Exit:
     """Print one line per validation error (field path first) and return the exit to raise."""
-    lines = [header]
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"  {loc}: {msg}" if loc else f"  {msg}")
-    typer.echo("\n".join(lines), err=True)
+    from configs.schema import validation_lines
+
+    typer.echo("\n".join([header, *("  " + line for line in validation_lines(exc))]), err=True)
     return typer.Exit(2)
 
 

@@ -91,3 +91,20 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
     out = subprocess.run([sys.executable, "-m", "flows.cli", "goodput", "--out", str(a_file)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "not a directory" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
+    from pydantic import ValidationError
+
+    from configs.schema import ExperimentConfig, parse_overrides, validation_lines
+
+    assert parse_overrides(["diloco.learners=2", "data.paths=[a.txt, b.txt]", "eval.enabled=false"]) == {
+        "diloco.learners": 2, "data.paths": ["a.txt", "b.txt"], "eval.enabled": False}
+    with pytest.raises(ValueError, match="key=value.*'learners'"):
+        parse_overrides(["learners"])
+    with pytest.raises(ValidationError) as exc:
+        ExperimentConfig.model_validate({"diloco": {"learners": 2, "quorum": 3}, "train": {"token_budget": 0}})
+    lines = validation_lines(exc.value)
+    assert any(line.startswith("train.token_budget: ") for line in lines)
+    assert any(line.startswith("diloco: diloco.quorum (K=3)") for line in lines)
+    assert not any("Value error" in line for line in lines)
