@@ -99,7 +99,7 @@ def main() -> None:
     for step in range(1, steps + 1):
         for m, model in enumerate(learners):
             batch, *cursors[m] = batch_at(shards[m], *cursors[m], batch_size=B, seed=cfg.seed + 1000 * (m + 1))
-            train_step(model, optimizers[m], jnp.asarray(batch))
+            train_step(model, optimizers[m], jnp.asarray(batch), cfg.learner_microbatches)
         if step % H == 0 or step == steps:
             outer_grads = [{k: theta[k] - v for k, v in to_numpy(get_params(model)).items()} for model in learners]
             rule = merge_rda if args.merge == "rda" else merge_mean

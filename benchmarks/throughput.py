@@ -43,15 +43,15 @@ def measured_peak_gflops(n: int = 4096, reps: int = 5) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def bench_step(cfg, batch_size: int, steps: int, vocab: int) -> tuple[float, float]:
+def bench_step(cfg, batch_size: int, steps: int, vocab: int, microbatches: int = 1) -> tuple[float, float]:
     model = build_model(cfg.model, vocab, cfg.data.seq_len, nnx.Rngs(0))
     opt = nnx.Optimizer(model, make_inner_tx(cfg.diloco.inner, 1000), wrt=nnx.Param)
     rng = np.random.default_rng(0)
     batch = jnp.asarray(rng.integers(0, vocab, (batch_size, cfg.data.seq_len + 1)), dtype=jnp.int32)
-    float(train_step(model, opt, batch))  # compile
+    float(train_step(model, opt, batch, microbatches))  # compile
     t = time.perf_counter()
     for _ in range(steps):
-        loss = train_step(model, opt, batch)
+        loss = train_step(model, opt, batch, microbatches)
     float(loss)
     dt = (time.perf_counter() - t) / steps
     return dt, batch_size * cfg.data.seq_len / dt
@@ -72,11 +72,16 @@ def main() -> None:
           f"jax {jax.__version__}  devices {jax.devices()}")
     print(f"model: {params:,} params, {fpt / 1e6:.2f} MFLOPs/token (training), seq_len {cfg.data.seq_len}")
     print(f"peak: {peak:,.1f} GFLOP/s ({'given' if args.peak_gflops else 'measured 4096² f32 matmul'})")
-    print(f"{'step':<22}{'batch (seqs)':>14}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'MFU':>8}")
-    for name, bs in (("learner inner step", cfg.diloco.batch_size), ("DP step", cfg.dp_batch_size)):
-        dt, tps = bench_step(cfg, bs, args.steps, vocab)
+    print(f"{'step':<22}{'batch (seqs)':>14}{'micro':>7}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'MFU':>8}")
+    rows = [("learner inner step", cfg.diloco.batch_size, 1), ("DP step", cfg.dp_batch_size, 1)]
+    if cfg.train.microbatch_size:  # the configured split (what the pipeline runs), after the whole batch
+        rows = [rows[0], ("learner inner step", cfg.diloco.batch_size, cfg.learner_microbatches),
+                rows[1], ("DP step", cfg.dp_batch_size, cfg.dp_microbatches)]
+    for name, bs, k in rows:
+        dt, tps = bench_step(cfg, bs, args.steps, vocab, k)
         gflops = tps * fpt / 1e9
-        print(f"{name:<22}{bs:>14}{dt * 1e3:>10.1f}{tps:>12,.0f}{gflops:>10.1f}{gflops / peak:>8.1%}")
+        micro = "-" if k == 1 else str(bs // k)
+        print(f"{name:<22}{bs:>14}{micro:>7}{dt * 1e3:>10.1f}{tps:>12,.0f}{gflops:>10.1f}{gflops / peak:>8.1%}")
 
 
 if __name__ == "__main__":

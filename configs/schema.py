@@ -106,6 +106,13 @@ class DiLoCoConfig(_Strict):
     mix_alpha: float = Field(
         0.0, ge=0.0, lt=1.0, description="on receipt θ ← α·θ_local + (1−α)·Θ; 0 = overwrite"
     )
+    keep_in_flight: bool = Field(
+        False, description="on receipt θ ← Θ + (θ_local − θ_sent): keep the steps taken while in flight"
+    )
+    compute_slots: int = Field(
+        1, ge=0, description="learners in one process step in first-come turns, at most this many at "
+        "once; 0 = unpaced (the OS scheduler decides, and co-located learners drift apart)"
+    )
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"
     )
@@ -122,6 +129,11 @@ class DiLoCoConfig(_Strict):
         if self.quorum > self.learners:
             raise ValueError(
                 f"diloco.quorum (K={self.quorum}) must be ≤ diloco.learners (M={self.learners})"
+            )
+        if self.keep_in_flight and self.mix_alpha > 0:
+            raise ValueError(
+                "diloco.keep_in_flight and diloco.mix_alpha > 0 are two different rules on receipt; "
+                "set mix_alpha: 0 to keep in-flight steps, or keep_in_flight: false to mix"
             )
         return self
 
@@ -151,6 +163,11 @@ class TrainConfig(_Strict):
     eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence")
     eval_batches: PositiveInt = Field(8, description="fixed validation batches per measurement")
     eval_batch_size: PositiveInt = 16
+    microbatch_size: PositiveInt | None = Field(
+        None, description="sequences per forward/backward pass; a step averages the gradients of "
+        "its microbatches (same update, smaller activations); must divide diloco.batch_size; "
+        "unset = the whole batch at once"
+    )
 
 
 class EvalConfig(_Strict):
@@ -191,6 +208,12 @@ class ExperimentConfig(_Strict):
                 "train.token_budget is smaller than one step of all learners "
                 "(learners × batch_size × seq_len); raise it"
             )
+        mb = self.train.microbatch_size
+        if mb is not None and self.diloco.batch_size % mb:
+            raise ValueError(
+                f"train.microbatch_size ({mb}) must divide diloco.batch_size ({self.diloco.batch_size}) "
+                "(and so the DP batch, learners × batch_size); pick a divisor or unset it"
+            )
         return self
 
     # Derived values, computed once (style.md §3).
@@ -201,6 +224,16 @@ class ExperimentConfig(_Strict):
     @property
     def dp_batch_size(self) -> int:
         return self.diloco.learners * self.diloco.batch_size
+
+    @property
+    def learner_microbatches(self) -> int:
+        """Forward/backward passes per learner inner step (1 = the whole batch at once)."""
+        return self.diloco.batch_size // (self.train.microbatch_size or self.diloco.batch_size)
+
+    @property
+    def dp_microbatches(self) -> int:
+        """Forward/backward passes per DP step (1 = the whole global batch at once)."""
+        return self.dp_batch_size // (self.train.microbatch_size or self.dp_batch_size)
 
     @property
     def tokens_per_dp_step(self) -> int:

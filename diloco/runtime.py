@@ -8,10 +8,18 @@ Resume order for a retried learner: (1) pull every global fragment at its curren
 (2) restore its local step, data cursor and processed-token count from its last heartbeat,
 (3) start a fresh inner optimizer whose step counters are set to the local step (so the LR
 schedule continues; moments restart at zero), (4) zero the per-fragment counters.
+
+On receipt of a newer global fragment (:func:`on_receipt`): overwrite (the paper), mix, or keep the
+inner steps taken while the fragment was in flight. With ``keep_in_flight`` the per-fragment
+counters restart at the kept steps instead of zero, so a submission's tokens and steps always
+describe exactly the progress its parameters hold relative to its base version. Learners that
+share one process take first-come turns on the compute (:class:`FairTurns`).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +46,76 @@ class InjectedFailure(RuntimeError):
 BatchFn = Callable[[int, int], tuple[np.ndarray, int, int]]
 
 
+class FairTurns:
+    """First-come-first-served turns on one host's compute for co-located learners.
+
+    At most ``slots`` learners run an inner step at once; the others queue and are served in
+    arrival order, so a learner that just stepped queues behind every learner already waiting.
+    Without turns the OS scheduler lets some learner threads run many inner steps ahead of others
+    on the same cores, and the fast ones' steps taken while a fragment is in flight are
+    overwritten when the merged fragment comes back (or, with ``keep_in_flight``, land on a Θ
+    that is many steps old). Turns pace co-located learners the way separate devices of equal speed
+    would. Nothing else is shared: a learner that fails or stops simply stops queueing, so no
+    learner ever waits for another's progress, only for a free slot.
+
+    Raises ``ValueError`` if ``slots`` < 1.
+    """
+
+    def __init__(self, slots: int = 1) -> None:
+        if slots < 1:
+            raise ValueError(f"slots must be ≥ 1, got {slots}")
+        self._guard = threading.Lock()
+        self._queue: collections.deque[threading.Event] = collections.deque()
+        self._free = slots
+
+    def __enter__(self) -> "FairTurns":
+        with self._guard:
+            if self._free > 0 and not self._queue:
+                self._free -= 1
+                return self
+            ticket = threading.Event()
+            self._queue.append(ticket)
+        ticket.wait()  # __exit__ hands its slot straight to the first ticket in the queue
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._guard:
+            if self._queue:
+                self._queue.popleft().set()
+            else:
+                self._free += 1
+
+
+def on_receipt(
+    received: dict[str, np.ndarray],
+    local: dict[str, np.ndarray],
+    reference: dict[str, np.ndarray],
+    keep_in_flight: bool,
+    mix_alpha: float = 0.0,
+) -> dict[str, np.ndarray]:
+    """A learner's new value of one fragment when the merged global fragment Θ_p arrives.
+
+    Args:
+        received: Θ_p from the syncer, tensor name → float32 array.
+        local: the learner's current θ_p (same names and shapes).
+        reference: what θ_p's unsent progress is measured against: the copy last sent, or, if the
+            fragment was not sent since the last receipt, the Θ_p received then.
+        keep_in_flight: θ ← Θ + (θ_local − reference) (ours): the inner steps taken while the
+            fragment was in flight are kept and go into the next submission. Overwriting them
+            (the paper's rule) discards about τ/H of every learner's compute, τ being the steps a
+            fragment spends in flight: negligible at the paper's H, a quarter of it at H = 4.
+        mix_alpha: when not keeping, θ ← α·θ_local + (1 − α)·Θ (Streaming DiLoCo, arXiv
+            2501.18512); 0 overwrites.
+
+    Returns new float32 arrays; the inputs are not modified.
+    """
+    if keep_in_flight:
+        return {k: (v + (local[k] - reference[k])).astype(np.float32) for k, v in received.items()}
+    if mix_alpha > 0:
+        return {k: (mix_alpha * local[k] + (1 - mix_alpha) * v).astype(np.float32) for k, v in received.items()}
+    return dict(received)
+
+
 @dataclass
 class LearnerSpec:
     """Everything learner ``learner`` needs; identical across its attempts."""
@@ -50,6 +128,9 @@ class LearnerSpec:
     period: int
     tokens_per_step: int
     mix_alpha: float = 0.0
+    keep_in_flight: bool = False
+    microbatches: int = 1
+    turns: FairTurns | None = None
     fail_at_steps: tuple[int, ...] = ()
     log_every: int = 10
 
@@ -88,12 +169,27 @@ def run_learner(
         info = exchange.learners().get(m, {})
         bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))
 
+        # ref[p]: what the local fragment's unsent progress is measured against (the last received
+        # Θ_p, or the copy last sent); u_tokens/u_steps: that progress, in tokens and inner steps.
+        ref: list[dict[str, np.ndarray] | None] = [None] * P
+        c_tokens, c_steps = [0] * P, [0] * P
+        u_tokens, u_steps = [0] * P, [0] * P
+
         def pull(p: int, version: int, params: dict[str, np.ndarray]) -> None:
             nonlocal bytes_in
-            if spec.mix_alpha > 0 and versions[p] >= 0:
+            if versions[p] >= 0 and (spec.keep_in_flight or spec.mix_alpha > 0):
                 local = get_params(model)
-                params = {k: spec.mix_alpha * np.asarray(local[k]) + (1 - spec.mix_alpha) * v for k, v in params.items()}
-            set_params(model, params)
+                local = {k: np.asarray(local[k]) for k in params}
+                new = on_receipt(params, local, ref[p], spec.keep_in_flight, spec.mix_alpha)
+            else:
+                new = params  # first pull of this attempt, or overwrite
+            set_params(model, new)
+            if versions[p] >= 0 and spec.keep_in_flight:
+                c_tokens[p], c_steps[p] = u_tokens[p], u_steps[p]  # the kept steps count again
+            else:
+                c_tokens[p], c_steps[p] = 0, 0
+                u_tokens[p], u_steps[p] = 0, 0
+            ref[p] = params
             versions[p] = version
             bytes_in += sum(a.nbytes for a in params.values())
 
@@ -104,7 +200,6 @@ def run_learner(
         optimizer = nnx.Optimizer(model, spec.tx, wrt=nnx.Param)
         if step:
             _set_opt_counts(optimizer, step)
-        c_tokens, c_steps = [0] * P, [0] * P
         steps_this_attempt = 0
         exchange.heartbeat(m, status="running", attempt=attempt, step=step, processed=processed, cursor=(epoch, index))
         log({"event": "start", "learner": m, "attempt": attempt, "step": step, "t": time.monotonic() - t0})
@@ -118,6 +213,7 @@ def run_learner(
                 tokens=c_tokens[p], steps=c_steps[p], base_version=versions[p], local_step=step, attempt=attempt,
             )
             bytes_out += sub.nbytes
+            ref[p], u_tokens[p], u_steps[p] = sub.params, 0, 0
             exchange.submit(sub)
 
         while not stop.is_set():
@@ -125,19 +221,21 @@ def run_learner(
             for p in range(P):
                 if latest[p] > versions[p]:
                     pull(p, *exchange.latest(p))
-                    c_tokens[p], c_steps[p] = 0, 0
             if attempt == 1 and step + 1 in spec.fail_at_steps:
                 raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
             if not exchange.claim_tokens(spec.tokens_per_step):
                 break
             batch, epoch, index = spec.next_batch(epoch, index)
-            loss = float(train_step(model, optimizer, jnp.asarray(batch)))
+            with spec.turns or contextlib.nullcontext():
+                loss = float(train_step(model, optimizer, jnp.asarray(batch), spec.microbatches))
             step += 1
             steps_this_attempt += 1
             processed += spec.tokens_per_step
             for p in range(P):
                 c_tokens[p] += spec.tokens_per_step
                 c_steps[p] += 1
+                u_tokens[p] += spec.tokens_per_step
+                u_steps[p] += 1
             for p in fragments_due(step, P, spec.period):
                 send(p)
             exchange.heartbeat(m, step=step, processed=processed, cursor=(epoch, index), loss=loss,

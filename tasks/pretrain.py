@@ -25,7 +25,7 @@ from configs.schema import ExperimentConfig, validate_against_model
 from diloco.exchange import InMemoryExchange
 from diloco.fragments import balanced_fragments
 from diloco.params import embedding_names, get_params, set_params, tensor_bytes, to_numpy
-from diloco.runtime import LearnerSpec, run_learner, run_syncer
+from diloco.runtime import FairTurns, LearnerSpec, run_learner, run_syncer
 from diloco.syncer import Syncer, SyncerSettings
 from models import build_model, count_params, flops_per_token
 from models.checkpoint import save_checkpoint
@@ -107,6 +107,7 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: Path) -> DiLoCoRun:
         exchange.publish(p, 0, syncer.global_params[p])
     tx = make_inner_tx(d.inner, cfg.learner_steps)  # one object shared by all learners: no recompiles
     specs = []
+    turns = FairTurns(d.compute_slots) if d.compute_slots else None
     for m in range(d.learners):
         seqs = load_sequences(run_dir, f"shard_{m:02d}")
         fails = tuple(f.at_step for f in cfg.chaos.failures if f.learner == m)
@@ -114,7 +115,8 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: Path) -> DiLoCoRun:
             learner=m,
             next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (m + 1)),
             model_factory=factory, tx=tx, fragments=fragments, period=d.sync_every,
-            tokens_per_step=cfg.tokens_per_learner_step, mix_alpha=d.mix_alpha, fail_at_steps=fails,
+            tokens_per_step=cfg.tokens_per_learner_step, mix_alpha=d.mix_alpha, keep_in_flight=d.keep_in_flight,
+            microbatches=cfg.learner_microbatches, turns=turns, fail_at_steps=fails,
         ))
     mdir = run_dir / "metrics"
     return DiLoCoRun(
@@ -194,6 +196,10 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             "inner optimizer": d.inner.name, "inner lr": d.inner.lr, "warmup steps": d.inner.warmup_steps,
             "weight decay": d.inner.weight_decay, "grad clip": d.inner.grad_clip,
             "tokens/learner step": cfg.tokens_per_learner_step,
+            "on receipt": ("keep in-flight steps" if d.keep_in_flight
+                           else f"mix α={d.mix_alpha}" if d.mix_alpha else "overwrite"),
+            "compute slots": d.compute_slots or "unpaced",
+            "microbatch (seqs)": cfg.train.microbatch_size or "whole batch",
         },
         "tokens": run.exchange.claimed_tokens,
         "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),
@@ -244,7 +250,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
     next_eval = cfg.train.eval_every_tokens
     for step in range(1, steps + 1):
         batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
-        loss = train_step(model, optimizer, jnp.asarray(batch))
+        loss = train_step(model, optimizer, jnp.asarray(batch), cfg.dp_microbatches)
         tokens = step * tps
         if step % 10 == 0 or step == steps:
             step_log({"step": step, "tokens": tokens, "train/loss": float(loss), "t": time.monotonic() - t0})
@@ -269,6 +275,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
             "global batch (seqs)": cfg.dp_batch_size, "seq len": cfg.data.seq_len, "inner optimizer": i.name,
             "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
             "tokens/step": tps, "simulated workers": M,
+            "microbatch (seqs)": cfg.train.microbatch_size or "whole batch",
         },
         "tokens": steps * tps, "steps": steps, "wall_s": wall, "tokens_per_s": steps * tps / wall,
         "final_val_loss": last, "merges": None,

@@ -45,6 +45,9 @@ def test_default_config_meets_the_brief():
         ({"diloco": {"learnres": 4}}, "diloco.learnres"),
         ({"chaos": {"failures": [{"learner": 9, "at_step": 3}]}}, "chaos.failures[0].learner"),
         ({"data": {"source": "local"}}, "data.paths"),
+        ({"train": {"microbatch_size": 3}}, "train.microbatch_size"),
+        ({"diloco": {"keep_in_flight": True, "mix_alpha": 0.5}}, "diloco.keep_in_flight"),
+        ({"diloco": {"compute_slots": -1}}, "diloco.compute_slots"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
