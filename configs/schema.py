@@ -265,8 +265,13 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
     for key, value in (overrides or {}).items():
         node = raw
         *parents, leaf = key.split(".")
-        for part in parents:
+        for i, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(
+                    f"--set {key}: {'.'.join(parents[:i + 1])} is a single value, not a section; "
+                    f"set it directly ({'.'.join(parents[:i + 1])}=...)"
+                )
         node[leaf] = value
     return ExperimentConfig.model_validate(raw)
 
@@ -292,8 +297,29 @@ def validation_lines(exc: ValidationError) -> list[str]:
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        lines.append(f"{loc}: {msg}" if loc else msg)
+        if err["type"] == "extra_forbidden":
+            keys = _valid_keys(exc.title, err["loc"][:-1])
+            if keys:
+                msg += f" (valid keys here: {', '.join(keys)})"
+        if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
+            lines.append(msg)
+        else:
+            lines.append(f"{loc}: {msg}" if loc else msg)
     return lines
+
+
+def _valid_keys(title: str, loc: tuple) -> list[str]:
+    """The field names of the config section at ``loc`` (empty when it cannot be resolved, e.g.
+    inside a list such as ``chaos.failures``)."""
+
+    def is_section(x) -> bool:
+        return isinstance(x, type) and issubclass(x, BaseModel)
+
+    section = {"ExperimentConfig": ExperimentConfig}.get(title)
+    for part in loc:
+        field = section.model_fields.get(str(part)) if is_section(section) else None
+        section = field.annotation if field else None
+    return list(section.model_fields) if is_section(section) else []
 
 
 def validate_against_model(cfg: ExperimentConfig, n_tensors: int) -> None:

@@ -109,5 +109,16 @@ def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
         ExperimentConfig.model_validate({"diloco": {"learners": 2, "quorum": 3}, "train": {"token_budget": 0}})
     lines = validation_lines(exc.value)
     assert any(line.startswith("train.token_budget: ") for line in lines)
-    assert any(line.startswith("diloco: diloco.quorum (K=3)") for line in lines)
+    assert any(line.startswith("diloco.quorum (K=3)") for line in lines)  # named once, not twice
     assert not any("Value error" in line for line in lines)
+    with pytest.raises(ValidationError) as exc:
+        ExperimentConfig.model_validate({"diloco": {"lerners": 2}})
+    (line,) = validation_lines(exc.value)
+    assert line.startswith("diloco.lerners: ") and "valid keys here: learners, fragments" in line
+
+
+def test_override_below_a_single_value_is_refused(tmp_path):
+    from configs.schema import load_config
+
+    with pytest.raises(ValueError, match=r"diloco.learners is a single value, not a section; set it directly"):
+        load_config(ROOT / "configs" / "tiny.yaml", {"diloco.learners.x": 1})

@@ -28,6 +28,7 @@ def test_pipeline_end_to_end(prefect_harness, tiny_cfg, run_dir):
         assert summary["tokens"] == tiny_cfg.dp_steps * tiny_cfg.tokens_per_dp_step
         curve = read_jsonl(run_dir / "metrics" / f"{method}_eval.jsonl")
         assert curve[-1]["val/loss"] < curve[0]["val/loss"] - 0.2  # it trained
+        assert curve[-1]["val/loss"] <= min(c["val/loss"] for c in curve) + 0.05  # and did not blow up late
         metrics = json.loads((run_dir / "eval" / f"{method}.json").read_text())
         assert 0.0 <= metrics["heldout_nextline/acc"] <= 1.0
         assert metrics["heldout_ppl/byte_perplexity"] > 1.0
