@@ -93,7 +93,7 @@ class GoodputConfig(BaseModel):
     everything else is stated by us (docs/goodput.md gives the reasons).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Grid
     chips: list[PositiveInt] = Field(default_factory=lambda: list(PAPER_CHIPS),

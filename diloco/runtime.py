@@ -244,8 +244,10 @@ def run_learner(
                 log({"event": "step", "learner": m, "step": step, "train/loss": loss,
                      "tokens": processed, "t": time.monotonic() - t0})
         # Last step always syncs: hand in every fragment that has unsent progress.
+        # (u_steps, not c_steps: a fragment sent and not yet merged back holds no new progress, and
+        # sending it again would have the syncer merge the same parameters twice.)
         for p in range(P):
-            if c_steps[p] > 0:
+            if u_steps[p] > 0:
                 send(p)
         exchange.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
         log({"event": "stop", "learner": m, "attempt": attempt, "step": step, "t": time.monotonic() - t0})

@@ -40,11 +40,12 @@ class OneStepLateExchange(InMemoryExchange):
 
     def __init__(self, syncer: Syncer, budget: int):
         super().__init__(syncer.num_fragments, budget)
-        self.syncer, self._beats, self._held = syncer, 0, []
+        self.syncer, self._beats, self._held, self.sent = syncer, 0, [], []
         for p in range(syncer.num_fragments):
             super().publish(p, 0, syncer.global_params[p])
 
     def submit(self, sub: Submission) -> None:
+        self.sent.append((sub.fragment, sub.local_step))
         self.syncer.receive(sub, 0.0)
         for rec in self.syncer.poll(0.0, live={sub.learner}):
             p = rec["fragment"]
@@ -76,6 +77,7 @@ def _run_one_learner(keep_in_flight: bool, batches: list[np.ndarray], theta0: di
     )
     out = run_learner(spec, exchange, threading.Event(), attempt=1, log=lambda rec: None, t0=0.0)
     assert out["steps"] == STEPS
+    assert len(set(exchange.sent)) == len(exchange.sent)  # the final hand-in never resends a copy
     syncer.flush(0.0)
     assert syncer.num_merges > STEPS // 2  # fragments really went back and forth mid-run
     return syncer.params()
