@@ -34,11 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax.numpy as jnp
-import yaml
 from flax import nnx
-from pydantic import ValidationError
 
-from configs.schema import load_config, parse_overrides, validation_lines
+from configs.schema import load_config_checked, parse_overrides
 from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
 from diloco.params import embedding_names, get_params, set_params, to_numpy
@@ -58,10 +56,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args()
     try:
-        cfg = load_config(args.config, parse_overrides(args.set))
-    except ValidationError as exc:
-        ap.error(f"invalid config {args.config}: " + "; ".join(validation_lines(exc)))
-    except (FileNotFoundError, ValueError, yaml.YAMLError) as exc:
+        cfg = load_config_checked(args.config, parse_overrides(args.set))
+    except ValueError as exc:
         ap.error(str(exc))
     if args.H is not None and args.H < 1:
         ap.error(f"-H must be ≥ 1 inner step, got {args.H}")

@@ -1,6 +1,7 @@
 """Training throughput and model FLOP utilisation (MFU) for one learner step and one DP step.
 
     python benchmarks/throughput.py [--config configs/default.yaml] [--steps 20] [--peak-gflops X]
+                                    [--set key=value ...]
 
 MFU = achieved model FLOP/s ÷ peak FLOP/s, with model FLOPs per token from
 ``models.flops_per_token`` (6·N_matmul + 12·n_layers·d_model·L, the PaLM accounting). On a CPU there
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs.schema import load_config
+from configs.schema import load_config_checked, parse_overrides
 from models import build_model, count_params, flops_per_token
 from models.training import make_inner_tx, train_step
 
@@ -62,8 +63,16 @@ def main() -> None:
     ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml"))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--peak-gflops", type=float, default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args()
-    cfg = load_config(args.config)
+    try:
+        cfg = load_config_checked(args.config, parse_overrides(args.set))
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.steps < 1:
+        ap.error(f"--steps must be ≥ 1 timed step, got {args.steps}")
+    if args.peak_gflops is not None and not args.peak_gflops > 0:
+        ap.error(f"--peak-gflops must be > 0 GFLOP/s, got {args.peak_gflops}")
     vocab = cfg.data.vocab_size
     peak = args.peak_gflops or measured_peak_gflops()
     fpt = flops_per_token(cfg.model, vocab, cfg.data.seq_len)

@@ -276,6 +276,17 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
     return ExperimentConfig.model_validate(raw)
 
 
+def load_config_checked(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
+    """:func:`load_config` for scripts: every input error becomes one ``ValueError`` whose message
+    names the file or field(s) and the fix (missing file, malformed YAML, schema violations)."""
+    try:
+        return load_config(path, overrides)
+    except ValidationError as exc:
+        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc))) from None
+    except (FileNotFoundError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
+
+
 def parse_overrides(items: list[str]) -> dict:
     """``["diloco.learners=2", "seeds=5"]`` → ``{"diloco.learners": 2, "seeds": 5}`` (values parsed as YAML).
 

@@ -122,3 +122,17 @@ def test_override_below_a_single_value_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match=r"diloco.learners is a single value, not a section; set it directly"):
         load_config(ROOT / "configs" / "tiny.yaml", {"diloco.learners.x": 1})
+
+
+def test_scripts_get_one_error_line_for_any_bad_config(tmp_path):
+    from configs.schema import load_config_checked
+
+    with pytest.raises(ValueError, match="config file not found"):
+        load_config_checked(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: {microbatch_size: 3}\n")
+    with pytest.raises(ValueError, match=r"invalid config .*train.microbatch_size \(3\) must divide"):
+        load_config_checked(bad)
+    bad.write_text("train: [\n")
+    with pytest.raises(ValueError, match="bad.yaml"):
+        load_config_checked(bad)
