@@ -30,7 +30,9 @@ def outer_step(
     """One outer step on one fragment. Pure: returns new float32 params and optimizer state.
 
     ``params`` and ``outer_grad`` map tensor name → float32 array of the same shape; the outer
-    gradient is Δ = Σ_m w_m (Θ − θ_m) (a gradient: the step goes against it).
+    gradient is Δ = Σ_m w_m (Θ − θ_m) (a gradient: the step goes against it). The step runs in
+    float32: a result beyond float32's range comes back as ±inf or nan, not as an error (the syncer
+    checks every result and refuses such a merge). Inputs are not modified.
     """
     grads = {k: np.asarray(outer_grad[k], dtype=np.float32) for k in params}
     updates, new_state = tx.update(grads, opt_state, dict(params))

@@ -295,6 +295,9 @@ def run_syncer(
     next_eval = eval_every_tokens
 
     def handle(records: list[dict]) -> None:
+        # poll/flush return adopted merges only: a refused merge (non-finite result) publishes and
+        # logs nothing here, learners keep the last sound Θ_p, and its "merge-refused" event goes
+        # out with the syncer's events at the end.
         for rec in records:
             p = rec["fragment"]
             exchange.publish(p, syncer.versions[p], syncer.global_params[p])

@@ -4,7 +4,8 @@ Pure bookkeeping with an explicit clock (``now`` in seconds is passed in): no th
 every rule here is testable in milliseconds. The loop that drives it lives in ``diloco.runtime``.
 
 Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the syncer merge):
-1. collect submissions, at most one pending per learner (a newer one replaces the older);
+1. collect submissions, at most one pending per learner: per learner and fragment the submission
+   with the later (attempt, local_step) wins, whatever order the exchange delivers them in;
 2. merge once ≥ K distinct learners are pending (minimum quorum) and either the grace window
    (seconds after quorum) has passed or every live learner has submitted;
 3. outer gradient per learner v_m = Θ_p − θ_{m,p}, anchored at the *current* global fragment, also
@@ -13,9 +14,15 @@ Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the sync
    and K < M that double counts and diverged in our runs; anchoring at Θ_p keeps a late
    submission an average of parameters;
 4. merge the v_m with the configured rule (``mean``, ``token_weighted``, ``rda``);
-5. outer Nesterov SGD step, bump the version; the caller publishes.
-Submissions more than ``max_staleness`` versions behind, non-finite, or of the wrong shape are
-never merged; they are counted in the token ledger as dropped, with the reason.
+5. outer Nesterov SGD step; if the merged outer gradient and the new fragment are finite float32,
+   adopt them and bump the version (the caller publishes), else refuse the merge (below).
+Dropped, never merged, and counted in the token ledger as dropped with the reason: submissions
+with no tokens ("empty", not queued and no quorum vote), older than one already seen from the same
+learner ("out-of-order"), replaced by a newer one of another base or attempt ("superseded"), more
+than ``max_staleness`` versions behind ("stale"), non-finite ("non-finite"), of the wrong shape
+("wrong-tensors"), and every contributor to a refused merge ("bad-merge"). A refused merge (finite
+but huge submissions can overflow float32) leaves Θ_p, its version and its outer optimizer state
+exactly as they were and appends a "merge-refused" event.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diloco.exchange import Submission
-from diloco.merge import MERGE_RULES, weights_for
+from diloco.merge import MERGE_RULES, l2_norm, weights_for
 from diloco.outer import make_outer_tx, outer_step
 
 
@@ -52,7 +59,8 @@ class LedgerEntry:
     """Tokens per learner, summed over fragments (divide by P for per-model tokens).
 
     submitted = merged + dropped + pending at every moment: a resend before receipt carries only
-    its new tokens, and a pending copy replaced by a newer one of the same base passes its tokens on.
+    its new tokens, a pending copy replaced by a newer one of the same base passes its tokens on,
+    and a late copy whose work is inside a newer one is dropped with 0 tokens.
     """
 
     submitted: int = 0
@@ -63,6 +71,12 @@ class LedgerEntry:
     def drop(self, tokens: int, reason: str) -> None:
         self.dropped += tokens
         self.drop_reasons[reason] = self.drop_reasons.get(reason, 0) + tokens
+
+
+def _finite_float32(tensors: dict[str, np.ndarray]) -> bool:
+    """Every value finite once in float32 (a finite float64 beyond ±3.4e38 is not)."""
+    with np.errstate(over="ignore"):
+        return all(np.isfinite(np.asarray(a, dtype=np.float32)).all() for a in tensors.values())
 
 
 class Syncer:
@@ -88,8 +102,11 @@ class Syncer:
         self.pending: list[dict[int, Submission]] = [{} for _ in self.fragments]
         self.quorum_at: list[float | None] = [None] * len(self.fragments)
         self.ledger = {m: LedgerEntry() for m in range(settings.num_learners)}
-        self._unmerged: dict[tuple[int, int], int] = {}  # submitted tokens of the pending copy
-        self._seen: dict[tuple[int, int], tuple[int, int]] = {}  # received (base, tokens)
+        # keyed (learner, fragment): submitted tokens of the pending copy; (attempt, local_step) of
+        # the newest submission seen; tokens counted so far per (attempt, base_version)
+        self._unmerged: dict[tuple[int, int], int] = {}
+        self._newest: dict[tuple[int, int], tuple[int, int]] = {}
+        self._counted: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
         self.events: list[dict] = []
         self.num_merges = 0
 
@@ -98,13 +115,24 @@ class Syncer:
         return len(self.fragments)
 
     # -- receiving ---------------------------------------------------------------------------
-    def _fresh_tokens(self, sub: Submission) -> int:
-        """Tokens in ``sub`` not already in an earlier submission of the same learner, fragment and
-        base version (counters run from the learner's last receipt, so resends are cumulative)."""
-        key = (sub.learner, sub.fragment)
-        prev_base, prev_tokens = self._seen.get(key, (None, 0))
-        self._seen[key] = (sub.base_version, sub.tokens)
-        return max(sub.tokens - prev_tokens, 0) if prev_base == sub.base_version else sub.tokens
+    def _fresh_tokens(self, sub: Submission, newest: bool) -> int:
+        """Tokens in ``sub`` not counted yet, in whatever order the submissions arrive.
+
+        A learner's counters run from its last receipt of the fragment, so the submissions of one
+        attempt and base version are cumulative and together hold max(tokens) of them: a resend
+        counts only the excess over the largest count seen for its (attempt, base_version), and a
+        late older copy inside a newer one counts 0. Counts are remembered for bases within
+        ``max_staleness + 1`` of the learner's newest one; a copy delayed past that is counted in full.
+        """
+        counted = self._counted.setdefault((sub.learner, sub.fragment), {})
+        group = (sub.attempt, sub.base_version)
+        before = counted.get(group, 0)
+        counted[group] = max(before, sub.tokens)
+        if newest:
+            oldest = sub.base_version - self.settings.max_staleness - 1
+            for g in [g for g in counted if g[1] < oldest]:
+                del counted[g]
+        return max(sub.tokens - before, 0)
 
     def _reject(self, sub: Submission, reason: str, now: float, tokens: int | None = None) -> None:
         tokens = sub.tokens if tokens is None else tokens
@@ -116,16 +144,36 @@ class Syncer:
         )
 
     def receive(self, sub: Submission, now: float) -> bool:
-        """Validate and queue one submission. Returns False if it was dropped (see ``events``)."""
+        """Validate and queue one submission (``now``: the syncer's clock, seconds).
+
+        Order of checks, each a drop counted in the ledger and logged in ``events``: unknown learner
+        or fragment; "empty" (``tokens`` ≤ 0: no progress, 0 tokens, not queued, no quorum vote;
+        the learner never sends one); "out-of-order" ((attempt, local_step) not later than the
+        newest already seen from this learner for this fragment, merged or not: dropped with its
+        tokens not inside the newer one, i.e. 0 for the same attempt and base, all of them for an
+        older base); wrong tensors; non-finite; unknown or stale base version. A queued submission
+        replaces the learner's pending copy: with the same (attempt, base) it carries that copy's
+        tokens on, else the old copy is dropped as "superseded" (its work is lost).
+
+        Returns True if queued, False if dropped. Raises nothing.
+        """
         if not 0 <= sub.learner < self.settings.num_learners:
             self._reject(sub, "unknown-learner", now)
             return False
         if not 0 <= sub.fragment < self.num_fragments:
             self._reject(sub, "unknown-fragment", now)
             return False
-        p = sub.fragment
-        fresh = self._fresh_tokens(sub)
+        if sub.tokens <= 0:
+            self._reject(sub, "empty", now, 0)
+            return False
+        p, key, order = sub.fragment, (sub.learner, sub.fragment), (sub.attempt, sub.local_step)
+        newest = key not in self._newest or order > self._newest[key]
+        fresh = self._fresh_tokens(sub, newest)
         self.ledger[sub.learner].submitted += fresh
+        if not newest:
+            self._reject(sub, "out-of-order", now, fresh)
+            return False
+        self._newest[key] = order
         ref = self.global_params[p]
         if set(sub.params) != set(ref) or any(sub.params[k].shape != ref[k].shape for k in ref):
             self._reject(sub, "wrong-tensors", now, fresh)
@@ -139,10 +187,9 @@ class Syncer:
         if self.versions[p] - sub.base_version > self.settings.max_staleness:
             self._reject(sub, "stale", now, fresh)
             return False
-        key = (sub.learner, p)
         old = self.pending[p].get(sub.learner)
         carried = 0
-        if old is not None and old.base_version == sub.base_version:
+        if old is not None and (old.attempt, old.base_version) == (sub.attempt, sub.base_version):
             carried = self._unmerged.get(key, 0)  # the newer copy contains the older one's work
         elif old is not None:
             self._reject(old, "superseded", now, self._unmerged.get(key, 0))  # its work is lost
@@ -161,29 +208,50 @@ class Syncer:
             return True
         return live <= set(self.pending[p])
 
-    def merge(self, p: int, now: float) -> dict:
-        """Merge every pending submission of fragment ``p`` into Θ_p (one outer step).
+    def merge(self, p: int, now: float) -> dict | None:
+        """Merge every pending submission of fragment ``p`` into Θ_p (one outer step), if sound.
+
+        The outer gradients v_m = Θ_p − θ_{m,p} are taken in float64. The merge is adopted only if
+        the merged outer gradient and the new Θ_p are all finite float32 values; otherwise it is
+        refused: Θ_p, its version and its outer optimizer state stay bit-identical, the pending
+        submissions are removed and dropped in the ledger as "bad-merge", and an event
+        {"event": "merge-refused", "fragment", "reason", "contributors", "tokens" (their counters),
+        "t" (``now``, seconds)} is appended to ``events``.
 
         Returns the merge record (fragment, version, contributors, weights, tokens, steps, stale,
-        bytes_in, quorum_at, merged_at). Raises ``ValueError`` if nothing is pending.
+        local_steps, quorum_at_s, merged_at_s, bytes_in/out, fragment_bytes, outer_grad_norm), or
+        None if the merge was refused. Raises ``ValueError`` if nothing is pending.
         """
         subs = [self.pending[p][m] for m in sorted(self.pending[p])]
         if not subs:
             raise ValueError(f"fragment {p}: nothing to merge")
         tokens = [s.tokens for s in subs]
-        steps = [max(s.steps, 1) if s.tokens > 0 else s.steps for s in subs]
-        deltas = []
+        steps = [max(s.steps, 1) for s in subs]  # every queued submission has tokens > 0
         anchor = self.global_params[p]
-        for s in subs:
-            deltas.append({k: anchor[k] - s.params[k] for k in anchor})
-        rule = MERGE_RULES[self.settings.merge]
-        outer_grad = rule(deltas, tokens, steps, self.embedding_names)
-        new_params, self.opt_states[p] = outer_step(self.tx, self.global_params[p], self.opt_states[p], outer_grad)
-        self.global_params[p] = new_params
+        deltas = [{k: anchor[k].astype(np.float64) - s.params[k] for k in anchor} for s in subs]
+        outer_grad = MERGE_RULES[self.settings.merge](deltas, tokens, steps, self.embedding_names)
+        reason = None
+        if not _finite_float32(outer_grad):
+            reason = "non-finite outer gradient"
+        else:
+            new_params, new_state = outer_step(self.tx, anchor, self.opt_states[p], outer_grad)
+            if not _finite_float32(new_params):
+                reason = "non-finite fragment after the outer step"
+        quorum_at = self.quorum_at[p]
+        self.pending[p], self.quorum_at[p] = {}, None
+        if reason is not None:
+            for s in subs:
+                self._reject(s, "bad-merge", now, self._unmerged.pop((s.learner, p), 0))
+            self.events.append({"event": "merge-refused", "fragment": p, "reason": reason,
+                                "contributors": [s.learner for s in subs], "tokens": tokens, "t": now})
+            return None
+        self.global_params[p], self.opt_states[p] = new_params, new_state
         self.versions[p] += 1
         for s in subs:
             self.ledger[s.learner].merged += self._unmerged.pop((s.learner, p), 0)
-        record = {
+        self.num_merges += 1
+        fragment_bytes = int(sum(a.nbytes for a in new_params.values()))
+        return {
             "fragment": p,
             "version": self.versions[p],
             "contributors": [s.learner for s in subs],
@@ -192,26 +260,31 @@ class Syncer:
             "steps": [s.steps for s in subs],
             "stale": [self.versions[p] - 1 - s.base_version for s in subs],
             "local_steps": [s.local_step for s in subs],
-            "quorum_at_s": self.quorum_at[p],
+            "quorum_at_s": quorum_at,
             "merged_at_s": now,
             "bytes_in": int(sum(s.nbytes for s in subs)),
-            "fragment_bytes": int(sum(a.nbytes for a in new_params.values())),
+            "fragment_bytes": fragment_bytes,
             # published once, pulled by every learner: the syncer's send fan-out
-            "bytes_out": int(sum(a.nbytes for a in new_params.values())) * self.settings.num_learners,
-            "outer_grad_norm": float(np.sqrt(sum(float(np.sum(g * g)) for g in outer_grad.values()))),
+            "bytes_out": fragment_bytes * self.settings.num_learners,
+            "outer_grad_norm": l2_norm(np.array([l2_norm(g) for g in outer_grad.values()])),
         }
-        self.pending[p] = {}
-        self.quorum_at[p] = None
-        self.num_merges += 1
-        return record
+
+    def _merge_all(self, fragments, now: float) -> list[dict]:
+        records = [self.merge(p, now) for p in fragments]
+        return [r for r in records if r is not None]
 
     def poll(self, now: float, live: set[int]) -> list[dict]:
-        """Merge every fragment that is ready now; returns their records."""
-        return [self.merge(p, now) for p in range(self.num_fragments) if self.ready(p, now, live)]
+        """Merge every fragment that is ready at ``now`` (seconds; ``live``: learner ids).
+
+        Returns the records of the adopted merges, in fragment order; refused ones are left out
+        (their "merge-refused" events are in ``events``)."""
+        return self._merge_all([p for p in range(self.num_fragments) if self.ready(p, now, live)], now)
 
     def flush(self, now: float) -> list[dict]:
-        """Merge everything still pending, quorum or not (used once all learners have stopped)."""
-        return [self.merge(p, now) for p in range(self.num_fragments) if self.pending[p]]
+        """Merge everything still pending, quorum or not (used once all learners have stopped).
+
+        Returns the records of the adopted merges only, as :meth:`poll`."""
+        return self._merge_all([p for p in range(self.num_fragments) if self.pending[p]], now)
 
     def pending_tokens(self) -> dict[int, int]:
         out = {m: 0 for m in self.ledger}

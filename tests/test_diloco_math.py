@@ -59,7 +59,8 @@ def test_token_weights_formula():
     np.testing.assert_allclose(token_weights([100, 200, 0], [10, 10, 0]), [0.2, 0.8, 0.0])
     # same tokens, fewer steps (more tokens per step) weighs more: 64²/2=2048 vs 64²/8=512
     np.testing.assert_allclose(token_weights([64, 64], [2, 8]), [0.8, 0.2])
-    np.testing.assert_allclose(token_weights([0, 0], [0, 0]), [0.5, 0.5])
+    with pytest.raises(ValueError, match="every token count is 0"):  # 0/0: no progress to weight
+        token_weights([0, 0], [0, 0])
     with pytest.raises(ValueError):
         token_weights([1, -1], [1, 1])
 
@@ -126,12 +127,12 @@ def test_bad_submissions_are_quarantined_and_counted():
     s = Syncer(params, [["a"]], SyncerSettings(num_learners=2, quorum=1, max_staleness=0))
     assert not s.receive(Submission(0, 0, {"a": np.array([np.nan, 0], np.float32)}, 5, 1, 0, 1), 0.0)
     # counters are cumulative since the last receipt: 10 tokens here are 5 new ones
-    assert not s.receive(Submission(0, 0, {"a": np.zeros(3, np.float32)}, 10, 2, 0, 1), 0.0)
+    assert not s.receive(Submission(0, 0, {"a": np.zeros(3, np.float32)}, 10, 2, 0, 2), 0.0)
     assert not s.receive(Submission(0, 3, {"a": np.zeros(2, np.float32)}, 5, 1, 0, 1), 0.0)
     assert s.ledger[0].drop_reasons == {"non-finite": 5, "wrong-tensors": 5, "unknown-fragment": 5}
     s.receive(Submission(1, 0, {"a": np.ones(2, np.float32)}, 5, 1, 0, 1), 0.0)
     s.poll(1.0, live=set())
-    assert not s.receive(Submission(0, 0, {"a": np.ones(2, np.float32)}, 17, 3, 0, 1), 1.0)  # stale, 7 new
+    assert not s.receive(Submission(0, 0, {"a": np.ones(2, np.float32)}, 17, 3, 0, 3), 1.0)  # stale, 7 new
     assert s.ledger[0].drop_reasons["stale"] == 7
     # only learner 1 merged: v = 0 − 1 = −1, Nesterov μ=0.9: Θ = 0 − 0.7·(−1 + 0.9·(−1)) = 1.33
     np.testing.assert_allclose(s.global_params[0]["a"], 1.33, rtol=1e-6)
@@ -190,33 +191,40 @@ def test_default_model_fragments_within_four_thirds_of_ideal():
 def test_ledger_counts_cumulative_resends_once():
     """Counters run from the last receipt, so a resend before receipt repeats earlier tokens."""
     s = Syncer({"a": np.zeros(2, np.float32)}, [["a"]], SyncerSettings(num_learners=2, quorum=2))
-    sub = lambda m, tokens, base: Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, tokens // 8, base, 1)
-    s.receive(sub(0, 64, 0), 0.0)
-    s.receive(sub(0, 128, 0), 1.0)  # same base: includes the first 64 tokens, replaces it
+
+    def sub(m, tokens, base, step):  # 8 tokens per inner step; ``step``: the learner's local step
+        return Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, tokens // 8, base, step)
+
+    s.receive(sub(0, 64, 0, 8), 0.0)
+    s.receive(sub(0, 128, 0, 16), 1.0)  # same base: includes the first 64 tokens, replaces it
     assert s.ledger[0].submitted == 128 and s.ledger[0].dropped == 0
-    s.receive(sub(1, 96, 0), 1.0)
+    s.receive(sub(1, 96, 0, 12), 1.0)
     s.poll(1.0, live={0, 1})
     assert (s.ledger[0].merged, s.ledger[1].merged) == (128, 96)
-    s.receive(sub(0, 192, 0), 2.0)  # learner 0 had not received v1 yet: 64 new tokens
+    s.receive(sub(0, 192, 0, 24), 2.0)  # learner 0 had not received v1 yet: 64 new tokens
     assert s.ledger[0].submitted == 192
-    s.receive(sub(1, 32, 1), 2.0)
+    s.receive(sub(1, 32, 1, 16), 2.0)
     s.poll(2.0, live={0, 1})
     assert (s.ledger[0].merged, s.ledger[1].merged) == (192, 128)
 
 
 def test_ledger_identity_holds_through_replacements():
     s = Syncer({"a": np.zeros(2, np.float32)}, [["a"]], SyncerSettings(num_learners=2, quorum=2, max_staleness=1))
-    sub = lambda m, tokens, base: Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, max(tokens // 8, 1), base, 1)
+
+    def sub(m, tokens, base, step):  # 8 tokens per inner step; ``step``: the learner's local step
+        return Submission(m, 0, {"a": np.ones(2, np.float32)}, tokens, max(tokens // 8, 1), base, step)
 
     def check():
         pend = s.pending_tokens()
         for m, e in s.ledger.items():
             assert e.submitted == e.merged + e.dropped + pend[m], (m, e, pend)
 
-    s.receive(sub(0, 64, 0), 0.0); check()
-    s.receive(sub(0, 128, 0), 0.1); check()           # same base: replaces, carries 64
-    s.receive(sub(1, 32, 0), 0.1); s.poll(0.2, {0, 1}); check()
+    s.receive(sub(0, 64, 0, 8), 0.0); check()
+    s.receive(sub(0, 128, 0, 16), 0.1); check()       # same base: replaces, carries 64
+    s.receive(sub(1, 32, 0, 4), 0.1); s.poll(0.2, {0, 1}); check()
     assert s.ledger[0].merged == 128
-    s.receive(sub(0, 8, 1), 0.3); check()             # after receipt of v1
-    s.receive(sub(0, 16, 0), 0.4); check()            # an older base while v1-based copy pending
-    assert s.ledger[0].drop_reasons == {"superseded": 8}
+    s.receive(sub(0, 192, 0, 24), 0.3); check()       # v1 not received yet: 64 new tokens, pending
+    s.receive(sub(0, 8, 1, 25), 0.4); check()         # after receipt of v1: supersedes the v0 copy
+    s.receive(sub(0, 160, 0, 20), 0.5); check()       # a late v0 copy: its work is inside step 24's
+    assert s.ledger[0].drop_reasons == {"superseded": 64, "out-of-order": 0}
+    assert s.pending[0][0].local_step == 25 and s.pending_tokens()[0] == 8
