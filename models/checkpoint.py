@@ -196,7 +196,13 @@ def _check_without_record(step_dir: Path) -> list[tuple[str, str]]:
             damaged.append((f"{name}/_METADATA", problem))
         else:
             meta = json.loads((item / "_METADATA").read_bytes())
-            if isinstance(meta, dict) and meta.get("use_ocdbt", True) and not (item / "manifest.ocdbt").is_file():
+            tree = meta.get("tree_metadata", {}) if isinstance(meta, dict) else {}
+            # a tree without arrays (e.g. the empty state of outer SGD without momentum) has no data files
+            has_arrays = not isinstance(tree, dict) or any(
+                not (v.get("value_metadata") or {}).get("skip_deserialize", False)
+                for v in tree.values() if isinstance(v, dict))
+            if (isinstance(meta, dict) and meta.get("use_ocdbt", True) and has_arrays
+                    and not (item / "manifest.ocdbt").is_file()):
                 damaged.append((f"{name}/manifest.ocdbt", "missing"))
         for p in sorted((item / "array_metadatas").glob("*")):
             problem = _json_problem(p) if p.is_file() else None
