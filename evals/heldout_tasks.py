@@ -3,13 +3,26 @@
 * ``heldout_ppl`` (``loglikelihood_rolling``): up to ``ppl_docs`` passages of about ``ppl_chars``
   characters, cut at line boundaries, spread round-robin over the documents; metrics
   ``word_perplexity``, ``byte_perplexity``, ``bits_per_byte``.
-* ``heldout_nextline`` (4-way ``multiple_choice``): "which line comes next". The context is
+* ``heldout_nextline`` (4-way ``multiple_choice`` with *multiple inputs*, like lm-eval's
+  Winogrande): "which passage does this line come next after". A question is one answer line
+  (a non-empty line of at least ``MIN_ANSWER_CHARS`` characters) and 4 candidate contexts of
   ``mc_context_lines`` consecutive non-empty lines (blank lines skipped, lines otherwise verbatim,
-  joined by ``"\\n"``); the choices are the true next non-empty line and 3 distractors: real lines of
-  the same document, textually different (after ``strip``) from the answer, from each other and from
-  the context, preferring lengths close to the answer's. The answer's position is drawn from the
-  seed. Metrics ``acc`` and ``acc_norm`` (lm-eval's length-normalised accuracy). The request lm-eval
-  scores is ``(context, "\\n" + choice)``.
+  joined by ``"\\n"``): the lines truly before it, and 3 graded distractors (kinds, hardest first):
+
+  - ``near``: the window ending 2·``mc_context_lines`` to 2·``mc_context_lines`` + 24 lines before
+    the answer (same scene, same speakers, but not adjacent);
+  - ``far``: a window of the same play at least ``FAR_LINES`` lines away;
+  - ``other_doc``: a window of another held-out document (a second ``far`` window when there is
+    only one document).
+
+  lm-eval scores ``log p("\\n" + answer | context_i)`` for each context and picks the argmax
+  (metric ``acc``, chance ``1/4``). The continuation is *the same string for every choice*, so the
+  answer's own prior probability cancels: only what the context tells the model about the line
+  counts. (The earlier design, 4 candidate *lines* after one context, compared the lines' priors:
+  a frequent-word line beat the true one whatever the context, and both trained default models
+  scored at chance.) Length normalisation is meaningless here (the choices are the contexts), so
+  there is no ``acc_norm``. Distractor contexts differ from the true one and from each other and
+  never contain the answer line; the true context's position is drawn from the seed.
 
 Everything is a deterministic function of ``(docs, sizes, seed)``. The JSONL files are written to
 ``out_dir`` and the task configs refer to them by absolute path, so they can be handed straight to
@@ -26,7 +39,10 @@ PPL_TASK = "heldout_ppl"
 MC_TASK = "heldout_nextline"
 N_CHOICES = 4
 MIN_ANSWER_CHARS = 8  # answers like "Exit." recur all over a play and are guesswork
-DISTRACTOR_POOL = 24  # random candidates drawn per question; the 3 closest in length are kept
+NEAR_SPAN = 24  # the near window ends 2·context_lines .. 2·context_lines + NEAR_SPAN lines before the answer
+FAR_LINES = 50  # a far window ends at least this many lines away from the answer
+DISTRACTOR_KINDS = ("near", "far", "other_doc")
+_TRIES = 64  # random draws per distractor before giving up on that anchor
 
 
 def _lines(text: str) -> list[str]:
@@ -69,27 +85,30 @@ def make_passages(docs: list[dict], n_passages: int, n_chars: int, seed: int) ->
     return sorted(picked, key=lambda p: (order[p["title"]], p["start_line"]))
 
 
+def _window(lines: list[str], end: int, n: int) -> str:
+    return "\n".join(lines[end - n : end])
+
+
 def make_nextline_questions(
     docs: list[dict], n_questions: int, context_lines: int, seed: int
 ) -> list[dict]:
     """``n_questions`` (fewer if the documents are too short) next-line questions.
 
-    Each is ``{"title", "question", "choices": [4 str], "label": int, "line_index"}``, where
-    ``question`` is the context (lines joined by ``"\\n"``), ``choices[label]`` the true next line and
-    ``line_index`` the answer's index among the document's non-empty lines. Questions are split as
-    evenly as possible over the documents that can host one.
+    Each is ``{"title", "answer", "contexts": [4 str], "kinds": [4 str], "label": int,
+    "line_index"}``: ``contexts[label]`` (kind ``"true"``) is the ``context_lines`` non-empty lines
+    before ``answer`` (joined by ``"\\n"``), the other three are the distractor windows of kinds
+    ``near``, ``far``, ``other_doc`` (see the module docstring), and ``line_index`` is the answer's
+    index among its document's non-empty lines. Questions are split as evenly as possible over the
+    documents that can host one.
     """
     rng = random.Random(f"mc-{seed}")
+    n = context_lines
     plays = []
     for doc in docs:
         lines = [ln for ln in _lines(doc["text"]) if ln.strip()]
-        distinct = {ln.strip() for ln in lines}
-        anchors = [
-            i
-            for i in range(context_lines, len(lines))
-            if len(lines[i].strip()) >= MIN_ANSWER_CHARS
-        ]
-        if anchors and len(distinct) >= N_CHOICES + context_lines:
+        # Room for the near window before the answer: it ends ≥ 2n lines before, and is n long.
+        anchors = [i for i in range(3 * n, len(lines)) if len(lines[i].strip()) >= MIN_ANSWER_CHARS]
+        if anchors and len(lines) > 4 * n:
             plays.append((doc["title"], lines, anchors))
     if not plays:
         return []
@@ -104,29 +123,51 @@ def make_nextline_questions(
         spare -= extra
 
     out = []
-    for (title, lines, anchors), quota in zip(plays, quotas):
+    for p, ((title, lines, anchors), quota) in enumerate(zip(plays, quotas)):
+        others = [q for q in range(len(plays)) if q != p]
         for i in sorted(rng.sample(anchors, quota)):
             answer = lines[i]
-            context = lines[i - context_lines : i]
-            banned = {answer.strip()} | {c.strip() for c in context}
-            pool: list[str] = []
-            seen = set(banned)
-            for _ in range(20 * DISTRACTOR_POOL):  # bounded: a play of few distinct lines ends early
-                cand = lines[rng.randrange(len(lines))]
-                if cand.strip() not in seen:
-                    pool.append(cand)
-                    seen.add(cand.strip())
-                if len(pool) >= DISTRACTOR_POOL:
+            true_ctx = _window(lines, i, n)
+            taken = {true_ctx}
+
+            def ok(ctx: str) -> bool:
+                return ctx not in taken and answer.strip() not in {ln.strip() for ln in ctx.split("\n")}
+
+            # Far windows end ≥ FAR_LINES lines from the answer; a play too short for that takes any
+            # window disjoint from the true context and the answer.
+            far_ok = i - FAR_LINES >= n or i + FAR_LINES <= len(lines)
+
+            def draw(kind: str) -> str | None:
+                for _ in range(_TRIES):
+                    if kind == "near":
+                        ctx = _window(lines, i - rng.randint(2 * n, min(2 * n + NEAR_SPAN, i - n)), n)
+                    elif kind == "other_doc" and others:
+                        o_lines = plays[others[rng.randrange(len(others))]][1]
+                        ctx = _window(o_lines, rng.randint(n, len(o_lines)), n)
+                    else:  # far, and other_doc when there is a single document
+                        end = rng.randint(n, len(lines))
+                        if (abs(end - i) < FAR_LINES) if far_ok else (i - n < end < i + 1 + n):
+                            continue
+                        ctx = _window(lines, end, n)
+                    if ok(ctx):
+                        return ctx
+                return None
+
+            contexts, kinds = [], []
+            for kind in DISTRACTOR_KINDS:
+                ctx = draw(kind)
+                if ctx is None:
                     break
-            if len(pool) < N_CHOICES - 1:
+                taken.add(ctx)
+                contexts.append(ctx)
+                kinds.append(kind if kind != "other_doc" or others else "far")
+            if len(contexts) < N_CHOICES - 1:
                 continue
-            pool.sort(key=lambda c: abs(len(c.strip()) - len(answer.strip())))
-            choices = pool[: N_CHOICES - 1]
             label = rng.randrange(N_CHOICES)
-            choices.insert(label, answer)
-            out.append(
-                {"title": title, "question": "\n".join(context), "choices": choices, "label": label, "line_index": i}
-            )
+            contexts.insert(label, true_ctx)
+            kinds.insert(label, "true")
+            out.append({"title": title, "answer": answer, "contexts": contexts, "kinds": kinds,
+                        "label": label, "line_index": i})
     return out
 
 
@@ -161,7 +202,8 @@ def build_heldout_tasks(
 
     Returns:
       ``(task_configs, info)``: a list of lm-eval task config dicts (absolute data paths; pass them
-      as ``tasks=``), and ``info`` with the file paths and the number of passages and questions.
+      as ``tasks=``), and ``info`` with the file paths, the number of passages and questions and
+      ``mc_chance``, the expected ``heldout_nextline`` accuracy of a uniform random guess.
 
     Raises:
       ValueError: if ``docs`` is empty, or no passage or no question can be made from them.
@@ -203,20 +245,20 @@ def build_heldout_tasks(
         "dataset_kwargs": _dataset_kwargs(mc_path, out_dir),
         "test_split": "test",
         "output_type": "multiple_choice",
-        "doc_to_text": "question",
-        "doc_to_choice": "choices",
-        "doc_to_target": "label",
+        # Multiple inputs (lm-eval's Winogrande mode): doc_to_text is the gold index (an int), the
+        # choices are the contexts, the target the one continuation scored after each of them.
+        "doc_to_text": "label",
+        "doc_to_choice": "contexts",
+        "doc_to_target": "answer",
         "target_delimiter": "\n",
-        "metric_list": [
-            {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
-        ],
-        "metadata": {"version": 1.0, "seed": seed, "context_lines": mc_context_lines},
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 2.0, "seed": seed, "context_lines": mc_context_lines},
     }
     info = {
         "ppl_path": str(ppl_path),
         "mc_path": str(mc_path),
         "ppl_passages": len(passages),
         "mc_questions": len(questions),
+        "mc_chance": sum(1.0 / len(q["contexts"]) for q in questions) / len(questions),
     }
     return [ppl_cfg, mc_cfg], info

@@ -5,22 +5,27 @@ input length (one of a few bucket lengths ≤ ``model.max_len``), V vocabulary.
 
 Scoring semantics (the parts adapters in the field get wrong, and what this one does):
 
-* **Context/continuation boundary.** ``context + continuation`` is encoded *as one string* and
-  split at the last token boundary at or before the context's UTF-8 byte length. A BPE token that
-  spans the join (context ``"hel"``, continuation ``"lo"`` → one token ``"hello"``) therefore
-  belongs to the continuation: the score is the log-probability of the joint string's own tokens
-  that cover the continuation, given the joint tokens before them. The continuation tokens always
-  decode to (a few trailing context bytes +) exactly the continuation, never fewer characters,
-  which is the failure of splitting the joint encoding at ``len(encode(context))`` tokens. Encoding
-  the two parts separately would instead score a tokenization the model never saw in training.
-  Token byte lengths come from the byte-level alphabet, so this needs a byte-level BPE tokenizer
-  (checked in ``__init__``).
-* **Empty context** (or a context swallowed completely by the spanning token): the EOT token is
+* **Context/continuation boundary.** The continuation scored is always exactly the
+  continuation's own tokens, conditioned on the context's own tokens, so every choice of a
+  multiple-choice question is scored on the same context ids. As in lm-eval's
+  ``TemplateLM._encode_pair`` (the HF backend), trailing whitespace of the context is first moved
+  to the front of the continuation. Then ``context + continuation`` is encoded as one string; if
+  its token boundaries include the context's UTF-8 byte length exactly and the tokens before it
+  are the context's own encoding, it is split there. Otherwise a BPE token spans the join
+  (context ``"o"``, continuation ``"ut"`` → one token ``"out"``) and the two parts are encoded
+  separately. Scoring the spanning token as "the continuation" would score a different string
+  (``"out"``, not ``"ut"``) on a shorter context, and differently for each choice; splitting the
+  joint encoding at ``len(encode(context))`` tokens (the HF backend's causal rule) would instead
+  score the wrong tokens (here none at all: ``encode("out")[1:]`` is empty). Token byte lengths come from the byte-level alphabet, so this needs
+  a byte-level BPE tokenizer (checked in ``__init__``).
+* **Empty context** (or one that is all whitespace, moved into the continuation): the EOT token is
   the sole context.
 * **Longer than the window.** The context is truncated from the left so that context +
-  continuation fit in ``max_len + 1`` tokens (the model sees ``max_len`` of them). A continuation
-  longer than ``max_len`` tokens is scored in consecutive chunks of ``max_len`` targets, each with
-  as much left context as fits; ``is_greedy`` is then the AND over all chunks.
+  continuation fit in ``max_len + 1`` tokens (the model sees ``max_len`` of them). Such requests
+  are counted in ``JaxLM.truncated_requests`` (cumulative over the adapter's life; rolling
+  windows never count). A continuation longer than ``max_len`` tokens is scored in consecutive
+  chunks of ``max_len`` targets, each with as much left context as fits; ``is_greedy`` is then the
+  AND over all chunks.
 * **Rolling loglikelihood** (perplexity) uses ``lm_eval.utils.get_rolling_token_windows`` with
   ``context_len=1`` and ``make_disjoint_window``, exactly like lm-eval's HF backend: disjoint windows
   of up to ``max_len`` predicted tokens, the first conditioned on EOT.
@@ -108,6 +113,11 @@ class JaxLM(TemplateLM):
       buckets: padded input lengths; default :func:`default_buckets`. Must end at ``max_len``.
       eot_token: the EOT token's text.
 
+    Attributes:
+      truncated_requests: number of loglikelihood requests scored so far whose context +
+        continuation exceeded ``max_len + 1`` tokens, so that their context was cut from the left
+        (or their continuation scored in chunks). Cumulative; set it to 0 to restart the count.
+
     Raises:
       ValueError: if the tokenizer has no EOT token, is not byte-level (a vocabulary entry outside
         the byte-level alphabet), or ``buckets`` do not end at ``max_len``.
@@ -137,6 +147,7 @@ class JaxLM(TemplateLM):
         self._eot = int(eot)
         self.eot_text = eot_token
         self._token_bytes = self._build_token_bytes(tokenizer)
+        self.truncated_requests = 0
 
     # ---- tokenization -------------------------------------------------------------------------
 
@@ -179,15 +190,25 @@ class JaxLM(TemplateLM):
     def split_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """``(context_ids, continuation_ids)`` for scoring ``continuation`` after ``context``.
 
-        Encodes the joint string and splits it at the last token boundary at or before
-        ``len(context.encode())`` bytes (see the module docstring). The context ids are never
-        empty: EOT stands in for an empty (or fully swallowed) context.
+        Trailing whitespace of ``context`` moves to the front of ``continuation`` (lm-eval's
+        ``_encode_pair``). The joint encoding is split at the context's byte length when a token
+        boundary falls exactly there and the tokens before it are ``tok_encode(context)``;
+        otherwise (a token spans the join) both parts are encoded separately. Either way
+        ``context_ids == tok_encode(context)`` and ``continuation_ids`` decode to exactly the
+        (moved-whitespace) continuation. The context ids are never empty: EOT stands in for an
+        empty or all-whitespace context.
 
         Raises:
           ValueError: if the tokens' byte lengths do not add up to the text's (not byte-level).
         """
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces:
+            context, continuation = context[:-n_spaces], context[-n_spaces:] + continuation
         if not context:
             return [self._eot], self.tok_encode(continuation)
+        ctx_ids = self.tok_encode(context)
+        if not continuation:
+            return ctx_ids, []
         whole = self.tok_encode(context + continuation)
         ends = np.cumsum(self._token_bytes[whole]) if whole else np.zeros(0, np.int64)
         n_bytes = len((context + continuation).encode("utf-8"))
@@ -196,9 +217,11 @@ class JaxLM(TemplateLM):
                 f"token byte lengths ({int(ends[-1])}) != text bytes ({n_bytes}): tokenizer is not byte-level "
                 "or normalises text"
             )
-        k = int(np.searchsorted(ends, len(context.encode("utf-8")), side="right"))
-        ctx_ids, cont_ids = whole[:k], whole[k:]
-        return (ctx_ids or [self._eot]), cont_ids
+        n_ctx_bytes = len(context.encode("utf-8"))
+        k = int(np.searchsorted(ends, n_ctx_bytes, side="left"))
+        if k < len(whole) and int(ends[k]) == n_ctx_bytes and whole[: k + 1] == ctx_ids:
+            return ctx_ids, whole[k + 1 :]
+        return ctx_ids, self.tok_encode(continuation)
 
     # ---- batched scoring ----------------------------------------------------------------------
 
@@ -255,11 +278,14 @@ class JaxLM(TemplateLM):
         """lm-eval's token-level entry point: ``(key, context_ids, continuation_ids)`` → ``(logp, is_greedy)``.
 
         ``context_ids`` must be non-empty (prepend EOT otherwise). Log-probabilities are in nats.
+        Requests longer than ``max_len + 1`` tokens add to :attr:`truncated_requests`.
         """
         windows, owner = [], []
         for r, (_, ctx, cont) in enumerate(requests):
             if not ctx:
                 raise ValueError("context_ids must not be empty (use [eot_token_id])")
+            if cont and len(ctx) + len(cont) > self._max_len + 1:
+                self.truncated_requests += 1
             for w in self._windows(list(ctx), list(cont)):
                 windows.append(w)
                 owner.append(r)

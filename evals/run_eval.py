@@ -3,11 +3,22 @@
 ``HF_DATASETS_OFFLINE`` / ``HF_HUB_OFFLINE`` are set (if unset) before ``datasets``/``lm_eval`` are
 imported here: the tasks read local JSONL files and must never reach for the hub. If ``datasets`` was
 imported earlier by the caller, those settings had to be made by the caller.
+
+Standard errors come from lm-eval's own machinery, and nothing here forks: a ``multiprocessing``
+pool forked from a process with JAX and Prefect threads running can deadlock. ``acc`` is
+mean-aggregated, for which ``lm_eval.api.metrics.stderr_for_metric`` uses the closed form
+``mean_stderr``; the perplexity aggregations (``weighted_perplexity``, ``bits_per_byte``) get no
+stderr from lm-eval, so :func:`evaluate_lm` bootstraps them over the passages with
+``lm_eval.api.metrics.bootstrap_stderr`` itself. Both run with ``DISABLE_MULTIPROC=1`` set (for the
+duration of the call only), which makes lm-eval's bootstrap run in-process instead of in a
+``multiprocessing.Pool``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -17,6 +28,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import lm_eval  # noqa: E402
+from lm_eval.api import metrics as lm_metrics  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from configs.schema import EvalConfig  # noqa: E402
@@ -25,8 +37,54 @@ from evals.lm_adapter import JaxLM  # noqa: E402
 
 FLAT_METRICS = {
     PPL_TASK: ("word_perplexity", "byte_perplexity", "bits_per_byte"),
-    MC_TASK: ("acc", "acc_norm"),
+    MC_TASK: ("acc",),
 }
+# lm-eval aggregation of each perplexity metric, for bootstrapping its stderr over passages.
+PPL_AGGREGATIONS = {
+    "word_perplexity": lm_metrics.weighted_perplexity,
+    "byte_perplexity": lm_metrics.weighted_perplexity,
+    "bits_per_byte": lm_metrics.bits_per_byte,
+}
+BOOTSTRAP_ITERS = 1000  # resamples for the perplexity stderrs (in-process; ~0.1 s for 16 passages)
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _no_multiprocessing():
+    """Make lm-eval's bootstrap run in-process (``DISABLE_MULTIPROC``) for the duration."""
+    old = os.environ.get("DISABLE_MULTIPROC")
+    os.environ["DISABLE_MULTIPROC"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISABLE_MULTIPROC", None)
+        else:
+            os.environ["DISABLE_MULTIPROC"] = old
+
+
+def _stderr(value) -> float | None:
+    """lm-eval's ``<metric>_stderr`` value as a float; ``None`` for its ``"N/A"`` or a non-finite one."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _say(msg: str, *args, warning: bool = False) -> None:
+    """Log to the Prefect run logger when inside a flow/task run, else to this module's logger."""
+    logger = log
+    try:
+        from prefect import get_run_logger
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if FlowRunContext.get() or TaskRunContext.get():
+            logger = get_run_logger()
+    except Exception:  # prefect missing or no usable run context: plain logging
+        pass
+    (logger.warning if warning else logger.info)(msg, *args)
 
 
 def _jsonable(x):
@@ -65,13 +123,23 @@ def evaluate_lm(
       eval_cfg: sizes of the tasks and the forward batch size.
       seed: task generation and lm-eval seeds.
       name: if given, the full lm-eval results (JSON-safe: non-serialisable values become strings,
-        non-finite floats ``null``) are written to ``out_dir/<name>.json``.
+        non-finite floats ``null``; per-sample records left out) are written to
+        ``out_dir/<name>.json``.
 
     Returns:
-      Flat dict: ``heldout_ppl/word_perplexity``, ``heldout_ppl/byte_perplexity`` (per UTF-8 byte),
-      ``heldout_ppl/bits_per_byte``, ``heldout_nextline/acc``, ``heldout_nextline/acc_norm`` (in
-      [0, 1]), ``heldout_ppl/passages``, ``heldout_nextline/questions`` and ``eval_s`` (wall seconds
-      of task building + evaluation).
+      Flat dict:
+
+      * ``heldout_ppl/word_perplexity``, ``heldout_ppl/byte_perplexity`` (per UTF-8 byte),
+        ``heldout_ppl/bits_per_byte``, each with ``<key>_stderr`` (bootstrap over the passages,
+        lm-eval's ``bootstrap_stderr``; ``None`` with fewer than 2 passages), and
+        ``heldout_ppl/passages``;
+      * ``heldout_nextline/acc`` (in [0, 1]), ``heldout_nextline/acc_stderr`` (lm-eval's closed-form
+        ``mean_stderr``; ``None`` with fewer than 2 questions), ``heldout_nextline/chance`` (the
+        expected accuracy of a uniform guess, 0.25) and ``heldout_nextline/questions``;
+      * ``truncated_requests`` (int): loglikelihood requests whose context + continuation exceeded
+        ``max_len + 1`` tokens, so that the context was cut from the left (logged as a warning
+        when non-zero);
+      * ``eval_s``: wall seconds of task building + evaluation.
 
     Raises:
       ValueError: from :func:`build_heldout_tasks` when the documents are too short.
@@ -88,33 +156,66 @@ def evaluate_lm(
         seed=seed,
     )
     lm = JaxLM(model, tokenizer, batch_size=eval_cfg.batch_size)
-    res = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=tasks,
-        task_manager=TaskManager(include_defaults=False),
-        num_fewshot=0,
-        bootstrap_iters=0,
-        log_samples=False,
-        limit=None,
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
-    eval_s = time.perf_counter() - t0
-    flat: dict = {}
-    for task, metrics in FLAT_METRICS.items():
-        for m in metrics:
-            flat[f"{task}/{m}"] = float(res["results"][task][f"{m},none"])
+    with _no_multiprocessing():
+        res = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=tasks,
+            task_manager=TaskManager(include_defaults=False),
+            num_fewshot=0,
+            bootstrap_iters=BOOTSTRAP_ITERS,  # > 0: lm-eval fills in acc_stderr (closed form)
+            log_samples=True,  # the per-passage items, for the perplexity stderrs
+            limit=None,
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+        flat: dict = {}
+        for task, metrics in FLAT_METRICS.items():
+            for m in metrics:
+                flat[f"{task}/{m}"] = float(res["results"][task][f"{m},none"])
+                flat[f"{task}/{m}_stderr"] = _stderr(res["results"][task].get(f"{m}_stderr,none"))
+        samples = res.get("samples", {}).get(PPL_TASK, [])
+        for m, agg in PPL_AGGREGATIONS.items():
+            items = [tuple(s[m]) for s in samples]
+            if len(items) > 1:
+                flat[f"{PPL_TASK}/{m}_stderr"] = _stderr(lm_metrics.bootstrap_stderr(agg, items, iters=BOOTSTRAP_ITERS))
+    flat[f"{MC_TASK}/chance"] = info["mc_chance"]
     flat["heldout_ppl/passages"] = info["ppl_passages"]
     flat["heldout_nextline/questions"] = info["mc_questions"]
+    flat["truncated_requests"] = int(lm.truncated_requests)
+    eval_s = time.perf_counter() - t0
     flat["eval_s"] = eval_s
+    if lm.truncated_requests:
+        _say("lm-eval: %d loglikelihood requests exceeded the %d-token window; their contexts were cut from the left",
+             lm.truncated_requests, lm.max_length + 1, warning=True)
+    _say("lm-eval: %s acc %.3f ± %s (chance %.2f), %s bits/byte %.4f; %d truncated requests; %.1f s",
+         MC_TASK, flat[f"{MC_TASK}/acc"], _fmt(flat[f"{MC_TASK}/acc_stderr"]), flat[f"{MC_TASK}/chance"],
+         PPL_TASK, flat[f"{PPL_TASK}/bits_per_byte"], flat["truncated_requests"], eval_s)
     if name:
         out_dir.mkdir(parents=True, exist_ok=True)
         payload = _jsonable({k: v for k, v in res.items() if k != "samples"})
         payload["flat"] = flat
+        payload[f"{MC_TASK}_by_kind"] = _wins_by_kind(res.get("samples", {}).get(MC_TASK, []))
         payload["task_files"] = info
         tmp = out_dir / f"{name}.json.tmp"
         tmp.write_text(json.dumps(payload, indent=2))
         tmp.replace(out_dir / f"{name}.json")
     return flat
+
+
+def _wins_by_kind(samples: list[dict]) -> dict:
+    """Per distractor kind: how often the true context gave the answer a higher log-likelihood
+    (``{kind: {"wins": fraction, "n": questions}}``), from lm-eval's per-question samples."""
+    wins: dict[str, list[bool]] = {}
+    for s in samples:
+        lls = [float(r[0]) for r in s["filtered_resps"]]
+        kinds, label = s["doc"]["kinds"], int(s["doc"]["label"])
+        for k, ll in zip(kinds, lls):
+            if k != "true":
+                wins.setdefault(k, []).append(lls[label] > ll)
+    return {k: {"wins": sum(v) / len(v), "n": len(v)} for k, v in sorted(wins.items())}
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}"

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM, TemplateLM
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from configs.schema import EvalConfig, ModelConfig
@@ -132,26 +133,50 @@ def test_loglikelihood_matches_hand_computation(lm, model, sharp_model, tok):
     assert (g1, g2, g3) == (True, False, False)
 
 
-def test_boundary_token_spanning_the_join(lm, model, tok):
-    assert len(tok.encode("hello").ids) == 1 and len(tok.encode("hel").ids) >= 1
-    # "hel" + "lo" is one token "hello": the continuation owns it, conditioned on EOT.
-    (got, _), = lm.loglikelihood([_req("loglikelihood", "hel", "lo")])
-    want, _ = _direct(model, [lm.eot_token_id], tok.encode("hello").ids)
-    assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
-    (empty_ctx, _), = lm.loglikelihood([_req("loglikelihood", "", "hello")])
-    assert got == pytest.approx(empty_ctx, rel=1e-6)
-    # A longer context: the joint string's tokens after the last boundary inside the context.
-    ctx, cont = "say hello there hel", "lo friend"
-    whole = tok.encode(ctx + cont).ids
-    ctx_ids, cont_ids = lm.split_pair(ctx, cont)
-    assert ctx_ids + cont_ids == whole
-    assert tok.decode(cont_ids).endswith(cont) and tok.decode(ctx_ids) + tok.decode(cont_ids) == ctx + cont
-    assert len(tok.decode(cont_ids)) > len(cont)  # the spanning token carries "hel" with it
-    (got, _), = lm.loglikelihood([_req("loglikelihood", ctx, cont)])
-    assert got == pytest.approx(_direct(model, ctx_ids, cont_ids)[0], rel=1e-5, abs=1e-4)
-    # Multi-byte characters split across tokens still add up in bytes.
-    ctx_ids, cont_ids = lm.split_pair("caf", "é naïve")
-    assert tok.decode(ctx_ids + cont_ids) == "café naïve"
+@pytest.fixture(scope="module")
+def out_tok() -> Tokenizer:
+    """A real byte-level BPE trained on a few strings, so that "out" is one token and "ut" is not."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    t.train_from_iterator(["out shout about out", "come out, get out"] * 20, trainer)
+    return t
+
+
+def test_boundary_token_spanning_the_join(model, out_tok):
+    lm = JaxLM(model, out_tok, batch_size=4)
+    enc = lambda s: out_tok.encode(s).ids  # noqa: E731
+    assert len(enc("out")) == 1 and len(enc("ut")) == 2 and len(enc("o")) == 1
+    # "o" + "ut" is one token "out": the continuation scored is still exactly "ut", given "o".
+    ctx_ids, cont_ids = lm.split_pair("o", "ut")
+    assert (ctx_ids, cont_ids) == (enc("o"), enc("ut"))
+    (got, _), = lm.loglikelihood([_req("loglikelihood", "o", "ut")])
+    assert got == pytest.approx(_direct(model, enc("o"), enc("ut"))[0], rel=1e-5, abs=1e-4)
+    assert got != pytest.approx(_direct(model, [lm.eot_token_id], enc("out"))[0], rel=1e-5, abs=1e-4)
+    # Every choice of one question is scored on the context's own ids, and each continuation's
+    # ids decode to exactly that continuation, whether or not a token spans the join.
+    ctx = "come out, get o"
+    for cont in ("ut", "ut now", "ther", " out", "\nshout"):
+        c_ids, x_ids = lm.split_pair(ctx, cont)
+        assert c_ids == enc(ctx) and out_tok.decode(x_ids) == cont, cont
+    # Where the join is a token boundary of the joint string, the split equals lm-eval's own
+    # (HF backend) _encode_pair, including its move of the context's trailing spaces.
+    for ctx, cont in (("come out,", " get out"), ("shout ", "out"), ("get", " out"), ("about", "\nout")):
+        assert lm.split_pair(ctx, cont) == TemplateLM._encode_pair(lm, ctx, cont), (ctx, cont)
+    assert lm.split_pair("shout ", "out") == (enc("shout"), enc(" out"))
+    assert lm.split_pair("  ", "out") == ([lm.eot_token_id], enc("  out"))  # all-space context → EOT
+    (got, _), = lm.loglikelihood([_req("loglikelihood", "shout ", "out")])
+    assert got == pytest.approx(_direct(model, enc("shout"), enc(" out"))[0], rel=1e-5, abs=1e-4)
+
+
+def test_boundary_multibyte_characters(lm, tok):
+    for ctx, cont in (("caf", "é naïve"), ("say hello there hel", "lo friend")):
+        ctx_ids, cont_ids = lm.split_pair(ctx, cont)
+        assert ctx_ids == tok.encode(ctx).ids and tok.decode(cont_ids) == cont
+        assert tok.decode(ctx_ids + cont_ids) == ctx + cont
 
 
 def test_empty_context_uses_eot(lm, model, tok):
@@ -162,15 +187,23 @@ def test_empty_context_uses_eot(lm, model, tok):
     assert lm.loglikelihood([_req("loglikelihood", "abc", "")]) == [(0.0, True)]
 
 
-def test_long_context_truncated_from_the_left(lm, model, tok):
+def test_long_context_truncated_from_the_left(model, tok):
+    lm = JaxLM(model, tok, batch_size=4)
     ctx = " ".join(WORDS) * 2
     cont = " the king"
     ctx_ids, cont_ids = lm.split_pair(ctx, cont)
     assert len(ctx_ids) + len(cont_ids) > MAX_LEN + 1
     keep = (ctx_ids + cont_ids)[-(MAX_LEN + 1) :]
     want, _ = _direct(model, keep[: len(keep) - len(cont_ids)], cont_ids)
-    (got, _), = lm.loglikelihood([_req("loglikelihood", ctx, cont)])
+    assert lm.truncated_requests == 0
+    (got, _), (short, _) = lm.loglikelihood([_req("loglikelihood", ctx, cont), _req("loglikelihood", "hark", cont)])
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    assert lm.truncated_requests == 1  # counted, not silent; the short request is not
+    # Exactly max_len + 1 tokens fit (the model sees max_len inputs): not truncated.
+    (got, _), = lm._loglikelihood_tokens([(None, keep[: len(keep) - len(cont_ids)], cont_ids)])
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-4) and lm.truncated_requests == 1
+    lm.loglikelihood_rolling([_req("loglikelihood_rolling", ctx * 3)])  # rolling windows never truncate
+    assert lm.truncated_requests == 1
     # A continuation longer than the window is scored in chunks, each with maximal left context.
     long_cont = " " + " ".join(WORDS)
     c_ids, x_ids = lm.split_pair("hark", long_cont)
@@ -183,6 +216,7 @@ def test_long_context_truncated_from_the_left(lm, model, tok):
         want += _logp(model, full[s:b])[-(b - a) :].sum()
     (got, _), = lm.loglikelihood([_req("loglikelihood", "hark", long_cont)])
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    assert lm.truncated_requests == 2
 
 
 def test_loglikelihood_rolling_windows_and_batch_size(model, tok):
@@ -260,6 +294,7 @@ def test_heldout_tasks_deterministic_and_valid(tmp_path):
     _, info_c = build_heldout_tasks(DOCS, tmp_path / "c", **{**kw, "seed": 8})
     assert open(info_c["mc_path"]).read() != a_mc
     assert [t["task"] for t in tasks_a] == ["heldout_ppl", "heldout_nextline"]
+    assert info_a["mc_chance"] == 0.25
 
     passages = [json.loads(ln) for ln in open(info_a["ppl_path"])]
     assert len(passages) == 4 and {p["title"] for p in passages} == {"alpha", "beta", "gamma"}
@@ -268,29 +303,134 @@ def test_heldout_tasks_deterministic_and_valid(tmp_path):
 
     qs = [json.loads(ln) for ln in open(info_a["mc_path"])]
     assert len(qs) == 30 and {q["title"] for q in qs} == {"alpha", "beta", "gamma"}
+    lines_of = {d["title"]: [ln for ln in d["text"].split("\n") if ln.strip()] for d in DOCS}
+
+    def windows(title: str) -> dict[str, int]:  # every 3-line window of a play → its end index
+        ls = lines_of[title]
+        return {"\n".join(ls[e - 3 : e]): e for e in range(3, len(ls) + 1)}
+
     labels = set()
     for q in qs:
-        doc_lines = [ln for ln in next(d["text"] for d in DOCS if d["title"] == q["title"]).split("\n") if ln.strip()]
-        i = q["line_index"]
-        assert q["question"] == "\n".join(doc_lines[i - 3 : i])
-        assert len(q["choices"]) == 4 and len({c.strip() for c in q["choices"]}) == 4
-        assert [c == doc_lines[i] for c in q["choices"]].count(True) == 1
-        assert q["choices"][q["label"]] == doc_lines[i]
-        assert all(c in doc_lines for c in q["choices"])  # distractors: real lines of the same play
+        doc_lines, i = lines_of[q["title"]], q["line_index"]
+        assert q["answer"] == doc_lines[i] and len(q["answer"].strip()) >= 8
+        assert len(q["contexts"]) == 4 and len(set(q["contexts"])) == 4
+        assert q["contexts"][q["label"]] == "\n".join(doc_lines[i - 3 : i])
+        assert sorted(q["kinds"]) == ["far", "near", "other_doc", "true"] and q["kinds"][q["label"]] == "true"
+        own = windows(q["title"])
+        for ctx, kind in zip(q["contexts"], q["kinds"]):
+            assert q["answer"].strip() not in {ln.strip() for ln in ctx.split("\n")} or kind == "true"
+            if kind == "near":
+                assert 6 <= i - own[ctx] <= 6 + 24
+            elif kind == "far":
+                assert abs(own[ctx] - i) >= 50
+            elif kind == "other_doc":
+                assert any(ctx in windows(t) for t in lines_of if t != q["title"])
         labels.add(q["label"])
     assert len(labels) > 1
+    # A single document: the other-document distractor becomes a second far window.
+    _, info_1 = build_heldout_tasks(DOCS[:1], tmp_path / "one", **kw)
+    for q in map(json.loads, open(info_1["mc_path"])):
+        assert sorted(q["kinds"]) == ["far", "far", "near", "true"]
 
 
-def test_evaluate_lm_end_to_end(tmp_path, model, tok):
+class _TextLM(LM):
+    """A stand-in LM scoring ``(context, continuation)`` pairs with a Python function."""
+
+    def __init__(self, score):
+        super().__init__()
+        self.score = score
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        return [(float(self.score(c, x)), False) for c, x in (r.args for r in requests)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        return [-float(len(r.args[0])) for r in requests]
+
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        raise NotImplementedError
+
+
+def test_nextline_task_scores_contexts_not_line_priors(tmp_path):
+    """lm-eval runs the task as a real multiple-input task: it scores the one answer line after
+    each candidate context. A model that ignores the context cannot beat its tie-break (the first
+    choice), whatever it thinks of the line; a model that knows the plays gets every question."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    tasks, info = build_heldout_tasks(DOCS, tmp_path, ppl_docs=2, ppl_chars=300, mc_questions=40,
+                                      mc_context_lines=2, seed=3)
+    qs = [json.loads(ln) for ln in open(info["mc_path"])]
+    texts = ["\n".join(ln for ln in d["text"].split("\n") if ln.strip()) for d in DOCS]
+    seen = []
+
+    def oracle(ctx, cont):
+        seen.append((ctx, cont))
+        return 0.0 if any(ctx + cont in t for t in texts) else -1.0
+
+    def run(score):
+        res = lm_eval.simple_evaluate(model=_TextLM(score), tasks=[tasks[1]],
+                                      task_manager=TaskManager(include_defaults=False), num_fewshot=0, bootstrap_iters=0, log_samples=False, random_seed=0,
+                                      numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        return res["results"]["heldout_nextline"]["acc,none"]
+
+    assert run(oracle) == 1.0
+    assert sorted(seen) == sorted((c, "\n" + q["answer"]) for q in qs for c in q["contexts"])
+    blind = run(lambda ctx, cont: -len(cont) + math.sin(len(cont)))  # a line prior, blind to the context
+    assert blind == pytest.approx(sum(q["label"] == 0 for q in qs) / len(qs))
+
+
+def test_lm_eval_bootstrap_runs_in_process(monkeypatch):
+    """lm-eval's bootstrap would fork a multiprocessing Pool; evaluate_lm's guard keeps it in-process."""
+    import multiprocessing
+
+    from lm_eval.api import metrics as lm_metrics
+
+    from evals.run_eval import _no_multiprocessing
+
+    def no_pool(*a, **k):
+        raise AssertionError("multiprocessing.Pool used")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_pool)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    items = [(-10.0 - i, 7 + i % 3) for i in range(8)]
+    with pytest.raises(AssertionError, match="Pool"):
+        lm_metrics.bootstrap_stderr(lm_metrics.bits_per_byte, items, iters=100)
+    with _no_multiprocessing():
+        se = lm_metrics.bootstrap_stderr(lm_metrics.bits_per_byte, items, iters=100)
+    assert se > 0 and "DISABLE_MULTIPROC" not in os.environ
+
+
+def test_evaluate_lm_end_to_end(tmp_path, model, tok, monkeypatch):
+    import multiprocessing
+
     from evals.run_eval import evaluate_lm
 
-    cfg = EvalConfig(ppl_docs=3, ppl_chars=300, mc_questions=12, mc_context_lines=2, batch_size=8)
+    def no_fork(*a, **k):
+        raise AssertionError("evaluate_lm forked")
+
+    monkeypatch.setattr(multiprocessing, "Pool", no_fork)
+    monkeypatch.setattr(os, "fork", no_fork)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    cfg = EvalConfig(ppl_docs=3, ppl_chars=300, mc_questions=12, mc_context_lines=3, batch_size=8)
     flat = evaluate_lm(model, tok, DOCS, tmp_path, cfg, seed=0, name="tiny")
     for k in ("heldout_ppl/word_perplexity", "heldout_ppl/byte_perplexity", "heldout_ppl/bits_per_byte",
-              "heldout_nextline/acc", "heldout_nextline/acc_norm", "eval_s"):
+              "heldout_nextline/acc", "eval_s"):
         assert math.isfinite(flat[k]), k
-    assert 0.0 <= flat["heldout_nextline/acc"] <= 1.0 and 0.0 <= flat["heldout_nextline/acc_norm"] <= 1.0
+    for k in ("heldout_ppl/word_perplexity", "heldout_ppl/byte_perplexity", "heldout_ppl/bits_per_byte",
+              "heldout_nextline/acc"):
+        assert isinstance(flat[f"{k}_stderr"], float) and flat[f"{k}_stderr"] > 0, k
+    assert 0.0 <= flat["heldout_nextline/acc"] <= 1.0 and flat["heldout_nextline/chance"] == 0.25
     assert flat["heldout_ppl/byte_perplexity"] > 1.0
     assert flat["heldout_ppl/bits_per_byte"] == pytest.approx(math.log2(flat["heldout_ppl/byte_perplexity"]), rel=1e-6)
     saved = json.loads((tmp_path / "tiny.json").read_text())
-    assert saved["results"]["heldout_nextline"]["acc,none"] == flat["heldout_nextline/acc"]
+    res = saved["results"]["heldout_nextline"]
+    assert res["acc,none"] == flat["heldout_nextline/acc"]
+    n = flat["heldout_nextline/questions"]  # lm-eval's closed-form stderr of a mean of 0/1 scores
+    acc = flat["heldout_nextline/acc"]
+    assert flat["heldout_nextline/acc_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) / (n - 1)), rel=1e-9)
+    assert set(saved["heldout_nextline_by_kind"]) == {"near", "far", "other_doc"}
+    # Truncation is counted, not silent: every (context, "\n" + answer) pair longer than the window.
+    lm = JaxLM(model, tok)
+    qs = [json.loads(ln) for ln in open(saved["task_files"]["mc_path"])]
+    want = sum(len(sum(lm.split_pair(c, "\n" + q["answer"]), [])) > MAX_LEN + 1 for q in qs for c in q["contexts"])
+    assert want > 0 and flat["truncated_requests"] == want and isinstance(flat["truncated_requests"], int)
