@@ -13,9 +13,14 @@ run::
 :func:`build_report` writes ``RUN/report/``:
 
 ``report.md``
-    The human report: header (run name, date, git commit, package versions), the side-by-side
-    table, the loss gap, hyperparameters, data manifest, token ledger, learner failures and the
-    merges that happened while a learner was down, and the plots (embedded by relative path).
+    The human report: header (run name, date, git commit, package versions), right under the
+    title a bold line when the pipeline was interrupted or failed (``status.json``) and when
+    DiLoCo's lost work crossed a threshold (``work_lost`` in its summary); then the side-by-side
+    table, the loss gap, the lm-eval table (accuracies "0.412 ± 0.035 (chance 0.25)", truncated
+    requests), the bytes on the wire (each byte figure named by what it counts and who counts it),
+    hyperparameters, data manifest, token ledger and lost work, the scheduled chaos events and
+    whether each fired, learner failures and the merges that happened while a learner was down,
+    and the plots (embedded by relative path).
 ``report.json``
     Every number shown in ``report.md``, machine-readable; ``json.loads`` of the file equals the
     dict that :func:`build_report` returns.
@@ -30,8 +35,13 @@ run::
     lines, the downtime shaded. Markers inside a shaded span are merges the syncer made while
     that learner was down.
 
-Units used throughout: tokens (counts of BPE tokens), seconds (wall clock), bytes (payload bytes
-on the wire, as the methods record them), nats (natural-log cross entropy; perplexity = exp(loss)).
+Units used throughout: tokens (counts of BPE tokens), seconds (wall clock), bytes (payload bytes,
+see ``report_render.BYTES_CONVENTION`` for who counts what), nats (natural-log cross entropy;
+perplexity = exp(loss)).
+
+Every figure is computed once, in one function, from one named source (the contract's field
+names; no aliases); every place of ``report.md`` that shows it reads that one value of the report
+dict (rendering lives in ``evals/report_render.py`` and computes nothing).
 
 A run directory is the folder the pipeline creates (``flows.pipeline.make_run_dir``): it holds
 ``config.json`` and, once pretraining ran, ``pretrain/`` (plus ``data/``, ``metrics/``, ``eval/``,
@@ -59,40 +69,46 @@ from typing import Any, Iterable
 from matplotlib.figure import Figure  # the Agg canvas; no pyplot, so thread-safe inside tasks
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
-METHODS = ("diloco", "dp")
-LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
-COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
-NOT_RUN = "not run"
-PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
-PAPER = ('Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Distributed '
-         'Pre-training", arXiv 2604.21428, 2026)')
-
-# The lm-eval metrics in the order the table shows them; anything else found follows, sorted.
-EVAL_METRICS = (
-    ("heldout_ppl/word_perplexity", "held-out word perplexity", "", "{:.3f}"),
-    ("heldout_ppl/byte_perplexity", "held-out byte perplexity", "", "{:.4f}"),
-    ("heldout_ppl/bits_per_byte", "held-out bits per byte", "bits/byte", "{:.4f}"),
-    ("heldout_nextline/acc", "next-line accuracy", "fraction", "{:.4f}"),
-    ("heldout_nextline/acc_norm", "next-line accuracy (length-normalised)", "fraction", "{:.4f}"),
-    ("heldout_ppl/passages", "held-out perplexity passages", "passages", "int"),
-    ("heldout_nextline/questions", "next-line questions", "questions", "int"),
-    ("checkpoint_tokens", "tokens in the evaluated checkpoint", "tokens", "int"),
+from evals.report_render import (  # noqa: F401  (format_value, render_markdown: public here too)
+    BYTES_CONVENTION,
+    LABELS,
+    METHODS,
+    NOT_RUN,
+    PAPER,
+    STALE_DEFINITION,
+    format_value,
+    render_markdown,
+    row_cell,
+    row_label,
 )
 
-# Summary fields and the names the pretraining flows may use for them (first found wins).
-SUMMARY_FIELDS: dict[str, tuple[str, ...]] = {
-    "tokens": ("tokens",),
-    "steps": ("steps",),
-    "wall_s": ("wall_s",),
-    "tokens_per_s": ("tokens_per_s",),
-    "final_val_loss": ("final_val_loss", "final/val_loss", "val/loss", "final_loss"),
-    "merges": ("merges",),
-    "bytes_sent": ("bytes_to_syncer", "bytes_allreduced", "bytes_all_reduced", "bytes_sent"),
-    "bytes_received": ("bytes_from_syncer", "bytes_allreduced", "bytes_all_reduced", "bytes_received"),
-    "params": ("params", "n_params", "num_params"),
-    "flops_per_token": ("flops_per_token",),
-    "goodput": ("goodput",),
+COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
+PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
+
+# lm-eval metric names → (label, unit, format); tasks are discovered from the eval keys
+# ("<task>/<metric>"), these only name and order the metrics we know.
+EVAL_METRIC_NAMES: dict[str, tuple[str, str, str]] = {
+    "word_perplexity": ("word perplexity", "", "{:.3f}"),
+    "byte_perplexity": ("byte perplexity", "", "{:.4f}"),
+    "bits_per_byte": ("bits per byte", "bits/byte", "{:.4f}"),
+    "perplexity": ("perplexity", "", "{:.3f}"),
+    "acc": ("accuracy", "fraction", "{:.3f}"),
+    "acc_norm": ("accuracy (length-normalised)", "fraction", "{:.3f}"),
+    "passages": ("passages", "passages", "int"),
+    "questions": ("questions", "questions", "int"),
 }
+EVAL_TASK_ORDER = ("heldout_ppl", "heldout_nextline")  # first, then any other task, sorted
+CHANCE_METRICS = ("acc", "acc_norm")  # shown with "(chance c)" when "<task>/chance" exists
+# Keys of the eval dict that are not "<task>/<metric>": (key, label, unit, format).
+EVAL_RUN_KEYS = (
+    ("checkpoint_tokens", "tokens in the evaluated checkpoint", "tokens", "int"),
+    ("truncated_requests", "truncated requests (contexts cut to fit the window)", "requests", "int"),
+    ("eval_s", "lm-eval time", "s", "{:.1f}"),
+)
+# Summary fields read as numbers (the contract's names, docs/contracts.md "Summaries").
+SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss", "params",
+                  "flops_per_token", "goodput")
+INJECTED = "InjectedFailure"  # diloco.runtime's exception for a scheduled (chaos) failure
 LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
 RUN_DIR_CONTENTS = (
     "a run directory is the folder the pipeline creates: it holds config.json and, once "
@@ -147,13 +163,6 @@ def _read_jsonl(path: Path) -> list[dict] | None:
     return rows
 
 
-def _first(d: dict, names: Iterable[str]) -> Any:
-    for n in names:
-        if n in d and d[n] is not None:
-            return d[n]
-    return None
-
-
 def _num(x: Any) -> float | int | None:
     """A JSON number as int/float; bools, strings and None → None."""
     if isinstance(x, bool) or x is None:
@@ -187,7 +196,8 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 def _eval_metrics(raw: dict) -> dict[str, float]:
     """Our flat metrics dict, or lm-eval's ``{"results": {task: {"metric,filter": v}}}`` flattened
-    to ``task/metric`` (stderr entries and aliases dropped)."""
+    to ``task/metric`` (standard errors kept as ``task/metric_stderr``; aliases and non-numbers
+    such as "N/A" dropped)."""
     if isinstance(raw.get("results"), dict):
         flat: dict[str, float] = {}
         for task, metrics in raw["results"].items():
@@ -195,7 +205,7 @@ def _eval_metrics(raw: dict) -> dict[str, float]:
                 continue
             for k, v in metrics.items():
                 metric, _, filt = k.partition(",")
-                if "stderr" in metric or _num(v) is None:
+                if _num(v) is None:
                     continue
                 flat[f"{task}/{metric}" + (f",{filt}" if filt and filt != "none" else "")] = _num(v)
         for k in ("eval_s",):
@@ -245,12 +255,13 @@ def _safe_exp(x: float | None) -> float | None:
 
 
 def _merge_time(m: dict) -> float | None:
-    """When the merge took effect: seconds since training start."""
-    return _num(_first(m, ("merged_at_s", "t", "time_s", "quorum_at_s")))
+    """When the merge took effect: ``merged_at_s``, seconds since training start."""
+    return _num(m.get("merged_at_s"))
 
 
 def _event_time(e: dict) -> float | None:
-    return _num(_first(e, ("t", "t_s", "time_s", "wall_s")))
+    """A learner event's ``t``: seconds since training start."""
+    return _num(e.get("t"))
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
@@ -305,6 +316,7 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
                 "reason": f.get("reason"),
                 "restarted_at_s": t_restart,
                 "restart_attempt": restart.get("attempt") if restart else None,
+                "restart_event": restart.get("event") if restart else None,
                 "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
                 "merges_while_down": len(during),
                 "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
@@ -318,33 +330,55 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
     return out
 
 
-def _merge_stats(merges: list[dict]) -> dict:
-    """Counts over the merge log. ``bytes_in`` (submission bytes merged) and ``bytes_out`` (the
-    syncer's publish fan-out: fragment bytes × learners) are summed only when every record has
-    them; otherwise they are None ("not recorded", e.g. records written before ``bytes_out``
-    existed) and ``bytes_*_recorded`` says in how many records they were."""
+def _stale_versions(x: Any) -> int:
+    """A merge record's ``stale`` entry as versions behind (``True`` from older logs counts as 1)."""
+    v = _num(x) if not isinstance(x, bool) else int(x)
+    return int(v) if v is not None and math.isfinite(v) else 0
+
+
+def _merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str]) -> dict:
+    """The merge figures, once: counts from the merge log (the syncer's one line per merge), else
+    the DiLoCo summary's ``merges`` (status "from summary"). A summary count that disagrees with
+    the log is a note; the log's count is the one shown everywhere.
+
+    ``contributions`` counts (merge, contributor) pairs; ``stale_contributions`` those with
+    ``stale`` > 0 (merged into a version newer than the one they were based on) and
+    ``max_stale_versions`` the largest ``stale``. Byte totals are in :func:`_byte_figures`."""
+    summary_count = _num((summary or {}).get("merges"))
+    if merges is None:
+        status = "from summary" if summary_count is not None else NOT_RUN
+        return {"status": status, "count": int(summary_count) if summary_count is not None else None,
+                "source": "pretrain/diloco/summary.json (merges)" if summary_count is not None else None,
+                "by_fragment": {}, "contributions": 0, "mean_contributors": None, "stale_contributions": 0,
+                "max_stale_versions": None, "first_s": None, "last_s": None}
     by_frag: dict[str, int] = {}
-    contributors, stale = [], 0
+    contributors, stale = [], []
     for m in merges:
         k = str(m.get("fragment"))
         by_frag[k] = by_frag.get(k, 0) + 1
         contributors.append(len(m.get("contributors") or []))
-        stale += sum(1 for s in (m.get("stale") or []) if s)
-    sums: dict[str, Any] = {}
-    for key in ("bytes_in", "bytes_out"):
-        vals = [v for m in merges if (v := _num(m.get(key))) is not None]
-        sums[key] = sum(vals) if len(vals) == len(merges) else None
-        sums[f"{key}_recorded"] = len(vals)
+        stale += [_stale_versions(x) for x in (m.get("stale") or [])]
     times = [t for m in merges if (t := _merge_time(m)) is not None]
+    if summary_count is not None and summary_count != len(merges):
+        notes.append(f"DiLoCo summary says {int(summary_count)} merges but the merge log has {len(merges)} "
+                     "lines; the report counts the merge log.")
     return {
+        "status": "ok",
         "count": len(merges),
-        "by_fragment": dict(sorted(by_frag.items())),
+        "source": "metrics/diloco_merges.jsonl",
+        "by_fragment": dict(sorted(by_frag.items(), key=lambda kv: _sort_key(kv[0]))),
+        "contributions": sum(contributors),
         "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
-        "stale_contributions": stale,
-        **sums,
+        "stale_contributions": sum(1 for x in stale if x > 0),
+        "max_stale_versions": max(stale) if stale else None,
         "first_s": min(times) if times else None,
         "last_s": max(times) if times else None,
     }
+
+
+def _sort_key(k: Any) -> tuple:
+    s = str(k)
+    return (0, int(s), "") if s.isdigit() else (1, 0, s)
 
 
 def _learner_table(events: list[dict]) -> list[dict]:
@@ -386,8 +420,7 @@ def _fragments(config: dict | None, summary: dict | None) -> int | None:
     """P, the number of fragments: from config.json, else the DiLoCo summary."""
     p = _num(_nested(config, ("diloco", "fragments")))
     if p is None and summary is not None:
-        hp = _first(summary, ("hyperparameters", "hparams")) or {}
-        p = _num(_first(hp, ("fragments (P)", "fragments"))) if isinstance(hp, dict) else None
+        p = _num(_nested(summary, ("hyperparameters", "fragments (P)")))
         if p is None and isinstance(summary.get("fragment_bytes"), list):
             p = len(summary["fragment_bytes"]) or None
     return int(p) if p else None
@@ -480,6 +513,250 @@ def _curve_summary(rows: list[dict] | None) -> dict:
         "final_loss": _num(last.get("val/loss")),
         "best_loss": min(_num(r["val/loss"]) for r in pts),
     }
+
+
+def _div(x: float | int | None, n: int | None) -> float | int | None:
+    """x / n, an int when it divides evenly; None when either is missing."""
+    if x is None or not n:
+        return None
+    return int(x) // n if float(x).is_integer() and int(x) % n == 0 else x / n
+
+
+def _learner_count(config: dict | None, summary: dict | None) -> int | None:
+    """M: ``diloco.learners`` from config.json, else the DiLoCo summary's hyperparameter."""
+    m = _num(_nested(config, ("diloco", "learners")))
+    if m is None:
+        m = _num(_nested(summary, ("hyperparameters", "learners (M)")))
+    return int(m) if m else None
+
+
+def _byte_figures(config: dict | None, summaries: dict[str, dict | None], merges: list[dict] | None,
+                  notes: list[str]) -> dict:
+    """Every byte figure of the report, computed once (report.json ``bytes``; the tables and the
+    merges section read these values).
+
+    DiLoCo (``diloco``): ``sent`` = learner→syncer submission payload bytes (summary
+    ``bytes_to_syncer``: every submission of every learner and attempt, merged, dropped or
+    pending); ``received`` = syncer→learner pulled bytes (summary ``bytes_from_syncer``);
+    ``merged_in`` / ``published_out`` = the merge log's ``bytes_in`` / ``bytes_out`` summed (None
+    unless every record has the field; ``*_recorded`` says in how many it is).
+
+    DP (``dp``): the ring all-reduce of the gradient, all workers: ``sent`` = summary
+    ``bytes_to_syncer``, ``received`` = ``bytes_from_syncer`` and ``total`` = their sum, which is
+    ``allreduce_bytes`` (half sent, half received). A summary with only ``allreduce_bytes`` is split
+    evenly. Per-learner/worker figures are the totals divided by M.
+    """
+    out: dict[str, Any] = {"definitions": BYTES_CONVENTION}
+    d = summaries.get("diloco")
+    M = _learner_count(config, d)
+    sent = _num(d.get("bytes_to_syncer")) if d else None
+    received = _num(d.get("bytes_from_syncer")) if d else None
+    fig: dict[str, Any] = {
+        "status": "ok" if d is not None else NOT_RUN,
+        "learners": M,
+        "sent": sent,
+        "received": received,
+        "total": sent + received if sent is not None and received is not None else None,
+        "sent_per_learner": _div(sent, M),
+        "received_per_learner": _div(received, M),
+        "merge_records": len(merges or []),
+    }
+    for key, field in (("merged_in", "bytes_in"), ("published_out", "bytes_out")):
+        vals = [v for m in (merges or []) if (v := _num(m.get(field))) is not None]
+        fig[key] = sum(vals) if merges and len(vals) == len(merges) else None
+        fig[f"{key}_recorded"] = len(vals)
+    fig["merged_in_source"] = "metrics/diloco_merges.jsonl (bytes_in)" if merges else None
+    summary_merged = _num(d.get("bytes_merged")) if d else None
+    if merges is None and summary_merged is not None:
+        fig["merged_in"], fig["merged_in_source"] = summary_merged, "pretrain/diloco/summary.json (bytes_merged)"
+    elif summary_merged is not None and fig["merged_in"] is not None and summary_merged != fig["merged_in"]:
+        notes.append(f"DiLoCo summary bytes_merged {int(summary_merged):,} differs from the merge log's "
+                     f"bytes_in total {int(fig['merged_in']):,}; the report shows the merge log's.")
+    out["diloco"] = fig
+
+    p = summaries.get("dp")
+    W = _num(_nested(p, ("hyperparameters", "simulated workers"))) or M
+    W = int(W) if W else None
+    sent = _num(p.get("bytes_to_syncer")) if p else None
+    received = _num(p.get("bytes_from_syncer")) if p else None
+    allreduce = _num(p.get("allreduce_bytes")) if p else None
+    if sent is None and received is None and allreduce is not None:
+        sent = received = _div(allreduce, 2)
+    total = sent + received if sent is not None and received is not None else allreduce
+    if allreduce is not None and total is not None and total != allreduce:
+        notes.append(f"DP summary allreduce_bytes {int(allreduce):,} is not bytes_to_syncer + "
+                     f"bytes_from_syncer = {int(total):,} (a summary written before allreduce_bytes "
+                     "counted both directions); the report shows the sent and received fields.")
+    out["dp"] = {
+        "status": "ok" if p is not None else NOT_RUN,
+        "workers": W,
+        "sent": sent,
+        "received": received,
+        "total": total,
+        "sent_per_worker": _div(sent, W),
+        "received_per_worker": _div(received, W),
+    }
+    return out
+
+
+def _injected_at(reason: Any, at_step: Any) -> bool:
+    """Is ``reason`` the injected (chaos) failure at local step ``at_step``?"""
+    r = str(reason or "")
+    return INJECTED in r and re.search(rf"at local step {int(at_step)}(?!\d)", r) is not None
+
+
+def _chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
+    """The scheduled failures (config ``chaos.failures``) and whether each fired.
+
+    A scheduled ``{"learner": m, "at_step": s}`` fired when a ``failure`` event of learner m has a
+    reason with ``InjectedFailure`` and ``at local step s``; ``fired_at_s`` is that event's t,
+    ``rejoined_at_s`` the t of the learner's next ``start`` (a later attempt), None when it never
+    started again. ``fired`` is None when there is no learners log to tell.
+    """
+    if config is None:
+        return {"status": NOT_RUN + " (no config.json)", "rows": []}
+    scheduled = _nested(config, ("chaos", "failures")) or []
+    last_step: dict[Any, int] = {}
+    for e in events or []:
+        s = _num(e.get("step"))
+        if e.get("learner") is not None and s is not None:
+            lid = _lid(e["learner"])
+            last_step[lid] = max(last_step.get(lid, 0), int(s))
+    used: set[int] = set()
+    rows = []
+    for spec in scheduled:
+        if not isinstance(spec, dict):
+            continue
+        lid, at = _lid(spec.get("learner")), _num(spec.get("at_step"))
+        row: dict[str, Any] = {"learner": lid, "at_step": at,
+                               "event": f"learner {lid} fails at local step {format_value(at)}",
+                               "fired": None, "fired_at_s": None, "failed_attempt": None,
+                               "rejoined_at_s": None, "rejoin_attempt": None, "note": None}
+        if events is not None and at is not None:
+            hit = next((i for i, f in enumerate(failures) if i not in used and f["learner"] == lid
+                        and _injected_at(f["reason"], at)), None)
+            row["fired"] = hit is not None
+            if hit is not None:
+                used.add(hit)
+                f = failures[hit]
+                row["fired_at_s"], row["failed_attempt"] = f["failed_at_s"], f["attempt"]
+                if f.get("restart_event") == "start":
+                    row["rejoined_at_s"], row["rejoin_attempt"] = f["restarted_at_s"], f["restart_attempt"]
+                else:
+                    row["note"] = "no later attempt started"
+            else:
+                seen = last_step.get(lid)
+                row["note"] = (f"learner {lid}'s last logged step: {seen}" if seen is not None
+                               else f"no events of learner {lid} logged")
+        rows.append(row)
+    return {"status": "ok", "rows": rows,
+            "unscheduled_failures": sum(1 for i in range(len(failures)) if i not in used)}
+
+
+def _work_lost(summary: dict | None, ledger: dict) -> dict | None:
+    """DiLoCo's lost work (summary ``work_lost``; None when the summary has none: older runs).
+
+    Drop reasons (tokens) come from ``work_lost.reasons`` when the summary has it, else from the
+    ledger's total ``drop_reasons``; shown as fractions of the processed tokens. ``headline`` is
+    the bold line at the top of report.md when status is not ok.
+    """
+    raw = (summary or {}).get("work_lost")
+    if not isinstance(raw, dict):
+        return None
+    wl = {k: _num(raw.get(k)) for k in ("processed_tokens", "dropped_tokens", "dropped_fraction",
+                                        "warn_above", "fail_above")}
+    wl["status"] = str(raw.get("status") or "unknown")
+    reasons = raw.get("reasons")
+    if not isinstance(reasons, dict):
+        reasons = (ledger.get("total") or {}).get("drop_reasons") if ledger.get("status") == "ok" else None
+    reasons = {str(k): n for k, v in (reasons or {}).items() if (n := _num(v))}
+    processed = wl["processed_tokens"]
+    wl["drop_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+    wl["drop_reason_fractions"] = {k: v / processed for k, v in wl["drop_reasons"].items()} if processed else {}
+    wl["headline"] = None
+    frac = wl["dropped_fraction"]
+    if wl["status"] != "ok" and frac is not None:
+        why = ", ".join(f"{k} {100 * x:.1f} %" for k, x in wl["drop_reason_fractions"].items())
+        counts = (f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
+                  if wl["dropped_tokens"] is not None and processed is not None else "")
+        warn = f"diloco.warn_dropped_fraction = {wl['warn_above']:g}" if wl["warn_above"] is not None else None
+        fail = f"diloco.max_dropped_fraction = {wl['fail_above']:g}" if wl["fail_above"] is not None else None
+        if wl["status"] == "failed":
+            verdict = f"this run failed its {fail or 'diloco.max_dropped_fraction'} check" + (
+                f" (warning above {warn})" if warn else "")
+        else:
+            verdict = f"above {warn or 'diloco.warn_dropped_fraction'}" + (
+                f"; the run fails above {fail}" if fail else "")
+        wl["headline"] = (f"**Warning: {100 * frac:.1f} % of DiLoCo's processed tokens{counts} were dropped"
+                          + (f" ({why})" if why else "") + f"; {verdict}.**")
+    return wl
+
+
+def _pipeline_status(raw: dict | None) -> dict | None:
+    """``status.json`` (None when absent); ``headline`` is the bold top line when the pipeline was
+    interrupted or failed."""
+    if raw is None:
+        return None
+    stages = raw.get("completed_stages")
+    stages = [str(s) for s in stages] if isinstance(stages, list) else []
+    out = {"status": str(raw.get("status") or "unknown"), "completed_stages": stages,
+           "reason": str(raw["reason"]) if raw.get("reason") else None, "headline": None}
+    done = ", ".join(stages) or "none"
+    why = f" ({out['reason']})" if out["reason"] else ""
+    if out["status"] == "interrupted":
+        out["headline"] = (f"**Interrupted: this run stopped before it finished{why}; completed stages: "
+                           f"{done}. Figures of the stages that did not complete are missing below.**")
+    elif out["status"] == "failed":
+        out["headline"] = f"**Failed: the pipeline failed{why}; completed stages: {done}.**"
+    return out
+
+
+def _eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
+    """The lm-eval table rows, discovered from the eval keys: ``<task>/<metric>`` (tasks in
+    EVAL_TASK_ORDER first, then sorted; metrics in EVAL_METRIC_NAMES order, then sorted), then the
+    run-level keys (checkpoint tokens, truncated requests, eval time). Each row carries the
+    per-method ``stderr`` (from ``<key>_stderr``) and, for accuracies, the task's ``chance``."""
+    evals = {m: methods[m]["eval"] for m in METHODS}
+    ran = {m: methods[m]["eval_status"] == "ok" for m in METHODS}
+    keys = set().union(*(e.keys() for e in evals.values()))
+    run_keys = {k for k, *_ in EVAL_RUN_KEYS}
+    metric_keys = [k for k in keys if "/" in k and not k.endswith("_stderr") and not k.endswith("/chance")]
+    known = list(EVAL_METRIC_NAMES)
+
+    def order(k: str) -> tuple:
+        task, metric = k.split("/", 1)
+        t = EVAL_TASK_ORDER.index(task) if task in EVAL_TASK_ORDER else len(EVAL_TASK_ORDER)
+        mi = known.index(metric) if metric in known else len(known)
+        return (t, task, mi, metric)
+
+    rows: list[dict] = []
+
+    def add(key: str, label: str, unit: str, fmt: str, chance: float | None = None) -> None:
+        row = {"key": key, "label": label, "unit": unit, "fmt": fmt, "group": "eval",
+               "stderr": {}, "chance": chance}
+        for m in METHODS:
+            row[m] = evals[m].get(key) if ran[m] else NOT_RUN
+            row["stderr"][m] = evals[m].get(f"{key}_stderr") if ran[m] else None
+        rows.append(row)
+
+    for k in sorted(metric_keys, key=order):
+        task, metric = k.split("/", 1)
+        label, unit, fmt = EVAL_METRIC_NAMES.get(metric, (metric, "", "{:.4f}"))
+        chance = None
+        if metric in CHANCE_METRICS:
+            found = {m: evals[m][f"{task}/chance"] for m in METHODS if f"{task}/chance" in evals[m]}
+            chance = found.get("diloco", found.get("dp"))
+            if len(set(found.values())) > 1:
+                notes.append(f"{task}: chance accuracy differs between the methods' evals "
+                             f"({found}); the table shows DiLoCo's.")
+        add(k, f"{task}: {label}", unit, fmt, chance)
+    for k, label, unit, fmt in EVAL_RUN_KEYS:
+        if k in keys:
+            add(k, label, unit, fmt)
+    for k in sorted(keys - run_keys - set(metric_keys)):
+        if "/" not in k and not k.endswith("_stderr"):
+            add(k, k, "", "{:.4f}")
+    return rows
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,14 +915,15 @@ def _method(
     curve = _curve_summary(curve_rows)
     out: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
+        "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
         "summary_file": str(summary_path.relative_to(run_dir)),
         "eval_status": "ok" if raw_eval is not None else NOT_RUN,
         "eval": _eval_metrics(raw_eval) if raw_eval is not None else {},
         "curve": curve,
         "hyperparameters": {},
     }
-    for field, names in SUMMARY_FIELDS.items():
-        out[field] = _num(_first(summary, names)) if summary is not None else None
+    for field in SUMMARY_FIELDS:
+        out[field] = _num(summary.get(field)) if summary is not None else None
     # The final held-out loss: the summary's, else the last point of the eval curve.
     if out["final_val_loss"] is None and curve.get("final_loss") is not None:
         out["final_val_loss"] = curve["final_loss"]
@@ -662,7 +940,7 @@ def _method(
         out["final_val_loss_source"] = None
     out["final_val_ppl"] = _safe_exp(out["final_val_loss"])
     if summary is not None:
-        hp = _first(summary, ("hyperparameters", "hparams"))
+        hp = summary.get("hyperparameters")
         out["hyperparameters"] = _flatten(hp) if isinstance(hp, dict) else {}
         # tokens/s from tokens and wall time when the summary leaves it out.
         if out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
@@ -670,17 +948,19 @@ def _method(
     return out, summary
 
 
-def _comparison(methods: dict[str, dict]) -> list[dict]:
-    """Rows of the side-by-side table: value per method (None = not recorded, "not run")."""
+def _comparison(methods: dict[str, dict], merges: dict, byte_figs: dict, eval_rows: list[dict]) -> list[dict]:
+    """Rows of the side-by-side tables (value per method; None = not recorded, "not run"), each
+    with a ``group``: "training" (the comparison table), "eval" (:func:`_eval_rows`) and "bytes"
+    (read from ``byte_figs``, the one computation of every byte figure)."""
 
     rows: list[dict] = []
 
-    def add(key: str, label: str, unit: str, fmt: str, from_eval: bool = False) -> None:
-        row = {"key": key, "label": label, "unit": unit, "fmt": fmt}
+    def add(key: str, label: str, unit: str, fmt: str, values: dict | None = None) -> None:
+        row = {"key": key, "label": label, "unit": unit, "fmt": fmt, "group": "training"}
         for m in METHODS:
             info = methods[m]
-            if from_eval:
-                row[m] = info["eval"].get(key) if info["eval_status"] == "ok" else NOT_RUN
+            if values is not None:
+                row[m] = values[m]
             elif info["status"] == "ok" or info.get(key) is not None:
                 row[m] = info.get(key)  # None: the summary did not record it ("—")
             else:
@@ -695,19 +975,42 @@ def _comparison(methods: dict[str, dict]) -> list[dict]:
         add("goodput", "goodput", "fraction", "{:.3f}")
     add("final_val_loss", "final held-out loss", "nats/token", "{:.4f}")
     add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
-    known = [k for k, *_ in EVAL_METRICS]
-    present = set().union(*(methods[m]["eval"].keys() for m in METHODS))
-    for k, label, unit, fmt in EVAL_METRICS:
-        if k in present or not present:
-            add(k, label, unit, fmt, from_eval=True)
-    for k in sorted(present - set(known) - {"eval_s"}):
-        add(k, k, "", "{:.4f}", from_eval=True)
-    add("eval_s", "lm-eval time", "s", "{:.1f}", from_eval=True)
-    add("merges", "merges (DiLoCo)", "merges", "int")
-    add("bytes_sent", "bytes to syncer / all-reduced (DP)", "bytes", "bytes")
-    add("bytes_received", "bytes from syncer / all-reduced (DP)", "bytes", "bytes")
+    add("merges", "merges (DiLoCo)", "merges", "int", {
+        "diloco": merges["count"] if merges["count"] is not None or methods["diloco"]["status"] == "ok" else NOT_RUN,
+        "dp": None if methods["dp"]["status"] == "ok" else NOT_RUN,
+    })
     add("params", "parameters", "", "int")
     add("flops_per_token", "training FLOPs per token", "FLOPs", "{:.4g}")
+    rows += eval_rows
+
+    d, p = byte_figs["diloco"], byte_figs["dp"]
+
+    def val(fig: dict, key: str) -> Any:
+        return fig.get(key) if fig["status"] == "ok" else NOT_RUN
+
+    no_syncer = "n/a (no syncer)"
+    both = "learners (DiLoCo) / ring model (DP)"
+    for key, label, by, dk, pk in (
+        ("bytes_sent", "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; "
+         "DP: ring all-reduce sends)", both, "sent", "sent"),
+        ("bytes_received", "bytes received, all learners/workers (DiLoCo: syncer→learner pulled "
+         "fragments; DP: ring all-reduce receives)", both, "received", "received"),
+        ("bytes_total", "bytes sent + received, all learners/workers (DP: the all-reduce bytes)", both,
+         "total", "total"),
+        ("bytes_sent_per_worker", "bytes sent per learner/worker (all ÷ M)", both, "sent_per_learner",
+         "sent_per_worker"),
+        ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)", both,
+         "received_per_learner", "received_per_worker"),
+        ("bytes_merged_in", "merge-log bytes_in: submission bytes merged", "syncer", "merged_in", None),
+        ("bytes_published_out", "merge-log bytes_out: published, fragment bytes × M per merge", "syncer",
+         "published_out", None),
+    ):
+        rows.append({"key": key, "label": label, "unit": "", "fmt": "bytes", "group": "bytes",
+                     "counted_by": by, "diloco": val(d, dk), "dp": val(p, pk) if pk else no_syncer})
+    for r in rows[-2:]:  # merge-log totals some records lack: "not recorded", never a partial sum
+        fig_key = "merged_in" if r["key"] == "bytes_merged_in" else "published_out"
+        if d["status"] == "ok" and d[fig_key] is None and d[f"{fig_key}_recorded"]:
+            r["diloco"] = f"not recorded (in {d[f'{fig_key}_recorded']} of {d['merge_records']} merge records)"
     return rows
 
 
@@ -769,11 +1072,14 @@ def build_report(run_dir: Path) -> dict:
     The returned dict is exactly what ``report.json`` holds. Its main entries:
     ``run`` (name, run_dir, generated_at, git_commit, versions), ``methods`` (per method: status,
     tokens, steps, wall_s [s], tokens_per_s, final_val_loss [nats/token], final_val_ppl, eval
-    metrics, merges, bytes_sent / bytes_received [bytes], params, flops_per_token, hyperparameters,
-    curve summary), ``comparison`` (the side-by-side rows), ``loss_gap`` (DiLoCo's final held-out
-    loss relative to DP's, in %), ``manifest``, ``ledger`` (tokens per learner), ``merges``,
-    ``learners``, ``failures`` (downtime [s] and merges while down), ``plots`` (file names relative
-    to ``report/``, or None when not drawn) and ``notes``.
+    metrics, params, flops_per_token, hyperparameters, curve summary), ``comparison`` (the rows of
+    the side-by-side tables, ``group`` "training", "eval" or "bytes"), ``loss_gap`` (DiLoCo's final
+    held-out loss relative to DP's, in %), ``bytes`` (every byte figure, computed once: see
+    :func:`_byte_figures`), ``manifest``, ``ledger`` (tokens per learner), ``work_lost`` (None for
+    runs whose summary has none), ``pipeline`` (``status.json``, or None), ``chaos`` (scheduled
+    failures and whether each fired), ``merges`` (counts, stale contributions), ``learners``,
+    ``failures`` (downtime [s] and merges while down), ``plots`` (file names relative to
+    ``report/``, or None when not drawn) and ``notes``.
 
     Raises :class:`ReportInputError` naming the path when ``run_dir`` does not exist or is not a
     run directory (neither ``config.json`` nor ``pretrain/``; nothing is written then), and naming
@@ -796,6 +1102,7 @@ def build_report(run_dir: Path) -> dict:
     curves = {m: _read_jsonl(run_dir / "metrics" / f"{m}_eval.jsonl") for m in METHODS}
     merges = _read_jsonl(run_dir / "metrics" / "diloco_merges.jsonl")
     events = _read_jsonl(run_dir / "metrics" / "diloco_learners.jsonl")
+    status = _read_json(run_dir / "status.json")
 
     methods, summaries = {}, {}
     for m in METHODS:
@@ -832,9 +1139,20 @@ def build_report(run_dir: Path) -> dict:
         for k in hp_keys
     ]
 
+    ledger = _ledger(summaries["diloco"], _fragments(config, summaries["diloco"]))
+    work_lost = _work_lost(summaries["diloco"], ledger)
+    if work_lost and ledger["status"] == "ok" and work_lost["dropped_tokens"] is not None:
+        diff = work_lost["dropped_tokens"] - (ledger["total"].get("dropped") or 0)
+        if abs(diff) > (ledger["tolerance"] or 1) * max(len(ledger["rows"]), 1):
+            notes.append(f"work_lost.dropped_tokens {int(work_lost['dropped_tokens']):,} differs from the "
+                         f"ledger's total dropped {ledger['total'].get('dropped') or 0:,} by {int(diff):+,} tokens.")
+    merge_stats = _merge_stats(merges, summaries["diloco"], notes)
+    byte_figs = _byte_figures(config, summaries, merges, notes)
+    eval_rows = _eval_rows(methods, notes)
+
     run_name = (config or {}).get("name") or run_dir.name
     report: dict[str, Any] = {
-        "schema": 1,
+        "schema": 2,
         "run": {
             "name": run_name,
             "run_dir": str(run_dir.resolve()),
@@ -845,15 +1163,19 @@ def build_report(run_dir: Path) -> dict:
         },
         "setup": _setup(config),
         "methods": methods,
-        "comparison": _comparison(methods),
+        "pipeline": _pipeline_status(status),
+        "work_lost": work_lost,
+        "comparison": _comparison(methods, merge_stats, byte_figs, eval_rows),
+        "bytes": byte_figs,
         "loss_gap": loss_gap,
         "hyperparameters": hyper,
         "manifest": {
             "status": "ok" if manifest is not None else NOT_RUN,
             "items": _manifest_items(manifest) if manifest is not None else [],
         },
-        "ledger": _ledger(summaries["diloco"], _fragments(config, summaries["diloco"])),
-        "merges": {"status": "ok" if merges is not None else NOT_RUN, **_merge_stats(merges or [])},
+        "ledger": ledger,
+        "chaos": _chaos(config, events, failures),
+        "merges": merge_stats,
         "learners": {
             "status": "ok" if events is not None else NOT_RUN,
             "rows": _learner_table(events or []),
@@ -885,237 +1207,6 @@ def build_report(run_dir: Path) -> dict:
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     (out_dir / "report.md").write_text(render_markdown(report))
     return report
-
-
-# --------------------------------------------------------------------------------------------
-# Markdown
-# --------------------------------------------------------------------------------------------
-
-
-def format_value(v: Any, fmt: str = "") -> str:
-    """A table cell: ``None`` → "—", strings as is, ints with thousands separators,
-    ``fmt == "bytes"`` → "12,345,678 (11.8 MiB)", otherwise ``fmt.format(v)``."""
-    if v is None:
-        return "—"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v, separators=(", ", ": "))
-    if fmt == "bytes":
-        n, unit = float(v), "B"
-        for u in ("KiB", "MiB", "GiB", "TiB"):
-            if abs(n) < 1024:
-                break
-            n, unit = n / 1024, u
-        return f"{int(v):,}" + (f" ({n:.1f} {unit})" if unit != "B" else "")
-    if fmt == "int" or (isinstance(v, int) and not fmt):
-        return f"{int(round(v)):,}"
-    if fmt:
-        try:
-            return fmt.format(v)
-        except (ValueError, TypeError):
-            return str(v)
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
-
-
-def _cell_text(x: Any) -> str:
-    return str(x).replace("|", "\\|").replace("\n", " ")
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(_cell_text(c) for c in r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
-def _bytes_or_missing(mg: dict, key: str) -> str:
-    """A merge-log byte total, or "not recorded" when (some) merge records lack the field."""
-    if mg.get(key) is not None:
-        return format_value(mg[key], "bytes")
-    n, of = mg.get(f"{key}_recorded", 0), mg.get("count", 0)
-    return "not recorded" + (f" (in {n} of {of} merge records)" if n else "")
-
-
-def render_markdown(report: dict) -> str:
-    """The ``report.md`` text for a report dict from :func:`build_report` (pure)."""
-    run, methods = report["run"], report["methods"]
-    L: list[str] = []
-    L.append(f"# Run report: {run['name']}")
-    L.append("")
-    L.append(f"{PAPER} compared with a data-parallel baseline on the same data and token budget.")
-    L.append("")
-    vers = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
-    L.append(f"- run directory: `{run['run_dir']}`")
-    L.append(f"- generated: {run['generated_at']}")
-    L.append(f"- git commit: `{run['git_commit']}`")
-    L.append(f"- versions: {vers}")
-    for m in METHODS:
-        if methods[m]["status"] != "ok":
-            L.append(f"- {LABELS[m]} pretraining: **{NOT_RUN}**")
-        if methods[m]["eval_status"] != "ok":
-            L.append(f"- {LABELS[m]} lm-eval: **{NOT_RUN}**")
-    L.append("")
-
-    if report.get("setup"):
-        L.append("## Setup")
-        L.append("")
-        L.append(_table(["setting", "value"], [[k, format_value(v)] for k, v in report["setup"].items()]))
-        L.append("")
-
-    L.append("## DiLoCo vs data-parallel")
-    L.append("")
-    rows = []
-    for r in report["comparison"]:
-        label = r["label"] + (f" ({r['unit']})" if r["unit"] else "")
-        rows.append([label] + [format_value(r[m], r["fmt"]) for m in METHODS])
-    L.append(_table(["metric", LABELS["diloco"], LABELS["dp"]], rows))
-    L.append("")
-    L.append("Loss is the mean next-token cross entropy on the same held-out batches for both methods "
-             "(nats/token; DiLoCo measured on the syncer's global parameters). Bytes are payload bytes "
-             "as each method recorded them: DiLoCo learner→syncer and syncer→learner; DP the all-reduced "
-             "gradient bytes.")
-    L.append("")
-    gap = report["loss_gap"]
-    if gap["status"] == "ok":
-        L.append(
-            f"**Loss gap:** DiLoCo's final held-out loss is {gap['gap_pct']:+.2f}% relative to DP's "
-            f"(100 × ({gap['diloco_loss']:.4f} − {gap['dp_loss']:.4f}) / {gap['dp_loss']:.4f}); "
-            "negative means DiLoCo is better."
-        )
-    else:
-        L.append(f"**Loss gap:** {gap['status']} ({gap['why']}).")
-    L.append("")
-
-    L.append("## Held-out loss curves")
-    L.append("")
-    for key, alt in (("loss_vs_tokens", "held-out loss vs training tokens"),
-                     ("loss_vs_time", "held-out loss vs wall-clock seconds")):
-        p = report["plots"].get(key)
-        L.append(f"![{alt}]({p})" if p else f"*{alt}: {NOT_RUN} (no eval curve).*")
-        L.append("")
-    crow = [[LABELS[m], c.get("points", 0), format_value(c.get("final_tokens"), "int"),
-             format_value(c.get("final_wall_s"), "{:.1f}"), format_value(c.get("final_loss"), "{:.4f}"),
-             format_value(c.get("best_loss"), "{:.4f}")]
-            for m in METHODS for c in [methods[m]["curve"]]]
-    L.append(_table(["method", "points", "last tokens", "last wall (s)", "last loss (nats)", "best loss (nats)"], crow))
-    L.append("")
-
-    L.append("## Hyperparameters")
-    L.append("")
-    if report["hyperparameters"]:
-        L.append(_table(["hyperparameter", LABELS["diloco"], LABELS["dp"]],
-                        [[h["name"], format_value(h["diloco"]), format_value(h["dp"])]
-                         for h in report["hyperparameters"]]))
-    else:
-        L.append(f"*{NOT_RUN}: no method summary recorded hyperparameters.*")
-    L.append("")
-
-    L.append("## Data")
-    L.append("")
-    man = report["manifest"]
-    if man["status"] == "ok":
-        L.append(_table(["manifest field", "value"], man["items"]))
-    else:
-        L.append(f"*data manifest: {NOT_RUN}.*")
-    L.append("")
-
-    L.append("## DiLoCo token ledger (tokens per learner)")
-    L.append("")
-    led = report["ledger"]
-    if led["status"] == "ok":
-        cols = led["columns"]
-        def _lcell(v: Any) -> str:
-            if isinstance(v, dict):
-                return "; ".join(f"{k}: {format_value(x, 'int')}" for k, x in v.items()) or "—"
-            return format_value(v, "int")
-
-        rows = [[r["learner"]] + [_lcell(r[c]) for c in cols] + [format_value(r["merged_pct"], "{:.1f}")]
-                for r in [*led["rows"], led["total"]]]
-        L.append(_table(["learner"] + cols + ["merged % of processed"], rows))
-        L.append("")
-        p = led.get("fragments")
-        tol = f"±{led['tolerance']} tokens (P = {p})" if p else f"±{led['tolerance']} token"
-        L.append(
-            "Tokens per learner: processed = trained on, submitted = sent to the syncer, not_submitted "
-            "= processed but never sent (progress overwritten when a newer global fragment arrived, or "
-            "still local at stop"
-            + ("; computed here as processed − submitted, as this summary does not record it"
-               if led.get("not_submitted_computed") else "")
-            + "), merged = in a merged global fragment, dropped = rejected by the syncer (drop_reasons "
-            "by reason), pending = submitted but not yet merged at stop, attempts = task attempts; "
-            "the syncer's counts are averaged over the P fragments and rounded, and per learner "
-            f"processed = submitted + not_submitted and submitted = merged + dropped + pending hold "
-            f"within {tol}."
-        )
-        for v in led.get("identity_violations") or []:
-            L.append("")
-            L.append(f"**Ledger check failed:** learner {v['learner']}: {v['identity']} is off by "
-                     f"{v['difference']:+,} tokens (more than {tol}).")
-    else:
-        L.append(f"*token ledger: {led['status']}.*")
-    L.append("")
-
-    L.append("## Merges and learner failures")
-    L.append("")
-    mg = report["merges"]
-    if mg["status"] == "ok":
-        by = ", ".join(f"fragment {k}: {v}" for k, v in mg["by_fragment"].items()) or "none"
-        L.append(
-            f"{mg['count']} merges ({by}); mean contributors per merge "
-            f"{format_value(mg['mean_contributors'], '{:.2f}')}; stale contributions "
-            f"{mg['stale_contributions']}; bytes into merges (learner submissions merged) "
-            f"{_bytes_or_missing(mg, 'bytes_in')}, bytes out (syncer publishes: fragment bytes × "
-            f"learners) {_bytes_or_missing(mg, 'bytes_out')}; from "
-            f"{format_value(mg['first_s'], '{:.1f}')} s to {format_value(mg['last_s'], '{:.1f}')} s."
-        )
-    else:
-        L.append(f"*merge log: {NOT_RUN}.*")
-    L.append("")
-    lt = report["learners"]
-    if lt["status"] == "ok" and lt["rows"]:
-        L.append(_table(["learner", "starts", "failures", "dropped submissions", "last step", "ended by"],
-                        [[r["learner"], r["starts"], r["failures"], r["dropped_submissions"],
-                          format_value(r["last_step"]), format_value(r["ended"])] for r in lt["rows"]]))
-        L.append("")
-    if report["failures"]:
-        rows = []
-        for f in report["failures"]:
-            rows.append([
-                f["learner"], format_value(f["attempt"]), format_value(f["failed_at_s"], "{:.1f}"),
-                format_value(f["failed_at_step"]), format_value(f["reason"]),
-                format_value(f["restarted_at_s"], "{:.1f}") if f["restarted_at_s"] is not None else "never",
-                format_value(f["downtime_s"], "{:.1f}"), f["merges_while_down"],
-                ", ".join(f"{k}: {v}" for k, v in f["merges_while_down_by_fragment"].items()) or "—",
-                f["merges_while_down_with_learner"],
-                "yes" if f["merged_again_after_restart"] else "no",
-            ])
-        L.append(_table(
-            ["learner", "attempt", "failed at (s)", "at step", "reason", "restarted at (s)", "down for (s)",
-             "merges while down", "by fragment", "…of which with its earlier submissions",
-             "its submissions merged after restart"],
-            rows,
-        ))
-        L.append("")
-        L.append("Merges while down count every merge the syncer made between the failure and the "
-                 "learner's next start (seconds since training start), i.e. training that continued "
-                 "without it.")
-    elif lt["status"] == "ok":
-        L.append("No learner failures.")
-    else:
-        L.append(f"*learner events: {NOT_RUN}.*")
-    L.append("")
-    if report["plots"].get("merges_over_time"):
-        L.append(f"![merges per fragment over time]({report['plots']['merges_over_time']})")
-        L.append("")
-
-    if report["notes"]:
-        L.append("## Notes")
-        L.append("")
-        L += [f"- {n}" for n in report["notes"]]
-        L.append("")
-    return "\n".join(L)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1152,14 +1243,8 @@ def publish_report_artifacts(report: dict, run_dir: Path) -> None:
     name = report["run"]["name"]
     where = f"run directory {report['run']['run_dir']}"
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"DiLoCo vs DP report, {where}")
-    table = [
-        {
-            "metric": r["label"] + (f" ({r['unit']})" if r["unit"] else ""),
-            "diloco": format_value(r["diloco"], r["fmt"]),
-            "dp": format_value(r["dp"], r["fmt"]),
-        }
-        for r in report["comparison"]
-    ]
+    table = [{"metric": row_label(r), "diloco": row_cell(r, "diloco"), "dp": row_cell(r, "dp")}
+             for r in report["comparison"]]
     gap = report["loss_gap"]
     table.append({
         "metric": "loss gap DiLoCo vs DP (%)",

@@ -1,7 +1,8 @@
 """The run report, on a small synthetic run directory whose numbers can be checked by hand.
 
-The run: 2 learners, 2 fragments, 32,768 tokens per method. Learner 1 fails at t = 8 s (step 40),
-a retry is scheduled at t = 9 s and attempt 1 starts at t = 12 s, so it is down for 4 s.
+The run: 2 learners, 2 fragments, 32,768 tokens per method. Learner 1's scheduled (chaos) failure
+at local step 40 fires at t = 8 s (attempt 1; the exchange's last completed step is 39), a retry is
+scheduled at t = 9 s and attempt 2 starts at t = 12 s, so it is down for 4 s.
 Merges (seconds since training start, fragment, contributors):
     2.0 f0 [0,1] | 4.0 f1 [0,1] | 6.0 f0 [0,1]          before the failure
     8.5 f1 [0]   | 10.0 f0 [0]  | 11.5 f1 [0,1 (stale)]  while learner 1 is down → 3 merges,
@@ -10,6 +11,12 @@ Merges (seconds since training start, fragment, contributors):
 Final held-out losses: DiLoCo 3.30, DP 3.00 nats → gap = 100 × (3.30 − 3.00) / 3.00 = +10.00 %.
 Token ledger (P = 2): learner 1 processed 14,336 = submitted 12,288 + not submitted 2,048, and
 submitted 12,288 = merged 10,240 + dropped 1,024 + pending 1,024.
+Bytes (4,096 bytes per fragment): 16 submissions sent (14 merged, 1 dropped, 1 pending) = 65,536
+bytes to the syncer; 20 fragment pulls = 81,920 bytes from it; the merge log's bytes_in = 14 × 4,096
+and bytes_out = 8 × 4,096 × 2. DP: 123,456 float32 parameters = 493,824 gradient bytes; a ring
+all-reduce over M = 2 workers sends 2(M−1)/M × 493,824 per worker per step and receives as many, so
+64 steps make 31,604,736 sent per worker, 63,209,472 sent by both, as many received, and
+126,418,944 all-reduce bytes (sent + received).
 """
 
 from __future__ import annotations
@@ -98,14 +105,15 @@ def _make_run(root: Path) -> Path:
         for v, (t, f, c, s) in enumerate(MERGES)
     ])
     _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
-        {"event": "start", "learner": 0, "attempt": 0, "t": 0.0, "step": 0, "reason": ""},
-        {"event": "start", "learner": 1, "attempt": 0, "t": 0.1, "step": 0, "reason": ""},
-        {"event": "step", "learner": 1, "step": 39, "train/loss": 4.0, "tokens": 9984, "t": 7.9},
-        {"event": "failure", "learner": 1, "attempt": 0, "t": 8.0, "step": 40, "reason": "injected failure"},
-        {"event": "retry", "learner": 1, "attempt": 0, "t": 9.0, "step": 40, "reason": "prefect retry"},
-        {"event": "start", "learner": 1, "attempt": 1, "t": 12.0, "step": 40, "reason": "resume"},
-        {"event": "stop", "learner": 0, "attempt": 0, "t": 20.0, "step": 144, "reason": "budget"},
-        {"event": "stop", "learner": 1, "attempt": 1, "t": 20.0, "step": 112, "reason": "budget"},
+        {"event": "start", "learner": 0, "attempt": 1, "t": 0.0, "step": 0},
+        {"event": "start", "learner": 1, "attempt": 1, "t": 0.1, "step": 0},
+        {"event": "step", "learner": 1, "step": 30, "train/loss": 4.0, "tokens": 7680, "t": 7.9},
+        {"event": "failure", "learner": 1, "attempt": 1, "t": 8.0, "step": 39,
+         "reason": "InjectedFailure('learner 1: injected failure at local step 40')"},
+        {"event": "retry", "learner": 1, "attempt": 1, "t": 9.0, "step": 39, "reason": "prefect retry"},
+        {"event": "start", "learner": 1, "attempt": 2, "t": 12.0, "step": 39},
+        {"event": "stop", "learner": 0, "attempt": 1, "t": 20.0, "step": 144, "reason": "budget"},
+        {"event": "stop", "learner": 1, "attempt": 2, "t": 20.0, "step": 112, "reason": "budget"},
         # The syncer appends its own events (a dropped submission) at the end of the run.
         {"event": "dropped", "learner": 1, "fragment": 0, "reason": "stale", "tokens": 1024,
          "base_version": 2, "t": 13.0, "source": "syncer"},
@@ -113,10 +121,11 @@ def _make_run(root: Path) -> Path:
     _write(run / "pretrain" / "diloco" / "summary.json", {
         "method": "diloco",
         "hyperparameters": {"inner": INNER, "outer_lr": 0.7, "outer_momentum": 0.9, "sync_every": 8,
-                            "fragments": 2, "learners": 2, "batch_size": 4},
+                            "fragments (P)": 2, "learners (M)": 2, "batch_size": 4},
         "tokens": 32768, "steps": 256, "wall_s": 20.0, "tokens_per_s": 1638.4,
         "final_val_loss": 3.30, "merges": 8,
-        "bytes_to_syncer": 57344, "bytes_from_syncer": 2_097_152,
+        "bytes_to_syncer": 16 * 4096, "bytes_merged": 14 * 4096, "bytes_from_syncer": 20 * 4096,
+        "fragment_bytes": [4096, 4096],
         # Integer token counts, drop reasons and attempts (processed = submitted + not_submitted,
         # submitted = merged + dropped + pending).
         "ledger": {"0": {"processed": 18432, "submitted": 18432, "not_submitted": 0, "merged": 18432,
@@ -127,20 +136,31 @@ def _make_run(root: Path) -> Path:
     })
     _write(run / "pretrain" / "dp" / "summary.json", {
         "method": "dp",
-        "hyperparameters": {"inner": INNER, "batch_size": 8},
+        "hyperparameters": {"inner": INNER, "batch_size": 8, "simulated workers": 2},
         "tokens": 32768, "steps": 64, "wall_s": 28.0, "tokens_per_s": 1170.2857,
-        "final_val_loss": 3.00, "bytes_allreduced": 31_604_736,
+        "final_val_loss": 3.00, "merges": None,
+        "bytes_to_syncer": 63_209_472, "bytes_from_syncer": 63_209_472, "allreduce_bytes": 126_418_944,
         "params": 123456, "flops_per_token": 812345.0,
     })
     _write(run / "eval" / "diloco.json", {
-        "heldout_ppl/word_perplexity": 85.25, "heldout_ppl/byte_perplexity": 2.6103,
-        "heldout_ppl/bits_per_byte": 1.3842, "heldout_nextline/acc": 0.31,
-        "heldout_nextline/acc_norm": 0.335, "eval_s": 12.5,
+        "method": "diloco", "checkpoint_tokens": 32768,
+        "heldout_ppl/word_perplexity": 85.25, "heldout_ppl/word_perplexity_stderr": 1.5,
+        "heldout_ppl/byte_perplexity": 2.6103, "heldout_ppl/bits_per_byte": 1.3842,
+        "heldout_ppl/passages": 40,
+        "heldout_nextline/acc": 0.31, "heldout_nextline/acc_stderr": 0.035,
+        "heldout_nextline/acc_norm": 0.335, "heldout_nextline/acc_norm_stderr": 0.036,
+        "heldout_nextline/chance": 0.25, "heldout_nextline/questions": 200,
+        "truncated_requests": 3, "eval_s": 12.5,
     })
     _write(run / "eval" / "dp.json", {
-        "heldout_ppl/word_perplexity": 70.5, "heldout_ppl/byte_perplexity": 2.5012,
-        "heldout_ppl/bits_per_byte": 1.3227, "heldout_nextline/acc": 0.345,
-        "heldout_nextline/acc_norm": 0.36, "eval_s": 11.0,
+        "method": "dp", "checkpoint_tokens": 32768,
+        "heldout_ppl/word_perplexity": 70.5, "heldout_ppl/word_perplexity_stderr": 1.25,
+        "heldout_ppl/byte_perplexity": 2.5012, "heldout_ppl/bits_per_byte": 1.3227,
+        "heldout_ppl/passages": 40,
+        "heldout_nextline/acc": 0.345, "heldout_nextline/acc_stderr": 0.0336,
+        "heldout_nextline/acc_norm": 0.36, "heldout_nextline/acc_norm_stderr": 0.034,
+        "heldout_nextline/chance": 0.25, "heldout_nextline/questions": 200,
+        "truncated_requests": 0, "eval_s": 11.0,
     })
     return run
 
@@ -171,15 +191,15 @@ def test_table_has_the_right_numbers(built):
     assert _row(report, "final_val_loss")["dp"] == 3.0
     assert _row(report, "final_val_ppl")["diloco"] == pytest.approx(math.exp(3.3))  # 27.1126
     assert _row(report, "merges")["diloco"] == 8 and _row(report, "merges")["dp"] is None
-    # DP's all-reduced bytes are read from its own field name.
-    assert _row(report, "bytes_sent")["dp"] == 31_604_736
+    # DP's ring all-reduce: half of allreduce_bytes sent, half received (all workers).
+    assert _row(report, "bytes_sent")["dp"] == 63_209_472 == _row(report, "bytes_received")["dp"]
+    assert _row(report, "bytes_total")["dp"] == 126_418_944
     assert _row(report, "heldout_nextline/acc")["dp"] == 0.345
     assert "| training tokens (tokens) | 32,768 | 32,768 |" in md
     assert "| optimizer steps (DiLoCo: inner steps summed over learners) (steps) | 256 | 64 |" in md
     assert "| final held-out loss (nats/token) | 3.3000 | 3.0000 |" in md
     assert "| final held-out perplexity exp(loss) | 27.113 | 20.086 |" in md
-    assert "| held-out word perplexity | 85.250 | 70.500 |" in md
-    assert "| bytes from syncer / all-reduced (DP) (bytes) | 2,097,152 (2.0 MiB) | 31,604,736 (30.1 MiB) |" in md
+    assert "| heldout_ppl: word perplexity | 85.250 ± 1.500 | 70.500 ± 1.250 |" in md
     assert "| merges (DiLoCo) (merges) | 8 | — |" in md
     # Header: versions and a git commit (or "unknown" where there is no commit yet).
     assert "- git commit: `" in md and "prefect 3.9.1" in md and "lm_eval" in md
@@ -202,15 +222,17 @@ def test_loss_gap_percent(built):
 def test_merges_while_learner_down(built):
     run_dir, report, md = built
     (f,) = report["failures"]
-    assert f["learner"] == 1 and f["failed_at_s"] == 8.0 and f["failed_at_step"] == 40
-    # The retry event at 9 s is not the restart; the start of attempt 1 at 12 s is.
+    assert f["learner"] == 1 and f["failed_at_s"] == 8.0 and f["failed_at_step"] == 39
+    # The retry event at 9 s is not the restart; the start of attempt 2 at 12 s is.
     assert f["restarted_at_s"] == 12.0 and f["downtime_s"] == 4.0
     assert f["merges_while_down"] == 3  # 8.5, 10.0, 11.5
     assert f["merges_while_down_by_fragment"] == {"0": 1, "1": 2}
     assert f["merges_while_down_with_learner"] == 1  # the stale one at 11.5
     assert f["merged_again_after_restart"] is True
     assert f["first_merge_with_learner_after_restart_s"] == 14.0
-    assert "| 1 | 0 | 8.0 | 40 | injected failure | 12.0 | 4.0 | 3 | 0: 1, 1: 2 | 1 | yes |" in md
+    assert f["restart_event"] == "start" and f["restart_attempt"] == 2
+    assert ("| 1 | 1 | 8.0 | 39 | InjectedFailure('learner 1: injected failure at local step 40') | 12.0 "
+            "| 4.0 | 3 | 0: 1, 1: 2 | 1 | yes |") in md
 
 
 def test_downtime_window_is_half_open():
@@ -298,21 +320,25 @@ def test_ledger_identity_violation_is_reported(run_dir: Path):
 def test_merge_bytes_out(built, run_dir: Path):
     _, report, md = built
     # 8 merges × (4,096 fragment bytes × 2 learners) published; submissions merged: 14 × 4,096.
-    assert report["merges"]["bytes_out"] == 8 * 8192 and report["merges"]["bytes_in"] == 14 * 4096
-    assert "bytes out (syncer publishes: fragment bytes × learners) 65,536 (64.0 KiB)" in md
+    fig = report["bytes"]["diloco"]
+    assert fig["published_out"] == 8 * 8192 and fig["merged_in"] == 14 * 4096
+    assert "bytes_out (syncer publishes: fragment bytes × learners) 65,536 (64.0 KiB)." in md
     # Records written before bytes_out existed: "not recorded", never 0.
     path = run_dir / "metrics" / "diloco_merges.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out"} for r in rows])
     old = build_report(run_dir)
-    assert old["merges"]["bytes_out"] is None and old["merges"]["bytes_in"] == 14 * 4096
+    assert old["bytes"]["diloco"]["published_out"] is None and old["bytes"]["diloco"]["merged_in"] == 14 * 4096
     old_md = (run_dir / "report" / "report.md").read_text()
-    assert "bytes out (syncer publishes: fragment bytes × learners) not recorded;" in old_md
-    # Some records with it, some without: still not a total.
+    assert "bytes_out (syncer publishes: fragment bytes × learners) not recorded." in old_md
+    assert "| merge-log bytes_out: published, fragment bytes × M per merge | syncer | — |" in old_md
+    # Some records with it, some without: still not a total, in the table and in the merges section.
     _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out" or i < 3} for i, r in enumerate(rows)])
     mixed = build_report(run_dir)
-    assert mixed["merges"]["bytes_out"] is None and mixed["merges"]["bytes_out_recorded"] == 3
-    assert "not recorded (in 3 of 8 merge records)" in (run_dir / "report" / "report.md").read_text()
+    assert mixed["bytes"]["diloco"]["published_out"] is None
+    assert mixed["bytes"]["diloco"]["published_out_recorded"] == 3
+    mixed_md = (run_dir / "report" / "report.md").read_text()
+    assert mixed_md.count("not recorded (in 3 of 8 merge records)") == 2
 
 
 def test_loss_plot_final_is_the_last_row_when_tokens_tie(run_dir: Path):
@@ -385,11 +411,18 @@ def test_dp_disabled_and_eval_disabled(run_dir: Path):
         (run_dir / p).unlink()
     report = build_report(run_dir)
     assert report["loss_gap"]["status"] == NOT_RUN
-    acc = _row(report, "heldout_nextline/acc")
-    assert acc["diloco"] == NOT_RUN and acc["dp"] == NOT_RUN
+    assert not [r for r in report["comparison"] if r["group"] == "eval"]
     assert report["plots"]["loss_vs_tokens"] == "loss_vs_tokens.png"  # DiLoCo's curve alone
     md = (run_dir / "report" / "report.md").read_text()
     assert "**Loss gap:** not run" in md
+    assert "*lm-eval: not run for either method.*" in md
+    assert _row(report, "bytes_sent")["dp"] == NOT_RUN
+    # One method evaluated: the other's cells read "not run".
+    _write(run_dir / "eval" / "diloco.json", {"heldout_nextline/acc": 0.5, "heldout_nextline/chance": 0.25})
+    report = build_report(run_dir)
+    assert _row(report, "heldout_nextline/acc")["dp"] == NOT_RUN
+    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in (
+        run_dir / "report" / "report.md").read_text()
 
 
 def test_empty_run_dir_does_not_crash(tmp_path: Path):
@@ -506,3 +539,338 @@ def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     assert {"learner": "1", "processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
             "dropped": 1024, "pending": 1024, "attempts": 2, "drop_reasons": '{"stale": 1024}',
             "merged_pct": pytest.approx(100 * 10240 / 14336)} in ledger
+
+
+# --------------------------------------------------------------------------------------------
+# Every figure against the raw logs; chaos events; lost work; pipeline status; eval extras
+# --------------------------------------------------------------------------------------------
+
+FIGURE_MERGES = [  # (merged_at_s, fragment, contributors, stale versions behind, fragment bytes)
+    (1.0, 0, [0, 1, 2], [0, 0, 0], 1000),
+    (1.5, 1, [0, 1], [0, 0], 1200),
+    (3.0, 0, [0, 2], [0, 1], 1000),
+    (4.0, 1, [1], [2], 1200),
+    (5.0, 0, [0, 1, 2], [0, 0, 1], 1000),
+]
+
+
+def _make_figures_run(root: Path) -> Path:
+    """3 learners, 2 fragments of unequal size (1,000 and 1,200 bytes), hand-made byte counts that
+    share no value by accident, a DP baseline of 3 simulated workers with 3,300 gradient bytes over
+    10 steps (ring: 2 × 2/3 × 3,300 = 4,400 sent per worker per step), two scheduled failures of
+    which only one fires (learner 2 at local step 6; learner 0 at local step 50 never does)."""
+    run = _make_run(root)
+    config = json.loads((run / "config.json").read_text())
+    config["diloco"].update(learners=3, fragments=2)
+    config["chaos"] = {"failures": [{"learner": 2, "at_step": 6}, {"learner": 0, "at_step": 50}]}
+    _write(run / "config.json", config)
+    _write_jsonl(run / "metrics" / "diloco_merges.jsonl", [
+        {"fragment": f, "version": 1 + sum(1 for x in FIGURE_MERGES[:i] if x[1] == f), "contributors": c,
+         "weights": [1 / len(c)] * len(c), "tokens": [512] * len(c), "steps": [2] * len(c),
+         "stale": s, "local_steps": [2] * len(c), "quorum_at_s": t - 0.25, "merged_at_s": t,
+         "bytes_in": fb * len(c), "fragment_bytes": fb, "bytes_out": fb * 3, "outer_grad_norm": 0.5}
+        for i, (t, f, c, s, fb) in enumerate(FIGURE_MERGES)
+    ])
+    _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
+        {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
+        {"event": "start", "learner": 1, "attempt": 1, "step": 0, "t": 0.0},
+        {"event": "start", "learner": 2, "attempt": 1, "step": 0, "t": 0.0},
+        {"event": "failure", "learner": 2, "attempt": 1, "step": 5, "t": 2.5,
+         "reason": "InjectedFailure('learner 2: injected failure at local step 6')"},
+        {"event": "start", "learner": 2, "attempt": 2, "step": 5, "t": 3.5},
+        {"event": "stop", "learner": 0, "attempt": 1, "step": 12, "t": 6.0},
+        {"event": "stop", "learner": 1, "attempt": 1, "step": 11, "t": 6.0},
+        {"event": "stop", "learner": 2, "attempt": 2, "step": 9, "t": 6.0},
+        {"event": "dropped", "learner": 1, "fragment": 1, "reason": "stale", "tokens": 256,
+         "base_version": 0, "t": 4.5, "source": "syncer"},
+    ])
+    _write(run / "pretrain" / "diloco" / "summary.json", {
+        "method": "diloco", "hyperparameters": {"learners (M)": 3, "fragments (P)": 2},
+        "tokens": 16_384, "steps": 32, "wall_s": 6.0, "tokens_per_s": 16_384 / 6.0,
+        "final_val_loss": 3.30, "merges": 5,
+        "bytes_to_syncer": 13_100, "bytes_merged": 11_600, "bytes_from_syncer": 15_400,
+        "fragment_bytes": [1000, 1200],
+        "ledger": {
+            "0": {"processed": 6144, "submitted": 6144, "not_submitted": 0, "merged": 6144, "dropped": 0,
+                  "pending": 0, "drop_reasons": {}, "attempts": 1},
+            "1": {"processed": 5632, "submitted": 5120, "not_submitted": 512, "merged": 4608,
+                  "dropped": 256, "pending": 256, "drop_reasons": {"stale": 256}, "attempts": 1},
+            "2": {"processed": 4608, "submitted": 4096, "not_submitted": 512, "merged": 4096,
+                  "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 2},
+        },
+        "params": 825, "flops_per_token": 4950.0,
+    })
+    _write(run / "pretrain" / "dp" / "summary.json", {
+        "method": "dp", "hyperparameters": {"simulated workers": 3},
+        "tokens": 16_384, "steps": 10, "wall_s": 9.0, "tokens_per_s": 16_384 / 9.0, "final_val_loss": 3.00,
+        "merges": None, "bytes_to_syncer": 132_000, "bytes_from_syncer": 132_000, "allreduce_bytes": 264_000,
+        "params": 825, "flops_per_token": 4950.0,
+    })
+    _write(run / "eval" / "diloco.json", {
+        "method": "diloco", "heldout_nextline/acc": 0.412, "heldout_nextline/acc_stderr": 0.035,
+        "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.5, "heldout_cloze/acc_stderr": 0.05,
+        "heldout_cloze/chance": 0.2, "truncated_requests": 7, "eval_s": 3.0,
+    })
+    _write(run / "eval" / "dp.json", {
+        "method": "dp", "heldout_nextline/acc": 0.43, "heldout_nextline/acc_stderr": 0.0351,
+        "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.55, "heldout_cloze/acc_stderr": 0.049,
+        "heldout_cloze/chance": 0.2, "truncated_requests": 0, "eval_s": 2.5,
+    })
+    return run
+
+
+def _fmt_bytes(n: float) -> str:
+    """Written out independently of the report's formatter: "12,345 (12.1 KiB)"."""
+    units, x, unit = ["KiB", "MiB", "GiB"], float(n), ""
+    while abs(x) >= 1024 and units:
+        x, unit = x / 1024, units.pop(0)
+    return f"{round(n):,}" + (f" ({x:.1f} {unit})" if unit else "")
+
+
+def _md_row(md: str, first_cell: str) -> list[str]:
+    (line,) = [ln for ln in md.splitlines() if ln.startswith(f"| {first_cell} |")]
+    return [c.strip() for c in line.strip("|").split(" | ")]
+
+
+def test_every_figure_matches_the_raw_logs(tmp_path: Path):
+    run = _make_figures_run(tmp_path)
+    report = build_report(run)
+    on_disk = json.loads((run / "report" / "report.json").read_text())
+    md = (run / "report" / "report.md").read_text()
+    assert on_disk == report
+
+    # Expected figures, straight from the raw files.
+    read = lambda p: json.loads((run / p).read_text())  # noqa: E731
+    merges = [json.loads(x) for x in (run / "metrics/diloco_merges.jsonl").read_text().splitlines()]
+    events = [json.loads(x) for x in (run / "metrics/diloco_learners.jsonl").read_text().splitlines()]
+    ds, ps, cfg = read("pretrain/diloco/summary.json"), read("pretrain/dp/summary.json"), read("config.json")
+    M = cfg["diloco"]["learners"]
+    W = ps["hyperparameters"]["simulated workers"]
+    bytes_in, bytes_out = sum(m["bytes_in"] for m in merges), sum(m["bytes_out"] for m in merges)
+    contributions = sum(len(m["contributors"]) for m in merges)
+    stale = sum(1 for m in merges for s in m["stale"] if s > 0)
+    by_frag = {str(f): sum(1 for m in merges if m["fragment"] == f) for f in (0, 1)}
+    dp_sent = dp_recv = ps["allreduce_bytes"] / 2  # the contract: half sent, half received
+    expect = {
+        "diloco": {"sent": ds["bytes_to_syncer"], "received": ds["bytes_from_syncer"],
+                   "total": ds["bytes_to_syncer"] + ds["bytes_from_syncer"],
+                   "sent_per_learner": ds["bytes_to_syncer"] / M,
+                   "received_per_learner": ds["bytes_from_syncer"] / M,
+                   "merged_in": bytes_in, "published_out": bytes_out},
+        "dp": {"sent": dp_sent, "received": dp_recv, "total": ps["allreduce_bytes"],
+               "sent_per_worker": dp_sent / W, "received_per_worker": dp_recv / W},
+    }
+    # Hand check of the hand-made numbers: the ring moves 2 × (W − 1)/W × 3,300 bytes per worker per
+    # step each way, 10 steps; the merge log's totals by hand.
+    assert dp_sent == 2 * (W - 1) * 3300 * 10 == 132_000  # = 2(W − 1)/W × 3,300 × W workers × 10 steps
+    assert bytes_in == 3 * 1000 + 2 * 1200 + 2 * 1000 + 1200 + 3 * 1000 == 11_600
+    assert bytes_out == 3 * (3 * 1000) + 2 * (3 * 1200) == 16_200
+    assert ds["bytes_merged"] == bytes_in
+
+    # report.json: one byte figure each, equal to the raw value.
+    for m, figs in expect.items():
+        for k, v in figs.items():
+            assert report["bytes"][m][k] == pytest.approx(v), (m, k)
+    assert report["notes"] == []  # nothing disagrees, so nothing to explain
+    # The table rows read those same values.
+    row_of = {"bytes_sent": ("sent", "sent"), "bytes_received": ("received", "received"),
+              "bytes_total": ("total", "total"),
+              "bytes_sent_per_worker": ("sent_per_learner", "sent_per_worker"),
+              "bytes_received_per_worker": ("received_per_learner", "received_per_worker"),
+              "bytes_merged_in": ("merged_in", None), "bytes_published_out": ("published_out", None)}
+    for key, (dk, pk) in row_of.items():
+        row = _row(report, key)
+        assert row["group"] == "bytes" and row["diloco"] == pytest.approx(expect["diloco"][dk])
+        assert row["dp"] == (pytest.approx(expect["dp"][pk]) if pk else "n/a (no syncer)")
+    # Merge, token and failure figures.
+    mg = report["merges"]
+    assert (mg["count"], mg["by_fragment"], mg["contributions"], mg["stale_contributions"]) == (
+        len(merges), by_frag, contributions, stale) == (5, {"0": 3, "1": 2}, 11, 3)
+    assert mg["max_stale_versions"] == max(s for m in merges for s in m["stale"]) == 2
+    assert mg["mean_contributors"] == pytest.approx(contributions / len(merges))
+    assert _row(report, "merges")["diloco"] == len(merges) == ds["merges"]
+    assert _row(report, "tokens")["diloco"] == ds["tokens"] and _row(report, "tokens")["dp"] == ps["tokens"]
+    led = report["ledger"]["total"]
+    for c in ("processed", "submitted", "not_submitted", "merged", "dropped", "pending"):
+        assert led[c] == sum(v[c] for v in ds["ledger"].values()), c
+    (f,) = report["failures"]
+    fail = next(e for e in events if e["event"] == "failure")
+    back = next(e for e in events if e["event"] == "start" and e["learner"] == 2 and e["attempt"] == 2)
+    down = [m for m in merges if fail["t"] <= m["merged_at_s"] < back["t"]]
+    assert (f["failed_at_s"], f["restarted_at_s"], f["merges_while_down"]) == (fail["t"], back["t"], len(down))
+
+    # report.md: every place shows the same value.
+    bytes_rows = {r["key"]: r["label"] for r in report["comparison"] if r["group"] == "bytes"}
+    for key, (dk, pk) in row_of.items():
+        cells = _md_row(md, bytes_rows[key])
+        assert cells[2] == _fmt_bytes(expect["diloco"][dk]), key
+        assert cells[3] == (_fmt_bytes(expect["dp"][pk]) if pk else "n/a (no syncer)"), key
+    assert _md_row(md, bytes_rows["bytes_sent"])[1] == "learners (DiLoCo) / ring model (DP)"
+    # DP's sent and received are half the all-reduce bytes: the whole figure appears once (the total).
+    assert md.count(_fmt_bytes(ps["allreduce_bytes"])) == 1
+    assert md.count(_fmt_bytes(dp_sent)) == 2
+    # The merges section repeats the merge-log totals: the same figures as the table.
+    assert (f"bytes_in (submission bytes merged) {_fmt_bytes(bytes_in)}; bytes_out (syncer publishes: "
+            f"fragment bytes × learners) {_fmt_bytes(bytes_out)}.") in md
+    assert md.count(_fmt_bytes(bytes_in)) == 2 and md.count(_fmt_bytes(bytes_out)) == 2
+    assert md.count(_fmt_bytes(ds["bytes_from_syncer"])) == 1  # pulled bytes: one figure, one place
+    assert f"{len(merges)} merges (fragment 0: 3, fragment 1: 2); mean contributors per merge 2.20;" in md
+    assert (f"Stale contributions: {stale} of {contributions} contributions to merges, at most 2 versions "
+            "behind (a stale contribution is a submission merged into a global fragment newer than the one "
+            "it was based on") in md
+    assert _md_row(md, "merges (DiLoCo) (merges)")[1:] == [f"{len(merges)}", "—"]
+    assert _md_row(md, "training tokens (tokens)")[1:] == [f"{ds['tokens']:,}", f"{ps['tokens']:,}"]
+    assert _md_row(md, "total")[1:7] == [f"{led[c]:,}" for c in ("processed", "submitted", "not_submitted",
+                                                                 "merged", "dropped", "pending")]
+    # The byte convention is stated in the report.
+    assert "half sent, half received" in md and "syncer→learner pulled bytes" in md
+    assert "learner→syncer submission payload bytes" in md
+
+
+def test_old_dp_summary_with_both_fields_equal_to_allreduce(run_dir: Path):
+    """Summaries written before the fix carried the one-direction total in all three fields: the
+    report shows their sent and received fields and says why the total is not allreduce_bytes."""
+    path = run_dir / "pretrain" / "dp" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.update(bytes_to_syncer=63_209_472, bytes_from_syncer=63_209_472, allreduce_bytes=63_209_472)
+    _write(path, summary)
+    report = build_report(run_dir)
+    dp = report["bytes"]["dp"]
+    assert (dp["sent"], dp["received"], dp["total"]) == (63_209_472, 63_209_472, 126_418_944)
+    assert any("counted both directions" in n for n in report["notes"])
+    # Only allreduce_bytes: split evenly.
+    for k in ("bytes_to_syncer", "bytes_from_syncer"):
+        summary.pop(k)
+    summary["allreduce_bytes"] = 126_418_944
+    _write(path, summary)
+    dp = build_report(run_dir)["bytes"]["dp"]
+    assert (dp["sent"], dp["received"], dp["total"], dp["sent_per_worker"]) == (
+        63_209_472, 63_209_472, 126_418_944, 31_604_736)
+
+
+def test_chaos_events_fired_and_not_fired(tmp_path: Path):
+    run = _make_figures_run(tmp_path)
+    report = build_report(run)
+    fired, missed = report["chaos"]["rows"]
+    assert (fired["learner"], fired["at_step"], fired["fired"], fired["fired_at_s"], fired["rejoined_at_s"]) == (
+        2, 6, True, 2.5, 3.5)
+    assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 50, False, None)
+    md = (run / "report" / "report.md").read_text()
+    assert "| scheduled event | fired | at t (s) | rejoined at t (s) | note |" in md
+    assert "| learner 2 fails at local step 6 | yes | 2.5 | 3.5 | — |" in md
+    assert "| learner 0 fails at local step 50 | no | did not fire | — | learner 0's last logged step: 12 |" in md
+
+    # No failure fired at all: the report must not read as if none was scheduled.
+    path = run / "metrics" / "diloco_learners.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    _write_jsonl(path, [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2])
+    report = build_report(run)
+    assert [r["fired"] for r in report["chaos"]["rows"]] == [False, False] and report["failures"] == []
+    md = (run / "report" / "report.md").read_text()
+    assert "No learner failures were logged, although 2 were scheduled: they did not fire" in md
+    assert "No learner failures." not in md
+
+    # An injected failure at another step does not count ("at local step 5" is not step 50 or 6).
+    _write_jsonl(path, rows[:3] + [{**rows[3], "reason": "InjectedFailure('learner 2: injected failure at "
+                                    "local step 60')"}] + rows[4:])
+    report = build_report(run)
+    assert [r["fired"] for r in report["chaos"]["rows"]] == [False, False]
+    assert report["chaos"]["unscheduled_failures"] == 1
+    # Nothing scheduled.
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["chaos"] = {"failures": []}
+    _write(run / "config.json", cfg)
+    build_report(run)
+    assert "No failures were scheduled (config chaos.failures is empty)." in (run / "report" / "report.md").read_text()
+
+
+def _set_work_lost(run: Path, **work_lost) -> None:
+    path = run / "pretrain" / "diloco" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary["work_lost"] = work_lost
+    _write(path, summary)
+
+
+def test_work_lost_at_the_top(run_dir: Path):
+    # The fixture's ledger: 1,024 of 32,768 processed tokens dropped, all stale (3.1 %).
+    base = {"processed_tokens": 32768, "dropped_tokens": 1024, "dropped_fraction": 1024 / 32768,
+            "warn_above": 0.02, "fail_above": 0.03}
+    _set_work_lost(run_dir, **base, status="failed")
+    report = build_report(run_dir)
+    wl = report["work_lost"]
+    assert wl["status"] == "failed" and wl["drop_reasons"] == {"stale": 1024}
+    assert wl["drop_reason_fractions"] == {"stale": pytest.approx(1024 / 32768)}
+    headline = ("**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (stale 3.1 %); "
+                "this run failed its diloco.max_dropped_fraction = 0.03 check (warning above "
+                "diloco.warn_dropped_fraction = 0.02).**")
+    assert wl["headline"] == headline
+    md = (run_dir / "report" / "report.md").read_text()
+    assert md.splitlines()[:3] == ["# Run report: tiny", "", headline]
+    assert json.loads((run_dir / "report" / "report.json").read_text())["work_lost"]["headline"] == headline
+    assert ("**Work lost:** 1,024 of 32,768 processed tokens dropped (3.1 %: stale 3.1 %); warning above "
+            "2.0 % (diloco.warn_dropped_fraction), run fails above 3.0 % (diloco.max_dropped_fraction); "
+            "status: failed.") in md
+
+    # Warning; reasons from work_lost.reasons when the summary carries them.
+    _set_work_lost(run_dir, **{**base, "fail_above": 0.5}, status="warning", reasons={"non-finite": 1000, "stale": 24})
+    md = (build_report(run_dir), (run_dir / "report" / "report.md").read_text())[1]
+    assert md.splitlines()[2] == (
+        "**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (non-finite 3.1 %, "
+        "stale 0.1 %); above diloco.warn_dropped_fraction = 0.02; the run fails above "
+        "diloco.max_dropped_fraction = 0.5.**")
+    # ok: nothing at the top, the line in the ledger section.
+    _set_work_lost(run_dir, **{**base, "warn_above": 0.05, "fail_above": 0.5}, status="ok")
+    report = build_report(run_dir)
+    md = (run_dir / "report" / "report.md").read_text()
+    assert report["work_lost"]["headline"] is None and "**Warning" not in md and "status: ok." in md
+    assert md.splitlines()[2].startswith("Decoupled DiLoCo (Douillard et al.")
+    # Older runs without it: nothing computed, nothing shown.
+    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    summary = json.loads(path.read_text())
+    summary.pop("work_lost")
+    _write(path, summary)
+    report = build_report(run_dir)
+    assert report["work_lost"] is None and "Work lost" not in (run_dir / "report" / "report.md").read_text()
+
+
+def test_interrupted_pipeline_at_the_top(run_dir: Path):
+    _write(run_dir / "status.json", {"status": "interrupted", "completed_stages": ["data", "pretrain-diloco"],
+                                     "reason": "SIGTERM"})
+    _set_work_lost(run_dir, processed_tokens=32768, dropped_tokens=32000, dropped_fraction=32000 / 32768,
+                   warn_above=0.05, fail_above=0.5, status="failed")
+    report = build_report(run_dir)
+    assert report["pipeline"]["status"] == "interrupted"
+    assert report["pipeline"]["completed_stages"] == ["data", "pretrain-diloco"]
+    md = (run_dir / "report" / "report.md").read_text().splitlines()
+    assert md[2] == ("**Interrupted: this run stopped before it finished (SIGTERM); completed stages: data, "
+                     "pretrain-diloco. Figures of the stages that did not complete are missing below.**")
+    assert md[4].startswith("**Warning: 97.7 % of DiLoCo's processed tokens")
+    assert "- pipeline status: interrupted (completed stages: data, pretrain-diloco); reason: SIGTERM" in md
+    # Completed: no bold line, the status in the header list.
+    _write(run_dir / "status.json", {"status": "completed", "completed_stages": ["data", "pretrain", "eval"]})
+    report = build_report(run_dir)
+    md = (run_dir / "report" / "report.md").read_text()
+    assert report["pipeline"]["headline"] is None and "**Interrupted" not in md
+    assert "- pipeline status: completed (completed stages: data, pretrain, eval)" in md
+
+
+def test_eval_extras(tmp_path: Path):
+    run = _make_figures_run(tmp_path)
+    report = build_report(run)
+    md = (run / "report" / "report.md").read_text()
+    rows = [r["key"] for r in report["comparison"] if r["group"] == "eval"]
+    # Tasks come from the keys: the new heldout_cloze task appears without being named in the code.
+    assert rows == ["heldout_nextline/acc", "heldout_cloze/acc", "truncated_requests", "eval_s"]
+    acc = _row(report, "heldout_nextline/acc")
+    assert acc["stderr"] == {"diloco": 0.035, "dp": 0.0351} and acc["chance"] == 0.25
+    assert "| heldout_nextline: accuracy (fraction) | 0.412 ± 0.035 (chance 0.25) | 0.430 ± 0.035 (chance 0.25) |" in md
+    assert "| heldout_cloze: accuracy (fraction) | 0.500 ± 0.050 (chance 0.2) | 0.550 ± 0.049 (chance 0.2) |" in md
+    assert "| truncated requests (contexts cut to fit the window) (requests) | 7 | 0 |" in md
+    # lm-eval's own results format: the stderr entries are kept ("N/A" ones dropped).
+    _write(run / "eval" / "dp.json", {"results": {"heldout_nextline": {
+        "alias": "heldout_nextline", "acc,none": 0.43, "acc_stderr,none": 0.0351, "acc_norm,none": 0.44,
+        "acc_norm_stderr,none": "N/A"}}, "eval_s": 2.5})
+    report = build_report(run)
+    assert report["methods"]["dp"]["eval"]["heldout_nextline/acc_stderr"] == 0.0351
+    md = (run / "report" / "report.md").read_text()
+    assert "| heldout_nextline: accuracy (length-normalised) (fraction) | — | 0.440 (chance 0.25) |" in md
