@@ -9,15 +9,20 @@ which the pipeline calls before sharding any data.
 
 from __future__ import annotations
 
+import codecs
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    # strict: numbers are never coerced from booleans or strings (`learners: true` is an error, not
+    # 1); ints are still accepted where a float is expected. YAML files are read with
+    # :class:`ConfigLoader`, so `3e-4` is a float there, as in YAML 1.2.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
 class DataConfig(_Strict):
@@ -34,6 +39,10 @@ class DataConfig(_Strict):
     text_field: str = "text"
     hf_name: str | None = None
     hf_split: str = "train"
+    encoding: str | None = Field(
+        None, description="text encoding of local .txt files (e.g. latin-1); unset = UTF-8, and a "
+        "file that is not valid UTF-8 is refused naming the file and the first bad byte"
+    )
     cache_dir: str | None = Field(
         default=None, description="where downloaded corpora are cached; default ~/.cache/ddiloco"
     )
@@ -49,6 +58,14 @@ class DataConfig(_Strict):
             raise ValueError("data.paths must list at least one file when data.source is 'local'")
         if self.source == "hf" and not self.hf_name:
             raise ValueError("data.hf_name must be set when data.source is 'hf'")
+        if self.encoding is not None:
+            try:
+                codecs.lookup(self.encoding)
+            except LookupError:
+                raise ValueError(
+                    f"data.encoding {self.encoding!r} is not a known text encoding; use e.g. utf-8, "
+                    "latin-1 or cp1252, or leave it unset for UTF-8"
+                ) from None
         return self
 
 
@@ -119,6 +136,14 @@ class DiLoCoConfig(_Strict):
     heartbeat_timeout_s: PositiveFloat = Field(
         10.0, description="a learner silent this long is treated as down by the syncer"
     )
+    warn_dropped_fraction: float = Field(
+        0.05, ge=0.0, le=1.0, description="warn (log and report) when more than this fraction of the "
+        "learners' processed tokens was dropped by the syncer (non-finite, stale, superseded, ...)"
+    )
+    max_dropped_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="the run fails (non-zero exit, after the report is written) "
+        "when more than this fraction of the learners' processed tokens was dropped"
+    )
     batch_size: PositiveInt = Field(8, description="sequences per learner inner step")
     inner: InnerOptConfig = InnerOptConfig()
     learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
@@ -135,6 +160,11 @@ class DiLoCoConfig(_Strict):
                 "diloco.keep_in_flight and diloco.mix_alpha > 0 are two different rules on receipt; "
                 "set mix_alpha: 0 to keep in-flight steps, or keep_in_flight: false to mix"
             )
+        if self.warn_dropped_fraction > self.max_dropped_fraction:
+            raise ValueError(
+                f"diloco.warn_dropped_fraction ({self.warn_dropped_fraction}) must be ≤ "
+                f"diloco.max_dropped_fraction ({self.max_dropped_fraction})"
+            )
         return self
 
 
@@ -146,7 +176,8 @@ class DPConfig(_Strict):
 
 
 class FailureSpec(_Strict):
-    """Learner ``learner`` raises at local step ``at_step`` (first attempt only)."""
+    """Learner ``learner`` raises at local step ``at_step`` (first attempt only). The step must be
+    reachable: at most the learner's even share of the budget (``ExperimentConfig.learner_steps``)."""
 
     learner: int = Field(ge=0)
     at_step: PositiveInt
@@ -203,6 +234,12 @@ class ExperimentConfig(_Strict):
                     f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners "
                     f"({self.diloco.learners})"
                 )
+            if f.at_step > self.learner_steps:
+                raise ValueError(
+                    f"chaos.failures[{i}].at_step ({f.at_step}) cannot happen: each learner takes about "
+                    f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
+                    f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
+                )
         if self.train.token_budget < self.diloco.learners * self.diloco.batch_size * self.data.seq_len:
             raise ValueError(
                 "train.token_budget is smaller than one step of all learners "
@@ -249,22 +286,56 @@ class ExperimentConfig(_Strict):
         return -(-self.train.token_budget // (self.diloco.learners * self.tokens_per_learner_step))
 
 
-def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
-    """Read a YAML file into an :class:`ExperimentConfig`.
+CONFIG_DIR = Path(__file__).resolve().parent
 
-    ``overrides`` are dotted keys (``{"diloco.learners": 2}``) applied before validation.
-    Raises ``FileNotFoundError`` for a missing file and ``pydantic.ValidationError`` (naming the
-    field) for bad content.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of config sections")
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``3e-4`` and ``1E5`` are floats, not strings
+    (PyYAML follows YAML 1.1, which needs a dot: ``3.0e-4``). With strict config types a string
+    would otherwise be refused where a user plainly wrote a number."""
+
+
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                |\.[0-9_]+(?:[eE][-+][0-9]+)?
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def yaml_value(text: str) -> Any:
+    """One YAML scalar or flow collection, parsed like a config file's values (``3e-4`` → float)."""
+    return yaml.load(text, Loader=ConfigLoader)
+
+
+def config_path(name_or_path: str | Path) -> Path:
+    """A shipped config's name (``default``, ``tiny``, ``failure``: ``configs/<name>.yaml``) or a
+    path to a YAML file. Raises ``FileNotFoundError`` naming both places looked at."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = CONFIG_DIR / f"{name_or_path}.yaml"
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", str(name_or_path)) and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    raise FileNotFoundError(
+        f"config file not found: {name_or_path} (neither a file nor a shipped config; shipped: {names})"
+    )
+
+
+def apply_overrides(raw: dict, overrides: dict | None) -> dict:
+    """``raw`` with dotted keys (``{"diloco.learners": 2}``) set; returns a new dict.
+
+    Raises ``ValueError`` when a key goes below a single value (``diloco.learners.x``)."""
+    import copy
+
+    raw = copy.deepcopy(raw)
     for key, value in (overrides or {}).items():
         node = raw
-        *parents, leaf = key.split(".")
+        *parents, leaf = str(key).split(".")
         for i, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
@@ -273,7 +344,58 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
                     f"set it directly ({'.'.join(parents[:i + 1])}=...)"
                 )
         node[leaf] = value
-    return ExperimentConfig.model_validate(raw)
+    return raw
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw mapping of a YAML config file (read with :class:`ConfigLoader`).
+
+    Raises ``FileNotFoundError`` for a missing file, ``yaml.YAMLError`` for malformed YAML, and
+    ``ValueError`` for an empty file (or one holding only comments: it would silently mean the
+    schema's defaults) or a top level that is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    raw = yaml.load(path.read_text(), Loader=ConfigLoader)
+    if raw is None:
+        raise ValueError(
+            f"{path} is empty (or holds only comments): an empty config would run the schema's "
+            "defaults, not what you meant; write the sections to use, e.g. start from configs/default.yaml"
+        )
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of config sections")
+    return raw
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
+    """Read a YAML file into an :class:`ExperimentConfig`.
+
+    ``overrides`` are dotted keys (``{"diloco.learners": 2}``) applied before validation.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for an empty one and
+    ``pydantic.ValidationError`` (naming the field) for bad content.
+    """
+    return ExperimentConfig.model_validate(apply_overrides(read_config_file(path), overrides))
+
+
+def resolve_config(
+    config: ExperimentConfig | dict | None = None,
+    config_file: str | None = None,
+    overrides: dict | None = None,
+) -> ExperimentConfig:
+    """The config a flow run uses: ``config_file`` (a shipped config's name or a YAML path) if
+    given, else ``config`` (field by field, as the UI form sends it), with dotted ``overrides``
+    applied last. Raises ``FileNotFoundError``/``ValueError``/``pydantic.ValidationError`` naming
+    the file or field."""
+    if config_file:
+        raw = read_config_file(config_path(config_file))
+    elif isinstance(config, ExperimentConfig):
+        if not overrides:
+            return config
+        raw = config.model_dump(mode="json")
+    else:
+        raw = dict(config or {})
+    return ExperimentConfig.model_validate(apply_overrides(raw, overrides))
 
 
 def load_config_checked(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
@@ -298,7 +420,7 @@ def parse_overrides(items: list[str]) -> dict:
         if not sep or not key:
             raise ValueError(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
                              f"chip_mtbi_years=0.5), got {item!r}")
-        out[key] = yaml.safe_load(value)
+        out[key] = yaml_value(value)
     return out
 
 

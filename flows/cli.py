@@ -25,70 +25,91 @@ def _parse_sets(sets: list[str]) -> dict:
     try:
         return parse_overrides(sets)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc))
+        raise _fail(str(exc))
 
 
 def _invalid(header: str, exc: ValidationError) -> typer.Exit:
-    """Print one line per validation error (field path first) and return the exit to raise."""
+    """Print the validation errors as one line (field path first, ``;`` between them) and return the
+    exit to raise."""
     from configs.schema import validation_lines
 
-    typer.echo("\n".join([header, *("  " + line for line in validation_lines(exc))]), err=True)
+    typer.echo(f"error: {header} " + "; ".join(validation_lines(exc)), err=True)
     return typer.Exit(2)
 
 
-def _load(config: Path, sets: list[str]):
-    from configs.schema import load_config
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _load(config: str, sets: list[str]):
+    from configs.schema import config_path, load_config
 
     try:
-        return load_config(config, _parse_sets(sets))
+        return load_config(config_path(config), _parse_sets(sets))
     except ValidationError as exc:
         raise _invalid(f"invalid config {config}:", exc)
     except yaml.YAMLError as exc:
-        typer.echo(f"error: {config} is not valid YAML: {exc}", err=True)
-        raise typer.Exit(2)
+        raise _fail(f"{config} is not valid YAML: {' '.join(str(exc).split())}")
     except (FileNotFoundError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+        raise _fail(str(exc))
 
 
-def _checked(config: Path, sets: list[str]):
-    """Schema validation plus the checks that need the model or the file system; exit 2 on error."""
+def _checked(config: str, sets: list[str], run_dir: str | None = None):
+    """Schema validation, then every check of ``flows.preflight`` (run directory, corpus, model),
+    all before Prefect starts; exit 2 with one line on the first error. Returns (cfg, run dir)."""
     cfg = _load(config, sets)
-    from flows.pipeline import preflight
+    from flows.preflight import preflight
 
     try:
-        preflight(cfg)
-    except (ValueError, FileNotFoundError) as exc:
-        typer.echo(f"invalid config {config}: {exc}", err=True)
-        raise typer.Exit(2)
-    return cfg
+        rd = preflight(cfg, run_dir)
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+        raise _fail(f"{config}: {exc}")
+    except OSError as exc:  # e.g. a permission problem on the corpus cache
+        raise _fail(f"{config}: {exc}")
+    return cfg, rd
 
 
 @app.command()
 def run(
-    config: Path = typer.Argument(Path("configs/default.yaml"), help="YAML experiment config"),
+    config: str = typer.Argument("configs/default.yaml", help="YAML experiment config, or a shipped "
+                                 "config's name: default, tiny, failure"),
     set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
-    run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>)"),
+    run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>); "
+                                          "must be new or empty"),
 ):
-    """Shard → DiLoCo and DP pretraining → lm-eval → report, as one Prefect flow run."""
-    cfg = _checked(config, set_)
+    """Shard → DiLoCo and DP pretraining → lm-eval → report, as one Prefect flow run.
+
+    Exit status: 0 done; 1 the run failed (the reason is the last line); 2 refused before any
+    work; 130/143 stopped by SIGINT/SIGTERM (the run directory's status.json says what completed).
+    """
+    cfg, rd = _checked(config, set_, run_dir)
+    from prefect.exceptions import CancelledRun, FailedRun
+
     from flows.pipeline import pipeline
+    from run.control import stop_signal
 
     try:
-        rd = pipeline(config=cfg, run_dir=run_dir)
-    except (FileNotFoundError, FileExistsError, ConnectionError, ValueError, RuntimeError) as exc:
+        out = pipeline(config=cfg, run_dir=str(rd))
+    except CancelledRun as exc:
+        typer.echo(f"\ninterrupted: {exc}", err=True)
+        raise typer.Exit(128 + (stop_signal() or 15))
+    except FailedRun as exc:
+        typer.echo(f"\nfailed: {exc}\nReport: {rd / 'report' / 'report.md'}", err=True)
+        raise typer.Exit(1)
+    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
         raise typer.Exit(1)
-    typer.echo(f"\nReport: {Path(rd) / 'report' / 'report.md'}")
+    typer.echo(f"\nReport: {Path(out) / 'report' / 'report.md'}")
 
 
 @app.command()
 def validate(
-    config: Path = typer.Argument(..., help="YAML experiment config"),
+    config: str = typer.Argument(..., help="YAML experiment config, or a shipped config's name"),
     set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
 ):
-    """Check a config (and the model it builds) without running anything."""
-    cfg = _checked(config, set_)
+    """Check a config (the model it builds and its corpus) without running anything."""
+    cfg, _ = _checked(config, set_)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
     typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} tokens; "
                f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} tokens per step")

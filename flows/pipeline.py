@@ -1,74 +1,135 @@
-"""The pipeline flow: shard → pretrain (Decoupled DiLoCo, DP) → evaluate → report."""
+"""The pipeline flow: shard → pretrain (Decoupled DiLoCo, DP) → evaluate → report.
+
+The run's state is recorded in ``RUN/status.json`` after every stage (``run.directory``):
+``running`` with the stages completed so far, then ``completed``, ``interrupted`` (SIGTERM or
+SIGINT: the current stage stops at its next step boundary and saves, the report is built from what
+was done, later stages are skipped) or ``failed`` (with the reason).
+"""
 
 from __future__ import annotations
 
-import datetime as dt
 import json
+import math
 import shutil
 from pathlib import Path
+from typing import Any, Optional
 
-from flax import nnx
 from prefect import flow, get_run_logger
 
-from configs.schema import ExperimentConfig, validate_against_model
+from configs.schema import ExperimentConfig, resolve_config
+from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
-from models import build_model
-from diloco.params import get_params
-from tasks.data import shard_data_task
+from prefect.states import Cancelled, Failed, State
+
+from run.control import graceful_stop, reset, stop_requested, stop_signal
+from run.directory import atomic_write_text, write_status
 from tasks.evaluate import evaluate_task, report_task
+from tasks.shard import shard_data_task
+
+__all__ = ["pipeline", "preflight", "make_run_dir"]
 
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-
-
-def preflight(cfg: ExperimentConfig) -> None:
-    """Checks beyond the schema, before any data is touched: P ≤ the model's tensors, and local
-    corpus files exist with a supported suffix. Raises ``ValueError``/``FileNotFoundError`` naming
-    the field."""
-    if cfg.data.source == "local":
-        for path in cfg.data.paths:
-            p = Path(path).expanduser()
-            if not p.is_file():
-                raise FileNotFoundError(f"data.paths: file not found: {path}")
-            if not p.name.endswith(LOCAL_SUFFIXES):
-                raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
-    model = build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0))
-    validate_against_model(cfg, len(get_params(model)))
-
-
-def make_run_dir(cfg: ExperimentConfig, run_dir: str | None = None) -> Path:
-    """``<run_root>/<name>-<UTC timestamp>`` (or ``run_dir``), with the resolved config in it."""
-    if run_dir is None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        run_dir = str(Path(cfg.run_root) / f"{cfg.name}-{stamp}")
-    path = Path(run_dir).absolute()
+def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
+    """Create the (checked) run directory and write the resolved config and a ``running`` status."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    atomic_write_text(path / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2))
+    write_status(path, "running", [])
     return path
 
 
+def _run_problem(results: dict[str, Any]) -> str | None:
+    """The one-line reason to fail a run whose stages all finished, else None: a method whose final
+    held-out loss is not finite (it diverged), or DiLoCo losing more work than allowed."""
+    for stage in ("pretrain-diloco", "pretrain-dp"):
+        loss = (results.get(stage) or {}).get("final_val_loss")
+        if loss is not None and not math.isfinite(loss):
+            return f"{stage}: the final held-out loss is {loss} (training diverged); the report is written"
+    lost = (results.get("pretrain-diloco") or {}).get("work_lost") or {}
+    if lost.get("status") != "failed":
+        return None
+    return (f"the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed tokens "
+            f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {lost.get('reasons')}), "
+            f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top")
+
+
 @flow(name="pipeline", log_prints=True)
-def pipeline(config: ExperimentConfig = ExperimentConfig(), run_dir: str | None = None) -> str:
-    """Run the whole experiment and return the run directory (the report is in ``report/``)."""
+def pipeline(
+    config: ExperimentConfig = ExperimentConfig(),
+    config_file: Optional[str] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    run_dir: Optional[str] = None,
+) -> str | State:
+    """Run the whole experiment and return the run directory (the report is in ``report/``).
+
+    Args:
+        config: the experiment, field by field (the UI form).
+        config_file: instead of ``config``: a shipped config's name (``default``, ``tiny``,
+            ``failure``) or the path of a YAML config.
+        overrides: dotted keys applied last, e.g. ``{"diloco.learners": 8}``.
+        run_dir: where to write (default ``<run_root>/<name>-<UTC time>``); it must not hold a run.
+
+    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks (before anything
+    is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work
+    than ``diloco.max_dropped_fraction`` (calling the flow then raises Prefect's ``CancelledRun`` /
+    ``FailedRun`` with the one-line reason; the report is written either way).
+    """
     logger = get_run_logger()
-    preflight(config)
-    created = run_dir is None or not Path(run_dir).exists()
-    rd = make_run_dir(config, run_dir)
-    logger.info("run directory: %s", rd)
-    try:
-        manifest = shard_data_task(config, rd)
-    except BaseException:
-        if created:  # never leave a half-made run behind: the data step writes nothing partial
-            shutil.rmtree(rd, ignore_errors=True)
-        raise
-    logger.info("data: %s train tokens, %d shards, vocab %d", f"{manifest['splits']['train']['tokens']:,}",
-                len(manifest["shards"]), manifest["vocab_size"])
-    pretrain_diloco(config, str(rd))
-    if config.dp.enabled:
-        pretrain_dp(config, str(rd))
-    if config.eval.enabled:
-        for method in ["diloco"] + (["dp"] if config.dp.enabled else []):
-            evaluate_task(config, rd, method)
-    report_task(rd)
+    cfg = resolve_config(config, config_file, overrides)
+    rd = preflight(cfg, run_dir)
+    reset()
+    created = not rd.exists()
+    stages: list[str] = []
+    with graceful_stop():
+        make_run_dir(cfg, rd)
+        logger.info("run directory: %s", rd)
+        try:
+            try:
+                manifest = shard_data_task(cfg, rd)
+            except BaseException:
+                if created and not stop_requested():  # the data step writes nothing partial
+                    shutil.rmtree(rd, ignore_errors=True)
+                raise
+            stages.append("data")
+            logger.info("data: %s train tokens, %d shards, vocab %d",
+                        f"{manifest['splits']['train']['tokens']:,}", len(manifest["shards"]),
+                        manifest["vocab_size"])
+            steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))]
+            if cfg.dp.enabled:
+                steps.append(("pretrain-dp", lambda: pretrain_dp(cfg, str(rd))))
+            if cfg.eval.enabled:
+                for method in ["diloco"] + (["dp"] if cfg.dp.enabled else []):
+                    steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))
+            results: dict[str, Any] = {}
+            for name, step in steps:
+                if stop_requested():
+                    break
+                write_status(rd, "running", stages)
+                results[name] = step()
+                if stop_requested():  # the stage stopped early: it is not complete
+                    break
+                stages.append(name)
+            report_task(rd)  # also after a stop: the report of what was done
+            stages.append("report")
+        except BaseException as exc:
+            if stop_requested():
+                return _interrupted(rd, stages)
+            write_status(rd, "failed", stages, f"{type(exc).__name__}: {exc}")
+            raise
+        if stop_requested():
+            return _interrupted(rd, stages)
+        problem = _run_problem(results)
+        if problem:
+            write_status(rd, "failed", stages, problem)
+            return Failed(message=problem)
+        write_status(rd, "completed", stages)
     logger.info("report: %s", rd / "report" / "report.md")
     return str(rd)
+
+
+def _interrupted(rd: Path, stages: list[str]) -> State:
+    import signal
+
+    name = signal.Signals(stop_signal() or signal.SIGTERM).name
+    write_status(rd, "interrupted", stages, f"{name} received")
+    return Cancelled(message=f"stopped on {name}; completed stages: {', '.join(stages) or 'none'} "
+                             f"(recorded in {rd / 'status.json'})")

@@ -14,6 +14,7 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig
+from run.control import graceful_stop
 from tasks.metrics import write_json
 from tasks.pretrain import dp_task, learner_task, setup_diloco, syncer_task
 
@@ -39,8 +40,12 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
     fragments while the others and the syncer keep going. Writes ``pretrain/diloco/summary.json``,
     ``metrics/diloco_*.jsonl`` and ``checkpoints/diloco``; returns the summary.
     """
+    with graceful_stop():
+        return _pretrain_diloco(config, Path(run_dir), progress_every_s)
+
+
+def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float) -> dict:
     logger = get_run_logger()
-    rd = Path(run_dir)
     run = setup_diloco(config, rd)
     d = config.diloco
     logger.info(
@@ -76,13 +81,23 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
     logger.info("diloco finished: %s tokens in %.1f s (%.0f tokens/s), %d merges, held-out loss %.4f",
                 f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"], summary["merges"],
                 summary["final_val_loss"])
+    lost = summary["work_lost"]
+    if lost["status"] != "ok":
+        logger.warning("diloco: the syncer dropped %.1f %% of the learners' processed tokens (%s of %s; %s)%s",
+                       100 * lost["dropped_fraction"], f"{lost['dropped_tokens']:,}", f"{lost['processed_tokens']:,}",
+                       lost["reasons"], " — above diloco.max_dropped_fraction: this run fails"
+                       if lost["status"] == "failed" else "")
+    if summary["interrupted"]:
+        logger.warning("diloco: stopped early by a signal at %s of %s tokens; state saved",
+                       f"{summary['tokens']:,}", f"{run.budget:,}")
     return summary
 
 
 @flow(name="pretrain-dp", log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     """The data-parallel baseline on the same data and token budget (global batch = M × learner batch)."""
-    summary = dp_task(config, Path(run_dir))
+    with graceful_stop():
+        summary = dp_task(config, Path(run_dir))
     get_run_logger().info("dp finished: %s tokens in %.1f s (%.0f tokens/s), held-out loss %.4f",
                           f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
                           summary["final_val_loss"])

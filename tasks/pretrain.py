@@ -30,8 +30,24 @@ from diloco.syncer import Syncer, SyncerSettings
 from models import build_model, count_params, flops_per_token
 from models.checkpoint import save_checkpoint
 from models.training import heldout_loss, make_inner_tx, train_step, val_batches
+from run.control import STOP
 from tasks.data import batch_at, load_manifest, load_sequences
 from tasks.metrics import JsonlWriter, write_json
+
+
+class AnyStop:
+    """Set when any of ``events`` is: a run's own stop (the syncer ended) or the process-wide
+    stop signal (``run.control.STOP``). Has the ``is_set``/``set`` of a ``threading.Event``;
+    ``set`` sets the first (the run's own)."""
+
+    def __init__(self, *events: threading.Event):
+        self.events = events
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)
+
+    def set(self) -> None:
+        self.events[0].set()
 
 
 def token_budget(cfg: ExperimentConfig) -> int:
@@ -55,7 +71,7 @@ class DiLoCoRun:
     exchange: InMemoryExchange
     syncer: Syncer
     specs: list[LearnerSpec]
-    stop: threading.Event
+    stop: AnyStop
     learners_done: threading.Event
     merges_log: JsonlWriter
     learners_log: JsonlWriter
@@ -121,7 +137,7 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: Path) -> DiLoCoRun:
     mdir = run_dir / "metrics"
     return DiLoCoRun(
         cfg=cfg, run_dir=run_dir, exchange=exchange, syncer=syncer, specs=specs,
-        stop=threading.Event(), learners_done=threading.Event(),
+        stop=AnyStop(threading.Event(), STOP), learners_done=threading.Event(),
         merges_log=JsonlWriter(mdir / "diloco_merges.jsonl"),
         learners_log=JsonlWriter(mdir / "diloco_learners.jsonl"),
         eval_log=JsonlWriter(mdir / "diloco_eval.jsonl"),
@@ -187,6 +203,8 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     d = cfg.diloco
     summary = {
         "method": "diloco",
+        "interrupted": STOP.is_set(),
+        "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
         "hyperparameters": {
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
             "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "merge": d.merge, "outer lr": d.outer_lr,
@@ -207,6 +225,9 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "tokens_per_s": run.exchange.claimed_tokens / max(wall_s, 1e-9),
         "final_val_loss": run.last_val_loss,
         "merges": s.num_merges,
+        # learner→syncer submission payload bytes (every submission: merged, dropped or pending) and
+        # syncer→learner pulled bytes, counted by the learners, summed over learners and attempts;
+        # bytes_merged = the merge log's bytes_in total (submission bytes that went into merges).
         "bytes_to_syncer": int(sum(int(v.get("bytes_to_syncer", 0)) for v in learners.values())),
         "bytes_merged": int(merges_bytes_in),
         "bytes_from_syncer": int(sum(int(v.get("bytes_from_syncer", 0)) for v in learners.values())),
@@ -216,6 +237,27 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
     }
     return summary
+
+
+def work_lost(ledger: dict[str, dict], warn_above: float, fail_above: float) -> dict:
+    """How much of the learners' work the syncer dropped, and whether that is acceptable.
+
+    ``ledger``: learner → token counts (``save_diloco``). Returns ``processed_tokens``,
+    ``dropped_tokens``, ``dropped_fraction`` (dropped / processed; 0 when nothing was processed),
+    ``reasons`` (reason → tokens), the two thresholds (``diloco.warn_dropped_fraction``,
+    ``diloco.max_dropped_fraction``) and ``status``: ``ok``, ``warning`` (above ``warn_above``) or
+    ``failed`` (above ``fail_above``: the pipeline exits non-zero after writing the report).
+    """
+    processed = sum(int(v["processed"]) for v in ledger.values())
+    dropped = sum(int(v["dropped"]) for v in ledger.values())
+    reasons: dict[str, int] = {}
+    for v in ledger.values():
+        for k, n in v.get("drop_reasons", {}).items():
+            reasons[k] = reasons.get(k, 0) + int(n)
+    frac = dropped / processed if processed else 0.0
+    status = "failed" if frac > fail_above else "warning" if frac > warn_above else "ok"
+    return {"processed_tokens": processed, "dropped_tokens": dropped, "dropped_fraction": frac,
+            "reasons": reasons, "warn_above": warn_above, "fail_above": fail_above, "status": status}
 
 
 def _read(path: Path) -> list[dict]:
@@ -248,10 +290,14 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
     last = heldout_loss(model, val)
     eval_log({"method": "dp", "tokens": 0, "wall_s": 0.0, "step": 0, "val/loss": last})
     next_eval = cfg.train.eval_every_tokens
+    done = 0
     for step in range(1, steps + 1):
+        if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
+            break
         batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
         loss = train_step(model, optimizer, jnp.asarray(batch), cfg.dp_microbatches)
         tokens = step * tps
+        done = step
         if step % 10 == 0 or step == steps:
             step_log({"step": step, "tokens": tokens, "train/loss": float(loss), "t": time.monotonic() - t0})
         if tokens >= next_eval or step == steps:
@@ -261,6 +307,11 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
                 next_eval += cfg.train.eval_every_tokens
             if progress:
                 progress(tokens, steps * tps, float(loss), last)
+    if done < steps:  # stopped early: measure where it stopped
+        last = heldout_loss(model, val)
+        eval_log({"method": "dp", "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done,
+                  "val/loss": last})
+    steps = done
     wall = time.monotonic() - t0
     param_bytes = sum(tensor_bytes(get_params(model)).values())
     M = cfg.diloco.learners
@@ -271,6 +322,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
     i = cfg.dp.inner
     return {
         "method": "dp",
+        "interrupted": STOP.is_set(),
         "hyperparameters": {
             "global batch (seqs)": cfg.dp_batch_size, "seq len": cfg.data.seq_len, "inner optimizer": i.name,
             "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
@@ -279,9 +331,11 @@ def train_dp(cfg: ExperimentConfig, run_dir: Path, progress=None) -> dict:
         },
         "tokens": steps * tps, "steps": steps, "wall_s": wall, "tokens_per_s": steps * tps / wall,
         "final_val_loss": last, "merges": None,
-        # no syncer: the equivalents are the bytes all workers send and receive in all-reduces
+        # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
+        # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
+        # are each half of it (the local ``allreduce_bytes`` above is the sent half).
         "bytes_to_syncer": allreduce_bytes, "bytes_from_syncer": allreduce_bytes,
-        "allreduce_bytes": allreduce_bytes,
+        "allreduce_bytes": 2 * allreduce_bytes,
         "params": count_params(model), "flops_per_token": flops_per_token(cfg.model, vocab, cfg.data.seq_len),
     }
 

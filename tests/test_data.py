@@ -351,10 +351,19 @@ def test_loaders_name_missing_paths(tmp_path, built):
 
 
 def test_prefect_wrapper():
+    import subprocess
+    import sys
+
     from prefect.cache_policies import NO_CACHE
 
-    assert D.shard_data_task.fn is D.prepare_data
-    assert D.shard_data_task.cache_policy is NO_CACHE
+    from tasks.shard import shard_data_task
+
+    assert shard_data_task.fn is D.prepare_data
+    assert shard_data_task.cache_policy is NO_CACHE
+    # the plain data code (the corpus checks run before Prefect starts) does not import Prefect
+    out = subprocess.run([sys.executable, "-c", "import sys, tasks.data; print('prefect' in sys.modules)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,65 @@
+"""Every check that can run before Prefect and JAX start, in one place.
+
+``ddiloco run`` calls :func:`preflight` before it starts Prefect; the pipeline flow calls it again
+first thing (a run started from the UI never went through the CLI). It writes nothing: the run
+directory is created only after every check has passed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from configs.schema import ExperimentConfig, validate_against_model
+from run.directory import check_run_dir, default_run_dir
+
+LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+
+
+def check_local_paths(cfg: ExperimentConfig) -> None:
+    """Local corpus files exist and have a supported suffix (cheap; no file is read)."""
+    if cfg.data.source != "local":
+        return
+    for path in cfg.data.paths:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise FileNotFoundError(f"data.paths: file not found: {path}")
+        if not p.name.lower().endswith(LOCAL_SUFFIXES):
+            raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
+
+
+def check_model(cfg: ExperimentConfig) -> int:
+    """Build the model abstractly (shapes only, no compute) and check P against its tensors.
+
+    Returns the number of parameter tensors. Raises ``ValueError`` naming ``diloco.fragments``.
+    """
+    from flax import nnx
+
+    from diloco.params import get_params
+    from models import build_model
+
+    model = nnx.eval_shape(lambda: build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0)))
+    n = len(get_params(model))
+    validate_against_model(cfg, n)
+    return n
+
+
+def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
+    """Check the run directory, the corpus and the model; return the run directory to use.
+
+    Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
+    ``run_dir`` is None), local file paths, the model's tensors against ``diloco.fragments``, then
+    the corpus itself (``tasks.data.check_corpus``: encodings, empty or too few documents, a
+    reachable hub dataset) unless ``check_data`` is False. Nothing is written anywhere but the
+    corpus download cache.
+
+    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` with one line naming the
+    field or path and the fix.
+    """
+    path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
+    check_local_paths(cfg)
+    check_model(cfg)
+    if check_data:
+        from tasks.data import check_corpus
+
+        check_corpus(cfg.data)
+    return path

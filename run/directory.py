@@ -1,0 +1,106 @@
+"""Where a run lives and what state it is in: checked before anything is written.
+
+A run directory (``<run_root>/<name>-<UTC time>`` unless given) holds one pipeline run:
+``config.json``, ``status.json`` and the stage folders (``docs/contracts.md``). This module decides,
+before Prefect or JAX start, whether a path may take a new run, and records the run's state.
+
+Rules (:func:`check_run_dir`): the path must not exist, or be an empty directory, or hold only the
+``data/`` folder (and ``config.json``) of an earlier run that never trained, which the data step
+reuses when its data config matches (else the data step refuses it). A directory that holds any
+results (``pretrain/``, ``checkpoints/``, ``metrics/``, ``eval/``, ``report/``) or a
+``status.json`` is a run, finished or not, and is never written to by a new run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import tempfile
+from pathlib import Path
+
+RESULT_ENTRIES = ("pretrain", "checkpoints", "metrics", "eval", "report", "status.json")
+REUSABLE_ENTRIES = ("data", "config.json")
+
+
+def default_run_dir(run_root: str | Path, name: str) -> Path:
+    """``<run_root>/<name>-<UTC timestamp>`` (seconds), absolute."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return (Path(run_root).expanduser() / f"{name}-{stamp}").absolute()
+
+
+def check_run_dir(path: str | Path) -> Path:
+    """The absolute path if a new run may be written there; writes nothing.
+
+    Raises ``ValueError`` (one line naming the path and the fix) when the path or one of its
+    parents is a file, the nearest existing parent is not writable, or the directory already
+    holds a run (see the module docstring).
+    """
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"run directory {path} exists and is not a directory; choose another --run-dir")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(
+            f"run directory {path}: {parent} is a file, not a folder, so nothing can be created under it; "
+            "choose another --run-dir (or run_root)"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"run directory {path}: {parent} is not writable; choose another --run-dir (or run_root)")
+    if path.is_dir():
+        entries = sorted(p.name for p in path.iterdir())
+        taken = [e for e in entries if e in RESULT_ENTRIES]
+        if taken:
+            status = read_status(path).get("status", "unknown state")
+            raise ValueError(
+                f"run directory {path} already holds a run ({status}; {', '.join(taken)}); a run is never "
+                "written over: choose a new --run-dir"
+            )
+        other = [e for e in entries if e not in REUSABLE_ENTRIES]
+        if other:
+            raise ValueError(
+                f"run directory {path} is not empty ({', '.join(other[:5])}) and is not a run directory; "
+                "choose a new or empty --run-dir"
+            )
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``:
+    readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_status(run_dir: str | Path, status: str, completed_stages: list[str], reason: str | None = None,
+                 **extra) -> dict:
+    """Record the run's state in ``RUN/status.json`` (atomically) and return the record.
+
+    ``status``: ``running`` | ``completed`` | ``interrupted`` | ``failed``; ``completed_stages``: the
+    stages finished so far, in order (``data``, ``pretrain-diloco``, ``pretrain-dp``,
+    ``eval-diloco``, ``eval-dp``, ``report``); ``reason``: why it stopped, for the last two.
+    """
+    if status not in ("running", "completed", "interrupted", "failed"):
+        raise ValueError(f"unknown run status {status!r}")
+    record = {"status": status, "completed_stages": list(completed_stages), "reason": reason,
+              "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **extra}
+    atomic_write_text(Path(run_dir) / "status.json", json.dumps(record, indent=2))
+    return record
+
+
+def read_status(run_dir: str | Path) -> dict:
+    """``RUN/status.json`` as a dict (empty if absent or unreadable)."""
+    try:
+        return json.loads((Path(run_dir) / "status.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
