@@ -430,6 +430,9 @@ def validation_lines(exc: ValidationError) -> list[str]:
     for err in exc.errors():
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
+            value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
+            msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
         if err["type"] == "extra_forbidden":
             keys = _valid_keys(exc.title, err["loc"][:-1])
             if keys:
