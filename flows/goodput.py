@@ -6,7 +6,10 @@ run answers "what if chips fail twice as often" (``chip_mtbi_years: 0.5``) or "w
 the resolved ``config.json``) to a run directory, ``runs/goodput-<UTC time>/`` by default.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the
+# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
+# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
+# cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import datetime as dt
 import json

@@ -6,7 +6,10 @@ SIGINT: the current stage stops at its next step boundary and saves, the report 
 was done, later stages are skipped) or ``failed`` (with the reason).
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the
+# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
+# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
+# cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import json
 import math

@@ -4,7 +4,10 @@ Each takes the experiment config and a run directory that already holds the shar
 (``flows.pipeline`` makes one), so either can be re-run alone from the Prefect UI.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the
+# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
+# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
+# cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 from pathlib import Path
 

@@ -1,0 +1,278 @@
+"""The pipeline flow through every standard route besides a direct call (tests/test_flows.py):
+``flow.serve()`` + ``run_deployment``, and prefect.yaml (``prefect deploy --all``) + a process worker +
+``run_deployment``; prefect.yaml in sync with configs/*.yaml; the UI form (parameter schema).
+
+The route tests run the real flow on the tiny config cut to one eval interval (about 40 s each on
+2 CPU cores). Servers and workers run in their own process group against the session's Prefect
+test server (127.0.0.1) and are always stopped.
+"""
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+# The tiny config, one DiLoCo eval interval, no lm-eval and no DP: shard → DiLoCo → report.
+FAST = {"train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
+        "dp.enabled": False}
+RUN_TIMEOUT_S = 240
+
+
+# ---------------------------------------------------------------------------------------------
+# prefect.yaml is generated from the shipped configs
+
+
+def test_prefect_yaml_in_sync_with_configs():
+    from configs.schema import load_config
+    from flows.deployments import PREFECT_YAML, problems
+
+    assert problems() == [], "prefect.yaml is out of date; run `python -m flows.deployments`"
+    deps = {d["name"]: d for d in yaml.safe_load(PREFECT_YAML.read_text())["deployments"]}
+    shipped = sorted(p for p in (REPO / "configs").glob("*.yaml"))
+    assert {p.stem for p in shipped} >= {"default", "tiny", "failure"}
+    for path in shipped:
+        dep = deps[path.stem]
+        assert dep["entrypoint"] == "flows/pipeline.py:pipeline"
+        assert dep["parameters"] == {"config": load_config(path).model_dump(mode="json")}, path.name
+        for word in (f"configs/{path.name}", "config_file", "overrides"):
+            assert word in dep["description"], (path.stem, word)
+    assert deps["default"]["parameters"]["config"]["diloco"]["sync_every"] == 4  # not the schema's 32
+    for name, entrypoint in [("pretrain-diloco", "flows/pretrain.py:pretrain_diloco"),
+                             ("pretrain-dp", "flows/pretrain.py:pretrain_dp"),
+                             ("goodput", "flows/goodput.py:goodput")]:
+        assert deps[name]["entrypoint"] == entrypoint
+    assert all(d["work_pool"] == {"name": "local-proc"} for d in deps.values())
+
+
+def test_deployments_check_names_what_is_out_of_date(tmp_path, capsys):
+    from flows.deployments import PREFECT_YAML, main
+
+    out = tmp_path / "prefect.yaml"
+    assert main(["--output", str(out)]) == 0
+    assert out.read_text() == PREFECT_YAML.read_text()
+    assert main(["--check", "--output", str(out)]) == 0
+    data = yaml.safe_load(out.read_text())
+    data["deployments"] = [d for d in data["deployments"] if d["name"] != "failure"]
+    data["deployments"][0]["parameters"]["config"]["train"]["token_budget"] = 123
+    data["deployments"].append({"name": "old", "entrypoint": "flows/pipeline.py:pipeline"})
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    capsys.readouterr()
+    assert main(["--check", "--output", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "pipeline/default: parameters.config.train.token_budget: 123 in prefect.yaml, 2000000 generated" in err
+    assert "pipeline/failure: missing" in err
+    assert "pipeline/old: not generated from any config" in err
+    assert main(["--check", "--output", str(tmp_path / "absent.yaml")]) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The UI form and parameter validation outside the defining module (fault 1, without a server)
+
+
+def _flows_and_params():
+    from configs.schema import load_config
+    from flows.goodput import goodput
+    from flows.pipeline import pipeline
+    from flows.pretrain import pretrain_diloco, pretrain_dp
+
+    tiny = load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")
+    return [(pipeline, {"config": tiny, "config_file": None, "overrides": FAST, "run_dir": "x"}),
+            (pipeline, {"config_file": "tiny"}),
+            (pretrain_diloco, {"config": tiny, "run_dir": "x", "progress_every_s": 1.0}),
+            (pretrain_dp, {"config": tiny, "run_dir": "x"}),
+            (goodput, {"config": {"seeds": 2}, "out_dir": None})]
+
+
+def test_flow_parameters_validate_after_cloudpickle():
+    """`flow.serve()` runs each flow run in a spawned process that gets the flow by cloudpickle,
+    which copies the function by value with only the globals its body uses. Parameter annotations
+    must therefore be objects, not strings (no `from __future__ import annotations` in a flow
+    module), or validation fails there with "... is not fully defined"."""
+    import inspect
+
+    for flow, params in _flows_and_params():
+        strings = {n: p.annotation for n, p in inspect.signature(flow.fn).parameters.items()
+                   if isinstance(p.annotation, str)}
+        assert not strings, f"flow {flow.name}: string annotations {strings} break flow.serve()"
+        clone = pickle.loads(cloudpickle.dumps(flow))
+        clone.validate_parameters(params)
+
+
+def test_ui_form_shows_every_config_field_with_default_and_description():
+    from pydantic import BaseModel
+    from pydantic_core import PydanticUndefined
+    from prefect.utilities.callables import parameter_schema
+
+    from configs.schema import ExperimentConfig
+    from flows.pipeline import pipeline
+
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    props, defs = schema["properties"], schema["definitions"]
+    assert list(props) == ["config", "config_file", "overrides", "run_dir"]
+    assert all(props[name].get("description") for name in props)
+    assert props["config"]["$ref"] == "#/definitions/ExperimentConfig"
+    assert props["config"]["default"] == ExperimentConfig().model_dump(mode="json")
+
+    def walk(model: type[BaseModel]) -> int:
+        shown = defs[model.__name__]["properties"]
+        n = 0
+        for name, field in model.model_fields.items():
+            assert name in shown, f"{model.__name__}.{name} is not in the form"
+            if field.description:
+                assert shown[name].get("description") == field.description, f"{model.__name__}.{name}"
+            if field.default is not PydanticUndefined:
+                default = field.default.model_dump(mode="json") if isinstance(field.default, BaseModel) \
+                    else field.default
+                assert shown[name].get("default") == default, f"{model.__name__}.{name}"
+            sub = field.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                n += walk(sub)
+            else:
+                n += 1
+        return n
+
+    assert walk(ExperimentConfig) > 60  # every leaf field of every section
+
+
+# ---------------------------------------------------------------------------------------------
+# The routes, end to end
+
+
+@pytest.fixture
+def route_env(prefect_harness, tmp_path):
+    """Environment for child processes: the session's test server, a private PREFECT_HOME, fast
+    polling, and PWD = the repository (prefect.yaml's pull step sets the working directory to it)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PWD": str(REPO)}
+
+
+def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    """A child in its own process group (so it and what it spawns can be stopped together)."""
+    with open(log, "ab") as fh:
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the child's process group, then SIGKILL what is left after 15 s."""
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # the leader is gone; end stragglers of its group (a flow-run process)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.exists() else "(no log)"
+
+
+def _run(args: list[str], env: dict, log: Path, timeout: float) -> None:
+    proc = _start(args, env, log)
+    try:
+        assert proc.wait(timeout=timeout) == 0, f"{' '.join(args)} failed:\n{_tail(log)}"
+    finally:
+        _stop(proc)
+
+
+def _assert_completed(flow_run, run_dir: Path, log: Path) -> None:
+    assert flow_run.state is not None and flow_run.state.is_completed(), \
+        f"flow run {flow_run.name}: {flow_run.state}\n{_tail(log)}"
+    assert (run_dir / "report" / "report.md").is_file()
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["name"] == "tiny" and config["train"]["token_budget"] == 3072
+
+
+async def _read_deployment(name: str, deadline_s: float, proc: subprocess.Popen | None = None):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    end = time.monotonic() + deadline_s
+    async with get_client() as client:
+        while True:
+            try:
+                return await client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                if time.monotonic() > end or (proc is not None and proc.poll() is not None):
+                    raise
+                await asyncio.sleep(0.5)
+
+
+def test_flow_serve_and_run_deployment(route_env, tmp_path):
+    """`pipeline.serve()` in a child process; `run_deployment` with a shipped config's name and
+    overrides; the run completes in the served process."""
+    from prefect.deployments import run_deployment
+
+    log, run_dir = tmp_path / "serve.log", tmp_path / "run"
+    serve = _start([sys.executable, "-c", "from flows.pipeline import pipeline; "
+                    "pipeline.serve(name='serve-test', print_starting_message=False)"], route_env, log)
+    try:
+        try:
+            asyncio.run(_read_deployment("pipeline/serve-test", 120, serve))
+        except Exception as exc:
+            raise AssertionError(f"pipeline.serve() did not register ({exc}):\n{_tail(log)}") from None
+        flow_run = run_deployment("pipeline/serve-test", timeout=RUN_TIMEOUT_S, poll_interval=1,
+                                  parameters={"config_file": "tiny", "overrides": FAST,
+                                              "run_dir": str(run_dir)})
+    finally:
+        _stop(serve)
+    _assert_completed(flow_run, run_dir, log)
+
+
+def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
+    """`prefect deploy --all` from the repository's prefect.yaml, `run_deployment` of pipeline/tiny
+    with only overrides (the config is the deployment's copy of configs/tiny.yaml), and a process
+    worker that runs it (`prefect worker start --run-once`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from configs.schema import load_config
+
+    log, run_dir = tmp_path / "worker.log", tmp_path / "run"
+    _run([PREFECT, "work-pool", "create", "local-proc", "--type", "process", "--overwrite"], route_env, log, 60)
+    _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
+    dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
+    assert dep.parameters == {"config": load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")}
+    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir"}
+    for name in ("pipeline/default", "pipeline/failure", "pretrain-diloco/pretrain-diloco",
+                 "pretrain-dp/pretrain-dp", "goodput/goodput"):
+        asyncio.run(_read_deployment(name, 5))
+
+    flow_run = run_deployment("pipeline/tiny", timeout=0,
+                              parameters={"overrides": FAST, "run_dir": str(run_dir)})
+    worker = _start([PREFECT, "worker", "start", "--pool", "local-proc", "--run-once"], route_env, log)
+    try:
+        worker.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _stop(worker)
+
+    async def final():
+        async with get_client() as client:
+            return await client.read_flow_run(flow_run.id)
+
+    _assert_completed(asyncio.run(final()), run_dir, log)
