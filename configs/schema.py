@@ -34,11 +34,13 @@ class DataConfig(_Strict):
     Hugging Face dataset name; needs the hub).
     """
 
-    source: Literal["shakespeare", "local", "hf"] = "shakespeare"
+    source: Literal["shakespeare", "local", "hf"] = Field(
+        "shakespeare", description="shakespeare (embedded default corpus), local (data.paths) or hf (data.hf_name)"
+    )
     paths: list[str] = Field(default_factory=list, description="local files for source=local")
-    text_field: str = "text"
-    hf_name: str | None = None
-    hf_split: str = "train"
+    text_field: str = Field("text", description="column holding the text in .jsonl/.parquet files and hub datasets")
+    hf_name: str | None = Field(None, description="Hugging Face dataset name (or a local dataset folder) for source=hf")
+    hf_split: str = Field("train", description="split of the Hugging Face dataset to read")
     encoding: str | None = Field(
         None, description="text encoding of local .txt files (e.g. latin-1); unset = UTF-8, and a "
         "file that is not valid UTF-8 is refused naming the file and the first bad byte"
@@ -50,7 +52,7 @@ class DataConfig(_Strict):
     test_docs: PositiveInt = Field(2, description="whole documents (plays) held out for test")
     vocab_size: int = Field(2048, ge=260, le=65536, description="byte-level BPE vocabulary size")
     seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
-    seed: int = 0
+    seed: int = Field(0, description="seed of the held-out document split")
 
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
@@ -72,13 +74,13 @@ class DataConfig(_Strict):
 class ModelConfig(_Strict):
     """Decoder-only transformer sizes. ``kind`` picks the model from the registry in ``models/``."""
 
-    kind: Literal["dense"] = "dense"
-    d_model: PositiveInt = 128
-    n_layers: PositiveInt = 4
-    n_heads: PositiveInt = 4
+    kind: Literal["dense"] = Field("dense", description="model family from the registry in models/")
+    d_model: PositiveInt = Field(128, description="residual stream width")
+    n_layers: PositiveInt = Field(4, description="transformer blocks")
+    n_heads: PositiveInt = Field(4, description="attention heads (d_model / n_heads must be even, for RoPE)")
     d_ff: PositiveInt = Field(352, description="SwiGLU hidden width")
-    tie_embeddings: bool = True
-    rope_theta: PositiveFloat = 10000.0
+    tie_embeddings: bool = Field(True, description="share the input embedding with the output head")
+    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base frequency")
 
     @model_validator(mode="after")
     def _check_heads(self) -> "ModelConfig":
@@ -94,13 +96,13 @@ class ModelConfig(_Strict):
 class InnerOptConfig(_Strict):
     """AdamW (or SGD) with linear warmup then cosine decay to ``final_lr_frac`` × lr."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: PositiveFloat = 3e-3
-    warmup_steps: int = Field(20, ge=0)
-    final_lr_frac: float = Field(0.1, ge=0.0, le=1.0)
-    weight_decay: float = Field(0.1, ge=0.0)
-    b1: float = Field(0.9, ge=0.0, lt=1.0)
-    b2: float = Field(0.95, ge=0.0, lt=1.0)
+    name: Literal["adamw", "sgd"] = Field("adamw", description="inner optimizer")
+    lr: PositiveFloat = Field(3e-3, description="peak learning rate")
+    warmup_steps: int = Field(20, ge=0, description="linear warmup, steps")
+    final_lr_frac: float = Field(0.1, ge=0.0, le=1.0, description="cosine decay ends at this fraction of lr")
+    weight_decay: float = Field(0.1, ge=0.0, description="decoupled weight decay (AdamW)")
+    b1: float = Field(0.9, ge=0.0, lt=1.0, description="Adam β1")
+    b2: float = Field(0.95, ge=0.0, lt=1.0, description="Adam β2")
     grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
 
 
@@ -116,10 +118,13 @@ class DiLoCoConfig(_Strict):
     sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
     quorum: PositiveInt = Field(3, description="K, minimum distinct learners before a merge")
     grace_s: float = Field(3.0, ge=0.0, description="fixed grace window after quorum, seconds")
-    merge: Literal["mean", "token_weighted", "rda"] = "token_weighted"
-    outer_lr: PositiveFloat = 0.7
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    outer_nesterov: bool = True
+    merge: Literal["mean", "token_weighted", "rda"] = Field(
+        "token_weighted", description="merge rule: mean, token_weighted (w = tokens²/steps) or rda "
+        "(radial-directional averaging)"
+    )
+    outer_lr: PositiveFloat = Field(0.7, description="outer SGD learning rate")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum μ; 0 = plain SGD")
+    outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer step (with μ > 0)")
     mix_alpha: float = Field(
         0.0, ge=0.0, lt=1.0, description="on receipt θ ← α·θ_local + (1−α)·Θ; 0 = overwrite"
     )
@@ -147,7 +152,7 @@ class DiLoCoConfig(_Strict):
     batch_size: PositiveInt = Field(8, description="sequences per learner inner step")
     inner: InnerOptConfig = InnerOptConfig()
     learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
-    retry_delay_s: float = Field(3.0, ge=0.0)
+    retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner")
 
     @model_validator(mode="after")
     def _check(self) -> "DiLoCoConfig":
@@ -172,19 +177,21 @@ class DPConfig(_Strict):
     """The data-parallel baseline: one synchronous job, global batch = M × the learner batch."""
 
     inner: InnerOptConfig = InnerOptConfig()
-    enabled: bool = True
+    enabled: bool = Field(True, description="train the DP baseline (false: DiLoCo only)")
 
 
 class FailureSpec(_Strict):
     """Learner ``learner`` raises at local step ``at_step`` (first attempt only). The step must be
     reachable: at most the learner's even share of the budget (``ExperimentConfig.learner_steps``)."""
 
-    learner: int = Field(ge=0)
-    at_step: PositiveInt
+    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
+    at_step: PositiveInt = Field(description="local inner step at which it raises")
 
 
 class ChaosConfig(_Strict):
-    failures: list[FailureSpec] = Field(default_factory=list)
+    """Scheduled faults of a run (chaos testing)."""
+
+    failures: list[FailureSpec] = Field(default_factory=list, description="learner failures: [{learner, at_step}]")
 
 
 class TrainConfig(_Strict):
@@ -193,7 +200,7 @@ class TrainConfig(_Strict):
     token_budget: PositiveInt = Field(2_097_152, description="training tokens per method")
     eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence")
     eval_batches: PositiveInt = Field(8, description="fixed validation batches per measurement")
-    eval_batch_size: PositiveInt = 16
+    eval_batch_size: PositiveInt = Field(16, description="sequences per held-out batch")
     microbatch_size: PositiveInt | None = Field(
         None, description="sequences per forward/backward pass; a step averages the gradients of "
         "its microbatches (same update, smaller activations); must divide diloco.batch_size; "
@@ -204,19 +211,19 @@ class TrainConfig(_Strict):
 class EvalConfig(_Strict):
     """lm-eval-harness on tasks generated from the held-out test plays."""
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="run lm-eval on the held-out plays after pretraining")
     ppl_docs: PositiveInt = Field(16, description="test passages for perplexity")
     ppl_chars: PositiveInt = Field(2000, description="characters per perplexity passage")
     mc_questions: PositiveInt = Field(200, description="which-line-comes-next questions")
     mc_context_lines: PositiveInt = Field(4, description="lines of context before the answer")
-    batch_size: PositiveInt = 32
+    batch_size: PositiveInt = Field(32, description="sequences per lm-eval forward pass")
 
 
 class ExperimentConfig(_Strict):
     """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → report."""
 
-    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
-    seed: int = 0
+    name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
+    seed: int = Field(0, description="model initialisation and data order seed")
     run_root: str = Field("runs", description="folder (or fsspec URL) holding run directories")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
