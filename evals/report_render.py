@@ -140,7 +140,9 @@ def _header(report: dict, L: list[str]) -> None:
     pl = report.get("pipeline")
     if pl:
         stages = ", ".join(pl["completed_stages"]) or "none"
-        L.append(f"- pipeline status: {pl['status']} (completed stages: {stages})"
+        status = ("running: this report is built as its last stage" if pl["status"] == "running"
+                  else pl["status"])
+        L.append(f"- pipeline status: {status} (completed stages: {stages})"
                  + (f"; reason: {pl['reason']}" if pl.get("reason") else ""))
     for m in METHODS:
         if methods[m]["status"] != "ok":

@@ -111,7 +111,12 @@ def pipeline(
                 if stop_requested():  # the stage stopped early: it is not complete
                     break
                 stages.append(name)
-            report_task(rd)  # also after a stop: the report of what was done
+            problem = None if stop_requested() else _run_problem(results)
+            if stop_requested():  # the report shows the run's state at its top
+                write_status(rd, "interrupted", stages, _signal_reason())
+            else:
+                write_status(rd, "failed" if problem else "running", stages, problem)
+            report_task(rd)  # also after a stop or a failure: the report of what was done
             stages.append("report")
         except BaseException as exc:
             if stop_requested():
@@ -120,7 +125,6 @@ def pipeline(
             raise
         if stop_requested():
             return _interrupted(rd, stages)
-        problem = _run_problem(results)
         if problem:
             write_status(rd, "failed", stages, problem)
             return Failed(message=problem)
@@ -129,10 +133,14 @@ def pipeline(
     return str(rd)
 
 
-def _interrupted(rd: Path, stages: list[str]) -> State:
+def _signal_reason() -> str:
     import signal
 
-    name = signal.Signals(stop_signal() or signal.SIGTERM).name
-    write_status(rd, "interrupted", stages, f"{name} received")
-    return Cancelled(message=f"stopped on {name}; completed stages: {', '.join(stages) or 'none'} "
+    return f"{signal.Signals(stop_signal() or signal.SIGTERM).name} received"
+
+
+def _interrupted(rd: Path, stages: list[str]) -> State:
+    reason = _signal_reason()
+    write_status(rd, "interrupted", stages, reason)
+    return Cancelled(message=f"stopped: {reason}; completed stages: {', '.join(stages) or 'none'} "
                              f"(recorded in {rd / 'status.json'})")
