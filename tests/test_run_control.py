@@ -50,7 +50,7 @@ def test_a_run_that_mostly_failed_fails(prefect_harness, tiny_cfg, tiny_data, tm
     assert status["status"] == "failed" and status["completed_stages"] == ["data", "pretrain-diloco", "report"]
     lost = json.loads((rd / "pretrain" / "diloco" / "summary.json").read_text())["work_lost"]
     assert lost["status"] == "failed" and lost["dropped_fraction"] > 0.5
-    assert lost["reasons"]["non-finite"] == lost["dropped_tokens"]
+    assert lost["reasons"]["non-finite"] > 0.5 * lost["processed_tokens"]  # (a few may go as superseded)
     head = (rd / "report" / "report.md").read_text().split("\n## ")[0]  # above the first section
     failed = next(ln for ln in head.splitlines() if ln.startswith("**Failed:"))
     warning = next(ln for ln in head.splitlines() if ln.startswith("**Warning:"))
