@@ -62,7 +62,8 @@ class DataConfig(_Strict):
             raise ValueError("data.hf_name must be set when data.source is 'hf'")
         if self.encoding is not None:
             try:
-                codecs.lookup(self.encoding)
+                if not codecs.lookup(self.encoding)._is_text_encoding:  # rot13, base64: bytes↔bytes
+                    raise LookupError(self.encoding)
             except LookupError:
                 raise ValueError(
                     f"data.encoding {self.encoding!r} is not a known text encoding; use e.g. utf-8, "
@@ -181,8 +182,10 @@ class DPConfig(_Strict):
 
 
 class FailureSpec(_Strict):
-    """Learner ``learner`` raises at local step ``at_step`` (first attempt only). The step must be
-    reachable: at most the learner's even share of the budget (``ExperimentConfig.learner_steps``)."""
+    """Learner ``learner`` raises at local step ``at_step``. A learner's scheduled failures fire in
+    step order, the k-th on its k-th attempt (a retry resumes at the step it failed at, so a later
+    step is reached again). The step must be reachable: at most the learner's even share of the
+    budget (``ExperimentConfig.learner_steps``)."""
 
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     at_step: PositiveInt = Field(description="local inner step at which it raises")
@@ -241,6 +244,11 @@ class ExperimentConfig(_Strict):
                     f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners "
                     f"({self.diloco.learners})"
                 )
+            if any(g.learner == f.learner and g.at_step == f.at_step for g in self.chaos.failures[:i]):
+                raise ValueError(
+                    f"chaos.failures[{i}] repeats learner {f.learner}'s failure at step {f.at_step}; a learner "
+                    "fails at most once per step (list each failure once)"
+                )
             if f.at_step > self.learner_steps:
                 raise ValueError(
                     f"chaos.failures[{i}].at_step ({f.at_step}) cannot happen: each learner takes about "
@@ -297,20 +305,57 @@ CONFIG_DIR = Path(__file__).resolve().parent
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """PyYAML's safe loader with YAML 1.2 floats: ``3e-4`` and ``1E5`` are floats, not strings
-    (PyYAML follows YAML 1.1, which needs a dot: ``3.0e-4``). With strict config types a string
-    would otherwise be refused where a user plainly wrote a number."""
+    """PyYAML's safe loader with YAML 1.2 core-schema scalars and no duplicate keys.
+
+    PyYAML follows YAML 1.1, where ``3e-4`` is a string, ``010`` is 8 (octal), ``1:30`` is 90
+    (base 60) and ``yes``/``on`` are booleans. Here numbers are YAML 1.2 (``3e-4`` a float, ``010``
+    ten, ``1:30`` a string; ``_`` between digits is allowed, as in Python), only ``true``/``false``
+    are booleans, and a key given twice in one mapping is an error instead of the last one winning.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (
+        "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
                 |[-+]?\.(?:inf|Inf|INF)
                 |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."),
 )
+
+
+def _construct_int(loader, node):
+    text = loader.construct_scalar(node).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    text = text.lstrip("+-")
+    if text.startswith("0o"):
+        return sign * int(text[2:], 8)
+    if text.startswith("0x"):
+        return sign * int(text[2:], 16)
+    return sign * int(text, 10)  # YAML 1.2: a leading zero is still decimal
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
 
 
 def yaml_value(text: str) -> Any:
@@ -427,7 +472,10 @@ def parse_overrides(items: list[str]) -> dict:
         if not sep or not key:
             raise ValueError(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
                              f"chip_mtbi_years=0.5), got {item!r}")
-        out[key] = yaml_value(value)
+        try:
+            out[key] = yaml_value(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())[:160]})") from None
     return out
 
 

@@ -131,7 +131,7 @@ class LearnerSpec:
     keep_in_flight: bool = False
     microbatches: int = 1
     turns: FairTurns | None = None
-    fail_at_steps: tuple[int, ...] = ()
+    fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
     log_every: int = 10
 
 
@@ -221,7 +221,7 @@ def run_learner(
             for p in range(P):
                 if latest[p] > versions[p]:
                     pull(p, *exchange.latest(p))
-            if attempt == 1 and step + 1 in spec.fail_at_steps:
+            if attempt <= len(spec.fail_at_steps) and step + 1 == spec.fail_at_steps[attempt - 1]:
                 raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
             if not exchange.claim_tokens(spec.tokens_per_step):
                 break

@@ -45,8 +45,9 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def _load(config: str, sets: list[str]):
     from configs.schema import config_path, load_config
 
+    overrides = _parse_sets(sets)
     try:
-        return load_config(config_path(config), _parse_sets(sets))
+        return load_config(config_path(config), overrides)
     except ValidationError as exc:
         raise _invalid(f"invalid config {config}:", exc)
     except yaml.YAMLError as exc:
@@ -87,10 +88,11 @@ def run(
     from prefect.exceptions import CancelledRun, FailedRun
 
     from flows.pipeline import pipeline
-    from run.control import stop_signal
+    from run.control import graceful_stop, stop_signal
 
     try:
-        out = pipeline(config=cfg, run_dir=str(rd))
+        with graceful_stop():  # also while Prefect's temporary server starts and stops
+            out = pipeline(config=cfg, run_dir=str(rd))
     except CancelledRun as exc:
         typer.echo(f"\ninterrupted: {exc}", err=True)
         raise typer.Exit(128 + (stop_signal() or 15))
@@ -164,6 +166,8 @@ def _out_dir_problem(out: Path) -> str | None:
         return "exists and is not a directory; choose a new directory"
     if (out / "goodput.json").exists():
         return "already holds a goodput run (goodput.json); choose another directory"
+    if (out / "status.json").exists() or (out / "pretrain").exists():
+        return "holds a pipeline run, which is never written into; choose another directory"
     parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not a writable directory"

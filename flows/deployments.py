@@ -42,11 +42,13 @@ FORM_NOTE = (
 
 OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     {"name": "pretrain-diloco", "entrypoint": "flows/pretrain.py:pretrain_diloco",
-     "description": "Re-run Decoupled DiLoCo pretraining in an existing run directory (one that holds "
-                    "the sharded data, e.g. one the pipeline made).",
+     "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
+                    "and no DiLoCo results yet (results are never overwritten: delete checkpoints/diloco, "
+                    "pretrain/diloco and metrics/diloco_eval.jsonl to train it again).",
      "work_pool": {"name": WORK_POOL}},
     {"name": "pretrain-dp", "entrypoint": "flows/pretrain.py:pretrain_dp",
-     "description": "Re-run the data-parallel baseline in an existing run directory.",
+     "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
+                    "no DP results yet (results are never overwritten).",
      "work_pool": {"name": WORK_POOL}},
     {"name": "goodput", "entrypoint": "flows/goodput.py:goodput",
      "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "

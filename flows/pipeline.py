@@ -24,8 +24,8 @@ from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
 from prefect.states import Cancelled, Failed, State
 
-from run.control import graceful_stop, reset, stop_requested, stop_signal
-from run.directory import atomic_write_text, write_status
+from run.control import graceful_stop, stop_requested, stop_signal
+from run.directory import atomic_write_text, claim_run_dir, write_status
 from tasks.evaluate import evaluate_task, report_task
 from tasks.shard import shard_data_task
 
@@ -33,8 +33,9 @@ __all__ = ["pipeline", "preflight", "make_run_dir"]
 
 
 def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
-    """Create the (checked) run directory and write the resolved config and a ``running`` status."""
-    path.mkdir(parents=True, exist_ok=True)
+    """Claim the (checked) run directory and write the resolved config and a ``running`` status.
+    Raises ``FileExistsError`` when another run claimed it since the check."""
+    claim_run_dir(path)
     atomic_write_text(path / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2))
     write_status(path, "running", [])
     return path
@@ -79,7 +80,8 @@ def pipeline(
     logger = get_run_logger()
     cfg = resolve_config(config, config_file, overrides)
     rd = preflight(cfg, run_dir)
-    reset()
+    if stop_requested():  # a signal while Prefect started: nothing was written, nothing to save
+        return Cancelled(message=f"stopped before the run started: {_signal_reason()}; nothing was written")
     created = not rd.exists()
     stages: list[str] = []
     with graceful_stop():
@@ -108,7 +110,7 @@ def pipeline(
                     break
                 write_status(rd, "running", stages)
                 results[name] = step()
-                if stop_requested():  # the stage stopped early: it is not complete
+                if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
                     break
                 stages.append(name)
             problem = None if stop_requested() else _run_problem(results)

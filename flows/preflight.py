@@ -21,10 +21,31 @@ def check_local_paths(cfg: ExperimentConfig) -> None:
         return
     for path in cfg.data.paths:
         p = Path(path).expanduser()
+        if p.is_dir():
+            raise ValueError(f"data.paths: {path} is a folder; list the files in it")
         if not p.is_file():
             raise FileNotFoundError(f"data.paths: file not found: {path}")
         if not p.name.lower().endswith(LOCAL_SUFFIXES):
             raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
+
+
+def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
+    """A run directory that already holds ``data/`` (an earlier run's, that never trained) is used
+    only when that data was built from this config's data section and learner count.
+    Raises ``ValueError`` naming the folder and the fix."""
+    data = path / "data"
+    if not data.exists() and not data.is_symlink():
+        return
+    from tasks.data import config_record, load_manifest
+
+    try:
+        old = load_manifest(path).get("config")
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ValueError(f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a "
+                         "new --run-dir") from None
+    if old != config_record(cfg):
+        raise ValueError(f"run directory {path} holds data built from another data config or learner count; "
+                         "choose a new --run-dir")
 
 
 def check_model(cfg: ExperimentConfig) -> int:
@@ -56,6 +77,7 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     field or path and the fix.
     """
     path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
+    check_reusable_data(cfg, path)
     check_local_paths(cfg)
     check_model(cfg)
     if check_data:

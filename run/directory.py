@@ -36,19 +36,25 @@ def check_run_dir(path: str | Path) -> Path:
     parents is a file, the nearest existing parent is not writable, or the directory already
     holds a run (see the module docstring).
     """
-    path = Path(path).expanduser().absolute()
+    if not str(path).strip():
+        raise ValueError("run directory is empty or blank; give a folder name with --run-dir")
+    path = Path(os.path.normpath(Path(path).expanduser().absolute()))
+    if path.is_symlink() and not path.exists():
+        raise ValueError(f"run directory {path} is a dangling symbolic link; choose another --run-dir")
     if path.exists() and not path.is_dir():
         raise ValueError(f"run directory {path} exists and is not a directory; choose another --run-dir")
+    for above in path.parents:  # a run directory is never nested inside another run
+        if (above / "status.json").is_file() or ((above / "config.json").is_file() and (above / "pretrain").is_dir()):
+            raise ValueError(f"run directory {path} is inside the run directory {above}; choose a path outside it")
     parent = path
-    while not parent.exists():
+    while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
     if not parent.is_dir():
         raise ValueError(
             f"run directory {path}: {parent} is a file, not a folder, so nothing can be created under it; "
             "choose another --run-dir (or run_root)"
         )
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"run directory {path}: {parent} is not writable; choose another --run-dir (or run_root)")
+    _probe_writable(parent, path)
     if path.is_dir():
         entries = sorted(p.name for p in path.iterdir())
         taken = [e for e in entries if e in RESULT_ENTRIES]
@@ -64,6 +70,31 @@ def check_run_dir(path: str | Path) -> Path:
                 f"run directory {path} is not empty ({', '.join(other[:5])}) and is not a run directory; "
                 "choose a new or empty --run-dir"
             )
+    return path
+
+
+def _probe_writable(parent: Path, path: Path) -> None:
+    """Create and remove an empty folder in ``parent``: permission bits do not tell (root may write
+    anywhere by them, yet not in /proc or on a read-only mount). Raises ``ValueError``."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ddiloco-probe-", dir=parent))
+    except OSError as exc:
+        raise ValueError(
+            f"run directory {path}: nothing can be created in {parent} ({exc.strerror or exc}); choose another "
+            "--run-dir (or run_root)"
+        ) from None
+
+
+def claim_run_dir(path: str | Path) -> Path:
+    """Create ``path`` (checked by :func:`check_run_dir`) and claim it for this run by creating its
+    ``status.json`` exclusively: of two runs started on one new directory, the second is refused
+    (``FileExistsError`` naming it) instead of writing beside the first."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(path / "status.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        raise FileExistsError(f"run directory {path} was just claimed by another run; choose a new --run-dir") from None
     return path
 
 

@@ -254,6 +254,8 @@ def _rows_to_docs(ds: Any, text_field: str, default_title: str, where: str) -> l
                 f"{where}#{i}: data.text_field {text_field!r} holds {type(text).__name__}, not text"
             )
         text = text.strip()
+        if "\x00" in text:
+            raise ValueError(f"{where}#{i}: data.text_field {text_field!r} holds NUL characters: not text")
         if text:
             name = title.strip() if isinstance(title, str) else ""
             docs.append({"title": name or f"{default_title}#{i}", "text": text})
@@ -322,9 +324,12 @@ def read_local(paths: list[str], text_field: str = "text", encoding: str | None 
     """
     import datasets
 
+    datasets.disable_progress_bars()  # a refusal here is one line, not a progress bar and a log record
     docs: list[Document] = []
     for p in paths:
         path = Path(p).expanduser()
+        if path.is_dir():
+            raise ValueError(f"data.paths: {path} is a folder; list the files in it")
         if not path.is_file():
             raise FileNotFoundError(f"data.paths: file not found: {path}")
         suffix = path.suffix.lower()
@@ -343,7 +348,18 @@ def read_local(paths: list[str], text_field: str = "text", encoding: str | None 
                 f"data.paths: {path} has an unsupported suffix {suffix!r}; use .txt, .jsonl, "
                 ".json or .parquet"
             )
-        ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train")
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error is in ours, below
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path.resolve()), split="train")
+        except Exception as exc:  # malformed JSON lines, a file that is not Parquet, ...
+            cause = exc
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            detail = " ".join(str(cause).split())[:200] or type(cause).__name__
+            raise ValueError(f"data.paths: {path} cannot be read as {builder} ({detail}); fix or remove the file") from None
+        finally:
+            datasets.logging.set_verbosity(verbosity)
         docs.extend(_rows_to_docs(ds, text_field, path.name, str(path)))
     return docs
 
@@ -577,7 +593,7 @@ def _sequences_dataset(seqs: np.ndarray):
 # ---------------------------------------------------------------------------------------------
 
 
-def _config_record(cfg: ExperimentConfig) -> dict:
+def config_record(cfg: ExperimentConfig) -> dict:
     """What determines the data folder: the data section and the number of learners."""
     d = cfg.data.model_dump(mode="json")
     d.pop("cache_dir", None)  # where the archive is cached does not change the data
@@ -632,7 +648,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         lap[0] = now
     run_dir = Path(run_dir)
     final = run_dir / DATA_DIR
-    record = _config_record(cfg)
+    record = config_record(cfg)
     if final.exists():
         try:
             old = load_manifest(run_dir)

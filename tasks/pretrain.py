@@ -126,7 +126,7 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: Path) -> DiLoCoRun:
     turns = FairTurns(d.compute_slots) if d.compute_slots else None
     for m in range(d.learners):
         seqs = load_sequences(run_dir, f"shard_{m:02d}")
-        fails = tuple(f.at_step for f in cfg.chaos.failures if f.learner == m)
+        fails = tuple(sorted(f.at_step for f in cfg.chaos.failures if f.learner == m))
         specs.append(LearnerSpec(
             learner=m,
             next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (m + 1)),

@@ -199,3 +199,95 @@ def test_unreachable_chaos_step_is_refused():
     with pytest.raises(ValidationError, match=r"chaos.failures\[0\].at_step \(100000\) cannot happen.*≤ 64"):
         load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 100000}]})
     load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 64}]})
+
+
+# -- what a fresh user found next: the same kinds, more inputs ---------------------------------
+def test_run_dir_inside_a_run_symlinks_proc_and_races(tmp_path):
+    from run.directory import check_run_dir, claim_run_dir
+
+    finished_run(tmp_path / "X")
+    for inner in ("X/newsub", "X/a/b/c"):
+        with pytest.raises(ValueError, match="is inside the run directory"):
+            check_run_dir(tmp_path / inner)
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="dangling symbolic link"):
+        check_run_dir(tmp_path / "dangling")
+    if Path("/proc/self").is_dir():
+        with pytest.raises(ValueError, match="nothing can be created in /proc"):
+            check_run_dir("/proc/ddiloco-run")
+    with pytest.raises(ValueError, match="blank"):
+        check_run_dir(" ")
+    claim_run_dir(tmp_path / "race")  # the first run to start claims a new directory ...
+    with pytest.raises(FileExistsError, match="just claimed by another run"):
+        claim_run_dir(tmp_path / "race")  # ... and a second one started beside it is refused
+    assert not list(tmp_path.glob(".ddiloco-probe-*"))
+
+
+def test_reused_data_must_match_the_config(tmp_path, tiny_cfg, tiny_data):
+    import shutil
+
+    from flows.preflight import check_reusable_data
+
+    shutil.copytree(tiny_data / "data", tmp_path / "R" / "data")
+    check_reusable_data(tiny_cfg, tmp_path / "R")  # the same data config: reused
+    other = load_config(ROOT / "configs" / "tiny.yaml", {"data.vocab_size": 300})
+    with pytest.raises(ValueError, match="holds data built from another data config"):
+        check_reusable_data(other, tmp_path / "R")
+    (tmp_path / "S" / "data").mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds a data folder that cannot be reused"):
+        check_reusable_data(tiny_cfg, tmp_path / "S")
+
+
+def test_goodput_never_writes_into_a_pipeline_run(tmp_path):
+    finished_run(tmp_path / "X")
+    line = one_line_refusal(*cli("goodput", "--out", tmp_path / "X"))
+    assert "holds a pipeline run" in line
+
+
+def test_more_corpus_faults_are_one_line(tmp_path):
+    from configs.schema import DataConfig
+    from tasks.data import read_local
+
+    with pytest.raises(ValidationError, match="'rot13' is not a known text encoding"):
+        DataConfig(encoding="rot13")
+    (tmp_path / "x.jsonl").write_text('{"text": "a"}\nnot json\n')
+    with pytest.raises(ValueError, match=r"x.jsonl cannot be read as json"):
+        read_local([str(tmp_path / "x.jsonl")])
+    (tmp_path / "y.parquet").write_bytes(b"PAR1 not parquet")
+    with pytest.raises(ValueError, match=r"y.parquet cannot be read as parquet"):
+        read_local([str(tmp_path / "y.parquet")])
+    (tmp_path / "z.jsonl").write_text('{"text": "nul \\u0000 inside"}\n')
+    with pytest.raises(ValueError, match="NUL characters"):
+        read_local([str(tmp_path / "z.jsonl")])
+    with pytest.raises(ValueError, match="is a folder"):
+        read_local([str(tmp_path)])
+
+
+@pytest.mark.parametrize("text, field, value", [
+    ("diloco: {learners: 010, quorum: 2}", "diloco.learners", 10),  # YAML 1.1 read 8 (octal)
+    ("diloco: {grace_s: 1:30}", "diloco.grace_s", None),  # YAML 1.1 read 90 (base 60): refused
+    ("model: {tie_embeddings: yes}", "model.tie_embeddings", None),  # YAML 1.1 read true: refused
+    ("train: {token_budget: 1_000_000}", "train.token_budget", 1_000_000),
+])
+def test_yaml_means_what_it_says(tmp_path, text, field, value):
+    (tmp_path / "c.yaml").write_text(text + "\n")
+    if value is None:
+        with pytest.raises(ValidationError, match=field.split(".")[-1]):
+            load_config(tmp_path / "c.yaml")
+    else:
+        section, name = field.split(".")
+        assert getattr(getattr(load_config(tmp_path / "c.yaml"), section), name) == value
+
+
+def test_duplicate_keys_and_chaos_events_are_refused(tmp_path):
+    import yaml
+
+    (tmp_path / "d.yaml").write_text("name: t\nname: u\n")
+    with pytest.raises(yaml.YAMLError, match="'name' is given twice"):
+        load_config(tmp_path / "d.yaml")
+    with pytest.raises(ValidationError, match=r"chaos.failures\[1\] repeats learner 1's failure at step 3"):
+        load_config(ROOT / "configs" / "tiny.yaml",
+                    {"chaos.failures": [{"learner": 1, "at_step": 3}, {"learner": 1, "at_step": 3}]})
+    # two failures of one learner: the k-th fires on its k-th attempt (tests/test_runtime.py)
+    load_config(ROOT / "configs" / "tiny.yaml",
+                {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]})

@@ -160,3 +160,29 @@ def test_fair_turns_serve_in_arrival_order_and_bound_concurrency():
     for t in threads:
         t.join(10)
     assert peak[0] == 2  # both slots used, never a third
+
+
+def test_scheduled_failures_fire_in_order_one_per_attempt():
+    """Two failures of one learner at steps 3 and 7: attempt 1 fails at 3, the retry resumes there and
+    fails at 7, attempt 3 runs to the end of the budget."""
+    from diloco.runtime import InjectedFailure
+
+    model = tiny_model()
+    theta0 = to_numpy(get_params(model))
+    fragments = balanced_fragments(tensor_bytes(theta0), 2)
+    syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=1, quorum=1))
+    exchange = InMemoryExchange(len(fragments), token_budget=10 * B * L)
+    for p in range(len(fragments)):
+        exchange.publish(p, 0, syncer.global_params[p])
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 50, (B, L + 1), dtype=np.int32) for _ in range(10)]
+    spec = LearnerSpec(learner=0, next_batch=lambda e, i: (batches[i], e, i + 1), model_factory=tiny_model,
+                       tx=optax.adam(1e-2), fragments=fragments, period=2, tokens_per_step=B * L,
+                       fail_at_steps=(3, 7))
+    failed_at = []
+    for attempt in (1, 2):
+        with pytest.raises(InjectedFailure, match=f"at local step {(3, 7)[attempt - 1]}"):
+            run_learner(spec, exchange, threading.Event(), attempt=attempt, log=lambda rec: None, t0=0.0)
+        failed_at.append(exchange.learners()[0]["step"])
+    out = run_learner(spec, exchange, threading.Event(), attempt=3, log=lambda rec: None, t0=0.0)
+    assert failed_at == [2, 6] and out["steps"] == 10
