@@ -60,6 +60,8 @@ class DataConfig(_Strict):
             raise ValueError("data.paths must list at least one file when data.source is 'local'")
         if self.source == "hf" and not self.hf_name:
             raise ValueError("data.hf_name must be set when data.source is 'hf'")
+        if self.encoding is not None and self.source != "local":
+            raise ValueError("data.encoding applies to local .txt files (data.source: local); remove it")
         if self.encoding is not None:
             try:
                 if not codecs.lookup(self.encoding)._is_text_encoding:  # rot13, base64: bytes↔bytes

@@ -379,7 +379,7 @@ def _merges_section(report: dict, L: list[str]) -> None:
                 "yes" if f["merged_again_after_restart"] else "no",
             ])
         L.append(_table(
-            ["learner", "attempt", "failed at (s)", "at step", "reason", "restarted at (s)", "down for (s)",
+            ["learner", "attempt", "failed at (s)", "inner steps done", "reason", "restarted at (s)", "down for (s)",
              "merges while down", "by fragment", "…of which with its earlier submissions",
              "its submissions merged after restart"],
             rows,

@@ -339,7 +339,12 @@ def read_local(paths: list[str], text_field: str = "text", encoding: str | None 
                 docs.append({"title": path.name, "text": text})
             continue
         if suffix in _LOCAL_JSON_SUFFIXES:
-            decode_text_file(path)  # JSON is UTF-8 text: refuse other bytes naming the offset
+            try:
+                decode_text_file(path)  # JSON is UTF-8 text: refuse other bytes naming the offset
+            except ValueError as exc:
+                msg = str(exc).split(";")[0]
+                raise ValueError(f"{msg}; JSON files must be UTF-8 (data.encoding applies to .txt files only): "
+                                 "convert the file") from None
             builder = "json"
         elif suffix in _LOCAL_PARQUET_SUFFIXES:
             builder = "parquet"

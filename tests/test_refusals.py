@@ -143,7 +143,9 @@ def test_cli_refuses_latin1_corpus_in_one_line(tmp_path):
 
 def test_unknown_encoding_names_the_field():
     with pytest.raises(ValidationError, match="data.encoding 'klingon' is not a known text encoding"):
-        ExperimentConfig.model_validate({"data": {"encoding": "klingon"}})
+        ExperimentConfig.model_validate({"data": {"source": "local", "paths": ["a.txt"], "encoding": "klingon"}})
+    with pytest.raises(ValidationError, match="data.encoding applies to local .txt files"):
+        ExperimentConfig.model_validate({"data": {"encoding": "latin-1"}})  # the embedded corpus has its own
 
 
 # -- 4. configs mean what was written ----------------------------------------------------------
@@ -249,7 +251,7 @@ def test_more_corpus_faults_are_one_line(tmp_path):
     from tasks.data import read_local
 
     with pytest.raises(ValidationError, match="'rot13' is not a known text encoding"):
-        DataConfig(encoding="rot13")
+        DataConfig(source="local", paths=["a.txt"], encoding="rot13")
     (tmp_path / "x.jsonl").write_text('{"text": "a"}\nnot json\n')
     with pytest.raises(ValueError, match=r"x.jsonl cannot be read as json"):
         read_local([str(tmp_path / "x.jsonl")])
