@@ -52,7 +52,7 @@ class DataConfig(_Strict):
     test_docs: PositiveInt = Field(2, description="whole documents (plays) held out for test")
     vocab_size: int = Field(2048, ge=260, le=65536, description="byte-level BPE vocabulary size")
     seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
-    seed: int = Field(0, description="seed of the held-out document split")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the held-out document split")
 
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
@@ -228,7 +228,7 @@ class ExperimentConfig(_Strict):
     """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → report."""
 
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
-    seed: int = Field(0, description="model initialisation and data order seed")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
     run_root: str = Field("runs", description="folder (or fsspec URL) holding run directories")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -319,6 +319,9 @@ class ConfigLoader(yaml.SafeLoader):
         seen = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain name, not {type(key).__name__}", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark)
@@ -328,17 +331,18 @@ class ConfigLoader(yaml.SafeLoader):
 
 ConfigLoader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag not in (
-        "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+        "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
+        "tag:yaml.org,2002:timestamp")]  # YAML 1.2 core has no dates: 2001-12-14 is a string
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7_]+|0x[0-9a-fA-F_]+)$"),
+    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"),
     list("-+0123456789"))
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
                 |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
                 |[-+]?\.(?:inf|Inf|INF)
                 |\.(?:nan|NaN|NAN))$""", re.X),
@@ -411,7 +415,11 @@ def read_config_file(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"config file not found: {path}")
-    raw = yaml.load(path.read_text(), Loader=ConfigLoader)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text (byte at offset {exc.start}); a config is a YAML text file") from None
+    raw = yaml.load(text, Loader=ConfigLoader)
     if raw is None:
         raise ValueError(
             f"{path} is empty (or holds only comments): an empty config would run the schema's "

@@ -144,7 +144,7 @@ def goodput(
     except ValidationError as exc:
         raise _invalid("invalid goodput settings:", exc)
     if out is not None:
-        problem = _out_dir_problem(Path(out))
+        problem = _out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name"
         if problem:
             typer.echo(f"error: --out {out}: {problem}", err=True)
             raise typer.Exit(2)
@@ -168,6 +168,13 @@ def _out_dir_problem(out: Path) -> str | None:
         return "already holds a goodput run (goodput.json); choose another directory"
     if (out / "status.json").exists() or (out / "pretrain").exists():
         return "holds a pipeline run, which is never written into; choose another directory"
+    if not (out.is_dir() and any(out.iterdir())):  # a new or empty folder: the run directory's rules
+        from run.directory import check_run_dir
+
+        try:
+            check_run_dir(out)
+        except ValueError as exc:
+            return str(exc).replace("--run-dir", "--out")
     parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not a writable directory"

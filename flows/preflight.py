@@ -39,7 +39,10 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
     from tasks.data import config_record, load_manifest
 
     try:
-        old = load_manifest(path).get("config")
+        manifest = load_manifest(path)
+        if not isinstance(manifest, dict):
+            raise ValueError("its manifest.json is not a JSON object")
+        old = manifest.get("config")
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ValueError(f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a "
                          "new --run-dir") from None

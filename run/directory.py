@@ -43,12 +43,15 @@ def check_run_dir(path: str | Path) -> Path:
         raise ValueError(f"run directory {path} is a dangling symbolic link; choose another --run-dir")
     if path.exists() and not path.is_dir():
         raise ValueError(f"run directory {path} exists and is not a directory; choose another --run-dir")
-    for above in path.parents:  # a run directory is never nested inside another run
+    real = path.resolve()  # a symbolic link must not lead inside a run either
+    for above in [*path.parents, *(real.parents if real != path else [])]:  # never nested in a run
         if (above / "status.json").is_file() or ((above / "config.json").is_file() and (above / "pretrain").is_dir()):
             raise ValueError(f"run directory {path} is inside the run directory {above}; choose a path outside it")
     parent = path
     while not parent.exists() and not parent.is_symlink():
         parent = parent.parent
+    if parent.is_symlink() and not parent.exists():
+        raise ValueError(f"run directory {path}: {parent} is a dangling symbolic link; choose another --run-dir")
     if not parent.is_dir():
         raise ValueError(
             f"run directory {path}: {parent} is a file, not a folder, so nothing can be created under it; "
@@ -64,7 +67,7 @@ def check_run_dir(path: str | Path) -> Path:
                 f"run directory {path} already holds a run ({status}; {', '.join(taken)}); a run is never "
                 "written over: choose a new --run-dir"
             )
-        other = [e for e in entries if e not in REUSABLE_ENTRIES]
+        other = [e for e in entries if e not in REUSABLE_ENTRIES or (e == "config.json" and "data" not in entries)]
         if other:
             raise ValueError(
                 f"run directory {path} is not empty ({', '.join(other[:5])}) and is not a run directory; "

@@ -296,6 +296,8 @@ def decode_text_file(path: str | Path, encoding: str | None = None) -> str:
                 f"data.paths: {path} is not valid {encoding} (data.encoding): byte "
                 f"0x{raw[e.start:e.start + 1].hex()} at offset {e.start}"
             ) from None
+        except (UnicodeError, LookupError) as e:  # codecs that cannot decode text at all
+            raise ValueError(f"data.paths: {path} cannot be decoded with data.encoding {encoding!r} ({e})") from None
     first = _CONTROL_CHARS.search(text)
     if first:
         n = len(_CONTROL_CHARS.findall(text))

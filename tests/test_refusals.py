@@ -293,3 +293,32 @@ def test_duplicate_keys_and_chaos_events_are_refused(tmp_path):
     # two failures of one learner: the k-th fires on its k-th attempt (tests/test_runtime.py)
     load_config(ROOT / "configs" / "tiny.yaml",
                 {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]})
+
+
+def test_third_round_inputs(tmp_path):
+    """Found by the second fresh-user round: links into a run, goodput --out inside a run or blank,
+    a folder with only someone's config.json, odd YAML keys and scalars, seeds out of range."""
+    import yaml
+
+    from configs.schema import yaml_value
+    from run.directory import check_run_dir
+
+    finished_run(tmp_path / "X")
+    (tmp_path / "link").symlink_to(tmp_path / "X" / "pretrain")
+    with pytest.raises(ValueError, match="is inside the run directory"):
+        check_run_dir(tmp_path / "link" / "new")
+    (tmp_path / "E").mkdir()
+    (tmp_path / "E" / "config.json").write_text("{}")  # someone's own file, no data/ beside it
+    with pytest.raises(ValueError, match=r"not empty \(config.json\)"):
+        check_run_dir(tmp_path / "E")
+    assert "inside the run directory" in one_line_refusal(*cli("goodput", "--out", tmp_path / "X" / "report" / "gp"))
+    assert "blank" in one_line_refusal(*cli("goodput", "--out", ""))
+    with pytest.raises(yaml.YAMLError, match="a key must be a plain name"):
+        yaml_value("{[a]: 1}")
+    assert [yaml_value(t) for t in (".", "0x_", "2001-12-14")] == [".", "0x_", "2001-12-14"]  # strings
+    for overrides in ({"seed": 2**70}, {"data.seed": -1}):
+        with pytest.raises(ValidationError, match="seed"):
+            load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe name: x")
+    with pytest.raises(ValueError, match="is not UTF-8 text"):
+        load_config(tmp_path / "bin.yaml")
