@@ -74,17 +74,8 @@ def _stderr(value) -> float | None:
 
 
 def _say(msg: str, *args, warning: bool = False) -> None:
-    """Log to the Prefect run logger when inside a flow/task run, else to this module's logger."""
-    logger = log
-    try:
-        from prefect import get_run_logger
-        from prefect.context import FlowRunContext, TaskRunContext
-
-        if FlowRunContext.get() or TaskRunContext.get():
-            logger = get_run_logger()
-    except Exception:  # prefect missing or no usable run context: plain logging
-        pass
-    (logger.warning if warning else logger.info)(msg, *args)
+    """Log to this module's logger (the Prefect task that calls the evaluation logs its outcome)."""
+    (log.warning if warning else log.info)(msg, *args)
 
 
 def _jsonable(x):

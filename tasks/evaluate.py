@@ -38,13 +38,18 @@ def evaluate_method(cfg: ExperimentConfig, run_dir: Path, method: str) -> dict:
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str) -> dict:
     metrics = evaluate_method(cfg, run_dir, method)
-    get_run_logger().info("eval %s: %s", method, {k: v for k, v in metrics.items() if isinstance(v, float)})
+    logger = get_run_logger()
+    logger.info("eval %s: %s", method, {k: v for k, v in metrics.items() if isinstance(v, float)})
+    if metrics.get("truncated_requests"):
+        logger.warning("eval %s: %d requests had their context cut to fit the model's window",
+                       method, metrics["truncated_requests"])
     return metrics
 
 
 @task(name="report", cache_policy=NO_CACHE)
 def report_task(run_dir: Path) -> dict:
-    from evals.report import build_report, publish_report_artifacts
+    from evals.report import build_report
+    from evals.report_artifacts import publish_report_artifacts
 
     report = build_report(Path(run_dir))
     publish_report_artifacts(report, Path(run_dir))
