@@ -74,10 +74,10 @@ class DataConfig(_Strict):
         return self
 
 
-class ModelConfig(_Strict):
-    """Decoder-only transformer sizes. ``kind`` picks the model from the registry in ``models/``."""
+class DenseLMConfig(_Strict):
+    """The dense decoder-only transformer LM (``models/text/dense.py``)."""
 
-    kind: Literal["dense"] = Field("dense", description="model family from the registry in models/")
+    kind: Literal["dense_lm"] = Field("dense_lm", description="model family from the registry in models/")
     d_model: PositiveInt = Field(128, description="residual stream width")
     n_layers: PositiveInt = Field(4, description="transformer blocks")
     n_heads: PositiveInt = Field(4, description="attention heads (d_model / n_heads must be even, for RoPE)")
@@ -86,7 +86,7 @@ class ModelConfig(_Strict):
     rope_theta: PositiveFloat = Field(10000.0, description="RoPE base frequency")
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "ModelConfig":
+    def _check_heads(self) -> "DenseLMConfig":
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
@@ -94,6 +94,13 @@ class ModelConfig(_Strict):
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("model.d_model / model.n_heads must be even for RoPE")
         return self
+
+
+# The model section: one member per kind in the registry (models/). With a second kind it becomes
+# ``Annotated[DenseLMConfig | MoELMConfig, Field(discriminator="kind")]``: pydantic then picks the
+# member by ``kind`` and names the allowed kinds when it is unknown.
+ModelConfig = DenseLMConfig
+MODEL_CONFIGS: tuple[type[_Strict], ...] = (DenseLMConfig,)
 
 
 class InnerOptConfig(_Strict):
@@ -128,12 +135,12 @@ class DiLoCoConfig(_Strict):
     outer_lr: PositiveFloat = Field(0.7, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum μ; 0 = plain SGD")
     outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer step (with μ > 0)")
-    mix_alpha: float = Field(
-        0.0, ge=0.0, lt=1.0, description="on receipt θ ← α·θ_local + (1−α)·Θ; 0 = overwrite"
+    receipt: Literal["overwrite", "mix", "keep_in_flight"] = Field(
+        "overwrite", description="what a learner does with its fragment when a newer global one "
+        "arrives: overwrite (θ ← Θ, the paper), mix (θ ← α·θ_local + (1−α)·Θ, diloco.mix_alpha) or "
+        "keep_in_flight (θ ← Θ + (θ_local − θ_sent): keep the steps taken while it was in flight)"
     )
-    keep_in_flight: bool = Field(
-        False, description="on receipt θ ← Θ + (θ_local − θ_sent): keep the steps taken while in flight"
-    )
+    mix_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="α of the mix receipt rule")
     compute_slots: int = Field(
         1, ge=0, description="learners in one process step in first-come turns, at most this many at "
         "once; 0 = unpaced (the OS scheduler decides, and co-located learners drift apart)"
@@ -155,6 +162,11 @@ class DiLoCoConfig(_Strict):
     batch_size: PositiveInt = Field(8, description="sequences per learner inner step")
     inner: InnerOptConfig = InnerOptConfig()
     learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
+    resume_every_steps: int = Field(
+        25, ge=0, description="a learner saves its resume point (local step, data cursor, token "
+        "counters, inner optimizer state) every this many inner steps, so a retry in a fresh process "
+        "resumes there with its Adam moments; 0 = never (a retry restarts its optimizer from zero)"
+    )
     retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner")
 
     @model_validator(mode="after")
@@ -162,11 +174,6 @@ class DiLoCoConfig(_Strict):
         if self.quorum > self.learners:
             raise ValueError(
                 f"diloco.quorum (K={self.quorum}) must be ≤ diloco.learners (M={self.learners})"
-            )
-        if self.keep_in_flight and self.mix_alpha > 0:
-            raise ValueError(
-                "diloco.keep_in_flight and diloco.mix_alpha > 0 are two different rules on receipt; "
-                "set mix_alpha: 0 to keep in-flight steps, or keep_in_flight: false to mix"
             )
         if self.warn_dropped_fraction > self.max_dropped_fraction:
             raise ValueError(
@@ -177,9 +184,14 @@ class DiLoCoConfig(_Strict):
 
 
 class DPConfig(_Strict):
-    """The data-parallel baseline: one synchronous job, global batch = M × the learner batch."""
+    """The data-parallel baseline: one synchronous job over ``workers`` simulated replicas."""
 
     inner: InnerOptConfig = InnerOptConfig()
+    batch_size: PositiveInt = Field(32, description="global batch: sequences per DP step (all replicas together)")
+    workers: PositiveInt = Field(
+        4, description="data-parallel replicas the global batch is split over; sets the all-reduce "
+        "bytes the report counts (a ring all-reduce per step)"
+    )
     enabled: bool = Field(True, description="train the DP baseline (false: DiLoCo only)")
 
 
@@ -191,6 +203,19 @@ class FailureSpec(_Strict):
 
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     at_step: PositiveInt = Field(description="local inner step at which it raises")
+
+
+class RuntimeConfig(_Strict):
+    """Where learners and the syncer run."""
+
+    engine: Literal["threads"] = Field(
+        "threads", description="task runner for the learner and syncer tasks: threads (one process; "
+        "Prefect's ThreadPoolTaskRunner)"
+    )
+    max_workers: PositiveInt | None = Field(
+        None, description="threads of the task runner; unset = learners + 2 (every learner, the "
+        "syncer and the flow's own waits at once)"
+    )
 
 
 class ChaosConfig(_Strict):
@@ -237,6 +262,7 @@ class ExperimentConfig(_Strict):
     train: TrainConfig = TrainConfig()
     chaos: ChaosConfig = ChaosConfig()
     eval: EvalConfig = EvalConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
@@ -263,10 +289,15 @@ class ExperimentConfig(_Strict):
                 "(learners × batch_size × seq_len); raise it"
             )
         mb = self.train.microbatch_size
-        if mb is not None and self.diloco.batch_size % mb:
+        for field_name, batch in (("diloco.batch_size", self.diloco.batch_size), ("dp.batch_size", self.dp.batch_size)):
+            if mb is not None and batch % mb:
+                raise ValueError(
+                    f"train.microbatch_size ({mb}) must divide {field_name} ({batch}); pick a divisor or unset it"
+                )
+        if self.runtime.max_workers is not None and self.runtime.max_workers < self.diloco.learners + 1:
             raise ValueError(
-                f"train.microbatch_size ({mb}) must divide diloco.batch_size ({self.diloco.batch_size}) "
-                "(and so the DP batch, learners × batch_size); pick a divisor or unset it"
+                f"runtime.max_workers ({self.runtime.max_workers}) must be ≥ diloco.learners + 1 "
+                f"({self.diloco.learners + 1}): every learner and the syncer run at once; raise it or unset it"
             )
         return self
 
@@ -277,7 +308,7 @@ class ExperimentConfig(_Strict):
 
     @property
     def dp_batch_size(self) -> int:
-        return self.diloco.learners * self.diloco.batch_size
+        return self.dp.batch_size
 
     @property
     def learner_microbatches(self) -> int:

@@ -16,6 +16,8 @@ import typer
 import yaml
 from pydantic import ValidationError
 
+from run.layout import RunLayout
+
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
 
@@ -97,7 +99,7 @@ def run(
         typer.echo(f"\ninterrupted: {exc}", err=True)
         raise typer.Exit(128 + (stop_signal() or 15))
     except FailedRun as exc:
-        typer.echo(f"\nfailed: {exc}\nReport: {rd / 'report' / 'report.md'}", err=True)
+        typer.echo(f"\nfailed: {exc}\nReport: {RunLayout(rd).report_md}", err=True)
         raise typer.Exit(1)
     except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
@@ -120,14 +122,14 @@ def validate(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="a finished run directory")):
     """Rebuild report/ from a run directory's files."""
-    from evals.report import build_report
+    from reports import build_report
 
     try:
         build_report(run_dir)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)
-    typer.echo(f"Report: {run_dir / 'report' / 'report.md'}")
+    typer.echo(f"Report: {RunLayout(run_dir).report_md}")
 
 
 @app.command()

@@ -26,6 +26,7 @@ from prefect.states import Cancelled, Failed, State
 
 from run.control import graceful_stop, stop_requested, stop_signal
 from run.directory import atomic_write_text, claim_run_dir, write_status
+from run.layout import RunLayout
 from tasks.evaluate import evaluate_task, report_task
 from tasks.shard import shard_data_task
 
@@ -36,7 +37,7 @@ def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
     """Claim the (checked) run directory and write the resolved config and a ``running`` status.
     Raises ``FileExistsError`` when another run claimed it since the check."""
     claim_run_dir(path)
-    atomic_write_text(path / "config.json", json.dumps(cfg.model_dump(mode="json"), indent=2))
+    atomic_write_text(RunLayout(path).config, json.dumps(cfg.model_dump(mode="json"), indent=2))
     write_status(path, "running", [])
     return path
 
@@ -131,7 +132,7 @@ def pipeline(
             write_status(rd, "failed", stages, problem)
             return Failed(message=problem)
         write_status(rd, "completed", stages)
-    logger.info("report: %s", rd / "report" / "report.md")
+    logger.info("report: %s", RunLayout(rd).report / "report.md")
     return str(rd)
 
 

@@ -36,7 +36,8 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
     data = path / "data"
     if not data.exists() and not data.is_symlink():
         return
-    from tasks.data import config_record, load_manifest
+    from data.store import load_manifest
+    from data.text import config_record
 
     try:
         manifest = load_manifest(path)
@@ -58,11 +59,11 @@ def check_model(cfg: ExperimentConfig) -> int:
     """
     from flax import nnx
 
-    from diloco.params import get_params
-    from models import build_model
+    from models import InputShape, build_model
+    from training.functional import params_of
 
-    model = nnx.eval_shape(lambda: build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0)))
-    n = len(get_params(model))
+    spec = build_model(cfg.model, InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len))
+    n = len(params_of(nnx.eval_shape(lambda: spec.init(0))))
     validate_against_model(cfg, n)
     return n
 
@@ -72,7 +73,7 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
 
     Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
     ``run_dir`` is None), local file paths, the model's tensors against ``diloco.fragments``, then
-    the corpus itself (``tasks.data.check_corpus``: encodings, empty or too few documents, a
+    the corpus itself (``data.sources.check_corpus``: encodings, empty or too few documents, a
     reachable hub dataset) unless ``check_data`` is False. Nothing is written anywhere but the
     corpus download cache.
 
@@ -84,7 +85,7 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     check_local_paths(cfg)
     check_model(cfg)
     if check_data:
-        from tasks.data import check_corpus
+        from data.sources import check_corpus
 
         check_corpus(cfg.data)
     return path

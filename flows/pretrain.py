@@ -9,6 +9,7 @@ Each takes the experiment config and a run directory that already holds the shar
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
+import threading
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -18,30 +19,39 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig
 from run.control import graceful_stop
-from tasks.metrics import write_json
-from tasks.pretrain import dp_task, learner_task, setup_diloco, syncer_task
+from run.layout import RunLayout
+from run.metrics import write_json
+from tasks.pretrain import dp_task, learner_task, syncer_task
+from training.diloco import setup_diloco
 
 
-def _progress_line(run) -> str:
-    learners = run.exchange.learners()
-    up = sum(1 for v in learners.values() if v.get("status") == "running")
-    losses = [v["loss"] for v in learners.values() if "loss" in v]
+def task_runner_for(config: ExperimentConfig):
+    """The task runner of ``runtime.engine`` (threads: Prefect's ``ThreadPoolTaskRunner``), sized
+    for every learner, the syncer and the flow's own waits at once."""
+    workers = config.runtime.max_workers or config.diloco.learners + 2
+    return ThreadPoolTaskRunner(max_workers=workers)
+
+
+def _progress_line(run, learners: int) -> str:
+    info = run.exchange.learners()
+    up = sum(1 for v in info.values() if v.get("status") == "running")
+    losses = [v["loss"] for v in info.values() if "loss" in v]
     loss = f"{sum(losses) / len(losses):.3f}" if losses else "n/a"
     tokens = run.exchange.claimed_tokens
     val = "n/a" if run.last_val_loss is None else f"{run.last_val_loss:.3f}"
     return (f"diloco: tokens {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
             f"train loss {loss}  held-out loss {val}  merges {run.merges}  "
-            f"learners up {up}/{len(run.specs)}  versions {run.syncer.versions}")
+            f"learners up {up}/{learners}  versions {run.syncer.versions}")
 
 
-@flow(name="pretrain-diloco", task_runner=ThreadPoolTaskRunner(max_workers=64), log_prints=True)
+@flow(name="pretrain-diloco", log_prints=True)
 def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: float = 10.0) -> dict:
-    """Decoupled DiLoCo: one syncer task and M learner tasks (retries) in one process.
+    """Decoupled DiLoCo: one syncer task and M learner tasks (retries) on the configured runner.
 
     Learners never wait for each other; the syncer merges fragments as they arrive (quorum K,
-    grace window). A learner that fails is retried by Prefect and rejoins from the current global
-    fragments while the others and the syncer keep going. Writes ``pretrain/diloco/summary.json``,
-    ``metrics/diloco_*.jsonl`` and ``checkpoints/diloco``; returns the summary.
+    grace window). A learner that fails is retried by Prefect and rejoins from its resume point and
+    the current global fragments while the others and the syncer keep going. Writes
+    ``pretrain/diloco/`` (summary, metrics, checkpoints, resume points); returns the summary.
     """
     with graceful_stop():
         return _pretrain_diloco(config, Path(run_dir), progress_every_s)
@@ -57,30 +67,32 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         [sum(a.nbytes for a in g.values()) for g in run.syncer.global_params], d.sync_every, d.quorum,
         d.grace_s, d.merge, f"{run.budget:,}", f"{config.tokens_per_learner_step:,}")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description="DiLoCo tokens (%)")
-    syncer_future = syncer_task.submit(run)
+    learners_done = threading.Event()
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
-    futures = [learner.submit(run, m) for m in range(d.learners)]
-    try:
-        while True:
-            done = wait(futures, timeout=progress_every_s)
-            logger.info(_progress_line(run))
-            update_progress_artifact(progress_id, 100.0 * run.exchange.claimed_tokens / run.budget)
-            if not done.not_done:
-                break
-            if syncer_future.state.is_final():
-                run.stop.set()
-                raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
-    finally:
-        run.learners_done.set()
-    # The exchange knows how each learner ended (Prefect's future state can lag behind).
-    for m, info in sorted(run.exchange.learners().items()):
-        if info.get("status") != "done":
-            logger.error("learner %d ended %s after its retries (%s); the others spent its share of the budget",
-                         m, info.get("status"), info.get("reason", "no reason recorded"))
-    summary = syncer_future.result()
-    for log in (run.merges_log, run.learners_log, run.eval_log):
-        log.close()
-    write_json(rd / "pretrain" / "diloco" / "summary.json", summary)
+    with task_runner_for(config) as runner:
+        syncer_future = runner.submit(syncer_task, {"run": run, "learners_done": learners_done})
+        futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
+                   for m in range(d.learners)]
+        try:
+            while True:
+                done = wait(futures, timeout=progress_every_s)
+                logger.info(_progress_line(run, d.learners))
+                update_progress_artifact(progress_id, 100.0 * run.exchange.claimed_tokens / run.budget)
+                if not done.not_done:
+                    break
+                if syncer_future.state.is_final():
+                    run.exchange.close()
+                    raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
+        finally:
+            learners_done.set()
+        # The exchange knows how each learner ended (Prefect's future state can lag behind).
+        for m, info in sorted(run.exchange.learners().items()):
+            if info.get("status") != "done":
+                logger.error("learner %d ended %s after its retries (%s); the others spent its share of the "
+                             "budget", m, info.get("status"), info.get("reason", "no reason recorded"))
+        summary = syncer_future.result()
+    run.close_logs()
+    write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     logger.info("diloco finished: %s tokens in %.1f s (%.0f tokens/s), %d merges, held-out loss %.4f",
                 f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"], summary["merges"],
                 summary["final_val_loss"])
@@ -98,9 +110,9 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
 
 @flow(name="pretrain-dp", log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
-    """The data-parallel baseline on the same data and token budget (global batch = M × learner batch)."""
+    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``)."""
     with graceful_stop():
-        summary = dp_task(config, Path(run_dir))
+        summary = dp_task(config, run_dir)
     get_run_logger().info("dp finished: %s tokens in %.1f s (%.0f tokens/s), held-out loss %.4f",
                           f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
                           summary["final_val_loss"])

@@ -7,7 +7,8 @@ before Prefect or JAX start, whether a path may take a new run, and records the 
 Rules (:func:`check_run_dir`): the path must not exist, or be an empty directory, or hold only the
 ``data/`` folder (and ``config.json``) of an earlier run that never trained, which the data step
 reuses when its data config matches (else the data step refuses it). A directory that holds any
-results (``pretrain/``, ``checkpoints/``, ``metrics/``, ``eval/``, ``report/``) or a
+results (``pretrain/``, ``finetune/``, ``eval/``, ``report/``; ``checkpoints/`` or ``metrics/`` of
+runs written before ``run.layout``) or a
 ``status.json`` is a run, finished or not, and is never written to by a new run.
 """
 
@@ -19,8 +20,11 @@ import os
 import tempfile
 from pathlib import Path
 
-RESULT_ENTRIES = ("pretrain", "checkpoints", "metrics", "eval", "report", "status.json")
-REUSABLE_ENTRIES = ("data", "config.json")
+from run.layout import REUSABLE_ENTRIES, RunLayout
+from run.layout import RESULT_ENTRIES as _RESULTS
+
+# what makes a folder a run: this layout's entries, and those of runs written before it
+RESULT_ENTRIES = (*_RESULTS, "checkpoints", "metrics")
 
 
 def default_run_dir(run_root: str | Path, name: str) -> Path:
@@ -95,7 +99,7 @@ def claim_run_dir(path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     try:
-        os.close(os.open(path / "status.json", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        os.close(os.open(RunLayout(path).status, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         raise FileExistsError(f"run directory {path} was just claimed by another run; choose a new --run-dir") from None
     return path
@@ -128,13 +132,13 @@ def write_status(run_dir: str | Path, status: str, completed_stages: list[str], 
         raise ValueError(f"unknown run status {status!r}")
     record = {"status": status, "completed_stages": list(completed_stages), "reason": reason,
               "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **extra}
-    atomic_write_text(Path(run_dir) / "status.json", json.dumps(record, indent=2))
+    atomic_write_text(RunLayout(run_dir).status, json.dumps(record, indent=2))
     return record
 
 
 def read_status(run_dir: str | Path) -> dict:
     """``RUN/status.json`` as a dict (empty if absent or unreadable)."""
     try:
-        return json.loads((Path(run_dir) / "status.json").read_text(encoding="utf-8"))
+        return json.loads(RunLayout(run_dir).status.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}

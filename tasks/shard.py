@@ -1,9 +1,9 @@
-"""The data step as a Prefect task (the plain code is ``tasks.data.prepare_data``)."""
+"""The data step as a Prefect task (the plain code is ``data.text.prepare_data``)."""
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.data import prepare_data
+from data.text import prepare_data
 
 shard_data_task = task(
     name="shard-data",

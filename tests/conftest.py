@@ -27,7 +27,7 @@ def tiny_cfg():
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory, tiny_cfg):
     """A run directory with the tiny config's data prepared once per session."""
-    from tasks.data import prepare_data
+    from data.text import prepare_data
 
     run_dir = tmp_path_factory.mktemp("tiny-data")
     prepare_data(tiny_cfg, run_dir)

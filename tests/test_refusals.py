@@ -111,14 +111,14 @@ def test_hub_dataset_while_offline_is_refused_before_prefect_starts(tmp_path):
 # -- 3. text that is not text is refused, unless its encoding is named -------------------------
 def test_latin1_and_binary_files_are_refused_naming_file_and_offset(tmp_path):
     from configs.schema import DataConfig
-    from tasks.data import check_corpus
+    from data.sources import check_corpus
 
     latin = corpus(tmp_path, ["café ".encode("latin-1") * 200 for _ in range(6)])
     with pytest.raises(ValueError, match=r"doc0.txt is not valid UTF-8 \(byte 0xe9 at offset 3\).*data.encoding"):
         check_corpus(DataConfig(source="local", paths=latin))
     info = check_corpus(DataConfig(source="local", paths=latin, encoding="latin-1"))
     assert info == {"documents": 6}
-    from tasks.data import read_local
+    from data.sources import read_local
 
     assert read_local(latin[:1], encoding="latin-1")[0]["text"].startswith("café café")
     rng = __import__("random").Random(0)
@@ -248,7 +248,7 @@ def test_goodput_never_writes_into_a_pipeline_run(tmp_path):
 
 def test_more_corpus_faults_are_one_line(tmp_path):
     from configs.schema import DataConfig
-    from tasks.data import read_local
+    from data.sources import read_local
 
     with pytest.raises(ValidationError, match="'rot13' is not a known text encoding"):
         DataConfig(source="local", paths=["a.txt"], encoding="rot13")

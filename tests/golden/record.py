@@ -3,8 +3,8 @@
     python -m tests.golden.record            # print the runs' losses beside the recorded ones
     python -m tests.golden.record --write    # refresh tests/golden/*.json (a deliberate change)
 
-* ``dp.json``: the data-parallel loop, every step's training loss and the held-out loss at each
-  evaluation.
+* ``dp.json``: the data-parallel loop, every step's training loss and the held-out loss before
+  and after training.
 * ``lockstep.json``: lock-step Decoupled DiLoCo: M learners stepped in turn in one thread, each
   fragment sent on its staggered schedule, the syncer merging a fragment as soon as all M copies
   are in (quorum M, no grace window), every learner receiving it before its next step. No threads,
@@ -43,87 +43,87 @@ def golden_config():
 
 
 def run_dp(cfg, run_dir: Path) -> dict:
-    import jax.numpy as jnp
-    from flax import nnx
+    """The DP loop itself (``training.dp.train_dp``), every step's loss read through its hook."""
+    from run.metrics import read_jsonl
+    from run.layout import RunLayout
+    from training.dp import train_dp
 
-    from models.training import heldout_loss, make_inner_tx, train_step, val_batches
-    from tasks.data import batch_at, load_manifest, load_sequences
-    from tasks.pretrain import _model_factory
-
-    model = _model_factory(cfg, int(load_manifest(run_dir)["vocab_size"]))()
-    optimizer = nnx.Optimizer(model, make_inner_tx(cfg.dp.inner, cfg.dp_steps), wrt=nnx.Param)
-    seqs = load_sequences(run_dir, "train")
-    val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
-    epoch = index = 0
-    losses, evals = [], [heldout_loss(model, val)]
-    for _ in range(cfg.dp_steps):
-        batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
-        losses.append(float(train_step(model, optimizer, jnp.asarray(batch), cfg.dp_microbatches)))
-    evals.append(heldout_loss(model, val))
-    return {"train_loss": losses, "heldout_loss": evals}
+    losses: list[float] = []
+    train_dp(cfg, run_dir, on_step=lambda step, metrics: losses.append(float(metrics["loss"])))
+    evals = [r["val/loss"] for r in read_jsonl(RunLayout(run_dir).metrics("pretrain", "dp", "eval"))]
+    return {"train_loss": losses, "heldout_loss": [evals[0], evals[-1]]}
 
 
 def run_lockstep(cfg, run_dir: Path) -> dict:
+    """Lock-step DiLoCo with the pieces of the asynchronous run: the learners' compiled step, the
+    fragment schedule, the syncer (quorum M, no grace) and the configured receipt rule."""
     import jax.numpy as jnp
-    from flax import nnx
 
+    from data.cursor import batch_at
+    from data.store import load_sequences
     from diloco.exchange import Submission
     from diloco.fragments import balanced_fragments, fragments_due
-    from diloco.params import embedding_names, get_params, set_params, tensor_bytes, to_numpy
+    from diloco.learner import FragmentState
+    from diloco.receipt import receipt_rule
     from diloco.syncer import Syncer, SyncerSettings
-    from models.training import heldout_loss, make_inner_tx, train_step, val_batches
-    from tasks.data import batch_at, load_manifest, load_sequences
-    from tasks.pretrain import _model_factory
+    from diloco.tensors import embedding_names, tensor_bytes, to_numpy
+    from training.diloco import learner_trainer
+    from training.evaluation import heldout_loss, val_batches
 
     d = cfg.diloco
     M = d.learners
-    factory = _model_factory(cfg, int(load_manifest(run_dir)["vocab_size"]))
-    learners = [factory() for _ in range(M)]
-    theta0 = to_numpy(get_params(learners[0]))
+    trainer = learner_trainer(cfg, run_dir)
+    theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), d.fragments)
     syncer = Syncer(theta0, fragments, SyncerSettings(
         num_learners=M, quorum=M, grace_s=0.0, merge=d.merge, outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=0,
     ), embedding_names(theta0))
-    tx = make_inner_tx(d.inner, cfg.learner_steps)
-    optimizers = [nnx.Optimizer(model, tx, wrt=nnx.Param) for model in learners]
+    rule = receipt_rule(d.receipt, d.mix_alpha)
+    params = [trainer.init_params() for _ in range(M)]
+    opt = [trainer.init_opt(p) for p in params]
+    frags = [[FragmentState(list(names), version=0, reference=syncer.global_params[p])
+              for p, names in enumerate(fragments)] for _ in range(M)]
     shards = [load_sequences(run_dir, f"shard_{m:02d}") for m in range(M)]
     cursors = [(0, 0)] * M
-    since = [[0] * len(fragments) for _ in range(M)]  # inner steps since fragment p was received
-    eval_model = factory()
     val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
     losses, merges = [], []
     tps = cfg.tokens_per_learner_step
     for step in range(1, cfg.learner_steps + 1):
         row = []
-        for m, model in enumerate(learners):
+        for m in range(M):
             batch, *cursors[m] = batch_at(shards[m], *cursors[m], batch_size=d.batch_size,
                                           seed=cfg.seed + 1000 * (m + 1))
-            row.append(float(train_step(model, optimizers[m], jnp.asarray(batch), cfg.learner_microbatches)))
-            since[m] = [s + 1 for s in since[m]]
+            params[m], opt[m], metrics = trainer.step(params[m], opt[m], jnp.asarray(batch))
+            row.append(float(metrics["loss"]))
+            for f in frags[m]:
+                f.stepped(tps)
         losses.append(row)
         due = fragments_due(step, len(fragments), d.sync_every)
         if step == cfg.learner_steps:
             due = list(range(len(fragments)))
         for p in due:
-            for m, model in enumerate(learners):
-                cur = get_params(model)
-                syncer.receive(Submission(
-                    learner=m, fragment=p, params=to_numpy({k: cur[k] for k in fragments[p]}),
-                    tokens=since[m][p] * tps, steps=since[m][p], base_version=syncer.versions[p],
-                    local_step=step), 0.0)
+            for m in range(M):
+                f = frags[m][p]
+                copy = to_numpy({k: params[m][k] for k in f.names})
+                syncer.receive(Submission(learner=m, fragment=p, params=copy, tokens=f.tokens, steps=f.steps,
+                                          base_version=f.version, local_step=step), 0.0)
+                f.sent(copy)
             records = syncer.poll(0.0, set(range(M)))
             assert [r["fragment"] for r in records] == [p], records
             merges.append({"step": step, "fragment": p, "outer_grad_norm": records[0]["outer_grad_norm"]})
-            for m, model in enumerate(learners):
-                set_params(model, syncer.global_params[p])
-                since[m][p] = 0
-    set_params(eval_model, syncer.params())
-    return {"train_loss": losses, "merges": merges, "heldout_loss": [heldout_loss(eval_model, val)]}
+            theta = syncer.global_params[p]
+            for m in range(M):
+                f = frags[m][p]
+                new = rule.apply(theta, to_numpy({k: params[m][k] for k in f.names}), f.reference)
+                params[m] = {**params[m], **{k: jnp.asarray(v) for k, v in new.items()}}
+                f.received(syncer.versions[p], theta, rule.keeps_progress)
+    final = {k: jnp.asarray(v) for k, v in syncer.params().items()}
+    return {"train_loss": losses, "merges": merges, "heldout_loss": [heldout_loss(trainer.evaluate, final, val)]}
 
 
 def run_all() -> dict[str, dict]:
-    from tasks.data import prepare_data
+    from data.text import prepare_data
 
     cfg = golden_config()
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:

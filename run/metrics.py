@@ -1,16 +1,24 @@
-"""Flat JSON-lines metrics with slash names, one file per stage in the run directory."""
+"""Flat JSON-lines metrics with slash names, and atomic JSON files (paths from ``run.layout``).
+
+No Prefect and no JAX here.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
 
 class JsonlWriter:
-    """Thread-safe append-only JSONL file; every record is flushed so a crash keeps what was logged."""
+    """Thread-safe append-only JSONL file; every record is flushed so a crash keeps what was logged.
 
-    def __init__(self, path: Path):
+    ``path``: a local file (created with its parents). Records are dicts of JSON values; floats
+    that JSON cannot hold as numbers (numpy scalars) are converted with ``float``.
+    """
+
+    def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -29,17 +37,19 @@ class JsonlWriter:
             self._fh.close()
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file; ``[]`` when it does not exist (blank lines skipped)."""
     path = Path(path)
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def write_json(path: Path, obj) -> None:
-    """Write JSON atomically (temp file + rename) so readers never see half a file."""
+def write_json(path: str | Path, obj) -> None:
+    """Write JSON atomically (temp file in the same folder + ``os.replace``): readers never see half
+    a file, and a crash leaves the previous version."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=float))
-    tmp.replace(path)
+    os.replace(tmp, path)

@@ -367,7 +367,7 @@ def _restore_step(mngr, ckpt_dir: Path, step: int, items: dict[str, Any], *, fix
 
 def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, extra: dict[str, Any] | None = None,
                     *, max_to_keep: int = 2) -> Path:
-    """Save ``params`` (a pytree, e.g. ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``), JSON
+    """Save ``params`` (a pytree, e.g. ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; None: none), JSON
     ``meta`` and optional extra pytrees (name -> pytree) under ``ckpt_dir/step``; blocks until written.
 
     ``step`` is the integer step label (the callers use tokens seen). After Orbax has finalised the
@@ -381,7 +381,9 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, ex
     ckpt_dir = Path(ckpt_dir).absolute()
     if (ckpt_dir / str(step)).exists():
         raise FileExistsError(f"checkpoint {ckpt_dir / str(step)} already exists; it is never overwritten")
-    items = {"params": ocp.args.StandardSave(params), "meta": ocp.args.JsonSave(meta)}
+    items = {"meta": ocp.args.JsonSave(meta)}
+    if params is not None:
+        items["params"] = ocp.args.StandardSave(params)
     for name, tree in (extra or {}).items():
         items[name] = ocp.args.StandardSave(tree)
     with ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr:
@@ -473,3 +475,38 @@ def load_extra(ckpt_dir: str | Path, name: str, like: Any, step: int | None = No
     """
     _, restored = _restore_verified(ckpt_dir, step, {name: ocp.args.StandardRestore(_abstract(like))})
     return restored[name]
+
+
+# ------------------------------------------------------------------------------ learner resume points
+
+
+class OrbaxResumeStore:
+    """A DiLoCo learner's resume points (``diloco.learner.ResumePoint``) as Orbax checkpoints.
+
+    ``path``: the learner's resume folder (``run.layout.RunLayout.resume_point``). Each save writes
+    step ``point.step`` with items ``opt_state`` (the inner optimizer state, a pytree of arrays:
+    Adam moments and step counts) and ``meta`` (``step``, ``cursor``, ``tokens``), keeps the newest
+    two, and records their integrity like every checkpoint here. ``load`` returns the newest intact
+    point, restored with the structure of ``opt_template``, or None when nothing was saved yet.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def save(self, point) -> None:
+        meta = {"step": int(point.step), "cursor": [int(c) for c in point.cursor], "tokens": int(point.tokens)}
+        save_checkpoint(self.path, int(point.step), None, meta, extra={"opt_state": point.opt_state})
+
+    def load(self, opt_template):
+        from diloco.learner import ResumePoint
+
+        try:
+            step = latest_step(self.path)
+        except CheckpointError:
+            if (self.path).is_dir() and any(self.path.iterdir()):
+                raise
+            return None
+        meta = load_meta(self.path, step)
+        opt_state = load_extra(self.path, "opt_state", opt_template, step)
+        return ResumePoint(step=int(meta["step"]), cursor=tuple(meta["cursor"]), tokens=int(meta["tokens"]),
+                           opt_state=opt_state)

@@ -1,0 +1,6 @@
+"""Data preparation and reading, no Prefect: sources → text preparation → run-directory data → batches.
+
+``data.sources`` (corpora and their checks), ``data.text`` (``prepare_data``: split, tokenizer,
+packing, shards), ``data.store`` (reading ``RUN/data`` back), ``data.cursor`` (``batch_at``: resumable
+batches). Images come as a sibling of ``data.text``.
+"""

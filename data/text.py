@@ -1,0 +1,355 @@
+"""Text preparation: corpus → held-out split → byte-level BPE → packed sequences → per-learner shards.
+
+Plain functions, no Prefect import; ``tasks.shard.shard_data_task`` is the thin Prefect wrapper
+around :func:`prepare_data`.
+
+Run directory layout written by :func:`prepare_data` (see ``docs/contracts.md``, "Data")::
+
+    RUN/data/tokenizer.json          byte-level BPE, trained on the training split only
+    RUN/data/train/                  datasets.Dataset (save_to_disk), column ``ids`` int32 [T+1]
+    RUN/data/shard_{m:02d}/          learner m's sequences (round-robin; disjoint, cover train)
+    RUN/data/val/                    packed validation sequences (same format)
+    RUN/data/heldout_{val,test}.jsonl  raw held-out documents, one {"title", "text"} per line
+    RUN/data/manifest.json           what was built, with counts (see :func:`prepare_data`)
+
+Shapes: ``N`` sequences, ``T`` = ``cfg.data.seq_len``; a sequence holds ``T + 1`` token ids
+(inputs ``[:-1]``, targets ``[1:]``), so each predicts ``T`` tokens. Token ids are int32.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from configs.schema import ExperimentConfig
+from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents
+from data.store import load_manifest
+
+log = logging.getLogger(__name__)
+
+def _unique_titles(docs: list[Document]) -> list[Document]:
+    seen: dict[str, int] = {}
+    out = []
+    for d in docs:
+        n = seen.get(d["title"], 0)
+        seen[d["title"]] = n + 1
+        out.append(d if n == 0 else {"title": f"{d['title']}#{n + 1}", "text": d["text"]})
+    return out
+
+
+def split_documents(
+    docs: list[Document], val_docs: int, test_docs: int, seed: int
+) -> dict[str, list[Document]]:
+    """Hold out whole documents: ``{"train": [...], "val": [...], "test": [...]}``.
+
+    Documents are sorted by title (repeated titles get ``#2``, ``#3``, ... first); a permutation
+    seeded by ``seed`` picks the first ``val_docs`` for val and the next ``test_docs`` for test.
+    Each split keeps sorted-title order. Same documents and seed → same split.
+
+    Raises ``ValueError`` (naming ``data.val_docs`` and ``data.test_docs``) when fewer than
+    ``val_docs + test_docs + 1`` documents exist.
+    """
+    docs = sorted(_unique_titles(docs), key=lambda d: d["title"])
+    n = len(docs)
+    if n < val_docs + test_docs + 1:
+        raise ValueError(
+            f"the corpus has {n} documents but data.val_docs ({val_docs}) + data.test_docs "
+            f"({test_docs}) + 1 training document are needed; lower them or add documents"
+        )
+    perm = np.random.default_rng(seed).permutation(n)
+    val_idx = set(perm[:val_docs].tolist())
+    test_idx = set(perm[val_docs : val_docs + test_docs].tolist())
+    out: dict[str, list[Document]] = {"train": [], "val": [], "test": []}
+    for i, d in enumerate(docs):
+        out["val" if i in val_idx else "test" if i in test_idx else "train"].append(d)
+    return out
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Train a byte-level BPE on ``texts`` (the training split only).
+
+    ByteLevel pre-tokenizer (GPT-2 regex, no prefix space) and decoder, ``BpeTrainer`` with the
+    256-symbol byte alphabet and one special token ``<|endoftext|>`` (id 0, the document separator
+    and EOT). The result has at most ``vocab_size`` entries (fewer if the corpus runs out of
+    merges). Returns a ``tokenizers.Tokenizer``; decoding an encoding gives back the text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    return tok
+
+
+# Split points where a lone "\n" sits between two non-space characters: the GPT-2 pattern of the
+# ByteLevel pre-tokenizer always makes such a newline its own pre-token, so encoding the pieces
+# separately gives exactly the ids of encoding the whole document (tested), and is faster than
+# encoding 100-kB strings whole.
+_CHUNK_SPLIT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def tokenize_documents(tokenizer, texts: list[str]) -> np.ndarray:
+    """Encode documents and join them, each followed by the EOT id.
+
+    Documents are cut at safe newlines (see ``_CHUNK_SPLIT``) and encoded in one batched call
+    (``encode_batch_fast``, or ``encode_batch`` on older ``tokenizers``), so the ids equal those
+    of ``tokenizer.encode(text).ids``. Returns a 1-D int32 array of ``sum(len(ids_i) + 1)`` ids.
+    """
+    eot = tokenizer.token_to_id(EOT)
+    if eot is None:
+        raise ValueError(f"the tokenizer has no {EOT} token")
+    if not texts:
+        return np.zeros(0, np.int32)
+    pieces, counts = [], []
+    for text in texts:
+        parts = _CHUNK_SPLIT.split(text)
+        pieces.extend(parts)
+        counts.append(len(parts))
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    encs = encode(pieces, add_special_tokens=False)
+    lists: list[list[int]] = []
+    i = 0
+    for c in counts:
+        lists.extend(e.ids for e in encs[i : i + c])
+        lists.append([eot])
+        i += c
+    total = sum(len(x) for x in lists)
+    return np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int32, count=total)
+
+
+def pack_sequences(tokens: np.ndarray, seq_len: int) -> np.ndarray:
+    """Cut a token stream into non-overlapping rows of ``seq_len + 1`` ids; drop the remainder.
+
+    ``tokens``: 1-D int array of length L. Returns int32 ``[L // (seq_len + 1), seq_len + 1]``.
+    """
+    width = seq_len + 1
+    n = len(tokens) // width
+    return np.ascontiguousarray(np.asarray(tokens[: n * width], dtype=np.int32).reshape(n, width))
+
+
+def shard_name(m: int) -> str:
+    """``shard_{m:02d}``, learner m's data folder name."""
+    return f"shard_{m:02d}"
+
+
+def _sequences_dataset(seqs: np.ndarray):
+    from datasets import Dataset, Features, List, Value
+
+    width = seqs.shape[1]
+    features = Features({"ids": List(Value("int32"), length=width)})
+    return Dataset.from_dict({"ids": seqs}, features=features)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole step
+# ---------------------------------------------------------------------------------------------
+
+
+def config_record(cfg: ExperimentConfig) -> dict:
+    """What determines the data folder: the data section and the number of learners."""
+    d = cfg.data.model_dump(mode="json")
+    d.pop("cache_dir", None)  # where the archive is cached does not change the data
+    return {"data": d, "learners": cfg.diloco.learners}
+
+
+def _write_jsonl(path: Path, docs: list[Document]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for d in docs:
+            f.write(json.dumps({"title": d["title"], "text": d["text"]}, ensure_ascii=False) + "\n")
+
+
+def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = False) -> dict:
+    """Build ``RUN/data``: tokenizer, packed train/val sequences, M shards, held-out docs, manifest.
+
+    Steps: load the corpus (:func:`load_documents`), hold out whole documents
+    (:func:`split_documents`), train the BPE on the training split (:func:`train_tokenizer`),
+    tokenize and join with EOT, pack into ``[N, seq_len+1]`` int32 rows, and split the training
+    rows round-robin into ``cfg.diloco.learners`` disjoint shards (``Dataset.shard(...,
+    contiguous=False)``: shard m holds rows m, m+M, m+2M, ...; so every learner sees every
+    document's share and shard sizes differ by at most one).
+
+    Everything is built in a temporary folder inside ``run_dir`` and renamed to ``RUN/data`` at
+    the end: a failure never leaves a half-written ``RUN/data``.
+
+    If ``RUN/data`` already holds a manifest built from the same data config and learner count,
+    it is reused (returned as is). A different or incomplete ``RUN/data`` raises
+    ``FileExistsError`` unless ``overwrite=True``, which replaces it.
+
+    Returns the manifest dict (also written to ``RUN/data/manifest.json``): ``source``,
+    ``sha256`` (archive, or None), ``config``, ``vocab_size`` (actual, ≤ ``data.vocab_size``),
+    ``eot_id``, ``seq_len``, ``learners``, ``tokenizer`` (path relative to RUN), ``splits``
+    (per split: ``documents``, ``titles``, ``characters``, ``tokens`` including one EOT per
+    document, and for train/val ``sequences`` and ``predicted_tokens`` = seq_len × sequences),
+    ``shards`` (list of ``{name, path, sequences, tokens}``, tokens = seq_len × sequences),
+    ``elapsed_s`` (wall seconds, imports included) and ``stages_s`` (per stage).
+
+    Raises the errors of :func:`load_documents` and :func:`split_documents`, ``ValueError`` when
+    the training or validation split is too short for one sequence of ``data.seq_len + 1``
+    tokens, and ``FileExistsError`` as above.
+    """
+    t0 = time.perf_counter()
+    import datasets
+    import tokenizers
+
+    stages: dict[str, float] = {}
+    lap = [t0]
+
+    def _lap(name: str) -> None:
+        now = time.perf_counter()
+        stages[name] = round(now - lap[0], 3)
+        lap[0] = now
+    run_dir = Path(run_dir)
+    final = run_dir / DATA_DIR
+    record = config_record(cfg)
+    if final.exists():
+        try:
+            old = load_manifest(run_dir)
+        except (FileNotFoundError, ValueError):
+            old = None
+        if not overwrite:
+            if old is not None and old.get("config") == record:
+                log.info("reusing %s (built from the same data config)", final)
+                return old
+            raise FileExistsError(
+                f"{final} already exists and was built from a different (or no) data config; "
+                "pass overwrite=True or use a new run directory"
+            )
+
+    dcfg = cfg.data
+    M = cfg.diloco.learners
+    T = dcfg.seq_len
+    datasets.disable_progress_bars()
+
+    _lap("import")
+    docs, info = load_documents(dcfg)
+    splits = split_documents(docs, dcfg.val_docs, dcfg.test_docs, dcfg.seed)
+    _lap("load")
+    log.info(
+        "documents: %d train, %d val, %d test",
+        *(len(splits[s]) for s in SPLITS),
+    )
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{DATA_DIR}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        tok = train_tokenizer([d["text"] for d in splits["train"]], dcfg.vocab_size)
+        tok.save(str(tmp / "tokenizer.json"))
+        eot_id = tok.token_to_id(EOT)
+        _lap("train_tokenizer")
+
+        split_info: dict[str, dict] = {}
+        packed: dict[str, np.ndarray] = {}
+        for s in SPLITS:
+            texts = [d["text"] for d in splits[s]]
+            stream = tokenize_documents(tok, texts)
+            split_info[s] = {
+                "documents": len(texts),
+                "titles": [d["title"] for d in splits[s]],
+                "characters": int(sum(len(t) for t in texts)),
+                "tokens": int(len(stream)),
+            }
+            if s in ("train", "val"):
+                seqs = pack_sequences(stream, T)
+                if len(seqs) == 0:
+                    raise ValueError(
+                        f"the {s} split has {len(stream)} tokens, fewer than one sequence of "
+                        f"data.seq_len + 1 = {T + 1}; lower data.seq_len or hold out longer "
+                        f"documents (data.seed, data.val_docs)"
+                    )
+                packed[s] = seqs
+                split_info[s]["sequences"] = int(len(seqs))
+                split_info[s]["predicted_tokens"] = int(len(seqs) * T)
+
+        _lap("encode")
+        train_ds = _sequences_dataset(packed["train"])
+        train_ds.save_to_disk(str(tmp / "train"))
+        _sequences_dataset(packed["val"]).save_to_disk(str(tmp / "val"))
+        shards = []
+        for m in range(M):
+            sh = train_ds.shard(num_shards=M, index=m, contiguous=False)
+            sh.save_to_disk(str(tmp / shard_name(m)))
+            shards.append(
+                {
+                    "name": shard_name(m),
+                    "path": f"{DATA_DIR}/{shard_name(m)}",
+                    "sequences": int(len(sh)),
+                    "tokens": int(len(sh) * T),
+                }
+            )
+        if any(sh["sequences"] == 0 for sh in shards):
+            raise ValueError(
+                f"{packed['train'].shape[0]} training sequences cannot fill "
+                f"diloco.learners = {M} shards; lower diloco.learners or data.seq_len"
+            )
+
+        _lap("save")
+        _write_jsonl(tmp / "heldout_val.jsonl", splits["val"])
+        _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
+
+        want = cfg.train.eval_batches * cfg.train.eval_batch_size
+        if split_info["val"]["sequences"] < want:
+            log.warning(
+                "val has %d sequences, fewer than train.eval_batches × train.eval_batch_size = %d",
+                split_info["val"]["sequences"], want,
+            )  # fmt: skip
+
+        manifest = {
+            "manifest_version": MANIFEST_VERSION,
+            **info,
+            "config": record,
+            "vocab_size": int(tok.get_vocab_size()),
+            "vocab_size_requested": dcfg.vocab_size,
+            "eot_token": EOT,
+            "eot_id": int(eot_id),
+            "seq_len": T,
+            "learners": M,
+            "tokenizer": f"{DATA_DIR}/tokenizer.json",
+            "splits": split_info,
+            "shards": shards,
+            "versions": {"datasets": datasets.__version__, "tokenizers": tokenizers.__version__},
+            "elapsed_s": None,
+            "stages_s": stages,
+        }
+        manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+
+        if final.exists():  # overwrite=True: swap in the new folder, then drop the old one
+            old_tmp = run_dir / f".{DATA_DIR}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(final, old_tmp)
+            os.replace(tmp, final)
+            shutil.rmtree(old_tmp, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info(
+        "data ready in %.1f s: %d train sequences, %d val, vocab %d",
+        manifest["elapsed_s"], split_info["train"]["sequences"], split_info["val"]["sequences"],
+        manifest["vocab_size"],
+    )  # fmt: skip
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# Loaders
+# ---------------------------------------------------------------------------------------------
+
+

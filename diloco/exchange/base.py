@@ -1,0 +1,70 @@
+"""The exchange interface: how learners and the syncer talk, without ever waiting on each other.
+
+Learners post fragment submissions and heartbeats and read published global fragments; the syncer
+drains submissions and publishes merged fragments with versions. The exchange also holds the
+global token budget (a learner claims the tokens of its next inner step before taking it, so the
+total never exceeds the budget and the stop is cooperative), the run's clock (seconds since the
+run started, one origin for every learner and the syncer) and the run's end (``close``).
+
+Backends: ``diloco.exchange.memory.InMemoryExchange`` (threads of one process). A backend for
+several processes or hosts implements the same methods.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass
+class Submission:
+    """Learner ``learner``'s copy of fragment ``fragment`` plus the counters that weight it.
+
+    ``params``: tensor name → float32 array (the learner's θ_{m,p}). ``tokens``/``steps``: tokens
+    and inner steps of progress the copy holds relative to ``base_version`` (c_tokens, c_steps).
+    ``base_version``: the global version of the fragment the learner last received.
+    ``local_step``: the learner's inner step when it sent. ``sent_at``: ``time.monotonic()`` seconds.
+    """
+
+    learner: int
+    fragment: int
+    params: dict[str, np.ndarray]
+    tokens: int
+    steps: int
+    base_version: int
+    local_step: int
+    attempt: int = 1
+    sent_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes (tensor bytes, no framing)."""
+        return int(sum(a.nbytes for a in self.params.values()))
+
+
+class Exchange(Protocol):
+    """What the learner and syncer loops use; every method is safe to call concurrently."""
+
+    token_budget: int
+
+    # learners → syncer
+    def submit(self, sub: Submission) -> None: ...
+    def drain(self) -> list[Submission]: ...
+    # syncer → learners
+    def publish(self, fragment: int, version: int, params: dict[str, np.ndarray]) -> None: ...
+    def latest(self, fragment: int) -> tuple[int, dict[str, np.ndarray]]: ...
+    def versions(self) -> list[int]: ...
+    # liveness and progress
+    def heartbeat(self, learner: int, **info) -> None: ...
+    def learners(self) -> dict[int, dict]: ...
+    # the global token budget
+    def claim_tokens(self, n: int) -> bool: ...
+    @property
+    def claimed_tokens(self) -> int: ...
+    # the run's clock and end
+    def clock(self) -> float: ...
+    def close(self) -> None: ...
+    def is_closed(self) -> bool: ...

@@ -1,0 +1,226 @@
+"""The learner loop: inner steps, fragment sends on the staggered schedule, receipts, resume points.
+
+No Prefect and no model code here: the loop is handed a :class:`LearnerSetup` (the step function,
+the batches, the exchange, the receipt rule, where to save resume points), which
+``training.diloco`` builds from plain inputs. The loop never waits on the syncer or on peers:
+newer global fragments are applied at step boundaries when present.
+
+Resume order for a retried learner (attempt > 1, or any attempt that finds a resume point):
+(1) pull every global fragment at its current version (the paper's rejoin); (2) restore its local
+step, data cursor and inner optimizer state (Adam moments and step counts) from the last saved
+resume point, or start at step 0 with a fresh optimizer if none was saved; (3) zero the
+per-fragment counters (the pulled fragments hold none of its progress). Tokens processed by steps
+after the last resume point are counted once in ``processed`` (they were claimed from the budget)
+and taken again from the resume point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from diloco.exchange.base import Exchange, Submission
+from diloco.fragments import fragments_due
+from diloco.pacing import FairTurns
+from diloco.receipt import ReceiptRule
+from diloco.tensors import to_numpy
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a learner at a configured local step (chaos testing); the task runner retries it."""
+
+
+# (epoch, index) -> (batch [B, ...], next_epoch, next_index): a pure, resumable cursor
+BatchFn = Callable[[int, int], tuple[np.ndarray, int, int]]
+# (params, opt_state, batch) -> (params, opt_state, metrics): training.step.make_train_step
+StepFn = Callable[[dict, Any, Any], tuple[dict, Any, dict]]
+
+
+@dataclass
+class ResumePoint:
+    """Where a learner can restart: after ``step`` inner steps, at data cursor ``cursor``, with its
+    inner optimizer state (a pytree of arrays). ``tokens``: tokens it had processed then."""
+
+    step: int
+    cursor: tuple[int, int]
+    tokens: int
+    opt_state: Any
+
+
+class ResumeStore(Protocol):
+    """Durable resume points of one learner (``training.checkpoint.OrbaxResumeStore``)."""
+
+    def save(self, point: ResumePoint) -> None: ...
+    def load(self, opt_template: Any) -> ResumePoint | None: ...
+
+
+@dataclass
+class FragmentState:
+    """A learner's view of fragment p.
+
+    ``version``: the global version last received (−1: none yet). ``reference``: what the unsent
+    progress is measured against (the Θ_p received, or the copy last sent). ``tokens``/``steps``:
+    progress relative to ``version`` (what the next submission reports); ``unsent_tokens``/
+    ``unsent_steps``: progress since ``reference``.
+    """
+
+    names: list[str]
+    version: int = -1
+    reference: dict[str, np.ndarray] | None = None
+    tokens: int = 0
+    steps: int = 0
+    unsent_tokens: int = 0
+    unsent_steps: int = 0
+
+    def stepped(self, tokens: int) -> None:
+        self.tokens += tokens
+        self.steps += 1
+        self.unsent_tokens += tokens
+        self.unsent_steps += 1
+
+    def sent(self, copy: dict[str, np.ndarray]) -> None:
+        self.reference, self.unsent_tokens, self.unsent_steps = copy, 0, 0
+
+    def received(self, version: int, params: dict[str, np.ndarray], keeps_progress: bool) -> None:
+        if self.version >= 0 and keeps_progress:  # the kept steps count again, against the new base
+            self.tokens, self.steps = self.unsent_tokens, self.unsent_steps
+        else:
+            self.tokens = self.steps = self.unsent_tokens = self.unsent_steps = 0
+        self.reference, self.version = params, version
+
+
+@dataclass
+class LearnerSetup:
+    """Everything learner ``learner`` needs for one attempt (built by ``training.diloco``)."""
+
+    learner: int
+    attempt: int
+    step: StepFn
+    init_params: Callable[[], dict]
+    init_opt: Callable[[dict], Any]
+    next_batch: BatchFn
+    fragments: list[list[str]]
+    period: int  # H
+    tokens_per_step: int
+    receipt: ReceiptRule
+    exchange: Exchange
+    log: Callable[[dict], None]
+    stop: Callable[[], bool] = lambda: False
+    resume: ResumeStore | None = None
+    resume_every: int = 0
+    turns: FairTurns | None = None
+    fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
+    log_every: int = 10
+    extra: dict = field(default_factory=dict)
+
+
+def tree_digest(tree: Any) -> str:
+    """sha256 of a pytree's array leaves (bytes, in leaf order): equal digests, equal states."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def run_learner(s: LearnerSetup) -> dict:
+    """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
+    every fragment with unsent progress.
+
+    Raises :class:`InjectedFailure` at a configured step, after recording the reason in the
+    exchange and the log. Returns a summary dict (steps, tokens, bytes).
+    """
+    m, ex = s.learner, s.exchange
+    try:
+        info = ex.learners().get(m, {})
+        bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))
+        processed = int(info.get("processed", 0))
+        params = s.init_params()
+        frags = [FragmentState(list(names)) for names in s.fragments]
+
+        def pull(p: int, version: int, theta: dict[str, np.ndarray]) -> None:
+            nonlocal bytes_in, params
+            f = frags[p]
+            if f.version >= 0 and s.receipt.needs_local:
+                new = s.receipt.apply(theta, to_numpy({k: params[k] for k in f.names}), f.reference)
+            else:
+                new = theta  # first pull of this attempt, or overwrite
+            params = {**params, **{k: jnp.asarray(v) for k, v in new.items()}}
+            f.received(version, theta, s.receipt.keeps_progress)
+            bytes_in += sum(a.nbytes for a in theta.values())
+
+        for p in range(len(frags)):
+            pull(p, *ex.latest(p))
+        opt_state = s.init_opt(params)
+        step, cursor = 0, (0, 0)
+        point = s.resume.load(opt_state) if s.resume is not None else None
+        if point is not None:
+            step, cursor, opt_state = point.step, tuple(point.cursor), point.opt_state
+        epoch, index = cursor
+        ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index))
+        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
+               "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
+        steps_this_attempt = 0
+
+        def send(p: int) -> None:
+            nonlocal bytes_out
+            f = frags[p]
+            copy = to_numpy({k: params[k] for k in f.names})
+            sub = Submission(learner=m, fragment=p, params=copy, tokens=f.tokens, steps=f.steps,
+                             base_version=f.version, local_step=step, attempt=s.attempt)
+            bytes_out += sub.nbytes
+            f.sent(copy)
+            ex.submit(sub)
+
+        metrics = None
+        while not (s.stop() or ex.is_closed()):
+            latest = ex.versions()
+            for p, f in enumerate(frags):
+                if latest[p] > f.version:
+                    pull(p, *ex.latest(p))
+            if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
+                raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
+            if not ex.claim_tokens(s.tokens_per_step):
+                break
+            batch, epoch, index = s.next_batch(epoch, index)
+            with s.turns or contextlib.nullcontext():
+                params, opt_state, metrics = s.step(params, opt_state, jnp.asarray(batch))
+            step += 1
+            steps_this_attempt += 1
+            processed += s.tokens_per_step
+            for f in frags:
+                f.stepped(s.tokens_per_step)
+            for p in fragments_due(step, len(frags), s.period):
+                send(p)
+            beat = dict(step=step, processed=processed, cursor=(epoch, index),
+                        bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
+            if step % s.log_every == 0:
+                loss = float(metrics["loss"])
+                beat["loss"] = loss
+                s.log({"event": "step", "learner": m, "step": step, "train/loss": loss,
+                       **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+                       "tokens": processed, "t": ex.clock()})
+            ex.heartbeat(m, **beat)
+            if s.resume is not None and s.resume_every and step % s.resume_every == 0:
+                s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed, opt_state=opt_state))
+        # Last step always syncs: hand in every fragment that has unsent progress. (unsent, not
+        # total: a fragment sent and not yet merged back holds no new progress, and sending it again
+        # would have the syncer merge the same parameters twice.)
+        for p, f in enumerate(frags):
+            if f.unsent_steps > 0:
+                send(p)
+        ex.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
+        s.log({"event": "stop", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock()})
+        return {"learner": m, "attempt": s.attempt, "steps": step, "steps_this_attempt": steps_this_attempt,
+                "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in}
+    except BaseException as exc:
+        ex.heartbeat(m, status="down", reason=repr(exc))
+        s.log({"event": "failure", "learner": m, "attempt": s.attempt, "reason": repr(exc),
+               "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock()})
+        raise

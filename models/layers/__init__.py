@@ -1,0 +1,1 @@
+"""Layers shared by every model family: attention with RoPE, SwiGLU MLP, pre-norm block."""

@@ -1,0 +1,1 @@
+from models.text import dense  # noqa: F401

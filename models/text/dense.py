@@ -1,0 +1,92 @@
+"""The dense decoder-only transformer LM (``kind: dense_lm``): RoPE, RMSNorm, SwiGLU, causal attention.
+
+Shape legend: B batch, L sequence length, D d_model, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import optax
+from flax import nnx
+
+from models.layers.attention import SelfAttention
+from models.layers.block import Block
+from models.layers.mlp import SwiGLU
+from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
+
+
+class DecoderLM(nnx.Module):
+    """Pre-norm decoder LM. ``__call__(ids: int32[B, L]) -> logits: float32[B, L, V]``.
+
+    ``cfg``: a ``configs.schema.DenseLMConfig`` (d_model, n_layers, n_heads, d_ff, tie_embeddings,
+    rope_theta).
+    """
+
+    def __init__(self, cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs):
+        self.vocab_size, self.max_len = vocab_size, max_len
+        d = cfg.d_model
+        self.embed = nnx.Embed(vocab_size, d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
+        self.blocks = nnx.List([
+            Block(d,
+                  partial(SelfAttention, d, cfg.n_heads, cfg.n_layers, cfg.rope_theta, True, rngs),
+                  partial(SwiGLU, d, cfg.d_ff, cfg.n_layers, rngs), rngs)
+            for _ in range(cfg.n_layers)
+        ])
+        self.final_norm = nnx.RMSNorm(d, rngs=rngs)
+        self.head = (
+            None
+            if cfg.tie_embeddings
+            else nnx.Linear(d, vocab_size, use_bias=False, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
+        )
+
+    def __call__(self, ids_BL: jax.Array) -> jax.Array:
+        x_BLD = self.embed(ids_BL)
+        for block in self.blocks:
+            x_BLD = block(x_BLD)
+        x_BLD = self.final_norm(x_BLD)
+        if self.head is None:
+            return self.embed.attend(x_BLD)
+        return self.head(x_BLD)
+
+
+def lm_objective(model: nnx.Module, batch_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross entropy in nats over a packed batch ``int32[B, L+1]`` (T = L + 1).
+
+    Returns ``(loss, {})``: the loss is the whole objective; no extra metrics.
+    """
+    logits_BLV = model(batch_BT[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch_BT[:, 1:]).mean(), {}
+
+
+def flops_per_token(cfg, vocab_size: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6·N_matmul + 12·n_layers·d_model·L_ctx (attention scores).
+
+    Kaplan et al. 2020 / Chinchilla (Hoffmann et al. 2022, App. F) accounting: forward 2 FLOPs per
+    multiply-add, backward twice the forward. The output projection (V·D) counts as a matmul whether
+    or not it is tied; norms and the embedding lookup are ignored. The attention term uses the full
+    context length L (PaLM, Chowdhery et al. 2022, App. B), as MFU figures in the field do.
+    """
+    d, f, n = cfg.d_model, cfg.d_ff, cfg.n_layers
+    matmul_params = n * (4 * d * d + 3 * d * f) + d * vocab_size
+    return 6.0 * matmul_params + 12.0 * n * d * seq_len
+
+
+@register("dense_lm")
+def build_dense_lm(cfg, shape: InputShape) -> ModelSpec:
+    """Spec of a :class:`DecoderLM` for a tokenizer of ``shape.vocab_size`` and rows of
+    ``shape.seq_len`` + 1 tokens. Raises ``ValueError`` if either is missing."""
+    if not shape.vocab_size or not shape.seq_len:
+        raise ValueError("a dense_lm needs the data's vocab_size and seq_len")
+    V, L = shape.vocab_size, shape.seq_len
+
+    def init(seed: int) -> DecoderLM:
+        return DecoderLM(cfg, V, L, nnx.Rngs(seed))
+
+    abstract = nnx.eval_shape(lambda: init(0))
+    return ModelSpec(
+        kind="dense_lm", config=cfg, init=init, objective=lm_objective,
+        batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
+        params=count_params(abstract), flops_per_unit=flops_per_token(cfg, V, L),
+    )

@@ -1,0 +1,139 @@
+"""The one owner of the run directory's layout: every path of a run, by stage and method.
+
+A run directory holds one pipeline run (``docs/contracts.md``)::
+
+    RUN/config.json, status.json          the resolved config; the run's state (run.directory)
+    RUN/data/                             prepared data (data/ package): manifest, tokenizer, splits
+    RUN/<stage>/<method>/                 one trained model: stage ∈ pretrain, finetune;
+        summary.json                      method ∈ diloco, dp, ...
+        checkpoints/<step>/               Orbax steps (training.checkpoint)
+        metrics/<name>.jsonl              eval, train, merges, learners (flat JSON lines)
+        learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
+    RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
+    RUN/report/                           report.md, report.json, figures
+
+Every writer and reader asks this module for its paths; the report discovers which stages and
+methods a run holds with :meth:`RunLayout.methods` (a method exists once its folder holds a
+``summary.json`` or an ``eval`` metrics file). Roots may be local paths or fsspec URLs
+(``memory://…``, ``s3://…``): paths are ``upath.UPath`` objects, plain ``pathlib.Path`` subclasses
+for local roots. No Prefect and no JAX here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from upath import UPath
+
+STAGES = ("pretrain", "finetune")
+METHOD_ORDER = ("diloco", "dp")  # report order; other methods follow, sorted by name
+METRICS = ("eval", "train", "merges", "learners")
+RESULT_ENTRIES = (*STAGES, "eval", "report", "status.json")  # a folder holding any of these is a run
+REUSABLE_ENTRIES = ("data", "config.json")
+
+
+def _check_name(kind: str, name: str, allowed: tuple[str, ...] | None = None) -> None:
+    if allowed is not None and name not in allowed:
+        raise ValueError(f"unknown {kind} {name!r}; one of {', '.join(allowed)}")
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{kind} name {name!r} must be a plain folder name")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Paths of one run directory. ``root``: a local path or an fsspec URL.
+
+    Methods return ``UPath`` objects and create nothing; writers create parents as they write.
+    ``ValueError`` for an unknown stage, a metrics name outside :data:`METRICS`, or a method or
+    learner name that is not a plain folder name.
+    """
+
+    root: UPath
+
+    def __init__(self, root: str | Path | UPath):
+        object.__setattr__(self, "root", root if isinstance(root, UPath) else UPath(root))
+
+    # -- the run as a whole ----------------------------------------------------------------------
+    @property
+    def config(self) -> UPath:
+        return self.root / "config.json"
+
+    @property
+    def status(self) -> UPath:
+        return self.root / "status.json"
+
+    @property
+    def data(self) -> UPath:
+        """The prepared data folder (its contents belong to the ``data`` package)."""
+        return self.root / "data"
+
+    @property
+    def manifest(self) -> UPath:
+        return self.data / "manifest.json"
+
+    @property
+    def report(self) -> UPath:
+        return self.root / "report"
+
+    @property
+    def report_md(self) -> UPath:
+        return self.report / "report.md"
+
+    # -- one trained model: a stage and a method --------------------------------------------------
+    def method_dir(self, stage: str, method: str) -> UPath:
+        _check_name("stage", stage, STAGES)
+        _check_name("method", method)
+        return self.root / stage / method
+
+    def summary(self, stage: str, method: str) -> UPath:
+        return self.method_dir(stage, method) / "summary.json"
+
+    def checkpoints(self, stage: str, method: str) -> UPath:
+        return self.method_dir(stage, method) / "checkpoints"
+
+    def metrics(self, stage: str, method: str, name: str) -> UPath:
+        """``eval`` (held-out loss over tokens), ``train`` (training loss), ``merges`` and
+        ``learners`` (DiLoCo's syncer merges and learner events)."""
+        _check_name("metrics file", name, METRICS)
+        return self.method_dir(stage, method) / "metrics" / f"{name}.jsonl"
+
+    def resume_point(self, stage: str, method: str, learner: int) -> UPath:
+        """Learner ``learner``'s resume point (an Orbax checkpoint folder)."""
+        if not isinstance(learner, int) or learner < 0:
+            raise ValueError(f"learner index must be an int ≥ 0, got {learner!r}")
+        return self.method_dir(stage, method) / "learners" / f"{learner:02d}" / "resume"
+
+    def eval_result(self, stage: str, method: str) -> UPath:
+        _check_name("stage", stage, STAGES)
+        _check_name("method", method)
+        return self.root / "eval" / stage / f"{method}.json"
+
+    def eval_outputs(self, stage: str, method: str) -> UPath:
+        """Per-task outputs of the evaluation harness (samples, lm-eval's own files)."""
+        return self.eval_result(stage, method).with_suffix("")
+
+    # -- discovery ----------------------------------------------------------------------------------
+    def holds_results(self, stage: str, method: str) -> list[UPath]:
+        """What already exists of ``stage``/``method`` (empty: nothing; a new training may start)."""
+        d = self.method_dir(stage, method)
+        return [p for p in (d, self.eval_result(stage, method)) if p.exists()]
+
+    def stages(self) -> list[str]:
+        """Stages with at least one method, in pipeline order."""
+        return [s for s in STAGES if self.methods(s)]
+
+    def methods(self, stage: str) -> list[str]:
+        """Methods ``stage`` holds (a folder with ``summary.json`` or ``metrics/eval.jsonl``, or an
+        evaluation result), known methods first (:data:`METHOD_ORDER`), then others by name."""
+        _check_name("stage", stage, STAGES)
+        found: set[str] = set()
+        base = self.root / stage
+        if base.is_dir():
+            for d in base.iterdir():
+                if d.is_dir() and ((d / "summary.json").exists() or (d / "metrics" / "eval.jsonl").exists()):
+                    found.add(d.name)
+        evals = self.root / "eval" / stage
+        if evals.is_dir():
+            found.update(p.stem for p in evals.iterdir() if p.suffix == ".json")
+        return sorted(found, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))

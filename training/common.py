@@ -1,0 +1,47 @@
+"""What both methods share: the model spec for a run's data, the token budget, refusing to retrain."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from configs.schema import ExperimentConfig
+from data.store import load_manifest
+from models import InputShape, ModelSpec, build_model
+from run.layout import RunLayout
+
+
+def token_budget(cfg: ExperimentConfig) -> int:
+    """Tokens each method trains on: ``train.token_budget`` rounded up to whole DP steps."""
+    return cfg.dp_steps * cfg.tokens_per_dp_step
+
+
+@functools.lru_cache(maxsize=8)
+def _spec(model_json: str, vocab_size: int, seq_len: int) -> ModelSpec:
+    from pydantic import TypeAdapter
+
+    from configs.schema import ModelConfig
+
+    cfg = TypeAdapter(ModelConfig).validate_json(model_json)
+    return build_model(cfg, InputShape(vocab_size=vocab_size, seq_len=seq_len))
+
+
+def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
+    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary), cached per process."""
+    vocab = int(load_manifest(run_dir)["vocab_size"])
+    return _spec(cfg.model.model_dump_json(), vocab, cfg.data.seq_len)
+
+
+def ensure_fresh(run_dir: str | Path, stage: str, method: str) -> None:
+    """Refuse to train ``method`` again into a run directory that already holds its results.
+
+    Raises ``FileExistsError`` naming what exists and the fix; nothing is written or deleted.
+    """
+    layout = RunLayout(run_dir)
+    existing = layout.holds_results(stage, method)
+    if existing:
+        raise FileExistsError(
+            f"{run_dir} already holds {stage} {method} results "
+            f"({', '.join(str(p.relative_to(layout.root)) for p in existing)}); "
+            "pass a new run directory, or delete those paths to train this method again"
+        )

@@ -1,0 +1,115 @@
+"""The data-parallel baseline as one synchronous job (the step of ``training.step``, no syncer).
+
+Same model initialisation, data (every training sequence), token budget and validation batches as
+Decoupled DiLoCo; the global batch is ``dp.batch_size`` sequences, notionally split over
+``dp.workers`` replicas that all-reduce their gradients every step. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from configs.schema import ExperimentConfig, validate_against_model
+from data.cursor import batch_at
+from data.store import load_sequences
+from diloco.tensors import tensor_bytes
+from run.control import STOP
+from run.layout import RunLayout
+from run.metrics import JsonlWriter
+from training.checkpoint import save_checkpoint
+from training.common import ensure_fresh, model_spec
+from training.evaluation import EvalCadence, heldout_loss, val_batches
+from training.functional import nest
+from training.optimizers import make_inner_tx
+from training.step import Trainer
+
+STAGE, METHOD = "pretrain", "dp"
+
+
+def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
+             progress: Callable[[int, int, float, float], None] | None = None,
+             on_step: Callable[[int, dict], None] | None = None) -> dict:
+    """Train the DP baseline for ``cfg.dp_steps`` steps; returns the summary dict.
+
+    Writes ``pretrain/dp/metrics/{eval,train}.jsonl`` and ``pretrain/dp/checkpoints`` (step = tokens).
+    ``progress(tokens, total_tokens, train_loss, heldout_loss)`` is called at each evaluation;
+    ``on_step(step, metrics)`` after every step (metrics as device scalars). Stops at the next step
+    boundary when ``run.control.STOP`` is set, then evaluates and saves where it stopped. Raises
+    ``FileExistsError`` if ``run_dir`` already holds DP results.
+    """
+    run_dir = Path(run_dir)
+    ensure_fresh(run_dir, STAGE, METHOD)
+    layout = RunLayout(run_dir)
+    spec = model_spec(cfg, run_dir)
+    steps = cfg.dp_steps
+    trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed)
+    params = trainer.init_params()
+    validate_against_model(cfg, len(params))
+    opt_state = trainer.init_opt(params)
+    seqs = load_sequences(run_dir, "train")
+    val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
+    eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"))
+    step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"))
+    tps = cfg.tokens_per_dp_step
+    epoch = index = 0
+    t0 = time.monotonic()
+    last = heldout_loss(trainer.evaluate, params, val)
+    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, "val/loss": last})
+    cadence = EvalCadence(cfg.train.eval_every_tokens)
+    done = 0
+    try:
+        for step in range(1, steps + 1):
+            if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
+                break
+            batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
+            params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(batch))
+            if on_step is not None:
+                on_step(step, metrics)
+            tokens = step * tps
+            done = step
+            if step % 10 == 0 or step == steps:
+                step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
+                          "t": time.monotonic() - t0})
+            if cadence.due(tokens) or step == steps:
+                last = heldout_loss(trainer.evaluate, params, val)
+                eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step,
+                          "val/loss": last})
+                if progress:
+                    progress(tokens, steps * tps, float(metrics["loss"]), last)
+        if done < steps:  # stopped early: measure where it stopped
+            last = heldout_loss(trainer.evaluate, params, val)
+            eval_log({"method": METHOD, "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done,
+                      "val/loss": last})
+    finally:
+        eval_log.close()
+        step_log.close()
+    wall = time.monotonic() - t0
+    param_bytes = sum(tensor_bytes(params).values())
+    W = cfg.dp.workers
+    # Ring all-reduce: each of W workers sends (and receives) 2(W−1)/W of the gradient bytes per step.
+    allreduce_bytes = int(2 * (W - 1) / W * param_bytes * W * done)  # sent by all workers, in total
+    meta = {"method": METHOD, "steps": done, "tokens": done * tps}
+    save_checkpoint(layout.checkpoints(STAGE, METHOD), done * tps, nest(params), meta)
+    i = cfg.dp.inner
+    return {
+        "method": METHOD,
+        "interrupted": STOP.is_set(),
+        "hyperparameters": {
+            "global batch (seqs)": cfg.dp_batch_size, "seq len": cfg.data.seq_len, "inner optimizer": i.name,
+            "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
+            "tokens/step": tps, "simulated workers": W,
+            "microbatch (seqs)": cfg.train.microbatch_size or "whole batch",
+        },
+        "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,
+        "final_val_loss": last, "merges": None,
+        # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
+        # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
+        # are each half of it.
+        "bytes_to_syncer": allreduce_bytes, "bytes_from_syncer": allreduce_bytes,
+        "allreduce_bytes": 2 * allreduce_bytes,
+        "params": spec.params, "flops_per_token": spec.flops_per_unit,
+    }
