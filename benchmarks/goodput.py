@@ -2,7 +2,7 @@
 
     python benchmarks/goodput.py [--set key=value ...] [--calibrate] [--sensitivity]
 
-Prints the seconds the default study takes (``diloco.goodput.run_goodput``: the 6 × 5 grid, 10 seeds,
+Prints the seconds the default study takes (``sim.run_goodput``: the 6 × 5 grid, 10 seeds,
 plus the rule-of-thumb runs of elastic DP at N/M chips), then the markdown table. ``--calibrate`` also
 times the calibration on the DP rows. ``--sensitivity`` changes one *stated* constant at a time,
 recalibrates on the DP rows, and prints the worst Decoupled DiLoCo cell for each (about 20 s a
@@ -27,7 +27,7 @@ import scipy  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
 from configs.schema import parse_overrides, validation_lines  # noqa: E402
-from diloco.goodput import GoodputConfig, calibrate, markdown_report, run_goodput  # noqa: E402
+from sim import GoodputConfig, calibrate, markdown_report, run_goodput  # noqa: E402
 
 SENSITIVITY = [
     {},

@@ -139,7 +139,7 @@ def goodput(
                                    "--set restart_s=600 --set calibrate=true (see docs/goodput.md)"),
 ):
     """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
-    from diloco.goodput import GoodputConfig
+    from sim import GoodputConfig
 
     try:
         cfg = GoodputConfig.model_validate(_parse_sets(set_))

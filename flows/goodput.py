@@ -1,6 +1,6 @@
 """The goodput flow: simulate the paper's failure study (Table 1) and publish table and plot.
 
-Parameters are the simulator's knobs (:class:`diloco.goodput.GoodputConfig`, a form in the UI), so a
+Parameters are the simulator's knobs (:class:`sim.GoodputConfig`, a form in the UI), so a
 run answers "what if chips fail twice as often" (``chip_mtbi_years: 0.5``) or "what if restarts take
 10 minutes" (``restart_s: 600``). Writes ``goodput.json``, ``goodput.md`` and ``goodput.png`` (plus
 the resolved ``config.json``) to a run directory, ``runs/goodput-<UTC time>/`` by default.
@@ -18,7 +18,7 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from diloco.goodput import GoodputConfig, n_slices
+from sim import GoodputConfig, n_slices
 from tasks.goodput import simulate_task, write_task
 
 

@@ -1,4 +1,4 @@
-"""The goodput failure simulator (diloco/goodput.py) against closed forms and hand-made traces, plus
+"""The goodput failure simulator (sim/) against closed forms and hand-made traces, plus
 one end-to-end run of the ``goodput`` Prefect flow on a small grid."""
 
 import json
@@ -9,13 +9,13 @@ import pytest
 from pydantic import ValidationError
 from scipy import integrate
 
-from diloco.goodput import (
+from sim import (
     SECONDS_PER_YEAR,
     GoodputConfig,
     JobRun,
     Trace,
-    _quorum_sweep,
     failure_trace,
+    quorum_sweep,
     run_goodput,
     simulate_diloco,
     simulate_dp,
@@ -119,8 +119,8 @@ def test_quorum_sweep_by_hand():
     K=1: useful 2·10 + 1·10 = 30 chip-s, up 15 s. K=2: only [5,10) counts: 3·5 = 15 chip-s, up 5 s."""
     a = JobRun(starts=[0.0], ends=[10.0], chips=[2.0], lost=[0.0])
     b = JobRun(starts=[5.0], ends=[15.0], chips=[1.0], lost=[0.0])
-    assert _quorum_sweep([a, b], 1, 20.0) == pytest.approx((30.0, 15.0))
-    assert _quorum_sweep([a, b], 2, 20.0) == pytest.approx((15.0, 5.0))
+    assert quorum_sweep([a, b], 1, 20.0) == pytest.approx((30.0, 15.0))
+    assert quorum_sweep([a, b], 2, 20.0) == pytest.approx((15.0, 5.0))
 
 
 def test_one_learner_diloco_is_elastic_dp_on_the_same_trace():

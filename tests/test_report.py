@@ -30,15 +30,26 @@ import matplotlib.image
 import pytest
 from PIL import Image
 
-from evals.report import (
-    NOT_RUN,
-    ReportInputError,
-    _loss_figure,
-    artifact_key,
-    build_report,
-    learner_failures,
-    publish_report_artifacts,
-)
+from reports import ReportInputError, build_report
+from reports.artifacts import artifact_key, publish_report_artifacts
+from reports.common import NOT_RUN
+from reports.learners import learner_failures
+from reports.plots import loss_figure
+from run.layout import RunLayout
+
+PRE = "pretrain"
+
+
+def _layout(run: Path) -> RunLayout:
+    return RunLayout(run)
+
+
+def _stage(report: dict, stage: str = PRE) -> dict:
+    return report["stages"][stage]
+
+
+def _method(report: dict, method: str = "diloco", stage: str = PRE) -> dict:
+    return report["stages"][stage]["methods"][method]
 
 
 def _write(path: Path, obj) -> None:
@@ -66,7 +77,8 @@ MERGES = [  # (merged_at_s, fragment, contributors, stale)
 
 def _make_run(root: Path) -> Path:
     run = root / "tiny-20261129-101500"
-    _write(run / "config.json", {
+    lay = _layout(run)
+    _write(lay.config, {
         "name": "tiny",
         "seed": 0,
         "data": {"source": "shakespeare", "seq_len": 64, "vocab_size": 512},
@@ -78,7 +90,7 @@ def _make_run(root: Path) -> Path:
         "chaos": {"failures": [{"learner": 1, "at_step": 40}]},
         "eval": {"enabled": True},
     })
-    _write(run / "data" / "manifest.json", {
+    _write(lay.manifest, {
         "source": "shakespeare",
         "sha256": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
         "vocab_size": 512,
@@ -89,22 +101,22 @@ def _make_run(root: Path) -> Path:
         "shards": {"shard_00": 600_000, "shard_01": 600_000},
     })
     toks = [0, 8192, 16384, 24576, 32768]
-    _write_jsonl(run / "metrics" / "diloco_eval.jsonl", [
+    _write_jsonl(lay.metrics(PRE, "diloco", "eval"), [
         {"method": "diloco", "tokens": t, "wall_s": 5.0 * i, "step": 32 * i, "val/loss": loss}
         for i, (t, loss) in enumerate(zip(toks, [6.20, 4.10, 3.60, 3.40, 3.30]))
     ])
-    _write_jsonl(run / "metrics" / "dp_eval.jsonl", [
+    _write_jsonl(lay.metrics(PRE, "dp", "eval"), [
         {"method": "dp", "tokens": t, "wall_s": 7.0 * i, "step": 16 * i, "val/loss": loss}
         for i, (t, loss) in enumerate(zip(toks, [6.20, 3.90, 3.40, 3.25, 3.00]))
     ])
-    _write_jsonl(run / "metrics" / "diloco_merges.jsonl", [
+    _write_jsonl(lay.metrics(PRE, "diloco", "merges"), [
         {"fragment": f, "version": v + 1, "contributors": c, "weights": [1 / len(c)] * len(c),
          "tokens": [2048] * len(c), "steps": [8] * len(c), "quorum_at_s": t - 0.5, "merged_at_s": t,
          "grace_s": 0.5, "stale": s, "bytes_in": 4096 * len(c), "fragment_bytes": 4096,
          "bytes_out": 4096 * 2}  # fragment bytes × M learners
         for v, (t, f, c, s) in enumerate(MERGES)
     ])
-    _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
+    _write_jsonl(lay.metrics(PRE, "diloco", "learners"), [
         {"event": "start", "learner": 0, "attempt": 1, "t": 0.0, "step": 0},
         {"event": "start", "learner": 1, "attempt": 1, "t": 0.1, "step": 0},
         {"event": "step", "learner": 1, "step": 30, "train/loss": 4.0, "tokens": 7680, "t": 7.9},
@@ -118,7 +130,7 @@ def _make_run(root: Path) -> Path:
         {"event": "dropped", "learner": 1, "fragment": 0, "reason": "stale", "tokens": 1024,
          "base_version": 2, "t": 13.0, "source": "syncer"},
     ])
-    _write(run / "pretrain" / "diloco" / "summary.json", {
+    _write(lay.summary(PRE, "diloco"), {
         "method": "diloco",
         "hyperparameters": {"inner": INNER, "outer_lr": 0.7, "outer_momentum": 0.9, "sync_every": 8,
                             "fragments (P)": 2, "learners (M)": 2, "batch_size": 4},
@@ -134,7 +146,7 @@ def _make_run(root: Path) -> Path:
                          "dropped": 1024, "pending": 1024, "drop_reasons": {"stale": 1024}, "attempts": 2}},
         "params": 123456, "flops_per_token": 812345.0,
     })
-    _write(run / "pretrain" / "dp" / "summary.json", {
+    _write(lay.summary(PRE, "dp"), {
         "method": "dp",
         "hyperparameters": {"inner": INNER, "batch_size": 8, "simulated workers": 2},
         "tokens": 32768, "steps": 64, "wall_s": 28.0, "tokens_per_s": 1170.2857,
@@ -142,7 +154,7 @@ def _make_run(root: Path) -> Path:
         "bytes_to_syncer": 63_209_472, "bytes_from_syncer": 63_209_472, "allreduce_bytes": 126_418_944,
         "params": 123456, "flops_per_token": 812345.0,
     })
-    _write(run / "eval" / "diloco.json", {
+    _write(lay.eval_result(PRE, "diloco"), {
         "method": "diloco", "checkpoint_tokens": 32768,
         "heldout_ppl/word_perplexity": 85.25, "heldout_ppl/word_perplexity_stderr": 1.5,
         "heldout_ppl/byte_perplexity": 2.6103, "heldout_ppl/bits_per_byte": 1.3842,
@@ -152,7 +164,7 @@ def _make_run(root: Path) -> Path:
         "heldout_nextline/chance": 0.25, "heldout_nextline/questions": 200,
         "truncated_requests": 3, "eval_s": 12.5,
     })
-    _write(run / "eval" / "dp.json", {
+    _write(lay.eval_result(PRE, "dp"), {
         "method": "dp", "checkpoint_tokens": 32768,
         "heldout_ppl/word_perplexity": 70.5, "heldout_ppl/word_perplexity_stderr": 1.25,
         "heldout_ppl/byte_perplexity": 2.5012, "heldout_ppl/bits_per_byte": 1.3227,
@@ -176,11 +188,11 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     """One report built once for the read-only tests (plotting costs about a second a build)."""
     run = _make_run(tmp_path_factory.mktemp("built"))
     report = build_report(run)
-    return run, report, (run / "report" / "report.md").read_text()
+    return run, report, _layout(run).report_md.read_text()
 
 
-def _row(report: dict, key: str) -> dict:
-    return next(r for r in report["comparison"] if r["key"] == key)
+def _row(report: dict, key: str, stage: str = PRE) -> dict:
+    return next(r for r in _stage(report, stage)["comparison"] if r["key"] == key)
 
 
 def test_table_has_the_right_numbers(built):
@@ -214,14 +226,15 @@ def test_table_has_the_right_numbers(built):
 def test_loss_gap_percent(built):
     run_dir, report, md = built
     # Hand computation: 100 × (3.30 − 3.00) / 3.00 = 100 × 0.30 / 3.00 = +10.00 %.
-    assert report["loss_gap"]["status"] == "ok"
-    assert report["loss_gap"]["gap_pct"] == pytest.approx(10.0)
+    gap = _stage(report)["loss_gaps"]["diloco"]
+    assert gap["status"] == "ok" and (gap["method"], gap["baseline"]) == ("diloco", "dp")
+    assert gap["gap_pct"] == pytest.approx(10.0)
     assert "+10.00% relative to DP's" in md
 
 
 def test_merges_while_learner_down(built):
     run_dir, report, md = built
-    (f,) = report["failures"]
+    (f,) = _method(report)["failures"]
     assert f["learner"] == 1 and f["failed_at_s"] == 8.0 and f["failed_at_step"] == 39
     # The retry event at 9 s is not the restart; the start of attempt 2 at 12 s is.
     assert f["restarted_at_s"] == 12.0 and f["downtime_s"] == 4.0
@@ -258,7 +271,7 @@ LEDGER_SENTENCE_END = ("per learner processed = submitted + not_submitted and su
 
 def test_ledger_table(built):
     run_dir, report, md = built
-    led = report["ledger"]
+    led = _method(report)["ledger"]
     assert led["columns"] == ["processed", "submitted", "not_submitted", "merged", "dropped", "pending",
                               "attempts", "drop_reasons"]
     assert led["total"]["drop_reasons"] == {"stale": 1024}
@@ -271,7 +284,7 @@ def test_ledger_table(built):
     assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
     assert "| total | 32,768 | 30,720 | 2,048 | 28,672 | 1,024 | 1,024 | 3 | stale: 1,024 | 87.5 |" in md
     # One sentence under the table: what each column means and the identities.
-    section = md.split("## DiLoCo token ledger")[1].split("\n## ")[0]
+    section = md.split("### DiLoCo token ledger")[1].split("\n#")[0]
     (sentence,) = [line for line in section.splitlines() if line.startswith("Tokens per learner:")]
     for col in ("processed =", "submitted =", "not_submitted =", "merged =", "dropped =", "pending ="):
         assert col in sentence
@@ -284,7 +297,7 @@ def test_ledger_table(built):
 
 def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
     """An older summary: per-fragment averages (fractions) and no ``not_submitted``."""
-    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    path = _layout(run_dir).summary(PRE, "diloco")
     summary = json.loads(path.read_text())
     summary["ledger"] = {
         "0": {"processed": 18432, "submitted": 18432.0, "merged": 18432.0, "dropped": 0.0, "pending": 0.0,
@@ -294,61 +307,61 @@ def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
     }
     _write(path, summary)
     report = build_report(run_dir)
-    led = report["ledger"]
+    led = _method(report)["ledger"]
     assert led["not_submitted_computed"] and led["identity_violations"] == []
     row = led["rows"][1]
     assert row["not_submitted"] == 2048 and row["submitted"] == 12288  # 14,336 − 12,287.75, rounded
     assert all(isinstance(row[c], int) for c in ("processed", "submitted", "not_submitted", "merged",
                                                  "dropped", "pending"))
-    md = (run_dir / "report" / "report.md").read_text()
+    md = _layout(run_dir).report_md.read_text()
     assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
     assert "computed here as processed − submitted" in md
 
 
 def test_ledger_identity_violation_is_reported(run_dir: Path):
-    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    path = _layout(run_dir).summary(PRE, "diloco")
     summary = json.loads(path.read_text())
     summary["ledger"]["1"]["merged"] = 10240 - 512  # 512 tokens unaccounted for (> P = 2)
     _write(path, summary)
     report = build_report(run_dir)
-    (v,) = report["ledger"]["identity_violations"]
+    (v,) = _method(report)["ledger"]["identity_violations"]
     assert v == {"learner": 1, "identity": "submitted = merged + dropped + pending", "difference": 512}
-    md = (run_dir / "report" / "report.md").read_text()
+    md = _layout(run_dir).report_md.read_text()
     assert "**Ledger check failed:** learner 1: submitted = merged + dropped + pending is off by +512" in md
 
 
 def test_merge_bytes_out(built, run_dir: Path):
     _, report, md = built
     # 8 merges × (4,096 fragment bytes × 2 learners) published; submissions merged: 14 × 4,096.
-    fig = report["bytes"]["diloco"]
+    fig = _method(report)["bytes"]
     assert fig["published_out"] == 8 * 8192 and fig["merged_in"] == 14 * 4096
     assert "bytes_out (syncer publishes: fragment bytes × learners) 65,536 (64.0 KiB)." in md
     # Records written before bytes_out existed: "not recorded", never 0.
-    path = run_dir / "metrics" / "diloco_merges.jsonl"
+    path = _layout(run_dir).metrics(PRE, "diloco", "merges")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out"} for r in rows])
     old = build_report(run_dir)
-    assert old["bytes"]["diloco"]["published_out"] is None and old["bytes"]["diloco"]["merged_in"] == 14 * 4096
-    old_md = (run_dir / "report" / "report.md").read_text()
+    assert _method(old)["bytes"]["published_out"] is None and _method(old)["bytes"]["merged_in"] == 14 * 4096
+    old_md = _layout(run_dir).report_md.read_text()
     assert "bytes_out (syncer publishes: fragment bytes × learners) not recorded." in old_md
     assert "| merge-log bytes_out: published, fragment bytes × M per merge | syncer | — |" in old_md
     # Some records with it, some without: still not a total, in the table and in the merges section.
     _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out" or i < 3} for i, r in enumerate(rows)])
     mixed = build_report(run_dir)
-    assert mixed["bytes"]["diloco"]["published_out"] is None
-    assert mixed["bytes"]["diloco"]["published_out_recorded"] == 3
-    mixed_md = (run_dir / "report" / "report.md").read_text()
+    assert _method(mixed)["bytes"]["published_out"] is None
+    assert _method(mixed)["bytes"]["published_out_recorded"] == 3
+    mixed_md = _layout(run_dir).report_md.read_text()
     assert mixed_md.count("not recorded (in 3 of 8 merge records)") == 2
 
 
 def test_loss_plot_final_is_the_last_row_when_tokens_tie(run_dir: Path):
     """Two rows at the last token count: the later row is the final value, even with a lower loss
     (sorting by (tokens, loss) would put 3.30 last and draw a jump down-then-up)."""
-    path = run_dir / "metrics" / "diloco_eval.jsonl"
+    path = _layout(run_dir).metrics(PRE, "diloco", "eval")
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     rows.append({"method": "diloco", "tokens": 32768, "wall_s": 21.0, "step": 128, "val/loss": 3.28})
     _write_jsonl(path, rows)
-    fig = _loss_figure({"diloco": rows}, "tokens", "tokens", "loss")
+    fig = loss_figure({"diloco": rows}, "tokens", "tokens", "loss")
     ax = fig.axes[0]
     (line,) = ax.get_lines()
     assert list(line.get_xdata()) == [0, 8192, 16384, 24576, 32768, 32768]
@@ -356,25 +369,28 @@ def test_loss_plot_final_is_the_last_row_when_tokens_tie(run_dir: Path):
     assert [t.get_text() for t in ax.texts] == ["final 3.2800"]
     assert ax.texts[0].xy == (32768, 3.28)
     # In the report the annotation is the summary's final_val_loss (the flow's last evaluation).
-    spath = run_dir / "pretrain" / "diloco" / "summary.json"
+    spath = _layout(run_dir).summary(PRE, "diloco")
     summary = json.loads(spath.read_text())
     summary["final_val_loss"] = 3.28
     _write(spath, summary)
     report = build_report(run_dir)
-    final = report["methods"]["diloco"]["final_val_loss"]
-    assert final == 3.28 and report["methods"]["diloco"]["curve"]["final_loss"] == 3.28
-    assert not any("differs from the last eval-curve point" in n for n in report["notes"])
-    finals = {m: report["methods"][m]["final_val_loss"] for m in ("diloco", "dp")}
+    final = _method(report)["final_val_loss"]
+    assert final == 3.28 and _method(report)["curve"]["final_loss"] == 3.28
+    assert not any("differs from the last eval-curve point" in n for n in _stage(report)["notes"])
+    finals = {m: _method(report, m)["final_val_loss"] for m in ("diloco", "dp")}
     for x_key in ("tokens", "wall_s"):
-        ax = _loss_figure({"diloco": rows}, x_key, "x", "loss", finals).axes[0]
+        ax = loss_figure({"diloco": rows}, x_key, "x", "loss", finals).axes[0]
         assert [t.get_text() for t in ax.texts] == [f"final {final:.4f}"]
 
 
 def test_plots_are_valid_images(built):
     run_dir, report, md = built
+    plots = {**_stage(report)["plots"], **_method(report)["plots"]}
+    assert _method(report, "dp").get("plots") is None  # no merges, no merge plot
     for name in ("loss_vs_tokens", "loss_vs_time", "merges_over_time"):
-        assert report["plots"][name] == f"{name}.png"
-        path = run_dir / "report" / f"{name}.png"
+        file = f"pretrain_diloco_{name}.png" if name == "merges_over_time" else f"pretrain_{name}.png"
+        assert plots[name] == file
+        path = _layout(run_dir).report / file
         assert path.stat().st_size > 0
         with Image.open(path) as im:
             im.verify()
@@ -382,57 +398,68 @@ def test_plots_are_valid_images(built):
             assert im.format == "PNG" and im.size[0] > 300 and im.size[1] > 100
         pixels = matplotlib.image.imread(path)
         assert pixels.ndim == 3 and pixels.std() > 0  # not a blank canvas
-        assert f"]({name}.png)" in md
+        assert f"]({file})" in md
 
 
 def test_report_json_round_trips(built):
     run_dir, report, md = built
-    on_disk = json.loads((run_dir / "report" / "report.json").read_text())
+    on_disk = json.loads((_layout(run_dir).report / "report.json").read_text())
     assert on_disk == report
-    assert on_disk["loss_gap"]["gap_pct"] == pytest.approx(10.0)
-    assert on_disk["failures"][0]["merges_while_down"] == 3
+    assert _stage(on_disk)["loss_gaps"]["diloco"]["gap_pct"] == pytest.approx(10.0)
+    assert _method(on_disk)["failures"][0]["merges_while_down"] == 3
 
 
 def test_missing_dp_summary_says_not_run(run_dir: Path):
-    (run_dir / "pretrain" / "dp" / "summary.json").unlink()
+    _layout(run_dir).summary(PRE, "dp").unlink()
     report = build_report(run_dir)
-    assert report["methods"]["dp"]["status"] == NOT_RUN
+    assert _method(report, "dp")["status"] == NOT_RUN
     assert _row(report, "tokens")["dp"] == NOT_RUN
     # The eval curve still gives DP's final loss, so the gap is still defined.
     assert _row(report, "final_val_loss")["dp"] == 3.0
-    assert report["loss_gap"]["gap_pct"] == pytest.approx(10.0)
-    md = (run_dir / "report" / "report.md").read_text()
+    assert _stage(report)["loss_gaps"]["diloco"]["gap_pct"] == pytest.approx(10.0)
+    md = _layout(run_dir).report_md.read_text()
     assert "| training tokens (tokens) | 32,768 | not run |" in md
     assert "Data-parallel pretraining: **not run**" in md
 
 
 def test_dp_disabled_and_eval_disabled(run_dir: Path):
-    for p in ("pretrain/dp/summary.json", "metrics/dp_eval.jsonl", "eval/dp.json", "eval/diloco.json"):
-        (run_dir / p).unlink()
+    lay = _layout(run_dir)
+    for p in (lay.summary(PRE, "dp"), lay.metrics(PRE, "dp", "eval"), lay.eval_result(PRE, "dp"),
+              lay.eval_result(PRE, "diloco")):
+        p.unlink()
     report = build_report(run_dir)
-    assert report["loss_gap"]["status"] == NOT_RUN
-    assert not [r for r in report["comparison"] if r["group"] == "eval"]
-    assert report["plots"]["loss_vs_tokens"] == "loss_vs_tokens.png"  # DiLoCo's curve alone
-    md = (run_dir / "report" / "report.md").read_text()
+    assert list(_stage(report)["methods"]) == ["diloco", "dp"]  # the baseline's column says "not run"
+    assert _stage(report)["loss_gaps"]["diloco"]["status"] == NOT_RUN
+    assert not [r for r in _stage(report)["comparison"] if r["group"] == "eval"]
+    assert _stage(report)["plots"]["loss_vs_tokens"] == "pretrain_loss_vs_tokens.png"  # DiLoCo's curve alone
+    md = _layout(run_dir).report_md.read_text()
     assert "**Loss gap:** not run" in md
     assert "*lm-eval: not run for either method.*" in md
     assert _row(report, "bytes_sent")["dp"] == NOT_RUN
     # One method evaluated: the other's cells read "not run".
-    _write(run_dir / "eval" / "diloco.json", {"heldout_nextline/acc": 0.5, "heldout_nextline/chance": 0.25})
+    _write(lay.eval_result(PRE, "diloco"), {"heldout_nextline/acc": 0.5, "heldout_nextline/chance": 0.25})
     report = build_report(run_dir)
     assert _row(report, "heldout_nextline/acc")["dp"] == NOT_RUN
-    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in (
-        run_dir / "report" / "report.md").read_text()
+    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in lay.report_md.read_text()
 
 
 def test_empty_run_dir_does_not_crash(tmp_path: Path):
-    _write(tmp_path / "config.json", {"name": "empty"})  # a run that stopped right after it started
+    lay = _layout(tmp_path)
+    _write(lay.config, {"name": "empty"})  # a run that stopped right after it started
     report = build_report(tmp_path)
-    assert report["methods"]["diloco"]["status"] == NOT_RUN
-    assert report["plots"] == {"loss_vs_tokens": None, "loss_vs_time": None, "merges_over_time": None}
-    assert report["ledger"]["status"] == NOT_RUN and report["failures"] == []
-    assert not (tmp_path / "report" / "merges_over_time.png").exists()
-    assert "not run" in (tmp_path / "report" / "report.md").read_text()
+    assert report["stages"] == {}  # no stage holds a method: no section, no figure
+    assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
+    assert "- training: **not run**" in lay.report_md.read_text()
+    # A stage whose DiLoCo summary exists but nothing else: every other part reads "not run".
+    _write(lay.summary(PRE, "diloco"), {"method": "diloco"})
+    report = build_report(tmp_path)
+    assert _method(report, "dp")["status"] == NOT_RUN and _method(report)["status"] == "ok"
+    assert _stage(report)["plots"] == {"loss_vs_tokens": None, "loss_vs_time": None}
+    assert _method(report)["plots"] == {"merges_over_time": None}
+    assert _method(report)["ledger"]["status"] == "not recorded" and _method(report)["failures"] == []
+    assert _method(report)["merges"]["status"] == NOT_RUN
+    assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
+    assert "*merge log: not run.*" in lay.report_md.read_text()
 
 
 @pytest.mark.parametrize("kind", ["missing", "not a run directory", "a file"])
@@ -449,37 +476,115 @@ def test_not_a_run_directory_is_refused(tmp_path: Path, kind: str):
         build_report(path)
     msg = str(info.value)
     assert str(path) in msg and "config.json" in msg and "pretrain/" in msg
-    assert not (path / "report").exists()
+    assert not _layout(path).report.exists()
     if kind == "missing":
         assert not path.exists() and not path.parent.exists()
 
 
 def test_run_dir_with_only_pretrain_is_accepted(run_dir: Path):
-    (run_dir / "config.json").unlink()
+    _layout(run_dir).config.unlink()
     report = build_report(run_dir)
-    assert report["run"]["name"] == run_dir.name and report["methods"]["diloco"]["status"] == "ok"
+    assert report["run"]["name"] == run_dir.name and _method(report)["status"] == "ok"
+
+
+def test_a_third_method_is_reported(run_dir: Path):
+    """A pretrain-only run that also holds a method the report does not know (``other``: a summary,
+    an eval curve and an evaluation): it gets its own column, curve and loss gap to DP
+    (100 × (3.15 − 3.00) / 3.00 = +5.00 %), and DiLoCo and DP read as before."""
+    lay = _layout(run_dir)
+    _write(lay.summary(PRE, "other"), {"method": "other", "hyperparameters": {"inner": INNER},
+                                       "tokens": 32768, "steps": 128, "wall_s": 24.0, "final_val_loss": 3.15,
+                                       "bytes_to_syncer": 1000, "bytes_from_syncer": 3000})
+    _write_jsonl(lay.metrics(PRE, "other", "eval"), [
+        {"method": "other", "tokens": t, "wall_s": 6.0 * i, "val/loss": loss}
+        for i, (t, loss) in enumerate(zip([0, 16384, 32768], [6.2, 3.5, 3.15]))])
+    _write(lay.eval_result(PRE, "other"), {"heldout_nextline/acc": 0.33, "heldout_nextline/chance": 0.25})
+    report = build_report(run_dir)
+    st = _stage(report)
+    assert list(report["stages"]) == [PRE] and list(st["methods"]) == ["diloco", "dp", "other"]
+    other = st["methods"]["other"]
+    assert other["status"] == "ok" and other["kind"] == "plain" and "ledger" not in other
+    assert (other["tokens"], other["tokens_per_s"]) == (32768, pytest.approx(32768 / 24.0))
+    assert (other["bytes"]["sent"], other["bytes"]["received"], other["bytes"]["total"]) == (1000, 3000, 4000)
+    assert _row(report, "tokens")["other"] == 32768 and _row(report, "merges")["other"] is None
+    assert _row(report, "heldout_nextline/acc")["other"] == 0.33
+    assert st["loss_gaps"]["other"]["gap_pct"] == pytest.approx(5.0)
+    assert st["loss_gaps"]["diloco"]["gap_pct"] == pytest.approx(10.0)  # unchanged by the third method
+    assert _row(report, "final_val_loss")["diloco"] == 3.3 and _method(report)["ledger"]["total"]["processed"] == 32768
+    md = lay.report_md.read_text()
+    assert "### DiLoCo, other vs data-parallel" in md
+    assert "| metric | Decoupled DiLoCo | Data-parallel | other |" in md
+    assert "| training tokens (tokens) | 32,768 | 32,768 | 32,768 |" in md
+    assert "**Loss gap, other vs DP:** other's final held-out loss is +5.00% relative to DP's" in md
+    assert "**Loss gap, DiLoCo vs DP:** DiLoCo's final held-out loss is +10.00% relative to DP's" in md
+    assert "| heldout_nextline: accuracy (fraction) | 0.310 ± 0.035 (chance 0.25) | 0.345 ± 0.034 (chance 0.25) " \
+           "| 0.330 (chance 0.25) |" in md
+    assert "### other token ledger" not in md  # no ledger, merges or chaos sections for it
+    curves = {m: [json.loads(x) for x in lay.metrics(PRE, m, "eval").read_text().splitlines()] for m in st["methods"]}
+    legend = loss_figure(curves, "tokens", "tokens", "loss").axes[0].get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["Decoupled DiLoCo", "Data-parallel", "other"]
+
+
+def test_stages_are_reported_apart(run_dir: Path):
+    """A fine-tuning stage beside pretraining: its own section, figures and comparison; a method it
+    lacks (DP) reads "not run" there only."""
+    lay = _layout(run_dir)
+    _write(lay.summary("finetune", "diloco"), {"method": "diloco", "tokens": 4096, "final_val_loss": 2.5})
+    _write_jsonl(lay.metrics("finetune", "diloco", "eval"), [
+        {"method": "diloco", "tokens": 0, "wall_s": 0.0, "val/loss": 3.3},
+        {"method": "diloco", "tokens": 4096, "wall_s": 2.0, "val/loss": 2.5}])
+    report = build_report(run_dir)
+    assert list(report["stages"]) == ["pretrain", "finetune"]
+    ft = _stage(report, "finetune")
+    assert _row(report, "tokens", "finetune")["diloco"] == 4096 and _row(report, "tokens")["diloco"] == 32768
+    assert ft["methods"]["dp"]["status"] == NOT_RUN and ft["loss_gaps"]["diloco"]["status"] == NOT_RUN
+    assert ft["plots"]["loss_vs_tokens"] == "finetune_loss_vs_tokens.png"
+    assert ft["methods"]["diloco"]["plots"] == {"merges_over_time": None}  # no merge log in this stage
+    assert (lay.report / "finetune_loss_vs_tokens.png").stat().st_size > 0
+    md = lay.report_md.read_text()
+    assert md.index("## Pretraining") < md.index("## Fine-tuning") < md.index("## Data")
+    assert "- Data-parallel fine-tuning: **not run**" in md and "- Data-parallel pretraining" not in md
+    assert "| training tokens (tokens) | 4,096 | not run |" in md.split("## Fine-tuning")[1]
+
+
+def test_a_run_on_fsspec_storage(run_dir: Path):
+    """The same run under a ``memory://`` URL: read and written through the layout's UPaths."""
+    from upath import UPath
+
+    root = UPath(f"memory:///report-test/{uuid.uuid4().hex[:8]}/{run_dir.name}")
+    for p in run_dir.rglob("*"):
+        if p.is_file():
+            q = root / p.relative_to(run_dir).as_posix()
+            q.parent.mkdir(parents=True, exist_ok=True)
+            q.write_bytes(p.read_bytes())
+    report = build_report(str(root))
+    assert report["run"]["run_dir"] == str(root) and _row(report, "tokens")["diloco"] == 32768
+    out = RunLayout(root).report
+    assert json.loads((out / "report.json").read_text()) == report
+    assert (out / "pretrain_loss_vs_tokens.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_report_cites_the_paper(built):
     _, _, md = built
     assert "Douillard et al." in md and "arXiv 2604.21428" in md
-    import evals.report
+    import reports
 
-    src = Path(evals.report.__file__).read_text()
-    assert "shared/docs" not in src and "arXiv 2604.21428" in src
+    assert "arXiv 2604.21428" in Path(reports.__file__).read_text()
+    for src in Path(reports.__file__).parent.glob("*.py"):
+        assert "shared/docs" not in src.read_text(), src
 
 
 def test_corrupt_json_names_the_file(run_dir: Path):
-    bad = run_dir / "pretrain" / "diloco" / "summary.json"
+    bad = _layout(run_dir).summary(PRE, "diloco")
     bad.write_text('{"tokens": 32768, ')
     with pytest.raises(ReportInputError, match=r"pretrain/diloco/summary\.json: corrupt JSON"):
         build_report(run_dir)
 
 
 def test_corrupt_jsonl_names_file_and_line(run_dir: Path):
-    path = run_dir / "metrics" / "diloco_merges.jsonl"
+    path = _layout(run_dir).metrics(PRE, "diloco", "merges")
     path.write_text(path.read_text() + '{"fragment": 0, "merged_at\n')
-    with pytest.raises(ReportInputError, match=r"diloco_merges\.jsonl: corrupt JSON on line 9"):
+    with pytest.raises(ReportInputError, match=r"pretrain/diloco/metrics/merges\.jsonl: corrupt JSON on line 9"):
         build_report(run_dir)
 
 
@@ -506,8 +611,8 @@ def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     from prefect.runtime import flow_run
 
     name = f"tiny-publish-{uuid.uuid4().hex[:8]}"
-    config = json.loads((run_dir / "config.json").read_text())
-    _write(run_dir / "config.json", {**config, "name": name})
+    config = json.loads(_layout(run_dir).config.read_text())
+    _write(_layout(run_dir).config, {**config, "name": name})
     report = build_report(run_dir)
     assert report["run"]["name"] == name
 
@@ -533,10 +638,11 @@ def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     assert str(run_dir.resolve()) in by_key[f"report-{name}"].description
     table = by_key[f"comparison-{name}"].data
     table = json.loads(table) if isinstance(table, str) else table
-    assert {"metric": "training tokens (tokens)", "diloco": "32,768", "dp": "32,768"} in table
+    assert {"stage": "pretrain", "metric": "training tokens (tokens)", "diloco": "32,768", "dp": "32,768"} in table
+    assert {"stage": "pretrain", "metric": "loss gap DiLoCo vs DP (%)", "diloco": "+10.00", "dp": ""} in table
     ledger = by_key[f"ledger-{name}"].data
     ledger = json.loads(ledger) if isinstance(ledger, str) else ledger
-    assert {"learner": "1", "processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
+    assert {"stage": "pretrain", "method": "diloco", "learner": "1", "processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
             "dropped": 1024, "pending": 1024, "attempts": 2, "drop_reasons": '{"stale": 1024}',
             "merged_pct": pytest.approx(100 * 10240 / 14336)} in ledger
 
@@ -560,18 +666,19 @@ def _make_figures_run(root: Path) -> Path:
     10 steps (ring: 2 × 2/3 × 3,300 = 4,400 sent per worker per step), two scheduled failures of
     which only one fires (learner 2 at local step 6; learner 0 at local step 50 never does)."""
     run = _make_run(root)
-    config = json.loads((run / "config.json").read_text())
+    lay = _layout(run)
+    config = json.loads(lay.config.read_text())
     config["diloco"].update(learners=3, fragments=2)
     config["chaos"] = {"failures": [{"learner": 2, "at_step": 6}, {"learner": 0, "at_step": 50}]}
-    _write(run / "config.json", config)
-    _write_jsonl(run / "metrics" / "diloco_merges.jsonl", [
+    _write(lay.config, config)
+    _write_jsonl(lay.metrics(PRE, "diloco", "merges"), [
         {"fragment": f, "version": 1 + sum(1 for x in FIGURE_MERGES[:i] if x[1] == f), "contributors": c,
          "weights": [1 / len(c)] * len(c), "tokens": [512] * len(c), "steps": [2] * len(c),
          "stale": s, "local_steps": [2] * len(c), "quorum_at_s": t - 0.25, "merged_at_s": t,
          "bytes_in": fb * len(c), "fragment_bytes": fb, "bytes_out": fb * 3, "outer_grad_norm": 0.5}
         for i, (t, f, c, s, fb) in enumerate(FIGURE_MERGES)
     ])
-    _write_jsonl(run / "metrics" / "diloco_learners.jsonl", [
+    _write_jsonl(lay.metrics(PRE, "diloco", "learners"), [
         {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
         {"event": "start", "learner": 1, "attempt": 1, "step": 0, "t": 0.0},
         {"event": "start", "learner": 2, "attempt": 1, "step": 0, "t": 0.0},
@@ -584,7 +691,7 @@ def _make_figures_run(root: Path) -> Path:
         {"event": "dropped", "learner": 1, "fragment": 1, "reason": "stale", "tokens": 256,
          "base_version": 0, "t": 4.5, "source": "syncer"},
     ])
-    _write(run / "pretrain" / "diloco" / "summary.json", {
+    _write(lay.summary(PRE, "diloco"), {
         "method": "diloco", "hyperparameters": {"learners (M)": 3, "fragments (P)": 2},
         "tokens": 16_384, "steps": 32, "wall_s": 6.0, "tokens_per_s": 16_384 / 6.0,
         "final_val_loss": 3.30, "merges": 5,
@@ -600,18 +707,18 @@ def _make_figures_run(root: Path) -> Path:
         },
         "params": 825, "flops_per_token": 4950.0,
     })
-    _write(run / "pretrain" / "dp" / "summary.json", {
+    _write(lay.summary(PRE, "dp"), {
         "method": "dp", "hyperparameters": {"simulated workers": 3},
         "tokens": 16_384, "steps": 10, "wall_s": 9.0, "tokens_per_s": 16_384 / 9.0, "final_val_loss": 3.00,
         "merges": None, "bytes_to_syncer": 132_000, "bytes_from_syncer": 132_000, "allreduce_bytes": 264_000,
         "params": 825, "flops_per_token": 4950.0,
     })
-    _write(run / "eval" / "diloco.json", {
+    _write(lay.eval_result(PRE, "diloco"), {
         "method": "diloco", "heldout_nextline/acc": 0.412, "heldout_nextline/acc_stderr": 0.035,
         "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.5, "heldout_cloze/acc_stderr": 0.05,
         "heldout_cloze/chance": 0.2, "truncated_requests": 7, "eval_s": 3.0,
     })
-    _write(run / "eval" / "dp.json", {
+    _write(lay.eval_result(PRE, "dp"), {
         "method": "dp", "heldout_nextline/acc": 0.43, "heldout_nextline/acc_stderr": 0.0351,
         "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.55, "heldout_cloze/acc_stderr": 0.049,
         "heldout_cloze/chance": 0.2, "truncated_requests": 0, "eval_s": 2.5,
@@ -635,15 +742,16 @@ def _md_row(md: str, first_cell: str) -> list[str]:
 def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
-    on_disk = json.loads((run / "report" / "report.json").read_text())
-    md = (run / "report" / "report.md").read_text()
+    on_disk = json.loads((_layout(run).report / "report.json").read_text())
+    md = _layout(run).report_md.read_text()
     assert on_disk == report
 
     # Expected figures, straight from the raw files.
-    read = lambda p: json.loads((run / p).read_text())  # noqa: E731
-    merges = [json.loads(x) for x in (run / "metrics/diloco_merges.jsonl").read_text().splitlines()]
-    events = [json.loads(x) for x in (run / "metrics/diloco_learners.jsonl").read_text().splitlines()]
-    ds, ps, cfg = read("pretrain/diloco/summary.json"), read("pretrain/dp/summary.json"), read("config.json")
+    lay = _layout(run)
+    read = lambda p: json.loads(p.read_text())  # noqa: E731
+    merges = [json.loads(x) for x in lay.metrics(PRE, "diloco", "merges").read_text().splitlines()]
+    events = [json.loads(x) for x in lay.metrics(PRE, "diloco", "learners").read_text().splitlines()]
+    ds, ps, cfg = read(lay.summary(PRE, "diloco")), read(lay.summary(PRE, "dp")), read(lay.config)
     M = cfg["diloco"]["learners"]
     W = ps["hyperparameters"]["simulated workers"]
     bytes_in, bytes_out = sum(m["bytes_in"] for m in merges), sum(m["bytes_out"] for m in merges)
@@ -670,8 +778,8 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     # report.json: one byte figure each, equal to the raw value.
     for m, figs in expect.items():
         for k, v in figs.items():
-            assert report["bytes"][m][k] == pytest.approx(v), (m, k)
-    assert report["notes"] == []  # nothing disagrees, so nothing to explain
+            assert _method(report, m)["bytes"][k] == pytest.approx(v), (m, k)
+    assert _stage(report)["notes"] == []  # nothing disagrees, so nothing to explain
     # The table rows read those same values.
     row_of = {"bytes_sent": ("sent", "sent"), "bytes_received": ("received", "received"),
               "bytes_total": ("total", "total"),
@@ -683,24 +791,24 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
         assert row["group"] == "bytes" and row["diloco"] == pytest.approx(expect["diloco"][dk])
         assert row["dp"] == (pytest.approx(expect["dp"][pk]) if pk else "n/a (no syncer)")
     # Merge, token and failure figures.
-    mg = report["merges"]
+    mg = _method(report)["merges"]
     assert (mg["count"], mg["by_fragment"], mg["contributions"], mg["stale_contributions"]) == (
         len(merges), by_frag, contributions, stale) == (5, {"0": 3, "1": 2}, 11, 3)
     assert mg["max_stale_versions"] == max(s for m in merges for s in m["stale"]) == 2
     assert mg["mean_contributors"] == pytest.approx(contributions / len(merges))
     assert _row(report, "merges")["diloco"] == len(merges) == ds["merges"]
     assert _row(report, "tokens")["diloco"] == ds["tokens"] and _row(report, "tokens")["dp"] == ps["tokens"]
-    led = report["ledger"]["total"]
+    led = _method(report)["ledger"]["total"]
     for c in ("processed", "submitted", "not_submitted", "merged", "dropped", "pending"):
         assert led[c] == sum(v[c] for v in ds["ledger"].values()), c
-    (f,) = report["failures"]
+    (f,) = _method(report)["failures"]
     fail = next(e for e in events if e["event"] == "failure")
     back = next(e for e in events if e["event"] == "start" and e["learner"] == 2 and e["attempt"] == 2)
     down = [m for m in merges if fail["t"] <= m["merged_at_s"] < back["t"]]
     assert (f["failed_at_s"], f["restarted_at_s"], f["merges_while_down"]) == (fail["t"], back["t"], len(down))
 
     # report.md: every place shows the same value.
-    bytes_rows = {r["key"]: r["label"] for r in report["comparison"] if r["group"] == "bytes"}
+    bytes_rows = {r["key"]: r["label"] for r in _stage(report)["comparison"] if r["group"] == "bytes"}
     for key, (dk, pk) in row_of.items():
         cells = _md_row(md, bytes_rows[key])
         assert cells[2] == _fmt_bytes(expect["diloco"][dk]), key
@@ -730,20 +838,20 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
 def test_old_dp_summary_with_both_fields_equal_to_allreduce(run_dir: Path):
     """Summaries written before the fix carried the one-direction total in all three fields: the
     report shows their sent and received fields and says why the total is not allreduce_bytes."""
-    path = run_dir / "pretrain" / "dp" / "summary.json"
+    path = _layout(run_dir).summary(PRE, "dp")
     summary = json.loads(path.read_text())
     summary.update(bytes_to_syncer=63_209_472, bytes_from_syncer=63_209_472, allreduce_bytes=63_209_472)
     _write(path, summary)
     report = build_report(run_dir)
-    dp = report["bytes"]["dp"]
+    dp = _method(report, "dp")["bytes"]
     assert (dp["sent"], dp["received"], dp["total"]) == (63_209_472, 63_209_472, 126_418_944)
-    assert any("counted both directions" in n for n in report["notes"])
+    assert any("counted both directions" in n for n in _stage(report)["notes"])
     # Only allreduce_bytes: split evenly.
     for k in ("bytes_to_syncer", "bytes_from_syncer"):
         summary.pop(k)
     summary["allreduce_bytes"] = 126_418_944
     _write(path, summary)
-    dp = build_report(run_dir)["bytes"]["dp"]
+    dp = _method(build_report(run_dir), "dp")["bytes"]
     assert (dp["sent"], dp["received"], dp["total"], dp["sent_per_worker"]) == (
         63_209_472, 63_209_472, 126_418_944, 31_604_736)
 
@@ -751,22 +859,23 @@ def test_old_dp_summary_with_both_fields_equal_to_allreduce(run_dir: Path):
 def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
-    fired, missed = report["chaos"]["rows"]
+    fired, missed = _method(report)["chaos"]["rows"]
     assert (fired["learner"], fired["at_step"], fired["fired"], fired["fired_at_s"], fired["rejoined_at_s"]) == (
         2, 6, True, 2.5, 3.5)
     assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 50, False, None)
-    md = (run / "report" / "report.md").read_text()
+    md = _layout(run).report_md.read_text()
     assert "| scheduled event | fired | at t (s) | rejoined at t (s) | note |" in md
     assert "| learner 2 fails at local step 6 | yes | 2.5 | 3.5 | — |" in md
     assert "| learner 0 fails at local step 50 | no | did not fire | — | learner 0's last logged step: 12 |" in md
 
     # No failure fired at all: the report must not read as if none was scheduled.
-    path = run / "metrics" / "diloco_learners.jsonl"
+    path = _layout(run).metrics(PRE, "diloco", "learners")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     _write_jsonl(path, [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2])
     report = build_report(run)
-    assert [r["fired"] for r in report["chaos"]["rows"]] == [False, False] and report["failures"] == []
-    md = (run / "report" / "report.md").read_text()
+    assert [r["fired"] for r in _method(report)["chaos"]["rows"]] == [False, False]
+    assert _method(report)["failures"] == []
+    md = _layout(run).report_md.read_text()
     assert "No learner failures were logged, although 2 were scheduled: they did not fire" in md
     assert "No learner failures." not in md
 
@@ -774,18 +883,18 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     _write_jsonl(path, rows[:3] + [{**rows[3], "reason": "InjectedFailure('learner 2: injected failure at "
                                     "local step 60')"}] + rows[4:])
     report = build_report(run)
-    assert [r["fired"] for r in report["chaos"]["rows"]] == [False, False]
-    assert report["chaos"]["unscheduled_failures"] == 1
+    assert [r["fired"] for r in _method(report)["chaos"]["rows"]] == [False, False]
+    assert _method(report)["chaos"]["unscheduled_failures"] == 1
     # Nothing scheduled.
-    cfg = json.loads((run / "config.json").read_text())
+    cfg = json.loads(_layout(run).config.read_text())
     cfg["chaos"] = {"failures": []}
-    _write(run / "config.json", cfg)
+    _write(_layout(run).config, cfg)
     build_report(run)
-    assert "No failures were scheduled (config chaos.failures is empty)." in (run / "report" / "report.md").read_text()
+    assert "No failures were scheduled (config chaos.failures is empty)." in _layout(run).report_md.read_text()
 
 
 def _set_work_lost(run: Path, **work_lost) -> None:
-    path = run / "pretrain" / "diloco" / "summary.json"
+    path = _layout(run).summary(PRE, "diloco")
     summary = json.loads(path.read_text())
     summary["work_lost"] = work_lost
     _write(path, summary)
@@ -797,23 +906,24 @@ def test_work_lost_at_the_top(run_dir: Path):
             "warn_above": 0.02, "fail_above": 0.03}
     _set_work_lost(run_dir, **base, status="failed")
     report = build_report(run_dir)
-    wl = report["work_lost"]
+    wl = _method(report)["work_lost"]
     assert wl["status"] == "failed" and wl["drop_reasons"] == {"stale": 1024}
     assert wl["drop_reason_fractions"] == {"stale": pytest.approx(1024 / 32768)}
     headline = ("**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (stale 3.1 %); "
                 "this run failed its diloco.max_dropped_fraction = 0.03 check (warning above "
                 "diloco.warn_dropped_fraction = 0.02).**")
     assert wl["headline"] == headline
-    md = (run_dir / "report" / "report.md").read_text()
+    md = _layout(run_dir).report_md.read_text()
     assert md.splitlines()[:3] == ["# Run report: tiny", "", headline]
-    assert json.loads((run_dir / "report" / "report.json").read_text())["work_lost"]["headline"] == headline
+    on_disk = json.loads((_layout(run_dir).report / "report.json").read_text())
+    assert _method(on_disk)["work_lost"]["headline"] == headline
     assert ("**Work lost:** 1,024 of 32,768 processed tokens dropped (3.1 %: stale 3.1 %); warning above "
             "2.0 % (diloco.warn_dropped_fraction), run fails above 3.0 % (diloco.max_dropped_fraction); "
             "status: failed.") in md
 
     # Warning; reasons from work_lost.reasons when the summary carries them.
     _set_work_lost(run_dir, **{**base, "fail_above": 0.5}, status="warning", reasons={"non-finite": 1000, "stale": 24})
-    md = (build_report(run_dir), (run_dir / "report" / "report.md").read_text())[1]
+    md = (build_report(run_dir), _layout(run_dir).report_md.read_text())[1]
     assert md.splitlines()[2] == (
         "**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (non-finite 3.1 %, "
         "stale 0.1 %); above diloco.warn_dropped_fraction = 0.02; the run fails above "
@@ -821,35 +931,35 @@ def test_work_lost_at_the_top(run_dir: Path):
     # ok: nothing at the top, the line in the ledger section.
     _set_work_lost(run_dir, **{**base, "warn_above": 0.05, "fail_above": 0.5}, status="ok")
     report = build_report(run_dir)
-    md = (run_dir / "report" / "report.md").read_text()
-    assert report["work_lost"]["headline"] is None and "**Warning" not in md and "status: ok." in md
+    md = _layout(run_dir).report_md.read_text()
+    assert _method(report)["work_lost"]["headline"] is None and "**Warning" not in md and "status: ok." in md
     assert md.splitlines()[2].startswith("Decoupled DiLoCo (Douillard et al.")
     # Older runs without it: nothing computed, nothing shown.
-    path = run_dir / "pretrain" / "diloco" / "summary.json"
+    path = _layout(run_dir).summary(PRE, "diloco")
     summary = json.loads(path.read_text())
     summary.pop("work_lost")
     _write(path, summary)
     report = build_report(run_dir)
-    assert report["work_lost"] is None and "Work lost" not in (run_dir / "report" / "report.md").read_text()
+    assert _method(report)["work_lost"] is None and "Work lost" not in _layout(run_dir).report_md.read_text()
 
 
 def test_interrupted_pipeline_at_the_top(run_dir: Path):
-    _write(run_dir / "status.json", {"status": "interrupted", "completed_stages": ["data", "pretrain-diloco"],
+    _write(_layout(run_dir).status, {"status": "interrupted", "completed_stages": ["data", "pretrain-diloco"],
                                      "reason": "SIGTERM"})
     _set_work_lost(run_dir, processed_tokens=32768, dropped_tokens=32000, dropped_fraction=32000 / 32768,
                    warn_above=0.05, fail_above=0.5, status="failed")
     report = build_report(run_dir)
     assert report["pipeline"]["status"] == "interrupted"
     assert report["pipeline"]["completed_stages"] == ["data", "pretrain-diloco"]
-    md = (run_dir / "report" / "report.md").read_text().splitlines()
+    md = _layout(run_dir).report_md.read_text().splitlines()
     assert md[2] == ("**Interrupted: this run stopped before it finished (SIGTERM); completed stages: data, "
                      "pretrain-diloco. Figures of the stages that did not complete are missing below.**")
     assert md[4].startswith("**Warning: 97.7 % of DiLoCo's processed tokens")
     assert "- pipeline status: interrupted (completed stages: data, pretrain-diloco); reason: SIGTERM" in md
     # Completed: no bold line, the status in the header list.
-    _write(run_dir / "status.json", {"status": "completed", "completed_stages": ["data", "pretrain", "eval"]})
+    _write(_layout(run_dir).status, {"status": "completed", "completed_stages": ["data", "pretrain", "eval"]})
     report = build_report(run_dir)
-    md = (run_dir / "report" / "report.md").read_text()
+    md = _layout(run_dir).report_md.read_text()
     assert report["pipeline"]["headline"] is None and "**Interrupted" not in md
     assert "- pipeline status: completed (completed stages: data, pretrain, eval)" in md
 
@@ -857,8 +967,8 @@ def test_interrupted_pipeline_at_the_top(run_dir: Path):
 def test_eval_extras(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
-    md = (run / "report" / "report.md").read_text()
-    rows = [r["key"] for r in report["comparison"] if r["group"] == "eval"]
+    md = _layout(run).report_md.read_text()
+    rows = [r["key"] for r in _stage(report)["comparison"] if r["group"] == "eval"]
     # Tasks come from the keys: the new heldout_cloze task appears without being named in the code.
     assert rows == ["heldout_nextline/acc", "heldout_cloze/acc", "truncated_requests", "eval_s"]
     acc = _row(report, "heldout_nextline/acc")
@@ -867,10 +977,10 @@ def test_eval_extras(tmp_path: Path):
     assert "| heldout_cloze: accuracy (fraction) | 0.500 ± 0.050 (chance 0.2) | 0.550 ± 0.049 (chance 0.2) |" in md
     assert "| truncated requests (contexts cut to fit the window) (requests) | 7 | 0 |" in md
     # lm-eval's own results format: the stderr entries are kept ("N/A" ones dropped).
-    _write(run / "eval" / "dp.json", {"results": {"heldout_nextline": {
+    _write(_layout(run).eval_result(PRE, "dp"), {"results": {"heldout_nextline": {
         "alias": "heldout_nextline", "acc,none": 0.43, "acc_stderr,none": 0.0351, "acc_norm,none": 0.44,
         "acc_norm_stderr,none": "N/A"}}, "eval_s": 2.5})
     report = build_report(run)
-    assert report["methods"]["dp"]["eval"]["heldout_nextline/acc_stderr"] == 0.0351
-    md = (run / "report" / "report.md").read_text()
+    assert _method(report, "dp")["eval"]["heldout_nextline/acc_stderr"] == 0.0351
+    md = _layout(run).report_md.read_text()
     assert "| heldout_nextline: accuracy (length-normalised) (fraction) | — | 0.440 (chance 0.25) |" in md

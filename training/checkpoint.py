@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 logger = logging.getLogger(__name__)
+
+# Orbax checkpoint managers of one process must not run at once: two threads saving to different
+# folders at the same moment fail inside Orbax ("File exists: <step>.orbax-checkpoint-tmp"), seen
+# with orbax-checkpoint 0.12.8 and co-located learners saving resume points. Every Orbax call here
+# holds this lock (a save of the default model's optimizer state takes tens of milliseconds).
+_ORBAX_LOCK = threading.RLock()
 
 INTEGRITY_FILE = "_integrity.json"
 _INTEGRITY_TMP = INTEGRITY_FILE + ".tmp"
@@ -321,7 +328,7 @@ def _restore_verified(ckpt_dir: str | Path, step: int | None, items: dict[str, A
     """Verify and restore ``items`` (name -> ``ocp.args`` restore args) of ``step`` or the newest
     intact step; returns ``(step, restored)``. Raises as documented on the public loaders."""
     ckpt_dir = _ckpt_root(ckpt_dir)
-    with ocp.CheckpointManager(ckpt_dir) as mngr:
+    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir) as mngr:
         steps = sorted(mngr.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
@@ -386,7 +393,7 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, ex
         items["params"] = ocp.args.StandardSave(params)
     for name, tree in (extra or {}).items():
         items[name] = ocp.args.StandardSave(tree)
-    with ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr:
+    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr:
         mngr.save(step, args=ocp.args.Composite(**items))
         mngr.wait_until_finished()
     # Orbax has renamed the step into place and closed the manager: the files are final.
@@ -421,7 +428,7 @@ def latest_step(ckpt_dir: str | Path) -> int:
     :class:`CheckpointDamaged` (naming the newest step and its damaged file) if every step is damaged.
     """
     ckpt_dir = _ckpt_root(ckpt_dir)
-    with ocp.CheckpointManager(ckpt_dir) as mngr:
+    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir) as mngr:
         steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
         raise _no_complete(ckpt_dir)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import functools
+import threading
 from pathlib import Path
 
 from configs.schema import ExperimentConfig
@@ -16,20 +16,22 @@ def token_budget(cfg: ExperimentConfig) -> int:
     return cfg.dp_steps * cfg.tokens_per_dp_step
 
 
-@functools.lru_cache(maxsize=8)
-def _spec(model_json: str, vocab_size: int, seq_len: int) -> ModelSpec:
-    from pydantic import TypeAdapter
-
-    from configs.schema import ModelConfig
-
-    cfg = TypeAdapter(ModelConfig).validate_json(model_json)
-    return build_model(cfg, InputShape(vocab_size=vocab_size, seq_len=seq_len))
+_SPECS: dict[tuple, ModelSpec] = {}
+_SPECS_LOCK = threading.Lock()
 
 
 def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
-    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary), cached per process."""
-    vocab = int(load_manifest(run_dir)["vocab_size"])
-    return _spec(cfg.model.model_dump_json(), vocab, cfg.data.seq_len)
+    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary).
+
+    Built once per process for each model config and data shape (learner threads share it).
+    ``cfg.model`` may be any registered kind's config object (``models.spec.register``).
+    """
+    shape = InputShape(vocab_size=int(load_manifest(run_dir)["vocab_size"]), seq_len=cfg.data.seq_len)
+    key = (repr(cfg.model), shape)
+    with _SPECS_LOCK:
+        if key not in _SPECS:
+            _SPECS[key] = build_model(cfg.model, shape)
+        return _SPECS[key]
 
 
 def ensure_fresh(run_dir: str | Path, stage: str, method: str) -> None:

@@ -13,7 +13,7 @@ budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
 
 from __future__ import annotations
 
-import functools
+import threading
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -50,21 +50,25 @@ def _key(run_dir: str | Path) -> str:
     return str(Path(run_dir).absolute())
 
 
-@functools.lru_cache(maxsize=4)
-def _trainer(cfg_json: str, run_dir: str) -> Trainer:
-    """One compiled learner step per run and process, shared by its learners (no recompiles)."""
-    cfg = ExperimentConfig.model_validate_json(cfg_json)
-    tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-    return Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed)
+_TRAINERS: dict[tuple[str, str], Trainer] = {}
+_TURNS: dict[str, FairTurns | None] = {}
+_LOCK = threading.Lock()
 
 
 def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path) -> Trainer:
-    return _trainer(cfg.model_dump_json(), _key(run_dir))
+    """One compiled learner step per run and process, shared by its learners (no recompiles)."""
+    key = (repr(cfg), _key(run_dir))
+    with _LOCK:
+        if key not in _TRAINERS:
+            tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
+            _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed)
+        return _TRAINERS[key]
 
 
-@functools.lru_cache(maxsize=4)
-def _turns(key: str, slots: int) -> FairTurns | None:
-    return FairTurns(slots) if slots else None
+def _turns(run_dir: str | Path, slots: int) -> FairTurns | None:
+    """The first-come turns shared by the learners of one run in this process (None: unpaced)."""
+    with _LOCK:
+        return _TURNS.setdefault(_key(run_dir), FairTurns(slots) if slots else None)
 
 
 @dataclass
@@ -141,22 +145,36 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         tokens_per_step=cfg.tokens_per_learner_step, receipt=receipt_rule(d.receipt, d.mix_alpha),
         exchange=exchange, log=log, stop=STOP.is_set,
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
-        resume_every=d.resume_every_steps, turns=_turns(_key(run_dir), d.compute_slots),
+        resume_every=d.resume_every_steps, turns=_turns(run_dir, d.compute_slots),
         fail_at_steps=fails,
     )
 
 
-def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int) -> dict:
+def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int,
+                    exchange=None) -> dict:
     """Run one attempt of learner ``learner`` (``diloco.learner.run_learner``) from plain inputs.
 
-    Raises whatever the attempt raised (``InjectedFailure`` for a scheduled failure); the task
-    runner retries it, and the retry resumes from the saved resume point.
+    ``exchange``: default, the one registered for ``run_dir`` in this process by
+    :func:`setup_diloco`. Raises whatever the attempt raised (``InjectedFailure`` for a scheduled
+    failure); the task runner retries it, and the retry resumes from the saved resume point.
     """
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"))
     try:
-        return run_learner(learner_setup(cfg, run_dir, learner, attempt, log))
+        return run_learner(learner_setup(cfg, run_dir, learner, attempt, log, exchange))
     finally:
         log.close()
+
+
+def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExchange:
+    """An exchange holding version 0 of every global fragment (Θ₀) and the run's token budget,
+    with no syncer behind it: for a learner run on its own (a check of one learner, a test)."""
+    trainer = learner_trainer(cfg, run_dir)
+    theta0 = to_numpy(trainer.init_params())
+    fragments = balanced_fragments(tensor_bytes(theta0), cfg.diloco.fragments)
+    exchange = InMemoryExchange(len(fragments), token_budget(cfg))
+    for p, names in enumerate(fragments):
+        exchange.publish(p, 0, {k: theta0[k] for k in names})
+    return exchange
 
 
 def run_syncer_to_end(run: DiLoCoRun, learners_done) -> dict:

@@ -1,0 +1,126 @@
+"""What share of the raw learner step speed a whole Decoupled DiLoCo run keeps.
+
+    python benchmarks/overhead.py [--config configs/default.yaml] [--tokens 600000] [--data RUN_DIR]
+                                  [--set key=value ...]
+
+Raw speed: the learners' compiled step alone, back to back on the same batches (tokens/s, median of
+repeated timings). Run speed: a real run of the same config (``training.diloco``: M learner threads
+in first-come turns, the syncer thread merging, publishing and evaluating Θ on the cadence, resume
+points saved) over ``--tokens`` tokens, wall time from the learners' start to the syncer's end,
+compiled code warmed up first. With ``diloco.compute_slots: 1`` the learners take turns on the CPU,
+so the run's ideal is the raw single-stream speed: share = run tokens/s ÷ raw tokens/s, and
+1 − share is the overhead (merges, evaluation, resume points, Python between steps). Prints figures;
+asserts nothing. Without ``--data`` the data is prepared into a temporary folder first (~15 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from configs.schema import load_config_checked, parse_overrides  # noqa: E402
+from data.cursor import batch_at  # noqa: E402
+from data.store import load_sequences  # noqa: E402
+from data.text import prepare_data  # noqa: E402
+from run.layout import RunLayout  # noqa: E402
+from run.metrics import read_jsonl  # noqa: E402
+from training.diloco import learner_attempt, learner_trainer, run_syncer_to_end, setup_diloco  # noqa: E402
+from training.evaluation import heldout_loss, val_batches  # noqa: E402
+
+
+def raw_tokens_per_s(cfg, run_dir: Path, repeats: int) -> tuple[float, float]:
+    """(tokens/s, ms/step) of the learner step alone, after warm-up; also compiles the eval step."""
+    trainer = learner_trainer(cfg, run_dir)
+    seqs = load_sequences(run_dir, "shard_00")
+    batches = [jnp.asarray(batch_at(seqs, 0, 0, cfg.diloco.batch_size, cfg.seed + i)[0]) for i in range(4)]
+    params = trainer.init_params()
+    opt = trainer.init_opt(params)
+    for b in batches[:2]:
+        params, opt, m = trainer.step(params, opt, b)
+    jax.block_until_ready(m["loss"])
+    val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
+    heldout_loss(trainer.evaluate, params, val)  # compile the syncer's evaluation too
+    times = []
+    for r in range(repeats):
+        t = time.perf_counter()
+        for b in batches:
+            params, opt, m = trainer.step(params, opt, b)
+        jax.block_until_ready(m["loss"])
+        times.append((time.perf_counter() - t) / len(batches))
+    ms = statistics.median(times) * 1e3
+    return cfg.tokens_per_learner_step / (ms / 1e3), ms
+
+
+def run_tokens_per_s(cfg, run_dir: Path) -> dict:
+    run = setup_diloco(cfg, run_dir)
+    done = threading.Event()
+    out: dict = {}
+    t0 = time.perf_counter()
+    learners = [threading.Thread(target=lambda m=m: out.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
+                for m in range(cfg.diloco.learners)]
+    syncer = threading.Thread(target=lambda: out.setdefault("syncer", run_syncer_to_end(run, done)))
+    for t in learners:
+        t.start()
+    syncer.start()
+    for t in learners:
+        t.join()
+    done.set()
+    syncer.join()
+    wall = time.perf_counter() - t0
+    run.close_logs()
+    summary = out["syncer"]
+    layout = RunLayout(run_dir)
+    evals = read_jsonl(layout.metrics("pretrain", "diloco", "eval"))
+    return {"tokens": summary["tokens"], "wall_s": wall, "tokens_per_s": summary["tokens"] / wall,
+            "merges": summary["merges"], "evals": len(evals), "val_loss": summary["final_val_loss"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/default.yaml")
+    ap.add_argument("--tokens", type=int, default=600_000, help="token budget of the measured run")
+    ap.add_argument("--data", type=Path, help="run directory whose data/ is prepared for this data config")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = ap.parse_args()
+    overrides = {"train.token_budget": args.tokens, **parse_overrides(args.set)}
+    try:
+        cfg = load_config_checked(args.config, overrides)
+    except ValueError as exc:
+        ap.error(str(exc))
+    base = Path(tempfile.mkdtemp(prefix="overhead-"))
+    data_dir = args.data or base / "data-run"
+    if args.data is None:
+        prepare_data(cfg, data_dir)
+    run_dir = base / "run"
+    run_dir.mkdir()
+    os.symlink((Path(data_dir) / "data").absolute(), run_dir / "data")
+    raw, ms = raw_tokens_per_s(cfg, run_dir, args.repeats)
+    got = run_tokens_per_s(cfg, run_dir)
+    raw_after, _ = raw_tokens_per_s(cfg, run_dir, args.repeats)  # the machine may have changed meanwhile
+    raw_mean = (raw + raw_after) / 2
+    d = cfg.diloco
+    print(f"config {args.config}: M={d.learners} P={d.fragments} H={d.sync_every} K={d.quorum}, "
+          f"{cfg.tokens_per_learner_step} tokens per learner step, resume point every "
+          f"{d.resume_every_steps or 'never'} steps, evaluation every {cfg.train.eval_every_tokens:,} tokens")
+    print(f"raw learner step: {ms:.1f} ms ({raw:,.0f} tokens/s before the run, {raw_after:,.0f} after)")
+    print(f"whole run: {got['tokens']:,} tokens in {got['wall_s']:.1f} s = {got['tokens_per_s']:,.0f} tokens/s "
+          f"({got['merges']} merges, {got['evals']} evaluations, held-out loss {got['val_loss']:.3f})")
+    print(f"share of raw step speed kept: {got['tokens_per_s'] / raw_mean:.1%} "
+          f"(overhead {1 - got['tokens_per_s'] / raw_mean:.1%})")
+
+
+if __name__ == "__main__":
+    main()

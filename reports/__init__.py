@@ -1,0 +1,60 @@
+"""The run report: every method of every stage side by side, each against the data-parallel baseline.
+
+Decoupled DiLoCo: Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training",
+arXiv 2604.21428 (2026).
+
+Everything is read back from one run directory through ``run.layout.RunLayout``; nothing depends
+on the in-memory state of an earlier flow, so a report can be rebuilt for any finished (or
+half-finished) run::
+
+    from reports import build_report
+    report = build_report("runs/default-20261129-101500")
+
+:func:`build_report` writes ``RUN/report/``:
+
+``report.md``
+    The human report: header (run name, date, git commit, package versions), right under the
+    title a bold line when the pipeline was interrupted or failed (``status.json``) and when a
+    method's lost work crossed a threshold (``work_lost`` in its summary); the setup; then one
+    section per stage (``pretrain``, ``finetune``): the side-by-side table of its methods and each
+    method's loss gap to DP, the lm-eval table ("0.412 ± 0.035 (chance 0.25)", truncated
+    requests), the bytes on the wire (each byte figure named by what it counts and who counts it),
+    the loss curves, hyperparameters and, for each learners-and-syncer method (DiLoCo), its token
+    ledger and lost work, the scheduled chaos events and whether each fired, learner failures and
+    the merges that happened while a learner was down; last the data manifest.
+``report.json``
+    Every number shown in ``report.md``, machine-readable; ``json.loads`` of the file equals the
+    dict that :func:`build_report` returns.
+``<stage>_loss_vs_tokens.png``
+    Held-out loss (mean next-token cross entropy, **nats/token**) against training **tokens**
+    consumed (DiLoCo: summed over all learners), every method of the stage on one axes, final
+    values annotated.
+``<stage>_loss_vs_time.png``
+    The same held-out loss against wall-clock **seconds** since the method's training started.
+``<stage>_<method>_merges_over_time.png`` (a method with merges)
+    One marker per merge of a fragment (y: fragment index, x: seconds since training start, colour:
+    number of contributing learners); learner failures (red) and restarts (green) as vertical
+    lines, the downtime shaded.
+
+Units: tokens (BPE tokens), seconds (wall clock), bytes (payload bytes, see
+``reports.common.BYTES_CONVENTION`` for who counts what), nats (natural-log cross entropy;
+perplexity = exp(loss)). Every figure is computed once (``reports.analyses``,
+``reports.learners``) from one named source (the contract's field names, docs/contracts.md);
+every place of ``report.md`` that shows it reads that one value (``reports.markdown`` computes
+nothing).
+
+Missing inputs inside a run directory are normal (DP disabled, eval disabled, no failures): the
+part they feed says "not run". A path that does not exist, or a folder with neither
+``config.json`` nor a stage holding a method, raises :class:`ReportInputError` naming the path
+(and nothing is written there); a file that exists but is not valid JSON raises it naming the file.
+
+Modules: ``read`` (the run directory, through ``RunLayout``), ``analyses`` and ``learners`` (pure
+figures), ``plots`` (matplotlib; also the style of ``sim.plot``), ``markdown`` (rendering),
+``build`` (:func:`build_report`) and ``artifacts`` (Prefect artifacts, the only Prefect import of
+the report: ``from reports.artifacts import publish_report_artifacts``).
+"""
+
+from reports.build import build_report
+from reports.read import ReportInputError
+
+__all__ = ["ReportInputError", "build_report"]

@@ -1,0 +1,326 @@
+"""The report's figures, computed once from the records :mod:`reports.read` returns. Pure: no I/O.
+
+Per stage (:func:`stage_figures`): each method's figures (training, held-out loss, evaluation,
+bytes from :mod:`reports.wire`; for a learners-and-syncer method also merges, ledger, lost work, chaos and failures from
+:mod:`reports.learners`), the side-by-side rows of every method of the stage, and each method's
+loss gap to the baseline (``dp``) when both ran. Nothing here assumes two methods or one stage.
+
+Units: tokens (BPE tokens), seconds (wall clock), bytes (payload bytes, ``common.BYTES_CONVENTION``),
+nats/token (held-out loss; perplexity = exp(loss)).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, safe_exp, short_label,
+                            stage_label)
+from reports.learners import syncer_sections
+from reports.read import MethodRecords
+from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes
+from run.layout import STAGES
+
+KNOWN_KINDS = {"dp": "allreduce", "diloco": "syncer"}  # kinds: see common.KINDS
+# lm-eval metric names → (label, unit, format); tasks are discovered from the eval keys
+# ("<task>/<metric>"), these only name and order the metrics we know.
+EVAL_METRIC_NAMES: dict[str, tuple[str, str, str]] = {
+    "word_perplexity": ("word perplexity", "", "{:.3f}"),
+    "byte_perplexity": ("byte perplexity", "", "{:.4f}"),
+    "bits_per_byte": ("bits per byte", "bits/byte", "{:.4f}"),
+    "perplexity": ("perplexity", "", "{:.3f}"),
+    "acc": ("accuracy", "fraction", "{:.3f}"),
+    "acc_norm": ("accuracy (length-normalised)", "fraction", "{:.3f}"),
+    "passages": ("passages", "passages", "int"),
+    "questions": ("questions", "questions", "int"),
+}
+EVAL_TASK_ORDER = ("heldout_ppl", "heldout_nextline")  # first, then any other task, sorted
+CHANCE_METRICS = ("acc", "acc_norm")  # shown with "(chance c)" when "<task>/chance" exists
+# Keys of the eval dict that are not "<task>/<metric>": (key, label, unit, format).
+EVAL_RUN_KEYS = (
+    ("checkpoint_tokens", "tokens in the evaluated checkpoint", "tokens", "int"),
+    ("truncated_requests", "truncated requests (contexts cut to fit the window)", "requests", "int"),
+    ("eval_s", "lm-eval time", "s", "{:.1f}"),
+)
+# Summary fields read as numbers (the contract's names, docs/contracts.md "Summaries").
+SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss", "params",
+                  "flops_per_token", "goodput")
+
+
+def method_kind(rec: MethodRecords) -> str:
+    """``allreduce`` (the baseline, or a summary with ``allreduce_bytes``), ``syncer`` (DiLoCo, or
+    any method with a merge log, learner events or a token ledger) or ``plain``."""
+    s = rec.summary or {}
+    if rec.method in KNOWN_KINDS:
+        return KNOWN_KINDS[rec.method]
+    if "allreduce_bytes" in s:
+        return "allreduce"
+    return "syncer" if rec.merges is not None or rec.events is not None or "ledger" in s else "plain"
+
+
+def eval_metrics(raw: dict) -> dict[str, float]:
+    """Our flat metrics dict, or lm-eval's ``{"results": {task: {"metric,filter": v}}}`` flattened
+    to ``task/metric`` (standard errors kept as ``task/metric_stderr``; aliases and non-numbers
+    such as "N/A" dropped)."""
+    if isinstance(raw.get("results"), dict):
+        flat: dict[str, float] = {}
+        for task, metrics in raw["results"].items():
+            if not isinstance(metrics, dict):
+                continue
+            for k, v in metrics.items():
+                metric, _, filt = k.partition(",")
+                if num(v) is None:
+                    continue
+                flat[f"{task}/{metric}" + (f",{filt}" if filt and filt != "none" else "")] = num(v)
+        if num(raw.get("eval_s")) is not None:
+            flat["eval_s"] = num(raw["eval_s"])
+        return flat
+    return {k: num(v) for k, v in raw.items() if num(v) is not None}
+
+
+def curve_summary(rows: list[dict] | None) -> dict:
+    """Points of the held-out loss curve and its last and best loss (nats/token)."""
+    if not rows:
+        return {"status": NOT_RUN, "points": 0}
+    pts = [r for r in rows if num(r.get("val/loss")) is not None]
+    if not pts:
+        return {"status": "no loss values", "points": 0}
+    last = pts[-1]
+    return {"status": "ok", "points": len(pts), "final_tokens": num(last.get("tokens")),
+            "final_wall_s": num(last.get("wall_s")), "final_loss": num(last.get("val/loss")),
+            "best_loss": min(num(r["val/loss"]) for r in pts)}
+
+
+def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
+    """One method's training and evaluation figures (status "not run" without a summary). The final
+    held-out loss is the summary's, else the last point of the eval curve (a note when they differ)."""
+    summary, curve = rec.summary, curve_summary(rec.curve)
+    out: dict[str, Any] = {
+        "status": "ok" if summary is not None else NOT_RUN,
+        "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
+        "summary_file": rec.files["summary"],
+        "eval_status": "ok" if rec.eval is not None else NOT_RUN,
+        "eval": eval_metrics(rec.eval) if rec.eval is not None else {},
+        "curve": curve,
+        "hyperparameters": {},
+    }
+    for key in SUMMARY_FIELDS:
+        out[key] = num(summary.get(key)) if summary is not None else None
+    if out["final_val_loss"] is None and curve.get("final_loss") is not None:
+        out["final_val_loss"] = curve["final_loss"]
+        out["final_val_loss_source"] = f"{rec.files['curve']} (last row)"
+    elif out["final_val_loss"] is not None:
+        out["final_val_loss_source"] = out["summary_file"]
+        cl = curve.get("final_loss")
+        if cl is not None and not math.isclose(cl, out["final_val_loss"], rel_tol=1e-6, abs_tol=1e-9):
+            notes.append(f"{label(rec.method)}: summary final loss {out['final_val_loss']:.6f} differs from "
+                         f"the last eval-curve point {cl:.6f}; the table uses the summary's.")
+    else:
+        out["final_val_loss_source"] = None
+    out["final_val_ppl"] = safe_exp(out["final_val_loss"])
+    if summary is not None:
+        hp = summary.get("hyperparameters")
+        out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}
+        if out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
+            out["tokens_per_s"] = out["tokens"] / out["wall_s"]
+    return out
+
+
+def eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
+    """The lm-eval table rows, discovered from the eval keys: ``<task>/<metric>`` (tasks in
+    EVAL_TASK_ORDER first, then sorted; metrics in EVAL_METRIC_NAMES order, then sorted), then the
+    run-level keys (checkpoint tokens, truncated requests, eval time). Each row carries the
+    per-method ``stderr`` (from ``<key>_stderr``) and, for accuracies, the task's ``chance``."""
+    evals = {m: f["eval"] for m, f in methods.items()}
+    ran = {m: f["eval_status"] == "ok" for m, f in methods.items()}
+    keys = set().union(*(e.keys() for e in evals.values()))
+    run_keys = {k for k, *_ in EVAL_RUN_KEYS}
+    metric_keys = [k for k in keys if "/" in k and not k.endswith("_stderr") and not k.endswith("/chance")]
+    known = list(EVAL_METRIC_NAMES)
+
+    def order(k: str) -> tuple:
+        task, metric = k.split("/", 1)
+        t = EVAL_TASK_ORDER.index(task) if task in EVAL_TASK_ORDER else len(EVAL_TASK_ORDER)
+        mi = known.index(metric) if metric in known else len(known)
+        return (t, task, mi, metric)
+
+    rows: list[dict] = []
+
+    def add(key: str, text: str, unit: str, fmt: str, chance: float | None = None) -> None:
+        row = {"key": key, "label": text, "unit": unit, "fmt": fmt, "group": "eval", "stderr": {}, "chance": chance}
+        for m in methods:
+            row[m] = evals[m].get(key) if ran[m] else NOT_RUN
+            row["stderr"][m] = evals[m].get(f"{key}_stderr") if ran[m] else None
+        rows.append(row)
+
+    for k in sorted(metric_keys, key=order):
+        task, metric = k.split("/", 1)
+        text, unit, fmt = EVAL_METRIC_NAMES.get(metric, (metric, "", "{:.4f}"))
+        chance = None
+        if metric in CHANCE_METRICS:
+            found = {m: evals[m][f"{task}/chance"] for m in methods if f"{task}/chance" in evals[m]}
+            chance = next(iter(found.values()), None)
+            if len(set(found.values())) > 1:
+                notes.append(f"{task}: chance accuracy differs between the methods' evals ({found}); the "
+                             f"table shows {short_label(next(iter(found)))}'s.")
+        add(k, f"{task}: {text}", unit, fmt, chance)
+    for k, text, unit, fmt in EVAL_RUN_KEYS:
+        if k in keys:
+            add(k, text, unit, fmt)
+    for k in sorted(keys - run_keys - set(metric_keys)):
+        if "/" not in k and not k.endswith("_stderr"):
+            add(k, k, "", "{:.4f}")
+    return rows
+
+
+def comparison(methods: dict[str, dict], rows_eval: list[dict]) -> list[dict]:
+    """Rows of the side-by-side tables (a value per method; None = not recorded, "not run"), each
+    with a ``group``: "training", "eval" (:func:`eval_rows`) and "bytes" (read from each method's
+    ``bytes``, the one computation of every byte figure)."""
+    rows: list[dict] = []
+
+    def add(key: str, text: str, unit: str, fmt: str, values: dict | None = None) -> None:
+        row = {"key": key, "label": text, "unit": unit, "fmt": fmt, "group": "training"}
+        for m, info in methods.items():
+            if values is not None:
+                row[m] = values[m]
+            elif info["status"] == "ok" or info.get(key) is not None:
+                row[m] = info.get(key)  # None: the summary did not record it ("—")
+            else:
+                row[m] = NOT_RUN
+        rows.append(row)
+
+    add("tokens", "training tokens", "tokens", "int")
+    add("steps", "optimizer steps (DiLoCo: inner steps summed over learners)", "steps", "int")
+    add("wall_s", "training wall time", "s", "{:.1f}")
+    add("tokens_per_s", "throughput", "tokens/s", "{:,.0f}")
+    if any(f.get("goodput") is not None for f in methods.values()):
+        add("goodput", "goodput", "fraction", "{:.3f}")
+    add("final_val_loss", "final held-out loss", "nats/token", "{:.4f}")
+    add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
+    merges = {}
+    for m, f in methods.items():
+        count = f["merges"]["count"] if "merges" in f else None
+        merges[m] = count if count is not None or f["status"] == "ok" else NOT_RUN
+    add("merges", "merges (DiLoCo)", "merges", "int", merges)
+    add("params", "parameters", "", "int")
+    add("flops_per_token", "training FLOPs per token", "FLOPs", "{:.4g}")
+    rows += rows_eval
+    for key, text, by, sk, ak in BYTE_ROWS:
+        rows.append({"key": key, "label": text, "unit": "", "fmt": "bytes", "group": "bytes", "counted_by": by,
+                     **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()}})
+    return rows
+
+
+def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) -> dict:
+    """``method``'s final held-out loss relative to the baseline's, in %:
+    100 × (loss − baseline loss) / baseline loss (negative: ``method`` is better)."""
+    lm, lb = methods[method]["final_val_loss"], methods[baseline]["final_val_loss"]
+    if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
+        return {"status": "ok", "method": method, "baseline": baseline, "method_loss": lm, "baseline_loss": lb,
+                "gap_pct": 100.0 * (lm - lb) / lb,
+                "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss"}
+    missing = [label(m) for m, v in ((method, lm), (baseline, lb)) if v is None]
+    return {"status": NOT_RUN if missing else "undefined", "method": method, "baseline": baseline,
+            "missing": missing,
+            "why": f"no final held-out loss for {' and '.join(missing)}" if missing
+            else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)"}
+
+
+def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | None) -> dict:
+    """Every figure of one stage: ``methods`` (per method, in report order), ``comparison`` rows,
+    ``loss_gaps`` (each method vs the baseline, when the stage has one), ``hyperparameters`` rows
+    and ``notes``. ``plots`` is filled in by the builder."""
+    notes: list[str] = []
+    methods: dict[str, dict] = {}
+    first = stage == STAGES[0]
+    for m, rec in records.items():
+        kind, who = method_kind(rec), short_label(m)
+        fig = method_figures(rec, notes)
+        fig["kind"] = kind
+        cfg = config if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
+        if kind == "syncer":
+            headline_who = who if first else f"{who} {stage_label(stage).lower()}"
+            fig.update(syncer_sections(config, rec.summary, rec.merges, rec.events,
+                                       fragments(cfg, rec.summary), rec.files, notes, headline_who))
+            fig["bytes"] = syncer_bytes(cfg, rec.summary, rec.merges, rec.files, notes, who)
+        elif kind == "allreduce":
+            fig["bytes"] = allreduce_bytes(config, rec.summary, notes, who)
+        else:
+            fig["bytes"] = syncer_bytes(None, rec.summary, None, rec.files, notes, who, kind="plain")
+        methods[m] = fig
+    rows_eval = eval_rows(methods, notes)
+    hp_keys = sorted(set().union(*(f["hyperparameters"] for f in methods.values())))
+    hyper = [{"name": k, **{m: (f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN)
+                            for m, f in methods.items()}} for k in hp_keys]
+    return {
+        "stage": stage,
+        "label": stage_label(stage),
+        "baseline": BASELINE if BASELINE in methods else None,
+        "methods": methods,
+        "comparison": comparison(methods, rows_eval),
+        "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
+        "hyperparameters": hyper,
+        "plots": {},
+        "notes": notes,
+    }
+
+
+def setup(config: dict | None) -> dict:
+    """A few config values a reader needs to read the tables (M, P, H, K, budgets, model size)."""
+    if not config:
+        return {}
+    g = lambda *ks: nested(config, ks)  # noqa: E731
+    out = {
+        "learners (M)": g("diloco", "learners"),
+        "fragments (P)": g("diloco", "fragments"),
+        "sync every (H, inner steps)": g("diloco", "sync_every"),
+        "quorum (K)": g("diloco", "quorum"),
+        "grace window (s)": g("diloco", "grace_s"),
+        "merge rule": g("diloco", "merge"),
+        "token budget per method (tokens)": g("train", "token_budget"),
+        "sequence length (tokens)": g("data", "seq_len"),
+        "learner batch (sequences)": g("diloco", "batch_size"),
+        "model": " ".join(f"{k}={v}" for k in ("kind", "d_model", "n_layers", "n_heads", "d_ff")
+                          if (v := g("model", k)) is not None) or None,
+        "DP enabled": g("dp", "enabled"),
+        "lm-eval enabled": g("eval", "enabled"),
+        "injected failures": g("chaos", "failures"),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def manifest_items(manifest: dict) -> list[list[str]]:
+    """The manifest flattened to (key, short text) pairs; long lists are abbreviated."""
+    items = []
+    for k, v in flatten(manifest).items():
+        if isinstance(v, list):
+            if len(v) <= 8 and all(not isinstance(x, (dict, list)) for x in v):
+                text = ", ".join(str(x) for x in v) or "(none)"
+            else:
+                text = f"{len(v)} items: {', '.join(str(x) for x in v[:3])}, …"
+        elif isinstance(v, int) and not isinstance(v, bool):
+            text = f"{v:,}"
+        else:
+            text = str(v)
+        items.append([k, text])
+    return items
+
+
+def pipeline_status(raw: dict | None) -> dict | None:
+    """``status.json`` (None when absent); ``headline`` is the bold top line when the pipeline was
+    interrupted or failed."""
+    if raw is None:
+        return None
+    stages = raw.get("completed_stages")
+    stages = [str(s) for s in stages] if isinstance(stages, list) else []
+    out = {"status": str(raw.get("status") or "unknown"), "completed_stages": stages,
+           "reason": str(raw["reason"]) if raw.get("reason") else None, "headline": None}
+    done = ", ".join(stages) or "none"
+    why = f" ({out['reason']})" if out["reason"] else ""
+    if out["status"] == "interrupted":
+        out["headline"] = (f"**Interrupted: this run stopped before it finished{why}; completed stages: "
+                           f"{done}. Figures of the stages that did not complete are missing below.**")
+    elif out["status"] == "failed":
+        out["headline"] = f"**Failed: the pipeline failed{why}; completed stages: {done}.**"
+    return out

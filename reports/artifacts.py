@@ -1,0 +1,84 @@
+"""The report's Prefect artifacts: the only module of the report that imports Prefect.
+
+:func:`publish_report_artifacts` publishes what :func:`reports.build_report` returned (the
+markdown, the comparison table and the token ledger) to the current flow or task run.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from reports.common import short_label
+from reports.markdown import render_markdown, row_cell, row_label
+from run.layout import RunLayout
+
+
+def artifact_key(prefix: str, name: str) -> str:
+    """``<prefix>-<slug>``: lowercase letters, digits and dashes only (Prefect's rule for keys)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "run"
+    return re.sub(r"-+", "-", f"{prefix}-{slug}")
+
+
+def comparison_table(report: dict) -> list[dict]:
+    """The side-by-side rows of every stage: ``stage``, ``metric`` and one text cell per method
+    (methods a stage lacks: ""), then each stage's loss gaps (%, vs DP)."""
+    methods = list(dict.fromkeys(m for st in report["stages"].values() for m in st["methods"]))
+    table = []
+    for stage, st in report["stages"].items():
+        blank = {m: "" for m in methods}
+        for r in st["comparison"]:
+            table.append({"stage": stage, "metric": row_label(r), **blank,
+                          **{m: row_cell(r, m) for m in st["methods"]}})
+        for m, gap in st["loss_gaps"].items():
+            table.append({"stage": stage, "metric": f"loss gap {short_label(m)} vs {short_label(gap['baseline'])} (%)",
+                          **blank, m: f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"]})
+    return table
+
+
+def ledger_table(report: dict) -> list[dict]:
+    """The token ledger rows (tokens) of every learners-and-syncer method, with ``stage`` and
+    ``method`` columns; drop reasons as JSON text."""
+    rows = []
+    for stage, st in report["stages"].items():
+        for m, f in st["methods"].items():
+            led = f.get("ledger") or {}
+            if led.get("status") != "ok":
+                continue
+            for r in [*led["rows"], led["total"]]:
+                rows.append({"stage": stage, "method": m, "learner": str(r["learner"]),
+                             **{c: (json.dumps(r[c]) if isinstance(r[c], dict) else r[c]) for c in led["columns"]},
+                             "merged_pct": r["merged_pct"]})
+    return rows
+
+
+def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
+    """Publish the report to Prefect: the markdown, the comparison table and the token ledger.
+
+    Must be called inside a Prefect flow or task run (it raises ``RuntimeError`` otherwise), so the
+    artifacts attach to that run. Keys are ``report-<slug>``, ``comparison-<slug>`` and
+    ``ledger-<slug>`` (the latter only when a method has a ledger) with ``<slug>`` the run name
+    (``config.name``) in lowercase letters, digits and dashes: repeated runs of one experiment become
+    versions of the same keyed artifacts, and each description names the run directory. Images are
+    not uploaded; the markdown artifact lists the figures' paths instead.
+    """
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        raise RuntimeError("publish_report_artifacts must be called inside a Prefect flow or task run")
+    layout = RunLayout(run_dir)
+    out_text = str(layout.report.resolve()) if isinstance(layout.report, Path) else str(layout.report)
+    md_path = layout.report_md
+    markdown = md_path.read_text() if md_path.is_file() else render_markdown(report)
+    markdown = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"*{m[1]}*: `{out_text}/{m[2]}`", markdown)
+    name = report["run"]["name"]
+    where = f"run directory {report['run']['run_dir']}"
+    create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
+    create_table_artifact(comparison_table(report), key=artifact_key("comparison", name),
+                          description=f"Every method vs DP, per stage, {where}")
+    ledger = ledger_table(report)
+    if ledger:
+        create_table_artifact(ledger, key=artifact_key("ledger", name),
+                              description=f"Token ledger per learner (tokens), {where}")

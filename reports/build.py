@@ -1,0 +1,136 @@
+"""Building the report: read the run directory, compute the figures, draw, render, write.
+
+See :mod:`reports` for what is written and :func:`build_report` for the returned dict.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from reports.analyses import manifest_items, pipeline_status, setup, stage_figures
+from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe
+from reports.markdown import render_markdown
+from reports.plots import loss_figure, merges_figure, save_png
+from reports.read import MethodRecords, open_run, read_run
+from run.layout import STAGES, RunLayout
+
+PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
+SCHEMA = 3  # report.json layout: 3 = one entry per stage under "stages"
+
+
+def _git_commit() -> str:
+    """Short commit of the code producing the report (``git rev-parse --short HEAD``), or "unknown"."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for pkg in PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def _run_dir_text(layout: RunLayout) -> str:
+    """The run directory as shown in the report: an absolute local path, or the URL."""
+    root = layout.root
+    return str(root.resolve()) if isinstance(root, Path) else str(root)
+
+
+def _draw(fig: Figure | None, out_dir: Path, name: str) -> str | None:
+    """Save ``fig`` as ``out_dir/name``; the file name, or None when there was nothing to draw."""
+    if fig is None:
+        return None
+    save_png(fig, out_dir / name)
+    return name
+
+
+def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -> None:
+    """The stage's figures into ``out_dir``; their file names into ``stage["plots"]`` and, for the
+    merge plots, each method's ``plots``."""
+    name = stage["stage"]
+    curves = {m: rec.curve for m, rec in records.items()}
+    finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
+    stage["plots"]["loss_vs_tokens"] = _draw(
+        loss_figure(curves, "tokens", "training tokens (all learners)", "Held-out loss vs tokens", finals),
+        out_dir, figure_file(name, "loss_vs_tokens"))
+    stage["plots"]["loss_vs_time"] = _draw(
+        loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
+                    "Held-out loss vs wall-clock time", finals),
+        out_dir, figure_file(name, "loss_vs_time"))
+    for m, f in stage["methods"].items():
+        if f["kind"] == "syncer":
+            f["plots"] = {"merges_over_time": _draw(merges_figure(records[m].merges or [], f["failures"], m),
+                                                    out_dir, figure_file(name, "merges_over_time", m))}
+
+
+def build_report(run_dir: str | Path) -> dict:
+    """Read one run directory, write ``RUN/report/`` (see :mod:`reports`), return the report.
+
+    ``run_dir``: a local path or an fsspec URL. The returned dict is exactly what ``report.json``
+    holds: ``schema``, ``run`` (name, run_dir, run_id, generated_at, git_commit, versions),
+    ``setup`` (config values: M, P, H, K, budgets, model), ``pipeline`` (``status.json``, or None;
+    ``headline`` when interrupted or failed), ``manifest`` (``status``, ``items``), ``definitions``
+    (what each byte figure and a stale contribution mean), ``config``, and ``stages``: per stage
+    (``pretrain``, ``finetune``; only those the run holds) ``methods`` (per method: status, kind,
+    tokens, steps, wall_s [s], tokens_per_s, final_val_loss [nats/token], final_val_ppl, eval
+    metrics, curve summary, hyperparameters, ``bytes``; a learners-and-syncer method adds
+    ``merges``, ``ledger``, ``work_lost``, ``chaos``, ``learners``, ``failures`` and ``plots``),
+    ``comparison`` (rows with a value per method, ``group`` "training" | "eval" | "bytes"),
+    ``loss_gaps`` (each method vs ``dp``, in %), ``hyperparameters``, ``plots`` (file names
+    relative to ``report/``, None when not drawn) and ``notes``.
+
+    Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
+    or is not a run directory (nothing is written then), and naming the file when an input exists
+    but is corrupt.
+    """
+    layout = open_run(run_dir)
+    records = read_run(layout)
+    config = records.config
+    stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "run": {
+            "name": (config or {}).get("name") or layout.root.name,
+            "run_dir": _run_dir_text(layout),
+            "run_id": layout.root.name,
+            "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "git_commit": _git_commit(),
+            "versions": _versions(),
+        },
+        "setup": setup(config),
+        "pipeline": pipeline_status(records.status),
+        "manifest": {"status": "ok" if records.manifest is not None else NOT_RUN,
+                     "items": manifest_items(records.manifest) if records.manifest is not None else []},
+        "definitions": {"bytes": BYTES_CONVENTION, "stale_contribution": STALE_DEFINITION},
+        "stages": stages,
+        "config": config,
+    }
+
+    out_dir = layout.report
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stage in STAGES:  # never leave a stale figure from an earlier build
+        for old in out_dir.glob(figure_file(stage, "*")):
+            old.unlink()
+    for s, st in stages.items():
+        _draw_stage(st, records.stages[s], out_dir)
+
+    # What is on disk is what is returned: round-trip through strict JSON once.
+    report = json.loads(json.dumps(json_safe(report), allow_nan=False))
+    (out_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    layout.report_md.write_text(render_markdown(report))
+    return report

@@ -1,0 +1,147 @@
+"""Names, definitions and small value helpers shared by the report's modules (pure; no I/O).
+
+Method and stage names are the run directory's (``run.layout``): a stage is ``pretrain`` or
+``finetune``, a method any folder name under it (``diloco``, ``dp``, ...). Every comparison is
+against :data:`BASELINE`. Known methods get a readable label; any other method is shown by its name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+from run.layout import METHOD_ORDER
+
+NOT_RUN = "not run"
+BASELINE = "dp"  # every method of a stage is compared with this one
+PAPER = ('Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Distributed '
+         'Pre-training", arXiv 2604.21428, 2026)')
+LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
+SHORT_LABELS = {"diloco": "DiLoCo", "dp": "DP"}
+STAGE_LABELS = {"pretrain": "Pretraining", "finetune": "Fine-tuning"}
+
+# Method kinds, by what their records hold (docs/contracts.md "Summaries"):
+#   "allreduce": a data-parallel run whose bytes are a ring all-reduce model (the baseline, or any
+#                summary with ``allreduce_bytes``);
+#   "syncer":    learners and a syncer (DiLoCo): a merge log, learner events, a token ledger;
+#   "plain":     anything else: training and evaluation figures only.
+KINDS = ("allreduce", "syncer", "plain")
+
+# What each byte figure counts. report.json carries these texts (``definitions``) next to the
+# numbers, and report.md prints them under each bytes table.
+BYTES_CONVENTION = (
+    "Bytes are payload bytes (tensor bytes, no framing). DiLoCo, counted by the learners: "
+    "learner→syncer submission payload bytes (every fragment a learner sent, merged or not) and "
+    "syncer→learner pulled bytes (every global fragment a learner pulled, including the pull at "
+    "the start of each attempt); counted by the syncer in its merge log: bytes_in (submission "
+    "bytes that went into merges) and bytes_out (fragment bytes × M per merge, the publish fan-out "
+    "if every learner pulled every version). DP, counted by the model of a ring all-reduce of the "
+    "gradient: each of the M workers sends 2(M−1)/M × the gradient bytes per step and receives as "
+    "many, so the all-reduce bytes (sent + received, all workers) split evenly: half sent, half "
+    "received. \"All\" figures are summed over all learners/workers and attempts; \"per\" figures "
+    "are that sum divided by M."
+)
+STALE_DEFINITION = (
+    "a stale contribution is a submission merged into a global fragment newer than the one it was "
+    "based on, i.e. the syncer had merged that fragment again after the learner pulled it: "
+    "merge-log stale > 0 versions behind"
+)
+
+# The report's own files inside RUN/report/ besides report.md (the folder and report.md come from
+# run.layout).
+REPORT_JSON = "report.json"
+
+
+def figure_file(stage: str, figure: str, method: str | None = None) -> str:
+    """File name of a figure inside ``RUN/report/``: ``<stage>_<figure>.png`` or, for a figure of
+    one method, ``<stage>_<method>_<figure>.png``."""
+    return "_".join(x for x in (stage, method, figure) if x) + ".png"
+
+
+def label(method: str) -> str:
+    """``Decoupled DiLoCo``, ``Data-parallel``, or the method's folder name."""
+    return LABELS.get(method, method)
+
+
+def short_label(method: str) -> str:
+    """``DiLoCo``, ``DP``, or the method's folder name."""
+    return SHORT_LABELS.get(method, method)
+
+
+def stage_label(stage: str) -> str:
+    """``Pretraining``, ``Fine-tuning``, or the stage's folder name."""
+    return STAGE_LABELS.get(stage, stage)
+
+
+def ordered_methods(methods: Iterable[str]) -> list[str]:
+    """Known methods first (``run.layout.METHOD_ORDER``), then the others by name."""
+    return sorted(set(methods), key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER
+                                               else len(METHOD_ORDER), m))
+
+
+def num(x: Any) -> float | int | None:
+    """A JSON number as int/float; bools, strings that are not numbers and None → None."""
+    if isinstance(x, bool) or x is None:
+        return None
+    if isinstance(x, (int, float)):
+        return x
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def lid(x: Any) -> int | str:
+    """Learner id normalised (``"0"`` and ``0`` are the same learner)."""
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return str(x)
+
+
+def sort_key(k: Any) -> tuple:
+    """Numbers in numeric order first, then names: fragment and learner ids as dict keys."""
+    s = str(k)
+    return (0, int(s), "") if s.isdigit() else (1, 0, s)
+
+
+def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as one level with slash-joined keys (``{"inner": {"lr": 1}}`` → ``inner/lr``)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "/"))
+        else:
+            out[key] = v
+    return out
+
+
+def nested(d: Any, keys: Iterable[str]) -> Any:
+    """``d[k0][k1]…``, or None where a level is missing or not a dict."""
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def safe_exp(x: float | None) -> float | None:
+    """exp(x) (perplexity from a loss in nats); inf on overflow, None for None."""
+    if x is None:
+        return None
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
+def json_safe(x: Any) -> Any:
+    """Non-finite floats become the strings "nan"/"inf"/"-inf" so report.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {str(k): json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x

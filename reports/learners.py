@@ -1,0 +1,346 @@
+"""Analyses of a learners-and-syncer method's records (DiLoCo): merges, learner events and failures,
+the scheduled chaos events, the token ledger and the lost work. Pure: dicts in, dicts out.
+
+Times are seconds since the method's training start (the records' ``t`` and ``merged_at_s``);
+token counts are BPE tokens. Record fields are docs/contracts.md's ("Metrics", "Summaries").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from reports.common import NOT_RUN, lid, nested, num, sort_key
+from reports.markdown import format_value
+
+INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chaos) failure
+LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
+
+
+def _merge_time(m: dict) -> float | None:
+    """When the merge took effect: ``merged_at_s``, seconds since training start."""
+    return num(m.get("merged_at_s"))
+
+
+def _event_time(e: dict) -> float | None:
+    """A learner event's ``t``: seconds since training start."""
+    return num(e.get("t"))
+
+
+def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
+    """Each ``failure`` event with its downtime and the merges that happened during it.
+
+    The learner is down from the failure time until its next ``start`` event (a later attempt),
+    or, if no start was logged, its next ``retry`` event; if neither, until the end of the run.
+    A merge at time t counts as "while down" when failure_t ≤ t < restart_t (seconds since training
+    start). ``merged_again_after_restart`` says whether any merge at or after the restart had this
+    learner among its contributors.
+    """
+    evs = sorted((e for e in events if _event_time(e) is not None), key=lambda e: _event_time(e))
+    timed_merges = [(t, m) for m in merges if (t := _merge_time(m)) is not None]
+    out = []
+    for i, f in enumerate(evs):
+        if f.get("event") != "failure":
+            continue
+        who = lid(f.get("learner"))
+        t_fail = _event_time(f)
+        att = num(f.get("attempt"))
+        later = [e for e in evs[i + 1:] if lid(e.get("learner")) == who]
+
+        def _after(e: dict) -> bool:  # a start of a later attempt (when attempts are logged)
+            a = num(e.get("attempt"))
+            return att is None or a is None or a > att
+
+        restart = next((e for e in later if e.get("event") == "start" and _after(e)), None)
+        if restart is None:
+            restart = next((e for e in later if e.get("event") == "retry"), None)
+        t_restart = _event_time(restart) if restart else None
+        end = t_restart if t_restart is not None else math.inf
+        during = [(t, m) for t, m in timed_merges if t_fail <= t < end]
+        by_frag: dict[str, int] = {}
+        for _, m in during:
+            by_frag[str(m.get("fragment"))] = by_frag.get(str(m.get("fragment")), 0) + 1
+        after = sorted(t for t, m in timed_merges if t_restart is not None and t >= t_restart
+                       and who in {lid(c) for c in (m.get("contributors") or [])})
+        out.append({
+            "learner": who,
+            "attempt": f.get("attempt"),
+            "failed_at_s": t_fail,
+            "failed_at_step": f.get("step"),
+            "reason": f.get("reason"),
+            "restarted_at_s": t_restart,
+            "restart_attempt": restart.get("attempt") if restart else None,
+            "restart_event": restart.get("event") if restart else None,
+            "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
+            "merges_while_down": len(during),
+            "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
+            "merges_while_down_with_learner": sum(
+                who in {lid(c) for c in (m.get("contributors") or [])} for _, m in during),
+            "merged_again_after_restart": bool(after),
+            "first_merge_with_learner_after_restart_s": after[0] if after else None,
+        })
+    return out
+
+
+def _stale_versions(x: Any) -> int:
+    """A merge record's ``stale`` entry as versions behind (``True`` from older logs counts as 1)."""
+    v = num(x) if not isinstance(x, bool) else int(x)
+    return int(v) if v is not None and math.isfinite(v) else 0
+
+
+def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str],
+                log_file: str, summary_file: str, who: str = "DiLoCo") -> dict:
+    """The merge figures, once: counts from the merge log (``log_file``, the syncer's one line per
+    merge), else the summary's ``merges`` (status "from summary"). A summary count that disagrees
+    with the log is a note; the log's count is the one shown everywhere.
+
+    ``contributions`` counts (merge, contributor) pairs; ``stale_contributions`` those with
+    ``stale`` > 0 (merged into a version newer than the one they were based on) and
+    ``max_stale_versions`` the largest ``stale``; ``first_s``/``last_s`` in seconds."""
+    summary_count = num((summary or {}).get("merges"))
+    if merges is None:
+        status = "from summary" if summary_count is not None else NOT_RUN
+        return {"status": status, "count": int(summary_count) if summary_count is not None else None,
+                "source": f"{summary_file} (merges)" if summary_count is not None else None,
+                "by_fragment": {}, "contributions": 0, "mean_contributors": None, "stale_contributions": 0,
+                "max_stale_versions": None, "first_s": None, "last_s": None}
+    by_frag: dict[str, int] = {}
+    contributors, stale = [], []
+    for m in merges:
+        k = str(m.get("fragment"))
+        by_frag[k] = by_frag.get(k, 0) + 1
+        contributors.append(len(m.get("contributors") or []))
+        stale += [_stale_versions(x) for x in (m.get("stale") or [])]
+    times = [t for m in merges if (t := _merge_time(m)) is not None]
+    if summary_count is not None and summary_count != len(merges):
+        notes.append(f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
+                     "lines; the report counts the merge log.")
+    return {
+        "status": "ok",
+        "count": len(merges),
+        "source": log_file,
+        "by_fragment": dict(sorted(by_frag.items(), key=lambda kv: sort_key(kv[0]))),
+        "contributions": sum(contributors),
+        "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
+        "stale_contributions": sum(1 for x in stale if x > 0),
+        "max_stale_versions": max(stale) if stale else None,
+        "first_s": min(times) if times else None,
+        "last_s": max(times) if times else None,
+    }
+
+
+def learner_table(events: list[dict]) -> list[dict]:
+    """Per learner: starts (attempts begun), failures, submissions the syncer dropped, the last
+    step seen in any event, and how its last attempt ended."""
+    per: dict[Any, dict] = {}
+    for e in sorted(events, key=lambda e: _event_time(e) or 0.0):
+        if e.get("learner") is None:
+            continue
+        who = lid(e.get("learner"))
+        row = per.setdefault(who, {"learner": who, "starts": 0, "failures": 0, "dropped_submissions": 0,
+                                   "last_step": None, "ended": None})
+        ev = e.get("event")
+        if ev == "start":
+            row["starts"] += 1
+        elif ev == "failure":
+            row["failures"] += 1
+        elif ev == "dropped":
+            row["dropped_submissions"] += 1
+        if e.get("step") is not None:
+            row["last_step"] = e.get("step")
+        if ev in ("stop", "failure"):
+            row["ended"] = ev + (f" ({e['reason']})" if e.get("reason") else "")
+    return [per[k] for k in sorted(per, key=lambda k: (0, k) if isinstance(k, int) else (1, str(k)))]
+
+
+def _int(x: Any) -> int | None:
+    """A ledger count as a whole number of tokens (the syncer's per-fragment averages are rounded)."""
+    v = num(x)
+    if v is None or not math.isfinite(v):
+        return None
+    return int(round(v))
+
+
+def ledger(summary: dict | None, fragments: int | None = None) -> dict:
+    """The token ledger per learner (whole tokens), a total row and merged % of processed.
+
+    Numeric entries become integer columns (the standard six first: processed, submitted,
+    not_submitted, merged, dropped, pending); dict-valued entries (``drop_reasons``: reason →
+    tokens) are kept as dicts and summed key-wise in the total. ``not_submitted`` is computed as
+    processed − submitted for summaries that do not record it. Each learner row is checked
+    against processed = submitted + not_submitted and submitted = merged + dropped + pending,
+    allowing ±P tokens (``tolerance``, P = ``fragments``) for the rounding of the per-fragment
+    averages; rows that break either identity are listed in ``identity_violations``.
+    """
+    empty = {"columns": [], "rows": [], "total": None, "fragments": fragments, "tolerance": None,
+             "not_submitted_computed": False, "identity_violations": []}
+    if summary is None:
+        return {"status": NOT_RUN, **empty}
+    raw = summary.get("ledger")
+    if isinstance(raw, dict) and isinstance(raw.get("ledger"), dict):
+        raw = raw["ledger"]
+    if not isinstance(raw, dict) or not raw:
+        return {"status": "not recorded", **empty}
+    learners = {k: dict(v) for k, v in raw.items() if isinstance(v, dict)}
+    computed = False
+    for v in learners.values():
+        if v.get("not_submitted") is None and num(v.get("processed")) is not None \
+                and num(v.get("submitted")) is not None:
+            v["not_submitted"] = num(v["processed"]) - num(v["submitted"])
+            computed = True
+    extra = sorted({c for v in learners.values() for c in v} - set(LEDGER_COLUMNS))
+    columns = [c for c in LEDGER_COLUMNS if any(c in v for v in learners.values())] + extra
+    dict_cols = {c for c in columns if any(isinstance(v.get(c), dict) for v in learners.values())}
+    rows = []
+    for k in sorted(learners, key=lambda s: (0, int(s)) if str(s).isdigit() else (1, str(s))):
+        v = learners[k]
+        row: dict[str, Any] = {"learner": lid(k)}
+        for c in columns:
+            row[c] = ({str(kk): _int(vv) for kk, vv in (v.get(c) or {}).items()} if c in dict_cols
+                      else _int(v.get(c)))
+        rows.append(row)
+    total: dict[str, Any] = {"learner": "total"}
+    for c in columns:
+        if c in dict_cols:
+            acc: dict[str, int] = {}
+            for r in rows:
+                for kk, vv in r[c].items():
+                    acc[kk] = acc.get(kk, 0) + (vv or 0)
+            total[c] = acc
+        else:
+            total[c] = sum(r[c] or 0 for r in rows)
+    for r in [*rows, total]:
+        p, mg = r.get("processed"), r.get("merged")
+        r["merged_pct"] = 100.0 * mg / p if p and mg is not None else None
+    tol = fragments or 1
+    violations = []
+    identities = (("processed", ("submitted", "not_submitted")), ("submitted", ("merged", "dropped", "pending")))
+    for r in rows:
+        for lhs, parts in identities:
+            vals = [r.get(c) for c in (lhs, *parts)]
+            if any(x is None for x in vals):
+                continue
+            diff = vals[0] - sum(vals[1:])
+            if abs(diff) > tol:
+                violations.append({"learner": r["learner"], "identity": f"{lhs} = {' + '.join(parts)}",
+                                   "difference": diff})
+    return {"status": "ok", "columns": columns, "rows": rows, "total": total, "fragments": fragments,
+            "tolerance": tol, "not_submitted_computed": computed, "identity_violations": violations}
+
+
+def _injected_at(reason: Any, at_step: Any) -> bool:
+    """Is ``reason`` the injected (chaos) failure at local step ``at_step``?"""
+    r = str(reason or "")
+    return INJECTED in r and re.search(rf"at local step {int(at_step)}(?!\d)", r) is not None
+
+
+def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
+    """The scheduled failures (config ``chaos.failures``) and whether each fired.
+
+    A scheduled ``{"learner": m, "at_step": s}`` fired when a ``failure`` event of learner m has a
+    reason with ``InjectedFailure`` and ``at local step s``; ``fired_at_s`` is that event's t,
+    ``rejoined_at_s`` the t of the learner's next ``start`` (a later attempt), None when it never
+    started again. ``fired`` is None when there is no learners log to tell.
+    """
+    if config is None:
+        return {"status": NOT_RUN + " (no config.json)", "rows": []}
+    scheduled = nested(config, ("chaos", "failures")) or []
+    last_step: dict[Any, int] = {}
+    for e in events or []:
+        s = num(e.get("step"))
+        if e.get("learner") is not None and s is not None:
+            who = lid(e["learner"])
+            last_step[who] = max(last_step.get(who, 0), int(s))
+    used: set[int] = set()
+    rows = []
+    for spec in scheduled:
+        if not isinstance(spec, dict):
+            continue
+        who, at = lid(spec.get("learner")), num(spec.get("at_step"))
+        row: dict[str, Any] = {"learner": who, "at_step": at,
+                               "event": f"learner {who} fails at local step {format_value(at)}",
+                               "fired": None, "fired_at_s": None, "failed_attempt": None,
+                               "rejoined_at_s": None, "rejoin_attempt": None, "note": None}
+        if events is not None and at is not None:
+            hit = next((i for i, f in enumerate(failures) if i not in used and f["learner"] == who
+                        and _injected_at(f["reason"], at)), None)
+            row["fired"] = hit is not None
+            if hit is not None:
+                used.add(hit)
+                f = failures[hit]
+                row["fired_at_s"], row["failed_attempt"] = f["failed_at_s"], f["attempt"]
+                if f.get("restart_event") == "start":
+                    row["rejoined_at_s"], row["rejoin_attempt"] = f["restarted_at_s"], f["restart_attempt"]
+                else:
+                    row["note"] = "no later attempt started"
+            else:
+                seen = last_step.get(who)
+                row["note"] = (f"learner {who}'s last logged step: {seen}" if seen is not None
+                               else f"no events of learner {who} logged")
+        rows.append(row)
+    return {"status": "ok", "rows": rows,
+            "unscheduled_failures": sum(1 for i in range(len(failures)) if i not in used)}
+
+
+def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -> dict | None:
+    """The lost work (summary ``work_lost``; None when the summary has none: older runs).
+
+    Drop reasons (tokens) come from ``work_lost.reasons`` when the summary has it, else from the
+    ledger's total ``drop_reasons``; shown as fractions of the processed tokens. ``headline`` is
+    the bold line at the top of report.md when status is not ok (``who`` names the method there).
+    """
+    raw = (summary or {}).get("work_lost")
+    if not isinstance(raw, dict):
+        return None
+    wl = {k: num(raw.get(k)) for k in ("processed_tokens", "dropped_tokens", "dropped_fraction",
+                                       "warn_above", "fail_above")}
+    wl["status"] = str(raw.get("status") or "unknown")
+    reasons = raw.get("reasons")
+    if not isinstance(reasons, dict):
+        reasons = ((ledger_figures.get("total") or {}).get("drop_reasons")
+                   if ledger_figures.get("status") == "ok" else None)
+    reasons = {str(k): n for k, v in (reasons or {}).items() if (n := num(v))}
+    processed = wl["processed_tokens"]
+    wl["drop_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+    wl["drop_reason_fractions"] = {k: v / processed for k, v in wl["drop_reasons"].items()} if processed else {}
+    wl["headline"] = None
+    frac = wl["dropped_fraction"]
+    if wl["status"] != "ok" and frac is not None:
+        why = ", ".join(f"{k} {100 * x:.1f} %" for k, x in wl["drop_reason_fractions"].items())
+        counts = (f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
+                  if wl["dropped_tokens"] is not None and processed is not None else "")
+        warn = f"diloco.warn_dropped_fraction = {wl['warn_above']:g}" if wl["warn_above"] is not None else None
+        fail = f"diloco.max_dropped_fraction = {wl['fail_above']:g}" if wl["fail_above"] is not None else None
+        if wl["status"] == "failed":
+            verdict = f"this run failed its {fail or 'diloco.max_dropped_fraction'} check" + (
+                f" (warning above {warn})" if warn else "")
+        else:
+            verdict = f"above {warn or 'diloco.warn_dropped_fraction'}" + (
+                f"; the run fails above {fail}" if fail else "")
+        wl["headline"] = (f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped"
+                          + (f" ({why})" if why else "") + f"; {verdict}.**")
+    return wl
+
+
+def syncer_sections(config: dict | None, summary: dict | None, merges: list[dict] | None,
+                    events: list[dict] | None, fragments: int | None, files: dict[str, str],
+                    notes: list[str], who: str = "DiLoCo") -> dict:
+    """Every learner/syncer figure of one method: ``merges``, ``ledger``, ``work_lost``, ``chaos``,
+    ``learners`` (per-learner table) and ``failures``; ``files`` names the sources (read.py)."""
+    failures = learner_failures(events or [], merges or [])
+    led = ledger(summary, fragments)
+    lost = work_lost(summary, led, who)
+    if lost and led["status"] == "ok" and lost["dropped_tokens"] is not None:
+        diff = lost["dropped_tokens"] - (led["total"].get("dropped") or 0)
+        if abs(diff) > (led["tolerance"] or 1) * max(len(led["rows"]), 1):
+            notes.append(f"work_lost.dropped_tokens {int(lost['dropped_tokens']):,} differs from the "
+                         f"ledger's total dropped {led['total'].get('dropped') or 0:,} by {int(diff):+,} tokens.")
+    return {
+        "merges": merge_stats(merges, summary, notes, files["merges"], files["summary"], who),
+        "ledger": led,
+        "work_lost": lost,
+        "chaos": chaos(config, events, failures),
+        "learners": {"status": "ok" if events is not None else NOT_RUN, "rows": learner_table(events or [])},
+        "failures": failures,
+    }

@@ -1,0 +1,345 @@
+"""Rendering of the run report: ``report.md`` from the dict that :func:`reports.build_report` returns.
+
+:func:`render_markdown` computes no figure of its own: every number it prints is read from that
+dict, so ``report.md`` and ``report.json`` cannot disagree, and a figure shown in two places of
+the markdown is the same value both times. Layout: the header (run, headlines, versions), the
+setup, then one section per stage (comparison, lm-eval, bytes, curves, hyperparameters and, per
+learners-and-syncer method, ledger, chaos events, merges and failures), then the data manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label,
+                            short_label)
+
+
+def format_value(v: Any, fmt: str = "") -> str:
+    """A table cell: ``None`` → "—", strings as is, ints with thousands separators,
+    ``fmt == "bytes"`` → "12,345,678 (11.8 MiB)", otherwise ``fmt.format(v)``."""
+    if v is None:
+        return "—"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(", ", ": "))
+    if fmt == "bytes":
+        n, unit = float(v), "B"
+        for u in ("KiB", "MiB", "GiB", "TiB"):
+            if abs(n) < 1024:
+                break
+            n, unit = n / 1024, u
+        return f"{int(round(v)):,}" + (f" ({n:.1f} {unit})" if unit != "B" else "")
+    if fmt == "int" or (isinstance(v, int) and not fmt):
+        return f"{int(round(v)):,}"
+    if fmt:
+        try:
+            return fmt.format(v)
+        except (ValueError, TypeError):
+            return str(v)
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
+
+
+def row_cell(row: dict, m: str) -> str:
+    """One method's cell of a comparison row; eval rows add "± stderr" and "(chance c)"."""
+    v = row.get(m)
+    text = format_value(v, row["fmt"])
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        se = (row.get("stderr") or {}).get(m)
+        if se is not None:
+            text += " ± " + format_value(se, row["fmt"])
+        if row.get("chance") is not None:
+            text += f" (chance {row['chance']:.3g})"
+    return text
+
+
+def row_label(row: dict) -> str:
+    """The row's label with its unit: "training tokens (tokens)"."""
+    return row["label"] + (f" ({row['unit']})" if row["unit"] else "")
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
+
+
+def bytes_or_missing(figures: dict, key: str) -> str:
+    """A merge-log byte total, or "not recorded" when (some) merge records lack the field."""
+    if figures.get(key) is not None:
+        return format_value(figures[key], "bytes")
+    n, of = figures.get(f"{key}_recorded", 0), figures.get("merge_records", 0)
+    return "not recorded" + (f" (in {n} of {of} merge records)" if n else "")
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f} %"
+
+
+def headlines(report: dict) -> list[str]:
+    """The bold lines right under the title: the pipeline's state, then each method's lost work."""
+    found = [report.get("pipeline")] + [f.get("work_lost") for s in report["stages"].values()
+                                        for f in s["methods"].values()]
+    return [x["headline"] for x in found if x and x.get("headline")]
+
+
+def _header(report: dict, L: list[str]) -> None:
+    run = report["run"]
+    L += [f"# Run report: {run['name']}", ""]
+    for t in headlines(report):  # whatever makes the rest of the report read differently
+        L += [t, ""]
+    L += [f"{PAPER} compared with a data-parallel baseline on the same data and token budget.", ""]
+    L.append(f"- run directory: `{run['run_dir']}`")
+    L.append(f"- generated: {run['generated_at']}")
+    L.append(f"- git commit: `{run['git_commit']}`")
+    L.append(f"- versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}")
+    pl = report.get("pipeline")
+    if pl:
+        stages = ", ".join(pl["completed_stages"]) or "none"
+        status = "running: this report is built as its last stage" if pl["status"] == "running" else pl["status"]
+        L.append(f"- pipeline status: {status} (completed stages: {stages})"
+                 + (f"; reason: {pl['reason']}" if pl.get("reason") else ""))
+    if not report["stages"]:
+        L.append(f"- training: **{NOT_RUN}** (no stage of this run holds a trained method)")
+    for st in report["stages"].values():
+        noun = st["label"].lower()
+        for m, f in st["methods"].items():
+            if f["status"] != "ok":
+                L.append(f"- {label(m)} {noun}: **{NOT_RUN}**")
+            elif f.get("interrupted"):
+                L.append(f"- {label(m)} {noun}: **interrupted** (stopped early; its figures cover the "
+                         "tokens it trained on)")
+            if f["eval_status"] != "ok":
+                L.append(f"- {label(m)} lm-eval after {noun}: **{NOT_RUN}**")
+    L.append("")
+
+
+def _side_by_side(st: dict, group: str, first: list[str], extra=None) -> tuple[list[str], list[list[str]]]:
+    methods = list(st["methods"])
+    rows = [[row_label(r)] + (extra(r) if extra else []) + [row_cell(r, m) for m in methods]
+            for r in st["comparison"] if r["group"] == group]
+    return first + [label(m) for m in methods], rows
+
+
+def _comparison_section(st: dict, L: list[str]) -> None:
+    others = [short_label(m) for m in st["methods"] if m != BASELINE]
+    vs = " vs data-parallel" if st["baseline"] else ""
+    L += [f"### {', '.join(others) or 'data-parallel'}{vs if others else ''}", ""]
+    L += [_table(*_side_by_side(st, "training", ["metric"])), ""]
+    every = "both methods" if len(st["methods"]) == 2 else "every method"
+    L += [f"Loss is the mean next-token cross entropy on the same held-out batches for {every} "
+          "(nats/token; DiLoCo measured on the syncer's global parameters). Bytes: see "
+          "*Bytes on the wire* below.", ""]
+    gaps = st["loss_gaps"]
+    for m, gap in gaps.items():
+        who, base = short_label(m), short_label(gap["baseline"])
+        head = "**Loss gap:**" if len(gaps) == 1 else f"**Loss gap, {who} vs {base}:**"
+        if gap["status"] == "ok":
+            a, b = gap["method_loss"], gap["baseline_loss"]
+            L.append(f"{head} {who}'s final held-out loss is {gap['gap_pct']:+.2f}% relative to {base}'s "
+                     f"(100 × ({a:.4f} − {b:.4f}) / {b:.4f}); negative means {who} is better.")
+        else:
+            L.append(f"{head} {gap['status']} ({gap['why']}).")
+        L.append("")
+
+
+def _eval_section(st: dict, L: list[str]) -> None:
+    L += ["### Evaluation (lm-eval, zero-shot)", ""]
+    headers, rows = _side_by_side(st, "eval", ["metric"])
+    if not rows:
+        L += [f"*lm-eval: {NOT_RUN} for {'either' if len(st['methods']) == 2 else 'any'} method.*", ""]
+        return
+    L += [_table(headers, rows), ""]
+    L += ["Values are lm-eval's; \"± x\" is lm-eval's standard error of the metric and \"(chance c)\" "
+          "the accuracy of guessing uniformly among each question's choices. Truncated requests "
+          "are contexts cut to fit the window (the model's maximum length), counted over all tasks.", ""]
+
+
+def _bytes_section(st: dict, L: list[str]) -> None:
+    L += ["### Bytes on the wire", ""]
+    L += [_table(*_side_by_side(st, "bytes", ["figure", "counted by"], lambda r: [r["counted_by"]])), ""]
+    L += [BYTES_CONVENTION, ""]
+    if any(f["bytes"].get("merged_in") is not None or f["bytes"].get("published_out") is not None
+           for f in st["methods"].values()):
+        L += ["Pulled bytes differ from published bytes: a learner pulls a fragment when it sees a newer "
+              "version (skipping versions merged meanwhile) and pulls all fragments again when an "
+              "attempt starts, whereas published bytes count every merge once per learner.", ""]
+
+
+def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
+    L += ["### Held-out loss curves", ""]
+    for key, alt in (("loss_vs_tokens", "held-out loss vs training tokens"),
+                     ("loss_vs_time", "held-out loss vs wall-clock seconds")):
+        p = st["plots"].get(key)
+        L += [f"![{alt}]({p})" if p else f"*{alt}: {NOT_RUN} (no eval curve).*", ""]
+    rows = [[label(m), c.get("points", 0), format_value(c.get("final_tokens"), "int"),
+             format_value(c.get("final_wall_s"), "{:.1f}"), format_value(c.get("final_loss"), "{:.4f}"),
+             format_value(c.get("best_loss"), "{:.4f}")] for m, f in st["methods"].items() for c in [f["curve"]]]
+    L += [_table(["method", "points", "last tokens", "last wall (s)", "last loss (nats)", "best loss (nats)"],
+                 rows), ""]
+    L += ["### Hyperparameters", ""]
+    if st["hyperparameters"]:
+        L.append(_table(["hyperparameter"] + [label(m) for m in st["methods"]],
+                        [[h["name"]] + [format_value(h[m]) for m in st["methods"]] for h in st["hyperparameters"]]))
+    else:
+        L.append(f"*{NOT_RUN}: no method summary recorded hyperparameters.*")
+    L.append("")
+
+
+def _ledger_section(f: dict, who: str, L: list[str]) -> None:
+    L += [f"### {who} token ledger (tokens per learner)", ""]
+    led = f["ledger"]
+    if led["status"] == "ok":
+        cols = led["columns"]
+
+        def _lcell(v: Any) -> str:
+            if isinstance(v, dict):
+                return "; ".join(f"{k}: {format_value(x, 'int')}" for k, x in v.items()) or "—"
+            return format_value(v, "int")
+
+        rows = [[r["learner"]] + [_lcell(r[c]) for c in cols] + [format_value(r["merged_pct"], "{:.1f}")]
+                for r in [*led["rows"], led["total"]]]
+        L += [_table(["learner"] + cols + ["merged % of processed"], rows), ""]
+        p = led.get("fragments")
+        tol = f"±{led['tolerance']} tokens (P = {p})" if p else f"±{led['tolerance']} token"
+        L.append(
+            "Tokens per learner: processed = trained on, submitted = sent to the syncer, not_submitted "
+            "= processed but never sent (progress overwritten when a newer global fragment arrived, or "
+            "still local at stop"
+            + ("; computed here as processed − submitted, as this summary does not record it"
+               if led.get("not_submitted_computed") else "")
+            + "), merged = in a merged global fragment, dropped = rejected by the syncer (drop_reasons "
+            "by reason), pending = submitted but not yet merged at stop, attempts = task attempts; "
+            "the syncer's counts are averaged over the P fragments and rounded, and per learner "
+            f"processed = submitted + not_submitted and submitted = merged + dropped + pending hold "
+            f"within {tol}.")
+        for v in led.get("identity_violations") or []:
+            L += ["", f"**Ledger check failed:** learner {v['learner']}: {v['identity']} is off by "
+                      f"{v['difference']:+,} tokens (more than {tol})."]
+    else:
+        L.append(f"*token ledger: {led['status']}.*")
+    L.append("")
+    wl = f.get("work_lost")
+    if wl:
+        reasons = ", ".join(f"{k} {_pct(x)}" for k, x in wl["drop_reason_fractions"].items())
+        L += [f"**Work lost:** {format_value(wl['dropped_tokens'], 'int')} of "
+              f"{format_value(wl['processed_tokens'], 'int')} processed tokens dropped "
+              f"({_pct(wl['dropped_fraction'])}" + (f": {reasons}" if reasons else "") + "); "
+              f"warning above {_pct(wl['warn_above'])} (diloco.warn_dropped_fraction), run fails above "
+              f"{_pct(wl['fail_above'])} (diloco.max_dropped_fraction); status: {wl['status']}.", ""]
+
+
+def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
+    ch = f["chaos"]
+    L += [f"### Scheduled chaos events{suffix}", ""]
+    if ch["status"] != "ok":
+        L += [f"*chaos schedule: {ch['status']}.*", ""]
+        return
+    if not ch["rows"]:
+        L += ["No failures were scheduled (config chaos.failures is empty).", ""]
+        return
+    rows = []
+    for r in ch["rows"]:
+        if r["fired"] is None:
+            fired, at, back = "unknown (no learner log)", "—", "—"
+        elif r["fired"]:
+            fired, at = "yes", format_value(r["fired_at_s"], "{:.1f}")
+            back = format_value(r["rejoined_at_s"], "{:.1f}") if r["rejoined_at_s"] is not None else "never"
+        else:
+            fired, at, back = "no", "did not fire", "—"
+        rows.append([r["event"], fired, at, back, r["note"] or "—"])
+    L += [_table(["scheduled event", "fired", "at t (s)", "rejoined at t (s)", "note"], rows), ""]
+    L += ["A scheduled failure fired when the learners log holds a failure of that learner whose reason "
+          "is the injected failure at that local step; rejoined is the start of its next attempt "
+          "(seconds since training start).", ""]
+
+
+def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
+    L += [f"### Merges and learner failures{suffix}", ""]
+    mg, d = f["merges"], f["bytes"]
+    if mg["status"] == "ok":
+        by = ", ".join(f"fragment {k}: {v}" for k, v in mg["by_fragment"].items()) or "none"
+        L += [f"{mg['count']} merges ({by}); mean contributors per merge "
+              f"{format_value(mg['mean_contributors'], '{:.2f}')}; "
+              f"from {format_value(mg['first_s'], '{:.1f}')} s to {format_value(mg['last_s'], '{:.1f}')} s.", ""]
+        worst = mg["max_stale_versions"]
+        worst = f", at most {worst} version{'' if worst == 1 else 's'} behind" if mg["stale_contributions"] else ""
+        L += [f"Stale contributions: {mg['stale_contributions']} of {mg['contributions']} contributions "
+              f"to merges{worst} ({STALE_DEFINITION}).", ""]
+        L.append(f"Merge-log bytes: bytes_in (submission bytes merged) {bytes_or_missing(d, 'merged_in')}; "
+                 f"bytes_out (syncer publishes: fragment bytes × learners) {bytes_or_missing(d, 'published_out')}.")
+    elif mg["status"] == "from summary":
+        L.append(f"{mg['count']} merges (from {mg['source']}; no merge log).")
+    else:
+        L.append(f"*merge log: {NOT_RUN}.*")
+    L.append("")
+    lt = f["learners"]
+    if lt["status"] == "ok" and lt["rows"]:
+        L += [_table(["learner", "starts", "failures", "dropped submissions", "last step", "ended by"],
+                     [[r["learner"], r["starts"], r["failures"], r["dropped_submissions"],
+                       format_value(r["last_step"]), format_value(r["ended"])] for r in lt["rows"]]), ""]
+    if f["failures"]:
+        rows = [[x["learner"], format_value(x["attempt"]), format_value(x["failed_at_s"], "{:.1f}"),
+                 format_value(x["failed_at_step"]), format_value(x["reason"]),
+                 format_value(x["restarted_at_s"], "{:.1f}") if x["restarted_at_s"] is not None else "never",
+                 format_value(x["downtime_s"], "{:.1f}"), x["merges_while_down"],
+                 ", ".join(f"{k}: {v}" for k, v in x["merges_while_down_by_fragment"].items()) or "—",
+                 x["merges_while_down_with_learner"], "yes" if x["merged_again_after_restart"] else "no"]
+                for x in f["failures"]]
+        L += [_table(["learner", "attempt", "failed at (s)", "inner steps done", "reason", "restarted at (s)",
+                      "down for (s)", "merges while down", "by fragment", "…of which with its earlier submissions",
+                      "its submissions merged after restart"], rows), ""]
+        L.append("Merges while down count every merge the syncer made between the failure and the "
+                 "learner's next start (seconds since training start), i.e. training that continued "
+                 "without it.")
+    elif lt["status"] == "ok":
+        missed = [r for r in f["chaos"].get("rows", []) if r["fired"] is False]
+        if missed:
+            one = len(missed) == 1
+            L.append(f"No learner failures were logged, although {len(missed)} {'was' if one else 'were'} "
+                     f"scheduled: {'it' if one else 'they'} did not fire (see *Scheduled chaos events{suffix}*).")
+        else:
+            L.append("No learner failures.")
+    else:
+        L.append(f"*learner events: {NOT_RUN}.*")
+    L.append("")
+    plot = (f.get("plots") or {}).get("merges_over_time")
+    if plot:
+        L += [f"![merges per fragment over time]({plot})", ""]
+
+
+def _stage(st: dict, L: list[str]) -> None:
+    L += [f"## {st['label']}", ""]
+    _comparison_section(st, L)
+    _eval_section(st, L)
+    _bytes_section(st, L)
+    _curves_and_hyperparameters(st, L)
+    syncers = [m for m, f in st["methods"].items() if f["kind"] == "syncer"]
+    for m in syncers:
+        f, who = st["methods"][m], short_label(m)
+        suffix = f" ({who})" if len(syncers) > 1 else ""
+        _ledger_section(f, who, L)
+        _chaos_section(f, suffix, L)
+        _merges_section(f, suffix, L)
+    if st["notes"]:
+        L += ["### Notes", ""] + [f"- {n}" for n in st["notes"]] + [""]
+
+
+def render_markdown(report: dict) -> str:
+    """The ``report.md`` text for a report dict from ``build_report`` (pure)."""
+    L: list[str] = []
+    _header(report, L)
+    if report.get("setup"):
+        setup = [[k, format_value(v)] for k, v in report["setup"].items()]
+        L += ["## Setup", "", _table(["setting", "value"], setup), ""]
+    for st in report["stages"].values():
+        _stage(st, L)
+    L += ["## Data", ""]
+    man = report["manifest"]
+    L += [_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"
+          else f"*data manifest: {NOT_RUN}.*", ""]
+    return "\n".join(L)

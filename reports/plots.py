@@ -1,0 +1,145 @@
+"""The report's figures, and the plot style every figure of the project shares (the goodput
+simulator's included: ``sim.plot``).
+
+Figures are built on matplotlib's object API (:class:`matplotlib.figure.Figure` with the Agg
+canvas, no pyplot), so they are safe to draw inside threads and tasks. Style helpers:
+:func:`new_figure` (size in inches, :data:`DPI`), :func:`finish_axes` (labels, title, grid),
+:func:`series_color` (a fixed colour per known method, then matplotlib's cycle) and
+:func:`save_png` (writes to a local path or an fsspec ``UPath``).
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter, MaxNLocator
+
+from reports.common import label, num, short_label
+
+DPI = 120
+GRID_ALPHA = 0.3
+METHOD_COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
+
+
+def cycle_colors() -> list[str]:
+    """matplotlib's default colour cycle (tab10)."""
+    return list(matplotlib.rcParams["axes.prop_cycle"].by_key()["color"])
+
+
+def series_color(name: str, index: int) -> str:
+    """The colour of series ``name``, the ``index``-th on its axes: a known method's own colour,
+    else the ``index``-th colour of the cycle."""
+    if name in METHOD_COLORS:
+        return METHOD_COLORS[name]
+    colors = cycle_colors()
+    return colors[index % len(colors)]
+
+
+def new_figure(width: float, height: float) -> Figure:
+    """An empty figure of ``width`` × ``height`` inches at :data:`DPI`, constrained layout."""
+    return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
+
+
+def finish_axes(ax, xlabel: str, ylabel: str | None, title: str, grid_axis: str = "both",
+                title_size: float | None = None) -> None:
+    """Axis labels, title (``title_size`` points; matplotlib's default when None) and the light grid
+    of every figure."""
+    ax.set_xlabel(xlabel)
+    if ylabel is not None:
+        ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=title_size)
+    ax.grid(True, axis=grid_axis, alpha=GRID_ALPHA)
+
+
+def save_png(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` as PNG to ``path`` (a local path or an fsspec ``UPath``); returns ``path``."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    path.write_bytes(buf.getvalue())
+    return path
+
+
+def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, title: str,
+                finals: dict[str, float | None] | None = None) -> Figure | None:
+    """Held-out loss (nats/token) against ``x_key`` (``tokens`` or ``wall_s``, seconds) for each
+    method with a curve (``curves``: method → eval rows with ``val/loss``); None if none has one.
+
+    Points are ordered by ``x_key`` with a stable sort, so rows that share an x value keep their
+    file order (the file's later row is the later measurement) and the last point drawn is the
+    last row written at the largest x. The "final" label shows ``finals[m]`` (the value the
+    tables use: the summary's ``final_val_loss``) when given, else that last point's loss.
+    """
+    finals = finals or {}
+    series = {}
+    for m, rows in curves.items():
+        pts = [(num(r.get(x_key)), num(r.get("val/loss"))) for r in (rows or [])
+               if num(r.get(x_key)) is not None and num(r.get("val/loss")) is not None]
+        if pts:
+            series[m] = sorted(pts, key=lambda xy: xy[0])  # stable: ties keep file order
+    if not series:
+        return None
+    final = {}
+    for m, pts in series.items():
+        f = num(finals.get(m))
+        final[m] = f if f is not None and math.isfinite(f) else pts[-1][1]
+    fig = new_figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    lowest = min(series, key=lambda m: final[m])
+    for i, (m, pts) in enumerate(series.items()):
+        xs, ys = zip(*pts)
+        color = series_color(m, i)
+        ax.plot(xs, ys, marker="o", ms=3, lw=1.6, color=color, label=label(m))
+        # The lowest final value's label below its point, the others above.
+        below = len(series) > 1 and m == lowest
+        ax.annotate(
+            f"final {final[m]:.4f}", xy=(xs[-1], final[m]), xytext=(-8, -14 if below else 10),
+            textcoords="offset points", ha="right", va="top" if below else "bottom", fontsize=9, color=color,
+            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
+            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.8},
+        )
+    ax.margins(x=0.03, y=0.12)  # room for the annotations inside the frame
+    ax.xaxis.set_major_formatter(EngFormatter(unit=""))
+    finish_axes(ax, xlabel, "held-out loss (nats/token)", title)
+    ax.legend()
+    return fig
+
+
+def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloco") -> Figure | None:
+    """One marker per merge (y: fragment, x: ``merged_at_s``, colour: contributing learners), learner
+    failures (red) and restarts (green) as vertical lines with the downtime shaded (``failures``
+    from :func:`reports.learners.learner_failures`). None when no merge has a time."""
+    pts = [(t, m) for m in merges if (t := num(m.get("merged_at_s"))) is not None]
+    if not pts:
+        return None
+    frag_ids = sorted({str(m.get("fragment")) for _, m in pts}, key=lambda s: (0, int(s)) if s.isdigit() else (1, s))
+    ypos = {f: i for i, f in enumerate(frag_ids)}
+    fig = new_figure(8.0, 1.6 + 0.55 * len(frag_ids))
+    ax = fig.add_subplot()
+    sc = ax.scatter([t for t, _ in pts], [ypos[str(m.get("fragment"))] for _, m in pts],
+                    c=[len(m.get("contributors") or []) for _, m in pts], cmap="viridis", marker="D", s=28,
+                    zorder=3, vmin=0)
+    cbar = fig.colorbar(sc, ax=ax, pad=0.01)
+    cbar.set_label("contributing learners")
+    cbar.locator = MaxNLocator(integer=True)
+    cbar.update_ticks()
+    t_end = max(t for t, _ in pts)
+    for i, f in enumerate(failures):
+        t0, t1 = f["failed_at_s"], f["restarted_at_s"]
+        ax.axvline(t0, color="tab:red", ls="--", lw=1.2, label="learner failure" if i == 0 else None)
+        if t1 is not None:
+            ax.axvline(t1, color="tab:green", ls="--", lw=1.2, label="learner restart" if i == 0 else None)
+        ax.axvspan(t0, t1 if t1 is not None else max(t_end, t0), color="tab:red", alpha=0.08)
+        ax.annotate(f"learner {f['learner']} down: {f['merges_while_down']} merges", xy=(t0, 1.0),
+                    xycoords=("data", "axes fraction"), xytext=(3, -3 - 11 * (i % 3)), textcoords="offset points",
+                    va="top", fontsize=8, color="tab:red")
+    ax.set_yticks(range(len(frag_ids)), [f"fragment {f}" for f in frag_ids])
+    ax.set_ylim(-0.6, len(frag_ids) - 0.4 + 0.5)
+    finish_axes(ax, "time since training start (s)", None, f"{short_label(method)} merges per fragment over time",
+                grid_axis="x")
+    if failures:
+        fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
+    return fig

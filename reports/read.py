@@ -1,0 +1,171 @@
+"""Reading one run directory for the report; every path comes from :class:`run.layout.RunLayout`.
+
+:func:`open_run` checks that a path is a run directory; :func:`read_run` reads everything the report
+uses into plain dicts and lists (:class:`RunRecords`): the resolved config, the data manifest, the
+run state, and per stage (``RunLayout.stages()``) and method (``RunLayout.methods(stage)``, plus the
+known methods of ``run.layout.METHOD_ORDER`` so that a missing baseline reads "not run") the
+summary, the evaluation result and the metrics files. A file that does not exist reads as
+``None`` (the part it feeds says "not run"); a file that exists but is corrupt raises
+:class:`ReportInputError` naming it. Record fields are docs/contracts.md's; nothing is renamed or
+guessed here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from upath import UPath
+
+from reports.common import ordered_methods
+from run.layout import METHOD_ORDER, STAGES, RunLayout
+
+RUN_DIR_CONTENTS = (
+    "a run directory is the folder the pipeline creates: it holds config.json and, once training "
+    f"ran, <stage>/<method>/ folders ({', '.join(f'{s}/' for s in STAGES)}; also data/, eval/, report/)"
+)
+
+
+class ReportInputError(ValueError):
+    """The input cannot be used: the path is not a run directory, or a run-directory file exists
+    but is corrupt (bad JSON, wrong shape). The message starts with the path."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path = path if isinstance(path, Path) else UPath(path)
+        super().__init__(f"{self.path}: {problem}")
+
+
+@dataclass
+class MethodRecords:
+    """What one method of one stage left in the run directory (``None``: the file does not exist).
+
+    ``summary`` (summary.json), ``eval`` (eval/<stage>/<method>.json, raw), ``curve`` (held-out loss
+    rows, metrics/eval.jsonl), ``merges`` and ``events`` (a syncer's merge log and the learner
+    events, metrics/merges.jsonl and metrics/learners.jsonl). ``files`` names each source by its
+    path relative to the run directory (for the report's "source" fields).
+    """
+
+    stage: str
+    method: str
+    summary: dict | None = None
+    eval: dict | None = None
+    curve: list[dict] | None = None
+    merges: list[dict] | None = None
+    events: list[dict] | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class RunRecords:
+    """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
+    stages in pipeline order and methods in report order."""
+
+    layout: RunLayout
+    config: dict | None
+    manifest: dict | None
+    status: dict | None
+    stages: dict[str, dict[str, MethodRecords]]
+
+
+def read_json(path: Path, kind: type = dict) -> Any | None:
+    """The parsed file, or ``None`` if it does not exist. Corrupt or wrong-typed → ReportInputError."""
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ReportInputError(path, f"corrupt JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
+    except UnicodeDecodeError as e:
+        raise ReportInputError(path, f"not UTF-8 text ({e})") from e
+    if not isinstance(value, kind):
+        raise ReportInputError(path, f"expected a JSON {kind.__name__}, found {type(value).__name__}")
+    return value
+
+
+def read_jsonl(path: Path) -> list[dict] | None:
+    """One dict per non-empty line, or ``None`` if the file does not exist. A line that is not a
+    JSON object → ReportInputError naming the file and the line."""
+    if not path.is_file():
+        return None
+    rows = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportInputError(path, f"not UTF-8 text ({e})") from e
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ReportInputError(path, f"corrupt JSON on line {lineno} ({e.msg})") from e
+        if not isinstance(row, dict):
+            raise ReportInputError(path, f"line {lineno} is not a JSON object")
+        rows.append(row)
+    return rows
+
+
+def relative(layout: RunLayout, path: Path) -> str:
+    """``path`` relative to the run directory, as text (``pretrain/diloco/summary.json``)."""
+    try:
+        return path.relative_to(layout.root).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def open_run(run_dir: str | Path) -> RunLayout:
+    """The layout of ``run_dir`` (a local path or fsspec URL) once it is known to be a run directory.
+
+    Raises :class:`ReportInputError` naming the path when it does not exist, is not a directory, or
+    holds neither ``config.json`` nor a stage with a method (nothing is written then).
+    """
+    layout = RunLayout(run_dir)
+    if not layout.root.is_dir():
+        what = "is not a directory" if layout.root.exists() else "does not exist"
+        raise ReportInputError(layout.root, f"{what}; {RUN_DIR_CONTENTS}")
+    if not layout.config.is_file() and not layout.stages():
+        stages = " or ".join(f"{s}/" for s in STAGES)
+        raise ReportInputError(
+            layout.root, f"not a run directory (no config.json and no {stages} folder holding a method); "
+                         f"{RUN_DIR_CONTENTS}")
+    return layout
+
+
+def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
+    """Every file the report reads of ``stage``/``method`` (absent files: ``None``)."""
+    paths = {
+        "summary": layout.summary(stage, method),
+        "eval": layout.eval_result(stage, method),
+        "curve": layout.metrics(stage, method, "eval"),
+        "merges": layout.metrics(stage, method, "merges"),
+        "learners": layout.metrics(stage, method, "learners"),
+    }
+    return MethodRecords(
+        stage=stage,
+        method=method,
+        summary=read_json(paths["summary"]),
+        eval=read_json(paths["eval"]),
+        curve=read_jsonl(paths["curve"]),
+        merges=read_jsonl(paths["merges"]),
+        events=read_jsonl(paths["learners"]),
+        files={k: relative(layout, p) for k, p in paths.items()},
+    )
+
+
+def read_run(layout: RunLayout) -> RunRecords:
+    """The run directory as :class:`RunRecords`. Each stage of ``layout.stages()`` lists the methods
+    it holds plus the known methods (``run.layout.METHOD_ORDER``) it lacks, whose records are empty."""
+    stages = {
+        stage: {m: read_method(layout, stage, m)
+                for m in ordered_methods([*METHOD_ORDER, *layout.methods(stage)])}
+        for stage in layout.stages()
+    }
+    return RunRecords(
+        layout=layout,
+        config=read_json(layout.config),
+        manifest=read_json(layout.manifest),
+        status=read_json(layout.status),
+        stages=stages,
+    )

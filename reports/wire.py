@@ -1,0 +1,125 @@
+"""Bytes on the wire: every byte figure of a method, computed once (pure; no I/O).
+
+Payload bytes (tensor bytes, no framing), summed over all learners/workers and attempts; "per"
+figures are that sum ÷ M. Who counts what: ``reports.common.BYTES_CONVENTION`` (docs/contracts.md
+"Summaries"). A learners-and-syncer method (DiLoCo) counts learner→syncer submissions and
+syncer→learner pulls, and its merge log counts bytes merged in and published out; a data-parallel
+method is a ring all-reduce model of the gradient, half of its bytes sent and half received.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from reports.common import NOT_RUN, nested, num
+
+NO_SYNCER = "n/a (no syncer)"
+
+
+def _div(x: float | int | None, n: int | None) -> float | int | None:
+    """x / n, an int when it divides evenly; None when either is missing."""
+    if x is None or not n:
+        return None
+    return int(x) // n if float(x).is_integer() and int(x) % n == 0 else x / n
+
+
+def _count(config: dict | None, config_keys: tuple[str, ...], summary: dict | None, hp_key: str) -> int | None:
+    """A count from config.json (``config_keys``), else the summary's hyperparameter ``hp_key``."""
+    v = num(nested(config, config_keys))
+    if v is None:
+        v = num(nested(summary, ("hyperparameters", hp_key)))
+    return int(v) if v else None
+
+
+def fragments(config: dict | None, summary: dict | None) -> int | None:
+    """P, the number of fragments: ``diloco.fragments`` from config.json, else the summary."""
+    p = _count(config, ("diloco", "fragments"), summary, "fragments (P)")
+    if p is None and summary is not None and isinstance(summary.get("fragment_bytes"), list):
+        p = len(summary["fragment_bytes"]) or None
+    return p
+
+
+def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] | None,
+                 files: dict[str, str], notes: list[str], who: str, kind: str = "syncer") -> dict:
+    """A learners-and-syncer method's byte figures: ``sent`` = learner→syncer submission payload
+    bytes (summary ``bytes_to_syncer``), ``received`` = syncer→learner pulled bytes
+    (``bytes_from_syncer``), per learner = ÷ M; ``merged_in`` / ``published_out`` = the merge
+    log's ``bytes_in`` / ``bytes_out`` summed (None unless every record has the field;
+    ``*_recorded`` says in how many it is; without a log, ``merged_in`` is the summary's
+    ``bytes_merged``). ``kind`` is recorded with the figures: "syncer", or "plain" for a method
+    without a syncer whose summary counts its bytes under the same names."""
+    M = _count(config, ("diloco", "learners"), summary, "learners (M)")
+    sent = num(summary.get("bytes_to_syncer")) if summary else None
+    received = num(summary.get("bytes_from_syncer")) if summary else None
+    fig: dict[str, Any] = {
+        "status": "ok" if summary is not None else NOT_RUN, "kind": kind, "learners": M,
+        "sent": sent, "received": received,
+        "total": sent + received if sent is not None and received is not None else None,
+        "sent_per_learner": _div(sent, M), "received_per_learner": _div(received, M),
+        "merge_records": len(merges or []),
+    }
+    for key, name in (("merged_in", "bytes_in"), ("published_out", "bytes_out")):
+        vals = [v for m in (merges or []) if (v := num(m.get(name))) is not None]
+        fig[key] = sum(vals) if merges and len(vals) == len(merges) else None
+        fig[f"{key}_recorded"] = len(vals)
+    fig["merged_in_source"] = f"{files['merges']} (bytes_in)" if merges else None
+    summary_merged = num(summary.get("bytes_merged")) if summary else None
+    if merges is None and summary_merged is not None:
+        fig["merged_in"], fig["merged_in_source"] = summary_merged, f"{files['summary']} (bytes_merged)"
+    elif summary_merged is not None and fig["merged_in"] is not None and summary_merged != fig["merged_in"]:
+        notes.append(f"{who} summary bytes_merged {int(summary_merged):,} differs from the merge log's "
+                     f"bytes_in total {int(fig['merged_in']):,}; the report shows the merge log's.")
+    return fig
+
+
+def allreduce_bytes(config: dict | None, summary: dict | None, notes: list[str], who: str) -> dict:
+    """A data-parallel method's byte figures (the ring all-reduce of the gradient, all workers):
+    ``sent`` = summary ``bytes_to_syncer``, ``received`` = ``bytes_from_syncer``, ``total`` = their
+    sum (= ``allreduce_bytes``); a summary with only ``allreduce_bytes`` is split evenly. Per worker
+    = ÷ W (hyperparameter ``simulated workers``, else ``diloco.learners``)."""
+    W = num(nested(summary, ("hyperparameters", "simulated workers"))) or num(nested(config, ("diloco", "learners")))
+    W = int(W) if W else None
+    sent = num(summary.get("bytes_to_syncer")) if summary else None
+    received = num(summary.get("bytes_from_syncer")) if summary else None
+    allreduce = num(summary.get("allreduce_bytes")) if summary else None
+    if sent is None and received is None and allreduce is not None:
+        sent = received = _div(allreduce, 2)
+    total = sent + received if sent is not None and received is not None else allreduce
+    if allreduce is not None and total is not None and total != allreduce:
+        notes.append(f"{who} summary allreduce_bytes {int(allreduce):,} is not bytes_to_syncer + "
+                     f"bytes_from_syncer = {int(total):,} (a summary written before allreduce_bytes "
+                     "counted both directions); the report shows the sent and received fields.")
+    return {"status": "ok" if summary is not None else NOT_RUN, "kind": "allreduce", "workers": W,
+            "sent": sent, "received": received, "total": total,
+            "sent_per_worker": _div(sent, W), "received_per_worker": _div(received, W)}
+
+
+BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None: no syncer)
+    ("bytes_sent", "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; "
+     "DP: ring all-reduce sends)", "learners (DiLoCo) / ring model (DP)", "sent", "sent"),
+    ("bytes_received", "bytes received, all learners/workers (DiLoCo: syncer→learner pulled "
+     "fragments; DP: ring all-reduce receives)", "learners (DiLoCo) / ring model (DP)", "received", "received"),
+    ("bytes_total", "bytes sent + received, all learners/workers (DP: the all-reduce bytes)",
+     "learners (DiLoCo) / ring model (DP)", "total", "total"),
+    ("bytes_sent_per_worker", "bytes sent per learner/worker (all ÷ M)", "learners (DiLoCo) / ring model (DP)",
+     "sent_per_learner", "sent_per_worker"),
+    ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)",
+     "learners (DiLoCo) / ring model (DP)", "received_per_learner", "received_per_worker"),
+    ("bytes_merged_in", "merge-log bytes_in: submission bytes merged", "syncer", "merged_in", None),
+    ("bytes_published_out", "merge-log bytes_out: published, fragment bytes × M per merge", "syncer",
+     "published_out", None),
+)
+
+
+def byte_cell(fig: dict, syncer_key: str, allreduce_key: str | None) -> Any:
+    """One cell of a bytes row: the method's figure (``syncer_key`` or, for an all-reduce method,
+    ``allreduce_key``), "not run", "n/a (no syncer)", or "not recorded (in n of N merge records)"
+    for a merge-log total some records lack."""
+    if fig["kind"] == "allreduce" and allreduce_key is None:
+        return NO_SYNCER
+    if fig["status"] != "ok":
+        return NOT_RUN
+    key = allreduce_key if fig["kind"] == "allreduce" else syncer_key
+    if key in ("merged_in", "published_out") and fig[key] is None and fig[f"{key}_recorded"]:
+        return f"not recorded (in {fig[f'{key}_recorded']} of {fig['merge_records']} merge records)"
+    return fig.get(key)
