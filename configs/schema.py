@@ -163,9 +163,10 @@ class DiLoCoConfig(_Strict):
     inner: InnerOptConfig = InnerOptConfig()
     learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
     resume_every_steps: int = Field(
-        25, ge=0, description="a learner saves its resume point (local step, data cursor, token "
-        "counters, inner optimizer state) every this many inner steps, so a retry in a fresh process "
-        "resumes there with its Adam moments; 0 = never (a retry restarts its optimizer from zero)"
+        100, ge=0, description="a learner saves its resume point (local step, data cursor, tokens, "
+        "inner optimizer state; Orbax, ~0.15 s for the default model on 2 CPU cores) every this many "
+        "inner steps, so a retry, in this process or a fresh one, resumes there with its Adam moments; "
+        "0 = never (a retry starts again at step 0 with a fresh optimizer)"
     )
     retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner")
 
@@ -254,7 +255,7 @@ class ExperimentConfig(_Strict):
 
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
-    run_root: str = Field("runs", description="folder (or fsspec URL) holding run directories")
+    run_root: str = Field("runs", description="local folder holding run directories")
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
     diloco: DiLoCoConfig = DiLoCoConfig()

@@ -28,7 +28,9 @@ RESULT_ENTRIES = (*_RESULTS, "checkpoints", "metrics")
 
 
 def default_run_dir(run_root: str | Path, name: str) -> Path:
-    """``<run_root>/<name>-<UTC timestamp>`` (seconds), absolute."""
+    """``<run_root>/<name>-<UTC timestamp>`` (seconds), absolute. ``ValueError`` for a URL."""
+    if "://" in str(run_root):
+        raise ValueError(f"run_root {run_root} is a URL; runs are written to a local folder: give a local path")
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
     return (Path(run_root).expanduser() / f"{name}-{stamp}").absolute()
 
@@ -42,6 +44,9 @@ def check_run_dir(path: str | Path) -> Path:
     """
     if not str(path).strip():
         raise ValueError("run directory is empty or blank; give a folder name with --run-dir")
+    if "://" in str(path):
+        raise ValueError(f"run directory {path} is a URL; runs are written to a local folder (run_root or "
+                         "--run-dir): give a local path")
     path = Path(os.path.normpath(Path(path).expanduser().absolute()))
     if path.is_symlink() and not path.exists():
         raise ValueError(f"run directory {path} is a dangling symbolic link; choose another --run-dir")
