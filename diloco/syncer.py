@@ -1,7 +1,7 @@
 """The syncer's state machine: versioned global fragments, quorum, grace window, merge, ledger.
 
 Pure bookkeeping with an explicit clock (``now`` in seconds is passed in): no threads, no I/O, so
-every rule here is testable in milliseconds. The loop that drives it lives in ``diloco.runtime``.
+every rule here is testable in milliseconds. The loop that drives it lives in ``diloco.syncer_loop``.
 
 Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the syncer merge):
 1. collect submissions, at most one pending per learner: per learner and fragment the submission

@@ -43,8 +43,8 @@ FORM_NOTE = (
 OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     {"name": "pretrain-diloco", "entrypoint": "flows/pretrain.py:pretrain_diloco",
      "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
-                    "and no DiLoCo results yet (results are never overwritten: delete checkpoints/diloco, "
-                    "pretrain/diloco and metrics/diloco_eval.jsonl to train it again).",
+                    "and no DiLoCo results yet (results are never overwritten: delete pretrain/diloco and "
+                    "eval/pretrain/diloco.json to train it again).",
      "work_pool": {"name": WORK_POOL}},
     {"name": "pretrain-dp", "entrypoint": "flows/pretrain.py:pretrain_dp",
      "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
