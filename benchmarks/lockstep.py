@@ -34,15 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax.numpy as jnp
-from flax import nnx
 
 from configs.schema import load_config_checked, parse_overrides
+from data.cursor import batch_at
+from data.store import load_sequences
+from data.text import prepare_data
 from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
-from diloco.params import embedding_names, get_params, set_params, to_numpy
-from models.training import heldout_loss, make_inner_tx, train_step, val_batches
-from tasks.data import batch_at, load_manifest, load_sequences, prepare_data
-from tasks.pretrain import _model_factory
+from diloco.tensors import embedding_names, to_numpy
+from training.diloco import learner_trainer
+from training.evaluation import heldout_loss, val_batches
 
 
 def main() -> None:
@@ -71,19 +72,17 @@ def main() -> None:
     if run_dir is None:
         run_dir = Path(tempfile.mkdtemp(prefix="lockstep-"))
         prepare_data(cfg, run_dir)
-    factory = _model_factory(cfg, int(load_manifest(run_dir)["vocab_size"]))
-    tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-    learners = [factory() for _ in range(M)]
-    theta = to_numpy(get_params(learners[0]))
-    for model in learners:
-        set_params(model, theta)
-    optimizers = [nnx.Optimizer(model, tx, wrt=nnx.Param) for model in learners]
+    # The learners' own compiled step: model spec of this data, inner optimizer and its schedule,
+    # microbatches (training.diloco); one Trainer shared by the M learners, as in the pipeline.
+    trainer = learner_trainer(cfg, run_dir)
+    theta = to_numpy(trainer.init_params())
+    params = [trainer.init_params() for _ in range(M)]  # every learner starts at Θ₀
+    opt_states = [trainer.init_opt(p) for p in params]
     shards = [load_sequences(run_dir, f"shard_{m:02d}") for m in range(M)]
     cursors = [(0, 0)] * M
     outer_tx = make_outer_tx(args.outer_lr, args.outer_momentum, cfg.diloco.outer_nesterov)
     outer_state = outer_tx.init(theta)
     embeddings = embedding_names(theta)
-    eval_model = factory()
     val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
 
     steps = cfg.learner_steps
@@ -93,19 +92,19 @@ def main() -> None:
           f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps}", flush=True)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        for m, model in enumerate(learners):
+        for m in range(M):
             batch, *cursors[m] = batch_at(shards[m], *cursors[m], batch_size=B, seed=cfg.seed + 1000 * (m + 1))
-            train_step(model, optimizers[m], jnp.asarray(batch), cfg.learner_microbatches)
+            # the step donates its parameter and optimizer buffers: keep only what it returns
+            params[m], opt_states[m], _ = trainer.step(params[m], opt_states[m], jnp.asarray(batch))
         if step % H == 0 or step == steps:
-            outer_grads = [{k: theta[k] - v for k, v in to_numpy(get_params(model)).items()} for model in learners]
+            outer_grads = [{k: theta[k] - v for k, v in to_numpy(p).items()} for p in params]
             rule = merge_rda if args.merge == "rda" else merge_mean
             delta = rule(outer_grads, [1] * M, [1] * M, embeddings)
             theta, outer_state = outer_step(outer_tx, theta, outer_state, delta)
-            for model in learners:
-                set_params(model, theta)
+            params = [{k: jnp.asarray(v) for k, v in theta.items()} for _ in range(M)]
         if step % report_every == 0 or step == steps:
-            set_params(eval_model, theta)
-            print(f"  tokens {step * tokens_per_round:>10,}  held-out loss {heldout_loss(eval_model, val):.4f} nats  "
+            loss = heldout_loss(trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, val)
+            print(f"  tokens {step * tokens_per_round:>10,}  held-out loss {loss:.4f} nats  "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.schema import ModelConfig
-from diloco.params import get_params
-from models import build_model
-from models.checkpoint import (INTEGRITY_FILE, CheckpointDamaged, CheckpointError, latest_step, load_extra,
-                               load_into_model, load_meta, save_checkpoint, verify_step)
+from configs.schema import DenseLMConfig
+from models import InputShape, build_model
+from training.checkpoint import (INTEGRITY_FILE, CheckpointDamaged, CheckpointError, latest_step, load_extra,
+                                 load_into_model, load_meta, save_checkpoint, verify_step)
+from training.functional import params_of
 
-CFG = ModelConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
+CFG = DenseLMConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
+SHAPE = InputShape(vocab_size=40, seq_len=8)
 # When Orbax aborts a restore (bad file, wrong shape) it leaves read coroutines that are never awaited;
 # Python reports them as "Exception ignored in <coroutine ...>". That is Orbax's noise, not ours.
 ORBAX_ABORTED_RESTORE = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -32,8 +33,8 @@ def _collect_orbax_leftovers():
     gc.collect()
 
 
-def _model(seed):
-    return build_model(CFG, 40, 8, nnx.Rngs(seed))
+def _model(seed, cfg=CFG):
+    return build_model(cfg, SHAPE).init(seed)
 
 
 def _pure(model):
@@ -41,7 +42,7 @@ def _pure(model):
 
 
 def _same_params(a, b):
-    pa, pb = get_params(a), get_params(b)
+    pa, pb = params_of(a), params_of(b)
     return pa.keys() == pb.keys() and all(np.array_equal(pa[k], pb[k]) for k in pa)
 
 
@@ -67,14 +68,14 @@ def test_round_trip(tmp_path, caplog):
                for p in step_dir.rglob("*") if p.is_file() and p.name != INTEGRITY_FILE}
     assert {k: v["size"] for k, v in record["files"].items()} == on_disk
     assert all(len(v["sha256"]) == 64 for v in record["files"].values())
-    with caplog.at_level(logging.WARNING, logger="models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
         b = _model(2)
         meta = load_into_model(ck, b)
         assert meta == {"method": "dp", "tokens": 7} and load_meta(ck)["tokens"] == 7
         assert latest_step(ck) == 7
         verify_step(ck, 7)
     assert _same_params(a, b)
-    assert not [r for r in caplog.records if r.name == "models.checkpoint"]
+    assert not [r for r in caplog.records if r.name == "training.checkpoint"]
     # Orbax tolerates the record: later saves, max_to_keep=2 clean-up and explicit steps still work.
     save_checkpoint(ck, 8, _pure(_model(3)), {"tokens": 8})
     save_checkpoint(ck, 9, _pure(b), {"tokens": 9}, extra={"outer_state": {"x": jnp.arange(4.0)}})
@@ -92,7 +93,7 @@ def test_truncated_newest_step_falls_back_to_older_step_with_warning(tmp_path, c
     victim = _largest_file(ck / "2" / "params")
     rel = victim.relative_to(ck / "2").as_posix()
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with caplog.at_level(logging.WARNING, logger="models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
         assert latest_step(ck) == 1
         assert load_meta(ck) == {"tokens": 1}
         fresh = _model(9)
@@ -100,7 +101,7 @@ def test_truncated_newest_step_falls_back_to_older_step_with_warning(tmp_path, c
         assert float(load_extra(ck, "outer_state", {"x": jnp.zeros(4)})["x"][0]) == 1.0
     assert _same_params(a, fresh)
     warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == "models.checkpoint"]
+                if r.levelno == logging.WARNING and r.name == "training.checkpoint"]
     assert len(warnings) == 4
     assert all("step 2" in w and rel in w and "truncated" in w for w in warnings)
     # An explicitly requested damaged step is an error, not a silent fallback.
@@ -118,7 +119,7 @@ def test_corrupted_same_size_file_is_damaged(tmp_path, caplog):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
         assert load_meta(ck) == {"tokens": 1}
     assert any("step 2" in r.getMessage() and "corrupted" in r.getMessage() for r in caplog.records)
 
@@ -148,7 +149,7 @@ def test_step_without_integrity_record_is_checked_as_far_as_possible(tmp_path, c
         (ck / step / INTEGRITY_FILE).unlink()
     victim = _largest_file(ck / "2" / "params")
     victim.write_bytes(victim.read_bytes()[:100])
-    with caplog.at_level(logging.WARNING, logger="models.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
         fresh = _model(9)
         assert load_into_model(ck, fresh) == {"tokens": 1}
     assert _same_params(a, fresh)
@@ -171,14 +172,14 @@ def test_missing_and_incomplete_checkpoints_are_clear_errors(tmp_path):
     # What an interrupted Orbax save leaves: only a temporary folder, never a finalized step.
     (ck / "5.orbax-checkpoint-tmp-1234" / "params").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
-        load_into_model(ck, build_model(CFG, 40, 8, nnx.Rngs(0)))
+        load_into_model(ck, _model(0))
 
 
 @ORBAX_ABORTED_RESTORE
 def test_mismatched_model_is_a_clear_error_not_damage(tmp_path):
-    a = build_model(CFG, 40, 8, nnx.Rngs(1))
+    a = _model(1)
     save_checkpoint(tmp_path / "ck", 1, nnx.to_pure_dict(nnx.state(a, nnx.Param)), {})
-    bigger = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32), 40, 8, nnx.Rngs(0))
+    bigger = _model(0, DenseLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32))
     with pytest.raises(CheckpointError, match="cannot restore.*does not match this model") as info:
         load_into_model(tmp_path / "ck", bigger)
     assert not isinstance(info.value, CheckpointDamaged)
@@ -193,7 +194,7 @@ def test_mismatched_model_is_a_clear_error_not_damage(tmp_path):
 
 
 def test_existing_step_is_never_overwritten(tmp_path):
-    a = build_model(CFG, 40, 8, nnx.Rngs(1))
+    a = _model(1)
     pure = nnx.to_pure_dict(nnx.state(a, nnx.Param))
     save_checkpoint(tmp_path / "ck", 3, pure, {"v": "first"})
     with pytest.raises(FileExistsError, match="never overwritten"):
@@ -211,3 +212,17 @@ def test_extra_tree_without_arrays_is_intact_without_a_record(tmp_path):
     verify_step(tmp_path / "ck", 7)
     fresh = _model(9)
     assert load_into_model(tmp_path / "ck", fresh) == {"tokens": 7} and _same_params(a, fresh)
+
+
+def test_step_without_params_holds_only_meta_and_extras(tmp_path):
+    """``params=None`` (a learner's resume point: optimizer state and cursor, no model): the step
+    is intact and readable, and restoring a model from it is a clear error, not damage."""
+    ck = tmp_path / "ck"
+    step_dir = save_checkpoint(ck, 4, None, {"step": 4}, extra={"opt_state": {"mu": jnp.arange(3.0)}})
+    assert not (step_dir / "params").exists()
+    verify_step(ck, 4)
+    assert latest_step(ck) == 4 and load_meta(ck) == {"step": 4}
+    assert np.array_equal(load_extra(ck, "opt_state", {"mu": jnp.zeros(3)})["mu"], np.arange(3.0))
+    with pytest.raises(CheckpointError, match="has no item 'params'") as info:
+        load_into_model(ck, _model(0))
+    assert not isinstance(info.value, CheckpointDamaged)

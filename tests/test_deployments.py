@@ -2,9 +2,9 @@
 ``flow.serve()`` + ``run_deployment``, and prefect.yaml (``prefect deploy --all``) + a process worker +
 ``run_deployment``; prefect.yaml in sync with configs/*.yaml; the UI form (parameter schema).
 
-The route tests run the real flow on the tiny config cut to one eval interval (about 40 s each on
-2 CPU cores). Servers and workers run in their own process group against the session's Prefect
-test server (127.0.0.1) and are always stopped.
+The route tests run the real flow on the tiny config and the committed small corpus, cut to one
+eval interval (about 40 s each on 2 CPU cores). Servers and workers run in their own process group
+against the session's Prefect test server (127.0.0.1) and are always stopped.
 """
 
 import asyncio
@@ -21,10 +21,14 @@ import cloudpickle
 import pytest
 import yaml
 
+from run.layout import RunLayout
+from tests.conftest import SMALL_DATA
+
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
-# The tiny config, one DiLoCo eval interval, no lm-eval and no DP: shard → DiLoCo → report.
-FAST = {"train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
+# The tiny config on the committed small corpus, one DiLoCo eval interval, no lm-eval and no DP:
+# shard → DiLoCo → report.
+FAST = {**SMALL_DATA, "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
         "dp.enabled": False}
 RUN_TIMEOUT_S = 240
 
@@ -204,6 +208,10 @@ def _assert_completed(flow_run, run_dir: Path, log: Path) -> None:
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     config = json.loads((run_dir / "config.json").read_text())
     assert config["name"] == "tiny" and config["train"]["token_budget"] == 3072
+    assert config["data"]["source"] == "local" and config["data"]["paths"] == SMALL_DATA["data.paths"]
+    layout = RunLayout(run_dir)
+    assert layout.methods("pretrain") == ["diloco"]  # dp.enabled: false
+    assert layout.summary("pretrain", "diloco").is_file() and layout.checkpoints("pretrain", "diloco").is_dir()
 
 
 async def _read_deployment(name: str, deadline_s: float, proc: subprocess.Popen | None = None):

@@ -4,28 +4,37 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
-from configs.schema import ModelConfig
+from configs.schema import DenseLMConfig
 from diloco.exchange import Submission
 from diloco.fragments import balanced_fragments, fragment_offsets, fragments_due
 from diloco.merge import merge_rda, merge_token_weighted, rda, token_weights
 from diloco.outer import make_outer_tx, outer_step
-from diloco.params import get_params, set_params, tensor_bytes, to_numpy
 from diloco.syncer import Syncer, SyncerSettings
-from models import build_model
-from models.training import train_step
+from diloco.tensors import tensor_bytes, to_numpy
+from models import InputShape, build_model
+from training.functional import Functional, load_params, params_of
+from training.step import make_train_step
 
-TINY = ModelConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, tie_embeddings=False)
+TINY = DenseLMConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, tie_embeddings=False)
+TINY_SPEC = build_model(TINY, InputShape(vocab_size=50, seq_len=8))
 
 
 def tiny_model(seed=0):
-    return build_model(TINY, vocab_size=50, max_len=8, rngs=nnx.Rngs(seed))
+    return TINY_SPEC.init(seed)
+
+
+def sgd_step(model, tx, batch):
+    """One inner step of ``training.step`` on ``model``'s parameters; returns the new flat params."""
+    fn, params = Functional.of(model)
+    step = make_train_step(fn, TINY_SPEC.objective, tx)
+    new, _, _ = step(params, tx.init(params), jnp.asarray(batch))
+    return new
 
 
 # -- fragments ------------------------------------------------------------------------------------
 def test_fragments_deterministic_balanced_and_complete():
-    sizes = tensor_bytes(get_params(tiny_model()))
+    sizes = tensor_bytes(params_of(tiny_model()))
     for P in (1, 2, 3, 4, 6):
         a = balanced_fragments(sizes, P)
         b = balanced_fragments(dict(reversed(list(sizes.items()))), P)  # insertion order must not matter
@@ -144,27 +153,23 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_dp_step():
     M, lr, B, L = 3, 0.1, 2, 8
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 50, size=(B, L + 1)).astype(np.int32) for _ in range(M)]
-    theta0 = to_numpy(get_params(tiny_model()))
+    theta0 = to_numpy(params_of(tiny_model()))
     fragments = balanced_fragments(tensor_bytes(theta0), 3)
     syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=M, quorum=M, merge="token_weighted",
                                                       outer_lr=1.0, outer_momentum=0.0))
     tx = optax.sgd(lr)
     for m in range(M):
         model = tiny_model(seed=1 + m)
-        set_params(model, theta0)
-        opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-        train_step(model, opt, jnp.asarray(batches[m]))
-        theta_m = to_numpy(get_params(model))
+        load_params(model, theta0)
+        theta_m = to_numpy(sgd_step(model, tx, batches[m]))
         for p in fragments_due(1, len(fragments), 1):
             syncer.receive(Submission(m, p, {k: theta_m[k] for k in fragments[p]}, B * L, 1, 0, 1), 0.0)
     records = syncer.poll(0.0, live=set(range(M)))
     assert len(records) == len(fragments)
 
     dp = tiny_model(seed=9)
-    set_params(dp, theta0)
-    dp_opt = nnx.Optimizer(dp, tx, wrt=nnx.Param)
-    train_step(dp, dp_opt, jnp.asarray(np.concatenate(batches)))
-    expected = to_numpy(get_params(dp))
+    load_params(dp, theta0)
+    expected = to_numpy(sgd_step(dp, tx, np.concatenate(batches)))
     got = syncer.params()
     for k in expected:
         np.testing.assert_allclose(got[k], expected[k], atol=2e-6, err_msg=k)
@@ -175,8 +180,8 @@ def test_default_model_fragments_within_four_thirds_of_ideal():
     from configs.schema import load_config
 
     cfg = load_config("configs/default.yaml")
-    model = build_model(cfg.model, cfg.data.vocab_size, cfg.data.seq_len, nnx.Rngs(0))
-    sizes = tensor_bytes(get_params(model))
+    model = build_model(cfg.model, InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)).init(0)
+    sizes = tensor_bytes(params_of(model))
     for P in range(1, 13):
         frags = balanced_fragments(sizes, P)
         assert frags == balanced_fragments(sizes, P)

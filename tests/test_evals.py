@@ -24,10 +24,10 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM, TemplateLM
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from configs.schema import EvalConfig, ModelConfig
+from configs.schema import DenseLMConfig, EvalConfig
 from evals.heldout_tasks import build_heldout_tasks
 from evals.lm_adapter import JaxLM
-from models import build_model
+from models import InputShape, build_model
 
 MAX_LEN = 32
 WORDS = (
@@ -64,17 +64,22 @@ def tok() -> Tokenizer:
     return t
 
 
+def _tiny_lm(seed: int = 0) -> nnx.Module:
+    cfg = DenseLMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64)
+    spec = build_model(cfg, InputShape(vocab_size=300, seq_len=MAX_LEN))
+    return spec.init(seed)
+
+
 @pytest.fixture(scope="module")
 def model():
-    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64)
-    return build_model(cfg, 300, max_len=MAX_LEN, rngs=nnx.Rngs(0))
+    return _tiny_lm(0)
 
 
 @pytest.fixture(scope="module")
 def sharp_model():
     """The tiny model with every parameter ×10: peaked, context-dependent greedy outputs (at init
     the greedy continuation just repeats one token, which would make the stop tests vacuous)."""
-    m = build_model(ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64), 300, max_len=MAX_LEN, rngs=nnx.Rngs(0))
+    m = _tiny_lm(0)
     nnx.update(m, jax.tree.map(lambda x: 10.0 * x, nnx.state(m)))
     return m
 

@@ -1,4 +1,9 @@
-"""End-to-end flow tests on the tiny config (real Prefect flows and tasks, real data)."""
+"""End-to-end flow tests on the tiny config (real Prefect flows and tasks, real data).
+
+``test_pipeline_end_to_end`` is the one test of the whole suite on the real default corpus
+(``data.source: shakespeare``, downloaded once and cached); the others run on the committed small
+corpus (``tests/data/shakespeare_small.jsonl``).
+"""
 
 import json
 import shutil
@@ -6,37 +11,40 @@ import shutil
 import numpy as np
 import pytest
 
-from tasks.metrics import read_jsonl
+from run.layout import RunLayout
+from run.metrics import read_jsonl
 
 
-@pytest.fixture
-def run_dir(tmp_path, tiny_data):
+def _copy(data_dir, tmp_path):
     dst = tmp_path / "run"
-    shutil.copytree(tiny_data, dst)
+    shutil.copytree(data_dir, dst)
     return dst
 
 
-def test_pipeline_end_to_end(prefect_harness, tiny_cfg, run_dir):
+def test_pipeline_end_to_end(prefect_harness, tiny_cfg, tiny_data, tmp_path):
     from flows.pipeline import pipeline
 
+    run_dir = _copy(tiny_data, tmp_path)
+    layout = RunLayout(run_dir)
     out = pipeline(config=tiny_cfg, run_dir=str(run_dir))
     assert out == str(run_dir)
-    report = (run_dir / "report" / "report.md").read_text()
+    report = layout.report_md.read_text()
     assert "Decoupled DiLoCo" in report and "Data-parallel" in report
+    assert layout.methods("pretrain") == ["diloco", "dp"]
     for method in ("diloco", "dp"):
-        summary = json.loads((run_dir / "pretrain" / method / "summary.json").read_text())
+        summary = json.loads(layout.summary("pretrain", method).read_text())
         assert summary["tokens"] == tiny_cfg.dp_steps * tiny_cfg.tokens_per_dp_step
-        curve = read_jsonl(run_dir / "metrics" / f"{method}_eval.jsonl")
+        curve = read_jsonl(layout.metrics("pretrain", method, "eval"))
         assert curve[-1]["val/loss"] < curve[0]["val/loss"] - 0.2  # it trained
         assert curve[-1]["val/loss"] <= min(c["val/loss"] for c in curve) + 0.05  # and did not blow up late
-        metrics = json.loads((run_dir / "eval" / f"{method}.json").read_text())
+        metrics = json.loads(layout.eval_result("pretrain", method).read_text())
         assert 0.0 <= metrics["heldout_nextline/acc"] <= 1.0
         assert metrics["heldout_ppl/byte_perplexity"] > 1.0
-        assert (run_dir / "checkpoints" / method).is_dir()
-    merges = read_jsonl(run_dir / "metrics" / "diloco_merges.jsonl")
+        assert layout.checkpoints("pretrain", method).is_dir()
+    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert len(merges) >= 3
     assert all(abs(sum(m["weights"]) - 1) < 1e-4 for m in merges)
-    ledger = json.loads((run_dir / "pretrain" / "diloco" / "summary.json").read_text())["ledger"]
+    ledger = json.loads(layout.summary("pretrain", "diloco").read_text())["ledger"]
     assert sum(v["processed"] for v in ledger.values()) == tiny_cfg.dp_steps * tiny_cfg.tokens_per_dp_step
     P = tiny_cfg.diloco.fragments
     for v in ledger.values():  # every token accounted for (±P from averaging over fragments)
@@ -45,25 +53,30 @@ def test_pipeline_end_to_end(prefect_harness, tiny_cfg, run_dir):
         assert v["submitted"] <= v["processed"]
 
 
-def test_injected_failure_learner_rejoins(prefect_harness, tiny_cfg, run_dir):
-    """Learner 1 raises at step 20; merges go on while it waits for its retry; it is merged again later."""
+def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data, tmp_path):
+    """Learner 1 raises at step 20; merges go on while it waits for its retry; it rejoins from its
+    last resume point (step 15: one every 5 steps) and is merged again later."""
     from configs.schema import ExperimentConfig
     from flows.pretrain import pretrain_diloco
 
+    run_dir = _copy(small_data, tmp_path)
+    layout = RunLayout(run_dir)
     cfg = ExperimentConfig.model_validate({
-        **tiny_cfg.model_dump(),
-        "diloco": {**tiny_cfg.diloco.model_dump(), "retry_delay_s": 2.0, "grace_s": 0.05},
-        "train": {**tiny_cfg.train.model_dump(), "token_budget": 98304, "eval_every_tokens": 98304},
+        **small_cfg.model_dump(),
+        "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 2.0, "grace_s": 0.05,
+                   "resume_every_steps": 5},
+        "train": {**small_cfg.train.model_dump(), "token_budget": 98304, "eval_every_tokens": 98304},
         "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
     })
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
     assert summary["tokens"] == cfg.dp_steps * cfg.tokens_per_dp_step
-    events = read_jsonl(run_dir / "metrics" / "diloco_learners.jsonl")
+    events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     fail = next(e for e in events if e["event"] == "failure" and e["learner"] == 1)
     restart = next(e for e in events if e["event"] == "start" and e["learner"] == 1 and e["attempt"] == 2)
-    assert "InjectedFailure" in fail["reason"] and restart["step"] == 19  # resumes at its position
+    assert "InjectedFailure" in fail["reason"] and fail["step"] == 19  # the last step it completed
+    assert restart["resumed"] and restart["step"] == 15  # resumes at its last resume point
     assert restart["t"] - fail["t"] >= 1.5
-    merges = read_jsonl(run_dir / "metrics" / "diloco_merges.jsonl")
+    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     during = [m for m in merges if fail["t"] < m["merged_at_s"] < restart["t"]]
     assert during, "merges must go on while learner 1 is down"
     for m in during:  # learner 1 can only appear with work sent before it failed
@@ -75,11 +88,17 @@ def test_injected_failure_learner_rejoins(prefect_harness, tiny_cfg, run_dir):
     assert np.isfinite(summary["final_val_loss"])
 
 
-def test_results_are_never_overwritten(tiny_cfg, tmp_path):
+def test_results_are_never_overwritten(tmp_path):
     """Training a method again into a run directory that holds its results is refused up front."""
-    from tasks.pretrain import ensure_fresh
+    from training.common import ensure_fresh
 
-    (tmp_path / "checkpoints" / "dp" / "24576").mkdir(parents=True)
-    with pytest.raises(FileExistsError, match="already holds dp results"):
-        ensure_fresh(tmp_path, "dp")
-    ensure_fresh(tmp_path, "diloco")  # the other method is still free to run
+    layout = RunLayout(tmp_path)
+    (layout.checkpoints("pretrain", "dp") / "24576").mkdir(parents=True)
+    with pytest.raises(FileExistsError, match="already holds pretrain dp results"):
+        ensure_fresh(tmp_path, "pretrain", "dp")
+    ensure_fresh(tmp_path, "pretrain", "diloco")  # the other method is still free to run
+    # an evaluation result alone also holds the method's results
+    layout.eval_result("pretrain", "diloco").parent.mkdir(parents=True)
+    layout.eval_result("pretrain", "diloco").write_text("{}")
+    with pytest.raises(FileExistsError, match=r"already holds pretrain diloco results \(eval/pretrain/diloco.json\)"):
+        ensure_fresh(tmp_path, "pretrain", "diloco")

@@ -379,3 +379,27 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
         assert RunLayout(run_dir).methods("pretrain") == ["diloco", "dp"]
     finally:
         MODELS.pop("mlp_lm", None)
+
+
+def test_a_cut_off_or_damaged_resume_point_lets_the_learner_start_again(tmp_path, caplog):
+    """A process killed while saving leaves only ``<step>.orbax-checkpoint-tmp``; a damaged step
+    fails its integrity check. Either way the retry must run (from step 0), not fail forever."""
+    from training.checkpoint import OrbaxResumeStore
+
+    trainer = tiny_trainer()
+    template = trainer.init_opt(trainer.init_params())
+    store = OrbaxResumeStore(tmp_path / "resume")
+    assert store.load(template) is None  # nothing saved yet
+    (tmp_path / "resume" / "25.orbax-checkpoint-tmp" / "opt_state").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="training.checkpoint"):
+        assert store.load(template) is None
+    assert "starts again at step 0" in caplog.text
+    store.save(ResumePoint(step=30, cursor=(0, 3), tokens=90, opt_state=template))
+    assert store.load(template).step == 30
+    victim = max((p for p in (tmp_path / "resume" / "30").rglob("*") if p.is_file() and p.stat().st_size > 64),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, other bytes: damaged
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="training.checkpoint"):
+        assert store.load(template) is None
+    assert "DAMAGED" in caplog.text or "damaged" in caplog.text

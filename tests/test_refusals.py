@@ -66,9 +66,12 @@ def test_run_dir_rules(tmp_path):
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="not empty .*notes.txt"):
         check_run_dir(tmp_path / "other")
-    (tmp_path / "partial" / "checkpoints").mkdir(parents=True)  # an interrupted run is a run too
-    with pytest.raises(ValueError, match="already holds a run"):
+    (tmp_path / "partial" / "pretrain" / "dp" / "checkpoints").mkdir(parents=True)  # an interrupted run
+    with pytest.raises(ValueError, match="already holds a run"):                    # is a run too
         check_run_dir(tmp_path / "partial")
+    (tmp_path / "old-layout" / "checkpoints").mkdir(parents=True)  # and so is one of the layout before
+    with pytest.raises(ValueError, match="already holds a run"):
+        check_run_dir(tmp_path / "old-layout")
     assert not (tmp_path / "new").exists()  # checking writes nothing
 
 
@@ -77,6 +80,14 @@ def test_run_dir_under_a_file_is_refused_before_prefect_starts(tmp_path):
     (tmp_path / "a-file").write_text("")
     line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "a-file" / "R"))
     assert "is a file, not a folder" in line and "--run-dir" in line
+
+
+def test_object_storage_run_dirs_are_refused_in_one_line(tmp_path):
+    """Runs are written to local folders; a URL as --run-dir or run_root is refused before anything."""
+    line = one_line_refusal(*cli("run", "tiny", "--run-dir", "s3://bucket/run"))
+    assert "s3://bucket/run is a URL" in line and "local" in line
+    line = one_line_refusal(*cli("run", "tiny", "--set", "run_root=memory://runs"))
+    assert "run_root memory://runs is a URL" in line
 
 
 def corpus(tmp_path: Path, texts: list[str | bytes]) -> list[str]:
@@ -162,8 +173,10 @@ def test_empty_config_is_an_error(tmp_path):
     ("diloco", "learners", True),
     ("diloco", "learners", "4"),
     ("diloco", "outer_lr", "0.5"),
-    ("diloco", "keep_in_flight", "yes"),
-    ("diloco", "keep_in_flight", 1),
+    ("diloco", "outer_nesterov", "yes"),
+    ("diloco", "outer_nesterov", 1),
+    ("diloco", "receipt", True),
+    ("dp", "batch_size", "32"),
     ("train", "token_budget", 2e6),
     ("data", "seq_len", False),
     ("eval", "enabled", 0),
@@ -225,19 +238,23 @@ def test_run_dir_inside_a_run_symlinks_proc_and_races(tmp_path):
     assert not list(tmp_path.glob(".ddiloco-probe-*"))
 
 
-def test_reused_data_must_match_the_config(tmp_path, tiny_cfg, tiny_data):
+def test_reused_data_must_match_the_config(tmp_path, small_cfg, small_data):
     import shutil
 
     from flows.preflight import check_reusable_data
+    from tests.conftest import SMALL_DATA
 
-    shutil.copytree(tiny_data / "data", tmp_path / "R" / "data")
-    check_reusable_data(tiny_cfg, tmp_path / "R")  # the same data config: reused
-    other = load_config(ROOT / "configs" / "tiny.yaml", {"data.vocab_size": 300})
+    shutil.copytree(small_data / "data", tmp_path / "R" / "data")
+    check_reusable_data(small_cfg, tmp_path / "R")  # the same data config: reused
+    other = load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "data.vocab_size": 300})
     with pytest.raises(ValueError, match="holds data built from another data config"):
         check_reusable_data(other, tmp_path / "R")
+    with pytest.raises(ValueError, match="holds data built from another data config or learner count"):
+        check_reusable_data(load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.learners": 2,
+                                                                         "diloco.quorum": 2}), tmp_path / "R")
     (tmp_path / "S" / "data").mkdir(parents=True)
     with pytest.raises(ValueError, match="holds a data folder that cannot be reused"):
-        check_reusable_data(tiny_cfg, tmp_path / "S")
+        check_reusable_data(small_cfg, tmp_path / "S")
 
 
 def test_goodput_never_writes_into_a_pipeline_run(tmp_path):
@@ -290,7 +307,7 @@ def test_duplicate_keys_and_chaos_events_are_refused(tmp_path):
     with pytest.raises(ValidationError, match=r"chaos.failures\[1\] repeats learner 1's failure at step 3"):
         load_config(ROOT / "configs" / "tiny.yaml",
                     {"chaos.failures": [{"learner": 1, "at_step": 3}, {"learner": 1, "at_step": 3}]})
-    # two failures of one learner: the k-th fires on its k-th attempt (tests/test_runtime.py)
+    # two failures of one learner: the k-th fires on its k-th attempt (tests/test_learner.py)
     load_config(ROOT / "configs" / "tiny.yaml",
                 {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]})
 

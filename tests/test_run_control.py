@@ -1,7 +1,7 @@
 """How a run ends: a stop signal stops it cleanly, and a run that lost most of its work fails.
 
-Both are real pipeline runs on the tiny config (a subprocess for the signal, the session's Prefect
-harness for the failed run).
+Both are real pipeline runs on the tiny config and the committed small corpus (a subprocess for
+the signal, the session's Prefect harness for the failed run).
 """
 
 import json
@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.pretrain import work_lost
+from run.layout import RunLayout
+from tests.conftest import SMALL_CORPUS, SMALL_DATA
+from training.diloco import work_lost
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +34,7 @@ def test_work_lost_thresholds():
     assert work_lost({"0": {"processed": 0, "dropped": 0}}, 0.05, 0.5)["dropped_fraction"] == 0.0
 
 
-def test_a_run_that_mostly_failed_fails(prefect_harness, tiny_cfg, tiny_data, tmp_path):
+def test_a_run_that_mostly_failed_fails(prefect_harness, small_data, tmp_path):
     """Learners that diverge (inner lr 50) have most submissions dropped as non-finite: the run
     writes its report, says so at the top, records ``failed`` and ends Failed (exit 1 in the CLI)."""
     import shutil
@@ -42,16 +44,17 @@ def test_a_run_that_mostly_failed_fails(prefect_harness, tiny_cfg, tiny_data, tm
     from flows.pipeline import pipeline
 
     rd = tmp_path / "run"
-    shutil.copytree(tiny_data, rd)
+    shutil.copytree(small_data, rd)  # the data is reused: it was built from the same data config
+    layout = RunLayout(rd)
     with pytest.raises(FailedRun, match=r"the syncer dropped \d+\.\d % .*non-finite.*max_dropped_fraction = 0.5"):
         pipeline(config_file="tiny", run_dir=str(rd),
-                 overrides={"diloco.inner.lr": 50.0, "dp.enabled": False, "eval.enabled": False})
-    status = json.loads((rd / "status.json").read_text())
+                 overrides={**SMALL_DATA, "diloco.inner.lr": 50.0, "dp.enabled": False, "eval.enabled": False})
+    status = json.loads(layout.status.read_text())
     assert status["status"] == "failed" and status["completed_stages"] == ["data", "pretrain-diloco", "report"]
-    lost = json.loads((rd / "pretrain" / "diloco" / "summary.json").read_text())["work_lost"]
+    lost = json.loads(layout.summary("pretrain", "diloco").read_text())["work_lost"]
     assert lost["status"] == "failed" and lost["dropped_fraction"] > 0.5
     assert lost["reasons"]["non-finite"] > 0.5 * lost["processed_tokens"]  # (a few may go as superseded)
-    head = (rd / "report" / "report.md").read_text().split("\n## ")[0]  # above the first section
+    head = layout.report_md.read_text().split("\n## ")[0]  # above the first section
     failed = next(ln for ln in head.splitlines() if ln.startswith("**Failed:"))
     warning = next(ln for ln in head.splitlines() if ln.startswith("**Warning:"))
     assert "max_dropped_fraction = 0.5" in failed
@@ -63,10 +66,14 @@ def test_sigterm_stops_a_run_cleanly(tmp_path):
     report of what was done is written, status.json says ``interrupted``, and the exit is 143."""
     rd = tmp_path / "R"
     log = tmp_path / "out.log"
+    # long enough that the first progress line (after 10 s) comes while DiLoCo trains: the pure
+    # jitted step runs 98,304 tokens of the tiny config in about 9 s on 2 CPU cores
+    budget = 393216
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "tiny", "--run-dir", str(rd),
-                                 "--set", "train.token_budget=98304"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"})
+                                 "--set", f"train.token_budget={budget}", "--set", "data.source=local",
+                                 "--set", f"data.paths=[{SMALL_CORPUS}]"], cwd=ROOT, stdout=out,
+                                stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"})
     try:
         deadline = time.monotonic() + 240
         while "diloco: tokens" not in log.read_text():  # training has started
@@ -83,12 +90,13 @@ def test_sigterm_stops_a_run_cleanly(tmp_path):
     assert code == 143, text[-3000:]
     assert "SIGTERM received: stopping at the next step boundary" in text
     assert "Traceback" not in text, text[-3000:]
-    status = json.loads((rd / "status.json").read_text())
+    layout = RunLayout(rd)
+    status = json.loads(layout.status.read_text())
     assert status["status"] == "interrupted" and status["reason"] == "SIGTERM received"
     assert status["completed_stages"] == ["data", "report"]  # DiLoCo stopped part-way; DP never started
-    summary = json.loads((rd / "pretrain" / "diloco" / "summary.json").read_text())
-    assert summary["interrupted"] and 0 < summary["tokens"] < 98304
-    assert any((rd / "checkpoints" / "diloco").iterdir())  # the syncer saved Θ and its outer state
-    assert not (rd / "pretrain" / "dp").exists()
-    assert (rd / "report" / "report.md").is_file()
+    summary = json.loads(layout.summary("pretrain", "diloco").read_text())
+    assert summary["interrupted"] and 0 < summary["tokens"] < budget
+    assert any(layout.checkpoints("pretrain", "diloco").iterdir())  # the syncer saved Θ and its outer state
+    assert not layout.method_dir("pretrain", "dp").exists()
+    assert layout.report_md.is_file()
     assert took < 60, f"stopping took {took:.1f} s"

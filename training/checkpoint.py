@@ -494,7 +494,8 @@ class OrbaxResumeStore:
     step ``point.step`` with items ``opt_state`` (the inner optimizer state, a pytree of arrays:
     Adam moments and step counts) and ``meta`` (``step``, ``cursor``, ``tokens``), keeps the newest
     two, and records their integrity like every checkpoint here. ``load`` returns the newest intact
-    point, restored with the structure of ``opt_template``, or None when nothing was saved yet.
+    point, restored with the structure of ``opt_template``, or None when nothing usable was saved
+    (no save yet, only a save cut off mid-way, or every step damaged: logged as a warning).
     """
 
     def __init__(self, path: str | Path):
@@ -507,13 +508,16 @@ class OrbaxResumeStore:
     def load(self, opt_template):
         from diloco.learner import ResumePoint
 
+        if not self.path.is_dir():
+            return None
         try:
             step = latest_step(self.path)
-        except CheckpointError:
-            if (self.path).is_dir() and any(self.path.iterdir()):
-                raise
+            meta = load_meta(self.path, step)
+            opt_state = load_extra(self.path, "opt_state", opt_template, step)
+        except CheckpointError as exc:
+            # Only a save cut off mid-way (a killed process leaves <step>.orbax-checkpoint-tmp), or
+            # damaged steps: a learner must still be able to rejoin, so it starts again at step 0.
+            logger.warning("resume point %s is unusable, the learner starts again at step 0: %s", self.path, exc)
             return None
-        meta = load_meta(self.path, step)
-        opt_state = load_extra(self.path, "opt_state", opt_template, step)
         return ResumePoint(step=int(meta["step"]), cursor=tuple(meta["cursor"]), tokens=int(meta["tokens"]),
                            opt_state=opt_state)
