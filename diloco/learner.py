@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import jax
@@ -118,7 +118,6 @@ class LearnerSetup:
     turns: FairTurns | None = None
     fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
     log_every: int = 10
-    extra: dict = field(default_factory=dict)
 
 
 def tree_digest(tree: Any) -> str:
