@@ -190,6 +190,9 @@ def run_learner(s: LearnerSetup) -> dict:
             batch, epoch, index = s.next_batch(epoch, index)
             with s.turns or contextlib.nullcontext():
                 params, opt_state, metrics = s.step(params, opt_state, jnp.asarray(batch))
+                # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
+                # learners would all compute at once and drift apart (what the turns prevent).
+                jax.block_until_ready(metrics["loss"])
             step += 1
             steps_this_attempt += 1
             processed += s.tokens_per_step
