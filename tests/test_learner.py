@@ -189,6 +189,38 @@ def test_fair_turns_serve_in_arrival_order_and_bound_concurrency():
     assert peak[0] == 2  # both slots used, never a third
 
 
+def test_a_learner_holds_its_turn_until_its_step_has_run():
+    """JAX returns from a jitted step before it has run; a learner that released its turn then
+    would compute beside the others and the turns would pace nothing (co-located learners drift,
+    their fragments get superseded). Every turn must end with the step's result ready."""
+    trainer = tiny_trainer()
+    theta0 = to_numpy(trainer.init_params())
+    fragments = balanced_fragments(tensor_bytes(theta0), 2)
+    exchange = InMemoryExchange(len(fragments), token_budget=8 * B * L)
+    for p, names in enumerate(fragments):
+        exchange.publish(p, 0, {k: theta0[k] for k in names})
+    last = {}
+
+    def step(params, opt_state, batch):
+        out = trainer.step(params, opt_state, batch)
+        last["loss"] = out[2]["loss"]
+        return out
+
+    ready_at_release = []
+
+    class CheckedTurns(FairTurns):
+        def __exit__(self, *exc):
+            ready_at_release.append(last["loss"].is_ready())
+            super().__exit__(*exc)
+
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 50, (B, L + 1), dtype=np.int32) for _ in range(8)]
+    setup = _setup(trainer, exchange, batches, fragments, turns=CheckedTurns(1))
+    setup.step = step
+    run_learner(setup)
+    assert ready_at_release == [True] * 8
+
+
 class DictResumeStore:
     """Resume points kept in memory (the Orbax store is tested in a fresh process below)."""
 
