@@ -521,6 +521,12 @@ def parse_overrides(items: list[str]) -> dict:
     return out
 
 
+# keys of earlier versions of this schema -> what replaced them (named when an old config uses them)
+RENAMED = {
+    "diloco.keep_in_flight": "replaced by diloco.receipt: keep_in_flight (or overwrite, mix)",
+}
+
+
 def validation_lines(exc: ValidationError) -> list[str]:
     """One line per validation error, the field path first (no pydantic boilerplate)."""
     lines = []
@@ -531,6 +537,8 @@ def validation_lines(exc: ValidationError) -> list[str]:
             value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
             msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
         if err["type"] == "extra_forbidden":
+            if loc in RENAMED:
+                msg += f" ({RENAMED[loc]})"
             keys = _valid_keys(exc.title, err["loc"][:-1])
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"

@@ -66,8 +66,7 @@ def check_run_dir(path: str | Path) -> Path:
             f"run directory {path}: {parent} is a file, not a folder, so nothing can be created under it; "
             "choose another --run-dir (or run_root)"
         )
-    _probe_writable(parent, path)
-    if path.is_dir():
+    if path.is_dir():  # a run is refused before anything is created inside it (even a probe)
         entries = sorted(p.name for p in path.iterdir())
         taken = [e for e in entries if e in RESULT_ENTRIES]
         if taken:
@@ -82,6 +81,7 @@ def check_run_dir(path: str | Path) -> Path:
                 f"run directory {path} is not empty ({', '.join(other[:5])}) and is not a run directory; "
                 "choose a new or empty --run-dir"
             )
+    _probe_writable(parent, path)
     return path
 
 

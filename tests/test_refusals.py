@@ -47,11 +47,18 @@ def finished_run(path: Path) -> bytes:
 def test_a_refused_run_never_touches_a_finished_run(tmp_path):
     before = finished_run(tmp_path / "R")
     listing = sorted(p.name for p in (tmp_path / "R").rglob("*"))
+    os.utime(tmp_path / "R", (0, 0))  # nothing may be created in it, not even a probe folder
     line = one_line_refusal(*cli("run", "configs/tiny.yaml", "--run-dir", tmp_path / "R",
                                  "--set", "diloco.outer_lr=0.5"))
     assert "already holds a run (completed" in line and "--run-dir" in line
     assert (tmp_path / "R" / "config.json").read_bytes() == before
     assert sorted(p.name for p in (tmp_path / "R").rglob("*")) == listing
+    assert (tmp_path / "R").stat().st_mtime == 0
+
+
+def test_an_old_key_names_what_replaced_it():
+    line = one_line_refusal(*cli("validate", "tiny", "--set", "diloco.keep_in_flight=true"))
+    assert "diloco.keep_in_flight" in line and "replaced by diloco.receipt: keep_in_flight" in line
 
 
 def test_run_dir_rules(tmp_path):

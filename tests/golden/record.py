@@ -143,7 +143,13 @@ def main() -> None:
             print(f"wrote {path}")
         elif path.exists():
             want = json.loads(path.read_text())
-            print(f"{name}: held-out loss {got['heldout_loss']} (recorded {want['heldout_loss']})")
+            import numpy as np
+
+            dev = {k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
+                   for k in ("train_loss", "heldout_loss") if np.shape(got[k]) == np.shape(want[k])}
+            print(f"{name}: held-out loss {got['heldout_loss']} (recorded {want['heldout_loss']}); largest "
+                  f"deviation per step: train {dev.get('train_loss', 'shape differs')}, held-out "
+                  f"{dev.get('heldout_loss', 'shape differs')} nats")
         else:
             print(f"{name}: held-out loss {got['heldout_loss']} (nothing recorded yet)")
 
