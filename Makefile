@@ -6,7 +6,7 @@ CONFIG  ?= configs/default.yaml
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: setup run test bench ui clean
+.PHONY: setup run test bench bench-torch ui clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -25,6 +25,12 @@ test: setup
 	$(VENV)/bin/python -m pytest tests
 
 bench: setup
+	$(VENV)/bin/python benchmarks/throughput.py
+
+# The same benchmark beside the PyTorch model of the same shape: an optional dependency, installed
+# into the venv with pip (PyTorch's CPU build; `make run` and `make test` never need it).
+bench-torch: setup
+	$(VENV)/bin/python -m pip install --quiet -r benchmarks/requirements-torch.txt
 	$(VENV)/bin/python benchmarks/throughput.py
 
 ui: setup

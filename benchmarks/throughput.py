@@ -1,13 +1,27 @@
-"""Training throughput and model FLOP utilisation (MFU) for one learner step and one DP step.
+"""Training-step speed of our JAX step against PyTorch at the same shape, side by side in one run.
 
-    python benchmarks/throughput.py [--config configs/default.yaml] [--steps 20] [--peak-gflops X]
-                                    [--set key=value ...]
+    python benchmarks/throughput.py [--config configs/default.yaml] [--repeats 11]
+    make bench-torch        # installs the optional PyTorch reference first, then runs this
 
-MFU = achieved model FLOP/s ÷ peak FLOP/s, with model FLOPs per token from
-``models.flops_per_token`` (6·N_matmul + 12·n_layers·d_model·L, the PaLM accounting). On a CPU there
-is no datasheet peak, so by default the peak is *measured*: the best FLOP/s of a large float32
-matmul (4096², jitted) on this machine. Pass ``--peak-gflops`` for a datasheet figure instead
-(e.g. 989e3 for one H100 in bf16 dense). Prints a table; asserts nothing.
+Four steps, as the pipeline runs them: the DiLoCo learner step (``diloco.batch_size`` rows) and the
+DP step (``dp.batch_size`` rows), each on the whole batch and split into the configured
+microbatches (``train.microbatch_size``; gradients averaged before the one update). Ours is
+``training.step.Trainer`` on ``models.build_model`` with the configured AdamW; PyTorch's is
+``benchmarks/torch_reference.py``: the same model, parameter count (checked), optimizer and
+microbatching, eager, ``torch.set_num_threads`` = the cores this process may use.
+
+Timing: the eight step kinds (4 × ours, 4 × PyTorch) take turns within each repetition, so a
+load that comes and goes on a shared machine falls on all of them. A turn is one untimed step
+(the other library's threads wind down meanwhile), then ``STEPS`` steps back to back, timed until
+every output is ready, as the training loops run them (they read the loss only when they log).
+Figures are medians over ``--repeats`` turns, after compilation and two warm-up steps. Both
+libraries run under ``training.xla.configure_host`` (malloc keeps freed memory).
+
+``ratio`` = PyTorch ms / our ms (> 1: ours is faster). MFU = model FLOP/s ÷ peak FLOP/s, with
+model FLOPs per token from ``models.text.dense.flops_per_token`` (6·N_matmul + 12·n_layers·d·L).
+The peak is measured in the same run: the best float32 FLOP/s of a 2048² matmul, JAX and
+PyTorch, best of 10 each; the higher of the two is the peak used. Prints a table; asserts nothing
+but the parameter count. Without PyTorch it says so in one line and prints our figures alone.
 """
 
 from __future__ import annotations
@@ -15,25 +29,46 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from configs.schema import load_config_checked, parse_overrides
-from models import build_model, count_params, flops_per_token
-from models.training import make_inner_tx, train_step
+from configs.schema import load_config_checked
+from models import build_model
+from models.spec import InputShape
+from models.text.dense import flops_per_token
+from training.optimizers import make_inner_tx
+from training.step import Trainer
+from training.xla import configure_host
+
+try:
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from torch_reference import TorchTrainer, cores, count_params as torch_params
+except ImportError:  # the optional reference: `make bench-torch` installs it
+    torch = None
+
+PEAK_N = 2048
+STEPS = 2  # timed back-to-back steps per turn
 
 
-def measured_peak_gflops(n: int = 4096, reps: int = 5) -> float:
-    a = jnp.ones((n, n), jnp.float32)
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def jax_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -41,56 +76,123 @@ def measured_peak_gflops(n: int = 4096, reps: int = 5) -> float:
         t = time.perf_counter()
         f(a).block_until_ready()
         best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best
 
 
-def bench_step(cfg, batch_size: int, steps: int, vocab: int, microbatches: int = 1) -> tuple[float, float]:
-    model = build_model(cfg.model, vocab, cfg.data.seq_len, nnx.Rngs(0))
-    opt = nnx.Optimizer(model, make_inner_tx(cfg.diloco.inner, 1000), wrt=nnx.Param)
-    rng = np.random.default_rng(0)
-    batch = jnp.asarray(rng.integers(0, vocab, (batch_size, cfg.data.seq_len + 1)), dtype=jnp.int32)
-    float(train_step(model, opt, batch, microbatches))  # compile
-    t = time.perf_counter()
-    for _ in range(steps):
-        loss = train_step(model, opt, batch, microbatches)
-    float(loss)
-    dt = (time.perf_counter() - t) / steps
-    return dt, batch_size * cfg.data.seq_len / dt
+def torch_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
+    a = torch.from_numpy(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    a @ a
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def ours(spec, tx, batch: np.ndarray, microbatches: int) -> Callable[[int], float]:
+    """``steps(n)``: n steps of our compiled step (params and state carried, donated); last loss."""
+    trainer = Trainer(spec, tx, microbatches)
+    params = trainer.init_params()
+    state = [params, trainer.init_opt(params)]
+    batch = jnp.asarray(batch)
+
+    def steps(n: int) -> float:
+        for _ in range(n):
+            state[0], state[1], metrics = trainer.step(state[0], state[1], batch)
+        jax.block_until_ready((state[0], state[1], metrics))
+        return float(metrics["loss"])
+
+    return steps
+
+
+def theirs(cfg, batch: np.ndarray, microbatches: int, vocab: int) -> Callable[[int], float]:
+    trainer = TorchTrainer(cfg.model, cfg.diloco.inner, vocab, cfg.data.seq_len, microbatches)
+    rows = torch.from_numpy(batch.astype(np.int64))
+
+    def steps(n: int) -> float:
+        for _ in range(n):
+            loss = trainer.step(rows)
+        return float(loss)
+
+    return steps
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml"))
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--peak-gflops", type=float, default=None)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
+    ap.add_argument("--repeats", type=int, default=11, help="timed turns of every step kind (median)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be ≥ 1, got {args.repeats}")
     try:
-        cfg = load_config_checked(args.config, parse_overrides(args.set))
+        cfg = load_config_checked(args.config)
     except ValueError as exc:
         ap.error(str(exc))
-    if args.steps < 1:
-        ap.error(f"--steps must be ≥ 1 timed step, got {args.steps}")
-    if args.peak_gflops is not None and not args.peak_gflops > 0:
-        ap.error(f"--peak-gflops must be > 0 GFLOP/s, got {args.peak_gflops}")
-    vocab = cfg.data.vocab_size
-    peak = args.peak_gflops or measured_peak_gflops()
-    fpt = flops_per_token(cfg.model, vocab, cfg.data.seq_len)
-    params = count_params(build_model(cfg.model, vocab, cfg.data.seq_len, nnx.Rngs(0)))
-    print(f"# throughput  {time.strftime('%Y-%m-%d')}  {platform.machine()}  {os.cpu_count()} cores  "
-          f"jax {jax.__version__}  devices {jax.devices()}")
-    print(f"model: {params:,} params, {fpt / 1e6:.2f} MFLOPs/token (training), seq_len {cfg.data.seq_len}")
-    print(f"peak: {peak:,.1f} GFLOP/s ({'given' if args.peak_gflops else 'measured 4096² f32 matmul'})")
-    print(f"{'step':<22}{'batch (seqs)':>14}{'micro':>7}{'ms/step':>10}{'tokens/s':>12}{'GFLOP/s':>10}{'MFU':>8}")
-    rows = [("learner inner step", cfg.diloco.batch_size, 1), ("DP step", cfg.dp_batch_size, 1)]
-    if cfg.train.microbatch_size:  # the configured split (what the pipeline runs), after the whole batch
-        rows = [rows[0], ("learner inner step", cfg.diloco.batch_size, cfg.learner_microbatches),
-                rows[1], ("DP step", cfg.dp_batch_size, cfg.dp_microbatches)]
-    for name, bs, k in rows:
-        dt, tps = bench_step(cfg, bs, args.steps, vocab, k)
-        gflops = tps * fpt / 1e9
-        micro = "-" if k == 1 else str(bs // k)
-        print(f"{name:<22}{bs:>14}{micro:>7}{dt * 1e3:>10.1f}{tps:>12,.0f}{gflops:>10.1f}{gflops / peak:>8.1%}")
+    host = configure_host()
+    V, L = cfg.data.vocab_size, cfg.data.seq_len
+    spec = build_model(cfg.model, InputShape(vocab_size=V, seq_len=L))
+    fpt = flops_per_token(cfg.model, V, L)
+    ncores = len(os.sched_getaffinity(0))  # JAX sizes its thread pool from the same mask
+    if torch is not None:
+        torch.set_num_threads(cores())
+    print(f"# throughput  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  {ncores} cores  "
+          f"load average {load_average()}  jax {jax.__version__}"
+          + (f"  torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else "")
+          + f"  malloc keeps freed memory: {host}")
+    if torch is None:
+        print("PyTorch is not installed (optional: `make bench-torch` installs "
+              "benchmarks/requirements-torch.txt); JAX figures only.")
+    else:
+        n_torch = torch_params(TorchTrainer(cfg.model, cfg.diloco.inner, V, L).model)
+        assert n_torch == spec.params, f"PyTorch reference has {n_torch:,} parameters, ours {spec.params:,}"
+    print(f"model: {spec.params:,} params (PyTorch reference: {'same' if torch else 'not run'}), "
+          f"{fpt / 1e6:.2f} MFLOPs/token (training), seq_len {L}, vocab {V}")
+    peak_jax = jax_matmul_flops()
+    peak_torch = torch_matmul_flops() if torch else 0.0
+    peak = max(peak_jax, peak_torch)
+    print(f"peak: {peak / 1e9:,.1f} GFLOP/s = best float32 {PEAK_N}² matmul here "
+          f"(JAX {peak_jax / 1e9:,.1f}" + (f", PyTorch {peak_torch / 1e9:,.1f}" if torch else "") + ")")
+
+    rng = np.random.default_rng(0)
+    rows = []  # (name, batch rows, microbatches)
+    for name, bs, g in (("learner step", cfg.diloco.batch_size, cfg.learner_microbatches),
+                        ("DP step", cfg.dp_batch_size, cfg.dp_microbatches)):
+        rows += [(name, bs, 1)] + ([(name, bs, g)] if g > 1 else [])
+    tx = make_inner_tx(cfg.diloco.inner, 1000)  # one optimizer object: one compile per step shape
+    runners: dict[tuple, Callable[[int], float]] = {}
+    for name, bs, g in rows:
+        batch = rng.integers(0, V, (bs, L + 1)).astype(np.int32)
+        runners[(name, bs, g, "jax")] = ours(spec, tx, batch, g)
+        if torch:
+            runners[(name, bs, g, "torch")] = theirs(cfg, batch, g, V)
+    for run in runners.values():  # compile, warm caches and allocators
+        run(2)
+    times: dict[tuple, list[float]] = {k: [] for k in runners}
+    for _ in range(args.repeats):
+        for key, run in runners.items():
+            run(1)
+            t = time.perf_counter()
+            run(STEPS)
+            times[key].append((time.perf_counter() - t) / STEPS)
+
+    print(f"ms per step: median of {args.repeats} turns of {STEPS} steps; "
+          f"ratio = PyTorch time / ours (> 1: ours faster); load average now {load_average()}")
+    print(f"{'step':<14}{'rows':>5}{'micro':>6}  {'ours ms':>8}{'torch ms':>9}{'ratio':>7}  "
+          f"{'ours tok/s':>10}{'MFU':>7}  {'torch tok/s':>11}{'MFU':>7}")
+    for name, bs, g in rows:
+        tokens = bs * L
+        ours_s = statistics.median(times[(name, bs, g, "jax")])
+        cells = [f"{name:<14}{bs:>5}{'-' if g == 1 else str(bs // g):>6}  {ours_s * 1e3:>8.1f}"]
+        if torch:
+            torch_s = statistics.median(times[(name, bs, g, "torch")])
+            cells.append(f"{torch_s * 1e3:>9.1f}{torch_s / ours_s:>7.2f}")
+        else:
+            cells.append(f"{'-':>9}{'-':>7}")
+        cells.append(f"  {tokens / ours_s:>10,.0f}{tokens / ours_s * fpt / peak:>7.1%}")
+        if torch:
+            cells.append(f"  {tokens / torch_s:>11,.0f}{tokens / torch_s * fpt / peak:>7.1%}")
+        print("".join(cells))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import optax
 
 from models.spec import ModelSpec
 from training.functional import Functional
+from training.xla import configure_host
 
 Params = dict[str, jax.Array]
 StepFn = Callable[[Params, optax.OptState, Any], tuple[Params, optax.OptState, dict[str, jax.Array]]]
@@ -41,9 +42,12 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     pass over the whole batch (every row holds the same number of predicted units), up to float32
     summation order, with smaller activations. B must be divisible by G (``ValueError`` at trace).
     The parameter and optimizer-state arguments are donated: do not use them after the call.
+    Building a step applies :func:`training.xla.configure_host` (process-wide malloc settings that
+    keep each call's temporary buffers mapped for the next).
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be ≥ 1, got {microbatches}")
+    configure_host()  # malloc keeps the step's buffers between calls (training/xla.py)
     grad_fn = _loss_and_grad(fn, objective)
 
     def step(params: Params, opt_state, batch):
@@ -73,6 +77,7 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
 def make_eval_step(fn: Functional, objective) -> Callable[[Params, Any], dict[str, jax.Array]]:
     """Jitted ``(params, batch) -> {"loss": …, **metrics}`` without an update (nothing donated)."""
+    configure_host()
 
     def evaluate(params, batch):
         loss, metrics = objective(fn.module(params), batch)

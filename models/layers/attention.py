@@ -9,12 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers.ops import causal_attention, linear, rope, rope_tables
 
-def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """Rotary position tables (Su et al., RoFormer, Eq. 34): cos and sin, float32 ``[L, C/2]``."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_LC = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles_LC), jnp.sin(angles_LC)
+__all__ = ["SelfAttention", "apply_rope", "rope_tables"]
 
 
 def apply_rope(x_BLNC: jax.Array, cos_LC: jax.Array, sin_LC: jax.Array) -> jax.Array:
@@ -31,7 +28,12 @@ class SelfAttention(nnx.Module):
 
     ``causal``: each position attends to itself and earlier ones (decoder LM); else to all.
     ``__call__(x: float32[B, L, D]) -> float32[B, L, D]``. Output projection initialised with
-    std 0.02 / sqrt(2 · n_layers) (GPT-2's residual scaling).
+    std 0.02 / sqrt(2 · n_layers) (GPT-2's residual scaling). Parameters: ``qkv/kernel [D, 3D]``
+    (queries, keys, values, each head-major) and ``out/kernel [D, D]``.
+
+    The causal path runs on :mod:`models.layers.ops` (explicit weight gradients, attention with its
+    own backward) in head-major layout ``[B, N, L, C]``; the non-causal one on
+    ``jax.nn.dot_product_attention``.
     """
 
     def __init__(self, d_model: int, n_heads: int, n_layers: int, rope_theta: float, causal: bool,
@@ -44,9 +46,15 @@ class SelfAttention(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         B, L, D = x_BLD.shape
-        qkv = self.qkv(x_BLD).reshape(B, L, 3, self.n_heads, self.head_dim)
-        q_BLNC, k_BLNC, v_BLNC = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        cos, sin = rope_tables(L, self.head_dim, self.theta)
-        q_BLNC, k_BLNC = apply_rope(q_BLNC, cos, sin), apply_rope(k_BLNC, cos, sin)
-        y_BLNC = jax.nn.dot_product_attention(q_BLNC, k_BLNC, v_BLNC, is_causal=self.causal)
-        return self.out(y_BLNC.reshape(B, L, D))
+        N, C = self.n_heads, self.head_dim
+        cos_LC, sin_LC = rope_tables(L, C, self.theta)
+        qkv = linear(x_BLD, self.qkv.kernel[...]).reshape(B, L, 3, N, C)
+        if self.causal:
+            qkv_3BNLC = qkv.transpose(2, 0, 3, 1, 4)
+            q_BNLC, k_BNLC = rope(qkv_3BNLC[0], cos_LC, sin_LC), rope(qkv_3BNLC[1], cos_LC, sin_LC)
+            y_BLNC = causal_attention(q_BNLC, k_BNLC, qkv_3BNLC[2]).transpose(0, 2, 1, 3)
+        else:
+            q_BLNC, k_BLNC, v_BLNC = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+            q_BLNC, k_BLNC = apply_rope(q_BLNC, cos_LC, sin_LC), apply_rope(k_BLNC, cos_LC, sin_LC)
+            y_BLNC = jax.nn.dot_product_attention(q_BLNC, k_BLNC, v_BLNC)
+        return linear(y_BLNC.reshape(B, L, D), self.out.kernel[...])

@@ -8,11 +8,15 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from models.layers.ops import linear
+
 
 class SwiGLU(nnx.Module):
     """FFN(x) = W_down (silu(W_gate x) ⊙ W_up x) (Shazeer, "GLU Variants Improve Transformer", 2020).
 
-    ``__call__(x: float32[B, L, D]) -> float32[B, L, D]``; hidden width F = ``d_ff``.
+    ``__call__(x: float32[B, L, D]) -> float32[B, L, D]``; hidden width F = ``d_ff``. Parameters:
+    ``gate/kernel``, ``up/kernel [D, F]``, ``down/kernel [F, D]``; the products go through
+    :func:`models.layers.ops.linear` (explicit weight gradients).
     """
 
     def __init__(self, d_model: int, d_ff: int, n_layers: int, rngs: nnx.Rngs):
@@ -23,4 +27,5 @@ class SwiGLU(nnx.Module):
         self.down = nnx.Linear(d_ff, d_model, use_bias=False, kernel_init=out_init, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x_BLD)) * self.up(x_BLD))
+        h_BLF = jax.nn.silu(linear(x_BLD, self.gate.kernel[...])) * linear(x_BLD, self.up.kernel[...])
+        return linear(h_BLF, self.down.kernel[...])

@@ -8,12 +8,12 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import optax
 from flax import nnx
 
 from models.layers.attention import SelfAttention
 from models.layers.block import Block
 from models.layers.mlp import SwiGLU
+from models.layers.ops import softmax_cross_entropy_head
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
 
 
@@ -21,7 +21,9 @@ class DecoderLM(nnx.Module):
     """Pre-norm decoder LM. ``__call__(ids: int32[B, L]) -> logits: float32[B, L, V]``.
 
     ``cfg``: a ``configs.schema.DenseLMConfig`` (d_model, n_layers, n_heads, d_ff, tie_embeddings,
-    rope_theta).
+    rope_theta). ``features(ids)`` is everything before the output projection (final-normed
+    ``float32[B, L, D]``) and ``head_kernel()`` that projection as ``float32[D, V]``: the training
+    objective fuses the two with the loss (:func:`lm_objective`).
     """
 
     def __init__(self, cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs):
@@ -41,23 +43,30 @@ class DecoderLM(nnx.Module):
             else nnx.Linear(d, vocab_size, use_bias=False, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
         )
 
-    def __call__(self, ids_BL: jax.Array) -> jax.Array:
+    def features(self, ids_BL: jax.Array) -> jax.Array:
+        """Final-normed hidden states ``float32[B, L, D]`` of ``ids: int32[B, L]``."""
         x_BLD = self.embed(ids_BL)
         for block in self.blocks:
             x_BLD = block(x_BLD)
-        x_BLD = self.final_norm(x_BLD)
-        if self.head is None:
-            return self.embed.attend(x_BLD)
-        return self.head(x_BLD)
+        return self.final_norm(x_BLD)
+
+    def head_kernel(self) -> jax.Array:
+        """The output projection ``float32[D, V]``: the head's kernel, or the embedding transposed if tied."""
+        return self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
+
+    def __call__(self, ids_BL: jax.Array) -> jax.Array:
+        return self.features(ids_BL) @ self.head_kernel()
 
 
 def lm_objective(model: nnx.Module, batch_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Mean next-token cross entropy in nats over a packed batch ``int32[B, L+1]`` (T = L + 1).
 
-    Returns ``(loss, {})``: the loss is the whole objective; no extra metrics.
+    Returns ``(loss, {})``: the loss is the whole objective; no extra metrics. The output projection
+    and the loss are one custom-VJP rule (:func:`models.layers.ops.softmax_cross_entropy_head`): the
+    same value as ``optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()``.
     """
-    logits_BLV = model(batch_BT[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch_BT[:, 1:]).mean(), {}
+    x_BLD = model.features(batch_BT[:, :-1])
+    return softmax_cross_entropy_head(x_BLD, model.head_kernel(), batch_BT[:, 1:]), {}
 
 
 def flops_per_token(cfg, vocab_size: int, seq_len: int) -> float:
