@@ -71,6 +71,12 @@ def _turns(run_dir: str | Path, slots: int) -> FairTurns | None:
         return _TURNS.setdefault(_key(run_dir), FairTurns(slots) if slots else None)
 
 
+def run_fragments(cfg: ExperimentConfig, trainer: Trainer) -> list[list[str]]:
+    """The run's P fragments: derived from the parameter sizes alone, so the syncer and every learner
+    attempt, in any process, get the same partition without exchanging it."""
+    return balanced_fragments(tensor_bytes(trainer.param_shapes), cfg.diloco.fragments)
+
+
 @dataclass
 class DiLoCoRun:
     """The syncer side of one run (lives in the process that set it up)."""
@@ -106,7 +112,7 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     theta0 = to_numpy(trainer.init_params())
     validate_against_model(cfg, len(theta0))
     d = cfg.diloco
-    fragments = balanced_fragments(tensor_bytes(theta0), d.fragments)
+    fragments = run_fragments(cfg, trainer)
     settings = SyncerSettings(
         num_learners=d.learners, quorum=d.quorum, grace_s=d.grace_s, merge=d.merge, outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=d.max_staleness,
@@ -141,7 +147,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         learner=learner, attempt=attempt, step=trainer.step, init_params=trainer.init_params,
         init_opt=trainer.init_opt,
         next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (learner + 1)),
-        fragments=balanced_fragments(tensor_bytes(trainer.init_params()), d.fragments), period=d.sync_every,
+        fragments=run_fragments(cfg, trainer), period=d.sync_every,
         tokens_per_step=cfg.tokens_per_learner_step, receipt=receipt_rule(d.receipt, d.mix_alpha),
         exchange=exchange, log=log, stop=STOP.is_set,
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
@@ -170,7 +176,7 @@ def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExch
     with no syncer behind it: for a learner run on its own (a check of one learner, a test)."""
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())
-    fragments = balanced_fragments(tensor_bytes(theta0), cfg.diloco.fragments)
+    fragments = run_fragments(cfg, trainer)
     exchange = InMemoryExchange(len(fragments), token_budget(cfg))
     for p, names in enumerate(fragments):
         exchange.publish(p, 0, {k: theta0[k] for k in names})

@@ -100,6 +100,11 @@ class Trainer:
         self.step = make_train_step(self.fn, spec.objective, tx, microbatches)
         self.evaluate = make_eval_step(self.fn, spec.objective)
 
+    @property
+    def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Name → shape and dtype of every parameter (no copy)."""
+        return {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in self._params0.items()}
+
     def init_params(self) -> Params:
         """Fresh copies of the initial parameters (the step donates its inputs)."""
         return {k: jnp.array(v, copy=True) for k, v in self._params0.items()}
