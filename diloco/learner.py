@@ -193,9 +193,15 @@ def run_learner(s: LearnerSetup) -> dict:
                 # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
                 # learners would all compute at once and drift apart (what the turns prevent).
                 jax.block_until_ready(metrics["loss"])
-            step += 1
-            steps_this_attempt += 1
-            processed += s.tokens_per_step
+                step += 1
+                steps_this_attempt += 1
+                processed += s.tokens_per_step
+                if s.resume is not None and s.resume_every and step % s.resume_every == 0:
+                    # Saved inside the turn, like the step: co-located learners reach the same step
+                    # together, and saving outside their turns they queued on each other's writes
+                    # while the first to finish took their turns, one sync period ahead for good.
+                    s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
+                                              opt_state=opt_state))
             for f in frags:
                 f.stepped(s.tokens_per_step)
             for p in fragments_due(step, len(frags), s.period):
@@ -209,8 +215,6 @@ def run_learner(s: LearnerSetup) -> dict:
                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
                        "tokens": processed, "t": ex.clock()})
             ex.heartbeat(m, **beat)
-            if s.resume is not None and s.resume_every and step % s.resume_every == 0:
-                s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed, opt_state=opt_state))
         # Last step always syncs: hand in every fragment that has unsent progress. (unsent, not
         # total: a fragment sent and not yet merged back holds no new progress, and sending it again
         # would have the syncer merge the same parameters twice.)

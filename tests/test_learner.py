@@ -234,6 +234,58 @@ class DictResumeStore:
         return self.points[-1] if self.points else None
 
 
+def test_co_located_learners_saving_resume_points_stay_in_step():
+    """Resume points of co-located learners are written one at a time (Orbax is behind one lock per
+    process). Saved outside the compute turn, the first learner to finish its write took the turns
+    of the others while they queued on the lock, and ended a sync period ahead for good (its
+    submissions then joined its peers' previous round: stale). Saved inside the turn, no learner
+    gets more than one step ahead of another."""
+    trainer = tiny_trainer()
+    theta0 = to_numpy(trainer.init_params())
+    fragments = balanced_fragments(tensor_bytes(theta0), 2)
+    per_learner = 12
+    exchange = InMemoryExchange(len(fragments), token_budget=2 * per_learner * B * L)
+    for p, names in enumerate(fragments):
+        exchange.publish(p, 0, {k: theta0[k] for k in names})
+    write_lock, counts, spread = threading.Lock(), [0, 0], []
+
+    class SlowLockedStore(DictResumeStore):
+        def save(self, point):
+            with write_lock:  # one write at a time, as with Orbax in one process
+                time.sleep(0.15)
+                super().save(point)
+
+    def counted(m):
+        def step(params, opt_state, batch):
+            out = trainer.step(params, opt_state, batch)
+            time.sleep(0.03)  # a step as long as the default model's on this CPU
+            counts[m] += 1
+            spread.append(abs(counts[0] - counts[1]))
+            return out
+        return step
+
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 50, (B, L + 1), dtype=np.int32) for _ in range(per_learner)]
+    trainer.step(trainer.init_params(), trainer.init_opt(trainer.init_params()), jnp.asarray(batches[0]))
+    turns = FairTurns(1)
+    setups = [_setup(trainer, exchange, batches, fragments, turns=turns, resume=SlowLockedStore(),
+                     resume_every=4) for _ in range(2)]
+    start = threading.Barrier(2)
+
+    def init_together():
+        start.wait()
+        return trainer.init_params()
+
+    for m, s in enumerate(setups):
+        s.learner, s.step, s.init_params = m, counted(m), init_together
+    threads = [threading.Thread(target=run_learner, args=(s,)) for s in setups]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert counts == [per_learner, per_learner] and max(spread) <= 1, (counts, spread)
+
+
 def test_scheduled_failures_fire_in_order_one_per_attempt():
     """Two failures of one learner at steps 3 and 7, a resume point every 2 steps: attempt 1 fails
     at 3 and its retry resumes at step 2 (the last save); that fails at 7 and the third attempt resumes
