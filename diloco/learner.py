@@ -55,9 +55,13 @@ class ResumePoint:
 
 
 class ResumeStore(Protocol):
-    """Durable resume points of one learner (``training.checkpoint.OrbaxResumeStore``)."""
+    """Durable resume points of one learner (``training.checkpoint.OrbaxResumeStore``).
+
+    ``save`` may return before the point is durable (an asynchronous write); ``flush`` blocks until
+    every save is written and raises a failed write's error; ``load`` sees every finished save."""
 
     def save(self, point: ResumePoint) -> None: ...
+    def flush(self) -> None: ...
     def load(self, opt_template: Any) -> ResumePoint | None: ...
 
 
@@ -197,9 +201,10 @@ def run_learner(s: LearnerSetup) -> dict:
                 steps_this_attempt += 1
                 processed += s.tokens_per_step
                 if s.resume is not None and s.resume_every and step % s.resume_every == 0:
-                    # Saved inside the turn, like the step: co-located learners reach the same step
-                    # together, and saving outside their turns they queued on each other's writes
-                    # while the first to finish took their turns, one sync period ahead for good.
+                    # Handed over inside the turn, like the step: co-located learners reach the same
+                    # step together, and saving outside their turns they queued on each other's
+                    # writes while the first to finish took their turns, one sync period ahead for
+                    # good. (The store copies the state and writes it in the background.)
                     s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
                                               opt_state=opt_state))
             for f in frags:
@@ -215,6 +220,8 @@ def run_learner(s: LearnerSetup) -> dict:
                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
                        "tokens": processed, "t": ex.clock()})
             ex.heartbeat(m, **beat)
+        if s.resume is not None:
+            s.resume.flush()  # the last resume point is on disk before the learner reports done
         # Last step always syncs: hand in every fragment that has unsent progress. (unsent, not
         # total: a fragment sent and not yet merged back holds no new progress, and sending it again
         # would have the syncer merge the same parameters twice.)
@@ -226,6 +233,9 @@ def run_learner(s: LearnerSetup) -> dict:
         return {"learner": m, "attempt": s.attempt, "steps": step, "steps_this_attempt": steps_this_attempt,
                 "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in}
     except BaseException as exc:
+        if s.resume is not None:
+            with contextlib.suppress(BaseException):
+                s.resume.flush()  # a save in flight finishes (or fails) before a retry loads
         ex.heartbeat(m, status="down", reason=repr(exc))
         s.log({"event": "failure", "learner": m, "attempt": s.attempt, "reason": repr(exc),
                "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock()})

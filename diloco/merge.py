@@ -72,8 +72,9 @@ def _to_float32(x: np.ndarray) -> np.ndarray:
 def _weighted_sum(deltas: Sequence[np.ndarray], weights: np.ndarray) -> np.ndarray:
     """Σ w_m d_m in float64."""
     out = np.zeros(np.shape(deltas[0]), dtype=np.float64)
+    term = np.empty_like(out)
     for w, d in zip(weights, deltas):
-        out += float(w) * np.asarray(d, dtype=np.float64)
+        out += np.multiply(d, float(w), out=term, dtype=np.float64)
     return out
 
 

@@ -228,7 +228,8 @@ class Syncer:
         tokens = [s.tokens for s in subs]
         steps = [max(s.steps, 1) for s in subs]  # every queued submission has tokens > 0
         anchor = self.global_params[p]
-        deltas = [{k: anchor[k].astype(np.float64) - s.params[k] for k in anchor} for s in subs]
+        anchor64 = {k: a.astype(np.float64) for k, a in anchor.items()}
+        deltas = [{k: anchor64[k] - s.params[k] for k in anchor} for s in subs]
         outer_grad = MERGE_RULES[self.settings.merge](deltas, tokens, steps, self.embedding_names)
         reason = None
         if not _finite_float32(outer_grad):

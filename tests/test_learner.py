@@ -230,6 +230,9 @@ class DictResumeStore:
     def save(self, point):
         self.points.append(point)
 
+    def flush(self):
+        pass
+
     def load(self, opt_template):
         return self.points[-1] if self.points else None
 

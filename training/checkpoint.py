@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -496,18 +497,47 @@ class OrbaxResumeStore:
     two, and records their integrity like every checkpoint here. ``load`` returns the newest intact
     point, restored with the structure of ``opt_template``, or None when nothing usable was saved
     (no save yet, only a save cut off mid-way, or every step damaged: logged as a warning).
+
+    Writes are asynchronous, as Orbax's own async checkpointing is on accelerators: ``save`` copies
+    the state to host memory (the next step donates its buffers) and returns; one background
+    thread per store writes it (about 0.15 s for the default model, mostly waiting on the file
+    system), while the learner steps on. A save waits for the previous one; ``flush`` (and
+    ``load``) wait for the last and re-raise its error, if any. A write cut off by a killed process
+    leaves only Orbax's temporary folder, which ``load`` skips: the older point is used.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def save(self, point) -> None:
+        self.flush()
         meta = {"step": int(point.step), "cursor": [int(c) for c in point.cursor], "tokens": int(point.tokens)}
-        save_checkpoint(self.path, int(point.step), None, meta, extra={"opt_state": point.opt_state})
+        host = jax.tree.map(lambda x: np.array(x, copy=True), point.opt_state)
+
+        def write() -> None:
+            try:
+                save_checkpoint(self.path, int(point.step), None, meta, extra={"opt_state": host})
+            except BaseException as exc:  # re-raised in the learner's thread by flush()
+                self._error = exc
+
+        self._writer = threading.Thread(target=write, name=f"resume-writer:{self.path.name}", daemon=True)
+        self._writer.start()
+
+    def flush(self) -> None:
+        """Block until the last save is written; re-raise its error (once) if it failed."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
 
     def load(self, opt_template):
         from diloco.learner import ResumePoint
 
+        self.flush()
         if not self.path.is_dir():
             return None
         try:

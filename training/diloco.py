@@ -14,6 +14,7 @@ budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -192,10 +193,11 @@ def run_syncer_to_end(run: DiLoCoRun, learners_done) -> dict:
         run.merges_log(rec)
 
     def on_eval(params: dict[str, np.ndarray], tokens: int) -> None:
+        t0 = time.perf_counter()
         loss = heldout_loss(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()}, run.val)
         run.last_val_loss = loss
         run.eval_log({"method": METHOD, "tokens": tokens, "wall_s": run.exchange.clock(),
-                      "merges": run.merges, "val/loss": loss})
+                      "merges": run.merges, "val/loss": loss, "eval_s": time.perf_counter() - t0})
 
     on_eval(run.syncer.params(), 0)
     result = run_syncer(run.syncer, run.exchange, learners_done, on_merge, on_eval,

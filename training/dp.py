@@ -57,8 +57,15 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     tps = cfg.tokens_per_dp_step
     epoch = index = 0
     t0 = time.monotonic()
-    last = heldout_loss(trainer.evaluate, params, val)
-    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, "val/loss": last})
+
+    def measure() -> tuple[float, float]:
+        """(held-out loss, seconds it took)"""
+        t = time.monotonic()
+        loss = heldout_loss(trainer.evaluate, params, val)
+        return loss, time.monotonic() - t
+
+    last, took = measure()
+    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, "val/loss": last, "eval_s": took})
     cadence = EvalCadence(cfg.train.eval_every_tokens)
     done = 0
     try:
@@ -75,15 +82,15 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                 step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
                           "t": time.monotonic() - t0})
             if cadence.due(tokens) or step == steps:
-                last = heldout_loss(trainer.evaluate, params, val)
+                last, took = measure()
                 eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step,
-                          "val/loss": last})
+                          "val/loss": last, "eval_s": took})
                 if progress:
                     progress(tokens, steps * tps, float(metrics["loss"]), last)
         if done < steps:  # stopped early: measure where it stopped
-            last = heldout_loss(trainer.evaluate, params, val)
+            last, took = measure()
             eval_log({"method": METHOD, "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done,
-                      "val/loss": last})
+                      "val/loss": last, "eval_s": took})
     finally:
         eval_log.close()
         step_log.close()
