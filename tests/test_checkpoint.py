@@ -226,3 +226,32 @@ def test_step_without_params_holds_only_meta_and_extras(tmp_path):
     with pytest.raises(CheckpointError, match="has no item 'params'") as info:
         load_into_model(ck, _model(0))
     assert not isinstance(info.value, CheckpointDamaged)
+
+
+def test_resume_points_are_written_in_the_background_and_flushed(tmp_path):
+    """``save`` hands the state over and returns; the state is copied first (the next step donates
+    its buffers), ``load`` sees the last save, and a failed write is raised by ``flush``."""
+    from diloco.learner import ResumePoint
+    from training.checkpoint import OrbaxResumeStore
+
+    state = {"mu": jnp.arange(6, dtype=jnp.float32), "count": jnp.asarray(3, jnp.int32)}
+    store = OrbaxResumeStore(tmp_path / "resume")
+    mutable = {"mu": np.arange(6, dtype=np.float32), "count": np.asarray(3, np.int32)}
+    store.save(ResumePoint(step=5, cursor=(0, 40), tokens=5120, opt_state=mutable))
+    mutable["mu"][:] = -1  # what a donated buffer reused by the next step would look like
+    store.save(ResumePoint(step=10, cursor=(1, 2), tokens=10240, opt_state=state))
+    got = OrbaxResumeStore(tmp_path / "resume")
+    store.flush()
+    point = got.load(state)
+    assert (point.step, point.cursor, point.tokens) == (10, (1, 2), 10240)
+    np.testing.assert_array_equal(point.opt_state["mu"], np.arange(6))
+    assert latest_step(tmp_path / "resume") == 10
+    older = load_extra(tmp_path / "resume", "opt_state", state, 5)
+    np.testing.assert_array_equal(older["mu"], np.arange(6))  # the copy, not the overwritten array
+
+    (tmp_path / "afile").write_text("x")
+    bad = OrbaxResumeStore(tmp_path / "afile" / "resume")
+    bad.save(ResumePoint(step=1, cursor=(0, 0), tokens=1, opt_state=state))
+    with pytest.raises(NotADirectoryError):
+        bad.flush()
+    bad.flush()  # raised once; the store is usable again
