@@ -12,10 +12,11 @@ from __future__ import annotations
 import codecs
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PositiveFloat, PositiveInt, Tag, ValidationError,
+                      model_validator)
 
 
 class _Strict(BaseModel):
@@ -74,10 +75,9 @@ class DataConfig(_Strict):
         return self
 
 
-class DenseLMConfig(_Strict):
-    """The dense decoder-only transformer LM (``models/text/dense.py``)."""
+class _DecoderLMFields(_Strict):
+    """What every decoder LM kind shares (``models/text/``)."""
 
-    kind: Literal["dense_lm"] = Field("dense_lm", description="model family from the registry in models/")
     d_model: PositiveInt = Field(128, description="residual stream width")
     n_layers: PositiveInt = Field(4, description="transformer blocks")
     n_heads: PositiveInt = Field(4, description="attention heads (d_model / n_heads must be even, for RoPE)")
@@ -86,7 +86,7 @@ class DenseLMConfig(_Strict):
     rope_theta: PositiveFloat = Field(10000.0, description="RoPE base frequency")
 
     @model_validator(mode="after")
-    def _check_heads(self) -> "DenseLMConfig":
+    def _check_heads(self):
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
@@ -96,11 +96,65 @@ class DenseLMConfig(_Strict):
         return self
 
 
-# The model section: one member per kind in the registry (models/). With a second kind it becomes
-# ``Annotated[DenseLMConfig | MoELMConfig, Field(discriminator="kind")]``: pydantic then picks the
-# member by ``kind`` and names the allowed kinds when it is unknown.
-ModelConfig = DenseLMConfig
-MODEL_CONFIGS: tuple[type[_Strict], ...] = (DenseLMConfig,)
+class DenseLMConfig(_DecoderLMFields):
+    """The dense decoder-only transformer LM (``models/text/dense.py``)."""
+
+    kind: Literal["dense_lm"] = Field("dense_lm", description="model family from the registry in models/")
+
+
+class MoEFields(_Strict):
+    """The mixture-of-experts layer (``models/layers/moe.py``), shared by the MoE kinds."""
+
+    n_experts: int = Field(8, ge=1, le=256, description="experts per MoE layer (E)")
+    top_k: int = Field(2, ge=1, le=2, description="experts each token is routed to (k = 1 as Switch, 2 as GShard)")
+    moe_every: PositiveInt = Field(
+        2, description="every moe_every-th block has an MoE layer in place of its MLP (2: blocks 2, 4, …)")
+    expert_d_ff: PositiveInt | None = Field(None, description="SwiGLU hidden width of each expert; unset = d_ff")
+    capacity_factor: PositiveFloat | None = Field(
+        1.25, description="expert slots per group = ⌈capacity_factor · top_k · tokens / n_experts⌉; "
+        "choices beyond it are dropped (counted); null = dropless")
+    aux_loss_weight: float = Field(
+        0.01, ge=0.0, description="weight α of the Switch Transformer load-balancing loss E·Σ f_e·P_e")
+    z_loss_weight: float = Field(0.001, ge=0.0, description="weight of the ST-MoE router z-loss")
+
+    @model_validator(mode="after")
+    def _check_moe(self):
+        if self.top_k > self.n_experts:
+            raise ValueError(f"model.top_k ({self.top_k}) must be ≤ model.n_experts ({self.n_experts})")
+        if self.moe_every > self.n_layers:
+            raise ValueError(
+                f"model.moe_every ({self.moe_every}) exceeds model.n_layers ({self.n_layers}): no block "
+                "would have an MoE layer; lower model.moe_every"
+            )
+        return self
+
+
+class MoELMConfig(_DecoderLMFields, MoEFields):
+    """The MoE decoder LM (``models/text/moe.py``): the dense LM with an MoE layer in place of the
+    MLP of every ``moe_every``-th block."""
+
+    kind: Literal["moe_lm"] = Field("moe_lm", description="model family from the registry in models/")
+
+
+MODEL_CONFIGS: tuple[type[_Strict], ...] = (DenseLMConfig, MoELMConfig)
+MODEL_KINDS: dict[str, type[_Strict]] = {c.model_fields["kind"].default: c for c in MODEL_CONFIGS}
+DEFAULT_MODEL_KIND = "dense_lm"
+
+
+def _model_kind(value) -> str | None:
+    """The member of the model union a value belongs to: its ``kind``, ``dense_lm`` when unset."""
+    if isinstance(value, dict):
+        return value.get("kind", DEFAULT_MODEL_KIND)
+    return getattr(value, "kind", None)
+
+
+# The model section: one member per kind in the registry (models/), picked by ``kind`` (pydantic
+# names the allowed kinds when it is unknown).
+ModelConfig = Annotated[
+    Union[Annotated[DenseLMConfig, Tag("dense_lm")], Annotated[MoELMConfig, Tag("moe_lm")]],  # noqa: UP007
+    Discriminator(_model_kind, custom_error_type="model_kind",
+                  custom_error_message=f"unknown model kind; choose one of {', '.join(MODEL_KINDS)}"),
+]
 
 
 class InnerOptConfig(_Strict):
@@ -257,7 +311,7 @@ class ExperimentConfig(_Strict):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
     run_root: str = Field("runs", description="local folder holding run directories")
     data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig = Field(default_factory=DenseLMConfig, description="the model family and its shape")
     diloco: DiLoCoConfig = DiLoCoConfig()
     dp: DPConfig = DPConfig()
     train: TrainConfig = TrainConfig()
@@ -531,15 +585,27 @@ def validation_lines(exc: ValidationError) -> list[str]:
     """One line per validation error, the field path first (no pydantic boilerplate)."""
     lines = []
     for err in exc.errors():
+        parts = list(err["loc"])
+        member = None
+        if len(parts) >= 2 and parts[0] == "model" and parts[1] in MODEL_KINDS:
+            member = MODEL_KINDS[parts.pop(1)]  # pydantic puts the union member's tag in the path
+        err = {**err, "loc": tuple(parts)}
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
             value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
             msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
+        if err["type"] == "model_kind":
+            given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
+            loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
         if err["type"] == "extra_forbidden":
+            if member is not None and len(parts) == 2:
+                owners = [k for k, c in MODEL_KINDS.items() if parts[1] in c.model_fields]
+                if owners:
+                    msg += f" for kind {member.model_fields['kind'].default} (a field of kind: {', '.join(owners)})"
             if loc in RENAMED:
                 msg += f" ({RENAMED[loc]})"
-            keys = _valid_keys(exc.title, err["loc"][:-1])
+            keys = list(member.model_fields) if member and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
         if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it

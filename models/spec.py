@@ -53,7 +53,9 @@ class ModelSpec:
 
     ``init(seed)`` builds the module with fresh parameters (the same seed gives the same
     parameters). ``objective``: see :data:`Objective`. ``params``: trainable scalars.
-    ``flops_per_unit``: training FLOPs (forward + backward) per token (text) or example.
+    ``flops_per_unit``: training FLOPs (forward + backward) per token (text) or example (active
+    FLOPs for MoE). ``heldout``: the metric held-out measurement reports as its loss (``loss``, the
+    objective itself, or e.g. ``ce`` when the objective adds auxiliary terms).
     """
 
     kind: str
@@ -63,6 +65,7 @@ class ModelSpec:
     batch: BatchLayout
     params: int
     flops_per_unit: float
+    heldout: str = "loss"
     extras: Mapping[str, Any] = field(default_factory=dict)
 
 

@@ -75,13 +75,18 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-def make_eval_step(fn: Functional, objective) -> Callable[[Params, Any], dict[str, jax.Array]]:
-    """Jitted ``(params, batch) -> {"loss": …, **metrics}`` without an update (nothing donated)."""
+def make_eval_step(fn: Functional, objective, heldout: str = "loss") -> Callable[[Params, Any], dict[str, jax.Array]]:
+    """Jitted ``(params, batch) -> {"loss": …, "objective": …, **metrics}`` without an update
+    (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
+    an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
+    A ``heldout`` the objective does not report raises ``KeyError`` at trace time."""
     configure_host()
 
     def evaluate(params, batch):
         loss, metrics = objective(fn.module(params), batch)
-        return {"loss": loss, **metrics}
+        out = {**metrics, "objective": loss}
+        out["loss"] = loss if heldout == "loss" else metrics[heldout]
+        return out
 
     return jax.jit(evaluate)
 
@@ -98,7 +103,7 @@ class Trainer:
         self.fn, self._params0 = Functional.of(spec.init(seed))
         self.seed = seed
         self.step = make_train_step(self.fn, spec.objective, tx, microbatches)
-        self.evaluate = make_eval_step(self.fn, spec.objective)
+        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout)
 
     @property
     def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:

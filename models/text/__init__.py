@@ -1,1 +1,1 @@
-from models.text import dense  # noqa: F401
+from models.text import dense, moe  # noqa: F401

@@ -1,0 +1,111 @@
+"""The mixture-of-experts layer and the MoE LM: equal to the dense MLP with one expert, capacity
+drops exactly the choices beyond it, the auxiliary losses equal their formulas, the LM routes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from configs.schema import ExperimentConfig, MoELMConfig, validation_lines
+from models import InputShape, build_model
+from models.layers.mlp import SwiGLU
+from models.layers.moe import MoE, collect_stats, expert_capacity, route
+from models.text.moe import flops_per_token, moe_layers
+from training.step import Trainer
+
+
+def test_one_expert_top1_dropless_is_the_dense_mlp():
+    d, f = 16, 24
+    moe = MoE(d, f, 2, num_experts=1, top_k=1, capacity_factor=None, rngs=nnx.Rngs(0))
+    mlp = SwiGLU(d, f, 2, nnx.Rngs(1))
+    mlp.gate.kernel[...] = moe.gate[...][0]
+    mlp.up.kernel[...] = moe.up[...][0]
+    mlp.down.kernel[...] = moe.down[...][0]
+    x = jax.random.normal(jax.random.key(2), (3, 7, d))
+    y, inter = nnx.capture(moe, nnx.Intermediate)(x)
+    np.testing.assert_allclose(y, mlp(x), rtol=1e-5, atol=1e-6)
+    (stats,) = collect_stats(inter)
+    assert float(stats["dropped"]) == 0.0 and float(stats["aux"]) == pytest.approx(1.0)
+
+
+def test_capacity_drops_exactly_the_choices_beyond_it():
+    """One group of 6 tokens, 2 experts, k = 1, 2 slots each: tokens 0, 1, 2, 4 pick expert 0 and
+    3, 5 pick expert 1; expert 0 keeps its first two (0, 1) and drops 2 and 4."""
+    picks = [0, 0, 0, 1, 0, 1]
+    logits = jnp.asarray([[[3.0, 0.0] if e == 0 else [0.0, 3.0] for e in picks]])
+    dispatch, combine, stats = route(logits, top_k=1, capacity=2)
+    assert dispatch.shape == (1, 6, 2, 2)
+    slots = {(s, e, c) for s, e, c in zip(*np.nonzero(np.asarray(dispatch[0])), strict=True)}
+    assert slots == {(0, 0, 0), (1, 0, 1), (3, 1, 0), (5, 1, 1)}
+    assert float(stats["dropped"]) == pytest.approx(2 / 6)
+    np.testing.assert_allclose(stats["load"], [4 / 6, 2 / 6])  # before capacity
+    p = float(jax.nn.softmax(jnp.asarray([3.0, 0.0]))[0])
+    np.testing.assert_allclose(np.asarray(combine).sum(axis=(2, 3))[0], [p, p, 0, p, 0, p], rtol=1e-6)
+    assert expert_capacity(6, 2, 1, None) == 6 and expert_capacity(6, 2, 1, 0.5) == 2
+    assert expert_capacity(128, 8, 2, 1.25) == 40
+
+
+def test_second_choices_queue_behind_every_first_choice():
+    """k = 2, 3 experts, capacity 2: every token's first choice is expert 0 or 1 and its second is
+    expert 2 or 0. Expert 0's slots go to the first choices (tokens 0, 2) before token 1's second
+    choice, which is dropped; the gates of each token's kept choices are renormalised over k."""
+    logits = jnp.log(jnp.asarray([[[0.6, 0.1, 0.3], [0.3, 0.6, 0.1], [0.7, 0.1, 0.2]]]))
+    dispatch, combine, stats = route(logits, top_k=2, capacity=2)
+    d = np.asarray(dispatch[0])
+    assert d[0, 0].sum() == 1 and d[2, 0].sum() == 1 and d[1, 0].sum() == 0  # token 1's 2nd choice dropped
+    assert d[1, 1].sum() == 1 and d[0, 2].sum() == 1 and d[2, 2].sum() == 1
+    assert float(stats["dropped"]) == pytest.approx(1 / 6)
+    c = np.asarray(combine[0]).sum(axis=-1)
+    np.testing.assert_allclose(c[0], [0.6 / 0.9, 0, 0.3 / 0.9], rtol=1e-5)
+    np.testing.assert_allclose(c[1], [0, 0.6 / 0.9, 0], rtol=1e-5)
+
+
+def test_aux_and_z_losses_equal_their_formulas():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 4)).astype(np.float32)
+    _, _, stats = route(jnp.asarray(logits), top_k=1, capacity=5)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    f = np.bincount(logits.argmax(-1).ravel(), minlength=4) / 10  # Switch: fraction routed to e
+    P = probs.reshape(-1, 4).mean(0)
+    assert float(stats["aux"]) == pytest.approx(4 * np.sum(f * P), rel=1e-5)
+    lse = np.log(np.exp(logits).sum(-1))
+    assert float(stats["z"]) == pytest.approx(np.mean(lse**2), rel=1e-5)
+
+
+TINY_MOE = MoELMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2,
+                       tie_embeddings=False)
+
+
+def test_moe_lm_spec_counts_active_parameters_and_reports_the_cross_entropy():
+    spec = build_model(TINY_MOE, InputShape(vocab_size=64, seq_len=16))
+    assert moe_layers(TINY_MOE) == [1] and spec.extras["moe_layers"] == [1]
+    # the idle experts: 2 of 4 in one layer, 3 matrices of 32 × 64 each
+    assert spec.extras["total_params"] - spec.extras["active_params"] == 2 * 3 * 32 * 64
+    dense_mlp = 3 * 32 * 64
+    moe_active = 32 * 4 + 2 * 3 * 32 * 64
+    assert flops_per_token(TINY_MOE, 64, 16) == 6.0 * (2 * 4 * 32 * 32 + dense_mlp + moe_active + 32 * 64) + 12.0 * 2 * 32 * 16
+    trainer = Trainer(spec, optax.adam(3e-3))
+    params = trainer.init_params()
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17), dtype=np.int32))
+    out = trainer.evaluate(params, batch)
+    assert float(out["loss"]) == float(out["ce"]) < float(out["objective"])
+    expected = float(out["ce"]) + 0.01 * float(out["moe/aux"]) + 0.001 * float(out["moe/z"])
+    assert float(out["objective"]) == pytest.approx(expected, rel=1e-6)
+    loads = [float(out[f"moe/1/load/{e}"]) for e in range(4)]
+    assert sum(loads) == pytest.approx(1.0, rel=1e-6)
+
+
+def test_moe_config_is_checked_by_kind():
+    def refusal(model: dict) -> str:
+        with pytest.raises(Exception) as err:
+            ExperimentConfig.model_validate({"model": model})
+        return " | ".join(validation_lines(err.value))
+
+    assert "model.kind: 'mlp' is unknown; choose one of dense_lm, moe_lm" in refusal({"kind": "mlp"})
+    assert refusal({"kind": "moe_lm", "n_experts": 2, "top_k": 2, "n_layers": 1, "moe_every": 2}).startswith(
+        "model.moe_every (2) exceeds model.n_layers (1)")
+    assert "a field of kind: moe_lm" in refusal({"kind": "dense_lm", "n_experts": 4})
+    assert "model.top_k" in refusal({"kind": "moe_lm", "top_k": 3})
+    assert ExperimentConfig.model_validate({"model": {"d_model": 64}}).model.kind == "dense_lm"
