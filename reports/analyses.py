@@ -16,6 +16,7 @@ from typing import Any
 
 from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, safe_exp, short_label,
                             stage_label)
+from reports.experts import expert_figures
 from reports.learners import syncer_sections
 from reports.read import MethodRecords
 from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes
@@ -261,6 +262,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         "comparison": comparison(methods, rows_eval),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
         "hyperparameters": hyper,
+        "experts": expert_figures(records),
         "plots": {},
         "notes": notes,
     }

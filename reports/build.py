@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 
 from reports.analyses import manifest_items, pipeline_status, setup, stage_figures
 from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe
+from reports.experts import expert_load_figure
 from reports.markdown import render_markdown
 from reports.plots import loss_figure, merges_figure, save_png
 from reports.read import MethodRecords, open_run, read_run
@@ -72,6 +73,7 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
         loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
                     "Held-out loss vs wall-clock time", finals),
         out_dir, figure_file(name, "loss_vs_time"))
+    stage["plots"]["expert_load"] = _draw(expert_load_figure(records), out_dir, figure_file(name, "expert_load"))
     for m, f in stage["methods"].items():
         if f["kind"] == "syncer":
             f["plots"] = {"merges_over_time": _draw(merges_figure(records[m].merges or [], f["failures"], m),

@@ -14,6 +14,7 @@ from typing import Any
 
 from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label,
                             short_label)
+from reports.experts import markdown_section
 
 
 def format_value(v: Any, fmt: str = "") -> str:
@@ -318,6 +319,9 @@ def _stage(st: dict, L: list[str]) -> None:
     _eval_section(st, L)
     _bytes_section(st, L)
     _curves_and_hyperparameters(st, L)
+    L += markdown_section(st.get("experts"))
+    if (st.get("plots") or {}).get("expert_load"):
+        L += [f"![expert load over training]({st['plots']['expert_load']})", ""]
     syncers = [m for m, f in st["methods"].items() if f["kind"] == "syncer"]
     for m in syncers:
         f, who = st["methods"][m], short_label(m)

@@ -39,7 +39,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from training.checkpoint import OrbaxResumeStore, save_checkpoint
 from training.common import ensure_fresh, model_spec, token_budget
-from training.evaluation import heldout_loss, val_batches
+from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
 from training.optimizers import make_inner_tx
 from training.step import Trainer
@@ -194,10 +194,11 @@ def run_syncer_to_end(run: DiLoCoRun, learners_done) -> dict:
 
     def on_eval(params: dict[str, np.ndarray], tokens: int) -> None:
         t0 = time.perf_counter()
-        loss = heldout_loss(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()}, run.val)
-        run.last_val_loss = loss
+        fields = eval_record(heldout_metrics(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()},
+                                             run.val))
+        run.last_val_loss = fields["val/loss"]
         run.eval_log({"method": METHOD, "tokens": tokens, "wall_s": run.exchange.clock(),
-                      "merges": run.merges, "val/loss": loss, "eval_s": time.perf_counter() - t0})
+                      "merges": run.merges, **fields, "eval_s": time.perf_counter() - t0})
 
     on_eval(run.syncer.params(), 0)
     result = run_syncer(run.syncer, run.exchange, learners_done, on_merge, on_eval,

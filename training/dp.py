@@ -22,7 +22,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter
 from training.checkpoint import save_checkpoint
 from training.common import ensure_fresh, model_spec
-from training.evaluation import EvalCadence, heldout_loss, val_batches
+from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
 from training.functional import nest
 from training.optimizers import make_inner_tx
 from training.step import Trainer
@@ -58,14 +58,14 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     epoch = index = 0
     t0 = time.monotonic()
 
-    def measure() -> tuple[float, float]:
-        """(held-out loss, seconds it took)"""
+    def measure() -> tuple[float, dict]:
+        """(held-out loss, the eval-log fields: val/loss, the model's val/ metrics, eval_s)"""
         t = time.monotonic()
-        loss = heldout_loss(trainer.evaluate, params, val)
-        return loss, time.monotonic() - t
+        fields = eval_record(heldout_metrics(trainer.evaluate, params, val))
+        return fields["val/loss"], {**fields, "eval_s": time.monotonic() - t}
 
-    last, took = measure()
-    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, "val/loss": last, "eval_s": took})
+    last, fields = measure()
+    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, **fields})
     cadence = EvalCadence(cfg.train.eval_every_tokens)
     done = 0
     try:
@@ -80,17 +80,16 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             done = step
             if step % 10 == 0 or step == steps:
                 step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
+                          **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
                           "t": time.monotonic() - t0})
             if cadence.due(tokens) or step == steps:
-                last, took = measure()
-                eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step,
-                          "val/loss": last, "eval_s": took})
+                last, fields = measure()
+                eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step, **fields})
                 if progress:
                     progress(tokens, steps * tps, float(metrics["loss"]), last)
         if done < steps:  # stopped early: measure where it stopped
-            last, took = measure()
-            eval_log({"method": METHOD, "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done,
-                      "val/loss": last, "eval_s": took})
+            last, fields = measure()
+            eval_log({"method": METHOD, "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done, **fields})
     finally:
         eval_log.close()
         step_log.close()

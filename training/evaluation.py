@@ -22,13 +22,30 @@ def val_batches(val_rows: np.ndarray, num_batches: int, batch_size: int) -> list
     return [val_rows[i * batch_size : (i + 1) * batch_size] for i in range(n)]
 
 
-def heldout_loss(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> float:
-    """Mean objective loss (nats for text) over fixed equal-size batches: a plain mean.
+def heldout_metrics(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> dict[str, float]:
+    """Every metric of the eval step, each a plain mean over fixed equal-size batches.
 
-    ``evaluate``: ``training.step.make_eval_step``'s function; ``params``: flat parameters.
+    ``evaluate``: ``training.step.make_eval_step``'s function; ``params``: flat parameters. Holds
+    ``loss`` (the held-out loss: nats per token for text), ``objective`` and the model's own metrics
+    (e.g. an MoE model's expert loads on the held-out tokens).
     """
-    losses = [evaluate(params, jnp.asarray(b))["loss"] for b in batches]
-    return float(np.mean([float(x) for x in losses]))
+    outs = [evaluate(params, jnp.asarray(b)) for b in batches]
+    return {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0]}
+
+
+def heldout_loss(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> float:
+    """The held-out loss alone (``heldout_metrics(...)["loss"]``)."""
+    return heldout_metrics(evaluate, params, batches)["loss"]
+
+
+def eval_record(metrics: Mapping[str, float]) -> dict[str, float]:
+    """The eval-log fields of :func:`heldout_metrics`: ``val/loss`` and ``val/<metric>`` for the
+    model's own metrics (``objective`` included only when it differs from the loss)."""
+    out = {"val/loss": metrics["loss"]}
+    for k, v in metrics.items():
+        if k != "loss" and not (k == "objective" and v == metrics["loss"]):
+            out[f"val/{k}"] = v
+    return out
 
 
 class EvalCadence:

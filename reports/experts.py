@@ -1,0 +1,105 @@
+"""The mixture-of-experts part of the report: how evenly each MoE layer routes, per method.
+
+Read from each method's held-out evaluations (``metrics/eval.jsonl``: ``val/moe/<block>/load/<e>``,
+the fraction of routing choices that picked expert e on the held-out batches; ``val/moe/<block>/
+dropped``; ``val/moe/aux``, the Switch Transformer load-balancing loss E·Σ f·P averaged over
+layers, 1 when the router is uniform). For DiLoCo these measure Θ, the syncer's global parameters;
+for DP its one model. Nothing here when the model has no MoE layer.
+"""
+
+from __future__ import annotations
+
+import re
+
+from matplotlib.figure import Figure
+
+from reports.common import label, num
+from reports.plots import finish_axes, new_figure
+from reports.read import MethodRecords
+
+_LOAD = re.compile(r"^val/moe/(\d+)/load/(\d+)$")
+
+
+def _loads(row: dict) -> dict[int, dict[int, float]]:
+    """block → expert → load fraction, from one eval row."""
+    out: dict[int, dict[int, float]] = {}
+    for key, value in row.items():
+        m = _LOAD.match(key)
+        if m and num(value) is not None:
+            out.setdefault(int(m.group(1)), {})[int(m.group(2))] = float(value)
+    return out
+
+
+def expert_figures(records: dict[str, MethodRecords]) -> dict | None:
+    """Per method with MoE metrics: ``layers`` (block → ``loads`` [E] at the last evaluation,
+    ``busiest`` = max load × E, i.e. the busiest expert's load over the mean load; ``dropped``
+    fraction), ``aux`` (``first``, ``peak``, ``last`` of the held-out load-balancing loss) and
+    ``tokens`` of the last evaluation. None when no method logged expert loads."""
+    out = {}
+    for m, rec in records.items():
+        rows = [r for r in (rec.curve or []) if _loads(r)]
+        if not rows:
+            continue
+        last = rows[-1]
+        layers = {}
+        for block, loads in sorted(_loads(last).items()):
+            vec = [loads[e] for e in sorted(loads)]
+            layers[block] = {"loads": vec, "busiest": max(vec) * len(vec),
+                             "dropped": num(last.get(f"val/moe/{block}/dropped"))}
+        aux = [float(r["val/moe/aux"]) for r in rows if num(r.get("val/moe/aux")) is not None]
+        out[m] = {"layers": layers, "tokens": last.get("tokens"),
+                  "aux": {"first": aux[0], "peak": max(aux), "last": aux[-1]} if aux else None}
+    return out or None
+
+
+def expert_load_figure(records: dict[str, MethodRecords]) -> Figure | None:
+    """Expert load (fraction of routing choices) against training tokens: one panel per method and
+    MoE layer, one line per expert, the uniform share 1/E dashed. None without MoE metrics."""
+    panels = []
+    for m, rec in records.items():
+        rows = [r for r in (rec.curve or []) if _loads(r) and num(r.get("tokens")) is not None]
+        if rows:
+            for block in sorted(_loads(rows[-1])):
+                panels.append((m, block, rows))
+    if not panels:
+        return None
+    methods = list(dict.fromkeys(m for m, _, _ in panels))
+    blocks = sorted({b for _, b, _ in panels})
+    fig = new_figure(3.6 * len(blocks), 2.9 * len(methods))
+    axes = fig.subplots(len(methods), len(blocks), squeeze=False, sharey=True)
+    for m, block, rows in panels:
+        ax = axes[methods.index(m)][blocks.index(block)]
+        xs = [float(r["tokens"]) for r in rows]
+        per_expert = sorted(_loads(rows[-1])[block])
+        for e in per_expert:
+            ax.plot(xs, [_loads(r).get(block, {}).get(e) for r in rows], lw=1.2, label=f"expert {e}")
+        ax.axhline(1.0 / len(per_expert), color="black", lw=0.8, ls="--")
+        finish_axes(ax, "training tokens", "share of routing choices", f"{label(m)}: block {block + 1}",
+                    title_size=9)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    return fig
+
+
+def markdown_section(experts: dict | None, unit: str = "tokens") -> list[str]:
+    """The report's "Experts" section (empty without MoE metrics)."""
+    if not experts:
+        return []
+    L = ["### Experts (mixture of experts)", "",
+         "Routing on the held-out batches at the last evaluation: each MoE layer's busiest expert's share "
+         "of routing choices over the mean share (1.00 = perfectly even; the capacity limit drops "
+         "choices beyond it), the dropped fraction, and the load-balancing loss E·Σ f·P "
+         "(Switch Transformer Eq. 4; 1 for a uniform router) over training.", "",
+         "| method | block | busiest / mean | dropped | expert shares |", "|---|---|---|---|---|"]
+    for m, f in experts.items():
+        for block, lay in f["layers"].items():
+            shares = " ".join(f"{x:.3f}" for x in lay["loads"])
+            dropped = "—" if lay["dropped"] is None else f"{lay['dropped']:.2%}"
+            L.append(f"| {label(m)} | {int(block) + 1} | {lay['busiest']:.2f}× | {dropped} | {shares} |")
+    L.append("")
+    for m, f in experts.items():
+        if f["aux"]:
+            a = f["aux"]
+            L.append(f"- {label(m)}: load-balancing loss {a['first']:.4f} at the start, peak {a['peak']:.4f}, "
+                     f"{a['last']:.4f} at the end.")
+    L.append("")
+    return L
