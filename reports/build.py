@@ -73,7 +73,8 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
         loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
                     "Held-out loss vs wall-clock time", finals),
         out_dir, figure_file(name, "loss_vs_time"))
-    stage["plots"]["expert_load"] = _draw(expert_load_figure(records), out_dir, figure_file(name, "expert_load"))
+    if stage.get("experts"):  # an MoE model
+        stage["plots"]["expert_load"] = _draw(expert_load_figure(records), out_dir, figure_file(name, "expert_load"))
     for m, f in stage["methods"].items():
         if f["kind"] == "syncer":
             f["plots"] = {"merges_over_time": _draw(merges_figure(records[m].merges or [], f["failures"], m),
