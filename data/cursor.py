@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import numpy as np
-
-
 
 # ---------------------------------------------------------------------------------------------
 # Batches with a resumable cursor
@@ -21,8 +20,8 @@ def _epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def batch_at(
-    seqs: np.ndarray, epoch: int, index: int, batch_size: int, seed: int
-) -> tuple[np.ndarray, int, int]:
+    seqs: np.ndarray | Mapping[str, np.ndarray], epoch: int, index: int, batch_size: int, seed: int
+) -> tuple[np.ndarray | dict[str, np.ndarray], int, int]:
     """Next ``batch_size`` rows of ``seqs`` after the cursor ``(epoch, index)``.
 
     Epoch ``e`` visits the rows in a fixed permutation seeded by ``(seed, e)``; ``index`` is the
@@ -33,17 +32,19 @@ def batch_at(
     skipped.
 
     Args:
-        seqs: int ``[N, T+1]`` packed sequences (N ≥ 1).
+        seqs: int ``[N, T+1]`` packed sequences (N ≥ 1), or a mapping of columns sharing N rows
+            (e.g. ``{"image": uint8[N, H, W, C], "label": int32[N]}``).
         epoch: ≥ 0. index: 0 ≤ index ≤ N. batch_size: ≥ 1 (may exceed N).
         seed: permutation seed.
 
     Returns:
-        ``(batch, next_epoch, next_index)``: batch int32 ``[batch_size, T+1]``; the cursor is
-        normalised so ``0 ≤ next_index < N``.
+        ``(batch, next_epoch, next_index)``: batch int32 ``[batch_size, T+1]`` (for columns: a
+        dict of the same columns, ``batch_size`` rows each, dtypes kept); the cursor is normalised
+        so ``0 ≤ next_index < N``.
 
     Raises ``ValueError`` for an empty ``seqs`` or an out-of-range cursor / batch size.
     """
-    n = int(seqs.shape[0])
+    n = int(next(iter(seqs.values())).shape[0]) if isinstance(seqs, Mapping) else int(seqs.shape[0])
     if n == 0:
         raise ValueError("batch_at: no sequences to draw from")
     if batch_size < 1:
@@ -61,6 +62,8 @@ def batch_at(
         need -= take
     if index == n:
         epoch, index = epoch + 1, 0
-    batch = np.asarray(seqs[np.concatenate(rows)], dtype=np.int32)
-    return batch, epoch, index
+    picked = np.concatenate(rows)
+    if isinstance(seqs, Mapping):
+        return {k: np.asarray(v[picked]) for k, v in seqs.items()}, epoch, index
+    return np.asarray(seqs[picked], dtype=np.int32), epoch, index
 

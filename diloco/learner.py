@@ -193,7 +193,7 @@ def run_learner(s: LearnerSetup) -> dict:
                 break
             batch, epoch, index = s.next_batch(epoch, index)
             with s.turns or contextlib.nullcontext():
-                params, opt_state, metrics = s.step(params, opt_state, jnp.asarray(batch))
+                params, opt_state, metrics = s.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
                 # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
                 # learners would all compute at once and drift apart (what the turns prevent).
                 jax.block_until_ready(metrics["loss"])

@@ -418,6 +418,18 @@ def test_batch_at_epochs_cover_every_row_once():
     assert big.shape == (25, 5) and (e, i) == (2, 5)
 
 
+def test_batch_at_columns_draw_the_same_rows():
+    """Columns (images and labels) are drawn row for row as one array would be, dtypes kept."""
+    seqs = _seqs()
+    cols = {"image": np.arange(10 * 4, dtype=np.uint8).reshape(10, 2, 2), "label": np.arange(10, dtype=np.int32)}
+    for cursor in ((0, 0), (0, 8), (3, 1)):
+        rows, *c1 = C.batch_at(seqs, *cursor, 4, seed=2)
+        got, *c2 = C.batch_at(cols, *cursor, 4, seed=2)
+        assert c1 == c2 and got["image"].dtype == np.uint8 and got["image"].shape == (4, 2, 2)
+        np.testing.assert_array_equal(got["label"], rows[:, 0] // 5)
+        np.testing.assert_array_equal(got["image"], cols["image"][rows[:, 0] // 5])
+
+
 def test_batch_at_errors():
     with pytest.raises(ValueError):
         C.batch_at(np.zeros((0, 5), np.int32), 0, 0, 2, 0)

@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
 from configs.schema import ExperimentConfig, validate_against_model
@@ -73,7 +74,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
                 break
             batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
-            params, opt_state, metrics = trainer.step(params, opt_state, jnp.asarray(batch))
+            params, opt_state, metrics = trainer.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
             if on_step is not None:
                 on_step(step, metrics)
             tokens = step * tps

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def val_batches(val_rows: np.ndarray, num_batches: int, batch_size: int) -> list[np.ndarray]:
+def val_batches(val_rows, num_batches: int, batch_size: int) -> list:
     """The first ``num_batches × batch_size`` validation rows, in order (the same for every method).
 
-    Raises ``ValueError`` if the validation split holds fewer rows than one batch.
+    ``val_rows``: an array ``[N, ...]`` or a mapping of columns sharing N rows (batches then are
+    dicts of the same columns). Raises ``ValueError`` if the split holds fewer rows than one batch.
     """
+    if isinstance(val_rows, Mapping):
+        n_rows = len(next(iter(val_rows.values())))
+        whole = val_batches(np.arange(n_rows), num_batches, batch_size)
+        return [{k: v[idx] for k, v in val_rows.items()} for idx in whole]
     n = min(num_batches, len(val_rows) // batch_size)
     if n < 1:
         raise ValueError(
@@ -29,7 +35,7 @@ def heldout_metrics(evaluate: Callable, params: Mapping, batches: list[np.ndarra
     ``loss`` (the held-out loss: nats per token for text), ``objective`` and the model's own metrics
     (e.g. an MoE model's expert loads on the held-out tokens).
     """
-    outs = [evaluate(params, jnp.asarray(b)) for b in batches]
+    outs = [evaluate(params, jax.tree.map(jnp.asarray, b)) for b in batches]
     return {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0]}
 
 

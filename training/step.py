@@ -6,6 +6,8 @@ input parameter and optimizer buffers donated to the output. ``metrics`` holds `
 the objective reports (an MoE auxiliary loss, an accuracy), as device scalars: reading them
 (``float``) waits for the step, so loops read them only when they log.
 
+A batch is one array ``[B, ...]`` or a pytree of them sharing the leading B (e.g. images and labels).
+
 Shape legend: B rows per step, G microbatches (gradient accumulation), B/G rows per microbatch.
 """
 
@@ -54,10 +56,10 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
         if microbatches == 1:
             (loss, metrics), grads = grad_fn(params, batch)
         else:
-            B = batch.shape[0]
+            B = jax.tree.leaves(batch)[0].shape[0]
             if B % microbatches:
                 raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches")
-            slices_GB = batch.reshape(microbatches, B // microbatches, *batch.shape[1:])
+            slices_GB = jax.tree.map(lambda a: a.reshape(microbatches, B // microbatches, *a.shape[1:]), batch)
 
             def body(acc, mb):
                 (loss, metrics), grads = grad_fn(params, mb)
