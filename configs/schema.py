@@ -136,7 +136,42 @@ class MoELMConfig(_DecoderLMFields, MoEFields):
     kind: Literal["moe_lm"] = Field("moe_lm", description="model family from the registry in models/")
 
 
-MODEL_CONFIGS: tuple[type[_Strict], ...] = (DenseLMConfig, MoELMConfig)
+class _ViTFields(_Strict):
+    """What both vision transformer kinds share (``models/vision/vit.py``)."""
+
+    d_model: PositiveInt = Field(64, description="token width")
+    n_layers: PositiveInt = Field(4, description="transformer blocks")
+    n_heads: PositiveInt = Field(4, description="attention heads (d_model / n_heads must be even, for RoPE)")
+    d_ff: PositiveInt = Field(128, description="SwiGLU hidden width")
+    patch_size: PositiveInt = Field(2, description="side of the square patches, pixels (must divide the images)")
+    pool: Literal["cls", "mean"] = Field("cls", description="class token (cls) or the mean of the patch outputs")
+    rope_theta: PositiveFloat = Field(10000.0, description="RoPE base frequency over the token order")
+
+    @model_validator(mode="after")
+    def _check_heads(self):
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}) "
+                "into an even width per head (RoPE)"
+            )
+        return self
+
+
+class ViTConfig(_ViTFields):
+    """The vision transformer (``models/vision/vit.py``; Dosovitskiy et al. 2021)."""
+
+    kind: Literal["vit"] = Field("vit", description="model family from the registry in models/")
+
+
+class ViTMoEConfig(_ViTFields, MoEFields):
+    """The V-MoE (``models/vision/vit.py``; Riquelme et al. 2021): MoE in every ``moe_every``-th block."""
+
+    kind: Literal["vit_moe"] = Field("vit_moe", description="model family from the registry in models/")
+
+
+MODEL_CONFIGS: tuple[type[_Strict], ...] = (DenseLMConfig, MoELMConfig, ViTConfig, ViTMoEConfig)
+TEXT_KINDS = ("dense_lm", "moe_lm")
+VISION_KINDS = ("vit", "vit_moe")
 MODEL_KINDS: dict[str, type[_Strict]] = {c.model_fields["kind"].default: c for c in MODEL_CONFIGS}
 DEFAULT_MODEL_KIND = "dense_lm"
 
@@ -151,7 +186,8 @@ def _model_kind(value) -> str | None:
 # The model section: one member per kind in the registry (models/), picked by ``kind`` (pydantic
 # names the allowed kinds when it is unknown).
 ModelConfig = Annotated[
-    Union[Annotated[DenseLMConfig, Tag("dense_lm")], Annotated[MoELMConfig, Tag("moe_lm")]],  # noqa: UP007
+    Union[Annotated[DenseLMConfig, Tag("dense_lm")], Annotated[MoELMConfig, Tag("moe_lm")],  # noqa: UP007
+          Annotated[ViTConfig, Tag("vit")], Annotated[ViTMoEConfig, Tag("vit_moe")]],
     Discriminator(_model_kind, custom_error_type="model_kind",
                   custom_error_message=f"unknown model kind; choose one of {', '.join(MODEL_KINDS)}"),
 ]

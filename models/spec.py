@@ -23,28 +23,36 @@ Objective = Callable[[nnx.Module, Any], tuple[jax.Array, Mapping[str, jax.Array]
 
 @dataclass(frozen=True)
 class InputShape:
-    """What the data fixes about a model: text has a vocabulary and a sequence length.
+    """What the data fixes about a model.
 
-    ``vocab_size``: tokens in the tokenizer (V). ``seq_len``: tokens per training sequence (L);
-    a text batch holds L + 1 tokens per row (inputs and shifted targets).
+    Text: ``vocab_size`` (tokens in the tokenizer, V) and ``seq_len`` (tokens per training
+    sequence, L; a text batch holds L + 1 tokens per row: inputs and shifted targets). Images:
+    ``image_shape`` (H, W, C pixels), ``num_classes`` and ``pixel_max`` (the largest pixel value
+    the data can hold: 255 for 8-bit images, 16 for scikit-learn's digits).
     """
 
     vocab_size: int | None = None
     seq_len: int | None = None
+    image_shape: tuple[int, int, int] | None = None
+    num_classes: int | None = None
+    pixel_max: int | None = None
 
 
 @dataclass(frozen=True)
 class BatchLayout:
-    """The batch a model's objective takes: one array ``dtype[B, *row_shape]``.
+    """The batch a model's objective takes: one array ``dtype[B, *row_shape]`` (text), or, when
+    ``columns`` is set, a dict of arrays ``{name: dtype[B, *shape]}`` (images and labels).
 
-    ``unit``: what the training budget counts (``tokens`` for text); ``units_per_row``: how many of
-    them one row holds (L for a text row of L + 1 tokens: L predicted tokens).
+    ``unit``: what the training budget counts (``tokens`` for text, ``images`` for vision);
+    ``units_per_row``: how many of them one row holds (L for a text row of L + 1 tokens: L
+    predicted tokens; 1 for an image).
     """
 
     dtype: str
     row_shape: tuple[int, ...]
     unit: str
     units_per_row: int
+    columns: Mapping[str, tuple[str, tuple[int, ...]]] | None = None
 
 
 @dataclass(frozen=True)
