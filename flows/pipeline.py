@@ -96,9 +96,14 @@ def pipeline(
                     shutil.rmtree(rd, ignore_errors=True)
                 raise
             stages.append("data")
-            logger.info("data: %s train tokens, %d shards, vocab %d",
-                        f"{manifest['splits']['train']['tokens']:,}", len(manifest["shards"]),
-                        manifest["vocab_size"])
+            if manifest.get("modality") == "image":
+                logger.info("data: %s train images of %s in %d classes, %d shards",
+                            f"{manifest['splits']['train']['images']:,}", "×".join(map(str, manifest["image_shape"])),
+                            manifest["num_classes"], len(manifest["shards"]))
+            else:
+                logger.info("data: %s train tokens, %d shards, vocab %d",
+                            f"{manifest['splits']['train']['tokens']:,}", len(manifest["shards"]),
+                            manifest["vocab_size"])
             steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))]
             if cfg.dp.enabled:
                 steps.append(("pretrain-dp", lambda: pretrain_dp(cfg, str(rd))))

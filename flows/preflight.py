@@ -62,10 +62,48 @@ def check_model(cfg: ExperimentConfig) -> int:
     from models import InputShape, build_model
     from training.functional import params_of
 
-    spec = build_model(cfg.model, InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len))
+    if cfg.data.modality == "image":
+        shape = _known_image_shape(cfg)
+        if shape is None:  # known only once the images are read (the shard step checks it then)
+            return 0
+    else:
+        shape = InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+    try:
+        spec = build_model(cfg.model, shape)
+    except ValueError as exc:  # e.g. a patch size that does not divide the images
+        raise ValueError(f"model ({cfg.model.kind}) does not fit the data: {exc}") from None
     n = len(params_of(nnx.eval_shape(lambda: spec.init(0))))
     validate_against_model(cfg, n)
     return n
+
+
+def _known_image_shape(cfg: ExperimentConfig):
+    """The images' InputShape when it is known before reading them: digits (8×8 grey, 10 classes,
+    pixels 0-16); else None."""
+    from models import InputShape
+
+    if cfg.data.source == "digits":
+        return InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16)
+    return None
+
+
+def check_image_source(cfg: ExperimentConfig) -> None:
+    """Cheap checks of an image source: an imagefolder is a folder with ≥ 2 class sub-folders; a hub
+    dataset is reachable. Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line."""
+    d = cfg.data
+    if d.source == "imagefolder":
+        folder = Path(d.paths[0]).expanduser()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"data.paths[0]: {d.paths[0]} is not a folder (an imagefolder holds one "
+                                    "sub-folder of images per class)")
+        classes = [p for p in folder.iterdir() if p.is_dir()]
+        if len(classes) < 2:
+            raise ValueError(f"data.paths[0]: {d.paths[0]} holds {len(classes)} class sub-folder(s); an "
+                             "imagefolder needs ≥ 2, one per class, images inside")
+    elif d.source == "hf_images":
+        from data.sources import check_hf_reachable
+
+        check_hf_reachable(d.hf_name)
 
 
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
@@ -84,7 +122,9 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     check_reusable_data(cfg, path)
     check_local_paths(cfg)
     check_model(cfg)
-    if check_data:
+    if check_data and cfg.data.modality == "image":
+        check_image_source(cfg)
+    elif check_data:
         from data.sources import check_corpus
 
         check_corpus(cfg.data)

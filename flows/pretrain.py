@@ -39,7 +39,7 @@ def _progress_line(run, learners: int) -> str:
     loss = f"{sum(losses) / len(losses):.3f}" if losses else "n/a"
     tokens = run.exchange.claimed_tokens
     val = "n/a" if run.last_val_loss is None else f"{run.last_val_loss:.3f}"
-    return (f"diloco: tokens {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
+    return (f"diloco: {run.cfg.unit} {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
             f"train loss {loss}  held-out loss {val}  merges {run.merges}  "
             f"learners up {up}/{learners}  versions {run.syncer.versions}")
 
@@ -62,11 +62,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     run = setup_diloco(config, rd)
     d = config.diloco
     logger.info(
-        "diloco: M=%d learners, P=%d fragments %s bytes, H=%d, K=%d, grace %.2fs, merge=%s, budget %s tokens "
-        "(%s tokens per learner step)", d.learners, d.fragments,
+        "diloco: M=%d learners, P=%d fragments %s bytes, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
+        "(%s per learner step)", d.learners, d.fragments,
         [sum(a.nbytes for a in g.values()) for g in run.syncer.global_params], d.sync_every, d.quorum,
-        d.grace_s, d.merge, f"{run.budget:,}", f"{config.tokens_per_learner_step:,}")
-    progress_id = create_progress_artifact(0.0, key="diloco-progress", description="DiLoCo tokens (%)")
+        d.grace_s, d.merge, f"{run.budget:,}", config.unit, f"{config.tokens_per_learner_step:,}")
+    progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
     learners_done = threading.Event()
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     with task_runner_for(config) as runner:
@@ -93,17 +93,18 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         summary = syncer_future.result()
     run.close_logs()
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
-    logger.info("diloco finished: %s tokens in %.1f s (%.0f tokens/s), %d merges, held-out loss %.4f",
+    u = config.unit
+    logger.info(f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
                 f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"], summary["merges"],
                 summary["final_val_loss"])
     lost = summary["work_lost"]
     if lost["status"] != "ok":
-        logger.warning("diloco: the syncer dropped %.1f %% of the learners' processed tokens (%s of %s; %s)%s",
+        logger.warning(f"diloco: the syncer dropped %.1f %% of the learners' processed {u} (%s of %s; %s)%s",
                        100 * lost["dropped_fraction"], f"{lost['dropped_tokens']:,}", f"{lost['processed_tokens']:,}",
                        lost["reasons"], " — above diloco.max_dropped_fraction: this run fails"
                        if lost["status"] == "failed" else "")
     if summary["interrupted"]:
-        logger.warning("diloco: stopped early by a signal at %s of %s tokens; state saved",
+        logger.warning(f"diloco: stopped early by a signal at %s of %s {u}; state saved",
                        f"{summary['tokens']:,}", f"{run.budget:,}")
     return summary
 
@@ -113,7 +114,8 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``)."""
     with graceful_stop():
         summary = dp_task(config, run_dir)
-    get_run_logger().info("dp finished: %s tokens in %.1f s (%.0f tokens/s), held-out loss %.4f",
+    u = config.unit
+    get_run_logger().info(f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
                           f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
                           summary["final_val_loss"])
     return summary

@@ -1,13 +1,13 @@
-"""The data step as a Prefect task (the plain code is ``data.text.prepare_data``)."""
+"""The data step as a Prefect task (the plain code is ``data.prepare.prepare_data``)."""
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from data.text import prepare_data
+from data.prepare import prepare_data
 
 shard_data_task = task(
     name="shard-data",
     cache_policy=NO_CACHE,
     log_prints=False,  # datasets prints bytecode while fingerprinting; keep it out of the run log
-    description="Corpus → held-out split → BPE → packed sequences → M learner shards (RUN/data)",
+    description="Text: corpus → held-out split → BPE → packed sequences; images: stratified split; then M learner shards (RUN/data)",
 )(prepare_data)

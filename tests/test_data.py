@@ -361,7 +361,9 @@ def test_prefect_wrapper():
 
     from tasks.shard import shard_data_task
 
-    assert shard_data_task.fn is T.prepare_data
+    from data.prepare import prepare_data
+
+    assert shard_data_task.fn is prepare_data
     assert shard_data_task.cache_policy is NO_CACHE
     # the plain data code (the corpus checks run before Prefect starts) does not import Prefect
     out = subprocess.run([sys.executable, "-c", "import sys, data.text, data.store, data.cursor; print('prefect' in sys.modules)"],

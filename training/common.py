@@ -21,12 +21,18 @@ _SPECS_LOCK = threading.Lock()
 
 
 def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
-    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary).
+    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary, or its image
+    shape, classes and pixel range).
 
     Built once per process for each model config and data shape (learner threads share it).
     ``cfg.model`` may be any registered kind's config object (``models.spec.register``).
     """
-    shape = InputShape(vocab_size=int(load_manifest(run_dir)["vocab_size"]), seq_len=cfg.data.seq_len)
+    manifest = load_manifest(run_dir)
+    if manifest.get("modality", "text") == "image":
+        shape = InputShape(image_shape=tuple(manifest["image_shape"]), num_classes=int(manifest["num_classes"]),
+                           pixel_max=int(manifest["pixel_max"]))
+    else:
+        shape = InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=cfg.data.seq_len)
     key = (repr(cfg.model), shape)
     with _SPECS_LOCK:
         if key not in _SPECS:

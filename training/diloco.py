@@ -25,7 +25,7 @@ import numpy as np
 
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
-from data.store import load_sequences
+from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 from diloco.fragments import balanced_fragments
 from diloco.learner import LearnerSetup, run_learner
@@ -130,7 +130,7 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
         merges_log=JsonlWriter(layout.metrics(STAGE, METHOD, "merges")),
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
-        val=val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
+        val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
         budget=budget,
     )
 
@@ -142,7 +142,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     d = cfg.diloco
     trainer = learner_trainer(cfg, run_dir)
     exchange = exchange if exchange is not None else open_exchange(_key(run_dir))
-    seqs = load_sequences(run_dir, f"shard_{learner:02d}")
+    seqs = load_rows(run_dir, f"shard_{learner:02d}")
     fails = tuple(sorted(f.at_step for f in cfg.chaos.failures if f.learner == learner))
     return LearnerSetup(
         learner=learner, attempt=attempt, step=trainer.step, init_params=trainer.init_params,

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
-from data.store import load_sequences
+from data.prepare import load_rows
 from diloco.tensors import tensor_bytes
 from run.control import STOP
 from run.layout import RunLayout
@@ -51,8 +51,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)
-    seqs = load_sequences(run_dir, "train")
-    val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
+    seqs = load_rows(run_dir, "train")
+    val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
     eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"))
     step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"))
     tps = cfg.tokens_per_dp_step
