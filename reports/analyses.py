@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, safe_exp, short_label,
-                            stage_label)
+from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, per_unit, safe_exp, short_label,
+                            stage_label, unit_of)
 from reports.experts import expert_figures
 from reports.learners import syncer_sections
 from reports.read import MethodRecords
@@ -34,12 +34,15 @@ EVAL_METRIC_NAMES: dict[str, tuple[str, str, str]] = {
     "acc_norm": ("accuracy (length-normalised)", "fraction", "{:.3f}"),
     "passages": ("passages", "passages", "int"),
     "questions": ("questions", "questions", "int"),
+    "accuracy": ("top-1 accuracy", "fraction", "{:.4f}"),  # vision: evals/vision.py
+    "loss": ("loss", "nats/image", "{:.4f}"),
+    "images": ("images", "images", "int"),
 }
-EVAL_TASK_ORDER = ("heldout_ppl", "heldout_nextline")  # first, then any other task, sorted
+EVAL_TASK_ORDER = ("heldout_ppl", "heldout_nextline", "test")  # first, then any other task, sorted
 CHANCE_METRICS = ("acc", "acc_norm")  # shown with "(chance c)" when "<task>/chance" exists
 # Keys of the eval dict that are not "<task>/<metric>": (key, label, unit, format).
 EVAL_RUN_KEYS = (
-    ("checkpoint_tokens", "tokens in the evaluated checkpoint", "tokens", "int"),
+    ("checkpoint_tokens", "budget units (tokens or images) in the evaluated checkpoint", "", "int"),
     ("truncated_requests", "truncated requests (contexts cut to fit the window)", "requests", "int"),
     ("eval_s", "lm-eval time", "s", "{:.1f}"),
 )
@@ -174,7 +177,7 @@ def eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
     return rows
 
 
-def comparison(methods: dict[str, dict], rows_eval: list[dict]) -> list[dict]:
+def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tokens") -> list[dict]:
     """Rows of the side-by-side tables (a value per method; None = not recorded, "not run"), each
     with a ``group``: "training", "eval" (:func:`eval_rows`) and "bytes" (read from each method's
     ``bytes``, the one computation of every byte figure)."""
@@ -191,13 +194,13 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict]) -> list[dict]:
                 row[m] = NOT_RUN
         rows.append(row)
 
-    add("tokens", "training tokens", "tokens", "int")
+    add("tokens", f"training {unit}", unit, "int")
     add("steps", "optimizer steps (DiLoCo: inner steps summed over learners)", "steps", "int")
     add("wall_s", "training wall time", "s", "{:.1f}")
-    add("tokens_per_s", "throughput", "tokens/s", "{:,.0f}")
+    add("tokens_per_s", "throughput", f"{unit}/s", "{:,.0f}")
     if any(f.get("goodput") is not None for f in methods.values()):
         add("goodput", "goodput", "fraction", "{:.3f}")
-    add("final_val_loss", "final held-out loss", "nats/token", "{:.4f}")
+    add("final_val_loss", "final held-out loss", f"nats/{per_unit(unit)}", "{:.4f}")
     add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
     merges = {}
     for m, f in methods.items():
@@ -205,7 +208,7 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict]) -> list[dict]:
         merges[m] = count if count is not None or f["status"] == "ok" else NOT_RUN
     add("merges", "merges (DiLoCo)", "merges", "int", merges)
     add("params", "parameters", "", "int")
-    add("flops_per_token", "training FLOPs per token", "FLOPs", "{:.4g}")
+    add("flops_per_token", f"training FLOPs per {per_unit(unit)} (active, for MoE)", "FLOPs", "{:.4g}")
     rows += rows_eval
     for key, text, by, sk, ak in BYTE_ROWS:
         rows.append({"key": key, "label": text, "unit": "", "fmt": "bytes", "group": "bytes", "counted_by": by,
@@ -259,7 +262,8 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         "label": stage_label(stage),
         "baseline": BASELINE if BASELINE in methods else None,
         "methods": methods,
-        "comparison": comparison(methods, rows_eval),
+        "unit": unit_of(config),
+        "comparison": comparison(methods, rows_eval, unit_of(config)),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
         "hyperparameters": hyper,
         "experts": expert_figures(records),
@@ -273,6 +277,8 @@ def setup(config: dict | None) -> dict:
     if not config:
         return {}
     g = lambda *ks: nested(config, ks)  # noqa: E731
+    unit = unit_of(config)
+    text = unit == "tokens"
     out = {
         "learners (M)": g("diloco", "learners"),
         "fragments (P)": g("diloco", "fragments"),
@@ -280,13 +286,15 @@ def setup(config: dict | None) -> dict:
         "quorum (K)": g("diloco", "quorum"),
         "grace window (s)": g("diloco", "grace_s"),
         "merge rule": g("diloco", "merge"),
-        "token budget per method (tokens)": g("train", "token_budget"),
-        "sequence length (tokens)": g("data", "seq_len"),
-        "learner batch (sequences)": g("diloco", "batch_size"),
-        "model": " ".join(f"{k}={v}" for k in ("kind", "d_model", "n_layers", "n_heads", "d_ff")
+        f"budget per method ({unit})": g("train", "token_budget"),
+        "data source": g("data", "source"),
+        "sequence length (tokens)": g("data", "seq_len") if text else None,
+        f"learner batch ({'sequences' if text else 'images'})": g("diloco", "batch_size"),
+        "model": " ".join(f"{k}={v}" for k in ("kind", "d_model", "n_layers", "n_heads", "d_ff", "patch_size",
+                                               "n_experts", "top_k", "moe_every", "expert_d_ff")
                           if (v := g("model", k)) is not None) or None,
         "DP enabled": g("dp", "enabled"),
-        "lm-eval enabled": g("eval", "enabled"),
+        "lm-eval enabled": g("eval", "enabled") if text else None,
         "injected failures": g("chaos", "failures"),
     }
     return {k: v for k, v in out.items() if v is not None}

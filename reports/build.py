@@ -18,7 +18,7 @@ from reports.analyses import manifest_items, pipeline_status, setup, stage_figur
 from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe
 from reports.experts import expert_load_figure
 from reports.markdown import render_markdown
-from reports.plots import loss_figure, merges_figure, save_png
+from reports.plots import confusion_figure, loss_figure, merges_figure, save_png
 from reports.read import MethodRecords, open_run, read_run
 from run.layout import STAGES, RunLayout
 
@@ -66,13 +66,17 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
     name = stage["stage"]
     curves = {m: rec.curve for m, rec in records.items()}
     finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
+    unit = stage.get("unit", "tokens")
     stage["plots"]["loss_vs_tokens"] = _draw(
-        loss_figure(curves, "tokens", "training tokens (all learners)", "Held-out loss vs tokens", finals),
+        loss_figure(curves, "tokens", f"training {unit} (all learners)", f"Held-out loss vs {unit}", finals),
         out_dir, figure_file(name, "loss_vs_tokens"))
     stage["plots"]["loss_vs_time"] = _draw(
         loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
                     "Held-out loss vs wall-clock time", finals),
         out_dir, figure_file(name, "loss_vs_time"))
+    if unit == "images":
+        stage["plots"]["confusion"] = _draw(confusion_figure({m: rec.eval for m, rec in records.items()}),
+                                            out_dir, figure_file(name, "confusion"))
     if stage.get("experts"):  # an MoE model
         stage["plots"]["expert_load"] = _draw(expert_load_figure(records), out_dir, figure_file(name, "expert_load"))
     for m, f in stage["methods"].items():

@@ -145,3 +145,17 @@ def json_safe(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [json_safe(v) for v in x]
     return x
+
+
+IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
+
+
+def unit_of(config: dict | None) -> str:
+    """What the run's budget and losses count: ``images`` for an image data source, else ``tokens``."""
+    source = ((config or {}).get("data") or {}).get("source")
+    return "images" if source in IMAGE_SOURCES else "tokens"
+
+
+def per_unit(unit: str) -> str:
+    """``token`` or ``image``: the loss's denominator (nats per …)."""
+    return unit.removesuffix("s")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label,
+from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label, per_unit,
                             short_label)
 from reports.experts import markdown_section
 
@@ -132,9 +132,11 @@ def _comparison_section(st: dict, L: list[str]) -> None:
     L += [f"### {', '.join(others) or 'data-parallel'}{vs if others else ''}", ""]
     L += [_table(*_side_by_side(st, "training", ["metric"])), ""]
     every = "both methods" if len(st["methods"]) == 2 else "every method"
-    L += [f"Loss is the mean next-token cross entropy on the same held-out batches for {every} "
-          "(nats/token; DiLoCo measured on the syncer's global parameters). Bytes: see "
-          "*Bytes on the wire* below.", ""]
+    unit = st.get("unit", "tokens")
+    what = "next-token cross entropy" if unit == "tokens" else "cross entropy of the class labels"
+    L += [f"Loss is the mean {what} on the same held-out batches for {every} "
+          f"(nats/{per_unit(unit)}; DiLoCo measured on the syncer's global parameters; without an MoE model's "
+          "auxiliary losses). Bytes: see *Bytes on the wire* below.", ""]
     gaps = st["loss_gaps"]
     for m, gap in gaps.items():
         who, base = short_label(m), short_label(gap["baseline"])
@@ -149,12 +151,20 @@ def _comparison_section(st: dict, L: list[str]) -> None:
 
 
 def _eval_section(st: dict, L: list[str]) -> None:
-    L += ["### Evaluation (lm-eval, zero-shot)", ""]
+    images = st.get("unit") == "images"
+    L += ["### Evaluation (held-out test images)" if images else "### Evaluation (lm-eval, zero-shot)", ""]
     headers, rows = _side_by_side(st, "eval", ["metric"])
     if not rows:
-        L += [f"*lm-eval: {NOT_RUN} for {'either' if len(st['methods']) == 2 else 'any'} method.*", ""]
+        what = "test evaluation" if images else "lm-eval"
+        L += [f"*{what}: {NOT_RUN} for {'either' if len(st['methods']) == 2 else 'any'} method.*", ""]
         return
     L += [_table(headers, rows), ""]
+    if images:
+        L += ["Top-1 accuracy and mean cross entropy (nats/image) over every image of the test split "
+              "(stratified, never trained or tuned on); \"± x\" is the binomial standard error √(p(1−p)/N).", ""]
+        if (st.get("plots") or {}).get("confusion"):
+            L += [f"![confusion matrices]({st['plots']['confusion']})", ""]
+        return
     L += ["Values are lm-eval's; \"± x\" is lm-eval's standard error of the metric and \"(chance c)\" "
           "the accuracy of guessing uniformly among each question's choices. Truncated requests "
           "are contexts cut to fit the window (the model's maximum length), counted over all tasks.", ""]
@@ -180,7 +190,8 @@ def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
     rows = [[label(m), c.get("points", 0), format_value(c.get("final_tokens"), "int"),
              format_value(c.get("final_wall_s"), "{:.1f}"), format_value(c.get("final_loss"), "{:.4f}"),
              format_value(c.get("best_loss"), "{:.4f}")] for m, f in st["methods"].items() for c in [f["curve"]]]
-    L += [_table(["method", "points", "last tokens", "last wall (s)", "last loss (nats)", "best loss (nats)"],
+    L += [_table(["method", "points", f"last {st.get('unit', 'tokens')}", "last wall (s)", "last loss (nats)",
+                  "best loss (nats)"],
                  rows), ""]
     L += ["### Hyperparameters", ""]
     if st["hyperparameters"]:
@@ -191,8 +202,8 @@ def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
     L.append("")
 
 
-def _ledger_section(f: dict, who: str, L: list[str]) -> None:
-    L += [f"### {who} token ledger (tokens per learner)", ""]
+def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> None:
+    L += [f"### {who} {per_unit(unit)} ledger ({unit} per learner)", ""]
     led = f["ledger"]
     if led["status"] == "ok":
         cols = led["columns"]
@@ -326,7 +337,7 @@ def _stage(st: dict, L: list[str]) -> None:
     for m in syncers:
         f, who = st["methods"][m], short_label(m)
         suffix = f" ({who})" if len(syncers) > 1 else ""
-        _ledger_section(f, who, L)
+        _ledger_section(f, who, L, st.get("unit", "tokens"))
         _chaos_section(f, suffix, L)
         _merges_section(f, suffix, L)
     if st["notes"]:

@@ -143,3 +143,32 @@ def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloc
     if failures:
         fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig
+
+
+def confusion_figure(evals: dict[str, dict | None]) -> Figure | None:
+    """Each method's confusion matrix on the test images (rows: true class, columns: predicted;
+    counts, shaded by the share of the true class), from its eval result's ``confusion`` and
+    ``class_names``; None if no method has one."""
+    have = {m: e for m, e in evals.items() if e and e.get("confusion")}
+    if not have:
+        return None
+    fig = new_figure(4.2 * len(have), 4.0)
+    axes = fig.subplots(1, len(have), squeeze=False)[0]
+    for ax, (m, e) in zip(axes, have.items()):
+        counts = [[int(x) for x in row] for row in e["confusion"]]
+        k = len(counts)
+        share = [[c / max(sum(row), 1) for c in row] for row in counts]
+        ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+        for i in range(k):
+            for j in range(k):
+                if counts[i][j]:
+                    ax.text(j, i, str(counts[i][j]), ha="center", va="center", fontsize=7,
+                            color="white" if share[i][j] > 0.5 else "black")
+        names = e.get("class_names") or [str(i) for i in range(k)]
+        ax.set_xticks(range(k), names, fontsize=7)
+        ax.set_yticks(range(k), names, fontsize=7)
+        acc = e.get("test/accuracy")
+        finish_axes(ax, "predicted class", "true class",
+                    f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else ""))
+        ax.grid(False)
+    return fig
