@@ -115,8 +115,8 @@ def validate(
     """Check a config (the model it builds and its corpus) without running anything."""
     cfg, _ = _checked(config, set_)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} tokens; "
-               f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} tokens per step")
+    typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} {cfg.unit}; "
+               f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step")
 
 
 @app.command()
