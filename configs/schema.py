@@ -79,7 +79,10 @@ class DataConfig(_Strict):
     @model_validator(mode="after")
     def _check_source(self) -> "DataConfig":
         wrong = _TEXT_ONLY if self.modality == "image" else _IMAGE_ONLY
-        given = sorted(set(wrong) & self.model_fields_set)
+        # set to something other than its default (a full dump of a config, e.g. a deployment's
+        # parameters, carries every field at its default and stays valid)
+        given = sorted(f for f in set(wrong) & self.model_fields_set
+                       if getattr(self, f) != type(self).model_fields[f].default)
         if given:
             other = "text" if self.modality == "image" else "image"
             raise ValueError(f"data.{given[0]} applies to {other} sources, not data.source: {self.source}; remove it")

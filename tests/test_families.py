@@ -49,8 +49,8 @@ def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
 
 
 @pytest.mark.parametrize("model", [
-    {"kind": "vit", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 2},
-    {"kind": "vit_moe", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 2,
+    {"kind": "vit", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 4},
+    {"kind": "vit_moe", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 4,
      "n_experts": 4, "top_k": 1, "pool": "mean"},
 ])
 def test_vision_end_to_end(prefect_harness, model, tmp_path):
@@ -64,7 +64,7 @@ def test_vision_end_to_end(prefect_harness, model, tmp_path):
         summary = json.loads(layout.summary("pretrain", method).read_text())
         assert summary["tokens"] == 9600  # images
         result = json.loads(layout.eval_result("pretrain", method).read_text())
-        assert result["test/images"] == 360 and result["test/accuracy"] > 0.3  # well above chance (0.1)
+        assert result["test/images"] == 360 and result["test/accuracy"] > 0.5  # chance is 0.1
         assert sum(map(sum, result["confusion"])) == 360
     report = layout.report_md.read_text()
     assert "### Evaluation (held-out test images)" in report and "budget per method (images)" in report
