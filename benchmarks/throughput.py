@@ -1,7 +1,14 @@
 """Training-step speed of our JAX step against PyTorch at the same shape, side by side in one run.
 
     python benchmarks/throughput.py [--config configs/default.yaml] [--repeats 11]
+    python benchmarks/throughput.py --families [--repeats 11]   # every model family, ours alone
     make bench-torch        # installs the optional PyTorch reference first, then runs this
+
+``--families``: the learner and DP steps of every shipped family's config (``default`` dense LM,
+``moe`` MoE LM, ``vit``, ``vit_moe``) as configured (microbatches included), in budget units per
+second (tokens or images) and MFU from the spec's FLOPs per unit (active FLOPs for MoE: router and
+k experts; the dispatch/combine einsums are overhead, not counted) against the same measured peak;
+the step kinds take turns as below.
 
 Four steps, as the pipeline runs them: the DiLoCo learner step (``diloco.batch_size`` rows) and the
 DP step (``dp.batch_size`` rows), each on the whole batch and split into the configured
@@ -118,13 +125,67 @@ def theirs(cfg, batch: np.ndarray, microbatches: int, vocab: int) -> Callable[[i
     return steps
 
 
+FAMILY_CONFIGS = ("default", "moe", "vit", "vit_moe")
+
+
+def family_batch(cfg, rows: int, rng) -> object:
+    """A random batch of ``rows`` rows for ``cfg``'s data: token ids, or digits-like images and labels."""
+    if cfg.data.modality == "image":
+        return {"image": rng.integers(0, 17, (rows, 8, 8, 1)).astype(np.uint8),
+                "label": rng.integers(0, 10, rows).astype(np.int32)}
+    return rng.integers(0, cfg.data.vocab_size, (rows, cfg.data.seq_len + 1)).astype(np.int32)
+
+
+def families(repeats: int) -> None:
+    """Every family's learner and DP step, ours alone (see the module docstring)."""
+    configure_host()
+    print(f"# throughput --families  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  "
+          f"{len(os.sched_getaffinity(0))} cores  load average {load_average()}  jax {jax.__version__}")
+    peak = jax_matmul_flops()
+    print(f"peak: {peak / 1e9:,.1f} GFLOP/s = best float32 {PEAK_N}² matmul here (JAX)")
+    rng = np.random.default_rng(0)
+    runners, meta = {}, {}
+    for name in FAMILY_CONFIGS:
+        cfg = load_config_checked(ROOT / "configs" / f"{name}.yaml")
+        shape = (InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16) if cfg.data.modality == "image"
+                 else InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len))
+        spec = build_model(cfg.model, shape)
+        tx = make_inner_tx(cfg.diloco.inner, 1000)
+        for step, bs, g in (("learner", cfg.diloco.batch_size, cfg.learner_microbatches),
+                            ("DP", cfg.dp_batch_size, cfg.dp_microbatches)):
+            key = (name, step)
+            runners[key] = ours(spec, tx, family_batch(cfg, bs, rng), g)
+            meta[key] = (cfg.model.kind, bs, g, bs * cfg.units_per_row, cfg.unit, spec)
+    for run in runners.values():
+        run(2)
+    times = {k: [] for k in runners}
+    for _ in range(repeats):
+        for key, run in runners.items():
+            run(1)
+            t = time.perf_counter()
+            run(STEPS)
+            times[key].append((time.perf_counter() - t) / STEPS)
+    print(f"median of {repeats} turns of {STEPS} steps; load average now {load_average()}")
+    print(f"{'config':<9}{'kind':<9}{'step':<8}{'rows':>5}{'micro':>6}{'params':>11}{'active':>11}"
+          f"{'ms':>8}{'units/s':>11} {'unit':<7}{'MFU':>7}")
+    for key, (kind, bs, g, units, unit, spec) in meta.items():
+        sec = statistics.median(times[key])
+        active = spec.extras.get("active_params", spec.params)
+        print(f"{key[0]:<9}{kind:<9}{key[1]:<8}{bs:>5}{'-' if g == 1 else str(bs // g):>6}{spec.params:>11,}"
+              f"{active:>11,}{sec * 1e3:>8.1f}{units / sec:>11,.0f} {unit:<7}{units / sec * spec.flops_per_unit / peak:>7.1%}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default=str(ROOT / "configs" / "default.yaml"))
     ap.add_argument("--repeats", type=int, default=11, help="timed turns of every step kind (median)")
+    ap.add_argument("--families", action="store_true", help="every shipped model family's steps, ours alone")
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be ≥ 1, got {args.repeats}")
+    if args.families:
+        families(args.repeats)
+        return
     try:
         cfg = load_config_checked(args.config)
     except ValueError as exc:

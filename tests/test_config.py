@@ -16,10 +16,12 @@ def test_shipped_configs_load_and_build(path):
 
     cfg = load_config(path)
     # builds the model and checks P against its tensors; the corpus itself is not read here: every
-    # shipped config trains on the embedded default corpus, which the one test on the real download
-    # (tests/test_flows.py::test_pipeline_end_to_end) checks and prepares through the same preflight
-    assert cfg.data.source == "shakespeare"
-    preflight(cfg, check_data=False)
+    # shipped config trains on an embedded dataset: the default corpus, which the one test on the real
+    # download (tests/test_flows.py::test_pipeline_end_to_end) checks and prepares through the same
+    # preflight, or scikit-learn's digits (tests/test_families.py)
+    assert cfg.data.source in ("shakespeare", "digits")
+    assert (cfg.data.source == "digits") == (cfg.model.kind in ("vit", "vit_moe"))
+    assert preflight(cfg, check_data=False) is not None
     assert path.read_text().startswith("# Run:")
 
 
