@@ -102,7 +102,7 @@ def ours(spec, tx, batch: np.ndarray, microbatches: int) -> Callable[[int], floa
     trainer = Trainer(spec, tx, microbatches)
     params = trainer.init_params()
     state = [params, trainer.init_opt(params)]
-    batch = jnp.asarray(batch)
+    batch = jax.tree.map(jnp.asarray, batch)
 
     def steps(n: int) -> float:
         for _ in range(n):
