@@ -229,6 +229,7 @@ def build_heldout_tasks(
         "dataset_kwargs": _dataset_kwargs(ppl_path, out_dir),
         "test_split": "test",
         "output_type": "loglikelihood_rolling",
+        "num_fewshot": 0,  # zero-shot by the task itself (lm-eval then does not warn of an override)
         "doc_to_text": "",
         "doc_to_target": "text",  # a field name: used verbatim, no Jinja rendering
         "metric_list": [
@@ -245,6 +246,7 @@ def build_heldout_tasks(
         "dataset_kwargs": _dataset_kwargs(mc_path, out_dir),
         "test_split": "test",
         "output_type": "multiple_choice",
+        "num_fewshot": 0,
         # Multiple inputs (lm-eval's Winogrande mode): doc_to_text is the gold index (an int), the
         # choices are the contexts, the target the one continuation scored after each of them.
         "doc_to_text": "label",

@@ -317,14 +317,16 @@ def manifest_items(manifest: dict) -> list[list[str]]:
     return items
 
 
-def pipeline_status(raw: dict | None) -> dict | None:
+def pipeline_status(raw: dict | None, final_stage: bool = False) -> dict | None:
     """``status.json`` (None when absent); ``headline`` is the bold top line when the pipeline was
-    interrupted or failed."""
+    interrupted or failed; ``status`` ``completing`` for a ``running`` pipeline whose last stage
+    builds this report (``final_stage``)."""
     if raw is None:
         return None
     stages = raw.get("completed_stages")
     stages = [str(s) for s in stages] if isinstance(stages, list) else []
-    out = {"status": str(raw.get("status") or "unknown"), "completed_stages": stages,
+    status = str(raw.get("status") or "unknown")
+    out = {"status": "completing" if status == "running" and final_stage else status, "completed_stages": stages,
            "reason": str(raw["reason"]) if raw.get("reason") else None, "headline": None}
     done = ", ".join(stages) or "none"
     why = f" ({out['reason']})" if out["reason"] else ""

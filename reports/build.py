@@ -85,7 +85,7 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
                                                     out_dir, figure_file(name, "merges_over_time", m))}
 
 
-def build_report(run_dir: str | Path) -> dict:
+def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
     """Read one run directory, write ``RUN/report/`` (see :mod:`reports`), return the report.
 
     ``run_dir``: a local path or an fsspec URL. The returned dict is exactly what ``report.json``
@@ -100,6 +100,10 @@ def build_report(run_dir: str | Path) -> dict:
     ``comparison`` (rows with a value per method, ``group`` "training" | "eval" | "bytes"),
     ``loss_gaps`` (each method vs ``dp``, in %), ``hyperparameters``, ``plots`` (file names
     relative to ``report/``, None when not drawn) and ``notes``.
+
+    ``final_stage``: the pipeline builds this report as its last stage (a ``running`` status then
+    means "completing"; rebuilt later by hand, ``running`` means the run is going on or its process
+    died without recording an end).
 
     Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
     or is not a run directory (nothing is written then), and naming the file when an input exists
@@ -120,7 +124,7 @@ def build_report(run_dir: str | Path) -> dict:
             "versions": _versions(),
         },
         "setup": setup(config),
-        "pipeline": pipeline_status(records.status),
+        "pipeline": pipeline_status(records.status, final_stage),
         "manifest": {"status": "ok" if records.manifest is not None else NOT_RUN,
                      "items": manifest_items(records.manifest) if records.manifest is not None else []},
         "definitions": {"bytes": BYTES_CONVENTION, "stale_contribution": STALE_DEFINITION},

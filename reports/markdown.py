@@ -101,7 +101,11 @@ def _header(report: dict, L: list[str]) -> None:
     pl = report.get("pipeline")
     if pl:
         stages = ", ".join(pl["completed_stages"]) or "none"
-        status = "running: this report is built as its last stage" if pl["status"] == "running" else pl["status"]
+        status = {
+            "completing": "completing: every stage before this report has finished; status.json reads "
+                          "\"completed\" once the report is written",
+            "running": "running, or stopped without recording an end (a killed process): status.json says running",
+        }.get(pl["status"], pl["status"])
         L.append(f"- pipeline status: {status} (completed stages: {stages})"
                  + (f"; reason: {pl['reason']}" if pl.get("reason") else ""))
     if not report["stages"]:

@@ -30,6 +30,6 @@ def report_task(run_dir: Path) -> dict:
     from reports import build_report
     from reports.artifacts import publish_report_artifacts
 
-    report = build_report(Path(run_dir))
+    report = build_report(Path(run_dir), final_stage=True)
     publish_report_artifacts(report, Path(run_dir))
     return report

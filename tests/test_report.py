@@ -984,3 +984,12 @@ def test_eval_extras(tmp_path: Path):
     assert _method(report, "dp")["eval"]["heldout_nextline/acc_stderr"] == 0.0351
     md = _layout(run).report_md.read_text()
     assert "| heldout_nextline: accuracy (length-normalised) (fraction) | — | 0.440 (chance 0.25) |" in md
+
+
+def test_a_running_status_reads_completing_only_when_the_pipeline_builds_the_report():
+    from reports.analyses import pipeline_status
+
+    raw = {"status": "running", "completed_stages": ["data", "pretrain-diloco"]}
+    assert pipeline_status(raw, final_stage=True)["status"] == "completing"
+    assert pipeline_status(raw)["status"] == "running"  # rebuilt by hand: running, or a dead process
+    assert pipeline_status({"status": "completed", "completed_stages": []}, final_stage=True)["status"] == "completed"

@@ -40,6 +40,18 @@ from flax import nnx
 
 logger = logging.getLogger(__name__)
 
+
+class _OcdbtMergeNotice(logging.Filter):
+    """Drop Orbax's "Skipping merge of OCDBT checkpoints: No per-process OCDBT checkpoint subdirs"
+    warning: written for every item without arrays (the empty state of outer SGD without momentum,
+    a meta-only item), it says nothing is wrong (orbax-checkpoint 0.12.8, through absl's logger)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in record.getMessage()
+
+
+logging.getLogger("absl").addFilter(_OcdbtMergeNotice())
+
 # Orbax checkpoint managers of one process must not run at once: two threads saving to different
 # folders at the same moment fail inside Orbax ("File exists: <step>.orbax-checkpoint-tmp"), seen
 # with orbax-checkpoint 0.12.8 and co-located learners saving resume points. Every Orbax call here
