@@ -80,5 +80,6 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
                           description=f"Every method vs DP, per stage, {where}")
     ledger = ledger_table(report)
     if ledger:
+        unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
         create_table_artifact(ledger, key=artifact_key("ledger", name),
-                              description=f"Token ledger per learner (tokens), {where}")
+                              description=f"Ledger per learner ({unit}), {where}")
