@@ -48,7 +48,7 @@ EVAL_RUN_KEYS = (
 )
 # Summary fields read as numbers (the contract's names, docs/contracts.md "Summaries").
 SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss", "params",
-                  "flops_per_token", "goodput")
+                  "active_params", "flops_per_token", "goodput")
 
 
 def method_kind(rec: MethodRecords) -> str:
@@ -208,6 +208,8 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
         merges[m] = count if count is not None or f["status"] == "ok" else NOT_RUN
     add("merges", "merges (DiLoCo)", "merges", "int", merges)
     add("params", "parameters", "", "int")
+    if any(f.get("active_params") not in (None, f.get("params")) for f in methods.values()):
+        add("active_params", "active parameters per token (MoE: k of E experts)", "", "int")
     add("flops_per_token", f"training FLOPs per {per_unit(unit)} (active, for MoE)", "FLOPs", "{:.4g}")
     rows += rows_eval
     for key, text, by, sk, ak in BYTE_ROWS:

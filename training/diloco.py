@@ -270,6 +270,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "bytes_from_syncer": int(sum(int(v.get("bytes_from_syncer", 0)) for v in learners.values())),
         "ledger": ledger,
         "params": spec.params,
+        "active_params": int(spec.extras.get("active_params", spec.params)),  # per token (MoE: k of E experts)
         "flops_per_token": spec.flops_per_unit,
         "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
     }

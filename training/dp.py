@@ -118,5 +118,6 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         # are each half of it.
         "bytes_to_syncer": allreduce_bytes, "bytes_from_syncer": allreduce_bytes,
         "allreduce_bytes": 2 * allreduce_bytes,
-        "params": spec.params, "flops_per_token": spec.flops_per_unit,
+        "params": spec.params, "active_params": int(spec.extras.get("active_params", spec.params)),
+        "flops_per_token": spec.flops_per_unit,
     }
