@@ -45,6 +45,9 @@ def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
         assert "heldout_nextline/acc" in json.loads(layout.eval_result("pretrain", method).read_text())
     report = layout.report_md.read_text()
     assert "### Experts (mixture of experts)" in report and "| Decoupled DiLoCo | 2 |" in report
+    summary = json.loads(layout.summary("pretrain", "dp").read_text())
+    assert summary["params"] - summary["active_params"] == 2 * 3 * 32 * 64  # 2 of 4 experts idle per token
+    assert "active parameters per token (MoE: k of E experts)" in report
     assert (layout.report / "pretrain_expert_load.png").is_file()
 
 
