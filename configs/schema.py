@@ -399,8 +399,8 @@ class ExperimentConfig(_Strict):
         if self.model.kind not in kinds:
             raise ValueError(
                 f"model.kind {self.model.kind} does not take {self.data.modality} data (data.source: "
-                f"{self.data.source}); use model.kind {' or '.join(kinds)}, or a "
-                f"{'text' if self.data.modality == 'image' else 'image'} data.source"
+                f"{self.data.source}); use model.kind {' or '.join(kinds)}, or "
+                f"{'text' if self.data.modality == 'image' else 'an image'} data.source"
             )
         for i, f in enumerate(self.chaos.failures):
             if f.learner >= self.diloco.learners:

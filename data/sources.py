@@ -402,7 +402,7 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
     return docs, info
 
 
-def check_hf_reachable(name: str) -> None:
+def check_hf_reachable(name: str, hint: str = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead") -> None:
     """Refuse a Hugging Face dataset name that cannot be loaded here, before any work.
 
     A local folder or file given as ``data.hf_name`` passes. Otherwise the hub must be enabled
@@ -411,7 +411,6 @@ def check_hf_reachable(name: str) -> None:
     """
     if Path(name).expanduser().exists():
         return
-    hint = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead"
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
             raise ConnectionError(f"data.hf_name {name!r}: the Hugging Face hub is off here ({var} is set); {hint}")

@@ -87,10 +87,16 @@ def _known_image_shape(cfg: ExperimentConfig):
     return None
 
 
+DIGITS_IMAGES = 1797  # scikit-learn's load_digits
+
+
 def check_image_source(cfg: ExperimentConfig) -> None:
     """Cheap checks of an image source: an imagefolder is a folder with ≥ 2 class sub-folders; a hub
-    dataset is reachable. Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line."""
+    dataset is reachable; where the image count is known before reading (digits, an imagefolder), the
+    validation split holds at least one held-out batch. Raises ``ValueError``/``FileNotFoundError``/
+    ``ConnectionError`` in one line."""
     d = cfg.data
+    count = DIGITS_IMAGES if d.source == "digits" else None
     if d.source == "imagefolder":
         folder = Path(d.paths[0]).expanduser()
         if not folder.is_dir():
@@ -100,10 +106,19 @@ def check_image_source(cfg: ExperimentConfig) -> None:
         if len(classes) < 2:
             raise ValueError(f"data.paths[0]: {d.paths[0]} holds {len(classes)} class sub-folder(s); an "
                              "imagefolder needs ≥ 2, one per class, images inside")
-    elif d.source == "hf_images":
+        count = sum(1 for c in classes for f in c.iterdir() if f.is_file())
+    if count is not None:
+        val = int(count * d.val_fraction)  # the stratified split rounds per class, give or take a few
+        if val < cfg.train.eval_batch_size:
+            raise ValueError(
+                f"data.val_fraction ({d.val_fraction}) of {count} images holds about {val} validation images, "
+                f"fewer than train.eval_batch_size ({cfg.train.eval_batch_size}) for one held-out batch; raise "
+                "data.val_fraction or lower train.eval_batch_size")
+    if d.source == "hf_images":
         from data.sources import check_hf_reachable
 
-        check_hf_reachable(d.hf_name)
+        check_hf_reachable(d.hf_name, "use data.source: digits (bundled) or imagefolder with data.paths: [a folder of "
+                                      "class sub-folders] instead")
 
 
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:

@@ -68,17 +68,19 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
     finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
     unit = stage.get("unit", "tokens")
     stage["plots"]["loss_vs_tokens"] = _draw(
-        loss_figure(curves, "tokens", f"training {unit} (all learners)", f"Held-out loss vs {unit}", finals),
+        loss_figure(curves, "tokens", f"training {unit} (all learners)", f"Held-out loss vs {unit}", finals,
+                    unit=unit.removesuffix("s")),
         out_dir, figure_file(name, "loss_vs_tokens"))
     stage["plots"]["loss_vs_time"] = _draw(
         loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
-                    "Held-out loss vs wall-clock time", finals),
+                    "Held-out loss vs wall-clock time", finals, unit=unit.removesuffix("s")),
         out_dir, figure_file(name, "loss_vs_time"))
     if unit == "images":
         stage["plots"]["confusion"] = _draw(confusion_figure({m: rec.eval for m, rec in records.items()}),
                                             out_dir, figure_file(name, "confusion"))
     if stage.get("experts"):  # an MoE model
-        stage["plots"]["expert_load"] = _draw(expert_load_figure(records), out_dir, figure_file(name, "expert_load"))
+        stage["plots"]["expert_load"] = _draw(expert_load_figure(records, unit), out_dir,
+                                              figure_file(name, "expert_load"))
     for m, f in stage["methods"].items():
         if f["kind"] == "syncer":
             f["plots"] = {"merges_over_time": _draw(merges_figure(records[m].merges or [], f["failures"], m),

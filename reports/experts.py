@@ -52,7 +52,7 @@ def expert_figures(records: dict[str, MethodRecords]) -> dict | None:
     return out or None
 
 
-def expert_load_figure(records: dict[str, MethodRecords]) -> Figure | None:
+def expert_load_figure(records: dict[str, MethodRecords], unit: str = "tokens") -> Figure | None:
     """Expert load (fraction of routing choices) against training tokens: one panel per method and
     MoE layer, one line per expert, the uniform share 1/E dashed. None without MoE metrics."""
     panels = []
@@ -74,7 +74,7 @@ def expert_load_figure(records: dict[str, MethodRecords]) -> Figure | None:
         for e in per_expert:
             ax.plot(xs, [_loads(r).get(block, {}).get(e) for r in rows], lw=1.2, label=f"expert {e}")
         ax.axhline(1.0 / len(per_expert), color="black", lw=0.8, ls="--")
-        finish_axes(ax, "training tokens", "share of routing choices", f"{label(m)}: block {block + 1}",
+        finish_axes(ax, f"training {unit}", "share of routing choices", f"{label(m)}: block {block + 1}",
                     title_size=9)
     axes[0][-1].legend(fontsize=7, ncol=2)
     return fig

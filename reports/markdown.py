@@ -93,7 +93,8 @@ def _header(report: dict, L: list[str]) -> None:
     L += [f"# Run report: {run['name']}", ""]
     for t in headlines(report):  # whatever makes the rest of the report read differently
         L += [t, ""]
-    L += [f"{PAPER} compared with a data-parallel baseline on the same data and token budget.", ""]
+    unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
+    L += [f"{PAPER} compared with a data-parallel baseline on the same data and {per_unit(unit)} budget.", ""]
     L.append(f"- run directory: `{run['run_dir']}`")
     L.append(f"- generated: {run['generated_at']}")
     L.append(f"- git commit: `{run['git_commit']}`")
@@ -221,9 +222,9 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
                 for r in [*led["rows"], led["total"]]]
         L += [_table(["learner"] + cols + ["merged % of processed"], rows), ""]
         p = led.get("fragments")
-        tol = f"±{led['tolerance']} tokens (P = {p})" if p else f"±{led['tolerance']} token"
+        tol = f"±{led['tolerance']} {unit} (P = {p})" if p else f"±{led['tolerance']} {per_unit(unit)}"
         L.append(
-            "Tokens per learner: processed = trained on, submitted = sent to the syncer, not_submitted "
+            f"{unit.capitalize()} per learner: processed = trained on, submitted = sent to the syncer, not_submitted "
             "= processed but never sent (progress overwritten when a newer global fragment arrived, or "
             "still local at stop"
             + ("; computed here as processed − submitted, as this summary does not record it"
@@ -235,7 +236,7 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
             f"within {tol}.")
         for v in led.get("identity_violations") or []:
             L += ["", f"**Ledger check failed:** learner {v['learner']}: {v['identity']} is off by "
-                      f"{v['difference']:+,} tokens (more than {tol})."]
+                      f"{v['difference']:+,} {unit} (more than {tol})."]
     else:
         L.append(f"*token ledger: {led['status']}.*")
     L.append("")
@@ -243,7 +244,7 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
     if wl:
         reasons = ", ".join(f"{k} {_pct(x)}" for k, x in wl["drop_reason_fractions"].items())
         L += [f"**Work lost:** {format_value(wl['dropped_tokens'], 'int')} of "
-              f"{format_value(wl['processed_tokens'], 'int')} processed tokens dropped "
+              f"{format_value(wl['processed_tokens'], 'int')} processed {unit} dropped "
               f"({_pct(wl['dropped_fraction'])}" + (f": {reasons}" if reasons else "") + "); "
               f"warning above {_pct(wl['warn_above'])} (diloco.warn_dropped_fraction), run fails above "
               f"{_pct(wl['fail_above'])} (diloco.max_dropped_fraction); status: {wl['status']}.", ""]

@@ -64,7 +64,7 @@ def save_png(fig: Figure, path: Path) -> Path:
 
 
 def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, title: str,
-                finals: dict[str, float | None] | None = None) -> Figure | None:
+                finals: dict[str, float | None] | None = None, unit: str = "token") -> Figure | None:
     """Held-out loss (nats/token) against ``x_key`` (``tokens`` or ``wall_s``, seconds) for each
     method with a curve (``curves``: method → eval rows with ``val/loss``); None if none has one.
 
@@ -103,7 +103,7 @@ def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, t
         )
     ax.margins(x=0.03, y=0.12)  # room for the annotations inside the frame
     ax.xaxis.set_major_formatter(EngFormatter(unit=""))
-    finish_axes(ax, xlabel, "held-out loss (nats/token)", title)
+    finish_axes(ax, xlabel, f"held-out loss (nats/{unit})", title)
     ax.legend()
     return fig
 

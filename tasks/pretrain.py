@@ -50,7 +50,7 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     logger = get_run_logger()
 
     def progress(tokens, total, loss, val):
-        logger.info("dp: tokens %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
+        logger.info(f"dp: {config.unit} %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
                     f"{tokens:,}", f"{total:,}", 100 * tokens / total, loss, val)
 
     summary = train_dp(config, Path(run_dir), progress)

@@ -77,3 +77,22 @@ def test_bad_image_configs_are_refused(data, model, message):
     with pytest.raises(Exception) as err:
         ExperimentConfig.model_validate({"data": data, "model": model})
     assert message in " | ".join(validation_lines(err.value))
+
+
+def test_a_validation_split_smaller_than_one_batch_is_refused_before_work(tmp_path):
+    from flows.preflight import preflight
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(20):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "imgs" / cls / f"{i}.png")
+    cfg = ExperimentConfig.model_validate({
+        "data": {"source": "imagefolder", "paths": [str(tmp_path / "imgs")]},
+        "model": {"kind": "vit", "patch_size": 4},
+        "diloco": {"learners": 2, "fragments": 2, "quorum": 1, "batch_size": 4}, "dp": {"batch_size": 8, "workers": 2},
+        "train": {"token_budget": 400, "eval_every_tokens": 200, "eval_batches": 1, "eval_batch_size": 16}})
+    with pytest.raises(ValueError, match=r"about 4 validation images, fewer than train.eval_batch_size \(16\)"):
+        preflight(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

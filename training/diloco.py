@@ -238,6 +238,8 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     merges_bytes_in = sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))
     d = cfg.diloco
     spec = run.trainer.spec
+    text = cfg.unit == "tokens"
+    rows = "seqs" if text else "images"
     return {
         "method": METHOD,
         "interrupted": STOP.is_set(),
@@ -247,13 +249,13 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "merge": d.merge, "outer lr": d.outer_lr,
             "outer momentum": d.outer_momentum,
             "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
-            "batch (seqs/learner step)": d.batch_size, "seq len": cfg.data.seq_len,
+            f"batch ({rows}/learner step)": d.batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
             "inner optimizer": d.inner.name, "inner lr": d.inner.lr, "warmup steps": d.inner.warmup_steps,
             "weight decay": d.inner.weight_decay, "grad clip": d.inner.grad_clip,
-            "tokens/learner step": cfg.tokens_per_learner_step,
+            f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
             "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
             "compute slots": d.compute_slots or "unpaced",
-            "microbatch (seqs)": cfg.train.microbatch_size or "whole batch",
+            f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
             "resume point every (steps)": d.resume_every_steps or "never",
         },
         "tokens": tokens,

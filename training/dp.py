@@ -102,14 +102,17 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     meta = {"method": METHOD, "steps": done, "tokens": done * tps}
     save_checkpoint(layout.checkpoints(STAGE, METHOD), done * tps, nest(params), meta)
     i = cfg.dp.inner
+    text = cfg.unit == "tokens"
+    rows = "seqs" if text else "images"
     return {
         "method": METHOD,
         "interrupted": STOP.is_set(),
         "hyperparameters": {
-            "global batch (seqs)": cfg.dp_batch_size, "seq len": cfg.data.seq_len, "inner optimizer": i.name,
+            f"global batch ({rows})": cfg.dp_batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
+            "inner optimizer": i.name,
             "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
-            "tokens/step": tps, "simulated workers": W,
-            "microbatch (seqs)": cfg.train.microbatch_size or "whole batch",
+            f"{cfg.unit}/step": tps, "simulated workers": W,
+            f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
         },
         "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,
         "final_val_loss": last, "merges": None,

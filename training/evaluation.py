@@ -22,8 +22,9 @@ def val_batches(val_rows, num_batches: int, batch_size: int) -> list:
     n = min(num_batches, len(val_rows) // batch_size)
     if n < 1:
         raise ValueError(
-            f"validation split has {len(val_rows)} sequences, fewer than train.eval_batch_size "
-            f"({batch_size}); hold out more documents (data.val_docs) or lower train.eval_batch_size"
+            f"validation split has {len(val_rows)} rows (sequences or images), fewer than "
+            f"train.eval_batch_size ({batch_size}); hold out more (data.val_docs for text, "
+            "data.val_fraction for images) or lower train.eval_batch_size"
         )
     return [val_rows[i * batch_size : (i + 1) * batch_size] for i in range(n)]
 
