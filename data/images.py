@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from configs.schema import IMAGE_SOURCES
 from data.sources import DATA_DIR, MANIFEST_VERSION
 
 log = logging.getLogger(__name__)
 
-IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
 IMAGE_SPLITS = ("train", "val", "test")
 
 

@@ -231,7 +231,7 @@ class DictResumeStore:
         self.points.append(point)
 
     def flush(self):
-        pass
+        """Saves are synchronous here: nothing is ever in flight."""
 
     def load(self, opt_template):
         return self.points[-1] if self.points else None

@@ -12,7 +12,8 @@ from configs.schema import ExperimentConfig, MoELMConfig, validation_lines
 from models import InputShape, build_model
 from models.layers.mlp import SwiGLU
 from models.layers.moe import MoE, collect_stats, expert_capacity, route
-from models.text.moe import flops_per_token, moe_layers
+from models.layers.moe import moe_blocks
+from models.text.moe import flops_per_token
 from training.step import Trainer
 
 
@@ -80,7 +81,7 @@ TINY_MOE = MoELMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=4, 
 
 def test_moe_lm_spec_counts_active_parameters_and_reports_the_cross_entropy():
     spec = build_model(TINY_MOE, InputShape(vocab_size=64, seq_len=16))
-    assert moe_layers(TINY_MOE) == [1] and spec.extras["moe_layers"] == [1]
+    assert moe_blocks(TINY_MOE) == [1] and spec.extras["moe_layers"] == [1]
     # the idle experts: 2 of 4 in one layer, 3 matrices of 32 × 64 each
     assert spec.extras["total_params"] - spec.extras["active_params"] == 2 * 3 * 32 * 64
     dense_mlp = 3 * 32 * 64

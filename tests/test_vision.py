@@ -7,7 +7,8 @@ import pytest
 
 from configs.schema import ExperimentConfig, ViTConfig, ViTMoEConfig, validation_lines
 from models import InputShape, build_model
-from models.vision.vit import patchify, vit_moe_blocks
+from models.layers.moe import moe_blocks
+from models.vision.vit import patchify
 from training.step import Trainer
 
 
@@ -44,7 +45,7 @@ def test_vit_kinds_fit_a_few_images(cfg):
     metrics = trainer.evaluate(params, batch)
     assert float(metrics["accuracy"]) == 1.0 and float(metrics["ce"]) < first / 5
     if cfg.kind == "vit_moe":
-        assert vit_moe_blocks(cfg) == [1] and float(metrics["moe/dropped"]) == 0.0  # dropless
+        assert moe_blocks(cfg) == [1] and float(metrics["moe/dropped"]) == 0.0  # dropless
         assert spec.extras["total_params"] - spec.extras["active_params"] == 1 * 2 * 3 * 32 * 64
 
 

@@ -26,6 +26,7 @@ expert per group, F expert hidden width, K choices per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -140,3 +141,40 @@ def collect_stats(intermediates) -> list[dict[str, jax.Array]]:
     walk(nnx.to_pure_dict(intermediates), ())
     found.sort(key=lambda item: tuple((0, k) if isinstance(k, int) else (1, str(k)) for k in item[0]))
     return [stats for _, stats in found]
+
+
+# -- what every MoE model kind shares (cfg: a config with the fields of configs.schema.MoEFields,
+#    plus d_model, d_ff and n_layers) ----------------------------------------------------------------
+
+
+def moe_blocks(cfg) -> list[int]:
+    """Indices (from 0) of the blocks with an MoE layer: every ``moe_every``-th block (Switch,
+    GShard and V-MoE alternate dense and MoE blocks)."""
+    return [i for i in range(cfg.n_layers) if (i + 1) % cfg.moe_every == 0]
+
+
+def mlp_factory(cfg, rngs: nnx.Rngs) -> Callable[[int], nnx.Module]:
+    """``make_mlp(i)``: an :class:`MoE` for the blocks of :func:`moe_blocks`, a SwiGLU of width
+    ``d_ff`` for the others; experts have width ``expert_d_ff`` (``d_ff`` when unset)."""
+    from models.layers.mlp import SwiGLU
+
+    at = set(moe_blocks(cfg))
+    f_e = cfg.expert_d_ff or cfg.d_ff
+
+    def make_mlp(i: int) -> nnx.Module:
+        if i in at:
+            return MoE(cfg.d_model, f_e, cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.capacity_factor, rngs)
+        return SwiGLU(cfg.d_model, cfg.d_ff, cfg.n_layers, rngs)
+
+    return make_mlp
+
+
+def idle_expert_params(cfg) -> int:
+    """Parameters one token does not use: the E − k unchosen experts (3·D·F_e each) of every MoE block."""
+    return len(moe_blocks(cfg)) * (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * (cfg.expert_d_ff or cfg.d_ff)
+
+
+def auxiliary_loss(cfg, stats: list[dict[str, jax.Array]]) -> jax.Array:
+    """aux_loss_weight · Σ_layers aux + z_loss_weight · Σ_layers z (Switch Transformer Eq. 4 and
+    ST-MoE Eq. 5, summed over the MoE layers): what the objective adds to the cross entropy."""
+    return cfg.aux_loss_weight * sum(s["aux"] for s in stats) + cfg.z_loss_weight * sum(s["z"] for s in stats)

@@ -15,29 +15,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.mlp import SwiGLU
-from models.layers.moe import MoE, collect_stats
+from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
 from models.layers.ops import softmax_cross_entropy_head
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
 from models.text.dense import DecoderLM
 
 
-def moe_layers(cfg) -> list[int]:
-    """Indices (from 0) of the blocks whose MLP is an MoE layer: every ``moe_every``-th block."""
-    return [i for i in range(cfg.n_layers) if (i + 1) % cfg.moe_every == 0]
-
-
 def build_moe_lm(cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs) -> DecoderLM:
-    """A :class:`DecoderLM` whose blocks :func:`moe_layers` hold :class:`MoE` layers."""
-    moe_at = set(moe_layers(cfg))
-    f_e = cfg.expert_d_ff or cfg.d_ff
-
-    def make_mlp(i: int) -> nnx.Module:
-        if i in moe_at:
-            return MoE(cfg.d_model, f_e, cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.capacity_factor, rngs)
-        return SwiGLU(cfg.d_model, cfg.d_ff, cfg.n_layers, rngs)
-
-    return DecoderLM(cfg, vocab_size, max_len, rngs, make_mlp=make_mlp)
+    """A :class:`DecoderLM` whose blocks :func:`models.layers.moe.moe_blocks` hold MoE layers."""
+    return DecoderLM(cfg, vocab_size, max_len, rngs, make_mlp=mlp_factory(cfg, rngs))
 
 
 def moe_metrics(stats: list[dict[str, jax.Array]], layers: list[int]) -> dict[str, jax.Array]:
@@ -61,16 +47,13 @@ def make_objective(cfg):
     """``objective(model, batch int32[B, L+1]) -> (loss, metrics)``: loss = cross entropy +
     aux_loss_weight · Σ_layers aux + z_loss_weight · Σ_layers z (Switch Transformer Eq. 4 summed
     over layers; ST-MoE Eq. 5); metrics: ``ce`` and :func:`moe_metrics`."""
-    layers = moe_layers(cfg)
+    layers = moe_blocks(cfg)
 
     def objective(model, batch_BT):
         x_BLD, intermediates = nnx.capture(model.features, nnx.Intermediate)(batch_BT[:, :-1])
         ce = softmax_cross_entropy_head(x_BLD, model.head_kernel(), batch_BT[:, 1:])
         stats = collect_stats(intermediates)
-        aux = sum(s["aux"] for s in stats)
-        z = sum(s["z"] for s in stats)
-        loss = ce + cfg.aux_loss_weight * aux + cfg.z_loss_weight * z
-        return loss, {"ce": ce, **moe_metrics(stats, layers)}
+        return ce + auxiliary_loss(cfg, stats), {"ce": ce, **moe_metrics(stats, layers)}
 
     return objective
 
@@ -80,9 +63,7 @@ def param_counts(cfg, vocab_size: int) -> tuple[int, int]:
     token uses), the router and every shared tensor; norms included in both."""
     abstract = nnx.eval_shape(lambda: build_moe_lm(cfg, vocab_size, 8, nnx.Rngs(0)))
     total = count_params(abstract)
-    f_e = cfg.expert_d_ff or cfg.d_ff
-    idle = len(moe_layers(cfg)) * (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * f_e
-    return total, total - idle
+    return total, total - idle_expert_params(cfg)
 
 
 def flops_per_token(cfg, vocab_size: int, seq_len: int) -> float:
@@ -95,7 +76,7 @@ def flops_per_token(cfg, vocab_size: int, seq_len: int) -> float:
     """
     d, n = cfg.d_model, cfg.n_layers
     f_e = cfg.expert_d_ff or cfg.d_ff
-    n_moe = len(moe_layers(cfg))
+    n_moe = len(moe_blocks(cfg))
     mlp = (n - n_moe) * 3 * d * cfg.d_ff + n_moe * (d * cfg.n_experts + cfg.top_k * 3 * d * f_e)
     matmul_params = n * 4 * d * d + mlp + d * vocab_size
     return 6.0 * matmul_params + 12.0 * n * d * seq_len
@@ -118,5 +99,5 @@ def build_moe_lm_spec(cfg, shape: InputShape) -> ModelSpec:
         kind="moe_lm", config=cfg, init=init, objective=make_objective(cfg),
         batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
         params=total, flops_per_unit=flops_per_token(cfg, V, L), heldout="ce",
-        extras={"active_params": active, "total_params": total, "moe_layers": moe_layers(cfg)},
+        extras={"active_params": active, "total_params": total, "moe_layers": moe_blocks(cfg)},
     )

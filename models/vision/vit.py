@@ -29,7 +29,7 @@ from flax import nnx
 from models.layers.attention import SelfAttention
 from models.layers.block import Block
 from models.layers.mlp import SwiGLU
-from models.layers.moe import MoE, collect_stats
+from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
 from models.layers.ops import linear
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
 from models.text.moe import moe_metrics
@@ -107,8 +107,7 @@ def classification_objective(moe_cfg=None, moe_blocks: list[int] | None = None):
         metrics = {"ce": ce, "accuracy": jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))}
         loss = ce
         if stats:
-            loss = ce + moe_cfg.aux_loss_weight * sum(s["aux"] for s in stats) + moe_cfg.z_loss_weight * sum(
-                s["z"] for s in stats)
+            loss = ce + auxiliary_loss(moe_cfg, stats)
             metrics.update(moe_metrics(stats, moe_blocks))
         return loss, metrics
 
@@ -167,32 +166,20 @@ def build_vit(cfg, shape: InputShape) -> ModelSpec:
                      flops_per_unit=flops_per_image(cfg, image_shape, K), heldout="ce")
 
 
-def vit_moe_blocks(cfg) -> list[int]:
-    """Indices (from 0) of the V-MoE blocks with an MoE layer: every ``moe_every``-th block."""
-    return [i for i in range(cfg.n_layers) if (i + 1) % cfg.moe_every == 0]
-
-
 @register("vit_moe")
 def build_vit_moe(cfg, shape: InputShape) -> ModelSpec:
-    """Spec of a V-MoE: a :class:`ViT` whose :func:`vit_moe_blocks` hold :class:`models.layers.moe.MoE`
+    """Spec of a V-MoE: a :class:`ViT` whose :func:`models.layers.moe.moe_blocks` hold :class:`models.layers.moe.MoE`
     layers (each image is one routing group). ``extras``: ``active_params``, ``total_params``,
     ``moe_layers``. Raises as :func:`build_vit`."""
     image_shape, K = _need_images("vit_moe", shape)
-    blocks = vit_moe_blocks(cfg)
-    f_e = cfg.expert_d_ff or cfg.d_ff
+    blocks = moe_blocks(cfg)
 
     def init(seed: int) -> ViT:
         rngs = nnx.Rngs(seed)
-
-        def make_mlp(i: int) -> nnx.Module:
-            if i in blocks:
-                return MoE(cfg.d_model, f_e, cfg.n_layers, cfg.n_experts, cfg.top_k, cfg.capacity_factor, rngs)
-            return SwiGLU(cfg.d_model, cfg.d_ff, cfg.n_layers, rngs)
-
-        return ViT(cfg, image_shape, K, rngs, make_mlp=make_mlp, pixel_scale=pixel_scale(shape))
+        return ViT(cfg, image_shape, K, rngs, make_mlp=mlp_factory(cfg, rngs), pixel_scale=pixel_scale(shape))
 
     total = count_params(nnx.eval_shape(lambda: init(0)))
-    active = total - len(blocks) * (cfg.n_experts - cfg.top_k) * 3 * cfg.d_model * f_e
+    active = total - idle_expert_params(cfg)
     return ModelSpec(kind="vit_moe", config=cfg, init=init, objective=classification_objective(cfg, blocks),
                      batch=_layout(image_shape), params=total,
                      flops_per_unit=flops_per_image(cfg, image_shape, K, blocks), heldout="ce",
