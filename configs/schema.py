@@ -28,7 +28,7 @@ class _Strict(BaseModel):
 
 TEXT_SOURCES = ("shakespeare", "local", "hf")
 IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
-_TEXT_ONLY = ("text_field", "encoding", "val_docs", "test_docs", "vocab_size", "seq_len")
+_TEXT_ONLY = ("text_field", "encoding", "val_docs", "test_docs", "finetune_docs", "vocab_size", "seq_len")
 _IMAGE_ONLY = ("image_column", "label_column", "image_size", "val_fraction", "test_fraction")
 
 
@@ -67,6 +67,9 @@ class DataConfig(_Strict):
     )
     val_docs: PositiveInt = Field(2, description="whole documents (plays) held out for validation")
     test_docs: PositiveInt = Field(2, description="whole documents (plays) held out for test")
+    finetune_docs: int = Field(
+        0, ge=0, description="whole documents (plays) held out of pretraining and of its evaluation, "
+        "for the embedded fine-tuning task (finetune.source: speakers)")
     vocab_size: int = Field(2048, ge=260, le=65536, description="byte-level BPE vocabulary size")
     seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the held-out document split")
@@ -378,8 +381,72 @@ class EvalConfig(_Strict):
     batch_size: PositiveInt = Field(32, description="sequences per lm-eval forward pass")
 
 
+class FinetuneConfig(_Strict):
+    """Post-training: one recipe applied identically to every pretrained model (same data, order,
+    seeds, steps and optimizer), then evaluated before and after.
+
+    ``source``: the fine-tuning task. Text: ``speakers`` (the embedded default: name the character
+    who speaks a line of a play held out of pretraining, ``data.finetune_docs``), ``jsonl``
+    (``paths``: a train file and optionally a test file of ``prompt``/``response`` lines) or ``hf``
+    (``hf_name``, fields mapped by ``prompt_field``/``response_field``; needs the hub). Images:
+    ``rotation`` (the embedded default: which of 0/90/180/270° a held-out image was turned by, a
+    new 4-way head on the pretrained backbone). Unset = the modality's embedded task.
+    """
+
+    enabled: bool = Field(False, description="fine-tune and evaluate the pretrained models after pretraining")
+    source: Literal["speakers", "jsonl", "hf", "rotation"] | None = Field(
+        None, description="the task: speakers (text default), jsonl (finetune.paths), hf (finetune.hf_name) "
+        "or rotation (images default); unset = the data's embedded task")
+    paths: list[str] = Field(default_factory=list, description="jsonl: [train.jsonl] or [train.jsonl, test.jsonl]")
+    hf_name: str | None = Field(None, description="hf: a Hugging Face dataset name or local dataset folder")
+    hf_split: str = Field("train", description="hf: the split to fine-tune on")
+    hf_test_split: str | None = Field(None, description="hf: a split to test on; unset = cut test_fraction off the train split")
+    prompt_field: str = Field("prompt", description="jsonl/hf: the field holding the prompt")
+    response_field: str = Field("response", description="jsonl/hf: the field holding the response")
+    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the pairs (or items) held out as the task's test set")
+    max_test_items: PositiveInt | None = Field(600, description="evaluate at most this many test items (a seeded sample); unset = all")
+    speaker_context: int = Field(2, ge=0, description="speakers: speeches before the one to attribute shown in the "
+                                 "prompt, each with its speaker")
+    speaker_lines: PositiveInt = Field(2, description="speakers: lines of the speech to attribute")
+    mode: Literal["full", "lora"] = Field("full", description="full: every parameter trains; lora: low-rank adapters "
+                                          "(Flax NNX LoRA) on finetune.lora_targets, the rest frozen")
+    lora_rank: PositiveInt = Field(8, description="lora: rank r of each adapter")
+    lora_targets: list[Literal["qkv", "out", "gate", "up", "down", "router", "patch"]] = Field(
+        default_factory=lambda: ["qkv", "out", "gate", "up", "down"],
+        description="lora: projections that get adapters (attention qkv/out, MLP gate/up/down, MoE router, ViT patch)")
+    steps: PositiveInt = Field(200, description="optimizer steps per fine-tuning run")
+    batch_size: PositiveInt = Field(16, description="examples (rows) per step")
+    optimizer: InnerOptConfig = Field(default_factory=lambda: InnerOptConfig(lr=1e-3, warmup_steps=10, weight_decay=0.0),
+                                      description="the fine-tuning optimizer (AdamW, warmup, cosine decay)")
+    seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
+        default_factory=lambda: [0], min_length=1, description="one fine-tuning run per seed and method (data order, "
+        "adapter/new-head initialisation); more seeds narrow the report's interval")
+    packing: bool = Field(False, description="text: pack several pairs into one row (loss mask carried through) "
+                          "instead of one padded pair per row")
+    seq_len: PositiveInt | None = Field(None, description="text: tokens per row; unset = the longest pair, rounded up "
+                                        "to 16, at most data.seq_len")
+    eval_every_steps: PositiveInt = Field(25, description="loss on the task's test items every this many steps")
+    max_gen_toks: PositiveInt | None = Field(
+        None, description="text: greedy generation cap for the exact-match task, tokens; unset = the longest "
+        "response of the task + 2 (a cap below a response's length makes it unmatchable)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FinetuneConfig":
+        if self.source == "jsonl" and not 1 <= len(self.paths) <= 2:
+            raise ValueError("finetune.paths must hold a train .jsonl file, and optionally a test one, for finetune.source: jsonl")
+        if self.source == "hf" and not self.hf_name:
+            raise ValueError("finetune.hf_name must be set when finetune.source is 'hf'")
+        if self.source not in ("jsonl",) and self.paths:
+            raise ValueError("finetune.paths applies to finetune.source: jsonl; remove it")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"finetune.seeds {self.seeds} repeats a seed; list each once")
+        if len(set(self.lora_targets)) != len(self.lora_targets) or not self.lora_targets:
+            raise ValueError("finetune.lora_targets must name at least one projection, each once")
+        return self
+
+
 class ExperimentConfig(_Strict):
-    """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → report."""
+    """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → fine-tune → report."""
 
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
@@ -391,6 +458,7 @@ class ExperimentConfig(_Strict):
     train: TrainConfig = TrainConfig()
     chaos: ChaosConfig = ChaosConfig()
     eval: EvalConfig = EvalConfig()
+    finetune: FinetuneConfig = FinetuneConfig()
     runtime: RuntimeConfig = RuntimeConfig()
 
     @model_validator(mode="after")
@@ -402,6 +470,27 @@ class ExperimentConfig(_Strict):
                 f"{self.data.source}); use model.kind {' or '.join(kinds)}, or "
                 f"{'text' if self.data.modality == 'image' else 'an image'} data.source"
             )
+        ft = self.finetune
+        if ft.enabled or ft.source is not None:
+            task = self.finetune_task
+            image_task = task == "rotation"
+            if image_task != (self.data.modality == "image"):
+                raise ValueError(
+                    f"finetune.source {task} does not fit {self.data.modality} data (data.source: {self.data.source}); "
+                    f"use {'rotation' if self.data.modality == 'image' else 'speakers, jsonl or hf'}")
+            if task == "speakers" and self.data.finetune_docs < 1:
+                raise ValueError(
+                    "finetune.source speakers builds its pairs from plays held out of pretraining: set "
+                    "data.finetune_docs (e.g. 4), or pick finetune.source jsonl or hf")
+            if ft.seq_len is not None and self.data.modality == "text" and ft.seq_len > self.data.seq_len:
+                raise ValueError(f"finetune.seq_len ({ft.seq_len}) must be ≤ data.seq_len ({self.data.seq_len}), the "
+                                 "longest input the model was built for")
+            mb = self.train.microbatch_size
+            if mb is not None and ft.batch_size % mb:
+                raise ValueError(f"train.microbatch_size ({mb}) must divide finetune.batch_size ({ft.batch_size}); "
+                                 "pick a multiple of it")
+            if self.data.modality == "image" and (ft.packing or ft.seq_len is not None):
+                raise ValueError("finetune.packing and finetune.seq_len apply to text; remove them")
         for i, f in enumerate(self.chaos.failures):
             if f.learner >= self.diloco.learners:
                 raise ValueError(
@@ -439,6 +528,14 @@ class ExperimentConfig(_Strict):
         return self
 
     # Derived values, computed once (style.md §3).
+    @property
+    def finetune_task(self) -> str:
+        """The fine-tuning task: ``finetune.source``, or the modality's embedded one (``speakers``
+        for text, ``rotation`` for images)."""
+        if self.finetune.source is not None:
+            return self.finetune.source
+        return "rotation" if self.data.modality == "image" else "speakers"
+
     @property
     def unit(self) -> str:
         """What the budget counts: ``tokens`` (text) or ``images`` (vision)."""

@@ -63,12 +63,14 @@ def load_tokenizer(run_dir: str | Path):
 
 
 def load_heldout(run_dir: str | Path, split: str) -> list[Document]:
-    """Raw held-out documents of ``split`` (``val`` or ``test``): a list of ``{"title", "text"}``.
+    """Raw held-out documents of ``split`` (``val``, ``test`` or ``finetune``): a list of
+    ``{"title", "text"}``.
 
-    Raises ``ValueError`` for another split name, ``FileNotFoundError`` naming the missing file.
+    Raises ``ValueError`` for another split name, ``FileNotFoundError`` naming the missing file
+    (``finetune``: the run was prepared with ``data.finetune_docs: 0``).
     """
-    if split not in ("val", "test"):
-        raise ValueError(f"held-out split must be 'val' or 'test', not {split!r}")
+    if split not in ("val", "test", "finetune"):
+        raise ValueError(f"held-out split must be 'val', 'test' or 'finetune', not {split!r}")
     path = _data_dir(run_dir) / f"heldout_{split}.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {path.parent} is incomplete; rebuild it")

@@ -10,6 +10,7 @@ Run directory layout written by :func:`prepare_data` (see ``docs/contracts.md``,
     RUN/data/shard_{m:02d}/          learner m's sequences (round-robin; disjoint, cover train)
     RUN/data/val/                    packed validation sequences (same format)
     RUN/data/heldout_{val,test}.jsonl  raw held-out documents, one {"title", "text"} per line
+    RUN/data/heldout_finetune.jsonl  the plays held out for fine-tuning (``data.finetune_docs`` > 0)
     RUN/data/manifest.json           what was built, with counts (see :func:`prepare_data`)
 
 Shapes: ``N`` sequences, ``T`` = ``cfg.data.seq_len``; a sequence holds ``T + 1`` token ids
@@ -47,30 +48,34 @@ def _unique_titles(docs: list[Document]) -> list[Document]:
 
 
 def split_documents(
-    docs: list[Document], val_docs: int, test_docs: int, seed: int
+    docs: list[Document], val_docs: int, test_docs: int, seed: int, finetune_docs: int = 0
 ) -> dict[str, list[Document]]:
-    """Hold out whole documents: ``{"train": [...], "val": [...], "test": [...]}``.
+    """Hold out whole documents: ``{"train": [...], "val": [...], "test": [...], "finetune": [...]}``.
 
     Documents are sorted by title (repeated titles get ``#2``, ``#3``, ... first); a permutation
-    seeded by ``seed`` picks the first ``val_docs`` for val and the next ``test_docs`` for test.
-    Each split keeps sorted-title order. Same documents and seed → same split.
+    seeded by ``seed`` picks the first ``val_docs`` for val, the next ``test_docs`` for test and the
+    next ``finetune_docs`` for fine-tuning (never pretrained on, never used to evaluate pretraining;
+    val and test do not depend on ``finetune_docs``). Each split keeps sorted-title order. Same
+    documents and seed → same split.
 
-    Raises ``ValueError`` (naming ``data.val_docs`` and ``data.test_docs``) when fewer than
-    ``val_docs + test_docs + 1`` documents exist.
+    Raises ``ValueError`` (naming the ``data.*_docs`` fields) when fewer than
+    ``val_docs + test_docs + finetune_docs + 1`` documents exist.
     """
     docs = sorted(_unique_titles(docs), key=lambda d: d["title"])
     n = len(docs)
-    if n < val_docs + test_docs + 1:
+    if n < val_docs + test_docs + finetune_docs + 1:
         raise ValueError(
             f"the corpus has {n} documents but data.val_docs ({val_docs}) + data.test_docs "
-            f"({test_docs}) + 1 training document are needed; lower them or add documents"
+            f"({test_docs}) + data.finetune_docs ({finetune_docs}) + 1 training document are needed; "
+            "lower them or add documents"
         )
-    perm = np.random.default_rng(seed).permutation(n)
-    val_idx = set(perm[:val_docs].tolist())
-    test_idx = set(perm[val_docs : val_docs + test_docs].tolist())
-    out: dict[str, list[Document]] = {"train": [], "val": [], "test": []}
+    perm = np.random.default_rng(seed).permutation(n).tolist()
+    held = {i: "val" for i in perm[:val_docs]}
+    held.update({i: "test" for i in perm[val_docs : val_docs + test_docs]})
+    held.update({i: "finetune" for i in perm[val_docs + test_docs : val_docs + test_docs + finetune_docs]})
+    out: dict[str, list[Document]] = {"train": [], "val": [], "test": [], "finetune": []}
     for i, d in enumerate(docs):
-        out["val" if i in val_idx else "test" if i in test_idx else "train"].append(d)
+        out[held.get(i, "train")].append(d)
     return out
 
 
@@ -238,11 +243,11 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
 
     _lap("import")
     docs, info = load_documents(dcfg)
-    splits = split_documents(docs, dcfg.val_docs, dcfg.test_docs, dcfg.seed)
+    splits = split_documents(docs, dcfg.val_docs, dcfg.test_docs, dcfg.seed, dcfg.finetune_docs)
     _lap("load")
     log.info(
-        "documents: %d train, %d val, %d test",
-        *(len(splits[s]) for s in SPLITS),
+        "documents: %d train, %d val, %d test, %d fine-tuning",
+        *(len(splits[s]) for s in (*SPLITS, "finetune")),
     )
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +307,11 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         _lap("save")
         _write_jsonl(tmp / "heldout_val.jsonl", splits["val"])
         _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
+        if splits["finetune"]:
+            _write_jsonl(tmp / "heldout_finetune.jsonl", splits["finetune"])
+            split_info["finetune"] = {"documents": len(splits["finetune"]),
+                                      "titles": [d["title"] for d in splits["finetune"]],
+                                      "characters": int(sum(len(d["text"]) for d in splits["finetune"]))}
 
         want = cfg.train.eval_batches * cfg.train.eval_batch_size
         if split_info["val"]["sequences"] < want:

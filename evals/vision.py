@@ -11,13 +11,14 @@ import numpy as np
 
 
 def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dict[str, np.ndarray],
-                        num_classes: int, batch_size: int = 256) -> dict:
+                        num_classes: int, batch_size: int = 256, per_item: bool = False) -> dict:
     """Every test image once, in order, in batches of ``batch_size``.
 
     Returns ``test/accuracy`` (top-1, fraction of N), ``test/accuracy_stderr`` (binomial,
     √(p(1−p)/N)), ``test/loss`` (mean softmax cross entropy, nats per image), ``test/images`` (N),
     ``test/per_class_accuracy`` ([K]) and ``confusion`` ([K][K] counts, row = true class, column =
-    predicted class). Raises ``ValueError`` for an empty split.
+    predicted class); with ``per_item``, also ``per_item``: ``{"accuracy": [0/1 per image],
+    "loss": [nats per image]}`` in the rows' order. Raises ``ValueError`` for an empty split.
     """
     images, labels = rows["image"], rows["label"].astype(np.int64)
     n = len(labels)
@@ -36,7 +37,7 @@ def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dic
     np.add.at(confusion, (labels, pred), 1)
     acc = float((pred == labels).mean())
     per_class = confusion.diagonal() / np.maximum(confusion.sum(axis=1), 1)
-    return {
+    out = {
         "test/accuracy": acc,
         "test/accuracy_stderr": float(np.sqrt(acc * (1 - acc) / n)),
         "test/loss": float(np.concatenate(losses).mean()),
@@ -44,3 +45,7 @@ def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dic
         "test/per_class_accuracy": [float(x) for x in per_class],
         "confusion": confusion.tolist(),
     }
+    if per_item:
+        out["per_item"] = {"accuracy": (pred == labels).astype(float).tolist(),
+                           "loss": np.concatenate(losses).tolist()}
+    return out

@@ -7,6 +7,9 @@ import os
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# lm-eval and datasets draw progress bars per task and request type: noise in a run's log. tqdm reads
+# this when it is first imported, so here (TQDM_DISABLE=0 in the environment brings them back).
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 import json
 from pathlib import Path
@@ -105,6 +108,48 @@ def run(
         typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
         raise typer.Exit(1)
     typer.echo(f"\nReport: {Path(out) / 'report' / 'report.md'}")
+
+
+@app.command()
+def finetune(
+    run_dir: Optional[str] = typer.Argument(None, help="a run directory made by `ddiloco run`"),
+    methods: Optional[str] = typer.Option(None, help="pretrained methods to fine-tune, comma-separated "
+                                          "(default: every one with a checkpoint)"),
+    checkpoint: Optional[str] = typer.Option(None, help="instead, an Orbax checkpoint folder of ours, e.g. "
+                                             "RUN/pretrain/dp/checkpoints"),
+    name: Optional[str] = typer.Option(None, help="method name for --checkpoint's results (default <method>-ckpt)"),
+    set_: list[str] = typer.Option([], "--set", help="change the recipe, e.g. --set finetune.mode=lora "
+                                   "--set finetune.seeds=[0,1,2]"),
+    replace: bool = typer.Option(False, help="delete these methods' earlier fine-tuning results first"),
+):
+    """Fine-tune a run's pretrained models with one recipe, evaluate before and after, rebuild the report.
+
+    Exit status: 0 done; 1 failed; 2 refused before any work; 130/143 stopped by a signal.
+    """
+    from flows.finetune import finetune_preflight
+
+    overrides = _parse_sets(set_)
+    chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
+    try:
+        plan = finetune_preflight(run_dir, chosen, checkpoint, name, overrides, replace)
+    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as exc:
+        raise _fail(str(exc))
+    from prefect.exceptions import CancelledRun
+
+    from flows.finetune import finetune as finetune_flow
+    from run.control import graceful_stop, stop_signal
+
+    try:
+        with graceful_stop():
+            out = finetune_flow(run_dir=str(plan["run_dir"]), methods=chosen, checkpoint=checkpoint, name=name,
+                                overrides=overrides, replace=replace)
+    except CancelledRun as exc:
+        typer.echo(f"\ninterrupted: {exc}", err=True)
+        raise typer.Exit(128 + (stop_signal() or 15))
+    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"\nReport: {RunLayout(out).report_md}")
 
 
 @app.command()

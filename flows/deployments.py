@@ -3,7 +3,7 @@
 One ``pipeline/<name>`` deployment per shipped config, whose ``parameters.config`` is that file's
 loaded values (``load_config(path).model_dump(mode="json")``), so the UI form of
 ``pipeline/default`` is exactly what ``make run`` runs; plus ``pretrain-diloco/pretrain-diloco``,
-``pretrain-dp/pretrain-dp`` and ``goodput/goodput``. The copied values are never edited by hand:
+``pretrain-dp/pretrain-dp``, ``finetune/finetune`` and ``goodput/goodput``. The copied values are never edited by hand:
 
     python -m flows.deployments           # (re)write prefect.yaml
     python -m flows.deployments --check   # exit 1 naming what is out of date (tests run this)
@@ -50,6 +50,13 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
      "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
                     "no DP results yet (results are never overwritten).",
      "work_pool": {"name": WORK_POOL}},
+    {"name": "finetune", "entrypoint": "flows/finetune.py:finetune",
+     "description": "Fine-tune the pretrained models of an existing run directory with one recipe (its "
+                    "config's finetune section, changed by `overrides` such as {\"finetune.mode\": \"lora\"}), "
+                    "evaluate them before and after, and rebuild its report. `checkpoint` fine-tunes one Orbax "
+                    "checkpoint folder of ours instead (as method `name`); `replace` deletes earlier "
+                    "fine-tuning results of those methods first.",
+     "work_pool": {"name": WORK_POOL}},
     {"name": "goodput", "entrypoint": "flows/goodput.py:goodput",
      "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "
                     "Table 1 (knobs as a form).",
@@ -82,7 +89,10 @@ def _expectation(path: Path) -> str:
 def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     """The ``pipeline/<stem>`` deployment of one config file."""
     rel = f"configs/{path.name}"
-    what = f"The pipeline (shard → pretrain → lm-eval → report) with `{rel}`"
+    cfg = load_config_checked(path)
+    stages = "shard → pretrain → evaluate → fine-tune → report" if cfg.finetune.enabled else \
+        "shard → pretrain → evaluate → report"
+    what = f"The pipeline ({stages}) with `{rel}`"
     what += " (what `make run` runs)." if path.stem == FIRST else f" (`ddiloco run {rel}`)."
     expect = _expectation(path).rstrip(".")
     description = " ".join([what, f"Expect: {expect}." if expect else "",
@@ -92,7 +102,7 @@ def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "entrypoint": PIPELINE_ENTRYPOINT,
         "description": " ".join(description.split()),
         "work_pool": {"name": WORK_POOL},
-        "parameters": {"config": load_config_checked(path).model_dump(mode="json")},
+        "parameters": {"config": cfg.model_dump(mode="json")},
     }
 
 

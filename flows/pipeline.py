@@ -1,4 +1,4 @@
-"""The pipeline flow: shard → pretrain (Decoupled DiLoCo, DP) → evaluate → report.
+"""The pipeline flow: shard → pretrain (Decoupled DiLoCo, DP) → evaluate → fine-tune → report.
 
 The run's state is recorded in ``RUN/status.json`` after every stage (``run.directory``):
 ``running`` with the stages completed so far, then ``completed``, ``interrupted`` (SIGTERM or
@@ -20,6 +20,7 @@ from typing import Any, Optional
 from prefect import flow, get_run_logger
 
 from configs.schema import ExperimentConfig, resolve_config
+from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
 from prefect.states import Cancelled, Failed, State
@@ -64,7 +65,9 @@ def pipeline(
     overrides: Optional[dict[str, Any]] = None,
     run_dir: Optional[str] = None,
 ) -> str | State:
-    """Run the whole experiment and return the run directory (the report is in ``report/``).
+    """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
+    pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
+    ``flows.finetune``), report.
 
     Args:
         config: the experiment, field by field (the UI form).
@@ -110,6 +113,8 @@ def pipeline(
             if cfg.eval.enabled:
                 for method in ["diloco"] + (["dp"] if cfg.dp.enabled else []):
                     steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))
+            if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
+                steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
             results: dict[str, Any] = {}
             for name, step in steps:
                 if stop_requested():

@@ -121,6 +121,23 @@ def check_image_source(cfg: ExperimentConfig) -> None:
                                       "class sub-folders] instead")
 
 
+def check_finetune_inputs(cfg: ExperimentConfig) -> None:
+    """The fine-tuning task's own inputs, when the run fine-tunes: the user's JSONL pairs are read and
+    checked (fields, empty files), a hub dataset is reachable. Raises ``ValueError`` /
+    ``FileNotFoundError`` / ``ConnectionError`` in one line."""
+    ft = cfg.finetune
+    task = cfg.finetune_task
+    if task == "jsonl":
+        from data.finetune import load_jsonl_pairs
+
+        for p in ft.paths:
+            load_jsonl_pairs(p, ft.prompt_field, ft.response_field)
+    elif task == "hf" and not Path(ft.hf_name).expanduser().is_dir():
+        from data.sources import check_hf_reachable
+
+        check_hf_reachable(ft.hf_name, "use finetune.source: jsonl with finetune.paths instead")
+
+
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
     """Check the run directory, the corpus and the model; return the run directory to use.
 
@@ -137,6 +154,8 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     check_reusable_data(cfg, path)
     check_local_paths(cfg)
     check_model(cfg)
+    if cfg.finetune.enabled:
+        check_finetune_inputs(cfg)
     if check_data and cfg.data.modality == "image":
         check_image_source(cfg)
     elif check_data:

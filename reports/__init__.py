@@ -21,7 +21,14 @@ half-finished) run::
     requests), the bytes on the wire (each byte figure named by what it counts and who counts it),
     the loss curves, hyperparameters and, for each learners-and-syncer method (DiLoCo), its token
     ledger and lost work, the scheduled chaos events and whether each fired, learner failures and
-    the merges that happened while a learner was down; last the data manifest.
+    the merges that happened while a learner was down; then *Post-training* when the run
+    fine-tuned its pretrained models (``reports.finetune``): the task, the recipe, per task metric
+    each method's score pretrained → fine-tuned (95 % bootstrap intervals over test items and
+    seeds), the DiLoCo − DP difference with its paired two-level bootstrap interval and a parity
+    verdict, the pretraining tasks before → after, the runs and the loss figure; last the data
+    manifest. A ``finetune`` stage written by the fine-tuning recipe (``recipe``/``runs`` in its
+    summaries, per-item task scores in ``eval/finetune/``) is reported there, not as a
+    pretraining-style stage section.
 ``report.json``
     Every number shown in ``report.md``, machine-readable; ``json.loads`` of the file equals the
     dict that :func:`build_report` returns.
@@ -31,6 +38,9 @@ half-finished) run::
     values annotated.
 ``<stage>_loss_vs_time.png``
     The same held-out loss against wall-clock **seconds** since the method's training started.
+``finetune_loss.png`` (post-training)
+    Fine-tuning loss against fine-tuning step, every method on one axes in its colour: training
+    loss per seed (thin) and the loss on the task's held-out test items (markers).
 ``<stage>_<method>_merges_over_time.png`` (a method with merges)
     One marker per merge of a fragment (y: fragment index, x: seconds since training start, colour:
     number of contributing learners); learner failures (red) and restarts (green) as vertical
@@ -39,7 +49,7 @@ half-finished) run::
 Units: tokens (BPE tokens), seconds (wall clock), bytes (payload bytes, see
 ``reports.common.BYTES_CONVENTION`` for who counts what), nats (natural-log cross entropy;
 perplexity = exp(loss)). Every figure is computed once (``reports.analyses``,
-``reports.learners``) from one named source (the contract's field names, docs/contracts.md);
+``reports.learners``, ``reports.finetune``) from one named source (the contract's field names, docs/contracts.md);
 every place of ``report.md`` that shows it reads that one value (``reports.markdown`` computes
 nothing).
 
@@ -48,10 +58,11 @@ part they feed says "not run". A path that does not exist, or a folder with neit
 ``config.json`` nor a stage holding a method, raises :class:`ReportInputError` naming the path
 (and nothing is written there); a file that exists but is not valid JSON raises it naming the file.
 
-Modules: ``read`` (the run directory, through ``RunLayout``), ``analyses`` and ``learners`` (pure
-figures), ``plots`` (matplotlib; also the style of ``sim.plot``), ``markdown`` (rendering),
-``build`` (:func:`build_report`) and ``artifacts`` (Prefect artifacts, the only Prefect import of
-the report: ``from reports.artifacts import publish_report_artifacts``).
+Modules: ``read`` (the run directory, through ``RunLayout``), ``analyses``, ``learners`` and
+``finetune`` (pure figures; ``finetune`` also holds the paired bootstrap), ``plots`` (matplotlib;
+also the style of ``sim.plot``), ``markdown`` (rendering), ``build`` (:func:`build_report`) and
+``artifacts`` (Prefect artifacts, the only Prefect import of the report:
+``from reports.artifacts import publish_report_artifacts``).
 """
 
 from reports.build import build_report

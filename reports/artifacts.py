@@ -1,7 +1,8 @@
 """The report's Prefect artifacts: the only module of the report that imports Prefect.
 
 :func:`publish_report_artifacts` publishes what :func:`reports.build_report` returned (the
-markdown, the comparison table and the token ledger) to the current flow or task run.
+markdown, the comparison table, the post-training table and the token ledger) to the current flow or
+task run.
 """
 
 from __future__ import annotations
@@ -53,12 +54,42 @@ def ledger_table(report: dict) -> list[dict]:
     return rows
 
 
+def finetune_table(report: dict) -> list[dict]:
+    """The post-training rows: per task metric, each method's pretrained and fine-tuned score (mean
+    over seeds) and, for every method against DP, the difference with its 95 % interval."""
+    ft = report.get("finetune") or {}
+    rows = []
+    for metric in ft.get("metrics", []):
+        for m, f in ft["methods"].items():
+            sc = (f.get("scores") or {}).get(metric)
+            if sc:
+                rows.append({"metric": metric, "model": short_label(m), "pretrained": _num(sc.get("pretrained")),
+                             "fine-tuned": _num(sc.get("finetuned")), "95 % interval": _ci(sc.get("finetuned_ci")),
+                             "over": sc.get("finetuned_over", "")})
+        for m, d in (ft.get("differences") or {}).items():
+            fd = ((d.get("metrics") or {}).get(metric) or {}).get("finetuned") or {}
+            if fd.get("status") == "ok":
+                rows.append({"metric": metric, "model": f"{short_label(m)} − {short_label(d['baseline'])}",
+                             "pretrained": "", "fine-tuned": _num(fd["difference"], signed=True),
+                             "95 % interval": _ci(fd["ci"], signed=True), "over": fd.get("over", "")})
+    return rows
+
+
+def _num(x, signed: bool = False) -> str:
+    return "" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
+
+
+def _ci(ci, signed: bool = False) -> str:
+    return "" if not ci else f"[{_num(ci[0], signed)}, {_num(ci[1], signed)}]"
+
+
 def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     """Publish the report to Prefect: the markdown, the comparison table and the token ledger.
 
     Must be called inside a Prefect flow or task run (it raises ``RuntimeError`` otherwise), so the
-    artifacts attach to that run. Keys are ``report-<slug>``, ``comparison-<slug>`` and
-    ``ledger-<slug>`` (the latter only when a method has a ledger) with ``<slug>`` the run name
+    artifacts attach to that run. Keys are ``report-<slug>``, ``comparison-<slug>``,
+    ``posttraining-<slug>`` (only with a fine-tuning stage) and ``ledger-<slug>`` (only when a method
+    has a ledger) with ``<slug>`` the run name
     (``config.name``) in lowercase letters, digits and dashes: repeated runs of one experiment become
     versions of the same keyed artifacts, and each description names the run directory. Images are
     not uploaded; the markdown artifact lists the figures' paths instead.
@@ -78,6 +109,10 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
     create_table_artifact(comparison_table(report), key=artifact_key("comparison", name),
                           description=f"Every method vs DP, per stage, {where}")
+    post = finetune_table(report)
+    if post:
+        create_table_artifact(post, key=artifact_key("posttraining", name),
+                              description=f"Post-training: pretrained → fine-tuned, DiLoCo − DP with 95 % intervals, {where}")
     ledger = ledger_table(report)
     if ledger:
         unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")

@@ -17,6 +17,7 @@ from matplotlib.figure import Figure
 from reports.analyses import manifest_items, pipeline_status, setup, stage_figures
 from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe
 from reports.experts import expert_load_figure
+from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
 from reports.plots import confusion_figure, loss_figure, merges_figure, save_png
 from reports.read import MethodRecords, open_run, read_run
@@ -101,7 +102,12 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
     ``merges``, ``ledger``, ``work_lost``, ``chaos``, ``learners``, ``failures`` and ``plots``),
     ``comparison`` (rows with a value per method, ``group`` "training" | "eval" | "bytes"),
     ``loss_gaps`` (each method vs ``dp``, in %), ``hyperparameters``, ``plots`` (file names
-    relative to ``report/``, None when not drawn) and ``notes``.
+    relative to ``report/``, None when not drawn) and ``notes``. ``finetune``: the post-training
+    part (:func:`reports.finetune.post_training_figures`: the task, per method its recipe, runs and
+    scores before and after fine-tuning with their intervals, each method's difference to ``dp``
+    with its paired bootstrap interval and verdict, the pretraining tasks before and after, the
+    ``finetune_loss.png`` figure), or None when the run has no post-training stage (a ``finetune``
+    stage in the pretraining layout is one of ``stages``).
 
     ``final_stage``: the pipeline builds this report as its last stage (a ``running`` status then
     means "completing"; rebuilt later by hand, ``running`` means the run is going on or its process
@@ -131,6 +137,7 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
                      "items": manifest_items(records.manifest) if records.manifest is not None else []},
         "definitions": {"bytes": BYTES_CONVENTION, "stale_contribution": STALE_DEFINITION},
         "stages": stages,
+        "finetune": post_training_figures(records.finetune),
         "config": config,
     }
 
@@ -141,6 +148,10 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
             old.unlink()
     for s, st in stages.items():
         _draw_stage(st, records.stages[s], out_dir)
+    if report["finetune"] is not None:
+        report["finetune"]["plots"]["loss"] = _draw(
+            finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")), out_dir,
+            figure_file("finetune", "loss"))
 
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))

@@ -4,7 +4,10 @@
 dict, so ``report.md`` and ``report.json`` cannot disagree, and a figure shown in two places of
 the markdown is the same value both times. Layout: the header (run, headlines, versions), the
 setup, then one section per stage (comparison, lm-eval, bytes, curves, hyperparameters and, per
-learners-and-syncer method, ledger, chaos events, merges and failures), then the data manifest.
+learners-and-syncer method, ledger, chaos events, merges and failures), then post-training (the
+task, the recipe, per task metric each method's score before → after fine-tuning and each method's
+difference to DP with its interval and verdict, the pretraining tasks before → after, the
+fine-tuning runs and loss figure), then the data manifest.
 """
 
 from __future__ import annotations
@@ -109,8 +112,9 @@ def _header(report: dict, L: list[str]) -> None:
         }.get(pl["status"], pl["status"])
         L.append(f"- pipeline status: {status} (completed stages: {stages})"
                  + (f"; reason: {pl['reason']}" if pl.get("reason") else ""))
-    if not report["stages"]:
+    if not report["stages"] and not report.get("finetune"):
         L.append(f"- training: **{NOT_RUN}** (no stage of this run holds a trained method)")
+    L += _post_training_headline(report.get("finetune"))
     for st in report["stages"].values():
         noun = st["label"].lower()
         for m, f in st["methods"].items():
@@ -349,6 +353,166 @@ def _stage(st: dict, L: list[str]) -> None:
         L += ["### Notes", ""] + [f"- {n}" for n in st["notes"]] + [""]
 
 
+def _ci(ci: list | None, fmt: str) -> str:
+    return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else ""
+
+
+def _score_cell(v: Any, ci: list | None, fmt: str = "{:.4f}") -> str:
+    return "—" if v is None else format_value(v, fmt) + _ci(ci, fmt)
+
+
+def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
+    if d.get("status") != "ok":
+        return f"{d.get('status')} ({d.get('why')})"
+    return format_value(d["difference"], fmt) + (_ci(d["ci"], fmt) if d.get("ci") else " [interval undefined]")
+
+
+def _recipe_rows(ft: dict) -> list[list[str]]:
+    methods = ft["methods"]
+    known = [("task", "task"), ("mode", "mode"), ("lora_rank", "LoRA rank"), ("lora_targets", "LoRA targets"),
+             ("steps", "steps per run"), ("batch_size", "batch size (examples per step)"), ("optimizer", "optimizer"),
+             ("lr", "learning rate"), ("warmup_steps", "warmup steps"), ("weight_decay", "weight decay"),
+             ("seeds", "seeds"), ("packing", "packing"), ("row_len", "row length (tokens)")]
+    keys = list(dict.fromkeys([k for k, _ in known] + [k for f in methods.values() for k in f["recipe"]]))
+    names = dict(known)
+
+    def cell(v: Any) -> str:
+        if isinstance(v, list):
+            return ", ".join(str(x) for x in v) or "—"
+        return format_value(v)
+
+    rows = [[names.get(k, k)] + [cell(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN
+                                 for f in methods.values()]
+            for k in keys if any(f["recipe"].get(k) is not None for f in methods.values())]
+    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods.values()])
+    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods.values()])
+    rows.append(["fine-tuned from"] + [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—"
+                                       for f in methods.values()])
+    return rows
+
+
+def _post_training(ft: dict, L: list[str]) -> None:
+    """The post-training section: every number from ``report["finetune"]``."""
+    methods, task = ft["methods"], ft["task"]
+    L += [f"## {ft['label']}", ""]
+    L += ["Each pretrained model is fine-tuned with the same recipe (same task data, example order, seeds, "
+          "steps and optimizer) and scored on the task's held-out test items before (pretrained) and after "
+          "(fine-tuned).", ""]
+    if task:
+        metrics = task.get("metrics") or {}
+        primary = ft["primary"]
+        plabel = (metrics.get(primary) or {}).get("label", primary)
+        items = ", ".join(x for x in (
+            f"{format_value(task['train_items'], 'int')} training items" if task.get("train_items") is not None else "",
+            f"{format_value(task['test_items'], 'int')} test items" if task.get("test_items") is not None else "") if x)
+        L.append(f"**Task:** {task.get('name', '?')} ({task.get('modality', '?')})"
+                 + (f": {task['description']}" if task.get("description") else "")
+                 + (f"; {items}" if items else "") + f"; primary metric: {plabel}.")
+        baselines = task.get("baselines") or {}
+        if baselines:
+            L += ["", "Reference scores without the model (" + plabel + "): "
+                  + "; ".join(f"{k}: {format_value(v, '{:.4f}')}" for k, v in baselines.items()) + "."]
+        L.append("")
+    else:
+        L += [f"*task evaluation: {NOT_RUN} for any method.*", ""]
+
+    for m, f in methods.items():
+        if f["status"] != "ok":
+            L += [f"- {label(m)} fine-tuning: **{NOT_RUN}** (no summary)"]
+        elif f["interrupted"]:
+            L += [f"- {label(m)} fine-tuning: **interrupted** (stopped early; its figures cover the seeds and "
+                  "steps it ran)"]
+        if f["eval_status"] != "ok":
+            L += [f"- {label(m)} task evaluation: **{NOT_RUN}**"]
+    if L[-1] != "":
+        L.append("")
+    L += ["### Recipe", ""]
+    L += [_table(["setting"] + [label(m) for m in methods], _recipe_rows(ft)), ""]
+
+    L += ["### Task scores: pretrained → fine-tuned", ""]
+    for k in ft["metrics"]:
+        meta = (task.get("metrics") or {}).get(k) or {}
+        hib = meta.get("higher_is_better", True)
+        head = meta.get("label", k) + (" (primary)" if k == ft["primary"] else "")
+        L += [f"#### {head}: {'higher' if hib else 'lower'} is better", ""]
+        rows = []
+        for m, f in methods.items():
+            sc = f["scores"].get(k)
+            if sc is None:
+                rows.append([label(m), NOT_RUN, NOT_RUN, "—", "—"])
+                continue
+            n_seeds = len(sc["finetuned_per_seed"])
+            per_seed = "; ".join(f"seed {p['seed']}: {format_value(p['value'], '{:.4f}')}"
+                                 for p in sc["finetuned_per_seed"]) or "—"
+            ft_cell = _score_cell(sc["finetuned"], sc["finetuned_ci"])
+            if n_seeds > 1:
+                ft_cell += f" (mean of {n_seeds} seeds)"
+            rows.append([label(m), _score_cell(sc["pretrained"], sc["pretrained_ci"]), ft_cell,
+                         format_value(sc["change"], "{:+.4f}"), per_seed])
+        for m, d in ft["differences"].items():
+            row = d["metrics"][k]
+            rows.append([f"**{short_label(m)} − {short_label(d['baseline'])}**", _diff_cell(row["pretrained"]),
+                         _diff_cell(row["finetuned"]), "—", row["finetuned"]["verdict"]["text"]])
+        L += [_table(["model", "pretrained", "fine-tuned", "change", "fine-tuned per seed / verdict"], rows), ""]
+        for m, d in ft["differences"].items():
+            over = [x["over"] for x in (d["metrics"][k]["finetuned"], d["metrics"][k]["pretrained"])
+                    if x.get("status") == "ok"]
+            if over:
+                L += [f"{short_label(m)} − {short_label(d['baseline'])}: mean over the test items (and seeds) of the "
+                      f"per-item difference; fine-tuned {over[0]}"
+                      + (f", pretrained {over[1]}" if len(over) > 1 else "") + ".", ""]
+    L += ["Brackets: " + ft["bootstrap"]["definition"] + " A method's own score: the same bootstrap of its "
+          "per-item scores (pretrained: items only). Change = fine-tuned − pretrained.", ""]
+    for m, v in ft["verdicts"].items():
+        d = ft["differences"][m]["metrics"][v["metric"]]
+        meta = (task.get("metrics") or {}).get(v["metric"]) or {}
+        name = meta.get("label", v["metric"])
+        for what, key in (("fine-tuned", "finetuned"), ("pretrained", "pretrained")):
+            x = d[key]
+            nums = (f": {short_label(m)} − {short_label(ft['differences'][m]['baseline'])} = "
+                    f"{format_value(x['difference'], '{:+.4f}')}{_ci(x.get('ci'), '{:+.4f}')} {x['over']}"
+                    if x.get("status") == "ok" else "")
+            L += [f"**Parity, {name}, {what}:** {v[key]['text']}{nums}.", ""]
+
+    rows = ft["pretrain_tasks"]
+    if rows:
+        have = [m for m in methods if m in rows[0] or any(m in r for r in rows)]
+        L += ["### Pretraining tasks before → after fine-tuning", ""]
+
+        def cell(x: dict | None, fmt: str) -> str:
+            if not x:
+                return NOT_RUN
+            return (f"{format_value(x['pretrained'], fmt)} → {format_value(x['finetuned'], fmt)}"
+                    + (f" ({x['change']:+.4g})" if x["change"] is not None else ""))
+
+        L += [_table(["metric"] + [label(m) for m in have], [[r["label"]] + [cell(r.get(m), r["fmt"]) for m in have]
+                                                              for r in rows]), ""]
+        L += ["The pretraining evaluation (held-out text of the pretraining corpus) of each model before and after "
+              "fine-tuning (change in parentheses): what fine-tuning cost or gained on the original task.", ""]
+
+    L += ["### Fine-tuning runs", ""]
+    runs = [[label(m), format_value(r.get("seed")), format_value(r.get("steps"), "int"),
+             format_value(r.get("examples"), "int"), format_value(r.get("wall_s"), "{:.1f}"),
+             format_value(r.get("final_train_loss"), "{:.4f}"), format_value(r.get("final_val_loss"), "{:.4f}"),
+             f"`{str(r['order_sha256'])[:12]}`" if r.get("order_sha256") else "—"]
+            for m, f in methods.items() for r in f["runs"]]
+    if runs:
+        L += [_table(["method", "seed", "steps", "examples", "wall (s)", "final training loss",
+                      "final held-out loss", "example order (sha256)"], runs), ""]
+        same = ft["order"]["same"]
+        if same is not None:
+            L += ["Example order: " + ("the same for every method at each seed (order_sha256)." if same else
+                                       f"**differs between methods at seed(s) "
+                                       f"{', '.join(ft['order']['differs_at_seeds'])}** (order_sha256): the runs "
+                                       "are not paired as the recipe intends."), ""]
+    else:
+        L += [f"*fine-tuning runs: {NOT_RUN}.*", ""]
+    plot = ft["plots"].get("loss")
+    L += [f"![fine-tuning loss]({plot})" if plot else f"*fine-tuning loss curves: {NOT_RUN}.*", ""]
+    if ft["notes"]:
+        L += ["### Notes (post-training)", ""] + [f"- {n}" for n in ft["notes"]] + [""]
+
+
 def render_markdown(report: dict) -> str:
     """The ``report.md`` text for a report dict from ``build_report`` (pure)."""
     L: list[str] = []
@@ -358,8 +522,32 @@ def render_markdown(report: dict) -> str:
         L += ["## Setup", "", _table(["setting", "value"], setup), ""]
     for st in report["stages"].values():
         _stage(st, L)
+    if report.get("finetune"):
+        _post_training(report["finetune"], L)
     L += ["## Data", ""]
     man = report["manifest"]
     L += [_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"
           else f"*data manifest: {NOT_RUN}.*", ""]
     return "\n".join(L)
+
+
+def _post_training_headline(ft: dict | None) -> list[str]:
+    """One line per fine-tuned method against DP: the primary task metric pretrained → fine-tuned
+    and the difference with its 95 % interval (the *Post-training* section has the rest)."""
+    if not ft or not ft.get("primary"):
+        return []
+    k = ft["primary"]
+    parts = []
+    for m, f in ft["methods"].items():
+        sc = (f.get("scores") or {}).get(k) or {}
+        if sc.get("pretrained") is not None and sc.get("finetuned") is not None:
+            parts.append(f"{label(m)} {sc['pretrained']:.3f} → {sc['finetuned']:.3f}")
+    if not parts:
+        return []
+    line = f"- post-training ({(ft.get('task') or {}).get('name', 'task')}, {k}): " + "; ".join(parts)
+    for m, d in (ft.get("differences") or {}).items():
+        fd = ((d.get("metrics") or {}).get(k) or {}).get("finetuned") or {}
+        if fd.get("status") == "ok":
+            line += (f"; {label(m)} − {label(d['baseline'])} {fd['difference']:+.3f} "
+                     f"[{fd['ci'][0]:+.3f}, {fd['ci'][1]:+.3f}] {fd['over']}: {fd['verdict']['status']}")
+    return [line]

@@ -8,6 +8,13 @@ summary, the evaluation result and the metrics files. A file that does not exist
 ``None`` (the part it feeds says "not run"); a file that exists but is corrupt raises
 :class:`ReportInputError` naming it. Record fields are docs/contracts.md's; nothing is renamed or
 guessed here.
+
+Post-training (:func:`read_post_training`): a ``finetune`` stage written by the fine-tuning
+recipe (a summary with ``recipe``/``runs``, or an evaluation with ``pretrained``/``finetuned``
+scores of a task) is read into :class:`FinetuneRecords` (its summary, evaluation, and the
+``train`` and ``eval`` metrics files with one row per seed and step) for
+:mod:`reports.finetune`, and is then not one of :attr:`RunRecords.stages` (whose figures are
+pretraining's: tokens, bytes, merges).
 """
 
 from __future__ import annotations
@@ -58,15 +65,36 @@ class MethodRecords:
 
 
 @dataclass
+class FinetuneRecords:
+    """What one method's post-training left in the run directory (``None``: the file does not exist).
+
+    ``summary`` (finetune/<method>/summary.json: ``recipe``, ``runs`` per seed, parameter counts),
+    ``eval`` (eval/finetune/<method>.json: the task, ``pretrained`` and per-seed ``finetuned``
+    scores with per-item arrays, ``pretrain_tasks``), ``train`` and ``curve`` (metrics/train.jsonl
+    and metrics/eval.jsonl: rows with ``seed``, ``step``, ``train/loss`` or ``val/loss``).
+    ``files`` names each source by its path relative to the run directory.
+    """
+
+    method: str
+    summary: dict | None = None
+    eval: dict | None = None
+    train: list[dict] | None = None
+    curve: list[dict] | None = None
+    files: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class RunRecords:
     """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
-    stages in pipeline order and methods in report order."""
+    stages in pipeline order and methods in report order; ``finetune`` maps method →
+    :class:`FinetuneRecords` when the run holds a post-training stage (else empty)."""
 
     layout: RunLayout
     config: dict | None
     manifest: dict | None
     status: dict | None
     stages: dict[str, dict[str, MethodRecords]]
+    finetune: dict[str, FinetuneRecords] = field(default_factory=dict)
 
 
 def read_json(path: Path, kind: type = dict) -> Any | None:
@@ -154,13 +182,59 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
     )
 
 
+POST_TRAINING_STAGE = "finetune"
+
+
+def is_post_training(summary: dict | None, result: dict | None) -> bool:
+    """Whether a method's records are the fine-tuning recipe's (a summary with ``recipe`` or
+    ``runs``, or an evaluation with ``finetuned`` or ``pretrained`` scores of a ``task``) rather
+    than a pretraining-style stage's."""
+    return ((isinstance(summary, dict) and ("recipe" in summary or "runs" in summary))
+            or (isinstance(result, dict) and ("finetuned" in result or isinstance(result.get("task"), dict))))
+
+
+def read_finetune_method(layout: RunLayout, method: str) -> FinetuneRecords:
+    """Every file the post-training part reads of ``finetune``/``method`` (absent files: ``None``)."""
+    stage = POST_TRAINING_STAGE
+    paths = {
+        "summary": layout.summary(stage, method),
+        "eval": layout.eval_result(stage, method),
+        "train": layout.metrics(stage, method, "train"),
+        "curve": layout.metrics(stage, method, "eval"),
+    }
+    return FinetuneRecords(
+        method=method,
+        summary=read_json(paths["summary"]),
+        eval=read_json(paths["eval"]),
+        train=read_jsonl(paths["train"]),
+        curve=read_jsonl(paths["curve"]),
+        files={k: relative(layout, p) for k, p in paths.items()},
+    )
+
+
+def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
+    """method → :class:`FinetuneRecords` for every method of the ``finetune`` stage
+    (``RunLayout.methods``, in report order) when any of them holds post-training records
+    (:func:`is_post_training`); empty otherwise (no stage, or a pretraining-style one)."""
+    methods = layout.methods(POST_TRAINING_STAGE)
+    if not methods:
+        return {}
+    records = {m: read_finetune_method(layout, m) for m in methods}
+    if not any(is_post_training(r.summary, r.eval) for r in records.values()):
+        return {}
+    return records
+
+
 def read_run(layout: RunLayout) -> RunRecords:
     """The run directory as :class:`RunRecords`. Each stage of ``layout.stages()`` lists the methods
-    it holds plus the known methods (``run.layout.METHOD_ORDER``) it lacks, whose records are empty."""
+    it holds plus the known methods (``run.layout.METHOD_ORDER``) it lacks, whose records are empty;
+    a post-training ``finetune`` stage (:func:`read_post_training`) is in ``finetune`` instead."""
+    finetune = read_post_training(layout)
     stages = {
         stage: {m: read_method(layout, stage, m)
                 for m in ordered_methods([*METHOD_ORDER, *layout.methods(stage)])}
         for stage in layout.stages()
+        if not (stage == POST_TRAINING_STAGE and finetune)
     }
     return RunRecords(
         layout=layout,
@@ -168,4 +242,5 @@ def read_run(layout: RunLayout) -> RunRecords:
         manifest=read_json(layout.manifest),
         status=read_json(layout.status),
         stages=stages,
+        finetune=finetune,
     )

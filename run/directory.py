@@ -131,7 +131,7 @@ def write_status(run_dir: str | Path, status: str, completed_stages: list[str], 
 
     ``status``: ``running`` | ``completed`` | ``interrupted`` | ``failed``; ``completed_stages``: the
     stages finished so far, in order (``data``, ``pretrain-diloco``, ``pretrain-dp``,
-    ``eval-diloco``, ``eval-dp``, ``report``); ``reason``: why it stopped, for the last two.
+    ``eval-diloco``, ``eval-dp``, ``finetune``, ``report``); ``reason``: why it stopped, for the last two.
     """
     if status not in ("running", "completed", "interrupted", "failed"):
         raise ValueError(f"unknown run status {status!r}")

@@ -9,6 +9,8 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         checkpoints/<step>/               Orbax steps (training.checkpoint)
         metrics/<name>.jsonl              eval, train, merges, learners (flat JSON lines)
         learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
+        seeds/<s>/checkpoints/<step>/     fine-tuning: the checkpoints of the seeds after the first
+    RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
     RUN/report/                           report.md, report.json, figures
 
@@ -84,13 +86,26 @@ class RunLayout:
     def method_dir(self, stage: str, method: str) -> UPath:
         _check_name("stage", stage, STAGES)
         _check_name("method", method)
+        if stage == "finetune" and method == "data":
+            raise ValueError("method name 'data' is taken by the fine-tuning task's items; pick another")
         return self.root / stage / method
 
     def summary(self, stage: str, method: str) -> UPath:
         return self.method_dir(stage, method) / "summary.json"
 
-    def checkpoints(self, stage: str, method: str) -> UPath:
-        return self.method_dir(stage, method) / "checkpoints"
+    def checkpoints(self, stage: str, method: str, seed_dir: int | None = None) -> UPath:
+        """``<stage>/<method>/checkpoints``, or with ``seed_dir`` a further fine-tuning seed's
+        ``<stage>/<method>/seeds/<seed>/checkpoints``."""
+        if seed_dir is None:
+            return self.method_dir(stage, method) / "checkpoints"
+        if not isinstance(seed_dir, int) or seed_dir < 0:
+            raise ValueError(f"seed must be an int ≥ 0, got {seed_dir!r}")
+        return self.method_dir(stage, method) / "seeds" / str(seed_dir) / "checkpoints"
+
+    @property
+    def finetune_data(self) -> UPath:
+        """The fine-tuning task's prepared items (their contents belong to ``data.finetune``)."""
+        return self.root / "finetune" / "data"
 
     def metrics(self, stage: str, method: str, name: str) -> UPath:
         """``eval`` (held-out loss over tokens), ``train`` (training loss), ``merges`` and

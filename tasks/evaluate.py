@@ -26,10 +26,11 @@ def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str 
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report_task(run_dir: Path) -> dict:
+def report_task(run_dir: Path, final_stage: bool = True) -> dict:
+    """Build the report (``final_stage``: as the pipeline's last stage, before its status is final)."""
     from reports import build_report
     from reports.artifacts import publish_report_artifacts
 
-    report = build_report(Path(run_dir), final_stage=True)
+    report = build_report(Path(run_dir), final_stage=final_stage)
     publish_report_artifacts(report, Path(run_dir))
     return report

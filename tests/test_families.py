@@ -59,7 +59,10 @@ def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
 def test_vision_end_to_end(prefect_harness, model, tmp_path):
     from configs.schema import ExperimentConfig
 
-    cfg = ExperimentConfig.model_validate({**VISION, "name": f"{model['kind']}-test", "model": model})
+    finetune = {"finetune": {"enabled": True, "steps": 40, "batch_size": 32, "eval_every_steps": 20, "seeds": [0],
+                             "max_test_items": 400, "optimizer": {"lr": 0.003, "warmup_steps": 5}}}
+    cfg = ExperimentConfig.model_validate({**VISION, "name": f"{model['kind']}-test", "model": model,
+                                           **(finetune if model["kind"] == "vit" else {})})
     layout = _run(cfg, tmp_path)
     manifest = json.loads((layout.root / "data" / "manifest.json").read_text())
     assert manifest["modality"] == "image" and manifest["image_shape"] == [8, 8, 1]
@@ -74,3 +77,11 @@ def test_vision_end_to_end(prefect_harness, model, tmp_path):
     assert (layout.report / "pretrain_confusion.png").is_file()
     if model["kind"] == "vit_moe":
         assert "### Experts (mixture of experts)" in report
+    else:  # post-training: a new 4-way head on the pretrained backbone learns the images' rotation
+        for method in ("diloco", "dp"):
+            result = json.loads(layout.eval_result("finetune", method).read_text())
+            # the fresh head scores the share of the 0° items (400 drawn of 4 × 360 test items)
+            assert result["task"]["name"] == "rotation"
+            assert result["pretrained"]["metrics"]["accuracy"] == pytest.approx(0.25, abs=0.05)
+            assert result["finetuned"][0]["metrics"]["accuracy"] > 0.4  # chance: 0.25
+        assert "## Post-training" in report

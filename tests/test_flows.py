@@ -41,6 +41,7 @@ def test_pipeline_end_to_end(prefect_harness, tiny_cfg, tiny_data, tmp_path):
         assert 0.0 <= metrics["heldout_nextline/acc"] <= 1.0
         assert metrics["heldout_ppl/byte_perplexity"] > 1.0
         assert layout.checkpoints("pretrain", method).is_dir()
+    _check_finetune(tiny_cfg, layout)
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert len(merges) >= 3
     assert all(abs(sum(m["weights"]) - 1) < 1e-4 for m in merges)
@@ -51,6 +52,46 @@ def test_pipeline_end_to_end(prefect_harness, tiny_cfg, tiny_data, tmp_path):
         assert v["processed"] == v["submitted"] + v["not_submitted"]
         assert abs(v["submitted"] - (v["merged"] + v["dropped"] + v["pending"])) <= P
         assert v["submitted"] <= v["processed"]
+
+
+def _check_finetune(cfg, layout):
+    """The pipeline's post-training stage: both pretrained models fine-tuned by one recipe (the same
+    examples in the same order with the same seed), scored before and after, in the report; then
+    the finetune flow alone on one checkpoint given by path, with LoRA."""
+    from data.finetune import load_finetune_rows
+    from flows.finetune import finetune
+    from training.finetune import batch_order, order_digest
+
+    ft = cfg.finetune
+    assert "finetune" in json.loads(layout.status.read_text())["completed_stages"]
+    n_rows = len(load_finetune_rows(layout.finetune_data, "train")["ids"])
+    summaries = {m: json.loads(layout.summary("finetune", m).read_text()) for m in ("diloco", "dp")}
+    logs = {m: read_jsonl(layout.metrics("finetune", m, "train")) for m in ("diloco", "dp")}
+    for m, summary in summaries.items():
+        assert summary["source_checkpoint"].endswith(f"pretrain/{m}/checkpoints")
+        (run,) = summary["runs"]
+        assert run["seed"] == ft.seeds[0] and run["steps"] == ft.steps
+        # the order both saw is the recipe's, a function of the data, the batch size and the seed only
+        assert run["order_sha256"] == order_digest(batch_order(n_rows, ft.batch_size, ft.steps, ft.seeds[0]))
+        assert layout.checkpoints("finetune", m).is_dir()
+        result = json.loads(layout.eval_result("finetune", m).read_text())
+        assert result["task"]["name"] == "speakers" and result["task"]["test_items"] == len(
+            result["pretrained"]["per_item"]["exact_match"])
+        before, after = result["pretrained"]["metrics"], result["finetuned"][0]["metrics"]
+        assert after["response_nll"] < before["response_nll"] - 0.5  # it learnt the task's responses
+        assert set(result["pretrain_tasks"]["finetuned"]) >= {"heldout_ppl/bits_per_byte", "heldout_nextline/acc"}
+    assert [r["examples"] for r in logs["diloco"]] == [r["examples"] for r in logs["dp"]]
+    report = layout.report_md.read_text()
+    assert "## Post-training" in report and "**DiLoCo − DP**" in report
+    assert (layout.report / "finetune_loss.png").is_file()
+    # alone, from a checkpoint given by path, with LoRA: only the adapters train
+    out = finetune(checkpoint=str(layout.checkpoints("pretrain", "dp")), name="dp-lora",
+                   overrides={"finetune.mode": "lora", "finetune.lora_rank": 2})
+    assert out == str(layout.root)
+    lora = json.loads(layout.summary("finetune", "dp-lora").read_text())
+    assert lora["recipe"]["mode"] == "lora" and lora["trainable_params"] < lora["frozen_params"] / 5
+    assert lora["runs"][0]["order_sha256"] == summaries["dp"]["runs"][0]["order_sha256"]
+    assert "dp-lora" in json.loads((layout.report / "report.json").read_text())["finetune"]["methods"]
 
 
 def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data, tmp_path):

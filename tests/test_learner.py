@@ -2,7 +2,6 @@
 points in a fresh process (plain, picklable inputs; Adam moments restored), and a new model kind
 trained through the DiLoCo and DP loops without touching them."""
 
-import json
 import os
 import pickle
 import signal

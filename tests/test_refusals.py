@@ -347,3 +347,28 @@ def test_third_round_inputs(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe name: x")
     with pytest.raises(ValueError, match="is not UTF-8 text"):
         load_config(tmp_path / "bin.yaml")
+
+
+# -- fine-tuning: every input checked before Prefect starts -------------------------------------
+def test_finetune_inputs_are_refused_in_one_line(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    nofield = tmp_path / "nofield.jsonl"
+    nofield.write_text('{"question": "a", "answer": "b"}\n')
+    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R1", "--set", "finetune.source=jsonl",
+                                 "--set", f"finetune.paths=[{empty}]"))
+    assert "empty.jsonl holds no pairs" in line and not (tmp_path / "R1").exists()
+    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R2", "--set", "finetune.source=jsonl",
+                                 "--set", f"finetune.paths=[{nofield}]"))
+    assert "no field 'prompt' (finetune.prompt_field)" in line and not (tmp_path / "R2").exists()
+    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.finetune_docs=0"))
+    assert "data.finetune_docs" in line
+    line = one_line_refusal(*cli("validate", "vit", "--set", "finetune.source=speakers"))
+    assert "finetune.source speakers does not fit image data" in line
+    line = one_line_refusal(*cli("finetune", tmp_path))
+    assert "is not a run directory" in line
+    finished_run(tmp_path / "F")
+    line = one_line_refusal(*cli("finetune", tmp_path / "F", "--set", "diloco.learners=2"))
+    assert "only finetune.* fields can change after pretraining" in line
+    line = one_line_refusal(*cli("finetune", "--checkpoint", tmp_path / "nowhere"))
+    assert "--checkpoint" in line and "is not a folder" in line

@@ -48,7 +48,8 @@ def test_a_run_that_mostly_failed_fails(prefect_harness, small_data, tmp_path):
     layout = RunLayout(rd)
     with pytest.raises(FailedRun, match=r"the syncer dropped \d+\.\d % .*non-finite.*max_dropped_fraction = 0.5"):
         pipeline(config_file="tiny", run_dir=str(rd),
-                 overrides={**SMALL_DATA, "diloco.inner.lr": 50.0, "dp.enabled": False, "eval.enabled": False})
+                 overrides={**SMALL_DATA, "diloco.inner.lr": 50.0, "dp.enabled": False, "eval.enabled": False,
+                            "finetune.enabled": False})
     status = json.loads(layout.status.read_text())
     assert status["status"] == "failed" and status["completed_stages"] == ["data", "pretrain-diloco", "report"]
     lost = json.loads(layout.summary("pretrain", "diloco").read_text())["work_lost"]

@@ -29,8 +29,8 @@ StepFn = Callable[[Params, optax.OptState, Any], tuple[Params, optax.OptState, d
 
 
 def _loss_and_grad(fn: Functional, objective):
-    def loss_of(params, batch):
-        loss, metrics = objective(fn.module(params), batch)
+    def loss_of(params, frozen, batch):
+        loss, metrics = objective(fn.module({**frozen, **params}), batch)
         return loss, dict(metrics)
 
     return jax.value_and_grad(loss_of, has_aux=True)
@@ -44,6 +44,9 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     pass over the whole batch (every row holds the same number of predicted units), up to float32
     summation order, with smaller activations. B must be divisible by G (``ValueError`` at trace).
     The parameter and optimizer-state arguments are donated: do not use them after the call.
+    ``frozen`` (optional, flat): parameters the module needs that are not trained (LoRA's base
+    weights, ``training.finetune``): read, never differentiated, updated or donated; ``params`` and
+    ``frozen`` together name every parameter.
     Building a step applies :func:`training.xla.configure_host` (process-wide malloc settings that
     keep each call's temporary buffers mapped for the next).
     """
@@ -52,9 +55,10 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     configure_host()  # malloc keeps the step's buffers between calls (training/xla.py)
     grad_fn = _loss_and_grad(fn, objective)
 
-    def step(params: Params, opt_state, batch):
+    def step(params: Params, opt_state, batch, frozen: Params | None = None):
+        frozen = frozen or {}
         if microbatches == 1:
-            (loss, metrics), grads = grad_fn(params, batch)
+            (loss, metrics), grads = grad_fn(params, frozen, batch)
         else:
             B = jax.tree.leaves(batch)[0].shape[0]
             if B % microbatches:
@@ -62,7 +66,7 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
             slices_GB = jax.tree.map(lambda a: a.reshape(microbatches, B // microbatches, *a.shape[1:]), batch)
 
             def body(acc, mb):
-                (loss, metrics), grads = grad_fn(params, mb)
+                (loss, metrics), grads = grad_fn(params, frozen, mb)
                 return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
 
             zeros = jax.tree.map(jnp.zeros_like, params)
@@ -78,14 +82,14 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
 
 def make_eval_step(fn: Functional, objective, heldout: str = "loss") -> Callable[[Params, Any], dict[str, jax.Array]]:
-    """Jitted ``(params, batch) -> {"loss": …, "objective": …, **metrics}`` without an update
+    """Jitted ``(params, batch, frozen=None) -> {"loss": …, "objective": …, **metrics}`` without an update
     (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
     an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
     A ``heldout`` the objective does not report raises ``KeyError`` at trace time."""
     configure_host()
 
-    def evaluate(params, batch):
-        loss, metrics = objective(fn.module(params), batch)
+    def evaluate(params, batch, frozen=None):
+        loss, metrics = objective(fn.module({**(frozen or {}), **params}), batch)
         out = {**metrics, "objective": loss}
         out["loss"] = loss if heldout == "loss" else metrics[heldout]
         return out

@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.layers.ops import causal_attention, linear, rope, rope_tables
+from models.layers.lora import project
+from models.layers.ops import causal_attention, rope, rope_tables
 
 __all__ = ["SelfAttention", "apply_rope", "rope_tables"]
 
@@ -48,7 +49,7 @@ class SelfAttention(nnx.Module):
         B, L, D = x_BLD.shape
         N, C = self.n_heads, self.head_dim
         cos_LC, sin_LC = rope_tables(L, C, self.theta)
-        qkv = linear(x_BLD, self.qkv.kernel[...]).reshape(B, L, 3, N, C)
+        qkv = project(self.qkv, x_BLD).reshape(B, L, 3, N, C)
         if self.causal:
             qkv_3BNLC = qkv.transpose(2, 0, 3, 1, 4)
             q_BNLC, k_BNLC = rope(qkv_3BNLC[0], cos_LC, sin_LC), rope(qkv_3BNLC[1], cos_LC, sin_LC)
@@ -57,4 +58,4 @@ class SelfAttention(nnx.Module):
             q_BLNC, k_BLNC, v_BLNC = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
             q_BLNC, k_BLNC = apply_rope(q_BLNC, cos_LC, sin_LC), apply_rope(k_BLNC, cos_LC, sin_LC)
             y_BLNC = jax.nn.dot_product_attention(q_BLNC, k_BLNC, v_BLNC)
-        return linear(y_BLNC.reshape(B, L, D), self.out.kernel[...])
+        return project(self.out, y_BLNC.reshape(B, L, D))

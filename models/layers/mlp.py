@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from models.layers.ops import linear
+from models.layers.lora import project
 
 
 class SwiGLU(nnx.Module):
@@ -27,5 +27,5 @@ class SwiGLU(nnx.Module):
         self.down = nnx.Linear(d_ff, d_model, use_bias=False, kernel_init=out_init, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        h_BLF = jax.nn.silu(linear(x_BLD, self.gate.kernel[...])) * linear(x_BLD, self.up.kernel[...])
-        return linear(h_BLF, self.down.kernel[...])
+        h_BLF = jax.nn.silu(project(self.gate, x_BLD)) * project(self.up, x_BLD)
+        return project(self.down, h_BLF)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from models.layers.lora import project
+
 STATS = "moe_stats"  # the name each MoE layer sows its statistics under (nnx.Intermediate)
 
 
@@ -111,7 +113,7 @@ class MoE(nnx.Module):
     def __call__(self, x_GSD: jax.Array) -> jax.Array:
         G, S, D = x_GSD.shape
         C = expert_capacity(S, self.num_experts, self.top_k, self.capacity_factor)
-        logits_GSE = x_GSD.astype(jnp.float32) @ self.router.kernel[...]
+        logits_GSE = project(self.router, x_GSD.astype(jnp.float32))
         dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, self.top_k, C)
         self.sow(nnx.Intermediate, STATS, stats)
         x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_GSD)

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from functools import partial
 
 import jax
+import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from models.layers.attention import SelfAttention
@@ -62,15 +64,36 @@ class DecoderLM(nnx.Module):
         return self.features(ids_BL) @ self.head_kernel()
 
 
-def lm_objective(model: nnx.Module, batch_BT: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Mean next-token cross entropy in nats over a packed batch ``int32[B, L+1]`` (T = L + 1).
+def lm_inputs(batch) -> jax.Array:
+    """The input tokens ``int32[B, L]`` of a text batch: a packed ``int32[B, L+1]`` array, or a
+    fine-tuning batch ``{"ids": int32[B, L+1], "mask": float32[B, L+1]}``."""
+    ids_BT = batch["ids"] if isinstance(batch, dict) else batch
+    return ids_BT[:, :-1]
 
-    Returns ``(loss, {})``: the loss is the whole objective; no extra metrics. The output projection
-    and the loss are one custom-VJP rule (:func:`models.layers.ops.softmax_cross_entropy_head`): the
+
+def lm_loss(x_BLD: jax.Array, head_DV: jax.Array, batch) -> jax.Array:
+    """Next-token cross entropy in nats per predicted token, from the final hidden states.
+
+    A packed batch ``int32[B, L+1]``: the mean over all B·L targets, through the fused head and loss
+    (:func:`models.layers.ops.softmax_cross_entropy_head`). A fine-tuning batch ``{"ids", "mask"}``:
+    the mean over the targets whose ``mask`` is 1 (response tokens only; the prompt and the padding
+    add nothing), ``Σ mask[t]·nll[t] / Σ mask[t]`` over t = 1..L, 0 for a batch without a masked token.
+    """
+    if not isinstance(batch, dict):
+        return softmax_cross_entropy_head(x_BLD, head_DV, batch[:, 1:])
+    nll_BL = optax.softmax_cross_entropy_with_integer_labels(x_BLD @ head_DV, batch["ids"][:, 1:])
+    w_BL = batch["mask"][:, 1:].astype(jnp.float32)
+    return jnp.sum(nll_BL * w_BL) / jnp.maximum(jnp.sum(w_BL), 1.0)
+
+
+def lm_objective(model: nnx.Module, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Mean next-token cross entropy in nats (:func:`lm_loss`) over a packed batch ``int32[B, L+1]``
+    (T = L + 1), or over the response tokens of a fine-tuning batch ``{"ids", "mask"}``.
+
+    Returns ``(loss, {})``: the loss is the whole objective; no extra metrics. On a packed batch the
     same value as ``optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets).mean()``.
     """
-    x_BLD = model.features(batch_BT[:, :-1])
-    return softmax_cross_entropy_head(x_BLD, model.head_kernel(), batch_BT[:, 1:]), {}
+    return lm_loss(model.features(lm_inputs(batch)), model.head_kernel(), batch), {}
 
 
 def flops_per_token(cfg, vocab_size: int, seq_len: int) -> float:

@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
-from models.layers.ops import softmax_cross_entropy_head
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
-from models.text.dense import DecoderLM
+from models.text.dense import DecoderLM, lm_inputs, lm_loss
 
 
 def build_moe_lm(cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs) -> DecoderLM:
@@ -44,14 +43,15 @@ def moe_metrics(stats: list[dict[str, jax.Array]], layers: list[int]) -> dict[st
 
 
 def make_objective(cfg):
-    """``objective(model, batch int32[B, L+1]) -> (loss, metrics)``: loss = cross entropy +
+    """``objective(model, batch) -> (loss, metrics)`` for a packed ``int32[B, L+1]`` or a fine-tuning
+    ``{"ids", "mask"}`` batch (:func:`models.text.dense.lm_loss`): loss = cross entropy +
     aux_loss_weight · Σ_layers aux + z_loss_weight · Σ_layers z (Switch Transformer Eq. 4 summed
     over layers; ST-MoE Eq. 5); metrics: ``ce`` and :func:`moe_metrics`."""
     layers = moe_blocks(cfg)
 
-    def objective(model, batch_BT):
-        x_BLD, intermediates = nnx.capture(model.features, nnx.Intermediate)(batch_BT[:, :-1])
-        ce = softmax_cross_entropy_head(x_BLD, model.head_kernel(), batch_BT[:, 1:])
+    def objective(model, batch):
+        x_BLD, intermediates = nnx.capture(model.features, nnx.Intermediate)(lm_inputs(batch))
+        ce = lm_loss(x_BLD, model.head_kernel(), batch)
         stats = collect_stats(intermediates)
         return ce + auxiliary_loss(cfg, stats), {"ce": ce, **moe_metrics(stats, layers)}
 

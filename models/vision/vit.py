@@ -30,7 +30,7 @@ from models.layers.attention import SelfAttention
 from models.layers.block import Block
 from models.layers.mlp import SwiGLU
 from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
-from models.layers.ops import linear
+from models.layers.lora import project
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
 from models.text.moe import moe_metrics
 
@@ -78,7 +78,7 @@ class ViT(nnx.Module):
     def features(self, images_BHWC: jax.Array) -> jax.Array:
         """The pooled, final-normed representation ``float32[B, D]``."""
         x = patchify(images_BHWC.astype(jnp.float32) * self.pixel_scale, self.patch_size)
-        x_BTD = linear(x, self.patch.kernel[...]) + self.patch.bias[...]
+        x_BTD = project(self.patch, x)
         if self.cls is not None:
             x_BTD = jnp.concatenate([jnp.broadcast_to(self.cls[...], (x_BTD.shape[0], 1, x_BTD.shape[2])), x_BTD], 1)
         for block in self.blocks:
@@ -87,7 +87,7 @@ class ViT(nnx.Module):
         return x_BTD[:, 0] if self.cls is not None else x_BTD.mean(axis=1)
 
     def __call__(self, images_BHWC: jax.Array) -> jax.Array:
-        return linear(self.features(images_BHWC), self.head.kernel[...]) + self.head.bias[...]
+        return project(self.head, self.features(images_BHWC))
 
 
 def classification_objective(moe_cfg=None, moe_blocks: list[int] | None = None):

@@ -1,0 +1,173 @@
+"""The fine-tuning flow: one recipe applied identically to every pretrained model of a run
+directory, evaluated before and after, then the report rebuilt.
+
+Also the pipeline's ``finetune`` stage (as a subflow). Every check runs before anything is written
+(:func:`finetune_preflight`): the run directory, its config with ``finetune.*`` overrides, the
+pretrained checkpoints, existing fine-tuning results and the task's inputs.
+"""
+
+# No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
+# (see flows/pipeline.py).
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from prefect import flow, get_run_logger
+from pydantic import ValidationError
+
+from configs.schema import ExperimentConfig, apply_overrides, validation_lines
+from flows.preflight import check_finetune_inputs
+from run.control import graceful_stop, stop_requested
+from run.layout import RunLayout
+from tasks.finetune import evaluate_finetune_task, finetune_data_task, finetune_task
+
+__all__ = ["finetune", "finetune_preflight", "FinetunePlan"]
+
+
+class FinetunePlan(dict):
+    """What a fine-tuning run will do: ``cfg``, ``run_dir``, ``methods`` ({name: checkpoint or None})."""
+
+
+def _run_root_of(checkpoint: Path) -> Path:
+    for p in [checkpoint, *checkpoint.parents]:
+        if (p / "config.json").is_file() and (p / "data" / "manifest.json").is_file():
+            return p
+    raise ValueError(f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
+                     "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints")
+
+
+def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = None, checkpoint: Optional[str] = None,
+                       name: Optional[str] = None, overrides: Optional[dict[str, Any]] = None,
+                       replace: bool = False) -> FinetunePlan:
+    """Check everything a fine-tuning run needs, write nothing; return the plan.
+
+    ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
+    the pretrained methods to fine-tune (default every method with a pretrained checkpoint).
+    ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
+    (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys. ``replace``: delete this
+    run's earlier fine-tuning results first (after every check passed).
+
+    Raises ``ValueError`` / ``FileNotFoundError`` with one line naming the argument or field and the fix.
+    """
+    bad = [k for k in (overrides or {}) if not str(k).startswith("finetune.")]
+    if bad:
+        raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
+    ckpt = Path(checkpoint).expanduser().resolve() if checkpoint else None
+    if ckpt is not None:
+        if not ckpt.is_dir():
+            raise FileNotFoundError(f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
+                                    "(e.g. RUN/pretrain/dp/checkpoints)")
+        root = _run_root_of(ckpt)
+        if run_dir and Path(run_dir).resolve() != root:
+            raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
+        run_dir = str(root)
+    if not run_dir:
+        raise ValueError("give a run directory (or --checkpoint)")
+    rd = Path(run_dir)
+    layout = RunLayout(rd)
+    if not layout.config.is_file() or not layout.manifest.is_file():
+        raise FileNotFoundError(f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
+                                "give a directory made by `ddiloco run`")
+    raw = json.loads(layout.config.read_text())
+    try:
+        cfg = ExperimentConfig.model_validate(apply_overrides(raw, {"finetune.enabled": True, **(overrides or {})}))
+    except ValidationError as exc:
+        raise ValueError("invalid fine-tuning settings: " + "; ".join(validation_lines(exc))) from None
+    if ckpt is not None:
+        if methods:
+            raise ValueError("give --checkpoint or --methods, not both")
+        method = name or f"{ckpt.parent.name}-ckpt"
+        plan_methods = {method: str(ckpt)}
+    else:
+        have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
+        chosen = methods or have
+        missing = [m for m in chosen if m not in have]
+        if missing:
+            raise FileNotFoundError(f"{rd} has no pretrained checkpoint of {missing[0]} (has: {', '.join(have) or 'none'}); "
+                                    "pick from those")
+        if not chosen:
+            raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
+        plan_methods = {m: None for m in chosen}
+    for m in plan_methods:
+        RunLayout(rd).method_dir("finetune", m)  # a valid method name
+        if layout.holds_results("finetune", m) and not replace:
+            raise FileExistsError(f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
+                                  "again (its earlier results are deleted), or another --name")
+    if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
+        raise ValueError(f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
+                         "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs")
+    check_finetune_inputs(cfg)
+    return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan_methods, replace=replace)
+
+
+def run_finetune_stage(plan: FinetunePlan) -> dict:
+    """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
+    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``."""
+    cfg, rd = plan["cfg"], str(plan["run_dir"])
+    layout = RunLayout(rd)
+    if plan.get("replace"):
+        for m in plan["methods"]:
+            for p in layout.holds_results("finetune", m):
+                shutil.rmtree(p) if Path(p).is_dir() else Path(p).unlink()
+            shutil.rmtree(layout.eval_outputs("finetune", m), ignore_errors=True)
+    task_info = finetune_data_task(cfg, rd)
+    out: dict[str, Any] = {"task": task_info, "methods": {}, "interrupted": False}
+    for method, ckpt in plan["methods"].items():
+        if stop_requested():
+            break
+        summary = finetune_task(cfg, rd, method, task_info, ckpt)
+        if summary.get("interrupted") or stop_requested():
+            out["methods"][method] = {"summary": summary}
+            break
+        out["methods"][method] = {"summary": summary, "eval": evaluate_finetune_task(cfg, rd, method, task_info, ckpt)}
+    out["interrupted"] = stop_requested()
+    return out
+
+
+@flow(name="finetune", log_prints=True)
+def finetune(
+    run_dir: Optional[str] = None,
+    methods: Optional[list[str]] = None,
+    checkpoint: Optional[str] = None,
+    name: Optional[str] = None,
+    overrides: Optional[dict[str, Any]] = None,
+    replace: bool = False,
+    build_report: bool = True,
+) -> str:
+    """Fine-tune a run's pretrained models with one recipe (``finetune.*`` of its config, changed by
+    ``overrides``), evaluate them before and after, and rebuild the report.
+
+    Args:
+        run_dir: a run directory made by the pipeline.
+        methods: pretrained methods to fine-tune (default: all with a checkpoint).
+        checkpoint: instead, an Orbax checkpoint folder of ours (its run directory is used).
+        name: the method name for ``checkpoint``'s results.
+        overrides: dotted ``finetune.*`` keys, e.g. ``{"finetune.mode": "lora"}``.
+        replace: delete earlier fine-tuning results of these methods first.
+        build_report: rebuild ``report/`` at the end (the pipeline builds it itself).
+
+    Returns the run directory. Raises ``ValueError``/``FileNotFoundError``/``FileExistsError`` from
+    :func:`finetune_preflight` before anything is written.
+    """
+    plan = finetune_preflight(run_dir, methods, checkpoint, name, overrides, replace)
+    logger = get_run_logger()
+    with graceful_stop():
+        result = run_finetune_stage(plan)
+        if build_report:  # run alone: the run's record gains the stage
+            from run.directory import read_status, write_status
+
+            old = read_status(plan["run_dir"])
+            if old.get("status") and not result["interrupted"]:
+                done = [s for s in old.get("completed_stages", []) if s != "finetune"]
+                write_status(plan["run_dir"], old["status"], done + ["finetune"], old.get("reason"))
+            from tasks.evaluate import report_task
+
+            report_task(plan["run_dir"], final_stage=False)
+            logger.info("report: %s", RunLayout(plan["run_dir"]).report_md)
+    if result["interrupted"]:
+        from prefect.states import Cancelled
+
+        return Cancelled(message="fine-tuning stopped by a signal; what finished is saved")
+    return str(plan["run_dir"])

@@ -1,0 +1,428 @@
+"""The post-training part of the report: every pretrained model fine-tuned with one recipe, scored
+before and after, and each method's difference to the data-parallel baseline with its interval.
+
+Inputs (:class:`reports.read.FinetuneRecords`, one per method of the ``finetune`` stage):
+``finetune/<method>/summary.json`` (``recipe``, ``runs`` per seed, ``trainable_params``,
+``frozen_params``), ``finetune/<method>/metrics/{train,eval}.jsonl`` (``seed``, ``step``,
+``train/loss`` or ``val/loss``) and ``eval/finetune/<method>.json`` (the ``task``, ``pretrained``
+and per-seed ``finetuned`` scores, each with ``metrics`` and ``per_item`` arrays holding the same
+test items in the same order for every method and seed, and for text ``pretrain_tasks`` before and
+after).
+
+Intervals (:func:`two_level_bootstrap`, :func:`paired_bootstrap_difference`): a percentile
+bootstrap over the fine-tuning seeds and the test items, :data:`RESAMPLES` resamples of
+``numpy.random.default_rng(BOOTSTRAP_SEED)``, so every build of a report gives the same
+interval. A method's score (pretrained: one model, items only; fine-tuned: mean over seeds) and the
+difference ``method − dp`` (paired: the same seed and the same items for both) get one each.
+
+Pure (no I/O) but for :func:`finetune_loss_figure`, which returns a matplotlib figure.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from reports.analyses import EVAL_METRIC_NAMES
+from reports.common import BASELINE, NOT_RUN, label, num, short_label
+from reports.plots import finish_axes, new_figure, series_color
+from reports.read import FinetuneRecords
+
+RESAMPLES = 2000
+BOOTSTRAP_SEED = 0
+CONFIDENCE = 0.95
+LABEL = "Post-training"
+MARKERS = ("o", "s", "^", "D", "v")  # held-out points, one shape per method (overlapping curves stay visible)
+BOOTSTRAP_DEFINITION = (
+    "95 % percentile interval of a bootstrap with 2,000 resamples (numpy default_rng(0), so the "
+    "same inputs always give the same interval). Each resample draws the fine-tuning seeds with "
+    "replacement (when there is more than one) and then the test items with replacement, and takes "
+    "the mean over the drawn seeds and items. A difference A − B is paired: both methods get the "
+    "same drawn seeds (the recipe fine-tunes both with the same seed) and the same drawn items, "
+    "and the statistic is the mean over them of the per-item difference A − B."
+)
+
+
+def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                        confidence: float = CONFIDENCE) -> dict:
+    """Mean of ``values`` (shape [S seeds, N items], or [N] for one seed) with a percentile
+    bootstrap interval over seeds and items.
+
+    Estimate: mean over s, i of values[s, i]. Each of ``resamples`` resamples, in order, with
+    ``rng = numpy.random.default_rng(seed)``:
+
+    1. seeds: ``rows = rng.integers(0, S, size=S)`` (S > 1 only; one seed is not resampled),
+    2. items: ``cols = rng.integers(0, N, size=N)``, one draw shared by all drawn seeds (every
+       seed's model answered the same test items: items are crossed with seeds, not nested),
+    3. statistic: ``values[rows][:, cols].mean()``.
+
+    The interval is ``numpy.percentile(stats, [100·α/2, 100·(1 − α/2)])`` (linear interpolation),
+    α = 1 − ``confidence``. Returns ``estimate``, ``ci`` ([low, high]; None when a value is not
+    finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N] input, which has no seed
+    axis: one model, e.g. a pretrained one), ``items`` (N), ``levels`` ("seeds and items" or
+    "items") and ``over`` ("over N items and S seeds", or "over N items" for [N] input).
+    """
+    v = np.asarray(values, dtype=float)
+    seed_axis = v.ndim == 2
+    if v.ndim == 1:
+        v = v[None, :]
+    if v.ndim != 2 or v.shape[0] < 1 or v.shape[1] < 1:
+        raise ValueError(f"values must be [seeds, items] with at least one of each, got shape {v.shape}")
+    s, n = v.shape
+    over = f"over {n:,} item{'s' if n != 1 else ''}"
+    out = {"estimate": float(v.mean()), "ci": None, "confidence": confidence, "resamples": resamples,
+           "seeds": s if seed_axis else None, "items": n, "levels": "seeds and items" if s > 1 else "items",
+           "over": over + (f" and {s} seed{'s' if s != 1 else ''}" if seed_axis else "")}
+    if not np.isfinite(v).all():
+        return out
+    rng = np.random.default_rng(seed)
+    stats = np.empty(resamples)
+    all_rows = np.zeros(1, dtype=np.int64)
+    for r in range(resamples):
+        rows = rng.integers(0, s, size=s) if s > 1 else all_rows
+        cols = rng.integers(0, n, size=n)
+        stats[r] = v[rows][:, cols].mean()
+    alpha = 1.0 - confidence
+    lo, hi = np.percentile(stats, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    out["ci"] = [float(lo), float(hi)]
+    return out
+
+
+def paired_bootstrap_difference(a: Any, b: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                                confidence: float = CONFIDENCE) -> dict:
+    """Difference A − B of two methods' per-item scores with a paired two-level bootstrap interval.
+
+    ``a``, ``b``: shape [S, N] (row s: the model fine-tuned with the s-th common seed, the same
+    seed for both methods; column i: test item i, the same item for both) or [N] (one model
+    each, e.g. the pretrained ones: a bootstrap over items only).
+
+    Estimate: D = mean over s, i of (a[s, i] − b[s, i]). Interval: each resample draws seed rows
+    with replacement (S > 1), then item columns with replacement, the same draws for both methods
+    (so the pairing is kept), and takes the mean of (a − b) over the drawn seeds and items;
+    the percentile interval of ``resamples`` such means (:func:`two_level_bootstrap` on a − b;
+    ``numpy.random.default_rng(seed)``, deterministic). Returns its dict with ``difference``
+    (= ``estimate``). ``ValueError`` when the shapes differ.
+    """
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.shape != b.shape:
+        raise ValueError(f"paired scores need the same seeds and items: shapes {a.shape} and {b.shape}")
+    out = two_level_bootstrap(a - b, resamples, seed, confidence)
+    out["difference"] = out["estimate"]
+    return out
+
+
+def verdict(diff: dict | None, higher_is_better: bool, method: str, baseline: str = BASELINE) -> dict:
+    """``no significant difference`` when the interval contains 0, else which method is better
+    (``higher_is_better`` orients the sign); ``undefined`` without an interval."""
+    who, base = short_label(method), short_label(baseline)
+    if not diff or diff.get("ci") is None:
+        return {"status": "undefined", "better": None, "text": "undefined (no interval: missing or non-finite scores)"}
+    lo, hi = diff["ci"]
+    if lo <= 0.0 <= hi:
+        return {"status": "no significant difference", "better": None,
+                "text": f"no significant difference between {who} and {base} (the 95 % interval contains 0)"}
+    better = method if (diff["difference"] > 0) == higher_is_better else baseline
+    return {"status": "better", "better": better,
+            "text": f"{short_label(better)} is better (the 95 % interval excludes 0)"}
+
+
+# -- per method ----------------------------------------------------------------------------------
+
+def _finite_list(x: Any) -> list[float] | None:
+    if not isinstance(x, list) or not x or any(num(v) is None for v in x):
+        return None
+    return [float(v) for v in x]
+
+
+def _seed_rows(result: dict) -> list[dict]:
+    return [r for r in (result.get("finetuned") or []) if isinstance(r, dict)]
+
+
+def _score(metrics: dict | None, per_item: list[float] | None, key: str) -> float | None:
+    v = num((metrics or {}).get(key))
+    if v is None and per_item:
+        v = float(np.mean(per_item))
+    return v
+
+
+def method_scores(result: dict, metric_keys: list[str], notes: list[str], method: str) -> dict:
+    """Per task metric: ``pretrained`` (with ``pretrained_ci``, items only), ``finetuned`` (mean
+    over seeds of each seed's metric; ``finetuned_per_seed``; ``finetuned_ci``, seeds and items),
+    ``change`` (fine-tuned − pretrained) and the intervals' ``over`` texts."""
+    pre = result.get("pretrained") or {}
+    rows = _seed_rows(result)
+    out = {}
+    for k in metric_keys:
+        pre_items = _finite_list((pre.get("per_item") or {}).get(k))
+        pre_v = _score(pre.get("metrics"), pre_items, k)
+        per_seed = []
+        matrix = []
+        for r in rows:
+            items = _finite_list((r.get("per_item") or {}).get(k))
+            v = _score(r.get("metrics"), items, k)
+            if v is not None:
+                per_seed.append({"seed": r.get("seed"), "value": v})
+            matrix.append(items)
+        ft_v = float(np.mean([p["value"] for p in per_seed])) if per_seed else None
+        pre_boot = two_level_bootstrap(pre_items) if pre_items else None
+        ft_boot = None
+        if matrix and all(m is not None for m in matrix) and len({len(m) for m in matrix}) == 1:
+            ft_boot = two_level_bootstrap(matrix)
+        for what, value, boot in (("pretrained", pre_v, pre_boot), ("fine-tuned", ft_v, ft_boot)):
+            if boot is not None and not math.isfinite(boot["estimate"]):
+                notes.append(f"{label(method)}: the {what} {k} has non-finite per-item values; no interval.")
+            elif value is not None and boot is not None and not math.isclose(value, boot["estimate"], rel_tol=1e-6,
+                                                                             abs_tol=1e-9):
+                notes.append(f"{label(method)}: the {what} {k} ({value:.6g}) is not the mean of its per-item values "
+                             f"({boot['estimate']:.6g}); its interval and the differences use the per-item mean.")
+        out[k] = {
+            "pretrained": pre_v,
+            "pretrained_ci": pre_boot["ci"] if pre_boot else None,
+            "pretrained_over": pre_boot["over"] if pre_boot else None,
+            "finetuned": ft_v,
+            "finetuned_per_seed": per_seed,
+            "finetuned_ci": ft_boot["ci"] if ft_boot else None,
+            "finetuned_over": ft_boot["over"] if ft_boot else None,
+            "change": ft_v - pre_v if ft_v is not None and pre_v is not None else None,
+        }
+    return out
+
+
+def _last(rows: list[dict], key: str, seed: Any) -> float | None:
+    vals = [num(r.get(key)) for r in rows if r.get("seed") == seed and num(r.get(key)) is not None]
+    return vals[-1] if vals else None
+
+
+def curve_summary(rec: FinetuneRecords) -> dict:
+    """Points of the fine-tuning curves and, per seed, the first and last held-out loss and the last
+    logged training loss."""
+    train = [r for r in (rec.train or []) if num(r.get("train/loss")) is not None]
+    val = [r for r in (rec.curve or []) if num(r.get("val/loss")) is not None]
+    seeds = list(dict.fromkeys(r.get("seed") for r in [*val, *train]))
+    per_seed = []
+    for s in seeds:
+        vs = [num(r["val/loss"]) for r in val if r.get("seed") == s]
+        per_seed.append({"seed": s, "first_val_loss": vs[0] if vs else None, "last_val_loss": vs[-1] if vs else None,
+                         "last_train_loss": _last(train, "train/loss", s)})
+    return {"train_points": len(train), "eval_points": len(val), "per_seed": per_seed}
+
+
+def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: list[str]) -> dict:
+    """One method's post-training figures: ``status``/``eval_status``, ``interrupted`` (a stop signal
+    ended fine-tuning early: fewer seeds or steps), ``source_checkpoint``,
+    ``recipe``, parameter counts, ``runs`` (per seed, from the summary), ``seeds`` (those
+    evaluated), ``scores`` (:func:`method_scores`), ``pretrain_tasks`` and ``curve``."""
+    s, e = rec.summary, rec.eval
+    pretrain_tasks = (e or {}).get("pretrain_tasks")
+    out: dict[str, Any] = {
+        "status": "ok" if s is not None else NOT_RUN,
+        "interrupted": bool(s.get("interrupted")) if s is not None else None,
+        "eval_status": "ok" if e is not None else NOT_RUN,
+        "files": rec.files,
+        "source_checkpoint": (s or {}).get("source_checkpoint"),
+        "recipe": (s or {}).get("recipe") if isinstance((s or {}).get("recipe"), dict) else {},
+        "trainable_params": num((s or {}).get("trainable_params")),
+        "frozen_params": num((s or {}).get("frozen_params")),
+        "runs": [r for r in ((s or {}).get("runs") or []) if isinstance(r, dict)],
+        "seeds": [r.get("seed") for r in _seed_rows(e or {})],
+        "scores": method_scores(e, metric_keys, notes, rec.method) if e is not None else {},
+        "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None,
+        "curve": curve_summary(rec),
+    }
+    return out
+
+
+# -- between methods -------------------------------------------------------------------------------
+
+def _per_item_matrix(result: dict, key: str, seeds: list) -> np.ndarray | None:
+    by_seed = {r.get("seed"): _finite_list((r.get("per_item") or {}).get(key)) for r in _seed_rows(result)}
+    rows = [by_seed.get(s) for s in seeds]
+    if not rows or any(r is None for r in rows) or len({len(r) for r in rows}) != 1:
+        return None
+    return np.asarray(rows)
+
+
+def difference(a_res: dict, b_res: dict, method: str, task: dict, metric_keys: list[str], notes: list[str],
+               baseline: str = BASELINE) -> dict:
+    """``method − baseline`` for every task metric, pretrained and fine-tuned, with the paired
+    bootstrap interval (:func:`paired_bootstrap_difference`) and a :func:`verdict` each; seeds
+    paired by value (those both methods were fine-tuned with)."""
+    seeds_a = [r.get("seed") for r in _seed_rows(a_res)]
+    seeds_b = {r.get("seed") for r in _seed_rows(b_res)}
+    seeds = [s for s in seeds_a if s in seeds_b]
+    unpaired = sorted({*seeds_a, *seeds_b} - set(seeds), key=str)
+    if unpaired:
+        notes.append(f"{short_label(method)} − {short_label(baseline)}: seed(s) {', '.join(map(str, unpaired))} "
+                     "were fine-tuned for only one of the two methods and are left out of the paired difference.")
+    out: dict[str, Any] = {"method": method, "baseline": baseline, "seeds": seeds, "metrics": {}}
+    for k in metric_keys:
+        hib = bool(((task.get("metrics") or {}).get(k) or {}).get("higher_is_better", True))
+        row: dict[str, Any] = {"higher_is_better": hib}
+        for what, a, b in (
+            ("pretrained", _finite_list(((a_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
+             _finite_list(((b_res.get("pretrained") or {}).get("per_item") or {}).get(k))),
+            ("finetuned", _per_item_matrix(a_res, k, seeds) if seeds else None,
+             _per_item_matrix(b_res, k, seeds) if seeds else None),
+        ):
+            if a is None or b is None:
+                row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
+            elif np.shape(a) != np.shape(b):
+                row[what] = {"status": "not paired",
+                             "why": f"the methods scored different numbers of items ({np.shape(a)[-1]} and "
+                                    f"{np.shape(b)[-1]})"}
+                notes.append(f"{k} ({what}): {row[what]['why']}; no paired difference.")
+            else:
+                row[what] = {"status": "ok", **paired_bootstrap_difference(a, b)}
+            row[what]["verdict"] = verdict(row[what] if row[what]["status"] == "ok" else None, hib, method, baseline)
+        out["metrics"][k] = row
+    return out
+
+
+# -- the part as a whole ---------------------------------------------------------------------------
+
+def _task(records: dict[str, FinetuneRecords], notes: list[str]) -> dict:
+    tasks = {m: r.eval["task"] for m, r in records.items() if r.eval and isinstance(r.eval.get("task"), dict)}
+    if not tasks:
+        return {}
+    first = next(iter(tasks.values()))
+    for m, t in tasks.items():
+        diff = [k for k in ("name", "train_items", "test_items", "primary") if t.get(k) != first.get(k)]
+        if diff:
+            notes.append(f"{label(m)}'s evaluation describes another task ({', '.join(diff)} differ); the section "
+                         f"shows {label(next(iter(tasks)))}'s.")
+    return dict(first)
+
+
+def _metric_keys(task: dict, records: dict[str, FinetuneRecords]) -> list[str]:
+    keys = list((task.get("metrics") or {}).keys())
+    if not keys:  # no task description: whatever the scores hold
+        for r in records.values():
+            keys += [k for k in ((r.eval or {}).get("pretrained") or {}).get("metrics", {}) if k not in keys]
+    primary = task.get("primary")
+    return sorted(keys, key=lambda k: k != primary)  # the primary metric first
+
+
+def _pretrain_task_label(key: str) -> tuple[str, str]:
+    task, _, metric = key.partition("/")
+    text, _, fmt = EVAL_METRIC_NAMES.get(metric, (metric, "", "{:.4f}"))
+    return (f"{task}: {text}" if metric else key), ("{:.4f}" if fmt == "int" else fmt)
+
+
+def pretrain_task_rows(methods: dict[str, dict]) -> list[dict]:
+    """The pretraining tasks before → after fine-tuning: one row per key (``_stderr`` keys attached
+    to their metric; a task's chance level, the same before and after, left out), per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
+    have = {m: f["pretrain_tasks"] for m, f in methods.items() if f.get("pretrain_tasks")}
+    keys: list[str] = []
+    for pt in have.values():
+        for part in ("pretrained", "finetuned"):
+            keys += [k for k, v in (pt.get(part) or {}).items()
+                     if k not in keys and not k.endswith(("_stderr", "/chance")) and num(v) is not None]
+    rows = []
+    for k in keys:
+        text, fmt = _pretrain_task_label(k)
+        row: dict[str, Any] = {"key": k, "label": text, "fmt": fmt}
+        for m, pt in have.items():
+            before, after = num((pt.get("pretrained") or {}).get(k)), num((pt.get("finetuned") or {}).get(k))
+            row[m] = {"pretrained": before, "finetuned": after,
+                      "change": after - before if before is not None and after is not None else None,
+                      "pretrained_stderr": num((pt.get("pretrained") or {}).get(f"{k}_stderr")),
+                      "finetuned_stderr": num((pt.get("finetuned") or {}).get(f"{k}_stderr"))}
+        rows.append(row)
+    return rows
+
+
+def order_check(methods: dict[str, dict]) -> dict:
+    """Whether every method saw the same fine-tuning examples in the same order at each seed
+    (the summaries' ``order_sha256`` per run): ``same`` true/false, or None when not recorded."""
+    by_seed: dict[str, dict[str, str]] = {}
+    for m, f in methods.items():
+        for r in f["runs"]:
+            if r.get("order_sha256"):
+                by_seed.setdefault(str(r.get("seed")), {})[m] = r["order_sha256"]
+    compared = {s: len(set(h.values())) == 1 for s, h in by_seed.items() if len(h) > 1}
+    return {"same": all(compared.values()) if compared else None,
+            "differs_at_seeds": [s for s, same in compared.items() if not same]}
+
+
+def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
+    """Every figure of the post-training part, or None when the run has no post-training stage.
+
+    ``label``, ``task`` (as the evaluation describes it), ``metrics`` (task metric keys, the
+    primary first), ``methods`` (per method: :func:`method_post_training`), ``differences``
+    (each method other than ``dp`` − ``dp``, when both ran: :func:`difference`), ``verdicts``
+    (per method, the primary metric's fine-tuned and pretrained verdict), ``pretrain_tasks``
+    (:func:`pretrain_task_rows`), ``order`` (:func:`order_check`), ``bootstrap`` (how the
+    intervals are made), ``plots`` (filled in by the builder) and ``notes``.
+    """
+    if not records:
+        return None
+    notes: list[str] = []
+    task = _task(records, notes)
+    keys = _metric_keys(task, records)
+    methods = {m: method_post_training(r, keys, notes) for m, r in records.items()}
+    primary = task.get("primary") if task.get("primary") in keys else (keys[0] if keys else None)
+    differences, verdicts = {}, {}
+    base = records.get(BASELINE)
+    for m, rec in records.items():
+        if m == BASELINE or base is None or rec.eval is None or base.eval is None:
+            continue
+        d = difference(rec.eval, base.eval, m, task, keys, notes)
+        differences[m] = d
+        if primary is not None:
+            verdicts[m] = {"metric": primary, "finetuned": d["metrics"][primary]["finetuned"]["verdict"],
+                           "pretrained": d["metrics"][primary]["pretrained"]["verdict"]}
+    return {
+        "stage": "finetune",
+        "label": LABEL,
+        "task": task,
+        "metrics": keys,
+        "primary": primary,
+        "baseline": BASELINE if BASELINE in methods else None,
+        "methods": methods,
+        "differences": differences,
+        "verdicts": verdicts,
+        "pretrain_tasks": pretrain_task_rows(methods),
+        "order": order_check(methods),
+        "bootstrap": {"resamples": RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": CONFIDENCE,
+                      "interval": "percentile", "definition": BOOTSTRAP_DEFINITION},
+        "plots": {},
+        "notes": notes,
+    }
+
+
+def _point(row: dict, key: str) -> bool:
+    return num(row.get("step")) is not None and num(row.get(key)) is not None
+
+
+def finetune_loss_figure(records: dict[str, FinetuneRecords], modality: str | None = "text") -> Figure | None:
+    """Fine-tuning loss against fine-tuning step, every method on one axes in its own colour:
+    the training loss of each seed thin and transparent, the loss on the task's held-out test items
+    (``val/loss``, step 0 = the pretrained model) as markers joined by a line. None without a curve."""
+    series = []
+    for m, rec in records.items():
+        train = [r for r in (rec.train or []) if _point(r, "train/loss")]
+        val = [r for r in (rec.curve or []) if _point(r, "val/loss")]
+        if train or val:
+            series.append((m, train, val))
+    if not series:
+        return None
+    fig = new_figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    for i, (m, train, val) in enumerate(series):
+        color = series_color(m, i)
+        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in train)):
+            pts = sorted((float(r["step"]), float(r["train/loss"])) for r in train if r.get("seed") == s)
+            ax.plot(*zip(*pts), lw=0.8, alpha=0.35, color=color,
+                    label=f"{label(m)}: training loss (each seed)" if j == 0 else None)
+        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in val)):
+            pts = sorted((float(r["step"]), float(r["val/loss"])) for r in val if r.get("seed") == s)
+            ax.plot(*zip(*pts), lw=1.4, marker=MARKERS[i % len(MARKERS)], ms=4, color=color,
+                    label=f"{label(m)}: held-out test loss" if j == 0 else None)
+    unit = "nats/image" if modality == "image" else "nats/token, response tokens"
+    finish_axes(ax, "fine-tuning step", f"loss ({unit})", "Fine-tuning loss (thin: training, each seed; "
+                "markers: held-out test items)", title_size=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,240 @@
+"""Fine-tuning's plain parts: the task data, the response-only loss, the loaders' refusals, LoRA
+touching only its adapters, and one identical recipe for every method."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data import finetune as F
+
+PLAY = """THE TEST PLAY
+
+ACT I. SCENE I. A street.
+
+Enter ROMEO and NURSE.
+
+ROMEO.
+What light through yonder window breaks?
+It is the east.
+
+Nurse.
+Madam, your mother craves a word with you.
+
+[Exit.]
+
+JULIET
+O Romeo, Romeo!
+[Aside.]
+Deny thy father.
+"""
+
+
+def _byte_tokenizer():
+    """A byte-level BPE without merges: one token per byte, so tokens can be counted by hand."""
+    from data.text import train_tokenizer
+
+    return train_tokenizer(["abc"], vocab_size=257)
+
+
+def test_speaker_pairs_read_headings_in_every_spelling_and_skip_stage_directions():
+    pairs = F.speaker_pairs([{"title": "Test", "text": PLAY}], context=1, speech_lines=2)
+    assert [p["speaker"] for p in pairs] == ["ROMEO", "Nurse", "JULIET"]
+    assert [p["response"] for p in pairs] == [" ROMEO\n", " Nurse\n", " JULIET\n"]
+    # the first speech follows a stage direction: no context line
+    assert pairs[0]["prompt"] == "Test\n?: What light through yonder window breaks? / It is the east.\nSpeaker:"
+    # the second follows ROMEO's speech: its last line, with its speaker
+    assert pairs[1]["prompt"] == ("Test\nROMEO: It is the east.\n?: Madam, your mother craves a word with you.\n"
+                                  "Speaker:")
+    # the third follows an exit: no context; a bracketed stage direction inside a speech is not speech
+    assert pairs[2]["prompt"] == "Test\n?: O Romeo, Romeo! / Deny thy father.\nSpeaker:"
+    assert len({p["id"] for p in pairs}) == 3 and [p["two_back"] for p in pairs] == [None, None, None]
+
+
+def test_speaker_prompts_show_the_speeches_before_with_their_speakers():
+    text = "A.\nOne.\n\nB.\nTwo, and\nthen three.\n\nA.\nFour.\n"
+    pairs = F.speaker_pairs([{"title": "T", "text": text}], context=2)
+    assert pairs[2]["prompt"] == "T\nA: One.\nB: then three.\n?: Four.\nSpeaker:"
+    assert [p["two_back"] for p in pairs] == [None, None, "A"] and pairs[2]["response"] == " A\n"
+
+
+def test_the_loss_mask_covers_the_response_tokens_only():
+    """Hand-counted: one token per byte, the prompt "Who?\\nSpeaker:" is 13 tokens, the response
+    " BOB\\n" 5; with a 24-token row the mask is 1 exactly at positions 13..17."""
+    tok = _byte_tokenizer()
+    pair = {"id": "0", "prompt": "Who?\nSpeaker:", "response": " BOB\n"}
+    prompt, response = F.encode_pair(tok, pair)
+    assert (len(prompt), len(response)) == (13, 5)
+    ids, mask, info = F.pack_rows([(prompt, response)], 24, eot_id=0)
+    assert ids.shape == mask.shape == (1, 24) and ids.dtype == np.int32
+    assert mask[0].tolist() == [0] * 13 + [1] * 5 + [0] * 6
+    assert ids[0, 13:18].tolist() == tok.encode(" BOB\n").ids and (ids[0, 18:] == 0).all()
+    assert info["response_tokens"] == 5
+    # packing: two pairs in one row, each followed by EOT (mask 0), the masks carried with them
+    ids, mask, _ = F.pack_rows([(prompt, response), (prompt, response)], 40, eot_id=0, packing=True)
+    assert ids.shape == (1, 40)
+    assert mask[0].tolist() == ([0] * 13 + [1] * 5 + [0]) * 2 + [0] * 2
+    # too long: the prompt loses tokens from the left, the response is kept whole
+    ids, mask, info = F.pack_rows([(prompt, response)], 10, eot_id=0)
+    assert mask[0].tolist() == [0] * 5 + [1] * 5 and info["truncated_prompts"] == 1
+
+
+def test_the_fine_tuning_loss_is_the_cross_entropy_of_the_masked_tokens():
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from configs.schema import DenseLMConfig
+    from models.text.dense import DecoderLM, lm_objective
+
+    cfg = DenseLMConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
+    model = DecoderLM(cfg, vocab_size=257, max_len=24, rngs=nnx.Rngs(0))
+    tok = _byte_tokenizer()
+    ids, mask, _ = F.pack_rows([F.encode_pair(tok, {"prompt": "Who?\nSpeaker:", "response": " BOB\n"})], 24, 0)
+    loss, _ = lm_objective(model, {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)})
+    logits = model(jnp.asarray(ids[:, :-1]))
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(ids[:, 1:]))[0]
+    assert float(loss) == pytest.approx(float(nll[12:17].mean()), rel=1e-5)  # targets 13..17 = inputs 12..16
+    # without a mask, the plain packed-batch loss (all 23 targets)
+    full, _ = lm_objective(model, jnp.asarray(ids))
+    assert float(full) == pytest.approx(float(nll.mean()), rel=1e-4)
+
+
+def test_jsonl_pairs_load_and_bad_files_are_refused_in_one_line(tmp_path):
+    good = tmp_path / "pairs.jsonl"
+    good.write_text('{"q": "2+2=", "a": " 4\\n"}\n\n{"q": "3+3=", "a": " 6\\n", "id": "x"}\n')
+    pairs = F.load_jsonl_pairs(good, "q", "a")
+    assert pairs == [{"id": "0", "prompt": "2+2=", "response": " 4\n"}, {"id": "x", "prompt": "3+3=", "response": " 6\n"}]
+    with pytest.raises(ValueError, match=r"item 1 has no field 'prompt' \(finetune.prompt_field\)") as err:
+        F.load_jsonl_pairs(good)
+    assert "\n" not in str(err.value)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no pairs"):
+        F.load_jsonl_pairs(empty)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "response": "b"}\nnot json\n')
+    with pytest.raises(ValueError, match="line 2 is not JSON"):
+        F.load_jsonl_pairs(bad)
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"prompt": "a", "response": "  "}\n')
+    with pytest.raises(ValueError, match="empty response"):
+        F.load_jsonl_pairs(blank)
+    with pytest.raises(FileNotFoundError, match="finetune.paths"):
+        F.load_jsonl_pairs(tmp_path / "missing.jsonl")
+
+
+def test_a_dataset_with_other_field_names_is_mapped(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"question": ["a?", "b?"], "answer": [" A\n", " B\n"]}).save_to_disk(tmp_path / "ds")
+    pairs = F.load_hf_pairs(str(tmp_path / "ds"), "train", "question", "answer")
+    assert [(p["prompt"], p["response"]) for p in pairs] == [("a?", " A\n"), ("b?", " B\n")]
+    with pytest.raises(ValueError, match=r"no column 'prompt'; columns are \['question', 'answer'\]"):
+        F.load_hf_pairs(str(tmp_path / "ds"), "train")
+
+
+def test_rotations_are_labelled_by_quarter_turns():
+    img = np.arange(4, dtype=np.uint8).reshape(1, 2, 2, 1)  # [[0, 1], [2, 3]]
+    x, y = F.rotate_images(img)
+    assert y.tolist() == [0, 1, 2, 3]
+    assert x[0, ..., 0].tolist() == [[0, 1], [2, 3]]
+    assert x[1, ..., 0].tolist() == [[1, 3], [0, 2]]  # 90° counter-clockwise
+    assert x[2, ..., 0].tolist() == [[3, 2], [1, 0]]
+    with pytest.raises(ValueError, match="square"):
+        F.rotate_images(np.zeros((1, 2, 3, 1), np.uint8))
+
+
+def test_split_items_is_seeded_and_per_group():
+    groups = ["a"] * 10 + ["b"] * 5
+    tr, te = F.split_items(15, 0.2, seed=3, groups=groups)
+    assert sorted(tr + te) == list(range(15)) and not set(tr) & set(te)
+    assert sum(1 for i in te if groups[i] == "a") == 2 and sum(1 for i in te if groups[i] == "b") == 1
+    assert F.split_items(15, 0.2, seed=3, groups=groups) == (tr, te)
+    assert F.split_items(15, 0.2, seed=4, groups=groups) != (tr, te)
+
+
+def test_the_batch_order_depends_on_the_seed_alone():
+    from training.finetune import batch_order, order_digest
+
+    a = batch_order(10, 4, 6, seed=1)
+    assert a.shape == (6, 4)
+    assert sorted(a.reshape(-1)[:10].tolist()) == list(range(10))  # the first epoch is a permutation
+    assert (a == batch_order(10, 4, 6, seed=1)).all() and order_digest(a) == order_digest(batch_order(10, 4, 6, 1))
+    assert order_digest(a) != order_digest(batch_order(10, 4, 6, seed=2))
+
+
+def test_lora_wraps_the_named_projections_and_merges_back():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from configs.schema import DenseLMConfig
+    from models.layers.lora import add_lora, is_adapter, merge_lora
+    from models.text.dense import DecoderLM
+    from training.functional import Functional, params_of
+
+    cfg = DenseLMConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32)
+    model = DecoderLM(cfg, vocab_size=64, max_len=8, rngs=nnx.Rngs(0))
+    base = params_of(model)
+    ids = jnp.arange(8)[None] % 64
+    before = model(ids)
+    paths = add_lora(model, 4, ["qkv", "down"], nnx.Rngs(1))
+    assert paths == ["blocks/0/attn/qkv", "blocks/0/mlp/down", "blocks/1/attn/qkv", "blocks/1/mlp/down"]
+    assert jnp.allclose(model(ids), before)  # B starts at zero: the adapted model is the base model
+    _, flat = Functional.of(model)
+    adapters = sorted(k for k in flat if is_adapter(k))
+    assert adapters[:2] == ["blocks/0/attn/qkv/lora_a", "blocks/0/attn/qkv/lora_b"] and len(adapters) == 8
+    flat = dict(flat)
+    flat["blocks/0/attn/qkv/lora_b"] = jnp.ones_like(flat["blocks/0/attn/qkv/lora_b"])
+    merged = merge_lora(flat)
+    assert set(merged) == set(base)
+    a = flat["blocks/0/attn/qkv/lora_a"]
+    assert jnp.allclose(merged["blocks/0/attn/qkv/kernel"], base["blocks/0/attn/qkv/kernel"] + a @ jnp.ones((4, 48)))
+    assert jnp.array_equal(merged["blocks/1/mlp/down/kernel"], base["blocks/1/mlp/down/kernel"])
+    with pytest.raises(ValueError, match="match no projection"):
+        add_lora(DecoderLM(cfg, 64, 8, nnx.Rngs(0)), 4, ["nothing"], nnx.Rngs(1))
+
+
+def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
+    """Fine-tune a (random-init) checkpoint with LoRA: every base weight is bit-identical afterwards,
+    every adapter B moved; the saved model is base + A·B."""
+    import shutil
+
+    from configs.schema import ExperimentConfig
+    from data.finetune import prepare_finetune_data
+    from run.layout import RunLayout
+    from training.checkpoint import save_checkpoint
+    from training.common import model_spec
+    from training.finetune import finetune_run
+    from training.functional import nest, params_of
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(small_data, run_dir)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n"
+                             for i in range(40)))
+    cfg = ExperimentConfig.model_validate({
+        **small_cfg.model_dump(),
+        "finetune": {"enabled": True, "source": "jsonl", "paths": [str(pairs)], "mode": "lora", "lora_rank": 2,
+                     "steps": 6, "batch_size": 4, "eval_every_steps": 3, "seeds": [0],
+                     "optimizer": {"lr": 0.01, "warmup_steps": 0}}})
+    layout = RunLayout(run_dir)
+    pretrained = params_of(model_spec(cfg, run_dir).init(cfg.seed))
+    save_checkpoint(layout.checkpoints("pretrain", "dp"), 1, nest(pretrained), {"method": "dp"})
+    task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+    assert task["train_items"] == 32 and task["test_items"] == 8
+    rec = finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0,
+                       keep_params=True)
+    assert rec["steps"] == 6 and rec["fresh"] == [] and len(rec["adapted"]) == 5 * cfg.model.n_layers
+    assert all(k.endswith(("lora_a", "lora_b")) for k in rec["state"])
+    assert rec["trainable_params"] == sum(v.size for v in rec["state"].values()) < rec["frozen_params"]
+    for name, value in rec["frozen"].items():  # the frozen weights, bit for bit
+        assert np.array_equal(value, np.asarray(pretrained[name.replace("/base_module", "")])), name
+    assert set(rec["frozen"]) | set(rec["state"]) == {*(k for k in rec["frozen"]), *rec["state"]}
+    for name, value in rec["state"].items():
+        if name.endswith("lora_b"):
+            assert np.abs(value).max() > 0, name  # every adapter trained
+    q = "blocks/0/attn/qkv"
+    expect = np.asarray(pretrained[f"{q}/kernel"]) + rec["state"][f"{q}/lora_a"] @ rec["state"][f"{q}/lora_b"]
+    assert np.allclose(rec["params"][f"{q}/kernel"], expect, atol=1e-6)
+    assert np.array_equal(rec["params"]["embed/embedding"], np.asarray(pretrained["embed/embedding"]))

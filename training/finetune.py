@@ -1,0 +1,351 @@
+"""Fine-tuning a pretrained checkpoint: one recipe, applied identically to every method's model.
+
+The recipe (``cfg.finetune``) fixes the task's rows, their order (a seeded permutation per epoch,
+:func:`batch_order`), the optimizer (AdamW with warmup and cosine decay, ``training.optimizers``),
+the steps and the seeds; nothing in it depends on the checkpoint, so the DiLoCo- and the
+DP-pretrained models see the same examples in the same order (``order_sha256`` in the summary).
+
+Modes: ``full`` trains every parameter; ``lora`` wraps the projections of ``finetune.lora_targets``
+in Flax NNX LoRA layers (``models.layers.lora``) and trains only the adapters (and a new head), the
+base weights passed to the step as frozen inputs, never differentiated. A vision task with its own
+label set gets a new head (``num_classes`` of the task, zero-initialised by the model), every other
+parameter starts from the checkpoint. The fine-tuned checkpoint holds the plain model's parameters
+(adapters folded in), so it loads like any other.
+
+Writes ``RUN/finetune/<method>/`` (``checkpoints/<step>`` for the first seed, ``seeds/<s>/checkpoints``
+for the others, ``metrics/{train,eval}.jsonl``, ``summary.json``). No Prefect here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from configs.schema import ExperimentConfig
+from data.finetune import load_finetune_rows
+from data.store import load_manifest
+from models import InputShape, ModelSpec, build_model
+from models.layers.lora import add_lora, is_adapter, merge_lora
+from run.control import STOP
+from run.metrics import JsonlWriter
+from training.checkpoint import load_into_model, save_checkpoint
+from training.common import model_spec
+from training.evaluation import heldout_metrics
+from training.functional import Functional, load_params, nest, params_of
+from training.optimizers import make_inner_tx
+from training.step import make_eval_step, make_train_step
+
+LOG_EVERY = 5  # steps between two train-log lines
+
+
+def finetune_spec(cfg: ExperimentConfig, run_dir: str | Path, task: Mapping[str, Any]) -> ModelSpec:
+    """The model to fine-tune: the pretrained model's spec, or for an image task with its own label
+    set the same model with a head of ``task["num_classes"]`` classes."""
+    if cfg.data.modality != "image":
+        return model_spec(cfg, run_dir)
+    m = load_manifest(run_dir)
+    shape = InputShape(image_shape=tuple(m["image_shape"]), num_classes=int(task["num_classes"]),
+                       pixel_max=int(m["pixel_max"]))
+    return build_model(cfg.model, shape)
+
+
+def load_pretrained(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path,
+                    spec: ModelSpec, seed: int) -> tuple[nnx.Module, list[str], dict]:
+    """``spec``'s model (initialised with ``seed``) holding the checkpoint's parameters wherever name
+    and shape agree: ``(model, fresh parameter names, checkpoint meta)``. ``fresh`` lists the
+    parameters that keep their initialisation (a new head).
+
+    Raises ``training.checkpoint.CheckpointError`` for a missing, incomplete or mismatched checkpoint,
+    and ``ValueError`` when a parameter other than the head would start fresh.
+    """
+    source = model_spec(cfg, run_dir).init(cfg.seed)
+    meta = load_into_model(checkpoint, source)
+    pretrained = params_of(source)
+    model = spec.init(seed)
+    target = params_of(model)
+    fits = {k: v for k, v in pretrained.items() if k in target and target[k].shape == v.shape}
+    fresh = sorted(set(target) - set(fits))
+    if any(not k.startswith("head/") for k in fresh):
+        raise ValueError(f"the checkpoint {checkpoint} does not fit the model: {fresh[:3]} would start fresh")
+    load_params(model, fits)
+    return model, fresh, meta
+
+
+def batch_order(n_rows: int, batch_size: int, steps: int, seed: int) -> np.ndarray:
+    """Row indices of every step, ``int64[steps, batch_size]``: epochs of a permutation seeded by
+    ``(seed, epoch)``, read in order; a batch may span two epochs. Depends only on its arguments."""
+    need = steps * batch_size
+    out, epoch = [], 0
+    while sum(len(o) for o in out) < need:
+        out.append(np.random.default_rng([seed, epoch]).permutation(n_rows))
+        epoch += 1
+    return np.concatenate(out)[:need].reshape(steps, batch_size)
+
+
+def order_digest(order: np.ndarray) -> str:
+    """sha256 of the row order (hex, first 16 characters): equal digests, equal examples and order."""
+    return hashlib.sha256(np.ascontiguousarray(order, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def _batches(rows: Mapping[str, np.ndarray], batch_size: int) -> list[dict]:
+    """Fixed evaluation batches of the test rows (every row; the last batch padded by repeating its
+    first row would bias the mean, so the remainder is dropped when there is at least one batch)."""
+    n = len(next(iter(rows.values())))
+    size = min(batch_size, n)
+    return [{k: v[i:i + size] for k, v in rows.items()} for i in range(0, n - size + 1, size)]
+
+
+def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path, data_dir: str | Path,
+                 task: Mapping[str, Any], seed: int, *,
+                 train_log: Callable[[dict], None] | None = None, eval_log: Callable[[dict], None] | None = None,
+                 keep_params: bool = False) -> dict:
+    """One fine-tuning run of ``checkpoint`` with seed ``seed``; returns its record.
+
+    Record: ``seed``, ``steps`` (taken; fewer after a stop signal), ``examples``, ``wall_s``,
+    ``final_train_loss``, ``final_val_loss`` (nats per response token, or per image, on the task's
+    test rows), ``order_sha256``, ``trainable_params``, ``frozen_params``, ``fresh`` (new
+    parameters), ``adapted`` (LoRA layers), ``params`` (flat, the plain model's layout) and, with
+    ``keep_params``, ``state`` (the trained flat parameters as trained, adapters unmerged) and
+    ``frozen`` (the frozen ones).
+    """
+    ft = cfg.finetune
+    spec = finetune_spec(cfg, run_dir, task)
+    model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
+    adapted = add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed)) if ft.mode == "lora" else []
+    fn, flat = Functional.of(model)
+    trainable = {k for k in flat if ft.mode == "full" or is_adapter(k) or k in fresh}
+    params = {k: v for k, v in flat.items() if k in trainable}
+    frozen = {k: v for k, v in flat.items() if k not in trainable}
+    tx = make_inner_tx(ft.optimizer, ft.steps)
+    mb = cfg.train.microbatch_size
+    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1)
+    evaluate = make_eval_step(fn, spec.objective, spec.heldout)
+    opt_state = tx.init(params)
+    rows = load_finetune_rows(data_dir, "train")
+    test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
+    n_rows = len(next(iter(rows.values())))
+    order = batch_order(n_rows, ft.batch_size, ft.steps, seed)
+
+    def val_loss() -> float:
+        return heldout_metrics(lambda p, b: evaluate(p, b, frozen), params, test)["loss"]
+
+    t0 = time.monotonic()
+    last_val = val_loss()
+    if eval_log:
+        eval_log({"seed": seed, "step": 0, "examples": 0, "val/loss": last_val})
+    loss = float("nan")
+    done = 0
+    for i in range(ft.steps):
+        if STOP.is_set():
+            break
+        batch = {k: jnp.asarray(v[order[i]]) for k, v in rows.items()}
+        params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
+        done = i + 1
+        if done % LOG_EVERY == 0 or done == ft.steps:
+            loss = float(metrics["loss"])
+            if train_log:
+                train_log({"seed": seed, "step": done, "examples": done * ft.batch_size, "train/loss": loss,
+                           "t": time.monotonic() - t0})
+        if done % ft.eval_every_steps == 0 or done == ft.steps:
+            last_val = val_loss()
+            if eval_log:
+                eval_log({"seed": seed, "step": done, "examples": done * ft.batch_size, "val/loss": last_val})
+    if done and done % ft.eval_every_steps and done != ft.steps:  # stopped part-way
+        last_val = val_loss()
+    trained = {k: np.asarray(v) for k, v in params.items()}
+    record = {
+        "seed": seed, "steps": done, "examples": done * ft.batch_size, "wall_s": time.monotonic() - t0,
+        "final_train_loss": loss, "final_val_loss": last_val, "order_sha256": order_digest(order[:done]),
+        "trainable_params": int(sum(v.size for v in trained.values())),
+        "frozen_params": int(sum(np.size(v) for v in frozen.values())),
+        "fresh": fresh, "adapted": adapted,
+        "params": {k: np.asarray(v) for k, v in merge_lora({**frozen, **trained}).items()},
+    }
+    if keep_params:
+        record["state"] = trained
+        record["frozen"] = {k: np.asarray(v) for k, v in frozen.items()}
+    return record
+
+
+def save_finetuned(ckpt_dir: str | Path, record: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
+    """Write a fine-tuned model (``record["params"]``, the plain layout) as an Orbax checkpoint at
+    step = optimizer steps taken; returns the step folder (never overwrites one)."""
+    return save_checkpoint(ckpt_dir, int(record["steps"]), nest(record["params"]),
+                           {**meta, "steps": record["steps"], "seed": record["seed"]})
+
+
+def model_with(spec: ModelSpec, params: Mapping[str, np.ndarray], seed: int = 0) -> nnx.Module:
+    """``spec``'s model holding ``params`` (flat, the plain layout)."""
+    model = spec.init(seed)
+    load_params(model, params)
+    return model
+
+
+def logits_fn(model: nnx.Module) -> Callable[[np.ndarray], np.ndarray]:
+    """A jitted ``images uint8[B, H, W, C] -> float32[B, K]`` of an image classifier."""
+    fn, params = Functional.of(model)
+    run = jax.jit(lambda p, x: fn.module(p)(x))
+    return lambda x: np.asarray(run(params, x))
+
+
+
+
+
+# ----------------------------------------------------------------------------------- one method
+
+
+def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
+    """The recipe as the summary and the report state it."""
+    ft = cfg.finetune
+    o = ft.optimizer
+    return {"task": task["name"], "mode": ft.mode, "lora_rank": ft.lora_rank if ft.mode == "lora" else None,
+            "lora_targets": list(ft.lora_targets) if ft.mode == "lora" else None,
+            "steps": ft.steps, "batch_size": ft.batch_size, "optimizer": o.name, "lr": o.lr,
+            "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "seeds": list(ft.seeds),
+            "packing": ft.packing if task.get("modality") == "text" else None, "row_len": task.get("row_len")}
+
+
+def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, task: Mapping[str, Any],
+                    checkpoint: str | Path | None = None) -> dict:
+    """Fine-tune ``method``'s pretrained model once per seed of ``cfg.finetune.seeds``; returns the
+    summary (also written to ``finetune/<method>/summary.json``).
+
+    ``checkpoint``: the Orbax checkpoint folder to start from (default: ``pretrain/<method>/checkpoints``
+    of ``run_dir``). The first seed's model goes to ``finetune/<method>/checkpoints``, the others' to
+    ``finetune/<method>/seeds/<seed>/checkpoints``; losses to ``finetune/<method>/metrics``. Stops
+    after the current step on a stop signal (``run.control.STOP``), saving what it has. Raises
+    ``FileExistsError`` when the method already has fine-tuning results, and the errors of
+    :func:`load_pretrained`.
+    """
+    from run.directory import atomic_write_text
+    from run.layout import RunLayout
+    from training.common import ensure_fresh
+
+    layout = RunLayout(run_dir)
+    ensure_fresh(run_dir, "finetune", method)
+    source = Path(checkpoint) if checkpoint else Path(layout.checkpoints("pretrain", method))
+    train_log = JsonlWriter(layout.metrics("finetune", method, "train"))
+    eval_log = JsonlWriter(layout.metrics("finetune", method, "eval"))
+    runs = []
+    try:
+        for i, seed in enumerate(cfg.finetune.seeds):
+            if STOP.is_set():
+                break
+            rec = finetune_run(cfg, run_dir, source, layout.finetune_data, task, seed,
+                               train_log=train_log, eval_log=eval_log)
+            ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
+            save_finetuned(ckpt, rec, {"method": method, "stage": "finetune", "source": str(source),
+                                       "task": task["name"], "mode": cfg.finetune.mode})
+            rec.pop("params")
+            runs.append({**rec, "checkpoint": str(Path(ckpt).relative_to(Path(layout.root)))
+                         if Path(ckpt).is_relative_to(Path(layout.root)) else str(ckpt)})
+    finally:
+        train_log.close()
+        eval_log.close()
+    summary = {"method": method, "source_checkpoint": str(source), "recipe": recipe_of(cfg, task),
+               "trainable_params": runs[0]["trainable_params"] if runs else None,
+               "frozen_params": runs[0]["frozen_params"] if runs else None,
+               "interrupted": STOP.is_set(), "runs": runs}
+    import json
+
+    atomic_write_text(layout.summary("finetune", method), json.dumps(summary, indent=2))
+    return summary
+
+
+def _task_metrics_meta(task: Mapping[str, Any]) -> dict:
+    if task["modality"] == "image":
+        return {"accuracy": {"higher_is_better": True, "label": "accuracy"},
+                "loss": {"higher_is_better": False, "label": "loss (nats/image)"}}
+    return {"exact_match": {"higher_is_better": True, "label": "exact match"},
+            "response_nll": {"higher_is_better": False, "label": "response NLL (nats/token)"}}
+
+
+def _score(cfg: ExperimentConfig, run_dir: str | Path, model: nnx.Module, task: Mapping[str, Any],
+           out_dir: Path) -> dict:
+    """``{"metrics", "per_item"}`` of ``model`` on the task's test items."""
+    from run.layout import RunLayout
+
+    data_dir = RunLayout(run_dir).finetune_data
+    if task["modality"] == "image":
+        from evals.vision import evaluate_classifier
+
+        out = evaluate_classifier(logits_fn(model), load_finetune_rows(data_dir, "test"), int(task["num_classes"]),
+                                  per_item=True)
+        return {"metrics": {"accuracy": out["test/accuracy"], "loss": out["test/loss"], "items": out["test/images"]},
+                "per_item": out["per_item"]}
+    from data.finetune import read_pairs
+    from data.store import load_tokenizer
+    from evals.pair_tasks import evaluate_pairs
+
+    res = evaluate_pairs(model, load_tokenizer(run_dir), read_pairs(Path(data_dir) / "pairs_test.jsonl"), out_dir,
+                         batch_size=cfg.eval.batch_size, max_gen_toks=max_gen_tokens(cfg, task), seed=cfg.seed)
+    per_item = {k: v for k, v in res["per_item"].items() if k in ("exact_match", "response_nll")}
+    return {"metrics": res["metrics"], "per_item": per_item, "generated": res["per_item"].get("generated")}
+
+
+def max_gen_tokens(cfg: ExperimentConfig, task: Mapping[str, Any]) -> int:
+    """The generation cap of the exact-match task: ``finetune.max_gen_toks``, else the task's longest
+    response (tokens, with its newline) + 2."""
+    return cfg.finetune.max_gen_toks or int(task.get("longest_response_tokens", 14)) + 2
+
+
+def evaluate_finetune(cfg: ExperimentConfig, run_dir: str | Path, method: str, task: Mapping[str, Any],
+                      checkpoint: str | Path | None = None) -> dict:
+    """Score ``method`` on the fine-tuning task before (the pretrained checkpoint, with a fresh head
+    for a new label set) and after fine-tuning (every seed), and, for text, the pretraining tasks
+    again on the first seed's model; writes ``eval/finetune/<method>.json`` and returns it.
+
+    Raises ``training.checkpoint.CheckpointError`` for a missing checkpoint.
+    """
+    import json
+
+    from run.directory import atomic_write_text
+    from run.layout import RunLayout
+
+    layout = RunLayout(run_dir)
+    out_dir = Path(layout.eval_outputs("finetune", method))
+    source = Path(checkpoint) if checkpoint else Path(layout.checkpoints("pretrain", method))
+    spec = finetune_spec(cfg, run_dir, task)
+    t0 = time.monotonic()
+    before, _, _ = load_pretrained(cfg, run_dir, source, spec, cfg.finetune.seeds[0])
+    pretrained = _score(cfg, run_dir, before, task, out_dir / "pretrained")
+    finetuned = []
+    first_model = None
+    for i, seed in enumerate(cfg.finetune.seeds):
+        ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
+        if not Path(ckpt).exists():
+            continue  # a stopped run fine-tuned fewer seeds
+        model = spec.init(seed)
+        meta = load_into_model(ckpt, model)
+        finetuned.append({"seed": seed, "steps": meta.get("steps"), **_score(cfg, run_dir, model, task, out_dir / f"seed{seed}")})
+        first_model = first_model or model
+    result: dict[str, Any] = {
+        "method": method, "stage": "finetune", "source_checkpoint": str(source),
+        "task": {**{k: task[k] for k in ("name", "modality", "primary", "description", "train_items", "test_items",
+                                         "baselines") if k in task},
+                 "metrics": _task_metrics_meta(task),
+                 **({"max_gen_toks": max_gen_tokens(cfg, task)} if task["modality"] == "text" else {})},
+        "pretrained": pretrained, "finetuned": finetuned,
+    }
+    if task["modality"] == "text" and first_model is not None and cfg.eval.enabled:
+        from data.store import load_heldout, load_tokenizer
+        from evals.run_eval import evaluate_lm
+
+        after = evaluate_lm(first_model, load_tokenizer(run_dir), load_heldout(run_dir, "test"), out_dir / "pretrain_tasks",
+                            cfg.eval, seed=cfg.seed, name="lm_eval")
+        before_path = Path(layout.eval_result("pretrain", method))
+        before_flat = json.loads(before_path.read_text()) if before_path.is_file() and not checkpoint else None
+        keys = [k for k, v in after.items() if isinstance(v, float) and k.startswith("heldout_")]
+        result["pretrain_tasks"] = {"pretrained": {k: before_flat.get(k) for k in keys} if before_flat else None,
+                                    "finetuned": {k: after[k] for k in keys}}
+    result["eval_s"] = time.monotonic() - t0
+    atomic_write_text(layout.eval_result("finetune", method), json.dumps(result, indent=2))
+    return result
