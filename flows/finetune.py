@@ -160,8 +160,8 @@ def finetune(
 
             old = read_status(plan["run_dir"])
             if old.get("status") and not result["interrupted"]:
-                done = [s for s in old.get("completed_stages", []) if s != "finetune"]
-                write_status(plan["run_dir"], old["status"], done + ["finetune"], old.get("reason"))
+                done = [s for s in old.get("completed_stages", []) if s not in ("finetune", "report")]
+                write_status(plan["run_dir"], old["status"], done + ["finetune", "report"], old.get("reason"))
             from tasks.evaluate import report_task
 
             report_task(plan["run_dir"], final_stage=False)

@@ -544,10 +544,12 @@ def _post_training_headline(ft: dict | None) -> list[str]:
             parts.append(f"{label(m)} {sc['pretrained']:.3f} → {sc['finetuned']:.3f}")
     if not parts:
         return []
-    line = f"- post-training ({(ft.get('task') or {}).get('name', 'task')}, {k}): " + "; ".join(parts)
+    line = f"- post-training ({(ft.get('task') or {}).get('name', 'task')}, {k.replace('_', ' ')}): " + "; ".join(parts)
     for m, d in (ft.get("differences") or {}).items():
         fd = ((d.get("metrics") or {}).get(k) or {}).get("finetuned") or {}
         if fd.get("status") == "ok":
+            v = fd["verdict"]
+            said = f"{label(v['better'])} is better" if v.get("better") else v["status"]
             line += (f"; {label(m)} − {label(d['baseline'])} {fd['difference']:+.3f} "
-                     f"[{fd['ci'][0]:+.3f}, {fd['ci'][1]:+.3f}] {fd['over']}: {fd['verdict']['status']}")
+                     f"[{fd['ci'][0]:+.3f}, {fd['ci'][1]:+.3f}] (95 %, {fd['over']}): {said}")
     return [line]
