@@ -402,7 +402,8 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
     return docs, info
 
 
-def check_hf_reachable(name: str, hint: str = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead") -> None:
+def check_hf_reachable(name: str, hint: str = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead",
+                       field: str = "data.hf_name") -> None:
     """Refuse a Hugging Face dataset name that cannot be loaded here, before any work.
 
     A local folder or file given as ``data.hf_name`` passes. Otherwise the hub must be enabled
@@ -413,14 +414,14 @@ def check_hf_reachable(name: str, hint: str = "use data.source: local with data.
         return
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(var, "").strip().lower() in ("1", "true", "yes", "on"):
-            raise ConnectionError(f"data.hf_name {name!r}: the Hugging Face hub is off here ({var} is set); {hint}")
+            raise ConnectionError(f"{field} {name!r}: the Hugging Face hub is off here ({var} is set); {hint}")
     from huggingface_hub import HfApi
 
     try:
         HfApi().dataset_info(name, timeout=10)
     except Exception as e:  # connection errors, 404s, gated repos: all mean "cannot load it"
         raise ConnectionError(
-            f"data.hf_name {name!r}: the Hugging Face hub did not answer for it ({type(e).__name__}: "
+            f"{field} {name!r}: the Hugging Face hub did not answer for it ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:160] if str(e) else 'no detail'}); {hint}"
         ) from None
 

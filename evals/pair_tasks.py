@@ -298,9 +298,10 @@ def evaluate_pairs(
         "items": n,
         "eval_s": time.perf_counter() - t0,
     }
-    if lm.truncated_requests:
-        log.warning("pair eval: %d of %d responses scored with their prompt cut from the left (%d-token window)",
-                    lm.truncated_requests, n, lm.max_length + 1)
+    if lm.truncated_requests:  # a warning when it changes the picture (≥ 5 % of the items), else a note
+        (log.warning if lm.truncated_requests >= 0.05 * n else log.info)(
+            "pair eval: %d of %d responses scored with their prompt cut from the left (%d-token window)",
+            lm.truncated_requests, n, lm.max_length + 1)
     log.info("pair eval: %d pairs, exact_match %.3f, response_nll %.4f nats/token, greedy %.3f; %.1f s",
              n, metrics["exact_match"], metrics["response_nll"], metrics["response_greedy"], metrics["eval_s"])
 

@@ -18,10 +18,11 @@ from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
 from configs.schema import ExperimentConfig, apply_overrides, validation_lines
-from flows.preflight import check_finetune_inputs
+from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested
 from run.layout import RunLayout
 from tasks.finetune import evaluate_finetune_task, finetune_data_task, finetune_task
+from training.finetune import finetune_record
 
 __all__ = ["finetune", "finetune_preflight", "FinetunePlan"]
 
@@ -54,11 +55,23 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
     bad = [k for k in (overrides or {}) if not str(k).startswith("finetune.")]
     if bad:
         raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
+    if "finetune.enabled" in (overrides or {}):
+        raise ValueError("--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
+                         "pipeline's stage (ddiloco run)")
+    if name and not checkpoint:
+        raise ValueError("--name names the results of --checkpoint; give both, or neither")
     ckpt = Path(checkpoint).expanduser().resolve() if checkpoint else None
     if ckpt is not None:
         if not ckpt.is_dir():
             raise FileNotFoundError(f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
                                     "(e.g. RUN/pretrain/dp/checkpoints)")
+        if ckpt.name.isdigit() and (ckpt / "_CHECKPOINT_METADATA").exists() or ckpt.name.isdigit() and \
+                (ckpt / "params").is_dir():
+            raise ValueError(f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
+                             f"holds the steps: {ckpt.parent}")
+        if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
+            raise FileNotFoundError(f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
+                                    "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints")
         root = _run_root_of(ckpt)
         if run_dir and Path(run_dir).resolve() != root:
             raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
@@ -94,7 +107,22 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
         RunLayout(rd).method_dir("finetune", m)  # a valid method name
         if layout.holds_results("finetune", m) and not replace:
             raise FileExistsError(f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
-                                  "again (its earlier results are deleted), or another --name")
+                                  "again (its earlier results are deleted once the new ones are written)"
+                                  + (", or another --name" if ckpt is not None else ""))
+    recipe = finetune_record(cfg)
+    for m in layout.methods("finetune"):
+        if m in plan_methods or not layout.summary("finetune", m).is_file():
+            continue
+        other = json.loads(layout.summary("finetune", m).read_text()).get("finetune_config")
+        if other is not None and other != recipe:
+            diff = sorted(k for k in {*other, *recipe} if other.get(k) != recipe.get(k))
+            raise ValueError(f"{rd}: {m} was fine-tuned with another recipe ({', '.join(diff[:4])} differ); a run "
+                             "directory compares its methods under one recipe: fine-tune every method again "
+                             "(no --methods) with --replace, or keep the recipe")
+    from data.store import load_manifest
+    from training.common import input_shape
+
+    check_lora_targets(cfg, input_shape(cfg, load_manifest(rd)))
     if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
         raise ValueError(f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
                          "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs")
@@ -102,26 +130,53 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
     return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan_methods, replace=replace)
 
 
+def _results(layout: RunLayout, method: str) -> list[Path]:
+    out = [Path(p) for p in layout.holds_results("finetune", method)]
+    extra = Path(layout.eval_outputs("finetune", method))
+    return out + ([extra] if extra.exists() else [])
+
+
 def run_finetune_stage(plan: FinetunePlan) -> dict:
     """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
-    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``."""
+    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``.
+
+    With ``replace``, earlier results of the planned methods are moved aside first and deleted only
+    once the new ones are written; if the stage fails they are moved back (and a method's partial
+    new results removed), so a failed re-run loses nothing."""
+    import uuid
+
     cfg, rd = plan["cfg"], str(plan["run_dir"])
     layout = RunLayout(rd)
+    aside: list[tuple[Path, Path]] = []
     if plan.get("replace"):
+        tag = uuid.uuid4().hex[:8]
         for m in plan["methods"]:
-            for p in layout.holds_results("finetune", m):
-                shutil.rmtree(p) if Path(p).is_dir() else Path(p).unlink()
-            shutil.rmtree(layout.eval_outputs("finetune", m), ignore_errors=True)
-    task_info = finetune_data_task(cfg, rd)
-    out: dict[str, Any] = {"task": task_info, "methods": {}, "interrupted": False}
-    for method, ckpt in plan["methods"].items():
-        if stop_requested():
-            break
-        summary = finetune_task(cfg, rd, method, task_info, ckpt)
-        if summary.get("interrupted") or stop_requested():
-            out["methods"][method] = {"summary": summary}
-            break
-        out["methods"][method] = {"summary": summary, "eval": evaluate_finetune_task(cfg, rd, method, task_info, ckpt)}
+            for p in _results(layout, m):
+                dst = p.with_name(f".{p.name}.replaced-{tag}")
+                p.rename(dst)
+                aside.append((p, dst))
+    out: dict[str, Any] = {"task": None, "methods": {}, "interrupted": False}
+    try:
+        out["task"] = task_info = finetune_data_task(cfg, rd)
+        for method, ckpt in plan["methods"].items():
+            if stop_requested():
+                break
+            summary = finetune_task(cfg, rd, method, task_info, ckpt)
+            if summary.get("interrupted") or stop_requested():
+                out["methods"][method] = {"summary": summary}
+                break
+            out["methods"][method] = {"summary": summary,
+                                      "eval": evaluate_finetune_task(cfg, rd, method, task_info, ckpt)}
+    except BaseException:
+        if not stop_requested():
+            for m in plan["methods"]:  # a failed method's partial results would read as a method
+                for p in _results(layout, m):
+                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+            for orig, dst in aside:
+                dst.rename(orig)
+        raise
+    for _, dst in aside:
+        shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
     out["interrupted"] = stop_requested()
     return out
 

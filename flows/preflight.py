@@ -128,14 +128,49 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
     ft = cfg.finetune
     task = cfg.finetune_task
     if task == "jsonl":
-        from data.finetune import load_jsonl_pairs
+        from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pairs, split_items
 
-        for p in ft.paths:
-            load_jsonl_pairs(p, ft.prompt_field, ft.response_field)
+        counts = [len(load_jsonl_pairs(p, ft.prompt_field, ft.response_field)) for p in ft.paths]
+        if len(counts) == 1:
+            train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.seed))
+        else:
+            train, test = counts
+        if train < MIN_TRAIN_ITEMS or test < MIN_TEST_ITEMS:
+            raise ValueError(f"finetune.paths: {train} train and {test} test pairs, fewer than {MIN_TRAIN_ITEMS} and "
+                             f"{MIN_TEST_ITEMS}; give more pairs")
     elif task == "hf" and not Path(ft.hf_name).expanduser().is_dir():
         from data.sources import check_hf_reachable
 
-        check_hf_reachable(ft.hf_name, "use finetune.source: jsonl with finetune.paths instead")
+        check_hf_reachable(ft.hf_name, "use finetune.source: jsonl with finetune.paths instead", field="finetune.hf_name")
+
+
+def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
+    """With ``finetune.mode: lora``, every name of ``finetune.lora_targets`` is a projection of the
+    model (built abstractly, no compute) and the rank is below each one's smaller side. Raises
+    ``ValueError`` naming the field. ``shape``: the data's ``InputShape`` when known (else the one
+    the config implies; images of unknown shape are checked once the data exists)."""
+    if cfg.finetune.mode != "lora":
+        return
+    from flax import nnx
+
+    from models import InputShape, build_model
+    from models.layers.lora import linear_layers
+
+    if shape is None:
+        shape = _known_image_shape(cfg) if cfg.data.modality == "image" else \
+            InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+    if shape is None:
+        return
+    layers = linear_layers(nnx.eval_shape(lambda: build_model(cfg.model, shape).init(0)))
+    names = {n for n, _ in layers.values()}
+    missing = [t for t in cfg.finetune.lora_targets if t not in names]
+    if missing:
+        raise ValueError(f"finetune.lora_targets: {missing[0]!r} is no projection of a {cfg.model.kind} model; its "
+                         f"projections are {', '.join(sorted(names))}")
+    small = min(min(io) for n, io in layers.values() if n in cfg.finetune.lora_targets)
+    if cfg.finetune.lora_rank >= small:
+        raise ValueError(f"finetune.lora_rank ({cfg.finetune.lora_rank}) must be below the smallest adapted "
+                         f"projection's side ({small})")
 
 
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
@@ -156,6 +191,7 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     check_model(cfg)
     if cfg.finetune.enabled:
         check_finetune_inputs(cfg)
+        check_lora_targets(cfg)
     if check_data and cfg.data.modality == "image":
         check_image_source(cfg)
     elif check_data:

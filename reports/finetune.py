@@ -283,6 +283,16 @@ def difference(a_res: dict, b_res: dict, method: str, task: dict, metric_keys: l
 
 # -- the part as a whole ---------------------------------------------------------------------------
 
+def _recipe_differences(a: dict | None, b: dict | None) -> list[str]:
+    """The recipe fields two methods' summaries disagree on (the ``finetune_config`` record when both
+    have it, else the ``recipe`` without its seeds; seeds are paired separately)."""
+    if not a or not b:
+        return []
+    ra, rb = (a.get("finetune_config"), b.get("finetune_config")) if a.get("finetune_config") and \
+        b.get("finetune_config") else (a.get("recipe") or {}, b.get("recipe") or {})
+    return sorted(k for k in {*ra, *rb} if k != "seeds" and ra.get(k) != rb.get(k))
+
+
 def _task(records: dict[str, FinetuneRecords], notes: list[str]) -> dict:
     tasks = {m: r.eval["task"] for m, r in records.items() if r.eval and isinstance(r.eval.get("task"), dict)}
     if not tasks:
@@ -313,13 +323,15 @@ def _pretrain_task_label(key: str) -> tuple[str, str]:
 
 def pretrain_task_rows(methods: dict[str, dict]) -> list[dict]:
     """The pretraining tasks before → after fine-tuning: one row per key (``_stderr`` keys attached
-    to their metric; a task's chance level, the same before and after, left out), per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
+    to their metric; a task's chance level, the same before and after, and word perplexity, which
+    runs to 1e10 once fine-tuning has worn the model down, left out: bits per byte says the same), per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
     have = {m: f["pretrain_tasks"] for m, f in methods.items() if f.get("pretrain_tasks")}
     keys: list[str] = []
     for pt in have.values():
         for part in ("pretrained", "finetuned"):
             keys += [k for k, v in (pt.get(part) or {}).items()
-                     if k not in keys and not k.endswith(("_stderr", "/chance")) and num(v) is not None]
+                     if k not in keys and not k.endswith(("_stderr", "/chance", "/word_perplexity"))
+                     and num(v) is not None]
     rows = []
     for k in keys:
         text, fmt = _pretrain_task_label(k)
@@ -370,6 +382,14 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
         if m == BASELINE or base is None or rec.eval is None or base.eval is None:
             continue
         d = difference(rec.eval, base.eval, m, task, keys, notes)
+        differs = _recipe_differences(rec.summary, base.summary)
+        if differs:  # not a comparison of pretrained models any more
+            why = f"the recipes differ ({', '.join(differs[:4])})"
+            notes.append(f"{short_label(m)} − {short_label(BASELINE)}: {why}; the fine-tuned difference is shown "
+                         "but is not a like-for-like comparison.")
+            for row in d["metrics"].values():
+                row["finetuned"]["verdict"] = {"status": "not comparable", "better": None,
+                                               "text": f"not comparable: {why}"}
         differences[m] = d
         if primary is not None:
             verdicts[m] = {"metric": primary, "finetuned": d["metrics"][primary]["finetuned"]["verdict"],

@@ -238,3 +238,60 @@ def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     expect = np.asarray(pretrained[f"{q}/kernel"]) + rec["state"][f"{q}/lora_a"] @ rec["state"][f"{q}/lora_b"]
     assert np.allclose(rec["params"][f"{q}/kernel"], expect, atol=1e-6)
     assert np.array_equal(rec["params"]["embed/embedding"], np.asarray(pretrained["embed/embedding"]))
+
+
+def _fake_run(small_cfg, small_data, tmp_path):
+    """A run directory with prepared data, two 'pretrained' methods and finished fine-tuning of both
+    (files only: enough for the checks that run before any work)."""
+    import shutil
+
+    from run.layout import RunLayout
+    from training.finetune import finetune_record
+
+    rd = tmp_path / "run"
+    shutil.copytree(small_data, rd)
+    layout = RunLayout(rd)
+    layout.config.write_text(json.dumps(small_cfg.model_dump(mode="json")))
+    for m in ("diloco", "dp"):
+        (layout.checkpoints("pretrain", m) / "1").mkdir(parents=True)
+        layout.summary("pretrain", m).write_text("{}")
+        layout.metrics("finetune", m, "train").parent.mkdir(parents=True)
+        layout.metrics("finetune", m, "train").write_text("")
+        layout.summary("finetune", m).write_text(json.dumps({"finetune_config": finetune_record(small_cfg)}))
+        layout.eval_result("finetune", m).parent.mkdir(parents=True, exist_ok=True)
+        layout.eval_result("finetune", m).write_text(json.dumps({"method": m}))
+    return rd, layout
+
+
+def test_one_run_directory_compares_its_methods_under_one_recipe(small_cfg, small_data, tmp_path):
+    from flows.finetune import finetune_preflight
+
+    rd, _ = _fake_run(small_cfg, small_data, tmp_path)
+    with pytest.raises(FileExistsError, match="--replace"):
+        finetune_preflight(str(rd))
+    plan = finetune_preflight(str(rd), ["dp"], replace=True)  # the same recipe for one method: fine
+    assert plan["methods"] == {"dp": None}
+    with pytest.raises(ValueError, match=r"diloco was fine-tuned with another recipe \(steps differ\)"):
+        finetune_preflight(str(rd), ["dp"], overrides={"finetune.steps": 3}, replace=True)
+    assert finetune_preflight(str(rd), overrides={"finetune.steps": 3}, replace=True)["methods"] == \
+        {"diloco": None, "dp": None}  # every method with the new recipe
+
+
+def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tmp_path, monkeypatch):
+    import flows.finetune as FF
+
+    rd, layout = _fake_run(small_cfg, small_data, tmp_path)
+    before = sorted(str(p.relative_to(rd)) for p in rd.rglob("*"))
+    plan = FF.finetune_preflight(str(rd), ["dp"], replace=True)
+
+    def fail(cfg, run_dir, method, task, ckpt):  # dies after writing part of its results
+        layout.metrics("finetune", method, "train").parent.mkdir(parents=True)
+        layout.metrics("finetune", method, "train").write_text('{"step": 5}\n')
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(FF, "finetune_data_task", lambda cfg, run_dir: {"name": "speakers"})
+    monkeypatch.setattr(FF, "finetune_task", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        FF.run_finetune_stage(plan)
+    assert sorted(str(p.relative_to(rd)) for p in rd.rglob("*")) == before
+    assert layout.metrics("finetune", "dp", "train").read_text() == ""  # the earlier file, not the new one

@@ -20,6 +20,15 @@ _SPECS: dict[tuple, ModelSpec] = {}
 _SPECS_LOCK = threading.Lock()
 
 
+def input_shape(cfg: ExperimentConfig, manifest: dict) -> InputShape:
+    """What the prepared data (its ``manifest``) fixes about the model: the vocabulary and sequence
+    length, or the image shape, classes and pixel range."""
+    if manifest.get("modality", "text") == "image":
+        return InputShape(image_shape=tuple(manifest["image_shape"]), num_classes=int(manifest["num_classes"]),
+                          pixel_max=int(manifest["pixel_max"]))
+    return InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=cfg.data.seq_len)
+
+
 def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
     """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary, or its image
     shape, classes and pixel range).
@@ -27,12 +36,7 @@ def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
     Built once per process for each model config and data shape (learner threads share it).
     ``cfg.model`` may be any registered kind's config object (``models.spec.register``).
     """
-    manifest = load_manifest(run_dir)
-    if manifest.get("modality", "text") == "image":
-        shape = InputShape(image_shape=tuple(manifest["image_shape"]), num_classes=int(manifest["num_classes"]),
-                           pixel_max=int(manifest["pixel_max"]))
-    else:
-        shape = InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=cfg.data.seq_len)
+    shape = input_shape(cfg, load_manifest(run_dir))
     key = (repr(cfg.model), shape)
     with _SPECS_LOCK:
         if key not in _SPECS:

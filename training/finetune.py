@@ -202,6 +202,12 @@ def logits_fn(model: nnx.Module) -> Callable[[np.ndarray], np.ndarray]:
 # ----------------------------------------------------------------------------------- one method
 
 
+def finetune_record(cfg: ExperimentConfig) -> dict:
+    """The recipe as compared between methods: the ``finetune`` section (``enabled`` aside) and the
+    run's seed. Two methods of one run directory are compared only under one record."""
+    return {**cfg.finetune.model_dump(mode="json", exclude={"enabled"}), "seed": cfg.seed}
+
+
 def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
     """The recipe as the summary and the report state it."""
     ft = cfg.finetune
@@ -251,6 +257,7 @@ def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, tas
         train_log.close()
         eval_log.close()
     summary = {"method": method, "source_checkpoint": str(source), "recipe": recipe_of(cfg, task),
+               "finetune_config": finetune_record(cfg),
                "trainable_params": runs[0]["trainable_params"] if runs else None,
                "frozen_params": runs[0]["frozen_params"] if runs else None,
                "interrupted": STOP.is_set(), "runs": runs}

@@ -41,6 +41,18 @@ def project(layer: nnx.Module, x: jax.Array) -> jax.Array:
     return y
 
 
+def linear_layers(model: nnx.Module) -> dict[str, tuple[str, tuple[int, int]]]:
+    """Every ``nnx.Linear`` attribute of ``model``: path → (attribute name, (in, out) features).
+    Works on an abstract model (``nnx.eval_shape``)."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and not isinstance(node, nnx.LoRA):
+            for name, child in vars(node).items():
+                if isinstance(child, nnx.Linear):
+                    out["/".join(map(str, (*path, name)))] = (name, tuple(child.kernel.shape))
+    return out
+
+
 def add_lora(model: nnx.Module, rank: int, targets: Iterable[str], rngs: nnx.Rngs) -> list[str]:
     """Wrap every ``nnx.Linear`` attribute named in ``targets`` (e.g. ``qkv``, ``down``) in an
     ``nnx.LoRA`` of rank ``rank``, in place; returns the wrapped layers' paths (``blocks/0/attn/qkv``).
