@@ -84,14 +84,21 @@ def _check_finetune(cfg, layout):
     report = layout.report_md.read_text()
     assert "## Post-training" in report and "**DiLoCo − DP**" in report
     assert (layout.report / "finetune_loss.png").is_file()
-    # alone, from a checkpoint given by path, with LoRA: only the adapters train
-    out = finetune(checkpoint=str(layout.checkpoints("pretrain", "dp")), name="dp-lora",
-                   overrides={"finetune.mode": "lora", "finetune.lora_rank": 2})
+    # alone: the whole stage again with LoRA (one recipe per run directory: every method), then one
+    # more checkpoint given by path under that recipe
+    lora = {"finetune.mode": "lora", "finetune.lora_rank": 2}
+    assert finetune(run_dir=str(layout.root), overrides=lora, replace=True) == str(layout.root)
+    redone = {m: json.loads(layout.summary("finetune", m).read_text()) for m in ("diloco", "dp")}
+    for m, summary in redone.items():
+        assert summary["recipe"]["mode"] == "lora" and summary["trainable_params"] < summary["frozen_params"] / 5
+        assert summary["runs"][0]["order_sha256"] == summaries[m]["runs"][0]["order_sha256"]
+    out = finetune(checkpoint=str(layout.checkpoints("pretrain", "dp")), name="dp-again", overrides=lora)
     assert out == str(layout.root)
-    lora = json.loads(layout.summary("finetune", "dp-lora").read_text())
-    assert lora["recipe"]["mode"] == "lora" and lora["trainable_params"] < lora["frozen_params"] / 5
-    assert lora["runs"][0]["order_sha256"] == summaries["dp"]["runs"][0]["order_sha256"]
-    assert "dp-lora" in json.loads((layout.report / "report.json").read_text())["finetune"]["methods"]
+    again = json.loads(layout.summary("finetune", "dp-again").read_text())
+    assert again["runs"][0]["final_val_loss"] == redone["dp"]["runs"][0]["final_val_loss"]  # deterministic
+    report = json.loads((layout.report / "report.json").read_text())["finetune"]
+    assert set(report["methods"]) == {"diloco", "dp", "dp-again"}
+    assert json.loads(layout.status.read_text())["completed_stages"][-2:] == ["finetune", "report"]
 
 
 def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data, tmp_path):
