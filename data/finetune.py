@@ -47,7 +47,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
-import os
 import re
 import shutil
 import uuid
@@ -59,6 +58,7 @@ import numpy as np
 
 from configs.schema import ExperimentConfig
 from data.sources import EOT
+from data.store import swap_in_folder
 
 Pair = dict[str, str]
 MIN_TRAIN_ITEMS, MIN_TEST_ITEMS = 8, 4
@@ -381,13 +381,7 @@ def _atomic_folder(final: Path, write) -> None:
     tmp.mkdir()
     try:
         write(tmp)
-        if final.exists():
-            old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        swap_in_folder(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

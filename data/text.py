@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import re
 import shutil
 import time
@@ -33,7 +32,7 @@ import numpy as np
 
 from configs.schema import ExperimentConfig
 from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents
-from data.store import load_manifest
+from data.store import load_manifest, swap_in_folder
 
 log = logging.getLogger(__name__)
 
@@ -340,13 +339,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
 
-        if final.exists():  # overwrite=True: swap in the new folder, then drop the old one
-            old_tmp = run_dir / f".{DATA_DIR}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(final, old_tmp)
-            os.replace(tmp, final)
-            shutil.rmtree(old_tmp, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        swap_in_folder(tmp, final)  # overwrite=True: the old folder goes only once the new one is in
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

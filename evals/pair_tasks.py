@@ -49,11 +49,9 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import lm_eval  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
 
 from evals.lm_adapter import JaxLM  # noqa: E402
-from evals.run_eval import BOOTSTRAP_ITERS, _jsonable, _no_multiprocessing, _stderr  # noqa: E402
+from evals.run_eval import _jsonable, _no_multiprocessing, _stderr, run_local_tasks  # noqa: E402
 
 GEN_TASK = "ft_generate"
 LL_TASK = "ft_loglik"
@@ -256,19 +254,7 @@ def evaluate_pairs(
     ids = [r["id"] for r in rows]
     lm = JaxLM(model, tokenizer, batch_size=batch_size, max_gen_toks=max_gen_toks)
     with _no_multiprocessing():
-        res = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=TaskManager(include_defaults=False),
-            num_fewshot=0,
-            bootstrap_iters=BOOTSTRAP_ITERS,  # > 0: lm-eval fills in the (closed-form) stderrs of means
-            log_samples=True,
-            limit=None,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        res = run_local_tasks(lm, tasks, seed)
     samples = res.get("samples", {})
     gen = _by_id(samples.get(GEN_TASK, []), GEN_TASK, ids, GEN_FILTER)
     ll = _by_id(samples.get(LL_TASK, []), LL_TASK, ids, "none")

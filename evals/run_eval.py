@@ -95,6 +95,25 @@ def _jsonable(x):
     return repr(x)
 
 
+def run_local_tasks(lm: JaxLM, tasks: list[dict], seed: int) -> dict:
+    """``lm_eval.simple_evaluate`` on our local task configs, zero-shot, every lm-eval seed set to
+    ``seed``, per-item samples logged, stderrs computed (``BOOTSTRAP_ITERS`` > 0: the closed form for
+    means). Call it inside :func:`_no_multiprocessing`. Returns lm-eval's results dict."""
+    return lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        task_manager=TaskManager(include_defaults=False),
+        num_fewshot=0,
+        bootstrap_iters=BOOTSTRAP_ITERS,
+        log_samples=True,
+        limit=None,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
+
+
 def evaluate_lm(
     model,
     tokenizer,
@@ -148,19 +167,7 @@ def evaluate_lm(
     )
     lm = JaxLM(model, tokenizer, batch_size=eval_cfg.batch_size)
     with _no_multiprocessing():
-        res = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=tasks,
-            task_manager=TaskManager(include_defaults=False),
-            num_fewshot=0,
-            bootstrap_iters=BOOTSTRAP_ITERS,  # > 0: lm-eval fills in acc_stderr (closed form)
-            log_samples=True,  # the per-passage items, for the perplexity stderrs
-            limit=None,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
+        res = run_local_tasks(lm, tasks, seed)
         flat: dict = {}
         for task, metrics in FLAT_METRICS.items():
             for m in metrics:
