@@ -178,6 +178,79 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"))
 
 
 @app.command()
+def sweep(
+    sweep_file: Optional[str] = typer.Argument(None, help="a sweep YAML file, or a shipped sweep's name: "
+                                               "tiny_grid, nightly (configs/sweeps/)"),
+    axis: list[str] = typer.Option([], "--axis", help="a grid axis, e.g. --axis diloco.learners=[2,4,8] "
+                                   "(added to the file's grid, or replacing its axis of that key)"),
+    base: Optional[str] = typer.Option(None, help="the config every cell starts from (a shipped config's name or "
+                                       "a YAML path); default: the file's, else tiny"),
+    set_: list[str] = typer.Option([], "--set", help="a config key set in every cell, e.g. --set train.token_budget=50000"),
+    name: Optional[str] = typer.Option(None, help="the sweep's name (its folder and concurrency limit)"),
+    concurrency: Optional[int] = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
+    launch: Optional[str] = typer.Option(None, help="subflow (default: in this process) or deployment (a pipeline "
+                                         "deployment's worker runs each cell)"),
+    sweep_dir: Optional[str] = typer.Option(None, help="the sweep's folder (default <sweep_root>/<name>); an "
+                                            "existing sweep folder is resumed"),
+):
+    """Run a grid of pipeline runs (one per cell), resuming a sweep folder's finished cells, then
+    write one comparison report across the cells.
+
+    Exit status: 0 every cell completed; 1 a cell failed (the report covers the others); 2 refused
+    before any work; 130/143 stopped by a signal (re-run to resume).
+    """
+    from configs.sweep import SweepSpec, load_sweep, sweep_path, sweep_problem
+
+    sets = _parse_sets(set_)
+    axes = _parse_sets(axis)
+    for key, values in axes.items():
+        if not isinstance(values, list):
+            raise _fail(f"--axis {key}={values}: give a list of values, e.g. --axis {key}=[{values},...]")
+    try:
+        raw: dict = load_sweep(sweep_file).model_dump(mode="json") if sweep_file else {}
+    except ValidationError as exc:
+        raise _fail(f"{sweep_path(sweep_file)}: {sweep_problem(exc, 'sweep')}")
+    except yaml.YAMLError as exc:
+        raise _fail(f"{sweep_file} is not valid YAML: {' '.join(str(exc).split())}")
+    except (FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc))
+    raw["grid"] = {**raw.get("grid", {}), **axes}
+    raw["overrides"] = {**raw.get("overrides", {}), **sets}
+    for key, value in [("base", base), ("name", name), ("concurrency", concurrency), ("launch", launch)]:
+        if value is not None:
+            raw[key] = value
+    try:
+        spec = SweepSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise _fail(sweep_problem(exc, "sweep"))
+    from flows.sweep import sweep_preflight
+
+    try:
+        plan = sweep_preflight(spec, sweep_dir)
+    except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
+        raise _fail(str(exc))
+    from prefect.exceptions import CancelledRun, FailedRun
+
+    from flows.sweep import sweep as sweep_flow
+    from run.control import graceful_stop, stop_signal
+
+    report_md = plan.sweep_dir / "report" / "comparison.md"
+    try:
+        with graceful_stop():
+            out = sweep_flow(spec=spec, sweep_dir=str(plan.sweep_dir))
+    except CancelledRun as exc:
+        typer.echo(f"\ninterrupted: {exc}", err=True)
+        raise typer.Exit(128 + (stop_signal() or 15))
+    except FailedRun as exc:
+        typer.echo(f"\nfailed: {exc}" + (f"\nSweep report: {report_md}" if report_md.is_file() else ""), err=True)
+        raise typer.Exit(1)
+    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"\nSweep report: {Path(out) / 'report' / 'comparison.md'}")
+
+
+@app.command()
 def goodput(
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
     set_: list[str] = typer.Option([], "--set", help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "
@@ -226,6 +299,62 @@ def _out_dir_problem(out: Path) -> str | None:
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         return f"{parent} is not a writable directory"
     return None
+
+
+# -- ddiloco compare: a comparison across run directories (no Prefect) ---------------------------
+def _compare_out_problem(out: Path) -> str | None:
+    """Why ``out`` cannot take a comparison (None if it can): it must be new or an empty folder,
+    outside every run directory, under a writable folder. Writes nothing."""
+    if out.is_symlink() and not out.exists():
+        return "is a dangling symbolic link; choose a new or empty folder"
+    if out.exists() and not out.is_dir():
+        return "exists and is not a directory; choose a new or empty folder"
+    if out.is_dir() and any(out.iterdir()):
+        return "exists and is not empty; choose a new or empty folder (a comparison never writes over files)"
+    for above in [out, *out.parents]:
+        if (above / "status.json").is_file() or ((above / "config.json").is_file() and (above / "pretrain").is_dir()):
+            return f"is inside the run directory {above}, which only its pipeline writes; choose a folder outside it"
+    parent = next((p for p in out.parents if p.exists()), Path("/")) if not out.exists() else out
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not a writable directory; choose another folder"
+    return None
+
+
+@app.command()
+def compare(
+    run_dirs: Optional[list[str]] = typer.Argument(None, help="run directories made by `ddiloco run`, each with "
+                                                   "report/report.json (`ddiloco report RUN` builds it)"),
+    out: Optional[str] = typer.Option(None, "--out", help="folder for the comparison (default: "
+                                      "runs/compare-<UTC time>); must be new or empty"),
+    axis: list[str] = typer.Option([], "--axis", help="a dotted config key to compare along, e.g. --axis "
+                                   "diloco.learners (repeat it; default: the keys whose values differ)"),
+    title: str = typer.Option("Comparison", "--title", help="the comparison's title"),
+):
+    """Compare runs: a table row per run (held-out loss, DiLoCo − DP gap, time, tokens, bytes,
+    post-training), and the loss and gap plotted along the first axis that varies.
+
+    Writes comparison.md, comparison.json, comparison.csv and PNG plots into --out. Exit status:
+    0 done; 1 failed while writing; 2 refused before anything was written.
+    """
+    from reports.compare import build_comparison
+    from run.directory import default_run_dir
+
+    if not run_dirs:
+        raise _fail("no run directories given: ddiloco compare RUN_DIR... (folders made by `ddiloco run`)")
+    if out is not None and not out.strip():
+        raise _fail(f"--out {out!r} is blank; give a folder name")
+    out_dir = Path(out).expanduser().absolute() if out is not None else default_run_dir("runs", "compare")
+    problem = _compare_out_problem(out_dir)
+    if problem:
+        raise _fail(f"--out {out_dir} {problem}")
+    axes = [a.strip() for item in axis for a in item.split(",") if a.strip()] or None
+    try:
+        result = build_comparison(run_dirs, out_dir, axes=axes, title=title)
+    except ValueError as exc:  # ReportInputError too: checked before anything is written
+        raise _fail(str(exc).replace("\n", " "))
+    except OSError as exc:
+        raise _fail(str(exc), code=1)
+    typer.echo(f"Comparison: {result['paths']['markdown']}")
 
 
 def main() -> None:

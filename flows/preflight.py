@@ -177,16 +177,23 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     """Check the run directory, the corpus and the model; return the run directory to use.
 
     Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
-    ``run_dir`` is None), local file paths, the model's tensors against ``diloco.fragments``, then
-    the corpus itself (``data.sources.check_corpus``: encodings, empty or too few documents, a
-    reachable hub dataset) unless ``check_data`` is False. Nothing is written anywhere but the
-    corpus download cache.
+    ``run_dir`` is None), then :func:`check_config`. Nothing is written anywhere but the corpus
+    download cache.
 
     Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` with one line naming the
     field or path and the fix.
     """
     path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
     check_reusable_data(cfg, path)
+    check_config(cfg, check_data)
+    return path
+
+
+def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
+    """Every check of a config that needs no run directory: local file paths, the model's tensors
+    against ``diloco.fragments``, the fine-tuning inputs, then the corpus itself
+    (``data.sources.check_corpus``: encodings, empty or too few documents, a reachable hub dataset)
+    unless ``check_data`` is False. Raises like :func:`preflight`."""
     check_local_paths(cfg)
     check_model(cfg)
     if cfg.finetune.enabled:
@@ -198,4 +205,3 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
         from data.sources import check_corpus
 
         check_corpus(cfg.data)
-    return path

@@ -2,16 +2,19 @@
 
 :func:`publish_report_artifacts` publishes what :func:`reports.build_report` returned (the
 markdown, the comparison table, the post-training table and the token ledger) to the current flow or
-task run.
+task run; :func:`publish_comparison_artifacts` publishes what :func:`reports.compare.build_comparison`
+returned (a comparison across run directories).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
 from reports.common import short_label
+from reports.compare import cell, render_comparison
 from reports.markdown import render_markdown, row_cell, row_label
 from run.layout import RunLayout
 
@@ -118,3 +121,41 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
         unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
         create_table_artifact(ledger, key=artifact_key("ledger", name),
                               description=f"Ledger per learner ({unit}), {where}")
+
+
+def comparison_rows(comparison: dict) -> list[dict]:
+    """The comparison's table as text cells ("—" for a missing value), one dict per run, keyed by
+    the column headers (by the column keys where two headers are the same)."""
+    cols = comparison["columns"]
+    headers = [c["header"] for c in cols]
+    names = [c["header"] if headers.count(c["header"]) == 1 else c["key"] for c in cols]
+    return [{n: cell(row.get(c["key"]), c["fmt"]) for n, c in zip(names, cols)} for row in comparison["rows"]]
+
+
+def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
+    """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
+    dict) to the current Prefect flow or task run: a markdown artifact (``comparison.md``, each
+    embedded plot replaced by its absolute path) keyed ``compare-<slug>`` and a table artifact (one
+    row per run, text cells) keyed ``compare-table-<slug>``, ``<slug>`` from ``key_name``
+    (:func:`artifact_key`; the ``compare`` prefix keeps them apart from a run report's
+    ``comparison-<run name>`` table). Outside a flow or task run nothing is published (no Prefect
+    server is contacted): a warning is logged and False returned; True when published.
+    """
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+        logging.getLogger(__name__).warning(
+            "publish_comparison_artifacts: not inside a Prefect flow or task run; no artifacts published "
+            "(the comparison is in %s)", comparison["paths"]["out_dir"])
+        return False
+    out_dir = comparison["paths"]["out_dir"]
+    md_path = Path(comparison["paths"]["markdown"])
+    markdown = md_path.read_text(encoding="utf-8") if md_path.is_file() else render_comparison(comparison)
+    markdown = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"*{m[1]}*: `{out_dir}/{m[2]}`", markdown)
+    where = f"{len(comparison['rows'])} runs, written to {out_dir}"
+    create_markdown_artifact(markdown, key=artifact_key("compare", key_name),
+                             description=f"{comparison['title']}: {where}")
+    create_table_artifact(comparison_rows(comparison), key=artifact_key("compare-table", key_name),
+                          description=f"{comparison['title']}, one row per run: {where}")
+    return True

@@ -57,6 +57,16 @@ def test_prefect_yaml_in_sync_with_configs():
                              ("goodput", "flows/goodput.py:goodput")]:
         assert deps[name]["entrypoint"] == entrypoint
     assert all(d["work_pool"] == {"name": "local-proc"} for d in deps.values())
+    # one sweep deployment per shipped sweep, its form pre-filled with the file's spec; the nightly
+    # one carries a schedule, inactive as shipped
+    from configs.sweep import load_sweep, shipped_sweeps
+
+    for path in shipped_sweeps():
+        dep = deps[path.stem]
+        assert dep["entrypoint"] == "flows/sweep.py:sweep"
+        assert dep["parameters"] == {"spec": load_sweep(path).model_dump(mode="json")}, path.name
+    assert deps["nightly"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
+    assert "schedules" not in deps["tiny_grid"]
 
 
 def test_deployments_check_names_what_is_out_of_date(tmp_path, capsys):
@@ -111,6 +121,25 @@ def test_flow_parameters_validate_after_cloudpickle():
         assert not strings, f"flow {flow.name}: string annotations {strings} break flow.serve()"
         clone = pickle.loads(cloudpickle.dumps(flow))
         clone.validate_parameters(params)
+
+
+def test_sweep_form_shows_every_spec_field_with_default_and_description():
+    from pydantic_core import PydanticUndefined
+    from prefect.utilities.callables import parameter_schema
+
+    from configs.sweep import SweepSpec, load_sweep
+    from flows.sweep import sweep
+
+    schema = parameter_schema(sweep).model_dump_for_openapi()
+    props, defs = schema["properties"], schema["definitions"]
+    assert list(props) == ["spec", "sweep_file", "sweep_dir"]
+    assert all(props[name].get("description") for name in props)
+    assert props["spec"]["default"] == load_sweep("tiny_grid").model_dump(mode="json")
+    shown = defs["SweepSpec"]["properties"]
+    for name, field in SweepSpec.model_fields.items():
+        assert shown[name].get("description") == field.description, name
+        if field.default is not PydanticUndefined:
+            assert shown[name].get("default") == field.default, name
 
 
 def test_ui_form_shows_every_config_field_with_default_and_description():
@@ -269,18 +298,41 @@ def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
                  "pretrain-dp/pretrain-dp", "goodput/goodput"):
         asyncio.run(_read_deployment(name, 5))
 
+    nightly = asyncio.run(_read_deployment("sweep/nightly", 5))  # the scheduled sweep, inactive as shipped
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 3 * * *", "UTC", False)]
+    listed = subprocess.run([PREFECT, "deployment", "ls"], env=route_env, cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert "sweep/nightly" in listed.stdout.replace("│", " ") or "nightly" in listed.stdout, listed.stdout
+
     flow_run = run_deployment("pipeline/tiny", timeout=0,
                               parameters={"overrides": FAST, "run_dir": str(run_dir)})
-    worker = _start([PREFECT, "worker", "start", "--pool", "local-proc", "--run-once"], route_env, log)
+    worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], route_env, log)
     try:
-        worker.wait(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
+        # a one-cell sweep launched through the same deployment: the worker runs the cell's pipeline
+        # in its own process, the sweep (here, in the test's process) waits for it
+        from configs.sweep import SweepSpec
+        from flows.sweep import sweep
+
+        spec = SweepSpec(name="route", base="tiny", overrides={**FAST, "finetune.enabled": False},
+                         cells=[{"diloco.quorum": 1}], launch="deployment", deployment="pipeline/tiny")
+        sweep_dir = tmp_path / "sweep"
+        assert sweep(spec=spec, sweep_dir=str(sweep_dir)) == str(sweep_dir)
+
+        async def final(run_id):
+            async with get_client() as client:
+                end = time.monotonic() + RUN_TIMEOUT_S
+                while True:
+                    run = await client.read_flow_run(run_id)
+                    if run.state.is_final() or time.monotonic() > end:
+                        return run
+                    await asyncio.sleep(1)
+
+        _assert_completed(asyncio.run(final(flow_run.id)), run_dir, log)
     finally:
         _stop(worker)
-
-    async def final():
-        async with get_client() as client:
-            return await client.read_flow_run(flow_run.id)
-
-    _assert_completed(asyncio.run(final()), run_dir, log)
+    cell = json.loads((sweep_dir / "sweep.json").read_text())["cells"][0]
+    assert (cell["name"], cell["status"], cell["state"]) == ("quorum-1", "completed", "COMPLETED")
+    cell_run = asyncio.run(final(cell["flow_run_id"]))
+    assert cell_run.deployment_id == dep.id  # run by pipeline/tiny's worker, not in this process
+    assert json.loads((sweep_dir / "cells" / "quorum-1" / "config.json").read_text())["diloco"]["quorum"] == 1
+    assert (sweep_dir / "report" / "comparison.md").is_file()

@@ -1,0 +1,252 @@
+"""An experiment sweep: a base config and a grid (or a list) of overrides, one pipeline run per cell.
+
+A sweep file (``configs/sweeps/<name>.yaml``, or any YAML path) loads into :class:`SweepSpec`::
+
+    name: tiny-grid
+    base: tiny                       # a shipped config's name or a YAML path
+    overrides: {finetune.enabled: false}   # applied to the base first, in every cell
+    grid:                            # every combination is a cell (key order: first key slowest)
+      diloco.learners: [2, 3]
+      diloco.quorum: [1, 2]
+
+:func:`expand_cells` turns the grid (then ``cells``, a list of dotted-override dicts) into named
+cells; :func:`cell_config` validates each cell's config. Nothing here imports Prefect or JAX.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, PositiveInt, ValidationError, model_validator
+
+from configs.schema import (CONFIG_DIR, ConfigLoader, ExperimentConfig, _Strict, apply_overrides, config_path,
+                            read_config_file, validation_lines)
+
+SWEEP_DIR = CONFIG_DIR / "sweeps"
+# Keys a cell may not set: the sweep names and places each cell's run itself.
+RESERVED_KEYS = ("name", "run_root")
+MAX_CELLS = 256
+
+
+class SweepSpec(_Strict):
+    """What to run: every cell is the ``base`` config with ``overrides`` and then the cell's own
+    dotted keys applied, run through the whole pipeline in its own run directory
+    (``<sweep_dir>/cells/<cell>``).
+
+    Raises :class:`pydantic.ValidationError` naming the field: an empty sweep (no grid axis and no
+    cell), an axis without values, a key that names or places the run (``name``, ``run_root``).
+    """
+
+    name: str = Field("sweep", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="the sweep's name: its folder (<sweep_root>/<name>), its concurrency limit "
+                                  "(sweep-<name>) and its report's title")
+    base: str = Field("tiny", min_length=1,
+                      description="the config every cell starts from: a shipped config's name (default, failure, moe, "
+                                  "tiny, vit, vit_moe) or the path of a YAML config (relative to the repository)")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="dotted keys applied to the base in every cell before the cell's own, e.g. "
+                                          "{\"finetune.enabled\": false}")
+    grid: dict[str, list[Any]] = Field(
+        default_factory=dict, description="axes: a dotted config key and its values, e.g. {\"diloco.learners\": [2, 4, 8], "
+                                          "\"diloco.quorum\": [1, 2]}; every combination is one cell (the first key "
+                                          "varies slowest)")
+    cells: list[dict[str, Any]] = Field(
+        default_factory=list, description="cells listed one by one (after the grid's), each a dict of dotted keys, e.g. "
+                                          "[{\"model.kind\": \"moe_lm\", \"model.n_experts\": 4}]")
+    concurrency: PositiveInt = Field(
+        1, description="cells running at once, enforced by the Prefect global concurrency limit sweep-<name> "
+                       "(created or updated to this value when the sweep starts)")
+    launch: Literal["subflow", "deployment"] = Field(
+        "subflow", description="subflow: each cell is a child flow run of the pipeline in the sweep's own process "
+                               "(runs anywhere, no worker needed); deployment: each cell is a run of the "
+                               "`deployment` below, executed by a worker of its work pool in its own process")
+    deployment: str = Field("pipeline/default", pattern=r"^pipeline/[A-Za-z0-9_.-]+$",
+                            description="with launch: deployment, the pipeline deployment that runs each cell "
+                                        "(its parameters are replaced by the cell's whole config)")
+    sweep_root: str = Field("runs/sweeps", min_length=1, description="local folder holding sweep folders")
+    resume: bool = Field(
+        True, description="true: the sweep's folder is <sweep_root>/<name>, and re-running the sweep skips every "
+                          "cell whose run there completed with the same resolved config; false: a new folder "
+                          "<sweep_root>/<name>-<UTC time> each time (e.g. a nightly schedule)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SweepSpec":
+        if not self.grid and not self.cells:
+            raise ValueError("grid: the sweep is empty (no grid axis and no cells); give at least one axis, e.g. "
+                             "grid: {diloco.learners: [2, 4]}, or one cell")
+        for key, values in self.grid.items():
+            _check_key(f"grid.{key}", key)
+            if not values:
+                raise ValueError(f"grid.{key}: no values; give a list of at least one value, e.g. [2, 4]")
+            dupes = [v for i, v in enumerate(values) if _canonical(v) in map(_canonical, values[:i])]
+            if dupes:
+                raise ValueError(f"grid.{key}: the value {dupes[0]!r} is listed twice")
+        for i, cell in enumerate(self.cells):
+            if not cell:
+                raise ValueError(f"cells[{i}]: an empty cell; give its dotted keys, e.g. {{diloco.learners: 8}}")
+            for key in cell:
+                _check_key(f"cells[{i}].{key}", key)
+        for key in self.overrides:
+            _check_key(f"overrides.{key}", key)
+        n = (_product_size(self.grid) if self.grid else 0) + len(self.cells)
+        if n > MAX_CELLS:
+            raise ValueError(f"grid: {n} cells, more than {MAX_CELLS}; split the sweep")
+        return self
+
+
+def _check_key(where: str, key: str) -> None:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
+        raise ValueError(f"{where}: {key!r} is not a dotted config key (e.g. diloco.learners)")
+    if key.split(".")[0] in RESERVED_KEYS:
+        raise ValueError(f"{where}: the sweep names and places every cell's run; remove {key} (set sweep_root or "
+                         "the sweep's name instead)")
+
+
+def _product_size(grid: dict[str, list]) -> int:
+    n = 1
+    for values in grid.values():
+        n *= len(values)
+    return n
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One cell: ``name`` (a folder name made from its overrides, e.g. ``learners-2_quorum-1``) and
+    ``overrides`` (its own dotted keys, without the sweep's shared ``overrides``)."""
+
+    name: str
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _slug(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, separators=(",", ""), default=str)
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-") or "x"
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+    """Each dotted key's shortest unambiguous suffix (``diloco.learners`` → ``learners``; two keys
+    ending in ``lr`` keep enough of their path to differ)."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            short = "-".join(parts[-n:])
+            if sum(1 for k in keys if "-".join(k.split(".")[-n:]) == short) == 1 or n == len(parts):
+                out[key] = short
+                break
+    return out
+
+
+def expand_cells(spec: SweepSpec) -> list[Cell]:
+    """The sweep's cells in run order: the grid's combinations (first key slowest), then ``cells``.
+
+    Names are ``<key>-<value>`` joined by ``_`` with each key shortened to its last unambiguous
+    part (``learners-2_quorum-1``); a name shared by two cells gets ``-2``, ``-3`` appended.
+    Raises ``ValueError`` when two cells set the very same overrides.
+    """
+    raw: list[dict[str, Any]] = []
+    if spec.grid:
+        keys = list(spec.grid)
+        raw += [dict(zip(keys, combo)) for combo in itertools.product(*spec.grid.values())]
+    raw += [dict(c) for c in spec.cells]
+    all_keys = list(dict.fromkeys(k for c in raw for k in c))
+    short = _short_keys(all_keys)
+    cells: list[Cell] = []
+    seen: dict[str, int] = {}
+    names: set[str] = set()
+    for i, overrides in enumerate(raw):
+        canon = _canonical(overrides)
+        if canon in seen:
+            raise ValueError(f"cells: cell {i + 1} sets the same overrides as cell {seen[canon] + 1} ({overrides}); "
+                             "list each combination once")
+        seen[canon] = i
+        name = "_".join(f"{short[k]}-{_slug(v)}" for k, v in overrides.items())[:120] or f"cell-{i + 1}"
+        base, n = name, 2
+        while name in names:
+            name, n = f"{base}-{n}", n + 1
+        names.add(name)
+        cells.append(Cell(name=name, overrides=overrides))
+    return cells
+
+
+def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> ExperimentConfig:
+    """The cell's resolved config: the base file's values, ``spec.overrides``, the cell's
+    overrides, and ``name`` = the cell's name. ``base_raw``: the base file's mapping, if already
+    read. Raises ``ValueError`` in one line naming the cell and the field."""
+    raw = base_raw if base_raw is not None else read_config_file(config_path(spec.base))
+    try:
+        merged = apply_overrides(apply_overrides(raw, spec.overrides), cell.overrides)
+        merged["name"] = cell.name
+        return ExperimentConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ValueError(f"sweep {spec.name}, cell {cell.name}: " + "; ".join(validation_lines(exc))) from None
+    except ValueError as exc:
+        raise ValueError(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
+
+
+def config_digest(cfg: ExperimentConfig | dict) -> str:
+    """sha256 of a resolved config's canonical JSON: a cell's identity for resuming."""
+    data = cfg.model_dump(mode="json") if isinstance(cfg, ExperimentConfig) else cfg
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def sweep_path(name_or_path: str | Path) -> Path:
+    """A shipped sweep's name (``configs/sweeps/<name>.yaml``) or a path to a sweep YAML file.
+    Raises ``FileNotFoundError`` naming both places looked at."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = SWEEP_DIR / f"{name_or_path}.yaml"
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", str(name_or_path)) and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
+    raise FileNotFoundError(f"sweep file not found: {name_or_path} (neither a file nor a shipped sweep; shipped: {names})")
+
+
+def shipped_sweeps() -> list[Path]:
+    return sorted(SWEEP_DIR.glob("*.yaml"))
+
+
+def load_sweep(name_or_path: str | Path, overrides: dict | None = None) -> SweepSpec:
+    """Read a sweep file into a :class:`SweepSpec`; ``overrides`` replace its top-level fields
+    (``{"concurrency": 2}``) before validation.
+
+    Raises ``FileNotFoundError``, ``yaml.YAMLError``, ``ValueError`` (an empty file, a top level
+    that is not a mapping) or :class:`pydantic.ValidationError` naming the field.
+    """
+    path = sweep_path(name_or_path)
+    raw = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader)
+    if raw is None:
+        raise ValueError(f"{path} is empty; a sweep file holds at least base and grid (see configs/sweeps/)")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping (name, base, overrides, grid, cells, ...)")
+    return SweepSpec.model_validate({**raw, **(overrides or {})})
+
+
+def resolve_sweep(spec: SweepSpec | dict | None = None, sweep_file: str | None = None,
+                  overrides: dict | None = None) -> SweepSpec:
+    """The spec a sweep flow run uses: ``sweep_file`` if given (a shipped sweep's name or a path),
+    else ``spec`` (field by field, as the UI form sends it), with top-level ``overrides``."""
+    if sweep_file:
+        return load_sweep(sweep_file, overrides)
+    if isinstance(spec, SweepSpec):
+        if not overrides:
+            return spec
+        spec = spec.model_dump(mode="json")
+    return SweepSpec.model_validate({**dict(spec or {}), **(overrides or {})})
+
+
+def sweep_problem(exc: ValidationError, where: str = "sweep") -> str:
+    """A sweep spec's validation errors as one line."""
+    return f"invalid {where}: " + "; ".join(validation_lines(exc))

@@ -1,0 +1,374 @@
+"""The sweep flow: one pipeline run per cell of a grid of overrides, then one report across cells.
+
+Layout of a sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``)::
+
+    sweep.json            the spec, and per cell: overrides, config digest, run directory, state
+    cells/<cell>/         the cell's pipeline run directory (a whole run: data, pretrain, eval, report)
+    attempts/<cell>-<n>/  an earlier attempt of a cell that did not complete, moved aside (kept)
+    report/               comparison.md, comparison.json, comparison.csv and plots (reports.compare)
+
+**How cells run** (``launch``):
+
+* ``subflow`` (the default): each cell is a child flow run of the ``pipeline`` flow, called from a
+  ``sweep-cell`` task of the sweep's own flow run, in the sweep's process. It needs no work pool or
+  worker, so ``ddiloco sweep`` runs anywhere; the UI shows each cell as a flow run nested under
+  its task, with the pipeline's learner and syncer tasks inside.
+* ``deployment``: each cell is a run of a pipeline deployment (``run_deployment``, linked as a
+  child run), executed by a worker of that deployment's pool in a process of its own: cells on
+  several machines, or isolated from each other's crashes.
+
+Either way at most ``concurrency`` cells run at once: each ``sweep-cell`` task holds a slot of the
+Prefect global concurrency limit ``sweep-<name>`` (created, or updated to ``concurrency``, when the
+sweep starts) while its cell runs; sweeps of one name share the limit, wherever they run.
+
+**Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
+the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
+results it vouches for, survives a new Prefect server or database, and cannot point at results
+that were deleted. A cell whose run directory holds a ``completed`` run of the same config is not
+run again; one whose run stopped (failed, interrupted, or killed while ``running``) is moved aside
+to ``attempts/`` and run anew; one that completed with another config is refused before anything
+starts (the sweep's spec changed under the same name).
+"""
+
+# No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
+# (see flows/pipeline.py).
+
+import datetime as dt
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import as_completed
+from prefect.states import Cancelled, Failed, State
+
+from configs.schema import ExperimentConfig, config_path, read_config_file
+from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
+from flows.preflight import check_config
+from run.control import graceful_stop, stop_requested
+from run.directory import atomic_write_text, check_run_dir, read_status
+
+__all__ = ["sweep", "sweep_preflight", "SweepPlan", "PlannedCell", "limit_name"]
+
+SWEEP_JSON = "sweep.json"
+
+
+@dataclass
+class PlannedCell:
+    """A cell as the sweep will treat it: ``action`` is ``run`` (new), ``skip`` (completed with
+    this config) or ``rerun`` (an earlier attempt that did not complete; ``previous`` its status)."""
+
+    cell: Cell
+    cfg: ExperimentConfig
+    run_dir: Path
+    digest: str
+    action: str
+    previous: Optional[str] = None
+
+
+@dataclass
+class SweepPlan:
+    spec: SweepSpec
+    sweep_dir: Path
+    cells: list[PlannedCell]
+
+    def record(self, results: dict[str, dict] | None = None) -> dict:
+        """What ``sweep.json`` holds: the spec and one entry per cell."""
+        results = results or {}
+        return {
+            "sweep": self.spec.model_dump(mode="json"),
+            "sweep_dir": str(self.sweep_dir),
+            "updated_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "cells": [{"name": pc.cell.name, "overrides": pc.cell.overrides, "config_sha256": pc.digest,
+                       "run_dir": str(pc.run_dir), "action": pc.action, "previous": pc.previous,
+                       **results.get(pc.cell.name, {})} for pc in self.cells],
+        }
+
+
+def limit_name(spec: SweepSpec) -> str:
+    """The Prefect global concurrency limit of a sweep: ``sweep-<name>``."""
+    return f"sweep-{spec.name}"
+
+
+def default_sweep_dir(spec: SweepSpec) -> Path:
+    root = Path(spec.sweep_root).expanduser()
+    if spec.resume:
+        return (root / spec.name).absolute()
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return (root / f"{spec.name}-{stamp}").absolute()
+
+
+def _check_sweep_dir(path: Path) -> Path:
+    if "://" in str(path):
+        raise ValueError(f"sweep folder {path} is a URL; sweeps are written to a local folder: give a local path")
+    path = Path(os.path.normpath(path.expanduser().absolute()))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
+    for above in [path, *path.parents]:
+        if (above / "status.json").is_file():
+            raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
+    if path.is_dir() and any(path.iterdir()) and not (path / SWEEP_JSON).is_file():
+        raise ValueError(f"sweep folder {path} is not empty and holds no {SWEEP_JSON} (not a sweep); choose a new "
+                         "--sweep-dir or sweep name")
+    return path
+
+
+def _first_difference(old: Any, new: Any, prefix: str = "") -> str:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in list(old) + [k for k in new if k not in old]:
+            where = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old or key not in new:
+                return where
+            found = _first_difference(old[key], new[key], where)
+            if found:
+                return found
+        return ""
+    return "" if old == new else f"{prefix}: {old!r} there, {new!r} now"
+
+
+def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
+    """Every check of a sweep before anything is written: the sweep folder, each cell's config
+    (schema, model, corpus: :func:`flows.preflight.check_config`; the corpus once per distinct data
+    section) and each cell's run directory (new, completed with the same config, or an attempt to
+    redo). Writes nothing.
+
+    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line naming the sweep,
+    the cell and the field (or the folder) and the fix.
+    """
+    path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
+    try:
+        base_raw = read_config_file(config_path(spec.base))
+    except (FileNotFoundError, ValueError) as exc:
+        raise type(exc)(f"sweep {spec.name}, base: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"sweep {spec.name}, base: {spec.base} is not valid YAML: {' '.join(str(exc).split())}") from None
+    cells = expand_cells(spec)
+    planned: list[PlannedCell] = []
+    checked_data: set[str] = set()
+    for cell in cells:
+        cfg = cell_config(spec, cell, base_raw)
+        data_key = json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True)
+        try:
+            check_config(cfg, check_data=data_key not in checked_data)
+        except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
+            raise type(exc)(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
+        checked_data.add(data_key)
+        run_dir = path / "cells" / cell.name
+        digest = config_digest(cfg)
+        status = read_status(run_dir).get("status") if run_dir.exists() else None
+        if not run_dir.exists():
+            check_run_dir(run_dir)
+            planned.append(PlannedCell(cell, cfg, run_dir, digest, "run"))
+        elif status == "completed":
+            try:
+                old = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                old = None
+            new = cfg.model_dump(mode="json")
+            if old != new:
+                what = _first_difference(old, new) if isinstance(old, dict) else "config.json is missing or unreadable"
+                raise ValueError(
+                    f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
+                    "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again")
+            planned.append(PlannedCell(cell, cfg, run_dir, digest, "skip", status))
+        else:
+            planned.append(PlannedCell(cell, cfg, run_dir, digest, "rerun", status or "no status"))
+    return SweepPlan(spec, path, planned)
+
+
+def _write_record(plan: SweepPlan, results: dict[str, dict]) -> None:
+    atomic_write_text(plan.sweep_dir / SWEEP_JSON, json.dumps(plan.record(results), indent=2) + "\n")
+
+
+def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
+    attempts = sweep_dir / "attempts"
+    attempts.mkdir(parents=True, exist_ok=True)
+    n = 1
+    while (attempts / f"{pc.cell.name}-{n}").exists():
+        n += 1
+    target = attempts / f"{pc.cell.name}-{n}"
+    shutil.move(str(pc.run_dir), str(target))
+    return target
+
+
+def set_concurrency_limit(name: str, limit: int) -> None:
+    """Create the Prefect global concurrency limit ``name``, or set it to ``limit`` slots."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, limit)
+
+
+@task(name="sweep-cell", cache_policy=NO_CACHE, task_run_name="cell {name}")
+def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str) -> dict:
+    """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``.
+
+    Returns ``{"state": <Prefect state type>, "status": <the run's status.json status>, "reason",
+    "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
+    go on.
+    """
+    from prefect.concurrency.sync import concurrency
+
+    logger = get_run_logger()
+    if stop_requested():
+        return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
+    with concurrency(limit, occupy=1, strict=True):
+        if stop_requested():
+            return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
+        t0 = time.perf_counter()
+        logger.info("cell %s: %s in %s", name, launch, run_dir)
+        if launch == "deployment":
+            from prefect.deployments import run_deployment
+
+            flow_run = run_deployment(deployment, parameters={"config": config.model_dump(mode="json"),
+                                                              "run_dir": run_dir}, timeout=None)
+            state, run_id = flow_run.state, str(flow_run.id)
+        else:
+            from flows.pipeline import pipeline
+
+            state = pipeline(config=config, run_dir=run_dir, return_state=True)
+            run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
+        wall = time.perf_counter() - t0
+    status = read_status(run_dir)
+    out = {"state": state.type.value if state else "UNKNOWN", "status": status.get("status"),
+           "reason": status.get("reason") or (state.message if state and not state.is_completed() else None),
+           "wall_s": wall, "flow_run_id": run_id}
+    logger.info("cell %s: %s (%s) in %.0f s", name, out["status"], out["state"], wall)
+    return out
+
+
+@task(name="sweep-report", cache_policy=NO_CACHE)
+def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
+    """The comparison across the cells that have a report (:func:`reports.compare.build_comparison`),
+    written to ``<sweep>/report/`` and published as artifacts."""
+    from reports.artifacts import publish_comparison_artifacts
+    from reports.compare import build_comparison
+
+    have = [pc for pc in plan.cells if (pc.run_dir / "report" / "report.json").is_file()]
+    if not have:
+        return {}
+    axes = list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides))
+    comparison = build_comparison([pc.run_dir for pc in have], plan.sweep_dir / "report", axes=axes,
+                                  labels=[pc.cell.name for pc in have], title=f"Sweep {plan.spec.name}",
+                                  source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)")
+    publish_comparison_artifacts(comparison, f"sweep-{plan.spec.name}")
+    return comparison
+
+
+def _default_spec() -> SweepSpec:
+    return load_sweep("tiny_grid")
+
+
+@flow(name="sweep", log_prints=True)
+def sweep(
+    spec: SweepSpec = _default_spec(),
+    sweep_file: Optional[str] = None,
+    sweep_dir: Optional[str] = None,
+) -> str | State:
+    """Run every cell of a sweep through the pipeline, then build the sweep's comparison report.
+
+    Args:
+        spec: the sweep, field by field (the UI form): base config, shared overrides, grid and/or
+            cells, concurrency, launch, sweep_root, resume (:class:`configs.sweep.SweepSpec`).
+        sweep_file: instead of ``spec``: a shipped sweep's name (``configs/sweeps/<name>.yaml``) or
+            the path of a sweep YAML file.
+        sweep_dir: the sweep's folder (default ``<sweep_root>/<name>``, or ``<name>-<UTC time>``
+            when ``resume`` is false); an existing sweep folder is resumed.
+
+    Returns the sweep folder (its report is ``report/comparison.md``). Raises
+    ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks, before anything is
+    written. Ends ``Failed`` when a cell failed (the other cells run, the report covers the cells
+    that have one) and ``Cancelled`` after a stop signal.
+    """
+    logger = get_run_logger()
+    spec = resolve_sweep(spec, sweep_file)
+    plan = sweep_preflight(spec, sweep_dir)
+    if stop_requested():
+        return Cancelled(message="stopped before the sweep started; nothing was written")
+    todo = [pc for pc in plan.cells if pc.action != "skip"]
+    logger.info("sweep %s: %d cells (%d to run, %d completed before) in %s; at most %d at once (%s)",
+                spec.name, len(plan.cells), len(todo), len(plan.cells) - len(todo), plan.sweep_dir,
+                spec.concurrency, spec.launch)
+    results: dict[str, dict] = {}
+    prior = _prior_results(plan.sweep_dir)
+    for pc in plan.cells:
+        if pc.action == "skip":
+            results[pc.cell.name] = {**prior.get(pc.cell.name, {}), "status": "completed",
+                                     "state": "COMPLETED", "skipped": True}
+    with graceful_stop():
+        plan.sweep_dir.mkdir(parents=True, exist_ok=True)
+        for pc in todo:
+            if pc.action == "rerun":
+                moved = _move_aside(pc, plan.sweep_dir)
+                logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
+        _write_record(plan, results)
+        limit = limit_name(spec)
+        set_concurrency_limit(limit, spec.concurrency)
+        progress = _Progress(spec, len(plan.cells), len(plan.cells) - len(todo))
+        futures = {sweep_cell.submit(pc.cell.name, pc.cfg, str(pc.run_dir), spec.launch, spec.deployment,
+                                     limit): pc.cell.name for pc in todo}
+        for future in as_completed(list(futures)):
+            name = futures[future]
+            try:
+                results[name] = {**future.result(), "skipped": False}
+            except Exception as exc:  # the cell's own failure is recorded; the others go on
+                results[name] = {"state": "FAILED", "status": read_status(plan.sweep_dir / "cells" / name).get("status"),
+                                 "reason": f"{type(exc).__name__}: {exc}", "skipped": False}
+            _write_record(plan, results)
+            progress.advance()
+        comparison = sweep_report(plan, results)
+    report = plan.sweep_dir / "report" / "comparison.md"
+    failed = [n for n, r in results.items() if r.get("status") != "completed" and r.get("state") != "NOT_STARTED"]
+    if comparison:
+        logger.info("sweep report: %s", report)
+    if stop_requested():
+        return Cancelled(message=f"stopped: cells completed: {sum(r.get('status') == 'completed' for r in results.values())} "
+                                 f"of {len(plan.cells)}; re-run the sweep to resume ({plan.sweep_dir})")
+    if failed:
+        return Failed(message=f"{len(failed)} of {len(plan.cells)} cells did not complete: "
+                              + "; ".join(f"{n}: {results[n].get('reason') or results[n].get('status')}" for n in failed)
+                              + f" (report of the others: {report})")
+    return str(plan.sweep_dir)
+
+
+class _Progress:
+    """The sweep's live progress artifact (``sweep-progress-<name>``): the share of cells finished."""
+
+    def __init__(self, spec: SweepSpec, total: int, done: int) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.total, self.done = total, done
+        self.id = create_progress_artifact(self.percent, key=f"sweep-progress-{_key(spec.name)}",
+                                           description=f"sweep {spec.name}: cells finished of {total}")
+
+    @property
+    def percent(self) -> float:
+        return 100.0 * self.done / max(self.total, 1)
+
+    def advance(self) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        self.done += 1
+        if self.id is not None:
+            update_progress_artifact(self.id, self.percent)
+
+
+def _key(name: str) -> str:
+    import re
+
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", name.lower())).strip("-") or "sweep"
+
+
+def _prior_results(sweep_dir: Path) -> dict[str, dict]:
+    """The results recorded for each cell by an earlier run of the sweep (empty if none)."""
+    try:
+        record = json.loads((sweep_dir / SWEEP_JSON).read_text(encoding="utf-8"))
+        return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record.get("cells", [])}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}

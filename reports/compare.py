@@ -1,0 +1,712 @@
+"""A comparison across run directories: the table and plots of an experiment sweep.
+
+:func:`build_comparison` reads finished (or partly finished) run directories, each through its
+``config.json`` (the resolved config), ``status.json`` and ``report/report.json`` (schema 3, written
+by :func:`reports.build_report` or ``ddiloco report``), and writes into one output folder:
+
+``comparison.md``
+    Title, the runs compared (label, status, path), the axes, the tables (held-out loss and the
+    DiLoCo − DP gap, the cost of each method, post-training), the plots, and a line per run that
+    failed or is not completed.
+``comparison.json``
+    Exactly the dict :func:`build_comparison` returns (strict JSON).
+``comparison.csv``
+    The table: one row per run, one column per entry of the dict's ``columns`` (header: the keys).
+``loss_vs_<axis>.png``, ``gap_vs_<axis>.png`` (or ``loss_per_run.png``, ``gap_per_run.png``)
+    Final held-out loss and the DiLoCo − DP loss gap against the first axis with two or more
+    values, or per run (bars) when there is no such axis.
+
+Units: held-out loss in nats per token (nats per image for vision runs), wall time in seconds,
+training budget in tokens or images (the run's unit, ``report.json``'s ``stages.pretrain.unit``),
+throughput in tokens (images) per second, bytes as payload bytes summed over all learners or
+workers (``reports.common.BYTES_CONVENTION``), gaps in %. Nothing here imports Prefect;
+``reports.artifacts.publish_comparison_artifacts`` publishes the result to a flow run.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import difflib
+import io
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+
+from reports.common import (BASELINE, REPORT_JSON, json_safe, num, ordered_methods, per_unit, short_label,
+                            unit_of)
+from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
+from reports.read import ReportInputError, read_json
+from run.layout import RunLayout
+
+SCHEMA = 1  # comparison.json layout
+REPORT_SCHEMA = 3  # the report.json layout this module reads
+COMPARISON_MD = "comparison.md"
+COMPARISON_JSON = "comparison.json"
+COMPARISON_CSV = "comparison.csv"
+STAGE = "pretrain"
+# Config keys that only name or place a run: never detected as axes (they may still be given).
+IGNORED_KEYS = ("name", "run_root", "data.cache_dir")
+COMPLETED = "completed"
+MISSING = "—"
+LINESTYLES = {"diloco": "-", "dp": "--"}
+OTHER_LINESTYLES = (":", "-.")
+FIGURE_PREFIXES = ("loss_vs_", "gap_vs_", "loss_per_run", "gap_per_run")
+RUN_HINT = "give a run directory made by `ddiloco run` (it holds config.json, status.json and report/report.json)"
+
+
+@dataclass
+class _Run:
+    label: str
+    path: Path
+    config: dict
+    status: dict | None
+    report: dict
+    leaves: dict[str, Any]
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def config_leaves(config: dict, prefix: str = "") -> dict[str, Any]:
+    """The leaf values of a nested config under dotted keys (``{"diloco": {"learners": 4}}`` →
+    ``{"diloco.learners": 4}``); lists and empty dicts are leaves."""
+    out: dict[str, Any] = {}
+    for k, v in config.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(config_leaves(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
+    """(absolute path, config, status or None, report) of one run directory; ReportInputError
+    (one line: the path, the problem, the fix) otherwise."""
+    path = Path(os.path.abspath(Path(given).expanduser()))
+    if not path.exists():
+        raise ReportInputError(path, f"does not exist; {RUN_HINT}")
+    if not path.is_dir():
+        raise ReportInputError(path, f"is not a directory; {RUN_HINT}")
+    layout = RunLayout(path)
+    if not layout.config.is_file():
+        raise ReportInputError(path, f"is not a run directory (no config.json); {RUN_HINT}")
+    config = read_json(layout.config)
+    report_path = layout.report / REPORT_JSON
+    if not report_path.is_file():
+        raise ReportInputError(path, f"has no report/{REPORT_JSON}; build it with `ddiloco report {path}`")
+    report = read_json(report_path)
+    if report.get("schema") != REPORT_SCHEMA:
+        raise ReportInputError(report_path, f"report schema {report.get('schema')!r}, a comparison reads schema "
+                                            f"{REPORT_SCHEMA}; rebuild it with `ddiloco report {path}`")
+    return path, config, read_json(layout.status), report
+
+
+def _labels(paths: list[Path], labels: list[str] | None) -> list[str]:
+    if labels is None:  # the folder names; the parent too where two runs share a folder name
+        names = [p.name for p in paths]
+        return [f"{p.parent.name}/{p.name}" if names.count(p.name) > 1 else p.name for p in paths]
+    labels = [str(x).strip() for x in labels]
+    if len(labels) != len(paths):
+        raise ValueError(f"{len(labels)} labels for {len(paths)} run directories; give one label per run")
+    if any(not x for x in labels) or len(set(labels)) != len(labels):
+        raise ValueError(f"labels must be non-empty and distinct, got {labels}")
+    return labels
+
+
+def _canon(v: Any) -> str:
+    """A hashable text of a config value (lists and dicts as sorted JSON)."""
+    return json.dumps(v, sort_keys=True, default=str)
+
+
+def detect_axes(leaves: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """(axes, partial keys): the dotted keys present in every run whose values differ (config-file
+    order, :data:`IGNORED_KEYS` left out), and the keys present in some runs only (a config written
+    by an older schema, or a field of another model family), which are not axes by themselves."""
+    keys = list(dict.fromkeys(k for lv in leaves for k in lv))
+    axes, partial = [], []
+    for k in keys:
+        if k in IGNORED_KEYS:
+            continue
+        if all(k in lv for lv in leaves):
+            if len({_canon(lv[k]) for lv in leaves}) > 1:
+                axes.append(k)
+        else:
+            partial.append(k)
+    return axes, partial
+
+
+def _check_axes(axes: Iterable[str], leaves: list[dict[str, Any]]) -> list[str]:
+    known = list(dict.fromkeys(k for lv in leaves for k in lv))
+    out = []
+    for a in axes:
+        a = str(a).strip()
+        if a in out:
+            continue
+        if a not in known:
+            under = [k for k in known if k.startswith(a + ".")]
+            if under:
+                raise ValueError(f"axis {a!r} is a config section, not a value; give one of its keys, "
+                                 f"e.g. {', '.join(under[:3])}")
+            close = difflib.get_close_matches(a, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise ValueError(f"axis {a!r} is not a key of the runs' config.json{hint}; give a dotted key such as "
+                             "diloco.learners or train.token_budget")
+        out.append(a)
+    return out
+
+
+def _partial_summary(partial: list[str], runs: list[_Run]) -> list[str]:
+    """Keys present in only some runs, a whole section missing from a run shortened to ``section.*``,
+    each with the runs that lack it."""
+    groups: dict[tuple, list[str]] = {}  # the runs lacking the keys -> the keys
+    for k in partial:
+        lacking = tuple(r.label for r in runs if k not in r.leaves)
+        top = k.split(".")[0]
+        whole = "." in k and all(top not in r.config for r in runs if r.label in lacking)
+        name = f"`{top}.*`" if whole else f"`{k}`"
+        if name not in groups.setdefault(lacking, []):
+            groups[lacking].append(name)
+    return [f"{', '.join(keys)} (not in {', '.join(lacking)})" for lacking, keys in groups.items()]
+
+
+# -- the table -----------------------------------------------------------------------------------
+
+def _status_text(status: dict | None) -> str | None:
+    return None if status is None else str(status.get("status") or "unknown")
+
+
+def _verdict_text(v: dict | None) -> str | None:
+    if not isinstance(v, dict):
+        return None
+    if v.get("status") == "better" and v.get("better"):
+        return f"{short_label(v['better'])} better"
+    return v.get("status")
+
+
+def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
+    stage = (run.report.get("stages") or {}).get(STAGE) or {}
+    unit = stage.get("unit") or unit_of(run.config)
+    row: dict[str, Any] = {"label": run.label, "status": _status_text(run.status)}
+    row.update({a: run.leaves.get(a) for a in axes})
+    row["unit"] = unit
+    figures = stage.get("methods") or {}
+    for m in methods:
+        f = figures.get(m) or {}
+        row[f"{m}/final_val_loss"] = num(f.get("final_val_loss"))
+        row[f"{m}/test_accuracy"] = num((f.get("eval") or {}).get("test/accuracy"))
+        row[f"{m}/wall_s"] = num(f.get("wall_s"))
+        row[f"{m}/tokens"] = num(f.get("tokens"))
+        row[f"{m}/tokens_per_s"] = num(f.get("tokens_per_s"))
+        row[f"{m}/goodput"] = num(f.get("goodput"))
+        row[f"{m}/bytes_total"] = num((f.get("bytes") or {}).get("total"))
+    gaps = stage.get("loss_gaps") or {}
+    for m in methods:
+        if m != BASELINE:
+            g = gaps.get(m) or {}
+            row[f"{m}/loss_gap_pct"] = num(g.get("gap_pct")) if g.get("status") == "ok" else None
+    ft = run.report.get("finetune") or {}
+    primary = ft.get("primary")
+    row["post/task"] = (ft.get("task") or {}).get("name") if ft else None
+    row["post/metric"] = primary
+    for m in methods:
+        sc = (((ft.get("methods") or {}).get(m) or {}).get("scores") or {}).get(primary) or {}
+        row[f"{m}/post_score"] = num(sc.get("finetuned"))
+    for m in methods:
+        if m == BASELINE:
+            continue
+        d = (((((ft.get("differences") or {}).get(m) or {}).get("metrics") or {}).get(primary) or {})
+             .get("finetuned") or {})
+        ok = d.get("status") == "ok"
+        ci = d.get("ci") if ok and isinstance(d.get("ci"), list) and len(d["ci"]) == 2 else [None, None]
+        row[f"{m}/post_diff"] = num(d.get("difference")) if ok else None
+        row[f"{m}/post_diff_ci_low"] = num(ci[0])
+        row[f"{m}/post_diff_ci_high"] = num(ci[1])
+        row[f"{m}/post_verdict"] = _verdict_text(d.get("verdict")) if ok else (d.get("status") if d else None)
+    row["run_dir"] = str(run.path)
+    return row
+
+
+def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict]:
+    """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``), optional ones only
+    where some run has a value."""
+    units = list(dict.fromkeys(r["unit"] for r in rows))
+    unit = units[0] if len(units) == 1 else " or ".join(units)
+    per = " or ".join(per_unit(u) for u in units)
+    cols: list[dict] = []
+
+    def add(key, header, group, fmt="", unit_="", optional=True):
+        if not optional or any(r.get(key) is not None for r in rows):
+            cols.append({"key": key, "header": header, "unit": unit_, "fmt": fmt, "group": group})
+
+    add("label", "run", "run", optional=False)
+    add("status", "status", "run", optional=False)
+    for a in axes:
+        add(a, a, "axis", "value", optional=False)
+    add("unit", "unit", "run", optional=False)
+    for m in methods:
+        s = short_label(m)
+        add(f"{m}/final_val_loss", f"{s} held-out loss (nats/{per})", "loss", "{:.4f}", f"nats/{per}", optional=False)
+        add(f"{m}/test_accuracy", f"{s} test accuracy", "loss", "{:.3f}", "fraction")
+    for m in methods:
+        if m != BASELINE:
+            add(f"{m}/loss_gap_pct", f"{short_label(m)} − {short_label(BASELINE)} loss gap (%)", "loss", "{:+.2f}", "%")
+    for m in methods:
+        s = short_label(m)
+        add(f"{m}/wall_s", f"{s} wall (s)", "cost", "{:,.1f}", "s", optional=False)
+        add(f"{m}/tokens", f"{s} {unit}", "cost", "int", unit, optional=False)
+        add(f"{m}/tokens_per_s", f"{s} {unit}/s", "cost", "{:,.0f}", f"{unit}/s", optional=False)
+        add(f"{m}/goodput", f"{s} goodput", "cost", "{:.3f}", "fraction")
+        add(f"{m}/bytes_total", f"{s} bytes (total)", "cost", "bytes", "bytes")
+    if any(r.get("post/metric") is not None for r in rows):
+        add("post/task", "task", "post", optional=False)
+        add("post/metric", "metric", "post", optional=False)
+        for m in methods:
+            add(f"{m}/post_score", f"{short_label(m)} fine-tuned", "post", "{:.4f}")
+        for m in methods:
+            if m != BASELINE:
+                add(f"{m}/post_diff", f"{short_label(m)} − {short_label(BASELINE)} [95 % interval]", "post", "{:+.4f}")
+                add(f"{m}/post_diff_ci_low", "95 % interval low", "post", "{:+.4f}")
+                add(f"{m}/post_diff_ci_high", "95 % interval high", "post", "{:+.4f}")
+                add(f"{m}/post_verdict", "verdict", "post")
+    add("run_dir", "path", "path", optional=False)
+    return cols
+
+
+# -- formatting ----------------------------------------------------------------------------------
+
+def _bytes(v: float) -> str:
+    n, unit = float(v), "B"
+    for u in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            break
+        n, unit = n / 1024, u
+    return f"{n:.1f} {unit}" if unit != "B" else f"{int(v):,} B"
+
+
+def cell(v: Any, fmt: str = "") -> str:
+    """A table cell as shown in comparison.md: None → "—", numbers by ``fmt``, lists/dicts as JSON."""
+    if v is None:
+        return MISSING
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(",", ":"))
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if fmt == "bytes":
+        return _bytes(v)
+    if fmt == "int":
+        return f"{int(round(v)):,}"
+    if fmt and fmt != "value":
+        return fmt.format(v)
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _md_cell(r: dict, c: dict) -> str:
+    text = cell(r.get(c["key"]), c["fmt"])
+    if c["key"].endswith("/post_diff") and r.get(c["key"]) is not None:  # "−0.1273 [−0.1663, −0.0862]"
+        lo, hi = r.get(c["key"] + "_ci_low"), r.get(c["key"] + "_ci_high")
+        text += f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if lo is not None and hi is not None else ""
+    return text
+
+
+def _md_table(cols: list[dict], rows: list[dict]) -> str:
+    cols = [c for c in cols if not c["key"].endswith(("/post_diff_ci_low", "/post_diff_ci_high"))]  # in the diff
+    esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    lines = ["| " + " | ".join(esc(c["header"]) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for r in rows:
+        lines.append("| " + " | ".join(esc(_md_cell(r, c)) for c in cols) + " |")
+    return "\n".join(lines)
+
+
+def _csv_value(v: Any) -> Any:
+    if v is None:
+        return ""
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(",", ":"))
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return v
+
+
+# -- plots ---------------------------------------------------------------------------------------
+
+def slug(text: str) -> str:
+    """A file-name-safe form of an axis key (letters, digits, ``.``, ``_``, ``-``)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "axis"
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def plot_axis(rows: list[dict], axes: list[str]) -> str | None:
+    """The axis the plots use: the first with two or more distinct values for which some
+    combination of the other axes' values holds runs at two of its values (else a line would join
+    runs that differ in other keys too); None (bars per run) when there is none, e.g. identical
+    configs, or runs that each differ from the others in several keys at once."""
+    for a in axes:
+        if len({_canon(r.get(a)) for r in rows}) < 2:
+            continue
+        others = [b for b in axes if b != a]
+        groups: dict[str, set] = {}
+        for r in rows:
+            groups.setdefault(_canon([r.get(b) for b in others]), set()).add(_canon(r.get(a)))
+        if any(len(v) >= 2 for v in groups.values()):
+            return a
+    return None
+
+
+def _leaf(key: str, keys: list[str]) -> str:
+    """The last part of a dotted key when no other key ends the same way, else the whole key."""
+    short = key.rsplit(".", 1)[-1]
+    return short if sum(k.rsplit(".", 1)[-1] == short for k in keys) == 1 else key
+
+
+def _style(m: str, methods: list[str]) -> str:
+    if m in LINESTYLES:
+        return LINESTYLES[m]
+    others = [x for x in methods if x not in LINESTYLES]
+    return OTHER_LINESTYLES[others.index(m) % len(OTHER_LINESTYLES)]
+
+
+def _gap_title(methods: list[str]) -> str:
+    """"DiLoCo − DP held-out loss gap (%)", or "Held-out loss gap to DP (%)" for several methods."""
+    if len(methods) == 1:
+        return f"{short_label(methods[0])} − {short_label(BASELINE)} held-out loss gap (%)"
+    return f"Held-out loss gap to {short_label(BASELINE)} (%)"
+
+
+def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[str], per: str):
+    """(loss figure, gap figure or None): one line per combination of the other axes' values and
+    method (colour: the combination, or the method's colour when there is one combination; line
+    style: the method), the mean over runs at one x joined, every run a marker (hollow: the run did
+    not complete)."""
+    xs_all = [r.get(axis) for r in rows]
+    numeric = all(_is_number(x) for x in xs_all)
+    cats = list(dict.fromkeys(_canon(x) for x in xs_all))
+    cat_text = {_canon(x): cell(x) for x in xs_all}
+    pos = (lambda x: float(x)) if numeric else (lambda x: float(cats.index(_canon(x))))
+    others = [b for b in axes if b != axis]
+    combos: dict[str, list[dict]] = {}
+    for r in rows:
+        combos.setdefault(_canon([r.get(b) for b in others]), []).append(r)
+    combo_text = {k: ", ".join(f"{_leaf(b, axes)}={cell(v)}" for b, v in zip(others, json.loads(k)))
+                  for k in combos}
+    colors = cycle_colors()
+
+    def draw(key_of, ylabel: str, title: str, which: list[str], fmt: str):
+        fig = new_figure(7.5, 4.6)
+        ax = fig.add_subplot()
+        handles, drawn, hollow = [], False, False
+        means = {m: [r[key_of(m)] for r in rows if _is_number(r.get(key_of(m)))] for m in which}
+        lowest = min((m for m in which if means[m]), key=lambda m: sum(means[m]) / len(means[m]), default=None)
+        for ci, (combo, rs) in enumerate(combos.items()):
+            for mi, m in enumerate(which):
+                pts = [(pos(r.get(axis)), r[key_of(m)]) for r in rs if _is_number(r.get(key_of(m)))]
+                if not pts:
+                    continue
+                drawn = True
+                color = colors[ci % len(colors)] if len(combos) > 1 else series_color(m, mi)
+                by_x: dict[float, list[float]] = {}
+                for x, y in pts:
+                    by_x.setdefault(x, []).append(y)
+                line_x = sorted(by_x)
+                line_y = [sum(by_x[x]) / len(by_x[x]) for x in line_x]
+                ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker="o", ms=5)
+                if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
+                    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
+                unfinished = [(pos(r.get(axis)), r[key_of(m)]) for r in rs
+                              if r.get("status") != COMPLETED and _is_number(r.get(key_of(m)))]
+                if unfinished:  # a run that did not complete: a hollow marker
+                    hollow = True
+                    ax.scatter([x for x, _ in unfinished], [y for _, y in unfinished], s=36, facecolors="white",
+                               edgecolors=color, linewidths=1.5, zorder=4)
+                if len(line_x) <= 8 and len(combos) == 1:  # values at the points (one line per method): the
+                    below = m == lowest and len(which) > 1                # lowest method's below them
+                    for x, y in zip(line_x, line_y):
+                        ax.annotate(fmt.format(y), xy=(x, y), xytext=(0, -9 if below else 7), textcoords="offset points",
+                                    ha="center", va="top" if below else "bottom", fontsize=8, color=color)
+        if not drawn:
+            return None
+        if len(combos) > 1:
+            handles += [Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
+                        for ci, k in enumerate(combos)]
+            handles += [Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, label=short_label(m)) for m in which]
+        else:
+            handles += [Line2D([], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker="o",
+                               label=short_label(m)) for mi, m in enumerate(which)]
+        if hollow:
+            handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))
+        if numeric:
+            values = sorted({float(x) for x in xs_all})
+            if values[0] > 0 and values[-1] / values[0] >= 16:
+                ax.set_xscale("log")
+            if len(values) <= 12:
+                ax.set_xticks(values, [cell(v if not float(v).is_integer() else int(v)) for v in values])
+                ax.minorticks_off()
+        else:
+            ax.set_xticks(range(len(cats)), [cat_text[c] for c in cats])
+            ax.set_xlim(-0.5, len(cats) - 0.5)
+        ax.margins(y=0.15)
+        finish_axes(ax, axis, ylabel, title)
+        ax.legend(handles=handles, fontsize=8)
+        return fig, ax
+
+    loss = draw(lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})",
+                f"Held-out loss vs {axis}", methods, "{:.4f}")
+    gap_methods = [m for m in methods if m != BASELINE]
+    gap = draw(lambda m: f"{m}/loss_gap_pct", f"loss gap to {short_label(BASELINE)} (%)",
+               f"{_gap_title(gap_methods)} vs {axis}", gap_methods, "{:+.2f} %") if gap_methods else None
+    if gap is not None:
+        gap[1].axhline(0.0, color="0.5", lw=0.8)
+    return (loss[0] if loss else None), (gap[0] if gap else None)
+
+
+def _bar_figures(rows: list[dict], methods: list[str], per: str):
+    """(loss figure, gap figure or None) with one group of bars per run (hatched: the run did not
+    complete)."""
+    labels = [r["label"] for r in rows]
+    width = max(6.0, 1.0 + 1.1 * len(rows))
+    rotate = len(rows) > 3 or max(len(x) for x in labels) > 14
+
+    def bars(which: list[str], key_of, ylabel: str, title: str, fmt: str):
+        have = [m for m in which if any(_is_number(r.get(key_of(m))) for r in rows)]
+        if not have:
+            return None
+        fig = new_figure(width, 4.6)
+        ax = fig.add_subplot()
+        w = 0.8 / len(have)
+        for mi, m in enumerate(have):
+            xs = [i - 0.4 + w * (mi + 0.5) for i in range(len(rows))]
+            ys = [r.get(key_of(m)) if _is_number(r.get(key_of(m))) else 0.0 for r in rows]
+            bs = ax.bar(xs, ys, width=w * 0.95, color=series_color(m, mi), label=short_label(m))
+            for b, r in zip(bs, rows):  # a run that did not complete: hatched
+                if r.get("status") != COMPLETED:
+                    b.set_hatch("//")
+                    b.set_edgecolor("white")
+            ax.bar_label(bs, labels=[fmt.format(r[key_of(m)]) if _is_number(r.get(key_of(m))) else MISSING
+                                     for r in rows], fontsize=8, padding=2)
+        ax.set_xticks(range(len(rows)), labels, rotation=20 if rotate else 0, ha="right" if rotate else "center",
+                      fontsize=8)
+        ax.axhline(0.0, color="0.5", lw=0.8)
+        ax.margins(y=0.12)
+        finish_axes(ax, "run", ylabel, title, grid_axis="y")
+        handles = ax.get_legend_handles_labels()[0]
+        if any(r.get("status") != COMPLETED for r in rows):
+            handles.append(Patch(facecolor="0.55", edgecolor="white", hatch="//", label="run not completed"))
+        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8,
+                   frameon=False)  # below the axes, clear of the bars' labels
+        return fig
+
+    loss = bars(methods, lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})",
+                "Final held-out loss per run", "{:.4f}")
+    gaps = [m for m in methods if m != BASELINE]
+    gap = bars(gaps, lambda m: f"{m}/loss_gap_pct", f"loss gap to {short_label(BASELINE)} (%)",
+               f"{_gap_title(gaps)} per run", "{:+.2f} %")
+    return loss, gap
+
+
+# -- markdown ------------------------------------------------------------------------------------
+
+def not_completed(comparison: dict) -> list[str]:
+    """One line per run that failed, was interrupted, is still running, or has no status.json, and
+    per method of a run that did not run."""
+    out = []
+    for run in comparison["runs"]:
+        if run["status"] != COMPLETED:
+            what = run["status"] or "no status.json"
+            why = f" ({run['reason']})" if run.get("reason") else ""
+            done = ", ".join(run.get("completed_stages") or []) or "none"
+            out.append(f"{run['label']}: {what}{why}; completed stages: {done}")
+        for m in run.get("methods_not_run") or []:
+            out.append(f"{run['label']}: {short_label(m)} has no final held-out loss (not run or not finished)")
+    return out
+
+
+def render_comparison(comparison: dict) -> str:
+    """comparison.md from the dict :func:`build_comparison` returns (computes no figure of its own)."""
+    c = comparison
+    L = [f"# {c['title']}", "",
+         f"{len(c['runs'])} run directories compared, generated {c['generated_at']} by {c.get('source', '`ddiloco compare`')}. "
+         f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.", ""]
+    L += ["## Runs", "", "| run | status | config name | path |", "|---|---|---|---|"]
+    L += [f"| {r['label']} | {r['status'] or MISSING} | {r['name'] or MISSING} | `{r['run_dir']}` |" for r in c["runs"]]
+    L += ["", "## Axes", ""]
+    how = "detected: the config keys whose values differ between the runs" if c["axes_detected"] else "given"
+    L.append(f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})." if c["axes"]
+             else "No axis: no config key present in every run differs between them; the plots show each run."
+             if c["axes_detected"] else "No axis given; the plots show each run.")
+    if c["axes"] and c["plot_axis"] is None:
+        L.append("The plots show each run: no axis varies while the others stay fixed.")
+    if c["axes_detected"]:
+        L.append(f"Never detected as axes (they only name or place a run): {', '.join(f'`{k}`' for k in c['ignored_keys'])}.")
+    if c["partial_keys"]:
+        L += ["", "Config keys present in some runs only (an older schema, or another model family; not axes): "
+              + "; ".join(c["partial_keys"]) + "."]
+    if c["notes"]:
+        L += ["", "## Not completed", ""] + [f"- {n}" for n in c["notes"]]
+    groups = {g: [col for col in c["columns"] if col["group"] == g] for g in ("run", "axis", "loss", "cost", "post")}
+    first = [col for col in c["columns"] if col["key"] == "label"] + groups["axis"]
+    L += ["", "## Held-out loss", "", _md_table(first + [k for k in groups["run"] if k["key"] != "label"]
+                                                + groups["loss"], c["rows"]), ""]
+    for name in ("loss", "gap"):
+        if c["plots"].get(name):
+            L += [f"![{name}]({c['plots'][name]})", ""]
+    L += ["## Cost", "", _md_table(first + groups["cost"], c["rows"]), "",
+          "Wall time in seconds from the method's training start to its end; bytes are payload bytes summed over "
+          "all learners (DiLoCo: sent to and pulled from the syncer) or workers (DP: the modelled ring all-reduce).",
+          ""]
+    if groups["post"]:
+        L += ["## Post-training", "", _md_table(first + groups["post"], c["rows"]), "",
+              "Each method's fine-tuned score on the task's primary metric (mean over seeds), and the paired "
+              "difference to DP with its 95 % bootstrap interval over test items and seeds.", ""]
+    L += ["Files: `comparison.json` (everything above), `comparison.csv` (the table).", ""]
+    return "\n".join(L)
+
+
+# -- the whole -----------------------------------------------------------------------------------
+
+def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axes: list[str] | None = None,
+                     labels: list[str] | None = None, title: str = "Comparison",
+                     source: str = "`ddiloco compare`") -> dict:
+    """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
+
+    ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
+    and ``report/report.json`` of schema 3. Of report.json it reads ``schema``, and under
+    ``stages.pretrain``: ``unit`` (else the config's data source decides), per method of
+    ``methods``: ``final_val_loss`` (nats/token, or nats/image), ``eval["test/accuracy"]`` (vision),
+    ``wall_s`` (seconds), ``tokens`` (tokens or images), ``tokens_per_s``, ``goodput`` (a fraction)
+    and ``bytes.total`` (payload bytes); ``loss_gaps.<method>`` (``status``, ``gap_pct``: 100 ×
+    (loss − DP loss) / DP loss); and, when the run fine-tuned, ``finetune``: ``task.name``,
+    ``primary`` (the task's primary metric), ``methods.<m>.scores.<primary>.finetuned`` and
+    ``differences.<m>.metrics.<primary>.finetuned`` (``status``, ``difference``, ``ci``,
+    ``verdict``). Of status.json: ``status``, ``reason``, ``completed_stages``.
+
+    ``axes``: dotted config keys to compare along (``["diloco.learners", "diloco.quorum"]``); None
+    detects them: the leaf keys present in every run's config.json whose values differ, except
+    :data:`IGNORED_KEYS` (``name``, ``run_root``, ``data.cache_dir``: they only name or place a run).
+    Keys present in some runs only (an older schema's config, another model family's fields) are not
+    detected; they are listed under ``partial_keys``. ``labels``: one row name per run (default: the
+    run directory's folder name). ``title``: the markdown's title; ``source``: what built it (shown
+under the title, kept as ``source``).
+
+    Returns (and writes as ``comparison.json``) a strict-JSON dict: ``schema``, ``title``,
+    ``generated_at``, ``stage`` (``pretrain``), ``baseline`` (``dp``), ``runs`` (per run: label,
+    run_dir, name, status, reason, completed_stages, unit, methods_not_run), ``axes``,
+    ``axes_detected``, ``ignored_keys``, ``partial_keys``, ``plot_axis`` (the x of the plots, or None
+    for bars per run), ``methods``, ``units``, ``columns`` (``key``, ``header``, ``unit``, ``fmt``,
+    ``group``), ``rows`` (one flat dict per run, keyed by the columns' keys: ``label``, ``status``,
+    each axis, ``unit``, ``<method>/final_val_loss``, ``/test_accuracy``, ``/wall_s``, ``/tokens``,
+    ``/tokens_per_s``, ``/goodput``, ``/bytes_total``, ``<method>/loss_gap_pct`` (%, vs DP),
+    ``post/task``, ``post/metric``, ``<method>/post_score``, ``<method>/post_diff`` with
+    ``_ci_low``/``_ci_high`` (95 %) and ``post_verdict``, ``run_dir``; missing values None, shown
+    "—"), ``plots`` (``loss`` and ``gap``: file names in ``out_dir``, None when not drawn), ``notes``
+    (a line per run that is not completed or lacks a method's result) and ``paths`` (``out_dir``,
+    ``markdown``, ``json``, ``csv``: absolute).
+
+    Raises :class:`ReportInputError` (one line naming the path and the fix) for a path that does not
+    exist, is not a directory, holds no config.json, has no report/report.json, or holds a corrupt
+    or other-schema JSON file, for a run directory given twice, and for an ``out_dir`` that is a
+    file or inside a compared run; ``ValueError`` for no run directories, an axis that is not a
+    config key (or is a section), or labels that do not match the runs. Every check runs before
+    anything is written.
+    """
+    given = list(run_dirs)
+    if not given:
+        raise ValueError(f"no run directories given; {RUN_HINT}")
+    read, seen = [], {}
+    for g in given:
+        path, config, status, report = _read_run(g)
+        key = path.resolve()
+        if key in seen:
+            raise ReportInputError(path, "is given twice; give each run directory once")
+        seen[key] = path
+        read.append((path, config, status, report))
+    names = _labels([p for p, *_ in read], labels)
+    runs = [_Run(lb, p, c, s, r, config_leaves(c)) for lb, (p, c, s, r) in zip(names, read)]
+    leaves = [r.leaves for r in runs]
+    detected, partial = detect_axes(leaves)
+    chosen = detected if axes is None else _check_axes(axes, leaves)
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    if out.exists() and not out.is_dir():
+        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
+    for r in runs:
+        if out == r.path or r.path in out.parents:
+            raise ReportInputError(out, f"is inside the run directory {r.path}, which a comparison never writes "
+                                        "into; choose a folder outside it")
+
+    methods_all = ordered_methods(m for r in runs
+                                  for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {}))
+    rows = [_row(r, chosen, methods_all) for r in runs]
+    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
+    columns = _columns(rows, chosen, methods)
+    rows = [{c["key"]: row.get(c["key"]) for c in columns} for row in rows]
+    units = list(dict.fromkeys(row["unit"] for row in rows))
+    per = " or ".join(per_unit(u) for u in units)
+
+    comparison: dict[str, Any] = {
+        "schema": SCHEMA,
+        "title": title,
+        "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "source": source,
+        "stage": STAGE,
+        "baseline": BASELINE,
+        "runs": [{"label": r.label, "run_dir": str(r.path), "name": r.config.get("name"),
+                  "status": _status_text(r.status), "reason": (r.status or {}).get("reason"),
+                  "completed_stages": (r.status or {}).get("completed_stages"), "unit": row["unit"],
+                  "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None]}
+                 for r, row in zip(runs, rows)],
+        "axes": chosen,
+        "axes_detected": axes is None,
+        "ignored_keys": list(IGNORED_KEYS),
+        "partial_keys": _partial_summary([k for k in partial if k not in chosen], runs),
+        "plot_axis": plot_axis(rows, chosen),
+        "methods": methods,
+        "units": units,
+        "columns": columns,
+        "rows": rows,
+        "plots": {"loss": None, "gap": None},
+        "notes": [],
+        "paths": {"out_dir": str(out), "markdown": str(out / COMPARISON_MD), "json": str(out / COMPARISON_JSON),
+                  "csv": str(out / COMPARISON_CSV)},
+    }
+    comparison["notes"] = not_completed(comparison)
+
+    # Everything is checked: write.
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.png"):  # never leave a figure of an earlier comparison in this folder
+        if old.name.startswith(FIGURE_PREFIXES):
+            old.unlink()
+    axis = comparison["plot_axis"]
+    if axis is not None:
+        figs = _axis_figures(rows, axis, chosen, methods, per)
+        names_ = (f"loss_vs_{slug(axis)}.png", f"gap_vs_{slug(axis)}.png")
+    else:
+        figs = _bar_figures(rows, methods, per)
+        names_ = ("loss_per_run.png", "gap_per_run.png")
+    for key, fig, name in zip(("loss", "gap"), figs, names_):
+        if fig is not None:
+            save_png(fig, out / name)
+            comparison["plots"][key] = name
+
+    comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
+    (out / COMPARISON_JSON).write_text(json.dumps(comparison, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([c["key"] for c in columns])
+    for row in comparison["rows"]:
+        writer.writerow([_csv_value(row.get(c["key"])) for c in columns])
+    (out / COMPARISON_CSV).write_text(buf.getvalue(), encoding="utf-8")
+    (out / COMPARISON_MD).write_text(render_comparison(comparison), encoding="utf-8")
+    return comparison

@@ -1,0 +1,181 @@
+"""Sweeps: the spec and its cells (plain functions), the checks before anything starts, and one real
+2 × 2 sweep of the tiny config through the ``sweep`` flow, re-run to show that finished cells are
+not started again."""
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from configs.sweep import SweepSpec, cell_config, config_digest, expand_cells, load_sweep, shipped_sweeps
+from tests.conftest import SMALL_DATA
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spec(**kw) -> SweepSpec:
+    return SweepSpec.model_validate({"name": "t", "base": "tiny", **kw})
+
+
+def test_grid_cells_are_every_combination_named_from_their_overrides():
+    s = spec(grid={"diloco.learners": [2, 4], "diloco.quorum": [1, 2]},
+             cells=[{"diloco.inner.lr": 0.01, "finetune.optimizer.lr": 0.1}])
+    cells = expand_cells(s)
+    assert [c.name for c in cells] == ["learners-2_quorum-1", "learners-2_quorum-2", "learners-4_quorum-1",
+                                       "learners-4_quorum-2", "inner-lr-0.01_optimizer-lr-0.1"]
+    assert cells[2].overrides == {"diloco.learners": 4, "diloco.quorum": 1}  # the first key varies slowest
+    cfg = cell_config(s, cells[3])
+    assert (cfg.name, cfg.diloco.learners, cfg.diloco.quorum) == ("learners-4_quorum-2", 4, 2)
+    assert cfg.model.d_model == 32  # the rest is the base's (configs/tiny.yaml)
+    s2 = spec(grid={"model.kind": ["dense_lm", "moe_lm"]}, overrides={"model.n_experts": 4})
+    with pytest.raises(ValueError, match=r"cell kind-dense-lm: model.n_experts: Extra inputs are not permitted"):
+        cell_config(s2, expand_cells(s2)[0])  # the shared override does not fit the dense kind
+    assert cell_config(s2, expand_cells(s2)[1]).model.n_experts == 4
+
+
+def test_a_cell_is_identified_by_its_resolved_config():
+    s = spec(grid={"diloco.learners": [2, 3]})
+    a, b = (cell_config(s, c) for c in expand_cells(s))
+    assert config_digest(a) != config_digest(b)
+    assert config_digest(a) == config_digest(a.model_dump(mode="json"))
+    again = cell_config(spec(grid={"diloco.learners": [2]}, overrides={"diloco.quorum": 2}), expand_cells(s)[0])
+    assert config_digest(again) == config_digest(a)  # tiny's quorum is 2: the same run
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({}, "grid: the sweep is empty"),
+    ({"grid": {"diloco.learners": []}}, "grid.diloco.learners: no values"),
+    ({"grid": {"diloco.learners": [2, 2]}}, "listed twice"),
+    ({"grid": {"run_root": ["a"]}}, "grid.run_root: the sweep names and places"),
+    ({"grid": {"diloco learners": [2]}}, "is not a dotted config key"),
+    ({"cells": [{}]}, r"cells\[0\]: an empty cell"),
+    ({"grid": {"diloco.learners": [2]}, "concurrency": 0}, "concurrency"),
+    ({"grid": {"diloco.learners": [2]}, "launch": "ray"}, "launch"),
+    ({"grid": {"diloco.learners": [2]}, "extra": 1}, "extra"),
+])
+def test_bad_sweeps_are_refused_naming_the_field(kw, message):
+    with pytest.raises(ValidationError, match=message):
+        spec(**kw)
+
+
+def test_two_cells_with_the_same_overrides_are_refused():
+    with pytest.raises(ValueError, match="cell 2 sets the same overrides as cell 1"):
+        expand_cells(spec(grid={"diloco.learners": [2]}, cells=[{"diloco.learners": 2}]))
+
+
+def test_shipped_sweeps_load_and_their_cells_validate():
+    names = {p.stem for p in shipped_sweeps()}
+    assert {"tiny_grid", "nightly"} <= names
+    for name in names:
+        s = load_sweep(name)
+        assert [cell_config(s, c).name for c in expand_cells(s)]
+    tiny = load_sweep("tiny_grid")
+    assert len(expand_cells(tiny)) == 4 and tiny.base == "tiny" and tiny.resume
+    assert not load_sweep("nightly").resume  # a new folder each night
+
+
+def test_preflight_plans_new_completed_and_stopped_cells(tmp_path):
+    from flows.sweep import sweep_preflight
+
+    s = spec(grid={"diloco.learners": [2, 3]}, overrides=SMALL_DATA)
+    plan = sweep_preflight(s, tmp_path / "sw")
+    assert [(c.cell.name, c.action) for c in plan.cells] == [("learners-2", "run"), ("learners-3", "run")]
+    assert not (tmp_path / "sw").exists()  # writes nothing
+    done, stopped = plan.cells[0].run_dir, plan.cells[1].run_dir
+    done.mkdir(parents=True)
+    (done / "config.json").write_text(json.dumps(plan.cells[0].cfg.model_dump(mode="json")))
+    (done / "status.json").write_text(json.dumps({"status": "completed"}))
+    stopped.mkdir(parents=True)
+    (stopped / "status.json").write_text(json.dumps({"status": "interrupted"}))
+    (tmp_path / "sw" / "sweep.json").write_text("{}")
+    plan = sweep_preflight(s, tmp_path / "sw")
+    assert [(c.action, c.previous) for c in plan.cells] == [("skip", "completed"), ("rerun", "interrupted")]
+    # the same name with another config: the completed cell is not silently reused or overwritten
+    other = spec(grid={"diloco.learners": [2, 3]}, overrides={**SMALL_DATA, "train.token_budget": 12288})
+    with pytest.raises(ValueError, match=r"cell learners-2: .* holds a completed run of another config "
+                                         r"\(train.token_budget: 24576 there, 12288 now\)"):
+        sweep_preflight(other, tmp_path / "sw")
+    (tmp_path / "notsweep").mkdir()
+    (tmp_path / "notsweep" / "x.txt").write_text("x")
+    with pytest.raises(ValueError, match="holds no sweep.json"):
+        sweep_preflight(s, tmp_path / "notsweep")
+    bad = spec(grid={"diloco.quorum": [1, 5]}, overrides=SMALL_DATA)
+    with pytest.raises(ValueError, match=r"cell quorum-5: diloco.quorum \(K=5\) must be ≤ diloco.learners"):
+        sweep_preflight(bad, tmp_path / "sw2")
+    missing = spec(grid={"diloco.learners": [2]}, overrides={"data.source": "local", "data.paths": ["/nope.jsonl"]})
+    with pytest.raises(FileNotFoundError, match="cell learners-2: data.paths: file not found: /nope.jsonl"):
+        sweep_preflight(missing, tmp_path / "sw3")
+    assert not (tmp_path / "sw2").exists() and not (tmp_path / "sw3").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# One real sweep through the flow (the session's Prefect test server)
+
+FAST = {**SMALL_DATA, "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
+        "finetune.enabled": False}
+
+
+def _pipeline_runs(client, sweep_dir: Path) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pipeline"])), limit=200)
+    return [r for r in runs if str(r.parameters.get("run_dir", "")).startswith(str(sweep_dir))]
+
+
+def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none(prefect_harness, tmp_path):
+    from prefect.client.orchestration import get_client
+
+    from flows.sweep import sweep
+
+    s = spec(name="e2e", grid={"diloco.quorum": [1, 2], "diloco.merge": ["token_weighted", "mean"]},
+             overrides=FAST, concurrency=2)
+    sweep_dir = tmp_path / "sw"
+    # a cell whose process died earlier: its folder is moved aside (kept) and the cell runs anew
+    dead = sweep_dir / "cells" / "quorum-2_merge-mean"
+    dead.mkdir(parents=True)
+    (dead / "status.json").write_text(json.dumps({"status": "running"}))
+    (sweep_dir / "sweep.json").write_text("{}")
+
+    assert sweep(spec=s, sweep_dir=str(sweep_dir)) == str(sweep_dir)
+    record = json.loads((sweep_dir / "sweep.json").read_text())
+    cells = {c["name"]: c for c in record["cells"]}
+    assert list(cells) == ["quorum-1_merge-token-weighted", "quorum-1_merge-mean", "quorum-2_merge-token-weighted",
+                           "quorum-2_merge-mean"]
+    assert all(c["status"] == "completed" and c["skipped"] is False for c in cells.values())
+    assert cells["quorum-2_merge-mean"]["action"] == "rerun"
+    assert json.loads((sweep_dir / "attempts" / "quorum-2_merge-mean-1" / "status.json").read_text())["status"] == "running"
+
+    # the report: one row per cell, its numbers those of the cell's own report
+    comparison = json.loads((sweep_dir / "report" / "comparison.json").read_text())
+    assert comparison["axes"] == ["diloco.quorum", "diloco.merge"]
+    assert [r["label"] for r in comparison["rows"]] == list(cells)
+    for row in comparison["rows"]:
+        config = json.loads((Path(row["run_dir"]) / "config.json").read_text())
+        assert (row["diloco.quorum"], row["diloco.merge"]) == (config["diloco"]["quorum"], config["diloco"]["merge"])
+        methods = json.loads((Path(row["run_dir"]) / "report" / "report.json").read_text())["stages"]["pretrain"]["methods"]
+        assert row["diloco/final_val_loss"] == methods["diloco"]["final_val_loss"]
+        assert row["dp/final_val_loss"] == methods["dp"]["final_val_loss"]
+        assert row["diloco/loss_gap_pct"] == pytest.approx(
+            100 * (methods["diloco"]["final_val_loss"] / methods["dp"]["final_val_loss"] - 1))
+    assert (sweep_dir / "report" / comparison["plots"]["loss"]).is_file()
+    assert "| quorum-1_merge-mean | 1 | mean |" in (sweep_dir / "report" / "comparison.md").read_text()
+
+    # Prefect's global concurrency limit held the cells to two at once
+    with get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name("sweep-e2e").limit == 2
+        runs = _pipeline_runs(client, sweep_dir)
+        assert len(runs) == 4 and all(r.state.is_completed() for r in runs)
+        events = sorted([(r.start_time, 1) for r in runs] + [(r.end_time, -1) for r in runs])
+        running = peak = 0
+        for _, step in events:
+            running += step
+            peak = max(peak, running)
+        assert peak == 2
+
+    # a re-run finds every cell completed with its config: no pipeline run starts
+    assert sweep(spec=s, sweep_dir=str(sweep_dir)) == str(sweep_dir)
+    again = json.loads((sweep_dir / "sweep.json").read_text())
+    assert all(c["action"] == "skip" and c["skipped"] is True for c in again["cells"])
+    with get_client(sync_client=True) as client:
+        assert len(_pipeline_runs(client, sweep_dir)) == 4
