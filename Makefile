@@ -3,10 +3,12 @@ PY      ?= python3
 UV      := .uv-bootstrap/bin/uv
 VENV    := .venv
 CONFIG  ?= configs/default.yaml
+UI_HOST ?= 127.0.0.1
+UI_PORT ?= 4200
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: setup run test bench bench-torch ui clean
+.PHONY: setup browser run test bench bench-torch ui clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -18,10 +20,18 @@ $(VENV)/.synced: $(UV) pyproject.toml uv.lock
 
 setup: $(VENV)/.synced
 
+# Debian's Chromium for the browser test of the Prefect UI (tests/test_ui_browser.py, Playwright):
+# installed with apt-get when missing and we are root; otherwise that test is skipped (fails under CI).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; \
+	  else echo "chromium not found and not root with apt-get: tests/test_ui_browser.py will be skipped"; fi; }
+
 run: setup
 	$(VENV)/bin/ddiloco run $(CONFIG)
 
-test: setup
+test: setup browser
 	$(VENV)/bin/python -m pytest tests
 
 bench: setup
@@ -33,8 +43,10 @@ bench-torch: setup
 	$(VENV)/bin/python -m pip install --quiet -r benchmarks/requirements-torch.txt
 	$(VENV)/bin/python benchmarks/throughput.py
 
+# The UI asks the server for its API URL, so a port other than 4200 needs it too.
 ui: setup
-	$(VENV)/bin/prefect server start --host 127.0.0.1 --port 4200 --analytics-off
+	PREFECT_SERVER_API_HOST=$(UI_HOST) PREFECT_SERVER_API_PORT=$(UI_PORT) \
+	  $(VENV)/bin/prefect server start --host $(UI_HOST) --port $(UI_PORT) --analytics-off
 
 clean:
 	rm -rf .venv .uv-bootstrap

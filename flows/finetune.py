@@ -187,7 +187,9 @@ def finetune(
     methods: Optional[list[str]] = None,
     checkpoint: Optional[str] = None,
     name: Optional[str] = None,
-    overrides: Optional[dict[str, Any]] = None,
+    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
+    # dict/None switch with nothing to edit)
+    overrides: dict[str, Any] = {},  # noqa: B006
     replace: bool = False,
     build_report: bool = True,
 ) -> str:

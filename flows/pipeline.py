@@ -62,7 +62,9 @@ def _run_problem(results: dict[str, Any]) -> str | None:
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
     config_file: Optional[str] = None,
-    overrides: Optional[dict[str, Any]] = None,
+    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
+    # dict/None switch with nothing to edit)
+    overrides: dict[str, Any] = {},  # noqa: B006
     run_dir: Optional[str] = None,
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
