@@ -223,6 +223,13 @@ def sweep(
         spec = SweepSpec.model_validate(raw)
     except ValidationError as exc:
         raise _fail(sweep_problem(exc, "sweep"))
+    if spec.launch == "deployment":
+        from prefect.settings import PREFECT_API_URL
+
+        if not PREFECT_API_URL.value():
+            raise _fail(f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, "
+                        "which needs a Prefect server: set PREFECT_API_URL (see the README's UI section) or use "
+                        "--launch subflow")
     from flows.sweep import sweep_preflight
 
     try:

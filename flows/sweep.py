@@ -205,6 +205,26 @@ def set_concurrency_limit(name: str, limit: int) -> None:
         client.upsert_global_concurrency_limit_by_name(name, limit)
 
 
+def check_deployment(spec: SweepSpec) -> None:
+    """With ``launch: deployment``: the pipeline deployment exists on this Prefect server (raises
+    ``ValueError`` naming ``deployment`` otherwise); a warning when no worker polls its work pool
+    (the cells would wait for one)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            dep = client.read_deployment_by_name(spec.deployment)
+        except ObjectNotFound:
+            raise ValueError(f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on this Prefect server "
+                             f"({client.api_url}); deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
+                             "or use launch: subflow") from None
+        pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
+    if pool is not None and str(getattr(pool.status, "value", pool.status)).upper() != "READY":
+        get_run_logger().warning("no worker polls the work pool %s of %s: the cells wait until one starts "
+                                 "(`prefect worker start --pool %s`)", pool.name, spec.deployment, pool.name)
+
+
 @task(name="sweep-cell", cache_policy=NO_CACHE, task_run_name="cell {name}")
 def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str) -> dict:
     """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``.
@@ -289,6 +309,8 @@ def sweep(
     logger = get_run_logger()
     spec = resolve_sweep(spec, sweep_file)
     plan = sweep_preflight(spec, sweep_dir)
+    if spec.launch == "deployment":
+        check_deployment(spec)
     if stop_requested():
         return Cancelled(message="stopped before the sweep started; nothing was written")
     todo = [pc for pc in plan.cells if pc.action != "skip"]

@@ -26,10 +26,10 @@ from tests.conftest import SMALL_DATA
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
-# The tiny config on the committed small corpus, one DiLoCo eval interval, no lm-eval and no DP:
-# shard → DiLoCo → report.
+# The tiny config on the committed small corpus, one DiLoCo eval interval, no lm-eval, no DP and no
+# post-training: shard → DiLoCo → report.
 FAST = {**SMALL_DATA, "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
-        "dp.enabled": False}
+        "dp.enabled": False, "finetune.enabled": False}
 RUN_TIMEOUT_S = 240
 
 
@@ -280,15 +280,16 @@ def test_flow_serve_and_run_deployment(route_env, tmp_path):
 
 
 def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
-    """`prefect deploy --all` from the repository's prefect.yaml, `run_deployment` of pipeline/tiny
-    with only overrides (the config is the deployment's copy of configs/tiny.yaml), and a process
-    worker that runs it (`prefect worker start --run-once`)."""
+    """`prefect deploy --all` from the repository's prefect.yaml (every deployment registered, the
+    nightly sweep's schedule inactive), and a one-cell sweep launched through pipeline/tiny: a
+    process worker runs the cell's pipeline in its own process. (A run of pipeline/tiny with only
+    overrides, its config the deployment's copy of configs/tiny.yaml, through a worker: started from
+    the UI form in tests/test_ui_browser.py.)"""
     from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
 
     from configs.schema import load_config
 
-    log, run_dir = tmp_path / "worker.log", tmp_path / "run"
+    log = tmp_path / "worker.log"
     _run([PREFECT, "work-pool", "create", "local-proc", "--type", "process", "--overwrite"], route_env, log, 60)
     _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
     dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
@@ -300,12 +301,7 @@ def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
 
     nightly = asyncio.run(_read_deployment("sweep/nightly", 5))  # the scheduled sweep, inactive as shipped
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 3 * * *", "UTC", False)]
-    listed = subprocess.run([PREFECT, "deployment", "ls"], env=route_env, cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
-    assert "sweep/nightly" in listed.stdout.replace("│", " ") or "nightly" in listed.stdout, listed.stdout
 
-    flow_run = run_deployment("pipeline/tiny", timeout=0,
-                              parameters={"overrides": FAST, "run_dir": str(run_dir)})
     worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], route_env, log)
     try:
         # a one-cell sweep launched through the same deployment: the worker runs the cell's pipeline
@@ -313,26 +309,20 @@ def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
         from configs.sweep import SweepSpec
         from flows.sweep import sweep
 
-        spec = SweepSpec(name="route", base="tiny", overrides={**FAST, "finetune.enabled": False},
+        spec = SweepSpec(name="route", base="tiny", overrides=FAST,
                          cells=[{"diloco.quorum": 1}], launch="deployment", deployment="pipeline/tiny")
         sweep_dir = tmp_path / "sweep"
-        assert sweep(spec=spec, sweep_dir=str(sweep_dir)) == str(sweep_dir)
-
-        async def final(run_id):
-            async with get_client() as client:
-                end = time.monotonic() + RUN_TIMEOUT_S
-                while True:
-                    run = await client.read_flow_run(run_id)
-                    if run.state.is_final() or time.monotonic() > end:
-                        return run
-                    await asyncio.sleep(1)
-
-        _assert_completed(asyncio.run(final(flow_run.id)), run_dir, log)
+        assert sweep(spec=spec, sweep_dir=str(sweep_dir)) == str(sweep_dir), _tail(log)
     finally:
         _stop(worker)
     cell = json.loads((sweep_dir / "sweep.json").read_text())["cells"][0]
     assert (cell["name"], cell["status"], cell["state"]) == ("quorum-1", "completed", "COMPLETED")
-    cell_run = asyncio.run(final(cell["flow_run_id"]))
-    assert cell_run.deployment_id == dep.id  # run by pipeline/tiny's worker, not in this process
+
+    async def read(run_id):
+        async with get_client() as client:
+            return await client.read_flow_run(run_id)
+
+    cell_run = asyncio.run(read(cell["flow_run_id"]))
+    assert cell_run.deployment_id == dep.id and cell_run.state.is_completed()  # pipeline/tiny's worker ran it
     assert json.loads((sweep_dir / "cells" / "quorum-1" / "config.json").read_text())["diloco"]["quorum"] == 1
     assert (sweep_dir / "report" / "comparison.md").is_file()

@@ -20,11 +20,24 @@ from configs.schema import ExperimentConfig, load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def cli(*args, env=None, timeout=180):
-    """``ddiloco ARGS`` in a subprocess: (exit code, stderr)."""
+def cli_process(*args, env=None, timeout=180):
+    """``ddiloco ARGS`` in a fresh Python process: (exit code, stderr)."""
     out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=ROOT, capture_output=True,
                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
     return out.returncode, out.stderr
+
+
+def cli(*args):
+    """``ddiloco ARGS`` in this process (typer's runner): (exit code, stderr). A refusal comes before
+    Prefect or JAX start, so this is the same code path as a fresh process (:func:`cli_process`, kept
+    for the tests where a fresh process matters) without paying an interpreter's start-up each time;
+    an exception escaping the command exits 1 here, and the refusal checks want 2."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, [*map(str, args)])
+    return result.exit_code, result.stderr
 
 
 def one_line_refusal(code: int, err: str) -> str:
@@ -48,8 +61,8 @@ def test_a_refused_run_never_touches_a_finished_run(tmp_path):
     before = finished_run(tmp_path / "R")
     listing = sorted(p.name for p in (tmp_path / "R").rglob("*"))
     os.utime(tmp_path / "R", (0, 0))  # nothing may be created in it, not even a probe folder
-    line = one_line_refusal(*cli("run", "configs/tiny.yaml", "--run-dir", tmp_path / "R",
-                                 "--set", "diloco.outer_lr=0.5"))
+    line = one_line_refusal(*cli_process("run", "configs/tiny.yaml", "--run-dir", tmp_path / "R",
+                                         "--set", "diloco.outer_lr=0.5"))
     assert "already holds a run (completed" in line and "--run-dir" in line
     assert (tmp_path / "R" / "config.json").read_bytes() == before
     assert sorted(p.name for p in (tmp_path / "R").rglob("*")) == listing
@@ -120,8 +133,8 @@ def test_corpus_too_small_is_refused_before_prefect_starts(tmp_path, texts, need
 
 
 def test_hub_dataset_while_offline_is_refused_before_prefect_starts(tmp_path):
-    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", "data.source=hf",
-                                 "--set", "data.hf_name=wikitext", env={"HF_HUB_OFFLINE": "1"}))
+    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", tmp_path / "R", "--set", "data.source=hf",
+                                         "--set", "data.hf_name=wikitext", env={"HF_HUB_OFFLINE": "1"}))
     assert "data.hf_name 'wikitext'" in line and "data.source: local" in line
     assert not (tmp_path / "R").exists()
 

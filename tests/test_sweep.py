@@ -179,3 +179,28 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
     assert all(c["action"] == "skip" and c["skipped"] is True for c in again["cells"])
     with get_client(sync_client=True) as client:
         assert len(_pipeline_runs(client, sweep_dir)) == 4
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "error: invalid sweep: grid: the sweep is empty (no grid axis and no cells); give at least one axis"),
+    (["tiny_grid", "--axis", "diloco.lerners=[2,4]"], "error: sweep tiny-grid, cell learners-2_quorum-1_lerners-2: "
+                                                       "diloco.lerners: Extra inputs are not permitted"),
+    (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
+    (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
+    (["tiny_grid", "--launch", "deployment"], "error: sweep tiny-grid: launch: deployment runs each cell through a "
+                                              "deployment's worker, which needs a Prefect server"),
+])
+def test_sweep_cli_refuses_bad_input_in_one_line(args, message, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):  # no server, even beside the test harness
+        result = CliRunner().invoke(app, ["sweep", *args, "--sweep-dir", str(tmp_path / "sw")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), lines
+    assert not (tmp_path / "sw").exists()

@@ -36,7 +36,7 @@ from tests.test_deployments import FAST, RUN_TIMEOUT_S, _start, _stop, _tail
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 SHOTS = REPO / "build" / "ui-screenshots"
-UI_FAST = {**FAST, "finetune.enabled": False}  # what the test types into the overrides field
+UI_FAST = FAST  # what the test types into the overrides field
 INSTALL_HINT = "`make browser` as root (apt-get install -y chromium)"
 
 
