@@ -17,9 +17,10 @@ Layout of a sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with
   child run), executed by a worker of that deployment's pool in a process of its own: cells on
   several machines, or isolated from each other's crashes.
 
-Either way at most ``concurrency`` cells run at once: each ``sweep-cell`` task holds a slot of the
+Either way at most ``concurrency`` cells run at once, taken in grid order by a Prefect
+``ThreadPoolTaskRunner`` of that many threads, and each ``sweep-cell`` task holds a slot of the
 Prefect global concurrency limit ``sweep-<name>`` (created, or updated to ``concurrency``, when the
-sweep starts) while its cell runs; sweeps of one name share the limit, wherever they run.
+sweep starts) while its cell runs, so sweeps of one name share the limit, wherever they run.
 
 **Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
 the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
@@ -46,6 +47,7 @@ import yaml
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
+from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.states import Cancelled, Failed, State
 
 from configs.schema import ExperimentConfig, config_path, read_config_file
@@ -277,7 +279,7 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     comparison = build_comparison([pc.run_dir for pc in have], plan.sweep_dir / "report", axes=axes,
                                   labels=[pc.cell.name for pc in have], title=f"Sweep {plan.spec.name}",
                                   source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)")
-    publish_comparison_artifacts(comparison, f"sweep-{plan.spec.name}")
+    publish_comparison_artifacts(comparison, plan.spec.name)
     return comparison
 
 
@@ -333,17 +335,21 @@ def sweep(
         limit = limit_name(spec)
         set_concurrency_limit(limit, spec.concurrency)
         progress = _Progress(spec, len(plan.cells), len(plan.cells) - len(todo))
-        futures = {sweep_cell.submit(pc.cell.name, pc.cfg, str(pc.run_dir), spec.launch, spec.deployment,
-                                     limit): pc.cell.name for pc in todo}
-        for future in as_completed(list(futures)):
-            name = futures[future]
-            try:
-                results[name] = {**future.result(), "skipped": False}
-            except Exception as exc:  # the cell's own failure is recorded; the others go on
-                results[name] = {"state": "FAILED", "status": read_status(plan.sweep_dir / "cells" / name).get("status"),
-                                 "reason": f"{type(exc).__name__}: {exc}", "skipped": False}
-            _write_record(plan, results)
-            progress.advance()
+        # `concurrency` threads take the cells in grid order; the global limit holds them to
+        # `concurrency` at once across every sweep of this name
+        with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
+            futures = {runner.submit(sweep_cell, {"name": pc.cell.name, "config": pc.cfg, "run_dir": str(pc.run_dir),
+                                                  "launch": spec.launch, "deployment": spec.deployment,
+                                                  "limit": limit}): pc.cell.name for pc in todo}
+            for future in as_completed(list(futures)):
+                name = futures[future]
+                try:
+                    results[name] = {**future.result(), "skipped": False}
+                except Exception as exc:  # the cell's own failure is recorded; the others go on
+                    results[name] = {"state": "FAILED", "reason": f"{type(exc).__name__}: {exc}", "skipped": False,
+                                     "status": read_status(plan.sweep_dir / "cells" / name).get("status")}
+                _write_record(plan, results)
+                progress.advance()
         comparison = sweep_report(plan, results)
     report = plan.sweep_dir / "report" / "comparison.md"
     failed = [n for n, r in results.items() if r.get("status") != "completed" and r.get("state") != "NOT_STARTED"]
