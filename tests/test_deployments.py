@@ -1,9 +1,10 @@
-"""The pipeline flow through every standard route besides a direct call (tests/test_flows.py):
-``flow.serve()`` + ``run_deployment``, and prefect.yaml (``prefect deploy --all``) + a process worker +
-``run_deployment``; prefect.yaml in sync with configs/*.yaml; the UI form (parameter schema).
+"""The pipeline flow through the standard routes besides a direct call (tests/test_flows.py):
+``flow.serve()`` + ``run_deployment`` (from a sweep with ``launch: deployment``), and prefect.yaml
+(``prefect deploy --all``; a process worker on it runs pipeline/tiny from the UI form in
+tests/test_ui_browser.py); prefect.yaml in sync with configs/*.yaml; the UI forms (parameter schemas).
 
-The route tests run the real flow on the tiny config and the committed small corpus, cut to one
-eval interval (about 40 s each on 2 CPU cores). Servers and workers run in their own process group
+The route test runs the real flow on the tiny config and the committed small corpus, cut to one
+eval interval (about 40 s on 2 CPU cores). Servers and workers run in their own process group
 against the session's Prefect test server (127.0.0.1) and are always stopped.
 """
 
@@ -230,13 +231,13 @@ def _run(args: list[str], env: dict, log: Path, timeout: float) -> None:
         _stop(proc)
 
 
-def _assert_completed(flow_run, run_dir: Path, log: Path) -> None:
+def _assert_completed(flow_run, run_dir: Path, log: Path, name: str = "tiny") -> None:
     assert flow_run.state is not None and flow_run.state.is_completed(), \
         f"flow run {flow_run.name}: {flow_run.state}\n{_tail(log)}"
     assert (run_dir / "report" / "report.md").is_file()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["name"] == "tiny" and config["train"]["token_budget"] == 3072
+    assert config["name"] == name and config["train"]["token_budget"] == 3072
     assert config["data"]["source"] == "local" and config["data"]["paths"] == SMALL_DATA["data.paths"]
     layout = RunLayout(run_dir)
     assert layout.methods("pretrain") == ["diloco"]  # dp.enabled: false
@@ -258,63 +259,28 @@ async def _read_deployment(name: str, deadline_s: float, proc: subprocess.Popen 
                 await asyncio.sleep(0.5)
 
 
-def test_flow_serve_and_run_deployment(route_env, tmp_path):
-    """`pipeline.serve()` in a child process; `run_deployment` with a shipped config's name and
-    overrides; the run completes in the served process."""
-    from prefect.deployments import run_deployment
+def test_flow_serve_and_a_sweep_through_the_deployment(route_env, tmp_path):
+    """`pipeline.serve()` in a child process, and a one-cell sweep launched through that deployment
+    (`launch: deployment`): `run_deployment` with the cell's whole config, run in the served process
+    (not in the sweep's); the sweep records the run and builds its report."""
+    from prefect.client.orchestration import get_client
 
-    log, run_dir = tmp_path / "serve.log", tmp_path / "run"
+    from configs.sweep import SweepSpec
+    from flows.sweep import sweep
+
+    log, sweep_dir = tmp_path / "serve.log", tmp_path / "sweep"
     serve = _start([sys.executable, "-c", "from flows.pipeline import pipeline; "
                     "pipeline.serve(name='serve-test', print_starting_message=False)"], route_env, log)
     try:
         try:
-            asyncio.run(_read_deployment("pipeline/serve-test", 120, serve))
+            dep = asyncio.run(_read_deployment("pipeline/serve-test", 120, serve))
         except Exception as exc:
             raise AssertionError(f"pipeline.serve() did not register ({exc}):\n{_tail(log)}") from None
-        flow_run = run_deployment("pipeline/serve-test", timeout=RUN_TIMEOUT_S, poll_interval=1,
-                                  parameters={"config_file": "tiny", "overrides": FAST,
-                                              "run_dir": str(run_dir)})
-    finally:
-        _stop(serve)
-    _assert_completed(flow_run, run_dir, log)
-
-
-def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
-    """`prefect deploy --all` from the repository's prefect.yaml (every deployment registered, the
-    nightly sweep's schedule inactive), and a one-cell sweep launched through pipeline/tiny: a
-    process worker runs the cell's pipeline in its own process. (A run of pipeline/tiny with only
-    overrides, its config the deployment's copy of configs/tiny.yaml, through a worker: started from
-    the UI form in tests/test_ui_browser.py.)"""
-    from prefect.client.orchestration import get_client
-
-    from configs.schema import load_config
-
-    log = tmp_path / "worker.log"
-    _run([PREFECT, "work-pool", "create", "local-proc", "--type", "process", "--overwrite"], route_env, log, 60)
-    _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
-    dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
-    assert dep.parameters == {"config": load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")}
-    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir"}
-    for name in ("pipeline/default", "pipeline/failure", "pretrain-diloco/pretrain-diloco",
-                 "pretrain-dp/pretrain-dp", "goodput/goodput"):
-        asyncio.run(_read_deployment(name, 5))
-
-    nightly = asyncio.run(_read_deployment("sweep/nightly", 5))  # the scheduled sweep, inactive as shipped
-    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 3 * * *", "UTC", False)]
-
-    worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], route_env, log)
-    try:
-        # a one-cell sweep launched through the same deployment: the worker runs the cell's pipeline
-        # in its own process, the sweep (here, in the test's process) waits for it
-        from configs.sweep import SweepSpec
-        from flows.sweep import sweep
-
-        spec = SweepSpec(name="route", base="tiny", overrides=FAST,
-                         cells=[{"diloco.quorum": 1}], launch="deployment", deployment="pipeline/tiny")
-        sweep_dir = tmp_path / "sweep"
+        spec = SweepSpec(name="route", base="tiny", overrides=FAST, cells=[{"diloco.quorum": 1}],
+                         launch="deployment", deployment="pipeline/serve-test")
         assert sweep(spec=spec, sweep_dir=str(sweep_dir)) == str(sweep_dir), _tail(log)
     finally:
-        _stop(worker)
+        _stop(serve)
     cell = json.loads((sweep_dir / "sweep.json").read_text())["cells"][0]
     assert (cell["name"], cell["status"], cell["state"]) == ("quorum-1", "completed", "COMPLETED")
 
@@ -322,7 +288,29 @@ def test_prefect_yaml_deploy_worker_and_run_deployment(route_env, tmp_path):
         async with get_client() as client:
             return await client.read_flow_run(run_id)
 
-    cell_run = asyncio.run(read(cell["flow_run_id"]))
-    assert cell_run.deployment_id == dep.id and cell_run.state.is_completed()  # pipeline/tiny's worker ran it
-    assert json.loads((sweep_dir / "cells" / "quorum-1" / "config.json").read_text())["diloco"]["quorum"] == 1
+    flow_run = asyncio.run(read(cell["flow_run_id"]))
+    assert flow_run.deployment_id == dep.id  # run by the served deployment, not in this process
+    run_dir = sweep_dir / "cells" / "quorum-1"
+    _assert_completed(flow_run, run_dir, log, name="quorum-1")
+    assert json.loads((run_dir / "config.json").read_text())["diloco"]["quorum"] == 1
     assert (sweep_dir / "report" / "comparison.md").is_file()
+
+
+def test_prefect_yaml_deploy_all(route_env, tmp_path):
+    """`prefect deploy --all` from the repository's prefect.yaml: every deployment registered, with
+    its parameters and form, the nightly sweep's schedule inactive. (A process worker running a
+    prefect.yaml deployment, pipeline/tiny started from the UI form: tests/test_ui_browser.py.)"""
+    from configs.schema import load_config
+
+    log = tmp_path / "deploy.log"
+    _run([PREFECT, "work-pool", "create", "local-proc", "--type", "process", "--overwrite"], route_env, log, 60)
+    _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
+    dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
+    assert dep.parameters == {"config": load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")}
+    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir"}
+    for name in ("pipeline/default", "pipeline/failure", "pretrain-diloco/pretrain-diloco",
+                 "pretrain-dp/pretrain-dp", "finetune/finetune", "goodput/goodput", "sweep/tiny_grid"):
+        asyncio.run(_read_deployment(name, 5))
+    nightly = asyncio.run(_read_deployment("sweep/nightly", 5))  # the scheduled sweep, inactive as shipped
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 3 * * *", "UTC", False)]
+    assert set(nightly.parameter_openapi_schema["properties"]) == {"spec", "sweep_file", "sweep_dir"}
