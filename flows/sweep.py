@@ -34,6 +34,7 @@ starts (the sweep's spec changed under the same name).
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
 # (see flows/pipeline.py).
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -227,6 +228,45 @@ def check_deployment(spec: SweepSpec) -> None:
                                  "(`prefect worker start --pool %s`)", pool.name, spec.deployment, pool.name)
 
 
+@contextlib.contextmanager
+def _slot(limit: str, poll_s: float = 5.0):
+    """Hold one slot of the global concurrency limit ``limit`` while the block runs; yields False
+    (holding nothing) when a stop signal came while waiting for it (checked every ``poll_s`` s)."""
+    from prefect.concurrency.sync import concurrency
+
+    with contextlib.ExitStack() as stack:
+        while not stop_requested():
+            try:
+                stack.enter_context(concurrency(limit, occupy=1, strict=True, timeout_seconds=poll_s))
+            except TimeoutError:  # no free slot yet: look at the stop flag, then wait again
+                continue
+            break
+        yield not stop_requested()
+
+
+def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2.0):
+    """Start a run of ``deployment`` (a child of this task run) and wait for its final state; on a stop
+    signal ask it to cancel and return. Returns (state, flow run id)."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.states import Cancelling
+
+    flow_run = run_deployment(deployment, parameters=parameters, timeout=0)
+    with get_client(sync_client=True) as client:
+        cancelled = False
+        while True:
+            run = client.read_flow_run(flow_run.id)
+            if run.state is not None and run.state.is_final():
+                return run.state, str(run.id)
+            if stop_requested() and not cancelled:
+                get_run_logger().warning("stop: cancelling the cell's flow run %s", run.name)
+                client.set_flow_run_state(run.id, Cancelling(message="the sweep was stopped"), force=True)
+                cancelled = True
+            if cancelled and (run.state is None or not run.state.is_running()):
+                return client.read_flow_run(run.id).state, str(run.id)  # never started: nothing to wait for
+            time.sleep(poll_s)
+
+
 @task(name="sweep-cell", cache_policy=NO_CACHE, task_run_name="cell {name}")
 def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str) -> dict:
     """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``.
@@ -235,22 +275,15 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
     "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
     go on.
     """
-    from prefect.concurrency.sync import concurrency
-
     logger = get_run_logger()
-    if stop_requested():
-        return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
-    with concurrency(limit, occupy=1, strict=True):
-        if stop_requested():
+    with _slot(limit) as held:
+        if not held:
             return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
         t0 = time.perf_counter()
         logger.info("cell %s: %s in %s", name, launch, run_dir)
         if launch == "deployment":
-            from prefect.deployments import run_deployment
-
-            flow_run = run_deployment(deployment, parameters={"config": config.model_dump(mode="json"),
-                                                              "run_dir": run_dir}, timeout=None)
-            state, run_id = flow_run.state, str(flow_run.id)
+            state, run_id = _run_through_deployment(deployment, {"config": config.model_dump(mode="json"),
+                                                                 "run_dir": run_dir})
         else:
             from flows.pipeline import pipeline
 

@@ -204,3 +204,37 @@ def test_sweep_cli_refuses_bad_input_in_one_line(args, message, tmp_path, monkey
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), lines
     assert not (tmp_path / "sw").exists()
+
+
+def test_a_stop_while_a_cell_waits_for_a_worker_cancels_it_and_ends_the_sweep(prefect_harness, tmp_path):
+    """`launch: deployment` with no worker: the cell's flow run waits, scheduled. A stop signal (as
+    SIGINT/SIGTERM would set it) cancels that run, the cell waiting for a slot never starts, and the
+    sweep ends Cancelled within seconds instead of waiting for ever."""
+    import threading
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from flows.sweep import sweep
+    from run.control import request_stop, reset
+
+    with get_client(sync_client=True) as client:  # a pipeline deployment that no worker serves
+        client.create_deployment(flow_id=client.create_flow_from_name("pipeline"), name="nobody",
+                                 entrypoint="flows/pipeline.py:pipeline")
+    s = spec(name="stop", grid={"diloco.quorum": [1, 2]}, overrides=FAST, launch="deployment",
+             deployment="pipeline/nobody")
+    timer = threading.Timer(10, request_stop)
+    timer.start()
+    try:
+        t0 = time.monotonic()
+        state = sweep(spec=s, sweep_dir=str(tmp_path / "sw"), return_state=True)
+        took = time.monotonic() - t0 - 10
+    finally:
+        timer.cancel()
+        reset()
+    assert state.is_cancelled() and took < 30, (state, took)
+    cells = json.loads((tmp_path / "sw" / "sweep.json").read_text())["cells"]
+    assert cells[0]["state"] in ("CANCELLING", "CANCELLED") and cells[1]["state"] == "NOT_STARTED"
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(cells[0]["flow_run_id"])
+    assert run.state.name in ("Cancelling", "Cancelled") and run.parameters["run_dir"] == cells[0]["run_dir"]
