@@ -748,21 +748,20 @@ def load_config_checked(path: str | Path, overrides: dict | None = None) -> Expe
         raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
 
 
-def parse_overrides(items: list[str]) -> dict:
+def parse_overrides(items: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
     """``["diloco.learners=2", "seeds=5"]`` → ``{"diloco.learners": 2, "seeds": 5}`` (values parsed as YAML).
 
-    Raises ``ValueError`` naming the item that is not ``key=value``.
+    Raises ``ValueError`` naming the option and the item that is not ``key=value``.
     """
     out = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise ValueError(f"--set expects key=value (e.g. diloco.learners=2, or for goodput "
-                             f"chip_mtbi_years=0.5), got {item!r}")
+            raise ValueError(f"{option} expects key=value (e.g. {example}), got {item!r}")
         try:
             out[key] = yaml_value(value)
         except yaml.YAMLError as exc:
-            raise ValueError(f"--set {item!r}: the value is not valid YAML ({' '.join(str(exc).split())[:160]})") from None
+            raise ValueError(f"{option} {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
     return out
 
 

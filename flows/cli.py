@@ -24,11 +24,11 @@ from run.layout import RunLayout
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
 
-def _parse_sets(sets: list[str]) -> dict:
+def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
     from configs.schema import parse_overrides
 
     try:
-        return parse_overrides(sets)
+        return parse_overrides(sets, option, example)
     except ValueError as exc:
         raise _fail(str(exc))
 
@@ -190,6 +190,8 @@ def sweep(
     concurrency: Optional[int] = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
     launch: Optional[str] = typer.Option(None, help="subflow (default: in this process) or deployment (a pipeline "
                                          "deployment's worker runs each cell)"),
+    deployment: Optional[str] = typer.Option(None, help="with --launch deployment: the pipeline deployment "
+                                             "(default pipeline/default)"),
     sweep_dir: Optional[str] = typer.Option(None, help="the sweep's folder (default <sweep_root>/<name>); an "
                                             "existing sweep folder is resumed"),
 ):
@@ -202,21 +204,26 @@ def sweep(
     from configs.sweep import SweepSpec, load_sweep, sweep_path, sweep_problem
 
     sets = _parse_sets(set_)
-    axes = _parse_sets(axis)
+    axes = _parse_sets(axis, "--axis", "diloco.learners=[2,4]")
     for key, values in axes.items():
         if not isinstance(values, list):
             raise _fail(f"--axis {key}={values}: give a list of values, e.g. --axis {key}=[{values},...]")
     try:
         raw: dict = load_sweep(sweep_file).model_dump(mode="json") if sweep_file else {}
     except ValidationError as exc:
-        raise _fail(f"{sweep_path(sweep_file)}: {sweep_problem(exc, 'sweep')}")
+        path = sweep_path(sweep_file)
+        if {"data", "model", "diloco", "train"} & {str(e["loc"][0]) for e in exc.errors() if e["loc"]}:
+            raise _fail(f"{path} is an experiment config, not a sweep file; sweep over it with --base {path} and "
+                        "--axis key=[values] (a sweep file holds base, grid, ...: see configs/sweeps/)")
+        raise _fail(f"{path}: {sweep_problem(exc, 'sweep')}")
     except yaml.YAMLError as exc:
         raise _fail(f"{sweep_file} is not valid YAML: {' '.join(str(exc).split())}")
     except (FileNotFoundError, ValueError) as exc:
         raise _fail(str(exc))
     raw["grid"] = {**raw.get("grid", {}), **axes}
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    for key, value in [("base", base), ("name", name), ("concurrency", concurrency), ("launch", launch)]:
+    for key, value in [("base", base), ("name", name), ("concurrency", concurrency), ("launch", launch),
+                       ("deployment", deployment)]:
         if value is not None:
             raw[key] = value
     try:
@@ -230,6 +237,14 @@ def sweep(
             raise _fail(f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, "
                         "which needs a Prefect server: set PREFECT_API_URL (see the README's UI section) or use "
                         "--launch subflow")
+        from flows.sweep import check_deployment
+
+        try:
+            warning = check_deployment(spec)
+        except ValueError as exc:
+            raise _fail(str(exc))
+        if warning:
+            typer.echo(f"warning: {warning}", err=True)
     from flows.sweep import sweep_preflight
 
     try:
@@ -267,7 +282,7 @@ def goodput(
     from sim import GoodputConfig
 
     try:
-        cfg = GoodputConfig.model_validate(_parse_sets(set_))
+        cfg = GoodputConfig.model_validate(_parse_sets(set_, example="chip_mtbi_years=0.5"))
     except ValidationError as exc:
         raise _invalid("invalid goodput settings:", exc)
     if out is not None:

@@ -208,24 +208,29 @@ def set_concurrency_limit(name: str, limit: int) -> None:
         client.upsert_global_concurrency_limit_by_name(name, limit)
 
 
-def check_deployment(spec: SweepSpec) -> None:
-    """With ``launch: deployment``: the pipeline deployment exists on this Prefect server (raises
-    ``ValueError`` naming ``deployment`` otherwise); a warning when no worker polls its work pool
-    (the cells would wait for one)."""
+def check_deployment(spec: SweepSpec) -> str | None:
+    """With ``launch: deployment``: the Prefect server answers and the pipeline deployment exists on
+    it; raises ``ValueError`` in one line naming the server or ``deployment`` otherwise. Returns a
+    warning when no worker polls the deployment's work pool (its cells would wait for one), else None."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
     with get_client(sync_client=True) as client:
         try:
             dep = client.read_deployment_by_name(spec.deployment)
+            pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
         except ObjectNotFound:
-            raise ValueError(f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on this Prefect server "
-                             f"({client.api_url}); deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
+            raise ValueError(f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on the Prefect server "
+                             f"{client.api_url}; deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
                              "or use launch: subflow") from None
-        pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
+        except Exception as exc:  # the server does not answer (connection refused, timeout, ...)
+            raise ValueError(f"sweep {spec.name}: launch: deployment: the Prefect server {client.api_url} "
+                             f"(PREFECT_API_URL) does not answer ({type(exc).__name__}); start it or use launch: "
+                             "subflow") from None
     if pool is not None and str(getattr(pool.status, "value", pool.status)).upper() != "READY":
-        get_run_logger().warning("no worker polls the work pool %s of %s: the cells wait until one starts "
-                                 "(`prefect worker start --pool %s`)", pool.name, spec.deployment, pool.name)
+        return (f"no worker polls the work pool {pool.name} of {spec.deployment}: the cells wait until one starts "
+                f"(`prefect worker start --pool {pool.name}`)")
+    return None
 
 
 @contextlib.contextmanager
@@ -345,7 +350,9 @@ def sweep(
     spec = resolve_sweep(spec, sweep_file)
     plan = sweep_preflight(spec, sweep_dir)
     if spec.launch == "deployment":
-        check_deployment(spec)
+        warning = check_deployment(spec)
+        if warning:
+            logger.warning(warning)
     if stop_requested():
         return Cancelled(message="stopped before the sweep started; nothing was written")
     todo = [pc for pc in plan.cells if pc.action != "skip"]

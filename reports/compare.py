@@ -373,6 +373,13 @@ def _leaf(key: str, keys: list[str]) -> str:
     return short if sum(k.rsplit(".", 1)[-1] == short for k in keys) == 1 else key
 
 
+MARKERS = {"diloco": "o", "dp": "s"}  # a lone point still says its method
+
+
+def _marker(m: str) -> str:
+    return MARKERS.get(m, "^")
+
+
 def _style(m: str, methods: list[str]) -> str:
     if m in LINESTYLES:
         return LINESTYLES[m]
@@ -423,7 +430,7 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
                     by_x.setdefault(x, []).append(y)
                 line_x = sorted(by_x)
                 line_y = [sum(by_x[x]) / len(by_x[x]) for x in line_x]
-                ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker="o", ms=5)
+                ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker=_marker(m), ms=5)
                 if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
                     ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
                 unfinished = [(pos(r.get(axis)), r[key_of(m)]) for r in rs
@@ -442,9 +449,10 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
         if len(combos) > 1:
             handles += [Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
                         for ci, k in enumerate(combos)]
-            handles += [Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, label=short_label(m)) for m in which]
+            handles += [Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5,
+                               label=short_label(m)) for m in which]
         else:
-            handles += [Line2D([], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker="o",
+            handles += [Line2D([], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker=_marker(m),
                                label=short_label(m)) for mi, m in enumerate(which)]
         if hollow:
             handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))

@@ -238,3 +238,16 @@ def test_a_stop_while_a_cell_waits_for_a_worker_cancels_it_and_ends_the_sweep(pr
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(cells[0]["flow_run_id"])
     assert run.state.name in ("Cancelling", "Cancelled") and run.parameters["run_dir"] == cells[0]["run_dir"]
+
+
+def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", "tiny_grid", "--launch", "deployment", "--deployment", "pipeline/none",
+                                      "--sweep-dir", str(tmp_path / "sw")])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "deployment: pipeline/none is not deployed on the Prefect server" in lines[0], lines
+    assert not (tmp_path / "sw").exists()
