@@ -649,15 +649,21 @@ def yaml_value(text: str) -> Any:
 def config_path(name_or_path: str | Path) -> Path:
     """A shipped config's name (``default``, ``tiny``, ``failure``: ``configs/<name>.yaml``) or a
     path to a YAML file. Raises ``FileNotFoundError`` naming both places looked at."""
+    return shipped_or_path(name_or_path, CONFIG_DIR, "config")
+
+
+def shipped_or_path(name_or_path: str | Path, folder: Path, what: str) -> Path:
+    """``name_or_path`` if it is a file, else ``folder/<name>.yaml`` (a shipped ``what``: config,
+    sweep). Raises ``FileNotFoundError`` naming both places looked at and the shipped names."""
     path = Path(name_or_path).expanduser()
     if path.is_file():
         return path
-    shipped = CONFIG_DIR / f"{name_or_path}.yaml"
+    shipped = folder / f"{name_or_path}.yaml"
     if re.fullmatch(r"[A-Za-z0-9_.-]+", str(name_or_path)) and shipped.is_file():
         return shipped
-    names = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+    names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
     raise FileNotFoundError(
-        f"config file not found: {name_or_path} (neither a file nor a shipped config; shipped: {names})"
+        f"{what} file not found: {name_or_path} (neither a file nor a shipped {what}; shipped: {names})"
     )
 
 

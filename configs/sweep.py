@@ -27,7 +27,7 @@ import yaml
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 
 from configs.schema import (CONFIG_DIR, ConfigLoader, ExperimentConfig, _Strict, apply_overrides, config_path,
-                            read_config_file, validation_lines)
+                            read_config_file, shipped_or_path, validation_lines)
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
 # Keys a cell may not set: the sweep names and places each cell's run itself.
@@ -204,14 +204,7 @@ def config_digest(cfg: ExperimentConfig | dict) -> str:
 def sweep_path(name_or_path: str | Path) -> Path:
     """A shipped sweep's name (``configs/sweeps/<name>.yaml``) or a path to a sweep YAML file.
     Raises ``FileNotFoundError`` naming both places looked at."""
-    path = Path(name_or_path).expanduser()
-    if path.is_file():
-        return path
-    shipped = SWEEP_DIR / f"{name_or_path}.yaml"
-    if re.fullmatch(r"[A-Za-z0-9_.-]+", str(name_or_path)) and shipped.is_file():
-        return shipped
-    names = ", ".join(sorted(p.stem for p in SWEEP_DIR.glob("*.yaml")))
-    raise FileNotFoundError(f"sweep file not found: {name_or_path} (neither a file nor a shipped sweep; shipped: {names})")
+    return shipped_or_path(name_or_path, SWEEP_DIR, "sweep")
 
 
 def shipped_sweeps() -> list[Path]:

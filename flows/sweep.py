@@ -42,7 +42,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import yaml
 from prefect import flow, get_run_logger, task
@@ -55,6 +55,7 @@ from configs.schema import ExperimentConfig, config_path, read_config_file
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
 from flows.preflight import check_config
 from run.control import graceful_stop, stop_requested
+from reports.common import flatten
 from run.directory import atomic_write_text, check_run_dir, read_status
 
 __all__ = ["sweep", "sweep_preflight", "SweepPlan", "PlannedCell", "limit_name"]
@@ -122,17 +123,15 @@ def _check_sweep_dir(path: Path) -> Path:
     return path
 
 
-def _first_difference(old: Any, new: Any, prefix: str = "") -> str:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in list(old) + [k for k in new if k not in old]:
-            where = f"{prefix}.{key}" if prefix else str(key)
-            if key not in old or key not in new:
-                return where
-            found = _first_difference(old[key], new[key], where)
-            if found:
-                return found
-        return ""
-    return "" if old == new else f"{prefix}: {old!r} there, {new!r} now"
+def _first_difference(old: dict, new: dict) -> str:
+    """The first dotted config key whose value differs, with both values ('' if none)."""
+    a, b = flatten(old, sep="."), flatten(new, sep=".")
+    for key in list(a) + [k for k in b if k not in a]:
+        if key not in a or key not in b:
+            return key
+        if a[key] != b[key]:
+            return f"{key}: {a[key]!r} there, {b[key]!r} now"
+    return ""
 
 
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:

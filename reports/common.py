@@ -105,13 +105,14 @@ def sort_key(k: Any) -> tuple:
     return (0, int(s), "") if s.isdigit() else (1, 0, s)
 
 
-def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as one level with slash-joined keys (``{"inner": {"lr": 1}}`` → ``inner/lr``)."""
+def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
+    """Nested dicts as one level with ``sep``-joined keys (``{"inner": {"lr": 1}}`` → ``inner/lr``);
+    lists and empty dicts are leaves."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "/"))
+            out.update(flatten(v, key + sep, sep))
         else:
             out[key] = v
     return out

@@ -40,7 +40,7 @@ from typing import Any, Iterable
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-from reports.common import (BASELINE, REPORT_JSON, json_safe, num, ordered_methods, per_unit, short_label,
+from reports.common import (BASELINE, REPORT_JSON, flatten, json_safe, num, ordered_methods, per_unit, short_label,
                             unit_of)
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
@@ -77,14 +77,7 @@ class _Run:
 def config_leaves(config: dict, prefix: str = "") -> dict[str, Any]:
     """The leaf values of a nested config under dotted keys (``{"diloco": {"learners": 4}}`` →
     ``{"diloco.learners": 4}``); lists and empty dicts are leaves."""
-    out: dict[str, Any] = {}
-    for k, v in config.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(config_leaves(v, key + "."))
-        else:
-            out[key] = v
-    return out
+    return flatten(config, prefix, sep=".")
 
 
 def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
