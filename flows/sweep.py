@@ -410,8 +410,10 @@ class _Progress:
     def __init__(self, spec: SweepSpec, total: int, done: int) -> None:
         from prefect.artifacts import create_progress_artifact
 
+        from reports.artifacts import artifact_key
+
         self.total, self.done = total, done
-        self.id = create_progress_artifact(self.percent, key=f"sweep-progress-{_key(spec.name)}",
+        self.id = create_progress_artifact(self.percent, key=artifact_key("sweep-progress", spec.name),
                                            description=f"sweep {spec.name}: cells finished of {total}")
 
     @property
@@ -424,12 +426,6 @@ class _Progress:
         self.done += 1
         if self.id is not None:
             update_progress_artifact(self.id, self.percent)
-
-
-def _key(name: str) -> str:
-    import re
-
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9]+", "-", name.lower())).strip("-") or "sweep"
 
 
 def _prior_results(sweep_dir: Path) -> dict[str, dict]:

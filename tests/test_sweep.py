@@ -172,6 +172,12 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
             running += step
             peak = max(peak, running)
         assert peak == 2
+        # the live progress artifact ends at every cell finished, the report's artifacts are there
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+        keys = ["sweep-progress-e2e", "compare-e2e", "compare-table-e2e"]
+        found = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))}
+        assert set(found) == set(keys) and float(found["sweep-progress-e2e"].data) == 100.0
 
     # a re-run finds every cell completed with its config: no pipeline run starts
     assert sweep(spec=s, sweep_dir=str(sweep_dir)) == str(sweep_dir)
