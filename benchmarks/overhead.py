@@ -66,18 +66,17 @@ def raw_tokens_per_s(cfg, run_dir: Path, repeats: int) -> tuple[float, float]:
 
 def run_tokens_per_s(cfg, run_dir: Path) -> dict:
     run = setup_diloco(cfg, run_dir)
-    done = threading.Event()
     out: dict = {}
     t0 = time.perf_counter()
     learners = [threading.Thread(target=lambda m=m: out.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
                 for m in range(cfg.diloco.learners)]
-    syncer = threading.Thread(target=lambda: out.setdefault("syncer", run_syncer_to_end(run, done)))
+    syncer = threading.Thread(target=lambda: out.setdefault("syncer", run_syncer_to_end(run)))
     for t in learners:
         t.start()
     syncer.start()
     for t in learners:
         t.join()
-    done.set()
+    run.exchange.mark_learners_done()
     syncer.join()
     wall = time.perf_counter() - t0
     run.close_logs()

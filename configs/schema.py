@@ -337,22 +337,80 @@ class FailureSpec(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    """Where learners and the syncer run."""
+    """Where learners and the syncer run, and how they exchange fragments."""
 
-    engine: Literal["threads"] = Field(
+    engine: Literal["threads", "ray", "dask"] = Field(
         "threads", description="task runner for the learner and syncer tasks: threads (one process; "
-        "Prefect's ThreadPoolTaskRunner)"
+        "Prefect's ThreadPoolTaskRunner), ray (prefect-ray's RayTaskRunner) or dask (prefect-dask's "
+        "DaskTaskRunner): with ray and dask every learner and the syncer run in their own process"
+    )
+    address: str | None = Field(
+        None, description="an existing cluster to run on: a Ray address (ray://host:10001, or auto) "
+        "or a Dask scheduler (tcp://host:8786); unset = a local cluster started for the run"
+    )
+    exchange: Literal["memory", "fsspec"] | None = Field(
+        None, description="how learners and the syncer exchange fragments: memory (threads of one "
+        "process) or fsspec (durable objects in runtime.exchange_url, any process or host); unset = "
+        "memory with the thread engine, fsspec with ray and dask"
+    )
+    exchange_url: str | None = Field(
+        None, description="fsspec URL of the exchange (a shared folder, s3://bucket/prefix, "
+        "gs://bucket/prefix); unset = pretrain/diloco/exchange inside the run directory"
+    )
+    exchange_poll_s: PositiveFloat = Field(
+        0.02, description="seconds between two reads of the fsspec exchange's pointer and inbox "
+        "(bounds the storage request rate of each process)"
     )
     max_workers: PositiveInt | None = Field(
         None, description="threads of the task runner; unset = learners + 2 (every learner, the "
         "syncer and the flow's own waits at once)"
     )
 
+    @property
+    def exchange_kind(self) -> str:
+        """The exchange in use: ``exchange``, or memory for threads and fsspec for ray and dask."""
+        return self.exchange or ("memory" if self.engine == "threads" else "fsspec")
+
+    @model_validator(mode="after")
+    def _check(self) -> "RuntimeConfig":
+        if self.engine != "threads" and self.exchange == "memory":
+            raise ValueError(f"runtime.exchange memory cannot reach learners in other processes "
+                             f"(runtime.engine {self.engine}); use runtime.exchange fsspec or unset it")
+        if self.address is not None and self.engine == "threads":
+            raise ValueError("runtime.address names a Ray or Dask cluster: set runtime.engine ray or dask, "
+                             "or unset runtime.address")
+        if self.exchange_url is not None and self.exchange_kind != "fsspec":
+            raise ValueError("runtime.exchange_url is used by the fsspec exchange only: set runtime.exchange "
+                             "fsspec, or unset runtime.exchange_url")
+        return self
+
+
+class KillSpec(_Strict):
+    """Learner ``learner``'s process is killed with SIGKILL (a real crash: no exception, no clean-up,
+    no last heartbeat) at local step ``at_step`` or ``at_s`` seconds into training, once. Needs a
+    process engine (runtime.engine ray or dask), where the engine runs the learner again in a new
+    process; step kills count as the learner's scheduled faults (with chaos.failures: the k-th in
+    step order fires on its k-th attempt)."""
+
+    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
+    at_step: PositiveInt | None = Field(None, description="local inner step at which its process is killed")
+    at_s: PositiveFloat | None = Field(None, description="seconds since training started at which its process is killed")
+
+    @model_validator(mode="after")
+    def _check(self) -> "KillSpec":
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("a chaos.kills entry needs exactly one of at_step and at_s")
+        return self
+
 
 class ChaosConfig(_Strict):
     """Scheduled faults of a run (chaos testing)."""
 
     failures: list[FailureSpec] = Field(default_factory=list, description="learner failures: [{learner, at_step}]")
+    kills: list[KillSpec] = Field(
+        default_factory=list, description="learner processes killed with SIGKILL (ray and dask engines): "
+        "[{learner, at_step}] or [{learner, at_s}]"
+    )
 
 
 class TrainConfig(_Strict):
@@ -508,6 +566,18 @@ class ExperimentConfig(_Strict):
                     f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
                     f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
                 )
+        for i, k in enumerate(self.chaos.kills):
+            if k.learner >= self.diloco.learners:
+                raise ValueError(f"chaos.kills[{i}].learner ({k.learner}) must be < diloco.learners ({self.diloco.learners})")
+            if k.at_step is not None and k.at_step > self.learner_steps:
+                raise ValueError(f"chaos.kills[{i}].at_step ({k.at_step}) cannot happen: each learner takes about "
+                                 f"{self.learner_steps} inner steps of this budget; pick a step ≤ {self.learner_steps}")
+            if any(g.learner == k.learner and g.at_step == k.at_step for g in self.chaos.failures):
+                raise ValueError(f"chaos.kills[{i}] and chaos.failures both hit learner {k.learner} at step "
+                                 f"{k.at_step}; keep one")
+        if self.chaos.kills and self.runtime.engine == "threads":
+            raise ValueError("chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
+                             "kill the whole run): set runtime.engine ray or dask, or use chaos.failures")
         if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
                 "train.token_budget is smaller than one step of all learners "

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
+import signal
+import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -121,6 +125,8 @@ class LearnerSetup:
     resume_every: int = 0
     turns: FairTurns | None = None
     fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
+    kill_steps: frozenset[int] = frozenset()  # those of fail_at_steps that SIGKILL the process instead
+    kill_at_s: tuple[float, ...] = ()  # SIGKILL the process at these run-clock times (seconds), each once
     log_every: int = 10
 
 
@@ -132,14 +138,39 @@ def tree_digest(tree: Any) -> str:
     return h.hexdigest()[:16]
 
 
+def _kill_self() -> None:
+    """SIGKILL this process: a real crash, nothing after it runs (chaos testing)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_timer(ex: Exchange, at_s: float, learner: int, log) -> threading.Event:
+    """A daemon thread that SIGKILLs this process once the run clock reaches ``at_s`` seconds;
+    setting the returned event disarms it (the learner ended first)."""
+    disarm = threading.Event()
+
+    def watch() -> None:
+        while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
+            if ex.clock() >= at_s:
+                log({"event": "kill", "learner": learner, "reason": f"chaos: SIGKILL at {at_s:g} s", "t": ex.clock()})
+                _kill_self()
+
+    threading.Thread(target=watch, name=f"chaos-kill-{learner}", daemon=True).start()
+    return disarm
+
+
 def run_learner(s: LearnerSetup) -> dict:
     """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
     every fragment with unsent progress.
 
     Raises :class:`InjectedFailure` at a configured step, after recording the reason in the
-    exchange and the log. Returns a summary dict (steps, tokens, bytes).
+    exchange and the log; at a configured kill (``kill_steps``, ``kill_at_s``) SIGKILLs its own
+    process instead (after a log line only). Returns a summary dict (steps, tokens, bytes).
     """
     m, ex = s.learner, s.exchange
+    disarm = None
+    ahead = sorted(t for t in s.kill_at_s if t > ex.clock())  # a kill time already passed has fired
+    if ahead:
+        disarm = _kill_timer(ex, ahead[0], m, s.log)
     try:
         info = ex.learners().get(m, {})
         bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))
@@ -166,7 +197,8 @@ def run_learner(s: LearnerSetup) -> dict:
         if point is not None:
             step, cursor, opt_state = point.step, tuple(point.cursor), point.opt_state
         epoch, index = cursor
-        ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index))
+        ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),
+                     pid=os.getpid(), host=socket.gethostname(), started_at=ex.clock())
         s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
                "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
         steps_this_attempt = 0
@@ -188,8 +220,12 @@ def run_learner(s: LearnerSetup) -> dict:
                 if latest[p] > f.version:
                     pull(p, *ex.latest(p))
             if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
+                if step + 1 in s.kill_steps:
+                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
+                           "reason": f"chaos: SIGKILL at local step {step + 1}", "t": ex.clock()})
+                    _kill_self()
                 raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
-            if not ex.claim_tokens(s.tokens_per_step):
+            if not ex.claim_tokens(s.tokens_per_step, learner=m, stop=s.stop):
                 break
             batch, epoch, index = s.next_batch(epoch, index)
             with s.turns or contextlib.nullcontext():
@@ -240,3 +276,6 @@ def run_learner(s: LearnerSetup) -> dict:
         s.log({"event": "failure", "learner": m, "attempt": s.attempt, "reason": repr(exc),
                "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock()})
         raise
+    finally:
+        if disarm is not None:
+            disarm.set()

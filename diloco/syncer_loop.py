@@ -6,7 +6,6 @@ nothing can interrupt a running XLA call. The state machine it drives is ``diloc
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,19 +35,39 @@ def live_learners(exchange: Exchange, timeout_s: float) -> set[int]:
 def run_syncer(
     syncer: Syncer,
     exchange: Exchange,
-    learners_done: threading.Event,
     on_merge: Callable[[dict], None],
     on_eval: Callable[[dict[str, np.ndarray], int], None],
     eval_every_tokens: int,
     heartbeat_timeout_s: float,
     poll_s: float = 0.002,
+    on_event: Callable[[dict], None] | None = None,
 ) -> SyncerLoopResult:
     """Drain submissions, merge ready fragments, publish, and evaluate Θ every ``eval_every_tokens``.
 
-    Ends once ``learners_done`` is set and the inbox is empty, after a final flush of everything
-    still pending (quorum or not) and a final evaluation at the tokens actually spent.
+    Each round also tops up the learners' token grants (``exchange.grant``; a no-op in process),
+    deletes the submissions the syncer is done with (merged or dropped; ``exchange.discard``) and
+    hands the exchange's own events (quarantined objects) to ``on_event``. Ends once
+    ``exchange.learners_done()`` and the inbox is empty, after a final flush of everything still
+    pending (quorum or not) and a final evaluation at the tokens actually spent.
     """
     next_eval = eval_every_tokens
+    held: set[str] = set()  # drained submission objects not yet merged or dropped
+
+    def receive_all(now: float) -> None:
+        for sub in exchange.drain():
+            syncer.receive(sub, now)
+            if sub.key is not None:
+                held.add(sub.key)
+        for ev in exchange.take_events():
+            if on_event is not None:
+                on_event(ev)
+
+    def collect() -> None:
+        pending = {s.key for frag in syncer.pending for s in frag.values()}
+        done = held - pending
+        if done:
+            exchange.discard(sorted(done))
+            held.difference_update(done)
 
     def handle(records: list[dict]) -> None:
         # poll/flush return adopted merges only: a refused merge (non-finite result) publishes and
@@ -60,11 +79,13 @@ def run_syncer(
             on_merge(rec)
 
     while True:
-        finished = learners_done.is_set()
+        finished = exchange.learners_done()
         now = exchange.clock()  # the run's clock: seconds since training start
-        for sub in exchange.drain():
-            syncer.receive(sub, now)
-        handle(syncer.poll(now, live_learners(exchange, heartbeat_timeout_s)))
+        receive_all(now)
+        live = live_learners(exchange, heartbeat_timeout_s)
+        handle(syncer.poll(now, live))
+        collect()
+        exchange.grant()
         claimed = exchange.claimed_tokens
         # (once the budget is spent, the final evaluation after the flush measures the end point)
         if claimed >= next_eval and not finished and claimed < exchange.token_budget:
@@ -73,9 +94,9 @@ def run_syncer(
                 next_eval += eval_every_tokens
         if finished:
             now = exchange.clock()
-            for sub in exchange.drain():
-                syncer.receive(sub, now)
+            receive_all(now)
             handle(syncer.flush(now))
+            collect()
             on_eval(syncer.params(), exchange.claimed_tokens)
             break
         time.sleep(poll_s)

@@ -9,39 +9,35 @@ Each takes the experiment config and a run directory that already holds the shar
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
-import threading
+import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.futures import wait
-from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig
-from run.control import graceful_stop
+from run.control import STOP, graceful_stop
 from run.layout import RunLayout
-from run.metrics import write_json
+from run.metrics import read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, syncer_task
-from training.diloco import setup_diloco
+from training.common import token_budget
+from training.diloco import prepare_diloco
+from launch.engines import task_runner_for
 
 
-def task_runner_for(config: ExperimentConfig):
-    """The task runner of ``runtime.engine`` (threads: Prefect's ``ThreadPoolTaskRunner``), sized
-    for every learner, the syncer and the flow's own waits at once."""
-    workers = config.runtime.max_workers or config.diloco.learners + 2
-    return ThreadPoolTaskRunner(max_workers=workers)
-
-
-def _progress_line(run, learners: int) -> str:
-    info = run.exchange.learners()
+def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
+    info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
     loss = f"{sum(losses) / len(losses):.3f}" if losses else "n/a"
-    tokens = run.exchange.claimed_tokens
-    val = "n/a" if run.last_val_loss is None else f"{run.last_val_loss:.3f}"
-    return (f"diloco: {run.cfg.unit} {tokens:,}/{run.budget:,} ({100 * tokens / run.budget:.0f}%)  "
-            f"train loss {loss}  held-out loss {val}  merges {run.merges}  "
-            f"learners up {up}/{learners}  versions {run.syncer.versions}")
+    tokens = exchange.claimed_tokens
+    evals = read_jsonl(eval_path)
+    val = f"{evals[-1]['val/loss']:.3f}" if evals else "n/a"
+    versions = exchange.versions()
+    return (f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
+            f"train loss {loss}  held-out loss {val}  merges {sum(versions)}  "
+            f"learners up {up}/{config.diloco.learners}  versions {versions}")
 
 
 @flow(name="pretrain-diloco", log_prints=True)
@@ -59,39 +55,45 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
 
 def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float) -> dict:
     logger = get_run_logger()
-    run = setup_diloco(config, rd)
-    d = config.diloco
+    exchange = prepare_diloco(config, rd)
+    budget = token_budget(config)
+    d, rt = config.diloco, config.runtime
     logger.info(
-        "diloco: M=%d learners, P=%d fragments %s bytes, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
-        "(%s per learner step)", d.learners, d.fragments,
-        [sum(a.nbytes for a in g.values()) for g in run.syncer.global_params], d.sync_every, d.quorum,
-        d.grace_s, d.merge, f"{run.budget:,}", config.unit, f"{config.tokens_per_learner_step:,}")
+        "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
+        "(%s per learner step); engine %s, exchange %s%s", d.learners, d.fragments, d.sync_every, d.quorum,
+        d.grace_s, d.merge, f"{budget:,}", config.unit, f"{config.tokens_per_learner_step:,}", rt.engine,
+        rt.exchange_kind, f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "")
+    eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
-    learners_done = threading.Event()
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     with task_runner_for(config) as runner:
-        syncer_future = runner.submit(syncer_task, {"run": run, "learners_done": learners_done})
+        syncer_future = runner.submit(syncer_task, {"config": config, "run_dir": str(rd)})
         futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
                    for m in range(d.learners)]
         try:
+            next_progress = time.monotonic() + progress_every_s
             while True:
-                done = wait(futures, timeout=progress_every_s)
-                logger.info(_progress_line(run, d.learners))
-                update_progress_artifact(progress_id, 100.0 * run.exchange.claimed_tokens / run.budget)
+                # short waits: a stop signal reaches learners in other processes within a second
+                done = wait(futures, timeout=min(1.0, progress_every_s))
+                if STOP.is_set() and not exchange.stop_requested():
+                    exchange.request_stop()
+                if not done.not_done or time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + progress_every_s
+                    logger.info(_progress_line(config, exchange, eval_path, budget))
+                    update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
                 if not done.not_done:
                     break
                 if syncer_future.state.is_final():
-                    run.exchange.close()
+                    exchange.close()
                     raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
         finally:
-            learners_done.set()
+            exchange.mark_learners_done()
         # The exchange knows how each learner ended (Prefect's future state can lag behind).
-        for m, info in sorted(run.exchange.learners().items()):
+        for m, info in sorted(exchange.learners().items()):
             if info.get("status") != "done":
                 logger.error("learner %d ended %s after its retries (%s); the others spent its share of the "
                              "budget", m, info.get("status"), info.get("reason", "no reason recorded"))
         summary = syncer_future.result()
-    run.close_logs()
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     u = config.unit
     logger.info(f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
@@ -105,7 +107,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                        if lost["status"] == "failed" else "")
     if summary["interrupted"]:
         logger.warning(f"diloco: stopped early by a signal at %s of %s {u}; state saved",
-                       f"{summary['tokens']:,}", f"{run.budget:,}")
+                       f"{summary['tokens']:,}", f"{budget:,}")
     return summary
 
 

@@ -9,6 +9,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         checkpoints/<step>/               Orbax steps (training.checkpoint)
         metrics/<name>.jsonl              eval, train, merges, learners (flat JSON lines)
         learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
+        exchange/                         a DiLoCo run's durable exchange (diloco.exchange.fsspec)
         seeds/<s>/checkpoints/<step>/     fine-tuning: the checkpoints of the seeds after the first
     RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
@@ -118,6 +119,10 @@ class RunLayout:
         if not isinstance(learner, int) or learner < 0:
             raise ValueError(f"learner index must be an int ≥ 0, got {learner!r}")
         return self.method_dir(stage, method) / "learners" / f"{learner:02d}" / "resume"
+
+    def exchange(self, stage: str, method: str) -> UPath:
+        """The durable exchange of a DiLoCo run when it uses one (``diloco.exchange.fsspec``)."""
+        return self.method_dir(stage, method) / "exchange"
 
     def eval_result(self, stage: str, method: str) -> UPath:
         _check_name("stage", stage, STAGES)

@@ -8,7 +8,6 @@ by the flow with ``with_options``.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -17,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from configs.schema import ExperimentConfig
 from run.layout import RunLayout
 from run.metrics import write_json
-from training.diloco import DiLoCoRun, learner_attempt, run_syncer_to_end
+from training.diloco import learner_attempt, open_syncer, run_syncer_to_end
 from training.dp import train_dp
 
 
@@ -38,10 +37,15 @@ def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
 
 
 @task(name="syncer", cache_policy=NO_CACHE)
-def syncer_task(run: DiLoCoRun, learners_done: threading.Event) -> dict:
-    """The syncer: runs until every learner task has ended, then saves Θ and the outer state. It
-    lives in the process that set the run up (``training.diloco.setup_diloco``)."""
-    return run_syncer_to_end(run, learners_done)
+def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
+    """The syncer: opens the run's exchange (``training.diloco.open_syncer``; with the in-process
+    exchange it must run in the flow's process), runs until the flow marks every learner done,
+    then saves Θ and the outer state and returns the summary."""
+    run = open_syncer(config, run_dir)
+    try:
+        return run_syncer_to_end(run)
+    finally:
+        run.close_logs()
 
 
 @task(name="dp-trainer", cache_policy=NO_CACHE)

@@ -447,17 +447,16 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
         prepare_data(cfg, run_dir)
 
         run = setup_diloco(cfg, run_dir)
-        done = threading.Event()
         outs = {}
         learners = [threading.Thread(target=lambda m=m: outs.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
                     for m in range(2)]
         for t in learners:
             t.start()
-        syncer = threading.Thread(target=lambda: outs.setdefault("syncer", run_syncer_to_end(run, done)))
+        syncer = threading.Thread(target=lambda: outs.setdefault("syncer", run_syncer_to_end(run)))
         syncer.start()
         for t in learners:
             t.join(300)
-        done.set()
+        run.exchange.mark_learners_done()
         syncer.join(300)
         run.close_logs()
         summary = outs["syncer"]

@@ -4,7 +4,6 @@ Every case uses 1–3 learners, tensors of 1–2 values and token counts that ad
 tokens are 8 per inner step, so a submission's steps are tokens // 8.
 """
 
-import threading
 
 import jax
 import numpy as np
@@ -84,9 +83,9 @@ def _run_syncer_once(s, subs):
         exchange.publish(p, s.versions[p], s.global_params[p])
     for x in subs:
         exchange.submit(x)
-    done, records = threading.Event(), []
-    done.set()
-    result = run_syncer(s, exchange, done, records.append, lambda params, tokens: None,
+    records = []
+    exchange.mark_learners_done()
+    result = run_syncer(s, exchange, records.append, lambda params, tokens: None,
                         eval_every_tokens=10**9, heartbeat_timeout_s=1.0)
     assert exchange.is_closed()  # the loop ends the run: learners stop at their next step boundary
     return records, result, exchange

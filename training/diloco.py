@@ -1,11 +1,15 @@
-"""A Decoupled DiLoCo run, set up from plain inputs: the syncer side and each learner's attempt.
+"""A Decoupled DiLoCo run, set up from plain inputs: the exchange, the syncer side and each learner's attempt.
 
-``setup_diloco(cfg, run_dir)`` builds the global parameters, fragments, syncer and exchange (version
-0 published) and registers the exchange under the run directory. ``learner_attempt(cfg, run_dir,
-m, attempt)`` takes only plain, serialisable inputs and rebuilds everything a learner needs from
-them: the model spec and compiled step (shared by the learners of one process), its shard and data
-cursor, its resume point and the exchange handle. ``run_syncer_to_end(run)`` drives the syncer,
-evaluates Θ on the cadence and saves the checkpoint and summary. No Prefect here.
+``prepare_diloco(cfg, run_dir)`` (the process that runs the flow) builds Θ₀ and the fragments and
+creates the run's exchange holding version 0 of every fragment: in process memory, registered under
+the run directory (``runtime.exchange`` memory), or as durable objects at an fsspec URL (fsspec).
+``open_syncer(cfg, run_dir)`` (the syncer task's process, which may be another one) opens that
+exchange, takes office as its syncer and builds the syncer from the published fragments.
+``learner_attempt(cfg, run_dir, m, attempt)`` takes only plain, serialisable inputs and rebuilds
+everything a learner needs from them, in any process: the model spec and compiled step (shared by
+the learners of one process), its shard and data cursor, its resume point and the exchange handle.
+``run_syncer_to_end(run)`` drives the syncer, evaluates Θ on the cadence and saves the checkpoint
+and summary. ``setup_diloco`` = prepare + open in one process. No Prefect here.
 
 Both methods see the same data (the DP job reads the union of the learner shards), the same token
 budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
@@ -27,6 +31,7 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
+from diloco.exchange.fsspec import FsspecExchange
 from diloco.fragments import balanced_fragments
 from diloco.learner import LearnerSetup, run_learner
 from diloco.pacing import FairTurns
@@ -53,7 +58,30 @@ def _key(run_dir: str | Path) -> str:
 
 _TRAINERS: dict[tuple[str, str], Trainer] = {}
 _TURNS: dict[str, FairTurns | None] = {}
+_EXCHANGES: dict[str, FsspecExchange] = {}
 _LOCK = threading.Lock()
+
+
+def exchange_url(cfg: ExperimentConfig, run_dir: str | Path) -> str:
+    """Where the run's fsspec exchange lives: ``runtime.exchange_url``/<run directory name>, or
+    ``pretrain/diloco/exchange`` inside the run directory."""
+    if cfg.runtime.exchange_url:
+        return f"{cfg.runtime.exchange_url.rstrip('/')}/{Path(run_dir).absolute().name}"
+    return str(RunLayout(Path(run_dir).absolute()).exchange(STAGE, METHOD))
+
+
+def open_run_exchange(cfg: ExperimentConfig, run_dir: str | Path):
+    """This process's handle on the run's exchange (one per run and process, shared by its threads).
+
+    Raises ``LookupError`` (memory: the run was set up in another process) or ``FileNotFoundError``
+    (fsspec: nothing created at the URL yet)."""
+    if cfg.runtime.exchange_kind == "memory":
+        return open_exchange(_key(run_dir))
+    url = exchange_url(cfg, run_dir)
+    with _LOCK:
+        if url not in _EXCHANGES:
+            _EXCHANGES[url] = FsspecExchange.open(url, poll_s=cfg.runtime.exchange_poll_s)
+        return _EXCHANGES[url]
 
 
 def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path) -> Trainer:
@@ -80,11 +108,11 @@ def run_fragments(cfg: ExperimentConfig, trainer: Trainer) -> list[list[str]]:
 
 @dataclass
 class DiLoCoRun:
-    """The syncer side of one run (lives in the process that set it up)."""
+    """The syncer side of one run (lives in the syncer task's process)."""
 
     cfg: ExperimentConfig
     run_dir: Path
-    exchange: InMemoryExchange
+    exchange: InMemoryExchange | FsspecExchange
     syncer: Syncer
     trainer: Trainer
     merges_log: JsonlWriter
@@ -92,6 +120,7 @@ class DiLoCoRun:
     eval_log: JsonlWriter
     val: list[np.ndarray]
     budget: int
+    generation: int = 1
     last_val_loss: float | None = None
     merges: int = 0
 
@@ -100,30 +129,53 @@ class DiLoCoRun:
             log.close()
 
 
-def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
-    """Build Θ₀, fragments, syncer and exchange (version 0 of every fragment published), and
-    register the exchange for the learners of this process.
+def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
+    d = cfg.diloco
+    return SyncerSettings(
+        num_learners=d.learners, quorum=d.quorum, grace_s=d.grace_s, merge=d.merge, outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=d.max_staleness,
+    )
 
-    Raises ``FileExistsError`` if ``run_dir`` already holds DiLoCo results, ``ValueError`` if P
-    exceeds the model's tensors.
+
+def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
+    """Create the run's exchange holding Θ₀ (version 0 of every fragment) and the token budget; the
+    in-process one is registered for the learners and syncer of this process. Returns it.
+
+    Raises ``FileExistsError`` if ``run_dir`` already holds DiLoCo results (or the fsspec exchange
+    URL already holds an exchange), ``ValueError`` if P exceeds the model's tensors.
     """
     run_dir = Path(run_dir)
     ensure_fresh(run_dir, STAGE, METHOD)
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())
     validate_against_model(cfg, len(theta0))
-    d = cfg.diloco
     fragments = run_fragments(cfg, trainer)
-    settings = SyncerSettings(
-        num_learners=d.learners, quorum=d.quorum, grace_s=d.grace_s, merge=d.merge, outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=d.max_staleness,
-    )
-    syncer = Syncer(theta0, fragments, settings, embedding_names(theta0))
+    initial = [{k: theta0[k] for k in names} for names in fragments]
     budget = token_budget(cfg)
-    exchange = InMemoryExchange(len(fragments), budget)
+    if cfg.runtime.exchange_kind == "memory":
+        exchange = InMemoryExchange(len(fragments), budget)
+        for p, params in enumerate(initial):
+            exchange.publish(p, 0, params)
+        register_exchange(_key(run_dir), exchange)
+        return exchange
+    # every learner starts with, and is topped up by, one sync period of inner steps' tokens
+    grant = cfg.diloco.sync_every * cfg.tokens_per_learner_step
+    return FsspecExchange.create(exchange_url(cfg, run_dir), initial=initial, num_learners=cfg.diloco.learners,
+                                 token_budget=budget, grant_tokens=grant, poll_s=cfg.runtime.exchange_poll_s)
+
+
+def open_syncer(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
+    """The syncer side of the run prepared by :func:`prepare_diloco`, in this process: opens the
+    exchange, takes office (fencing out any earlier syncer) and starts from the published fragments."""
+    run_dir = Path(run_dir)
+    exchange = open_run_exchange(cfg, run_dir)
+    generation = exchange.take_office()
+    trainer = learner_trainer(cfg, run_dir)
+    fragments = run_fragments(cfg, trainer)
+    theta = {}
     for p in range(len(fragments)):
-        exchange.publish(p, 0, syncer.global_params[p])
-    register_exchange(_key(run_dir), exchange)
+        theta.update(exchange.latest(p)[1])
+    syncer = Syncer(theta, fragments, syncer_settings(cfg), embedding_names(theta))
     layout = RunLayout(run_dir)
     return DiLoCoRun(
         cfg=cfg, run_dir=run_dir, exchange=exchange, syncer=syncer, trainer=trainer,
@@ -131,8 +183,14 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
-        budget=budget,
+        budget=token_budget(cfg), generation=generation,
     )
+
+
+def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
+    """:func:`prepare_diloco` and :func:`open_syncer` in this process (the thread engine, tests)."""
+    prepare_diloco(cfg, run_dir)
+    return open_syncer(cfg, run_dir)
 
 
 def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int,
@@ -141,19 +199,22 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     registered for ``run_dir`` unless ``exchange`` is given)."""
     d = cfg.diloco
     trainer = learner_trainer(cfg, run_dir)
-    exchange = exchange if exchange is not None else open_exchange(_key(run_dir))
+    exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
-    fails = tuple(sorted(f.at_step for f in cfg.chaos.failures if f.learner == learner))
+    kills = [k for k in cfg.chaos.kills if k.learner == learner]
+    kill_steps = frozenset(k.at_step for k in kills if k.at_step is not None)
+    fails = tuple(sorted({f.at_step for f in cfg.chaos.failures if f.learner == learner} | kill_steps))
     return LearnerSetup(
         learner=learner, attempt=attempt, step=trainer.step, init_params=trainer.init_params,
         init_opt=trainer.init_opt,
         next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (learner + 1)),
         fragments=run_fragments(cfg, trainer), period=d.sync_every,
         tokens_per_step=cfg.tokens_per_learner_step, receipt=receipt_rule(d.receipt, d.mix_alpha),
-        exchange=exchange, log=log, stop=STOP.is_set,
+        exchange=exchange, log=log, stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
-        resume_every=d.resume_every_steps, turns=_turns(run_dir, d.compute_slots),
-        fail_at_steps=fails,
+        resume_every=d.resume_every_steps,
+        fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
+        turns=None if cfg.runtime.engine != "threads" else _turns(run_dir, d.compute_slots),
     )
 
 
@@ -161,10 +222,16 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
                     exchange=None) -> dict:
     """Run one attempt of learner ``learner`` (``diloco.learner.run_learner``) from plain inputs.
 
-    ``exchange``: default, the one registered for ``run_dir`` in this process by
-    :func:`setup_diloco`. Raises whatever the attempt raised (``InjectedFailure`` for a scheduled
-    failure); the task runner retries it, and the retry resumes from the saved resume point.
+    ``exchange``: default, this process's handle on the run's exchange (:func:`open_run_exchange`).
+    ``attempt`` is raised past the last attempt the exchange saw start (a process engine re-runs a
+    killed learner without counting a Prefect retry). Raises whatever the attempt raised
+    (``InjectedFailure`` for a scheduled failure); the task runner retries it, and the retry resumes
+    from the saved resume point.
     """
+    exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
+    previous = exchange.learners().get(learner, {}).get("attempt")
+    if previous is not None:
+        attempt = max(attempt, int(previous) + 1)
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"))
     try:
         return run_learner(learner_setup(cfg, run_dir, learner, attempt, log, exchange))
@@ -184,9 +251,10 @@ def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExch
     return exchange
 
 
-def run_syncer_to_end(run: DiLoCoRun, learners_done) -> dict:
+def run_syncer_to_end(run: DiLoCoRun) -> dict:
     """The syncer: merge loop, held-out evaluation of Θ on the cadence, final checkpoint; returns the
-    summary. Ends once ``learners_done`` (a ``threading.Event``) is set and everything is flushed."""
+    summary. Ends once the flow has marked the learners done (``exchange.mark_learners_done``) and
+    everything is flushed."""
 
     def on_merge(rec: dict) -> None:
         run.merges += 1
@@ -201,8 +269,10 @@ def run_syncer_to_end(run: DiLoCoRun, learners_done) -> dict:
                       "merges": run.merges, **fields, "eval_s": time.perf_counter() - t0})
 
     on_eval(run.syncer.params(), 0)
-    result = run_syncer(run.syncer, run.exchange, learners_done, on_merge, on_eval,
-                        run.cfg.train.eval_every_tokens, run.cfg.diloco.heartbeat_timeout_s)
+    poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
+    result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
+                        run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
+                        on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}))
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
     return save_diloco(run, result.wall_s)
@@ -242,7 +312,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     rows = "seqs" if text else "images"
     return {
         "method": METHOD,
-        "interrupted": STOP.is_set(),
+        "interrupted": STOP.is_set() or run.exchange.stop_requested(),
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
         "hyperparameters": {
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,

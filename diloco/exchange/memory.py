@@ -33,6 +33,8 @@ class InMemoryExchange:
         self.token_budget = int(token_budget)
         self._claimed = 0
         self._closed = threading.Event()
+        self._learners_done = threading.Event()
+        self._stop = threading.Event()
         self._t0 = time.monotonic()
 
     # learners → syncer
@@ -44,6 +46,17 @@ class InMemoryExchange:
         with self._lock:
             out, self._inbox = self._inbox, []
         return out
+
+    def discard(self, keys) -> None:
+        """Nothing to delete: drained submissions live only in the syncer's memory."""
+
+    def take_events(self) -> list[dict]:
+        """No exchange events: objects cannot be corrupted in memory."""
+        return []
+
+    def take_office(self) -> int:
+        """The syncer's generation: always 1 (one syncer per run, in the process that holds this)."""
+        return 1
 
     # syncer → learners
     def publish(self, fragment: int, version: int, params: dict[str, np.ndarray]) -> None:
@@ -74,13 +87,18 @@ class InMemoryExchange:
             return {m: dict(v) for m, v in self._learners.items()}
 
     # the global token budget
-    def claim_tokens(self, n: int) -> bool:
-        """Reserve ``n`` tokens of the budget; False (and nothing reserved) once it would overflow."""
+    def claim_tokens(self, n: int, learner: int | None = None, stop=None) -> bool:
+        """Reserve ``n`` tokens of the budget, first come first served (``learner``/``stop`` unused:
+        the claim never waits); False (and nothing reserved) once it would overflow."""
         with self._lock:
             if self._claimed + n > self.token_budget:
                 return False
             self._claimed += n
             return True
+
+    def grant(self, live=None) -> bool:
+        """No grants: learners claim from the shared budget directly."""
+        return False
 
     @property
     def claimed_tokens(self) -> int:
@@ -98,6 +116,20 @@ class InMemoryExchange:
 
     def is_closed(self) -> bool:
         return self._closed.is_set()
+
+    def mark_learners_done(self) -> None:
+        """Every learner task has ended (set by the flow): the syncer flushes and ends."""
+        self._learners_done.set()
+
+    def learners_done(self) -> bool:
+        return self._learners_done.is_set()
+
+    def request_stop(self) -> None:
+        """Ask every learner to stop at its next step boundary (a stop signal reached the flow)."""
+        self._stop.set()
+
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
 
 
 def register_exchange(key: str, exchange: InMemoryExchange) -> None:

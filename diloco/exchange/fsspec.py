@@ -1,0 +1,534 @@
+"""The durable exchange: learners and the syncer in separate processes or hosts, through fsspec storage.
+
+Any fsspec URL works: a local folder (the default, inside the run directory), ``memory://`` (one
+process; tests), ``s3://``/``gs://`` for clusters. Every object is immutable once visible and
+becomes visible whole: on a local filesystem it is written under ``tmp/`` and renamed into place
+(``rename`` is atomic within one filesystem); elsewhere it is one PUT (``pipe_file``), which object
+stores and the memory filesystem make visible at once or not at all. A reader therefore never sees
+a half-written object; one that is truncated or corrupted anyway (a bad disk, a copy by hand) fails
+its checksum and is quarantined, never merged.
+
+Layout under the exchange root::
+
+    meta.json                       fragments P, token budget, the clock's origin (Unix seconds)
+    inbox/<t>-l<m>-f<p>-a<attempt>-s<step>-<id>.safetensors    submissions, learner m → syncer
+    global/f<p>/v<version>.safetensors                         published Θ_p, syncer → learners
+    state.json                      the syncer's pointer: generation, versions, token grants, closed
+    learners/l<m>.json              learner m's heartbeat (status, step, counters, tokens claimed)
+    syncer/generation               the fencing token: the generation of the syncer in charge
+    learners_done                   written by the flow once every learner task has ended
+    stop                            written by the flow when a stop signal reached it
+    quarantine/<name>               objects that failed their checks, with <name>.reason
+
+Arrays are **safetensors**: a standard, framework-neutral format with no pickle (a worker never
+executes what it reads), a JSON header that carries the manifest (``__metadata__``: learner,
+fragment, attempt, local step, tokens, steps, base version, send time, sha256 of the tensor bytes)
+and zero-copy reads. One object per submission or published fragment, so a manifest can never
+describe another object's bytes.
+
+Every object has exactly one writer: learner m writes its submissions and its heartbeat, the syncer
+in charge writes ``global/``, ``state.json`` and quarantines, the flow writes ``learners_done``.
+
+**Token budget across processes** (no compare-and-swap needed, so it works on any store): the syncer
+is the only authority. ``state.json`` holds per learner a cumulative *grant*; the syncer tops a
+learner's grant up by ``grant_tokens`` whenever the learner has less than half of that left
+unclaimed, until the grants sum to the budget. A learner claims from its own grant only, and makes
+every claim durable (its heartbeat, rewritten with the new ``claimed`` total) before it takes the
+step, so a submission never carries unclaimed tokens. Sum of claims ≤ sum of grants ≤ budget: a
+learner dying mid-claim cannot over-spend, and its retry continues from the claims it made durable.
+A learner that fails for good leaves at most one grant unspent. A learner whose grant is used up
+waits for the next top-up (it polls ``state.json``) and stops once the budget is fully granted and
+its own grant is spent.
+
+**Fencing.** A syncer takes office with :meth:`FsspecExchange.take_office`, which increments
+``syncer/generation``. Every later write of that syncer (publish, state, close) first reads the
+generation and raises :class:`StaleSyncerError` if a newer syncer has taken office, and every
+published object and ``state.json`` carry the writer's generation; learners ignore a ``state.json``
+of an older generation than one they have seen. Without conditional writes the check and the write
+are two operations: a stale syncer can slip at most one write into that window.
+
+Garbage collection: the syncer deletes a submission once it is merged or dropped (:meth:`discard`)
+and keeps the newest ``keep_versions`` published versions of each fragment; readers that lose a
+race with a deletion re-read the pointer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+
+import fsspec
+import numpy as np
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from diloco.exchange.base import Submission
+
+FORMAT = 1
+
+
+class StaleSyncerError(RuntimeError):
+    """A newer syncer has taken office (a higher generation): this one must stop writing."""
+
+
+class CorruptObjectError(ValueError):
+    """An object failed to parse, its manifest is incomplete or its checksum does not match."""
+
+
+def tensors_digest(tensors: Mapping[str, np.ndarray]) -> str:
+    """sha256 (hex) over the tensors in name order: name, dtype, shape and bytes of each."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        a = np.ascontiguousarray(tensors[k])
+        h.update(f"{k}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def encode(tensors: Mapping[str, np.ndarray], manifest: Mapping[str, object]) -> bytes:
+    """One safetensors object: the tensors plus the manifest (JSON values) and their sha256."""
+    meta = {k: json.dumps(v) for k, v in manifest.items()}
+    meta["sha256"] = json.dumps(tensors_digest(tensors))
+    return st_save({k: np.ascontiguousarray(v) for k, v in tensors.items()}, metadata=meta)
+
+
+def decode(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
+    """``(tensors, manifest)`` of an object written by :func:`encode`.
+
+    Raises :class:`CorruptObjectError` if the bytes are not a whole safetensors object, the manifest
+    is missing or the checksum does not match the tensors."""
+    try:
+        n = int.from_bytes(data[:8], "little")
+        if len(data) < 8 + n:
+            raise ValueError(f"truncated: header declares {n} bytes, {len(data) - 8} present")
+        header = json.loads(data[8:8 + n])
+        meta = {k: json.loads(v) for k, v in (header.get("__metadata__") or {}).items()}
+        tensors = st_load(bytes(data))
+    except Exception as exc:  # safetensors raises its own error type; json a ValueError
+        raise CorruptObjectError(f"unreadable object: {exc}") from None
+    if "sha256" not in meta:
+        raise CorruptObjectError("no checksum in the manifest")
+    if tensors_digest(tensors) != meta["sha256"]:
+        raise CorruptObjectError("checksum mismatch (the tensor bytes changed after they were written)")
+    return tensors, meta
+
+
+_SUBMISSION_FIELDS = ("learner", "fragment", "attempt", "local_step", "tokens", "steps", "base_version", "sent_at")
+
+
+class FsspecExchange:
+    """The exchange interface (``diloco.exchange.base.Exchange``) over an fsspec URL.
+
+    Create the exchange once per run with :meth:`create` (the process that sets the run up), open it
+    anywhere else with :meth:`open`. One instance may be shared by the threads of a process.
+
+    Args:
+        url: the exchange root (``/abs/folder``, ``file://…``, ``memory://…``, ``s3://…``).
+        poll_s: how long a read of ``state.json`` or of the heartbeats is reused (seconds) before
+            storage is read again; bounds the store's request rate per process.
+        storage_options: passed to ``fsspec.url_to_fs`` (credentials, endpoints).
+
+    Raises ``FileNotFoundError`` (naming the URL) if no exchange was created there.
+    """
+
+    def __init__(self, url: str, *, poll_s: float = 0.02, storage_options: dict | None = None):
+        self.url = str(url)
+        self.fs, root = fsspec.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.poll_s = float(poll_s)
+        self._local = "file" in self.fs.protocol or "local" in self.fs.protocol
+        try:
+            meta = json.loads(self.fs.cat_file(self._p("meta.json")))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no exchange at {self.url} (meta.json missing): the syncer's "
+                                    "set-up creates it before any learner starts") from None
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"exchange at {self.url} has format {meta.get('format')}, expected {FORMAT}")
+        self.num_fragments = int(meta["num_fragments"])
+        self.num_learners = int(meta["num_learners"])
+        self.token_budget = int(meta["token_budget"])
+        self.grant_tokens = int(meta["grant_tokens"])
+        self.keep_versions = int(meta.get("keep_versions", 2))
+        self._t0 = float(meta["t0"])
+        self._lock = threading.RLock()
+        self._state: dict | None = None
+        self._state_at = -1e18
+        self._beats: dict[int, dict] = {}  # the heartbeats this process writes (learner → info)
+        self._others: dict[int, dict] = {}
+        self._others_at = -1e18
+        self._seen: set[str] = set()  # inbox objects drained by this (syncer) instance
+        self._events: list[dict] = []
+        self._generation: int | None = None  # set once this instance is a syncer in office
+        self._max_generation_seen = 0
+        self._stop_seen, self._stop_at = False, -1e18
+
+    # -- creation -------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, url: str, *, initial: list[dict[str, np.ndarray]], num_learners: int, token_budget: int,
+               grant_tokens: int, keep_versions: int = 2, poll_s: float = 0.02,
+               storage_options: dict | None = None) -> "FsspecExchange":
+        """Create the exchange at ``url`` holding version 0 of every global fragment (``initial``:
+        Θ₀ as P name → float32 array mappings), the clock starting now, and open it.
+
+        ``grant_tokens``: the syncer's top-up of a learner's token grant, and every learner's first
+        grant (tokens; e.g. H inner steps' worth). ``keep_versions``: published versions kept per
+        fragment. Raises ``FileExistsError`` if ``url`` already holds an exchange, ``ValueError`` for
+        counts below 1.
+        """
+        num_fragments = len(initial)
+        for name, v in (("fragments", num_fragments), ("num_learners", num_learners),
+                        ("token_budget", token_budget), ("grant_tokens", grant_tokens),
+                        ("keep_versions", keep_versions)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be ≥ 1, got {v}")
+        fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
+        root = root.rstrip("/")
+        if fs.exists(f"{root}/meta.json"):
+            raise FileExistsError(f"an exchange already exists at {url}")
+        fs.makedirs(root, exist_ok=True)
+        meta = {"format": FORMAT, "num_fragments": int(num_fragments), "num_learners": int(num_learners),
+                "token_budget": int(token_budget), "grant_tokens": int(grant_tokens),
+                "keep_versions": int(keep_versions), "t0": time.time()}
+        fs.pipe_file(f"{root}/meta.json", json.dumps(meta).encode())
+        ex = cls(url, poll_s=poll_s, storage_options=storage_options)
+        first = min(ex.grant_tokens, ex.token_budget // ex.num_learners) or 1
+        for p, params in enumerate(initial):
+            ex._put(ex._p("global", f"f{p:03d}", f"v{0:08d}.safetensors"),
+                    encode(params, {"fragment": p, "version": 0, "generation": 0}))
+        ex._write_state({"generation": 0, "versions": [0] * ex.num_fragments,
+                         "grants": {str(m): first for m in range(ex.num_learners)}, "closed": False})
+        return ex
+
+    @classmethod
+    def open(cls, url: str, **kwargs) -> "FsspecExchange":
+        """Open the exchange created at ``url`` (see the constructor)."""
+        return cls(url, **kwargs)
+
+    # -- storage primitives ---------------------------------------------------------------------
+    def _p(self, *parts: str) -> str:
+        return "/".join((self.root, *parts))
+
+    def _put(self, path: str, data: bytes) -> None:
+        """Make ``data`` visible at ``path`` whole or not at all."""
+        if self._local:
+            tmp = self._p("tmp", f"{uuid.uuid4().hex}.part")
+            self.fs.makedirs(self._p("tmp"), exist_ok=True)
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic within one filesystem
+        else:
+            self.fs.pipe_file(path, data)
+
+    def _get(self, path: str) -> bytes:
+        return self.fs.cat_file(path)
+
+    def _ls(self, path: str) -> list[str]:
+        try:
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    # -- the syncer's pointer (state.json) ------------------------------------------------------
+    def _read_state(self, fresh: bool = False) -> dict:
+        with self._lock:
+            now = time.monotonic()
+            if fresh or self._state is None or now - self._state_at > self.poll_s:
+                state = json.loads(self._get(self._p("state.json")))
+                # a pointer of an older generation than one already seen comes from a stale syncer
+                if self._state is None or state["generation"] >= self._max_generation_seen:
+                    self._state = state
+                    self._max_generation_seen = max(self._max_generation_seen, state["generation"])
+                self._state_at = now
+            return self._state
+
+    def _write_state(self, state: dict) -> None:
+        with self._lock:
+            self._put(self._p("state.json"), json.dumps(state).encode())
+            self._state, self._state_at = state, time.monotonic()
+
+    # -- syncer office and fencing --------------------------------------------------------------
+    def generation(self) -> int:
+        """The generation of the syncer in charge (0 before any took office)."""
+        try:
+            return int(self._get(self._p("syncer", "generation")))
+        except FileNotFoundError:
+            return 0
+
+    def take_office(self) -> int:
+        """Become the syncer in charge: generation + 1 (a previous syncer's writes are refused from
+        now on). Returns the new generation."""
+        with self._lock:
+            gen = self.generation() + 1
+            self._put(self._p("syncer", "generation"), str(gen).encode())
+            self._generation = gen
+            state = dict(self._read_state(fresh=True))
+            state["generation"] = gen
+            self._write_state(state)
+            self._max_generation_seen = gen
+            return gen
+
+    def _check_office(self) -> int:
+        if self._generation is None:
+            raise RuntimeError("only a syncer that has taken office (take_office) may write the exchange's state")
+        current = self.generation()
+        if current != self._generation:
+            raise StaleSyncerError(f"syncer of generation {self._generation} is stale: generation {current} "
+                                   "has taken office")
+        return self._generation
+
+    # -- learners → syncer ----------------------------------------------------------------------
+    def submit(self, sub: Submission) -> None:
+        """Write one submission object (atomic); sets ``sub.key`` to its object name."""
+        manifest = {k: getattr(sub, k) for k in _SUBMISSION_FIELDS}
+        manifest["sent_at"] = self.clock()
+        ms = int(manifest["sent_at"] * 1000)
+        name = (f"{ms:012d}-l{sub.learner:03d}-f{sub.fragment:03d}-a{sub.attempt:03d}-s{sub.local_step:09d}-"
+                f"{uuid.uuid4().hex[:8]}.safetensors")
+        self._put(self._p("inbox", name), encode(sub.params, manifest))
+        sub.key = name
+
+    def drain(self) -> list[Submission]:
+        """Submissions not drained before by this instance, in send order (the syncer's side).
+
+        An object that fails its checks is moved to ``quarantine/`` with the reason and reported by
+        :meth:`take_events`; it never reaches the syncer."""
+        names = sorted(n for n in self._ls(self._p("inbox")) if n.endswith(".safetensors") and n not in self._seen)
+        out = []
+        for name in names:
+            self._seen.add(name)
+            path = self._p("inbox", name)
+            try:
+                tensors, meta = decode(self._get(path))
+                missing = [k for k in _SUBMISSION_FIELDS if k not in meta]
+                if missing:
+                    raise CorruptObjectError(f"manifest lacks {missing}")
+            except FileNotFoundError:
+                continue
+            except CorruptObjectError as exc:
+                self._quarantine(name, str(exc))
+                continue
+            sub = Submission(learner=int(meta["learner"]), fragment=int(meta["fragment"]), params=tensors,
+                             tokens=int(meta["tokens"]), steps=int(meta["steps"]),
+                             base_version=int(meta["base_version"]), local_step=int(meta["local_step"]),
+                             attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name)
+            out.append(sub)
+        return out
+
+    def _quarantine(self, name: str, reason: str) -> None:
+        src, dst = self._p("inbox", name), self._p("quarantine", name)
+        try:
+            self.fs.makedirs(self._p("quarantine"), exist_ok=True)
+            self.fs.mv(src, dst)
+        except FileNotFoundError:
+            pass
+        self._put(self._p("quarantine", name + ".reason"), reason.encode())
+        learner = _field_of(name, "l")
+        with self._lock:
+            self._events.append({"event": "quarantined", "object": name, "reason": reason,
+                                 "learner": learner, "fragment": _field_of(name, "f"), "t": self.clock()})
+
+    def discard(self, keys: Iterable[str]) -> None:
+        """Delete drained submissions the syncer is done with (merged or dropped)."""
+        paths = [self._p("inbox", k) for k in keys]
+        if paths:
+            try:
+                self.fs.rm(paths)
+            except FileNotFoundError:
+                for p in paths:
+                    try:
+                        self.fs.rm(p)
+                    except FileNotFoundError:
+                        pass
+
+    def take_events(self) -> list[dict]:
+        """Exchange events since the last call (quarantined objects), oldest first."""
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    # -- syncer → learners ----------------------------------------------------------------------
+    def publish(self, fragment: int, version: int, params: dict[str, np.ndarray]) -> None:
+        """Publish Θ_p at ``version`` (object first, then the pointer). Raises
+        :class:`StaleSyncerError` if a newer syncer is in office, ``ValueError`` if ``version`` is not
+        above the published one (a repeat)."""
+        with self._lock:
+            gen = self._check_office()
+            state = dict(self._read_state(fresh=True))
+            versions = list(state["versions"])
+            if version <= versions[fragment]:
+                raise ValueError(f"fragment {fragment}: version {version} is not above the published "
+                                 f"{versions[fragment]}")
+            manifest = {"fragment": fragment, "version": version, "generation": gen}
+            self._put(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors"),
+                      encode(params, manifest))
+            self._check_office()
+            versions[fragment] = version
+            state["versions"] = versions
+            self._write_state(state)
+            old = sorted(self._ls(self._p("global", f"f{fragment:03d}")))[:-self.keep_versions]
+            if old:
+                self.fs.rm([self._p("global", f"f{fragment:03d}", n) for n in old])
+
+    def latest(self, fragment: int) -> tuple[int, dict[str, np.ndarray]]:
+        """``(version, params)`` of the newest published Θ_p; ``RuntimeError`` before the first."""
+        for fresh in (False, True, True):
+            version = self._read_state(fresh=fresh)["versions"][fragment]
+            if version < 0:
+                raise RuntimeError(f"fragment {fragment} has not been published by the syncer yet")
+            try:
+                tensors, meta = decode(self._get(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors")))
+            except FileNotFoundError:
+                continue  # garbage-collected under us: a newer version exists
+            if int(meta["version"]) != version or int(meta["fragment"]) != fragment:
+                raise CorruptObjectError(f"fragment {fragment} v{version}: manifest says "
+                                         f"fragment {meta['fragment']} v{meta['version']}")
+            return version, tensors
+        raise RuntimeError(f"fragment {fragment}: the published version kept disappearing")
+
+    def versions(self) -> list[int]:
+        return list(self._read_state()["versions"])
+
+    # -- liveness and progress ------------------------------------------------------------------
+    def _beat_of(self, learner: int) -> dict:
+        with self._lock:
+            if learner not in self._beats:
+                try:
+                    self._beats[learner] = json.loads(self._get(self._p("learners", f"l{learner:03d}.json")))
+                except FileNotFoundError:
+                    self._beats[learner] = {"claimed": 0}
+            return self._beats[learner]
+
+    def heartbeat(self, learner: int, **info) -> None:
+        """Rewrite learner ``learner``'s heartbeat with ``info`` merged in (and ``last_seen``, Unix s)."""
+        with self._lock:
+            beat = self._beat_of(learner)
+            beat.update(info)
+            beat["last_seen"] = time.time()
+            self._put(self._p("learners", f"l{learner:03d}.json"), json.dumps(beat).encode())
+
+    def learners(self) -> dict[int, dict]:
+        """Every learner's last heartbeat; ``last_seen`` converted to this process's monotonic clock
+        (as the in-process exchange reports it)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._others_at > self.poll_s:
+                out = {}
+                for name in self._ls(self._p("learners")):
+                    if not name.endswith(".json"):
+                        continue
+                    try:
+                        info = json.loads(self._get(self._p("learners", name)))
+                    except (FileNotFoundError, ValueError):
+                        continue
+                    out[int(name[1:4])] = info
+                self._others, self._others_at = out, now
+            shift = time.monotonic() - time.time()
+            return {m: {**v, "last_seen": v.get("last_seen", -1e18) + shift} for m, v in self._others.items()}
+
+    # -- the global token budget ----------------------------------------------------------------
+    def claim_tokens(self, n: int, learner: int | None = None, stop=None) -> bool:
+        """Learner ``learner`` claims ``n`` tokens from its grant, durably; False once the budget is
+        fully granted and its grant cannot cover ``n``, the run closed, or ``stop()`` is true. Waits
+        for the syncer's next top-up otherwise (polling ``state.json`` every ``poll_s``). Raises
+        ``TypeError`` without ``learner``."""
+        if learner is None:
+            raise TypeError("the fsspec exchange needs the claiming learner: claim_tokens(n, learner=m)")
+        beat = self._beat_of(learner)
+        while True:
+            state = self._read_state()
+            grant = int(state["grants"].get(str(learner), 0))
+            if int(beat.get("claimed", 0)) + n <= grant:
+                self.heartbeat(learner, claimed=int(beat.get("claimed", 0)) + n)
+                return True
+            if (state.get("closed") or (stop is not None and stop())
+                    or sum(int(g) for g in state["grants"].values()) >= self.token_budget):
+                state = self._read_state(fresh=True)
+                grant = int(state["grants"].get(str(learner), 0))
+                if int(beat.get("claimed", 0)) + n <= grant:
+                    continue
+                return False
+            time.sleep(self.poll_s)
+
+    def grant(self, live: set[int] | None = None) -> bool:
+        """The syncer's top-up: every learner (of ``live``, default all) with less than half of
+        ``grant_tokens`` left unclaimed gets ``grant_tokens`` more, while the budget lasts. Returns
+        True if a grant changed (``state.json`` rewritten)."""
+        with self._lock:
+            state = self._read_state(fresh=True)
+            grants = {m: int(g) for m, g in state["grants"].items()}
+            left = self.token_budget - sum(grants.values())
+            if left <= 0:
+                return False
+            beats = self.learners()
+            changed = False
+            for m in range(self.num_learners):
+                if live is not None and m not in live:
+                    continue
+                info = beats.get(m, {})
+                if info.get("status") == "done":
+                    continue
+                unclaimed = grants.get(str(m), 0) - int(info.get("claimed", 0))
+                if unclaimed < self.grant_tokens / 2 and left > 0:
+                    extra = min(self.grant_tokens, left)
+                    grants[str(m)] = grants.get(str(m), 0) + extra
+                    left -= extra
+                    changed = True
+            if changed:
+                self._check_office()
+                self._write_state({**state, "grants": grants})
+            return changed
+
+    @property
+    def claimed_tokens(self) -> int:
+        """Tokens claimed by all learners (their durable heartbeats)."""
+        return int(sum(int(v.get("claimed", 0)) for v in self.learners().values()))
+
+    # -- the run's clock and end ----------------------------------------------------------------
+    def clock(self) -> float:
+        """Seconds since the exchange was created (wall clock: one origin for every process)."""
+        return time.time() - self._t0
+
+    def close(self) -> None:
+        """The run is over: learners stop at their next step boundary."""
+        with self._lock:
+            if self._generation is not None:
+                self._check_office()
+            state = dict(self._read_state(fresh=True))
+            state["closed"] = True
+            self._write_state(state)
+
+    def is_closed(self) -> bool:
+        return bool(self._read_state().get("closed"))
+
+    def mark_learners_done(self) -> None:
+        """Written by the flow once every learner task has ended (the syncer then flushes and ends)."""
+        self._put(self._p("learners_done"), b"1")
+
+    def learners_done(self) -> bool:
+        return self.fs.exists(self._p("learners_done"))
+
+    def request_stop(self) -> None:
+        """Written by the flow when a stop signal reached it: learners stop at their next step boundary."""
+        self._put(self._p("stop"), b"1")
+
+    def stop_requested(self) -> bool:
+        """True once :meth:`request_stop` ran anywhere (checked at most every ``poll_s`` seconds)."""
+        with self._lock:
+            now = time.monotonic()
+            if not self._stop_seen and now - self._stop_at > self.poll_s:
+                self._stop_seen, self._stop_at = self.fs.exists(self._p("stop")), now
+            return self._stop_seen
+
+
+def _field_of(name: str, letter: str) -> int | None:
+    """The number after ``-<letter>`` in an inbox object name (``l`` learner, ``f`` fragment)."""
+    for part in name.split("-"):
+        if part.startswith(letter) and part[1:].isdigit():
+            return int(part[1:])
+    return None
