@@ -93,6 +93,7 @@ def run_syncer(
             while next_eval <= claimed:
                 next_eval += eval_every_tokens
         if finished:
+            exchange.refresh()  # the learners' last heartbeats, not a cached read
             now = exchange.clock()
             receive_all(now)
             handle(syncer.flush(now))

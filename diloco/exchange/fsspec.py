@@ -394,6 +394,11 @@ class FsspecExchange:
     def versions(self) -> list[int]:
         return list(self._read_state()["versions"])
 
+    def refresh(self) -> None:
+        """Forget cached reads: the next read of the pointer and the heartbeats goes to storage."""
+        with self._lock:
+            self._state_at = self._others_at = -1e18
+
     # -- liveness and progress ------------------------------------------------------------------
     def _beat_of(self, learner: int) -> dict:
         with self._lock:

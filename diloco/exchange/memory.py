@@ -82,6 +82,9 @@ class InMemoryExchange:
             entry.update(info)
             entry["last_seen"] = time.monotonic()
 
+    def refresh(self) -> None:
+        """Nothing cached: every read is current."""
+
     def learners(self) -> dict[int, dict]:
         with self._lock:
             return {m: dict(v) for m, v in self._learners.items()}

@@ -1,0 +1,238 @@
+"""The durable fsspec exchange on ``memory://`` and a local folder: atomic visibility, the token
+budget under racing claims (threads and processes), manifests and checksums (corrupted or truncated
+objects quarantined, never merged), fencing of a stale syncer, garbage collection."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from diloco.exchange.base import Submission
+from diloco.exchange.fsspec import CorruptObjectError, FsspecExchange, StaleSyncerError, decode, encode
+from diloco.syncer import Syncer, SyncerSettings
+from diloco.syncer_loop import run_syncer
+from tests.exchange_claimer import claim_until_refused
+
+
+@pytest.fixture(params=["memory", "local"])
+def url(request, tmp_path):
+    if request.param == "memory":
+        return f"memory://ex-{uuid.uuid4().hex}"
+    return str(tmp_path / "exchange")
+
+
+def theta0():
+    return [{"a": np.zeros((4, 8), np.float32)}, {"b": np.zeros(16, np.float32)}]
+
+
+def make(url, learners=2, budget=1000, grant=100, **kw):
+    return FsspecExchange.create(url, initial=theta0(), num_learners=learners, token_budget=budget,
+                                 grant_tokens=grant, poll_s=0.001, **kw)
+
+
+def sub(m, p, value, tokens=10, base=0, step=1, attempt=1):
+    shape = (4, 8) if p == 0 else (16,)
+    name = "a" if p == 0 else "b"
+    return Submission(learner=m, fragment=p, params={name: np.full(shape, value, np.float32)}, tokens=tokens,
+                      steps=1, base_version=base, local_step=step, attempt=attempt)
+
+
+# -- objects -------------------------------------------------------------------------------------
+def test_object_round_trip_and_checks():
+    t = {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "y": np.ones(2, np.float32)}
+    data = encode(t, {"learner": 1, "tokens": 64})
+    back, meta = decode(data)
+    assert meta["learner"] == 1 and meta["tokens"] == 64 and len(meta["sha256"]) == 64
+    np.testing.assert_array_equal(back["x"], t["x"])
+    with pytest.raises(CorruptObjectError, match="truncated|unreadable"):
+        decode(data[: len(data) - 5])
+    flipped = bytearray(data)
+    flipped[-1] ^= 0xFF  # one bit of the last tensor's bytes
+    with pytest.raises(CorruptObjectError, match="checksum"):
+        decode(bytes(flipped))
+    with pytest.raises(CorruptObjectError):
+        decode(b"not an object")
+
+
+def test_create_refuses_an_existing_exchange_and_open_names_a_missing_one(url, tmp_path):
+    make(url)
+    with pytest.raises(FileExistsError, match="already exists"):
+        make(url)
+    with pytest.raises(FileNotFoundError, match="no exchange at"):
+        FsspecExchange.open(str(tmp_path / "nowhere"))
+
+
+# -- submissions: visibility, order, quarantine, GC ----------------------------------------------
+def test_submissions_flow_to_the_syncer_in_send_order(url):
+    ex = make(url)
+    learner, syncer = FsspecExchange.open(url), FsspecExchange.open(url)
+    for step in (1, 2, 3):
+        learner.submit(sub(0, 1, step, step=step))
+    got = syncer.drain()
+    assert [s.local_step for s in got] == [1, 2, 3] and all(s.key for s in got)
+    np.testing.assert_array_equal(got[2].params["b"], np.full(16, 3, np.float32))
+    assert syncer.drain() == []  # drained once
+    syncer.discard([s.key for s in got])
+    assert ex._ls(ex._p("inbox")) == []
+
+
+def test_a_reader_never_sees_a_half_written_object(url):
+    """A writer thread submits large objects while the syncer drains as fast as it can: every object
+    drained is whole (no quarantine) and every one arrives."""
+    make(url)
+    writer, reader = FsspecExchange.open(url), FsspecExchange.open(url)
+    big = {"a": np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)}  # 1 MiB
+    n, got = 40, []
+
+    def write():
+        for i in range(n):
+            writer.submit(Submission(learner=0, fragment=0, params=big, tokens=1, steps=1, base_version=0,
+                                     local_step=i + 1))
+
+    t = threading.Thread(target=write)
+    t.start()
+    while t.is_alive() or len(got) < n:
+        got += reader.drain()
+        if not t.is_alive() and len(got) < n:
+            got += reader.drain()
+            break
+    t.join()
+    assert reader.take_events() == []
+    assert sorted(s.local_step for s in got) == list(range(1, n + 1))
+    assert all(np.array_equal(s.params["a"], big["a"]) for s in got)
+
+
+def test_corrupted_and_truncated_submissions_are_quarantined_not_merged(url):
+    ex = make(url, learners=2)
+    learner, syncer_ex = FsspecExchange.open(url), FsspecExchange.open(url)
+    syncer_ex.take_office()
+    learner.submit(sub(0, 0, 1.0, tokens=10))
+    learner.submit(sub(1, 0, 3.0, tokens=10))
+    good, bad = sorted(ex._ls(ex._p("inbox")))
+    data = ex._get(ex._p("inbox", bad))
+    ex.fs.pipe_file(ex._p("inbox", bad), data[: len(data) // 2])  # truncated in storage
+    extra = "000000000000-l000-f001-a001-s000000009-deadbeef.safetensors"
+    flipped = bytearray(encode({"b": np.ones(16, np.float32)}, {"learner": 0}))
+    flipped[-1] ^= 1
+    ex.fs.pipe_file(ex._p("inbox", extra), bytes(flipped))  # bit flip after the checksum was taken
+
+    s = Syncer({"a": np.zeros((4, 8), np.float32), "b": np.zeros(16, np.float32)}, [["a"], ["b"]],
+               SyncerSettings(num_learners=2, quorum=1, grace_s=0.0, outer_lr=1.0, outer_momentum=0.0))
+    events, records = [], []
+    syncer_ex.mark_learners_done()
+    run_syncer(s, syncer_ex, records.append, lambda params, tokens: None, eval_every_tokens=10**9,
+               heartbeat_timeout_s=1.0, on_event=events.append)
+    assert {e["object"] for e in events} == {bad, extra}
+    assert {e["learner"] for e in events} == {1, 0} and all(e["event"] == "quarantined" for e in events)
+    assert sorted(ex._ls(ex._p("quarantine"))) == sorted([bad, bad + ".reason", extra, extra + ".reason"])
+    assert "truncated" in ex._get(ex._p("quarantine", bad + ".reason")).decode()
+    # only the good submission was merged: Θ_0 moved to learner 0's copy (outer lr 1, no momentum)
+    assert [r["contributors"] for r in records] == [[0]]
+    np.testing.assert_allclose(s.global_params[0]["a"], 1.0)
+    assert s.versions == [1, 0]
+    assert ex._ls(ex._p("inbox")) == []  # merged and quarantined objects gone from the inbox
+    assert good not in ex._ls(ex._p("quarantine"))
+
+
+# -- published fragments, fencing ----------------------------------------------------------------
+def test_publish_latest_versions_and_garbage_collection(url):
+    ex = make(url)
+    syncer = FsspecExchange.open(url)
+    assert syncer.take_office() == 1
+    reader = FsspecExchange.open(url)
+    assert reader.versions() == [0, 0]
+    for v in range(1, 5):
+        syncer.publish(1, v, {"b": np.full(16, v, np.float32)})
+    version, params = reader.latest(1)
+    assert version == 4 and params["b"][0] == 4
+    assert sorted(ex._ls(ex._p("global", "f001"))) == ["v00000003.safetensors", "v00000004.safetensors"]
+    with pytest.raises(ValueError, match="not above the published"):
+        syncer.publish(1, 4, {"b": np.zeros(16, np.float32)})  # a repeat
+
+
+def test_a_stale_syncer_cannot_publish_or_grant(url):
+    make(url)
+    old, new = FsspecExchange.open(url), FsspecExchange.open(url)
+    assert old.take_office() == 1
+    old.publish(0, 1, {"a": np.ones((4, 8), np.float32)})
+    assert new.take_office() == 2
+    with pytest.raises(StaleSyncerError, match="generation 2 has taken office"):
+        old.publish(0, 2, {"a": np.full((4, 8), 9, np.float32)})
+    with pytest.raises(StaleSyncerError):
+        old.close()
+    new.publish(0, 2, {"a": np.full((4, 8), 2, np.float32)})
+    reader = FsspecExchange.open(url)
+    assert reader.latest(0)[0] == 2 and reader.latest(0)[1]["a"][0, 0] == 2
+    assert json.loads(reader._get(reader._p("state.json")))["generation"] == 2
+    with pytest.raises(RuntimeError, match="take_office"):
+        FsspecExchange.open(url).publish(0, 3, {"a": np.zeros((4, 8), np.float32)})
+
+
+# -- the token budget ----------------------------------------------------------------------------
+def test_claims_stay_within_grants_and_grants_within_the_budget(url):
+    make(url, learners=2, budget=1000, grant=100)
+    syncer, a, b = FsspecExchange.open(url), FsspecExchange.open(url), FsspecExchange.open(url)
+    syncer.take_office()
+    assert a.claim_tokens(60, learner=0) and not a._read_state(fresh=True)["grants"]["0"] < 100
+    stop = threading.Event()
+    claimed = {0: 60, 1: 0}
+
+    def learner(ex, m):
+        while ex.claim_tokens(10, learner=m, stop=stop.is_set):
+            claimed[m] += 10
+
+    threads = [threading.Thread(target=learner, args=(ex, m)) for ex, m in ((a, 0), (b, 1))]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        syncer.grant()
+        time.sleep(0.001)
+    for t in threads:
+        t.join()
+    syncer.refresh()
+    assert claimed[0] + claimed[1] == 1000 == syncer.claimed_tokens  # spent exactly, durably counted
+    grants = syncer._read_state(fresh=True)["grants"]
+    assert sum(int(g) for g in grants.values()) == 1000
+
+
+def test_a_claim_without_a_learner_is_refused(url):
+    make(url)
+    with pytest.raises(TypeError, match="learner=m"):
+        FsspecExchange.open(url).claim_tokens(10)
+
+
+def test_racing_processes_never_over_spend_even_when_one_dies_mid_claim(tmp_path):
+    """Three learner processes claim 8 tokens at a time while this process grants; learner 2 is
+    SIGKILLed after 40 tokens and a new process of it carries on from its durable claims."""
+    url = str(tmp_path / "exchange")
+    make(url, learners=3, budget=2000, grant=64)
+    syncer = FsspecExchange.open(url, poll_s=0.001)
+    syncer.take_office()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=claim_until_refused, args=(url, m, 40 if m == 2 else None, out)) for m in range(3)]
+    for p in procs:
+        p.start()
+    while procs[2].is_alive():
+        syncer.grant()
+        time.sleep(0.002)
+    assert procs[2].exitcode == -9  # SIGKILL
+    retry = ctx.Process(target=claim_until_refused, args=(url, 2, None, out))
+    retry.start()
+    while any(p.is_alive() for p in (*procs[:2], retry)):
+        syncer.grant()
+        time.sleep(0.002)
+    for p in (*procs, retry):
+        p.join()
+    syncer.refresh()
+    counts = dict(out.get(timeout=10) for _ in range(3))
+    durable = {m: v["claimed"] for m, v in syncer.learners().items()}
+    assert counts[0] == durable[0] and counts[1] == durable[1]
+    assert durable[2] == 40 + counts[2]  # the retry continued from the killed process's durable claims
+    assert sum(durable.values()) == 2000  # the whole budget, and not one token more
