@@ -361,6 +361,11 @@ class RuntimeConfig(_Strict):
         0.02, description="seconds between two reads of the fsspec exchange's pointer and inbox "
         "(bounds the storage request rate of each process)"
     )
+    start_wait_s: float = Field(
+        120.0, ge=0.0, description="before its first step a learner waits at most this long (seconds) for "
+        "all learners to be up (processes start seconds apart: each imports JAX and compiles); 0 = no wait. "
+        "Once training has started no learner waits for another"
+    )
     max_workers: PositiveInt | None = Field(
         None, description="threads of the task runner; unset = learners + 2 (every learner, the "
         "syncer and the flow's own waits at once)"

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -127,6 +128,8 @@ class LearnerSetup:
     fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
     kill_steps: frozenset[int] = frozenset()  # those of fail_at_steps that SIGKILL the process instead
     kill_at_s: tuple[float, ...] = ()  # SIGKILL the process at these run-clock times (seconds), each once
+    num_learners: int = 1  # M: how many learners the start gate waits for
+    start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
 
 
@@ -156,6 +159,23 @@ def _kill_timer(ex: Exchange, at_s: float, learner: int, log) -> threading.Event
 
     threading.Thread(target=watch, name=f"chaos-kill-{learner}", daemon=True).start()
     return disarm
+
+
+def _start_gate(ex: Exchange, m: int, num_learners: int, wait_s: float, stop: Callable[[], bool]) -> float:
+    """Report ready, then wait until all ``num_learners`` learners have reported (ready or later),
+    ``wait_s`` seconds have passed, the run closed or ``stop()``. Returns the seconds waited.
+
+    Only first attempts pass the gate, and only before their first step: learners in separate
+    processes start seconds apart (each imports JAX and compiles its step), and without it the first
+    one up would take a large share of the token budget alone before the others could contribute.
+    Once training has started no learner ever waits for another."""
+    t0 = time.monotonic()
+    ex.heartbeat(m, status="ready", pid=os.getpid())
+    while time.monotonic() - t0 < wait_s and not (stop() or ex.is_closed()):
+        if len(ex.learners()) >= num_learners:
+            break
+        time.sleep(0.01)
+    return time.monotonic() - t0
 
 
 def run_learner(s: LearnerSetup) -> dict:
@@ -197,6 +217,8 @@ def run_learner(s: LearnerSetup) -> dict:
         if point is not None:
             step, cursor, opt_state = point.step, tuple(point.cursor), point.opt_state
         epoch, index = cursor
+        if s.attempt == 1 and s.start_wait_s > 0:
+            _start_gate(ex, m, s.num_learners, s.start_wait_s, s.stop)
         ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),
                      pid=os.getpid(), host=socket.gethostname(), started_at=ex.clock())
         s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
