@@ -23,7 +23,7 @@ from run.metrics import read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, syncer_task
 from training.common import token_budget
 from training.diloco import prepare_diloco
-from launch.engines import task_runner_for
+from launch.engines import engine_session, task_options, task_runner_for
 
 
 def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
@@ -66,10 +66,12 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
-    with task_runner_for(config) as runner:
-        syncer_future = runner.submit(syncer_task, {"config": config, "run_dir": str(rd)})
-        futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
-                   for m in range(d.learners)]
+    with engine_session(config), task_runner_for(config) as runner:
+        with task_options(config, "syncer"):
+            syncer_future = runner.submit(syncer_task, {"config": config, "run_dir": str(rd)})
+        with task_options(config, "learner"):
+            futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
+                       for m in range(d.learners)]
         try:
             next_progress = time.monotonic() + progress_every_s
             while True:

@@ -3,20 +3,36 @@
 * ``threads``: Prefect's ``ThreadPoolTaskRunner``, sized for every learner, the syncer and the flow's
   own waits at once; learners share the process (and its devices) and exchange fragments in memory.
 * ``ray``: prefect-ray's ``RayTaskRunner``. Without ``runtime.address`` a local Ray instance is
-  started for the run with one logical CPU per task (the learners and the syncer run at once, however
-  few cores the host has); with an address, the tasks join that cluster.
+  started for the run (no dashboard) with one logical CPU per task, so the learners and the syncer run
+  at once however few cores the host has; with an address, the tasks join that cluster.
 * ``dask``: prefect-dask's ``DaskTaskRunner``. Without an address a ``distributed.LocalCluster`` of
-  one single-threaded worker process per task; with one, the tasks go to that scheduler.
+  one single-threaded worker process per task (its scheduler and nannies live in the flow's process);
+  with one, the tasks go to that scheduler.
 
 On the process engines every task runs in a worker process of its own and imports the project
-there: the workers must see the same code and the run directory (a shared filesystem on a
-cluster), and the exchange (``runtime.exchange_url``) must be reachable from all of them. The
-environment the workers need (``XLA_FLAGS``, Prefect's API URL and settings) is passed on.
+there: workers must see the same code and the run directory (a shared filesystem on a cluster), and
+the exchange (``runtime.exchange_url``) must be reachable from all of them.
+
+Crashes. Prefect's retries (``diloco.learner_retries``) re-run a task that *raised*, in the same
+worker process. A worker process that *dies* (SIGKILL, out of memory, a lost node) raises nothing
+Prefect could see: the engine itself re-runs the task in a new process — Ray's ``max_retries`` for
+worker deaths, Dask's ``distributed.scheduler.allowed-failures`` — and Prefect's run count stays 1 in
+the re-run (measured with Prefect 3.9.1, prefect-ray 0.6.0, prefect-dask 0.3.7). Both are set here to
+the same number of retries, and the learner counts its attempts from the exchange's heartbeats.
+
+The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary
+server (no ``PREFECT_API_URL`` set, e.g. a plain ``ddiloco run``) lives in the flow's process
+tree and a worker would start a server of its own and fail; :func:`engine_session` therefore hands the
+workers the temporary server's URL. On a cluster, run a Prefect server the workers can reach and set
+``PREFECT_API_URL`` everywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+from collections.abc import Iterator
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -36,10 +52,15 @@ def engine_slots(config: ExperimentConfig) -> int:
     return config.diloco.learners + 1
 
 
-def task_runner_for(config: ExperimentConfig):
-    """A Prefect task runner for ``config.runtime.engine`` (see the module docstring).
+def crash_retries(config: ExperimentConfig) -> int:
+    """How many times the engine re-runs a task whose process died (= ``diloco.learner_retries``)."""
+    return config.diloco.learner_retries
 
-    Raises ``ImportError`` naming the package if the engine's Prefect integration is missing."""
+
+def task_runner_for(config: ExperimentConfig):
+    """A Prefect task runner for ``config.runtime.engine`` (see the module docstring). Enter it
+    inside :func:`engine_session`. Raises ``ImportError`` naming the package if the engine's Prefect
+    integration is missing."""
     rt = config.runtime
     if rt.engine == "threads":
         return ThreadPoolTaskRunner(max_workers=rt.max_workers or config.diloco.learners + 2)
@@ -47,14 +68,61 @@ def task_runner_for(config: ExperimentConfig):
     if rt.engine == "ray":
         from prefect_ray import RayTaskRunner
 
-        init = {"runtime_env": {"env_vars": forwarded_env()}}
+        init = {"runtime_env": {"env_vars": forwarded_env()}, "log_to_driver": False, "logging_level": "ERROR"}
         if rt.address is None:
-            init.update(num_cpus=slots, include_dashboard=False, log_to_driver=False,
-                        configure_logging=True, logging_level="warning")
+            init.update(num_cpus=slots, include_dashboard=False)
         return RayTaskRunner(address=rt.address, init_kwargs=init)
+    import dask
     from prefect_dask import DaskTaskRunner
 
+    dask.config.set({"distributed.scheduler.allowed-failures": crash_retries(config)})
     if rt.address is not None:
         return DaskTaskRunner(address=rt.address)
+    # memory_limit 0: no nanny restarts on a per-worker memory share (JAX holds its buffers)
     return DaskTaskRunner(cluster_kwargs={"n_workers": slots, "threads_per_worker": 1, "processes": True,
-                                          "dashboard_address": None, "env": forwarded_env()})
+                                          "dashboard_address": None, "memory_limit": 0,
+                                          "env": forwarded_env()})
+
+
+@contextlib.contextmanager
+def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
+    """Per-task engine options for ``role`` (learner or syncer) around ``runner.submit``: on Ray one
+    logical CPU and ``crash_retries`` re-runs after a worker death; nothing on the other engines."""
+    if config.runtime.engine != "ray":
+        yield
+        return
+    from prefect_ray.context import remote_options
+
+    with remote_options(num_cpus=1, max_retries=crash_retries(config)):
+        yield
+
+
+@contextlib.contextmanager
+def engine_session(config: ExperimentConfig) -> Iterator[None]:
+    """Around a process engine's use: workers get the Prefect API URL of Prefect's temporary server
+    when no ``PREFECT_API_URL`` is set (see the module docstring), and the engines' INFO chatter is
+    kept out of the run's log. Nothing happens for the thread engine."""
+    if config.runtime.engine == "threads":
+        yield
+        return
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    for name in ("distributed", "ray"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if get_current_settings().api.url:
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the process's temporary server (a singleton), started if need be
+    server.start()
+    before = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by worker processes started from here
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):  # shipped with every task
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = before
