@@ -221,7 +221,7 @@ def run_learner(s: LearnerSetup) -> dict:
             _start_gate(ex, m, s.num_learners, s.start_wait_s, s.stop)
         ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),
                      pid=os.getpid(), host=socket.gethostname(), started_at=ex.clock())
-        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
+        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(), "pid": os.getpid(),
                "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
         steps_this_attempt = 0
 
@@ -230,7 +230,7 @@ def run_learner(s: LearnerSetup) -> dict:
             f = frags[p]
             copy = to_numpy({k: params[k] for k in f.names})
             sub = Submission(learner=m, fragment=p, params=copy, tokens=f.tokens, steps=f.steps,
-                             base_version=f.version, local_step=step, attempt=s.attempt)
+                             base_version=f.version, local_step=step, attempt=s.attempt, sent_at=ex.clock())
             bytes_out += sub.nbytes
             f.sent(copy)
             ex.submit(sub)

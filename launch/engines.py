@@ -75,6 +75,10 @@ def task_runner_for(config: ExperimentConfig):
     import dask
     from prefect_dask import DaskTaskRunner
 
+    # distributed sets its loggers to INFO when imported (dask's logging config): ~120 lines a run
+    for name in ("distributed", *[n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
     dask.config.set({"distributed.scheduler.allowed-failures": crash_retries(config)})
     if rt.address is not None:
         return DaskTaskRunner(address=rt.address)
@@ -100,15 +104,13 @@ def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
 @contextlib.contextmanager
 def engine_session(config: ExperimentConfig) -> Iterator[None]:
     """Around a process engine's use: workers get the Prefect API URL of Prefect's temporary server
-    when no ``PREFECT_API_URL`` is set (see the module docstring), and the engines' INFO chatter is
-    kept out of the run's log. Nothing happens for the thread engine."""
+    when no ``PREFECT_API_URL`` is set (see the module docstring). Nothing happens for the thread
+    engine."""
     if config.runtime.engine == "threads":
         yield
         return
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
-    for name in ("distributed", "ray"):
-        logging.getLogger(name).setLevel(logging.WARNING)
     if get_current_settings().api.url:
         yield
         return

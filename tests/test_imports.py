@@ -3,7 +3,8 @@
 * each package imports only the packages listed for it in ``ALLOWED`` (no upward imports); in
   particular ``diloco/`` imports nothing of ours but itself: the learner loop gets its step as a
   function, never a model;
-* Prefect only in ``flows/``, ``tasks/`` and ``reports/artifacts.py``; no JAX or Flax in the packages
+* Prefect only in ``flows/``, ``tasks/``, ``launch/`` (the engines' task runners) and
+  ``reports/artifacts.py``; no JAX or Flax in the packages
   that run before JAX starts or draw reports;
 * no circular imports between modules (module-level imports).
 """
@@ -22,11 +23,12 @@ ALLOWED = {  # package -> the project packages it may import
     "sim": {"reports"},
     "evals": {"configs"},
     "training": {"configs", "data", "diloco", "evals", "models", "run"},
+    "launch": {"configs"},
     "tasks": {"configs", "data", "reports", "run", "sim", "training"},
-    "flows": {"configs", "data", "models", "reports", "run", "sim", "tasks", "training"},
+    "flows": {"configs", "data", "launch", "models", "reports", "run", "sim", "tasks", "training"},
 }
-PREFECT_ALLOWED = ("flows/", "tasks/", "reports/artifacts.py")
-NO_JAX = ("configs", "run", "data", "reports", "sim")
+PREFECT_ALLOWED = ("flows/", "tasks/", "launch/", "reports/artifacts.py")
+NO_JAX = ("configs", "run", "data", "reports", "sim", "launch")
 
 
 def _imports(path: Path, top_level_only: bool = False) -> set[str]:

@@ -27,7 +27,8 @@ class Submission:
     ``params``: tensor name → float32 array (the learner's θ_{m,p}). ``tokens``/``steps``: tokens
     and inner steps of progress the copy holds relative to ``base_version`` (c_tokens, c_steps).
     ``base_version``: the global version of the fragment the learner last received.
-    ``local_step``: the learner's inner step when it sent. ``sent_at``: ``time.monotonic()`` seconds.
+    ``local_step``: the learner's inner step when it sent. ``sent_at``: the run clock when it was sent
+    (``Exchange.clock()``, seconds; ``time.monotonic()`` if built without one).
     """
 
     learner: int

@@ -1,0 +1,86 @@
+"""Learners and the syncer as separate processes on Ray and Dask (prefect-ray, prefect-dask), through
+the fsspec exchange in the run directory; a learner's process killed with SIGKILL is run again by
+the engine in a new process, resumes at its saved step and is merged again."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from run.layout import RunLayout
+from training.common import token_budget
+from run.metrics import read_jsonl
+
+
+def _copy(src, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _cfg(small_cfg, engine: str, **chaos):
+    from configs.schema import ExperimentConfig
+
+    return ExperimentConfig.model_validate({
+        **small_cfg.model_dump(),
+        "diloco": {**small_cfg.diloco.model_dump(), "learners": 2, "quorum": 1, "fragments": 2,
+                   "grace_s": 0.05, "resume_every_steps": 5, "learner_retries": 2},
+        "train": {**small_cfg.train.model_dump(), **chaos.pop("train", {})},
+        "runtime": {"engine": engine, "start_wait_s": 120.0},
+        "chaos": chaos,
+    })
+
+
+def _ledger_balanced(summary) -> None:
+    for m, row in summary["ledger"].items():
+        assert row["processed"] == row["not_submitted"] + row["submitted"], m
+        assert row["submitted"] == row["merged"] + row["dropped"] + row["pending"], m
+
+
+def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_cfg, small_data, tmp_path):
+    from flows.pretrain import pretrain_diloco
+
+    run_dir = _copy(small_data, tmp_path)
+    layout = RunLayout(run_dir)
+    cfg = _cfg(small_cfg, "ray", train={"token_budget": 16384, "eval_every_tokens": 16384})
+    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
+    assert summary["tokens"] == token_budget(cfg) and summary["merges"] > 0 and np.isfinite(summary["final_val_loss"])
+    beats = [layout.exchange("pretrain", "diloco") / "learners" / f"l{m:03d}.json" for m in range(2)]
+    pids = {__import__("json").loads(b.read_text())["pid"] for b in beats}
+    assert len(pids) == 2 and os.getpid() not in pids  # each learner in a process of its own
+    _ledger_balanced(summary)
+    assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
+
+
+def test_dask_learner_killed_with_sigkill_rejoins_in_a_new_process(prefect_harness, small_cfg, small_data,
+                                                                  tmp_path):
+    """Learner 1's process is SIGKILLed at local step 30: Dask runs the task again in a new worker
+    process, which resumes at the last resume point (every 5 steps) and is merged again; merges go
+    on while it is down, and the ledger balances."""
+    from flows.pretrain import pretrain_diloco
+
+    run_dir = _copy(small_data, tmp_path)
+    layout = RunLayout(run_dir)
+    cfg = _cfg(small_cfg, "dask", kills=[{"learner": 1, "at_step": 30}],
+               train={"token_budget": 262144, "eval_every_tokens": 262144})
+    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
+    events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
+    starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]
+    kill = next(e for e in events if e["event"] == "kill")
+    assert kill["learner"] == 1 and kill["step"] == 29 and "SIGKILL" in kill["reason"]
+    assert [s["attempt"] for s in starts] == [1, 2]
+    restart = starts[1]
+    assert restart["pid"] != starts[0]["pid"]  # a new process
+    assert restart["resumed"] and restart["step"] in (20, 25)  # the last resume point written before the kill
+    assert not any(e["event"] == "failure" and e["learner"] == 1 for e in events)  # a crash: nothing recorded
+    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
+    assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
+    assert any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges), "merged again"
+    beat = __import__("json").loads((layout.exchange("pretrain", "diloco") / "learners" / "l001.json").read_text())
+    assert beat["attempt"] == 2 and beat["status"] == "done"
+    assert summary["ledger"]["1"]["attempts"] == 2 and summary["tokens"] == token_budget(cfg)
+    _ledger_balanced(summary)
+    assert np.isfinite(summary["final_val_loss"])
