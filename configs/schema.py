@@ -351,7 +351,7 @@ class RuntimeConfig(_Strict):
     exchange: Literal["memory", "fsspec"] | None = Field(
         None, description="how learners and the syncer exchange fragments: memory (threads of one "
         "process) or fsspec (durable objects in runtime.exchange_url, any process or host); unset = "
-        "memory with the thread engine, fsspec with ray and dask"
+        "fsspec with ray, dask or an exchange_url, else memory"
     )
     exchange_url: str | None = Field(
         None, description="fsspec URL of the exchange (a shared folder, s3://bucket/prefix, "
@@ -373,8 +373,10 @@ class RuntimeConfig(_Strict):
 
     @property
     def exchange_kind(self) -> str:
-        """The exchange in use: ``exchange``, or memory for threads and fsspec for ray and dask."""
-        return self.exchange or ("memory" if self.engine == "threads" else "fsspec")
+        """The exchange in use: ``exchange``, or fsspec with ray, dask or an ``exchange_url``, else memory."""
+        if self.exchange:
+            return self.exchange
+        return "fsspec" if self.engine != "threads" or self.exchange_url else "memory"
 
     @model_validator(mode="after")
     def _check(self) -> "RuntimeConfig":
@@ -384,7 +386,11 @@ class RuntimeConfig(_Strict):
         if self.address is not None and self.engine == "threads":
             raise ValueError("runtime.address names a Ray or Dask cluster: set runtime.engine ray or dask, "
                              "or unset runtime.address")
-        if self.exchange_url is not None and self.exchange_kind != "fsspec":
+        if self.engine != "threads" and (self.exchange_url or "").startswith("memory://"):
+            raise ValueError(f"runtime.exchange_url {self.exchange_url}: a memory:// store lives in one process and "
+                             f"cannot be shared by the worker processes of runtime.engine {self.engine}; use a shared "
+                             "folder or object storage (s3://, gs://), or unset it")
+        if self.exchange_url is not None and self.exchange == "memory":
             raise ValueError("runtime.exchange_url is used by the fsspec exchange only: set runtime.exchange "
                              "fsspec, or unset runtime.exchange_url")
         return self

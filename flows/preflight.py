@@ -173,6 +173,38 @@ def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
                          f"projection's side ({small})")
 
 
+def check_runtime(cfg: ExperimentConfig) -> None:
+    """The engine and the exchange, before anything starts: the fsspec exchange URL's protocol has an
+    implementation installed here, and an existing cluster's address answers (a TCP connect, 5 s).
+
+    Raises ``ValueError`` (naming ``runtime.exchange_url`` and the package to install) or
+    ``ConnectionError`` (naming ``runtime.address``)."""
+    rt = cfg.runtime
+    if rt.exchange_kind == "fsspec" and rt.exchange_url:
+        import fsspec
+
+        protocol = rt.exchange_url.split("://", 1)[0] if "://" in rt.exchange_url else "file"
+        try:
+            fsspec.get_filesystem_class(protocol)
+        except (ImportError, ValueError) as exc:
+            raise ValueError(f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
+                             f"here ({str(exc).splitlines()[0]}); install it (s3fs for s3://, gcsfs for gs://) "
+                             "or use a shared folder") from None
+    if rt.address and rt.address != "auto":
+        import socket
+        from urllib.parse import urlsplit
+
+        url = urlsplit(rt.address if "://" in rt.address else f"tcp://{rt.address}")
+        if not url.hostname or not url.port:
+            raise ValueError(f"runtime.address {rt.address}: give host and port, e.g. "
+                             f"{'ray://head:10001' if rt.engine == 'ray' else 'tcp://scheduler:8786'}")
+        try:
+            socket.create_connection((url.hostname, url.port), timeout=5).close()
+        except OSError as exc:
+            raise ConnectionError(f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
+                                  f"{rt.engine} cluster first or unset runtime.address for a local one") from None
+
+
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
     """Check the run directory, the corpus and the model; return the run directory to use.
 
@@ -195,6 +227,7 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
     (``data.sources.check_corpus``: encodings, empty or too few documents, a reachable hub dataset)
     unless ``check_data`` is False. Raises like :func:`preflight`."""
     check_local_paths(cfg)
+    check_runtime(cfg)
     check_model(cfg)
     if cfg.finetune.enabled:
         check_finetune_inputs(cfg)

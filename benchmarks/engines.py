@@ -1,0 +1,118 @@
+"""What each engine costs: start-up, exchange seconds and bytes per merge, tokens/s of the whole run.
+
+    python benchmarks/engines.py [--config configs/tiny.yaml] [--engines threads,fsspec,ray,dask]
+                                 [--tokens 196608] [--set key=value ...]
+
+Runs the same Decoupled DiLoCo pretraining (the ``pretrain-diloco`` flow, real Prefect tasks) once per
+engine, side by side in one process, on data prepared once:
+
+* ``threads``: learner threads and the syncer in this process, the in-memory exchange (the default);
+* ``fsspec``: the same threads, fragments through the durable fsspec exchange in the run directory;
+* ``ray`` / ``dask``: every learner and the syncer in a worker process of its own (a local cluster
+  started for the run), fragments through the fsspec exchange.
+
+Per engine it prints: start-up (seconds from the run's set-up, when the exchange is created, to the
+first learner step: the engine's cluster, worker processes importing JAX and compiling), training seconds (first learner
+step to the last learner's end) and tokens/s over them, merges, the syncer's seconds in exchange
+calls per merge (draining and decoding submissions, publishing, collecting, granting), bytes moved
+per merge (submissions in + the fragment out to every learner), the held-out loss, and the ratio of
+tokens/s to the thread engine's. Prints figures; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+
+from configs.schema import ExperimentConfig, load_config_checked, parse_overrides  # noqa: E402
+from data.text import prepare_data  # noqa: E402
+from run.layout import RunLayout  # noqa: E402
+from run.metrics import read_jsonl  # noqa: E402
+
+ENGINES = {
+    "threads": {"engine": "threads"},
+    "fsspec": {"engine": "threads", "exchange": "fsspec"},
+    "ray": {"engine": "ray"},
+    "dask": {"engine": "dask"},
+}
+
+
+def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
+    from flows.pretrain import pretrain_diloco
+
+    t0 = time.perf_counter()
+    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=30.0)
+    wall = time.perf_counter() - t0
+    layout = RunLayout(run_dir)
+    events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
+    starts = [e["t"] for e in events if e.get("event") == "start"]
+    stops = [e["t"] for e in events if e.get("event") == "stop"]
+    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
+    train_s = max(stops) - min(starts)
+    n = max(len(merges), 1)
+    return {
+        "wall_s": wall, "startup_s": min(starts), "train_s": train_s,
+        "tokens": summary["tokens"], "tokens_per_s": summary["tokens"] / train_s, "merges": len(merges),
+        "exchange_s_per_merge": summary.get("exchange_s", float("nan")) / n,
+        "bytes_per_merge": statistics.fmean(m["bytes_in"] + m["bytes_out"] for m in merges) if merges else 0.0,
+        "val_loss": summary["final_val_loss"],
+        "pids": len({e.get("pid") for e in events if e.get("event") == "start"}),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", default="configs/tiny.yaml")
+    ap.add_argument("--engines", default="threads,fsspec,ray,dask")
+    ap.add_argument("--tokens", type=int, default=196_608, help="token budget per run")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="override, e.g. diloco.learners=2")
+    args = ap.parse_args()
+    names = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = [e for e in names if e not in ENGINES]
+    if unknown:
+        sys.exit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    overrides = parse_overrides([*args.sets, f"train.token_budget={args.tokens}",
+                                 f"train.eval_every_tokens={args.tokens}", "eval.enabled=false"])
+    base = load_config_checked(args.config, overrides)
+    root = Path(tempfile.mkdtemp(prefix="engines-bench-"))
+    try:
+        data_dir = root / "data-run"
+        prepare_data(base, data_dir)
+        rows = {}
+        for name in names:
+            cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": {
+                **base.runtime.model_dump(exclude={"exchange"}), **ENGINES[name]}})
+            run_dir = root / name
+            shutil.copytree(data_dir, run_dir)
+            rows[name] = measure(cfg, run_dir)
+            print(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[name].items()})}",
+                  flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    d = base.diloco
+    print(f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {base.tokens_per_learner_step} "
+          f"tokens per learner step, {args.tokens:,} tokens per run, {os.cpu_count()} CPU cores")
+    ref = rows.get("threads", {}).get("tokens_per_s")
+    print(f"{'engine':8} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
+          f"{'exch ms/merge':>13} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}")
+    for name, r in rows.items():
+        ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "n/a"
+        print(f"{name:8} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
+              f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['bytes_per_merge'] / 1024:9.1f} "
+              f"{r['val_loss']:8.4f} {r['pids']:5d}")
+
+
+if __name__ == "__main__":
+    main()
