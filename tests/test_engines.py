@@ -8,7 +8,6 @@ import os
 import shutil
 
 import numpy as np
-import pytest
 
 from run.layout import RunLayout
 from training.common import token_budget
