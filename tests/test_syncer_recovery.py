@@ -310,3 +310,12 @@ def test_journal_chain_ignores_what_a_stale_syncer_slipped_in():
     chain, outside = journal_chain([e(5, 1), e(7, 1)])  # a gap ends the chain
     assert [x["seq"] for x in chain] == [5] and outside == ["0000000007-g000001.json"]
 
+
+def test_a_lost_office_or_a_journal_that_does_not_replay_is_not_retried():
+    from diloco.syncer_journal import JournalMismatchError
+    from training.diloco import syncer_retryable
+
+    assert syncer_retryable(InjectedFailure("syncer: injected failure at merge 4 (before publish)"))
+    assert syncer_retryable(OSError("disk full"))
+    assert not syncer_retryable(StaleSyncerError("generation 3 has taken office"))
+    assert not syncer_retryable(JournalMismatchError("journal entry 7: fragment 1 v3 has sha256 …"))
