@@ -298,7 +298,19 @@ class DiLoCoConfig(_Strict):
         "inner steps, so a retry, in this process or a fresh one, resumes there with its Adam moments; "
         "0 = never (a retry starts again at step 0 with a fresh optimizer)"
     )
-    retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner")
+    retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner "
+                                 "or syncer task")
+    syncer_retries: int = Field(
+        2, ge=0, description="Prefect retries for the syncer task with runtime.exchange fsspec: a retry takes "
+        "office (fencing out the failed attempt), loads the newest syncer checkpoint and replays the journal "
+        "after it, losing and repeating no merge; the in-process exchange's syncer is not retried"
+    )
+    syncer_checkpoint_every_s: float = Field(
+        30.0, ge=0.0, description="with runtime.exchange fsspec, the syncer checkpoints its state (global "
+        "fragments, outer momentum, versions, token ledger; Orbax in pretrain/diloco/syncer/) every this many "
+        "seconds and at the end; submissions and journal entries are deleted once two checkpoints cover them, "
+        "so this also bounds the exchange's storage; 0 = only at the end"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "DiLoCoConfig":
@@ -334,6 +346,19 @@ class FailureSpec(_Strict):
 
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     at_step: PositiveInt = Field(description="local inner step at which it raises")
+
+
+class SyncerFailureSpec(_Strict):
+    """The syncer task raises right after its ``at_merge``-th merge (counted over the run) is written
+    to the journal, before it is published (``before_publish``: the nastiest point), or right after
+    the publish (``after_publish``). A run's syncer failures fire in merge order, the k-th on the
+    syncer's k-th attempt; each is retried (diloco.syncer_retries) and resumes from its checkpoint
+    and journal. Needs runtime.exchange fsspec."""
+
+    at_merge: PositiveInt = Field(description="the merge (1, 2, … over the run) after which the syncer raises")
+    when: Literal["before_publish", "after_publish"] = Field(
+        "before_publish", description="before_publish: after the merge's journal entry, before its publish; "
+        "after_publish: right after the publish")
 
 
 class RuntimeConfig(_Strict):
@@ -421,6 +446,10 @@ class ChaosConfig(_Strict):
     kills: list[KillSpec] = Field(
         default_factory=list, description="learner processes killed with SIGKILL (ray and dask engines): "
         "[{learner, at_step}] or [{learner, at_s}]"
+    )
+    syncer_failures: list[SyncerFailureSpec] = Field(
+        default_factory=list, description="syncer failures (runtime.exchange fsspec): [{at_merge, when}], "
+        "when = before_publish (default) or after_publish"
     )
 
 
@@ -589,6 +618,17 @@ class ExperimentConfig(_Strict):
         if self.chaos.kills and self.runtime.engine == "threads":
             raise ValueError("chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
                              "kill the whole run): set runtime.engine ray or dask, or use chaos.failures")
+        merges = [f.at_merge for f in self.chaos.syncer_failures]
+        if merges and self.runtime.exchange_kind != "fsspec":
+            raise ValueError("chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
+                             "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures")
+        if merges != sorted(set(merges)):
+            raise ValueError(f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
+                             "on the syncer's k-th attempt; list each merge once, in order")
+        if len(merges) > self.diloco.syncer_retries:
+            raise ValueError(f"chaos.syncer_failures schedules {len(merges)} syncer failures but diloco.syncer_retries "
+                             f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
+                             f"≥ {len(merges)} or drop failures")
         if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
                 "train.token_budget is smaller than one step of all learners "

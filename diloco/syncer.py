@@ -23,12 +23,21 @@ than ``max_staleness`` versions behind ("stale"), non-finite ("non-finite"), of 
 ("wrong-tensors"), and every contributor to a refused merge ("bad-merge"). A refused merge (finite
 but huge submissions can overflow float32) leaves Θ_p, its version and its outer optimizer state
 exactly as they were and appends a "merge-refused" event.
+
+The state is deterministic in the calls: the same ``receive``/``merge`` sequence (with the same
+``now`` values) gives bit-identical state. ``state_dict``/``load_state_dict`` save and restore all of
+it, which is what lets a syncer restart from a checkpoint plus a journal of the calls since
+(``diloco.syncer_journal``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from diloco.exchange import Submission
@@ -301,3 +310,119 @@ class Syncer:
         for g in self.global_params:
             out.update(g)
         return out
+
+    # -- saving and restoring -----------------------------------------------------------------
+    def state_dict(self) -> tuple[dict, dict]:
+        """Everything needed to continue bit-identically, as ``(arrays, meta)``.
+
+        ``arrays`` (for Orbax): ``{"global": {"fragment_<p:03d>": {"<i:04d>": Θ_p's i-th tensor in
+        ``fragments[p]`` order, float32, its shape}}, "outer": {"fragment_<p:03d>": {"<i:04d>": the
+        i-th leaf of fragment p's outer optimizer state (``jax.tree.leaves``; momentum buffers,
+        float32, Θ_p's shapes; none without momentum)}}}``.
+        ``meta`` (JSON values only): ``fragments`` and ``settings`` (checked on load), ``versions``,
+        ``quorum_at`` (seconds on the syncer's clock, or null), ``pending`` (per fragment, each
+        pending submission's counters and its exchange object name ``key``, not its arrays: they
+        stay in the exchange), ``ledger`` (tokens per learner), ``unmerged``/``newest``/``counted``
+        (the token-counting memory, tuple keys written as ``"m,p"`` and ``"attempt,base"``),
+        ``events`` and ``num_merges``. Arrays are copies: later merges do not change them.
+
+        Raises ``ValueError`` if a pending submission has no object name (``Submission.key`` is
+        set by durable exchanges only: the in-process exchange's syncer is not restartable).
+        """
+        arrays = {
+            "global": {f"fragment_{p:03d}": {f"{i:04d}": np.array(g[k], copy=True) for i, k in enumerate(frag)}
+                       for p, (frag, g) in enumerate(zip(self.fragments, self.global_params))},
+            "outer": {f"fragment_{p:03d}": {f"{i:04d}": np.array(x, copy=True) for i, x in enumerate(jax.tree.leaves(st))}
+                      for p, st in enumerate(self.opt_states)},
+        }
+        pending = []
+        for p, frag in enumerate(self.pending):
+            row = []
+            for s in frag.values():
+                if s.key is None:
+                    raise ValueError(f"fragment {p}: learner {s.learner}'s pending submission has no object name "
+                                     "(Submission.key); only submissions drained from a durable exchange can be saved")
+                row.append({**{f: getattr(s, f) for f in _SAVED_FIELDS}, "key": s.key})
+            pending.append(row)
+        meta = {
+            "format": STATE_FORMAT,
+            "fragments": self.fragments,
+            "settings": asdict(self.settings),
+            "versions": list(self.versions),
+            "quorum_at": list(self.quorum_at),
+            "pending": pending,
+            "ledger": {str(m): {"submitted": e.submitted, "merged": e.merged, "dropped": e.dropped,
+                                "drop_reasons": dict(e.drop_reasons)} for m, e in self.ledger.items()},
+            "unmerged": {_pair(k): v for k, v in self._unmerged.items()},
+            "newest": {_pair(k): list(v) for k, v in self._newest.items()},
+            "counted": {_pair(k): {_pair(g): n for g, n in c.items()} for k, c in self._counted.items()},
+            "events": [dict(e) for e in self.events],
+            "num_merges": self.num_merges,
+        }
+        return arrays, json.loads(json.dumps(meta))  # JSON values only, detached from live state
+
+    def load_state_dict(self, arrays: dict, meta: dict, fetch: Callable[[str], Submission]) -> None:
+        """Replace this syncer's state with one saved by :meth:`state_dict`.
+
+        ``arrays``/``meta`` as :meth:`state_dict` returns them (arrays may be numpy or jax arrays);
+        ``fetch(key)`` returns the submission stored under an exchange object name (its params are
+        the pending copy's tensors). The syncer must have been built with the same fragments and
+        settings. Afterwards the same ``receive``/``merge`` calls give bit-identical results to the
+        syncer that was saved.
+
+        Raises ``ValueError`` if the fragments, settings or format differ, or a fetched submission's
+        counters differ from the saved ones (another object under that name); whatever ``fetch``
+        raises for a missing object (the exchange: ``FileNotFoundError``).
+        """
+        if meta.get("format") != STATE_FORMAT:
+            raise ValueError(f"syncer state format {meta.get('format')} is not {STATE_FORMAT}")
+        if meta["fragments"] != self.fragments:
+            raise ValueError("the saved syncer state has other fragments than this syncer (another model or "
+                             "diloco.fragments)")
+        if meta["settings"] != json.loads(json.dumps(asdict(self.settings))):
+            raise ValueError(f"the saved syncer state has other settings ({meta['settings']}) than this syncer "
+                             f"({asdict(self.settings)}): restart with the run's config")
+        global_params, opt_states = [], []
+        for p, frag in enumerate(self.fragments):
+            saved = arrays["global"][f"fragment_{p:03d}"]
+            global_params.append({k: np.asarray(saved[f"{i:04d}"], dtype=np.float32) for i, k in enumerate(frag)})
+            leaves = arrays["outer"].get(f"fragment_{p:03d}") or {}
+            treedef = jax.tree.structure(self.tx.init(global_params[p]))
+            opt_states.append(jax.tree.unflatten(treedef, [jnp.asarray(leaves[k]) for k in sorted(leaves)]))
+        pending: list[dict[int, Submission]] = []
+        for p, row in enumerate(meta["pending"]):
+            frag = {}
+            for saved in row:
+                sub = fetch(saved["key"])
+                got = {f: getattr(sub, f) for f in _SAVED_FIELDS if f != "sent_at"}
+                want = {f: saved[f] for f in _SAVED_FIELDS if f != "sent_at"}
+                if got != want:
+                    raise ValueError(f"object {saved['key']} holds {got}, the saved syncer state expects {want}")
+                sub.key = saved["key"]
+                frag[int(saved["learner"])] = sub
+            pending.append(frag)
+        self.global_params, self.opt_states = global_params, opt_states
+        self.versions = [int(v) for v in meta["versions"]]
+        self.quorum_at = [None if t is None else float(t) for t in meta["quorum_at"]]
+        self.pending = pending
+        self.ledger = {int(m): LedgerEntry(int(e["submitted"]), int(e["merged"]), int(e["dropped"]),
+                                           {k: int(n) for k, n in e["drop_reasons"].items()})
+                       for m, e in meta["ledger"].items()}
+        self._unmerged = {_unpair(k): int(v) for k, v in meta["unmerged"].items()}
+        self._newest = {_unpair(k): tuple(int(x) for x in v) for k, v in meta["newest"].items()}
+        self._counted = {_unpair(k): {_unpair(g): int(n) for g, n in c.items()} for k, c in meta["counted"].items()}
+        self.events = [dict(e) for e in meta["events"]]
+        self.num_merges = int(meta["num_merges"])
+
+
+STATE_FORMAT = 1
+_SAVED_FIELDS = ("learner", "fragment", "tokens", "steps", "base_version", "local_step", "attempt", "sent_at")
+
+
+def _pair(key: tuple[int, int]) -> str:
+    return f"{key[0]},{key[1]}"
+
+
+def _unpair(text: str) -> tuple[int, int]:
+    a, b = text.split(",")
+    return int(a), int(b)

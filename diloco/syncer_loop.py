@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diloco.exchange.base import Exchange
+from diloco.learner import InjectedFailure
 from diloco.syncer import Syncer
+from diloco.syncer_journal import SyncerJournal
 
 
 @dataclass
@@ -41,6 +43,9 @@ def run_syncer(
     heartbeat_timeout_s: float,
     poll_s: float = 0.002,
     on_event: Callable[[dict], None] | None = None,
+    journal: SyncerJournal | None = None,
+    fail_at: tuple[int, str] | None = None,
+    on_recover: Callable[[dict], None] | None = None,
 ) -> SyncerLoopResult:
     """Drain submissions, merge ready fragments, publish, and evaluate Θ every ``eval_every_tokens``.
 
@@ -49,20 +54,38 @@ def run_syncer(
     hands the exchange's own events (quarantined objects) to ``on_event``. Ends once
     ``exchange.learners_done()`` and the inbox is empty, after a final flush of everything still
     pending (quorum or not) and a final evaluation at the tokens actually spent.
+
+    With a ``journal`` (the fsspec exchange: ``diloco.syncer_journal``) the syncer survives a
+    crash: it first recovers (checkpoint + journal replay; replayed merges reach ``on_merge`` with
+    ``"replayed": True``, and ``on_recover`` gets ``SyncerJournal.recover``'s summary), then
+    writes a journal entry before every publish, checkpoints on the journal's cadence and at the
+    end, and deletes submissions only once checkpoints cover them. ``fail_at = (n,
+    "before_publish" | "after_publish")`` raises :class:`InjectedFailure` right after the n-th
+    adopted merge (counted over the whole run) is journaled, or once it is published (chaos
+    testing; with a journal only). A stale syncer (a newer one took office) gets
+    ``StaleSyncerError`` from its next journal entry, publish, grant, checkpoint or delete.
     """
-    next_eval = eval_every_tokens
-    held: set[str] = set()  # drained submission objects not yet merged or dropped
+    loop = {"next_eval": eval_every_tokens}  # the loop's own state (journaled and checkpointed)
+    held: set[str] = set()  # drained submission objects not yet merged or dropped (no journal)
+    if journal is not None:
+        info = journal.recover(syncer, loop, on_merge)
+        if on_recover is not None:
+            on_recover(info)
 
     def receive_all(now: float) -> None:
         for sub in exchange.drain():
             syncer.receive(sub, now)
-            if sub.key is not None:
+            if journal is not None:
+                journal.note_received(sub, now)
+            elif sub.key is not None:
                 held.add(sub.key)
         for ev in exchange.take_events():
             if on_event is not None:
                 on_event(ev)
 
     def collect() -> None:
+        if journal is not None:
+            return  # objects are deleted once checkpoints cover them (SyncerJournal)
         pending = {s.key for frag in syncer.pending for s in frag.values()}
         done = held - pending
         if done:
@@ -78,25 +101,48 @@ def run_syncer(
             exchange.publish(p, syncer.versions[p], syncer.global_params[p])
             on_merge(rec)
 
+    def inject(point: str, rec: dict | None) -> None:
+        if fail_at is not None and rec is not None and fail_at == (syncer.num_merges, point):
+            raise InjectedFailure(f"syncer: injected failure at merge {syncer.num_merges} ({point.replace('_', ' ')})")
+
+    def merge_journaled(fragments: list[int], now: float) -> None:
+        # one fragment at a time: merge, journal entry (durable), publish
+        for p in fragments:
+            rec = syncer.merge(p, now)
+            journal.note_merge(syncer, p, rec, now, loop)
+            inject("before_publish", rec)
+            if rec is not None:
+                exchange.publish(p, syncer.versions[p], syncer.global_params[p])
+                inject("after_publish", rec)
+                on_merge(rec)
+
     while True:
         finished = exchange.learners_done()
         now = exchange.clock()  # the run's clock: seconds since training start
         receive_all(now)
         live = live_learners(exchange, heartbeat_timeout_s)
-        handle(syncer.poll(now, live))
+        if journal is None:
+            handle(syncer.poll(now, live))
+        else:
+            merge_journaled([p for p in range(syncer.num_fragments) if syncer.ready(p, now, live)], now)
+            journal.maybe_checkpoint(syncer, loop, now)
         collect()
         exchange.grant()
         claimed = exchange.claimed_tokens
         # (once the budget is spent, the final evaluation after the flush measures the end point)
-        if claimed >= next_eval and not finished and claimed < exchange.token_budget:
+        if claimed >= loop["next_eval"] and not finished and claimed < exchange.token_budget:
             on_eval(syncer.params(), claimed)
-            while next_eval <= claimed:
-                next_eval += eval_every_tokens
+            while loop["next_eval"] <= claimed:
+                loop["next_eval"] += eval_every_tokens
         if finished:
             exchange.refresh()  # the learners' last heartbeats, not a cached read
             now = exchange.clock()
             receive_all(now)
-            handle(syncer.flush(now))
+            if journal is None:
+                handle(syncer.flush(now))
+            else:
+                merge_journaled([p for p in range(syncer.num_fragments) if syncer.pending[p]], now)
+                journal.finish(syncer, loop, now)
             collect()
             on_eval(syncer.params(), exchange.claimed_tokens)
             break

@@ -20,7 +20,7 @@ from configs.schema import ExperimentConfig
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import read_jsonl, write_json
-from tasks.pretrain import dp_task, learner_task, syncer_task
+from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import token_budget
 from training.diloco import prepare_diloco
 from launch.engines import engine_session, task_options, task_runner_for
@@ -46,7 +46,9 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
 
     Learners never wait for each other; the syncer merges fragments as they arrive (quorum K,
     grace window). A learner that fails is retried by Prefect and rejoins from its resume point and
-    the current global fragments while the others and the syncer keep going. Writes
+    the current global fragments while the others and the syncer keep going. With the fsspec
+    exchange the syncer is retried too (``diloco.syncer_retries``) and resumes from its checkpoint
+    and journal without losing or repeating a merge. Writes
     ``pretrain/diloco/`` (summary, metrics, checkpoints, resume points); returns the summary.
     """
     with graceful_stop():
@@ -66,9 +68,12 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
+    # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
+    syncer = syncer_task.with_options(retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
+                                      retry_delay_seconds=d.retry_delay_s, retry_condition_fn=retry_syncer)
     with engine_session(config), task_runner_for(config) as runner:
         with task_options(config, "syncer"):
-            syncer_future = runner.submit(syncer_task, {"config": config, "run_dir": str(rd)})
+            syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
         with task_options(config, "learner"):
             futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
                        for m in range(d.learners)]

@@ -10,6 +10,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         metrics/<name>.jsonl              eval, train, merges, learners (flat JSON lines)
         learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
         exchange/                         a DiLoCo run's durable exchange (diloco.exchange.fsspec)
+        syncer/state/<step>/              its syncer's checkpoints (Orbax; diloco.syncer_journal)
         seeds/<s>/checkpoints/<step>/     fine-tuning: the checkpoints of the seeds after the first
     RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
@@ -119,6 +120,10 @@ class RunLayout:
         if not isinstance(learner, int) or learner < 0:
             raise ValueError(f"learner index must be an int ≥ 0, got {learner!r}")
         return self.method_dir(stage, method) / "learners" / f"{learner:02d}" / "resume"
+
+    def syncer_state(self, stage: str, method: str) -> UPath:
+        """A DiLoCo syncer's checkpoints (Orbax steps of its state, ``training.checkpoint.OrbaxSyncerStore``)."""
+        return self.method_dir(stage, method) / "syncer" / "state"
 
     def exchange(self, stage: str, method: str) -> UPath:
         """The durable exchange of a DiLoCo run when it uses one (``diloco.exchange.fsspec``)."""

@@ -2,8 +2,8 @@
 
 Thin wrappers: the plain code is ``training.diloco`` and ``training.dp``. A learner task takes only
 plain, serialisable inputs (the config, the run directory, the learner index); its attempt number
-comes from Prefect. Retries are set from the config (``diloco.learner_retries``, ``retry_delay_s``)
-by the flow with ``with_options``.
+comes from Prefect. Retries are set from the config (``diloco.learner_retries``, ``retry_delay_s``;
+the syncer's ``diloco.syncer_retries`` with the fsspec exchange) by the flow with ``with_options``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from configs.schema import ExperimentConfig
 from run.layout import RunLayout
 from run.metrics import write_json
-from training.diloco import learner_attempt, open_syncer, run_syncer_to_end
+from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syncer_retryable
 from training.dp import train_dp
 
 
@@ -36,12 +36,30 @@ def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
     return out
 
 
+def retry_syncer(task, task_run, state) -> bool:
+    """Prefect's retry condition for the syncer: retry anything but a lost office (another syncer
+    took over: retrying would fight it) and a journal that does not replay (a retry replays it the
+    same way)."""
+    try:
+        state.result()
+    except BaseException as exc:
+        return syncer_retryable(exc)
+    return False
+
+
 @task(name="syncer", cache_policy=NO_CACHE)
 def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
     """The syncer: opens the run's exchange (``training.diloco.open_syncer``; with the in-process
     exchange it must run in the flow's process), runs until the flow marks every learner done,
-    then saves Θ and the outer state and returns the summary."""
-    run = open_syncer(config, run_dir)
+    then saves Θ and the outer state and returns the summary. With the fsspec exchange the flow
+    gives it retries (``diloco.syncer_retries``): a retry takes office and resumes from the syncer's
+    checkpoint and journal."""
+    from prefect.runtime import task_run
+
+    attempt = int(task_run.run_count or 1)
+    if attempt > 1:
+        get_run_logger().warning("syncer: attempt %d, resuming from its checkpoint and journal", attempt)
+    run = open_syncer(config, run_dir, attempt)
     try:
         return run_syncer_to_end(run)
     finally:

@@ -59,6 +59,15 @@ def test_default_config_meets_the_brief():
         ({"runtime": {"engine": "processes"}}, "runtime.engine"),
         ({"runtime": {"max_workers": 2}}, "runtime.max_workers"),
         ({"diloco": {"compute_slots": -1}}, "diloco.compute_slots"),
+        ({"diloco": {"syncer_checkpoint_every_s": -1}}, "diloco.syncer_checkpoint_every_s"),
+        # a syncer failure needs a restartable syncer (fsspec), increasing merges, enough retries
+        ({"chaos": {"syncer_failures": [{"at_merge": 3}]}}, "runtime.exchange fsspec"),
+        ({"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3}, {"at_merge": 3}]}},
+         "chaos.syncer_failures at_merge"),
+        ({"runtime": {"exchange": "fsspec"}, "diloco": {"syncer_retries": 0},
+          "chaos": {"syncer_failures": [{"at_merge": 3}]}}, "diloco.syncer_retries"),
+        ({"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3, "when": "later"}]}},
+         "chaos.syncer_failures.0.when"),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):

@@ -563,3 +563,55 @@ class OrbaxResumeStore:
             return None
         return ResumePoint(step=int(meta["step"]), cursor=tuple(meta["cursor"]), tokens=int(meta["tokens"]),
                            opt_state=opt_state)
+
+
+# ------------------------------------------------------------------------------ syncer checkpoints
+
+
+class OrbaxSyncerStore:
+    """The DiLoCo syncer's checkpoints (``diloco.syncer_journal.SyncerStateStore``) as Orbax steps.
+
+    ``path``: the syncer's state folder (``run.layout.RunLayout.syncer_state``). Each step holds the
+    items ``global`` and ``outer`` (``Syncer.state_dict()``'s arrays: Θ per fragment and the outer
+    optimizer's momentum, float32) and ``meta`` (JSON: the rest of the syncer's state, the journal
+    seq, the generation, the loop's state), written by :func:`save_checkpoint` (so under this
+    module's Orbax lock, with an integrity record), keeping the newest ``max_to_keep`` steps.
+    ``save`` blocks until the step and its record are on disk: the journal entries and inbox objects
+    the step covers may be deleted right after.
+    """
+
+    def __init__(self, path: str | Path, max_to_keep: int = 2):
+        self.path = Path(path).absolute()
+        self.max_to_keep = int(max_to_keep)
+
+    def steps(self) -> list[int]:
+        """Finalised steps, oldest first (an interrupted save leaves only Orbax's temporary folder,
+        which is not listed); none when the folder does not exist."""
+        if not self.path.is_dir():
+            return []
+        with _ORBAX_LOCK, ocp.CheckpointManager(self.path) as mngr:
+            return sorted(mngr.all_steps())
+
+    def save(self, step: int, arrays: dict, meta: dict) -> None:
+        """Write step ``step`` (``arrays``: ``{"global": …, "outer": …}`` of numpy arrays). Raises
+        ``FileExistsError`` if the step exists."""
+        save_checkpoint(self.path, step, None, meta, extra={k: arrays[k] for k in ("global", "outer")},
+                        max_to_keep=self.max_to_keep)
+
+    def load(self, step: int, like: dict) -> tuple[dict, dict]:
+        """``(arrays, meta)`` of ``step``, verified against its integrity record; ``like``: arrays of
+        the same structure (a fresh syncer's). Raises :class:`CheckpointDamaged` (a missing,
+        truncated or corrupted file) or :class:`CheckpointError` (no such step, or it does not match)."""
+        items = {"meta": ocp.args.JsonRestore()}
+        for k in ("global", "outer"):
+            if jax.tree.leaves(like[k]):
+                items[k] = ocp.args.StandardRestore(_abstract(like[k]))
+        _, restored = _restore_verified(self.path, step, items)
+        arrays = {k: (jax.tree.map(np.asarray, restored[k]) if k in items else like[k]) for k in ("global", "outer")}
+        return arrays, dict(restored.meta)
+
+    def delete(self, step: int) -> None:
+        """Remove step ``step`` (a damaged or superseded one) and its record."""
+        with _ORBAX_LOCK, ocp.CheckpointManager(self.path) as mngr:
+            if step in mngr.all_steps():
+                mngr.delete(step)

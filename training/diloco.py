@@ -3,8 +3,10 @@
 ``prepare_diloco(cfg, run_dir)`` (the process that runs the flow) builds Θ₀ and the fragments and
 creates the run's exchange holding version 0 of every fragment: in process memory, registered under
 the run directory (``runtime.exchange`` memory), or as durable objects at an fsspec URL (fsspec).
-``open_syncer(cfg, run_dir)`` (the syncer task's process, which may be another one) opens that
-exchange, takes office as its syncer and builds the syncer from the published fragments.
+``open_syncer(cfg, run_dir, attempt)`` (the syncer task's process, which may be another one) opens
+that exchange, takes office as its syncer (fencing out any earlier one) and builds the syncer from
+Θ₀; with the fsspec exchange a restarted syncer then resumes from its checkpoint and journal
+(``diloco.syncer_journal``) when ``run_syncer_to_end`` starts the loop.
 ``learner_attempt(cfg, run_dir, m, attempt)`` takes only plain, serialisable inputs and rebuilds
 everything a learner needs from them, in any process: the model spec and compiled step (shared by
 the learners of one process), its shard and data cursor, its resume point and the exchange handle.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -31,18 +33,19 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-from diloco.exchange.fsspec import FsspecExchange
+from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.fragments import balanced_fragments
 from diloco.learner import LearnerSetup, run_learner
 from diloco.pacing import FairTurns
 from diloco.receipt import receipt_rule
 from diloco.syncer import Syncer, SyncerSettings
+from diloco.syncer_journal import JournalMismatchError, SyncerJournal
 from diloco.syncer_loop import run_syncer
 from diloco.tensors import embedding_names, tensor_bytes, to_numpy
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
-from training.checkpoint import OrbaxResumeStore, save_checkpoint
+from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
 from training.common import ensure_fresh, model_spec, token_budget
 from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
@@ -123,6 +126,10 @@ class DiLoCoRun:
     generation: int = 1
     last_val_loss: float | None = None
     merges: int = 0
+    attempt: int = 1
+    journal: SyncerJournal | None = None  # fsspec exchange: journal + checkpoints (a syncer that survives)
+    resumed: bool = False  # an earlier syncer of this run took office before this one
+    logged_merges: set[tuple[int, int]] = field(default_factory=set)  # (fragment, version) in merges.jsonl
 
     def close_logs(self) -> None:
         for log in (self.merges_log, self.learners_log, self.eval_log):
@@ -164,26 +171,48 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
                                  token_budget=budget, grant_tokens=grant, poll_s=cfg.runtime.exchange_poll_s)
 
 
-def open_syncer(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
+def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) -> DiLoCoRun:
     """The syncer side of the run prepared by :func:`prepare_diloco`, in this process: opens the
-    exchange, takes office (fencing out any earlier syncer) and starts from the published fragments."""
+    exchange, takes office (fencing out any earlier syncer) and builds the syncer from Θ₀.
+
+    With the fsspec exchange the syncer gets its own handle on the exchange (never the one this
+    process's learners share: a restarted syncer must not inherit what a failed one drained) and a
+    :class:`~diloco.syncer_journal.SyncerJournal` with its checkpoints in
+    ``RunLayout.syncer_state``; :func:`run_syncer_to_end` recovers from them first (a fresh run has
+    neither and starts exactly as before). ``attempt``: the syncer task's attempt (1, 2, …), which
+    picks its scheduled ``chaos.syncer_failures`` entry.
+    """
     run_dir = Path(run_dir)
-    exchange = open_run_exchange(cfg, run_dir)
-    generation = exchange.take_office()
+    layout = RunLayout(run_dir)
     trainer = learner_trainer(cfg, run_dir)
     fragments = run_fragments(cfg, trainer)
-    theta = {}
-    for p in range(len(fragments)):
-        theta.update(exchange.latest(p)[1])
+    journal, resumed = None, False
+    if cfg.runtime.exchange_kind == "memory":
+        exchange = open_run_exchange(cfg, run_dir)
+        generation = exchange.take_office()
+        theta = {}
+        for p in range(len(fragments)):
+            theta.update(exchange.latest(p)[1])
+    else:
+        exchange = FsspecExchange.open(exchange_url(cfg, run_dir), poll_s=cfg.runtime.exchange_poll_s)
+        resumed = exchange.generation() > 0
+        generation = exchange.take_office()
+        theta = {}
+        for p in range(len(fragments)):
+            theta.update(exchange.origin(p))
+        journal = SyncerJournal(exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)),
+                                cfg.diloco.syncer_checkpoint_every_s)
     syncer = Syncer(theta, fragments, syncer_settings(cfg), embedding_names(theta))
-    layout = RunLayout(run_dir)
+    merges_path = layout.metrics(STAGE, METHOD, "merges")
+    logged = {(int(r["fragment"]), int(r["version"])) for r in read_jsonl(merges_path)} if resumed else set()
     return DiLoCoRun(
         cfg=cfg, run_dir=run_dir, exchange=exchange, syncer=syncer, trainer=trainer,
-        merges_log=JsonlWriter(layout.metrics(STAGE, METHOD, "merges")),
+        merges_log=JsonlWriter(merges_path),
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
-        budget=token_budget(cfg), generation=generation,
+        budget=token_budget(cfg), generation=generation, attempt=attempt, journal=journal, resumed=resumed,
+        logged_merges=logged, merges=len(logged),
     )
 
 
@@ -252,12 +281,30 @@ def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExch
     return exchange
 
 
+def syncer_retryable(exc: BaseException) -> bool:
+    """Whether a failed syncer attempt is worth a retry: not when another syncer took office
+    (``StaleSyncerError``: a retry would fight it) or the journal does not replay
+    (``JournalMismatchError``: a retry would replay it the same way)."""
+    return not isinstance(exc, (StaleSyncerError, JournalMismatchError))
+
+
 def run_syncer_to_end(run: DiLoCoRun) -> dict:
     """The syncer: merge loop, held-out evaluation of Θ on the cadence, final checkpoint; returns the
     summary. Ends once the flow has marked the learners done (``exchange.mark_learners_done``) and
-    everything is flushed."""
+    everything is flushed.
+
+    A resumed syncer (fsspec exchange, an earlier attempt took office) skips the evaluation at 0
+    tokens, logs a merge replayed from the journal only if ``merges.jsonl`` lacks it, and writes a
+    ``syncer-resumed`` event (generation, checkpoint step and seq, entries replayed, merges
+    republished, ``recover_s`` seconds, ``t``) to the learners log; a failing attempt writes a
+    ``syncer-failure`` event (``attempt``, ``generation``, ``reason``, ``merges``, ``t``) before it re-raises.
+    """
 
     def on_merge(rec: dict) -> None:
+        key = (int(rec["fragment"]), int(rec["version"]))
+        if key in run.logged_merges:
+            return  # replayed from the journal, logged by the attempt that made it
+        run.logged_merges.add(key)
         run.merges += 1
         run.merges_log(rec)
 
@@ -269,11 +316,29 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
         run.eval_log({"method": METHOD, "tokens": tokens, "wall_s": run.exchange.clock(),
                       "merges": run.merges, **fields, "eval_s": time.perf_counter() - t0})
 
-    on_eval(run.syncer.params(), 0)
+    def on_recover(info: dict) -> None:
+        if run.resumed:
+            run.learners_log({"event": "syncer-resumed", "role": "syncer", "attempt": run.attempt, **info,
+                              "merges": run.syncer.num_merges, "t": run.exchange.clock()})
+
+    if not run.resumed:
+        on_eval(run.syncer.params(), 0)
     poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
-    result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
-                        run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
-                        on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}))
+    failures = sorted(run.cfg.chaos.syncer_failures, key=lambda f: f.at_merge)
+    fail_at = None
+    if run.journal is not None and run.attempt <= len(failures):
+        f = failures[run.attempt - 1]
+        fail_at = (f.at_merge, f.when)
+    try:
+        result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
+                            run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
+                            on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}),
+                            journal=run.journal, fail_at=fail_at, on_recover=on_recover)
+    except BaseException as exc:
+        run.learners_log({"event": "syncer-failure", "role": "syncer", "attempt": run.attempt, "generation": run.generation,
+                          "reason": f"{type(exc).__name__}: {exc}", "merges": run.syncer.num_merges,
+                          "t": run.exchange.clock()})
+        raise
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
     return save_diloco(run, result.wall_s)

@@ -13,6 +13,8 @@ Layout under the exchange root::
     meta.json                       fragments P, token budget, the clock's origin (Unix seconds)
     inbox/<t>-l<m>-f<p>-a<attempt>-s<step>-<id>.safetensors    submissions, learner m → syncer
     global/f<p>/v<version>.safetensors                         published Θ_p, syncer → learners
+    origin/f<p>.safetensors         Θ₀ of fragment p, kept for good (a restart with no checkpoint)
+    journal/<seq>-g<generation>.json    the syncer's write-ahead journal (diloco.syncer_journal)
     state.json                      the syncer's pointer: generation, versions, token grants, closed
     learners/l<m>.json              learner m's heartbeat (status, step, counters, tokens claimed)
     syncer/generation               the fencing token: the generation of the syncer in charge
@@ -27,7 +29,8 @@ and zero-copy reads. One object per submission or published fragment, so a manif
 describe another object's bytes.
 
 Every object has exactly one writer: learner m writes its submissions and its heartbeat, the syncer
-in charge writes ``global/``, ``state.json`` and quarantines, the flow writes ``learners_done``.
+in charge writes ``global/``, ``journal/``, ``state.json`` and quarantines, the flow writes
+``learners_done``.
 
 **Token budget across processes** (no compare-and-swap needed, so it works on any store): the syncer
 is the only authority. ``state.json`` holds per learner a cumulative *grant*; the syncer tops a
@@ -41,15 +44,33 @@ waits for the next top-up (it polls ``state.json``) and stops once the budget is
 its own grant is spent.
 
 **Fencing.** A syncer takes office with :meth:`FsspecExchange.take_office`, which increments
-``syncer/generation``. Every later write of that syncer (publish, state, close) first reads the
+``syncer/generation``. Every later write of that syncer (publish, state, journal, deleting inbox
+objects or journal entries, close; its checkpoints too) first reads the
 generation and raises :class:`StaleSyncerError` if a newer syncer has taken office, and every
 published object and ``state.json`` carry the writer's generation; learners ignore a ``state.json``
 of an older generation than one they have seen. Without conditional writes the check and the write
 are two operations: a stale syncer can slip at most one write into that window.
 
-Garbage collection: the syncer deletes a submission once it is merged or dropped (:meth:`discard`)
-and keeps the newest ``keep_versions`` published versions of each fragment; readers that lose a
-race with a deletion re-read the pointer.
+**A syncer that survives** (``diloco.syncer_journal``, the syncer's side; this module stores its
+objects). The syncer is a deterministic state machine, so its state is a checkpoint (Orbax, in the
+run directory, every ``diloco.syncer_checkpoint_every_s`` seconds and at the end) plus the journal
+of what it did since: before it publishes a merge it writes ``journal/<seq>-g<generation>.json``
+(:meth:`write_journal`: fenced, atomic) naming the inbox objects it received since the previous
+entry (with their receive times), the fragment it merged and the version and sha256 it produced.
+A restarted syncer takes office, loads its newest intact checkpoint (or starts from ``origin/``),
+re-reads the pending submissions it names from the inbox (:meth:`read_submission`), replays every
+later entry (the same receives, the same merges, checked against the recorded version and sha256)
+and publishes only what the exchange's pointer shows as not yet published. No merge is lost: one
+whose entry was never written was never published, and its submissions are still in the inbox, so
+the new syncer receives and merges them again. None is repeated: a journaled merge is published
+by the replay only when the pointer is behind it. Drain skips every object already received
+(:meth:`skip_drained`). The generation in each entry's name keeps an entry a stale syncer slips
+in from overwriting its successor's.
+
+Garbage collection: without a journal the syncer deletes a submission once it is merged or dropped
+(:meth:`discard`); with one, only once two checkpoints cover it, and journal entries likewise
+(``diloco.syncer_journal``). The newest ``keep_versions`` published versions of each fragment are
+kept; readers that lose a race with a deletion re-read the pointer.
 """
 
 from __future__ import annotations
@@ -198,8 +219,9 @@ class FsspecExchange:
         ex = cls(url, poll_s=poll_s, storage_options=storage_options)
         first = min(ex.grant_tokens, ex.token_budget // ex.num_learners) or 1
         for p, params in enumerate(initial):
-            ex._put(ex._p("global", f"f{p:03d}", f"v{0:08d}.safetensors"),
-                    encode(params, {"fragment": p, "version": 0, "generation": 0}))
+            data = encode(params, {"fragment": p, "version": 0, "generation": 0})
+            ex._put(ex._p("origin", f"f{p:03d}.safetensors"), data)  # kept for good (see origin())
+            ex._put(ex._p("global", f"f{p:03d}", f"v{0:08d}.safetensors"), data)
         ex._write_state({"generation": 0, "versions": [0] * ex.num_fragments,
                          "grants": {str(m): first for m in range(ex.num_learners)}, "closed": False})
         return ex
@@ -273,6 +295,11 @@ class FsspecExchange:
             self._max_generation_seen = gen
             return gen
 
+    def check_office(self) -> int:
+        """This syncer's generation if it is still the one in charge. Raises :class:`StaleSyncerError`
+        if a newer syncer has taken office, ``RuntimeError`` if this instance never took office."""
+        return self._check_office()
+
     def _check_office(self) -> int:
         if self._generation is None:
             raise RuntimeError("only a syncer that has taken office (take_office) may write the exchange's state")
@@ -302,23 +329,40 @@ class FsspecExchange:
         out = []
         for name in names:
             self._seen.add(name)
-            path = self._p("inbox", name)
             try:
-                tensors, meta = decode(self._get(path))
-                missing = [k for k in _SUBMISSION_FIELDS if k not in meta]
-                if missing:
-                    raise CorruptObjectError(f"manifest lacks {missing}")
+                sub = self._load_submission(name)
             except FileNotFoundError:
                 continue
             except CorruptObjectError as exc:
                 self._quarantine(name, str(exc))
                 continue
-            sub = Submission(learner=int(meta["learner"]), fragment=int(meta["fragment"]), params=tensors,
-                             tokens=int(meta["tokens"]), steps=int(meta["steps"]),
-                             base_version=int(meta["base_version"]), local_step=int(meta["local_step"]),
-                             attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name)
             out.append(sub)
         return out
+
+    def _load_submission(self, name: str) -> Submission:
+        tensors, meta = decode(self._get(self._p("inbox", name)))
+        missing = [k for k in _SUBMISSION_FIELDS if k not in meta]
+        if missing:
+            raise CorruptObjectError(f"manifest lacks {missing}")
+        return Submission(learner=int(meta["learner"]), fragment=int(meta["fragment"]), params=tensors,
+                          tokens=int(meta["tokens"]), steps=int(meta["steps"]),
+                          base_version=int(meta["base_version"]), local_step=int(meta["local_step"]),
+                          attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name)
+
+    def read_submission(self, name: str) -> Submission:
+        """The submission stored in ``inbox/<name>`` (a restarted syncer re-reads what its predecessor
+        received). Raises ``FileNotFoundError`` naming the object if it is gone, and
+        :class:`CorruptObjectError` if it no longer passes its checks."""
+        try:
+            return self._load_submission(name)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"submission {name} is no longer in {self.url}/inbox") from None
+        except CorruptObjectError as exc:
+            raise CorruptObjectError(f"submission {name}: {exc}") from None
+
+    def skip_drained(self, names: Iterable[str]) -> None:
+        """Never hand ``names`` out of :meth:`drain` (a restarted syncer already holds them)."""
+        self._seen.update(names)
 
     def _quarantine(self, name: str, reason: str) -> None:
         src, dst = self._p("inbox", name), self._p("quarantine", name)
@@ -334,9 +378,13 @@ class FsspecExchange:
                                  "learner": learner, "fragment": _field_of(name, "f"), "t": self.clock()})
 
     def discard(self, keys: Iterable[str]) -> None:
-        """Delete drained submissions the syncer is done with (merged or dropped)."""
+        """Delete drained submissions the syncer is done with (merged or dropped). A syncer in office
+        is fenced first (:class:`StaleSyncerError`: a stale syncer must not delete objects its
+        successor still needs)."""
         paths = [self._p("inbox", k) for k in keys]
         if paths:
+            if self._generation is not None:
+                self._check_office()
             try:
                 self.fs.rm(paths)
             except FileNotFoundError:
@@ -393,6 +441,64 @@ class FsspecExchange:
 
     def versions(self) -> list[int]:
         return list(self._read_state()["versions"])
+
+    def origin(self, fragment: int) -> dict[str, np.ndarray]:
+        """Θ₀ of ``fragment``: version 0 as :meth:`create` wrote it, kept in ``origin/`` for good (the
+        published copy is garbage-collected): a restarted syncer with no usable checkpoint replays
+        its journal from here. Raises ``FileNotFoundError`` if it is missing, :class:`CorruptObjectError`
+        if damaged."""
+        tensors, meta = decode(self._get(self._p("origin", f"f{fragment:03d}.safetensors")))
+        if int(meta["version"]) != 0 or int(meta["fragment"]) != fragment:
+            raise CorruptObjectError(f"fragment {fragment} v0: manifest says fragment {meta['fragment']} "
+                                     f"v{meta['version']}")
+        return tensors
+
+    # -- the syncer's write-ahead journal -------------------------------------------------------
+    def write_journal(self, entry: Mapping[str, object]) -> str:
+        """Write one journal entry (JSON) as ``journal/<seq:010d>-g<generation:06d>.json``, atomically,
+        after checking office; ``entry["seq"]`` (int ≥ 1) is required and ``generation`` is set here.
+        Returns the object name. Raises :class:`StaleSyncerError` if a newer syncer is in office.
+
+        The generation is part of the name so that an entry a stale syncer slips in (the check and
+        the write are two operations) never overwrites its successor's entry of the same ``seq``."""
+        with self._lock:
+            gen = self._check_office()
+            seq = int(entry["seq"])
+            if seq < 1:
+                raise ValueError(f"journal seq must be ≥ 1, got {seq}")
+            name = f"{seq:010d}-g{gen:06d}.json"
+            self._put(self._p("journal", name), json.dumps({**entry, "generation": gen}).encode())
+            return name
+
+    def journal(self) -> list[tuple[str, dict]]:
+        """Every journal entry in storage as ``(object name, entry)``, by (seq, generation). Raises
+        :class:`CorruptObjectError` naming an entry that does not parse (entries are written whole)."""
+        out = []
+        for name in self.journal_names():
+            try:
+                entry = json.loads(self._get(self._p("journal", name)))
+            except FileNotFoundError:
+                continue  # deleted under us by the syncer in office
+            except ValueError as exc:
+                raise CorruptObjectError(f"journal entry {name} does not parse: {exc}") from None
+            out.append((name, entry))
+        return out
+
+    def journal_names(self) -> list[str]:
+        """Object names of the journal entries in storage, sorted (by seq, then generation)."""
+        return sorted(n for n in self._ls(self._p("journal")) if n.endswith(".json"))
+
+    def delete_journal(self, names: Iterable[str]) -> None:
+        """Delete journal entries (by object name) after checking office (:class:`StaleSyncerError`)."""
+        paths = [self._p("journal", n) for n in names]
+        if not paths:
+            return
+        self._check_office()
+        for path in paths:
+            try:
+                self.fs.rm(path)
+            except FileNotFoundError:
+                pass
 
     def refresh(self) -> None:
         """Forget cached reads: the next read of the pointer and the heartbeats goes to storage."""
