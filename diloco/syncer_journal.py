@@ -323,13 +323,15 @@ class SyncerJournal:
         return True
 
     def finish(self, syncer: Syncer, loop: dict, now: float) -> None:
-        """The last checkpoint (after the final flush)."""
+        """The last checkpoint (after the final flush); then every submission and journal entry it
+        covers is deleted: the run is over, and its end state is in that checkpoint and the model's."""
         self.maybe_checkpoint(syncer, loop, now, force=True)
+        self._collect(final=True)
 
-    def _collect(self) -> None:
-        if len(self._kept) < 2:
+    def _collect(self, final: bool = False) -> None:
+        if not self._kept or (len(self._kept) < 2 and not final):
             return  # before the second checkpoint a restart may need the whole journal
-        _, horizon, pending = self._kept[0]
+        _, horizon, pending = self._kept[-1 if final else 0]
         done = sorted(n for n, q in self.received.items() if q is not None and q <= horizon and n not in pending)
         if done:
             self.exchange.discard(done)
