@@ -362,7 +362,8 @@ class SyncerFailureSpec(_Strict):
 
 
 class RuntimeConfig(_Strict):
-    """Where learners and the syncer run, and how they exchange fragments."""
+    """Where learners and the syncer run, how they exchange fragments, and on how many devices each
+    learner trains."""
 
     engine: Literal["threads", "ray", "dask"] = Field(
         "threads", description="task runner for the learner and syncer tasks: threads (one process; "
@@ -394,6 +395,13 @@ class RuntimeConfig(_Strict):
     max_workers: PositiveInt | None = Field(
         None, description="threads of the task runner; unset = learners + 2 (every learner, the "
         "syncer and the flow's own waits at once)"
+    )
+    devices_per_learner: PositiveInt = Field(
+        1, description="devices each DiLoCo learner trains on, data-parallel (a jax.sharding mesh: "
+        "parameters replicated, each batch split by rows); learner m takes devices [m·d, (m+1)·d) of "
+        "the process, wrapping round (learners then share devices) when there are fewer than "
+        "learners × d; must divide the device count and diloco.batch_size (and "
+        "train.microbatch_size). The DP baseline uses every device of the process."
     )
 
     @property
@@ -641,6 +649,18 @@ class ExperimentConfig(_Strict):
                 raise ValueError(
                     f"train.microbatch_size ({mb}) must divide {field_name} ({batch}); pick a divisor or unset it"
                 )
+        d = self.runtime.devices_per_learner
+        if self.diloco.batch_size % d:
+            raise ValueError(
+                f"diloco.batch_size ({self.diloco.batch_size}) must be divisible by runtime.devices_per_learner "
+                f"({d}): each of a learner's devices takes an equal share of its batch; pick a multiple of {d} "
+                "or lower runtime.devices_per_learner"
+            )
+        if mb is not None and mb % d:
+            raise ValueError(
+                f"train.microbatch_size ({mb}) must be divisible by runtime.devices_per_learner ({d}): each "
+                f"microbatch is split over a learner's devices too; pick a multiple of {d} or unset it"
+            )
         if self.runtime.max_workers is not None and self.runtime.max_workers < self.diloco.learners + 1:
             raise ValueError(
                 f"runtime.max_workers ({self.runtime.max_workers}) must be ≥ diloco.learners + 1 "

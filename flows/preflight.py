@@ -221,14 +221,30 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     return path
 
 
+def check_devices(cfg: ExperimentConfig) -> None:
+    """``runtime.devices_per_learner`` against this process's devices (thread engine: the learners
+    run in this process; a process engine's learners count their own), and (DP enabled) the DP
+    batch and microbatch against their number (``training.mesh.learner_devices``,
+    ``training.dp.dp_devices``). Asks JAX for its devices, which starts its backend.
+    Raises ``ValueError`` naming the field, the device count and the fix."""
+    from training.dp import dp_devices
+    from training.mesh import learner_devices
+
+    if cfg.runtime.engine == "threads":
+        learner_devices(0, cfg.runtime.devices_per_learner)
+    if cfg.dp.enabled:
+        dp_devices(cfg)
+
+
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
     """Every check of a config that needs no run directory: local file paths, the model's tensors
-    against ``diloco.fragments``, the fine-tuning inputs, then the corpus itself
-    (``data.sources.check_corpus``: encodings, empty or too few documents, a reachable hub dataset)
-    unless ``check_data`` is False. Raises like :func:`preflight`."""
+    against ``diloco.fragments``, the devices (:func:`check_devices`), the fine-tuning inputs, then
+    the corpus itself (``data.sources.check_corpus``: encodings, empty or too few documents, a
+    reachable hub dataset) unless ``check_data`` is False. Raises like :func:`preflight`."""
     check_local_paths(cfg)
     check_runtime(cfg)
     check_model(cfg)
+    check_devices(cfg)
     if cfg.finetune.enabled:
         check_finetune_inputs(cfg)
         check_lora_targets(cfg)

@@ -9,7 +9,9 @@ that exchange, takes office as its syncer (fencing out any earlier one) and buil
 (``diloco.syncer_journal``) when ``run_syncer_to_end`` starts the loop.
 ``learner_attempt(cfg, run_dir, m, attempt)`` takes only plain, serialisable inputs and rebuilds
 everything a learner needs from them, in any process: the model spec and compiled step (shared by
-the learners of one process), its shard and data cursor, its resume point and the exchange handle.
+the learners of one process on the same devices: ``runtime.devices_per_learner`` of them,
+``training.mesh.learner_devices``), its shard and data cursor, its resume point and the exchange
+handle.
 ``run_syncer_to_end(run)`` drives the syncer, evaluates Θ on the cadence and saves the checkpoint
 and summary. ``setup_diloco`` = prepare + open in one process. No Prefect here.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -49,6 +52,7 @@ from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpo
 from training.common import ensure_fresh, model_spec, token_budget
 from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
+from training.mesh import learner_devices, single_default
 from training.optimizers import make_inner_tx
 from training.step import Trainer
 
@@ -59,7 +63,7 @@ def _key(run_dir: str | Path) -> str:
     return str(Path(run_dir).absolute())
 
 
-_TRAINERS: dict[tuple[str, str], Trainer] = {}
+_TRAINERS: dict[tuple, Trainer] = {}
 _TURNS: dict[str, FairTurns | None] = {}
 _EXCHANGES: dict[str, FsspecExchange] = {}
 _LOCK = threading.Lock()
@@ -87,13 +91,19 @@ def open_run_exchange(cfg: ExperimentConfig, run_dir: str | Path):
         return _EXCHANGES[url]
 
 
-def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path) -> Trainer:
-    """One compiled learner step per run and process, shared by its learners (no recompiles)."""
-    key = (repr(cfg), _key(run_dir))
+def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequence[jax.Device] | None = None) -> Trainer:
+    """One compiled learner step per run, process and device slice, shared by the learners on that
+    slice (no recompiles); learners on other devices get their own.
+
+    ``devices``: the slice (``training.mesh.learner_devices``); None, or just the default device,
+    is the default device (the syncer's side: Θ₀, fragments, held-out evaluation)."""
+    placed = None if single_default(devices) else tuple(devices)
+    key = (repr(cfg), _key(run_dir), None if placed is None else tuple((d.platform, d.id) for d in placed))
     with _LOCK:
         if key not in _TRAINERS:
             tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-            _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed)
+            _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed,
+                                     devices=placed)
         return _TRAINERS[key]
 
 
@@ -149,10 +159,14 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
     in-process one is registered for the learners and syncer of this process. Returns it.
 
     Raises ``FileExistsError`` if ``run_dir`` already holds DiLoCo results (or the fsspec exchange
-    URL already holds an exchange), ``ValueError`` if P exceeds the model's tensors.
+    URL already holds an exchange), ``ValueError`` if P exceeds the model's tensors or (thread
+    engine: the learners run in this process) ``runtime.devices_per_learner`` does not fit this
+    process's devices (more than there are, or not a divisor of their number).
     """
     run_dir = Path(run_dir)
     ensure_fresh(run_dir, STAGE, METHOD)
+    if cfg.runtime.engine == "threads":  # the learners run in this process: refused before any starts
+        learner_devices(0, cfg.runtime.devices_per_learner)
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())
     validate_against_model(cfg, len(theta0))
@@ -225,9 +239,10 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
 def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int,
                   log, exchange=None) -> LearnerSetup:
     """Learner ``learner``'s setup for ``attempt``, from plain inputs (and the process's exchange
-    registered for ``run_dir`` unless ``exchange`` is given)."""
+    registered for ``run_dir`` unless ``exchange`` is given). Its step runs on
+    ``learner_devices(learner, runtime.devices_per_learner)`` (``ValueError`` if those do not fit)."""
     d = cfg.diloco
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(cfg, run_dir, learner_devices(learner, cfg.runtime.devices_per_learner))
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
     kills = [k for k in cfg.chaos.kills if k.learner == learner]
@@ -391,6 +406,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
             "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
             "compute slots": d.compute_slots or "unpaced",
+            "devices per learner": cfg.runtime.devices_per_learner,
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
             "resume point every (steps)": d.resume_every_steps or "never",
         },

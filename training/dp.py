@@ -2,13 +2,16 @@
 
 Same model initialisation, data (every training sequence), token budget and validation batches as
 Decoupled DiLoCo; the global batch is ``dp.batch_size`` sequences, notionally split over
-``dp.workers`` replicas that all-reduce their gradients every step. No Prefect here.
+``dp.workers`` replicas that all-reduce their gradients every step (the report's byte count).
+With more than one device in the process the step really is data-parallel over all of them
+(``training.mesh``: a mesh over ``jax.devices()``, the batch split by rows, the gradient averaged
+by XLA); with one, it runs there as a plain jitted step. No Prefect here.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -31,6 +34,32 @@ from training.step import Trainer
 STAGE, METHOD = "pretrain", "dp"
 
 
+def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = None) -> list[jax.Device] | None:
+    """The devices the DP step runs on: all of ``devices`` (default ``jax.devices()``) when there is
+    more than one, else None (the default device, a plain jitted step).
+
+    Raises ``ValueError`` naming ``dp.batch_size`` (or ``train.microbatch_size``) and the device
+    count when the count does not divide the global batch (or each microbatch): every device takes
+    an equal share of the rows of every step and every microbatch.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if n == 1:
+        return None
+    if cfg.dp_batch_size % n:
+        raise ValueError(
+            f"dp.batch_size ({cfg.dp_batch_size}) must be divisible by the {n} devices the DP baseline "
+            f"trains on (every device takes an equal share of the rows); pick a multiple of {n}"
+        )
+    mb = cfg.train.microbatch_size
+    if mb is not None and mb % n:
+        raise ValueError(
+            f"train.microbatch_size ({mb}) must be divisible by the {n} devices the DP baseline trains on "
+            f"(each microbatch of dp.batch_size is split over them); pick a multiple of {n} or unset it"
+        )
+    return devices
+
+
 def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
              progress: Callable[[int, int, float, float], None] | None = None,
              on_step: Callable[[int, dict], None] | None = None) -> dict:
@@ -40,14 +69,18 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     ``progress(tokens, total_tokens, train_loss, heldout_loss)`` is called at each evaluation;
     ``on_step(step, metrics)`` after every step (metrics as device scalars). Stops at the next step
     boundary when ``run.control.STOP`` is set, then evaluates and saves where it stopped. Raises
-    ``FileExistsError`` if ``run_dir`` already holds DP results.
+    ``FileExistsError`` if ``run_dir`` already holds DP results, and ``ValueError`` (before any
+    work) if the process has several devices and they do not divide the global batch or each
+    microbatch (:func:`dp_devices`).
     """
     run_dir = Path(run_dir)
+    devices = dp_devices(cfg)
     ensure_fresh(run_dir, STAGE, METHOD)
     layout = RunLayout(run_dir)
     spec = model_spec(cfg, run_dir)
     steps = cfg.dp_steps
-    trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed)
+    trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed,
+                      devices=devices)
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)
@@ -111,7 +144,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             f"global batch ({rows})": cfg.dp_batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
             "inner optimizer": i.name,
             "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
-            f"{cfg.unit}/step": tps, "simulated workers": W,
+            f"{cfg.unit}/step": tps, "simulated workers": W, "devices": len(devices) if devices else 1,
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
         },
         "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,

@@ -8,20 +8,31 @@ the objective reports (an MoE auxiliary loss, an accuracy), as device scalars: r
 
 A batch is one array ``[B, ...]`` or a pytree of them sharing the leading B (e.g. images and labels).
 
-Shape legend: B rows per step, G microbatches (gradient accumulation), B/G rows per microbatch.
+Devices (``training.mesh``): by default the step runs on the process's default device, as plain
+``jax.jit``. Given one other device, its inputs are placed there first. Given D > 1 devices, it is
+data-parallel over a one-axis mesh: parameters, optimizer state and metrics replicated on every
+device, the batch's rows split into D blocks (one per device), the gradient averaged by XLA (the
+jitted step declares those input and output shardings); host numpy, uncommitted arrays and arrays
+committed elsewhere are placed (copied) onto the mesh before the call.
+
+Shape legend: B rows per step, G microbatches (gradient accumulation), B/G rows per microbatch,
+D devices (B/D rows of each batch per device, B/(G·D) of each microbatch).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from models.spec import ModelSpec
 from training.functional import Functional
+from training.mesh import (batch_mesh, batch_sharding, device_sharding, microbatch_sharding, place, replicated,
+                           single_default)
 from training.xla import configure_host
 
 Params = dict[str, jax.Array]
@@ -36,7 +47,25 @@ def _loss_and_grad(fn: Functional, objective):
     return jax.value_and_grad(loss_of, has_aux=True)
 
 
-def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation, microbatches: int = 1) -> StepFn:
+def _split_microbatches(a: jax.Array, G: int, D: int) -> jax.Array:
+    """One batch leaf ``[B, ...]`` → ``[G, B/G, ...]`` (traced; B divisible by G·D).
+
+    D = 1: microbatch g is rows ``[g·B/G, (g+1)·B/G)``. D > 1 (rows split over D devices in
+    contiguous blocks of B/D): microbatch g is the g-th run of B/(G·D) rows of every device's block,
+    so each microbatch is itself spread over all D devices and no row moves between devices.
+    """
+    B, rest = a.shape[0], a.shape[1:]
+    if D == 1:
+        return a.reshape(G, B // G, *rest)
+    return a.reshape(D, G, B // (G * D), *rest).swapaxes(0, 1).reshape(G, B // G, *rest)
+
+
+def _leading_rows(tree) -> int:
+    return int(np.shape(jax.tree.leaves(tree)[0])[0])
+
+
+def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation, microbatches: int = 1,
+                    devices: Sequence[jax.Device] | None = None) -> StepFn:
     """The jitted inner step: forward and backward over the batch, one optimizer update.
 
     ``microbatches`` (G) > 1 runs forward and backward on B / G rows at a time (a ``lax.scan``) and
@@ -47,6 +76,17 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     ``frozen`` (optional, flat): parameters the module needs that are not trained (LoRA's base
     weights, ``training.finetune``): read, never differentiated, updated or donated; ``params`` and
     ``frozen`` together name every parameter.
+
+    ``devices``: where the step runs. None, or only the default device: plain ``jax.jit`` (inputs
+    stay where they are). One other device: the inputs are placed on it first. D > 1 devices: data
+    parallel over ``training.mesh.batch_mesh(devices)``, jitted with input and output shardings
+    (params, opt state, frozen and metrics replicated, the batch split by rows); every output is
+    replicated on the D devices. B must then be divisible by D (``ValueError`` before the call), and
+    with microbatches by G·D (each microbatch of B/G rows is split over the D devices too;
+    ``ValueError`` at trace). The result equals the one-device step's up to float32 summation order;
+    the compiled step's only collectives are the all-reduces of the gradients and metrics (the
+    attribute ``jitted`` of the returned function is the jitted step, to inspect).
+
     Building a step applies :func:`training.xla.configure_host` (process-wide malloc settings that
     keep each call's temporary buffers mapped for the next).
     """
@@ -54,6 +94,8 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
         raise ValueError(f"microbatches must be ≥ 1, got {microbatches}")
     configure_host()  # malloc keeps the step's buffers between calls (training/xla.py)
     grad_fn = _loss_and_grad(fn, objective)
+    mesh = batch_mesh(devices) if devices is not None and len(devices) > 1 else None
+    D = mesh.size if mesh is not None else 1
 
     def step(params: Params, opt_state, batch, frozen: Params | None = None):
         frozen = frozen or {}
@@ -63,7 +105,12 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
             B = jax.tree.leaves(batch)[0].shape[0]
             if B % microbatches:
                 raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches")
-            slices_GB = jax.tree.map(lambda a: a.reshape(microbatches, B // microbatches, *a.shape[1:]), batch)
+            if B % (microbatches * D):
+                raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches of "
+                                 f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})")
+            slices_GB = jax.tree.map(lambda a: _split_microbatches(a, microbatches, D), batch)
+            if mesh is not None:
+                slices_GB = jax.lax.with_sharding_constraint(slices_GB, microbatch_sharding(mesh))
 
             def body(acc, mb):
                 (loss, metrics), grads = grad_fn(params, frozen, mb)
@@ -78,14 +125,41 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, **metrics}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    if single_default(devices):
+        return jax.jit(step, donate_argnums=(0, 1))
+    if mesh is None:  # one device other than the default: commit the inputs to it, the step follows
+        jitted = jax.jit(step, donate_argnums=(0, 1))
+        on = device_sharding(devices[0])
+
+        def on_device(params, opt_state, batch, frozen=None):
+            return jitted(place(params, on), place(opt_state, on), place(batch, on), place(frozen, on))
+
+        return on_device
+
+    rep, rows = replicated(mesh), batch_sharding(mesh)
+    jitted = jax.jit(step, in_shardings=(rep, rep, rows, rep), out_shardings=(rep, rep, rep),
+                     donate_argnums=(0, 1))
+
+    def data_parallel(params, opt_state, batch, frozen=None):
+        B = _leading_rows(batch)
+        if B % D:
+            raise ValueError(f"batch of {B} rows cannot be split evenly over {D} devices; use a multiple of {D} rows")
+        return jitted(place(params, rep), place(opt_state, rep), place(batch, rows), place(frozen or {}, rep))
+
+    data_parallel.jitted = jitted  # the jitted step itself, to inspect (``.lower(...).compile()``)
+    return data_parallel
 
 
-def make_eval_step(fn: Functional, objective, heldout: str = "loss") -> Callable[[Params, Any], dict[str, jax.Array]]:
+def make_eval_step(fn: Functional, objective, heldout: str = "loss",
+                   devices: Sequence[jax.Device] | None = None) -> Callable[[Params, Any], dict[str, jax.Array]]:
     """Jitted ``(params, batch, frozen=None) -> {"loss": …, "objective": …, **metrics}`` without an update
     (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
     an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
-    A ``heldout`` the objective does not report raises ``KeyError`` at trace time."""
+    A ``heldout`` the objective does not report raises ``KeyError`` at trace time.
+
+    ``devices`` as in :func:`make_train_step`; with D > 1 the batch's rows are split over the
+    devices when B is divisible by D, else every device evaluates the whole batch (a second
+    compiled variant; the same numbers); the metrics are replicated."""
     configure_host()
 
     def evaluate(params, batch, frozen=None):
@@ -94,22 +168,50 @@ def make_eval_step(fn: Functional, objective, heldout: str = "loss") -> Callable
         out["loss"] = loss if heldout == "loss" else metrics[heldout]
         return out
 
-    return jax.jit(evaluate)
+    if single_default(devices):
+        return jax.jit(evaluate)
+    if len(devices) == 1:
+        jitted = jax.jit(evaluate)
+        on = device_sharding(devices[0])
+        return lambda params, batch, frozen=None: jitted(place(params, on), place(batch, on), place(frozen, on))
+
+    mesh = batch_mesh(devices)
+    rep, rows = replicated(mesh), batch_sharding(mesh)
+    split = jax.jit(evaluate, in_shardings=(rep, rows, rep), out_shardings=rep)
+    whole = jax.jit(evaluate, in_shardings=(rep, rep, rep), out_shardings=rep)
+
+    def data_parallel(params, batch, frozen=None):
+        if _leading_rows(batch) % mesh.size == 0:
+            return split(place(params, rep), place(batch, rows), place(frozen or {}, rep))
+        return whole(place(params, rep), place(batch, rep), place(frozen or {}, rep))
+
+    return data_parallel
 
 
 class Trainer:
     """A model spec bound to one optimizer: the compiled step, the eval step and fresh states.
 
     ``spec``: the model (``models.build_model``). ``tx``: the inner optimizer. ``microbatches``: G.
-    ``init(seed)`` returns fresh flat parameters (the model's initialisation for that seed).
+    ``devices``: where the steps run (:func:`make_train_step`); None = the default device, as always.
+    ``init_params()`` returns fresh flat parameters (the model's initialisation for ``seed``), and
+    ``init_opt(params)`` a fresh optimizer state, both placed where the step runs (replicated over
+    the devices when there are several).
     """
 
-    def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, microbatches: int = 1, seed: int = 0):
+    def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, microbatches: int = 1, seed: int = 0,
+                 devices: Sequence[jax.Device] | None = None):
         self.spec, self.tx, self.microbatches = spec, tx, microbatches
         self.fn, self._params0 = Functional.of(spec.init(seed))
         self.seed = seed
-        self.step = make_train_step(self.fn, spec.objective, tx, microbatches)
-        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout)
+        self.devices: tuple[jax.Device, ...] | None = None if single_default(devices) else tuple(devices)
+        self.step = make_train_step(self.fn, spec.objective, tx, microbatches, self.devices)
+        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices)
+        if self.devices is None:
+            self._placement = None
+        elif len(self.devices) == 1:
+            self._placement = device_sharding(self.devices[0])
+        else:
+            self._placement = replicated(batch_mesh(self.devices))
 
     @property
     def param_shapes(self) -> dict[str, jax.ShapeDtypeStruct]:
@@ -118,7 +220,12 @@ class Trainer:
 
     def init_params(self) -> Params:
         """Fresh copies of the initial parameters (the step donates its inputs)."""
-        return {k: jnp.array(v, copy=True) for k, v in self._params0.items()}
+        fresh = {k: jnp.array(v, copy=True) for k, v in self._params0.items()}
+        # Copied before placing: jax.device_put(v, replicated, may_alias=False) still shares v's
+        # buffer as the replica on v's own device (jax 0.10.2), and the step would delete it.
+        return fresh if self._placement is None else place(fresh, self._placement)
 
     def init_opt(self, params: Mapping[str, jax.Array]):
-        return self.tx.init(dict(params))
+        """A fresh optimizer state for ``params``, placed like the parameters."""
+        state = self.tx.init(dict(params))
+        return state if self._placement is None else place(state, self._placement)
