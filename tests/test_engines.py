@@ -64,7 +64,7 @@ def test_dask_learner_killed_with_sigkill_rejoins_in_a_new_process(prefect_harne
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
     cfg = _cfg(small_cfg, "dask", kills=[{"learner": 1, "at_step": 30}],
-               train={"token_budget": 262144, "eval_every_tokens": 262144})
+               train={"token_budget": 65536, "eval_every_tokens": 65536})
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]
