@@ -388,8 +388,9 @@ class RuntimeConfig(_Strict):
         "(bounds the storage request rate of each process)"
     )
     start_wait_s: float = Field(
-        120.0, ge=0.0, description="before its first step a learner waits at most this long (seconds) for "
-        "all learners to be up (processes start seconds apart: each imports JAX and compiles); 0 = no wait. "
+        120.0, ge=0.0, description="ray and dask: before its first step a learner waits at most this long "
+        "(seconds) for all learners to be up (processes start seconds apart: each imports JAX and compiles); "
+        "0 = no wait. "
         "Once training has started no learner waits for another"
     )
     max_workers: PositiveInt | None = Field(

@@ -68,9 +68,11 @@ def task_runner_for(config: ExperimentConfig):
     if rt.engine == "ray":
         from prefect_ray import RayTaskRunner
 
-        init = {"runtime_env": {"env_vars": forwarded_env()}, "log_to_driver": False, "logging_level": "ERROR"}
-        if rt.address is None:
+        init = {"log_to_driver": False, "logging_level": "ERROR"}
+        if rt.address is None:  # a local instance's workers inherit this process's environment
             init.update(num_cpus=slots, include_dashboard=False)
+        else:
+            init["runtime_env"] = {"env_vars": forwarded_env()}
         return RayTaskRunner(address=rt.address, init_kwargs=init)
     import dask
     from prefect_dask import DaskTaskRunner

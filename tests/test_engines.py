@@ -28,7 +28,7 @@ def _cfg(small_cfg, engine: str, **chaos):
         "diloco": {**small_cfg.diloco.model_dump(), "learners": 2, "quorum": 1, "fragments": 2,
                    "grace_s": 0.05, "resume_every_steps": 5, "learner_retries": 2},
         "train": {**small_cfg.train.model_dump(), **chaos.pop("train", {})},
-        "runtime": {"engine": engine, "start_wait_s": 120.0},
+        "runtime": {"engine": engine},
         "chaos": chaos,
     })
 
@@ -64,7 +64,7 @@ def test_dask_learner_killed_with_sigkill_rejoins_in_a_new_process(prefect_harne
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
     cfg = _cfg(small_cfg, "dask", kills=[{"learner": 1, "at_step": 30}],
-               train={"token_budget": 65536, "eval_every_tokens": 65536})
+               train={"token_budget": 32768, "eval_every_tokens": 32768})
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]

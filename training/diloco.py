@@ -259,7 +259,9 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         resume_every=d.resume_every_steps,
         fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
         turns=None if cfg.runtime.engine != "threads" else _turns(run_dir, d.compute_slots),
-        num_learners=d.learners, start_wait_s=cfg.runtime.start_wait_s,
+        num_learners=d.learners,
+        # threads of one process start together; processes seconds apart (the gate's docstring)
+        start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
     )
 
 
