@@ -14,7 +14,8 @@ engine, side by side in one process, on data prepared once:
 Per engine it prints: start-up (seconds from the run's set-up, when the exchange is created, to the
 first learner step: the engine's cluster, worker processes importing JAX and compiling), training seconds (first learner
 step to the last learner's end) and tokens/s over them, merges, the syncer's seconds in exchange
-calls per merge (draining and decoding submissions, publishing, collecting, granting), bytes moved
+calls per merge (storage calls, encoding and checksums: draining submissions, publishing, collecting,
+granting, the journal), the learners' seconds in exchange calls, bytes moved
 per merge (submissions in + the fragment out to every learner), the held-out loss, and the ratio of
 tokens/s to the thread engine's. Prints figures; asserts nothing.
 """
@@ -63,9 +64,10 @@ def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
     train_s = max(stops) - min(starts)
     n = max(len(merges), 1)
     return {
-        "wall_s": wall, "startup_s": min(starts), "train_s": train_s,
+        "wall_s": wall, "startup_s": summary["startup_s"], "train_s": train_s,
         "tokens": summary["tokens"], "tokens_per_s": summary["tokens"] / train_s, "merges": len(merges),
-        "exchange_s_per_merge": summary.get("exchange_s", float("nan")) / n,
+        "exchange_s_per_merge": summary["exchange_s"] / n,
+        "learner_exchange_s": summary["learner_exchange_s"],
         "bytes_per_merge": statistics.fmean(m["bytes_in"] + m["bytes_out"] for m in merges) if merges else 0.0,
         "val_loss": summary["final_val_loss"],
         "pids": len({e.get("pid") for e in events if e.get("event") == "start"}),
@@ -106,11 +108,12 @@ def main() -> None:
           f"tokens per learner step, {args.tokens:,} tokens per run, {os.cpu_count()} CPU cores")
     ref = rows.get("threads", {}).get("tokens_per_s")
     print(f"{'engine':8} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
-          f"{'exch ms/merge':>13} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}")
+          f"{'exch ms/merge':>13} {'learner exch s':>14} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}")
     for name, r in rows.items():
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "n/a"
         print(f"{name:8} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
-              f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['bytes_per_merge'] / 1024:9.1f} "
+              f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['learner_exchange_s']:14.2f} "
+              f"{r['bytes_per_merge'] / 1024:9.1f} "
               f"{r['val_loss']:8.4f} {r['pids']:5d}")
 
 

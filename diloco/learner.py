@@ -270,7 +270,8 @@ def run_learner(s: LearnerSetup) -> dict:
             for p in fragments_due(step, len(frags), s.period):
                 send(p)
             beat = dict(step=step, processed=processed, cursor=(epoch, index),
-                        bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
+                        bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in,
+                        exchange_s=float(getattr(ex, "io_s", 0.0)))  # this process's, not this learner's
             if step % s.log_every == 0:
                 loss = float(metrics["loss"])
                 beat["loss"] = loss

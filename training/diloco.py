@@ -424,12 +424,28 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "bytes_to_syncer": int(sum(int(v.get("bytes_to_syncer", 0)) for v in learners.values())),
         "bytes_merged": int(merges_bytes_in),
         "bytes_from_syncer": int(sum(int(v.get("bytes_from_syncer", 0)) for v in learners.values())),
+        # seconds in exchange storage calls, encoding and checksums (0 in process memory): the
+        # syncer's, and the learners' summed over their processes (threads of one process share one)
+        "exchange_s": float(getattr(run.exchange, "io_s", 0.0)),
+        "learner_exchange_s": _per_process_total(learners.values(), "exchange_s"),
+        # run clock (seconds since set-up) of the first learner step: engine start, imports, compiles
+        "startup_s": min((e["t"] for e in read_jsonl(run.learners_log.path) if e.get("event") == "start"),
+                         default=0.0),
         "ledger": ledger,
         "params": spec.params,
         "active_params": int(spec.extras.get("active_params", spec.params)),  # per token (MoE: k of E experts)
         "flops_per_token": spec.flops_per_unit,
         "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
     }
+
+
+def _per_process_total(beats, key: str) -> float:
+    """Sum of a process-wide counter over processes: heartbeats of one ``pid`` report the same
+    counter at different times, so the largest of each process is taken."""
+    most: dict = {}
+    for b in beats:
+        most[b.get("pid")] = max(most.get(b.get("pid"), 0.0), float(b.get(key, 0.0)))
+    return float(sum(most.values()))
 
 
 def work_lost(ledger: dict[str, dict], warn_above: float, fail_above: float) -> dict:

@@ -177,6 +177,7 @@ class FsspecExchange:
         self.keep_versions = int(meta.get("keep_versions", 2))
         self._t0 = float(meta["t0"])
         self._lock = threading.RLock()
+        self.io_s = 0.0  # seconds this instance spent in storage calls, encoding and checksums
         self._state: dict | None = None
         self._state_at = -1e18
         self._beats: dict[int, dict] = {}  # the heartbeats this process writes (learner → info)
@@ -219,7 +220,7 @@ class FsspecExchange:
         ex = cls(url, poll_s=poll_s, storage_options=storage_options)
         first = min(ex.grant_tokens, ex.token_budget // ex.num_learners) or 1
         for p, params in enumerate(initial):
-            data = encode(params, {"fragment": p, "version": 0, "generation": 0})
+            data = ex._io(encode, params, {"fragment": p, "version": 0, "generation": 0})
             ex._put(ex._p("origin", f"f{p:03d}.safetensors"), data)  # kept for good (see origin())
             ex._put(ex._p("global", f"f{p:03d}", f"v{0:08d}.safetensors"), data)
         ex._write_state({"generation": 0, "versions": [0] * ex.num_fragments,
@@ -235,8 +236,19 @@ class FsspecExchange:
     def _p(self, *parts: str) -> str:
         return "/".join((self.root, *parts))
 
+    def _io(self, fn, *args, **kwargs):
+        """Call ``fn`` and add its seconds to :attr:`io_s` (storage calls, encoding and checksums)."""
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.io_s += time.perf_counter() - t0
+
     def _put(self, path: str, data: bytes) -> None:
         """Make ``data`` visible at ``path`` whole or not at all."""
+        self._io(self._put_now, path, data)
+
+    def _put_now(self, path: str, data: bytes) -> None:
         if self._local:
             tmp = self._p("tmp", f"{uuid.uuid4().hex}.part")
             self.fs.makedirs(self._p("tmp"), exist_ok=True)
@@ -248,11 +260,11 @@ class FsspecExchange:
             self.fs.pipe_file(path, data)
 
     def _get(self, path: str) -> bytes:
-        return self.fs.cat_file(path)
+        return self._io(self.fs.cat_file, path)
 
     def _ls(self, path: str) -> list[str]:
         try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(path, detail=False)]
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._io(self.fs.ls, path, detail=False)]
         except FileNotFoundError:
             return []
 
@@ -317,7 +329,7 @@ class FsspecExchange:
         ms = int(manifest["sent_at"] * 1000)
         name = (f"{ms:012d}-l{sub.learner:03d}-f{sub.fragment:03d}-a{sub.attempt:03d}-s{sub.local_step:09d}-"
                 f"{uuid.uuid4().hex[:8]}.safetensors")
-        self._put(self._p("inbox", name), encode(sub.params, manifest))
+        self._put(self._p("inbox", name), self._io(encode, sub.params, manifest))
         sub.key = name
 
     def drain(self) -> list[Submission]:
@@ -340,7 +352,7 @@ class FsspecExchange:
         return out
 
     def _load_submission(self, name: str) -> Submission:
-        tensors, meta = decode(self._get(self._p("inbox", name)))
+        tensors, meta = self._io(decode, self._get(self._p("inbox", name)))
         missing = [k for k in _SUBMISSION_FIELDS if k not in meta]
         if missing:
             raise CorruptObjectError(f"manifest lacks {missing}")
@@ -368,7 +380,7 @@ class FsspecExchange:
         src, dst = self._p("inbox", name), self._p("quarantine", name)
         try:
             self.fs.makedirs(self._p("quarantine"), exist_ok=True)
-            self.fs.mv(src, dst)
+            self._io(self.fs.mv, src, dst)
         except FileNotFoundError:
             pass
         self._put(self._p("quarantine", name + ".reason"), reason.encode())
@@ -386,11 +398,11 @@ class FsspecExchange:
             if self._generation is not None:
                 self._check_office()
             try:
-                self.fs.rm(paths)
+                self._io(self.fs.rm, paths)
             except FileNotFoundError:
                 for p in paths:
                     try:
-                        self.fs.rm(p)
+                        self._io(self.fs.rm, p)
                     except FileNotFoundError:
                         pass
 
@@ -414,14 +426,14 @@ class FsspecExchange:
                                  f"{versions[fragment]}")
             manifest = {"fragment": fragment, "version": version, "generation": gen}
             self._put(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors"),
-                      encode(params, manifest))
+                      self._io(encode, params, manifest))
             self._check_office()
             versions[fragment] = version
             state["versions"] = versions
             self._write_state(state)
             old = sorted(self._ls(self._p("global", f"f{fragment:03d}")))[:-self.keep_versions]
             if old:
-                self.fs.rm([self._p("global", f"f{fragment:03d}", n) for n in old])
+                self._io(self.fs.rm, [self._p("global", f"f{fragment:03d}", n) for n in old])
 
     def latest(self, fragment: int) -> tuple[int, dict[str, np.ndarray]]:
         """``(version, params)`` of the newest published Θ_p; ``RuntimeError`` before the first."""
@@ -430,7 +442,7 @@ class FsspecExchange:
             if version < 0:
                 raise RuntimeError(f"fragment {fragment} has not been published by the syncer yet")
             try:
-                tensors, meta = decode(self._get(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors")))
+                tensors, meta = self._io(decode, self._get(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors")))
             except FileNotFoundError:
                 continue  # garbage-collected under us: a newer version exists
             if int(meta["version"]) != version or int(meta["fragment"]) != fragment:
@@ -447,7 +459,7 @@ class FsspecExchange:
         published copy is garbage-collected): a restarted syncer with no usable checkpoint replays
         its journal from here. Raises ``FileNotFoundError`` if it is missing, :class:`CorruptObjectError`
         if damaged."""
-        tensors, meta = decode(self._get(self._p("origin", f"f{fragment:03d}.safetensors")))
+        tensors, meta = self._io(decode, self._get(self._p("origin", f"f{fragment:03d}.safetensors")))
         if int(meta["version"]) != 0 or int(meta["fragment"]) != fragment:
             raise CorruptObjectError(f"fragment {fragment} v0: manifest says fragment {meta['fragment']} "
                                      f"v{meta['version']}")
@@ -496,7 +508,7 @@ class FsspecExchange:
         self._check_office()
         for path in paths:
             try:
-                self.fs.rm(path)
+                self._io(self.fs.rm, path)
             except FileNotFoundError:
                 pass
 
@@ -622,7 +634,7 @@ class FsspecExchange:
         self._put(self._p("learners_done"), b"1")
 
     def learners_done(self) -> bool:
-        return self.fs.exists(self._p("learners_done"))
+        return self._io(self.fs.exists, self._p("learners_done"))
 
     def request_stop(self) -> None:
         """Written by the flow when a stop signal reached it: learners stop at their next step boundary."""
@@ -633,7 +645,7 @@ class FsspecExchange:
         with self._lock:
             now = time.monotonic()
             if not self._stop_seen and now - self._stop_at > self.poll_s:
-                self._stop_seen, self._stop_at = self.fs.exists(self._p("stop")), now
+                self._stop_seen, self._stop_at = self._io(self.fs.exists, self._p("stop")), now
             return self._stop_seen
 
 
