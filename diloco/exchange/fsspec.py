@@ -178,6 +178,8 @@ class FsspecExchange:
         self._t0 = float(meta["t0"])
         self._lock = threading.RLock()
         self.io_s = 0.0  # seconds this instance spent in storage calls, encoding and checksums
+        self._folders: set[str] = set()  # local folders known to exist
+        self._beat_written: dict[int, float] = {}  # learner → monotonic time of its last heartbeat write
         self._state: dict | None = None
         self._state_at = -1e18
         self._beats: dict[int, dict] = {}  # the heartbeats this process writes (learner → info)
@@ -251,8 +253,10 @@ class FsspecExchange:
     def _put_now(self, path: str, data: bytes) -> None:
         if self._local:
             tmp = self._p("tmp", f"{uuid.uuid4().hex}.part")
-            self.fs.makedirs(self._p("tmp"), exist_ok=True)
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+            for folder in (self._p("tmp"), path.rsplit("/", 1)[0]):
+                if folder not in self._folders:
+                    self.fs.makedirs(folder, exist_ok=True)
+                    self._folders.add(folder)
             with open(tmp, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)  # atomic within one filesystem
@@ -528,12 +532,21 @@ class FsspecExchange:
             return self._beats[learner]
 
     def heartbeat(self, learner: int, **info) -> None:
-        """Rewrite learner ``learner``'s heartbeat with ``info`` merged in (and ``last_seen``, Unix s)."""
+        """Merge ``info`` into learner ``learner``'s heartbeat (and ``last_seen``, Unix s) and rewrite
+        it; a beat that only updates counters (no ``status``) is written at most every ``poll_s``
+        seconds: the next claim (written every step, :meth:`claim_tokens`) carries it anyway."""
         with self._lock:
             beat = self._beat_of(learner)
             beat.update(info)
-            beat["last_seen"] = time.time()
-            self._put(self._p("learners", f"l{learner:03d}.json"), json.dumps(beat).encode())
+            now = time.monotonic()
+            if "status" not in info and now - self._beat_written.get(learner, -1e18) < self.poll_s:
+                return
+            self._write_beat(learner, beat, now)
+
+    def _write_beat(self, learner: int, beat: dict, now: float) -> None:
+        beat["last_seen"] = time.time()
+        self._put(self._p("learners", f"l{learner:03d}.json"), json.dumps(beat).encode())
+        self._beat_written[learner] = now
 
     def learners(self) -> dict[int, dict]:
         """Every learner's last heartbeat; ``last_seen`` converted to this process's monotonic clock
@@ -567,7 +580,9 @@ class FsspecExchange:
             state = self._read_state()
             grant = int(state["grants"].get(str(learner), 0))
             if int(beat.get("claimed", 0)) + n <= grant:
-                self.heartbeat(learner, claimed=int(beat.get("claimed", 0)) + n)
+                with self._lock:  # durable before the step it pays for, whatever the throttle
+                    beat["claimed"] = int(beat.get("claimed", 0)) + n
+                    self._write_beat(learner, beat, time.monotonic())
                 return True
             if (state.get("closed") or (stop is not None and stop())
                     or sum(int(g) for g in state["grants"].values()) >= self.token_budget):
