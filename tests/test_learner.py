@@ -23,7 +23,7 @@ from configs.schema import DenseLMConfig, load_config
 from diloco.exchange import InMemoryExchange, Submission
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, LearnerSetup, ResumePoint, run_learner, tree_digest
-from diloco.pacing import FairTurns
+from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.tensors import tensor_bytes, to_numpy
@@ -186,6 +186,56 @@ def test_fair_turns_serve_in_arrival_order_and_bound_concurrency():
     for t in threads:
         t.join(10)
     assert peak[0] == 2  # both slots used, never a third
+
+
+def _turn_takers(path, procs: list[dict], timeout_s: float = 60.0) -> list[tuple]:
+    """Start one spawned process per entry of ``procs`` (take_turns kwargs), all starting together;
+    return the turns they took as (pid, start, end), sorted by start."""
+    import multiprocessing
+
+    from tests.turns_taker import take_turns
+
+    ctx = multiprocessing.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    ps = [ctx.Process(target=take_turns, args=(str(path),), kwargs={"out": out, "go": go, **kw}) for kw in procs]
+    for p in ps:
+        p.start()
+    expected = sum(0 if kw.get("die_holding") else kw["turns"] for kw in procs)
+    got, ready, deadline = [], 0, time.time() + timeout_s
+    while len(got) < expected and time.time() < deadline:
+        item = out.get(timeout=max(0.1, deadline - time.time()))
+        if item[0] == "ready":
+            ready += 1
+            if ready == len(ps):
+                go.set()
+        else:
+            got.append(item)
+    for p in ps:
+        p.join(10)
+    assert len(got) == expected, f"only {len(got)} of {expected} turns taken within {timeout_s} s"
+    return sorted(got, key=lambda t: t[1])
+
+
+def test_host_turns_pace_processes_first_come_and_survive_a_killed_holder(tmp_path):
+    """The process engines' turns: three processes never overlap in one slot and take turns in
+    arrival order (none gets more than one turn ahead of another while all are queueing), and a
+    process SIGKILLed while it holds the turn does not block the others."""
+    with pytest.raises(ValueError, match="slots"):
+        HostTurns(tmp_path / "bad", 0)
+    turns = _turn_takers(tmp_path / "fair", [dict(slots=1, turns=20, hold_s=0.01) for _ in range(3)])
+    for (_, _, end), (_, start, _) in zip(turns, turns[1:]):
+        assert start >= end  # one slot: never two at once
+    pids, taken, lead = sorted({t[0] for t in turns}), {}, 0
+    for pid, *_ in turns[: 3 * 18]:  # while all three still queue
+        taken[pid] = taken.get(pid, 0) + 1
+        lead = max(lead, max(taken.values()) - min(taken.get(p, 0) for p in pids))
+    assert lead <= 2, f"a process got {lead} turns ahead of another"
+    assert not list((tmp_path / "fair").glob("wait-*"))  # every waiter's pipe removed
+
+    turns = _turn_takers(tmp_path / "dead", [dict(slots=1, turns=1, hold_s=0.01, die_holding=True),
+                                             dict(slots=1, turns=10, hold_s=0.01),
+                                             dict(slots=1, turns=10, hold_s=0.01)], timeout_s=30)
+    assert len({t[0] for t in turns}) == 2
 
 
 def test_a_learner_holds_its_turn_until_its_step_has_run():
