@@ -146,7 +146,7 @@ def _kill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_timer(ex: Exchange, at_s: float, learner: int, log) -> threading.Event:
+def _kill_timer(ex: Exchange, at_s: float, learner: int, attempt: int, log) -> threading.Event:
     """A daemon thread that SIGKILLs this process once the run clock reaches ``at_s`` seconds;
     setting the returned event disarms it (the learner ended first)."""
     disarm = threading.Event()
@@ -154,7 +154,9 @@ def _kill_timer(ex: Exchange, at_s: float, learner: int, log) -> threading.Event
     def watch() -> None:
         while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
             if ex.clock() >= at_s:
-                log({"event": "kill", "learner": learner, "reason": f"chaos: SIGKILL at {at_s:g} s", "t": ex.clock()})
+                log({"event": "kill", "learner": learner, "attempt": attempt,
+                     "step": ex.learners().get(learner, {}).get("step", 0),
+                     "reason": f"chaos: SIGKILL at {at_s:g} s", "t": ex.clock()})
                 _kill_self()
 
     threading.Thread(target=watch, name=f"chaos-kill-{learner}", daemon=True).start()
@@ -190,7 +192,7 @@ def run_learner(s: LearnerSetup) -> dict:
     disarm = None
     ahead = sorted(t for t in s.kill_at_s if t > ex.clock())  # a kill time already passed has fired
     if ahead:
-        disarm = _kill_timer(ex, ahead[0], m, s.log)
+        disarm = _kill_timer(ex, ahead[0], m, s.attempt, s.log)
     try:
         info = ex.learners().get(m, {})
         bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))

@@ -48,7 +48,7 @@ EVAL_RUN_KEYS = (
 )
 # Summary fields read as numbers (the contract's names, docs/contracts.md "Summaries").
 SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss", "params",
-                  "active_params", "flops_per_token", "goodput")
+                  "active_params", "flops_per_token", "goodput", "startup_s", "exchange_s", "learner_exchange_s")
 
 
 def method_kind(rec: MethodRecords) -> str:
@@ -198,6 +198,11 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
     add("steps", "optimizer steps (DiLoCo: inner steps summed over learners)", "steps", "int")
     add("wall_s", "training wall time", "s", "{:.1f}")
     add("tokens_per_s", "throughput", f"{unit}/s", "{:,.0f}")
+    if any(f.get("startup_s") is not None for f in methods.values()):
+        add("startup_s", "start-up (set-up to the first learner step; process engines start workers)", "s", "{:.1f}")
+    if any(f.get("exchange_s") or f.get("learner_exchange_s") for f in methods.values()):
+        add("exchange_s", "syncer's time in the exchange (storage calls, encoding, checksums)", "s", "{:.1f}")
+        add("learner_exchange_s", "learners' time in the exchange (summed over their processes)", "s", "{:.1f}")
     if any(f.get("goodput") is not None for f in methods.values()):
         add("goodput", "goodput", "fraction", "{:.3f}")
     add("final_val_loss", "final held-out loss", f"nats/{per_unit(unit)}", "{:.4f}")
@@ -274,6 +279,15 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
     }
 
 
+def _exchange(engine: Any, kind: Any, url: Any) -> str | None:
+    """The exchange a run used, as ``RuntimeConfig.exchange_kind`` resolves it (None: no engine)."""
+    if engine is None:
+        return None
+    if (kind or ("fsspec" if engine != "threads" or url else "memory")) == "memory":
+        return "memory (one process)"
+    return f"fsspec at {url}" if url else "fsspec (pretrain/diloco/exchange in the run directory)"
+
+
 def setup(config: dict | None) -> dict:
     """A few config values a reader needs to read the tables (M, P, H, K, budgets, model size)."""
     if not config:
@@ -298,6 +312,12 @@ def setup(config: dict | None) -> dict:
         "DP enabled": g("dp", "enabled"),
         "lm-eval enabled": g("eval", "enabled") if text else None,
         "injected failures": g("chaos", "failures"),
+        "learner processes SIGKILLed": g("chaos", "kills") or None,
+        "injected syncer failures": g("chaos", "syncer_failures") or None,
+        "engine": g("runtime", "engine"),
+        "exchange": _exchange(g("runtime", "engine"), g("runtime", "exchange"), g("runtime", "exchange_url")),
+        "devices per learner": g("runtime", "devices_per_learner"),
+        "compute slots per host": g("diloco", "compute_slots"),
     }
     return {k: v for k, v in out.items() if v is not None}
 

@@ -29,7 +29,8 @@ def _event_time(e: dict) -> float | None:
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
-    """Each ``failure`` event with its downtime and the merges that happened during it.
+    """Each ``failure`` event (an exception) and ``kill`` event (the chaos SIGKILL of a learner's
+    process, logged just before it) with its downtime and the merges that happened during it.
 
     The learner is down from the failure time until its next ``start`` event (a later attempt),
     or, if no start was logged, its next ``retry`` event; if neither, until the end of the run.
@@ -41,7 +42,7 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
     timed_merges = [(t, m) for m in merges if (t := _merge_time(m)) is not None]
     out = []
     for i, f in enumerate(evs):
-        if f.get("event") != "failure":
+        if f.get("event") not in ("failure", "kill"):
             continue
         who = lid(f.get("learner"))
         t_fail = _event_time(f)
@@ -143,13 +144,13 @@ def learner_table(events: list[dict]) -> list[dict]:
         ev = e.get("event")
         if ev == "start":
             row["starts"] += 1
-        elif ev == "failure":
+        elif ev in ("failure", "kill"):
             row["failures"] += 1
         elif ev == "dropped":
             row["dropped_submissions"] += 1
         if e.get("step") is not None:
             row["last_step"] = e.get("step")
-        if ev in ("stop", "failure"):
+        if ev in ("stop", "failure", "kill"):
             row["ended"] = ev + (f" ({e['reason']})" if e.get("reason") else "")
     return [per[k] for k in sorted(per, key=lambda k: (0, k) if isinstance(k, int) else (1, str(k)))]
 
@@ -235,17 +236,29 @@ def _injected_at(reason: Any, at_step: Any) -> bool:
     return INJECTED in r and re.search(rf"at local step {int(at_step)}(?!\d)", r) is not None
 
 
+def _killed(at_step: Any, at_s: Any):
+    """A test of a failure reason: the chaos SIGKILL at local step ``at_step`` (or at ``at_s`` s)."""
+    pattern = (rf"SIGKILL at local step {int(at_step)}(?!\d)" if at_step is not None
+               else rf"SIGKILL at {float(at_s):g} s")
+    return lambda reason: re.search(pattern, str(reason or "")) is not None
+
+
 def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
-    """The scheduled failures (config ``chaos.failures``) and whether each fired.
+    """The scheduled failures (config ``chaos.failures``) and kills (``chaos.kills``) and whether
+    each fired.
 
     A scheduled ``{"learner": m, "at_step": s}`` fired when a ``failure`` event of learner m has a
-    reason with ``InjectedFailure`` and ``at local step s``; ``fired_at_s`` is that event's t,
+    reason with ``InjectedFailure`` and ``at local step s``; a kill ``{"learner": m, "at_step": s}``
+    or ``{"learner": m, "at_s": t}`` when a ``kill`` event of learner m says ``SIGKILL at local
+    step s`` or ``SIGKILL at t s``; ``fired_at_s`` is that event's t,
     ``rejoined_at_s`` the t of the learner's next ``start`` (a later attempt), None when it never
     started again. ``fired`` is None when there is no learners log to tell.
     """
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
-    scheduled = nested(config, ("chaos", "failures")) or []
+    scheduled = [dict(spec, kind="failure") for spec in nested(config, ("chaos", "failures")) or []
+                 if isinstance(spec, dict)]
+    scheduled += [dict(spec, kind="kill") for spec in nested(config, ("chaos", "kills")) or [] if isinstance(spec, dict)]
     last_step: dict[Any, int] = {}
     for e in events or []:
         s = num(e.get("step"))
@@ -255,16 +268,19 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
     used: set[int] = set()
     rows = []
     for spec in scheduled:
-        if not isinstance(spec, dict):
-            continue
-        who, at = lid(spec.get("learner")), num(spec.get("at_step"))
-        row: dict[str, Any] = {"learner": who, "at_step": at,
-                               "event": f"learner {who} fails at local step {format_value(at)}",
+        who, at, at_s = lid(spec.get("learner")), num(spec.get("at_step")), num(spec.get("at_s"))
+        if spec["kind"] == "kill":
+            when = f"at local step {format_value(at)}" if at is not None else f"at {format_value(at_s)} s"
+            event, fired_by = f"learner {who}'s process SIGKILLed {when}", _killed(at, at_s)
+        else:
+            event, fired_by = f"learner {who} fails at local step {format_value(at)}", (
+                lambda reason, at=at: _injected_at(reason, at))
+        row: dict[str, Any] = {"learner": who, "at_step": at, "at_s": at_s, "kind": spec["kind"], "event": event,
                                "fired": None, "fired_at_s": None, "failed_attempt": None,
                                "rejoined_at_s": None, "rejoin_attempt": None, "note": None}
-        if events is not None and at is not None:
+        if events is not None and (at is not None or at_s is not None):
             hit = next((i for i, f in enumerate(failures) if i not in used and f["learner"] == who
-                        and _injected_at(f["reason"], at)), None)
+                        and fired_by(f["reason"])), None)
             row["fired"] = hit is not None
             if hit is not None:
                 used.add(hit)
@@ -323,6 +339,28 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
     return wl
 
 
+def syncer_restarts(events: list[dict]) -> list[dict]:
+    """Each syncer failure (``syncer-failure``: an exception; ``syncer-kill``: the chaos SIGKILL of
+    its process, logged just before it) with the next ``syncer-resumed`` event: when it failed and
+    after how many merges, when the next syncer had taken office and recovered (seconds since
+    training start), its generation, the journal entries it replayed and the merges it published
+    again."""
+    evs = sorted((e for e in events if _event_time(e) is not None), key=lambda e: _event_time(e))
+    out = []
+    for i, e in enumerate(evs):
+        if e.get("event") not in ("syncer-failure", "syncer-kill"):
+            continue
+        back = next((r for r in evs[i + 1:] if r.get("event") == "syncer-resumed"), None)
+        t_fail, t_back = _event_time(e), _event_time(back) if back else None
+        out.append({"attempt": e.get("attempt"), "how": "SIGKILL" if e["event"] == "syncer-kill" else "exception",
+                    "reason": e.get("reason"), "failed_at_s": t_fail, "merges_before": e.get("merges"),
+                    "resumed_at_s": t_back, "downtime_s": (t_back - t_fail) if t_back is not None else None,
+                    "generation": back.get("generation") if back else None,
+                    "replayed": back.get("replayed") if back else None,
+                    "republished": back.get("republished") if back else None})
+    return out
+
+
 def syncer_sections(config: dict | None, summary: dict | None, merges: list[dict] | None,
                     events: list[dict] | None, fragments: int | None, files: dict[str, str],
                     notes: list[str], who: str = "DiLoCo") -> dict:
@@ -343,4 +381,5 @@ def syncer_sections(config: dict | None, summary: dict | None, merges: list[dict
         "chaos": chaos(config, events, failures),
         "learners": {"status": "ok" if events is not None else NOT_RUN, "rows": learner_table(events or [])},
         "failures": failures,
+        "syncer_restarts": syncer_restarts(events or []),
     }

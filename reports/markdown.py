@@ -261,7 +261,7 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         L += [f"*chaos schedule: {ch['status']}.*", ""]
         return
     if not ch["rows"]:
-        L += ["No failures were scheduled (config chaos.failures is empty).", ""]
+        L += ["No failures or kills were scheduled (config chaos.failures and chaos.kills are empty).", ""]
         return
     rows = []
     for r in ch["rows"]:
@@ -275,8 +275,8 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         rows.append([r["event"], fired, at, back, r["note"] or "—"])
     L += [_table(["scheduled event", "fired", "at t (s)", "rejoined at t (s)", "note"], rows), ""]
     L += ["A scheduled failure fired when the learners log holds a failure of that learner whose reason "
-          "is the injected failure at that local step; rejoined is the start of its next attempt "
-          "(seconds since training start).", ""]
+          "is the injected failure at that local step (a kill: the SIGKILL logged just before it); "
+          "rejoined is the start of its next attempt (seconds since training start).", ""]
 
 
 def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
@@ -328,6 +328,18 @@ def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
     else:
         L.append(f"*learner events: {NOT_RUN}.*")
     L.append("")
+    if f.get("syncer_restarts"):
+        rows = [[format_value(x["attempt"]), x["how"], format_value(x["failed_at_s"], "{:.1f}"),
+                 format_value(x["merges_before"]),
+                 format_value(x["resumed_at_s"], "{:.1f}") if x["resumed_at_s"] is not None else "never",
+                 format_value(x["downtime_s"], "{:.1f}"), format_value(x["generation"]),
+                 format_value(x["replayed"]), format_value(x["republished"])] for x in f["syncer_restarts"]]
+        L += [_table(["syncer attempt", "ended by", "at (s)", "merges by then", "next syncer recovered at (s)",
+                      "down for (s)", "its generation", "journal entries replayed", "merges published again"],
+                     rows), ""]
+        L.append("A restarted syncer takes office (a higher generation fences out the old one), loads its "
+                 "newest checkpoint and replays the journal, publishing only what the exchange lacks.")
+        L.append("")
     plot = (f.get("plots") or {}).get("merges_over_time")
     if plot:
         L += [f"![merges per fragment over time]({plot})", ""]

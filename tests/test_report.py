@@ -890,7 +890,47 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     cfg["chaos"] = {"failures": []}
     _write(_layout(run).config, cfg)
     build_report(run)
-    assert "No failures were scheduled (config chaos.failures is empty)." in _layout(run).report_md.read_text()
+    assert ("No failures or kills were scheduled (config chaos.failures and chaos.kills are empty)."
+            in _layout(run).report_md.read_text())
+
+
+def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
+    """A chaos SIGKILL leaves only the event logged just before it: the report counts it as the
+    learner's failure (down until its next start), matches it to its chaos.kills entry, and shows
+    a killed syncer with the next syncer's recovery; the setup names the engine and exchange."""
+    run = _make_figures_run(tmp_path)
+    cfg = json.loads(_layout(run).config.read_text())
+    cfg["chaos"] = {"failures": [], "kills": [{"learner": 1, "at_step": 5}, {"learner": 0, "at_s": 9.5}],
+                    "syncer_failures": [{"at_merge": 2, "when": "before_publish", "how": "sigkill"}]}
+    cfg["runtime"] = {"engine": "dask", "exchange": None, "exchange_url": None}
+    _write(_layout(run).config, cfg)
+    path = _layout(run).metrics(PRE, "diloco", "learners")
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    rows = [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2]
+    rows += [{"event": "kill", "learner": 1, "attempt": 1, "step": 4, "t": 2.0,
+              "reason": "chaos: SIGKILL at local step 5"},
+             {"event": "start", "learner": 1, "attempt": 2, "step": 0, "t": 4.5, "resumed": False},
+             {"event": "syncer-kill", "role": "syncer", "attempt": 1, "generation": 1, "merges": 2, "t": 3.0,
+              "reason": "chaos: SIGKILL (syncer: injected failure at merge 2 (before publish))"},
+             {"event": "syncer-resumed", "role": "syncer", "attempt": 2, "generation": 2, "t": 7.5,
+              "replayed": 2, "republished": 1, "merges": 2}]
+    _write_jsonl(path, rows)
+    report = build_report(run)
+    m = _method(report)
+    killed, timed = m["chaos"]["rows"]
+    assert (killed["kind"], killed["fired"], killed["fired_at_s"], killed["rejoined_at_s"]) == ("kill", True, 2.0, 4.5)
+    assert (timed["kind"], timed["at_s"], timed["fired"]) == ("kill", 9.5, False)
+    (down,) = m["failures"]
+    assert (down["learner"], down["failed_at_step"], down["downtime_s"]) == (1, 4, 2.5)
+    (restart,) = m["syncer_restarts"]
+    assert (restart["how"], restart["merges_before"], restart["downtime_s"], restart["generation"],
+            restart["replayed"], restart["republished"]) == ("SIGKILL", 2, 4.5, 2, 2, 1)
+    md = _layout(run).report_md.read_text()
+    assert "| learner 1's process SIGKILLed at local step 5 | yes | 2.0 | 4.5 | — |" in md
+    assert "| learner 0's process SIGKILLed at 9.5 s | no | did not fire |" in md
+    assert "| 1 | SIGKILL | 3.0 | 2 | 7.5 | 4.5 | 2 | 2 | 1 |" in md
+    assert report["setup"]["engine"] == "dask"
+    assert report["setup"]["exchange"] == "fsspec (pretrain/diloco/exchange in the run directory)"
 
 
 def _set_work_lost(run: Path, **work_lost) -> None:
