@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PositiveFloat, PositiveInt, Tag, ValidationError,
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, ValidationError,
                       model_validator)
 
 
@@ -272,8 +272,10 @@ class DiLoCoConfig(_Strict):
     )
     mix_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="α of the mix receipt rule")
     compute_slots: int = Field(
-        1, ge=0, description="learners in one process step in first-come turns, at most this many at "
-        "once; 0 = unpaced (the OS scheduler decides, and co-located learners drift apart)"
+        1, ge=0, description="learners on one host step in first-come turns, at most this many at "
+        "once (threads of one process, or the learner processes of one host on Ray/Dask); 0 = "
+        "unpaced (the OS scheduler decides, and co-located learners drift apart); set it to the "
+        "number of learners that have their own devices on a host"
     )
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"
@@ -353,12 +355,15 @@ class SyncerFailureSpec(_Strict):
     to the journal, before it is published (``before_publish``: the nastiest point), or right after
     the publish (``after_publish``). A run's syncer failures fire in merge order, the k-th on the
     syncer's k-th attempt; each is retried (diloco.syncer_retries) and resumes from its checkpoint
-    and journal. Needs runtime.exchange fsspec."""
+    and journal. Needs runtime.exchange fsspec; ``how: sigkill`` a process engine."""
 
     at_merge: PositiveInt = Field(description="the merge (1, 2, … over the run) after which the syncer raises")
     when: Literal["before_publish", "after_publish"] = Field(
         "before_publish", description="before_publish: after the merge's journal entry, before its publish; "
         "after_publish: right after the publish")
+    how: Literal["raise", "sigkill"] = Field(
+        "raise", description="raise: an exception, retried by Prefect in the same worker; sigkill: the "
+        "syncer's process is killed (runtime.engine ray or dask), re-run by the engine in a new process")
 
 
 class RuntimeConfig(_Strict):
@@ -397,6 +402,12 @@ class RuntimeConfig(_Strict):
         None, description="threads of the task runner; unset = learners + 2 (every learner, the "
         "syncer and the flow's own waits at once)"
     )
+    learner_gpus: NonNegativeInt | None = Field(
+        None, description="GPUs Ray reserves for each learner task (runtime.engine ray): Ray sets "
+        "CUDA_VISIBLE_DEVICES, so learners train on disjoint GPUs, and learners with GPUs of their own "
+        "skip the host's compute turns; unset = runtime.devices_per_learner when the Ray cluster has "
+        "at least diloco.learners × that many GPUs, else 0 (CPU, or learners share the GPUs)"
+    )
     devices_per_learner: PositiveInt = Field(
         1, description="devices each DiLoCo learner trains on, data-parallel (a jax.sharding mesh: "
         "parameters replicated, each batch split by rows); learner m takes devices [m·d, (m+1)·d) of "
@@ -424,6 +435,9 @@ class RuntimeConfig(_Strict):
             raise ValueError(f"runtime.exchange_url {self.exchange_url}: a memory:// store lives in one process and "
                              f"cannot be shared by the worker processes of runtime.engine {self.engine}; use a shared "
                              "folder or object storage (s3://, gs://), or unset it")
+        if self.learner_gpus is not None and self.engine != "ray":
+            raise ValueError(f"runtime.learner_gpus is a Ray resource request; runtime.engine is {self.engine}: "
+                             "set runtime.engine ray, or unset runtime.learner_gpus")
         if self.exchange_url is not None and self.exchange == "memory":
             raise ValueError("runtime.exchange_url is used by the fsspec exchange only: set runtime.exchange "
                              "fsspec, or unset runtime.exchange_url")
@@ -631,6 +645,9 @@ class ExperimentConfig(_Strict):
         if merges and self.runtime.exchange_kind != "fsspec":
             raise ValueError("chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
                              "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures")
+        if any(f.how == "sigkill" for f in self.chaos.syncer_failures) and self.runtime.engine == "threads":
+            raise ValueError("chaos.syncer_failures how: sigkill kills the syncer's process, which on runtime.engine "
+                             "threads is the whole run: use runtime.engine ray or dask, or how: raise")
         if merges != sorted(set(merges)):
             raise ValueError(f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
                              "on the syncer's k-th attempt; list each merge once, in order")

@@ -46,6 +46,7 @@ def run_syncer(
     journal: SyncerJournal | None = None,
     fail_at: tuple[int, str] | None = None,
     on_recover: Callable[[dict], None] | None = None,
+    on_fail: Callable[[str], None] | None = None,
 ) -> SyncerLoopResult:
     """Drain submissions, merge ready fragments, publish, and evaluate Θ every ``eval_every_tokens``.
 
@@ -62,7 +63,8 @@ def run_syncer(
     end, and deletes submissions only once checkpoints cover them. ``fail_at = (n,
     "before_publish" | "after_publish")`` raises :class:`InjectedFailure` right after the n-th
     adopted merge (counted over the whole run) is journaled, or once it is published (chaos
-    testing; with a journal only). A stale syncer (a newer one took office) gets
+    testing; with a journal only; ``on_fail(reason)``, when given, is called first, e.g. to
+    SIGKILL the process instead). A stale syncer (a newer one took office) gets
     ``StaleSyncerError`` from its next journal entry, publish, grant, checkpoint or delete.
     """
     loop = {"next_eval": eval_every_tokens}  # the loop's own state (journaled and checkpointed)
@@ -103,7 +105,10 @@ def run_syncer(
 
     def inject(point: str, rec: dict | None) -> None:
         if fail_at is not None and rec is not None and fail_at == (syncer.num_merges, point):
-            raise InjectedFailure(f"syncer: injected failure at merge {syncer.num_merges} ({point.replace('_', ' ')})")
+            reason = f"syncer: injected failure at merge {syncer.num_merges} ({point.replace('_', ' ')})"
+            if on_fail is not None:
+                on_fail(reason)
+            raise InjectedFailure(reason)
 
     def merge_journaled(fragments: list[int], now: float) -> None:
         # one fragment at a time: merge, journal entry (durable), publish

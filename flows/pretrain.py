@@ -9,6 +9,7 @@ Each takes the experiment config and a run directory that already holds the shar
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
+import shutil
 import time
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from run.layout import RunLayout
 from run.metrics import read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import token_budget
-from training.diloco import prepare_diloco
+from training.diloco import host_turns_dir, prepare_diloco
 from launch.engines import engine_session, task_options, task_runner_for
 
 
@@ -77,8 +78,13 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         with task_options(config, "learner"):
             futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
                        for m in range(d.learners)]
+        t_submit = time.monotonic()
         try:
             next_progress = time.monotonic() + progress_every_s
+            # process engines: a worker that cannot even start the learner task (an import error, a
+            # missing package on a node) may be re-run by the engine for ever; no learner up at all
+            # after this long fails the run instead of waiting
+            give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if rt.engine != "threads" else None
             while True:
                 # short waits: a stop signal reaches learners in other processes within a second
                 done = wait(futures, timeout=min(1.0, progress_every_s))
@@ -90,11 +96,20 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                     update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
                 if not done.not_done:
                     break
+                if give_up_at is not None and time.monotonic() > give_up_at:
+                    if not exchange.learners():
+                        exchange.request_stop()
+                        raise RuntimeError(
+                            f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s on runtime.engine "
+                            f"{rt.engine}: the worker processes could not start the learner task (see the worker "
+                            "errors above: imports, packages, the run directory on every node)")
+                    give_up_at = None
                 if syncer_future.state.is_final():
                     exchange.close()
                     raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
         finally:
             exchange.mark_learners_done()
+            shutil.rmtree(host_turns_dir(rd), ignore_errors=True)  # this host's learner turns, if any
         # The exchange knows how each learner ended (Prefect's future state can lag behind).
         for m, info in sorted(exchange.learners().items()):
             if info.get("status") != "done":

@@ -52,9 +52,13 @@ def engine_slots(config: ExperimentConfig) -> int:
     return config.diloco.learners + 1
 
 
-def crash_retries(config: ExperimentConfig) -> int:
-    """How many times the engine re-runs a task whose process died (= ``diloco.learner_retries``)."""
-    return config.diloco.learner_retries
+def crash_retries(config: ExperimentConfig, role: str | None = None) -> int:
+    """How many times the engine re-runs a task whose process died: ``diloco.learner_retries`` for a
+    learner, ``diloco.syncer_retries`` for the syncer, the larger of the two for the whole cluster
+    (``role`` None: Dask's limit is one setting per scheduler)."""
+    d = config.diloco
+    return {"learner": d.learner_retries, "syncer": d.syncer_retries}.get(role, max(d.learner_retries,
+                                                                                  d.syncer_retries))
 
 
 def task_runner_for(config: ExperimentConfig):
@@ -90,16 +94,35 @@ def task_runner_for(config: ExperimentConfig):
                                           "env": forwarded_env()})
 
 
+def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
+    """GPUs each learner task asks Ray for, on a cluster with ``cluster_gpus`` GPUs in all:
+    ``runtime.learner_gpus``, or when unset ``runtime.devices_per_learner`` if the cluster holds
+    that many for every learner, else 0. Raises ``ValueError`` naming the field when an explicit
+    request cannot be met (Ray would otherwise leave the tasks pending for ever)."""
+    rt, m = config.runtime, config.diloco.learners
+    if rt.learner_gpus is None:
+        return rt.devices_per_learner if cluster_gpus >= m * rt.devices_per_learner else 0
+    if rt.learner_gpus * m > cluster_gpus:
+        raise ValueError(f"runtime.learner_gpus {rt.learner_gpus} × diloco.learners {m} needs "
+                         f"{rt.learner_gpus * m} GPUs; the Ray cluster has {cluster_gpus:g}: lower "
+                         "runtime.learner_gpus (0: CPU), or unset it to decide from the cluster")
+    return rt.learner_gpus
+
+
 @contextlib.contextmanager
 def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
     """Per-task engine options for ``role`` (learner or syncer) around ``runner.submit``: on Ray one
-    logical CPU and ``crash_retries`` re-runs after a worker death; nothing on the other engines."""
+    logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
+    (:func:`learner_gpus`; Ray then gives each learner disjoint devices); nothing on the other
+    engines. Enter it inside the runner (Ray is started by then)."""
     if config.runtime.engine != "ray":
         yield
         return
+    import ray
     from prefect_ray.context import remote_options
 
-    with remote_options(num_cpus=1, max_retries=crash_retries(config)):
+    gpus = learner_gpus(config, ray.cluster_resources().get("GPU", 0)) if role == "learner" else 0
+    with remote_options(num_cpus=1, num_gpus=gpus, max_retries=crash_retries(config, role)):
         yield
 
 

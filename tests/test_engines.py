@@ -54,16 +54,20 @@ def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_c
     assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
-def test_dask_learner_killed_with_sigkill_rejoins_in_a_new_process(prefect_harness, small_cfg, small_data,
-                                                                  tmp_path):
+def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(prefect_harness, small_cfg,
+                                                                             small_data, tmp_path):
     """Learner 1's process is SIGKILLed at local step 30: Dask runs the task again in a new worker
     process, which resumes at the last resume point (every 5 steps) and is merged again; merges go
-    on while it is down, and the ledger balances."""
+    on while it is down, and the ledger balances. The syncer's process is SIGKILLed too, after its
+    6th merge is journaled and before it is published: Dask runs it again in a new process, which
+    takes office (generation 2), replays the journal and goes on; every fragment's versions run
+    1, 2, … with no gap and no repeat."""
     from flows.pretrain import pretrain_diloco
 
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
     cfg = _cfg(small_cfg, "dask", kills=[{"learner": 1, "at_step": 30}],
+               syncer_failures=[{"at_merge": 6, "how": "sigkill"}],
                train={"token_budget": 32768, "eval_every_tokens": 32768})
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
@@ -83,3 +87,40 @@ def test_dask_learner_killed_with_sigkill_rejoins_in_a_new_process(prefect_harne
     assert summary["ledger"]["1"]["attempts"] == 2 and summary["tokens"] == token_budget(cfg)
     _ledger_balanced(summary)
     assert np.isfinite(summary["final_val_loss"])
+
+    syncer_kill = next(e for e in events if e["event"] == "syncer-kill")
+    resumed = next(e for e in events if e["event"] == "syncer-resumed")
+    assert syncer_kill["merges"] == 6 and syncer_kill["generation"] == 1 and "SIGKILL" in syncer_kill["reason"]
+    assert resumed["generation"] == 2 and resumed["attempt"] == 2 and resumed["pid"] != syncer_kill["pid"]
+    assert resumed["republished"] == 1 and resumed["merges"] >= 6  # the journaled, unpublished merge
+    assert not any(e["event"] == "syncer-failure" for e in events)  # a crash: nothing recorded
+    versions = []
+    for p in range(cfg.diloco.fragments):
+        logged = [m["version"] for m in merges if m["fragment"] == p]
+        assert sorted(logged) == list(range(1, len(logged) + 1))  # contiguous, none twice
+        versions.append(len(logged))
+    assert summary["merges"] == len(merges) == sum(versions)
+
+
+def test_ray_learner_gpu_requests(small_cfg):
+    """Each Ray learner asks for its devices' worth of GPUs when the cluster has them for all M
+    (Ray then hands learners disjoint GPUs), none on a CPU cluster; an explicit request the cluster
+    cannot meet is refused naming the field; the request is Ray's only."""
+    import pytest
+    from pydantic import ValidationError
+
+    from configs.schema import ExperimentConfig
+    from launch.engines import learner_gpus
+
+    def cfg(**runtime):
+        return ExperimentConfig.model_validate({
+            **small_cfg.model_dump(), "diloco": {**small_cfg.diloco.model_dump(), "learners": 4, "batch_size": 8},
+            "runtime": {"engine": "ray", **runtime}})
+
+    assert learner_gpus(cfg(), 0) == 0 and learner_gpus(cfg(), 3) == 0 and learner_gpus(cfg(), 4) == 1
+    assert learner_gpus(cfg(devices_per_learner=2), 8) == 2 and learner_gpus(cfg(devices_per_learner=2), 6) == 0
+    assert learner_gpus(cfg(learner_gpus=0), 8) == 0 and learner_gpus(cfg(learner_gpus=2), 8) == 2
+    with pytest.raises(ValueError, match=r"runtime.learner_gpus 1 × diloco.learners 4 needs 4 GPUs; the Ray cluster has 2"):
+        learner_gpus(cfg(learner_gpus=1), 2)
+    with pytest.raises(ValidationError, match="runtime.learner_gpus is a Ray resource request"):
+        cfg(engine="dask", learner_gpus=1)

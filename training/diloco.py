@@ -21,6 +21,10 @@ budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
 
 from __future__ import annotations
 
+import hashlib
+import os
+import signal
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -39,7 +43,7 @@ from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.fragments import balanced_fragments
 from diloco.learner import LearnerSetup, run_learner
-from diloco.pacing import FairTurns
+from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import JournalMismatchError, SyncerJournal
@@ -111,6 +115,35 @@ def _turns(run_dir: str | Path, slots: int) -> FairTurns | None:
     """The first-come turns shared by the learners of one run in this process (None: unpaced)."""
     with _LOCK:
         return _TURNS.setdefault(_key(run_dir), FairTurns(slots) if slots else None)
+
+
+def host_turns_dir(run_dir: str | Path) -> Path:
+    """The folder in which the learner processes of one run on this host take turns
+    (:class:`~diloco.pacing.HostTurns`): under the host's temporary folder, so learners on other
+    hosts never pace against these."""
+    digest = hashlib.sha1(_key(run_dir).encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "ddiloco-turns" / digest
+
+
+def learner_turns(cfg: ExperimentConfig, run_dir: str | Path) -> FairTurns | HostTurns | None:
+    """The turns learner steps take on this host (``diloco.compute_slots``; None when 0): between
+    the threads of this process on the thread engine, between the learner processes of this host
+    on Ray and Dask (none for a Ray learner with GPUs of its own)."""
+    slots = cfg.diloco.compute_slots
+    if cfg.runtime.engine == "threads" or not slots:
+        return _turns(run_dir, slots)
+    if cfg.runtime.engine == "ray" and _ray_gpu_ids():
+        return None  # GPUs of its own (runtime.learner_gpus): nothing on this host to take turns on
+    return HostTurns(host_turns_dir(run_dir), slots)
+
+
+def _ray_gpu_ids() -> list:
+    """The GPUs Ray reserved for this worker's task ([] outside a Ray worker)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 
 def run_fragments(cfg: ExperimentConfig, trainer: Trainer) -> list[list[str]]:
@@ -193,8 +226,9 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
     process's learners share: a restarted syncer must not inherit what a failed one drained) and a
     :class:`~diloco.syncer_journal.SyncerJournal` with its checkpoints in
     ``RunLayout.syncer_state``; :func:`run_syncer_to_end` recovers from them first (a fresh run has
-    neither and starts exactly as before). ``attempt``: the syncer task's attempt (1, 2, …), which
-    picks its scheduled ``chaos.syncer_failures`` entry.
+    neither and starts exactly as before). ``attempt``: the syncer task's attempt (1, 2, …), raised
+    to the exchange's generation (an engine's re-run of a dead worker), which picks its scheduled
+    ``chaos.syncer_failures`` entry.
     """
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
@@ -225,7 +259,10 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
-        budget=token_budget(cfg), generation=generation, attempt=attempt, journal=journal, resumed=resumed,
+        # a syncer whose process died is re-run by the engine without counting a Prefect retry: the
+        # exchange's generation counts every syncer that took office in this run
+        budget=token_budget(cfg), generation=generation, attempt=max(attempt, generation), journal=journal,
+        resumed=resumed,
         logged_merges=logged, merges=len(logged),
     )
 
@@ -258,7 +295,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
         fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
-        turns=None if cfg.runtime.engine != "threads" else _turns(run_dir, d.compute_slots),
+        turns=learner_turns(cfg, run_dir),
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
@@ -335,22 +372,28 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
 
     def on_recover(info: dict) -> None:
         if run.resumed:
-            run.learners_log({"event": "syncer-resumed", "role": "syncer", "attempt": run.attempt, **info,
+            run.learners_log({"event": "syncer-resumed", "role": "syncer", "attempt": run.attempt, "pid": os.getpid(), **info,
                               "merges": run.syncer.num_merges, "t": run.exchange.clock()})
 
     if not run.resumed:
         on_eval(run.syncer.params(), 0)
     poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
     failures = sorted(run.cfg.chaos.syncer_failures, key=lambda f: f.at_merge)
-    fail_at = None
+    fail_at = on_fail = None
     if run.journal is not None and run.attempt <= len(failures):
         f = failures[run.attempt - 1]
         fail_at = (f.at_merge, f.when)
+        if f.how == "sigkill":
+            def on_fail(reason: str) -> None:
+                run.learners_log({"event": "syncer-kill", "role": "syncer", "attempt": run.attempt,
+                                  "generation": run.generation, "reason": f"chaos: SIGKILL ({reason})",
+                                  "merges": run.syncer.num_merges, "pid": os.getpid(), "t": run.exchange.clock()})
+                os.kill(os.getpid(), signal.SIGKILL)
     try:
         result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
                             run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
                             on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}),
-                            journal=run.journal, fail_at=fail_at, on_recover=on_recover)
+                            journal=run.journal, fail_at=fail_at, on_recover=on_recover, on_fail=on_fail)
     except BaseException as exc:
         run.learners_log({"event": "syncer-failure", "role": "syncer", "attempt": run.attempt, "generation": run.generation,
                           "reason": f"{type(exc).__name__}: {exc}", "merges": run.syncer.num_merges,
