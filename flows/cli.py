@@ -61,10 +61,20 @@ def _load(config: str, sets: list[str]):
         raise _fail(str(exc))
 
 
+def _prefect_logging() -> None:
+    """Set up Prefect's logging before the checks import Orbax: Orbax logs through absl when first
+    imported, and absl then gives the root logger a bare handler, after which Prefect leaves its own
+    console format off (every line of a run read ``INFO:prefect.flow_runs:…``, without a time)."""
+    from prefect.logging.configuration import setup_logging
+
+    setup_logging()
+
+
 def _checked(config: str, sets: list[str], run_dir: str | None = None):
     """Schema validation, then every check of ``flows.preflight`` (run directory, corpus, model),
     all before Prefect starts; exit 2 with one line on the first error. Returns (cfg, run dir)."""
     cfg = _load(config, sets)
+    _prefect_logging()
     from flows.preflight import preflight
 
     try:
@@ -126,9 +136,10 @@ def finetune(
 
     Exit status: 0 done; 1 failed; 2 refused before any work; 130/143 stopped by a signal.
     """
+    overrides = _parse_sets(set_)
+    _prefect_logging()
     from flows.finetune import finetune_preflight
 
-    overrides = _parse_sets(set_)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
     try:
         plan = finetune_preflight(run_dir, chosen, checkpoint, name, overrides, replace)
@@ -245,6 +256,7 @@ def sweep(
             raise _fail(str(exc))
         if warning:
             typer.echo(f"warning: {warning}", err=True)
+    _prefect_logging()
     from flows.sweep import sweep_preflight
 
     try:
