@@ -8,6 +8,7 @@ import os
 import shutil
 
 import numpy as np
+import pytest
 
 from run.layout import RunLayout
 from training.common import token_budget
@@ -39,6 +40,8 @@ def _ledger_balanced(summary) -> None:
         assert row["submitted"] == row["merged"] + row["dropped"] + row["pending"], m
 
 
+# `ray.init` starts its daemons with subprocess (fork, then exec at once), which JAX warns about
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_cfg, small_data, tmp_path):
     from flows.pretrain import pretrain_diloco
 
@@ -106,7 +109,6 @@ def test_ray_learner_gpu_requests(small_cfg):
     """Each Ray learner asks for its devices' worth of GPUs when the cluster has them for all M
     (Ray then hands learners disjoint GPUs), none on a CPU cluster; an explicit request the cluster
     cannot meet is refused naming the field; the request is Ray's only."""
-    import pytest
     from pydantic import ValidationError
 
     from configs.schema import ExperimentConfig
