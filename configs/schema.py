@@ -247,7 +247,7 @@ class InnerOptConfig(_Strict):
 
 
 class DiLoCoConfig(_Strict):
-    """Decoupled DiLoCo: M learners, P fragments, period H, quorum K, fixed grace window.
+    """Decoupled DiLoCo: M learners, P fragments, period H, quorum K, grace window (fixed or adaptive).
 
     Defaults follow DiLoCo (arXiv 2311.08105) and Decoupled DiLoCo (arXiv 2604.21428); where the papers
     are silent the value is ours (see the README).
@@ -257,7 +257,20 @@ class DiLoCoConfig(_Strict):
     fragments: PositiveInt = Field(4, description="P, number of parameter fragments")
     sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
     quorum: PositiveInt = Field(3, description="K, minimum distinct learners before a merge")
-    grace_s: float = Field(3.0, ge=0.0, description="fixed grace window after quorum, seconds")
+    grace_s: float = Field(3.0, ge=0.0, description="fixed grace window after quorum, seconds (with "
+                           "diloco.grace adaptive: the window until enough step times are measured)")
+    grace: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="grace window after quorum: fixed (diloco.grace_s) or adaptive (the paper's "
+        "Eq. 3: clamp(γ·(τ·t_step − t_quorum − t_sync), 0, cap), measured online)")
+    grace_gamma: PositiveFloat = Field(
+        0.5, le=1.0, description="γ of the adaptive grace window: the share of the measured slack the syncer "
+        "waits (the paper does not publish its value; 0.5 is ours)")
+    grace_overlap_steps: PositiveInt | None = Field(
+        None, description="τ of the adaptive grace window: inner steps a fragment's round trip may take "
+        "without costing a learner anything; unset = H (diloco.sync_every: the merged fragment is due "
+        "before the learner sends that fragment again)")
+    grace_cap_s: float | None = Field(
+        None, ge=0.0, description="cap of the adaptive grace window, seconds; unset = one measured inner step")
     merge: Literal["mean", "token_weighted", "rda"] = Field(
         "token_weighted", description="merge rule: mean, token_weighted (w = tokens²/steps) or rda "
         "(radial-directional averaging)"

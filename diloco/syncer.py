@@ -209,11 +209,12 @@ class Syncer:
         return True
 
     # -- merging -----------------------------------------------------------------------------
-    def ready(self, p: int, now: float, live: set[int]) -> bool:
-        """Quorum reached and (grace window over, or every live learner has submitted)."""
+    def ready(self, p: int, now: float, live: set[int], grace_s: float | None = None) -> bool:
+        """Quorum reached and (grace window over, or every live learner has submitted).
+        ``grace_s``: this round's window (seconds; default ``settings.grace_s``, the fixed one)."""
         if self.quorum_at[p] is None:
             return False
-        if now - self.quorum_at[p] >= self.settings.grace_s:
+        if now - self.quorum_at[p] >= (self.settings.grace_s if grace_s is None else grace_s):
             return True
         return live <= set(self.pending[p])
 
@@ -283,12 +284,15 @@ class Syncer:
         records = [self.merge(p, now) for p in fragments]
         return [r for r in records if r is not None]
 
-    def poll(self, now: float, live: set[int]) -> list[dict]:
-        """Merge every fragment that is ready at ``now`` (seconds; ``live``: learner ids).
+    def poll(self, now: float, live: set[int], grace_s: dict[int, float] | None = None) -> list[dict]:
+        """Merge every fragment that is ready at ``now`` (seconds; ``live``: learner ids;
+        ``grace_s``: per fragment, the round's window when not the fixed one).
 
         Returns the records of the adopted merges, in fragment order; refused ones are left out
         (their "merge-refused" events are in ``events``)."""
-        return self._merge_all([p for p in range(self.num_fragments) if self.ready(p, now, live)], now)
+        grace_s = grace_s or {}
+        return self._merge_all([p for p in range(self.num_fragments)
+                                if self.ready(p, now, live, grace_s.get(p))], now)
 
     def flush(self, now: float) -> list[dict]:
         """Merge everything still pending, quorum or not (used once all learners have stopped).

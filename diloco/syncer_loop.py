@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from diloco.exchange.base import Exchange
+from diloco.grace import GraceWindow
 from diloco.learner import InjectedFailure
 from diloco.syncer import Syncer
 from diloco.syncer_journal import SyncerJournal
@@ -47,6 +48,7 @@ def run_syncer(
     fail_at: tuple[int, str] | None = None,
     on_recover: Callable[[dict], None] | None = None,
     on_fail: Callable[[str], None] | None = None,
+    grace: GraceWindow | None = None,
 ) -> SyncerLoopResult:
     """Drain submissions, merge ready fragments, publish, and evaluate Θ every ``eval_every_tokens``.
 
@@ -55,6 +57,11 @@ def run_syncer(
     hands the exchange's own events (quarantined objects) to ``on_event``. Ends once
     ``exchange.learners_done()`` and the inbox is empty, after a final flush of everything still
     pending (quorum or not) and a final evaluation at the tokens actually spent.
+
+    ``grace`` (a :class:`~diloco.grace.GraceWindow`): the grace window each round gets once it
+    reaches quorum, from the submissions' step times, the round's time to quorum and the measured
+    merge time (Eq. 3 when adaptive); each merge record carries the window it used (``grace_s``).
+    Without it every round gets ``syncer.settings.grace_s``.
 
     With a ``journal`` (the fsspec exchange: ``diloco.syncer_journal``) the syncer survives a
     crash: it first recovers (checkpoint + journal replay; replayed merges reach ``on_merge`` with
@@ -68,6 +75,7 @@ def run_syncer(
     ``StaleSyncerError`` from its next journal entry, publish, grant, checkpoint or delete.
     """
     loop = {"next_eval": eval_every_tokens}  # the loop's own state (journaled and checkpointed)
+    window: dict[int, float] = {}  # fragment -> this round's grace window (s), set at quorum
     held: set[str] = set()  # drained submission objects not yet merged or dropped (no journal)
     if journal is not None:
         info = journal.recover(syncer, loop, on_merge)
@@ -77,6 +85,8 @@ def run_syncer(
     def receive_all(now: float) -> None:
         for sub in exchange.drain():
             syncer.receive(sub, now)
+            if grace is not None:
+                grace.observe_submission(sub.learner, sub.attempt, sub.local_step, sub.sent_at, now)
             if journal is not None:
                 journal.note_received(sub, now)
             elif sub.key is not None:
@@ -94,13 +104,32 @@ def run_syncer(
             exchange.discard(sorted(done))
             held.difference_update(done)
 
+    def open_windows() -> None:
+        # a round that just reached quorum gets its grace window (Eq. 3 with its own t_quorum)
+        if grace is None:
+            return
+        for p, at in enumerate(syncer.quorum_at):
+            if at is not None and p not in window:
+                first = min(s.sent_at for s in syncer.pending[p].values())
+                window[p] = grace.seconds(t_quorum=max(at - first, 0.0))
+                grace.observe_quorum(first, at)
+
+    def closed(rec: dict | None, p: int, started: float) -> None:
+        # the round of fragment p ended (merged or refused): note its window and the merge time
+        used = window.pop(p, None)
+        if grace is not None:
+            grace.observe_merge(time.perf_counter() - started)
+        if rec is not None and used is not None:
+            rec["grace_s"] = round(used, 6)
+
     def handle(records: list[dict]) -> None:
-        # poll/flush return adopted merges only: a refused merge (non-finite result) publishes and
+        # flush returns adopted merges only: a refused merge (non-finite result) publishes and
         # logs nothing here, learners keep the last sound Θ_p, and its "merge-refused" event goes
         # out with the syncer's events at the end.
         for rec in records:
             p = rec["fragment"]
             exchange.publish(p, syncer.versions[p], syncer.global_params[p])
+            window.pop(p, None)
             on_merge(rec)
 
     def inject(point: str, rec: dict | None) -> None:
@@ -113,12 +142,15 @@ def run_syncer(
     def merge_journaled(fragments: list[int], now: float) -> None:
         # one fragment at a time: merge, journal entry (durable), publish
         for p in fragments:
+            started = time.perf_counter()
             rec = syncer.merge(p, now)
             journal.note_merge(syncer, p, rec, now, loop)
             inject("before_publish", rec)
             if rec is not None:
                 exchange.publish(p, syncer.versions[p], syncer.global_params[p])
                 inject("after_publish", rec)
+            closed(rec, p, started)
+            if rec is not None:
                 on_merge(rec)
 
     while True:
@@ -126,10 +158,19 @@ def run_syncer(
         now = exchange.clock()  # the run's clock: seconds since training start
         receive_all(now)
         live = live_learners(exchange, heartbeat_timeout_s)
+        open_windows()
         if journal is None:
-            handle(syncer.poll(now, live))
+            for p in [p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p))]:
+                started = time.perf_counter()
+                rec = syncer.merge(p, now)  # None: refused (Syncer.poll's rule), nothing published
+                if rec is not None:
+                    exchange.publish(p, syncer.versions[p], syncer.global_params[p])
+                closed(rec, p, started)
+                if rec is not None:
+                    on_merge(rec)
         else:
-            merge_journaled([p for p in range(syncer.num_fragments) if syncer.ready(p, now, live)], now)
+            merge_journaled([p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p))],
+                            now)
             journal.maybe_checkpoint(syncer, loop, now)
         collect()
         exchange.grant()

@@ -301,6 +301,10 @@ def setup(config: dict | None) -> dict:
         "sync every (H, inner steps)": g("diloco", "sync_every"),
         "quorum (K)": g("diloco", "quorum"),
         "grace window (s)": g("diloco", "grace_s"),
+        "grace window rule": (None if g("diloco", "grace") in (None, "fixed") else
+                              f"adaptive, Eq. 3 (γ {g('diloco', 'grace_gamma')}, τ "
+                              f"{g('diloco', 'grace_overlap_steps') or g('diloco', 'sync_every')} steps; "
+                              f"{g('diloco', 'grace_s')} s until step times are measured)"),
         "merge rule": g("diloco", "merge"),
         f"budget per method ({unit})": g("train", "token_budget"),
         "data source": g("data", "source"),

@@ -104,7 +104,9 @@ def _check_finetune(cfg, layout):
 
 def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data, tmp_path):
     """Learner 1 raises at step 20; merges go on while it waits for its retry; it rejoins from its
-    last resume point (step 15: one every 5 steps) and is merged again later."""
+    last resume point (step 15: one every 5 steps) and is merged again later. With the adaptive
+    grace window (Eq. 3): every merge says the window it used, the fixed 0.05 s while the step
+    times are measured, then a measured one, at most one inner step."""
     from configs.schema import ExperimentConfig
     from flows.pretrain import pretrain_diloco
 
@@ -113,7 +115,7 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
     cfg = ExperimentConfig.model_validate({
         **small_cfg.model_dump(),
         "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 2.0, "grace_s": 0.05,
-                   "resume_every_steps": 5},
+                   "resume_every_steps": 5, "grace": "adaptive"},
         "train": {**small_cfg.train.model_dump(), "token_budget": 98304, "eval_every_tokens": 98304},
         "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
     })
@@ -135,6 +137,16 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
     assert after, "the restarted learner's submissions must be merged again"
     assert summary["ledger"]["1"]["attempts"] == 2
     assert np.isfinite(summary["final_val_loss"])
+    windows = [m["grace_s"] for m in merges if "grace_s" in m]  # (the final flush's merges have none)
+    assert len(windows) >= len(merges) - cfg.diloco.fragments
+    measured = [w for w in windows if w != 0.05]
+    per_step = []  # seconds per inner step between a learner's logged steps
+    for m in range(cfg.diloco.learners):
+        steps = [e for e in events if e["event"] == "step" and e["learner"] == m]
+        per_step += [(b["t"] - a["t"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
+                     if b["step"] > a["step"]]
+    longest_step = max(per_step)
+    assert measured and all(0.0 <= w <= longest_step for w in measured)
 
 
 def test_results_are_never_overwritten(tmp_path):

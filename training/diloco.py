@@ -42,6 +42,7 @@ from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.fragments import balanced_fragments
+from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
 from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
@@ -177,6 +178,13 @@ class DiLoCoRun:
     def close_logs(self) -> None:
         for log in (self.merges_log, self.learners_log, self.eval_log):
             log.close()
+
+
+def grace_window(cfg: ExperimentConfig) -> GraceWindow:
+    """The syncer loop's grace window from ``diloco.grace*`` (τ defaults to H)."""
+    d = cfg.diloco
+    return GraceWindow(mode=d.grace, fixed_s=d.grace_s, gamma=d.grace_gamma,
+                       overlap_steps=d.grace_overlap_steps or d.sync_every, cap_s=d.grace_cap_s)
 
 
 def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
@@ -393,7 +401,8 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
         result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
                             run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
                             on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}),
-                            journal=run.journal, fail_at=fail_at, on_recover=on_recover, on_fail=on_fail)
+                            journal=run.journal, fail_at=fail_at, on_recover=on_recover, on_fail=on_fail,
+                            grace=grace_window(run.cfg))
     except BaseException as exc:
         run.learners_log({"event": "syncer-failure", "role": "syncer", "attempt": run.attempt, "generation": run.generation,
                           "reason": f"{type(exc).__name__}: {exc}", "merges": run.syncer.num_merges,
@@ -442,7 +451,9 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
         "hyperparameters": {
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
-            "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "merge": d.merge, "outer lr": d.outer_lr,
+            "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "grace": d.grace if d.grace == "fixed" else
+            f"adaptive (γ {d.grace_gamma:g}, τ {d.grace_overlap_steps or d.sync_every} steps, cap "
+            f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})", "merge": d.merge, "outer lr": d.outer_lr,
             "outer momentum": d.outer_momentum,
             "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
             f"batch ({rows}/learner step)": d.batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
