@@ -209,11 +209,24 @@ class Syncer:
         return True
 
     # -- merging -----------------------------------------------------------------------------
-    def ready(self, p: int, now: float, live: set[int], grace_s: float | None = None) -> bool:
+    def quorum(self, down: set[int] = frozenset()) -> int:
+        """The quorum in force: K, or the number of learners not ``down`` when fewer remain (at
+        least 1). ``down``: learners that reported and have since ended or gone silent (the loop's
+        view from heartbeats, ``diloco.heartbeat_timeout_s``); a learner that has not reported yet
+        counts as alive. Leaving the dead out of the quorum keeps merges going without them (zero
+        global downtime): K = M degrades to the learners still alive instead of stalling."""
+        return max(1, min(self.settings.quorum, self.settings.num_learners - len(down)))
+
+    def ready(self, p: int, now: float, live: set[int], grace_s: float | None = None,
+              down: set[int] = frozenset()) -> bool:
         """Quorum reached and (grace window over, or every live learner has submitted).
+        ``live``: the learners the loop sees running; ``down``: those it knows ended or silent (the
+        quorum is then :meth:`quorum`, reached at ``now`` once that many have submitted).
         ``grace_s``: this round's window (seconds; default ``settings.grace_s``, the fixed one)."""
         if self.quorum_at[p] is None:
-            return False
+            if not self.pending[p] or len(self.pending[p]) < self.quorum(down):
+                return False
+            self.quorum_at[p] = now  # reached because learners died or ended, not by a submission
         if now - self.quorum_at[p] >= (self.settings.grace_s if grace_s is None else grace_s):
             return True
         return live <= set(self.pending[p])

@@ -28,11 +28,27 @@ class SyncerLoopResult:
 
 def live_learners(exchange: Exchange, timeout_s: float) -> set[int]:
     """Learners running with a heartbeat in the last ``timeout_s`` seconds."""
-    now = time.monotonic()
-    return {
-        m for m, info in exchange.learners().items()
-        if info.get("status") == "running" and now - info.get("last_seen", -1e9) <= timeout_s
-    }
+    return liveness(exchange, timeout_s)[0]
+
+
+def liveness(exchange: Exchange, timeout_s: float) -> tuple[set[int], dict[int, str]]:
+    """The syncer's view of the learners from their heartbeats: (live, down).
+
+    live: running with a heartbeat in the last ``timeout_s`` seconds. down: learner → why it is
+    not alive, for learners that have reported: ``done``, ``down`` (failed, awaiting a retry) or
+    ``silent <s> s`` (running or starting, but no heartbeat for longer than ``timeout_s``: a
+    killed or hung process). A learner waiting at the start gate (``ready``) within the timeout is
+    neither."""
+    now, live, down = time.monotonic(), set(), {}
+    for m, info in exchange.learners().items():
+        status, silent = info.get("status"), now - info.get("last_seen", -1e9)
+        if status in ("done", "down"):
+            down[m] = status
+        elif silent > timeout_s:
+            down[m] = f"silent {silent:.1f} s"
+        elif status == "running":
+            live.add(m)
+    return live, down
 
 
 def run_syncer(
@@ -54,7 +70,10 @@ def run_syncer(
 
     Each round also tops up the learners' token grants (``exchange.grant``; a no-op in process),
     deletes the submissions the syncer is done with (merged or dropped; ``exchange.discard``) and
-    hands the exchange's own events (quarantined objects) to ``on_event``. Ends once
+    hands the exchange's own events (quarantined objects) and its own liveness events to
+    ``on_event``: ``{"event": "liveness", "learner", "alive", "t", "reason"}`` whenever a learner
+    that had reported turns alive or dead (:func:`liveness`; the dead are left out of the quorum,
+    :meth:`Syncer.quorum`). Ends once
     ``exchange.learners_done()`` and the inbox is empty, after a final flush of everything still
     pending (quorum or not) and a final evaluation at the tokens actually spent.
 
@@ -103,6 +122,19 @@ def run_syncer(
         if done:
             exchange.discard(sorted(done))
             held.difference_update(done)
+
+    seen: dict[int, bool] = {}  # learner -> alive at the last look (liveness events on changes)
+
+    def note_liveness(live: set[int], down: dict[int, str], now: float) -> None:
+        for m in sorted(live | set(down)):
+            alive = m in live
+            if seen.get(m) != alive and (alive or m in seen):  # (a learner first seen ended: no event)
+                ev = {"event": "liveness", "learner": m, "alive": alive, "t": now, "source": "syncer"}
+                if not alive:
+                    ev["reason"] = down[m]
+                if on_event is not None:
+                    on_event(ev)
+            seen[m] = alive
 
     def open_windows() -> None:
         # a round that just reached quorum gets its grace window (Eq. 3 with its own t_quorum)
@@ -157,10 +189,12 @@ def run_syncer(
         finished = exchange.learners_done()
         now = exchange.clock()  # the run's clock: seconds since training start
         receive_all(now)
-        live = live_learners(exchange, heartbeat_timeout_s)
+        live, down = liveness(exchange, heartbeat_timeout_s)
+        note_liveness(live, down, now)
         open_windows()
+        due = [p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p), set(down))]
         if journal is None:
-            for p in [p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p))]:
+            for p in due:
                 started = time.perf_counter()
                 rec = syncer.merge(p, now)  # None: refused (Syncer.poll's rule), nothing published
                 if rec is not None:
@@ -169,8 +203,7 @@ def run_syncer(
                 if rec is not None:
                     on_merge(rec)
         else:
-            merge_journaled([p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p))],
-                            now)
+            merge_journaled(due, now)
             journal.maybe_checkpoint(syncer, loop, now)
         collect()
         exchange.grant()

@@ -14,16 +14,17 @@ import time
 from pathlib import Path
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.futures import wait
 
 from configs.schema import ExperimentConfig
+from reports.artifacts import artifact_key
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import token_budget
-from training.diloco import host_turns_dir, prepare_diloco
+from training.diloco import host_turns_dir, live_view, prepare_diloco
 from launch.engines import engine_session, task_options, task_runner_for
 
 
@@ -39,6 +40,20 @@ def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -
     return (f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
             f"train loss {loss}  held-out loss {val}  merges {sum(versions)}  "
             f"learners up {up}/{config.diloco.learners}  versions {versions}")
+
+
+def _publish_live_view(config: ExperimentConfig, exchange, rd: Path) -> None:
+    """The ``diloco-learners-<run name>`` table artifact: the syncer's view of every learner and the totals
+    (``training.diloco.live_view``), a new version at every progress line."""
+    rows, t = live_view(config, exchange, rd)
+    u = config.unit
+    create_table_artifact(
+        key=artifact_key("diloco-learners", config.name), table=rows,
+        description=(f"**DiLoCo, live**: {t['alive']}/{t['learners']} learners alive; {t['merges']} merges, "
+                     f"versions {t['versions']}; {t['tokens claimed']:,} {u} claimed, {t['tokens merged']:,} merged "
+                     f"into Θ; {t['bytes merged']:,} submission bytes merged. A learner is dead after "
+                     f"{config.diloco.heartbeat_timeout_s:g} s without a heartbeat (diloco.heartbeat_timeout_s) "
+                     "and left out of the quorum until it beats again."))
 
 
 @flow(name="pretrain-diloco", log_prints=True)
@@ -94,6 +109,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                     next_progress = time.monotonic() + progress_every_s
                     logger.info(_progress_line(config, exchange, eval_path, budget))
                     update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
+                    _publish_live_view(config, exchange, rd)
                 if not done.not_done:
                     break
                 if give_up_at is not None and time.monotonic() > give_up_at:
@@ -116,6 +132,8 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                 logger.error("learner %d ended %s after its retries (%s); the others spent its share of the "
                              "budget", m, info.get("status"), info.get("reason", "no reason recorded"))
         summary = syncer_future.result()
+        exchange.refresh()
+        _publish_live_view(config, exchange, rd)  # the final view: after the syncer's last merges
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     u = config.unit
     logger.info(f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",

@@ -147,6 +147,21 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
                      if b["step"] > a["step"]]
     longest_step = max(per_step)
     assert measured and all(0.0 <= w <= longest_step for w in measured)
+    # the syncer saw learner 1 go down and come back (liveness from heartbeats), the others never down
+    seen = [(e["alive"], e.get("reason")) for e in events if e["event"] == "liveness" and e["learner"] == 1]
+    assert seen[:3] == [(True, None), (False, "down"), (True, None)], seen
+    assert not any(e["event"] == "liveness" and not e["alive"] and e.get("reason") != "done"
+                   for e in events if e.get("learner") in (0, 2))
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:  # the live view's last version: every learner done
+        (art,) = client.read_latest_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[f"diloco-learners-{cfg.name}"])))
+    rows = json.loads(art.data) if isinstance(art.data, str) else art.data
+    assert [r["learner"] for r in rows] == [0, 1, 2] and {r["state"] for r in rows} == {"done"}
+    assert rows[1]["attempt"] == 2 and sum(r["tokens"] for r in rows) == summary["tokens"]
+    assert f"{summary['merges']} merges" in art.description
 
 
 def test_results_are_never_overwritten(tmp_path):

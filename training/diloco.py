@@ -48,7 +48,7 @@ from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import JournalMismatchError, SyncerJournal
-from diloco.syncer_loop import run_syncer
+from diloco.syncer_loop import liveness, run_syncer
 from diloco.tensors import embedding_names, tensor_bytes, to_numpy
 from run.control import STOP
 from run.layout import RunLayout
@@ -400,7 +400,7 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
     try:
         result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
                             run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
-                            on_event=lambda ev: run.learners_log({**ev, "source": "exchange"}),
+                            on_event=lambda ev: run.learners_log({"source": "exchange", **ev}),
                             journal=run.journal, fail_at=fail_at, on_recover=on_recover, on_fail=on_fail,
                             grace=grace_window(run.cfg))
     except BaseException as exc:
@@ -491,6 +491,34 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "flops_per_token": spec.flops_per_unit,
         "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
     }
+
+
+def live_view(cfg: ExperimentConfig, exchange, run_dir: str | Path) -> tuple[list[dict], dict]:
+    """The syncer's-eye view of a running DiLoCo run, for a live artifact: one row per learner
+    (alive as the syncer judges it from heartbeats, ``diloco.syncer_loop.liveness``; status,
+    attempt, inner step, tokens processed, bytes sent and received, seconds since its last
+    heartbeat, process id) and the totals: global versions, merges, tokens claimed, tokens merged
+    (Σ over the merge log of the contributors' token counters ÷ P, the model-level tokens in Θ).
+    Reads the exchange and ``metrics/merges.jsonl``; writes nothing."""
+    live, down = liveness(exchange, cfg.diloco.heartbeat_timeout_s)
+    now = time.monotonic()
+    rows = []
+    beats = exchange.learners()
+    for m in range(cfg.diloco.learners):
+        b = beats.get(m, {})
+        state = "alive" if m in live else down.get(m, b.get("status", "not started"))
+        rows.append({"learner": m, "state": state, "attempt": b.get("attempt", 1 if b else None),
+                     "step": b.get("step"), "tokens": b.get("processed"),
+                     "bytes sent": b.get("bytes_to_syncer"), "bytes received": b.get("bytes_from_syncer"),
+                     "heartbeat age (s)": round(now - b["last_seen"], 1) if "last_seen" in b else None,
+                     "pid": b.get("pid")})
+    merges = read_jsonl(RunLayout(run_dir).metrics(STAGE, METHOD, "merges"))
+    versions = exchange.versions()
+    totals = {"alive": len(live), "learners": cfg.diloco.learners, "versions": versions, "merges": sum(versions),
+              "tokens claimed": exchange.claimed_tokens,
+              "tokens merged": round(sum(sum(r.get("tokens") or []) for r in merges) / max(len(versions), 1)),
+              "bytes merged": int(sum(r.get("bytes_in") or 0 for r in merges))}
+    return rows, totals
 
 
 def _per_process_total(beats, key: str) -> float:
