@@ -8,12 +8,16 @@ int4 on the fsspec exchange completes and sends about 1/8 of float32's bytes per
 
 from __future__ import annotations
 
+import json
 import math
+import uuid
 
 import numpy as np
 import pytest
 
 from diloco.exchange.base import Submission
+from diloco.exchange.fsspec import FsspecExchange
+from diloco.syncer import Syncer, SyncerSettings
 from diloco.wire import SCALE_SUFFIX, WireFormat
 
 FORMATS = [WireFormat("float32"), WireFormat("bfloat16"), WireFormat("int8"), WireFormat("int8", 64),
@@ -113,3 +117,120 @@ def test_specs_parse_and_bad_formats_are_refused():
         fmt.decode(good, {"a": (7,)})  # 7 values need 4 bytes of codes, 5 only 3
     with pytest.raises(ValueError, match="missing"):
         fmt.decode({"a": good["a"]}, {"a": (5,)})
+
+
+# -- the syncer rebuilds θ from quantised updates ----------------------------------------------------
+def _int4_syncer(max_staleness=1):
+    theta0 = {"w": np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6), "b": np.full(5, 0.5, np.float32)}
+    settings = SyncerSettings(num_learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0,
+                              max_staleness=max_staleness, wire="int4:4")
+    return theta0, Syncer(theta0, [["w"], ["b"]], settings)
+
+
+def _int4_sub(m, theta, base_theta, base_version, step, fragment=0):
+    names = ["w"] if fragment == 0 else ["b"]
+    fmt = WireFormat("int4", 4)
+    payload = fmt.encode({k: theta[k] - base_theta[k] for k in names})
+    return Submission(m, fragment, payload, 64, 8, base_version, step, wire=fmt.spec)
+
+
+def test_syncer_rebuilds_int4_updates_within_the_bound_and_merges():
+    theta0, s = _int4_syncer()
+    rng = np.random.default_rng(1)
+    thetas = [{"w": theta0["w"] + 0.01 * rng.standard_normal((4, 6)).astype(np.float32)} for _ in range(2)]
+    for m in range(2):
+        assert s.receive(_int4_sub(m, thetas[m], theta0, 0, 8), 0.0)
+        rebuilt = s.pending_params[0][m]["w"]
+        bound = WireFormat("int4", 4).error_bound(thetas[m]["w"] - theta0["w"]) + 1e-6
+        assert (np.abs(rebuilt - thetas[m]["w"]) <= bound).all()
+    (rec,) = s.poll(0.0, live={0, 1})
+    # equal tokens and steps: Θ₁ = the mean of the rebuilt copies (outer lr 1, no momentum)
+    want = np.mean([thetas[m]["w"] for m in range(2)], axis=0)
+    assert rec["version"] == 1 and np.max(np.abs(s.global_params[0]["w"] - want)) <= 0.01 * 4 / 14 + 1e-6
+    # bytes_in counts the payloads: 24 codes → 12 bytes + 6 scales of 4 bytes, per learner
+    assert rec["bytes_in"] == 2 * (12 + 6 * 4) and rec["fragment_bytes"] == 24 * 4
+    # a learner that has not yet pulled v1 sends an update against v0: still decoded (kept base)
+    assert s.receive(_int4_sub(0, thetas[0], theta0, 0, 16), 1.0)
+    np.testing.assert_allclose(s.pending_params[0][0]["w"], thetas[0]["w"], atol=0.01)
+
+
+def test_syncer_drops_int4_nan_wrong_payloads_and_overflow():
+    theta0, s = _int4_syncer()
+    bad = {"w": theta0["w"].copy()}
+    bad["w"][1, 2] = np.nan
+    assert not s.receive(_int4_sub(0, bad, theta0, 0, 8), 0.0)
+    assert s.ledger[0].drop_reasons == {"non-finite": 64}
+    wrong = Submission(1, 0, {"w": theta0["w"]}, 64, 8, 0, 8, wire="int4:4")  # float32 arrays announced as int4
+    assert not s.receive(wrong, 0.0)
+    unknown = Submission(1, 0, {"w": theta0["w"]}, 128, 16, 0, 9, wire="int3")  # 64 more tokens
+    assert not s.receive(unknown, 0.0) and s.ledger[1].drop_reasons == {"wrong-tensors": 128}
+    # a finite update whose sum with the base overflows float32 is non-finite
+    edge = Syncer({"w": np.full(4, 3e38, np.float32)}, [["w"]],
+                  SyncerSettings(num_learners=1, outer_momentum=0.0, wire="int8"))
+    huge = Submission(0, 0, WireFormat("int8").encode({"w": np.full(4, 1e38, np.float32)}), 64, 8, 0, 8, wire="int8")
+    assert not edge.receive(huge, 0.0) and edge.ledger[0].drop_reasons == {"non-finite": 64}
+
+
+def test_a_float32_syncer_decodes_quantised_updates_against_its_current_version_only():
+    """With wire float32 configured the syncer keeps no older bases: a quantised update against the
+    current version decodes, one against an older version (within max_staleness) is "stale"."""
+    theta0 = {"w": np.zeros(6, np.float32)}
+    s = Syncer(theta0, [["w"]], SyncerSettings(num_learners=1, outer_lr=1.0, outer_momentum=0.0))
+    fmt = WireFormat("int8")
+    payload = fmt.encode({"w": np.full(6, 0.5, np.float32)})
+    assert s.receive(Submission(0, 0, payload, 64, 8, 0, 8, wire="int8"), 0.0) and s.poll(0.0, live={0})
+    np.testing.assert_allclose(s.global_params[0]["w"], 0.5)
+    assert s.settings.max_staleness == 1  # one version behind is not too stale, but its base is gone
+    assert not s.receive(Submission(0, 0, payload, 128, 16, 0, 16, wire="int8"), 1.0)
+    assert s.ledger[0].drop_reasons == {"stale": 64}
+    assert s.receive(Submission(0, 0, payload, 64, 8, 1, 24, wire="int8"), 2.0)
+
+
+def test_kept_bases_window_follows_max_staleness():
+    theta0, s = _int4_syncer(max_staleness=2)
+    for v in range(1, 5):
+        for m in range(2):
+            base = s.bases[0][s.versions[0]]
+            assert s.receive(_int4_sub(m, {"w": base["w"] + 0.01}, base, s.versions[0], 8 * v + m), float(v))
+        assert s.poll(float(v), live={0, 1})
+        assert sorted(s.bases[0]) == list(range(max(0, v - 2), v + 1))  # current and 2 before
+    assert sorted(s.bases[1]) == [0]
+    # float32 keeps only the current version (it sends θ, not Δ)
+    assert SyncerSettings(num_learners=1, wire="float32", max_staleness=3).kept_bases == 0
+    assert SyncerSettings(num_learners=1, wire="bfloat16", max_staleness=3).kept_bases == 3
+
+
+def test_state_dict_round_trip_with_int4_pending_submissions():
+    """The bases are saved with the state; a fresh syncer loaded from it decodes the pending int4
+    submissions (re-read by name) to the same θ and merges bit-identically."""
+    url = f"memory://wire-{uuid.uuid4().hex}"
+    theta0, s = _int4_syncer(max_staleness=1)
+    ex = FsspecExchange.create(url, initial=[{"w": theta0["w"]}, {"b": theta0["b"]}], num_learners=2,
+                               token_budget=10**6, grant_tokens=64)
+    rng = np.random.default_rng(2)
+
+    def send(m, v, step):
+        base = s.bases[0][v]
+        sub = _int4_sub(m, {"w": base["w"] + 0.02 * rng.standard_normal((4, 6)).astype(np.float32)}, base, v, step)
+        ex.submit(sub)
+        return sub
+
+    for m in range(2):
+        send(m, 0, 8)
+    for sub in ex.drain():
+        s.receive(sub, 0.0)
+    s.poll(0.0, live={0, 1})
+    send(0, 0, 16)  # one version behind: decoded against the kept v0
+    send(1, 1, 17)
+    for sub in ex.drain():
+        assert sub.wire == "int4:4"
+        assert s.receive(sub, 1.0)
+    arrays, meta = s.state_dict()
+    assert set(arrays["bases"]["fragment_000"]) == {"back_01"}
+    json.dumps(meta)
+    _, fresh = _int4_syncer(max_staleness=1)
+    fresh.load_state_dict(arrays, meta, ex.read_submission)
+    for m in range(2):
+        np.testing.assert_array_equal(fresh.pending_params[0][m]["w"], s.pending_params[0][m]["w"])
+    a, b = s.poll(2.0, live={0, 1}), fresh.poll(2.0, live={0, 1})
+    assert a == b and s.global_params[0]["w"].tobytes() == fresh.global_params[0]["w"].tobytes()
