@@ -246,6 +246,34 @@ class InnerOptConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0.0, description="global-norm clip; 0 disables")
 
 
+class WireConfig(_Strict):
+    """How learners send their fragments to the syncer (``diloco/wire.py``). float32 sends the
+    learner's parameters θ exactly; bfloat16, int8 and int4 send its update Δ = θ − Θ (against the
+    global fragment it last received) rounded to that type, int8 and int4 with symmetric absmax
+    scales per tensor or per block. The syncer publishes float32 whatever this says."""
+
+    dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field(
+        "float32", description="what learners send the syncer: float32 (θ exactly, 4 bytes a value), "
+        "bfloat16 (Δ rounded to bfloat16, 2 bytes), int8 (Δ as codes in [−127, 127] times a float32 scale, "
+        "about 1 byte) or int4 (codes in [−7, 7], two per byte, about ½ byte); Δ = θ − the global fragment "
+        "last received. Publishing (syncer to learners) stays float32")
+    block_size: PositiveInt | None = Field(
+        None, description="int8/int4: values per scale (a float32 absmax scale per block of this many values "
+        "of a tensor: a smaller block is more precise and costs 4 bytes a block); unset = one scale per tensor")
+
+    @model_validator(mode="after")
+    def _check_block(self) -> "WireConfig":
+        if self.block_size is not None and self.dtype not in ("int8", "int4"):
+            raise ValueError(f"diloco.wire.block_size applies to int8 and int4 only, not {self.dtype}; unset it")
+        return self
+
+    @property
+    def spec(self) -> str:
+        """The wire format's name in submissions and reports (``diloco.wire.WireFormat.spec``):
+        ``int4`` or ``int4:64``."""
+        return self.dtype if self.block_size is None else f"{self.dtype}:{self.block_size}"
+
+
 class DiLoCoConfig(_Strict):
     """Decoupled DiLoCo: M learners, P fragments, period H, quorum K, grace window (fixed or adaptive).
 
@@ -293,6 +321,7 @@ class DiLoCoConfig(_Strict):
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"
     )
+    wire: WireConfig = WireConfig()
     heartbeat_timeout_s: PositiveFloat = Field(
         10.0, description="a learner silent this long is treated as down by the syncer"
     )

@@ -36,6 +36,7 @@ from diloco.fragments import fragments_due
 from diloco.pacing import FairTurns
 from diloco.receipt import ReceiptRule
 from diloco.tensors import to_numpy
+from diloco.wire import WireFormat
 
 
 class InjectedFailure(RuntimeError):
@@ -74,14 +75,17 @@ class ResumeStore(Protocol):
 class FragmentState:
     """A learner's view of fragment p.
 
-    ``version``: the global version last received (−1: none yet). ``reference``: what the unsent
-    progress is measured against (the Θ_p received, or the copy last sent). ``tokens``/``steps``:
+    ``version``: the global version last received (−1: none yet). ``base``: that version's Θ_p
+    (float32, as pulled): what a quantised submission's update Δ = θ − Θ_base is taken against.
+    ``reference``: what the unsent progress is measured against (the Θ_p received, or the copy
+    last sent). ``tokens``/``steps``:
     progress relative to ``version`` (what the next submission reports); ``unsent_tokens``/
     ``unsent_steps``: progress since ``reference``.
     """
 
     names: list[str]
     version: int = -1
+    base: dict[str, np.ndarray] | None = None
     reference: dict[str, np.ndarray] | None = None
     tokens: int = 0
     steps: int = 0
@@ -102,7 +106,7 @@ class FragmentState:
             self.tokens, self.steps = self.unsent_tokens, self.unsent_steps
         else:
             self.tokens = self.steps = self.unsent_tokens = self.unsent_steps = 0
-        self.reference, self.version = params, version
+        self.reference, self.base, self.version = params, params, version
 
 
 @dataclass
@@ -131,6 +135,7 @@ class LearnerSetup:
     num_learners: int = 1  # M: how many learners the start gate waits for
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
+    wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
 
 
 def tree_digest(tree: Any) -> str:
@@ -231,8 +236,11 @@ def run_learner(s: LearnerSetup) -> dict:
             nonlocal bytes_out
             f = frags[p]
             copy = to_numpy({k: params[k] for k in f.names})
-            sub = Submission(learner=m, fragment=p, params=copy, tokens=f.tokens, steps=f.steps,
-                             base_version=f.version, local_step=step, attempt=s.attempt, sent_at=ex.clock())
+            # float32: θ itself (bit-identical to before wire formats); else Δ = θ − Θ_base, encoded
+            payload = s.wire.encode({k: copy[k] - f.base[k] for k in f.names} if s.wire.sends_delta else copy)
+            sub = Submission(learner=m, fragment=p, params=payload, tokens=f.tokens, steps=f.steps,
+                             base_version=f.version, local_step=step, attempt=s.attempt, sent_at=ex.clock(),
+                             wire=s.wire.spec)
             bytes_out += sub.nbytes
             f.sent(copy)
             ex.submit(sub)

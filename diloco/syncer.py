@@ -5,7 +5,11 @@ every rule here is testable in milliseconds. The loop that drives it lives in ``
 
 Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the syncer merge):
 1. collect submissions, at most one pending per learner: per learner and fragment the submission
-   with the later (attempt, local_step) wins, whatever order the exchange delivers them in;
+   with the later (attempt, local_step) wins, whatever order the exchange delivers them in. A
+   submission in a quantised wire format (``diloco.wire``: bfloat16, int8, int4) carries the
+   update Δ = θ_{m,p} − Θ_p at its base version; the syncer keeps the last ``max_staleness + 1``
+   versions of each fragment (with such a ``wire`` configured) and rebuilds θ_{m,p} = Θ_base + Δ on
+   receipt, before the checks below; with float32 the submission is θ_{m,p} itself;
 2. merge once ≥ K distinct learners are pending (minimum quorum) and either the grace window
    (seconds after quorum) has passed or every live learner has submitted;
 3. outer gradient per learner v_m = Θ_p − θ_{m,p}, anchored at the *current* global fragment, also
@@ -43,6 +47,7 @@ import numpy as np
 from diloco.exchange import Submission
 from diloco.merge import MERGE_RULES, l2_norm, weights_for
 from diloco.outer import make_outer_tx, outer_step
+from diloco.wire import WireFormat
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,22 @@ class SyncerSettings:
     outer_momentum: float = 0.9
     outer_nesterov: bool = True
     max_staleness: int = 1
+    # the learners' wire format (diloco.wire.WireFormat.spec): a quantised one makes the syncer keep
+    # the last max_staleness + 1 versions of every fragment, the bases their updates are taken from
+    wire: str = "float32"
 
     def __post_init__(self):
         if not 1 <= self.quorum <= self.num_learners:
             raise ValueError(f"quorum K={self.quorum} must be in [1, M={self.num_learners}]")
         if self.merge not in MERGE_RULES:
             raise ValueError(f"merge rule {self.merge!r} unknown; choose one of {sorted(MERGE_RULES)}")
+        WireFormat.parse(self.wire)  # ValueError naming an unknown format
+
+    @property
+    def kept_bases(self) -> int:
+        """Versions kept besides the current one per fragment, to decode submissions against:
+        ``max_staleness`` for a quantised wire format, 0 for float32 (it sends θ, not Δ)."""
+        return self.max_staleness if WireFormat.parse(self.wire).sends_delta else 0
 
 
 @dataclass
@@ -88,6 +103,22 @@ def _finite_float32(tensors: dict[str, np.ndarray]) -> bool:
         return all(np.isfinite(np.asarray(a, dtype=np.float32)).all() for a in tensors.values())
 
 
+def _decode(sub: Submission, shapes: dict[str, tuple[int, ...]]) -> tuple[WireFormat, dict[str, np.ndarray]] | None:
+    """``(format, decoded tensors)`` of a submission's payload (float32: its arrays as sent; else
+    the update Δ), or None if its format is unknown or the payload does not fit ``shapes``."""
+    try:
+        fmt = WireFormat.parse(sub.wire)
+        return fmt, fmt.decode(sub.params, shapes)
+    except ValueError:
+        return None
+
+
+def _rebuild(base: dict[str, np.ndarray], update: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """θ = Θ_base + Δ in float32 (an overflow gives ±inf, caught by the finiteness check)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return {k: base[k] + update[k] for k in base}
+
+
 class Syncer:
     """Holds Θ (per fragment), outer optimizer state, versions, pending submissions and the ledger.
 
@@ -108,7 +139,11 @@ class Syncer:
         ]
         self.versions = [0] * len(self.fragments)
         self.opt_states = [self.tx.init(g) for g in self.global_params]
+        # per fragment, version → Θ_p at that version: the current one and settings.kept_bases before it
+        self.bases: list[dict[int, dict[str, np.ndarray]]] = [{0: g} for g in self.global_params]
         self.pending: list[dict[int, Submission]] = [{} for _ in self.fragments]
+        # per fragment, learner → θ_{m,p} of its pending submission (decoded; float32: the sent arrays)
+        self.pending_params: list[dict[int, dict[str, np.ndarray]]] = [{} for _ in self.fragments]
         self.quorum_at: list[float | None] = [None] * len(self.fragments)
         self.ledger = {m: LedgerEntry() for m in range(settings.num_learners)}
         # keyed (learner, fragment): submitted tokens of the pending copy; (attempt, local_step) of
@@ -160,9 +195,12 @@ class Syncer:
         the learner never sends one); "out-of-order" ((attempt, local_step) not later than the
         newest already seen from this learner for this fragment, merged or not: dropped with its
         tokens not inside the newer one, i.e. 0 for the same attempt and base, all of them for an
-        older base); wrong tensors; non-finite; unknown or stale base version. A queued submission
-        replaces the learner's pending copy: with the same (attempt, base) it carries that copy's
-        tokens on, else the old copy is dropped as "superseded" (its work is lost).
+        older base); wrong tensors (an unknown wire format, or a payload that does not decode to the
+        fragment's tensors); non-finite (the decoded payload); unknown or stale base version; for a
+        quantised format, "stale" also when the base version is no longer kept (see
+        ``SyncerSettings.kept_bases``) and "non-finite" when Θ_base + Δ overflows. A queued
+        submission replaces the learner's pending copy: with the same (attempt, base) it carries
+        that copy's tokens on, else the old copy is dropped as "superseded" (its work is lost).
 
         Returns True if queued, False if dropped. Raises nothing.
         """
@@ -183,19 +221,27 @@ class Syncer:
             self._reject(sub, "out-of-order", now, fresh)
             return False
         self._newest[key] = order
-        ref = self.global_params[p]
-        if set(sub.params) != set(ref) or any(sub.params[k].shape != ref[k].shape for k in ref):
+        decoded = _decode(sub, {k: a.shape for k, a in self.global_params[p].items()})
+        if decoded is None:
             self._reject(sub, "wrong-tensors", now, fresh)
             return False
-        if not all(np.isfinite(a).all() for a in sub.params.values()):
+        fmt, update = decoded
+        if not all(np.isfinite(a).all() for a in update.values()):
             self._reject(sub, "non-finite", now, fresh)
             return False
         if sub.base_version > self.versions[p] or sub.base_version < 0:
             self._reject(sub, "unknown-version", now, fresh)
             return False
-        if self.versions[p] - sub.base_version > self.settings.max_staleness:
+        if (self.versions[p] - sub.base_version > self.settings.max_staleness
+                or (fmt.sends_delta and sub.base_version not in self.bases[p])):
             self._reject(sub, "stale", now, fresh)
             return False
+        theta = update
+        if fmt.sends_delta:
+            theta = _rebuild(self.bases[p][sub.base_version], update)
+            if not all(np.isfinite(a).all() for a in theta.values()):
+                self._reject(sub, "non-finite", now, fresh)
+                return False
         old = self.pending[p].get(sub.learner)
         carried = 0
         if old is not None and (old.attempt, old.base_version) == (sub.attempt, sub.base_version):
@@ -204,6 +250,7 @@ class Syncer:
             self._reject(old, "superseded", now, self._unmerged.get(key, 0))  # its work is lost
         self._unmerged[key] = carried + fresh
         self.pending[p][sub.learner] = sub
+        self.pending_params[p][sub.learner] = theta
         if self.quorum_at[p] is None and len(self.pending[p]) >= self.settings.quorum:
             self.quorum_at[p] = now
         return True
@@ -252,7 +299,8 @@ class Syncer:
         steps = [max(s.steps, 1) for s in subs]  # every queued submission has tokens > 0
         anchor = self.global_params[p]
         anchor64 = {k: a.astype(np.float64) for k, a in anchor.items()}
-        deltas = [{k: anchor64[k] - s.params[k] for k in anchor} for s in subs]
+        thetas = [self.pending_params[p][s.learner] for s in subs]
+        deltas = [{k: anchor64[k] - theta[k] for k in anchor} for theta in thetas]
         outer_grad = MERGE_RULES[self.settings.merge](deltas, tokens, steps, self.embedding_names)
         reason = None
         if not _finite_float32(outer_grad):
@@ -262,7 +310,7 @@ class Syncer:
             if not _finite_float32(new_params):
                 reason = "non-finite fragment after the outer step"
         quorum_at = self.quorum_at[p]
-        self.pending[p], self.quorum_at[p] = {}, None
+        self.pending[p], self.pending_params[p], self.quorum_at[p] = {}, {}, None
         if reason is not None:
             for s in subs:
                 self._reject(s, "bad-merge", now, self._unmerged.pop((s.learner, p), 0))
@@ -271,6 +319,7 @@ class Syncer:
             return None
         self.global_params[p], self.opt_states[p] = new_params, new_state
         self.versions[p] += 1
+        self._keep_base(p)
         for s in subs:
             self.ledger[s.learner].merged += self._unmerged.pop((s.learner, p), 0)
         self.num_merges += 1
@@ -286,12 +335,19 @@ class Syncer:
             "local_steps": [s.local_step for s in subs],
             "quorum_at_s": quorum_at,
             "merged_at_s": now,
-            "bytes_in": int(sum(s.nbytes for s in subs)),
+            "bytes_in": int(sum(s.nbytes for s in subs)),  # payloads as sent (codes and scales)
             "fragment_bytes": fragment_bytes,
             # published once, pulled by every learner: the syncer's send fan-out
             "bytes_out": fragment_bytes * self.settings.num_learners,
             "outer_grad_norm": l2_norm(np.array([l2_norm(g) for g in outer_grad.values()])),
         }
+
+    def _keep_base(self, p: int) -> None:
+        """Remember Θ_p at its current version and forget versions older than ``kept_bases`` before it."""
+        v = self.versions[p]
+        self.bases[p][v] = self.global_params[p]
+        for old in [u for u in self.bases[p] if u < v - self.settings.kept_bases]:
+            del self.bases[p][old]
 
     def _merge_all(self, fragments, now: float) -> list[dict]:
         records = [self.merge(p, now) for p in fragments]
@@ -335,7 +391,11 @@ class Syncer:
         ``arrays`` (for Orbax): ``{"global": {"fragment_<p:03d>": {"<i:04d>": Θ_p's i-th tensor in
         ``fragments[p]`` order, float32, its shape}}, "outer": {"fragment_<p:03d>": {"<i:04d>": the
         i-th leaf of fragment p's outer optimizer state (``jax.tree.leaves``; momentum buffers,
-        float32, Θ_p's shapes; none without momentum)}}}``.
+        float32, Θ_p's shapes; none without momentum)}}}``, and with a quantised wire format
+        (``settings.kept_bases`` = S > 0) ``"bases": {"fragment_<p:03d>": {"back_<k:02d>": {"<i:04d>":
+        Θ_p at version (current − k), k = 1..S, float32; zeros where that version is below 0}}}``: the
+        bases pending and later submissions are decoded against (the structure does not depend on
+        the versions, so a fresh syncer's ``state_dict`` describes any saved one).
         ``meta`` (JSON values only): ``fragments`` and ``settings`` (checked on load), ``versions``,
         ``quorum_at`` (seconds on the syncer's clock, or null), ``pending`` (per fragment, each
         pending submission's counters and its exchange object name ``key``, not its arrays: they
@@ -352,6 +412,13 @@ class Syncer:
             "outer": {f"fragment_{p:03d}": {f"{i:04d}": np.array(x, copy=True) for i, x in enumerate(jax.tree.leaves(st))}
                       for p, st in enumerate(self.opt_states)},
         }
+        if self.settings.kept_bases:
+            arrays["bases"] = {
+                f"fragment_{p:03d}": {
+                    f"back_{k:02d}": {f"{i:04d}": (np.array(bases[v - k][name], copy=True) if v - k in bases
+                                                   else np.zeros_like(g[name])) for i, name in enumerate(frag)}
+                    for k in range(1, self.settings.kept_bases + 1)}
+                for p, (frag, g, bases, v) in enumerate(zip(self.fragments, self.global_params, self.bases, self.versions))}
         pending = []
         for p, frag in enumerate(self.pending):
             row = []
@@ -383,20 +450,21 @@ class Syncer:
 
         ``arrays``/``meta`` as :meth:`state_dict` returns them (arrays may be numpy or jax arrays);
         ``fetch(key)`` returns the submission stored under an exchange object name (its params are
-        the pending copy's tensors). The syncer must have been built with the same fragments and
-        settings. Afterwards the same ``receive``/``merge`` calls give bit-identical results to the
-        syncer that was saved.
+        the pending copy's payload, decoded again here against the restored bases). The syncer must
+        have been built with the same fragments and settings. Afterwards the same
+        ``receive``/``merge`` calls give bit-identical results to the syncer that was saved.
 
-        Raises ``ValueError`` if the fragments, settings or format differ, or a fetched submission's
-        counters differ from the saved ones (another object under that name); whatever ``fetch``
-        raises for a missing object (the exchange: ``FileNotFoundError``).
+        Raises ``ValueError`` if the fragments, settings or format differ, a fetched submission's
+        counters or wire format differ from the saved ones (another object under that name) or its
+        payload no longer decodes against its base; whatever ``fetch`` raises for a missing object
+        (the exchange: ``FileNotFoundError``).
         """
         if meta.get("format") != STATE_FORMAT:
             raise ValueError(f"syncer state format {meta.get('format')} is not {STATE_FORMAT}")
         if meta["fragments"] != self.fragments:
             raise ValueError("the saved syncer state has other fragments than this syncer (another model or "
                              "diloco.fragments)")
-        if meta["settings"] != json.loads(json.dumps(asdict(self.settings))):
+        if {"wire": "float32", **meta["settings"]} != json.loads(json.dumps(asdict(self.settings))):
             raise ValueError(f"the saved syncer state has other settings ({meta['settings']}) than this syncer "
                              f"({asdict(self.settings)}): restart with the run's config")
         global_params, opt_states = [], []
@@ -406,20 +474,39 @@ class Syncer:
             leaves = arrays["outer"].get(f"fragment_{p:03d}") or {}
             treedef = jax.tree.structure(self.tx.init(global_params[p]))
             opt_states.append(jax.tree.unflatten(treedef, [jnp.asarray(leaves[k]) for k in sorted(leaves)]))
+        versions = [int(v) for v in meta["versions"]]
+        bases: list[dict[int, dict[str, np.ndarray]]] = []
+        for p, frag in enumerate(self.fragments):
+            held = {versions[p]: global_params[p]}
+            for k in range(1, self.settings.kept_bases + 1):
+                if versions[p] - k >= 0:
+                    saved = arrays["bases"][f"fragment_{p:03d}"][f"back_{k:02d}"]
+                    held[versions[p] - k] = {name: np.asarray(saved[f"{i:04d}"], dtype=np.float32)
+                                             for i, name in enumerate(frag)}
+            bases.append(held)
         pending: list[dict[int, Submission]] = []
+        pending_params: list[dict[int, dict[str, np.ndarray]]] = []
         for p, row in enumerate(meta["pending"]):
-            frag = {}
+            frag, thetas = {}, {}
             for saved in row:
                 sub = fetch(saved["key"])
                 got = {f: getattr(sub, f) for f in _SAVED_FIELDS if f != "sent_at"}
-                want = {f: saved[f] for f in _SAVED_FIELDS if f != "sent_at"}
+                want = {f: saved.get(f, "float32") if f == "wire" else saved[f] for f in _SAVED_FIELDS if f != "sent_at"}
                 if got != want:
                     raise ValueError(f"object {saved['key']} holds {got}, the saved syncer state expects {want}")
+                decoded = _decode(sub, {k: a.shape for k, a in global_params[p].items()})
+                if decoded is None or (decoded[0].sends_delta and sub.base_version not in bases[p]):
+                    raise ValueError(f"object {saved['key']}: its {sub.wire} payload does not decode against "
+                                     f"fragment {p} v{sub.base_version} of the saved syncer state")
+                fmt, update = decoded
                 sub.key = saved["key"]
                 frag[int(saved["learner"])] = sub
+                thetas[int(saved["learner"])] = _rebuild(bases[p][sub.base_version], update) if fmt.sends_delta else update
             pending.append(frag)
+            pending_params.append(thetas)
         self.global_params, self.opt_states = global_params, opt_states
-        self.versions = [int(v) for v in meta["versions"]]
+        self.bases, self.pending_params = bases, pending_params
+        self.versions = versions
         self.quorum_at = [None if t is None else float(t) for t in meta["quorum_at"]]
         self.pending = pending
         self.ledger = {int(m): LedgerEntry(int(e["submitted"]), int(e["merged"]), int(e["dropped"]),
@@ -433,7 +520,7 @@ class Syncer:
 
 
 STATE_FORMAT = 1
-_SAVED_FIELDS = ("learner", "fragment", "tokens", "steps", "base_version", "local_step", "attempt", "sent_at")
+_SAVED_FIELDS = ("learner", "fragment", "tokens", "steps", "base_version", "local_step", "attempt", "sent_at", "wire")
 
 
 def _pair(key: tuple[int, int]) -> str:

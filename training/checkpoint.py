@@ -568,12 +568,16 @@ class OrbaxResumeStore:
 # ------------------------------------------------------------------------------ syncer checkpoints
 
 
+_SYNCER_ITEMS = ("global", "outer", "bases")  # Syncer.state_dict()'s array items ("bases": quantised wire only)
+
+
 class OrbaxSyncerStore:
     """The DiLoCo syncer's checkpoints (``diloco.syncer_journal.SyncerStateStore``) as Orbax steps.
 
     ``path``: the syncer's state folder (``run.layout.RunLayout.syncer_state``). Each step holds the
     items ``global`` and ``outer`` (``Syncer.state_dict()``'s arrays: Θ per fragment and the outer
-    optimizer's momentum, float32) and ``meta`` (JSON: the rest of the syncer's state, the journal
+    optimizer's momentum, float32), with a quantised wire format also ``bases`` (the earlier
+    versions of Θ that learners' updates are decoded against), and ``meta`` (JSON: the rest of the syncer's state, the journal
     seq, the generation, the loop's state), written by :func:`save_checkpoint` (so under this
     module's Orbax lock, with an integrity record), keeping the newest ``max_to_keep`` steps.
     ``save`` blocks until the step and its record are on disk: the journal entries and inbox objects
@@ -593,9 +597,9 @@ class OrbaxSyncerStore:
             return sorted(mngr.all_steps())
 
     def save(self, step: int, arrays: dict, meta: dict) -> None:
-        """Write step ``step`` (``arrays``: ``{"global": …, "outer": …}`` of numpy arrays). Raises
-        ``FileExistsError`` if the step exists."""
-        save_checkpoint(self.path, step, None, meta, extra={k: arrays[k] for k in ("global", "outer")},
+        """Write step ``step`` (``arrays``: ``{"global": …, "outer": …}`` and optionally ``"bases": …``,
+        of numpy arrays). Raises ``FileExistsError`` if the step exists."""
+        save_checkpoint(self.path, step, None, meta, extra={k: arrays[k] for k in _SYNCER_ITEMS if k in arrays},
                         max_to_keep=self.max_to_keep)
 
     def load(self, step: int, like: dict) -> tuple[dict, dict]:
@@ -603,11 +607,12 @@ class OrbaxSyncerStore:
         the same structure (a fresh syncer's). Raises :class:`CheckpointDamaged` (a missing,
         truncated or corrupted file) or :class:`CheckpointError` (no such step, or it does not match)."""
         items = {"meta": ocp.args.JsonRestore()}
-        for k in ("global", "outer"):
+        keys = [k for k in _SYNCER_ITEMS if k in like]
+        for k in keys:
             if jax.tree.leaves(like[k]):
                 items[k] = ocp.args.StandardRestore(_abstract(like[k]))
         _, restored = _restore_verified(self.path, step, items)
-        arrays = {k: (jax.tree.map(np.asarray, restored[k]) if k in items else like[k]) for k in ("global", "outer")}
+        arrays = {k: (jax.tree.map(np.asarray, restored[k]) if k in items else like[k]) for k in keys}
         return arrays, dict(restored.meta)
 
     def delete(self, step: int) -> None:

@@ -50,6 +50,7 @@ from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import JournalMismatchError, SyncerJournal
 from diloco.syncer_loop import liveness, run_syncer
 from diloco.tensors import embedding_names, tensor_bytes, to_numpy
+from diloco.wire import WireFormat
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
@@ -192,6 +193,7 @@ def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
     return SyncerSettings(
         num_learners=d.learners, quorum=d.quorum, grace_s=d.grace_s, merge=d.merge, outer_lr=d.outer_lr,
         outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=d.max_staleness,
+        wire=d.wire.spec,
     )
 
 
@@ -307,6 +309,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
+        wire=WireFormat(d.wire.dtype, d.wire.block_size),
     )
 
 
@@ -465,6 +468,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             "devices per learner": cfg.runtime.devices_per_learner,
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
             "resume point every (steps)": d.resume_every_steps or "never",
+            "wire format (learner→syncer)": d.wire.spec,
         },
         "tokens": tokens,
         "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),

@@ -24,7 +24,11 @@ import numpy as np
 class Submission:
     """Learner ``learner``'s copy of fragment ``fragment`` plus the counters that weight it.
 
-    ``params``: tensor name → float32 array (the learner's θ_{m,p}). ``tokens``/``steps``: tokens
+    ``params``: the payload as it crosses the wire, in the format ``wire`` (a
+    ``diloco.wire.WireFormat.spec``): with ``"float32"`` (the default) tensor name → float32 array,
+    the learner's θ_{m,p} itself; with ``"bfloat16"``, ``"int8[:b]"`` or ``"int4[:b]"`` the encoded
+    update Δ = θ_{m,p} − Θ_p at ``base_version`` (codes and scales, ``diloco.wire``), which the
+    syncer decodes and adds to its copy of that version. ``tokens``/``steps``: tokens
     and inner steps of progress the copy holds relative to ``base_version`` (c_tokens, c_steps).
     ``base_version``: the global version of the fragment the learner last received.
     ``local_step``: the learner's inner step when it sent. ``sent_at``: the run clock when it was sent
@@ -41,10 +45,12 @@ class Submission:
     attempt: int = 1
     sent_at: float = field(default_factory=time.monotonic)
     key: str | None = None  # the exchange's name for the object (durable exchanges), set by submit/drain
+    wire: str = "float32"  # the payload's wire format (diloco.wire.WireFormat.spec)
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes (tensor bytes, no framing)."""
+        """Payload bytes: the tensor bytes of ``params`` as sent (codes and scales for the quantised
+        formats), no framing."""
         return int(sum(a.nbytes for a in self.params.values()))
 
 

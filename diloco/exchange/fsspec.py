@@ -24,9 +24,11 @@ Layout under the exchange root::
 
 Arrays are **safetensors**: a standard, framework-neutral format with no pickle (a worker never
 executes what it reads), a JSON header that carries the manifest (``__metadata__``: learner,
-fragment, attempt, local step, tokens, steps, base version, send time, sha256 of the tensor bytes)
-and zero-copy reads. One object per submission or published fragment, so a manifest can never
-describe another object's bytes.
+fragment, attempt, local step, tokens, steps, base version, send time, wire format, sha256 of the
+tensor bytes) and zero-copy reads. A submission's tensors are its payload as sent: float32 θ, or the
+codes and scales of a quantised update (``diloco.wire``); the sha256 covers exactly those bytes.
+Published fragments are always float32. One object per submission or published fragment, so a
+manifest can never describe another object's bytes.
 
 Every object has exactly one writer: learner m writes its submissions and its heartbeat, the syncer
 in charge writes ``global/``, ``journal/``, ``state.json`` and quarantines, the flow writes
@@ -328,7 +330,7 @@ class FsspecExchange:
     # -- learners → syncer ----------------------------------------------------------------------
     def submit(self, sub: Submission) -> None:
         """Write one submission object (atomic); sets ``sub.key`` to its object name."""
-        manifest = {k: getattr(sub, k) for k in _SUBMISSION_FIELDS}
+        manifest = {k: getattr(sub, k) for k in (*_SUBMISSION_FIELDS, "wire")}
         manifest["sent_at"] = self.clock()
         ms = int(manifest["sent_at"] * 1000)
         name = (f"{ms:012d}-l{sub.learner:03d}-f{sub.fragment:03d}-a{sub.attempt:03d}-s{sub.local_step:09d}-"
@@ -363,7 +365,8 @@ class FsspecExchange:
         return Submission(learner=int(meta["learner"]), fragment=int(meta["fragment"]), params=tensors,
                           tokens=int(meta["tokens"]), steps=int(meta["steps"]),
                           base_version=int(meta["base_version"]), local_step=int(meta["local_step"]),
-                          attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name)
+                          attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name,
+                          wire=str(meta.get("wire", "float32")))  # objects written before wire formats: float32
 
     def read_submission(self, name: str) -> Submission:
         """The submission stored in ``inbox/<name>`` (a restarted syncer re-reads what its predecessor
