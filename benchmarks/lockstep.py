@@ -2,7 +2,7 @@
 
     python benchmarks/lockstep.py [--config configs/default.yaml] [--data RUN_DIR] [-H 8]
                                   [--merge mean|rda] [--outer-lr 1.0] [--outer-momentum 0.0]
-                                  [--set key=value ...]
+                                  [--wire float32|bfloat16|int8|int4[:block]] [--set key=value ...]
 
 The same M learners as the asynchronous run (model, init, shards, batch, inner AdamW and its
 schedule, token budget), but stepped in turn in one thread and merged exactly every H inner steps
@@ -15,7 +15,9 @@ result is deterministic. Comparing it with the asynchronous run and with DP sepa
   staleness, and quorum/grace effects.
 
 Merge: Θ ← Θ − lr·(Δ + μ·buf) with Δ the plain mean (or RDA) of the outer gradients Θ − θ_m
-(``diloco.merge``, ``diloco.outer``: the same functions the syncer uses). Prints the held-out loss
+(``diloco.merge``, ``diloco.outer``: the same functions the syncer uses). ``--wire`` sends each
+learner's update Δ_m = θ_m − Θ through a wire format first (``diloco.wire``: encoded, decoded, added
+back to Θ), so the cost of quantising the submissions is measured without thread timing. Prints the held-out loss
 (nats, the same validation batches as the pipeline) at about every eighth of the budget; asserts
 nothing. ``--data`` reuses a run directory whose ``data/`` was prepared for the same data config;
 without it the data is prepared into a temporary folder first (about 15 s).
@@ -42,6 +44,7 @@ from data.text import prepare_data
 from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
 from diloco.tensors import embedding_names, to_numpy
+from diloco.wire import WireFormat
 from training.diloco import learner_trainer
 from training.evaluation import heldout_loss, val_batches
 
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--merge", choices=["mean", "rda"], default="mean")
     ap.add_argument("--outer-lr", type=float, default=1.0)
     ap.add_argument("--outer-momentum", type=float, default=0.0)
+    ap.add_argument("--wire", default="float32", help="learners' wire format (diloco.wire spec: int4, int8:64, …)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args()
     try:
@@ -65,6 +69,10 @@ def main() -> None:
     if args.data is not None and not (args.data / "data" / "manifest.json").is_file():
         ap.error(f"--data {args.data}: no data/manifest.json there; pass a run directory whose data step "
                  "finished, or omit --data to prepare the data first")
+    try:
+        wire = WireFormat.parse(args.wire)
+    except ValueError as exc:
+        ap.error(str(exc))
     H = args.H or cfg.diloco.sync_every
     M, B = cfg.diloco.learners, cfg.diloco.batch_size
 
@@ -89,7 +97,7 @@ def main() -> None:
     tokens_per_round = M * cfg.tokens_per_learner_step
     report_every = max(1, steps // 8)
     print(f"lock-step DiLoCo: M={M} batch={B} H={H} merge={args.merge} outer lr={args.outer_lr} "
-          f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps}", flush=True)
+          f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps} wire={wire.spec}", flush=True)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         for m in range(M):
@@ -97,7 +105,12 @@ def main() -> None:
             # the step donates its parameter and optimizer buffers: keep only what it returns
             params[m], opt_states[m], _ = trainer.step(params[m], opt_states[m], jnp.asarray(batch))
         if step % H == 0 or step == steps:
-            outer_grads = [{k: theta[k] - v for k, v in to_numpy(p).items()} for p in params]
+            copies = [to_numpy(p) for p in params]
+            if wire.sends_delta:  # what the syncer rebuilds: Θ + decode(encode(θ_m − Θ))
+                shapes = {k: v.shape for k, v in theta.items()}
+                copies = [{k: theta[k] + d[k] for k in theta} for d in
+                          (wire.decode(wire.encode({k: c[k] - theta[k] for k in theta}), shapes) for c in copies)]
+            outer_grads = [{k: theta[k] - v for k, v in c.items()} for c in copies]
             rule = merge_rda if args.merge == "rda" else merge_mean
             delta = rule(outer_grads, [1] * M, [1] * M, embeddings)
             theta, outer_state = outer_step(outer_tx, theta, outer_state, delta)

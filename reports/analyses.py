@@ -19,7 +19,7 @@ from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, per_
 from reports.experts import expert_figures
 from reports.learners import syncer_sections
 from reports.read import MethodRecords
-from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes
+from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
 from run.layout import STAGES
 
 KNOWN_KINDS = {"dp": "allreduce", "diloco": "syncer"}  # kinds: see common.KINDS
@@ -217,9 +217,9 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
         add("active_params", "active parameters per token (MoE: k of E experts)", "", "int")
     add("flops_per_token", f"training FLOPs per {per_unit(unit)} (active, for MoE)", "FLOPs", "{:.4g}")
     rows += rows_eval
-    for key, text, by, sk, ak in BYTE_ROWS:
-        rows.append({"key": key, "label": text, "unit": "", "fmt": "bytes", "group": "bytes", "counted_by": by,
-                     **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()}})
+    for key, text, by, sk, ak, *fmt in BYTE_ROWS:
+        rows.append({"key": key, "label": text, "unit": "", "fmt": fmt[0] if fmt else "bytes", "group": "bytes",
+                     "counted_by": by, **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()}})
     return rows
 
 
@@ -306,6 +306,8 @@ def setup(config: dict | None) -> dict:
                               f"{g('diloco', 'grace_overlap_steps') or g('diloco', 'sync_every')} steps; "
                               f"{g('diloco', 'grace_s')} s until step times are measured)"),
         "merge rule": g("diloco", "merge"),
+        "wire format (learner→syncer; syncer→learner is float32)": wire_format(config, None)
+        if g("diloco", "wire") is not None else None,
         f"budget per method ({unit})": g("train", "token_budget"),
         "data source": g("data", "source"),
         "sequence length (tokens)": g("data", "seq_len") if text else None,

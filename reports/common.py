@@ -31,7 +31,8 @@ KINDS = ("allreduce", "syncer", "plain")
 # numbers, and report.md prints them under each bytes table.
 BYTES_CONVENTION = (
     "Bytes are payload bytes (tensor bytes, no framing). DiLoCo, counted by the learners: "
-    "learner→syncer submission payload bytes (every fragment a learner sent, merged or not) and "
+    "learner→syncer submission payload bytes (every fragment a learner sent, merged or not, in its "
+    "wire format: float32, or a bfloat16/int8/int4 update with its scales) and "
     "syncer→learner pulled bytes (every global fragment a learner pulled, including the pull at "
     "the start of each attempt); counted by the syncer in its merge log: bytes_in (submission "
     "bytes that went into merges) and bytes_out (fragment bytes × M per merge, the publish fan-out "
@@ -39,7 +40,7 @@ BYTES_CONVENTION = (
     "gradient: each of the M workers sends 2(M−1)/M × the gradient bytes per step and receives as "
     "many, so the all-reduce bytes (sent + received, all workers) split evenly: half sent, half "
     "received. \"All\" figures are summed over all learners/workers and attempts; \"per\" figures "
-    "are that sum divided by M."
+    "are that sum divided by M; \"per token\" figures divide it by the method's training tokens."
 )
 STALE_DEFINITION = (
     "a stale contribution is a submission merged into a global fragment newer than the one it was "

@@ -183,11 +183,28 @@ def _bytes_section(st: dict, L: list[str]) -> None:
     L += ["### Bytes on the wire", ""]
     L += [_table(*_side_by_side(st, "bytes", ["figure", "counted by"], lambda r: [r["counted_by"]])), ""]
     L += [BYTES_CONVENTION, ""]
+    for m, f in st["methods"].items():
+        L += _per_token_line(short_label(m), f["bytes"])
     if any(f["bytes"].get("merged_in") is not None or f["bytes"].get("published_out") is not None
            for f in st["methods"].values()):
         L += ["Pulled bytes differ from published bytes: a learner pulls a fragment when it sees a newer "
               "version (skipping versions merged meanwhile) and pulls all fragments again when an "
               "attempt starts, whereas published bytes count every merge once per learner.", ""]
+
+
+def _per_token_line(who: str, d: dict) -> list[str]:
+    """A learners-and-syncer method's bytes sent per token against DP's all-reduce of the same model."""
+    dp = d.get("dp_allreduce")
+    if d.get("kind") != "syncer" or d.get("sent_per_token") is None or not dp:
+        return []
+    wire = d.get("wire") or "float32"
+    what = "its parameters θ" if wire == "float32" else "its update Δ = θ − Θ_base"
+    return [f"**Bytes per token.** {who}'s learners sent {d['sent_per_token']:,.1f} bytes per training token "
+            f"(wire format {wire}: {what}; the syncer publishes float32). DP's ring all-reduce of this model's "
+            f"float32 gradient ({dp['gradient_bytes']:,} bytes, W = {dp['workers']} workers, "
+            f"{dp['tokens_per_step']:,} tokens per step) sends 2(W − 1) × {dp['gradient_bytes']:,} ÷ "
+            f"{dp['tokens_per_step']:,} = {dp['sent_per_token']:,.1f} bytes per token, "
+            f"{d['sent_vs_dp']:,.1f}× as many as {who}'s learners.", ""]
 
 
 def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:

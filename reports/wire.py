@@ -1,7 +1,11 @@
 """Bytes on the wire: every byte figure of a method, computed once (pure; no I/O).
 
 Payload bytes (tensor bytes, no framing), summed over all learners/workers and attempts; "per"
-figures are that sum ÷ M. Who counts what: ``reports.common.BYTES_CONVENTION`` (docs/contracts.md
+figures are that sum ÷ M, "per token" figures that sum ÷ the method's training tokens (budget
+units). A DiLoCo learner's submissions are in its wire format (``diloco.wire``: float32 θ, or a
+bfloat16/int8/int4 update with its scales), so its bytes are what that format really sends; the
+DiLoCo figures also carry DP's all-reduce bytes per token *of the same model* (below), computed from
+the model's size and the DP baseline's config whether or not the baseline ran. Who counts what: ``reports.common.BYTES_CONVENTION`` (docs/contracts.md
 "Summaries"). A learners-and-syncer method (DiLoCo) counts learner→syncer submissions and
 syncer→learner pulls, and its merge log counts bytes merged in and published out; a data-parallel
 method is a ring all-reduce model of the gradient, half of its bytes sent and half received.
@@ -39,6 +43,38 @@ def fragments(config: dict | None, summary: dict | None) -> int | None:
     return p
 
 
+def wire_format(config: dict | None, summary: dict | None) -> str | None:
+    """The learners' wire format (``diloco.wire``, e.g. ``int4`` or ``int4:64``): from config.json,
+    else the summary's hyperparameter; ``float32`` for a DiLoCo config from before wire formats."""
+    wire = nested(config, ("diloco", "wire"))
+    if isinstance(wire, dict) and wire.get("dtype"):
+        return str(wire["dtype"]) + (f":{wire['block_size']}" if wire.get("block_size") else "")
+    hp = nested(summary, ("hyperparameters", "wire format (learner→syncer)"))
+    if hp is not None:
+        return str(hp)
+    return "float32" if nested(config, ("diloco",)) is not None else None
+
+
+def dp_allreduce_per_token(config: dict | None, summary: dict | None) -> dict | None:
+    """What DP's per-step ring all-reduce of this model's float32 gradient sends per token: each of
+    W = ``dp.workers`` workers sends 2(W−1)/W × G bytes a step (G: the gradient bytes, 4 × the
+    summary's ``params``, else the sum of its ``fragment_bytes``), so all of them 2(W−1) × G, over
+    ``dp.batch_size`` × ``data.seq_len`` tokens a step (images: ``dp.batch_size``). Returns
+    ``{"sent_per_token", "workers", "gradient_bytes", "tokens_per_step"}``, or None when a count is
+    missing."""
+    params = num(nested(summary, ("params",)))
+    frag = summary.get("fragment_bytes") if summary else None
+    G = 4 * int(params) if params else (sum(frag) if isinstance(frag, list) and frag else None)
+    W, batch = num(nested(config, ("dp", "workers"))), num(nested(config, ("dp", "batch_size")))
+    seq = num(nested(config, ("data", "seq_len"))) if nested(config, ("model", "kind")) not in ("vit", "vit_moe") else 1
+    if not (G and W and batch and seq):
+        return None
+    per_step = 2 * (int(W) - 1) * G
+    tokens = int(batch) * int(seq)
+    return {"sent_per_token": per_step / tokens, "workers": int(W), "gradient_bytes": int(G),
+            "tokens_per_step": tokens}
+
+
 def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] | None,
                  files: dict[str, str], notes: list[str], who: str, kind: str = "syncer") -> dict:
     """A learners-and-syncer method's byte figures: ``sent`` = learner→syncer submission payload
@@ -47,7 +83,10 @@ def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] |
     log's ``bytes_in`` / ``bytes_out`` summed (None unless every record has the field;
     ``*_recorded`` says in how many it is; without a log, ``merged_in`` is the summary's
     ``bytes_merged``). ``kind`` is recorded with the figures: "syncer", or "plain" for a method
-    without a syncer whose summary counts its bytes under the same names."""
+    without a syncer whose summary counts its bytes under the same names. ``sent_per_token`` =
+    sent ÷ the summary's ``tokens``; ``wire``: the learners' wire format; ``dp_allreduce``:
+    :func:`dp_allreduce_per_token` of this model (a syncer method only) and ``sent_vs_dp``: DP's
+    sent per token ÷ this method's (how many times fewer bytes it sends)."""
     M = _count(config, ("diloco", "learners"), summary, "learners (M)")
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None
@@ -56,8 +95,14 @@ def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] |
         "sent": sent, "received": received,
         "total": sent + received if sent is not None and received is not None else None,
         "sent_per_learner": _div(sent, M), "received_per_learner": _div(received, M),
+        "sent_per_token": _per_token(sent, summary),
         "merge_records": len(merges or []),
     }
+    if kind == "syncer":
+        fig["wire"] = wire_format(config, summary)
+        fig["dp_allreduce"] = dp_allreduce_per_token(config, summary)
+        dp = fig["dp_allreduce"]
+        fig["sent_vs_dp"] = dp["sent_per_token"] / fig["sent_per_token"] if dp and fig["sent_per_token"] else None
     for key, name in (("merged_in", "bytes_in"), ("published_out", "bytes_out")):
         vals = [v for m in (merges or []) if (v := num(m.get(name))) is not None]
         fig[key] = sum(vals) if merges and len(vals) == len(merges) else None
@@ -91,10 +136,17 @@ def allreduce_bytes(config: dict | None, summary: dict | None, notes: list[str],
                      "counted both directions); the report shows the sent and received fields.")
     return {"status": "ok" if summary is not None else NOT_RUN, "kind": "allreduce", "workers": W,
             "sent": sent, "received": received, "total": total,
-            "sent_per_worker": _div(sent, W), "received_per_worker": _div(received, W)}
+            "sent_per_worker": _div(sent, W), "received_per_worker": _div(received, W),
+            "sent_per_token": _per_token(sent, summary)}
 
 
-BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None: no syncer)
+def _per_token(sent: float | int | None, summary: dict | None) -> float | None:
+    """sent ÷ the summary's training ``tokens`` (budget units); None when either is missing."""
+    tokens = num(summary.get("tokens")) if summary else None
+    return sent / tokens if sent is not None and tokens else None
+
+
+BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None: no syncer)[, format]
     ("bytes_sent", "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; "
      "DP: ring all-reduce sends)", "learners (DiLoCo) / ring model (DP)", "sent", "sent"),
     ("bytes_received", "bytes received, all learners/workers (DiLoCo: syncer→learner pulled "
@@ -105,6 +157,8 @@ BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None:
      "sent_per_learner", "sent_per_worker"),
     ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)",
      "learners (DiLoCo) / ring model (DP)", "received_per_learner", "received_per_worker"),
+    ("bytes_sent_per_token", "bytes sent per training token, all learners/workers (bytes sent ÷ tokens)",
+     "learners (DiLoCo) / ring model (DP)", "sent_per_token", "sent_per_token", "{:,.1f}"),
     ("bytes_merged_in", "merge-log bytes_in: submission bytes merged", "syncer", "merged_in", None),
     ("bytes_published_out", "merge-log bytes_out: published, fragment bytes × M per merge", "syncer",
      "published_out", None),

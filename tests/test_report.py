@@ -739,6 +739,39 @@ def _md_row(md: str, first_cell: str) -> list[str]:
     return [c.strip() for c in line.strip("|").split(" | ")]
 
 
+def test_bytes_per_token_against_dps_allreduce_of_the_same_model(tmp_path: Path):
+    """The figures run with int4 learners (blocks of 64) and a DP config of W = 3 workers, 8 × 64 =
+    512 tokens a step. DiLoCo sent 13,100 bytes over 16,384 tokens = 0.7996 a token; DP's ring
+    all-reduce of the same model (825 float32 parameters: G = 3,300 bytes) sends 2(W − 1) × G =
+    13,200 bytes a step, 25.78 a token: 32.2× as many. The DP column's per-token figure is its own
+    summary's: 132,000 sent ÷ 16,384 tokens = 8.06."""
+    run = _make_figures_run(tmp_path)
+    lay = _layout(run)
+    config = json.loads(lay.config.read_text())
+    config["diloco"]["wire"] = {"dtype": "int4", "block_size": 64}
+    config["dp"].update(workers=3, batch_size=8)
+    _write(lay.config, config)
+    report = build_report(run)
+    md = lay.report_md.read_text()
+    fig = _method(report)["bytes"]
+    assert fig["wire"] == "int4:64" and report["setup"]["wire format (learner→syncer; syncer→learner is float32)"] == "int4:64"
+    assert fig["sent_per_token"] == pytest.approx(13_100 / 16_384)
+    assert fig["dp_allreduce"] == {"sent_per_token": pytest.approx(13_200 / 512), "workers": 3,
+                                   "gradient_bytes": 3300, "tokens_per_step": 512}
+    assert fig["sent_vs_dp"] == pytest.approx((13_200 / 512) / (13_100 / 16_384))
+    row = _row(report, "bytes_sent_per_token")
+    assert row["diloco"] == pytest.approx(0.79956, abs=1e-5) and row["dp"] == pytest.approx(132_000 / 16_384)
+    assert _md_row(md, row["label"])[2:] == ["0.8", "8.1"]
+    assert ("DiLoCo's learners sent 0.8 bytes per training token (wire format int4:64: its update Δ = θ − Θ_base; "
+            "the syncer publishes float32). DP's ring all-reduce of this model's float32 gradient (3,300 bytes, "
+            "W = 3 workers, 512 tokens per step) sends 2(W − 1) × 3,300 ÷ 512 = 25.8 bytes per token, 32.2× as "
+            "many as DiLoCo's learners.") in md
+    # a config from before wire formats: float32, and no DP config, no comparison line
+    del config["diloco"]["wire"]
+    _write(lay.config, config)
+    assert _method(build_report(run))["bytes"]["wire"] == "float32"
+
+
 def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
