@@ -684,12 +684,12 @@ class ExperimentConfig(_Strict):
             raise ValueError("chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
                              "kill the whole run): set runtime.engine ray or dask, or use chaos.failures")
         merges = [f.at_merge for f in self.chaos.syncer_failures]
-        if merges and self.runtime.exchange_kind != "fsspec":
-            raise ValueError("chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
-                             "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures")
         if any(f.how == "sigkill" for f in self.chaos.syncer_failures) and self.runtime.engine == "threads":
             raise ValueError("chaos.syncer_failures how: sigkill kills the syncer's process, which on runtime.engine "
                              "threads is the whole run: use runtime.engine ray or dask, or how: raise")
+        if merges and self.runtime.exchange_kind != "fsspec":
+            raise ValueError("chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
+                             "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures")
         if merges != sorted(set(merges)):
             raise ValueError(f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
                              "on the syncer's k-th attempt; list each merge once, in order")
