@@ -504,10 +504,33 @@ class KillSpec(_Strict):
         return self
 
 
+class SlowdownSpec(_Strict):
+    """Learner ``learner`` runs ``factor`` times slower from ``from_s`` to ``to_s`` seconds into
+    training (unset ``to_s``: to the end): permanent heterogeneity (e.g. 1.18, the paper's gap
+    between accelerator generations) or a straggler episode. After each of its inner steps the
+    learner idles (factor − 1) × that step's compute time, outside the host's compute turns, as a
+    slower device would: the other learners do not wait for it."""
+
+    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
+    factor: float = Field(gt=1.0, description="step-time multiplier (> 1), e.g. 1.18")
+    from_s: float = Field(0.0, ge=0.0, description="seconds since training started when it begins")
+    to_s: PositiveFloat | None = Field(None, description="seconds since training started when it ends; unset = never")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SlowdownSpec":
+        if self.to_s is not None and self.to_s <= self.from_s:
+            raise ValueError(f"a chaos.slowdowns entry ends (to_s {self.to_s:g}) before it begins (from_s "
+                             f"{self.from_s:g}): set to_s > from_s, or unset it for a permanent slowdown")
+        return self
+
+
 class ChaosConfig(_Strict):
     """Scheduled faults of a run (chaos testing)."""
 
     failures: list[FailureSpec] = Field(default_factory=list, description="learner failures: [{learner, at_step}]")
+    slowdowns: list[SlowdownSpec] = Field(
+        default_factory=list, description="slow learners: [{learner, factor, from_s, to_s}]: permanent "
+        "heterogeneity (no to_s) or straggler episodes")
     kills: list[KillSpec] = Field(
         default_factory=list, description="learner processes killed with SIGKILL (ray and dask engines): "
         "[{learner, at_step}] or [{learner, at_s}]"
@@ -671,6 +694,10 @@ class ExperimentConfig(_Strict):
                     f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
                     f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
                 )
+        for i, sd in enumerate(self.chaos.slowdowns):
+            if sd.learner >= self.diloco.learners:
+                raise ValueError(f"chaos.slowdowns[{i}].learner ({sd.learner}) must be < diloco.learners "
+                                 f"({self.diloco.learners})")
         for i, k in enumerate(self.chaos.kills):
             if k.learner >= self.diloco.learners:
                 raise ValueError(f"chaos.kills[{i}].learner ({k.learner}) must be < diloco.learners ({self.diloco.learners})")

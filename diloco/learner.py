@@ -136,6 +136,10 @@ class LearnerSetup:
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
     wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
+    # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the run clock, idle
+    # (factor − 1) × the step's compute time, outside the turns (chaos.slowdowns)
+    slowdowns: tuple[tuple[float, float, float | None], ...] = ()
+    sleep: Callable[[float], None] = time.sleep
 
 
 def tree_digest(tree: Any) -> str:
@@ -245,7 +249,7 @@ def run_learner(s: LearnerSetup) -> dict:
             f.sent(copy)
             ex.submit(sub)
 
-        metrics = None
+        metrics, slowed = None, 1.0
         while not (s.stop() or ex.is_closed()):
             latest = ex.versions()
             for p, f in enumerate(frags):
@@ -261,6 +265,7 @@ def run_learner(s: LearnerSetup) -> dict:
                 break
             batch, epoch, index = s.next_batch(epoch, index)
             with s.turns or contextlib.nullcontext():
+                computing = time.perf_counter()
                 params, opt_state, metrics = s.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
                 # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
                 # learners would all compute at once and drift apart (what the turns prevent).
@@ -275,6 +280,16 @@ def run_learner(s: LearnerSetup) -> dict:
                     # good. (The store copies the state and writes it in the background.)
                     s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
                                               opt_state=opt_state))
+                computed = time.perf_counter() - computing
+            if s.slowdowns:
+                now = ex.clock()
+                factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
+                if factor != slowed:
+                    s.log({"event": "slowdown", "learner": m, "attempt": s.attempt, "factor": factor,
+                           "step": step, "t": now})
+                    slowed = factor
+                if factor > 1.0:
+                    s.sleep((factor - 1.0) * computed)  # a slower device: the others take its turns meanwhile
             for f in frags:
                 f.stepped(s.tokens_per_step)
             for p in fragments_due(step, len(frags), s.period):

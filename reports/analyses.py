@@ -319,6 +319,7 @@ def setup(config: dict | None) -> dict:
         "lm-eval enabled": g("eval", "enabled") if text else None,
         "injected failures": g("chaos", "failures"),
         "learner processes SIGKILLed": g("chaos", "kills") or None,
+        "slowed learners": g("chaos", "slowdowns") or None,
         "injected syncer failures": g("chaos", "syncer_failures") or None,
         "engine": g("runtime", "engine"),
         "exchange": _exchange(g("runtime", "engine"), g("runtime", "exchange"), g("runtime", "exchange_url")),

@@ -156,3 +156,15 @@ def test_scripts_get_one_error_line_for_any_bad_config(tmp_path):
     bad.write_text("train: [\n")
     with pytest.raises(ValueError, match="bad.yaml"):
         load_config_checked(bad)
+
+
+def test_slowdowns_are_checked():
+    base = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").model_dump()
+    ok = ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [{"learner": 1, "factor": 1.18}]}})
+    assert ok.chaos.slowdowns[0].to_s is None and ok.chaos.slowdowns[0].from_s == 0.0
+    bad = [({"learner": 9, "factor": 1.18}, r"chaos.slowdowns\[0\].learner \(9\) must be < diloco.learners"),
+           ({"learner": 0, "factor": 0.9}, "greater than 1"),
+           ({"learner": 0, "factor": 2, "from_s": 5, "to_s": 5}, r"ends \(to_s 5\) before it begins")]
+    for spec, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [spec]}})

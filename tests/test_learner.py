@@ -548,3 +548,28 @@ def test_a_cut_off_or_damaged_resume_point_lets_the_learner_start_again(tmp_path
     with caplog.at_level("WARNING", logger="training.checkpoint"):
         assert store.load(template) is None
     assert "DAMAGED" in caplog.text or "damaged" in caplog.text
+
+
+def test_a_slowed_learner_idles_its_factor_outside_its_turn():
+    """chaos.slowdowns: after each inner step inside the window the learner idles (factor − 1) × the
+    step's compute time (here recorded instead of slept), logs the change of pace once, and a window
+    that has not begun slows nothing."""
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 50, size=(B, L + 1)).astype(np.int32) for _ in range(STEPS)]
+    trainer = tiny_trainer()
+    theta0 = to_numpy(trainer.init_params())
+    fragments = balanced_fragments(tensor_bytes(theta0), 2)
+    for window, expect in (((1.5, 0.0, None),), True), (((1.5, 1e9, None),), False):
+        syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean",
+                                                          outer_lr=1.0, outer_momentum=0.0))
+        exchange = OneStepLateExchange(syncer, budget=STEPS * B * L)
+        idled, logged = [], []
+        out = run_learner(_setup(trainer, exchange, batches, fragments, turns=FairTurns(1), slowdowns=window,
+                                 sleep=idled.append, log=logged.append))
+        assert out["steps"] == STEPS
+        paces = [r for r in logged if r["event"] == "slowdown"]
+        if expect:
+            assert len(idled) == STEPS and all(x > 0 for x in idled)
+            assert [(r["factor"], r["step"]) for r in paces] == [(1.5, 1)]
+        else:
+            assert idled == [] and paces == []

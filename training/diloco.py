@@ -306,6 +306,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         resume_every=d.resume_every_steps,
         fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
         turns=learner_turns(cfg, run_dir),
+        slowdowns=tuple((sd.factor, sd.from_s, sd.to_s) for sd in cfg.chaos.slowdowns if sd.learner == learner),
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
