@@ -91,13 +91,14 @@ def single_default(devices: Sequence[jax.Device] | None) -> bool:
 
 
 def place(tree: Any, sharding: Sharding) -> Any:
-    """``tree`` with every leaf on ``sharding``: leaves already there are returned as they are,
-    others (host numpy, uncommitted arrays, arrays committed elsewhere) copied with
-    ``jax.device_put``. Use it before a call whose input shardings are fixed: ``jax.jit`` refuses
+    """``tree`` with every leaf committed to ``sharding``: leaves already there are returned as they
+    are, others (host numpy, uncommitted arrays, arrays committed elsewhere) put there with
+    ``jax.device_put``. (Committed and uncommitted inputs are different signatures to ``jax.jit``:
+    a mix of them, e.g. freshly pulled fragments beside stepped parameters, compiles again.) Use it before a call whose input shardings are fixed: ``jax.jit`` refuses
     an argument committed to another sharding."""
 
     def put(x):
-        if isinstance(x, jax.Array) and x.sharding == sharding:
+        if isinstance(x, jax.Array) and x.sharding == sharding and x.committed:
             return x
         return jax.device_put(x, sharding)
 

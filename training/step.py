@@ -125,11 +125,10 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, **metrics}
 
-    if single_default(devices):
-        return jax.jit(step, donate_argnums=(0, 1))
-    if mesh is None:  # one device other than the default: commit the inputs to it, the step follows
+    if mesh is None:  # one device: commit the inputs to it, the step follows (a mix of committed and
+        # uncommitted inputs would compile the step again: after a resume, after each pull)
         jitted = jax.jit(step, donate_argnums=(0, 1))
-        on = device_sharding(devices[0])
+        on = device_sharding(jax.devices()[0] if single_default(devices) else devices[0])
 
         def on_device(params, opt_state, batch, frozen=None):
             return jitted(place(params, on), place(opt_state, on), place(batch, on), place(frozen, on))
