@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
+
+from diloco.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, ValidationError,
                       model_validator)
 
@@ -295,8 +297,8 @@ class DiLoCoConfig(_Strict):
         "waits (the paper does not publish its value; 0.5 is ours)")
     grace_overlap_steps: PositiveInt | None = Field(
         None, description="τ of the adaptive grace window: inner steps a fragment's round trip may take "
-        "without costing a learner anything; unset = H (diloco.sync_every: the merged fragment is due "
-        "before the learner sends that fragment again)")
+        "without costing a learner anything; unset = diloco.overlap_steps, or H (diloco.sync_every: the "
+        "merged fragment is due before the learner sends that fragment again)")
     grace_cap_s: float | None = Field(
         None, ge=0.0, description="cap of the adaptive grace window, seconds; unset = one measured inner step")
     merge: Literal["mean", "token_weighted", "rda"] = Field(
@@ -321,6 +323,10 @@ class DiLoCoConfig(_Strict):
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"
     )
+    overlap_steps: PositiveInt | None = Field(
+        None, description="τ: a fragment a learner sent must be merged back within this many of its inner steps, "
+        "or the learner waits for it (the paper's overlapped communication: waiting is lost goodput); unset = "
+        "never wait (merges are applied whenever they arrive)")
     wire: WireConfig = WireConfig()
     heartbeat_timeout_s: PositiveFloat = Field(
         10.0, description="a learner silent this long is treated as down by the syncer"
@@ -380,6 +386,10 @@ class DPConfig(_Strict):
         "bytes the report counts (a ring all-reduce per step)"
     )
     enabled: bool = Field(True, description="train the DP baseline (false: DiLoCo only)")
+    checkpoint_every_steps: PositiveInt | None = Field(
+        None, description="DP saves a checkpoint (Orbax: parameters, optimizer state, data cursor) every this many "
+        "steps; a chaos failure rolls the job back to the last one; unset = every 50 steps when the chaos "
+        "schedule fails DP, else never")
 
 
 class FailureSpec(_Strict):
@@ -539,6 +549,27 @@ class ChaosConfig(_Strict):
         default_factory=list, description="syncer failures (runtime.exchange fsspec): [{at_merge, when}], "
         "when = before_publish (default) or after_publish"
     )
+    schedule: ChaosPlan | None = Field(
+        None, description="a seeded chaos schedule (diloco.chaos): failures with restart delays (mtbf_s, "
+        "restart_delay), straggler episodes, heterogeneity, scavenged learners, corrupted submissions; drawn "
+        "once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP")
+    replay: str | None = Field(
+        None, description="replay the schedule saved by an earlier run (its pretrain/chaos.json) instead of "
+        "drawing chaos.schedule")
+    reference_run: str | None = Field(
+        None, description="a finished run directory of the same experiment without chaos: the report's Resilience "
+        "section puts its held-out loss at equal time and tokens beside this run's")
+    against_dp: bool = Field(True, description="replay the schedule's failures and slowdowns on the DP baseline too "
+                             "(a failure of any replica stalls the job and rolls it back to its last checkpoint)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChaosConfig":
+        if self.schedule is not None and self.replay is not None:
+            raise ValueError("chaos.schedule and chaos.replay both give a schedule: keep one")
+        if self.reference_run is not None and not (Path(self.reference_run) / "pretrain").is_dir():
+            raise ValueError(f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
+                             "folder): give a finished run directory")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -724,6 +755,7 @@ class ExperimentConfig(_Strict):
             raise ValueError(f"chaos.syncer_failures schedules {len(merges)} syncer failures but diloco.syncer_retries "
                              f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
                              f"≥ {len(merges)} or drop failures")
+        self._check_schedule()
         if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
                 "train.token_budget is smaller than one step of all learners "
@@ -754,6 +786,50 @@ class ExperimentConfig(_Strict):
                 f"({self.diloco.learners + 1}): every learner and the syncer run at once; raise it or unset it"
             )
         return self
+
+    def _check_schedule(self) -> None:
+        """The chaos schedule fits this run: its learners exist, every learner has a retry for each of
+        its failures, SIGKILLs only where learners have processes of their own."""
+        sched = self.chaos_schedule()
+        if sched is None:
+            return
+        M = self.diloco.learners
+        src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
+        if sched.learners != M:
+            raise ValueError(f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
+                             f"diloco.learners {sched.learners}")
+        for m in range(M):
+            n = len(sched.learner_failures(m)) + sum(1 for f in self.chaos.failures if f.learner == m) \
+                + sum(1 for k in self.chaos.kills if k.learner == m)
+            if n > self.diloco.learner_retries:
+                raise ValueError(f"{src} fails learner {m} {n} times but diloco.learner_retries is "
+                                 f"{self.diloco.learner_retries}: it would end for good; raise diloco.learner_retries "
+                                 f"to ≥ {n} (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
+        if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":
+            raise ValueError(f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
+                             "chaos.schedule.how raise (or auto), or runtime.engine ray or dask")
+
+    def chaos_schedule(self) -> ChaosSchedule | None:
+        """The run's chaos schedule: ``chaos.replay``'s file, or ``chaos.schedule`` drawn from its seed
+        (``diloco.chaos.draw_schedule``; the same config always gives the same schedule); None without
+        either. Raises ``ValueError`` naming the field when the file is missing or not a schedule."""
+        if self.chaos.replay is not None:
+            try:
+                return load_schedule(self.chaos.replay)
+            except FileNotFoundError:
+                raise ValueError(f"chaos.replay {self.chaos.replay}: no such file; give a run's pretrain/chaos.json") from None
+        if self.chaos.schedule is None:
+            return None
+        return draw_schedule(self.chaos.schedule, self.diloco.learners, self.runtime.engine)
+
+    @property
+    def dp_checkpoint_every(self) -> int | None:
+        """DP's checkpoint interval in steps (``dp.checkpoint_every_steps``; 50 under a schedule that
+        fails DP), or None: no checkpoints."""
+        if self.dp.checkpoint_every_steps is not None:
+            return self.dp.checkpoint_every_steps
+        sched = self.chaos_schedule() if self.chaos.against_dp else None
+        return 50 if sched is not None and sched.failures else None
 
     # Derived values, computed once (style.md §3).
     @property

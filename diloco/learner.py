@@ -64,7 +64,9 @@ class ResumeStore(Protocol):
     """Durable resume points of one learner (``training.checkpoint.OrbaxResumeStore``).
 
     ``save`` may return before the point is durable (an asynchronous write); ``flush`` blocks until
-    every save is written and raises a failed write's error; ``load`` sees every finished save."""
+    every save is written and raises a failed write's error; ``load`` sees every finished save. A
+    store may also have ``ready()``: False while a save is in flight (the learner then skips that
+    resume point instead of waiting inside its compute turn)."""
 
     def save(self, point: ResumePoint) -> None: ...
     def flush(self) -> None: ...
@@ -139,6 +141,15 @@ class LearnerSetup:
     # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the run clock, idle
     # (factor − 1) × the step's compute time, outside the turns (chaos.slowdowns)
     slowdowns: tuple[tuple[float, float, float | None], ...] = ()
+    # chaos schedule (diloco.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
+    # ascending; the presence window (join_s, leave_s or None); (at_s, kind) corruptions, ascending
+    timed_failures: tuple[tuple[float, float, str], ...] = ()
+    window: tuple[float, float | None] = (0.0, None)
+    corruptions: tuple[tuple[float, str], ...] = ()
+    # τ (diloco.overlap_steps): a fragment sent at step s must be merged back by step s + τ, or the
+    # learner waits for it (the paper's overlapped communication); None = never wait
+    overlap_steps: int | None = None
+    wait_timeout_s: float = 10.0  # give up one wait after this long (diloco.heartbeat_timeout_s)
     sleep: Callable[[float], None] = time.sleep
 
 
@@ -189,13 +200,50 @@ def _start_gate(ex: Exchange, m: int, num_learners: int, wait_s: float, stop: Ca
     return time.monotonic() - t0
 
 
+def corrupt_payload(payload: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+    """A copy of a submission ``payload`` damaged in flight (chaos): ``nan`` sets the first value of
+    its first floating-point array (a quantised format's scale) to NaN; ``shape`` drops the last
+    value of its first array. The syncer must refuse either ("non-finite", "wrong-tensors")."""
+    out = dict(payload)
+    names = sorted(out)
+    if kind == "nan":
+        name = next((k for k in names if np.issubdtype(out[k].dtype, np.floating)), None)
+        if name is None:  # bfloat16 travels as uint16 bit patterns: 0x7FC0 is a NaN
+            name = names[0]
+            bad = np.array(out[name], copy=True).reshape(-1)
+            bad[0] = 0x7FC0
+        else:
+            bad = np.array(out[name], copy=True).reshape(-1)
+            bad[0] = np.nan
+        out[name] = bad.reshape(np.shape(out[name]))
+    else:
+        out[names[0]] = np.asarray(out[names[0]]).reshape(-1)[:-1].copy()
+    return out
+
+
+def _wait_until(clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange) -> float:
+    """Sleep until ``clock() >= until`` (or stop, or the run closes); returns the seconds waited."""
+    t0 = time.monotonic()
+    while clock() < until and not (stop() or ex.is_closed()):
+        time.sleep(min(0.05, max(until - clock(), 0.001)))
+    return time.monotonic() - t0
+
+
 def run_learner(s: LearnerSetup) -> dict:
     """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
     every fragment with unsent progress.
 
-    Raises :class:`InjectedFailure` at a configured step, after recording the reason in the
-    exchange and the log; at a configured kill (``kill_steps``, ``kill_at_s``) SIGKILLs its own
-    process instead (after a log line only). Returns a summary dict (steps, tokens, bytes).
+    Chaos (``diloco.chaos`` schedules, on the training clock: seconds since this learner's first
+    attempt started): a retried attempt first waits out the restart delay of the failure it
+    follows (status ``down``); a scavenged learner waits to join (status ``absent``) and stops when
+    it leaves; a timed failure fires in the attempt that was running at its time; the next
+    submission after a corruption's time is damaged in flight. With ``overlap_steps`` τ the learner
+    waits (outside its compute turn) when a fragment it sent τ steps ago has not been merged back.
+
+    Raises :class:`InjectedFailure` at a configured step or time, after recording the reason in the
+    exchange and the log; at a configured kill (``kill_steps``, ``kill_at_s``, a timed failure with
+    ``how`` sigkill) SIGKILLs its own process instead (after a log line only). Returns a summary
+    dict (steps, tokens, bytes, seconds waited).
     """
     m, ex = s.learner, s.exchange
     disarm = None
@@ -230,31 +278,103 @@ def run_learner(s: LearnerSetup) -> dict:
         epoch, index = cursor
         if s.attempt == 1 and s.start_wait_s > 0:
             _start_gate(ex, m, s.num_learners, s.start_wait_s, s.stop)
+        # the training clock: seconds since this learner's first attempt started (kept by the exchange)
+        origin = float(info["origin"]) if "origin" in info else ex.clock()
+        ex.heartbeat(m, origin=origin)
+
+        def clock() -> float:
+            return ex.clock() - origin
+
+        waited = float(info.get("waited_s", 0.0))
+        corrupted = int(info.get("corrupted", 0))  # corruptions already sent (over attempts)
+        if s.attempt > 1 and s.timed_failures:
+            now = clock()
+            after = [(a, d) for a, d, _ in s.timed_failures if a <= now]
+            if after and after[-1][0] + after[-1][1] > now:  # still within the restart delay
+                a, d = after[-1]
+                ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
+                _wait_until(clock, a + d, s.stop, ex)
+        join_s, leave_s = s.window
+        if clock() < join_s:
+            ex.heartbeat(m, status="absent", pid=os.getpid())
+            _wait_until(clock, join_s, s.stop, ex)
+            s.log({"event": "join", "learner": m, "attempt": s.attempt, "t": ex.clock(), "train_t": clock()})
+        attempt_start = clock()
+        pending_failures = [(a, how) for a, _, how in s.timed_failures if a > attempt_start]
         ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),
                      pid=os.getpid(), host=socket.gethostname(), started_at=ex.clock())
-        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(), "pid": os.getpid(),
+        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(), "origin": origin,
+               "pid": os.getpid(),
                "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
-        steps_this_attempt = 0
+        steps_this_attempt = skipped_saves = 0
+
+        in_flight: dict[int, tuple[int, int]] = {}  # fragment → (local step, base version) of its last send
 
         def send(p: int) -> None:
-            nonlocal bytes_out
+            nonlocal bytes_out, corrupted
             f = frags[p]
             copy = to_numpy({k: params[k] for k in f.names})
             # float32: θ itself (bit-identical to before wire formats); else Δ = θ − Θ_base, encoded
             payload = s.wire.encode({k: copy[k] - f.base[k] for k in f.names} if s.wire.sends_delta else copy)
+            if corrupted < len(s.corruptions) and s.corruptions[corrupted][0] <= clock():
+                kind = s.corruptions[corrupted][1]
+                payload = corrupt_payload(payload, kind)
+                corrupted += 1
+                ex.heartbeat(m, corrupted=corrupted)
+                s.log({"event": "corrupt", "learner": m, "attempt": s.attempt, "fragment": p, "kind": kind,
+                       "step": step, "base_version": f.version, "tokens": f.tokens, "t": ex.clock(),
+                       "train_t": clock()})
             sub = Submission(learner=m, fragment=p, params=payload, tokens=f.tokens, steps=f.steps,
                              base_version=f.version, local_step=step, attempt=s.attempt, sent_at=ex.clock(),
                              wire=s.wire.spec)
             bytes_out += sub.nbytes
             f.sent(copy)
+            in_flight[p] = (step, f.version)
             ex.submit(sub)
+
+        def overdue() -> int | None:
+            """A fragment sent ≥ τ steps ago whose merge has not come back, or None."""
+            if s.overlap_steps is None:
+                return None
+            versions = ex.versions()
+            for p, (sent_step, base) in in_flight.items():
+                if step - sent_step >= s.overlap_steps and versions[p] <= base:
+                    return p
+            return None
 
         metrics, slowed = None, 1.0
         while not (s.stop() or ex.is_closed()):
+            if leave_s is not None and clock() >= leave_s:  # a scavenged learner's devices go back
+                s.log({"event": "leave", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
+                       "train_t": clock()})
+                break
+            if pending_failures and pending_failures[0][0] <= clock():
+                at, how = pending_failures.pop(0)
+                if how == "sigkill":
+                    ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
+                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
+                           "reason": f"chaos: SIGKILL at {at:g} s of training", "t": ex.clock(), "train_t": clock()})
+                    _kill_self()
+                raise InjectedFailure(f"learner {m}: injected failure at {at:g} s of training")
+            p_wait = overdue()
+            if p_wait is not None:
+                t_wait, t_clock, p_first = time.monotonic(), ex.clock(), p_wait
+                while p_wait is not None and not (s.stop() or ex.is_closed()) \
+                        and time.monotonic() - t_wait < s.wait_timeout_s:
+                    time.sleep(0.002)
+                    p_wait = overdue()
+                w = time.monotonic() - t_wait
+                waited += w
+                s.log({"event": "wait", "learner": m, "attempt": s.attempt, "step": step,
+                       "fragment": p_first, "wait_s": w, "t": t_clock, "timed_out": p_wait is not None})
+                if p_wait is not None:
+                    in_flight.pop(p_wait, None)  # its merge is not coming (dropped): stop waiting for it
             latest = ex.versions()
             for p, f in enumerate(frags):
                 if latest[p] > f.version:
                     pull(p, *ex.latest(p))
+                    if p in in_flight and latest[p] > in_flight[p][1]:
+                        del in_flight[p]
             if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
                 if step + 1 in s.kill_steps:
                     s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
@@ -278,17 +398,20 @@ def run_learner(s: LearnerSetup) -> dict:
                     # step together, and saving outside their turns they queued on each other's
                     # writes while the first to finish took their turns, one sync period ahead for
                     # good. (The store copies the state and writes it in the background.)
-                    s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
-                                              opt_state=opt_state))
+                    if getattr(s.resume, "ready", lambda: True)():
+                        s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
+                                                  opt_state=opt_state))
+                    else:  # the last one is still being written: skip this one rather than hold the turn
+                        skipped_saves += 1
                 computed = time.perf_counter() - computing
             if s.slowdowns:
-                now = ex.clock()
+                now = clock()
                 factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
                 if factor != slowed:
                     s.log({"event": "slowdown", "learner": m, "attempt": s.attempt, "factor": factor,
-                           "step": step, "t": now})
+                           "step": step, "t": ex.clock(), "train_t": now})
                     slowed = factor
-                if factor > 1.0:
+                if factor > 1.0 and steps_this_attempt > 1:  # (an attempt's first step includes compiling)
                     s.sleep((factor - 1.0) * computed)  # a slower device: the others take its turns meanwhile
             for f in frags:
                 f.stepped(s.tokens_per_step)
@@ -296,7 +419,8 @@ def run_learner(s: LearnerSetup) -> dict:
                 send(p)
             beat = dict(step=step, processed=processed, cursor=(epoch, index),
                         bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in,
-                        exchange_s=float(getattr(ex, "io_s", 0.0)))  # this process's, not this learner's
+                        exchange_s=float(getattr(ex, "io_s", 0.0)),  # this process's, not this learner's
+                        waited_s=waited)
             if step % s.log_every == 0:
                 loss = float(metrics["loss"])
                 beat["loss"] = loss
@@ -315,7 +439,8 @@ def run_learner(s: LearnerSetup) -> dict:
         ex.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
         s.log({"event": "stop", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock()})
         return {"learner": m, "attempt": s.attempt, "steps": step, "steps_this_attempt": steps_this_attempt,
-                "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in}
+                "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in, "waited_s": waited,
+                "resume_points_skipped": skipped_saves}
     except BaseException as exc:
         if s.resume is not None:
             with contextlib.suppress(BaseException):

@@ -35,14 +35,15 @@ def liveness(exchange: Exchange, timeout_s: float) -> tuple[set[int], dict[int, 
     """The syncer's view of the learners from their heartbeats: (live, down).
 
     live: running with a heartbeat in the last ``timeout_s`` seconds. down: learner → why it is
-    not alive, for learners that have reported: ``done``, ``down`` (failed, awaiting a retry) or
+    not alive, for learners that have reported: ``done``, ``down`` (failed, awaiting a retry or in
+    its restart delay), ``absent`` (a scavenged learner before it joins) or
     ``silent <s> s`` (running or starting, but no heartbeat for longer than ``timeout_s``: a
     killed or hung process). A learner waiting at the start gate (``ready``) within the timeout is
     neither."""
     now, live, down = time.monotonic(), set(), {}
     for m, info in exchange.learners().items():
         status, silent = info.get("status"), now - info.get("last_seen", -1e9)
-        if status in ("done", "down"):
+        if status in ("done", "down", "absent"):
             down[m] = status
         elif silent > timeout_s:
             down[m] = f"silent {silent:.1f} s"

@@ -4,11 +4,13 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
 
     RUN/config.json, status.json          the resolved config; the run's state (run.directory)
     RUN/data/                             prepared data (data/ package): manifest, tokenizer, splits
+    RUN/pretrain/chaos.json               the chaos schedule both pretraining methods replayed
     RUN/<stage>/<method>/                 one trained model: stage ∈ pretrain, finetune;
         summary.json                      method ∈ diloco, dp, ...
         checkpoints/<step>/               Orbax steps (training.checkpoint)
-        metrics/<name>.jsonl              eval, train, merges, learners (flat JSON lines)
+        metrics/<name>.jsonl              eval, train, merges, learners, events (flat JSON lines)
         learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
+        resume/                           DP's rollback checkpoints under chaos (Orbax)
         exchange/                         a DiLoCo run's durable exchange (diloco.exchange.fsspec)
         syncer/state/<step>/              its syncer's checkpoints (Orbax; diloco.syncer_journal)
         seeds/<s>/checkpoints/<step>/     fine-tuning: the checkpoints of the seeds after the first
@@ -32,7 +34,7 @@ from upath import UPath
 
 STAGES = ("pretrain", "finetune")
 METHOD_ORDER = ("diloco", "dp")  # report order; other methods follow, sorted by name
-METRICS = ("eval", "train", "merges", "learners")
+METRICS = ("eval", "train", "merges", "learners", "events")
 RESULT_ENTRIES = (*STAGES, "eval", "report", "status.json")  # a folder holding any of these is a run
 REUSABLE_ENTRIES = ("data", "config.json")
 
@@ -84,6 +86,11 @@ class RunLayout:
     def report_md(self) -> UPath:
         return self.report / "report.md"
 
+    @property
+    def chaos_schedule(self) -> UPath:
+        """The pretraining chaos schedule both methods replayed (``diloco.chaos.ChaosSchedule`` JSON)."""
+        return self.root / "pretrain" / "chaos.json"
+
     # -- one trained model: a stage and a method --------------------------------------------------
     def method_dir(self, stage: str, method: str) -> UPath:
         _check_name("stage", stage, STAGES)
@@ -111,7 +118,8 @@ class RunLayout:
 
     def metrics(self, stage: str, method: str, name: str) -> UPath:
         """``eval`` (held-out loss over tokens), ``train`` (training loss), ``merges`` and
-        ``learners`` (DiLoCo's syncer merges and learner events)."""
+        ``learners`` (DiLoCo's syncer merges and learner events), ``events`` (DP's chaos events:
+        failures, restores, checkpoints, slowdowns)."""
         _check_name("metrics file", name, METRICS)
         return self.method_dir(stage, method) / "metrics" / f"{name}.jsonl"
 
@@ -120,6 +128,10 @@ class RunLayout:
         if not isinstance(learner, int) or learner < 0:
             raise ValueError(f"learner index must be an int ≥ 0, got {learner!r}")
         return self.method_dir(stage, method) / "learners" / f"{learner:02d}" / "resume"
+
+    def job_resume(self, stage: str, method: str) -> UPath:
+        """A synchronous job's (DP's) rollback checkpoints (Orbax: parameters, optimizer state, cursor)."""
+        return self.method_dir(stage, method) / "resume"
 
     def syncer_state(self, stage: str, method: str) -> UPath:
         """A DiLoCo syncer's checkpoints (Orbax steps of its state, ``training.checkpoint.OrbaxSyncerStore``)."""

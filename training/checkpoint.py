@@ -537,6 +537,12 @@ class OrbaxResumeStore:
         self._writer = threading.Thread(target=write, name=f"resume-writer:{self.path.name}", daemon=True)
         self._writer.start()
 
+    def ready(self) -> bool:
+        """No save in flight: a new one would not wait. (A learner saves inside its compute turn and
+        skips a resume point rather than hold the turn while Orbax, one process-wide lock, serves
+        another learner's save or restore.)"""
+        return self._writer is None or not self._writer.is_alive()
+
     def flush(self) -> None:
         """Block until the last save is written; re-raise its error (once) if it failed."""
         if self._writer is not None:

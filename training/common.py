@@ -9,6 +9,7 @@ from configs.schema import ExperimentConfig
 from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
 from run.layout import RunLayout
+from run.metrics import write_json
 
 
 def token_budget(cfg: ExperimentConfig) -> int:
@@ -57,3 +58,15 @@ def ensure_fresh(run_dir: str | Path, stage: str, method: str) -> None:
             f"({', '.join(str(p.relative_to(layout.root)) for p in existing)}); "
             "pass a new run directory, or delete those paths to train this method again"
         )
+
+
+def save_chaos_schedule(cfg: ExperimentConfig, run_dir: str | Path):
+    """Write the run's chaos schedule (``cfg.chaos_schedule()``) to ``RUN/pretrain/chaos.json`` unless
+    it is there already (both pretraining methods call this; the first writes, atomically). Returns
+    the schedule, or None when the config has none."""
+    sched = cfg.chaos_schedule()
+    if sched is not None:
+        path = RunLayout(run_dir).chaos_schedule
+        if not path.exists():
+            write_json(path, sched.model_dump(mode="json"))
+    return sched

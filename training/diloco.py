@@ -55,7 +55,7 @@ from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
-from training.common import ensure_fresh, model_spec, token_budget
+from training.common import ensure_fresh, model_spec, save_chaos_schedule, token_budget
 from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
 from training.mesh import learner_devices, single_default
@@ -185,7 +185,7 @@ def grace_window(cfg: ExperimentConfig) -> GraceWindow:
     """The syncer loop's grace window from ``diloco.grace*`` (τ defaults to H)."""
     d = cfg.diloco
     return GraceWindow(mode=d.grace, fixed_s=d.grace_s, gamma=d.grace_gamma,
-                       overlap_steps=d.grace_overlap_steps or d.sync_every, cap_s=d.grace_cap_s)
+                       overlap_steps=d.grace_overlap_steps or d.overlap_steps or d.sync_every, cap_s=d.grace_cap_s)
 
 
 def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
@@ -208,6 +208,7 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
     """
     run_dir = Path(run_dir)
     ensure_fresh(run_dir, STAGE, METHOD)
+    save_chaos_schedule(cfg, run_dir)
     if cfg.runtime.engine == "threads":  # the learners run in this process: refused before any starts
         learner_devices(0, cfg.runtime.devices_per_learner)
     trainer = learner_trainer(cfg, run_dir)
@@ -295,6 +296,14 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     kills = [k for k in cfg.chaos.kills if k.learner == learner]
     kill_steps = frozenset(k.at_step for k in kills if k.at_step is not None)
     fails = tuple(sorted({f.at_step for f in cfg.chaos.failures if f.learner == learner} | kill_steps))
+    sched = cfg.chaos_schedule()
+    slowdowns = tuple((sd.factor, sd.from_s, sd.to_s) for sd in cfg.chaos.slowdowns if sd.learner == learner)
+    chaos = {}
+    if sched is not None:
+        chaos = dict(timed_failures=tuple((f.at_s, f.restart_delay_s, f.how) for f in sched.learner_failures(learner)),
+                     window=sched.window(learner),
+                     corruptions=tuple((c.at_s, c.kind) for c in sched.learner_corruptions(learner)))
+        slowdowns += sched.learner_slowdowns(learner)
     return LearnerSetup(
         learner=learner, attempt=attempt, step=trainer.step, init_params=trainer.init_params,
         init_opt=trainer.init_opt,
@@ -306,7 +315,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         resume_every=d.resume_every_steps,
         fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
         turns=learner_turns(cfg, run_dir),
-        slowdowns=tuple((sd.factor, sd.from_s, sd.to_s) for sd in cfg.chaos.slowdowns if sd.learner == learner),
+        slowdowns=slowdowns, overlap_steps=d.overlap_steps, wait_timeout_s=d.heartbeat_timeout_s, **chaos,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
@@ -456,7 +465,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "hyperparameters": {
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
             "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "grace": d.grace if d.grace == "fixed" else
-            f"adaptive (γ {d.grace_gamma:g}, τ {d.grace_overlap_steps or d.sync_every} steps, cap "
+            f"adaptive (γ {d.grace_gamma:g}, τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "
             f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})", "merge": d.merge, "outer lr": d.outer_lr,
             "outer momentum": d.outer_momentum,
             "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
@@ -470,6 +479,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
             "resume point every (steps)": d.resume_every_steps or "never",
             "wire format (learner→syncer)": d.wire.spec,
+            "overlap τ (steps; a learner waits past it)": d.overlap_steps or "never waits",
         },
         "tokens": tokens,
         "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),

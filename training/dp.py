@@ -6,6 +6,15 @@ Decoupled DiLoCo; the global batch is ``dp.batch_size`` sequences, notionally sp
 With more than one device in the process the step really is data-parallel over all of them
 (``training.mesh``: a mesh over ``jax.devices()``, the batch split by rows, the gradient averaged
 by XLA); with one, it runs there as a plain jitted step. No Prefect here.
+
+Under a chaos schedule (``chaos.schedule`` or ``chaos.replay``, ``chaos.against_dp``) the job meets
+the same hardware events as DiLoCo's learners, on its own training clock (seconds since its first
+step): a failure of any replica stalls the whole job for the failure's restart delay, after which
+it restores its last checkpoint (Orbax, every ``dp.checkpoint_every_steps``; none yet: step 0) and
+recomputes the steps since (lock-step SPMD has no other way back); while any replica is slowed,
+every step is (the all-reduce waits for the slowest replica). Events go to
+``pretrain/dp/metrics/events.jsonl``. The rolled-back steps see the same batches again, so the
+final model and its per-token curve equal the run without failures; only time is lost.
 """
 
 from __future__ import annotations
@@ -23,11 +32,11 @@ from data.prepare import load_rows
 from diloco.tensors import tensor_bytes
 from run.control import STOP
 from run.layout import RunLayout
-from run.metrics import JsonlWriter
-from training.checkpoint import save_checkpoint
-from training.common import ensure_fresh, model_spec
+from run.metrics import JsonlWriter, read_jsonl
+from training.checkpoint import latest_step, load_extra, load_meta, save_checkpoint
+from training.common import ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
-from training.functional import nest
+from training.functional import flatten, nest
 from training.optimizers import make_inner_tx
 from training.step import Trainer
 
@@ -84,10 +93,15 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)
+    sched = save_chaos_schedule(cfg, run_dir) if cfg.chaos.against_dp else None
+    failures = sorted(sched.failures, key=lambda f: f.at_s) if sched is not None else []
+    ckpt_every = cfg.dp_checkpoint_every
+    resume_dir = layout.job_resume(STAGE, METHOD)
     seqs = load_rows(run_dir, "train")
     val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
     eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"))
     step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"))
+    events = JsonlWriter(layout.metrics(STAGE, METHOD, "events")) if sched is not None or ckpt_every else None
     tps = cfg.tokens_per_dp_step
     epoch = index = 0
     t0 = time.monotonic()
@@ -101,17 +115,59 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     last, fields = measure()
     eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, **fields})
     cadence = EvalCadence(cfg.train.eval_every_tokens)
-    done = 0
+    done = high = 0  # steps the model holds now; the most it ever held (a rollback recomputes up to it)
+    origin = t0  # the chaos schedule's training clock: the train log's t
+
+    def clock() -> float:  # the training clock of the chaos schedule
+        return time.monotonic() - origin
+
+    slowed, lost_steps, stall_s = 1.0, 0, 0.0
     try:
-        for step in range(1, steps + 1):
+        while done < steps:
             if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
                 break
+            if failures and failures[0].at_s <= clock():
+                f = failures.pop(0)
+                t_fail = clock()
+                events({"event": "failure", "replica": f.learner, "step": done, "t": t_fail, "at_s": f.at_s,
+                        "restart_delay_s": f.restart_delay_s, "reason": f"chaos: replica {f.learner} failed"})
+                while clock() < f.at_s + f.restart_delay_s and not STOP.is_set():  # the whole job is down
+                    time.sleep(min(0.05, f.at_s + f.restart_delay_s - clock()))
+                t_restore = clock()
+                params, opt_state, (epoch, index), back = _restore(trainer, resume_dir, params, opt_state)
+                lost_steps += done - back
+                now = clock()
+                events({"event": "restore", "step": back, "lost_steps": done - back, "t": now,
+                        "restore_s": now - t_restore, "down_s": now - t_fail})
+                stall_s += now - t_fail
+                done = back
+                continue
+            step = done + 1
             batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
+            computing = time.perf_counter()
             params, opt_state, metrics = trainer.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
+            if sched is not None:
+                jax.block_until_ready(metrics["loss"])
+                factor = sched.dp_factor(clock())
+                if factor != slowed:
+                    events({"event": "slowdown", "factor": factor, "step": step, "t": clock()})
+                    slowed = factor
+                if factor > 1.0 and step > 1:  # every replica waits for the slowest at the all-reduce
+                    # (step 1 includes compiling)
+                    time.sleep((factor - 1.0) * (time.perf_counter() - computing))
             if on_step is not None:
                 on_step(step, metrics)
             tokens = step * tps
             done = step
+            if ckpt_every and step % ckpt_every == 0 and step > high:
+                t_save = time.perf_counter()
+                save_checkpoint(resume_dir, step, None, {"step": step, "cursor": [int(epoch), int(index)]},
+                                extra={"params": nest(params), "opt_state": opt_state})
+                events({"event": "checkpoint", "step": step, "t": clock(), "save_s": time.perf_counter() - t_save})
+            recomputed = step <= high
+            high = max(high, step)
+            if recomputed:
+                continue  # logged and measured the first time round
             if step % 10 == 0 or step == steps:
                 step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
                           **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
@@ -127,6 +183,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     finally:
         eval_log.close()
         step_log.close()
+        if events is not None:
+            events.close()
     wall = time.monotonic() - t0
     param_bytes = sum(tensor_bytes(params).values())
     W = cfg.dp.workers
@@ -148,6 +206,11 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
         },
         "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,
+        # chaos: steps recomputed after rollbacks, seconds stalled (failure → restored), failures met
+        "chaos": None if sched is None else {"failures": sum(1 for e in read_jsonl(layout.metrics(STAGE, METHOD, "events"))
+                                                           if e.get("event") == "failure"),
+                                             "lost_steps": lost_steps, "stall_s": stall_s,
+                                             "checkpoint_every_steps": ckpt_every},
         "final_val_loss": last, "merges": None,
         # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
         # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
@@ -157,3 +220,18 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         "params": spec.params, "active_params": int(spec.extras.get("active_params", spec.params)),
         "flops_per_token": spec.flops_per_unit,
     }
+
+
+def _restore(trainer: Trainer, resume_dir: Path, params, opt_state):
+    """The job's last checkpoint in ``resume_dir`` (params, optimizer state, cursor, step), or, with
+    none written yet, a fresh start: the initial parameters and optimizer state at step 0."""
+    try:
+        step = latest_step(resume_dir)
+    except Exception:  # noqa: BLE001 - nothing saved yet (or only a cut-off save): start again
+        fresh = trainer.init_params()
+        return fresh, trainer.init_opt(fresh), (0, 0), 0
+    meta = load_meta(resume_dir, step)
+    restored = {k: jnp.asarray(v) for k, v in flatten(load_extra(resume_dir, "params", nest(params), step)).items()}
+    opt = load_extra(resume_dir, "opt_state", opt_state, step)
+    epoch, index = meta["cursor"]
+    return restored, opt, (int(epoch), int(index)), int(meta["step"])

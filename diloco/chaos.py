@@ -1,0 +1,279 @@
+"""Chaos schedules: a seeded plan of hardware events, drawn once, saved, and replayed on both methods.
+
+A :class:`ChaosPlan` (the config's ``chaos.schedule``) holds the knobs: a per-learner mean time
+between failures with an exponentiated-Weibull restart delay (the goodput simulator's recovery
+law, ``sim.config``), straggler episodes (a step-time factor for a duration), permanent
+heterogeneity (a step-time multiplier per learner, e.g. 1.18 for the paper's gap between
+accelerator generations), scavenged learners that join and leave at given times, and submissions
+corrupted in flight (a NaN, a wrong shape). :func:`draw_schedule` expands it, from its seed alone,
+into a :class:`ChaosSchedule`: explicit events on the training clock (seconds since the method's
+first inner step), serialisable to JSON (``RUN/pretrain/chaos.json``) and replayed from that file
+exactly (``chaos.replay``).
+
+The same schedule drives both methods:
+
+- Decoupled DiLoCo: learner m fails at ``at_s`` (an exception, or its process is SIGKILLed on the
+  Ray and Dask engines), stays down for ``restart_delay_s`` and rejoins; it runs ``factor``× slower
+  in a slowdown; it trains only inside its presence window; its next submission after ``at_s`` of a
+  corruption is damaged in flight (and must be quarantined by the syncer).
+- DP: a failure of any replica stalls the whole job for the restart delay and rolls it back to its
+  last checkpoint; a slowdown of any replica slows every step (lock-step: the slowest replica sets
+  the pace); scavenged capacity and submissions do not exist for it.
+
+Plain Python, NumPy and pydantic; SciPy for the restart-delay law. No JAX, no Prefect.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+
+# --- the plan (config) --------------------------------------------------------------------------
+
+
+class RestartDelay(_Frozen):
+    """Restart delay of a failed learner (or DP job): an exponentiated Weibull law in seconds,
+    ``scipy.stats.exponweib(a, c, scale=scale_s)``, the goodput simulator's recovery law
+    (``sim.config.GoodputConfig.recovery``). The defaults are the simulator's shape scaled to
+    this machine's seconds: mean 2.47 s."""
+
+    a: PositiveFloat = Field(2.0, description="exponentiated Weibull exponent a")
+    c: PositiveFloat = Field(1.5, description="Weibull shape c")
+    scale_s: PositiveFloat = Field(2.0, description="scale, seconds")
+
+    def mean_s(self) -> float:
+        """The law's mean, seconds."""
+        from scipy import stats
+
+        return float(stats.exponweib(self.a, self.c, scale=self.scale_s).mean())
+
+
+class Presence(_Frozen):
+    """A scavenged learner: it trains only from ``join_s`` to ``leave_s`` (unset: to the end) seconds
+    of the training clock; outside the window it holds no devices (and is out of the quorum)."""
+
+    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
+    join_s: float = Field(0.0, ge=0.0, description="seconds of training before it joins")
+    leave_s: PositiveFloat | None = Field(None, description="seconds of training at which it leaves; unset = never")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Presence":
+        if self.leave_s is not None and self.leave_s <= self.join_s:
+            raise ValueError(f"a scavenged learner leaves (leave_s {self.leave_s:g}) before it joins (join_s "
+                             f"{self.join_s:g}): set leave_s > join_s, or unset it")
+        return self
+
+
+class Corruption(_Frozen):
+    """Learner ``learner``'s first submission sent at or after ``at_s`` seconds of training is
+    damaged in flight: ``nan`` (one value becomes NaN) or ``shape`` (one tensor loses its last value)."""
+
+    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
+    at_s: float = Field(ge=0.0, description="seconds of training after which its next submission is damaged")
+    kind: Literal["nan", "shape"] = Field("nan", description="nan: a NaN in the payload; shape: a truncated tensor")
+
+
+class ChaosPlan(_Frozen):
+    """The knobs of a seeded chaos schedule (``chaos.schedule``); :func:`draw_schedule` expands them.
+
+    Times are seconds of the training clock (since the method's first inner step). Every draw is
+    made from ``seed`` (and the learner's index) alone, so a plan always gives the same schedule."""
+
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of every draw")
+    horizon_s: PositiveFloat = Field(120.0, description="events are drawn over this many seconds of training "
+                                     "(those past the end of a run never fire)")
+    mtbf_s: PositiveFloat | None = Field(None, description="per-learner mean time between failures, seconds "
+                                         "(a Poisson process, renewed at each restart); unset = no failures")
+    restart_delay: RestartDelay = Field(default_factory=RestartDelay,
+                                        description="restart delay law after a failure (exponentiated Weibull)")
+    how: Literal["auto", "raise", "sigkill"] = Field(
+        "auto", description="how a failure is carried out: raise (an exception, retried by Prefect), sigkill "
+        "(the learner's process is killed, re-run by the engine: runtime.engine ray or dask), auto (sigkill on "
+        "ray and dask, raise on threads)")
+    straggler_every_s: PositiveFloat | None = Field(
+        None, description="per-learner mean time between straggler episodes, seconds; unset = none")
+    straggler_s: PositiveFloat = Field(5.0, description="mean length of a straggler episode, seconds (exponential)")
+    straggler_factor: float = Field(2.0, gt=1.0, description="step-time multiplier during a straggler episode")
+    heterogeneity: list[Annotated[float, Field(ge=1.0)]] | None = Field(
+        None, description="permanent step-time multiplier per learner, one per learner (1.0 = full speed; "
+        "e.g. [1, 1, 1.18, 1.18]: two learners on an older accelerator generation)")
+    scavenged: list[Presence] = Field(default_factory=list, description="learners that join and leave: "
+                                      "[{learner, join_s, leave_s}]")
+    corrupt: list[Corruption] = Field(default_factory=list, description="submissions damaged in flight: "
+                                      "[{learner, at_s, kind}]")
+
+
+# --- the schedule (explicit events) ------------------------------------------------------------
+
+
+class TimedFailure(_Frozen):
+    """Learner ``learner`` fails at ``at_s`` and is down ``restart_delay_s`` seconds before it may
+    restart; ``how``: raise (an exception) or sigkill (its process)."""
+
+    learner: int = Field(ge=0)
+    at_s: float = Field(ge=0.0)
+    restart_delay_s: float = Field(ge=0.0)
+    how: Literal["raise", "sigkill"] = "raise"
+
+
+class Episode(_Frozen):
+    """Learner ``learner`` runs ``factor``× slower from ``from_s`` to ``to_s`` (None: to the end)."""
+
+    learner: int = Field(ge=0)
+    factor: float = Field(gt=1.0)
+    from_s: float = Field(0.0, ge=0.0)
+    to_s: float | None = None
+    kind: Literal["straggler", "heterogeneity"] = "straggler"
+
+
+class ChaosSchedule(_Frozen):
+    """Explicit chaos events on the training clock (seconds), for ``learners`` learners.
+
+    ``failures`` are sorted by time; per learner, each failure lies after the previous one's
+    restart (a learner that is down cannot fail again). Serialise with :meth:`dumps`, read back
+    with :meth:`loads` or :func:`load_schedule`: the round trip is exact."""
+
+    learners: int = Field(ge=1)
+    seed: int | None = None
+    failures: list[TimedFailure] = Field(default_factory=list)
+    slowdowns: list[Episode] = Field(default_factory=list)
+    presence: list[Presence] = Field(default_factory=list)
+    corruptions: list[Corruption] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ChaosSchedule":
+        for kind, events in (("failures", self.failures), ("slowdowns", self.slowdowns),
+                             ("presence", self.presence), ("corruptions", self.corruptions)):
+            for i, e in enumerate(events):
+                if e.learner >= self.learners:
+                    raise ValueError(f"chaos schedule {kind}[{i}].learner ({e.learner}) must be < the "
+                                     f"schedule's learners ({self.learners})")
+        seen: set[int] = set()
+        for p in self.presence:
+            if p.learner in seen:
+                raise ValueError(f"chaos schedule: learner {p.learner} has two presence windows; give one")
+            seen.add(p.learner)
+        for m in range(self.learners):
+            mine = self.learner_failures(m)
+            for a, b in zip(mine, mine[1:]):
+                if b.at_s < a.at_s + a.restart_delay_s:
+                    raise ValueError(f"chaos schedule: learner {m} fails at {b.at_s:g} s while still down from its "
+                                     f"failure at {a.at_s:g} s (restart at {a.at_s + a.restart_delay_s:g} s)")
+        return self
+
+    # views
+    def learner_failures(self, m: int) -> list[TimedFailure]:
+        return sorted((f for f in self.failures if f.learner == m), key=lambda f: f.at_s)
+
+    def learner_slowdowns(self, m: int) -> tuple[tuple[float, float, float | None], ...]:
+        """(factor, from_s, to_s) of learner m's slowdowns (``diloco.learner.LearnerSetup.slowdowns``)."""
+        return tuple((e.factor, e.from_s, e.to_s) for e in self.slowdowns if e.learner == m)
+
+    def window(self, m: int) -> tuple[float, float | None]:
+        """Learner m's presence window (join_s, leave_s or None); (0, None) for a permanent learner."""
+        for p in self.presence:
+            if p.learner == m:
+                return p.join_s, p.leave_s
+        return 0.0, None
+
+    def learner_corruptions(self, m: int) -> list[Corruption]:
+        return sorted((c for c in self.corruptions if c.learner == m), key=lambda c: c.at_s)
+
+    def dp_factor(self, t: float) -> float:
+        """The DP step-time factor at ``t``: the slowest replica sets the pace of a lock-step job."""
+        return max((e.factor for e in self.slowdowns if e.from_s <= t and (e.to_s is None or t < e.to_s)),
+                   default=1.0)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.failures or self.slowdowns or self.presence or self.corruptions)
+
+    def dumps(self) -> str:
+        """The schedule as indented JSON (what ``RUN/pretrain/chaos.json`` holds)."""
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def loads(cls, text: str) -> "ChaosSchedule":
+        return cls.model_validate_json(text)
+
+
+def load_schedule(path: str | Path) -> ChaosSchedule:
+    """A schedule saved by an earlier run. Raises ``FileNotFoundError``, or ``ValueError`` naming the
+    file when it is not a schedule."""
+    path = Path(path)
+    text = path.read_text()
+    try:
+        json.loads(text)
+        return ChaosSchedule.loads(text)
+    except ValueError as exc:
+        first = str(exc).splitlines()
+        raise ValueError(f"{path} is not a chaos schedule ({first[0] if first else exc})") from None
+
+
+# --- drawing ------------------------------------------------------------------------------------
+
+
+def _rng(seed: int, learner: int, stream: int) -> np.random.Generator:
+    """An independent stream per (seed, learner, kind of event): adding stragglers to a plan does not
+    move its failures."""
+    return np.random.default_rng([seed, learner, stream])
+
+
+def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> ChaosSchedule:
+    """Expand ``plan`` into explicit events for ``learners`` learners (``engine`` resolves
+    ``how: auto``). Deterministic in ``plan`` alone.
+
+    Failures: a renewal process per learner, inter-failure times Exponential(``mtbf_s``) counted
+    from the previous restart, each with a restart delay drawn from ``plan.restart_delay``; a
+    scavenged learner fails only inside its presence window. Straggler episodes: a renewal process
+    per learner, gaps Exponential(``straggler_every_s``), lengths Exponential(``straggler_s``), each
+    ``straggler_factor``× slower. Heterogeneity: a permanent episode for every factor > 1.
+    Raises ``ValueError`` when an event names a learner ≥ ``learners``.
+    """
+    from scipy import stats
+
+    how = plan.how if plan.how != "auto" else ("raise" if engine == "threads" else "sigkill")
+    law = stats.exponweib(plan.restart_delay.a, plan.restart_delay.c, scale=plan.restart_delay.scale_s)
+    windows = {p.learner: (p.join_s, p.leave_s) for p in plan.scavenged}
+    failures: list[TimedFailure] = []
+    slowdowns: list[Episode] = []
+    for m in range(learners):
+        join, leave = windows.get(m, (0.0, None))
+        end = plan.horizon_s if leave is None else min(plan.horizon_s, leave)
+        if plan.mtbf_s is not None:
+            rng, t = _rng(plan.seed, m, 0), join
+            while True:
+                t += float(rng.exponential(plan.mtbf_s))
+                if t >= end:
+                    break
+                delay = float(law.rvs(random_state=rng))
+                failures.append(TimedFailure(learner=m, at_s=round(t, 3), restart_delay_s=round(delay, 3), how=how))
+                t = round(t, 3) + round(delay, 3)
+        if plan.straggler_every_s is not None:
+            rng, t = _rng(plan.seed, m, 1), 0.0
+            while True:
+                t += float(rng.exponential(plan.straggler_every_s))
+                if t >= plan.horizon_s:
+                    break
+                length = float(rng.exponential(plan.straggler_s))
+                slowdowns.append(Episode(learner=m, factor=plan.straggler_factor, from_s=round(t, 3),
+                                         to_s=round(t + length, 3)))
+                t += length
+    for m, factor in enumerate(plan.heterogeneity or []):
+        if factor > 1.0:
+            slowdowns.append(Episode(learner=m, factor=factor, kind="heterogeneity"))
+    if plan.heterogeneity is not None and len(plan.heterogeneity) != learners:
+        raise ValueError(f"chaos.schedule.heterogeneity lists {len(plan.heterogeneity)} factors for "
+                         f"{learners} learners (diloco.learners): give one per learner (1.0 = full speed)")
+    failures.sort(key=lambda f: (f.at_s, f.learner))
+    return ChaosSchedule(learners=learners, seed=plan.seed, failures=failures, slowdowns=slowdowns,
+                         presence=list(plan.scavenged), corruptions=list(plan.corrupt))
