@@ -1,0 +1,962 @@
+"""Resilience under a chaos schedule: per-method timelines, goodput, uptime, the goodput
+simulator's prediction for the same knobs, and held-out loss at equal wall time and tokens. Pure:
+dicts and lists in, dicts and lists out (no I/O, no Prefect, no JAX).
+
+Definitions (Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training", arXiv
+2604.21428, 2026: the metrics the paper reports; the goodput simulator ``sim/``,
+docs/goodput.md):
+
+- **Goodput** = useful compute time / allocated time (the paper: time lost to waiting, detection,
+  re-compilation, restarts and recomputation is not useful; ``sim.jobs``: useful chip-seconds /
+  (chips × horizon)). Here per learner (DiLoCo) or replica (DP), in seconds of its method's
+  training clock, and globally as Σ useful / Σ allocated.
+- **Uptime** = share of the training span in which the global model advanced (the paper: the
+  system as a whole progresses; ``sim.jobs.quorum_sweep``: time with ≥ K learners running).
+  Measured from the logs: DiLoCo's global model advances at each merge (``merged_at_s``), DP's at
+  each step past its high-water mark (the rows of ``train.jsonl``, logged every 10 new steps and
+  never for recomputed ones). A gap between consecutive advances (or from the last advance to
+  the span's end) longer than :data:`STALL_FACTOR` × the median gap between advances
+  is a stall; each stall counts as down for its length minus one median gap (the time an advance
+  would have taken anyway). Uptime = 1 − Σ stall / the span after the first advance: the start-up
+  before it (compilation, DP's first evaluation, DiLoCo's first H inner steps) is reported apart
+  (``startup_s``; ``uptime_span`` counts it, by the same rule, over the whole span).
+
+Clocks: DiLoCo's events carry ``t``, the run clock (seconds since the exchange was created,
+shared by learners and syncer); its **training span** runs from the first learner ``start`` to
+the last learner event (the last ``stop`` of a finished run), or to ``now`` for a run in
+progress. DP's events, ``train.jsonl`` ``t`` and ``eval.jsonl`` ``wall_s`` share DP's own clock
+(seconds since DP training started); its span runs from 0 to its last step (or ``now``). Every
+timeline below is in seconds since its method's span start, so the two methods share an x axis.
+
+**DiLoCo learner states** (one row per learner, intervals [start, end) in seconds):
+
+- ``running``: between a ``start`` and the next ``failure``/``kill``/``stop``/``leave``;
+  ``straggling``: running while its last ``slowdown`` event said factor > 1 (a new attempt starts
+  at full speed until it logs a slowdown); its own time still counts as useful (it computes,
+  slower);
+- ``waiting``: a ``wait`` event (blocked from ``t`` to ``t + wait_s`` on an overdue merge,
+  ``why`` "merge"), or stopped (its budget spent) before the span ended (``why`` "done");
+- ``down``: from a ``failure``/``kill`` to its next ``start`` (``why`` "failure"), and from the
+  span's start (a scavenged learner: its ``join``) to its first ``start`` (``why`` "start-up");
+- ``absent``: a scavenged learner (a ``join``/``leave`` event or a ``presence`` window in the
+  schedule) outside its window: before its ``join``, after its ``leave``.
+
+Allocated time: the span (a scavenged learner: from its ``join``, or the span's start when it
+never had to wait to join, to its ``leave`` or the span's end). Lost work: after a failure the
+steps from the resume point it restarted from (the next ``start``'s ``step``) to the step it had
+reached (the ``failure``'s ``step``), × that attempt's seconds per step (its running and
+straggling seconds / the steps it took). Useful = allocated − down − waiting − absent (zero
+inside the window) − lost work.
+
+**DP rows** (one per replica, W = ``dp.workers``; lock-step SPMD):
+
+- a ``failure`` of replica r stops the whole job until the ``restore`` event: row r is ``down``,
+  the others ``waiting`` (``why`` "stall");
+- after a ``restore`` to step b, every row is ``recomputing`` until the job is back at the
+  high-water mark H it had reached before the failure: the end is the first ``train.jsonl`` row
+  past H less (row step − H) × the step time, or, when another failure interrupts first, that
+  failure's time (less the steps it was past H), or restore + (H − b) × the step time;
+- while the job's step time is factor f > 1 (``slowdown`` events; the replica is found in the
+  schedule's ``slowdowns``, learner m = replica m, and row 0 when the schedule cannot tell), the
+  slowed replica is ``straggling`` and every other replica (its own factor g, 1 unless slowed
+  too) computes for g / f of that time and waits for the rest: drawn as one ``running`` block of
+  g / f of each such interval followed by one ``waiting`` block (``why`` "slowest replica"),
+  although in the job the wait comes in every step;
+- otherwise ``running`` (DP's start-up, its first evaluation and compilation, are inside its
+  span and count as running; so do checkpoint saves).
+
+Useful = running + straggling; goodput = useful / span per row, Σ / (W × span) for the job.
+Replica indices ≥ W (a schedule for more learners than DP has replicas) map to row index mod W.
+
+All functions accept the logs of a run in progress: pass ``now`` (the method's own clock) as the
+end of the span.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from typing import Any, Callable
+
+from reports.common import lid, num
+from reports.learners import learner_failures
+
+STATES = ("running", "straggling", "waiting", "recomputing", "down", "absent")
+USEFUL = ("running", "straggling")
+STALL_FACTOR = 4.0  # a gap between advances > this × the median gap is a stall
+SIM_FAILURES_PER_RUN = 4000  # the simulator's horizon: this many expected interruptions of the cluster
+SIM_SEEDS = 10
+LIFECYCLE = ("start", "failure", "kill", "stop", "slowdown", "join", "leave", "wait", "step")
+
+Interval = dict  # {"state", "start", "end"} (+ "why"), seconds since the method's span start
+
+
+# --- intervals -----------------------------------------------------------------------------------
+
+
+def _iv(state: str, a: float, b: float, why: str | None = None) -> Interval:
+    out = {"state": state, "start": a, "end": b}
+    if why is not None:
+        out["why"] = why
+    return out
+
+
+def merge_adjacent(intervals: list[Interval]) -> list[Interval]:
+    """Sorted, without empty intervals, touching intervals of the same state (and ``why``) joined."""
+    out: list[Interval] = []
+    for iv in sorted((x for x in intervals if x["end"] > x["start"]), key=lambda x: x["start"]):
+        if out and out[-1]["state"] == iv["state"] and out[-1].get("why") == iv.get("why") \
+                and abs(out[-1]["end"] - iv["start"]) < 1e-12:
+            out[-1]["end"] = iv["end"]
+        else:
+            out.append(dict(iv))
+    return out
+
+
+def overlay(intervals: list[Interval], a: float, b: float, state: str, why: str | None = None,
+            replace: tuple[str, ...] | None = None) -> list[Interval]:
+    """``intervals`` with [a, b) set to ``state`` where their state is in ``replace`` (None: any)."""
+    if b <= a:
+        return intervals
+    out: list[Interval] = []
+    for iv in intervals:
+        s, e = iv["start"], iv["end"]
+        if e <= a or s >= b or (replace is not None and iv["state"] not in replace):
+            out.append(iv)
+            continue
+        if s < a:
+            out.append({**iv, "end": a})
+        out.append(_iv(state, max(s, a), min(e, b), why))
+        if e > b:
+            out.append({**iv, "start": b})
+    return merge_adjacent(out)
+
+
+def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """The parts of ``intervals`` inside [lo, hi)."""
+    return [{**iv, "start": max(iv["start"], lo), "end": min(iv["end"], hi)}
+            for iv in intervals if iv["end"] > lo and iv["start"] < hi]
+
+
+def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, float]:
+    """Seconds per state (every state of :data:`STATES`, 0 when absent); ``why``: also
+    ``<state>/<why>`` entries."""
+    out = {s: 0.0 for s in STATES}
+    for iv in intervals:
+        d = iv["end"] - iv["start"]
+        out[iv["state"]] = out.get(iv["state"], 0.0) + d
+        if why and iv.get("why"):
+            k = f"{iv['state']}/{iv['why']}"
+            out[k] = out.get(k, 0.0) + d
+    return out
+
+
+def _t(e: dict) -> float | None:
+    return num(e.get("t"))
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+# --- Decoupled DiLoCo ----------------------------------------------------------------------------
+
+
+def learner_events(events: list[dict] | None) -> dict[Any, list[dict]]:
+    """Each learner's own events (not the syncer's ``"source": "syncer"`` lines), in time order
+    (stable: ties keep file order)."""
+    per: dict[Any, list[dict]] = {}
+    for e in events or []:
+        if e.get("source") == "syncer" or e.get("role") == "syncer" or e.get("learner") is None:
+            continue
+        if e.get("event") in LIFECYCLE and _t(e) is not None:
+            per.setdefault(lid(e["learner"]), []).append(e)
+    for evs in per.values():
+        evs.sort(key=_t)
+    return dict(sorted(per.items(), key=lambda kv: (0, kv[0]) if isinstance(kv[0], int) else (1, str(kv[0]))))
+
+
+def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
+    """The training span on the run clock: ``start_s`` = the first learner ``start``, ``end_s`` =
+    ``now`` when given, else the last learner event (a ``wait`` counts to its end). None before
+    any learner started. ``length_s`` = end − start (seconds)."""
+    per = learner_events(events)
+    starts = [_t(e) for evs in per.values() for e in evs if e["event"] == "start"]
+    if not starts:
+        return None
+    t0 = min(starts)
+    if now is not None:
+        t1 = float(now)
+    else:
+        t1 = max(_t(e) + (num(e.get("wait_s")) or 0.0) if e["event"] == "wait" else _t(e)
+                 for evs in per.values() for e in evs)
+    t1 = max(t1, t0)
+    return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
+
+
+def _windows(schedule: dict | None) -> dict[Any, tuple[float, float | None]]:
+    return {lid(p.get("learner")): (num(p.get("join_s")) or 0.0, num(p.get("leave_s")))
+            for p in (schedule or {}).get("presence") or [] if isinstance(p, dict)}
+
+
+def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
+    """One learner's intervals on the run clock (see the module docstring) and its allocation
+    ``{"start_s", "end_s"}`` (run clock; None when a scavenged learner has not joined yet)."""
+    has_start = any(e["event"] == "start" for e in evs)
+    has_join = any(e["event"] == "join" for e in evs)
+    state, why = ("absent", None) if scavenged and (has_join or not has_start) else ("down", "start-up")
+    since, out, left = t0, [], False
+    waits = []
+
+    def switch(new: str, t: float, new_why: str | None = None) -> None:
+        nonlocal state, why, since
+        t = min(max(t, t0), t1)
+        if (new, new_why) != (state, why):
+            out.append(_iv(state, since, t, why))
+            state, why, since = new, new_why, t
+
+    join_t = leave_t = None
+    for e in evs:
+        ev, t = e["event"], _t(e)
+        if ev == "join":
+            join_t = t if join_t is None else join_t
+            if state == "absent" and not left:
+                switch("down", t, "start-up")
+        elif ev == "start":
+            if not left:
+                switch("running", t)
+        elif ev == "slowdown":
+            f = num(e.get("factor")) or 1.0
+            if state in USEFUL:
+                switch("straggling" if f > 1.0 else "running", t)
+        elif ev in ("failure", "kill"):
+            if not left:
+                switch("down", t, "failure")
+        elif ev == "leave":
+            left, leave_t = True, t if leave_t is None else leave_t
+            switch("absent", t)
+        elif ev == "stop":
+            if state != "absent":
+                switch("waiting", t, "done")
+        elif ev == "wait":
+            w = num(e.get("wait_s")) or 0.0
+            waits.append((t, t + w))
+    out.append(_iv(state, since, t1, why))
+    out = merge_adjacent(clip(out, t0, t1))
+    for a, b in waits:
+        out = overlay(out, a, b, "waiting", "merge", replace=USEFUL)
+    if scavenged:
+        start = join_t if join_t is not None else (t0 if has_start else None)
+        alloc = None if start is None else {"start_s": start, "end_s": leave_t if leave_t is not None else t1}
+    else:
+        alloc = {"start_s": t0, "end_s": t1}
+    return out, alloc
+
+
+def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
+    """Work thrown away by each of a learner's failures: ``lost_steps`` = the ``failure``'s (or
+    ``kill``'s) step − the step its next ``start`` resumed from, ``s_per_step`` = the failed
+    attempt's running + straggling seconds / the steps it took, ``lost_s`` = their product (seconds).
+    A failure with no later start (down at ``now``, or out of retries) resumes, at best, from its
+    last resume point: step − step mod ``resume_every_steps`` (0 steps lost when unknown)."""
+    starts = [e for e in evs if e["event"] == "start"]
+    useful = [iv for iv in intervals if iv["state"] in USEFUL]
+    total_useful = sum(iv["end"] - iv["start"] for iv in useful)
+    steps_total = 0
+    out = []
+    for f in evs:
+        if f["event"] not in ("failure", "kill"):
+            continue
+        att, t_f, s_f = num(f.get("attempt")), _t(f), num(f.get("step")) or 0
+        begun = [s for s in starts if _t(s) <= t_f and (att is None or num(s.get("attempt")) == att)]
+        begun = begun or [s for s in starts if _t(s) <= t_f]
+        b = begun[-1] if begun else None
+        nxt = next((s for s in starts if _t(s) > t_f and (att is None or (num(s.get("attempt")) or 0) > att)), None)
+        if nxt is not None:
+            resumed = num(nxt.get("step")) or 0
+        elif resume_every_steps:
+            resumed = s_f - s_f % resume_every_steps
+        else:
+            resumed = s_f
+        taken = s_f - (num(b.get("step")) or 0) if b is not None else 0
+        busy = sum(max(0.0, min(iv["end"], t_f) - max(iv["start"], _t(b))) for iv in useful) if b is not None else 0.0
+        steps_total += max(taken, 0)
+        out.append({"attempt": f.get("attempt"), "failed_at_s": t_f, "failed_at_step": s_f,
+                    "resumed_from_step": resumed if nxt is not None else None,
+                    "lost_steps": max(0, s_f - resumed), "steps_taken": taken, "busy_s": busy,
+                    "restarted": nxt is not None})
+    mean_sps = total_useful / steps_total if steps_total else None
+    for r in out:
+        sps = r["busy_s"] / r["steps_taken"] if r["steps_taken"] > 0 else mean_sps
+        r["s_per_step"] = sps
+        r["lost_s"] = r["lost_steps"] * sps if sps is not None else 0.0
+    return out
+
+
+def _attempts(evs: list[dict]) -> list[dict]:
+    """A learner's attempts: per ``start``, its ``attempt``, start step and the inner steps it took
+    (the step of the attempt's last event − the start's step; recomputed steps included)."""
+    out: list[dict] = []
+    for e in evs:
+        s = num(e.get("step"))
+        if e["event"] == "start":
+            out.append({"attempt": e.get("attempt"), "from_step": s or 0, "steps": 0})
+        elif s is not None and out:
+            out[-1]["steps"] = max(out[-1]["steps"], int(s - out[-1]["from_step"]))
+    return out
+
+
+def _steps_taken(evs: list[dict]) -> int:
+    """Inner steps a learner took over all its attempts (recomputed ones included)."""
+    return sum(a["steps"] for a in _attempts(evs))
+
+
+def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = None, schedule: dict | None = None,
+                      now: float | None = None, resume_every_steps: int | None = None) -> dict | None:
+    """Decoupled DiLoCo's timelines and goodput (see the module docstring); None before any learner
+    started. ``now``: the run clock's present, for a run in progress.
+
+    Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per learner: ``allocated_s``,
+    seconds per state, ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
+    ``merged_again_after_restart`` (every restarted attempt that took a step had a merge with this
+    learner among its contributors afterwards; None without such a restart), ``steps_taken``,
+    ``s_per_step`` (running + straggling seconds / steps taken), ``scavenged``, ``window`` [join, leave]
+    in span seconds, ``lost``: :func:`lost_work`), ``global`` (Σ useful / Σ allocated), ``timelines``
+    (learner → intervals in seconds since the span start) and ``uptime`` (:func:`uptime` of the
+    merges)."""
+    span = diloco_span(events, now)
+    if span is None:
+        return None
+    t0, t1 = span["start_s"], span["end_s"]
+    per = learner_events(events)
+    windows = _windows(schedule)
+    failures = learner_failures(events or [], merges or [])
+    n_learners = int(num((schedule or {}).get("learners")) or 0)
+    for m in range(n_learners):  # a scheduled learner that has logged nothing yet (a late scavenged one)
+        per.setdefault(m, [])
+    rows, timelines = [], {}
+    for m, evs in per.items():
+        scav = m in windows or any(e["event"] in ("join", "leave") for e in evs)
+        ivs, alloc = learner_timeline(evs, t0, t1, scav)
+        inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
+        secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
+        lost = lost_work(evs, ivs, resume_every_steps)
+        allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
+        busy = secs["running"] + secs["straggling"]
+        lost_s = min(sum(r["lost_s"] for r in lost), busy)
+        useful = busy - lost_s
+        steps = _steps_taken(evs)
+        mine = [f for f in failures if f["learner"] == m]
+        # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
+        trained = {num(x.get("attempt")) for x in _attempts(evs) if x["steps"] > 0}
+        restarted = [f for f in mine if f["restart_event"] == "start" and num(f["restart_attempt"]) in trained]
+        rows.append({
+            "learner": m, "scavenged": scav,
+            "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+            "allocated_s": allocated,
+            **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+            "absent_s": whole["absent"],  # outside its window
+            "down_startup_s": secs.get("down/start-up", 0.0), "waiting_done_s": secs.get("waiting/done", 0.0),
+            "lost_work_s": lost_s, "useful_s": useful, "goodput": _ratio(useful, allocated),
+            "steps_taken": steps, "s_per_step": _ratio(busy, steps),
+            "failures": sum(1 for e in evs if e["event"] in ("failure", "kill")),
+            "restarts": max(0, sum(1 for e in evs if e["event"] == "start") - 1),
+            "merged_again_after_restart": (all(f["merged_again_after_restart"] for f in restarted)
+                                           if restarted else None),
+            "lost": lost,
+        })
+        timelines[str(m)] = [{**iv, "start": iv["start"] - t0, "end": iv["end"] - t0} for iv in ivs]
+    alloc_sum = sum(r["allocated_s"] for r in rows)
+    useful_sum = sum(r["useful_s"] for r in rows)
+    merge_times = [t - t0 for x in merges or [] if (t := num(x.get("merged_at_s"))) is not None]
+    return {
+        "span": span, "learners": rows, "timelines": timelines,
+        "global": {"allocated_s": alloc_sum, "useful_s": useful_sum, "goodput": _ratio(useful_sum, alloc_sum),
+                   **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
+                   "lost_work_s": sum(r["lost_work_s"] for r in rows)},
+        "uptime": uptime(merge_times, 0.0, span["length_s"]),
+    }
+
+
+# --- data-parallel baseline ----------------------------------------------------------------------
+
+
+def dp_step_time(train: list[dict] | None, events: list[dict] | None = None) -> float | None:
+    """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
+    no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
+    the median over all pairs when no pair is clean; None with fewer than two rows."""
+    rows = sorted(((num(r.get("step")), num(r.get("t"))) for r in train or []
+                   if num(r.get("step")) is not None and num(r.get("t")) is not None), key=lambda x: x[1])
+    evs = sorted(((_t(e), e) for e in events or [] if _t(e) is not None), key=lambda x: x[0])
+    factors = [(t, num(e.get("factor")) or 1.0) for t, e in evs if e.get("event") == "slowdown"]
+
+    def factor_at(t: float) -> float:
+        f = 1.0
+        for ft, fv in factors:
+            if ft <= t:
+                f = fv
+        return f
+
+    clean, every = [], []
+    for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
+        if s2 <= s1 or t2 <= t1:
+            continue
+        r = (t2 - t1) / (s2 - s1)
+        every.append(r)
+        if not any(t1 < t <= t2 for t, _ in evs) and factor_at(t1) == 1.0:
+            clean.append(r)
+    pick = clean or every
+    return statistics.median(pick) if pick else None
+
+
+def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | None = None) -> dict | None:
+    """DP's training span on its own clock: from 0 to ``now``, else to its last ``train.jsonl`` row
+    or event (whichever is later); None with neither."""
+    ts = [num(r.get("t")) for r in train or []] + [_t(e) for e in events or []]
+    ts = [t for t in ts if t is not None]
+    if now is None and not ts:
+        return None
+    end = float(now) if now is not None else max(ts)
+    return {"start_s": 0.0, "end_s": end, "length_s": end, "clock": "DP clock (s)"}
+
+
+def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
+    """Each DP failure with its restore and the recomputation after it (module docstring)."""
+    evs = sorted((e for e in events if _t(e) is not None), key=_t)
+    rows = sorted(((num(r.get("step")), num(r.get("t"))) for r in train
+                   if num(r.get("step")) is not None and num(r.get("t")) is not None), key=lambda x: x[1])
+    fails = [e for e in evs if e.get("event") == "failure"]
+    high, out = 0, []
+    for i, f in enumerate(fails):
+        t_f = _t(f)
+        high = max([high, num(f.get("step")) or 0] + [s for s, t in rows if t <= t_f])
+        nxt_fail = fails[i + 1] if i + 1 < len(fails) else None
+        restore = next((e for e in evs if e.get("event") == "restore" and _t(e) >= t_f
+                        and (nxt_fail is None or _t(e) <= _t(nxt_fail))), None)
+        rec = {"replica": f.get("replica"), "failed_at_s": t_f, "step_at_failure": num(f.get("step")),
+               "high_water_step": high, "restart_delay_s": num(f.get("restart_delay_s")),
+               "restored_at_s": None, "restored_step": None, "lost_steps": None, "restore_s": None,
+               "down_s": None, "recomputed_until_s": None, "recompute_s": None}
+        if restore is None:
+            rec["down_s"] = (_t(nxt_fail) if nxt_fail else end) - t_f
+            out.append(rec)
+            continue
+        t_r, back = _t(restore), num(restore.get("step")) or 0
+        rec.update(restored_at_s=t_r, restored_step=back, lost_steps=num(restore.get("lost_steps")),
+                   restore_s=num(restore.get("restore_s")), down_s=t_r - t_f)
+        limit = _t(nxt_fail) if nxt_fail is not None else end
+        if back >= high:
+            t_c = t_r
+        else:
+            past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
+            if past is not None:
+                s, t = past
+                t_c = t - (s - high) * step_s if step_s else t
+            elif nxt_fail is not None and (num(nxt_fail.get("step")) or 0) > high and step_s:
+                t_c = limit - ((num(nxt_fail.get("step")) or 0) - high) * step_s
+            elif nxt_fail is not None:
+                t_c = limit  # interrupted before it was back at the high-water mark
+            else:
+                t_c = min(limit, t_r + (high - back) * step_s) if step_s else limit
+            t_c = min(max(t_c, t_r), limit)
+        rec["recomputed_until_s"], rec["recompute_s"] = t_c, t_c - t_r
+        out.append(rec)
+    return out
+
+
+def _row(replica: Any, workers: int) -> int:
+    r = num(replica)
+    return int(r) % workers if r is not None else 0
+
+
+def _episode_factor(schedule: dict | None, row: int, workers: int, t: float) -> float:
+    """The step-time factor of DP replica ``row`` at ``t`` by the schedule's ``slowdowns``."""
+    f = 1.0
+    for e in (schedule or {}).get("slowdowns") or []:
+        a, b = num(e.get("from_s")) or 0.0, num(e.get("to_s"))
+        if _row(e.get("learner"), workers) == row and a <= t and (b is None or t < b):
+            f = max(f, num(e.get("factor")) or 1.0)
+    return f
+
+
+def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: int | None,
+                  schedule: dict | None = None, now: float | None = None) -> dict | None:
+    """DP's timelines (one row per replica) and goodput (see the module docstring); None when DP
+    logged nothing. ``now``: DP's clock at present, for a run in progress.
+
+    Returns ``span`` (:func:`dp_span`), ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores``
+    (per failure: replica, times, high-water step, restored step, lost steps, down, restore and
+    recompute seconds), ``replicas`` (rows: seconds per state, ``useful_s``, ``goodput``,
+    ``failures``), ``global`` (Σ useful / (W × span)), ``timelines`` (row → intervals) and
+    ``uptime`` (:func:`uptime` of the ``train.jsonl`` rows)."""
+    events, train = events or [], train or []
+    span = dp_span(train, events, now)
+    if span is None:
+        return None
+    W = max(int(workers or 1), 1)
+    end = span["end_s"]
+    step_s = dp_step_time(train, events)
+    restores = _restores(events, train, step_s, end)
+    # The job's step-time factor over time, from its slowdown events.
+    factors = sorted(((_t(e), num(e.get("factor")) or 1.0) for e in events
+                      if e.get("event") == "slowdown" and _t(e) is not None), key=lambda x: x[0])
+    stalls = [(x["failed_at_s"], x["restored_at_s"] if x["restored_at_s"] is not None
+               else x["failed_at_s"] + x["down_s"], _row(x["replica"], W)) for x in restores]
+    recomputes = [(x["restored_at_s"], x["recomputed_until_s"]) for x in restores
+                  if x["recomputed_until_s"] is not None]
+    # Elementary pieces between every change of state, so that each slowdown share lies in its piece.
+    cuts = {0.0, end} | {t for t, _ in factors} | {t for a, b, _ in stalls for t in (a, b)} \
+        | {t for a, b in recomputes for t in (a, b)}
+    for e in (schedule or {}).get("slowdowns") or []:
+        cuts |= {t for t in (num(e.get("from_s")), num(e.get("to_s"))) if t is not None}
+    cuts = sorted(t for t in cuts if 0.0 <= t <= end)
+    rows: dict[int, list[Interval]] = {r: [] for r in range(W)}
+    unattributed = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        mid = (a + b) / 2
+        stall = next((x for x in stalls if x[0] <= mid < x[1]), None)
+        if stall is not None:  # the whole job is down: the failed replica down, the others waiting
+            for r in rows:
+                rows[r].append(_iv("down", a, b, "failure") if r == stall[2] else _iv("waiting", a, b, "stall"))
+            continue
+        if any(x0 <= mid < x1 for x0, x1 in recomputes):
+            for r in rows:
+                rows[r].append(_iv("recomputing", a, b))
+            continue
+        f = next((fv for ft, fv in reversed(factors) if ft <= mid), 1.0)
+        if f <= 1.0:
+            for r in rows:
+                rows[r].append(_iv("running", a, b))
+            continue
+        g = {r: _episode_factor(schedule, r, W, mid) for r in rows}
+        if max(g.values()) < f:  # the schedule does not say who: row 0 is the slowed one
+            g[0] = f
+            unattributed += b - a
+        for r in rows:
+            gr = min(g[r], f)
+            if gr >= f:
+                rows[r].append(_iv("straggling", a, b))
+            else:
+                cut = a + (b - a) * gr / f
+                rows[r] += [_iv("straggling" if gr > 1.0 else "running", a, cut),
+                            _iv("waiting", cut, b, "slowest replica")]
+    for r in rows:
+        rows[r] = merge_adjacent(rows[r])
+    table = []
+    for r, ivs in rows.items():
+        secs = state_seconds(ivs, why=True)
+        useful = secs["running"] + secs["straggling"]
+        table.append({"replica": r, "allocated_s": span["length_s"], **{f"{s}_s": secs[s] for s in STATES},
+                      "waiting_stall_s": secs.get("waiting/stall", 0.0),
+                      "waiting_slowest_s": secs.get("waiting/slowest replica", 0.0),
+                      "lost_work_s": secs["recomputing"], "useful_s": useful,
+                      "goodput": _ratio(useful, span["length_s"]),
+                      "failures": sum(1 for x in restores if _row(x["replica"], W) == r)})
+    alloc = W * span["length_s"]
+    useful = sum(x["useful_s"] for x in table)
+    advances = [t for x in train if (t := num(x.get("t"))) is not None]
+    return {
+        "span": span, "workers": W, "step_s": step_s, "restores": restores, "replicas": table,
+        "timelines": {str(r): ivs for r, ivs in rows.items()},
+        "slowdown_unattributed_s": unattributed,
+        "checkpoints": sum(1 for e in events if e.get("event") == "checkpoint"),
+        "checkpoint_s": sum(num(e.get("save_s")) or 0.0 for e in events if e.get("event") == "checkpoint"),
+        "global": {"allocated_s": alloc, "useful_s": useful, "goodput": _ratio(useful, alloc),
+                   **{f"{s}_s": sum(x[f"{s}_s"] for x in table) for s in STATES},
+                   "failures": len(restores), "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
+                   "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
+                   "stall_s": sum(x["down_s"] or 0.0 for x in restores)},
+        "uptime": uptime(advances, 0.0, span["length_s"]),
+    }
+
+
+# --- uptime --------------------------------------------------------------------------------------
+
+
+def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:
+    """Share of the span in which the global model advanced (module docstring); seconds.
+
+    ``advances``: the times it advanced (merges; DP steps past the high-water mark). The gaps are
+    those between consecutive advances and from the last advance to ``end`` (a stall still going
+    on at ``now``); the median is over the gaps between advances only. The time before the first
+    advance, ``startup_s`` (compilation, DP's first evaluation, DiLoCo's first H inner steps: what
+    no schedule causes), is left out: ``uptime`` = 1 − Σ (stall − median) / (end − first advance).
+    ``uptime_span`` counts the start-up gap too (same rule, over end − start). Returns ``uptime``
+    (None with fewer than two advances: no median gap; 0 with none), ``uptime_span``,
+    ``stalled_s``, ``median_gap_s``, ``threshold_s`` (= factor × median), ``stalls`` ([start, end]
+    of each), ``longest_stall_s`` and ``longest_stall_at_s`` (the longest gap after the first
+    advance, stall or not), ``startup_s``, ``advances``, ``span_s``."""
+    span = end - start
+    ts = sorted(t for t in advances if start <= t <= end)
+    out = {"uptime": None, "uptime_span": None, "stalled_s": None, "median_gap_s": None, "threshold_s": None,
+           "factor": factor, "stalls": [], "longest_stall_s": None, "longest_stall_at_s": None,
+           "startup_s": (ts[0] - start) if ts else None, "advances": len(ts), "span_s": span}
+    if span <= 0:
+        return out
+    if not ts:
+        out.update(uptime=0.0, uptime_span=0.0, stalled_s=span, stalls=[[start, end]], longest_stall_s=span,
+                   longest_stall_at_s=start)
+        return out
+    bounds = ts + [end]
+    gaps = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    a, b = max(gaps, key=lambda g: g[1] - g[0])
+    out["longest_stall_s"], out["longest_stall_at_s"] = b - a, a
+    inner = [b - a for a, b in zip(ts, ts[1:])]
+    if not inner:
+        return out
+    med = statistics.median(inner)
+    thr = factor * med
+    stalls = [(a, b) for a, b in gaps if b - a > thr]
+    stalled = sum(b - a - med for a, b in stalls)
+    lead = ts[0] - start
+    lead_stall = lead - med if lead > thr else 0.0
+    after = end - ts[0]
+    out.update(uptime=max(0.0, 1.0 - stalled / after) if after > 0 else None,
+               uptime_span=max(0.0, 1.0 - (stalled + lead_stall) / span),
+               stalled_s=stalled, median_gap_s=med, threshold_s=thr, stalls=[[a, b] for a, b in stalls])
+    return out
+
+
+# --- the goodput simulator's prediction ----------------------------------------------------------
+
+
+def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | None = None) -> dict:
+    """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
+    ``{"status": why not}``.
+
+    chips = M = ``diloco.learners``, slice_chips = 1 (one learner or replica per chip), learners =
+    [M], quorum = 1 (our syncer leaves dead learners out of the quorum: one live learner advances the
+    model), chip_mtbi_years = ``chaos.schedule.mtbf_s`` / ``sim.config.SECONDS_PER_YEAR`` (365-day
+    years), detect_s = 0 (our failures are noticed at once), recovery_a / c / scale_s =
+    ``chaos.schedule.restart_delay`` a, c, scale_s, step_s = DP's measured step time
+    (:func:`dp_step_time`), checkpoint_every_steps = DP's (summary ``chaos.checkpoint_every_steps``),
+    restart_s = the mean ``restore_s`` of DP's restores (0 when DP restored nothing), downscale_s =
+    upscale_s = 0, failures_per_run = :data:`SIM_FAILURES_PER_RUN` (the horizon: that many expected
+    interruptions of the cluster, 4000 × mtbf_s / M seconds), seeds = :data:`SIM_SEEDS`, seed = the
+    schedule's, rule_of_thumb False.
+
+    The simulator's validators accept these (chips = M slices of one chip ≥ the largest learner
+    count M; quorum 1 ≤ M; seeds ≥ 2). Two fields must be positive integers or floats where a run
+    may have none: a DP without checkpoints (``checkpoint_every_steps`` None, it rolls back to step
+    0) gets the closest valid setting, one checkpoint interval as long as its whole run (its steps),
+    and a missing step time (DP did not run) leaves no prediction. Limits of the model, stated:
+    the simulator's DiLoCo learner loses only the step in flight at a failure (it is elastic), ours
+    roll back to their last resume point (``diloco.resume_every_steps``); ``diloco_rollback`` in the
+    prediction models that as a learner whose "step" is that interval (step_s = its seconds per
+    step × resume_every_steps: the sim's lost work, the time since the last step boundary, is then
+    the time since the last resume point). The simulator's failures of a chip that is down are
+    absorbed, as the schedule's are (a learner cannot fail while down); its DP restarts after
+    max(detect, recovery) + restart_s, ours after the drawn delay counted from the scheduled failure
+    time + the restore."""
+    cfg = config or {}
+    plan = (cfg.get("chaos") or {}).get("schedule")
+    if not isinstance(plan, dict):
+        why = "chaos.replay: a replayed schedule carries no mtbf_s" if (cfg.get("chaos") or {}).get("replay") \
+            else "no chaos.schedule"
+        return {"status": f"no prediction ({why})"}
+    mtbf = num(plan.get("mtbf_s"))
+    if mtbf is None:
+        return {"status": "no prediction (chaos.schedule.mtbf_s unset: no failures drawn)"}
+    M = int(num((cfg.get("diloco") or {}).get("learners")) or 0)
+    if M < 1:
+        return {"status": "no prediction (diloco.learners missing from config.json)"}
+    step_s = (dp or {}).get("step_s")
+    if not step_s:
+        return {"status": "no prediction (no measured DP step time: DP did not run or logged < 2 steps)"}
+    notes = []
+    ckpt = num(((dp_summary or {}).get("chaos") or {}).get("checkpoint_every_steps"))
+    if not ckpt:
+        ckpt = int(num((dp_summary or {}).get("steps")) or 1)
+        notes.append(f"DP took no checkpoints: checkpoint_every_steps = its {ckpt} steps (the closest valid "
+                     "setting: the simulator needs a positive interval)")
+    restores = [x["restore_s"] for x in (dp or {}).get("restores") or [] if x.get("restore_s") is not None]
+    restart = sum(restores) / len(restores) if restores else 0.0
+    if not restores:
+        notes.append("DP restored nothing: restart_s = 0")
+    delay = plan.get("restart_delay") or {}
+    law = {"a": 2.0, "c": 1.5, "scale_s": 2.0}  # diloco.chaos.RestartDelay's defaults
+    knobs = {
+        "chips": [M], "slice_chips": 1, "learners": [M], "quorum": 1,
+        "chip_mtbi_years": mtbf / (365.0 * 24 * 3600), "detect_s": 0.0,
+        "recovery_a": num(delay.get("a")) or law["a"], "recovery_c": num(delay.get("c")) or law["c"],
+        "recovery_scale_s": num(delay.get("scale_s")) or law["scale_s"],
+        "step_s": float(step_s), "checkpoint_every_steps": int(ckpt), "restart_s": float(restart),
+        "downscale_s": 0.0, "upscale_s": 0.0, "failures_per_run": SIM_FAILURES_PER_RUN, "seeds": SIM_SEEDS,
+        "seed": int(num(plan.get("seed")) or 0), "rule_of_thumb": False,
+    }
+    return {"status": "ok", "knobs": knobs, "systems": ["dp", f"diloco-{M}"], "mtbf_s": mtbf, "notes": notes}
+
+
+def simulator_prediction(knobs: dict, predict: Callable[[dict, list[str]], dict] | None,
+                         diloco: dict | None = None, resume_every_steps: int | None = None) -> dict:
+    """The simulator's goodput and uptime (fractions, with 95 % half-widths) for ``knobs``
+    (:func:`simulator_knobs`). ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
+    "uptime", "uptime_ci"}}`` runs the simulator: ``reports`` may not import ``sim`` (``sim`` draws
+    with ``reports.plots``; tests/test_imports.py), so the caller passes it (``ddiloco report`` does:
+    ``flows.cli.simulate_goodput``). Without it: status "not computed". ``diloco_rollback``: the
+    DiLoCo system again with step_s = the learners' median seconds per step × resume_every_steps
+    (see :func:`simulator_knobs`), when both are known."""
+    if knobs.get("status") != "ok":
+        return {**knobs, "predicted": {}}
+    out = {**knobs, "predicted": {}}
+    if predict is None:
+        out["status"] = "not computed (the report was built without the simulator; `ddiloco report RUN` runs it)"
+        return out
+    try:
+        out["predicted"] = predict(knobs["knobs"], knobs["systems"])
+        sps = [row["s_per_step"] for row in (diloco or {}).get("learners") or [] if row.get("s_per_step")]
+        if resume_every_steps and sps:
+            step = statistics.median(sps) * resume_every_steps
+            system = knobs["systems"][1]
+            rb = predict({**knobs["knobs"], "step_s": step}, [system])
+            out["predicted"]["diloco_rollback"] = {**rb[system], "step_s": step}
+    except ValueError as exc:  # the simulator's validators refused a knob
+        first = str(exc).splitlines()
+        out["status"] = f"the simulator refused these knobs ({first[0] if first else exc})"
+    return out
+
+
+# --- held-out loss at equal wall time and tokens -------------------------------------------------
+
+
+def curve_points(rows: list[dict] | None, x_key: str, start_s: float = 0.0) -> list[tuple[float, float]]:
+    """(x, held-out loss) of an eval curve: x = ``tokens``, or ``wall_s`` − ``start_s`` (seconds since
+    the method's training start) for ``x_key`` "wall_s"; sorted by x, non-finite losses dropped."""
+    pts = []
+    for r in rows or []:
+        x, y = num(r.get(x_key)), num(r.get("val/loss"))
+        if x is None or y is None or not math.isfinite(y):
+            continue
+        pts.append((x - start_s if x_key == "wall_s" else x, y))
+    return sorted(pts, key=lambda p: p[0])
+
+
+def interpolate(points: list[tuple[float, float]], x: float | None) -> float | None:
+    """The linear interpolation of ``points`` (sorted by x) at ``x``; None outside their range."""
+    if x is None or not points or x < points[0][0] - 1e-9 or x > points[-1][0] + 1e-9:
+        return None
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[-1][1] if abs(x - points[-1][0]) <= 1e-9 else points[0][1]
+
+
+def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_tokens: float | None = None) -> dict:
+    """Held-out loss (nats/token) of each curve at equal wall time and at equal tokens.
+
+    ``curves``: name → ``{"rows": eval rows, "start_s": the method's training start on the rows'
+    clock}``. Time: each curve's ``wall_s`` − ``start_s``; ``at_s`` defaults to the shortest curve's
+    last time (the shorter method's end), ``at_tokens`` to the smallest final token count (the common
+    final count); each curve is interpolated linearly there (None outside its range). Returns
+    ``at_s``, ``at_tokens``, and per curve ``final_s``, ``final_tokens``, ``final_loss``,
+    ``loss_at_s``, ``loss_at_tokens``."""
+    pts = {k: (curve_points(c.get("rows"), "wall_s", c.get("start_s") or 0.0), curve_points(c.get("rows"), "tokens"))
+           for k, c in curves.items()}
+    pts = {k: v for k, v in pts.items() if v[0] or v[1]}
+    if at_s is None and pts:
+        ends = [v[0][-1][0] for v in pts.values() if v[0]]
+        at_s = min(ends) if ends else None
+    if at_tokens is None and pts:
+        ends = [v[1][-1][0] for v in pts.values() if v[1]]
+        at_tokens = min(ends) if ends else None
+    per = {}
+    for k, (by_t, by_n) in pts.items():
+        per[k] = {"final_s": by_t[-1][0] if by_t else None, "final_tokens": by_n[-1][0] if by_n else None,
+                  "final_loss": (by_n or by_t)[-1][1],
+                  "loss_at_s": interpolate(by_t, at_s), "loss_at_tokens": interpolate(by_n, at_tokens)}
+    return {"at_s": at_s, "at_tokens": at_tokens, "curves": per}
+
+
+# --- the schedule's events -----------------------------------------------------------------------
+
+_TIMED = re.compile(r"at ([0-9.]+) s of training")
+
+
+def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None) -> bool:
+    """Whether ``merge`` took learner's submission of ``fragment`` sent at local ``step`` from
+    ``base`` version: the learner is a contributor at that local step and, when both are known, its
+    base version (the merge's ``version`` − 1 − its ``stale``) is ``base`` (a retried attempt sends
+    the same local step again, from a newer base)."""
+    if merge.get("fragment") != fragment:
+        return False
+    version, stale = num(merge.get("version")), merge.get("stale") or []
+    for i, (who, s) in enumerate(zip(merge.get("contributors") or [], merge.get("local_steps") or [])):
+        if lid(who) != learner or num(s) != step:
+            continue
+        behind = num(stale[i]) if i < len(stale) and not isinstance(stale[i], bool) else None
+        if base is None or version is None or behind is None or version - 1 - behind == base:
+            return True
+    return False
+
+
+def schedule_counts(schedule: dict | None, diloco: dict | None, events: list[dict] | None,
+                    merges: list[dict] | None, dp: dict | None, dp_events: list[dict] | None) -> dict:
+    """The schedule's events, drawn and met by each method.
+
+    Failures: ``drawn`` (the schedule's), ``in_span`` per method (scheduled before the method's span
+    ended: DiLoCo on each learner's training clock, ``origin`` of its ``start`` events; DP on its
+    clock), ``fired`` (DiLoCo: ``failure``/``kill`` events whose reason names a time "at t s of
+    training"; DP: its ``failure`` events). Slowdowns: ``drawn``, ``in_span``, ``fired`` (DiLoCo:
+    ``slowdown`` events with factor > 1; DP: the same of its own, one per change of its job factor).
+    Scavenged: per window ``joined_at_s``/``left_at_s`` (span seconds). Corruptions: per scheduled one
+    the ``corrupt`` event it caused (fragment, local step, base version), the syncer's ``dropped``
+    event of that submission (its reason) and whether a merge took it (``merged``: a merge of that
+    fragment, after it was sent, with the learner among its contributors at that local step and
+    base version, unless a later attempt of that learner had resumed before that step by then and
+    sent the same local step again: ``resent_by_a_later_attempt``; a corrupted submission must never
+    be merged)."""
+    sch = schedule or {}
+    t0 = (diloco or {}).get("span", {}).get("start_s")
+    d_end = (diloco or {}).get("span", {}).get("end_s")
+    p_end = (dp or {}).get("span", {}).get("end_s")
+    own = [e for e in events or [] if e.get("source") != "syncer" and e.get("learner") is not None]
+    origins = {}
+    for e in own:
+        if e.get("event") == "start" and num(e.get("origin")) is not None:
+            origins.setdefault(lid(e["learner"]), num(e["origin"]))
+    fallback = min(origins.values()) if origins else t0
+
+    def in_diloco(m: Any, at: float | None) -> bool | None:
+        o = origins.get(lid(m), fallback)
+        return None if o is None or d_end is None or at is None else o + at < d_end
+
+    def in_dp(at: float | None) -> bool | None:
+        return None if p_end is None or at is None else at < p_end
+
+    fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
+    slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
+    fired_d = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+    out = {
+        "failures": {"drawn": len(fails),
+                     "diloco_in_span": sum(1 for f in fails if in_diloco(f.get("learner"), num(f.get("at_s")))),
+                     "diloco_fired": len(fired_d) if events is not None else None,
+                     "dp_in_span": sum(1 for f in fails if in_dp(num(f.get("at_s")))) if dp else None,
+                     "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "failure") if dp else None},
+        "slowdowns": {"drawn": len(slows),
+                      "diloco_in_span": sum(1 for s in slows if in_diloco(s.get("learner"), num(s.get("from_s")))),
+                      "diloco_fired": sum(1 for e in own if e.get("event") == "slowdown"
+                                          and (num(e.get("factor")) or 1.0) > 1.0) if events is not None else None,
+                      "dp_in_span": sum(1 for s in slows if in_dp(num(s.get("from_s")))) if dp else None,
+                      "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "slowdown"
+                                      and (num(e.get("factor")) or 1.0) > 1.0) if dp else None,
+                      "by_kind": {k: sum(1 for s in slows if s.get("kind", "straggler") == k)
+                                  for k in ("straggler", "heterogeneity")}},
+    }
+    scav = []
+    for p in sch.get("presence") or []:
+        m = lid(p.get("learner"))
+        j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
+        lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
+        scav.append({"learner": m, "join_s": num(p.get("join_s")), "leave_s": num(p.get("leave_s")),
+                     "joined_at_s": j - t0 if j is not None and t0 is not None else None,
+                     "left_at_s": lv - t0 if lv is not None and t0 is not None else None})
+    out["scavenged"] = scav
+    dropped = [e for e in events or [] if e.get("event") == "dropped"]
+    corr, used = [], set()
+    scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
+    for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
+        m = lid(c.get("learner"))
+        ev = next((e for i, e in enumerate(own) if e.get("event") == "corrupt" and lid(e["learner"]) == m
+                   and i not in used and (e.get("kind") in (None, c.get("kind")))), None)
+        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None,
+               "sent_at_s": None, "fragment": None, "step": None, "dropped": None, "reason": None, "merged": None,
+               "resent_by_a_later_attempt": None}
+        if ev is not None:
+            used.add(own.index(ev))
+            frag, step = ev.get("fragment"), num(ev.get("step"))
+            drop = next((d for d in dropped if lid(d.get("learner")) == m and d.get("fragment") == frag
+                         and (d.get("base_version") is None or ev.get("base_version") is None
+                              or d.get("base_version") == ev.get("base_version"))
+                         and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6), None)
+            base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
+            # A later attempt that resumed before that step sends the same (fragment, local step) again,
+            # possibly from the same base version (nothing merged meanwhile): a merge after its start is
+            # that clean copy's.
+            resent = [_t(e) for e in own if e.get("event") == "start" and lid(e["learner"]) == m
+                      and (_t(e) or 0.0) > t_c and (num(e.get("step")) or 0) < (step or 0)]
+            took = [x for x in merges or [] if _took(x, m, frag, step, base)
+                    and (num(x.get("merged_at_s")) or 0.0) > t_c]
+            merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
+            row["resent_by_a_later_attempt"] = bool(resent)
+            row.update(sent_at_s=(_t(ev) - t0) if _t(ev) is not None and t0 is not None else None, fragment=frag,
+                       step=step, dropped=drop is not None, reason=drop.get("reason") if drop else None,
+                       merged=merged if merges is not None else None)
+        corr.append(row)
+    out["corruptions"] = corr
+    return out
+
+
+# --- everything ----------------------------------------------------------------------------------
+
+
+def diloco_training_start(events: list[dict] | None, summary: dict | None) -> float:
+    """A DiLoCo run's training start on the run clock: its first learner ``start``, else the
+    summary's ``startup_s``, else 0."""
+    span = diloco_span(events)
+    if span is not None:
+        return span["start_s"]
+    return num((summary or {}).get("startup_s")) or 0.0
+
+
+def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict | None, dp: dict | None,
+                       reference: dict | None = None, predict: Callable | None = None,
+                       diloco_now: float | None = None, dp_now: float | None = None) -> dict:
+    """The whole Resilience section, once.
+
+    ``diloco``/``dp``: the method's records as dicts (``events`` (DiLoCo: learners.jsonl; DP: its
+    events.jsonl), ``merges``, ``train``, ``curve`` (eval.jsonl), ``summary``), None when it did not
+    run. ``reference``: ``{"run_dir", "diloco", "dp"}`` of a run without chaos (the same dicts;
+    a method it lacks is left out). ``predict``: see :func:`simulator_prediction`. ``diloco_now``,
+    ``dp_now``: the present on each method's clock, for a run in progress.
+
+    Returns ``diloco`` (:func:`diloco_resilience`), ``dp`` (:func:`dp_resilience`), ``simulator``
+    (knobs and prediction), ``loss`` (this run's curves and the reference's, at this run's equal
+    time and tokens, and the reference's own pair ``reference_pair``), ``schedule``
+    (:func:`schedule_counts`) and ``summary`` (the headline figures)."""
+    cfg = config or {}
+    resume_every = num((cfg.get("diloco") or {}).get("resume_every_steps"))
+    workers = num((cfg.get("dp") or {}).get("workers"))
+    d = (diloco_resilience(diloco.get("events"), diloco.get("merges"), schedule, diloco_now,
+                           int(resume_every) if resume_every else None) if diloco else None)
+    if dp and workers is None:
+        workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
+    p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
+    knobs = simulator_knobs(cfg, p, (dp or {}).get("summary"))
+    sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
+
+    curves = {}
+    if diloco and diloco.get("curve"):
+        curves["diloco"] = {"rows": diloco["curve"], "start_s": d["span"]["start_s"] if d else
+                            diloco_training_start(diloco.get("events"), diloco.get("summary"))}
+    if dp and dp.get("curve"):
+        curves["dp"] = {"rows": dp["curve"], "start_s": 0.0}
+    loss = loss_comparison(curves)
+    ref_out = None
+    if reference:
+        ref_curves = {}
+        for m in ("diloco", "dp"):
+            r = reference.get(m)
+            if r and r.get("curve"):
+                ref_curves[m] = {"rows": r["curve"], "start_s": diloco_training_start(r.get("events"), r.get("summary"))
+                                 if m == "diloco" else 0.0}
+        same = loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None
+        ref_out = {"run_dir": reference.get("run_dir"), "methods": list(ref_curves),
+                   "at_this_runs_points": same, "reference_pair": loss_comparison(ref_curves) if ref_curves else None}
+    loss["reference"] = ref_out
+    counts = schedule_counts(schedule, d, (diloco or {}).get("events"), (diloco or {}).get("merges"), p,
+                             (dp or {}).get("events"))
+    pred = sim.get("predicted") or {}
+    M = (knobs.get("knobs") or {}).get("learners", [None])[0]
+    summary = {
+        "diloco_uptime": (d or {}).get("uptime", {}).get("uptime"),
+        "dp_uptime": (p or {}).get("uptime", {}).get("uptime"),
+        "diloco_goodput": (d or {}).get("global", {}).get("goodput"),
+        "dp_goodput": (p or {}).get("global", {}).get("goodput"),
+        "predicted_diloco_goodput": (pred.get(f"diloco-{M}") or {}).get("goodput"),
+        "predicted_dp_goodput": (pred.get("dp") or {}).get("goodput"),
+        "predicted_diloco_rollback_goodput": (pred.get("diloco_rollback") or {}).get("goodput"),
+        "learners": M,
+    }
+    return {"status": "ok", "diloco": d, "dp": p, "simulator": sim, "loss": loss, "schedule": counts,
+            "summary": summary, "stall_factor": STALL_FACTOR}
