@@ -175,13 +175,35 @@ def validate(
                f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step")
 
 
+def simulate_goodput(knobs: dict, systems: list[str]) -> dict:
+    """The goodput simulator (``sim``) for the report's Resilience section: ``knobs`` are
+    ``sim.config.GoodputConfig`` fields (``reports.resilience.simulator_knobs``); per system its mean
+    goodput and uptime (fractions) over the seeds with 95 % Student-t half-widths."""
+    from sim.config import GoodputConfig
+    from sim.study import confidence_interval, simulate_grid
+
+    cfg = GoodputConfig(**knobs)
+    out = {}
+    for (system, _), runs in simulate_grid(cfg, systems=systems).items():
+        g, g_ci = confidence_interval([o.goodput for o in runs], cfg.confidence)
+        u, u_ci = confidence_interval([o.uptime for o in runs], cfg.confidence)
+        out[system] = {"goodput": g, "goodput_ci": g_ci, "uptime": u, "uptime_ci": u_ci,
+                       "failures_mean": sum(o.failures for o in runs) / len(runs)}
+    return out
+
+
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="a finished run directory")):
-    """Rebuild report/ from a run directory's files."""
+def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
+           reference: Optional[Path] = typer.Option(
+               None, "--reference", help="a run directory of the same experiment without chaos: the Resilience "
+               "section puts its held-out loss at equal time and tokens beside this run's (default: the run's "
+               "chaos.reference_run)")):
+    """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
+    run has a chaos schedule)."""
     from reports import build_report
 
     try:
-        build_report(run_dir)
+        build_report(run_dir, reference=reference, predict=simulate_goodput)
     except (FileNotFoundError, ValueError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2)

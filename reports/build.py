@@ -10,17 +10,19 @@ import importlib.metadata
 import json
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from matplotlib.figure import Figure
 
 from reports.analyses import manifest_items, pipeline_status, setup, stage_figures
-from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe
+from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe, label
 from reports.experts import expert_load_figure
 from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
-from reports.plots import confusion_figure, loss_figure, merges_figure, save_png
-from reports.read import MethodRecords, open_run, read_run
+from reports.plots import (confusion_figure, loss_figure, merges_figure, resilience_loss_figure,
+                           resilience_timeline_figure, save_png)
+from reports.read import MethodRecords, ReportInputError, RunRecords, open_run, read_run
+from reports.resilience import curve_points, diloco_training_start, resilience_figures
 from run.layout import STAGES, RunLayout
 
 PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
@@ -61,6 +63,93 @@ def _draw(fig: Figure | None, out_dir: Path, name: str) -> str | None:
     return name
 
 
+def _method_dict(rec: MethodRecords | None, role: str) -> dict | None:
+    """A method's records as :func:`reports.resilience.resilience_figures` takes them (``role``
+    "diloco": learner events and merges; "dp": its chaos events and training rows); None when it
+    left nothing."""
+    if rec is None or (rec.summary is None and rec.curve is None and rec.events is None and rec.chaos_events is None):
+        return None
+    if role == "diloco":
+        return {"events": rec.events, "merges": rec.merges, "curve": rec.curve, "summary": rec.summary}
+    return {"events": rec.chaos_events, "train": rec.train, "curve": rec.curve, "summary": rec.summary}
+
+
+def _reference(run_dir: str | Path | None, from_config: bool,
+               notes: list[str]) -> tuple[dict | None, RunRecords | None]:
+    """The reference run's pretraining records (``resilience_figures``' ``reference``) and the run
+    records. A path given by the caller must be a run directory (ReportInputError otherwise); one
+    from config.json (``chaos.reference_run``) that no longer is one is a note."""
+    if run_dir is None:
+        return None, None
+    try:
+        recs = read_run(open_run(run_dir))
+    except ReportInputError as exc:
+        if not from_config:
+            raise
+        notes.append(f"chaos.reference_run: {exc}; the reference run is left out.")
+        return None, None
+    pre = recs.stages.get("pretrain") or {}
+    ref = {"run_dir": str(run_dir), "diloco": _method_dict(pre.get("diloco"), "diloco"),
+           "dp": _method_dict(pre.get("dp"), "dp")}
+    if ref["diloco"] is None and ref["dp"] is None:
+        notes.append(f"reference run {run_dir} holds no pretraining curve of DiLoCo or DP; left out.")
+        return None, None
+    return ref, recs
+
+
+def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
+                predict: Callable | None) -> RunRecords | None:
+    """The Resilience figures into ``stages["pretrain"]["resilience"]`` when the run has a chaos
+    schedule (``pretrain/chaos.json``) or DP chaos events; returns the reference run's records."""
+    pre = records.stages.get("pretrain")
+    if not pre or "pretrain" not in stages:
+        return None
+    dp = pre.get("dp")
+    if records.chaos_schedule is None and not (dp is not None and dp.chaos_events):
+        return None
+    notes = stages["pretrain"]["notes"]
+    from_config = reference is None
+    if from_config:
+        reference = ((records.config or {}).get("chaos") or {}).get("reference_run")
+    ref, ref_records = _reference(reference, from_config, notes)
+    stages["pretrain"]["resilience"] = resilience_figures(
+        records.config, records.chaos_schedule, _method_dict(pre.get("diloco"), "diloco"), _method_dict(dp, "dp"),
+        reference=ref, predict=predict)
+    return ref_records
+
+
+def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRecords | None, out_dir: Path) -> None:
+    """The timeline and the loss-vs-time figures of the Resilience section into ``stage["plots"]``."""
+    res = stage.get("resilience")
+    if not res:
+        return
+    name = stage["stage"]
+    d = res.get("diloco")
+    t0 = d["span"]["start_s"] if d else 0.0
+    rec = records.get("diloco")
+    merges = [t - t0 for m in (rec.merges if rec else None) or [] if (t := m.get("merged_at_s")) is not None]
+    stage["plots"]["resilience_timeline"] = _draw(resilience_timeline_figure(res, merges if d else None),
+                                                  out_dir, figure_file(name, "resilience_timeline"))
+    series = []
+    for m, start in (("diloco", t0), ("dp", 0.0)):
+        r = records.get(m)
+        if r is not None and r.curve:
+            series.append({"method": m, "label": f"{label(m)} (this run)",
+                           "points": curve_points(r.curve, "wall_s", start)})
+    pts = (res["loss"].get("reference") or {}).get("reference_pair")
+    if ref is not None and pts:
+        rpre = ref.stages.get("pretrain") or {}
+        for m in ("diloco", "dp"):
+            r = rpre.get(m)
+            if r is not None and r.curve:
+                start = diloco_training_start(r.events, r.summary) if m == "diloco" else 0.0
+                series.append({"method": m, "label": f"{label(m)} (reference, no chaos)", "dashed": True,
+                               "points": curve_points(r.curve, "wall_s", start)})
+    stage["plots"]["resilience_loss"] = _draw(
+        resilience_loss_figure(series, res["loss"].get("at_s"), stage.get("unit", "tokens").removesuffix("s")),
+        out_dir, figure_file(name, "resilience_loss"))
+
+
 def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -> None:
     """The stage's figures into ``out_dir``; their file names into ``stage["plots"]`` and, for the
     merge plots, each method's ``plots``."""
@@ -88,7 +177,8 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
                                                     out_dir, figure_file(name, "merges_over_time", m))}
 
 
-def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
+def build_report(run_dir: str | Path, final_stage: bool = False, reference: str | Path | None = None,
+                 predict: Callable[[dict, list[str]], dict] | None = None) -> dict:
     """Read one run directory, write ``RUN/report/`` (see :mod:`reports`), return the report.
 
     ``run_dir``: a local path or an fsspec URL. The returned dict is exactly what ``report.json``
@@ -113,6 +203,16 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
     means "completing"; rebuilt later by hand, ``running`` means the run is going on or its process
     died without recording an end).
 
+    A run with a chaos schedule (``pretrain/chaos.json``) or DP chaos events gets
+    ``stages["pretrain"]["resilience"]`` (:func:`reports.resilience.resilience_figures`: timelines,
+    goodput, uptime, the simulator's prediction, held-out loss at equal time and tokens, the
+    schedule's events) and the figures ``pretrain_resilience_timeline.png`` and
+    ``pretrain_resilience_loss.png`` (``plots`` ``resilience_timeline``, ``resilience_loss``).
+    ``reference``: a run directory of the same experiment without chaos (default: config.json's
+    ``chaos.reference_run``; one given here must be a run directory, ReportInputError otherwise).
+    ``predict(knobs, systems)``: runs the goodput simulator (``reports`` may not import ``sim``;
+    ``flows.cli.simulate_goodput`` is one); None leaves the prediction "not computed".
+
     Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
     or is not a run directory (nothing is written then), and naming the file when an input exists
     but is corrupt.
@@ -121,6 +221,7 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
     records = read_run(layout)
     config = records.config
     stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
+    ref_records = _resilience(records, stages, reference, predict)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "run": {
@@ -148,6 +249,7 @@ def build_report(run_dir: str | Path, final_stage: bool = False) -> dict:
             old.unlink()
     for s, st in stages.items():
         _draw_stage(st, records.stages[s], out_dir)
+        _draw_resilience(st, records.stages[s], ref_records, out_dir)
     if report["finetune"] is not None:
         report["finetune"]["plots"]["loss"] = _draw(
             finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")), out_dir,

@@ -362,6 +362,178 @@ def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
         L += [f"![merges per fragment over time]({plot})", ""]
 
 
+def _s(x: float | None) -> str:
+    return format_value(x, "{:.2f}")
+
+
+def _yes(x: bool | None) -> str:
+    return "—" if x is None else ("yes" if x else "no")
+
+
+def _pct_ci(d: dict | None, key: str = "goodput") -> str:
+    if not d or d.get(key) is None:
+        return "—"
+    ci = d.get(f"{key}_ci")
+    return f"{100 * d[key]:.1f} %" + (f" ± {100 * ci:.1f}" if ci is not None and ci == ci else "")
+
+
+def resilience_headline(res: dict) -> str:
+    """The Resilience section's summary line (every figure from ``res``, computed elsewhere)."""
+    sm, d, p, sim = res["summary"], res.get("diloco") or {}, res.get("dp") or {}, res["simulator"]
+    parts = []
+    for who, fig in (("DiLoCo", d), ("DP", p)):
+        if not fig:
+            continue
+        up = fig["uptime"]
+        stall = (f", longest stall {up['longest_stall_s']:.2f} s at {up['longest_stall_at_s']:.1f} s"
+                 if up.get("longest_stall_s") is not None else "")
+        parts.append(f"{who} uptime {_pct(up.get('uptime'))}{stall}, goodput {_pct(fig['global']['goodput'])}")
+    line = "**Resilience:** " + "; ".join(parts) + "."
+    pred = sim.get("predicted") or {}
+    M = sm.get("learners")
+    if pred:
+        rb = pred.get("diloco_rollback")
+        line += (f" The goodput simulator predicts, for the same knobs, DiLoCo (M = {M}) "
+                 f"{_pct_ci(pred.get(f'diloco-{M}'))}"
+                 + (f" ({_pct_ci(rb)} with rollback to resume points)" if rb else "")
+                 + f" and DP {_pct_ci(pred.get('dp'))}.")
+    else:
+        line += f" Simulator prediction: {sim['status']}."
+    return line
+
+
+def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None:
+    """The Resilience section: every number from ``res`` (``reports.resilience.resilience_figures``)."""
+    L += ["### Resilience", "", resilience_headline(res), ""]
+    d, p, sim, loss, sch = res.get("diloco"), res.get("dp"), res["simulator"], res["loss"], res["schedule"]
+    if d:
+        sp = d["span"]
+        L += [f"DiLoCo's training span: {sp['length_s']:.2f} s, from the first learner start "
+              f"({sp['start_s']:.2f} s on the run clock) to its last event. Seconds per learner:", ""]
+        rows = []
+        for r in d["learners"]:
+            win = (f" ({r['window'][0]:.1f}–{r['window'][1]:.1f} s)" if r["scavenged"] and r["window"]
+                   else (" (never joined)" if r["scavenged"] else ""))
+            rows.append([f"{r['learner']}{' (scavenged)' if r['scavenged'] else ''}", _s(r["allocated_s"]) + win,
+                         _s(r["running_s"]), _s(r["straggling_s"]), _s(r["waiting_s"]), _s(r["down_s"]),
+                         _s(r["absent_s"]), _s(r["lost_work_s"]), _pct(r["goodput"]), r["failures"], r["restarts"],
+                         _yes(r["merged_again_after_restart"])])
+        g = d["global"]
+        rows.append(["**all**", _s(g["allocated_s"]), _s(g["running_s"]), _s(g["straggling_s"]), _s(g["waiting_s"]),
+                     _s(g["down_s"]), _s(g["absent_s"]), _s(g["lost_work_s"]), f"**{_pct(g['goodput'])}**",
+                     sum(r["failures"] for r in d["learners"]), sum(r["restarts"] for r in d["learners"]), "—"])
+        L += [_table(["learner", "allocated (s)", "running", "straggling", "waiting", "down", "absent",
+                      "lost work", "goodput", "failures", "restarts", "merged again after restart"], rows), ""]
+        up = d["uptime"]
+        L += [f"DiLoCo uptime {_pct(up['uptime'])} ({up['advances']} merges; median gap "
+              f"{format_value(up['median_gap_s'], '{:.3f}')} s; {len(up['stalls'])} stalls longer than "
+              f"{format_value(up['threshold_s'], '{:.3f}')} s, {format_value(up['stalled_s'], '{:.2f}')} s in all; "
+              f"start-up before the first merge {format_value(up['startup_s'], '{:.2f}')} s, left out; counting it "
+              f"{_pct(up['uptime_span'])}).", ""]
+    if p:
+        L += [f"DP's training span: {p['span']['length_s']:.2f} s on its own clock, W = {p['workers']} replicas, "
+              f"measured step {format_value(p['step_s'], '{:.4f}')} s:", ""]
+        rows = [[r["replica"], _s(r["allocated_s"]), _s(r["running_s"]), _s(r["straggling_s"]),
+                 _s(r["waiting_s"]), _s(r["recomputing_s"]), _s(r["down_s"]), _pct(r["goodput"]), r["failures"]]
+                for r in p["replicas"]]
+        g = p["global"]
+        rows.append(["**job**", _s(g["allocated_s"]), _s(g["running_s"]), _s(g["straggling_s"]), _s(g["waiting_s"]),
+                     _s(g["recomputing_s"]), _s(g["down_s"]), f"**{_pct(g['goodput'])}**", g["failures"]])
+        L += [_table(["DP replica", "allocated (s)", "running", "straggling", "waiting", "recomputing", "down",
+                      "goodput", "failures"], rows), ""]
+        if p["restores"]:
+            L += [_table(["failure at (s)", "replica", "step (high-water)", "restored to step", "down (s)",
+                          "restore (s)", "recomputing (s)"],
+                         [[_s(x["failed_at_s"]), format_value(x["replica"]),
+                           f"{format_value(x['step_at_failure'])} ({format_value(x['high_water_step'])})",
+                           format_value(x["restored_step"]), _s(x["down_s"]), format_value(x["restore_s"], "{:.3f}"),
+                           _s(x["recompute_s"])] for x in p["restores"]]), ""]
+        up = p["uptime"]
+        L += [f"DP uptime {_pct(up['uptime'])} ({up['advances']} logged steps, every 10th; median gap "
+              f"{format_value(up['median_gap_s'], '{:.3f}')} s; {len(up['stalls'])} stalls, "
+              f"{format_value(up['stalled_s'], '{:.2f}')} s; start-up before the first logged step "
+              f"{format_value(up['startup_s'], '{:.2f}')} s, left out; counting it {_pct(up['uptime_span'])}).", ""]
+    L += ["Goodput = useful time / allocated time, per learner (replica) and Σ useful / Σ allocated overall. "
+          "Allocated: the training span (a scavenged learner: its window, join to leave). Not useful: down "
+          "(failure → next start, and start-up before the first start), waiting (DiLoCo: blocked on an overdue "
+          "merge, or its budget spent before the span ended; DP: the job stalled by another replica's failure, "
+          "or the share (f − 1)/f of a slowdown it waits for the slowest replica, drawn as one block), "
+          "recomputing (DP after a rollback, until back at its high-water step), absent (outside a scavenged "
+          "window) and lost work (DiLoCo: the steps from the resume point it restarted from to the step it had "
+          "reached, at that attempt's seconds per step). Straggling time is useful (the learner computes, "
+          f"slower). Uptime: share of the span after the first advance in which the global model advanced "
+          f"(merges; DP steps past the high-water mark); a gap between advances over {res['stall_factor']:g} × "
+          "the median gap is a stall, counted minus one median gap.", ""]
+    # simulator
+    if sim.get("knobs"):
+        k = sim["knobs"]
+        L += [f"Simulator knobs (`sim.config.GoodputConfig`): chips = learners = {k['chips'][0]} (slices of one "
+              f"chip), MTBI {sim['mtbf_s']:g} s, recovery exponweib(a {k['recovery_a']:g}, c {k['recovery_c']:g}, "
+              f"scale {k['recovery_scale_s']:g} s), detection 0, step {k['step_s']:.4f} s (DP's), checkpoint every "
+              f"{k['checkpoint_every_steps']} steps, restart {k['restart_s']:.3f} s (DP's mean restore), "
+              f"{k['failures_per_run']} failures per run × {k['seeds']} seeds."
+              + "".join(f" {n}." for n in sim.get("notes") or []) + f" Status: {sim['status']}.", ""]
+    # loss at equal time and tokens
+    cur = loss.get("curves") or {}
+    ref = loss.get("reference") or {}
+    if cur:
+        rows = []
+        for m, c in cur.items():
+            rows.append([label(m), "this run", format_value(c["final_tokens"], "int"), _s(c["final_s"]),
+                         format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
+                         format_value(c["final_loss"], "{:.4f}")])
+        for m, c in ((ref.get("at_this_runs_points") or {}).get("curves") or {}).items():
+            rows.append([label(m), "reference (no chaos)", format_value(c["final_tokens"], "int"), _s(c["final_s"]),
+                         format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
+                         format_value(c["final_loss"], "{:.4f}")])
+        L += [_table(["method", "run", f"final {unit}", "training s", f"loss at {_s(loss['at_s'])} s",
+                      f"loss at {format_value(loss['at_tokens'], 'int')} {unit}", "final loss"], rows), ""]
+        L += [f"Held-out loss (nats/{per_unit(unit)}) interpolated linearly at equal wall time (the shorter "
+              "method's end, each method's time since its own training start) and at equal training "
+              f"{unit} (the common final count); — outside a curve's range.", ""]
+        pair = ref.get("reference_pair")
+        if pair and pair.get("curves"):
+            at_n = format_value(pair["at_tokens"], "int")
+            txt = "; ".join(f"{short_label(m)} {format_value(c['loss_at_s'], '{:.4f}')} at {_s(pair['at_s'])} s, "
+                            f"{format_value(c['loss_at_tokens'], '{:.4f}')} at {at_n} {unit}"
+                            for m, c in pair["curves"].items())
+            L += [f"Reference run `{ref['run_dir']}` on its own: {txt}.", ""]
+    elif ref.get("run_dir"):
+        L += [f"*held-out loss curves: {NOT_RUN} in this run.*", ""]
+    # the schedule
+    f, sl = sch["failures"], sch["slowdowns"]
+    L += [_table(["scheduled", "drawn", "in DiLoCo's span", "fired in DiLoCo", "in DP's span", "fired in DP"],
+                 [["failures", f["drawn"], format_value(f["diloco_in_span"]), format_value(f["diloco_fired"]),
+                   format_value(f["dp_in_span"]), format_value(f["dp_fired"])],
+                  ["slowdowns (straggler / heterogeneity: "
+                   f"{sl['by_kind']['straggler']} / {sl['by_kind']['heterogeneity']})", sl["drawn"],
+                   format_value(sl["diloco_in_span"]), format_value(sl["diloco_fired"]),
+                   format_value(sl["dp_in_span"]), format_value(sl["dp_fired"])]]), ""]
+    L += ["In span: scheduled before the method's span ended (DiLoCo on each learner's training clock). Fired: "
+          "DiLoCo's failure or kill events naming a scheduled time, slowdown events with factor > 1; DP's "
+          "failure events, and its slowdown events (one per change of the job's factor).", ""]
+    if sch["scavenged"]:
+        L += [_table(["scavenged learner", "window (s of training)", "joined at (s)", "left at (s)"],
+                     [[x["learner"], f"{format_value(x['join_s'], '{:g}')}–"
+                       + (format_value(x["leave_s"], "{:g}") if x["leave_s"] is not None else "end"),
+                       _s(x["joined_at_s"]), _s(x["left_at_s"])] for x in sch["scavenged"]]), ""]
+    if sch["corruptions"]:
+        L += [_table(["corrupted learner", "after (s)", "kind", "sent at (s)", "fragment", "local step",
+                      "dropped by the syncer", "merged"],
+                     [[x["learner"], format_value(x["at_s"], "{:g}"), x["kind"],
+                       _s(x["sent_at_s"]) if x["sent"] else "not sent", format_value(x["fragment"]),
+                       format_value(x["step"]), (f"yes ({x['reason']})" if x["dropped"] else _yes(x["dropped"])),
+                       ("**yes**" if x["merged"] else _yes(x["merged"])
+                        + (" (a retry sent that step again; its copy may be merged)"
+                           if x.get("resent_by_a_later_attempt") else ""))] for x in sch["corruptions"]]), ""]
+        L += ["A corrupted submission must be dropped and never merged (merged: a merge of that fragment "
+              "lists the learner at that local step and base version).", ""]
+    for key, alt in (("resilience_timeline", "learner and replica states over training"),
+                     ("resilience_loss", "held-out loss vs training seconds under chaos")):
+        if plots.get(key):
+            L += [f"![{alt}]({plots[key]})", ""]
+
+
 def _stage(st: dict, L: list[str]) -> None:
     L += [f"## {st['label']}", ""]
     _comparison_section(st, L)
@@ -378,6 +550,8 @@ def _stage(st: dict, L: list[str]) -> None:
         _ledger_section(f, who, L, st.get("unit", "tokens"))
         _chaos_section(f, suffix, L)
         _merges_section(f, suffix, L)
+    if st.get("resilience"):
+        _resilience_section(st["resilience"], st.get("plots") or {}, st.get("unit", "tokens"), L)
     if st["notes"]:
         L += ["### Notes", ""] + [f"- {n}" for n in st["notes"]] + [""]
 

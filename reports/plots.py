@@ -16,6 +16,7 @@ from pathlib import Path
 
 import matplotlib
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import EngFormatter, MaxNLocator
 
 from reports.common import label, num, short_label
@@ -171,4 +172,74 @@ def confusion_figure(evals: dict[str, dict | None]) -> Figure | None:
         finish_axes(ax, "predicted class", "true class",
                     f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else ""))
         ax.grid(False)
+    return fig
+
+
+# Timeline states (reports.resilience.STATES) and their colours.
+STATE_COLORS = {"running": "tab:green", "straggling": "#bcbd22", "waiting": "tab:orange",
+                "recomputing": "tab:purple", "down": "tab:red", "absent": "#d9d9d9"}
+
+
+def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None = None) -> Figure | None:
+    """One row per DiLoCo learner, then one per DP replica, coloured by state (running, straggling,
+    waiting, recomputing, down, absent; ``reports.resilience``) against seconds since each method's
+    training start; DiLoCo's merges as ticks on a row of their own (``merge_times``, the same
+    seconds). None when neither method has a timeline."""
+    rows: list[tuple[str, list[dict]]] = []
+    d, p = resilience.get("diloco") or {}, resilience.get("dp") or {}
+    for m, ivs in (d.get("timelines") or {}).items():
+        rows.append((f"{short_label('diloco')} learner {m}", ivs))
+    dp_rows = list((p.get("timelines") or {}).items())
+    for r, ivs in dp_rows:
+        rows.append((f"{short_label('dp')} replica {r}" if len(dp_rows) > 1 else short_label("dp"), ivs))
+    if not rows:
+        return None
+    ticks = merge_times is not None and bool(d)
+    n = len(rows) + (1 if ticks else 0)
+    fig = new_figure(9.0, 1.6 + 0.42 * n)
+    ax = fig.add_subplot()
+    labels, seen = [], set()
+    y = n - 1
+    if ticks:
+        ax.vlines([t for t in merge_times if t >= 0], y - 0.35, y + 0.35, color="tab:blue", lw=0.6)
+        labels.append((y, f"{short_label('diloco')} merges"))
+        y -= 1
+    for name, ivs in rows:
+        by: dict[str, list[tuple[float, float]]] = {}
+        for iv in ivs:
+            by.setdefault(iv["state"], []).append((iv["start"], iv["end"] - iv["start"]))
+        for state, spans in by.items():
+            ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=STATE_COLORS.get(state, "black"), linewidth=0)
+            seen.add(state)
+        labels.append((y, name))
+        y -= 1
+    ax.set_yticks([a for a, _ in labels], [b for _, b in labels], fontsize=8)
+    ax.set_ylim(-0.7, n - 0.3)
+    ends = [iv["end"] for _, ivs in rows for iv in ivs]
+    ax.set_xlim(0, max(ends, default=1.0) * 1.01 or 1.0)
+    finish_axes(ax, "seconds since the method's training start", None,
+                "Learner and replica states over training (DiLoCo: run clock; DP: its own clock)", grid_axis="x")
+    handles = [Patch(color=STATE_COLORS[s], label=s) for s in STATE_COLORS if s in seen]
+    fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
+    return fig
+
+
+def resilience_loss_figure(series: list[dict], at_s: float | None = None, unit: str = "token") -> Figure | None:
+    """Held-out loss (nats/``unit``) against seconds since each method's training start: one line per
+    ``series`` entry (``method``, ``label``, ``points`` [(s, loss)], ``dashed``: a reference run
+    without chaos), the equal-time point ``at_s`` as a vertical line. None without points."""
+    have = [s for s in series if s.get("points")]
+    if not have:
+        return None
+    fig = new_figure(7.0, 4.5)
+    ax = fig.add_subplot()
+    for i, s in enumerate(have):
+        xs, ys = zip(*s["points"])
+        ax.plot(xs, ys, ls="--" if s.get("dashed") else "-", marker="o", ms=2.5, lw=1.4,
+                color=series_color(s["method"], i), alpha=0.7 if s.get("dashed") else 1.0, label=s["label"])
+    if at_s is not None:
+        ax.axvline(at_s, color="grey", lw=0.8, ls=":", label=f"equal time: {at_s:.1f} s")
+    finish_axes(ax, "seconds since the method's training start", f"held-out loss (nats/{unit})",
+                "Held-out loss vs training time under the chaos schedule")
+    ax.legend(fontsize=8)
     return fig

@@ -4,9 +4,10 @@
 uses into plain dicts and lists (:class:`RunRecords`): the resolved config, the data manifest, the
 run state, and per stage (``RunLayout.stages()``) and method (``RunLayout.methods(stage)``, plus the
 known methods of ``run.layout.METHOD_ORDER`` so that a missing baseline reads "not run") the
-summary, the evaluation result and the metrics files. A file that does not exist reads as
-``None`` (the part it feeds says "not run"); a file that exists but is corrupt raises
-:class:`ReportInputError` naming it. Record fields are docs/contracts.md's; nothing is renamed or
+summary, the evaluation result and the metrics files, and the pretraining chaos schedule
+(``pretrain/chaos.json``, as a plain dict). A file that does not exist reads as ``None`` (the
+part it feeds says "not run"); a file that exists but is corrupt raises :class:`ReportInputError`
+naming it. Record fields are docs/contracts.md's; nothing is renamed or
 guessed here.
 
 Post-training (:func:`read_post_training`): a ``finetune`` stage written by the fine-tuning
@@ -50,8 +51,10 @@ class MethodRecords:
 
     ``summary`` (summary.json), ``eval`` (eval/<stage>/<method>.json, raw), ``curve`` (held-out loss
     rows, metrics/eval.jsonl), ``merges`` and ``events`` (a syncer's merge log and the learner
-    events, metrics/merges.jsonl and metrics/learners.jsonl). ``files`` names each source by its
-    path relative to the run directory (for the report's "source" fields).
+    events, metrics/merges.jsonl and metrics/learners.jsonl), ``train`` (training rows,
+    metrics/train.jsonl: DP) and ``chaos_events`` (a synchronous job's chaos events,
+    metrics/events.jsonl: DP's failures, restores, checkpoints, slowdowns). ``files`` names each
+    source by its path relative to the run directory (for the report's "source" fields).
     """
 
     stage: str
@@ -61,6 +64,8 @@ class MethodRecords:
     curve: list[dict] | None = None
     merges: list[dict] | None = None
     events: list[dict] | None = None
+    train: list[dict] | None = None
+    chaos_events: list[dict] | None = None
     files: dict[str, str] = field(default_factory=dict)
 
 
@@ -87,7 +92,8 @@ class FinetuneRecords:
 class RunRecords:
     """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
     stages in pipeline order and methods in report order; ``finetune`` maps method →
-    :class:`FinetuneRecords` when the run holds a post-training stage (else empty)."""
+    :class:`FinetuneRecords` when the run holds a post-training stage (else empty);
+    ``chaos_schedule`` is ``pretrain/chaos.json`` (``diloco.chaos.ChaosSchedule`` as JSON) or None."""
 
     layout: RunLayout
     config: dict | None
@@ -95,6 +101,7 @@ class RunRecords:
     status: dict | None
     stages: dict[str, dict[str, MethodRecords]]
     finetune: dict[str, FinetuneRecords] = field(default_factory=dict)
+    chaos_schedule: dict | None = None
 
 
 def read_json(path: Path, kind: type = dict) -> Any | None:
@@ -169,6 +176,8 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
         "curve": layout.metrics(stage, method, "eval"),
         "merges": layout.metrics(stage, method, "merges"),
         "learners": layout.metrics(stage, method, "learners"),
+        "train": layout.metrics(stage, method, "train"),
+        "events": layout.metrics(stage, method, "events"),
     }
     return MethodRecords(
         stage=stage,
@@ -178,6 +187,8 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
         curve=read_jsonl(paths["curve"]),
         merges=read_jsonl(paths["merges"]),
         events=read_jsonl(paths["learners"]),
+        train=read_jsonl(paths["train"]),
+        chaos_events=read_jsonl(paths["events"]),
         files={k: relative(layout, p) for k, p in paths.items()},
     )
 
@@ -243,4 +254,5 @@ def read_run(layout: RunLayout) -> RunRecords:
         status=read_json(layout.status),
         stages=stages,
         finetune=finetune,
+        chaos_schedule=read_json(layout.chaos_schedule),
     )
