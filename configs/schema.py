@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-
-from diloco.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, ValidationError,
                       model_validator)
+
+from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 
 
 class _Strict(BaseModel):
@@ -550,7 +550,7 @@ class ChaosConfig(_Strict):
         "when = before_publish (default) or after_publish"
     )
     schedule: ChaosPlan | None = Field(
-        None, description="a seeded chaos schedule (diloco.chaos): failures with restart delays (mtbf_s, "
+        None, description="a seeded chaos schedule (configs.chaos): failures with restart delays (mtbf_s, "
         "restart_delay), straggler episodes, heterogeneity, scavenged learners, corrupted submissions; drawn "
         "once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP")
     replay: str | None = Field(
@@ -811,7 +811,7 @@ class ExperimentConfig(_Strict):
 
     def chaos_schedule(self) -> ChaosSchedule | None:
         """The run's chaos schedule: ``chaos.replay``'s file, or ``chaos.schedule`` drawn from its seed
-        (``diloco.chaos.draw_schedule``; the same config always gives the same schedule); None without
+        (``configs.chaos.draw_schedule``; the same config always gives the same schedule); None without
         either. Raises ``ValueError`` naming the field when the file is missing or not a schedule."""
         if self.chaos.replay is not None:
             try:

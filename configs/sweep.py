@@ -49,7 +49,7 @@ class SweepSpec(_Strict):
                                   "(sweep-<name>) and its report's title")
     base: str = Field("tiny", min_length=1,
                       description="the config every cell starts from: a shipped config's name (default, failure, moe, "
-                                  "tiny, vit, vit_moe) or the path of a YAML config (relative to the repository)")
+                                  "tiny, vit, vit_moe, chaos) or the path of a YAML config (relative to the repository)")
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="dotted keys applied to the base in every cell before the cell's own, e.g. "
                                           "{\"finetune.enabled\": false}")

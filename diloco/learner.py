@@ -141,7 +141,7 @@ class LearnerSetup:
     # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the run clock, idle
     # (factor − 1) × the step's compute time, outside the turns (chaos.slowdowns)
     slowdowns: tuple[tuple[float, float, float | None], ...] = ()
-    # chaos schedule (diloco.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
+    # chaos schedule (configs.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
     # ascending; the presence window (join_s, leave_s or None); (at_s, kind) corruptions, ascending
     timed_failures: tuple[tuple[float, float, str], ...] = ()
     window: tuple[float, float | None] = (0.0, None)
@@ -233,7 +233,7 @@ def run_learner(s: LearnerSetup) -> dict:
     """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
     every fragment with unsent progress.
 
-    Chaos (``diloco.chaos`` schedules, on the training clock: seconds since this learner's first
+    Chaos (``configs.chaos`` schedules, on the training clock: seconds since this learner's first
     attempt started): a retried attempt first waits out the restart delay of the failure it
     follows (status ``down``); a scavenged learner waits to join (status ``absent``) and stops when
     it leaves; a timed failure fires in the attempt that was running at its time; the next

@@ -333,6 +333,7 @@ class Syncer:
             "steps": [s.steps for s in subs],
             "stale": [self.versions[p] - 1 - s.base_version for s in subs],
             "local_steps": [s.local_step for s in subs],
+            "attempts": [s.attempt for s in subs],
             "quorum_at_s": quorum_at,
             "merged_at_s": now,
             "bytes_in": int(sum(s.nbytes for s in subs)),  # payloads as sent (codes and scales)

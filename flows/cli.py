@@ -175,23 +175,6 @@ def validate(
                f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step")
 
 
-def simulate_goodput(knobs: dict, systems: list[str]) -> dict:
-    """The goodput simulator (``sim``) for the report's Resilience section: ``knobs`` are
-    ``sim.config.GoodputConfig`` fields (``reports.resilience.simulator_knobs``); per system its mean
-    goodput and uptime (fractions) over the seeds with 95 % Student-t half-widths."""
-    from sim.config import GoodputConfig
-    from sim.study import confidence_interval, simulate_grid
-
-    cfg = GoodputConfig(**knobs)
-    out = {}
-    for (system, _), runs in simulate_grid(cfg, systems=systems).items():
-        g, g_ci = confidence_interval([o.goodput for o in runs], cfg.confidence)
-        u, u_ci = confidence_interval([o.uptime for o in runs], cfg.confidence)
-        out[system] = {"goodput": g, "goodput_ci": g_ci, "uptime": u, "uptime_ci": u_ci,
-                       "failures_mean": sum(o.failures for o in runs) / len(runs)}
-    return out
-
-
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
            reference: Optional[Path] = typer.Option(
@@ -201,6 +184,7 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
     """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
     run has a chaos schedule)."""
     from reports import build_report
+    from sim.study import simulate_goodput
 
     try:
         build_report(run_dir, reference=reference, predict=simulate_goodput)
@@ -213,7 +197,7 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
 @app.command()
 def sweep(
     sweep_file: Optional[str] = typer.Argument(None, help="a sweep YAML file, or a shipped sweep's name: "
-                                               "tiny_grid, nightly (configs/sweeps/)"),
+                                               "tiny_grid, nightly, mixed_hardware (configs/sweeps/)"),
     axis: list[str] = typer.Option([], "--axis", help="a grid axis, e.g. --axis diloco.learners=[2,4,8] "
                                    "(added to the file's grid, or replacing its axis of that key)"),
     base: Optional[str] = typer.Option(None, help="the config every cell starts from (a shipped config's name or "

@@ -211,7 +211,7 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     ``reference``: a run directory of the same experiment without chaos (default: config.json's
     ``chaos.reference_run``; one given here must be a run directory, ReportInputError otherwise).
     ``predict(knobs, systems)``: runs the goodput simulator (``reports`` may not import ``sim``;
-    ``flows.cli.simulate_goodput`` is one); None leaves the prediction "not computed".
+    ``sim.study.simulate_goodput`` is one); None leaves the prediction "not computed".
 
     Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
     or is not a run directory (nothing is written then), and naming the file when an input exists

@@ -93,7 +93,7 @@ class RunRecords:
     """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
     stages in pipeline order and methods in report order; ``finetune`` maps method →
     :class:`FinetuneRecords` when the run holds a post-training stage (else empty);
-    ``chaos_schedule`` is ``pretrain/chaos.json`` (``diloco.chaos.ChaosSchedule`` as JSON) or None."""
+    ``chaos_schedule`` is ``pretrain/chaos.json`` (``configs.chaos.ChaosSchedule`` as JSON) or None."""
 
     layout: RunLayout
     config: dict | None

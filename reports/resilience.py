@@ -675,7 +675,7 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
     if not restores:
         notes.append("DP restored nothing: restart_s = 0")
     delay = plan.get("restart_delay") or {}
-    law = {"a": 2.0, "c": 1.5, "scale_s": 2.0}  # diloco.chaos.RestartDelay's defaults
+    law = {"a": 2.0, "c": 1.5, "scale_s": 2.0}  # configs.chaos.RestartDelay's defaults
     knobs = {
         "chips": [M], "slice_chips": 1, "learners": [M], "quorum": 1,
         "chip_mtbi_years": mtbf / (365.0 * 24 * 3600), "detect_s": 0.0,
@@ -694,7 +694,7 @@ def simulator_prediction(knobs: dict, predict: Callable[[dict, list[str]], dict]
     (:func:`simulator_knobs`). ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
     "uptime", "uptime_ci"}}`` runs the simulator: ``reports`` may not import ``sim`` (``sim`` draws
     with ``reports.plots``; tests/test_imports.py), so the caller passes it (``ddiloco report`` does:
-    ``flows.cli.simulate_goodput``). Without it: status "not computed". ``diloco_rollback``: the
+    ``sim.study.simulate_goodput``). Without it: status "not computed". ``diloco_rollback``: the
     DiLoCo system again with step_s = the learners' median seconds per step × resume_every_steps
     (see :func:`simulator_knobs`), when both are known."""
     if knobs.get("status") != "ok":
@@ -773,16 +773,20 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
 _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
-def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None) -> bool:
+def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None,
+          attempt: Any = None) -> bool:
     """Whether ``merge`` took learner's submission of ``fragment`` sent at local ``step`` from
-    ``base`` version: the learner is a contributor at that local step and, when both are known, its
-    base version (the merge's ``version`` − 1 − its ``stale``) is ``base`` (a retried attempt sends
-    the same local step again, from a newer base)."""
+    ``base`` version by ``attempt``: the learner is a contributor at that local step and, when both
+    are known, its base version (the merge's ``version`` − 1 − its ``stale``) is ``base`` (a retried
+    attempt sends the same local step again, from a newer base) and its attempt (the merge record's
+    ``attempts``, where recorded) is ``attempt``."""
     if merge.get("fragment") != fragment:
         return False
-    version, stale = num(merge.get("version")), merge.get("stale") or []
+    version, stale, attempts = num(merge.get("version")), merge.get("stale") or [], merge.get("attempts")
     for i, (who, s) in enumerate(zip(merge.get("contributors") or [], merge.get("local_steps") or [])):
         if lid(who) != learner or num(s) != step:
+            continue
+        if attempts is not None and attempt is not None and i < len(attempts) and attempts[i] != attempt:
             continue
         behind = num(stale[i]) if i < len(stale) and not isinstance(stale[i], bool) else None
         if base is None or version is None or behind is None or version - 1 - behind == base:
@@ -875,9 +879,12 @@ def schedule_counts(schedule: dict | None, diloco: dict | None, events: list[dic
             # that clean copy's.
             resent = [_t(e) for e in own if e.get("event") == "start" and lid(e["learner"]) == m
                       and (_t(e) or 0.0) > t_c and (num(e.get("step")) or 0) < (step or 0)]
-            took = [x for x in merges or [] if _took(x, m, frag, step, base)
+            took = [x for x in merges or [] if _took(x, m, frag, step, base, ev.get("attempt"))
                     and (num(x.get("merged_at_s")) or 0.0) > t_c]
-            merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
+            if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
+                merged = bool(took)
+            else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
+                merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
             row["resent_by_a_later_attempt"] = bool(resent)
             row.update(sent_at_s=(_t(ev) - t0) if _t(ev) is not None and t0 is not None else None, fragment=frag,
                        step=step, dropped=drop is not None, reason=drop.get("reason") if drop else None,

@@ -88,7 +88,7 @@ class RunLayout:
 
     @property
     def chaos_schedule(self) -> UPath:
-        """The pretraining chaos schedule both methods replayed (``diloco.chaos.ChaosSchedule`` JSON)."""
+        """The pretraining chaos schedule both methods replayed (``configs.chaos.ChaosSchedule`` JSON)."""
         return self.root / "pretrain" / "chaos.json"
 
     # -- one trained model: a stage and a method --------------------------------------------------

@@ -159,3 +159,18 @@ def calibrate(cfg: GoodputConfig, seeds: int = 8, failures_per_run: int = 4000) 
         "seeds": seeds, "failures_per_run": failures_per_run,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def simulate_goodput(knobs: dict, systems: list[str]) -> dict:
+    """The simulator on one run's knobs, for a report's Resilience section: ``knobs`` are
+    :class:`GoodputConfig` fields (``reports.resilience.simulator_knobs`` derives them from a chaos
+    run); per system in ``systems`` its mean goodput and uptime (fractions) over the seeds, with
+    half-widths of the ``confidence`` interval (Student t), and the mean number of interruptions."""
+    cfg = GoodputConfig(**knobs)
+    out = {}
+    for (system, _), runs in simulate_grid(cfg, systems=systems).items():
+        g, g_ci = confidence_interval([o.goodput for o in runs], cfg.confidence)
+        u, u_ci = confidence_interval([o.uptime for o in runs], cfg.confidence)
+        out[system] = {"goodput": g, "goodput_ci": g_ci, "uptime": u, "uptime_ci": u_ci,
+                       "failures_mean": sum(o.failures for o in runs) / len(runs)}
+    return out

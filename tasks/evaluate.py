@@ -29,8 +29,9 @@ def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str 
 def report_task(run_dir: Path, final_stage: bool = True) -> dict:
     """Build the report (``final_stage``: as the pipeline's last stage, before its status is final)."""
     from reports import build_report
+    from sim.study import simulate_goodput
     from reports.artifacts import publish_report_artifacts
 
-    report = build_report(Path(run_dir), final_stage=final_stage)
+    report = build_report(Path(run_dir), final_stage=final_stage, predict=simulate_goodput)
     publish_report_artifacts(report, Path(run_dir))
     return report

@@ -1,4 +1,4 @@
-"""The chaos engine (``diloco.chaos``): seeded schedules that replay exactly, learners failing,
+"""The chaos engine (``configs.chaos``): seeded schedules that replay exactly, learners failing,
 restarting after their delay, joining and leaving, waiting for overdue merges, submissions damaged
 in flight and quarantined, DP stalled and rolled back by the same schedule, and one real Prefect run
 of DiLoCo under a drawn schedule with its ledger balanced."""
@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from configs.schema import ExperimentConfig
-from diloco.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
+from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 from diloco.exchange import InMemoryExchange
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, corrupt_payload, run_learner
@@ -229,7 +229,8 @@ def test_a_wait_gives_up_when_the_merge_never_comes():
 
 # -- DP under the same schedule -----------------------------------------------------------------------
 def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_failures(small_cfg, small_data, tmp_path):
-    """A failure at 3 s of training: the whole job stops for the 0.5 s restart delay, restores its
+    """A failure at 3 s of training (and a second replica's at 3.2 s, while the job is down): the whole
+    job stops until both are back (3.8 s), restores its
     last checkpoint (every 5 steps; none yet: the initial state) and recomputes the steps since on
     the same batches, so its held-out curve over tokens is the failure-free one to the last bit; a
     permanent 30× slowdown of one replica slows every step (and keeps the run long enough for the
@@ -237,7 +238,8 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     from training.dp import train_dp
 
     sched = ChaosSchedule.model_validate({"learners": 3, "failures": [
-        {"learner": 1, "at_s": 3.0, "restart_delay_s": 0.5}], "slowdowns": [
+        {"learner": 1, "at_s": 3.0, "restart_delay_s": 0.5}, {"learner": 0, "at_s": 3.2, "restart_delay_s": 0.6}],
+        "slowdowns": [
         {"learner": 2, "factor": 30.0, "kind": "heterogeneity"}]})
     path = tmp_path / "chaos.json"
     path.write_text(sched.dumps())
@@ -250,14 +252,17 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
         runs[name] = (train_dp(cfg, run_dir), RunLayout(run_dir))
     (calm, calm_layout), (hit, layout) = runs["calm"], runs["chaos"]
     events = read_jsonl(layout.metrics("pretrain", "dp", "events"))
-    fail = next(e for e in events if e["event"] == "failure")
-    restore = next(e for e in events if e["event"] == "restore")
+    fail, again = (e for e in events if e["event"] == "failure")
+    (restore,) = (e for e in events if e["event"] == "restore")
+    # replica 0 fails while the job is down: the stall lasts until it is back too, one rollback
+    assert again["replica"] == 0 and again["while_down"] and again["t"] < restore["t"]
+    assert restore["t"] >= 3.2 + 0.6
     saved = [e["step"] for e in events if e["event"] == "checkpoint" and e["t"] < fail["t"]]
     assert fail["replica"] == 1 and fail["step"] >= 1 and fail["t"] >= 3.0
     assert restore["step"] == max(saved, default=0) and restore["lost_steps"] == fail["step"] - restore["step"]
     # down from the step boundary it met the failure at, until its time + the restart delay, then restored
     assert restore["t"] >= fail["at_s"] + 0.5 and hit["chaos"]["stall_s"] == pytest.approx(restore["down_s"])
-    assert hit["chaos"] == {**hit["chaos"], "failures": 1, "lost_steps": restore["lost_steps"], "checkpoint_every_steps": 5}
+    assert hit["chaos"] == {**hit["chaos"], "failures": 2, "lost_steps": restore["lost_steps"], "checkpoint_every_steps": 5}
     assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0]
     assert json.loads(layout.chaos_schedule.read_text()) == json.loads(sched.dumps())  # saved for the record
     curve = [(r["tokens"], r["val/loss"]) for r in read_jsonl(layout.metrics("pretrain", "dp", "eval"))]

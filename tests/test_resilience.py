@@ -344,7 +344,7 @@ def chaos_run(prefect_harness, small_cfg, small_data, tmp_path_factory):
 
 
 def test_a_real_chaos_run(chaos_run: Path):
-    from flows.cli import simulate_goodput
+    from sim.study import simulate_goodput
 
     lay = RunLayout(chaos_run)
     report = build_report(chaos_run, predict=simulate_goodput)

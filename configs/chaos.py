@@ -20,7 +20,10 @@ The same schedule drives both methods:
   last checkpoint; a slowdown of any replica slows every step (lock-step: the slowest replica sets
   the pace); scavenged capacity and submissions do not exist for it.
 
-Plain Python, NumPy and pydantic; SciPy for the restart-delay law. No JAX, no Prefect.
+Plain Python, NumPy and pydantic; SciPy for the restart-delay law. No JAX, no Prefect, nothing of
+ours: the config validates a run's schedule (a retry for every failure, the replayed file's learner
+count) before any work starts, so the schedule lives beside the schema; the learner loop
+(``diloco.learner``) and the DP job (``training.dp``) receive its events as plain values.
 """
 
 from __future__ import annotations
