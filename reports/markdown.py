@@ -385,9 +385,10 @@ def resilience_headline(res: dict) -> str:
         if not fig:
             continue
         up = fig["uptime"]
-        stall = (f", longest stall {up['longest_stall_s']:.2f} s at {up['longest_stall_at_s']:.1f} s"
-                 if up.get("longest_stall_s") is not None else "")
-        parts.append(f"{who} uptime {_pct(up.get('uptime'))}{stall}, goodput {_pct(fig['global']['goodput'])}")
+        cad = up.get("cadence") or {}
+        gap = (f", longest gap between {'merges' if who == 'DiLoCo' else 'logged steps'} "
+               f"{cad['longest_stall_s']:.2f} s" if cad.get("longest_stall_s") is not None else "")
+        parts.append(f"{who} uptime {_pct(up.get('uptime'))}{gap}, goodput {_pct(fig['global']['goodput'])}")
     line = "**Resilience:** " + "; ".join(parts) + "."
     pred = sim.get("predicted") or {}
     M = sm.get("learners")
@@ -425,7 +426,11 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
         L += [_table(["learner", "allocated (s)", "running", "straggling", "waiting", "down", "absent",
                       "lost work", "goodput", "failures", "restarts", "merged again after restart"], rows), ""]
         up = d["uptime"]
-        L += [f"DiLoCo uptime {_pct(up['uptime'])} ({up['advances']} merges; median gap "
+        L += [f"DiLoCo uptime {_pct(up['uptime'])}: a learner computed and the syncer was up for "
+              f"{_s(up['up_s'])} of {_s(d['span']['length_s'])} s ({len(up['outages'])} intervals with nothing "
+              f"up, {_s(up['down_s'])} s in all).", ""]
+        up = up["cadence"]
+        L += [f"Merge cadence {_pct(up['uptime'])} ({up['advances']} merges; median gap "
               f"{format_value(up['median_gap_s'], '{:.3f}')} s; {len(up['stalls'])} stalls longer than "
               f"{format_value(up['threshold_s'], '{:.3f}')} s, {format_value(up['stalled_s'], '{:.2f}')} s in all; "
               f"start-up before the first merge {format_value(up['startup_s'], '{:.2f}')} s, left out; counting it "
@@ -449,7 +454,10 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
                            format_value(x["restored_step"]), _s(x["down_s"]), format_value(x["restore_s"], "{:.3f}"),
                            _s(x["recompute_s"])] for x in p["restores"]]), ""]
         up = p["uptime"]
-        L += [f"DP uptime {_pct(up['uptime'])} ({up['advances']} logged steps, every 10th; median gap "
+        L += [f"DP uptime {_pct(up['uptime'])}: the job computed new steps for {_s(up['up_s'])} of "
+              f"{_s(p['span']['length_s'])} s ({len(up['outages'])} stalls or recomputations, {_s(up['down_s'])} s).", ""]
+        up = up["cadence"]
+        L += [f"DP step cadence {_pct(up['uptime'])} ({up['advances']} logged steps, every 10th; median gap "
               f"{format_value(up['median_gap_s'], '{:.3f}')} s; {len(up['stalls'])} stalls, "
               f"{format_value(up['stalled_s'], '{:.2f}')} s; start-up before the first logged step "
               f"{format_value(up['startup_s'], '{:.2f}')} s, left out; counting it {_pct(up['uptime_span'])}).", ""]

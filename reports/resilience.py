@@ -10,9 +10,14 @@ docs/goodput.md):
   re-compilation, restarts and recomputation is not useful; ``sim.jobs``: useful chip-seconds /
   (chips × horizon)). Here per learner (DiLoCo) or replica (DP), in seconds of its method's
   training clock, and globally as Σ useful / Σ allocated.
-- **Uptime** = share of the training span in which the global model advanced (the paper: the
-  system as a whole progresses; ``sim.jobs.quorum_sweep``: time with ≥ K learners running).
-  Measured from the logs: DiLoCo's global model advances at each merge (``merged_at_s``), DP's at
+- **Uptime** = share of the training span in which the system as a whole progressed (the paper;
+  ``sim.jobs.quorum_sweep``: time with ≥ K learners running, K = 1 here since the syncer leaves
+  dead learners out of the quorum): DiLoCo is up while at least one learner computes (running or
+  straggling) and the syncer is not down (``syncer-failure`` → ``syncer-resumed``); DP is up while
+  the job computes new steps (not stalled by a failure, not recomputing rolled-back steps). That is
+  ``uptime``, from the timelines (:func:`state_uptime`). Beside it, the **merge cadence** checks that
+  the global model really advanced meanwhile (``cadence``, :func:`uptime`): DiLoCo's global model
+  advances at each merge (``merged_at_s``), DP's at
   each step past its high-water mark (the rows of ``train.jsonl``, logged every 10 new steps and
   never for recomputed ones). A gap between consecutive advances (or from the last advance to
   the span's end) longer than :data:`STALL_FACTOR` × the median gap between advances
@@ -375,7 +380,8 @@ def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = Non
         "global": {"allocated_s": alloc_sum, "useful_s": useful_sum, "goodput": _ratio(useful_sum, alloc_sum),
                    **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
                    "lost_work_s": sum(r["lost_work_s"] for r in rows)},
-        "uptime": uptime(merge_times, 0.0, span["length_s"]),
+        "uptime": {**state_uptime(timelines, span["length_s"], syncer_outages(events, t0)),
+                   "cadence": uptime(merge_times, 0.0, span["length_s"])},
     }
 
 
@@ -567,11 +573,56 @@ def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: 
                    "failures": len(restores), "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
                    "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
                    "stall_s": sum(x["down_s"] or 0.0 for x in restores)},
-        "uptime": uptime(advances, 0.0, span["length_s"]),
+        # up while the job computes new steps: a replica running or straggling (a stall leaves none, and
+        # recomputing is not up); a slowdown's waiting replicas do not matter, the slowed one computes
+        "uptime": {**state_uptime({str(r): ivs for r, ivs in rows.items()}, span["length_s"]),
+                   "cadence": uptime(advances, 0.0, span["length_s"])},
     }
 
 
 # --- uptime --------------------------------------------------------------------------------------
+
+
+def state_uptime(timelines: dict[str, list[Interval]], length_s: float, down: list[tuple[float, float]] = (),
+                 up_states: tuple[str, ...] = USEFUL) -> dict:
+    """Share of [0, ``length_s``] in which at least one row of ``timelines`` was in ``up_states`` and
+    no interval of ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (≥ 1
+    learner running, ``sim.jobs.quorum_sweep``). Returns ``uptime`` (None for an empty span),
+    ``up_s``, ``down_s`` and ``outages`` ([start, end] of each interval with nothing up, seconds)."""
+    ups = sorted((iv["start"], iv["end"]) for ivs in timelines.values() for iv in ivs
+                 if iv["state"] in up_states and iv["end"] > iv["start"])
+    merged: list[list[float]] = []
+    for a, b in ups:  # the union of every row's up intervals
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    for da, db in sorted(down):  # cut the system's outages out of it
+        cut = []
+        for a, b in merged:
+            cut += [[a, b]] if db <= a or da >= b else [x for x in ([a, da], [db, b]) if x[1] > x[0]]
+        merged = cut
+    merged = [[max(a, 0.0), min(b, length_s)] for a, b in merged if min(b, length_s) > max(a, 0.0)]
+    up = sum(b - a for a, b in merged)
+    bounds = [0.0] + [x for ab in merged for x in ab] + [length_s]
+    outages = [[a, b] for a, b in zip(bounds[::2], bounds[1::2]) if b - a > 1e-9]
+    return {"uptime": _ratio(up, length_s), "up_s": up, "down_s": length_s - up, "outages": outages}
+
+
+def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, float]]:
+    """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
+    the next ``syncer-resumed`` (still down at the end: to infinity)."""
+    out, down_at = [], None
+    for e in sorted((e for e in events or [] if e.get("event") in ("syncer-failure", "syncer-kill", "syncer-resumed")
+                     and _t(e) is not None), key=lambda e: _t(e)):
+        if e["event"] != "syncer-resumed":
+            down_at = _t(e) if down_at is None else down_at
+        elif down_at is not None:
+            out.append((down_at - t0, _t(e) - t0))
+            down_at = None
+    if down_at is not None:
+        out.append((down_at - t0, math.inf))
+    return out
 
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:

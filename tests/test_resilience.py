@@ -24,7 +24,7 @@ import pytest
 
 from reports import build_report
 from reports.resilience import (diloco_resilience, dp_resilience, interpolate, loss_comparison, schedule_counts,
-                                simulator_knobs, uptime)
+                                simulator_knobs, state_uptime, syncer_outages, uptime)
 from run.layout import RunLayout
 
 
@@ -191,6 +191,20 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
 
 
 # --- uptime, loss, the simulator -------------------------------------------------------------------
+
+
+def test_state_uptime_is_the_share_with_a_learner_computing_and_the_syncer_up():
+    """Learner 0 runs 0–4 s and 6–10 s, learner 1 runs 3–5 s: nothing computes 5–6 s (1 s); the syncer
+    is down 8–8.5 s: uptime (10 − 1.5) / 10."""
+    tl = {"0": [{"state": "running", "start": 0.0, "end": 4.0}, {"state": "down", "start": 4.0, "end": 6.0},
+                {"state": "running", "start": 6.0, "end": 10.0}],
+          "1": [{"state": "absent", "start": 0.0, "end": 3.0}, {"state": "straggling", "start": 3.0, "end": 5.0},
+                {"state": "waiting", "start": 5.0, "end": 10.0}]}
+    out = syncer_outages([{"event": "syncer-failure", "t": 18.0}, {"event": "syncer-resumed", "t": 18.5}], t0=10.0)
+    assert out == [(8.0, 8.5)]
+    up = state_uptime(tl, 10.0, out)
+    assert up["uptime"] == pytest.approx(0.85) and up["outages"] == [[5.0, 6.0], [8.0, 8.5]]
+    assert state_uptime(tl, 10.0)["uptime"] == pytest.approx(0.9)
 
 
 def test_uptime_with_one_long_merge_gap():
