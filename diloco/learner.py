@@ -138,8 +138,8 @@ class LearnerSetup:
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
     wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
-    # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the run clock, idle
-    # (factor − 1) × the step's compute time, outside the turns (chaos.slowdowns)
+    # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the training clock, idle
+    # (factor − 1) × the step's wall time (turn wait + compute), outside the turns (chaos.slowdowns)
     slowdowns: tuple[tuple[float, float, float | None], ...] = ()
     # chaos schedule (configs.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
     # ascending; the presence window (join_s, leave_s or None); (at_s, kind) corruptions, ascending
@@ -384,6 +384,7 @@ def run_learner(s: LearnerSetup) -> dict:
             if not ex.claim_tokens(s.tokens_per_step, learner=m, stop=s.stop):
                 break
             batch, epoch, index = s.next_batch(epoch, index)
+            ready = time.perf_counter()  # from here to the step's end: its wall time on a shared host
             with s.turns or contextlib.nullcontext():
                 computing = time.perf_counter()
                 params, opt_state, metrics = s.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
@@ -403,7 +404,7 @@ def run_learner(s: LearnerSetup) -> dict:
                                                   opt_state=opt_state))
                     else:  # the last one is still being written: skip this one rather than hold the turn
                         skipped_saves += 1
-                computed = time.perf_counter() - computing
+            stepped = time.perf_counter() - ready  # the wait for its turn and the step (no earlier idle)
             if s.slowdowns:
                 now = clock()
                 factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
@@ -412,7 +413,11 @@ def run_learner(s: LearnerSetup) -> dict:
                            "step": step, "t": ex.clock(), "train_t": now})
                     slowed = factor
                 if factor > 1.0 and steps_this_attempt > 1:  # (an attempt's first step includes compiling)
-                    s.sleep((factor - 1.0) * computed)  # a slower device: the others take its turns meanwhile
+                    # a slower device: it steps factor× less often than its peers. Idle (f − 1) × this step's
+                    # wall time (its turn's wait and its compute), outside the turns: alone on a device that
+                    # is the step's compute time; on a host shared in turns, idling only the compute time
+                    # would not slow it at all (its peers' turns fill the idle, the queue sets the pace)
+                    s.sleep((factor - 1.0) * stepped)
             for f in frags:
                 f.stepped(s.tokens_per_step)
             for p in fragments_due(step, len(frags), s.period):

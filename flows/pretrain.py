@@ -9,6 +9,7 @@ Each takes the experiment config and a run directory that already holds the shar
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
+import json
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from prefect.futures import wait
 
 from configs.schema import ExperimentConfig
 from reports.artifacts import artifact_key
+from reports.resilience import diloco_resilience
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import read_jsonl, write_json
@@ -42,10 +44,33 @@ def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -
             f"learners up {up}/{config.diloco.learners}  versions {versions}")
 
 
+def _live_resilience(rd: Path, now: float) -> dict | None:
+    """Goodput and uptime so far (``reports.resilience.diloco_resilience`` on the logs written up to
+    ``now``, the run clock), or None before any learner started or when the logs cannot be read yet."""
+    layout = RunLayout(rd)
+    path = layout.chaos_schedule
+    try:
+        schedule = json.loads(path.read_text()) if path.exists() else None
+        return diloco_resilience(read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
+                                 read_jsonl(layout.metrics("pretrain", "diloco", "merges")), schedule, now=now)
+    except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
+        return None
+
+
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path) -> None:
     """The ``diloco-learners-<run name>`` table artifact: the syncer's view of every learner and the totals
-    (``training.diloco.live_view``), a new version at every progress line."""
+    (``training.diloco.live_view``), with each learner's goodput so far and the global goodput and
+    uptime (``reports.resilience``, the report's definitions), a new version at every progress line."""
     rows, t = live_view(config, exchange, rd)
+    res = _live_resilience(rd, exchange.clock())
+    if res is not None:
+        per = {r["learner"]: r for r in res["learners"]}
+        for row in rows:
+            g = per.get(row["learner"], {}).get("goodput")
+            row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
+    live = ("" if res is None or res["global"]["goodput"] is None else
+            f" Goodput so far {100 * res['global']['goodput']:.1f} %, uptime "
+            f"{100 * (res['uptime']['uptime'] or 0):.1f} % (a learner computing and the syncer up).")
     u = config.unit
     create_table_artifact(
         key=artifact_key("diloco-learners", config.name), table=rows,
@@ -53,7 +78,7 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path) -> None:
                      f"versions {t['versions']}; {t['tokens claimed']:,} {u} claimed, {t['tokens merged']:,} merged "
                      f"into Θ; {t['bytes merged']:,} submission bytes merged. A learner is dead after "
                      f"{config.diloco.heartbeat_timeout_s:g} s without a heartbeat (diloco.heartbeat_timeout_s) "
-                     "and left out of the quorum until it beats again."))
+                     "and left out of the quorum until it beats again." + live))
 
 
 @flow(name="pretrain-diloco", log_prints=True)

@@ -323,3 +323,31 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(pre
         assert abs(v["submitted"] - (v["merged"] + v["dropped"] + v["pending"])) <= P
     reasons = {k for v in summary["ledger"].values() for k in v["drop_reasons"]}
     assert {"non-finite", "wrong-tensors"} <= reasons
+
+
+def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_its_peer():
+    """Two learners taking turns on one host (one compute slot), learner 1 2× slower: it idles (f − 1)
+    × its step's wall time (turn wait + compute) outside the turns, so it takes about half as many
+    steps as learner 0 in the same time (idling only its compute time, the turns would fill the idle
+    and both would step alike)."""
+    trainer, exchange, batches, frags = _world(budget_steps=150)
+    turns = FairTurns(1)
+
+    def slow_step(*args):  # a step of 5 ms inside the turn
+        time.sleep(0.005)
+        return trainer.step(*args)
+
+    outs = {}
+
+    def one(m, slowdowns):
+        setup = _setup(trainer, exchange, batches, frags, turns=turns, slowdowns=slowdowns)
+        setup.learner, setup.step = m, slow_step
+        outs[m] = run_learner(setup)
+
+    threads = [threading.Thread(target=one, args=(0, ())), threading.Thread(target=one, args=(1, ((2.0, 0.0, None),)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ratio = outs[0]["steps"] / outs[1]["steps"]
+    assert outs[0]["steps"] + outs[1]["steps"] == 150 and 1.6 < ratio < 2.5, outs
