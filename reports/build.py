@@ -112,9 +112,19 @@ def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
     if from_config:
         reference = ((records.config or {}).get("chaos") or {}).get("reference_run")
     ref, ref_records = _reference(reference, from_config, notes)
-    stages["pretrain"]["resilience"] = resilience_figures(
+    res = stages["pretrain"]["resilience"] = resilience_figures(
         records.config, records.chaos_schedule, _method_dict(pre.get("diloco"), "diloco"), _method_dict(dp, "dp"),
         reference=ref, predict=predict)
+    # each method's goodput beside its other figures (the comparison table; `ddiloco compare`, sweeps)
+    st, goodput = stages["pretrain"], {}
+    for m in st.get("methods") or {}:
+        fig = res.get(m) if m in ("diloco", "dp") else None
+        goodput[m] = fig["global"]["goodput"] if fig else None
+        st["methods"][m]["goodput"] = goodput[m]
+    if any(v is not None for v in goodput.values()) and not any(r.get("key") == "goodput" for r in st["comparison"]):
+        at = next((i + 1 for i, r in enumerate(st["comparison"]) if r.get("key") == "wall_s"), len(st["comparison"]))
+        st["comparison"].insert(at, {"key": "goodput", "label": "goodput (useful / allocated time; Resilience)",
+                                     "unit": "fraction", "fmt": "{:.3f}", "group": "training", **goodput})
     return ref_records
 
 
