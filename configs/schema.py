@@ -518,10 +518,11 @@ class SlowdownSpec(_Strict):
     """Learner ``learner`` runs ``factor`` times slower from ``from_s`` to ``to_s`` seconds into
     training (unset ``to_s``: to the end): permanent heterogeneity (e.g. 1.18, the paper's gap
     between accelerator generations) or a straggler episode. After each of its inner steps the
-    learner idles (factor − 1) × that step's wall time (its wait for a compute turn and its compute),
-    outside the host's compute turns, so it steps factor× less often than its peers, as on a slower
-    device: the other learners do not wait for it (its first step after a start, which compiles, is
-    not slowed)."""
+    learner is made factor× slower than its peers, as on a slower device: on a host shared in compute
+    turns it sits out (factor − 1) of a turn per step (one whole turn at a time, passed on to the
+    learners queued behind it), alone on its device it idles (factor − 1) × each step's compute time;
+    the other learners never wait for it (its first step after a start, which compiles, is not
+    slowed)."""
 
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     factor: float = Field(gt=1.0, description="step-time multiplier (> 1), e.g. 1.18")

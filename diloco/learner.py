@@ -138,8 +138,8 @@ class LearnerSetup:
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
     wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
-    # (factor, from_s, to_s or None): after each step in [from_s, to_s) of the training clock, idle
-    # (factor − 1) × the step's wall time (turn wait + compute), outside the turns (chaos.slowdowns)
+    # (factor, from_s, to_s or None): in [from_s, to_s) of the training clock the learner steps factor×
+    # less often than its peers: it sits out turns, or idles alone (chaos.slowdowns, _slow_down)
     slowdowns: tuple[tuple[float, float, float | None], ...] = ()
     # chaos schedule (configs.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
     # ascending; the presence window (join_s, leave_s or None); (at_s, kind) corruptions, ascending
@@ -229,6 +229,30 @@ def _wait_until(clock: Callable[[], float], until: float, stop: Callable[[], boo
     return time.monotonic() - t0
 
 
+def _slow_down(s: LearnerSetup, extra: float, computed: float, owed: float) -> float:
+    """A slower device (chaos slowdowns): after a step of ``computed`` seconds, make this learner
+    (factor − 1) = ``extra`` steps' worth slower than its peers; returns the part of a turn still owed.
+
+    Alone on its device (no turns) it idles ``extra × computed`` seconds. On a host shared in first-come
+    turns idling cannot slow it (its peers' turns fill the idle and it is served once a round all the
+    same), so it owes ``extra`` of a turn per step and, for each whole turn owed, sits one out: it joins
+    the queue and passes its turn on unused, the learners behind it stepping first. It steps factor×
+    less often than its peers, as on a device factor× slower. A turn passed at once (nobody else was
+    waiting) costs nothing, so then it idles one step's time instead."""
+    if s.turns is None:
+        s.sleep(extra * computed)
+        return 0.0
+    owed += extra
+    while owed >= 1.0:
+        owed -= 1.0
+        t = time.perf_counter()
+        with s.turns:
+            pass  # sat out: the learners queued before it took their turns
+        if time.perf_counter() - t < 0.5 * computed:
+            s.sleep(computed)
+    return owed
+
+
 def run_learner(s: LearnerSetup) -> dict:
     """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
     every fragment with unsent progress.
@@ -307,6 +331,7 @@ def run_learner(s: LearnerSetup) -> dict:
                "pid": os.getpid(),
                "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
         steps_this_attempt = skipped_saves = 0
+        sat_out = 0.0  # turns owed by a slowed learner (chaos slowdowns, :func:`_slow_down`)
 
         in_flight: dict[int, tuple[int, int]] = {}  # fragment → (local step, base version) of its last send
 
@@ -384,7 +409,6 @@ def run_learner(s: LearnerSetup) -> dict:
             if not ex.claim_tokens(s.tokens_per_step, learner=m, stop=s.stop):
                 break
             batch, epoch, index = s.next_batch(epoch, index)
-            ready = time.perf_counter()  # from here to the step's end: its wall time on a shared host
             with s.turns or contextlib.nullcontext():
                 computing = time.perf_counter()
                 params, opt_state, metrics = s.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
@@ -404,7 +428,7 @@ def run_learner(s: LearnerSetup) -> dict:
                                                   opt_state=opt_state))
                     else:  # the last one is still being written: skip this one rather than hold the turn
                         skipped_saves += 1
-            stepped = time.perf_counter() - ready  # the wait for its turn and the step (no earlier idle)
+                computed = time.perf_counter() - computing
             if s.slowdowns:
                 now = clock()
                 factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
@@ -413,11 +437,7 @@ def run_learner(s: LearnerSetup) -> dict:
                            "step": step, "t": ex.clock(), "train_t": now})
                     slowed = factor
                 if factor > 1.0 and steps_this_attempt > 1:  # (an attempt's first step includes compiling)
-                    # a slower device: it steps factor× less often than its peers. Idle (f − 1) × this step's
-                    # wall time (its turn's wait and its compute), outside the turns: alone on a device that
-                    # is the step's compute time; on a host shared in turns, idling only the compute time
-                    # would not slow it at all (its peers' turns fill the idle, the queue sets the pace)
-                    s.sleep((factor - 1.0) * stepped)
+                    sat_out = _slow_down(s, factor - 1.0, computed, sat_out)
             for f in frags:
                 f.stepped(s.tokens_per_step)
             for p in fragments_due(step, len(frags), s.period):

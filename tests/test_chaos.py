@@ -326,10 +326,10 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(pre
 
 
 def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_its_peer():
-    """Two learners taking turns on one host (one compute slot), learner 1 2× slower: it idles (f − 1)
-    × its step's wall time (turn wait + compute) outside the turns, so it takes about half as many
-    steps as learner 0 in the same time (idling only its compute time, the turns would fill the idle
-    and both would step alike)."""
+    """Two learners taking turns on one host (one compute slot), learner 1 2× slower: it sits out one
+    turn per step (passes it on unused), so it takes about half as many steps as learner 0 in the
+    same time. (Idling outside the turns instead, the turns would fill the idle and both would step
+    alike.)"""
     trainer, exchange, batches, frags = _world(budget_steps=150)
     turns = FairTurns(1)
 
@@ -350,4 +350,4 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
     for t in threads:
         t.join()
     ratio = outs[0]["steps"] / outs[1]["steps"]
-    assert outs[0]["steps"] + outs[1]["steps"] == 150 and 1.6 < ratio < 2.5, outs
+    assert outs[0]["steps"] + outs[1]["steps"] == 150 and 1.5 < ratio < 2.5, outs

@@ -551,10 +551,11 @@ def test_a_cut_off_or_damaged_resume_point_lets_the_learner_start_again(tmp_path
 
 
 def test_a_slowed_learner_idles_its_factor_outside_its_turn():
-    """chaos.slowdowns: after each inner step inside the window the learner idles (factor − 1) × the
-    step's compute time (here recorded instead of slept; not after an attempt's first step, which
-    includes compiling), logs the change of pace once, and a window
-    that has not begun slows nothing."""
+    """chaos.slowdowns: inside the window a learner alone on its host (its turns served at once) owes
+    (factor − 1) = 0.5 of a turn per inner step and, for each whole turn owed, idles one step's
+    compute time (here recorded instead of slept; not after an attempt's first step, which includes
+    compiling): every second step. It logs the change of pace once, and a window that has not begun
+    slows nothing. (Among peers it sits those turns out instead: test_chaos.)"""
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 50, size=(B, L + 1)).astype(np.int32) for _ in range(STEPS)]
     trainer = tiny_trainer()
@@ -570,7 +571,7 @@ def test_a_slowed_learner_idles_its_factor_outside_its_turn():
         assert out["steps"] == STEPS
         paces = [r for r in logged if r["event"] == "slowdown"]
         if expect:
-            assert len(idled) == STEPS - 1 and all(x > 0 for x in idled)
+            assert len(idled) == (STEPS - 1) // 2 and all(x > 0 for x in idled)
             assert [(r["factor"], r["step"]) for r in paces] == [(1.5, 1)]
         else:
             assert idled == [] and paces == []
