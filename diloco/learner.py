@@ -367,20 +367,10 @@ def run_learner(s: LearnerSetup) -> dict:
                     return p
             return None
 
-        metrics, slowed = None, 1.0
-        while not (s.stop() or ex.is_closed()):
-            if leave_s is not None and clock() >= leave_s:  # a scavenged learner's devices go back
-                s.log({"event": "leave", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
-                       "train_t": clock()})
-                break
-            if pending_failures and pending_failures[0][0] <= clock():
-                at, how = pending_failures.pop(0)
-                if how == "sigkill":
-                    ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
-                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
-                           "reason": f"chaos: SIGKILL at {at:g} s of training", "t": ex.clock(), "train_t": clock()})
-                    _kill_self()
-                raise InjectedFailure(f"learner {m}: injected failure at {at:g} s of training")
+        def refresh() -> None:
+            """Wait out an overdue merge (τ: ``overlap_steps``; a ``wait`` event), then apply every newer
+            global fragment."""
+            nonlocal waited
             p_wait = overdue()
             if p_wait is not None:
                 t_wait, t_clock, p_first = time.monotonic(), ex.clock(), p_wait
@@ -400,6 +390,22 @@ def run_learner(s: LearnerSetup) -> dict:
                     pull(p, *ex.latest(p))
                     if p in in_flight and latest[p] > in_flight[p][1]:
                         del in_flight[p]
+
+        metrics, slowed = None, 1.0
+        while not (s.stop() or ex.is_closed()):
+            if leave_s is not None and clock() >= leave_s:  # a scavenged learner's devices go back
+                s.log({"event": "leave", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
+                       "train_t": clock()})
+                break
+            if pending_failures and pending_failures[0][0] <= clock():
+                at, how = pending_failures.pop(0)
+                if how == "sigkill":
+                    ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
+                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
+                           "reason": f"chaos: SIGKILL at {at:g} s of training", "t": ex.clock(), "train_t": clock()})
+                    _kill_self()
+                raise InjectedFailure(f"learner {m}: injected failure at {at:g} s of training")
+            refresh()
             if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
                 if step + 1 in s.kill_steps:
                     s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
@@ -440,7 +446,10 @@ def run_learner(s: LearnerSetup) -> dict:
                     sat_out = _slow_down(s, factor - 1.0, computed, sat_out)
             for f in frags:
                 f.stepped(s.tokens_per_step)
-            for p in fragments_due(step, len(frags), s.period):
+            due = fragments_due(step, len(frags), s.period)
+            if s.overlap_steps is not None and any(p in in_flight for p in due):
+                refresh()  # with τ = H the merge of its last send is due now, before it is sent again
+            for p in due:
                 send(p)
             beat = dict(step=step, processed=processed, cursor=(epoch, index),
                         bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in,

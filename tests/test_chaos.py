@@ -200,7 +200,7 @@ def test_with_overlap_tau_a_learner_waits_for_an_overdue_merge_and_only_then():
     frags = balanced_fragments(tensor_bytes(theta0), 2)
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 50, (B, L + 1), dtype=np.int32) for _ in range(8)]
-    for tau, expect_waits in ((1, True), (None, False)):
+    for tau, expect_waits in ((1, True), (2, True), (None, False)):  # (τ = H = 2: waited for before it resends)
         exchange = SlowMergeExchange(len(frags), 12 * B * L, delay_s=0.05)
         for p, names in enumerate(frags):
             exchange.publish(p, 0, {k: theta0[k] for k in names})
