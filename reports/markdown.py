@@ -469,9 +469,11 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
           "recomputing (DP after a rollback, until back at its high-water step), absent (outside a scavenged "
           "window) and lost work (DiLoCo: the steps from the resume point it restarted from to the step it had "
           "reached, at that attempt's seconds per step). Straggling time is useful (the learner computes, "
-          f"slower). Uptime: share of the span after the first advance in which the global model advanced "
-          f"(merges; DP steps past the high-water mark); a gap between advances over {res['stall_factor']:g} × "
-          "the median gap is a stall, counted minus one median gap.", ""]
+          "slower). Uptime (the simulator's): share of the span in which the system progressed: a DiLoCo "
+          "learner computing (running or straggling) with the syncer up; DP computing new steps (not stalled, "
+          "not recomputing). Merge (step) cadence: share of the span after the first advance in which the "
+          "global model advanced (merges; DP steps past the high-water mark); a gap between advances over "
+          f"{res['stall_factor']:g} × the median gap is a stall, counted minus one median gap.", ""]
     # simulator
     if sim.get("knobs"):
         k = sim["knobs"]
