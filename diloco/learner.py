@@ -221,10 +221,15 @@ def corrupt_payload(payload: dict[str, np.ndarray], kind: str) -> dict[str, np.n
     return out
 
 
-def _wait_until(clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange) -> float:
-    """Sleep until ``clock() >= until`` (or stop, or the run closes); returns the seconds waited."""
+def _wait_until(clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange,
+                tokens_per_step: int = 1) -> float:
+    """Sleep until ``clock() >= until``, or stop, or the run closes, or the others have claimed the
+    budget (no step of ``tokens_per_step`` tokens is left: a scavenged learner whose window opens
+    after the run's end, a restart due after it); returns the seconds waited."""
     t0 = time.monotonic()
     while clock() < until and not (stop() or ex.is_closed()):
+        if ex.claimed_tokens + tokens_per_step > ex.token_budget:
+            break
         time.sleep(min(0.05, max(until - clock(), 0.001)))
     return time.monotonic() - t0
 
@@ -317,12 +322,13 @@ def run_learner(s: LearnerSetup) -> dict:
             if after and after[-1][0] + after[-1][1] > now:  # still within the restart delay
                 a, d = after[-1]
                 ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
-                _wait_until(clock, a + d, s.stop, ex)
+                _wait_until(clock, a + d, s.stop, ex, s.tokens_per_step)
         join_s, leave_s = s.window
         if clock() < join_s:
             ex.heartbeat(m, status="absent", pid=os.getpid())
-            _wait_until(clock, join_s, s.stop, ex)
-            s.log({"event": "join", "learner": m, "attempt": s.attempt, "t": ex.clock(), "train_t": clock()})
+            _wait_until(clock, join_s, s.stop, ex, s.tokens_per_step)
+            if clock() >= join_s:  # (else the run ended first: it never joins, and stops at once)
+                s.log({"event": "join", "learner": m, "attempt": s.attempt, "t": ex.clock(), "train_t": clock()})
         attempt_start = clock()
         pending_failures = [(a, how) for a, _, how in s.timed_failures if a > attempt_start]
         ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),

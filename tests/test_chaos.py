@@ -351,3 +351,16 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
         t.join()
     ratio = outs[0]["steps"] / outs[1]["steps"]
     assert outs[0]["steps"] + outs[1]["steps"] == 150 and 1.5 < ratio < 2.5, outs
+
+
+def test_a_learner_waiting_to_join_or_restart_gives_up_once_the_others_spent_the_budget():
+    """A scavenged learner whose window opens after the run's end, and a retry whose restart delay
+    outlasts the run, stop waiting when no step of the budget is left: the run does not hang."""
+    for kw in (dict(window=(1000.0, None)), dict(attempt=2, timed_failures=((0.0, 1000.0, "raise"),))):
+        trainer, exchange, batches, frags = _world(budget_steps=4)
+        threading.Timer(0.2, exchange.claim_tokens, (4 * B * L,)).start()  # the others take it all
+        events = []
+        t0 = time.monotonic()
+        out = run_learner(_setup(trainer, exchange, batches, frags, log=events.append, **kw))
+        assert time.monotonic() - t0 < 5.0 and out["steps"] == 0
+        assert not any(e["event"] == "join" for e in events) and exchange.learners()[0]["status"] == "done"
