@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
 
 class _Frozen(BaseModel):
@@ -147,6 +147,7 @@ class ChaosSchedule(_Frozen):
 
     learners: int = Field(ge=1)
     seed: int | None = None
+    plan: dict | None = None  # the ChaosPlan it was drawn from (JSON), so a replay still knows mtbf_s and the law
     failures: list[TimedFailure] = Field(default_factory=list)
     slowdowns: list[Episode] = Field(default_factory=list)
     presence: list[Presence] = Field(default_factory=list)
@@ -213,10 +214,18 @@ def load_schedule(path: str | Path) -> ChaosSchedule:
     """A schedule saved by an earlier run. Raises ``FileNotFoundError``, or ``ValueError`` naming the
     file when it is not a schedule."""
     path = Path(path)
-    text = path.read_text()
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: give the schedule file itself, a run's pretrain/chaos.json")
     try:
+        text = path.read_text(encoding="utf-8")
         json.loads(text)
         return ChaosSchedule.loads(text)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a chaos schedule (not UTF-8 text): give a run's pretrain/chaos.json") from None
+    except ValidationError as exc:
+        e = exc.errors()[0]
+        where = ".".join(str(x) for x in e["loc"]) or "the file"
+        raise ValueError(f"{path} is not a chaos schedule ({where}: {e['msg']})") from None
     except ValueError as exc:
         first = str(exc).splitlines()
         raise ValueError(f"{path} is not a chaos schedule ({first[0] if first else exc})") from None
@@ -278,5 +287,6 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
         raise ValueError(f"chaos.schedule.heterogeneity lists {len(plan.heterogeneity)} factors for "
                          f"{learners} learners (diloco.learners): give one per learner (1.0 = full speed)")
     failures.sort(key=lambda f: (f.at_s, f.learner))
-    return ChaosSchedule(learners=learners, seed=plan.seed, failures=failures, slowdowns=slowdowns,
+    return ChaosSchedule(learners=learners, seed=plan.seed, plan=plan.model_dump(mode="json"), failures=failures,
+                         slowdowns=slowdowns,
                          presence=list(plan.scavenged), corruptions=list(plan.corrupt))

@@ -568,7 +568,8 @@ class ChaosConfig(_Strict):
     @model_validator(mode="after")
     def _check(self) -> "ChaosConfig":
         if self.schedule is not None and self.replay is not None:
-            raise ValueError("chaos.schedule and chaos.replay both give a schedule: keep one")
+            raise ValueError("chaos.schedule and chaos.replay both give a schedule: keep one (on a config that sets "
+                             "chaos.schedule, add --set chaos.schedule=null to replay)")
         if self.reference_run is not None and not (Path(self.reference_run) / "pretrain").is_dir():
             raise ValueError(f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
                              "folder): give a finished run directory")
@@ -793,10 +794,15 @@ class ExperimentConfig(_Strict):
     def _check_schedule(self) -> None:
         """The chaos schedule fits this run: its learners exist, every learner has a retry for each of
         its failures, SIGKILLs only where learners have processes of their own."""
+        M = self.diloco.learners
+        plan = self.chaos.schedule
+        for field, entries in (("scavenged", plan.scavenged if plan else []), ("corrupt", plan.corrupt if plan else [])):
+            for i, e in enumerate(entries):
+                if e.learner >= M:
+                    raise ValueError(f"chaos.schedule.{field}[{i}].learner ({e.learner}) must be < diloco.learners ({M})")
         sched = self.chaos_schedule()
         if sched is None:
             return
-        M = self.diloco.learners
         src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
         if sched.learners != M:
             raise ValueError(f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
@@ -807,7 +813,8 @@ class ExperimentConfig(_Strict):
             if n > self.diloco.learner_retries:
                 raise ValueError(f"{src} fails learner {m} {n} times but diloco.learner_retries is "
                                  f"{self.diloco.learner_retries}: it would end for good; raise diloco.learner_retries "
-                                 f"to ≥ {n} (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
+                                 f"to ≥ {n}" + ("" if self.chaos.replay else " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s "
+                                                "to the run's length)"))
         if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":
             raise ValueError(f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
                              "chaos.schedule.how raise (or auto), or runtime.engine ray or dask")
@@ -821,6 +828,8 @@ class ExperimentConfig(_Strict):
                 return load_schedule(self.chaos.replay)
             except FileNotFoundError:
                 raise ValueError(f"chaos.replay {self.chaos.replay}: no such file; give a run's pretrain/chaos.json") from None
+            except ValueError as exc:
+                raise ValueError(f"chaos.replay: {exc}") from None
         if self.chaos.schedule is None:
             return None
         return draw_schedule(self.chaos.schedule, self.diloco.learners, self.runtime.engine)

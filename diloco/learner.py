@@ -264,7 +264,7 @@ def run_learner(s: LearnerSetup) -> dict:
 
     Chaos (``configs.chaos`` schedules, on the training clock: seconds since this learner's first
     attempt started): a retried attempt first waits out the restart delay of the failure it
-    follows (status ``down``); a scavenged learner waits to join (status ``absent``) and stops when
+    follows, counted from the moment that failure fired (status ``down``); a scavenged learner waits to join (status ``absent``) and stops when
     it leaves; a timed failure fires in the attempt that was running at its time; the next
     submission after a corruption's time is damaged in flight. With ``overlap_steps`` τ the learner
     waits (outside its compute turn) when a fragment it sent τ steps ago has not been merged back.
@@ -275,6 +275,7 @@ def run_learner(s: LearnerSetup) -> dict:
     dict (steps, tokens, bytes, seconds waited).
     """
     m, ex = s.learner, s.exchange
+    fired_at = None  # run clock at which a timed failure fired (its failure event's time)
     disarm = None
     ahead = sorted(t for t in s.kill_at_s if t > ex.clock())  # a kill time already passed has fired
     if ahead:
@@ -317,12 +318,14 @@ def run_learner(s: LearnerSetup) -> dict:
         waited = float(info.get("waited_s", 0.0))
         corrupted = int(info.get("corrupted", 0))  # corruptions already sent (over attempts)
         if s.attempt > 1 and s.timed_failures:
-            now = clock()
-            after = [(a, d) for a, d, _ in s.timed_failures if a <= now]
-            if after and after[-1][0] + after[-1][1] > now:  # still within the restart delay
+            # down for the restart delay from the moment its failure fired (a failure fires at the first
+            # step boundary after its time, a compiling first step can make that seconds late)
+            fired = float(info.get("failed_t", clock()))
+            after = [(a, d) for a, d, _ in s.timed_failures if a <= fired]
+            if after and fired + after[-1][1] > clock():  # still within the restart delay
                 a, d = after[-1]
                 ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
-                _wait_until(clock, a + d, s.stop, ex, s.tokens_per_step)
+                _wait_until(clock, fired + d, s.stop, ex, s.tokens_per_step)
         join_s, leave_s = s.window
         if clock() < join_s:
             ex.heartbeat(m, status="absent", pid=os.getpid())
@@ -405,6 +408,8 @@ def run_learner(s: LearnerSetup) -> dict:
                 break
             if pending_failures and pending_failures[0][0] <= clock():
                 at, how = pending_failures.pop(0)
+                fired_at = ex.clock()
+                ex.heartbeat(m, failed_t=clock())  # its retry is down for the restart delay from here
                 if how == "sigkill":
                     ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
                     s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
@@ -487,7 +492,7 @@ def run_learner(s: LearnerSetup) -> dict:
                 s.resume.flush()  # a save in flight finishes (or fails) before a retry loads
         ex.heartbeat(m, status="down", reason=repr(exc))
         s.log({"event": "failure", "learner": m, "attempt": s.attempt, "reason": repr(exc),
-               "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock()})
+               "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock() if fired_at is None else fired_at})
         raise
     finally:
         if disarm is not None:

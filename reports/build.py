@@ -115,6 +115,11 @@ def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
     res = stages["pretrain"]["resilience"] = resilience_figures(
         records.config, records.chaos_schedule, _method_dict(pre.get("diloco"), "diloco"), _method_dict(dp, "dp"),
         reference=ref, predict=predict)
+    if ref_records is not None:  # a reference meant to run without chaos: say so when it did not
+        res["loss"]["reference_has_chaos"] = ref_records.chaos_schedule is not None
+        if ref_records.chaos_schedule is not None:
+            notes.append(f"the reference run {reference} ran under a chaos schedule too (its pretrain/chaos.json): "
+                         "it is no failure-free reference")
     # each method's goodput beside its other figures (the comparison table; `ddiloco compare`, sweeps)
     st, goodput = stages["pretrain"], {}
     for m in st.get("methods") or {}:

@@ -278,7 +278,8 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         L += [f"*chaos schedule: {ch['status']}.*", ""]
         return
     if not ch["rows"]:
-        L += ["No failures or kills were scheduled (config chaos.failures and chaos.kills are empty).", ""]
+        L += ["No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty); a drawn "
+              "chaos schedule's events are in *Resilience*.", ""]
         return
     rows = []
     for r in ch["rows"]:
@@ -493,7 +494,7 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
                          format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
                          format_value(c["final_loss"], "{:.4f}")])
         for m, c in ((ref.get("at_this_runs_points") or {}).get("curves") or {}).items():
-            rows.append([label(m), "reference (no chaos)", format_value(c["final_tokens"], "int"), _s(c["final_s"]),
+            rows.append([label(m), "reference" + (" (with chaos)" if res["loss"].get("reference_has_chaos") else " (no chaos)"), format_value(c["final_tokens"], "int"), _s(c["final_s"]),
                          format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
                          format_value(c["final_loss"], "{:.4f}")])
         L += [_table(["method", "run", f"final {unit}", "training s", f"loss at {_s(loss['at_s'])} s",

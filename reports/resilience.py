@@ -261,8 +261,10 @@ def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> 
 
 def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
     """Work thrown away by each of a learner's failures: ``lost_steps`` = the ``failure``'s (or
-    ``kill``'s) step − the step its next ``start`` resumed from, ``s_per_step`` = the failed
-    attempt's running + straggling seconds / the steps it took, ``lost_s`` = their product (seconds).
+    ``kill``'s) step − the step its next ``start`` resumed from, ``s_per_step`` = the learner's
+    median seconds per step between its logged ``step`` events (its pace, without the first step's
+    compilation), else the failed attempt's running + straggling seconds / the steps it took,
+    ``lost_s`` = their product (seconds).
     A failure with no later start (down at ``now``, or out of retries) resumes, at best, from its
     last resume point: step − step mod ``resume_every_steps`` (0 steps lost when unknown)."""
     starts = [e for e in evs if e["event"] == "start"]
@@ -292,8 +294,12 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
                     "lost_steps": max(0, s_f - resumed), "steps_taken": taken, "busy_s": busy,
                     "restarted": nxt is not None})
     mean_sps = total_useful / steps_total if steps_total else None
+    logged = [e for e in evs if e["event"] == "step" and _t(e) is not None and num(e.get("step")) is not None]
+    paces = [(_t(b) - _t(a)) / (num(b["step"]) - num(a["step"])) for a, b in zip(logged, logged[1:])
+             if num(b["step"]) > num(a["step"]) and b.get("attempt", a.get("attempt")) == a.get("attempt", b.get("attempt"))]
+    pace = statistics.median(paces) if paces else None
     for r in out:
-        sps = r["busy_s"] / r["steps_taken"] if r["steps_taken"] > 0 else mean_sps
+        sps = pace if pace is not None else (r["busy_s"] / r["steps_taken"] if r["steps_taken"] > 0 else mean_sps)
         r["s_per_step"] = sps
         r["lost_s"] = r["lost_steps"] * sps if sps is not None else 0.0
     return out
@@ -672,7 +678,8 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 # --- the goodput simulator's prediction ----------------------------------------------------------
 
 
-def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | None = None) -> dict:
+def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | None = None,
+                    schedule: dict | None = None) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
     ``{"status": why not}``.
 
@@ -698,10 +705,13 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
     step × resume_every_steps: the sim's lost work, the time since the last step boundary, is then
     the time since the last resume point). The simulator's failures of a chip that is down are
     absorbed, as the schedule's are (a learner cannot fail while down); its DP restarts after
-    max(detect, recovery) + restart_s, ours after the drawn delay counted from the scheduled failure
-    time + the restore."""
+    max(detect, recovery) + restart_s, ours after the drawn delay counted from the step boundary the
+    failure fired at + the restore. A replayed run reads the knobs from the plan saved in its
+    schedule (``chaos.json``'s ``plan``)."""
     cfg = config or {}
     plan = (cfg.get("chaos") or {}).get("schedule")
+    if not isinstance(plan, dict):  # a replay: the plan its schedule was drawn from, saved with it
+        plan = (schedule or {}).get("plan")
     if not isinstance(plan, dict):
         why = "chaos.replay: a replayed schedule carries no mtbf_s" if (cfg.get("chaos") or {}).get("replay") \
             else "no chaos.schedule"
@@ -980,7 +990,7 @@ def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict 
     if dp and workers is None:
         workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
-    knobs = simulator_knobs(cfg, p, (dp or {}).get("summary"))
+    knobs = simulator_knobs(cfg, p, (dp or {}).get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
 
     curves = {}

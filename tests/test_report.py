@@ -923,7 +923,7 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     cfg["chaos"] = {"failures": []}
     _write(_layout(run).config, cfg)
     build_report(run)
-    assert ("No failures or kills were scheduled (config chaos.failures and chaos.kills are empty)."
+    assert ("No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty)"
             in _layout(run).report_md.read_text())
 
 

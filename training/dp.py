@@ -10,8 +10,8 @@ by XLA); with one, it runs there as a plain jitted step. No Prefect here.
 Under a chaos schedule (``chaos.schedule`` or ``chaos.replay``, ``chaos.against_dp``) the job meets
 the same hardware events as DiLoCo's learners, on its own training clock (seconds since it started,
 its first evaluation and compile included, the clock of its train log): a failure of any replica
-stalls the whole job until the failure's time plus its restart delay (a replica failing meanwhile
-extends the stall to its own return; it costs no second rollback), after which
+stalls the whole job for the failure's restart delay from the step boundary it meets it at (a
+replica failing meanwhile extends the stall to its own return; it costs no second rollback), after which
 it restores its last checkpoint (Orbax, every ``dp.checkpoint_every_steps``; none yet: step 0) and
 recomputes the steps since (lock-step SPMD has no other way back); while any replica is slowed,
 every step is (the all-reduce waits for the slowest replica). Events go to
@@ -133,7 +133,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                 t_fail = clock()
                 events({"event": "failure", "replica": f.learner, "step": done, "t": t_fail, "at_s": f.at_s,
                         "restart_delay_s": f.restart_delay_s, "reason": f"chaos: replica {f.learner} failed"})
-                back_at = f.at_s + f.restart_delay_s
+                back_at = t_fail + f.restart_delay_s  # down for the restart delay from the failure
                 while clock() < back_at and not STOP.is_set():  # the whole job is down
                     time.sleep(min(0.05, back_at - clock()))
                     while failures and failures[0].at_s <= clock():  # another replica failed meanwhile:
@@ -141,7 +141,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                         events({"event": "failure", "replica": g.learner, "step": done, "t": clock(), "at_s": g.at_s,
                                 "restart_delay_s": g.restart_delay_s, "reason": f"chaos: replica {g.learner} "
                                 "failed while the job was down", "while_down": True})
-                        back_at = max(back_at, g.at_s + g.restart_delay_s)
+                        back_at = max(back_at, clock() + g.restart_delay_s)
                 t_restore = clock()
                 params, opt_state, (epoch, index), back = _restore(trainer, resume_dir, params, opt_state)
                 lost_steps += done - back
