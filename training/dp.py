@@ -34,7 +34,7 @@ from data.prepare import load_rows
 from diloco.tensors import tensor_bytes
 from run.control import STOP
 from run.layout import RunLayout
-from run.metrics import JsonlWriter, read_jsonl
+from run.metrics import JsonlWriter
 from training.checkpoint import latest_step, load_extra, load_meta, save_checkpoint
 from training.common import ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
@@ -123,13 +123,14 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     def clock() -> float:  # the training clock of the chaos schedule
         return time.monotonic() - origin
 
-    slowed, lost_steps, stall_s = 1.0, 0, 0.0
+    slowed, lost_steps, stall_s, met = 1.0, 0, 0.0, 0  # met: failures the job met
     try:
         while done < steps:
             if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
                 break
             if failures and failures[0].at_s <= clock():
                 f = failures.pop(0)
+                met += 1
                 t_fail = clock()
                 events({"event": "failure", "replica": f.learner, "step": done, "t": t_fail, "at_s": f.at_s,
                         "restart_delay_s": f.restart_delay_s, "reason": f"chaos: replica {f.learner} failed"})
@@ -138,6 +139,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                     time.sleep(min(0.05, back_at - clock()))
                     while failures and failures[0].at_s <= clock():  # another replica failed meanwhile:
                         g = failures.pop(0)  # the job restarts once both are back
+                        met += 1
                         events({"event": "failure", "replica": g.learner, "step": done, "t": clock(), "at_s": g.at_s,
                                 "restart_delay_s": g.restart_delay_s, "reason": f"chaos: replica {g.learner} "
                                 "failed while the job was down", "while_down": True})
@@ -216,8 +218,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         },
         "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,
         # chaos: steps recomputed after rollbacks, seconds stalled (failure → restored), failures met
-        "chaos": None if sched is None else {"failures": sum(1 for e in read_jsonl(layout.metrics(STAGE, METHOD, "events"))
-                                                           if e.get("event") == "failure"),
+        "chaos": None if sched is None else {"failures": met,
                                              "lost_steps": lost_steps, "stall_s": stall_s,
                                              "checkpoint_every_steps": ckpt_every},
         "final_val_loss": last, "merges": None,
