@@ -440,11 +440,14 @@ def run_learner(s: LearnerSetup) -> dict:
                     # step together, and saving outside their turns they queued on each other's
                     # writes while the first to finish took their turns, one sync period ahead for
                     # good. (The store copies the state and writes it in the background.)
-                    if getattr(s.resume, "ready", lambda: True)():
+                    saving = getattr(s.resume, "ready", lambda: True)()
+                    if saving:
                         s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
                                                   opt_state=opt_state))
                     else:  # the last one is still being written: skip this one rather than hold the turn
                         skipped_saves += 1
+                    s.log({"event": "resume_point", "learner": m, "attempt": s.attempt, "step": step,
+                           "saved": saving, "t": ex.clock()})
                 computed = time.perf_counter() - computing
             if s.slowdowns:
                 now = clock()
