@@ -666,6 +666,28 @@ class FinetuneConfig(_Strict):
         return self
 
 
+class PrecisionConfig(_Strict):
+    """The precision policy of every model family, both methods and fine-tuning (``training.precision``).
+
+    ``params``: the dtype the trained parameters are kept in; ``compute``: the forward and backward
+    passes (matmuls, activations); ``opt_state``: the optimizer state's moments. Whatever the
+    policy, the loss, softmaxes, the MoE router, gradient sums over microbatches, the fragments a
+    learner sends, the outer gradients, the syncer's global fragments and outer momentum, and final
+    checkpoints are float32. ``compute: bfloat16`` with float32 ``params`` is the usual mixed
+    precision of accelerators (bfloat16 tensor cores); on a CPU it is usually slower than float32.
+    """
+
+    params: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the trained parameters")
+    compute: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the forward and backward passes (bfloat16: accelerators' mixed precision)")
+    opt_state: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the optimizer state's moments (AdamW's first and second moments)")
+
+    def describe(self) -> str:
+        """One line for logs and reports: ``params float32 · compute bfloat16 · optimizer state float32``."""
+        return f"params {self.params} · compute {self.compute} · optimizer state {self.opt_state}"
+
+
 class ExperimentConfig(_Strict):
     """One run of the pipeline: shard → pretrain (DiLoCo, DP) → evaluate → fine-tune → report."""
 
@@ -681,6 +703,7 @@ class ExperimentConfig(_Strict):
     eval: EvalConfig = EvalConfig()
     finetune: FinetuneConfig = FinetuneConfig()
     runtime: RuntimeConfig = RuntimeConfig()
+    precision: PrecisionConfig = PrecisionConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":

@@ -294,7 +294,8 @@ def run_learner(s: LearnerSetup) -> dict:
                 new = s.receipt.apply(theta, to_numpy({k: params[k] for k in f.names}), f.reference)
             else:
                 new = theta  # first pull of this attempt, or overwrite
-            params = {**params, **{k: jnp.asarray(v) for k, v in new.items()}}
+            # Θ_p arrives in float32 (the syncer's master copy); kept in this learner's parameter dtype
+            params = {**params, **{k: jnp.asarray(v, dtype=params[k].dtype) for k, v in new.items()}}
             f.received(version, theta, s.receipt.keeps_progress)
             bytes_in += sum(a.nbytes for a in theta.values())
 

@@ -103,9 +103,9 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     d, rt = config.diloco, config.runtime
     logger.info(
         "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
-        "(%s per learner step); engine %s, exchange %s%s", d.learners, d.fragments, d.sync_every, d.quorum,
-        d.grace_s, d.merge, f"{budget:,}", config.unit, f"{config.tokens_per_learner_step:,}", rt.engine,
-        rt.exchange_kind, f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "")
+        "(%s per learner step); engine %s, exchange %s%s; precision: %s", d.learners, d.fragments, d.sync_every,
+        d.quorum, d.grace_s, d.merge, f"{budget:,}", config.unit, f"{config.tokens_per_learner_step:,}", rt.engine,
+        rt.exchange_kind, f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "", config.precision.describe())
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)

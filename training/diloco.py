@@ -58,8 +58,9 @@ from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpo
 from training.common import ensure_fresh, model_spec, save_chaos_schedule, token_budget
 from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
-from training.mesh import learner_devices, single_default
+from training.mesh import backend_line, learner_devices, single_default
 from training.optimizers import make_inner_tx
+from training.precision import Precision
 from training.step import Trainer
 
 STAGE, METHOD = "pretrain", "diloco"
@@ -109,7 +110,7 @@ def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequenc
         if key not in _TRAINERS:
             tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
             _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed,
-                                     devices=placed)
+                                     devices=placed, precision=Precision.of(cfg.precision))
         return _TRAINERS[key]
 
 
@@ -463,6 +464,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "interrupted": STOP.is_set() or run.exchange.stop_requested(),
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
         "hyperparameters": {
+            "backend": backend_line(), "precision": cfg.precision.describe(),
             "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
             "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "grace": d.grace if d.grace == "fixed" else
             f"adaptive (γ {d.grace_gamma:g}, τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "

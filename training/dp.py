@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
-from diloco.tensors import tensor_bytes
+from diloco.tensors import tensor_bytes, to_numpy
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter
@@ -40,6 +40,8 @@ from training.common import ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
 from training.functional import flatten, nest
 from training.optimizers import make_inner_tx
+from training.mesh import backend_line
+from training.precision import Precision
 from training.step import Trainer
 
 STAGE, METHOD = "pretrain", "dp"
@@ -91,7 +93,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     spec = model_spec(cfg, run_dir)
     steps = cfg.dp_steps
     trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed,
-                      devices=devices)
+                      devices=devices, precision=Precision.of(cfg.precision))
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)
@@ -202,7 +204,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     # Ring all-reduce: each of W workers sends (and receives) 2(W−1)/W of the gradient bytes per step.
     allreduce_bytes = int(2 * (W - 1) / W * param_bytes * W * done)  # sent by all workers, in total
     meta = {"method": METHOD, "steps": done, "tokens": done * tps}
-    save_checkpoint(layout.checkpoints(STAGE, METHOD), done * tps, nest(params), meta)
+    # float32 whatever the policy (training.precision): evaluation and fine-tuning read one layout
+    save_checkpoint(layout.checkpoints(STAGE, METHOD), done * tps, nest(to_numpy(params)), meta)
     i = cfg.dp.inner
     text = cfg.unit == "tokens"
     rows = "seqs" if text else "images"
@@ -210,6 +213,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         "method": METHOD,
         "interrupted": STOP.is_set(),
         "hyperparameters": {
+            "backend": backend_line(), "precision": cfg.precision.describe(),
             f"global batch ({rows})": cfg.dp_batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
             "inner optimizer": i.name,
             "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,

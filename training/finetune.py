@@ -41,6 +41,7 @@ from training.common import model_spec
 from training.evaluation import heldout_metrics
 from training.functional import Functional, load_params, nest, params_of
 from training.optimizers import make_inner_tx
+from training.precision import Precision, cast_floating, set_compute_dtype
 from training.step import make_eval_step, make_train_step
 
 LOG_EVERY = 5  # steps between two train-log lines
@@ -120,14 +121,19 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     spec = finetune_spec(cfg, run_dir, task)
     model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
     adapted = add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed)) if ft.mode == "lora" else []
+    policy = Precision.of(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
+    compute = None if policy.is_float32 else policy.compute_dtype
+    set_compute_dtype(model, compute)
     fn, flat = Functional.of(model)
+    if not policy.is_float32:
+        flat = cast_floating(flat, policy.params_dtype)
     trainable = {k for k in flat if ft.mode == "full" or is_adapter(k) or k in fresh}
     params = {k: v for k, v in flat.items() if k in trainable}
     frozen = {k: v for k, v in flat.items() if k not in trainable}
-    tx = make_inner_tx(ft.optimizer, ft.steps)
+    tx = policy.wrap(make_inner_tx(ft.optimizer, ft.steps))
     mb = cfg.train.microbatch_size
-    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1)
-    evaluate = make_eval_step(fn, spec.objective, spec.heldout)
+    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute)
+    evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute)
     opt_state = tx.init(params)
     rows = load_finetune_rows(data_dir, "train")
     test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
@@ -160,18 +166,18 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
                 eval_log({"seed": seed, "step": done, "examples": done * ft.batch_size, "val/loss": last_val})
     if done and done % ft.eval_every_steps and done != ft.steps:  # stopped part-way
         last_val = val_loss()
-    trained = {k: np.asarray(v) for k, v in params.items()}
+    trained = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}  # (float32 whatever the policy)
     record = {
         "seed": seed, "steps": done, "examples": done * ft.batch_size, "wall_s": time.monotonic() - t0,
         "final_train_loss": loss, "final_val_loss": last_val, "order_sha256": order_digest(order[:done]),
         "trainable_params": int(sum(v.size for v in trained.values())),
         "frozen_params": int(sum(np.size(v) for v in frozen.values())),
         "fresh": fresh, "adapted": adapted,
-        "params": {k: np.asarray(v) for k, v in merge_lora({**frozen, **trained}).items()},
+        "params": {k: np.asarray(v, dtype=np.float32) for k, v in merge_lora({**frozen, **trained}).items()},
     }
     if keep_params:
         record["state"] = trained
-        record["frozen"] = {k: np.asarray(v) for k, v in frozen.items()}
+        record["frozen"] = {k: np.asarray(v, dtype=np.float32) for k, v in frozen.items()}
     return record
 
 

@@ -108,3 +108,18 @@ def place(tree: Any, sharding: Sharding) -> Any:
 def device_sharding(device: jax.Device) -> SingleDeviceSharding:
     """Everything on one device (a learner whose slice is one device other than the default)."""
     return SingleDeviceSharding(device)
+
+
+def backend_info() -> dict[str, Any]:
+    """What this process computes on: ``backend`` (``jax.default_backend()``: cpu, gpu, tpu),
+    ``devices`` (how many), ``device_kind`` (the first device's, e.g. ``NVIDIA H200`` or ``cpu``),
+    ``jax`` (its version). Starts JAX's backend if it has not started."""
+    devices = jax.devices()
+    return {"backend": jax.default_backend(), "devices": len(devices),
+            "device_kind": devices[0].device_kind, "jax": jax.__version__}
+
+
+def backend_line(info: dict[str, Any] | None = None) -> str:
+    """:func:`backend_info` in one line: ``gpu: 8 × NVIDIA H200 (jax 0.10.2)``."""
+    info = info or backend_info()
+    return f"{info['backend']}: {info['devices']} × {info['device_kind']} (jax {info['jax']})"

@@ -33,16 +33,19 @@ from models.spec import ModelSpec
 from training.functional import Functional
 from training.mesh import (batch_mesh, batch_sharding, device_sharding, microbatch_sharding, place, replicated,
                            single_default)
+from training.precision import Precision, cast_floating, set_compute_dtype
 from training.xla import configure_host
 
 Params = dict[str, jax.Array]
 StepFn = Callable[[Params, optax.OptState, Any], tuple[Params, optax.OptState, dict[str, jax.Array]]]
 
 
-def _loss_and_grad(fn: Functional, objective):
+def _loss_and_grad(fn: Functional, objective, compute_dtype=None):
     def loss_of(params, frozen, batch):
-        loss, metrics = objective(fn.module({**frozen, **params}), batch)
-        return loss, dict(metrics)
+        # the cast is inside the differentiated function: the gradient comes back in the params' dtype
+        module = fn.module(cast_floating({**frozen, **params}, compute_dtype))
+        loss, metrics = objective(module, batch)
+        return loss.astype(jnp.float32), dict(metrics)
 
     return jax.value_and_grad(loss_of, has_aux=True)
 
@@ -65,7 +68,7 @@ def _leading_rows(tree) -> int:
 
 
 def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation, microbatches: int = 1,
-                    devices: Sequence[jax.Device] | None = None) -> StepFn:
+                    devices: Sequence[jax.Device] | None = None, compute_dtype=None) -> StepFn:
     """The jitted inner step: forward and backward over the batch, one optimizer update.
 
     ``microbatches`` (G) > 1 runs forward and backward on B / G rows at a time (a ``lax.scan``) and
@@ -87,13 +90,18 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     the compiled step's only collectives are the all-reduces of the gradients and metrics (the
     attribute ``jitted`` of the returned function is the jitted step, to inspect).
 
+    ``compute_dtype`` (``training.precision``; None: the parameters' own): the parameters are cast
+    to it inside the differentiated function, so the forward and backward passes run in it and the
+    gradients come back in the parameters' dtype. The loss is float32, and gradients accumulated
+    over microbatches are summed in float32.
+
     Building a step applies :func:`training.xla.configure_host` (process-wide malloc settings that
     keep each call's temporary buffers mapped for the next).
     """
     if microbatches < 1:
         raise ValueError(f"microbatches must be ≥ 1, got {microbatches}")
     configure_host()  # malloc keeps the step's buffers between calls (training/xla.py)
-    grad_fn = _loss_and_grad(fn, objective)
+    grad_fn = _loss_and_grad(fn, objective, compute_dtype)
     mesh = batch_mesh(devices) if devices is not None and len(devices) > 1 else None
     D = mesh.size if mesh is not None else 1
 
@@ -114,9 +122,10 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
             def body(acc, mb):
                 (loss, metrics), grads = grad_fn(params, frozen, mb)
-                return jax.tree.map(jnp.add, acc, grads), (loss, metrics)
+                return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), (loss, metrics)
 
-            zeros = jax.tree.map(jnp.zeros_like, params)
+            # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
             total, (losses_G, metrics_G) = jax.lax.scan(body, zeros, slices_GB)
             loss = losses_G.mean()
             metrics = jax.tree.map(lambda m: m.mean(), metrics_G)
@@ -150,7 +159,8 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
 
 def make_eval_step(fn: Functional, objective, heldout: str = "loss",
-                   devices: Sequence[jax.Device] | None = None) -> Callable[[Params, Any], dict[str, jax.Array]]:
+                   devices: Sequence[jax.Device] | None = None,
+                   compute_dtype=None) -> Callable[[Params, Any], dict[str, jax.Array]]:
     """Jitted ``(params, batch, frozen=None) -> {"loss": …, "objective": …, **metrics}`` without an update
     (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
     an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
@@ -158,11 +168,12 @@ def make_eval_step(fn: Functional, objective, heldout: str = "loss",
 
     ``devices`` as in :func:`make_train_step`; with D > 1 the batch's rows are split over the
     devices when B is divisible by D, else every device evaluates the whole batch (a second
-    compiled variant; the same numbers); the metrics are replicated."""
+    compiled variant; the same numbers); the metrics are replicated. ``compute_dtype`` as in
+    :func:`make_train_step` (the parameters are cast to it first)."""
     configure_host()
 
     def evaluate(params, batch, frozen=None):
-        loss, metrics = objective(fn.module({**(frozen or {}), **params}), batch)
+        loss, metrics = objective(fn.module(cast_floating({**(frozen or {}), **params}, compute_dtype)), batch)
         out = {**metrics, "objective": loss}
         out["loss"] = loss if heldout == "loss" else metrics[heldout]
         return out
@@ -195,16 +206,25 @@ class Trainer:
     ``init_params()`` returns fresh flat parameters (the model's initialisation for ``seed``), and
     ``init_opt(params)`` a fresh optimizer state, both placed where the step runs (replicated over
     the devices when there are several).
+
+    ``precision`` (``training.precision.Precision``; None: all float32): the parameters are kept in
+    its ``params`` dtype (initialised in float32, then cast), both steps compute in ``compute``, and
+    ``tx``'s state is kept in ``opt_state`` (``self.tx`` is the wrapped optimizer).
     """
 
     def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, microbatches: int = 1, seed: int = 0,
-                 devices: Sequence[jax.Device] | None = None):
-        self.spec, self.tx, self.microbatches = spec, tx, microbatches
-        self.fn, self._params0 = Functional.of(spec.init(seed))
+                 devices: Sequence[jax.Device] | None = None, precision: Precision | None = None):
+        self.precision = precision or Precision()
+        compute = None if self.precision.is_float32 else self.precision.compute_dtype
+        self.spec, self.tx, self.microbatches = spec, self.precision.wrap(tx), microbatches
+        model = spec.init(seed)
+        set_compute_dtype(model, compute)
+        self.fn, params0 = Functional.of(model)
+        self._params0 = params0 if self.precision.is_float32 else cast_floating(params0, self.precision.params_dtype)
         self.seed = seed
         self.devices: tuple[jax.Device, ...] | None = None if single_default(devices) else tuple(devices)
-        self.step = make_train_step(self.fn, spec.objective, tx, microbatches, self.devices)
-        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices)
+        self.step = make_train_step(self.fn, spec.objective, self.tx, microbatches, self.devices, compute)
+        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices, compute)
         if self.devices is None:
             self._placement = None
         elif len(self.devices) == 1:

@@ -19,8 +19,8 @@ def apply_rope(x_BLNC: jax.Array, cos_LC: jax.Array, sin_LC: jax.Array) -> jax.A
     """Rotate pairs (x[..., :C/2], x[..., C/2:]) by the position angle (the "rotate half" form)."""
     half = x_BLNC.shape[-1] // 2
     x1, x2 = x_BLNC[..., :half], x_BLNC[..., half:]
-    cos = cos_LC[None, :, None, :]
-    sin = sin_LC[None, :, None, :]
+    cos = cos_LC[None, :, None, :].astype(x_BLNC.dtype)  # (bfloat16 compute stays bfloat16)
+    sin = sin_LC[None, :, None, :].astype(x_BLNC.dtype)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 

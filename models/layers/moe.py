@@ -113,9 +113,13 @@ class MoE(nnx.Module):
     def __call__(self, x_GSD: jax.Array) -> jax.Array:
         G, S, D = x_GSD.shape
         C = expert_capacity(S, self.num_experts, self.top_k, self.capacity_factor)
+        # the router in float32 whatever the compute dtype (Switch Transformer's selective precision, Sec. 2.4)
+        # (x in float32 promotes the product to float32 with a bfloat16 kernel too)
         logits_GSE = project(self.router, x_GSD.astype(jnp.float32))
         dispatch_GSEC, combine_GSEC, stats = route(logits_GSE, self.top_k, C)
         self.sow(nnx.Intermediate, STATS, stats)
+        # the experts in the compute dtype (no-ops in float32); the gates' gradient reaches the router
+        dispatch_GSEC, combine_GSEC = dispatch_GSEC.astype(x_GSD.dtype), combine_GSEC.astype(x_GSD.dtype)
         x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_GSD)
         h_EGCF = jax.nn.silu(jnp.einsum("egcd,edf->egcf", x_EGCD, self.gate[...])) * jnp.einsum(
             "egcd,edf->egcf", x_EGCD, self.up[...])

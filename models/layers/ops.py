@@ -49,7 +49,7 @@ def _linear_bwd(res, g_TO):
     x_TI, w_IO = res
     dx_TI = jnp.einsum("...o,io->...i", g_TO, w_IO)
     dw_IO = jnp.einsum("ti,to->io", x_TI.reshape(-1, x_TI.shape[-1]), g_TO.reshape(-1, g_TO.shape[-1]))
-    return dx_TI, dw_IO
+    return dx_TI.astype(x_TI.dtype), dw_IO.astype(w_IO.dtype)  # (a no-op when both are float32)
 
 
 linear.defvjp(_linear_fwd, _linear_bwd)
@@ -70,11 +70,14 @@ def rope(x_LC: jax.Array, cos_LC: jax.Array, sin_LC: jax.Array) -> jax.Array:
     """
     half = x_LC.shape[-1] // 2
     x1, x2 = x_LC[..., :half], x_LC[..., half:]
+    cos_LC, sin_LC = cos_LC.astype(x_LC.dtype), sin_LC.astype(x_LC.dtype)  # (bfloat16 compute stays bfloat16)
     return jnp.concatenate([x1 * cos_LC - x2 * sin_LC, x2 * cos_LC + x1 * sin_LC], axis=-1)
 
 
 def _causal_scores(q_BNLC, k_BNMC):
-    s_BNLM = jnp.einsum("bnlc,bnmc->bnlm", q_BNLC, k_BNMC) * (1.0 / math.sqrt(q_BNLC.shape[-1]))
+    # scores and their softmax in float32 whatever the inputs' dtype (bfloat16 compute)
+    s_BNLM = jnp.einsum("bnlc,bnmc->bnlm", q_BNLC, k_BNMC,
+                        preferred_element_type=jnp.float32) * (1.0 / math.sqrt(q_BNLC.shape[-1]))
     row = jax.lax.broadcasted_iota(jnp.int32, s_BNLM.shape, 2)
     col = jax.lax.broadcasted_iota(jnp.int32, s_BNLM.shape, 3)
     return jnp.where(col <= row, s_BNLM, jnp.finfo(s_BNLM.dtype).min)
@@ -82,9 +85,10 @@ def _causal_scores(q_BNLC, k_BNMC):
 
 @jax.custom_vjp
 def causal_attention(q_BNLC: jax.Array, k_BNMC: jax.Array, v_BNMC: jax.Array) -> jax.Array:
-    """``softmax(q kᵀ / sqrt(C) + causal mask) v`` for ``float32[B, N, L, C]`` (M = L) → ``[B, N, L, C]``.
+    """``softmax(q kᵀ / sqrt(C) + causal mask) v`` for ``[B, N, L, C]`` (M = L) → ``[B, N, L, C]``.
 
-    Position l attends to positions m ≤ l; scores are computed and softmaxed in float32.
+    Position l attends to positions m ≤ l; scores are computed and softmaxed in float32 whatever the
+    inputs' dtype (float32 or bfloat16); the output and the gradients have the inputs' dtype.
     """
     return _attention_fwd(q_BNLC, k_BNMC, v_BNMC)[0]
 
@@ -92,7 +96,7 @@ def causal_attention(q_BNLC: jax.Array, k_BNMC: jax.Array, v_BNMC: jax.Array) ->
 def _attention_fwd(q_BNLC, k_BNMC, v_BNMC):
     s_BNLM = _causal_scores(q_BNLC, k_BNMC)
     e_BNLM = jnp.exp(s_BNLM - s_BNLM.max(-1, keepdims=True))
-    p_BNLM = e_BNLM / e_BNLM.sum(-1, keepdims=True)
+    p_BNLM = (e_BNLM / e_BNLM.sum(-1, keepdims=True)).astype(v_BNMC.dtype)
     return jnp.einsum("bnlm,bnmc->bnlc", p_BNLM, v_BNMC), (q_BNLC, k_BNMC, v_BNMC, p_BNLM)
 
 
@@ -101,11 +105,14 @@ def _attention_bwd(res, do_BNLC):
     # dV and dK contract over the query axis: they take Pᵀ and dSᵀ swapped explicitly (in a benchmark
     # of this rule alone, 4 × 4 heads × 128², a little faster than contracting over P's query axis).
     dv_BNMC = jnp.einsum("bnml,bnlc->bnmc", jnp.swapaxes(p_BNLM, 2, 3), do_BNLC)
-    dp_BNLM = jnp.einsum("bnlc,bnmc->bnlm", do_BNLC, v_BNMC)
-    ds_BNLM = p_BNLM * (dp_BNLM - (dp_BNLM * p_BNLM).sum(-1, keepdims=True)) * (1.0 / math.sqrt(q_BNLC.shape[-1]))
+    # the softmax's backward in float32, like its forward (no-ops when everything is float32)
+    dp_BNLM = jnp.einsum("bnlc,bnmc->bnlm", do_BNLC, v_BNMC, preferred_element_type=jnp.float32)
+    p32_BNLM = p_BNLM.astype(jnp.float32)
+    ds_BNLM = p32_BNLM * (dp_BNLM - (dp_BNLM * p32_BNLM).sum(-1, keepdims=True)) * (1.0 / math.sqrt(q_BNLC.shape[-1]))
+    ds_BNLM = ds_BNLM.astype(q_BNLC.dtype)
     dq_BNLC = jnp.einsum("bnlm,bnmc->bnlc", ds_BNLM, k_BNMC)
     dk_BNMC = jnp.einsum("bnml,bnlc->bnmc", jnp.swapaxes(ds_BNLM, 2, 3), q_BNLC)
-    return dq_BNLC, dk_BNMC, dv_BNMC
+    return dq_BNLC, dk_BNMC, dv_BNMC.astype(v_BNMC.dtype)
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
@@ -115,8 +122,9 @@ HEAD_ROWS = 256  # rows of the head computed together in the training pass (a [2
 
 
 def _xent_rows(x_TD, w_DV, labels_T):
-    """Per-row ``logsumexp(x @ w) − (x @ w)[label]``, plus what the gradient needs: e = exp(l − m), s = Σe."""
-    logits_TV = x_TD @ w_DV
+    """Per-row ``logsumexp(x @ w) − (x @ w)[label]``, plus what the gradient needs: e = exp(l − m), s = Σe.
+    The logits are float32 whatever the inputs' dtype (a bfloat16 matmul accumulates into float32)."""
+    logits_TV = jnp.matmul(x_TD, w_DV, preferred_element_type=jnp.float32)
     m_T1 = jnp.max(logits_TV, axis=-1, keepdims=True)
     m_T1 = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m_T1), m_T1, 0.0))
     e_TV = jnp.exp(logits_TV - m_T1)
@@ -129,8 +137,9 @@ def _xent_rows(x_TD, w_DV, labels_T):
 def softmax_cross_entropy_head(x_TD: jax.Array, w_DV: jax.Array, labels_T: jax.Array) -> jax.Array:
     """Mean over rows of ``logsumexp(x @ w) − (x @ w)[label]``: the output projection and the loss.
 
-    ``x: float32[..., D]``, ``w: float32[D, V]``, ``labels: int[...]`` → scalar float32 (nats); the
-    value is ``optax.softmax_cross_entropy_with_integer_labels`` on the logits, then the mean.
+    ``x: [..., D]``, ``w: [D, V]`` (float32 or bfloat16), ``labels: int[...]`` → scalar float32
+    (nats): logits, softmax and loss in float32; the gradients in the inputs' dtypes. The value is
+    ``optax.softmax_cross_entropy_with_integer_labels`` on the logits, then the mean.
     Differentiated, the forward pass also computes both gradients, :data:`HEAD_ROWS` rows at a time
     (the loss is a scalar, so they are the cotangent's multiples: the backward pass only scales
     them); the logits are never stored whole and the softmax is exponentiated once.
@@ -143,22 +152,22 @@ def _xent_fwd(x_TD, w_DV, labels_T):
     x_RD, y_R = x_TD.reshape(-1, D), labels_T.reshape(-1)
     R = x_RD.shape[0]
     rows = HEAD_ROWS if R % HEAD_ROWS == 0 else R
-    loss, dx, dw_DV = 0.0, [], jnp.zeros_like(w_DV)
+    loss, dx, dw_DV = 0.0, [], jnp.zeros(w_DV.shape, jnp.float32)
     for i in range(0, R, rows):
         xc_RD, yc_R = x_RD[i:i + rows], y_R[i:i + rows]
         nll_R, e_RV, s_R1 = _xent_rows(xc_RD, w_DV, yc_R)
         loss = loss + jnp.sum(nll_R)
         p_RV = e_RV / s_R1
         onehot_RV = jax.lax.broadcasted_iota(jnp.int32, p_RV.shape, 1) == yc_R[:, None]
-        g_RV = jnp.where(onehot_RV, p_RV - 1.0, p_RV) * (1.0 / R)
+        g_RV = (jnp.where(onehot_RV, p_RV - 1.0, p_RV) * (1.0 / R)).astype(x_TD.dtype)
         dx.append(jnp.einsum("rv,dv->rd", g_RV, w_DV))
-        dw_DV = dw_DV + jnp.einsum("rd,rv->dv", xc_RD, g_RV)
-    return loss / R, (jnp.concatenate(dx).reshape(x_TD.shape), dw_DV)
+        dw_DV = dw_DV + jnp.einsum("rd,rv->dv", xc_RD, g_RV, preferred_element_type=jnp.float32)
+    return loss / R, (jnp.concatenate(dx).reshape(x_TD.shape), dw_DV.astype(w_DV.dtype))
 
 
 def _xent_bwd(res, ct):
     dx_TD, dw_DV = res
-    return dx_TD * ct, dw_DV * ct, None
+    return (dx_TD * ct).astype(dx_TD.dtype), (dw_DV * ct).astype(dw_DV.dtype), None
 
 
 softmax_cross_entropy_head.defvjp(_xent_fwd, _xent_bwd)

@@ -81,7 +81,8 @@ def lm_loss(x_BLD: jax.Array, head_DV: jax.Array, batch) -> jax.Array:
     """
     if not isinstance(batch, dict):
         return softmax_cross_entropy_head(x_BLD, head_DV, batch[:, 1:])
-    nll_BL = optax.softmax_cross_entropy_with_integer_labels(x_BLD @ head_DV, batch["ids"][:, 1:])
+    logits_BLV = jnp.matmul(x_BLD, head_DV, preferred_element_type=jnp.float32)  # float32 whatever the compute dtype
+    nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["ids"][:, 1:])
     w_BL = batch["mask"][:, 1:].astype(jnp.float32)
     return jnp.sum(nll_BL * w_BL) / jnp.maximum(jnp.sum(w_BL), 1.0)
 

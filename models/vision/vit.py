@@ -77,7 +77,9 @@ class ViT(nnx.Module):
 
     def features(self, images_BHWC: jax.Array) -> jax.Array:
         """The pooled, final-normed representation ``float32[B, D]``."""
+        # pixels scaled in float32, then in the compute dtype (the parameters' dtype as the step cast them)
         x = patchify(images_BHWC.astype(jnp.float32) * self.pixel_scale, self.patch_size)
+        x = x.astype(self.final_norm.scale[...].dtype)
         x_BTD = project(self.patch, x)
         if self.cls is not None:
             x_BTD = jnp.concatenate([jnp.broadcast_to(self.cls[...], (x_BTD.shape[0], 1, x_BTD.shape[2])), x_BTD], 1)
@@ -102,6 +104,7 @@ def classification_objective(moe_cfg=None, moe_blocks: list[int] | None = None):
         else:
             logits, intermediates = nnx.capture(model, nnx.Intermediate)(batch["image"])
             stats = collect_stats(intermediates)
+        logits = logits.astype(jnp.float32)  # the loss in float32 whatever the compute dtype
         labels = batch["label"].astype(jnp.int32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
         metrics = {"ce": ce, "accuracy": jnp.mean((jnp.argmax(logits, -1) == labels).astype(jnp.float32))}
