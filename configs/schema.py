@@ -318,7 +318,8 @@ class DiLoCoConfig(_Strict):
         1, ge=0, description="learners on one host step in first-come turns, at most this many at "
         "once (threads of one process, or the learner processes of one host on Ray/Dask); 0 = "
         "unpaced (the OS scheduler decides, and co-located learners drift apart); set it to the "
-        "number of learners that have their own devices on a host"
+        "number of learners that have their own devices on a host (threads on accelerators: the "
+        "turns are per device slice already, learners on different GPUs never wait for each other)"
     )
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"

@@ -71,7 +71,7 @@ def _key(run_dir: str | Path) -> str:
 
 
 _TRAINERS: dict[tuple, Trainer] = {}
-_TURNS: dict[str, FairTurns | None] = {}
+_TURNS: dict[tuple, FairTurns | None] = {}
 _EXCHANGES: dict[str, FsspecExchange] = {}
 _LOCK = threading.Lock()
 
@@ -114,10 +114,11 @@ def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequenc
         return _TRAINERS[key]
 
 
-def _turns(run_dir: str | Path, slots: int) -> FairTurns | None:
-    """The first-come turns shared by the learners of one run in this process (None: unpaced)."""
+def _turns(run_dir: str | Path, slots: int, accelerators: tuple | None = None) -> FairTurns | None:
+    """The first-come turns shared by the learners of one run in this process (None: unpaced):
+    one set per accelerator slice (``accelerators``: its devices), one for all when None (CPU)."""
     with _LOCK:
-        return _TURNS.setdefault(_key(run_dir), FairTurns(slots) if slots else None)
+        return _TURNS.setdefault((_key(run_dir), accelerators), FairTurns(slots) if slots else None)
 
 
 def host_turns_dir(run_dir: str | Path) -> Path:
@@ -128,13 +129,22 @@ def host_turns_dir(run_dir: str | Path) -> Path:
     return Path(tempfile.gettempdir()) / "ddiloco-turns" / digest
 
 
-def learner_turns(cfg: ExperimentConfig, run_dir: str | Path) -> FairTurns | HostTurns | None:
+def learner_turns(cfg: ExperimentConfig, run_dir: str | Path,
+                  devices: Sequence[jax.Device] | None = None) -> FairTurns | HostTurns | None:
     """The turns learner steps take on this host (``diloco.compute_slots``; None when 0): between
     the threads of this process on the thread engine, between the learner processes of this host
-    on Ray and Dask (none for a Ray learner with GPUs of its own)."""
+    on Ray and Dask (none for a Ray learner with GPUs of its own).
+
+    Threads: ``devices`` is the learner's slice (``training.mesh.learner_devices``). On accelerators
+    the learners of one slice take turns and those of different slices never wait for each other
+    (learner m on GPU m computes while learner m' computes on GPU m'); on CPU every learner takes
+    turns with every other (CPU devices, even several, are the same cores)."""
     slots = cfg.diloco.compute_slots
     if cfg.runtime.engine == "threads" or not slots:
-        return _turns(run_dir, slots)
+        own = None
+        if devices is not None and any(d.platform != "cpu" for d in devices):
+            own = tuple((d.platform, d.id) for d in devices)
+        return _turns(run_dir, slots, own)
     if cfg.runtime.engine == "ray" and _ray_gpu_ids():
         return None  # GPUs of its own (runtime.learner_gpus): nothing on this host to take turns on
     return HostTurns(host_turns_dir(run_dir), slots)
@@ -291,7 +301,8 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     registered for ``run_dir`` unless ``exchange`` is given). Its step runs on
     ``learner_devices(learner, runtime.devices_per_learner)`` (``ValueError`` if those do not fit)."""
     d = cfg.diloco
-    trainer = learner_trainer(cfg, run_dir, learner_devices(learner, cfg.runtime.devices_per_learner))
+    devices = learner_devices(learner, cfg.runtime.devices_per_learner)
+    trainer = learner_trainer(cfg, run_dir, devices)
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
     kills = [k for k in cfg.chaos.kills if k.learner == learner]
@@ -315,7 +326,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
         fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
-        turns=learner_turns(cfg, run_dir),
+        turns=learner_turns(cfg, run_dir, devices),
         slowdowns=slowdowns, overlap_steps=d.overlap_steps, wait_timeout_s=d.heartbeat_timeout_s, **chaos,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
