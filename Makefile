@@ -7,6 +7,16 @@ UI_HOST ?= 127.0.0.1
 UI_PORT ?= 4200
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export UV_PYTHON_DOWNLOADS := never
+# ACCEL: which JAX wheels set-up installs from uv.lock. cuda (the `cuda` extra: JAX's CUDA 13 wheels)
+# when nvidia-smi lists a GPU, else cpu; `make run ACCEL=cpu` forces CPU. Changing it re-syncs .venv.
+ifeq ($(origin ACCEL),undefined)
+ACCEL := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+endif
+ifneq ($(words $(ACCEL)) $(filter cpu cuda,$(ACCEL)),1 $(strip $(ACCEL)))
+$(error ACCEL='$(ACCEL)' is not one of: cpu cuda)
+endif
+EXTRAS_cpu  :=
+EXTRAS_cuda := --extra cuda
 
 .PHONY: setup browser run test bench bench-torch ui clean
 
@@ -14,11 +24,13 @@ $(UV):
 	$(PY) -m venv .uv-bootstrap
 	.uv-bootstrap/bin/pip install --quiet uv==0.13.9
 
-$(VENV)/.synced: $(UV) pyproject.toml uv.lock
-	$(UV) sync --frozen --python $(PY)
+# One stamp per ACCEL: switching removes the other one and re-syncs (exactly: cpu uninstalls the CUDA wheels).
+$(VENV)/.synced-$(ACCEL): $(UV) pyproject.toml uv.lock
+	rm -f $(VENV)/.synced $(VENV)/.synced-*
+	$(UV) sync --frozen --python $(PY) $(EXTRAS_$(ACCEL))
 	touch $@
 
-setup: $(VENV)/.synced
+setup: $(VENV)/.synced-$(ACCEL)
 
 # Debian's Chromium for the browser test of the Prefect UI (tests/test_ui_browser.py, Playwright):
 # installed with apt-get when missing and we are root; otherwise that test is skipped (fails under CI).
