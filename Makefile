@@ -43,8 +43,10 @@ browser:
 run: setup
 	$(VENV)/bin/ddiloco run $(CONFIG)
 
+# The suite runs on CPU even where a GPU is (its golden losses and forced host devices are CPU's);
+# JAX_PLATFORMS=cuda make test runs it on the GPU.
 test: setup browser
-	$(VENV)/bin/python -m pytest tests
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests
 
 bench: setup
 	$(VENV)/bin/python benchmarks/throughput.py

@@ -92,6 +92,13 @@ class GraceWindow:
         t_sync = None if latency is None else 2 * latency + (merge or 0.0)
         return {"t_step": med(self._steps), "t_quorum": med(self._quorum), "t_sync": t_sync}
 
+    def cap(self) -> float | None:
+        """The bound the window is clamped to now (seconds): one measured step, or ``cap_s`` when set;
+        None while the window is the fixed one (``fixed`` mode, or still warming up)."""
+        if self.mode == "fixed" or len(self._steps) < self.min_samples:
+            return None
+        return self.estimates()["t_step"] if self.cap_s is None else self.cap_s
+
     def seconds(self, t_quorum: float | None = None) -> float:
         """The grace window to use now (seconds). ``t_quorum``: this round's own time to quorum
         (default: the moving median). The fixed window in ``fixed`` mode and while warming up."""

@@ -80,7 +80,8 @@ def run_syncer(
 
     ``grace`` (a :class:`~diloco.grace.GraceWindow`): the grace window each round gets once it
     reaches quorum, from the submissions' step times, the round's time to quorum and the measured
-    merge time (Eq. 3 when adaptive); each merge record carries the window it used (``grace_s``).
+    merge time (Eq. 3 when adaptive); each merge record carries the window it used (``grace_s``)
+    and, once adaptive, the bound it was clamped to (``grace_cap_s``: one measured inner step).
     Without it every round gets ``syncer.settings.grace_s``.
 
     With a ``journal`` (the fsspec exchange: ``diloco.syncer_journal``) the syncer survives a
@@ -95,7 +96,8 @@ def run_syncer(
     ``StaleSyncerError`` from its next journal entry, publish, grant, checkpoint or delete.
     """
     loop = {"next_eval": eval_every_tokens}  # the loop's own state (journaled and checkpointed)
-    window: dict[int, float] = {}  # fragment -> this round's grace window (s), set at quorum
+    # fragment -> (this round's grace window, its cap: None while fixed) in seconds, set at quorum
+    window: dict[int, tuple[float, float | None]] = {}
     held: set[str] = set()  # drained submission objects not yet merged or dropped (no journal)
     if journal is not None:
         info = journal.recover(syncer, loop, on_merge)
@@ -144,7 +146,7 @@ def run_syncer(
         for p, at in enumerate(syncer.quorum_at):
             if at is not None and p not in window:
                 first = min(s.sent_at for s in syncer.pending[p].values())
-                window[p] = grace.seconds(t_quorum=max(at - first, 0.0))
+                window[p] = (grace.seconds(t_quorum=max(at - first, 0.0)), grace.cap())
                 grace.observe_quorum(first, at)
 
     def closed(rec: dict | None, p: int, started: float) -> None:
@@ -153,7 +155,9 @@ def run_syncer(
         if grace is not None:
             grace.observe_merge(time.perf_counter() - started)
         if rec is not None and used is not None:
-            rec["grace_s"] = round(used, 6)
+            rec["grace_s"] = round(used[0], 6)
+            if used[1] is not None:  # an adaptive window: the bound it was clamped to (one measured step)
+                rec["grace_cap_s"] = round(used[1], 6)
 
     def handle(records: list[dict]) -> None:
         # flush returns adopted merges only: a refused merge (non-finite result) publishes and
@@ -193,7 +197,8 @@ def run_syncer(
         live, down = liveness(exchange, heartbeat_timeout_s)
         note_liveness(live, down, now)
         open_windows()
-        due = [p for p in range(syncer.num_fragments) if syncer.ready(p, now, live, window.get(p), set(down))]
+        due = [p for p in range(syncer.num_fragments)
+               if syncer.ready(p, now, live, window[p][0] if p in window else None, set(down))]
         if journal is None:
             for p in due:
                 started = time.perf_counter()

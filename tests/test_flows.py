@@ -7,6 +7,7 @@ corpus (``tests/data/shakespeare_small.jsonl``).
 
 import json
 import shutil
+import statistics
 
 import numpy as np
 import pytest
@@ -116,7 +117,8 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
         **small_cfg.model_dump(),
         "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 2.0, "grace_s": 0.05,
                    "resume_every_steps": 5, "grace": "adaptive"},
-        "train": {**small_cfg.train.model_dump(), "token_budget": 98304, "eval_every_tokens": 98304},
+        # a budget that outlasts the retry (the other two used 98,304 tokens 3 s after the failure)
+        "train": {**small_cfg.train.model_dump(), "token_budget": 196608, "eval_every_tokens": 196608},
         "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
     })
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
@@ -143,14 +145,15 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
     assert np.isfinite(summary["final_val_loss"])
     windows = [m["grace_s"] for m in merges if "grace_s" in m]  # (the final flush's merges have none)
     assert len(windows) >= len(merges) - cfg.diloco.fragments
-    measured = [w for w in windows if w != 0.05]
+    measured = [m for m in merges if "grace_cap_s" in m]  # once the step time is measured
+    assert measured and all(0.0 <= m["grace_s"] <= m["grace_cap_s"] for m in measured)  # at most one step
     per_step = []  # seconds per inner step between a learner's logged steps
     for m in range(cfg.diloco.learners):
         steps = [e for e in events if e["event"] == "step" and e["learner"] == m]
         per_step += [(b["t"] - a["t"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
                      if b["step"] > a["step"]]
-    longest_step = max(per_step)
-    assert measured and all(0.0 <= w <= longest_step for w in measured)
+    # the estimate is a step time (a moving median of the submissions'), not a wait or a stall
+    assert statistics.median(m["grace_cap_s"] for m in measured) <= 2 * max(per_step)
     # the syncer saw learner 1 go down and come back (liveness from heartbeats), the others never down
     seen = [(e["alive"], e.get("reason")) for e in events if e["event"] == "liveness" and e["learner"] == 1]
     assert seen[:3] == [(True, None), (False, "down"), (True, None)], seen

@@ -22,7 +22,8 @@ def test_fixed_window_and_warm_up():
     assert _warm(GraceWindow("fixed", fixed_s=3.0)).seconds() == 3.0
     g = GraceWindow("adaptive", fixed_s=3.0, overlap_steps=4, min_samples=8)
     _warm(g, learners=1, steps=5)  # 4 step-time samples: still warming up
-    assert g.seconds() == 3.0
+    assert g.seconds() == 3.0 and g.cap() is None
+    assert _warm(GraceWindow("fixed", fixed_s=3.0)).cap() is None
     with pytest.raises(ValueError, match="grace mode 'eager' unknown"):
         GraceWindow("eager")
     with pytest.raises(ValueError, match="must be > 0"):
@@ -35,9 +36,9 @@ def test_adaptive_window_by_hand():
     est = g.estimates()
     assert est["t_step"] == pytest.approx(0.1) and est["t_sync"] == pytest.approx(0.025)
     # slack = 4·0.1 − 0.05 − 0.025 = 0.325; γ·slack = 0.1625, capped at one step (0.1)
-    assert g.seconds(t_quorum=0.05) == pytest.approx(0.1)
+    assert g.seconds(t_quorum=0.05) == pytest.approx(0.1) == g.cap()
     g.cap_s = 1.0
-    assert g.seconds(t_quorum=0.05) == pytest.approx(0.1625)
+    assert g.seconds(t_quorum=0.05) == pytest.approx(0.1625) and g.cap() == 1.0
     assert g.seconds(t_quorum=0.5) == 0.0  # quorum took longer than the round may: no waiting
     g.observe_quorum(first_sent_at=1.0, quorum_at=1.2)  # without this round's own: the median
     assert g.seconds() == pytest.approx(0.5 * (0.4 - 0.2 - 0.025))
