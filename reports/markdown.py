@@ -102,6 +102,13 @@ def _header(report: dict, L: list[str]) -> None:
     L.append(f"- generated: {run['generated_at']}")
     L.append(f"- git commit: `{run['git_commit']}`")
     L.append(f"- versions: {', '.join(f'{k} {v}' for k, v in run['versions'].items())}")
+    for key in ("backend", "precision"):  # what the methods trained on and in (their summaries)
+        seen = {m: f["hyperparameters"][key] for s in report["stages"].values()
+                for m, f in s["methods"].items() if key in (f.get("hyperparameters") or {})}
+        if seen:
+            values = sorted(set(seen.values()))
+            L.append(f"- {key}: " + (values[0] if len(values) == 1 else
+                                     "; ".join(f"{label(m)} {v}" for m, v in seen.items())))
     pl = report.get("pipeline")
     if pl:
         stages = ", ".join(pl["completed_stages"]) or "none"

@@ -32,6 +32,9 @@ def test_pipeline_end_to_end(prefect_harness, tiny_cfg, tiny_data, tmp_path):
     assert out == str(run_dir)
     report = layout.report_md.read_text()
     assert "Decoupled DiLoCo" in report and "Data-parallel" in report
+    # the header says what both methods trained on and in
+    assert "\n- backend: cpu: 1 × cpu (jax " in report
+    assert "\n- precision: params float32 · compute float32 · optimizer state float32\n" in report
     assert layout.methods("pretrain") == ["diloco", "dp"]
     for method in ("diloco", "dp"):
         summary = json.loads(layout.summary("pretrain", method).read_text())
