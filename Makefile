@@ -18,7 +18,7 @@ endif
 EXTRAS_cpu  :=
 EXTRAS_cuda := --extra cuda
 
-.PHONY: setup browser run test bench bench-torch ui clean
+.PHONY: setup browser run test bench bench-torch device-check ui clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -56,6 +56,11 @@ bench: setup
 bench-torch: setup
 	$(VENV)/bin/python -m pip install --quiet -r benchmarks/requirements-torch.txt
 	$(VENV)/bin/python benchmarks/throughput.py
+
+# Backend and devices, every family's learner and DP step in float32 and bfloat16 (ms, MFU against the
+# device's datasheet peak) and the default pipeline end to end (a few minutes): ARGS="--out DIR" keeps it.
+device-check: setup
+	$(VENV)/bin/python benchmarks/device_check.py $(ARGS)
 
 # The UI asks the server for its API URL, so a port other than 4200 needs it too.
 ui: setup

@@ -91,14 +91,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average
+from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average, ours
 from configs.schema import load_config_checked
 from models import build_model
 from models.spec import InputShape
 from training.mesh import backend_info, backend_line
 from training.optimizers import make_inner_tx
 from training.precision import Precision
-from training.step import Trainer
 
 # Dense (no 2:4 structured sparsity) peak TFLOP/s of one GPU: bfloat16 tensor core, TF32 tensor core,
 # FP32 (non-tensor). NVIDIA's datasheets quote the tensor-core figures "with sparsity"; dense is half.
@@ -308,23 +307,6 @@ def family_config(name: str, scale: int):
     return load_config_checked(path, overrides)
 
 
-def stepper(spec, tx, batch, microbatches: int, precision: Precision):
-    """``steps(n)``: n steps of the compiled step under ``precision`` (state carried, donated), every
-    output ready at the end; returns the last loss. ``throughput.ours`` with a precision policy."""
-    trainer = Trainer(spec, tx, microbatches, precision=precision)
-    params = trainer.init_params()
-    state = [params, trainer.init_opt(params)]
-    batch = jax.tree.map(jnp.asarray, batch)
-
-    def steps(n: int) -> float:
-        for _ in range(n):
-            state[0], state[1], metrics = trainer.step(state[0], state[1], batch)
-        jax.block_until_ready((state[0], state[1], metrics))
-        return float(metrics["loss"])
-
-    return steps
-
-
 def steps_table(report: Report, peak: dict[str, tuple[float, str]], repeats: int, steps_per_turn: int,
                 scale: int) -> None:
     rng = np.random.default_rng(0)
@@ -338,7 +320,7 @@ def steps_table(report: Report, peak: dict[str, tuple[float, str]], repeats: int
             batch = family_batch(cfg, bs, rng)
             meta[(name, step)] = (cfg.model.kind, bs, g, bs * cfg.units_per_row, cfg.unit, spec)
             for dt, policy in PRECISIONS.items():
-                runners[(name, step, dt)] = stepper(spec, tx, batch, g, policy)
+                runners[(name, step, dt)] = ours(spec, tx, batch, g, policy)
     t0 = time.monotonic()
     # compile and warm up all kinds at once (XLA compiles in parallel threads), then time them in turns
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(os.sched_getaffinity(0))))) as pool:
@@ -453,7 +435,7 @@ def pipeline(report: Report, args, accelerator: bool) -> int:
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = USER_PREALLOCATE
     if args.cache:
         env["DDILOCO_CACHE_DIR"] = str(Path(args.cache).expanduser().absolute())
-    limit = f"stopped after {args.pipeline_timeout:g} s" if args.pipeline_timeout else "no time limit"
+    limit = f"stopped if still running after {args.pipeline_timeout:g} s" if args.pipeline_timeout else "no time limit"
     report(f"pipeline ({why}; {limit}):")
     report(f"  {corpus_line(args.cache)}")
     report(f"  $ {shlex.join(['python' if c == sys.executable else c for c in cmd])}")

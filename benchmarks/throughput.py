@@ -97,9 +97,10 @@ def torch_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
     return 2 * n**3 / best
 
 
-def ours(spec, tx, batch: np.ndarray, microbatches: int) -> Callable[[int], float]:
-    """``steps(n)``: n steps of our compiled step (params and state carried, donated); last loss."""
-    trainer = Trainer(spec, tx, microbatches)
+def ours(spec, tx, batch: np.ndarray, microbatches: int, precision=None) -> Callable[[int], float]:
+    """``steps(n)``: n steps of our compiled step (params and state carried, donated), every output
+    ready at the end; last loss. ``precision``: a ``training.precision.Precision`` (None: float32)."""
+    trainer = Trainer(spec, tx, microbatches, precision=precision)
     params = trainer.init_params()
     state = [params, trainer.init_opt(params)]
     batch = jax.tree.map(jnp.asarray, batch)
