@@ -11,10 +11,11 @@ the config (pretraining only: lm-eval and fine-tuning off; held-out loss every
 moments: accelerators' mixed precision) and ``bfloat16`` (all three bfloat16).
 
 Prints, per policy and method (DiLoCo, DP): the final held-out loss (nats per token, or per image),
-the largest and the final gap to the float32 run's curve at the same tokens, and the run's
-training wall time with its ratio to float32's (on a CPU bfloat16 is emulated and slower; on an
-accelerator it is the tensor cores' speed-up). Writes ``precision_curves.png`` (both methods' curves
-per policy) and ``precision.json`` into ``--out``. Asserts nothing.
+the largest and the final gap to the float32 run's curve at the same tokens, and the method's
+training wall time with float32's divided by it. That time is not a speed measure on the tiny
+config: a few seconds, most of it compiling and held-out evaluation (it moved 2× between runs);
+``benchmarks/device_check.py`` measures the steps' speed-up. Writes ``precision_curves.png`` (both
+methods' curves per policy) and ``precision.json`` into ``--out``. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def main() -> None:
     ap.add_argument("--config", default="tiny", help="a shipped config's name or a path (default: tiny)")
     ap.add_argument("--out", default=None, help="folder for the runs and figures (default: runs/precision-<time>)")
     ap.add_argument("--eval-every", type=int, default=2048, help="held-out loss every this many tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
+                    help="which policies to run (default: all three; float32 is required)")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run (repeat it)")
     args = ap.parse_args()
@@ -85,7 +87,7 @@ def main() -> None:
             curves[label, m] = curve(runs[label], m)
             walls[label, m] = json.loads((runs[label] / "pretrain" / m / "summary.json").read_text())["wall_s"]
     print(f"\nconfig {args.config}; held-out loss (nats per unit); gaps against float32 at the same tokens")
-    print(f"{'policy':<10}{'method':<8}{'final':>9}{'max |gap|':>11}{'final gap':>11}{'train s':>9}{'÷ fp32':>8}")
+    print(f"{'policy':<10}{'method':<8}{'final':>9}{'max |gap|':>11}{'final gap':>11}{'train s':>9}{'fp32 ÷':>8}")
     rows = []
     for label in args.policies:
         for m in METHODS:
@@ -93,10 +95,10 @@ def main() -> None:
             gaps = [loss - ref[t] for t, loss in got if t in ref]
             row = {"policy": label, "method": m, "precision": POLICIES[label], "final": got[-1][1],
                    "max_abs_gap": max(map(abs, gaps)), "final_gap": gaps[-1], "wall_s": walls[label, m],
-                   "wall_ratio": walls[label, m] / walls["float32", m], "curve": got}
+                   "float32_wall_over_this": walls["float32", m] / walls[label, m], "curve": got}
             rows.append(row)
             print(f"{label:<10}{m:<8}{row['final']:>9.4f}{row['max_abs_gap']:>11.4f}{row['final_gap']:>+11.4f}"
-                  f"{row['wall_s']:>9.1f}{row['wall_ratio']:>8.2f}")
+                  f"{row['wall_s']:>9.1f}{row['float32_wall_over_this']:>8.2f}")
     (out / "precision.json").write_text(json.dumps({"config": args.config, "rows": rows}, indent=1))
 
     import matplotlib

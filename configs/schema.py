@@ -1128,7 +1128,12 @@ def validation_lines(exc: ValidationError) -> list[str]:
         err = {**err, "loc": tuple(parts)}
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        if err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
+        section_keys = _valid_keys(exc.title, err["loc"]) if err["type"] == "model_type" else []
+        if section_keys:  # a value where a section belongs, e.g. `precision: bfloat16`
+            value = err.get("input")
+            shown = ", ".join(f"{loc}.{k}" for k in section_keys[:6]) + (", …" if len(section_keys) > 6 else "")
+            msg = f"is a section, not a value (got {value!r}); set its keys: {shown}"
+        elif err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
             value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
             msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
         if err["type"] == "model_kind":

@@ -322,11 +322,18 @@ def run_learner(s: LearnerSetup) -> dict:
             # down for the restart delay from the moment its failure fired (a failure fires at the first
             # step boundary after its time, a compiling first step can make that seconds late)
             fired = float(info.get("failed_t", clock()))
-            after = [(a, d) for a, d, _ in s.timed_failures if a <= fired]
-            if after and fired + after[-1][1] > clock():  # still within the restart delay
-                a, d = after[-1]
-                ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
-                _wait_until(clock, fired + d, s.stop, ex, s.tokens_per_step)
+            due = [(a, d) for a, d, _ in s.timed_failures if a <= fired]
+            if due:
+                # the failure that fired (the earliest pending one: two can fall due at one step boundary)
+                which = info.get("failed_at_s")
+                a, d = next(((a, d) for a, d in due if which is not None and a == float(which)), due[-1])
+                back = fired + d
+                for a2, d2, _ in sorted(s.timed_failures):  # failing again while down extends it (as DP)
+                    if a < a2 <= back:
+                        back = max(back, a2 + d2)
+                if back > clock():  # still within the restart delay
+                    ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
+                    _wait_until(clock, back, s.stop, ex, s.tokens_per_step)
         join_s, leave_s = s.window
         if clock() < join_s:
             ex.heartbeat(m, status="absent", pid=os.getpid())
@@ -410,7 +417,7 @@ def run_learner(s: LearnerSetup) -> dict:
             if pending_failures and pending_failures[0][0] <= clock():
                 at, how = pending_failures.pop(0)
                 fired_at = ex.clock()
-                ex.heartbeat(m, failed_t=clock())  # its retry is down for the restart delay from here
+                ex.heartbeat(m, failed_t=clock(), failed_at_s=at)  # its retry is down for the restart delay from here
                 if how == "sigkill":
                     ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
                     s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,

@@ -76,6 +76,9 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     cfg = _load(config, sets)
     _prefect_logging()
     from flows.preflight import preflight
+    from launch.engines import share_accelerators
+
+    share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
 
     try:
         rd = preflight(cfg, run_dir)
@@ -89,12 +92,12 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
 @app.command()
 def run(
     config: str = typer.Argument("configs/default.yaml", help="YAML experiment config, or a shipped "
-                                 "config's name: default, tiny, failure"),
+                                 "config's name: default, chaos, failure, moe, tiny, vit, vit_moe"),
     set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
     run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>); "
                                           "must be new or empty"),
 ):
-    """Shard → DiLoCo and DP pretraining → lm-eval → report, as one Prefect flow run.
+    """Shard → DiLoCo and DP pretraining → lm-eval → fine-tuning → report, as one Prefect flow run.
 
     Exit status: 0 done; 1 the run failed (the reason is the last line); 2 refused before any
     work; 130/143 stopped by SIGINT/SIGTERM (the run directory's status.json says what completed).

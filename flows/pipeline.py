@@ -95,7 +95,7 @@ def pipeline(
         logger.info("run directory: %s", rd)
         from training.mesh import backend_line  # (JAX has started: the preflight asked for its devices)
 
-        logger.info("backend %s; precision: %s", backend_line(), cfg.precision.describe())
+        logger.info("backend: %s; precision: %s", backend_line(), cfg.precision.describe())
         try:
             try:
                 manifest = shard_data_task(cfg, rd)

@@ -47,6 +47,17 @@ def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)}
 
 
+def share_accelerators(config: ExperimentConfig) -> None:
+    """On a process engine, JAX in each process allocates GPU memory as it needs it
+    (``XLA_PYTHON_CLIENT_PREALLOCATE=false``; JAX's default takes 75 % of a GPU per process, so the
+    second learner process on a GPU would run out). Set in this process's environment, which the
+    worker processes inherit (``forwarded_env``); call it before JAX starts here (the CLI does) so
+    the flow's own process does not hold the memory either. A value already set is kept; nothing is
+    done for the thread engine (one process: JAX's own pool) or off GPUs (the variable is ignored)."""
+    if config.runtime.engine != "threads":
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
 def engine_slots(config: ExperimentConfig) -> int:
     """Tasks that run at once: every learner and the syncer."""
     return config.diloco.learners + 1
@@ -139,6 +150,7 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
     if config.runtime.engine == "threads":
         yield
         return
+    share_accelerators(config)  # (the workers start from here)
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if get_current_settings().api.url:

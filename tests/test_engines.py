@@ -130,3 +130,21 @@ def test_ray_learner_gpu_requests(small_cfg):
         learner_gpus(cfg(learner_gpus=1), 2)
     with pytest.raises(ValidationError, match="runtime.learner_gpus is a Ray resource request"):
         cfg(engine="dask", learner_gpus=1)
+
+
+def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkeypatch):
+    """Several learner processes on one GPU: each JAX grows its memory instead of taking 75 % of the
+    GPU at start (its default); a value the user set is kept; the thread engine is left alone."""
+    from launch.engines import forwarded_env, share_accelerators
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    share_accelerators(small_cfg)  # threads
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+    def on(engine):
+        return small_cfg.model_copy(update={"runtime": small_cfg.runtime.model_copy(update={"engine": engine})})
+
+    share_accelerators(on("dask"))
+    assert forwarded_env()["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # what the workers inherit
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
+    share_accelerators(on("ray"))
+    assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"

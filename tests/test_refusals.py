@@ -385,3 +385,14 @@ def test_finetune_inputs_are_refused_in_one_line(tmp_path):
     assert "only finetune.* fields can change after pretraining" in line
     line = one_line_refusal(*cli("finetune", "--checkpoint", tmp_path / "nowhere"))
     assert "--checkpoint" in line and "is not a folder" in line
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("precision=bfloat16", "precision: is a section, not a value (got 'bfloat16'); set its keys: "
+                           "precision.params, precision.compute, precision.opt_state"),
+    ("precision.compute=float16", "precision.compute: Input should be 'float32' or 'bfloat16'"),
+])
+def test_a_bad_precision_policy_is_refused_in_one_line(tmp_path, override, needle):
+    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", override))
+    assert needle in line
+    assert not (tmp_path / "R").exists()
