@@ -508,7 +508,7 @@ def main() -> None:
                     help="the pipeline's precision.compute (the steps run both)")
     ap.add_argument("--pipeline-set", action="append", default=[], metavar="KEY=VALUE",
                     help="another --set for the pipeline run (repeatable)")
-    ap.add_argument("--pipeline-timeout", type=float, default=420.0, 
+    ap.add_argument("--pipeline-timeout", type=float, default=420.0,
                     help="seconds before the run is stopped (default 420, to fit a 10-minute limit; 0: none)")
     ap.add_argument("--run-root", default=None,
                     help="keep the pipeline's run under DIR (default: a temporary folder, removed)")
