@@ -235,14 +235,14 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     job stops until both are back (3.8 s), restores its
     last checkpoint (every 5 steps; none yet: the initial state) and recomputes the steps since on
     the same batches, so its held-out curve over tokens is the failure-free one to the last bit; a
-    permanent 30× slowdown of one replica slows every step (and keeps the run long enough for the
-    failure to land mid-run on an idle machine)."""
+    30× slowdown of one replica for the first 5 s slows every step (and keeps the run long enough for
+    the failure to land mid-run on an idle machine; after it the steps run at full speed)."""
     from training.dp import train_dp
 
     sched = ChaosSchedule.model_validate({"learners": 3, "failures": [
         {"learner": 1, "at_s": 3.0, "restart_delay_s": 0.5}, {"learner": 0, "at_s": 3.2, "restart_delay_s": 0.6}],
         "slowdowns": [
-        {"learner": 2, "factor": 30.0, "kind": "heterogeneity"}]})
+        {"learner": 2, "factor": 30.0, "from_s": 0.0, "to_s": 5.0}]})
     path = tmp_path / "chaos.json"
     path.write_text(sched.dumps())
     runs = {}
@@ -265,7 +265,7 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     # down for the restart delay from the step boundary it met the failure at, then restored
     assert restore["t"] >= fail["t"] + 0.5 and hit["chaos"]["stall_s"] == pytest.approx(restore["down_s"])
     assert hit["chaos"] == {**hit["chaos"], "failures": 2, "lost_steps": restore["lost_steps"], "checkpoint_every_steps": 5}
-    assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0]
+    assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0, 1.0]
     assert json.loads(layout.chaos_schedule.read_text()) == json.loads(sched.dumps())  # saved for the record
     curve = [(r["tokens"], r["val/loss"]) for r in read_jsonl(layout.metrics("pretrain", "dp", "eval"))]
     assert curve == [(r["tokens"], r["val/loss"]) for r in read_jsonl(calm_layout.metrics("pretrain", "dp", "eval"))]
