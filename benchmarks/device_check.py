@@ -15,7 +15,7 @@ One short run (a few minutes) that reports, in one place, what a new machine doe
 2. **Steps**: for each shipped family (``configs/{default,moe,vit,vit_moe}.yaml``) the DiLoCo
    learner step (``diloco.batch_size`` rows) and the DP step (``dp.batch_size`` rows), each in the
    configured microbatches, with float32 compute and with bfloat16 compute
-   (``Precision("float32", "bfloat16", "float32")``: float32 master parameters and optimizer state,
+   (``PrecisionConfig(compute="bfloat16")``: float32 master parameters and optimizer state,
    bfloat16 matmuls, float32 loss). Timing as in ``benchmarks/throughput.py``: after compilation and
    two warm-up steps, every step kind takes turns within each repetition (the float32 and bfloat16
    variants of one step side by side), a turn being one untimed step and then ``--steps`` steps
@@ -61,6 +61,7 @@ timings; this script asserts nothing (it exits 1 only if the pipeline failed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -92,12 +93,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average, ours
-from configs.schema import load_config_checked
+from configs.schema import PrecisionConfig, load_config_checked
 from models import build_model
 from models.spec import InputShape
 from training.mesh import backend_info, backend_line
 from training.optimizers import make_inner_tx
-from training.precision import Precision
 
 # Dense (no 2:4 structured sparsity) peak TFLOP/s of one GPU: bfloat16 tensor core, TF32 tensor core,
 # FP32 (non-tensor). NVIDIA's datasheets quote the tensor-core figures "with sparsity"; dense is half.
@@ -131,7 +131,7 @@ PEAKS: tuple[tuple[str, str, float, float, float], ...] = (
     ("GB200", "GB200 (per GPU)", 2500.0, 1250.0, 80.0),
     ("B200", "B200", 2250.0, 1100.0, 75.0),
 )
-PRECISIONS = {"float32": Precision(), "bfloat16": Precision("float32", "bfloat16", "float32")}
+PRECISIONS = {"float32": PrecisionConfig(), "bfloat16": PrecisionConfig(compute="bfloat16")}
 CPU_BUDGET = 262_144  # pipeline tokens on a CPU: about 1.5 min on 2 cores with lm-eval and fine-tuning off
 METHOD_NAMES = {"diloco": "DiLoCo", "dp": "DP"}
 ACCEL_STEPS = 20  # timed steps per turn on an accelerator (a tiny step there takes about a millisecond)
@@ -239,19 +239,9 @@ def float32_matmul_mode() -> tuple[str, str]:
 
 
 def matmul_flops(dtype: str, n: int, reps: int = 10) -> float:
-    """Best FLOP/s of an n×n matmul in ``dtype`` (float32: ``throughput.jax_matmul_flops``, the peak
-    ``throughput.py`` measures)."""
-    if dtype == "float32":
-        return jax_matmul_flops(n, reps)
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), jnp.bfloat16)
-    f = jax.jit(lambda x: x @ x)
-    f(a).block_until_ready()
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+    """Best FLOP/s of an n×n matmul in ``dtype`` (``throughput.jax_matmul_flops``: float32 is the
+    peak ``throughput.py`` measures)."""
+    return jax_matmul_flops(n, reps, getattr(jnp, dtype))
 
 
 def peaks(report: Report, info: dict) -> dict[str, tuple[float, str]]:
@@ -393,10 +383,8 @@ def stop(proc: subprocess.Popen) -> int:
 
 def reap(proc: subprocess.Popen) -> None:
     """SIGKILL whatever is left of the run's process group (e.g. a Prefect server it left behind)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def read_json(path: Path) -> dict | None:

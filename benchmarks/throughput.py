@@ -74,8 +74,9 @@ def load_average() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def jax_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
-    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+def jax_matmul_flops(n: int = PEAK_N, reps: int = 10, dtype=jnp.float32) -> float:
+    """Best FLOP/s of an n×n ``dtype`` matmul over ``reps`` calls (after one to compile)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32), dtype)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
     best = float("inf")
@@ -99,7 +100,7 @@ def torch_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
 
 def ours(spec, tx, batch: np.ndarray, microbatches: int, precision=None) -> Callable[[int], float]:
     """``steps(n)``: n steps of our compiled step (params and state carried, donated), every output
-    ready at the end; last loss. ``precision``: a ``training.precision.Precision`` (None: float32)."""
+    ready at the end; last loss. ``precision``: a ``configs.schema.PrecisionConfig`` (None: float32)."""
     trainer = Trainer(spec, tx, microbatches, precision=precision)
     params = trainer.init_params()
     state = [params, trainer.init_opt(params)]

@@ -22,13 +22,13 @@ from diloco.syncer import Syncer, SyncerSettings
 from diloco.tensors import tensor_bytes, to_numpy
 from models import InputShape, build_model
 from models.layers.ops import causal_attention, softmax_cross_entropy_head
-from training.precision import Precision, cast_floating, with_state_dtype
+from training.precision import cast_floating, dtypes, with_state_dtype
 from training.step import Trainer, _loss_and_grad
 
 LM = DenseLMConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, tie_embeddings=False)
 SHAPE = InputShape(vocab_size=50, seq_len=8)
-BF16 = Precision("bfloat16", "bfloat16", "bfloat16")
-MIXED = Precision("float32", "bfloat16", "float32")
+BF16 = PrecisionConfig(params="bfloat16", compute="bfloat16", opt_state="bfloat16")
+MIXED = PrecisionConfig(compute="bfloat16")
 
 
 def _floating(tree) -> set[str]:
@@ -38,7 +38,7 @@ def _floating(tree) -> set[str]:
 def _dot_operand_dtypes(trainer: Trainer, batch) -> Counter:
     """(lhs, rhs) element types of every dot in the lowered forward + backward pass."""
     fn = _loss_and_grad(trainer.fn, trainer.spec.objective,
-                        None if trainer.precision.is_float32 else trainer.precision.compute_dtype)
+                        None if trainer.dtypes is None else trainer.dtypes.compute)
     text = jax.jit(fn).lower(trainer.init_params(), {}, batch).as_text()
     pairs = re.findall(r"stablehlo.dot_general[^\n]*: \(tensor<([^>]*)>, tensor<([^>]*)>\)", text)
     return Counter((a.rsplit("x", 1)[-1], b.rsplit("x", 1)[-1]) for a, b in pairs)
@@ -47,7 +47,8 @@ def _dot_operand_dtypes(trainer: Trainer, batch) -> Counter:
 def test_config_policy_and_refusal():
     cfg = ExperimentConfig.model_validate({"precision": {"compute": "bfloat16"}})
     assert cfg.precision.describe() == "params float32 · compute bfloat16 · optimizer state float32"
-    assert Precision.of(cfg.precision) == MIXED and Precision.of(ExperimentConfig().precision).is_float32
+    assert cfg.precision == MIXED and dtypes(ExperimentConfig().precision) is None
+    assert dtypes(MIXED) == (jnp.float32, jnp.bfloat16, jnp.float32)
     with pytest.raises(Exception, match="precision.compute"):
         ExperimentConfig.model_validate({"precision": {"compute": "float16"}})
     with pytest.raises(Exception, match="precision.param_dtype"):

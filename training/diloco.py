@@ -60,7 +60,6 @@ from training.evaluation import eval_record, heldout_metrics, val_batches
 from training.functional import nest
 from training.mesh import backend_line, learner_devices, single_default
 from training.optimizers import make_inner_tx
-from training.precision import Precision
 from training.step import Trainer
 
 STAGE, METHOD = "pretrain", "diloco"
@@ -110,7 +109,7 @@ def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequenc
         if key not in _TRAINERS:
             tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
             _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed,
-                                     devices=placed, precision=Precision.of(cfg.precision))
+                                     devices=placed, precision=cfg.precision)
         return _TRAINERS[key]
 
 

@@ -41,7 +41,6 @@ from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_b
 from training.functional import flatten, nest
 from training.optimizers import make_inner_tx
 from training.mesh import backend_line
-from training.precision import Precision
 from training.step import Trainer
 
 STAGE, METHOD = "pretrain", "dp"
@@ -93,7 +92,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     spec = model_spec(cfg, run_dir)
     steps = cfg.dp_steps
     trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed,
-                      devices=devices, precision=Precision.of(cfg.precision))
+                      devices=devices, precision=cfg.precision)
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)

@@ -41,7 +41,7 @@ from training.common import model_spec
 from training.evaluation import heldout_metrics
 from training.functional import Functional, load_params, nest, params_of
 from training.optimizers import make_inner_tx
-from training.precision import Precision, cast_floating, set_compute_dtype
+from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_optimizer
 from training.step import make_eval_step, make_train_step
 
 LOG_EVERY = 5  # steps between two train-log lines
@@ -121,16 +121,16 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     spec = finetune_spec(cfg, run_dir, task)
     model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
     adapted = add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed)) if ft.mode == "lora" else []
-    policy = Precision.of(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
-    compute = None if policy.is_float32 else policy.compute_dtype
+    policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
+    compute = None if policy is None else policy.compute
     set_compute_dtype(model, compute)
     fn, flat = Functional.of(model)
-    if not policy.is_float32:
-        flat = cast_floating(flat, policy.params_dtype)
+    if policy is not None:
+        flat = cast_floating(flat, policy.params)
     trainable = {k for k in flat if ft.mode == "full" or is_adapter(k) or k in fresh}
     params = {k: v for k, v in flat.items() if k in trainable}
     frozen = {k: v for k, v in flat.items() if k not in trainable}
-    tx = policy.wrap(make_inner_tx(ft.optimizer, ft.steps))
+    tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
     mb = cfg.train.microbatch_size
     step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute)
     evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute)

@@ -23,12 +23,13 @@ The optimizer state's floating leaves (AdamW's moments) are stored in ``opt_stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from configs.schema import PrecisionConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -83,42 +84,25 @@ def set_compute_dtype(model, dtype) -> None:
             node.dtype = dtype
 
 
-@dataclass(frozen=True)
-class Precision:
-    """A run's dtypes by name (``"float32"`` or ``"bfloat16"``): ``params`` (the trained
-    parameters), ``compute`` (forward and backward passes), ``opt_state`` (the optimizer state's
-    floating leaves). Build it from the config with :meth:`of`."""
+class Dtypes(NamedTuple):
+    """The JAX dtypes of a policy: ``params``, ``compute``, ``opt_state``."""
 
-    params: str = "float32"
-    compute: str = "float32"
-    opt_state: str = "float32"
+    params: Any
+    compute: Any
+    opt_state: Any
 
-    @classmethod
-    def of(cls, cfg) -> "Precision":
-        """From a ``configs.schema.PrecisionConfig`` (None: all float32)."""
-        return cls() if cfg is None else cls(cfg.params, cfg.compute, cfg.opt_state)
 
-    @property
-    def params_dtype(self):
-        return DTYPES[self.params]
+def dtypes(policy: PrecisionConfig | None) -> Dtypes | None:
+    """The dtypes of ``policy`` (a ``configs.schema.PrecisionConfig``, the config's ``precision``);
+    None for the all-float32 policy (and for None): nothing is cast, the step is the one it always
+    was (the golden losses)."""
+    if policy is None or policy.params == policy.compute == policy.opt_state == "float32":
+        return None
+    return Dtypes(DTYPES[policy.params], DTYPES[policy.compute], DTYPES[policy.opt_state])
 
-    @property
-    def compute_dtype(self):
-        return DTYPES[self.compute]
 
-    @property
-    def opt_state_dtype(self):
-        return DTYPES[self.opt_state]
-
-    @property
-    def is_float32(self) -> bool:
-        return self.params == self.compute == self.opt_state == "float32"
-
-    def wrap(self, tx: optax.GradientTransformation) -> optax.GradientTransformation:
-        """``tx`` keeping its state in ``opt_state`` (:func:`with_state_dtype`). Under the all-float32
-        policy ``tx`` itself: the step is the one it always was (the golden losses)."""
-        return tx if self.is_float32 else with_state_dtype(tx, self.opt_state_dtype)
-
-    def describe(self) -> str:
-        """One line for logs and reports: ``params float32 · compute bfloat16 · optimizer state float32``."""
-        return f"params {self.params} · compute {self.compute} · optimizer state {self.opt_state}"
+def wrap_optimizer(tx: optax.GradientTransformation, policy: PrecisionConfig | None) -> optax.GradientTransformation:
+    """``tx`` keeping its state in the policy's ``opt_state`` (:func:`with_state_dtype`); ``tx`` itself
+    under the all-float32 policy."""
+    d = dtypes(policy)
+    return tx if d is None else with_state_dtype(tx, d.opt_state)

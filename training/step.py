@@ -33,7 +33,8 @@ from models.spec import ModelSpec
 from training.functional import Functional
 from training.mesh import (batch_mesh, batch_sharding, device_sharding, microbatch_sharding, place, replicated,
                            single_default)
-from training.precision import Precision, cast_floating, set_compute_dtype
+from configs.schema import PrecisionConfig
+from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_optimizer
 from training.xla import configure_host
 
 Params = dict[str, jax.Array]
@@ -207,20 +208,21 @@ class Trainer:
     ``init_opt(params)`` a fresh optimizer state, both placed where the step runs (replicated over
     the devices when there are several).
 
-    ``precision`` (``training.precision.Precision``; None: all float32): the parameters are kept in
+    ``precision`` (``configs.schema.PrecisionConfig``; None: all float32): the parameters are kept in
     its ``params`` dtype (initialised in float32, then cast), both steps compute in ``compute``, and
     ``tx``'s state is kept in ``opt_state`` (``self.tx`` is the wrapped optimizer).
     """
 
     def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, microbatches: int = 1, seed: int = 0,
-                 devices: Sequence[jax.Device] | None = None, precision: Precision | None = None):
-        self.precision = precision or Precision()
-        compute = None if self.precision.is_float32 else self.precision.compute_dtype
-        self.spec, self.tx, self.microbatches = spec, self.precision.wrap(tx), microbatches
+                 devices: Sequence[jax.Device] | None = None, precision: PrecisionConfig | None = None):
+        self.precision = precision or PrecisionConfig()
+        self.dtypes = dtypes(self.precision)  # None: all float32, nothing cast
+        compute = None if self.dtypes is None else self.dtypes.compute
+        self.spec, self.tx, self.microbatches = spec, wrap_optimizer(tx, self.precision), microbatches
         model = spec.init(seed)
         set_compute_dtype(model, compute)
         self.fn, params0 = Functional.of(model)
-        self._params0 = params0 if self.precision.is_float32 else cast_floating(params0, self.precision.params_dtype)
+        self._params0 = params0 if self.dtypes is None else cast_floating(params0, self.dtypes.params)
         self.seed = seed
         self.devices: tuple[jax.Device, ...] | None = None if single_default(devices) else tuple(devices)
         self.step = make_train_step(self.fn, spec.objective, self.tx, microbatches, self.devices, compute)
