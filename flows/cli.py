@@ -76,7 +76,7 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     cfg = _load(config, sets)
     _prefect_logging()
     from flows.preflight import preflight
-    from launch.engines import share_accelerators
+    from flows.engines import share_accelerators
 
     share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
 

@@ -27,7 +27,7 @@ from run.metrics import read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import token_budget
 from training.diloco import host_turns_dir, live_view, prepare_diloco
-from launch.engines import engine_session, task_options, task_runner_for
+from flows.engines import engine_session, task_options, task_runner_for
 
 
 def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:

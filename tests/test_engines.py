@@ -116,7 +116,7 @@ def test_ray_learner_gpu_requests(small_cfg):
     from pydantic import ValidationError
 
     from configs.schema import ExperimentConfig
-    from launch.engines import learner_gpus
+    from flows.engines import learner_gpus
 
     def cfg(**runtime):
         return ExperimentConfig.model_validate({
@@ -135,7 +135,7 @@ def test_ray_learner_gpu_requests(small_cfg):
 def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkeypatch):
     """Several learner processes on one GPU: each JAX grows its memory instead of taking 75 % of the
     GPU at start (its default); a value the user set is kept; the thread engine is left alone."""
-    from launch.engines import forwarded_env, share_accelerators
+    from flows.engines import forwarded_env, share_accelerators
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     share_accelerators(small_cfg)  # threads
