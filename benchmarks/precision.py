@@ -53,8 +53,10 @@ def run_policy(config: str, out: Path, label: str, eval_every: int, extra: list[
     log = out / f"{name}.log"
     with log.open("w") as f:
         code = subprocess.call(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-    if code != 0:
-        raise SystemExit(f"{label}: `ddiloco run` exited {code}; see {log}")
+    if code != 0:  # (a refusal is one line: the log's last)
+        last = (log.read_text().strip().splitlines() or [""])[-1]
+        print(f"{label}: `ddiloco run` exited {code}: {last} (log: {log})", file=sys.stderr)
+        raise SystemExit(code)  # (2: refused before any work, as the CLI)
     runs = sorted(out.glob(f"{name}-*"), key=lambda p: p.stat().st_mtime)
     return runs[-1]
 
