@@ -106,10 +106,12 @@ def run(
     from prefect.exceptions import CancelledRun, FailedRun
 
     from flows.pipeline import pipeline
+    from flows.server import start_temporary_server
     from run.control import graceful_stop, stop_signal
 
     try:
         with graceful_stop():  # also while Prefect's temporary server starts and stops
+            start_temporary_server()
             out = pipeline(config=cfg, run_dir=str(rd))
     except CancelledRun as exc:
         typer.echo(f"\ninterrupted: {exc}", err=True)
@@ -151,10 +153,12 @@ def finetune(
     from prefect.exceptions import CancelledRun
 
     from flows.finetune import finetune as finetune_flow
+    from flows.server import start_temporary_server
     from run.control import graceful_stop, stop_signal
 
     try:
         with graceful_stop():
+            start_temporary_server()
             out = finetune_flow(run_dir=str(plan["run_dir"]), methods=chosen, checkpoint=checkpoint, name=name,
                                 overrides=overrides, replace=replace)
     except CancelledRun as exc:
@@ -274,12 +278,14 @@ def sweep(
         raise _fail(str(exc))
     from prefect.exceptions import CancelledRun, FailedRun
 
+    from flows.server import start_temporary_server
     from flows.sweep import sweep as sweep_flow
     from run.control import graceful_stop, stop_signal
 
     report_md = plan.sweep_dir / "report" / "comparison.md"
     try:
         with graceful_stop():
+            start_temporary_server()
             out = sweep_flow(spec=spec, sweep_dir=str(plan.sweep_dir))
     except CancelledRun as exc:
         typer.echo(f"\ninterrupted: {exc}", err=True)
@@ -312,8 +318,10 @@ def goodput(
             typer.echo(f"error: --out {out}: {problem}", err=True)
             raise typer.Exit(2)
     from flows.goodput import goodput as goodput_flow
+    from flows.server import start_temporary_server
 
     try:
+        start_temporary_server()
         table = Path(goodput_flow(config=cfg, out_dir=out))
     except (OSError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)
