@@ -39,13 +39,37 @@ POLICIES = {
 METHODS = ("diloco", "dp")
 
 
-def run_policy(config: str, out: Path, label: str, eval_every: int, extra: list[str]) -> Path:
-    """One ``ddiloco run`` of ``config`` under policy ``label``; returns its run directory."""
+def policy_sets(out: Path, label: str, eval_every: int, extra: list[str]) -> list[str]:
+    """The ``--set`` items of one policy's run (``extra``: the user's, last)."""
     params, compute, opt = POLICIES[label]
-    name = f"precision-{label}"
-    sets = [f"name={name}", f"run_root={out}", "eval.enabled=false", "finetune.enabled=false",
+    return [f"name=precision-{label}", f"run_root={out}", "eval.enabled=false", "finetune.enabled=false",
             f"train.eval_every_tokens={eval_every}", f"precision.params={params}",
             f"precision.compute={compute}", f"precision.opt_state={opt}", *extra]
+
+
+def refusal(config: str, out: Path, policies: list[str], eval_every: int, extra: list[str]) -> str | None:
+    """Why these runs cannot start (one line naming the config, field or folder), or None: checked
+    before anything is written, as ``ddiloco run`` does."""
+    from configs.schema import config_path, load_config_checked, parse_overrides
+
+    try:
+        for label in policies:
+            load_config_checked(config_path(config), parse_overrides(policy_sets(out, label, eval_every, extra)))
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    if out.exists() and not out.is_dir():
+        return f"--out {out}: exists and is not a folder; choose a new folder"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--out {out}: cannot create it ({exc.strerror}); choose a writable folder"
+    return None
+
+
+def run_policy(config: str, out: Path, label: str, eval_every: int, extra: list[str]) -> Path:
+    """One ``ddiloco run`` of ``config`` under policy ``label``; returns its run directory."""
+    name = f"precision-{label}"
+    sets = policy_sets(out, label, eval_every, extra)
     cmd = [sys.executable, "-m", "flows.cli", "run", config]
     for s in sets:
         cmd += ["--set", s]
@@ -79,7 +103,10 @@ def main() -> None:
     if "float32" not in args.policies:
         ap.error("--policies must include float32 (the gaps are measured against it)")
     out = Path(args.out or ROOT / "runs" / time.strftime("precision-%Y%m%d-%H%M%S")).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    problem = refusal(args.config, out, args.policies, args.eval_every, args.sets)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     runs, curves, walls = {}, {}, {}
     for label in args.policies:
         t = time.monotonic()

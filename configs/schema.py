@@ -1089,7 +1089,7 @@ def load_config_checked(path: str | Path, overrides: dict | None = None) -> Expe
     try:
         return load_config(path, overrides)
     except ValidationError as exc:
-        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc))) from None
+        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc, overrides))) from None
     except (FileNotFoundError, yaml.YAMLError) as exc:
         raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
 
@@ -1117,8 +1117,10 @@ RENAMED = {
 }
 
 
-def validation_lines(exc: ValidationError) -> list[str]:
-    """One line per validation error, the field path first (no pydantic boilerplate)."""
+def validation_lines(exc: ValidationError, overrides: dict | None = None, option: str = "--set") -> list[str]:
+    """One line per validation error, the field path first (no pydantic boilerplate), with the value
+    given; an error in a field that ``overrides`` set (dotted keys, as :func:`parse_overrides`
+    returns) names it as ``option key=value``, so a refusal points at the command line, not the file."""
     lines = []
     for err in exc.errors():
         parts = list(err["loc"])
@@ -1136,6 +1138,9 @@ def validation_lines(exc: ValidationError) -> list[str]:
         elif err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
             value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
             msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
+        elif err["type"] != "extra_forbidden" and isinstance(err.get("input"), (str, int, float)) \
+                and loc not in (overrides or {}):  # (a --set value is shown below)
+            msg += f" (got {err['input']!r})"  # e.g. `float16` where float32 or bfloat16 belongs
         if err["type"] == "model_kind":
             given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
             loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
@@ -1149,6 +1154,10 @@ def validation_lines(exc: ValidationError) -> list[str]:
             keys = list(member.model_fields) if member and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
+        given = [k for k in (overrides or {}) if loc == k or loc.startswith(k + ".") or k.startswith(loc + ".")]
+        if given:
+            value = overrides[given[0]]
+            msg += f" (from {option} {given[0]}={value if isinstance(value, str) else repr(value)})"
         if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
             lines.append(msg)
         else:

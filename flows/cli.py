@@ -33,12 +33,12 @@ def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.l
         raise _fail(str(exc))
 
 
-def _invalid(header: str, exc: ValidationError) -> typer.Exit:
-    """Print the validation errors as one line (field path first, ``;`` between them) and return the
-    exit to raise."""
+def _invalid(header: str, exc: ValidationError, overrides: dict | None = None) -> typer.Exit:
+    """Print the validation errors as one line (field path first, ``;`` between them; a field given
+    with ``--set`` named as such) and return the exit to raise."""
     from configs.schema import validation_lines
 
-    typer.echo(f"error: {header} " + "; ".join(validation_lines(exc)), err=True)
+    typer.echo(f"error: {header} " + "; ".join(validation_lines(exc, overrides)), err=True)
     return typer.Exit(2)
 
 
@@ -54,7 +54,7 @@ def _load(config: str, sets: list[str]):
     try:
         return load_config(config_path(config), overrides)
     except ValidationError as exc:
-        raise _invalid(f"invalid config {config}:", exc)
+        raise _invalid(f"invalid config {config}:", exc, overrides)
     except yaml.YAMLError as exc:
         raise _fail(f"{config} is not valid YAML: {' '.join(str(exc).split())}")
     except (FileNotFoundError, ValueError) as exc:

@@ -104,10 +104,11 @@ def task_runner_for(config: ExperimentConfig):
                      "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
     if rt.address is not None:
         return DaskTaskRunner(address=rt.address)
-    # memory_limit 0: no nanny restarts on a per-worker memory share (JAX holds its buffers)
+    # memory_limit 0: no nanny restarts on a per-worker memory share (JAX holds its buffers);
+    # preload: run.control's dask_setup in every worker process (a terminal's Ctrl-C must not kill them)
     return DaskTaskRunner(cluster_kwargs={"n_workers": slots, "threads_per_worker": 1, "processes": True,
                                           "dashboard_address": None, "memory_limit": 0,
-                                          "env": forwarded_env()})
+                                          "env": forwarded_env(), "preload": ["run.control"]})
 
 
 def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:

@@ -83,3 +83,16 @@ def graceful_stop() -> Iterator[None]:
         for s, h in previous.items():
             signal.signal(s, h)
 
+
+
+def dask_setup(worker) -> None:
+    """Dask preload (``preload=["run.control"]``), run in each worker process of a local cluster as it
+    starts, in its main thread: SIGINT does nothing there. Those processes share the terminal's
+    process group with ``ddiloco``, and a Ctrl-C killed them (asyncio's ``KeyboardInterrupt``) while
+    the flow was stopping the run cleanly; the stop reaches their learners through the exchange
+    instead, and the cluster closes them as usual."""
+    signal.signal(signal.SIGINT, _do_nothing)
+
+
+def _do_nothing(signum, frame) -> None:
+    """A signal handler that does nothing."""

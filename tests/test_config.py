@@ -168,3 +168,21 @@ def test_slowdowns_are_checked():
     for spec, message in bad:
         with pytest.raises(ValidationError, match=message):
             ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [spec]}})
+
+
+def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
+    """A refusal shows the value that was refused and, for a field given on the command line, the
+    ``--set`` item (the file is not to blame); a file's own values are shown as given."""
+    from pydantic import ValidationError
+
+    from configs.schema import ExperimentConfig, validation_lines
+
+    overrides = {"diloco.learners": 0, "nosuch.field": 1}
+    data = {"diloco": {"learners": 0}, "nosuch": {"field": 1}, "train": {"token_budget": -5}}
+    with pytest.raises(ValidationError) as info:
+        ExperimentConfig.model_validate(data)
+    lines = sorted(validation_lines(info.value, overrides))
+    assert lines[0] == "diloco.learners: Input should be greater than 0 (from --set diloco.learners=0)"
+    assert lines[1].startswith("nosuch: Extra inputs are not permitted (valid keys here: name, seed")
+    assert lines[1].endswith("(from --set nosuch.field=1)")
+    assert lines[2] == "train.token_budget: Input should be greater than 0 (got -5)"

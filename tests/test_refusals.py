@@ -390,7 +390,8 @@ def test_finetune_inputs_are_refused_in_one_line(tmp_path):
 @pytest.mark.parametrize("override, needle", [
     ("precision=bfloat16", "precision: is a section, not a value (got 'bfloat16'); set its keys: "
                            "precision.params, precision.compute, precision.opt_state"),
-    ("precision.compute=float16", "precision.compute: Input should be 'float32' or 'bfloat16'"),
+    ("precision.compute=float16", "precision.compute: Input should be 'float32' or 'bfloat16' "
+                                  "(from --set precision.compute=float16)"),
 ])
 def test_a_bad_precision_policy_is_refused_in_one_line(tmp_path, override, needle):
     line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", override))
