@@ -10,39 +10,28 @@ report instead of exit 130 within seconds.
 :func:`start_temporary_server` starts that same server (Prefect's class, arguments and settings)
 before the flow runs, in a new session (``setsid``): the terminal's SIGINT reaches only ``ddiloco``,
 which stops the run at the next step boundary, writes the report of what was done, and stops the
-server on exit (Prefect's ``atexit``). On Linux the server also gets SIGTERM when ``ddiloco`` dies
-(``PR_SET_PDEATHSIG``), so a ``kill -9`` leaves no orphaned server behind. The server is Prefect's
-process-wide singleton: every Prefect client of the process, and the process engines' workers
-(:func:`flows.engines.engine_session`), use it.
+server on exit (Prefect's ``atexit``). A ``kill -9`` of ``ddiloco`` leaves the server running, as it
+did before (nothing runs at such an exit; a hook in the child, e.g. ``PR_SET_PDEATHSIG`` through
+``preexec_fn``, would make Python fork a JAX process with Python code in the child, which JAX warns
+may deadlock). The server is Prefect's process-wide singleton: every Prefect client of the process,
+and the process engines' workers (:func:`flows.engines.engine_session`), use it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import signal
 import subprocess
-import sys
 from unittest import mock
 
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
-
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-_prctl = ctypes.CDLL(None).prctl if sys.platform == "linux" else None  # looked up here, not in the child
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec: no imports, no allocation
-    """In the server's child process: ask Linux for SIGTERM when the parent dies."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 class _OwnSessionServer(SubprocessASGIServer):
     """Prefect's temporary server, its uvicorn child started in a session of its own."""
 
     def _run_uvicorn_command(self) -> subprocess.Popen:
-        popen = functools.partial(subprocess.Popen, start_new_session=True,
-                                  preexec_fn=_die_with_parent if _prctl is not None else None)
+        popen = functools.partial(subprocess.Popen, start_new_session=True)  # setsid() in C: no fork hazard
         # Prefect's own command, arguments and environment; only how the child is started changes.
         with mock.patch.object(subprocess, "Popen", popen):
             return super()._run_uvicorn_command()
