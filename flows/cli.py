@@ -308,10 +308,11 @@ def goodput(
     """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
     from sim import GoodputConfig
 
+    knobs = _parse_sets(set_, example="chip_mtbi_years=0.5")
     try:
-        cfg = GoodputConfig.model_validate(_parse_sets(set_, example="chip_mtbi_years=0.5"))
+        cfg = GoodputConfig.model_validate(knobs)
     except ValidationError as exc:
-        raise _invalid("invalid goodput settings:", exc)
+        raise _invalid("invalid goodput settings:", exc, knobs)
     if out is not None:
         problem = _out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name"
         if problem:
