@@ -36,7 +36,9 @@ Scoring semantics (the parts adapters in the field get wrong, and what this one 
 
 All forward passes go through one jitted function, :func:`logprobs`, at shapes
 ``[batch_size, bucket + 1]``; sequences are right-padded (causal attention: padding never affects
-the real positions), so jit compiles once per bucket length, not per request length.
+the real positions), so jit compiles once per bucket length, not per request length. Each row's
+count of real inputs goes with it (``model(ids, mask)``): an MoE model routes the real tokens only,
+so padding and dummy rows take no expert capacity and every score is the unpadded sequence's.
 """
 
 from __future__ import annotations
@@ -57,19 +59,25 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def logprobs(graphdef: nnx.GraphDef, state: nnx.State, ids_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+def logprobs(graphdef: nnx.GraphDef, state: nnx.State, ids_BT: jax.Array,
+             n_inputs_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Next-token log-probabilities and greedy predictions for a padded batch.
 
     Args:
-      graphdef, state: ``nnx.split(model)``; ``model(ids_BL int32) -> logits_BLV float32``.
+      graphdef, state: ``nnx.split(model)``; ``model(ids_BL int32, mask_BL) -> logits_BLV float32``.
       ids_BT: int32 ``[B, L+1]`` token ids; the model reads ``ids_BT[:, :-1]`` (L ≤ ``max_len``).
+      n_inputs_B: int32 ``[B]``, how many of each row's L inputs are real (the rest is padding, 0
+        for a dummy row): the mask the model's MoE routers read (:class:`models.layers.moe.MoE`).
+        None: every input is real.
 
     Returns:
       ``(logp_BL float32, argmax_BL int32)``: ``logp_BL[b, t] = log p(ids_BT[b, t+1] | ids_BT[b, :t+1])``
       in nats, and ``argmax_BL[b, t]`` the model's most likely token at that position.
     """
     model = nnx.merge(graphdef, state)
-    logits_BLV = model(ids_BT[:, :-1]).astype(jnp.float32)
+    L = ids_BT.shape[1] - 1
+    mask_BL = None if n_inputs_B is None else (jnp.arange(L)[None, :] < n_inputs_B[:, None]).astype(jnp.float32)
+    logits_BLV = model(ids_BT[:, :-1], mask_BL).astype(jnp.float32)
     targets_BL = ids_BT[:, 1:]
     target_logits_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
     logp_BL = target_logits_BL - jax.nn.logsumexp(logits_BLV, axis=-1)
@@ -103,7 +111,8 @@ class JaxLM(TemplateLM):
     """lm-eval ``LM`` over a Flax NNX causal LM and a byte-level BPE tokenizer.
 
     Args:
-      model: NNX module, ``model(ids_BL int32) -> logits_BLV float32``, with attribute ``max_len``
+      model: NNX module, ``model(ids_BL int32, mask_BL float32 | None) -> logits_BLV float32``
+        (``mask_BL`` 1 on real inputs, 0 on padding: :class:`models.text.dense.DecoderLM`), with attribute ``max_len``
         (the longest input it accepts). Its parameters are read (``nnx.split``) at every call of a
         public method, so the adapter sees later updates of the same module.
       tokenizer: ``tokenizers.Tokenizer`` with a ByteLevel pre-tokenizer/decoder and an
@@ -257,10 +266,13 @@ class JaxLM(TemplateLM):
             bucket = self._bucket(len(windows[order[i]][0]) - 1)
             chunk = [j for j in order[i : i + self.batch_size] if self._bucket(len(windows[j][0]) - 1) == bucket]
             ids_BT = np.full((self.batch_size, bucket + 1), self._eot, np.int32)
+            n_inputs_B = np.zeros(self.batch_size, np.int32)
             for r, j in enumerate(chunk):
                 ids = windows[j][0]
                 ids_BT[r, : len(ids)] = ids
-            logp_BL, argmax_BL = jax.device_get(logprobs(graphdef, state, jnp.asarray(ids_BT)))
+                n_inputs_B[r] = len(ids) - 1  # the last token is only a target
+            logp_BL, argmax_BL = jax.device_get(
+                logprobs(graphdef, state, jnp.asarray(ids_BT), jnp.asarray(n_inputs_B)))
             for r, j in enumerate(chunk):
                 ids, n_pred = windows[j]
                 n = len(ids)
@@ -370,9 +382,11 @@ class JaxLM(TemplateLM):
             inputs = {r: (seqs[r] + gen[r])[-self._max_len :] for r in live}
             bucket = self._bucket(max(len(v) for v in inputs.values()))
             ids_BT = np.full((self.batch_size, bucket + 1), self._eot, np.int32)
+            n_inputs_B = np.zeros(self.batch_size, np.int32)
             for k, r in enumerate(live):
                 ids_BT[k, : len(inputs[r])] = inputs[r]
-            _, argmax_BL = jax.device_get(logprobs(graphdef, state, jnp.asarray(ids_BT)))
+                n_inputs_B[k] = len(inputs[r])
+            _, argmax_BL = jax.device_get(logprobs(graphdef, state, jnp.asarray(ids_BT), jnp.asarray(n_inputs_B)))
             for k, r in enumerate(live):
                 nxt = int(argmax_BL[k, len(inputs[r]) - 1])
                 _, until, max_new = jobs[r]

@@ -110,3 +110,122 @@ def test_moe_config_is_checked_by_kind():
     assert "a field of kind: moe_lm" in refusal({"kind": "dense_lm", "n_experts": 4})
     assert "model.top_k" in refusal({"kind": "moe_lm", "top_k": 3})
     assert ExperimentConfig.model_validate({"model": {"d_model": 64}}).model.kind == "dense_lm"
+
+
+# -- padding (fine-tuning batches): only real tokens are routed, counted and take capacity ------------
+
+# Drops on purpose (C = ⌈0.5 · 2 · n / 4⌉ slots for n real tokens) and two MoE layers of four blocks.
+PAD_MOE = MoELMConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2,
+                      capacity_factor=0.5, tie_embeddings=False)
+# (prompt length, response length) of each row: prompt + response tokens are the row's real tokens
+PAD_ROWS = [(4, 3), (6, 4), (2, 3)]
+
+
+def _sft_batch(row_len: int, eot: int = 0) -> dict:
+    """A fine-tuning batch ``{"ids", "mask"}`` of :data:`PAD_ROWS`, right-padded with ``eot`` to ``row_len``."""
+    rng = np.random.default_rng(7)
+    ids = np.full((len(PAD_ROWS), row_len), eot, np.int32)
+    mask = np.zeros((len(PAD_ROWS), row_len), np.float32)
+    for r, (p, n) in enumerate(PAD_ROWS):
+        ids[r, :p + n] = rng.integers(1, 64, p + n)
+        mask[r, p:p + n] = 1.0
+    return {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)}
+
+
+def test_padding_changes_neither_the_loss_nor_the_router_figures():
+    """The same rows padded to 11 and to 24 tokens: cross entropy, aux and z losses, dropped fraction
+    and the experts' loads are the same (padding is neither routed nor counted)."""
+    spec = build_model(PAD_MOE, InputShape(vocab_size=64, seq_len=23))
+    model = spec.init(0)
+    short, _ = spec.objective(model, _sft_batch(11))
+    out = {}
+    for row_len in (11, 24):
+        loss, metrics = spec.objective(model, _sft_batch(row_len))
+        out[row_len] = {"objective": float(loss), **{k: float(v) for k, v in metrics.items()}}
+    assert out[11]["moe/dropped"] > 0  # capacity binds on the real tokens
+    for key, value in out[11].items():
+        assert out[24][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_real_tokens_see_the_same_model_with_or_without_padding():
+    """Each padded row's real positions give the logits of that row alone, unpadded (same capacity:
+    it is counted from the row's real tokens)."""
+    from models.text.dense import input_mask, lm_inputs
+
+    spec = build_model(PAD_MOE, InputShape(vocab_size=64, seq_len=23))
+    model = spec.init(0)
+    batch = _sft_batch(24)
+    mask_BL = input_mask(batch)
+    np.testing.assert_array_equal(np.asarray(mask_BL).sum(1), [p + n - 1 for p, n in PAD_ROWS])
+    padded = np.asarray(model(lm_inputs(batch), mask_BL))
+    for r, (p, n) in enumerate(PAD_ROWS):
+        alone = np.asarray(model(batch["ids"][r:r + 1, :p + n - 1]))[0]
+        np.testing.assert_allclose(padded[r, :p + n - 1], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_takes_no_expert_slot():
+    """Six tokens, two experts, k = 1, two slots: the two (left) padding tokens pick expert 0 like
+    real tokens 2 and 3; they take no slot, so 2 and 3 keep theirs and nothing real is dropped."""
+    picks = [0, 0, 0, 0, 1, 1]
+    logits = jnp.asarray([[[3.0, 0.0] if e == 0 else [0.0, 3.0] for e in picks]])
+    mask = jnp.asarray([[0, 0, 1, 1, 1, 1]], jnp.float32)
+    dispatch, combine, stats = route(logits, top_k=1, capacity=2, mask_GS=mask)
+    slots = {(s, e, c) for s, e, c in zip(*np.nonzero(np.asarray(dispatch[0])), strict=True)}
+    assert slots == {(2, 0, 0), (3, 0, 1), (4, 1, 0), (5, 1, 1)}
+    assert float(np.asarray(combine)[0, :2].sum()) == 0.0
+    assert float(stats["dropped"]) == 0.0
+    np.testing.assert_allclose(stats["load"], [0.5, 0.5])
+    p = float(jax.nn.softmax(jnp.asarray([3.0, 0.0]))[0])
+    np.testing.assert_allclose(stats["prob"], [0.5, 0.5], rtol=1e-6)
+    assert float(stats["aux"]) == pytest.approx(2 * (0.5 * 0.5 + 0.5 * 0.5))
+    assert float(stats["z"]) == pytest.approx(float(jnp.log(jnp.exp(3.0) + 1.0)) ** 2, rel=1e-6)
+    assert p > 0.9
+
+
+def test_auxiliary_losses_are_averaged_over_the_moe_layers():
+    """aux_loss_weight and z_loss_weight weigh the mean over MoE layers (the same at any depth)."""
+    from models.layers.moe import auxiliary_loss
+
+    stats = [{"aux": jnp.float32(1.0), "z": jnp.float32(10.0)}, {"aux": jnp.float32(3.0), "z": jnp.float32(30.0)}]
+    assert float(auxiliary_loss(PAD_MOE, stats)) == pytest.approx(0.01 * 2.0 + 0.001 * 20.0, rel=1e-6)
+    spec = build_model(PAD_MOE, InputShape(vocab_size=64, seq_len=16))  # MoE in blocks 1 and 3
+    assert spec.extras["moe_layers"] == [1, 3]
+    batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17), dtype=np.int32))
+    loss, m = spec.objective(spec.init(0), batch)
+    expected = float(m["ce"]) + 0.01 * float(m["moe/aux"]) + 0.001 * float(m["moe/z"])
+    assert float(loss) == pytest.approx(expected, rel=1e-6)
+
+
+def test_evaluation_padding_does_not_change_an_moe_models_scores():
+    """The lm-eval adapter right-pads every window to a bucket and fills short batches with dummy
+    rows: an MoE model's log-likelihoods and greedy generations are those of the unpadded sequence,
+    whatever the buckets and the batch size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from evals.lm_adapter import JaxLM
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the king is dead long live the queen"] * 20, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    model = build_model(PAD_MOE, InputShape(vocab_size=300, seq_len=24)).init(0)
+    rng = np.random.default_rng(3)
+    reqs = [(None, [int(t) for t in rng.integers(1, 300, n)], [int(t) for t in rng.integers(1, 300, 4)])
+            for n in (3, 9, 5)]
+
+    def direct(ctx, cont):  # one unpadded forward pass of exactly the request's inputs
+        ids = ctx + cont
+        logits = np.asarray(model(jnp.asarray([ids[:-1]], jnp.int32))[0], np.float64)
+        logp = logits[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(logits).sum(-1))
+        return float(logp[len(ctx) - 1:].sum())
+
+    want = [direct(c, x) for _, c, x in reqs]
+    for buckets, batch_size in (((24,), 4), ((8, 16, 24), 1), ((12, 24), 2)):
+        got = JaxLM(model, tok, batch_size=batch_size, buckets=buckets)._loglikelihood_tokens(reqs, disable_tqdm=True)
+        np.testing.assert_allclose([lp for lp, _ in got], want, rtol=1e-4, atol=1e-4, err_msg=str(buckets))
+    gen = {}
+    for buckets, batch_size in (((24,), 4), ((8, 16, 24), 1)):
+        lm = JaxLM(model, tok, batch_size=batch_size, buckets=buckets)
+        gen[buckets] = lm._generate_batch(*nnx.split(model), [(c, [], 5) for _, c, _ in reqs][:batch_size])
+    assert gen[(24,)][:1] == gen[(8, 16, 24)]

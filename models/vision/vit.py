@@ -94,8 +94,9 @@ class ViT(nnx.Module):
 
 def classification_objective(moe_cfg=None, moe_blocks: list[int] | None = None):
     """``objective(model, {"image", "label"}) -> (loss, metrics)``: mean softmax cross entropy over
-    the batch (nats per image) plus, for V-MoE, the weighted load-balancing and z losses of its MoE
-    layers (as the MoE LM's). Metrics: ``ce``, ``accuracy`` (top-1, fraction of the batch) and, for
+    the batch (nats per image) plus, for V-MoE, the weighted load-balancing and z losses averaged
+    over its MoE layers (as the MoE LM's: :func:`models.layers.moe.auxiliary_loss`; every patch is
+    a real token, so no mask). Metrics: ``ce``, ``accuracy`` (top-1, fraction of the batch) and, for
     V-MoE, the MoE layers' (``models.text.moe.moe_metrics``)."""
 
     def objective(model, batch):
