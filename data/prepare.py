@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from configs.schema import ExperimentConfig
-from data.images import load_image_rows, load_images, prepare_images, stratified_split
+from data.images import complete_splits, load_image_rows, load_images, prepare_images
 from data.sources import DATA_DIR
 from data.store import load_manifest, load_sequences
 from data.text import config_record
@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = False) -> dict:
     """Build ``RUN/data`` for ``cfg.data`` and return its manifest (``docs/contracts.md``, "Data").
 
-    Text: :func:`data.text.prepare_data` (its errors). Images: :func:`data.images.load_images`, a
-    stratified split (``data.val_fraction``, ``data.test_fraction``, ``data.seed``) and
+    Text: :func:`data.text.prepare_data` (its errors). Images: :func:`data.images.load_images`, the
+    source's own split folders completed by a stratified split (:func:`data.images.complete_splits`:
+    ``data.val_fraction``, ``data.test_fraction``, ``data.seed``) and
     :func:`data.images.prepare_images`. Either way a ``RUN/data`` built from the same data config and
     learner count is reused, and a different one raises ``FileExistsError`` unless ``overwrite``.
     """
@@ -43,9 +44,10 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
                               "data config; pass overwrite=True or use a new run directory")
     d = cfg.data
     images = load_images(d.source, hf_name=d.hf_name, hf_split=d.hf_split, image_column=d.image_column,
-                         label_column=d.label_column, path=d.paths[0] if d.paths else None, image_size=d.image_size)
-    splits = stratified_split(images.labels, d.val_fraction, d.test_fraction, d.seed)
-    return prepare_images(images, splits, cfg.diloco.learners, run_dir, record)
+                         label_column=d.label_column, path=d.paths[0] if d.paths else None, image_size=d.image_size,
+                         channels=d.channels)
+    splits, source = complete_splits(images, d.val_fraction, d.test_fraction, d.seed)
+    return prepare_images(images, splits, cfg.diloco.learners, run_dir, record, source)
 
 
 def load_rows(run_dir: str | Path, name: str) -> np.ndarray | dict[str, np.ndarray]:
