@@ -10,30 +10,103 @@ report instead of exit 130 within seconds.
 :func:`start_temporary_server` starts that same server (Prefect's class, arguments and settings)
 before the flow runs, in a new session (``setsid``): the terminal's SIGINT reaches only ``ddiloco``,
 which stops the run at the next step boundary, writes the report of what was done, and stops the
-server on exit (Prefect's ``atexit``). A ``kill -9`` of ``ddiloco`` leaves the server running, as it
-did before (nothing runs at such an exit; a hook in the child, e.g. ``PR_SET_PDEATHSIG`` through
-``preexec_fn``, would make Python fork a JAX process with Python code in the child, which JAX warns
-may deadlock). The server is Prefect's process-wide singleton: every Prefect client of the process,
+server on exit (Prefect's ``atexit``).
+
+A ``ddiloco`` that dies without running its exit handlers (``kill -9``, a time-out's SIGKILL, the
+out-of-memory killer) stops the server too, two ways, neither of which runs Python code between
+fork and exec in the JAX process (``preexec_fn`` did, and JAX warns that such a fork may deadlock):
+
+* util-linux's ``setpriv --pdeathsig TERM`` is put in front of Prefect's command (Linux, when
+  ``setpriv`` is installed and knows the option, and the server is started from the main thread:
+  the kernel sends the signal when the *thread* that started the child ends). ``setpriv`` sets the
+  parent-death signal and ``exec``\ s the server, which keeps its PID, so Prefect stops it as usual.
+* In any case the server runs Prefect's ``python -m uvicorn`` command as ``python -c`` with a
+  watchdog thread first (:data:`WATCHDOG`): once its parent (``ddiloco``'s PID, passed in
+  ``DDILOCO_SERVER_PARENT``) is no longer its parent, it sends itself SIGTERM and, should uvicorn
+  not have exited 10 s later, ends the process. This is the fallback where ``setpriv`` is missing
+  (macOS, a minimal image) and where the parent-death signal cannot be used.
+
+The server is Prefect's process-wide singleton: every Prefect client of the process,
 and the process engines' workers (:func:`flows.engines.engine_session`), use it.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import shutil
 import subprocess
+import sys
+import threading
 from unittest import mock
 
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
 
+# Runs first in the server's process, then hands over to uvicorn's command line (what ``python -m
+# uvicorn`` runs). Polls twice a second; a parent that is gone leaves the process to a reaper.
+WATCHDOG = """\
+import os, signal, sys, threading, time
+def _watch(parent=int(os.environ.pop("DDILOCO_SERVER_PARENT"))):
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(10)
+    os._exit(1)
+threading.Thread(target=_watch, name="ddiloco-parent-watchdog", daemon=True).start()
+sys.argv[0] = "uvicorn"
+import uvicorn
+uvicorn.main()
+"""
+
+
+@functools.cache
+def setpriv() -> str | None:
+    """util-linux's ``setpriv`` if it is installed and has ``--pdeathsig`` (util-linux ≥ 2.33, Linux
+    only), else None."""
+    path = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if path is None:
+        return None
+    try:
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "--pdeathsig" in usage else None
+
+
+def server_command(args: list[str]) -> list[str]:
+    """Prefect's server command ``[python, -m, uvicorn, …]`` with the parent-death signal in front
+    (:func:`setpriv`, main thread only) and the watchdog (:data:`WATCHDOG`) in place of ``-m
+    uvicorn``. Any other command is returned unchanged."""
+    args = list(args)
+    if args[1:3] != ["-m", "uvicorn"]:
+        return args
+    command = [args[0], "-c", WATCHDOG, *args[3:]]
+    if setpriv() is not None and threading.current_thread() is threading.main_thread():
+        command = [setpriv(), "--pdeathsig", "TERM", "--", *command]
+    return command
+
+
+_Popen = subprocess.Popen  # (the real one: the server's start patches subprocess.Popen)
+
+
+def start_server_process(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen`` of the server's command as :func:`server_command` rewrites it, in a new
+    session, with this process's PID for the watchdog; other ``Popen`` arguments pass through."""
+    env = {**(os.environ if env is None else env), "DDILOCO_SERVER_PARENT": str(os.getpid())}
+    # setsid() in C: no fork hazard; setpriv and the watchdog act after exec
+    return _Popen(server_command(args), env=env, start_new_session=True, **kwargs)
+
+
 class _OwnSessionServer(SubprocessASGIServer):
-    """Prefect's temporary server, its uvicorn child started in a session of its own."""
+    """Prefect's temporary server, its uvicorn child started in a session of its own, ended when the
+    process that started it dies (see the module docstring)."""
 
     def _run_uvicorn_command(self) -> subprocess.Popen:
-        popen = functools.partial(subprocess.Popen, start_new_session=True)  # setsid() in C: no fork hazard
+        setpriv()  # (looked up before Popen is patched: it runs setpriv --help)
         # Prefect's own command, arguments and environment; only how the child is started changes.
-        with mock.patch.object(subprocess, "Popen", popen):
+        with mock.patch.object(subprocess, "Popen", start_server_process):
             return super()._run_uvicorn_command()
 
 

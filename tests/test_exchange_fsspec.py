@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
+import re
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -236,3 +239,153 @@ def test_racing_processes_never_over_spend_even_when_one_dies_mid_claim(tmp_path
     assert counts[0] == durable[0] and counts[1] == durable[1]
     assert durable[2] == 40 + counts[2]  # the retry continued from the killed process's durable claims
     assert sum(durable.values()) == 2000  # the whole budget, and not one token more
+
+
+# -- URL forms, half-written objects, unwritable URLs (issue 25, part 6) -------------------------
+def _round_trip(url):
+    """Create at ``url``, open a second handle, submit, drain, publish and read back: the exchange works."""
+    ex = make(url)
+    learner, syncer = FsspecExchange.open(url), FsspecExchange.open(url)
+    learner.submit(sub(0, 1, 3.0))
+    got = syncer.drain()
+    assert [s.local_step for s in got] == [1]
+    np.testing.assert_array_equal(got[0].params["b"], np.full(16, 3.0, np.float32))
+    syncer.take_office()
+    syncer.publish(1, 1, {"b": np.full(16, 2.0, np.float32)})
+    learner.refresh()
+    version, params = learner.latest(1)
+    assert version == 1 and params["b"][0] == 2.0
+    return ex
+
+
+def test_url_forms_fsspec_documents_work_or_are_refused_naming_the_form(tmp_path, monkeypatch):
+    """Local paths (absolute, relative, ``~``), ``file://``, ``local://`` and ``memory://`` work; chained
+    URLs are refused naming the layer: a caching layer serves stale copies of the objects the exchange
+    rewrites (``state.json``, the heartbeats), an archive is read-only."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for url in (str(tmp_path / "plain"), f"file://{tmp_path}/fileurl", f"local://{tmp_path}/localurl",
+                f"memory://ex-{uuid.uuid4().hex}", "rel/ex", "./rel2", "~/tilde"):
+        ex = _round_trip(url)
+        if not url.startswith("memory://"):
+            expected = {"rel/ex": tmp_path / "rel" / "ex", "./rel2": tmp_path / "rel2",
+                        "~/tilde": tmp_path / "home" / "tilde"}.get(url)
+            assert expected is None or ex.root == str(expected), url
+            assert (Path(ex.root) / "meta.json").is_file(), url
+    for url, needle in ((f"simplecache::file://{tmp_path}/sc", "simplecache::"),
+                        (f"blockcache::file://{tmp_path}/bc", "blockcache::"),
+                        (f"filecache::memory://x-{uuid.uuid4().hex}", "filecache::"),
+                        (f"zip://inner::file://{tmp_path}/a.zip", "zip://")):
+        with pytest.raises(ValueError, match=re.escape(needle)) as info:
+            make(url)
+        assert "chained" in str(info.value)
+        with pytest.raises(ValueError, match="chained"):
+            FsspecExchange.open(url)
+    assert not (tmp_path / "sc").exists() and not (tmp_path / "bc").exists()
+
+
+def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path, monkeypatch):
+    """``runtime.exchange_url`` relative or with ``~``: the run's exchange URL is made absolute once, in
+    the process that resolves it (worker processes may start elsewhere)."""
+    from configs.schema import load_config
+    from training.diloco import exchange_url
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = Path(__file__).resolve().parents[1]
+    for given, expected in (("rel/ex", tmp_path / "rel" / "ex"), ("~/ex", tmp_path / "home" / "ex"),
+                            (f"file://{tmp_path}/f", None), ("memory://m", None)):
+        cfg = load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": given})
+        got = exchange_url(cfg, tmp_path / "runs" / "R")
+        assert got == (str(expected / "R") if expected else f"{given}/R"), given
+
+
+class _FailingFile:
+    """A file that takes half of what is written to it, then fails as a full disk does."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data):
+        self.f.write(bytes(data)[: len(data) // 2])
+        self.f.flush()
+        raise OSError(28, "No space left on device")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+    def close(self):
+        self.f.close()
+
+
+def test_a_write_that_fails_half_way_leaves_no_temporary_object(tmp_path, monkeypatch):
+    """A submission whose write fails half-way (a full disk) raises, and leaves neither a visible
+    object nor a temporary one; the next write works."""
+    url = str(tmp_path / "exchange")
+    make(url)
+    learner, syncer = FsspecExchange.open(url), FsspecExchange.open(url)
+    real_open = learner.fs.open
+    monkeypatch.setattr(learner.fs, "open", lambda path, mode="rb", **kw: _FailingFile(real_open(path, mode, **kw))
+                        if "w" in mode else real_open(path, mode, **kw))
+    with pytest.raises(OSError, match="No space left"):
+        learner.submit(sub(0, 1, 1.0))
+    monkeypatch.undo()
+    assert learner._ls(learner._p("tmp")) == [] and learner._ls(learner._p("inbox")) == []
+    assert syncer.drain() == [] and syncer.take_events() == []
+    learner.submit(sub(0, 1, 2.0, step=2))
+    assert [s.local_step for s in syncer.drain()] == [2]
+    assert learner._ls(learner._p("tmp")) == []
+
+
+def test_the_next_start_removes_temporary_objects_of_dead_writers(tmp_path):
+    """A writer killed mid-write (SIGKILL, out of memory) leaves its ``tmp/*.part``: the next process
+    that opens the exchange removes those of writers on this host that are gone, and keeps those of
+    live writers and of other hosts (whose processes it cannot see)."""
+    import socket
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "exchange")
+    ex = make(url)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tmp = Path(ex.root) / "tmp"
+    host = socket.gethostname()
+    names = {"dead": f"{host}-{dead.pid}-{uuid.uuid4().hex}.part", "live": f"{host}-{os.getpid()}-{uuid.uuid4().hex}.part",
+             "other": f"elsewhere-{dead.pid}-{uuid.uuid4().hex}.part"}
+    for name in names.values():
+        (tmp / name).write_bytes(b"half an object")
+    FsspecExchange.open(url)
+    assert sorted(p.name for p in tmp.iterdir()) == sorted([names["live"], names["other"]])
+
+
+def test_an_exchange_url_that_cannot_be_written_is_refused_before_prefect_starts(tmp_path):
+    """``runtime.exchange_url`` below a file, or a chained caching URL: one line naming the field and
+    the fix, exit 2, before Prefect starts, and no run directory. (In fresh processes: the CLI's
+    logging set-up inside pytest's capture closed pytest's captured stderr here.)"""
+    from tests.test_refusals import cli_process, one_line_refusal
+
+    (tmp_path / "afile").write_text("not a folder")
+    rd = tmp_path / "R"
+    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", rd, "--set",
+                                         f"runtime.exchange_url={tmp_path / 'afile' / 'ex'}"))
+    assert "runtime.exchange_url" in line and "cannot be created or written" in line, line
+    assert not rd.exists()
+    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", rd, "--set",
+                                         f"runtime.exchange_url=simplecache::file://{tmp_path}/ex"))
+    assert "runtime.exchange_url" in line and "simplecache::" in line, line
+    assert not rd.exists() and not (tmp_path / "ex").exists()
+
+
+def test_the_exchange_url_check_leaves_nothing_behind(tmp_path):
+    """A writable ``runtime.exchange_url`` passes the check, which leaves no probe object and no
+    folder it created (the URL may lie in a run directory that must stay empty until the run)."""
+    from configs.schema import load_config
+    from flows.preflight import check_runtime
+
+    root = Path(__file__).resolve().parents[1]
+    check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": str(tmp_path / "new" / "ex")}))
+    assert not (tmp_path / "new").exists()

@@ -156,3 +156,105 @@ def test_the_local_dask_cluster_preloads_the_sigint_shield_and_it_absorbs_ctrl_c
         time.sleep(0.05)  # a KeyboardInterrupt would have been raised here
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.parametrize("engine", ["threads", "dask"])
+def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
+    """``kill -9`` of ``ddiloco`` mid-run (what a time-out or the out-of-memory killer does: no exit
+    handler runs): everything the run started ends with it: Prefect's temporary server (its own
+    session: flows/server.py) and, on Dask, the local cluster's worker processes. Only the CLI's
+    process is killed, not its group."""
+    import psutil
+
+    rd = tmp_path / "R"
+    log = tmp_path / "out.log"
+    budget = 393216  # far more than is trained before the kill
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "tiny", "--run-dir", str(rd),
+                                 "--set", f"train.token_budget={budget}", "--set", "data.source=local",
+                                 "--set", f"data.paths=[{SMALL_CORPUS}]", "--set", f"runtime.engine={engine}",
+                                 "--set", "diloco.learners=2", "--set", "diloco.quorum=1"],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"}, start_new_session=True)
+    workers = 3 if engine == "dask" else 0  # the local cluster's worker processes: 2 learners and the syncer
+
+    def descendants():
+        return [(p, " ".join(p.cmdline())) for p in psutil.Process(proc.pid).children(recursive=True)]
+
+    started: list = []
+    try:
+        deadline = time.monotonic() + 600
+        # DiLoCo under way: the flow's progress line, and on Dask the cluster's workers started
+        while ("diloco: tokens" not in log.read_text()
+               or sum("multiprocessing.spawn" in n for _, n in descendants()) < workers):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        started = [p for p, _ in descendants()]
+        assert any("uvicorn" in n for _, n in descendants()), descendants()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(started, timeout=60)
+        left = [f"{p.pid} {' '.join(p.cmdline())[:120]}" for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for p in started:  # never leave this test's processes behind, whatever happened
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert not left, f"left running after the run's process was killed: {left}"
+
+
+@pytest.mark.parametrize("with_setpriv", [True, False])
+def test_the_temporary_servers_process_ends_when_its_parent_is_killed(tmp_path, with_setpriv):
+    """The server's start (flows/server.py) on a tiny ASGI app instead of Prefect's: a parent process
+    starts it and is SIGKILLed; the server ends, through ``setpriv --pdeathsig`` where util-linux has
+    it and through the watchdog thread alone where it does not (``setpriv`` treated as missing)."""
+    import socket
+
+    import psutil
+
+    from flows.server import setpriv
+
+    if with_setpriv and setpriv() is None:
+        pytest.skip("util-linux's setpriv with --pdeathsig is not installed here")
+    (tmp_path / "app.py").write_text(
+        "async def app(scope, receive, send):\n"
+        "    if scope['type'] == 'http':\n"
+        "        await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
+        "        await send({'type': 'http.response.body', 'body': b'ok'})\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "import flows.server as server\n"
+        f"if not {with_setpriv}: server.setpriv = lambda: None\n"
+        f"child = server.start_server_process([sys.executable, '-m', 'uvicorn', '--app-dir', {str(tmp_path)!r}, "
+        f"'app:app', '--port', '{port}', '--log-level', 'error'])\n"
+        "print(child.pid, ' '.join(child.args[:4]), flush=True)\n"
+        "time.sleep(600)\n")], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    server = None
+    try:
+        pid, command = parent.stdout.readline().split(" ", 1)
+        server = psutil.Process(int(pid))
+        assert ("setpriv" in command) == with_setpriv, command
+        deadline = time.monotonic() + 120
+        while True:  # serving
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert server.is_running() and time.monotonic() < deadline
+                time.sleep(0.2)
+        assert os.getsid(server.pid) != os.getsid(parent.pid)  # a session of its own
+        parent.kill()
+        parent.wait(timeout=30)
+        _, alive = psutil.wait_procs([server], timeout=60)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if server is not None and server.is_running():
+            server.kill()
+    assert not alive, "the server outlived the process that started it"

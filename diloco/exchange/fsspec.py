@@ -1,12 +1,22 @@
 """The durable exchange: learners and the syncer in separate processes or hosts, through fsspec storage.
 
-Any fsspec URL works: a local folder (the default, inside the run directory), ``memory://`` (one
-process; tests), ``s3://``/``gs://`` for clusters. Every object is immutable once visible and
+Any fsspec URL of one filesystem works: a local folder (the default, inside the run directory;
+an absolute or relative path, ``~``, ``file://`` or ``local://``), ``memory://`` (one process; tests),
+``s3://``/``gs://`` for clusters. Chained URLs (``simplecache::s3://…``, ``zip://…::file://…``) are
+refused naming the layer (:func:`check_url`): a caching layer serves stale copies of the objects the
+exchange rewrites (``state.json``, the heartbeats), so a learner would never see a new grant, and an
+archive is read-only. :func:`check_writable` creates the root and writes, reads and deletes a probe
+object (the CLI's checks run it before Prefect starts).
+
+Every object is immutable once visible and
 becomes visible whole: on a local filesystem it is written under ``tmp/`` and renamed into place
 (``rename`` is atomic within one filesystem); elsewhere it is one PUT (``pipe_file``), which object
 stores and the memory filesystem make visible at once or not at all. A reader therefore never sees
 a half-written object; one that is truncated or corrupted anyway (a bad disk, a copy by hand) fails
-its checksum and is quarantined, never merged.
+its checksum and is quarantined, never merged. A local write that fails (a full disk) deletes its
+temporary object before it raises; one whose process was killed mid-write leaves it, named
+``tmp/<host>-<pid>-<id>.part``, and the next process that opens the exchange on that host deletes
+the temporary objects of writers that are gone.
 
 Layout under the exchange root::
 
@@ -18,6 +28,7 @@ Layout under the exchange root::
     state.json                      the syncer's pointer: generation, versions, token grants, closed
     learners/l<m>.json              learner m's heartbeat (status, step, counters, tokens claimed)
     syncer/generation               the fencing token: the generation of the syncer in charge
+    tmp/<host>-<pid>-<id>.part      a local write in progress (renamed into place when whole)
     learners_done                   written by the flow once every learner task has ended
     stop                            written by the flow when a stop signal reached it
     quarantine/<name>               objects that failed their checks, with <name>.reason
@@ -80,6 +91,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import threading
 import time
 import uuid
@@ -141,6 +153,73 @@ def decode(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
     return tensors, meta
 
 
+# fsspec's caching layers: chained in front of a store they serve reads from a copy
+_CACHING = ("simplecache", "filecache", "blockcache", "cached")
+
+
+def check_url(url: str) -> None:
+    """Refuse the URL forms the exchange cannot use: chained URLs (``a::b``). Raises ``ValueError``
+    naming the form and the URL to give instead; returns None for one filesystem's URL (whether it
+    can be written is :func:`check_writable`'s question)."""
+    url = str(url)
+    if "::" not in url:
+        return
+    outer, inner = url.split("::", 1)
+    layer = outer.split("://", 1)[0]
+    storage = inner.rsplit("::", 1)[-1]
+    if layer in _CACHING:
+        why = (f"a chained URL through {layer}:: caches what it reads, and the exchange rewrites state.json "
+               "and the heartbeats in place (learners would never see a new grant)")
+    else:
+        why = (f"a chained URL ({layer}://…::…) reads through another filesystem (an archive is read-only); "
+               "the exchange writes objects and renames them into place")
+    raise ValueError(f"{url}: {why}; give the storage URL itself, e.g. {storage}")
+
+
+def check_writable(url: str, storage_options: dict | None = None) -> None:
+    """Check that an exchange can live under ``url``: :func:`check_url`, then create the root, write,
+    read back and delete a probe object. Folders the check created on a local filesystem are removed
+    again, so a passed check leaves nothing behind. Raises ``ValueError`` for a refused form and
+    whatever the filesystem raises (``OSError``, ``PermissionError``, ``NotImplementedError``, …) when
+    the root cannot be created, written or read."""
+    check_url(url)
+    fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
+    root = root.rstrip("/") or "/"
+    local = "file" in fs.protocol or "local" in fs.protocol
+    created = None
+    if local:
+        top = root
+        while not fs.exists(top):
+            created, top = top, top.rsplit("/", 1)[0] or "/"
+    try:
+        fs.makedirs(root, exist_ok=True)
+        probe = f"{root.rstrip('/')}/.exchange-probe-{uuid.uuid4().hex}"
+        fs.pipe_file(probe, b"probe")
+        try:
+            if fs.cat_file(probe) != b"probe":
+                raise OSError(f"{url}: a probe object read back different bytes than were written")
+        finally:
+            fs.rm(probe)
+    finally:
+        if created is not None and fs.exists(created):
+            fs.rm(created, recursive=True)
+
+
+def _tmp_name() -> str:
+    """A temporary object's name: this host and process (see :meth:`FsspecExchange._remove_dead_tmp`)."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}.part"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 _SUBMISSION_FIELDS = ("learner", "fragment", "attempt", "local_step", "tokens", "steps", "base_version", "sent_at")
 
 
@@ -156,10 +235,12 @@ class FsspecExchange:
             storage is read again; bounds the store's request rate per process.
         storage_options: passed to ``fsspec.url_to_fs`` (credentials, endpoints).
 
-    Raises ``FileNotFoundError`` (naming the URL) if no exchange was created there.
+    Raises ``FileNotFoundError`` (naming the URL) if no exchange was created there, ``ValueError``
+    for a chained URL (:func:`check_url`).
     """
 
     def __init__(self, url: str, *, poll_s: float = 0.02, storage_options: dict | None = None):
+        check_url(url)
         self.url = str(url)
         self.fs, root = fsspec.url_to_fs(self.url, **(storage_options or {}))
         self.root = root.rstrip("/")
@@ -192,6 +273,20 @@ class FsspecExchange:
         self._generation: int | None = None  # set once this instance is a syncer in office
         self._max_generation_seen = 0
         self._stop_seen, self._stop_at = False, -1e18
+        if self._local:
+            self._remove_dead_tmp()
+
+    def _remove_dead_tmp(self) -> None:
+        """Delete ``tmp/`` objects left by writers on this host that are gone (killed mid-write);
+        those of live processes and of other hosts are kept."""
+        host = socket.gethostname()
+        for name in self._ls(self._p("tmp")):
+            parts = name[:-len(".part")].rsplit("-", 2) if name.endswith(".part") else []
+            if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+                try:
+                    self.fs.rm(self._p("tmp", name))
+                except FileNotFoundError:
+                    pass
 
     # -- creation -------------------------------------------------------------------------------
     @classmethod
@@ -212,6 +307,7 @@ class FsspecExchange:
                         ("keep_versions", keep_versions)):
             if int(v) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {v}")
+        check_url(url)
         fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
         root = root.rstrip("/")
         if fs.exists(f"{root}/meta.json"):
@@ -254,14 +350,21 @@ class FsspecExchange:
 
     def _put_now(self, path: str, data: bytes) -> None:
         if self._local:
-            tmp = self._p("tmp", f"{uuid.uuid4().hex}.part")
+            tmp = self._p("tmp", _tmp_name())
             for folder in (self._p("tmp"), path.rsplit("/", 1)[0]):
                 if folder not in self._folders:
                     self.fs.makedirs(folder, exist_ok=True)
                     self._folders.add(folder)
-            with open(tmp, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)  # atomic within one filesystem
+            try:
+                with self.fs.open(tmp, "wb") as f:
+                    f.write(data)
+                os.replace(tmp, path)  # atomic within one filesystem
+            except BaseException:  # a full disk, a signal: no temporary object stays behind
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
         else:
             self.fs.pipe_file(path, data)
 
