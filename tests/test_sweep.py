@@ -257,3 +257,114 @@ def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_p
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "deployment: pipeline/none is not deployed on the Prefect server" in lines[0], lines
     assert not (tmp_path / "sw").exists()
+
+
+# A process that holds one slot of a sweep's concurrency limit the way a sweep cell does
+# (flows.sweep._slot), with short heartbeat timings so the test takes seconds: it prints
+# "waiting", then "held" once it has the slot, and keeps it until its stdin closes.
+SLOT_HOLDER = """
+import sys
+import flows.sweep as sweep
+sweep.SLOT_HEARTBEAT_S, sweep.SLOT_STALE_S = 0.5, 3.0
+print("waiting", flush=True)
+with sweep._slot(sys.argv[1], poll_s=0.5) as held:
+    print("held" if held else "stopped", flush=True)
+    sys.stdin.read()
+print("released", flush=True)
+"""
+
+
+class _Holder:
+    """A :data:`SLOT_HOLDER` process and the lines it printed (read by a thread)."""
+
+    def __init__(self, limit: str):
+        import os
+        import queue
+        import subprocess
+        import sys
+        import threading
+
+        from prefect.settings import PREFECT_API_URL
+
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, "-c", SLOT_HOLDER, limit], cwd=REPO, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.lines: "queue.Queue[str]" = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(x.rstrip("\n")) for x in self.proc.stdout], daemon=True).start()
+
+    def wait_for(self, line: str, within_s: float) -> bool:
+        """True once the process printed ``line``; False if it did not within ``within_s`` seconds."""
+        import queue
+        import time
+
+        end = time.monotonic() + within_s
+        while line not in self.seen:
+            try:
+                self.seen.append(self.lines.get(timeout=max(0.0, end - time.monotonic())))
+            except queue.Empty:
+                return False
+        return True
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def _active_slots(limit: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_global_concurrency_limit_by_name(limit).active_slots
+
+
+def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness):
+    """A sweep of one name shares ``concurrency`` slots wherever it runs (a persistent server). A
+    holder killed with SIGKILL cannot release its slot; a cell waiting for one frees it once the
+    holder's heartbeat stops (here 3 s; as shipped SLOT_STALE_S, well within a minute) instead of
+    Prefect's lease keeping it for minutes. A living holder whose work outlasts that window keeps
+    its slot (its heartbeat and Prefect lease are renewed) until it releases it."""
+    import signal
+
+    from flows.sweep import set_concurrency_limit
+
+    limit = "sweep-slot-test"
+    set_concurrency_limit(limit, 1)
+    holders: list[_Holder] = []
+    try:
+        # a living holder keeps its slot while a waiter watches it for longer than the stale window
+        a = _Holder(limit)
+        holders.append(a)
+        assert a.wait_for("held", 120), a.seen
+        b = _Holder(limit)
+        holders.append(b)
+        assert b.wait_for("waiting", 120), b.seen
+        assert not b.wait_for("held", 12), b.seen  # 4 stale windows: A's heartbeat is renewed
+        assert _active_slots(limit) == 1
+        a.proc.stdin.close()  # A ends its work: the slot goes to B
+        assert a.wait_for("released", 60), a.seen
+        assert b.wait_for("held", 30), b.seen
+        assert _active_slots(limit) == 1
+
+        # B dies holding the slot: C, waiting for it, gets it well within a minute
+        c = _Holder(limit)
+        holders.append(c)
+        assert c.wait_for("waiting", 120), c.seen
+        b.proc.send_signal(signal.SIGKILL)
+        b.proc.wait(timeout=30)
+        assert c.wait_for("held", 45), f"the dead holder's slot was not freed within 45 s: {c.seen[-2:]}"
+        assert _active_slots(limit) == 1  # C's slot; B's lease was released, not leaked or counted twice
+        c.proc.stdin.close()
+        assert c.wait_for("released", 60), c.seen
+        assert _active_slots(limit) == 0
+        from prefect.client.orchestration import get_client
+
+        from flows.sweep import _heartbeats
+
+        with get_client(sync_client=True) as client:
+            assert _heartbeats(client, limit) == {}  # no holder's record is left behind
+    finally:
+        for h in holders:
+            h.close()

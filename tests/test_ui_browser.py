@@ -9,7 +9,12 @@ tiny → Run → Custom run; the ``overrides`` JSON editor filled with fast offl
 tests/test_deployments.py without post-training: committed corpus, one eval interval, no lm-eval,
 no DP, no fine-tuning; ``config`` stays as deployed) and the ``run_dir`` field with a path under
 tmp_path; Submit. The flow run must complete with exactly those parameters and write that run
-directory; its page shows the task runs, and its Artifacts tab the report artifact, which opens. Screenshots of each step go to
+directory; its page shows the task runs, and its Artifacts tab the report artifact, which opens.
+What a user sees is checked on the way: no API call of a page fails while it loads (status >= 400 or
+no answer; :data:`BENIGN_REQUEST_FAILURES` names the one exception), the Deployments list is not
+empty and holds the deployment, the deployment's parameters are configs/tiny.yaml as loaded by
+configs/schema.py and the form shows its values. Chromium starts with :data:`CHROMIUM_ARGS` (what
+root in a container needs) and a fresh profile, checked on chrome://version. Screenshots of each step go to
 build/ui-screenshots/ (the path is printed). About 100 s on 2 idle CPU cores, most of it the flow
 run. Deselect with ``-m "not browser"``.
 
@@ -19,6 +24,7 @@ test is skipped, or fails when ``CI`` is set. Never ``playwright install`` (down
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +44,22 @@ PREFECT = str(Path(sys.executable).with_name("prefect"))
 SHOTS = REPO / "build" / "ui-screenshots"
 UI_FAST = FAST  # what the test types into the overrides field
 INSTALL_HINT = "`make browser` as root (apt-get install -y chromium)"
+# Chromium as root in a container: no setuid sandbox (root cannot have one), no GPU, no reliance on a
+# small /dev/shm; nothing that reaches out of the machine (component updates, sync, background
+# requests, QUIC); no first-run dialogs. Each test gets a fresh --user-data-dir (Playwright's
+# persistent context under tmp_path), so no profile of an earlier run is read.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--headless",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--no-first-run", "--disable-quic"]
+# Failed API requests that are no fault: the browser aborts a page's requests still in flight when
+# the test navigates away from it (net::ERR_ABORTED is Chromium's own cancel, no server answer).
+# Every API response with status >= 400 is a fault: there is no exception for those.
+BENIGN_REQUEST_FAILURES = ("net::ERR_ABORTED",)
+# The custom-run form's fields checked against configs/tiny.yaml, as (label, dotted config key): the
+# form shows them as the deployment's parameters; the whole config is compared through the API.
+# Labels are the fields' titles; each of these differs from the schema's default in configs/tiny.yaml.
+FORM_FIELDS = [("Learners", "diloco.learners"), ("Sync Every", "diloco.sync_every"),
+               ("Token Budget", "train.token_budget")]
 
 
 def _unavailable(reason: str) -> None:
@@ -53,7 +75,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(api: str, server: subprocess.Popen, log: Path, deadline_s: float = 120) -> None:
+def _wait_healthy(api: str, server: subprocess.Popen, log: Path, deadline_s: float = 300) -> None:
     end = time.monotonic() + deadline_s
     while True:
         try:
@@ -107,6 +129,39 @@ def ui_server(tmp_path_factory):
         _stop(server)
 
 
+class _ApiWatch:
+    """Every call of the page to the Prefect API that failed: a response with status >= 400, or a
+    request that got no answer (bar :data:`BENIGN_REQUEST_FAILURES`), with the page it came from."""
+
+    def __init__(self, page, api: str) -> None:
+        self.page, self.api, self.failures = page, api, []
+        page.on("response", self._response)
+        page.on("requestfailed", self._failed)
+
+    def _response(self, response) -> None:
+        if response.url.startswith(self.api) and response.status >= 400:
+            self.failures.append(f"{response.status} {response.request.method} {response.url[len(self.api):]} "
+                                 f"(page {self.page.url})")
+
+    def _failed(self, request) -> None:
+        failure = request.failure or ""
+        if request.url.startswith(self.api) and not any(b in failure for b in BENIGN_REQUEST_FAILURES):
+            self.failures.append(f"{request.method} {request.url[len(self.api):]} failed: {failure} "
+                                 f"(page {self.page.url})")
+
+    def check(self, what: str) -> None:
+        assert not self.failures, f"{what}: the UI's API calls failed: " + "; ".join(self.failures)
+
+
+def _config_difference(deployed: dict, shipped: dict) -> str:
+    """The dotted keys whose values differ between two configs, with both values ('' if none)."""
+    from reports.common import flatten
+
+    a, b = flatten(deployed, sep="."), flatten(shipped, sep=".")
+    return "; ".join(f"{k}: {a.get(k, '(missing)')!r} deployed, {b.get(k, '(missing)')!r} in the shipped config"
+                     for k in sorted(set(a) | set(b)) if a.get(k, "(missing)") != b.get(k, "(missing)"))
+
+
 def _in_api(api: str, fn):
     """``fn(client)`` with a synchronous client of this server (not the session's test harness, if one
     is active; synchronous because Playwright's sync API runs an event loop in this thread)."""
@@ -140,10 +195,18 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
         stack.callback(_stop, deploy)
         worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], env, log)
         stack.callback(_stop, worker)
-        browser = pw.chromium.launch(executable_path=chromium)
+        browser = pw.chromium.launch_persistent_context(
+            str(tmp_path / "chromium-profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000})
         stack.callback(browser.close)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page()
         page.set_default_timeout(60_000)
+        expect.set_options(timeout=60_000)  # not Playwright's 5 s: a loaded 2-core machine is slow to render
+        page.goto("chrome://version")  # the command line Chromium really got
+        command_line = page.locator("#command_line").inner_text()
+        assert all(flag in command_line.split() for flag in CHROMIUM_ARGS), command_line
+        assert f"--user-data-dir={tmp_path / 'chromium-profile'}" in command_line, command_line
+        api_calls = _ApiWatch(page, api)
         shot = 0
 
         def snap(name: str) -> None:
@@ -154,17 +217,41 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
         try:
             page.goto(base + "/")
             expect(page.get_by_role("link", name="Deployments", exact=True)).to_be_visible()
+            api_calls.check("the dashboard")
 
             assert deploy.wait(timeout=180) == 0, f"prefect deploy failed:\n{_tail(tmp_path / 'deploy.log')}"
+            # the deployment as deployed holds the shipped config (configs/tiny.yaml through configs/schema.py)
+            from configs.schema import CONFIG_DIR, load_config
+
+            shipped = load_config(CONFIG_DIR / "tiny.yaml").model_dump(mode="json")
+            deployed = _in_api(api, lambda client: client.read_deployment_by_name("pipeline/tiny")).parameters
+            assert deployed.get("config") == shipped, \
+                f"pipeline/tiny's form differs from configs/tiny.yaml: {_config_difference(deployed.get('config') or {}, shipped)}"
 
             page.get_by_role("link", name="Deployments", exact=True).click()
-            page.get_by_role("link", name="tiny", exact=True).click()
+            # the list a user sees holds the deployment (an empty list shows "Create a deployment to get started")
+            listed = page.get_by_role("link", name="tiny", exact=True)
+            expect(page.get_by_text("Create a deployment to get started")).to_have_count(0)
+            expect(listed, "the Deployments page lists no deployment pipeline/tiny").to_be_visible()
+            api_calls.check("the Deployments page")
+            listed.click()
             expect(page.get_by_role("button", name="Run", exact=True)).to_be_visible()
             expect(page.get_by_text("flows/pipeline.py:pipeline")).to_be_visible()  # the entrypoint
+            api_calls.check("the deployment's page")
             snap("deployment-tiny")
 
             page.get_by_role("button", name="Run", exact=True).click()
             page.get_by_role("menuitem", name="Custom run").click()
+            # the form shows the shipped config's values (not the schema's defaults)
+            for label, key in FORM_FIELDS:
+                section, name = key.split(".")
+                want = str(shipped[section][name])
+                title = page.get_by_text(re.compile(rf"^{label} \(Optional\)$"))
+                box = (page.locator("div").filter(has=title).filter(has=page.locator("input, textarea")).last
+                       .locator("input, textarea").first)
+                assert box.input_value() == want, \
+                    f"the custom-run form shows {label} = {box.input_value()!r}; configs/tiny.yaml has {key} = {want}"
+            api_calls.check("the custom-run form")
             # overrides: a JSON editor (CodeMirror); the fast offline values replace its {}
             editor = (page.locator("div").filter(has=page.get_by_text("overrides (Optional)", exact=True))
                       .locator(".cm-content").last)
@@ -234,6 +321,7 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             expect(page.get_by_role("link", name="syncer", exact=False).first).to_be_visible()
             expect(page.get_by_role("link", name="learner", exact=False)).to_have_count(3)  # tiny: M = 3
             snap("learners-and-syncer")
+            api_calls.check("the flow run's pages")
         except BaseException:
             try:
                 page.screenshot(path=SHOTS / "failure.png")
