@@ -11,7 +11,10 @@ step, data cursor and inner optimizer state (Adam moments and step counts) from 
 resume point, or start at step 0 with a fresh optimizer if none was saved; (3) zero the
 per-fragment counters (the pulled fragments hold none of its progress). Tokens processed by steps
 after the last resume point are counted once in ``processed`` (they were claimed from the budget)
-and taken again from the resume point.
+and taken again from the resume point. Sends of those steps carry ``attempt`` and ``local_step``: the
+syncer merges each (learner, fragment, local step) at most once and counts a re-trained step whose
+work it had merged as recomputed (``diloco.syncer``); the counters sent (``tokens``, ``steps``) run
+from the resume or the last receipt, which is what lets it split a copy's new steps from re-trained ones.
 """
 
 from __future__ import annotations

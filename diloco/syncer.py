@@ -20,6 +20,19 @@ Per fragment p (Douillard et al., "Decoupled DiLoCo", arXiv 2604.21428, the sync
 4. merge the v_m with the configured rule (``mean``, ``token_weighted``, ``rda``);
 5. outer Nesterov SGD step; if the merged outer gradient and the new fragment are finite float32,
    adopt them and bump the version (the caller publishes), else refuse the merge (below).
+Each (learner, fragment, local step) is merged at most once. A learner whose process died resumes
+from its last resume point (``diloco.learner``) and trains the steps since again; the syncer keeps,
+per learner and fragment, the highest local step h whose work was merged (over all attempts). A
+later attempt's submission at a local step ≤ h is dropped as "recomputed" (never merged), and of
+one past h only the steps after h are new work: its counters cover the local steps (local_step −
+steps, local_step] (they run from the learner's last receipt of the fragment or its resume, one
+step at a time), so the first min(h − (local_step − steps), steps) of them re-did merged steps and
+hold tokens · that / steps of its tokens (every step of a learner takes the same tokens). Those
+tokens go to the ledger's ``recomputed`` column, not to merged: the work was done twice and
+counted once. (The merge still weighs the submission by its counters: its parameters hold all
+those steps.) Steps at or below h that a copy of the earlier attempt never brought in (progress
+overwritten at a receipt, or steps never sent) count as recomputed too: h is a high-water mark.
+
 Dropped, never merged, and counted in the token ledger as dropped with the reason: submissions
 with no tokens ("empty", not queued and no quorum vote), older than one already seen from the same
 learner ("out-of-order"), replaced by a newer one of another base or attempt ("superseded"), more
@@ -82,15 +95,18 @@ class SyncerSettings:
 class LedgerEntry:
     """Tokens per learner, summed over fragments (divide by P for per-model tokens).
 
-    submitted = merged + dropped + pending at every moment: a resend before receipt carries only
-    its new tokens, a pending copy replaced by a newer one of the same base passes its tokens on,
-    and a late copy whose work is inside a newer one is dropped with 0 tokens.
+    submitted = merged + recomputed + dropped + pending at every moment: a resend before receipt
+    carries only its new tokens, a pending copy replaced by a newer one of the same base passes its
+    tokens on, and a late copy whose work is inside a newer one is dropped with 0 tokens.
+    ``recomputed``: tokens of local steps a restarted learner trained again after their work had
+    been merged (each counted once, when first submitted again; see the module docstring).
     """
 
     submitted: int = 0
     merged: int = 0
     dropped: int = 0
     drop_reasons: dict[str, int] = field(default_factory=dict)
+    recomputed: int = 0
 
     def drop(self, tokens: int, reason: str) -> None:
         self.dropped += tokens
@@ -151,6 +167,8 @@ class Syncer:
         self._unmerged: dict[tuple[int, int], int] = {}
         self._newest: dict[tuple[int, int], tuple[int, int]] = {}
         self._counted: dict[tuple[int, int], dict[tuple[int, int], int]] = {}
+        # keyed (learner, fragment): the highest local step whose work was merged, over all attempts
+        self._merged_step: dict[tuple[int, int], int] = {}
         self.events: list[dict] = []
         self.num_merges = 0
 
@@ -178,6 +196,21 @@ class Syncer:
                 del counted[g]
         return max(sub.tokens - before, 0)
 
+    def _recomputed(self, sub: Submission) -> int:
+        """Tokens of ``sub``'s counters spent on local steps at or below h, the highest one already
+        merged from this learner and fragment: all of them if ``local_step`` ≤ h, else tokens · r /
+        steps (rounded down) for the r of its steps (local_step − steps, local_step] that are ≤ h;
+        0 if nothing of this learner and fragment was merged yet."""
+        high = self._merged_step.get((sub.learner, sub.fragment))
+        if high is None:
+            return 0
+        if sub.local_step <= high:
+            return sub.tokens
+        if sub.steps <= 0:
+            return 0
+        redone = min(max(high - (sub.local_step - sub.steps), 0), sub.steps)
+        return sub.tokens * redone // sub.steps
+
     def _reject(self, sub: Submission, reason: str, now: float, tokens: int | None = None) -> None:
         tokens = sub.tokens if tokens is None else tokens
         if 0 <= sub.learner < self.settings.num_learners:
@@ -195,9 +228,12 @@ class Syncer:
         the learner never sends one); "out-of-order" ((attempt, local_step) not later than the
         newest already seen from this learner for this fragment, merged or not: dropped with its
         tokens not inside the newer one, i.e. 0 for the same attempt and base, all of them for an
-        older base); wrong tensors (an unknown wire format, or a payload that does not decode to the
-        fragment's tensors); non-finite (the decoded payload); unknown or stale base version; for a
-        quantised format, "stale" also when the base version is no longer kept (see
+        older base); "recomputed" (a later attempt's copy at a local step whose work was already
+        merged: its new tokens go to the ledger's ``recomputed``, not to ``dropped``; of any other
+        copy the tokens of re-trained merged steps go there too, see the module docstring); wrong
+        tensors (an unknown wire format, or a payload that does not decode to the fragment's
+        tensors); non-finite (the decoded payload); unknown or stale base version; for a quantised
+        format, "stale" also when the base version is no longer kept (see
         ``SyncerSettings.kept_bases``) and "non-finite" when Θ_base + Δ overflows. A queued
         submission replaces the learner's pending copy: with the same (attempt, base) it carries
         that copy's tokens on, else the old copy is dropped as "superseded" (its work is lost).
@@ -215,12 +251,24 @@ class Syncer:
             return False
         p, key, order = sub.fragment, (sub.learner, sub.fragment), (sub.attempt, sub.local_step)
         newest = key not in self._newest or order > self._newest[key]
+        before = self._counted.get(key, {}).get((sub.attempt, sub.base_version), 0)
         fresh = self._fresh_tokens(sub, newest)
         self.ledger[sub.learner].submitted += fresh
         if not newest:
             self._reject(sub, "out-of-order", now, fresh)
             return False
         self._newest[key] = order
+        # the copies of one (attempt, base) are cumulative, their re-trained steps come first: the
+        # tokens counted before this copy cover the first `before` of its re-trained ones
+        redone = min(max(self._recomputed(sub) - before, 0), fresh)
+        if redone:
+            self.ledger[sub.learner].recomputed += redone
+            fresh -= redone
+        if sub.local_step <= self._merged_step.get(key, -1):
+            self.events.append(
+                {"event": "dropped", "learner": sub.learner, "fragment": sub.fragment, "reason": "recomputed",
+                 "tokens": redone, "base_version": sub.base_version, "t": now})
+            return False
         decoded = _decode(sub, {k: a.shape for k, a in self.global_params[p].items()})
         if decoded is None:
             self._reject(sub, "wrong-tensors", now, fresh)
@@ -289,7 +337,7 @@ class Syncer:
         "t" (``now``, seconds)} is appended to ``events``.
 
         Returns the merge record (fragment, version, contributors, weights, tokens, steps, stale,
-        local_steps, quorum_at_s, merged_at_s, bytes_in/out, fragment_bytes, outer_grad_norm), or
+        local_steps, attempts, quorum_at_s, merged_at_s, bytes_in/out, fragment_bytes, outer_grad_norm), or
         None if the merge was refused. Raises ``ValueError`` if nothing is pending.
         """
         subs = [self.pending[p][m] for m in sorted(self.pending[p])]
@@ -322,6 +370,8 @@ class Syncer:
         self._keep_base(p)
         for s in subs:
             self.ledger[s.learner].merged += self._unmerged.pop((s.learner, p), 0)
+            high = self._merged_step.get((s.learner, p), s.local_step)
+            self._merged_step[(s.learner, p)] = max(s.local_step, high)
         self.num_merges += 1
         fragment_bytes = int(sum(a.nbytes for a in new_params.values()))
         return {
@@ -402,6 +452,7 @@ class Syncer:
         pending submission's counters and its exchange object name ``key``, not its arrays: they
         stay in the exchange), ``ledger`` (tokens per learner), ``unmerged``/``newest``/``counted``
         (the token-counting memory, tuple keys written as ``"m,p"`` and ``"attempt,base"``),
+        ``merged_steps`` (``"m,p"`` → the highest local step merged),
         ``events`` and ``num_merges``. Arrays are copies: later merges do not change them.
 
         Raises ``ValueError`` if a pending submission has no object name (``Submission.key`` is
@@ -437,10 +488,12 @@ class Syncer:
             "quorum_at": list(self.quorum_at),
             "pending": pending,
             "ledger": {str(m): {"submitted": e.submitted, "merged": e.merged, "dropped": e.dropped,
-                                "drop_reasons": dict(e.drop_reasons)} for m, e in self.ledger.items()},
+                                "drop_reasons": dict(e.drop_reasons), "recomputed": e.recomputed}
+                       for m, e in self.ledger.items()},
             "unmerged": {_pair(k): v for k, v in self._unmerged.items()},
             "newest": {_pair(k): list(v) for k, v in self._newest.items()},
             "counted": {_pair(k): {_pair(g): n for g, n in c.items()} for k, c in self._counted.items()},
+            "merged_steps": {_pair(k): v for k, v in self._merged_step.items()},
             "events": [dict(e) for e in self.events],
             "num_merges": self.num_merges,
         }
@@ -460,8 +513,8 @@ class Syncer:
         payload no longer decodes against its base; whatever ``fetch`` raises for a missing object
         (the exchange: ``FileNotFoundError``).
         """
-        if meta.get("format") != STATE_FORMAT:
-            raise ValueError(f"syncer state format {meta.get('format')} is not {STATE_FORMAT}")
+        if meta.get("format") not in (1, STATE_FORMAT):
+            raise ValueError(f"syncer state format {meta.get('format')} is not 1 or {STATE_FORMAT}")
         if meta["fragments"] != self.fragments:
             raise ValueError("the saved syncer state has other fragments than this syncer (another model or "
                              "diloco.fragments)")
@@ -511,16 +564,21 @@ class Syncer:
         self.quorum_at = [None if t is None else float(t) for t in meta["quorum_at"]]
         self.pending = pending
         self.ledger = {int(m): LedgerEntry(int(e["submitted"]), int(e["merged"]), int(e["dropped"]),
-                                           {k: int(n) for k, n in e["drop_reasons"].items()})
+                                           {k: int(n) for k, n in e["drop_reasons"].items()},
+                                           int(e.get("recomputed", 0)))
                        for m, e in meta["ledger"].items()}
         self._unmerged = {_unpair(k): int(v) for k, v in meta["unmerged"].items()}
         self._newest = {_unpair(k): tuple(int(x) for x in v) for k, v in meta["newest"].items()}
         self._counted = {_unpair(k): {_unpair(g): int(n) for g, n in c.items()} for k, c in meta["counted"].items()}
+        self._merged_step = {_unpair(k): int(v) for k, v in meta.get("merged_steps", {}).items()}
         self.events = [dict(e) for e in meta["events"]]
         self.num_merges = int(meta["num_merges"])
 
 
-STATE_FORMAT = 1
+# 2: the ledger's ``recomputed`` and ``merged_steps``. A format-1 state (saved before them) still loads, with
+# nothing recomputed and no merged steps known: a run restarted across the upgrade keeps going, and only steps
+# re-trained after a learner crash that predates the restart can be merged twice, as before format 2.
+STATE_FORMAT = 2
 _SAVED_FIELDS = ("learner", "fragment", "tokens", "steps", "base_version", "local_step", "attempt", "sent_at", "wire")
 
 

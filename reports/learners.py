@@ -15,7 +15,7 @@ from reports.common import NOT_RUN, lid, nested, num, sort_key
 from reports.markdown import format_value
 
 INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chaos) failure
-LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
+LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "recomputed", "dropped", "pending")
 
 
 def _merge_time(m: dict) -> float | None:
@@ -166,13 +166,14 @@ def _int(x: Any) -> int | None:
 def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     """The token ledger per learner (whole tokens), a total row and merged % of processed.
 
-    Numeric entries become integer columns (the standard six first: processed, submitted,
-    not_submitted, merged, dropped, pending); dict-valued entries (``drop_reasons``: reason →
-    tokens) are kept as dicts and summed key-wise in the total. ``not_submitted`` is computed as
-    processed − submitted for summaries that do not record it. Each learner row is checked
-    against processed = submitted + not_submitted and submitted = merged + dropped + pending,
-    allowing ±P tokens (``tolerance``, P = ``fragments``) for the rounding of the per-fragment
-    averages; rows that break either identity are listed in ``identity_violations``.
+    Numeric entries become integer columns (the standard ones first: processed, submitted,
+    not_submitted, merged, recomputed (re-trained steps of a restarted learner whose work was
+    merged before; absent in older summaries), dropped, pending); dict-valued entries
+    (``drop_reasons``: reason → tokens) are kept as dicts and summed key-wise in the total.
+    ``not_submitted`` is computed as processed − submitted for summaries that do not record it.
+    Each learner row is checked against processed = submitted + not_submitted and submitted =
+    merged + recomputed + dropped + pending (recomputed left out where not recorded), allowing
+    ±P tokens (``tolerance``, P = ``fragments``) for the rounding of the per-fragment averages; rows that break either identity are listed in ``identity_violations``.
     """
     empty = {"columns": [], "rows": [], "total": None, "fragments": fragments, "tolerance": None,
              "not_submitted_computed": False, "identity_violations": []}
@@ -216,8 +217,10 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
         r["merged_pct"] = 100.0 * mg / p if p and mg is not None else None
     tol = fragments or 1
     violations = []
-    identities = (("processed", ("submitted", "not_submitted")), ("submitted", ("merged", "dropped", "pending")))
     for r in rows:
+        identities = (("processed", ("submitted", "not_submitted")),
+                      ("submitted", ("merged", *(("recomputed",) if r.get("recomputed") is not None else ()),
+                                     "dropped", "pending")))
         for lhs, parts in identities:
             vals = [r.get(c) for c in (lhs, *parts)]
             if any(x is None for x in vals):

@@ -50,7 +50,9 @@ Allocated time: the span (a scavenged learner: from its ``join``, or the span's 
 never had to wait to join, to its ``leave`` or the span's end). Lost work: after a failure the
 steps from the resume point it restarted from (the next ``start``'s ``step``) to the step it had
 reached (the ``failure``'s ``step``), × that attempt's seconds per step (its running and
-straggling seconds / the steps it took). Useful = allocated − down − waiting − absent (zero
+straggling seconds / the steps it took): the steps it trains again, recomputation, never useful
+(the token ledger counts the re-trained tokens whose first copy had been merged as ``recomputed``;
+the syncer does not merge them twice). Useful = allocated − down − waiting − absent (zero
 inside the window) − lost work.
 
 **DP rows** (one per replica, W = ``dp.workers``; lock-step SPMD):

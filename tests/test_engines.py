@@ -37,7 +37,7 @@ def _cfg(small_cfg, engine: str, **chaos):
 def _ledger_balanced(summary) -> None:
     for m, row in summary["ledger"].items():
         assert row["processed"] == row["not_submitted"] + row["submitted"], m
-        assert row["submitted"] == row["merged"] + row["dropped"] + row["pending"], m
+        assert row["submitted"] == row["merged"] + row["recomputed"] + row["dropped"] + row["pending"], m
 
 
 # `ray.init` starts its daemons with subprocess (fork, then exec at once), which JAX warns about
@@ -61,7 +61,11 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
                                                                              small_data, tmp_path):
     """Learner 1's process is SIGKILLed at local step 30: Dask runs the task again in a new worker
     process, which resumes at the last resume point (every 5 steps) and is merged again; merges go
-    on while it is down, and the ledger balances. The syncer's process is SIGKILLed too, after its
+    on while it is down, and the ledger balances. The steps it trains again (from its resume point
+    to the kill: with H = 4 and P = 2 it had sent fragment 1 at step 26 and fragment 0 at 28, both
+    merged) are not merged a second time: no (learner, fragment, local step) appears twice in
+    merges.jsonl, and the ledger counts the re-trained tokens as recomputed (goodput counts their
+    seconds as lost work). The syncer's process is SIGKILLed too, after its
     6th merge is journaled and before it is published: Dask runs it again in a new process, which
     takes office (generation 2), replays the journal and goes on; every fragment's versions run
     1, 2, … with no gap and no repeat."""
@@ -89,6 +93,20 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
     assert any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges), "merged again"
+    merged = [(c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"],
+                                                                           m["attempts"])]
+    assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
+    high = {p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(2)}
+    redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
+    assert sum(redone.values()) > 0, (high, restart["step"])  # attempt 1 had merged sends past the resume point
+    assert not any(c == 1 and a == 2 and s <= high[p] for c, p, s, a in merged)
+    tps, P = cfg.tokens_per_learner_step, cfg.diloco.fragments
+    assert 0 < summary["ledger"]["1"]["recomputed"] <= sum(redone.values()) * tps / P + P
+    assert summary["ledger"]["0"]["recomputed"] == 0
+    from reports.resilience import diloco_resilience
+
+    row = next(r for r in diloco_resilience(events, merges)["learners"] if r["learner"] == 1)
+    assert [x["lost_steps"] for x in row["lost"]] == [kill["step"] - restart["step"]] and row["lost_work_s"] > 0
     beat = __import__("json").loads((layout.exchange("pretrain", "diloco") / "learners" / "l001.json").read_text())
     assert beat["attempt"] == 2 and beat["status"] == "done"
     assert summary["ledger"]["1"]["attempts"] == 2 and summary["tokens"] == token_budget(cfg)

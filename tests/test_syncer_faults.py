@@ -230,3 +230,83 @@ def test_new_attempt_wins_over_the_previous_attempts_copies():
     assert s.pending[0][0].attempt == 2
     assert ledger(s)[0] == (112, 0, 96, 16)
     assert s.ledger[0].drop_reasons == {"superseded": 64, "out-of-order": 32}
+
+
+# -- a restarted learner's re-trained steps: each (learner, fragment, local step) merged once ------
+def _books(s, m=0):
+    """learner m → (submitted, merged, recomputed, dropped, pending) tokens; asserts the identity
+    submitted = merged + recomputed + dropped + pending."""
+    e, pend = s.ledger[m], s.pending_tokens()[m]
+    out = (e.submitted, e.merged, e.recomputed, e.dropped, pend)
+    assert out[0] == sum(out[1:]), out
+    return out
+
+
+def test_retrained_steps_after_a_restart_are_merged_once():
+    """Attempt 1 is merged up to local step 10, then killed at step 12 (11–12 never sent). Attempt 2
+    resumes at its step-5 resume point, pulls v2 (counters from zero) and sends at 10 and 15: the
+    step-10 copy re-trained steps 6–10, already merged, and is dropped as recomputed (40 tokens);
+    the step-15 copy (80 tokens since v2, steps 6–15) is merged with its 5 new steps fresh."""
+    s = make(lr=1.0, momentum=0.0)
+    s.receive(sub(0, [1, 1], 40, 0, 5), 0.0)
+    (r1,) = s.poll(0.0, live={0})
+    s.receive(sub(0, [2, 2], 40, 1, 10), 1.0)  # received v1 at step 5: 5 steps since
+    (r2,) = s.poll(1.0, live={0})
+    assert (r1["local_steps"], r2["local_steps"]) == ([5], [10]) and s.versions == [2, 0]
+    assert _books(s) == (80, 80, 0, 0, 0)
+    # attempt 2, resumed at step 5 with v2: its step-10 copy holds steps 6–10 again
+    assert not s.receive(sub(0, [3, 3], 40, 2, 10, attempt=2), 2.0)
+    assert s.events[-1] == {"event": "dropped", "learner": 0, "fragment": 0, "reason": "recomputed", "tokens": 40,
+                            "base_version": 2, "t": 2.0}
+    assert s.pending[0] == {} and s.poll(2.0, live={0}) == [] and s.versions == [2, 0]
+    np.testing.assert_allclose(s.global_params[0]["a"], [2.0, 2.0])  # not merged
+    assert _books(s) == (120, 80, 40, 0, 0)
+    # its step-15 copy: steps 6–15 of the same base, 80 tokens; 6–10 counted above, 11–15 new
+    assert s.receive(sub(0, [4, 4], 80, 2, 15, attempt=2), 3.0)
+    assert _books(s) == (160, 80, 40, 0, 40)
+    (r3,) = s.poll(3.0, live={0})
+    assert r3["local_steps"] == [15] and r3["attempts"] == [2] and r3["tokens"] == [80]
+    np.testing.assert_allclose(s.global_params[0]["a"], [4.0, 4.0])
+    assert _books(s) == (160, 120, 40, 0, 0)
+    assert s.ledger[0].drop_reasons == {}  # recomputed work is not a drop: its own column
+    merged = [(c, rec["fragment"], ls) for rec in (r1, r2, r3)
+              for c, ls in zip(rec["contributors"], rec["local_steps"])]
+    assert len(merged) == len(set(merged)) == 3
+
+
+def test_a_copy_straddling_the_merged_step_counts_only_its_new_steps_fresh():
+    """Attempt 1 merged at step 8; attempt 2 resumed at step 4 never sent its step-8 copy (lost in
+    flight) and sends at 12: 64 tokens for steps 5–12, of which 5–8 (32) re-trained merged work. A
+    later copy of an older attempt arriving then is out of order, and a pending copy of attempt 1
+    not yet merged is superseded, not recomputed (its steps were never merged)."""
+    s = make(num_learners=2, quorum=2, lr=1.0, momentum=0.0)
+    s.receive(sub(0, [1, 1], 64, 0, 8), 0.0)
+    s.receive(sub(1, [1, 1], 64, 0, 8), 0.0)
+    s.poll(0.0, live={0, 1})  # v1 holds both learners' steps 1–8
+    s.receive(sub(1, [2, 2], 32, 1, 12), 0.5)  # learner 1 goes on: pending, attempt 1, steps 9–12
+    assert s.receive(sub(0, [2, 2], 64, 1, 12, attempt=2), 1.0)
+    assert _books(s, 0) == (128, 64, 32, 0, 32)
+    assert not s.receive(sub(0, [9, 9], 96, 0, 12, attempt=1), 1.1)  # attempt 1's, in flight when killed
+    assert s.events[-1]["reason"] == "out-of-order" and _books(s, 0) == (160, 64, 32, 32, 32)
+    # learner 1 restarts at step 10 before its step-12 copy merged: nothing of it merged, so its
+    # re-trained steps are fresh and the pending attempt-1 copy is lost (superseded)
+    assert s.receive(sub(1, [3, 3], 16, 1, 12, attempt=2), 1.2)
+    assert _books(s, 1) == (112, 64, 0, 32, 16) and s.ledger[1].drop_reasons == {"superseded": 32}
+    (rec,) = s.poll(1.2, live={0, 1})
+    assert rec["contributors"] == [0, 1] and rec["local_steps"] == [12, 12]
+    assert _books(s, 0) == (160, 96, 32, 32, 0) and _books(s, 1) == (112, 80, 0, 32, 0)
+
+
+def test_merged_steps_survive_a_syncer_restart():
+    """The record of merged local steps is part of the syncer's saved state: a syncer restored from
+    it still drops a restarted learner's re-trained copy as recomputed."""
+    s = make(lr=1.0, momentum=0.0)
+    s.receive(sub(0, [1, 1], 80, 0, 10), 0.0)
+    s.poll(0.0, live={0})
+    arrays, meta = s.state_dict()
+    assert meta["merged_steps"] == {"0,0": 10}
+    back = make(lr=1.0, momentum=0.0)
+    back.load_state_dict(arrays, meta, fetch=lambda key: None)
+    assert back.state_dict()[1] == meta
+    assert not back.receive(sub(0, [3, 3], 40, 1, 10, attempt=2), 1.0)
+    assert back.events[-1]["reason"] == "recomputed" and _books(back) == (120, 80, 40, 0, 0)
