@@ -33,9 +33,11 @@ by, a 4-way label set the pretraining never used, learnt by a new head on the pr
 The validation images (never trained on) × 4 rotations are the train items, the test images × 4 the
 test items.
 
-Rows (text): ``ids int32[N, S+1]`` and ``mask float32[N, S+1]`` (1 where the token is a response
-token: the loss of predicting token t counts iff ``mask[t]``), padded with the EOT id, or packed
-(``finetune.packing``: several pairs per row, each followed by EOT, the mask carried through).
+Rows (text): ``ids int32[N, S+1]`` and ``mask float32[N, S+1]`` (1 where the token is a target:
+a response token or the EOT that closes the response, so a tuned model learns to stop; the loss of
+predicting token t counts iff ``mask[t]``), padded with the EOT id (mask 0), or packed
+(``finetune.packing``: several pairs per row, each closed by its EOT target, the mask carried
+through).
 
 Files written by :func:`prepare_finetune_data` into ``RUN/finetune/data/`` (through a temp folder
 renamed into place): ``manifest.json``, ``train.npz``, ``test.npz`` (rows), and for text
@@ -240,15 +242,19 @@ def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int]]:
 
 def pack_rows(examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot_id: int,
               packing: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Rows of ``row_len`` (= S + 1) tokens and their response masks from ``(prompt ids, response ids)``.
+    """Rows of ``row_len`` (= S + 1) tokens and their target masks from ``(prompt ids, response ids)``.
 
-    Padding (default): one example per row, padded with ``eot_id`` (mask 0). Packing: examples in
-    order, each followed by ``eot_id`` (mask 0), a new row started when the next one does not fit,
-    the rest padded. An example longer than a row loses prompt tokens from the left (then response
-    tokens from the right). Returns ``(ids int32[N, row_len], mask float32[N, row_len], info)`` with
-    ``info`` counting ``truncated_prompts``, ``truncated_responses`` and ``response_tokens``.
+    An example is ``prompt + response + [eot_id]``; the response and its closing ``eot_id`` are the
+    targets (mask 1: the stop token is learnt), the prompt is not (mask 0). Padding (default): one
+    example per row, padded with ``eot_id`` (mask 0). Packing: examples in order, a new row started
+    when the next one does not fit, the rest padded. An example longer than a row loses prompt
+    tokens from the left (then its stop token, then response tokens, from the right). Returns
+    ``(ids int32[N, row_len], mask float32[N, row_len], info)`` with ``info`` counting
+    ``truncated_prompts``, ``truncated_responses`` (responses cut, their stop token included),
+    ``response_tokens`` (kept, stop tokens excluded) and ``target_tokens`` (what the loss counts:
+    ``mask[:, 1:]`` summed, stop tokens included).
     """
-    info = {"truncated_prompts": 0, "truncated_responses": 0, "response_tokens": 0}
+    info = {"truncated_prompts": 0, "truncated_responses": 0, "response_tokens": 0, "target_tokens": 0}
     rows_ids: list[list[int]] = []
     rows_mask: list[list[int]] = []
     cur_ids: list[int] = []
@@ -262,14 +268,15 @@ def pack_rows(examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot
         cur_ids, cur_mask = [], []
 
     for prompt, response in examples:
-        if len(response) > row_len - 1:
-            response = response[: row_len - 1]
+        target = list(response) + [eot_id]  # the response and the stop token that closes it
+        if len(target) > row_len - 1:
+            target = target[: row_len - 1]
             info["truncated_responses"] += 1
-        if len(prompt) + len(response) > row_len:
-            prompt = prompt[len(prompt) + len(response) - row_len:]
+        if len(prompt) + len(target) > row_len:
+            prompt = prompt[len(prompt) + len(target) - row_len:]
             info["truncated_prompts"] += 1
-        ids, mask = prompt + response, [0] * len(prompt) + [1] * len(response)
-        info["response_tokens"] += len(response)
+        ids, mask = prompt + target, [0] * len(prompt) + [1] * len(target)
+        info["response_tokens"] += min(len(response), len(target))
         if not packing:
             cur_ids, cur_mask = ids, mask
             close()
@@ -278,11 +285,10 @@ def pack_rows(examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot
             close()
         cur_ids += ids
         cur_mask += mask
-        if len(cur_ids) < row_len:
-            cur_ids.append(eot_id)
-            cur_mask.append(0)
     close()
-    return np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32), info
+    ids_np, mask_np = np.asarray(rows_ids, np.int32), np.asarray(rows_mask, np.float32)
+    info["target_tokens"] = int(mask_np[:, 1:].sum()) if len(mask_np) else 0
+    return ids_np, mask_np, info
 
 
 def auto_row_len(lengths: Sequence[int], max_inputs: int) -> int:
@@ -441,12 +447,13 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
         train, test, manifest = text_task_pairs(cfg, run_dir)
         enc_train = [encode_pair(tok, p) for p in train]
         enc_test = [encode_pair(tok, p) for p in test]
-        lengths = [len(a) + len(b) for a, b in enc_train + enc_test]
+        lengths = [len(a) + len(b) + 1 for a, b in enc_train + enc_test]  # + the closing EOT
         row_len = ft.seq_len + 1 if ft.seq_len else auto_row_len(lengths, int(data_manifest["seq_len"]))
         tr_ids, tr_mask, tr_info = pack_rows(enc_train, row_len, eot, ft.packing)
         te_ids, te_mask, te_info = pack_rows(enc_test, row_len, eot, False)
         manifest.update(row_len=row_len, packing=ft.packing, train_rows=int(len(tr_ids)), test_rows=int(len(te_ids)),
                         train_response_tokens=tr_info["response_tokens"],
+                        train_target_tokens=tr_info["target_tokens"],
                         truncated={"prompts": tr_info["truncated_prompts"] + te_info["truncated_prompts"],
                                    "responses": tr_info["truncated_responses"] + te_info["truncated_responses"]},
                         longest_pair_tokens=int(max(lengths)),

@@ -15,10 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 # objective(model, batch) -> (scalar float32 loss to minimise, {metric name: scalar}); pure, jit-able.
 Objective = Callable[[nnx.Module, Any], tuple[jax.Array, Mapping[str, jax.Array]]]
+# targets(batch) -> float32 scalar: how many target units (predicted tokens, labelled images) the
+# objective's loss is the mean over; pure, jit-able, from the batch alone.
+Targets = Callable[[Any], jax.Array]
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,11 @@ class ModelSpec:
     ``flops_per_unit``: training FLOPs (forward + backward) per token (text) or example (active
     FLOPs for MoE). ``heldout``: the metric held-out measurement reports as its loss (``loss``, the
     objective itself, or e.g. ``ce`` when the objective adds auxiliary terms).
+
+    ``targets``: see :data:`Targets` (None: every row holds ``batch.units_per_row`` targets, as in
+    a packed text batch or a batch of labelled images). The train step weights each microbatch's
+    loss and gradient by it and the held-out loss each batch's, so a step or an evaluation is the
+    mean over every target of its batches however they are split (:meth:`count_targets`).
     """
 
     kind: str
@@ -75,6 +84,15 @@ class ModelSpec:
     flops_per_unit: float
     heldout: str = "loss"
     extras: Mapping[str, Any] = field(default_factory=dict)
+    targets: Targets | None = None
+
+    def count_targets(self, batch) -> jax.Array:
+        """The number of targets in ``batch`` (float32 scalar; jit-able): :attr:`targets`, or rows ×
+        ``batch.units_per_row``."""
+        if self.targets is not None:
+            return self.targets(batch)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        return jnp.asarray(rows * self.batch.units_per_row, jnp.float32)
 
 
 Builder = Callable[[Any, InputShape], ModelSpec]

@@ -14,6 +14,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         exchange/                         a DiLoCo run's durable exchange (diloco.exchange.fsspec)
         syncer/state/<step>/              its syncer's checkpoints (Orbax; diloco.syncer_journal)
         seeds/<s>/checkpoints/<step>/     fine-tuning: the checkpoints of the seeds after the first
+        adapters/<step>/, seeds/<s>/adapters/<step>/   LoRA fine-tuning: the adapters alone (Orbax)
     RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
     RUN/report/                           report.md, report.json, figures
@@ -110,6 +111,12 @@ class RunLayout:
         if not isinstance(seed_dir, int) or seed_dir < 0:
             raise ValueError(f"seed must be an int ≥ 0, got {seed_dir!r}")
         return self.method_dir(stage, method) / "seeds" / str(seed_dir) / "checkpoints"
+
+    def adapters(self, stage: str, method: str, seed_dir: int | None = None) -> UPath:
+        """A LoRA fine-tuning's adapter-only checkpoint (Orbax steps; ``training.finetune``):
+        ``<stage>/<method>/adapters``, or with ``seed_dir`` ``<stage>/<method>/seeds/<seed>/adapters``,
+        beside the merged model's :meth:`checkpoints`."""
+        return self.checkpoints(stage, method, seed_dir).parent / "adapters"
 
     @property
     def finetune_data(self) -> UPath:

@@ -60,23 +60,24 @@ def test_speaker_prompts_show_the_speeches_before_with_their_speakers():
 
 def test_the_loss_mask_covers_the_response_tokens_only():
     """Hand-counted: one token per byte, the prompt "Who?\\nSpeaker:" is 13 tokens, the response
-    " BOB\\n" 5; with a 24-token row the mask is 1 exactly at positions 13..17."""
+    " BOB\\n" 5; with a 24-token row the mask is 1 exactly at positions 13..17 and at the EOT
+    closing the response (18: the stop token is a target, issue 25)."""
     tok = _byte_tokenizer()
     pair = {"id": "0", "prompt": "Who?\nSpeaker:", "response": " BOB\n"}
     prompt, response = F.encode_pair(tok, pair)
     assert (len(prompt), len(response)) == (13, 5)
     ids, mask, info = F.pack_rows([(prompt, response)], 24, eot_id=0)
     assert ids.shape == mask.shape == (1, 24) and ids.dtype == np.int32
-    assert mask[0].tolist() == [0] * 13 + [1] * 5 + [0] * 6
+    assert mask[0].tolist() == [0] * 13 + [1] * 6 + [0] * 5
     assert ids[0, 13:18].tolist() == tok.encode(" BOB\n").ids and (ids[0, 18:] == 0).all()
-    assert info["response_tokens"] == 5
-    # packing: two pairs in one row, each followed by EOT (mask 0), the masks carried with them
+    assert info["response_tokens"] == 5 and info["target_tokens"] == 6
+    # packing: two pairs in one row, each closed by its EOT (a target), the masks carried with them
     ids, mask, _ = F.pack_rows([(prompt, response), (prompt, response)], 40, eot_id=0, packing=True)
     assert ids.shape == (1, 40)
-    assert mask[0].tolist() == ([0] * 13 + [1] * 5 + [0]) * 2 + [0] * 2
-    # too long: the prompt loses tokens from the left, the response is kept whole
+    assert mask[0].tolist() == ([0] * 13 + [1] * 6) * 2 + [0] * 2
+    # too long: the prompt loses tokens from the left, the response and its stop token are kept whole
     ids, mask, info = F.pack_rows([(prompt, response)], 10, eot_id=0)
-    assert mask[0].tolist() == [0] * 5 + [1] * 5 and info["truncated_prompts"] == 1
+    assert mask[0].tolist() == [0] * 4 + [1] * 6 and info["truncated_prompts"] == 1
 
 
 def test_the_fine_tuning_loss_is_the_cross_entropy_of_the_masked_tokens():
@@ -94,7 +95,7 @@ def test_the_fine_tuning_loss_is_the_cross_entropy_of_the_masked_tokens():
     loss, _ = lm_objective(model, {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)})
     logits = model(jnp.asarray(ids[:, :-1]))
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(ids[:, 1:]))[0]
-    assert float(loss) == pytest.approx(float(nll[12:17].mean()), rel=1e-5)  # targets 13..17 = inputs 12..16
+    assert float(loss) == pytest.approx(float(nll[12:18].mean()), rel=1e-5)  # targets 13..18 = inputs 12..17
     # without a mask, the plain packed-batch loss (all 23 targets)
     full, _ = lm_objective(model, jnp.asarray(ids))
     assert float(full) == pytest.approx(float(nll.mean()), rel=1e-4)

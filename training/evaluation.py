@@ -30,14 +30,21 @@ def val_batches(val_rows, num_batches: int, batch_size: int) -> list:
 
 
 def heldout_metrics(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> dict[str, float]:
-    """Every metric of the eval step, each a plain mean over fixed equal-size batches.
+    """Every metric of the eval step, each a mean over fixed batches weighted by their targets.
 
     ``evaluate``: ``training.step.make_eval_step``'s function; ``params``: flat parameters. Holds
     ``loss`` (the held-out loss: nats per token for text), ``objective`` and the model's own metrics
-    (e.g. an MoE model's expert loads on the held-out tokens).
+    (e.g. an MoE model's expert loads on the held-out tokens). When the eval step reports each
+    batch's number of targets (``training.step.TARGETS``: response tokens of a fine-tuning batch),
+    batch b weighs n_b / Σ n, so the loss is the mean over every target token of the batches; else
+    (or when no batch holds a target) every batch weighs the same. The count itself is not returned.
     """
+    from training.step import TARGETS
+
     outs = [evaluate(params, jax.tree.map(jnp.asarray, b)) for b in batches]
-    return {k: float(np.mean([float(o[k]) for o in outs])) for k in outs[0]}
+    n = np.asarray([float(o[TARGETS]) if TARGETS in o else 1.0 for o in outs])
+    w = n / n.sum() if n.sum() > 0 else np.full(len(outs), 1.0 / len(outs))
+    return {k: float(np.sum(w * np.asarray([float(o[k]) for o in outs]))) for k in outs[0] if k != TARGETS}
 
 
 def heldout_loss(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> float:

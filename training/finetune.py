@@ -6,19 +6,29 @@ the steps and the seeds; nothing in it depends on the checkpoint, so the DiLoCo-
 DP-pretrained models see the same examples in the same order (``order_sha256`` in the summary).
 
 Modes: ``full`` trains every parameter; ``lora`` wraps the projections of ``finetune.lora_targets``
-in Flax NNX LoRA layers (``models.layers.lora``) and trains only the adapters (and a new head), the
-base weights passed to the step as frozen inputs, never differentiated. A vision task with its own
-label set gets a new head (``num_classes`` of the task, zero-initialised by the model), every other
-parameter starts from the checkpoint. The fine-tuned checkpoint holds the plain model's parameters
-(adapters folded in), so it loads like any other.
+in Flax NNX LoRA layers (``models.layers.lora``, scale ``finetune.lora_alpha`` / ``finetune.lora_rank``)
+and trains only the adapters (and a new head), the base weights passed to the step as frozen inputs,
+never differentiated. A vision task with its own label set gets a new head (``num_classes`` of the
+task, zero-initialised by the model), every other parameter starts from the checkpoint. The
+fine-tuned checkpoint holds the plain model's parameters (adapters folded in, scaled by α/r), so it
+loads like any other; a LoRA run also writes the adapters alone (:func:`save_adapters`,
+:func:`load_adapters`).
+
+The loss of a step is the mean over every target token of its batch (response tokens and their
+closing EOT; ``data.finetune.pack_rows``), whatever ``train.microbatch_size`` splits it into
+(``training.step.make_train_step`` with the spec's target count). A batch without a target token is
+never trained on: it is skipped and counted (``skipped_empty_batches``), and a task whose rows hold
+no target at all is refused.
 
 Writes ``RUN/finetune/<method>/`` (``checkpoints/<step>`` for the first seed, ``seeds/<s>/checkpoints``
-for the others, ``metrics/{train,eval}.jsonl``, ``summary.json``). No Prefect here.
+for the others, LoRA's ``adapters/<step>`` beside each, ``metrics/{train,eval}.jsonl``,
+``summary.json``). No Prefect here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -33,18 +43,19 @@ from configs.schema import ExperimentConfig
 from data.finetune import load_finetune_rows
 from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
-from models.layers.lora import add_lora, is_adapter, merge_lora
+from models.layers.lora import adapted_layers, add_lora, is_adapter, merge_lora
 from run.control import STOP
 from run.metrics import JsonlWriter
-from training.checkpoint import load_into_model, save_checkpoint
+from training.checkpoint import CheckpointError, load_extra, load_into_model, load_meta, save_checkpoint
 from training.common import model_spec
 from training.evaluation import heldout_metrics
-from training.functional import Functional, load_params, nest, params_of
+from training.functional import Functional, flatten, load_params, nest, params_of
 from training.optimizers import make_inner_tx
 from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_optimizer
 from training.step import make_eval_step, make_train_step
 
 LOG_EVERY = 5  # steps between two train-log lines
+log = logging.getLogger(__name__)
 
 
 def finetune_spec(cfg: ExperimentConfig, run_dir: str | Path, task: Mapping[str, Any]) -> ModelSpec:
@@ -111,16 +122,22 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     """One fine-tuning run of ``checkpoint`` with seed ``seed``; returns its record.
 
     Record: ``seed``, ``steps`` (taken; fewer after a stop signal), ``examples``, ``wall_s``,
-    ``final_train_loss``, ``final_val_loss`` (nats per response token, or per image, on the task's
-    test rows), ``order_sha256``, ``trainable_params``, ``frozen_params``, ``fresh`` (new
-    parameters), ``adapted`` (LoRA layers), ``params`` (flat, the plain model's layout) and, with
-    ``keep_params``, ``state`` (the trained flat parameters as trained, adapters unmerged) and
+    ``final_train_loss``, ``final_val_loss`` (nats per target token: response tokens and their
+    closing EOT, or per image, on the task's test rows), ``order_sha256``, ``trainable_params``,
+    ``frozen_params``, ``fresh`` (new parameters), ``adapted`` (LoRA layers), ``lora_alpha`` (α, LoRA
+    only), ``skipped_empty_batches`` (batches without a target token: no step taken on them),
+    ``params`` (flat, the plain model's layout), ``trained`` (the trained flat parameters as
+    trained: adapters unmerged, and a new head) and, with ``keep_params``, ``state`` (the same) and
     ``frozen`` (the frozen ones).
+
+    Raises ``ValueError`` when no train row holds a target token (nothing to learn).
     """
     ft = cfg.finetune
     spec = finetune_spec(cfg, run_dir, task)
     model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
-    adapted = add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed)) if ft.mode == "lora" else []
+    adapted = (add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha)
+               if ft.mode == "lora" else [])
+    alpha = float(ft.lora_alpha or ft.lora_rank)
     policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
     compute = None if policy is None else policy.compute
     set_compute_dtype(model, compute)
@@ -132,10 +149,14 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     frozen = {k: v for k, v in flat.items() if k not in trainable}
     tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
     mb = cfg.train.microbatch_size
-    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute)
-    evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute)
+    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute,
+                              targets=spec.count_targets)
+    evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute, targets=spec.count_targets)
     opt_state = tx.init(params)
     rows = load_finetune_rows(data_dir, "train")
+    if float(spec.count_targets(rows)) == 0:
+        raise ValueError(f"the fine-tuning rows in {data_dir} hold no target token (every response mask is 0): "
+                         "nothing to learn; prepare the fine-tuning data again (finetune.source, finetune.seq_len)")
     test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
     n_rows = len(next(iter(rows.values())))
     order = batch_order(n_rows, ft.batch_size, ft.steps, seed)
@@ -148,14 +169,19 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     if eval_log:
         eval_log({"seed": seed, "step": 0, "examples": 0, "val/loss": last_val})
     loss = float("nan")
-    done = 0
+    done = skipped = 0
+    metrics = None
     for i in range(ft.steps):
         if STOP.is_set():
             break
         batch = {k: jnp.asarray(v[order[i]]) for k, v in rows.items()}
-        params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
         done = i + 1
-        if done % LOG_EVERY == 0 or done == ft.steps:
+        if float(spec.count_targets({k: v[order[i]] for k, v in rows.items()})) == 0:
+            skipped += 1  # no target token: a step would train on a loss of 0 (weight decay, momentum)
+            log.warning("fine-tuning seed %d: batch %d holds no target token; skipped (no optimizer step)", seed, done)
+        else:
+            params, opt_state, metrics = step_fn(params, opt_state, batch, frozen)
+        if (done % LOG_EVERY == 0 or done == ft.steps) and metrics is not None:
             loss = float(metrics["loss"])
             if train_log:
                 train_log({"seed": seed, "step": done, "examples": done * ft.batch_size, "train/loss": loss,
@@ -172,8 +198,11 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
         "final_train_loss": loss, "final_val_loss": last_val, "order_sha256": order_digest(order[:done]),
         "trainable_params": int(sum(v.size for v in trained.values())),
         "frozen_params": int(sum(np.size(v) for v in frozen.values())),
-        "fresh": fresh, "adapted": adapted,
-        "params": {k: np.asarray(v, dtype=np.float32) for k, v in merge_lora({**frozen, **trained}).items()},
+        "fresh": fresh, "adapted": adapted, "lora_alpha": alpha if adapted else None,
+        "skipped_empty_batches": skipped,
+        "params": {k: np.asarray(v, dtype=np.float32)
+                   for k, v in merge_lora({**frozen, **trained}, scale=alpha / ft.lora_rank).items()},
+        "trained": trained,
     }
     if keep_params:
         record["state"] = trained
@@ -186,6 +215,54 @@ def save_finetuned(ckpt_dir: str | Path, record: Mapping[str, Any], meta: Mappin
     step = optimizer steps taken; returns the step folder (never overwrites one)."""
     return save_checkpoint(ckpt_dir, int(record["steps"]), nest(record["params"]),
                            {**meta, "steps": record["steps"], "seed": record["seed"]})
+
+
+def save_adapters(ckpt_dir: str | Path, record: Mapping[str, Any], cfg: ExperimentConfig,
+                  meta: Mapping[str, Any]) -> Path:
+    """Write a LoRA run's adapters alone (``record["trained"]``: every ``lora_a``/``lora_b`` and a new
+    head) as an Orbax checkpoint at step = optimizer steps taken, beside the merged model
+    (``run.layout.RunLayout.adapters``); returns the step folder. Meta: ``meta`` plus ``lora_rank``,
+    ``lora_alpha`` (α; the adapters enter scaled by α/r), ``lora_targets``, ``adapted`` (layer paths),
+    ``fresh``, ``steps``, ``seed``. Raises ``FileExistsError`` for an existing step."""
+    ft = cfg.finetune
+    return save_checkpoint(ckpt_dir, int(record["steps"]), nest(dict(record["trained"])),
+                           {**meta, "lora_rank": ft.lora_rank, "lora_alpha": float(ft.lora_alpha or ft.lora_rank),
+                            "lora_targets": list(ft.lora_targets), "adapted": list(record["adapted"]),
+                            "fresh": list(record["fresh"]), "steps": record["steps"], "seed": record["seed"]})
+
+
+def load_adapters(ckpt_dir: str | Path, model: nnx.Module, step: int | None = None) -> dict:
+    """Load adapters written by :func:`save_adapters` into ``model`` in place (a model already
+    adapted with ``models.layers.lora.add_lora``, its base weights loaded); returns their meta.
+
+    Raises ``training.checkpoint.CheckpointError`` when the model has no LoRA layers, when its
+    adapted layers differ from the checkpoint's, or when their rank or α differ from the
+    checkpoint's (naming both: adapters of another rank do not fit, of another α would compute
+    another model), plus the errors of the checkpoint loaders.
+    """
+    meta = load_meta(ckpt_dir, step)
+    layers = adapted_layers(model)
+    if not layers:
+        raise CheckpointError(f"{ckpt_dir} holds LoRA adapters but this model has none; adapt it first "
+                              f"(add_lora with rank {meta['lora_rank']}, α {meta['lora_alpha']}, "
+                              f"targets {meta['lora_targets']})")
+    for path, layer in layers.items():
+        rank = int(layer.lora_a.shape[1])
+        alpha = float(getattr(layer, "alpha", rank))
+        if rank != int(meta["lora_rank"]) or alpha != float(meta["lora_alpha"]):
+            raise CheckpointError(
+                f"{ckpt_dir}: the adapters were trained with rank {meta['lora_rank']} and α {float(meta['lora_alpha'])} "
+                f"(finetune.lora_rank, finetune.lora_alpha); this model's {path} has rank {rank} and α {alpha}; "
+                "adapt the model with the checkpoint's rank and α")
+    if sorted(layers) != sorted(meta["adapted"]):
+        raise CheckpointError(f"{ckpt_dir}: the adapters are on {len(meta['adapted'])} layers "
+                              f"(targets {meta['lora_targets']}), this model adapts {len(layers)}; "
+                              "adapt it with the checkpoint's finetune.lora_targets")
+    own = params_of(model)
+    names = [k for k in own if is_adapter(k) or k in set(meta.get("fresh", []))]
+    restored = load_extra(ckpt_dir, "params", nest({k: own[k] for k in names}), step)
+    load_params(model, flatten(restored))
+    return meta
 
 
 def model_with(spec: ModelSpec, params: Mapping[str, np.ndarray], seed: int = 0) -> nnx.Module:
@@ -210,8 +287,11 @@ def logits_fn(model: nnx.Module) -> Callable[[np.ndarray], np.ndarray]:
 
 def finetune_record(cfg: ExperimentConfig) -> dict:
     """The recipe as compared between methods: the ``finetune`` section (``enabled`` aside) and the
-    run's seed. Two methods of one run directory are compared only under one record."""
-    return {**cfg.finetune.model_dump(mode="json", exclude={"enabled"}), "seed": cfg.seed}
+    run's seed. Two methods of one run directory are compared only under one record. An unset
+    ``lora_alpha`` (= the rank) is left out, so a record written before the field existed still
+    matches."""
+    exclude = {"enabled"} | ({"lora_alpha"} if cfg.finetune.lora_alpha is None else set())
+    return {**cfg.finetune.model_dump(mode="json", exclude=exclude), "seed": cfg.seed}
 
 
 def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
@@ -219,6 +299,7 @@ def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
     ft = cfg.finetune
     o = ft.optimizer
     return {"task": task["name"], "mode": ft.mode, "lora_rank": ft.lora_rank if ft.mode == "lora" else None,
+            "lora_alpha": float(ft.lora_alpha or ft.lora_rank) if ft.mode == "lora" else None,
             "lora_targets": list(ft.lora_targets) if ft.mode == "lora" else None,
             "steps": ft.steps, "batch_size": ft.batch_size, "optimizer": o.name, "lr": o.lr,
             "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "seeds": list(ft.seeds),
@@ -254,11 +335,17 @@ def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, tas
             rec = finetune_run(cfg, run_dir, source, layout.finetune_data, task, seed,
                                train_log=train_log, eval_log=eval_log)
             ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
-            save_finetuned(ckpt, rec, {"method": method, "stage": "finetune", "source": str(source),
-                                       "task": task["name"], "mode": cfg.finetune.mode})
+            meta = {"method": method, "stage": "finetune", "source": str(source), "task": task["name"],
+                    "mode": cfg.finetune.mode}
+            save_finetuned(ckpt, rec, meta)
+            where = {"checkpoint": ckpt}
+            if rec["adapted"]:
+                where["adapters"] = layout.adapters("finetune", method, None if i == 0 else seed)
+                save_adapters(where["adapters"], rec, cfg, meta)
             rec.pop("params")
-            runs.append({**rec, "checkpoint": str(Path(ckpt).relative_to(Path(layout.root)))
-                         if Path(ckpt).is_relative_to(Path(layout.root)) else str(ckpt)})
+            rec.pop("trained")
+            runs.append({**rec, **{k: str(Path(p).relative_to(Path(layout.root)))
+                                   if Path(p).is_relative_to(Path(layout.root)) else str(p) for k, p in where.items()}})
     finally:
         train_log.close()
         eval_log.close()

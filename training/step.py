@@ -38,6 +38,7 @@ from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_op
 from training.xla import configure_host
 
 Params = dict[str, jax.Array]
+TARGETS = "targets"  # the eval step's count of a batch's targets (make_eval_step), not a metric
 StepFn = Callable[[Params, optax.OptState, Any], tuple[Params, optax.OptState, dict[str, jax.Array]]]
 
 
@@ -69,13 +70,23 @@ def _leading_rows(tree) -> int:
 
 
 def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation, microbatches: int = 1,
-                    devices: Sequence[jax.Device] | None = None, compute_dtype=None) -> StepFn:
+                    devices: Sequence[jax.Device] | None = None, compute_dtype=None,
+                    targets: Callable[[Any], jax.Array] | None = None) -> StepFn:
     """The jitted inner step: forward and backward over the batch, one optimizer update.
 
     ``microbatches`` (G) > 1 runs forward and backward on B / G rows at a time (a ``lax.scan``) and
-    averages the losses, metrics and gradients before the single update: the same update as one
-    pass over the whole batch (every row holds the same number of predicted units), up to float32
-    summation order, with smaller activations. B must be divisible by G (``ValueError`` at trace).
+    combines them before the single update as the whole batch would: with ``targets``
+    (``ModelSpec.count_targets``: the number n_g of targets in microbatch g, e.g. its response
+    tokens), the float32 sums ``Σ_g n_g·loss_g`` and ``Σ_g n_g·∇loss_g`` (each microbatch's loss is
+    the mean over its own targets, so ``n_g·loss_g`` is its summed loss) are divided once by
+    ``N = Σ_g n_g``: the loss, gradient and metrics are the means over every target of the batch,
+    not means of per-microbatch means, however the targets spread over the rows (masked or padded
+    batches). Without ``targets`` every microbatch weighs 1/G (right when every row holds the same
+    number of targets). Either way the same update as one pass over the whole batch, up to float32
+    summation order, with smaller activations (an MoE model's auxiliary losses, which are not means
+    over targets, are weighted by their microbatch's share of the targets). A batch with N = 0 gets
+    a zero gradient (the loops refuse or skip such batches before the step: ``training.finetune``).
+    B must be divisible by G (``ValueError`` at trace).
     The parameter and optimizer-state arguments are donated: do not use them after the call.
     ``frozen`` (optional, flat): parameters the module needs that are not trained (LoRA's base
     weights, ``training.finetune``): read, never differentiated, updated or donated; ``params`` and
@@ -123,14 +134,18 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
             def body(acc, mb):
                 (loss, metrics), grads = grad_fn(params, frozen, mb)
-                return jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc, grads), (loss, metrics)
+                n = jnp.float32(1.0) if targets is None else jnp.asarray(targets(mb), jnp.float32)
+                # the microbatch's summed gradient n·∇loss (loss is its mean over its n targets)
+                return jax.tree.map(lambda a, g: a + n * g.astype(a.dtype), acc, grads), (loss, metrics, n)
 
             # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-            total, (losses_G, metrics_G) = jax.lax.scan(body, zeros, slices_GB)
-            loss = losses_G.mean()
-            metrics = jax.tree.map(lambda m: m.mean(), metrics_G)
-            grads = jax.tree.map(lambda g: g / microbatches, total)
+            total, (losses_G, metrics_G, n_G) = jax.lax.scan(body, zeros, slices_GB)
+            N = n_G.sum()
+            inv = jnp.where(N > 0, 1.0 / jnp.maximum(N, 1e-30), 0.0)  # divided once by every target
+            loss = jnp.sum(n_G * losses_G) * inv
+            metrics = jax.tree.map(lambda m: jnp.sum(n_G * m) * inv, metrics_G)
+            grads = jax.tree.map(lambda g: g * inv, total)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, **metrics}
@@ -161,11 +176,14 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
 
 def make_eval_step(fn: Functional, objective, heldout: str = "loss",
                    devices: Sequence[jax.Device] | None = None,
-                   compute_dtype=None) -> Callable[[Params, Any], dict[str, jax.Array]]:
+                   compute_dtype=None,
+                   targets: Callable[[Any], jax.Array] | None = None) -> Callable[[Params, Any], dict[str, jax.Array]]:
     """Jitted ``(params, batch, frozen=None) -> {"loss": …, "objective": …, **metrics}`` without an update
     (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
     an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
-    A ``heldout`` the objective does not report raises ``KeyError`` at trace time.
+    A ``heldout`` the objective does not report raises ``KeyError`` at trace time. With ``targets``
+    (as in :func:`make_train_step`) the output also holds ``TARGETS`` (the batch's number of
+    targets, float32), by which ``training.evaluation.heldout_metrics`` weighs the batch.
 
     ``devices`` as in :func:`make_train_step`; with D > 1 the batch's rows are split over the
     devices when B is divisible by D, else every device evaluates the whole batch (a second
@@ -177,6 +195,8 @@ def make_eval_step(fn: Functional, objective, heldout: str = "loss",
         loss, metrics = objective(fn.module(cast_floating({**(frozen or {}), **params}, compute_dtype)), batch)
         out = {**metrics, "objective": loss}
         out["loss"] = loss if heldout == "loss" else metrics[heldout]
+        if targets is not None:
+            out[TARGETS] = jnp.asarray(targets(batch), jnp.float32)
         return out
 
     if single_default(devices):
@@ -225,8 +245,10 @@ class Trainer:
         self._params0 = params0 if self.dtypes is None else cast_floating(params0, self.dtypes.params)
         self.seed = seed
         self.devices: tuple[jax.Device, ...] | None = None if single_default(devices) else tuple(devices)
-        self.step = make_train_step(self.fn, spec.objective, self.tx, microbatches, self.devices, compute)
-        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices, compute)
+        self.step = make_train_step(self.fn, spec.objective, self.tx, microbatches, self.devices, compute,
+                                    spec.count_targets)
+        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices, compute,
+                                       spec.count_targets)
         if self.devices is None:
             self._placement = None
         elif len(self.devices) == 1:

@@ -49,19 +49,21 @@ class DecoderLM(nnx.Module):
             else nnx.Linear(d, vocab_size, use_bias=False, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
         )
 
-    def features(self, ids_BL: jax.Array) -> jax.Array:
-        """Final-normed hidden states ``float32[B, L, D]`` of ``ids: int32[B, L]``."""
+    def features(self, ids_BL: jax.Array, mask_BL: jax.Array | None = None) -> jax.Array:
+        """Final-normed hidden states ``float32[B, L, D]`` of ``ids: int32[B, L]``. ``mask_BL``
+        (1 for a real input token, 0 for padding; :func:`input_mask`) reaches the MoE layers'
+        routers (padding is routed nowhere and takes no expert capacity); None: all real."""
         x_BLD = self.embed(ids_BL)
         for block in self.blocks:
-            x_BLD = block(x_BLD)
+            x_BLD = block(x_BLD, mask_BL)
         return self.final_norm(x_BLD)
 
     def head_kernel(self) -> jax.Array:
         """The output projection ``float32[D, V]``: the head's kernel, or the embedding transposed if tied."""
         return self.embed.embedding[...].T if self.head is None else self.head.kernel[...]
 
-    def __call__(self, ids_BL: jax.Array) -> jax.Array:
-        return self.features(ids_BL) @ self.head_kernel()
+    def __call__(self, ids_BL: jax.Array, mask_BL: jax.Array | None = None) -> jax.Array:
+        return self.features(ids_BL, mask_BL) @ self.head_kernel()
 
 
 def lm_inputs(batch) -> jax.Array:
@@ -69,6 +71,21 @@ def lm_inputs(batch) -> jax.Array:
     fine-tuning batch ``{"ids": int32[B, L+1], "mask": float32[B, L+1]}``."""
     ids_BT = batch["ids"] if isinstance(batch, dict) else batch
     return ids_BT[:, :-1]
+
+
+def input_mask(batch) -> jax.Array | None:
+    """Which input tokens of a text batch are real: ``float32[B, L]`` (1 real, 0 padding), or None
+    for a packed ``int32[B, L+1]`` batch (every token real).
+
+    A fine-tuning batch ``{"ids", "mask"}`` is right-padded (``data.finetune.pack_rows``): input t
+    is real iff a target at t+1 or later has ``mask`` 1, i.e. everything up to the row's last
+    target (prompts, responses, the separators of packed examples) is real and what follows it is
+    padding; a row without a target is all padding. The MoE router reads it
+    (:class:`models.layers.moe.MoE`)."""
+    if not isinstance(batch, dict):
+        return None
+    m_BL = (batch["mask"][:, 1:] > 0).astype(jnp.float32)
+    return jnp.flip(jax.lax.cummax(jnp.flip(m_BL, axis=1), axis=1), axis=1)
 
 
 def lm_loss(x_BLD: jax.Array, head_DV: jax.Array, batch) -> jax.Array:
@@ -85,6 +102,16 @@ def lm_loss(x_BLD: jax.Array, head_DV: jax.Array, batch) -> jax.Array:
     nll_BL = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["ids"][:, 1:])
     w_BL = batch["mask"][:, 1:].astype(jnp.float32)
     return jnp.sum(nll_BL * w_BL) / jnp.maximum(jnp.sum(w_BL), 1.0)
+
+
+def lm_targets(batch) -> jax.Array:
+    """The number of targets :func:`lm_loss` averages over, float32 scalar: B·L for a packed batch
+    ``int32[B, L+1]``, ``Σ mask[:, 1:]`` (response tokens and their closing EOT) for a fine-tuning
+    batch ``{"ids", "mask"}``. The train step weights each microbatch by it (``ModelSpec.targets``)."""
+    if not isinstance(batch, dict):
+        B, T = batch.shape
+        return jnp.asarray(B * (T - 1), jnp.float32)
+    return jnp.sum(batch["mask"][:, 1:].astype(jnp.float32))
 
 
 def lm_objective(model: nnx.Module, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -123,7 +150,7 @@ def build_dense_lm(cfg, shape: InputShape) -> ModelSpec:
 
     abstract = nnx.eval_shape(lambda: init(0))
     return ModelSpec(
-        kind="dense_lm", config=cfg, init=init, objective=lm_objective,
+        kind="dense_lm", config=cfg, init=init, objective=lm_objective, targets=lm_targets,
         batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
         params=count_params(abstract), flops_per_unit=flops_per_token(cfg, V, L),
     )

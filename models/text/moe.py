@@ -2,9 +2,11 @@
 the MLP of every ``moe_every``-th block (blocks moe_every, 2·moe_every, … counting from 1, as
 Switch Transformer and GShard alternate dense and MoE layers).
 
-The objective adds the load-balancing and z losses of every MoE layer to the cross entropy, with
-the configured weights; the held-out loss the loops report is the cross entropy alone (``ce``),
-comparable with the dense LM's.
+The objective adds the load-balancing and z losses, averaged over the MoE layers, to the cross
+entropy, with the configured weights; the held-out loss the loops report is the cross entropy alone
+(``ce``), comparable with the dense LM's. A right-padded fine-tuning batch's padding
+(:func:`models.text.dense.input_mask`) reaches the routers: it takes no expert capacity and is left
+out of the routing statistics, so padding changes neither the real tokens' loss nor the MoE figures.
 
 Shape legend: B batch, L sequence length, D d_model, V vocabulary, E experts.
 """
@@ -17,7 +19,7 @@ from flax import nnx
 
 from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
-from models.text.dense import DecoderLM, lm_inputs, lm_loss
+from models.text.dense import DecoderLM, input_mask, lm_inputs, lm_loss, lm_targets
 
 
 def build_moe_lm(cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs) -> DecoderLM:
@@ -26,7 +28,8 @@ def build_moe_lm(cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs) -> DecoderL
 
 
 def moe_metrics(stats: list[dict[str, jax.Array]], layers: list[int]) -> dict[str, jax.Array]:
-    """Scalar metrics of the MoE layers: means over layers (``moe/aux``, ``moe/z``, ``moe/dropped``,
+    """Scalar metrics of the MoE layers, each over the real (unpadded) tokens of the batch: means
+    over layers (``moe/aux``, ``moe/z``, ``moe/dropped``,
     ``moe/max_load``: the busiest expert's share × E, 1 when balanced) and per layer
     (``moe/<block>/load/<e>``: fraction of routing choices that picked expert e; ``moe/<block>/dropped``)."""
     out = {
@@ -45,12 +48,14 @@ def moe_metrics(stats: list[dict[str, jax.Array]], layers: list[int]) -> dict[st
 def make_objective(cfg):
     """``objective(model, batch) -> (loss, metrics)`` for a packed ``int32[B, L+1]`` or a fine-tuning
     ``{"ids", "mask"}`` batch (:func:`models.text.dense.lm_loss`): loss = cross entropy +
-    aux_loss_weight · Σ_layers aux + z_loss_weight · Σ_layers z (Switch Transformer Eq. 4 summed
-    over layers; ST-MoE Eq. 5); metrics: ``ce`` and :func:`moe_metrics`."""
+    aux_loss_weight · mean_layers aux + z_loss_weight · mean_layers z (Switch Transformer Eq. 4 and
+    ST-MoE Eq. 5, averaged over the MoE layers: :func:`models.layers.moe.auxiliary_loss`); metrics:
+    ``ce`` and :func:`moe_metrics`. A fine-tuning batch's padding (:func:`models.text.dense.input_mask`)
+    is routed nowhere and counted nowhere."""
     layers = moe_blocks(cfg)
 
     def objective(model, batch):
-        x_BLD, intermediates = nnx.capture(model.features, nnx.Intermediate)(lm_inputs(batch))
+        x_BLD, intermediates = nnx.capture(model.features, nnx.Intermediate)(lm_inputs(batch), input_mask(batch))
         ce = lm_loss(x_BLD, model.head_kernel(), batch)
         stats = collect_stats(intermediates)
         return ce + auxiliary_loss(cfg, stats), {"ce": ce, **moe_metrics(stats, layers)}
@@ -96,7 +101,7 @@ def build_moe_lm_spec(cfg, shape: InputShape) -> ModelSpec:
 
     total, active = param_counts(cfg, V)
     return ModelSpec(
-        kind="moe_lm", config=cfg, init=init, objective=make_objective(cfg),
+        kind="moe_lm", config=cfg, init=init, objective=make_objective(cfg), targets=lm_targets,
         batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
         params=total, flops_per_unit=flops_per_token(cfg, V, L), heldout="ce",
         extras={"active_params": active, "total_params": total, "moe_layers": moe_blocks(cfg)},
