@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 TEXT_SOURCES = ("shakespeare", "local", "hf")
 IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
 _TEXT_ONLY = ("text_field", "encoding", "val_docs", "test_docs", "finetune_docs", "vocab_size", "seq_len")
-_IMAGE_ONLY = ("image_column", "label_column", "image_size", "val_fraction", "test_fraction")
+_IMAGE_ONLY = ("image_column", "label_column", "image_size", "channels", "val_fraction", "test_fraction")
 
 
 class DataConfig(_Strict):
@@ -43,18 +43,23 @@ class DataConfig(_Strict):
     (``hf_name``: a Hugging Face dataset name; needs the hub). Image ``source``: ``digits``
     (scikit-learn's bundled 8×8 digits, no network), ``hf_images`` (``hf_name``: an image dataset
     with ``image_column`` and ``label_column``; needs the hub) or ``imagefolder`` (``paths[0]``: a
-    folder of class sub-folders).
+    folder of class sub-folders, optionally below ``train/``, ``val/``, ``test/`` split folders, or a
+    zip/tar archive of one; ``data/images.py``). Images become ``channels`` channels.
     """
 
     source: Literal["shakespeare", "local", "hf", "digits", "hf_images", "imagefolder"] = Field(
         "shakespeare", description="text: shakespeare (embedded default corpus), local (data.paths) or hf "
         "(data.hf_name); images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])"
     )
-    paths: list[str] = Field(default_factory=list, description="local files for source=local; the folder for imagefolder")
+    paths: list[str] = Field(default_factory=list, description="local files for source=local; for imagefolder the "
+                             "folder of class sub-folders (optionally below train/, val/, test/), or a zip/tar of it")
     image_column: str = Field("image", description="column holding the images (hf_images)")
     label_column: str = Field("label", description="column holding the integer class labels (hf_images)")
     image_size: PositiveInt | None = Field(
         None, description="resize images to this square side, pixels (hf_images, imagefolder); unset = as stored")
+    channels: Literal[1, 3] | None = Field(
+        None, description="channels every image is converted to: 1 (grey) or 3 (RGB; palette colours kept, "
+        "transparency flattened onto white); unset = 1 when every image is grey, else 3")
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="share of the images held out for validation (stratified)")
     test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="share of the images held out for test (stratified)")
     text_field: str = Field("text", description="column holding the text in .jsonl/.parquet files and hub datasets")
@@ -92,7 +97,8 @@ class DataConfig(_Strict):
             other = "text" if self.modality == "image" else "image"
             raise ValueError(f"data.{given[0]} applies to {other} sources, not data.source: {self.source}; remove it")
         if self.source == "imagefolder" and len(self.paths) != 1:
-            raise ValueError("data.paths must hold exactly one folder (of class sub-folders) for data.source: imagefolder")
+            raise ValueError("data.paths must hold exactly one folder (of class sub-folders) or a zip/tar archive of "
+                             "one for data.source: imagefolder")
         if self.source == "hf_images" and not self.hf_name:
             raise ValueError("data.hf_name must be set when data.source is 'hf_images'")
         if self.source == "digits" and (self.paths or self.hf_name or self.image_size):
@@ -633,6 +639,9 @@ class FinetuneConfig(_Strict):
     mode: Literal["full", "lora"] = Field("full", description="full: every parameter trains; lora: low-rank adapters "
                                           "(Flax NNX LoRA) on finetune.lora_targets, the rest frozen")
     lora_rank: PositiveInt = Field(8, description="lora: rank r of each adapter")
+    lora_alpha: PositiveFloat | None = Field(
+        None, description="lora: α of each adapter; the adapter's product B·A enters scaled by α/r, in training "
+        "and in the merged checkpoint (Hu et al. 2021, §4.1); unset = the rank (scale 1)")
     lora_targets: list[Literal["qkv", "out", "gate", "up", "down", "router", "patch"]] = Field(
         default_factory=lambda: ["qkv", "out", "gate", "up", "down"],
         description="lora: projections that get adapters (attention qkv/out, MLP gate/up/down, MoE router, ViT patch)")

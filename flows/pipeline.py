@@ -23,6 +23,7 @@ from configs.schema import ExperimentConfig, resolve_config
 from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
+from prefect.exceptions import FailedRun
 from prefect.states import Cancelled, Failed, State
 
 from run.control import graceful_stop, stop_requested, stop_signal
@@ -43,9 +44,28 @@ def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
     return path
 
 
+def _short_stage(rd: Path, name: str) -> dict | None:
+    """The summary of pretraining stage ``name`` when that stage ended Failed because it trained less
+    than its budget (its flow wrote the summary first: ``budget`` status ``short``), else None."""
+    if not name.startswith("pretrain-"):
+        return None
+    path = RunLayout(rd).summary("pretrain", name.removeprefix("pretrain-"))
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if (summary.get("budget") or {}).get("status") == "short" else None
+
+
 def _run_problem(results: dict[str, Any]) -> str | None:
-    """The one-line reason to fail a run whose stages all finished, else None: a method whose final
-    held-out loss is not finite (it diverged), or DiLoCo losing more work than allowed."""
+    """The one-line reason to fail a run, else None: a pretraining stage that trained less than its
+    budget because its workers were gone (summary ``budget``, ``training.common.budget_status``), a
+    method whose final held-out loss is not finite (it diverged), or DiLoCo losing more work than
+    allowed."""
+    for stage in ("pretrain-diloco", "pretrain-dp"):
+        budget = (results.get(stage) or {}).get("budget") or {}
+        if budget.get("status") == "short":
+            return f"{stage} {budget['line']}"
     for stage in ("pretrain-diloco", "pretrain-dp"):
         loss = (results.get(stage) or {}).get("final_val_loss")
         if loss is not None and not math.isfinite(loss):
@@ -80,8 +100,11 @@ def pipeline(
 
     Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks (before anything
     is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work
-    than ``diloco.max_dropped_fraction`` (calling the flow then raises Prefect's ``CancelledRun`` /
-    ``FailedRun`` with the one-line reason; the report is written either way).
+    than ``diloco.max_dropped_fraction``, or when a pretraining stage trained less than its budget
+    because its workers were gone (every DiLoCo learner used up its retries or failed before its
+    first step: that stage ends Failed, later stages are skipped; the reason gives the share trained
+    and why). Calling the flow then raises Prefect's ``CancelledRun`` / ``FailedRun`` with the
+    one-line reason; the report is written either way.
     """
     logger = get_run_logger()
     cfg = resolve_config(config, config_file, overrides)
@@ -125,7 +148,14 @@ def pipeline(
                 if stop_requested():
                     break
                 write_status(rd, "running", stages)
-                results[name] = step()
+                try:
+                    results[name] = step()
+                except FailedRun:
+                    short = _short_stage(rd, name)
+                    if short is None:
+                        raise
+                    results[name] = short  # trained short of its budget: the run fails after the report
+                    break
                 if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
                     break
                 stages.append(name)

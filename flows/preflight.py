@@ -52,8 +52,9 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
                          "choose a new --run-dir")
 
 
-def check_model(cfg: ExperimentConfig) -> int:
+def check_model(cfg: ExperimentConfig, shape=None) -> int:
     """Build the model abstractly (shapes only, no compute) and check P against its tensors.
+    ``shape``: the data's ``InputShape`` when known (an image folder's, from its headers).
 
     Returns the number of parameter tensors. Raises ``ValueError`` naming ``diloco.fragments``.
     """
@@ -62,11 +63,11 @@ def check_model(cfg: ExperimentConfig) -> int:
     from models import InputShape, build_model
     from training.functional import params_of
 
-    if cfg.data.modality == "image":
+    if shape is None and cfg.data.modality == "image":
         shape = _known_image_shape(cfg)
         if shape is None:  # known only once the images are read (the shard step checks it then)
             return 0
-    else:
+    elif shape is None:
         shape = InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     try:
         spec = build_model(cfg.model, shape)
@@ -83,7 +84,7 @@ def _known_image_shape(cfg: ExperimentConfig):
     from models import InputShape
 
     if cfg.data.source == "digits":
-        return InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16)
+        return InputShape(image_shape=(8, 8, cfg.data.channels or 1), num_classes=10, pixel_max=16)
     return None
 
 
@@ -91,22 +92,43 @@ DIGITS_IMAGES = 1797  # scikit-learn's load_digits
 
 
 def check_image_source(cfg: ExperimentConfig) -> None:
-    """Cheap checks of an image source: an imagefolder is a folder with ≥ 2 class sub-folders; a hub
-    dataset is reachable; where the image count is known before reading (digits, an imagefolder), the
-    validation split holds at least one held-out batch. Raises ``ValueError``/``FileNotFoundError``/
-    ``ConnectionError`` in one line."""
+    """Cheap checks of an image source: an imagefolder is laid out as class folders, optionally below
+    split folders (``data.images.scan_image_folder``), every image's header is readable and, without
+    ``data.image_size``, all have one size (``data.images.inspect_image_folder``), and the model fits
+    the images' shape; a hub dataset is reachable; where the image count is known before reading
+    (digits, an imagefolder), the validation split holds at least one held-out batch. Raises
+    ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line."""
     d = cfg.data
     count = DIGITS_IMAGES if d.source == "digits" else None
     if d.source == "imagefolder":
-        folder = Path(d.paths[0]).expanduser()
-        if not folder.is_dir():
-            raise FileNotFoundError(f"data.paths[0]: {d.paths[0]} is not a folder (an imagefolder holds one "
-                                    "sub-folder of images per class)")
-        classes = [p for p in folder.iterdir() if p.is_dir()]
-        if len(classes) < 2:
-            raise ValueError(f"data.paths[0]: {d.paths[0]} holds {len(classes)} class sub-folder(s); an "
-                             "imagefolder needs ≥ 2, one per class, images inside")
-        count = sum(1 for c in classes for f in c.iterdir() if f.is_file())
+        from data.images import inspect_image_folder, scan_image_folder
+        from models import InputShape
+
+        folder = scan_image_folder(d.paths[0])
+        for split in ("val", "test"):
+            field = f"{split}_fraction"
+            if split in folder.files and getattr(d, field) != type(d).model_fields[field].default:
+                raise ValueError(f"data.{field}: {d.paths[0]} has a {split} split folder, which is the {split} split "
+                                 f"as is; remove data.{field}")
+        found = inspect_image_folder(folder, d.image_size, d.channels)
+        shape = InputShape(image_shape=found["image_shape"], num_classes=found["num_classes"], pixel_max=255)
+        check_model(cfg, shape)
+        check_lora_targets(cfg, shape)
+        import numpy as np
+
+        from data.images import ImageSet, complete_splits
+
+        labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
+        splits, source = complete_splits(ImageSet(np.empty(0), labels, folder.classes, 255, {}, given),
+                                         d.val_fraction, d.test_fraction, d.seed)
+        if len(splits["val"]) < cfg.train.eval_batch_size:
+            where = (f"the val split folder of {d.paths[0]}" if source["val"] == "folder" else
+                     f"data.val_fraction ({d.val_fraction}) of the {len(labels) if given is None else len(given['train'])} "
+                     f"{'images' if given is None else 'train/ images'}")
+            raise ValueError(f"{where} holds {len(splits['val'])} validation images, fewer than train.eval_batch_size "
+                             f"({cfg.train.eval_batch_size}) for one held-out batch; "
+                             f"{'add validation images' if source['val'] == 'folder' else 'raise data.val_fraction'} "
+                             "or lower train.eval_batch_size")
     if count is not None:
         val = int(count * d.val_fraction)  # the stratified split rounds per class, give or take a few
         if val < cfg.train.eval_batch_size:
@@ -174,15 +196,24 @@ def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
 
 
 def check_runtime(cfg: ExperimentConfig) -> None:
-    """The engine and the exchange, before anything starts: the fsspec exchange URL's protocol has an
-    implementation installed here, and an existing cluster's address answers (a TCP connect, 5 s).
+    """The engine and the exchange, before anything starts: the fsspec exchange URL is of a form the
+    exchange can use (no chained URL), its protocol has an implementation installed here, its root
+    can be created and a probe object written, read and deleted there
+    (``diloco.exchange.fsspec.check_writable``: folders it created are removed again), and an
+    existing cluster's address answers (a TCP connect, 5 s).
 
-    Raises ``ValueError`` (naming ``runtime.exchange_url`` and the package to install) or
-    ``ConnectionError`` (naming ``runtime.address``)."""
+    Raises ``ValueError`` (naming ``runtime.exchange_url``: the form, the package to install, or
+    what failed when writing) or ``ConnectionError`` (naming ``runtime.address``)."""
     rt = cfg.runtime
     if rt.exchange_kind == "fsspec" and rt.exchange_url:
         import fsspec
 
+        from training.diloco import check_url, check_writable  # (diloco.exchange.fsspec's)
+
+        try:
+            check_url(rt.exchange_url)
+        except ValueError as exc:
+            raise ValueError(f"runtime.exchange_url {exc}") from None
         protocol = rt.exchange_url.split("://", 1)[0] if "://" in rt.exchange_url else "file"
         try:
             fsspec.get_filesystem_class(protocol)
@@ -190,6 +221,14 @@ def check_runtime(cfg: ExperimentConfig) -> None:
             raise ValueError(f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
                              f"here ({str(exc).splitlines()[0]}); install it (s3fs for s3://, gcsfs for gs://) "
                              "or use a shared folder") from None
+        try:
+            check_writable(rt.exchange_url)
+        except Exception as exc:  # whatever the filesystem raises (OSError, NotImplementedError, its own)
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(f"runtime.exchange_url {rt.exchange_url}: cannot be created or written here "
+                             f"({type(exc).__name__}: {first}); give a folder or bucket prefix this user can "
+                             "write and every worker can reach, or unset it (the exchange then lives in the run "
+                             "directory)") from None
     if rt.address and rt.address != "auto":
         import socket
         from urllib.parse import urlsplit
@@ -221,17 +260,51 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     return path
 
 
+def learner_device_pool(cfg: ExperimentConfig) -> tuple[list, str] | None:
+    """The devices each learner's process will see, where that is known before the run starts, and
+    how to name their owner: this process's (thread engine); a local Dask cluster's workers inherit
+    this process's environment, so its devices; a local Ray instance's learner gets the GPUs it asks
+    for (``flows.engines.learner_gpus`` on this host's GPUs: ``ValueError`` naming
+    ``runtime.learner_gpus`` when an explicit request exceeds them), or on a host without GPUs this
+    process's CPU devices. None where it cannot be known in advance: the workers of an existing
+    cluster (``runtime.address``), and a CPU learner of Ray on a GPU host (which devices JAX sees in
+    a Ray worker with no GPU reserved is Ray's setting). There a learner that cannot meet the request
+    fails before its first step, and the DiLoCo stage fails with the reason. Starts JAX's backend."""
+    import jax
+
+    rt = cfg.runtime
+    devices = jax.devices()
+    if rt.engine == "threads":
+        return devices, "this process"
+    if rt.address is not None:
+        return None
+    if rt.engine == "dask":
+        return devices, "each worker of the local Dask cluster (they start with this process's devices)"
+    from flows.engines import learner_gpus
+
+    gpus = [d for d in devices if d.platform == "gpu"]
+    g = learner_gpus(cfg, len(gpus))
+    if g:
+        return gpus[:g], f"each learner's Ray task (its {g} GPU(s): runtime.learner_gpus)"
+    if gpus:
+        return None
+    return devices, "each worker of the local Ray instance (they start with this process's devices)"
+
+
 def check_devices(cfg: ExperimentConfig) -> None:
-    """``runtime.devices_per_learner`` against this process's devices (thread engine: the learners
-    run in this process; a process engine's learners count their own), and (DP enabled) the DP
-    batch and microbatch against their number (``training.mesh.learner_devices``,
-    ``training.dp.dp_devices``). Asks JAX for its devices, which starts its backend.
-    Raises ``ValueError`` naming the field, the device count and the fix."""
+    """``runtime.devices_per_learner`` against the devices each learner's process will have, where
+    known before the run (:func:`learner_device_pool`: the thread engine's, a local Dask or Ray
+    cluster's; not an existing cluster's), and (DP enabled) the DP batch and microbatch against this
+    process's devices (``training.mesh.learner_devices``, ``training.dp.dp_devices``). Asks JAX for
+    its devices, which starts its backend. Raises ``ValueError`` naming the field
+    (``runtime.devices_per_learner``, ``runtime.learner_gpus``, ``dp.batch_size``), the device count
+    and the fix."""
     from training.dp import dp_devices
     from training.mesh import learner_devices
 
-    if cfg.runtime.engine == "threads":
-        learner_devices(0, cfg.runtime.devices_per_learner)
+    known = learner_device_pool(cfg)
+    if known is not None:
+        learner_devices(0, cfg.runtime.devices_per_learner, known[0], where=known[1])
     if cfg.dp.enabled:
         dp_devices(cfg)
 

@@ -17,16 +17,17 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.futures import wait
+from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from reports.artifacts import artifact_key
 from reports.resilience import diloco_resilience
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
-from run.metrics import read_jsonl, write_json
+from run.metrics import JsonlWriter, read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
-from training.common import token_budget
-from training.diloco import host_turns_dir, live_view, prepare_diloco
+from training.common import budget_status, token_budget
+from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco
 from flows.engines import engine_session, task_options, task_runner_for
 
 
@@ -91,6 +92,12 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
     exchange the syncer is retried too (``diloco.syncer_retries``) and resumes from its checkpoint
     and journal without losing or repeating a merge. Writes
     ``pretrain/diloco/`` (summary, metrics, checkpoints, resume points); returns the summary.
+
+    When every learner ended before the budget was spent (each used up ``diloco.learner_retries``,
+    or failed before its first step) and no stop signal came, the stage ends ``Failed`` with the
+    share trained and how each learner ended (summary ``budget``: ``training.common.budget_status``;
+    a learner task that never reported to the exchange is logged as a failure at step 0); its summary
+    and Θ as it stands are written all the same.
     """
     with graceful_stop():
         return _pretrain_diloco(config, Path(run_dir), progress_every_s)
@@ -156,9 +163,15 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             if info.get("status") != "done":
                 logger.error("learner %d ended %s after its retries (%s); the others spent its share of the "
                              "budget", m, info.get("status"), info.get("reason", "no reason recorded"))
+        unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
         _publish_live_view(config, exchange, rd)  # the final view: after the syncer's last merges
+    learners = exchange.learners()
+    finished = any(info.get("status") == "done" for info in learners.values())
+    summary["budget"] = budget_status(
+        summary["tokens"], budget, config.unit, interrupted=bool(summary["interrupted"]), finished=finished,
+        why=None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries))
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     u = config.unit
     logger.info(f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
@@ -173,16 +186,47 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     if summary["interrupted"]:
         logger.warning(f"diloco: stopped early by a signal at %s of %s {u}; state saved",
                        f"{summary['tokens']:,}", f"{budget:,}")
+    if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
+        message = f"pretrain-diloco {summary['budget']['line']}"
+        logger.error("%s; Θ as it stands is saved and the report can be built", message)
+        return Failed(message=message)
     return summary
+
+
+def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
+    """Learner tasks that ended failed without ever reporting to the exchange (a worker that could not
+    import the project or start the task; a learner whose set-up raised reports itself): learner →
+    the task's final state message, each also logged as a ``failure`` event at step 0
+    (``before_start``, ``source`` flow) in the learners log so the report counts it."""
+    known = exchange.learners()
+    out: dict[int, str] = {}
+    events = None
+    for m, future in enumerate(futures):
+        state = future.state
+        if m in known or not (state.is_failed() or state.is_crashed()):
+            continue
+        out[m] = state.message or state.name
+        events = events or JsonlWriter(RunLayout(rd).metrics("pretrain", "diloco", "learners"))
+        events({"event": "failure", "learner": m, "attempt": 1, "reason": out[m], "step": 0, "t": exchange.clock(),
+                "before_start": True, "source": "flow"})
+    if events is not None:
+        events.close()
+    return out
 
 
 @flow(name="pretrain-dp", log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
-    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``)."""
+    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``).
+    Ends ``Failed`` (its summary written) when the job stopped short of its budget without a stop
+    signal (summary ``budget``: ``training.common.budget_status``)."""
     with graceful_stop():
         summary = dp_task(config, run_dir)
     u = config.unit
     get_run_logger().info(f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
                           f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
                           summary["final_val_loss"])
+    if summary["budget"]["status"] == "short":
+        message = f"pretrain-dp {summary['budget']['line']}"
+        get_run_logger().error(message)
+        return Failed(message=message)
     return summary

@@ -238,6 +238,19 @@ def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) ->
             else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)"}
 
 
+def budget_figure(summary: dict | None, who: str) -> dict | None:
+    """Whether the method trained its budget (summary ``budget``, ``training.common.budget_status``;
+    None when the summary has none: older runs): ``status`` (complete, interrupted, short),
+    ``trained``, ``budget``, ``share``, ``unit``, ``reason``, ``line``, and ``headline``, the bold
+    line at the top of report.md when the stage trained short of its budget (``who`` names the method)."""
+    raw = (summary or {}).get("budget")
+    if not isinstance(raw, dict):
+        return None
+    out = {k: raw.get(k) for k in ("status", "trained", "budget", "share", "unit", "reason", "line")}
+    out["headline"] = f"**Failed: {who} {raw['line']}.**" if raw.get("status") == "short" and raw.get("line") else None
+    return out
+
+
 def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | None) -> dict:
     """Every figure of one stage: ``methods`` (per method, in report order), ``comparison`` rows,
     ``loss_gaps`` (each method vs the baseline, when the stage has one), ``hyperparameters`` rows
@@ -249,6 +262,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         kind, who = method_kind(rec), short_label(m)
         fig = method_figures(rec, notes)
         fig["kind"] = kind
+        fig["budget"] = budget_figure(rec.summary, who if first else f"{who} {stage_label(stage).lower()}")
         cfg = config if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
         if kind == "syncer":
             headline_who = who if first else f"{who} {stage_label(stage).lower()}"

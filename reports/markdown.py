@@ -85,9 +85,13 @@ def _pct(x: float | None) -> str:
 
 
 def headlines(report: dict) -> list[str]:
-    """The bold lines right under the title: the pipeline's state, then each method's lost work."""
-    found = [report.get("pipeline")] + [f.get("work_lost") for s in report["stages"].values()
-                                        for f in s["methods"].values()]
+    """The bold lines right under the title: the pipeline's state, then each method that trained short
+    of its budget (unless the pipeline's reason already says so), then each method's lost work."""
+    pipeline = report.get("pipeline") or {}
+    methods = [f for s in report["stages"].values() for f in s["methods"].values()]
+    short = [b for f in methods if (b := f.get("budget")) and b.get("headline")
+             and b["line"] not in (pipeline.get("reason") or "")]
+    found = [pipeline] + short + [f.get("work_lost") for f in methods]
     return [x["headline"] for x in found if x and x.get("headline")]
 
 
@@ -257,11 +261,15 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
             "still local at stop"
             + ("; computed here as processed − submitted, as this summary does not record it"
                if led.get("not_submitted_computed") else "")
-            + "), merged = in a merged global fragment, dropped = rejected by the syncer (drop_reasons "
+            + "), merged = in a merged global fragment, "
+            + ("recomputed = trained again by a restarted learner after that work had been merged (sent, "
+               "not merged twice), " if "recomputed" in cols else "")
+            + "dropped = rejected by the syncer (drop_reasons "
             "by reason), pending = submitted but not yet merged at stop, attempts = task attempts; "
             "the syncer's counts are averaged over the P fragments and rounded, and per learner "
-            f"processed = submitted + not_submitted and submitted = merged + dropped + pending hold "
-            f"within {tol}.")
+            "processed = submitted + not_submitted and submitted = merged + "
+            + ("recomputed + " if "recomputed" in cols else "")
+            + f"dropped + pending hold within {tol}.")
         for v in led.get("identity_violations") or []:
             L += ["", f"**Ledger check failed:** learner {v['learner']}: {v['identity']} is off by "
                       f"{v['difference']:+,} {unit} (more than {tol})."]
@@ -590,7 +598,7 @@ def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
 
 def _recipe_rows(ft: dict) -> list[list[str]]:
     methods = ft["methods"]
-    known = [("task", "task"), ("mode", "mode"), ("lora_rank", "LoRA rank"), ("lora_targets", "LoRA targets"),
+    known = [("task", "task"), ("mode", "mode"), ("lora_rank", "LoRA rank"), ("lora_alpha", "LoRA α (scale α/r)"), ("lora_targets", "LoRA targets"),
              ("steps", "steps per run"), ("batch_size", "batch size (examples per step)"), ("optimizer", "optimizer"),
              ("lr", "learning rate"), ("warmup_steps", "warmup steps"), ("weight_decay", "weight decay"),
              ("seeds", "seeds"), ("packing", "packing"), ("row_len", "row length (tokens)")]

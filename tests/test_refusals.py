@@ -397,3 +397,20 @@ def test_a_bad_precision_policy_is_refused_in_one_line(tmp_path, override, needl
     line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", override))
     assert needle in line
     assert not (tmp_path / "R").exists()
+
+
+# -- image folders (issue 25, part 4) ------------------------------------------------------------
+def test_an_image_folder_without_classes_is_refused_at_validate(tmp_path):
+    """A flat folder of images (a notebook's checkpoints folder and a Mac zip's __MACOSX beside them are
+    not classes) is refused by `ddiloco validate` in one line, naming the folder and the layout it needs
+    (on the old code the two hidden folders counted as two classes and validate passed)."""
+    from PIL import Image
+
+    folder = tmp_path / "photos"
+    for sub in ("", ".ipynb_checkpoints", "__MACOSX"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+        for i in range(30):
+            Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / sub / f"{i}.png")
+    line = one_line_refusal(*cli("validate", "vit", "--set", "data.source=imagefolder",
+                                 "--set", f"data.paths=[{folder}]", "--set", "train.eval_batch_size=2"))
+    assert f"data.paths[0]: {folder} holds no class sub-folders" in line and "one sub-folder per class" in line

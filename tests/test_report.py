@@ -1066,3 +1066,28 @@ def test_a_running_status_reads_completing_only_when_the_pipeline_builds_the_rep
     assert pipeline_status(raw, final_stage=True)["status"] == "completing"
     assert pipeline_status(raw)["status"] == "running"  # rebuilt by hand: running, or a dead process
     assert pipeline_status({"status": "completed", "completed_stages": []}, final_stage=True)["status"] == "completed"
+
+
+def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
+    """A restarted learner's re-trained steps (``recomputed``: merged before, so not merged again) are
+    their own ledger column, after merged; the balance check counts them: submitted = merged +
+    recomputed + dropped + pending. A row that does not balance is still caught."""
+    from reports.learners import ledger
+    from reports.markdown import _ledger_section
+
+    summary = {"ledger": {
+        "0": {"processed": 1000, "submitted": 900, "not_submitted": 100, "merged": 700, "recomputed": 150,
+              "dropped": 50, "pending": 0, "drop_reasons": {"stale": 50}, "attempts": 2},
+        "1": {"processed": 500, "submitted": 500, "not_submitted": 0, "merged": 400, "recomputed": 20,
+              "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 2}}}
+    led = ledger(summary, fragments=2)
+    assert led["columns"] == ["processed", "submitted", "not_submitted", "merged", "recomputed", "dropped",
+                              "pending", "attempts", "drop_reasons"]
+    assert led["total"]["recomputed"] == 170
+    assert led["identity_violations"] == [{"learner": 1, "identity": "submitted = merged + recomputed + dropped + "
+                                           "pending", "difference": 80}]
+    lines: list[str] = []
+    _ledger_section({"ledger": led}, "DiLoCo", lines)
+    (sentence,) = [line for line in lines if line.startswith("Tokens per learner:")]
+    assert "recomputed = " in sentence and "submitted = merged + recomputed + dropped + pending hold" in sentence
+    assert "| 0 | 1,000 | 900 | 100 | 700 | 150 | 50 | 0 | 2 | stale: 50 | 70.0 |" in "\n".join(lines)

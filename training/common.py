@@ -17,6 +17,34 @@ def token_budget(cfg: ExperimentConfig) -> int:
     return cfg.dp_steps * cfg.tokens_per_dp_step
 
 
+def budget_status(trained: int, budget: int, unit: str, *, interrupted: bool, finished: bool,
+                  why: str | None = None) -> dict:
+    """Whether a pretraining stage trained its budget, and if not, why (the pipeline fails a ``short`` stage).
+
+    ``trained``/``budget``: ``unit`` (tokens, or images) trained and the stage's budget
+    (:func:`token_budget`). ``interrupted``: stopped by a signal. ``finished``: a worker ran to the
+    end of the budget (a DiLoCo learner that stopped because no token was left to claim; the DP job
+    that took its last step): what then stays unclaimed is the exchange's remainder (less than a
+    step, or a grant a dead learner held), not work that could not be done. ``why``: one phrase, why
+    the workers stopped.
+
+    Returns ``status`` (``complete``: every token trained, or a worker finished; ``interrupted``;
+    ``short``: stopped early with no worker left), ``trained``, ``budget``, ``share`` (trained /
+    budget, 0 for an empty budget), ``unit``, ``reason`` (``why`` when short) and ``line`` (when short:
+    ``trained 0 of 24,576 tokens (0.0 % of its budget): <why>``, else None).
+    """
+    share = trained / budget if budget > 0 else 0.0
+    if trained >= budget or finished:
+        status = "complete"
+    else:
+        status = "interrupted" if interrupted else "short"
+    why = why or "its workers stopped before the budget was spent"
+    line = (f"trained {trained:,} of {budget:,} {unit} ({100 * share:.1f} % of its budget): {why}"
+            if status == "short" else None)
+    return {"status": status, "trained": int(trained), "budget": int(budget), "share": share, "unit": unit,
+            "reason": why if status == "short" else None, "line": line}
+
+
 _SPECS: dict[tuple, ModelSpec] = {}
 _SPECS_LOCK = threading.Lock()
 

@@ -40,7 +40,7 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
+from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # (the last two: flows/preflight.py)
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
@@ -77,9 +77,14 @@ _LOCK = threading.Lock()
 
 def exchange_url(cfg: ExperimentConfig, run_dir: str | Path) -> str:
     """Where the run's fsspec exchange lives: ``runtime.exchange_url``/<run directory name>, or
-    ``pretrain/diloco/exchange`` inside the run directory."""
+    ``pretrain/diloco/exchange`` inside the run directory. A local path given without a protocol
+    (relative, or with ``~``) is made absolute here, so that worker processes started in another
+    folder use the same one."""
     if cfg.runtime.exchange_url:
-        return f"{cfg.runtime.exchange_url.rstrip('/')}/{Path(run_dir).absolute().name}"
+        base = cfg.runtime.exchange_url.rstrip('/')
+        if "://" not in base and "::" not in base and not base.startswith(("file:", "local:")):
+            base = str(Path(base).expanduser().absolute())
+        return f"{base}/{Path(run_dir).absolute().name}"
     return str(RunLayout(Path(run_dir).absolute()).exchange(STAGE, METHOD))
 
 
@@ -342,7 +347,9 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     ``attempt`` is raised past the last attempt the exchange saw start (a process engine re-runs a
     killed learner without counting a Prefect retry). Raises whatever the attempt raised
     (``InjectedFailure`` for a scheduled failure); the task runner retries it, and the retry resumes
-    from the saved resume point.
+    from the saved resume point. An attempt whose set-up raises (e.g. ``ValueError``: its worker
+    cannot meet ``runtime.devices_per_learner``) is a failure before its first step: it reports itself
+    ``down`` to the exchange and logs a ``failure`` event at step 0 (``before_start``) first.
     """
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     previous = exchange.learners().get(learner, {}).get("attempt")
@@ -350,7 +357,14 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         attempt = max(attempt, int(previous) + 1)
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"))
     try:
-        return run_learner(learner_setup(cfg, run_dir, learner, attempt, log, exchange))
+        try:
+            setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
+        except BaseException as exc:  # failed before its first step: logged as a failure all the same
+            exchange.heartbeat(learner, status="down", attempt=attempt, step=0, reason=repr(exc), pid=os.getpid())
+            log({"event": "failure", "learner": learner, "attempt": attempt, "reason": repr(exc), "step": 0,
+                 "t": exchange.clock(), "before_start": True})
+            raise
+        return run_learner(setup)
     finally:
         log.close()
 
@@ -453,8 +467,8 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             "processed": processed,
             "submitted": round(entry.submitted / P),
             "not_submitted": processed - round(entry.submitted / P),
-            "merged": round(entry.merged / P), "dropped": round(entry.dropped / P),
-            "pending": round(pending[m] / P),
+            "merged": round(entry.merged / P), "recomputed": round(entry.recomputed / P),
+            "dropped": round(entry.dropped / P), "pending": round(pending[m] / P),
             "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
             "attempts": int(learners.get(m, {}).get("attempt", 1)),
         }
@@ -576,3 +590,30 @@ def work_lost(ledger: dict[str, dict], warn_above: float, fail_above: float) -> 
     status = "failed" if frac > fail_above else "warning" if frac > warn_above else "ok"
     return {"processed_tokens": processed, "dropped_tokens": dropped, "dropped_fraction": frac,
             "reasons": reasons, "warn_above": warn_above, "fail_above": fail_above, "status": status}
+
+
+def learners_gone(learners: dict[int, dict], num_learners: int, errors: dict[int, str] | None = None,
+                  retries: int | None = None) -> str:
+    """Why a DiLoCo stage's learners stopped before its budget was spent, in one phrase (for
+    ``training.common.budget_status``): how each learner ended, from its last heartbeat
+    (``learners``: the exchange's view, learner → status, attempt, step, reason) or, for a learner
+    that never reported to the exchange (its worker could not even start the task), from
+    ``errors`` (learner → the task's error). ``retries``: ``diloco.learner_retries``, named in the
+    phrase. Learner order; no Prefect, no I/O."""
+    errors = errors or {}
+    parts = []
+    for m in range(num_learners):
+        info = learners.get(m)
+        if info is None:
+            parts.append(f"learner {m} failed before its first step, never reporting to the exchange "
+                         f"({errors.get(m, 'no reason recorded')})")
+            continue
+        status = info.get("status")
+        verb = "failed" if status == "down" else f"ended {status or 'without a status'}"
+        step = int(info.get("step") or 0)
+        at = f"at local step {step}" if step else "before its first step"
+        n = int(info.get("attempt") or 1)
+        reason = info.get("reason") or errors.get(m) or "no reason recorded"
+        parts.append(f"learner {m} {verb} {at} after {n} attempt{'' if n == 1 else 's'} ({reason})")
+    retried = "" if retries is None else f" (diloco.learner_retries {retries})"
+    return f"every learner ended before the budget was spent{retried}: " + "; ".join(parts)

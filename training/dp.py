@@ -36,7 +36,7 @@ from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter
 from training.checkpoint import latest_step, load_extra, load_meta, save_checkpoint
-from training.common import ensure_fresh, model_spec, save_chaos_schedule
+from training.common import budget_status, ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
 from training.functional import flatten, nest
 from training.optimizers import make_inner_tx
@@ -211,6 +211,9 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     return {
         "method": METHOD,
         "interrupted": STOP.is_set(),
+        # trained vs budget (``training.common.budget_status``): the pipeline fails a short stage
+        "budget": budget_status(done * tps, steps * tps, cfg.unit, interrupted=STOP.is_set(), finished=done >= steps,
+                                why=f"the job stopped at step {done:,} of {steps:,}"),
         "hyperparameters": {
             "backend": backend_line(), "precision": cfg.precision.describe(),
             f"global batch ({rows})": cfg.dp_batch_size, **({"seq len": cfg.data.seq_len} if text else {}),

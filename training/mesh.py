@@ -24,7 +24,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 BATCH = "batch"  # the mesh's one axis: the batch's leading (row) axis is split over it
 
 
-def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | None = None) -> list[Any]:
+def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | None = None,
+                    where: str = "this process") -> list[Any]:
     """The devices learner ``learner`` (m ≥ 0) trains on: ``per_learner`` (d) consecutive devices.
 
     ``devices``: the pool, in order (default ``jax.devices()``); any objects, so tests can pass
@@ -32,7 +33,8 @@ def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | Non
     slices for learners m < n / d, then the same slices again (learners share devices).
 
     Raises ``ValueError`` naming ``runtime.devices_per_learner`` when d exceeds n or does not divide
-    n (the slices would straddle the wrap-round), and for m < 0 or d < 1.
+    n (the slices would straddle the wrap-round), and for m < 0 or d < 1; ``where`` names the pool's
+    owner in the message (a preflight checks another process's pool: ``flows.preflight.check_devices``).
     """
     if learner < 0:
         raise ValueError(f"learner index must be ≥ 0, got {learner}")
@@ -42,14 +44,14 @@ def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | Non
     n = len(pool)
     if per_learner > n:
         raise ValueError(
-            f"runtime.devices_per_learner ({per_learner}) exceeds the {n} device(s) of this process; "
+            f"runtime.devices_per_learner ({per_learner}) exceeds the {n} device(s) of {where}; "
             f"lower it to at most {n} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
             "before JAX starts gives N devices)"
         )
     if n % per_learner:
         fits = [k for k in range(1, n + 1) if n % k == 0]
         raise ValueError(
-            f"runtime.devices_per_learner ({per_learner}) must divide the {n} devices of this process "
+            f"runtime.devices_per_learner ({per_learner}) must divide the {n} devices of {where} "
             f"(learners take equal, whole slices); pick one of {fits}"
         )
     start = (learner * per_learner) % n
