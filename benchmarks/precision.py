@@ -40,11 +40,14 @@ METHODS = ("diloco", "dp")
 
 
 def policy_sets(out: Path, label: str, eval_every: int, extra: list[str]) -> list[str]:
-    """The ``--set`` items of one policy's run (``extra``: the user's, last)."""
+    """The ``--set`` items of one policy's run (``extra``: the user's, last; a key the user sets replaces
+    this list's own item, as ``--set`` refuses a key given twice)."""
     params, compute, opt = POLICIES[label]
-    return [f"name=precision-{label}", f"run_root={out}", "eval.enabled=false", "finetune.enabled=false",
-            f"train.eval_every_tokens={eval_every}", f"precision.params={params}",
-            f"precision.compute={compute}", f"precision.opt_state={opt}", *extra]
+    user = {item.partition("=")[0] for item in extra}
+    own = [f"name=precision-{label}", f"run_root={out}", "eval.enabled=false", "finetune.enabled=false",
+           f"train.eval_every_tokens={eval_every}", f"precision.params={params}",
+           f"precision.compute={compute}", f"precision.opt_state={opt}"]
+    return [item for item in own if item.partition("=")[0] not in user] + list(extra)
 
 
 def refusal(config: str, out: Path, policies: list[str], eval_every: int, extra: list[str]) -> str | None:

@@ -835,19 +835,24 @@ class ExperimentConfig(_Strict):
                     raise ValueError(f"chaos.schedule.{field}[{i}].learner ({e.learner}) must be < diloco.learners ({M})")
         sched = self.chaos_schedule()
         if sched is None:
-            return
-        src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
-        if sched.learners != M:
+            src = "chaos.failures + chaos.kills"  # explicit faults alone must fit the retries too
+        else:
+            src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
+        if sched is not None and sched.learners != M:
             raise ValueError(f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
                              f"diloco.learners {sched.learners}")
         for m in range(M):
-            n = len(sched.learner_failures(m)) + sum(1 for f in self.chaos.failures if f.learner == m) \
+            n = (len(sched.learner_failures(m)) if sched is not None else 0) \
+                + sum(1 for f in self.chaos.failures if f.learner == m) \
                 + sum(1 for k in self.chaos.kills if k.learner == m)
             if n > self.diloco.learner_retries:
+                hint = (" (or drop some of them)" if sched is None else "" if self.chaos.replay else
+                        " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
                 raise ValueError(f"{src} fails learner {m} {n} times but diloco.learner_retries is "
                                  f"{self.diloco.learner_retries}: it would end for good; raise diloco.learner_retries "
-                                 f"to ≥ {n}" + ("" if self.chaos.replay else " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s "
-                                                "to the run's length)"))
+                                 f"to ≥ {n}" + hint)
+        if sched is None:
+            return
         if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":
             raise ValueError(f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
                              "chaos.schedule.how raise (or auto), or runtime.engine ray or dask")
@@ -1019,6 +1024,9 @@ def shipped_or_path(name_or_path: str | Path, folder: Path, what: str) -> Path:
 def apply_overrides(raw: dict, overrides: dict | None) -> dict:
     """``raw`` with dotted keys (``{"diloco.learners": 2}``) set; returns a new dict.
 
+    A mapping given for a section merges into it, key by key at every depth (``diloco={learners: 4}``
+    sets ``diloco.learners`` and keeps the file's other ``diloco`` values, like ``diloco.learners=4``);
+    any other value (a number, a string, a list) replaces what was there.
     Raises ``ValueError`` when a key goes below a single value (``diloco.learners.x``)."""
     import copy
 
@@ -1033,8 +1041,15 @@ def apply_overrides(raw: dict, overrides: dict | None) -> dict:
                     f"--set {key}: {'.'.join(parents[:i + 1])} is a single value, not a section; "
                     f"set it directly ({'.'.join(parents[:i + 1])}=...)"
                 )
-        node[leaf] = value
+        node[leaf] = _merged(node.get(leaf), copy.deepcopy(value))
     return raw
+
+
+def _merged(old, new):
+    """``new`` deep-merged into ``old`` when both are mappings (``new``'s keys win), else ``new``."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
 
 
 def read_config_file(path: str | Path) -> dict:
@@ -1106,7 +1121,8 @@ def load_config_checked(path: str | Path, overrides: dict | None = None) -> Expe
 def parse_overrides(items: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
     """``["diloco.learners=2", "seeds=5"]`` → ``{"diloco.learners": 2, "seeds": 5}`` (values parsed as YAML).
 
-    Raises ``ValueError`` naming the option and the item that is not ``key=value``.
+    Raises ``ValueError`` naming the option and the item that is not ``key=value``, or the key given
+    twice (the later value would silently win; a YAML file refuses a repeated key the same way).
     """
     out = {}
     for item in items:
@@ -1114,9 +1130,12 @@ def parse_overrides(items: list[str], option: str = "--set", example: str = "dil
         if not sep or not key:
             raise ValueError(f"{option} expects key=value (e.g. {example}), got {item!r}")
         try:
-            out[key] = yaml_value(value)
+            parsed = yaml_value(value)
         except yaml.YAMLError as exc:
             raise ValueError(f"{option} {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
+        if key in out:
+            raise ValueError(f"{option} {key} is given twice ({out[key]!r}, then {parsed!r}); give each key once")
+        out[key] = parsed
     return out
 
 
@@ -1181,11 +1200,23 @@ def _valid_keys(title: str, loc: tuple) -> list[str]:
     def is_section(x) -> bool:
         return isinstance(x, type) and issubclass(x, BaseModel)
 
-    section = {"ExperimentConfig": ExperimentConfig}.get(title)
+    section = {"ExperimentConfig": ExperimentConfig}.get(title) or _strict_model(title)
     for part in loc:
         field = section.model_fields.get(str(part)) if is_section(section) else None
         section = field.annotation if field else None
     return list(section.model_fields) if is_section(section) else []
+
+
+def _strict_model(title: str) -> type[BaseModel] | None:
+    """The strict model class (a subclass of ``_Strict``, e.g. ``configs.sweep.SweepSpec``) whose
+    validation errors carry ``title``, or None."""
+    todo = list(_Strict.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == title:
+            return cls
+        todo += cls.__subclasses__()
+    return None
 
 
 def validate_against_model(cfg: ExperimentConfig, n_tensors: int) -> None:

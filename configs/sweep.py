@@ -182,8 +182,10 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
 
 def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> ExperimentConfig:
     """The cell's resolved config: the base file's values, ``spec.overrides``, the cell's
-    overrides, and ``name`` = the cell's name. ``base_raw``: the base file's mapping, if already
-    read. Raises ``ValueError`` in one line naming the cell and the field."""
+    overrides, and ``name`` = the cell's name (through ``configs.schema.apply_overrides``: a value that
+    is a mapping, e.g. an axis ``diloco: [{learners: 2}, {learners: 4}]``, merges into the section).
+    ``base_raw``: the base file's mapping, if already read. Raises ``ValueError`` in one line naming
+    the cell and the field."""
     raw = base_raw if base_raw is not None else read_config_file(config_path(spec.base))
     try:
         merged = apply_overrides(apply_overrides(raw, spec.overrides), cell.overrides)

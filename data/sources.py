@@ -431,9 +431,12 @@ def check_corpus(data_cfg: DataConfig) -> dict:
 
     Loads the documents (local files and the embedded corpus; a Hugging Face name is only checked
     for reachability) and checks there are enough non-empty documents to hold out
-    ``data.val_docs`` + ``data.test_docs`` and still train on one. Returns ``{"documents": n}``
-    (``None`` for ``hf``). Raises ``FileNotFoundError``, ``ValueError`` or ``ConnectionError``
-    with one line naming the field and the fix.
+    ``data.val_docs`` + ``data.test_docs`` and still train on one, then holds documents out as the
+    data task does (``data.text.split_documents``) and checks that the train and val splits can each
+    fill one sequence of ``data.seq_len + 1`` tokens: a byte-level BPE gives at most one token per
+    UTF-8 byte plus one end-of-text token per document, so a split whose bytes + documents fall short
+    cannot. Returns ``{"documents": n}`` (``None`` for ``hf``). Raises ``FileNotFoundError``,
+    ``ValueError`` or ``ConnectionError`` with one line naming the field and the fix.
     """
     if data_cfg.source == "hf":
         check_hf_reachable(data_cfg.hf_name)
@@ -446,6 +449,23 @@ def check_corpus(data_cfg: DataConfig) -> dict:
             f"data.test_docs ({data_cfg.test_docs}) + 1 training document = {need} are needed (whole "
             "documents are held out); add documents or lower data.val_docs / data.test_docs"
         )
+    from data.text import split_documents  # (data.text imports this module)
+
+    splits = split_documents(docs, data_cfg.val_docs, data_cfg.test_docs, data_cfg.seed, data_cfg.finetune_docs)
+    width = data_cfg.seq_len + 1
+    for name in ("train", "val"):  # (the splits that are packed into sequences)
+        n_docs = len(splits[name])
+        n_bytes = sum(len(d["text"].encode("utf-8")) for d in splits[name])
+        if n_bytes + n_docs < width:
+            what, fix = (
+                (f"the {n_docs} document(s) not held out by data.val_docs, data.test_docs, data.finetune_docs",
+                 "hold out fewer documents") if name == "train" else
+                (f"data.val_docs: {n_docs} document(s)", "hold out more or other documents (data.val_docs, data.seed)"))
+            raise ValueError(
+                f"the {name} split ({what}) holds {n_bytes} bytes of text: at most {n_bytes + n_docs} tokens with "
+                f"its end-of-text tokens, fewer than one sequence of data.seq_len + 1 = {width}; lower "
+                f"data.seq_len, add text, or {fix}"
+            )
     return {"documents": len(docs)}
 
 

@@ -93,7 +93,9 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
 def run(
     config: str = typer.Argument("configs/default.yaml", help="YAML experiment config, or a shipped "
                                  "config's name: default, chaos, failure, moe, tiny, vit, vit_moe"),
-    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
+    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2 (the value is "
+                                   "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
+                                   "section; each key once)"),
     run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>); "
                                           "must be new or empty"),
 ):
@@ -173,7 +175,9 @@ def finetune(
 @app.command()
 def validate(
     config: str = typer.Argument(..., help="YAML experiment config, or a shipped config's name"),
-    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2"),
+    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2 (the value is "
+                                   "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
+                                   "section; each key once)"),
 ):
     """Check a config (the model it builds and its corpus) without running anything."""
     cfg, _ = _checked(config, set_)

@@ -186,3 +186,54 @@ def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
     assert lines[1].startswith("nosuch: Extra inputs are not permitted (valid keys here: name, seed")
     assert lines[1].endswith("(from --set nosuch.field=1)")
     assert lines[2] == "train.token_budget: Input should be greater than 0 (got -5)"
+
+
+# -- issue 25, new-user round: overrides, retries, sweeps ---------------------------------------
+@pytest.mark.parametrize("field", ["failures", "kills"])
+def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(field):
+    """Four faults of learner 0 with diloco.learner_retries 2 and no chaos.schedule: the learner would
+    end for good (on the old code the count was skipped when no schedule was drawn, and this passed)."""
+    events = [{"learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
+    overrides = {f"chaos.{field}": events, "runtime.engine": "dask" if field == "kills" else "threads"}
+    with pytest.raises(ValidationError, match=r"fails learner 0 4 times but diloco.learner_retries is 2.*≥ 4"):
+        load_config(ROOT / "configs" / "tiny.yaml", overrides)
+    load_config(ROOT / "configs" / "tiny.yaml", {**overrides, "diloco.learner_retries": 4})
+
+
+def test_a_key_set_twice_on_one_command_line_is_refused():
+    from configs.schema import parse_overrides
+
+    with pytest.raises(ValueError, match=r"--set diloco.learners is given twice \(2, then 3\)"):
+        parse_overrides(["diloco.learners=2", "diloco.learners=3"])
+    assert parse_overrides(["diloco.learners=2", "diloco.quorum=1"]) == {"diloco.learners": 2, "diloco.quorum": 1}
+
+
+def test_a_section_valued_override_merges_into_the_section(tmp_path):
+    """`--set 'diloco={learners: 4}'` changes learners only; tiny's other diloco values stay (on the old
+    code the section was replaced and sync_every fell back to the schema's 32). The same for a sweep
+    axis whose values are sections."""
+    from configs.schema import parse_overrides
+    from configs.sweep import SweepSpec, cell_config, expand_cells
+
+    tiny = load_config(ROOT / "configs" / "tiny.yaml")
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", parse_overrides(["diloco={learners: 4, quorum: 3}"]))
+    assert (cfg.diloco.learners, cfg.diloco.quorum) == (4, 3)
+    assert cfg.diloco.sync_every == tiny.diloco.sync_every == 4
+    assert cfg.diloco.batch_size == tiny.diloco.batch_size and cfg.model == tiny.model
+    spec = SweepSpec(base="tiny", grid={"diloco": [{"learners": 2, "quorum": 1}, {"learners": 4}]})
+    for cell in expand_cells(spec):
+        got = cell_config(spec, cell)
+        assert got.diloco.sync_every == 4 and got.diloco.outer_lr == tiny.diloco.outer_lr
+    assert load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 3}]}) \
+        .chaos.failures[0].at_step == 3  # lists are values: replaced, not merged
+
+
+def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
+    from configs.sweep import load_sweep, sweep_problem
+
+    (tmp_path / "s.yaml").write_text("base: tiny\nconcurency: 2\ngrid: {diloco.learners: [2, 3]}\n")
+    with pytest.raises(ValidationError) as exc:
+        load_sweep(tmp_path / "s.yaml")
+    line = sweep_problem(exc.value)
+    assert "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, " \
+           "concurrency" in line

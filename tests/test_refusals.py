@@ -414,3 +414,27 @@ def test_an_image_folder_without_classes_is_refused_at_validate(tmp_path):
     line = one_line_refusal(*cli("validate", "vit", "--set", "data.source=imagefolder",
                                  "--set", f"data.paths=[{folder}]", "--set", "train.eval_batch_size=2"))
     assert f"data.paths[0]: {folder} holds no class sub-folders" in line and "one sub-folder per class" in line
+
+
+# -- issue 25, new-user round: a corpus too small to fill one sequence ------------------------------
+def test_a_corpus_too_short_for_one_sequence_is_refused_at_validate(tmp_path):
+    """Six one-line files: enough documents, far too few tokens for one sequence of data.seq_len + 1 in
+    the held-out validation split (on the old code `validate` passed and the run failed in the data
+    task with a traceback, exit 1)."""
+    paths = corpus(tmp_path, [f"doc {i} is short" for i in range(6)])
+    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
+                                 "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]"))
+    assert line.startswith("error: ") and ("the train split (the 2 document(s) not held out by data.val_docs, "
+                                           "data.test_docs, data.finetune_docs) holds 28 bytes of text") in line
+    assert "at most 30 tokens" in line and "data.seq_len + 1 = 33; lower data.seq_len, add text" in line
+    # a long training split, a short validation split: the val split is named
+    paths = corpus(tmp_path, [f"doc {i} is short" for i in range(4)] + ["a long play " * 40, "another " * 50])
+    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
+                                 "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]",
+                                 "--set", "data.test_docs=1"))
+    assert "the val split (data.val_docs: 2 document(s)) holds 28 bytes of text" in line  # two short ones
+    # long enough documents pass: every split can fill a sequence of 33 tokens
+    paths = corpus(tmp_path, [f"doc {i} is long enough " * 4 for i in range(6)])
+    code, err = cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
+                    "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]")
+    assert code == 0, err
