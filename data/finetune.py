@@ -141,10 +141,15 @@ def speaker_pairs(docs: Sequence[dict], context: int = 2, speech_lines: int = 2)
     return pairs
 
 
-def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where: str) -> list[Pair]:
+def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where: str,
+                 lines: Sequence[int] | None = None) -> list[Pair]:
+    """``rows`` as pairs (ids: ``str(row["id"])``, or the row's position); ``lines``: each row's line
+    number in the file, for the messages. Raises ``ValueError`` naming the item (its line) and the field,
+    or both lines of an id given twice (ids identify pairs in evaluation: 1 and "1" are one id)."""
     if not rows:
         raise ValueError(f"{where} holds no pairs; give a file with one JSON object per line")
     pairs = []
+    seen: dict[str, int] = {}
     for i, row in enumerate(rows):
         for field, name in ((prompt_field, "finetune.prompt_field"), (response_field, "finetune.response_field")):
             if field not in row:
@@ -154,34 +159,75 @@ def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where
                 raise ValueError(f"{where}: item {i + 1} field {field!r} is {type(row[field]).__name__}, not text")
         if not row[response_field].strip():
             raise ValueError(f"{where}: item {i + 1} has an empty response; remove it")
-        pairs.append({"id": str(row.get("id", i)), "prompt": row[prompt_field], "response": row[response_field]})
+        pid = str(row.get("id", i))
+        if pid in seen:
+            at = (lambda k: f"line {lines[k]}") if lines is not None else (lambda k: f"item {k + 1}")
+            raise ValueError(f"{where}: {at(i)} repeats the id {pid!r} of {at(seen[pid])}; make ids unique or "
+                             "drop the id field")
+        seen[pid] = i
+        pairs.append({"id": pid, "prompt": row[prompt_field], "response": row[response_field]})
     return pairs
+
+
+def _read_jsonl_rows(path: Path) -> tuple[list[dict], list[int]]:
+    """The objects of a JSONL file and their line numbers (blank lines skipped); UTF-8, with or
+    without a byte-order mark. Raises ``ValueError`` naming the file and the line or byte offset."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"finetune.paths: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+                         f"{exc.start}): re-save it as UTF-8") from None
+    rows, lines = [], []
+    for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: U+2028 may sit inside a JSON string)
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {n} is not JSON ({exc.msg}); one object per line") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {n} is a {type(row).__name__}, not an object with fields")
+        rows.append(row)
+        lines.append(n)
+    return rows, lines
 
 
 def load_jsonl_pairs(path: str | Path, prompt_field: str = "prompt", response_field: str = "response") -> list[Pair]:
     """Pairs from a JSONL file (one object per line; blank lines skipped); ids are line numbers unless
     the objects carry an ``id``.
 
-    Raises ``FileNotFoundError`` naming the file, ``ValueError`` naming the line for bad JSON, and
-    naming the item and field for a missing field, a non-text value, an empty response or an empty
-    file.
+    Raises ``FileNotFoundError`` naming the file, ``ValueError`` naming the file and the byte offset
+    for text that is not UTF-8 (a byte-order mark is fine), the line for bad JSON, the item and field
+    for a missing field, a non-text value, an empty response or an empty file, and both lines of a
+    repeated id.
     """
-    path = Path(path)
+    return _load_jsonl(Path(path), prompt_field, response_field)[0]
+
+
+def _load_jsonl(path: Path, prompt_field: str, response_field: str) -> tuple[list[Pair], list[dict], list[int]]:
     if not path.is_file():
         raise FileNotFoundError(f"finetune.paths: {path} does not exist; give a .jsonl file of prompt/response pairs")
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {n} is not JSON ({exc.msg}); one object per line") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {n} is a {type(row).__name__}, not an object with fields")
-            rows.append(row)
-    return _check_pairs(rows, prompt_field, response_field, str(path))
+    rows, lines = _read_jsonl_rows(path)
+    return _check_pairs(rows, prompt_field, response_field, str(path), lines), rows, lines
+
+
+def load_jsonl_pair_files(paths: Sequence[str | Path], prompt_field: str = "prompt",
+                          response_field: str = "response") -> tuple[list[Pair], list[Pair] | None]:
+    """``(train, test)`` pairs of ``finetune.paths``: one file (``test`` None: split later) or a train
+    and a test file (:func:`load_jsonl_pairs` each). Ids given in both files (an ``id`` field) must
+    differ; ids by position may repeat across the files. Raises the loader's errors, and
+    ``ValueError`` naming both files and lines of an id in both."""
+    train, train_rows, train_lines = _load_jsonl(Path(paths[0]), prompt_field, response_field)
+    if len(paths) < 2:
+        return train, None
+    test, test_rows, test_lines = _load_jsonl(Path(paths[1]), prompt_field, response_field)
+    given = {str(r["id"]): n for r, n in zip(train_rows, train_lines) if "id" in r}
+    for r, n in zip(test_rows, test_lines):
+        if "id" in r and str(r["id"]) in given:
+            raise ValueError(f"finetune.paths: {paths[1]} line {n} repeats the id {str(r['id'])!r} of {paths[0]} "
+                             f"line {given[str(r['id'])]}; make ids unique or drop the id field")
+    return train, test
 
 
 def load_hf_pairs(name: str, split: str, prompt_field: str = "prompt", response_field: str = "response") -> list[Pair]:
@@ -348,8 +394,7 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
                                                                              for p in test]))}
     else:
         if task == "jsonl":
-            train = load_jsonl_pairs(ft.paths[0], ft.prompt_field, ft.response_field)
-            test = load_jsonl_pairs(ft.paths[1], ft.prompt_field, ft.response_field) if len(ft.paths) > 1 else None
+            train, test = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)
             where = ft.paths[0]
         else:
             train = load_hf_pairs(ft.hf_name, ft.hf_split, ft.prompt_field, ft.response_field)

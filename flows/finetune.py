@@ -20,8 +20,9 @@ from pydantic import ValidationError
 from configs.schema import ExperimentConfig, apply_overrides, validation_lines
 from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested
-from run.layout import RunLayout
+from run.layout import METHOD_ORDER, RunLayout
 from tasks.finetune import evaluate_finetune_task, finetune_data_task, finetune_task
+from training.ckpt_steps import LOADED_ITEMS, complete_steps, step_folders
 from training.finetune import finetune_record
 
 __all__ = ["finetune", "finetune_preflight", "FinetunePlan"]
@@ -50,6 +51,11 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
     (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys. ``replace``: delete this
     run's earlier fine-tuning results first (after every check passed).
 
+    Every checkpoint to fine-tune must hold a complete step (:func:`training.ckpt_steps.complete_steps`:
+    what the loaders would refuse later is refused here). ``name`` may not be a pretraining method's
+    (this run's, or ``diloco``/``dp``) unless ``checkpoint`` is that method's own folder: the report
+    shows a method's fine-tuned figures beside its pretraining.
+
     Raises ``ValueError`` / ``FileNotFoundError`` with one line naming the argument or field and the fix.
     """
     bad = [k for k in (overrides or {}) if not str(k).startswith("finetune.")]
@@ -72,6 +78,11 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
         if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
             raise FileNotFoundError(f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
                                     "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints")
+        if not complete_steps(ckpt):
+            raise FileNotFoundError(
+                f"--checkpoint {checkpoint} holds no complete checkpoint step (its step folders "
+                f"{', '.join(step_folders(ckpt)[:3])} lack {' or '.join(i + '/' for i in LOADED_ITEMS)}: an "
+                "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method")
         root = _run_root_of(ckpt)
         if run_dir and Path(run_dir).resolve() != root:
             raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
@@ -92,6 +103,15 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
         if methods:
             raise ValueError("give --checkpoint or --methods, not both")
         method = name or f"{ckpt.parent.name}-ckpt"
+        pretrained = layout.methods("pretrain")
+        if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
+            # the report shows a method's fine-tuned figures beside its pretraining: another model's
+            # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
+            if name in pretrained:
+                raise ValueError(f"--name {name} is this run's pretrained method (its checkpoint is "
+                                 f"{layout.checkpoints('pretrain', name)}); pick another name")
+            raise ValueError(f"--name {name} is a pretraining method's name (the report would show this checkpoint "
+                             "as that method); pick another name")
         plan_methods = {method: str(ckpt)}
     else:
         have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
@@ -102,6 +122,15 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
                                     "pick from those")
         if not chosen:
             raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
+        usable = [m for m in chosen if complete_steps(layout.checkpoints("pretrain", m))]
+        for m in chosen:
+            if m not in usable:  # the loader would refuse it only after the data step and the server
+                found = step_folders(layout.checkpoints("pretrain", m))
+                raise FileNotFoundError(
+                    f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) holds no complete "
+                    "checkpoint step (" + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
+                    + f"); re-run pretraining of {m}"
+                    + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else ""))
         plan_methods = {m: None for m in chosen}
     for m in plan_methods:
         RunLayout(rd).method_dir("finetune", m)  # a valid method name
@@ -136,20 +165,44 @@ def _results(layout: RunLayout, method: str) -> list[Path]:
     return out + ([extra] if extra.exists() else [])
 
 
+def _put_data_aside(data: Path, tag: str) -> Optional[Path]:
+    """Keep the task's items ``data`` (``RUN/finetune/data``) as ``.data.replaced-<tag>`` beside it
+    while the folder stays in place: a copy of hard links (no bytes copied; the data step never writes
+    a file in place, it swaps a new folder in), or of bytes where the filesystem has no hard links.
+    Returns the copy, or None when there is no data yet."""
+    if not data.is_dir():
+        return None
+    import os
+
+    def link(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    dst = data.with_name(f".{data.name}.replaced-{tag}")
+    shutil.copytree(data, dst, copy_function=link)
+    return dst
+
+
 def run_finetune_stage(plan: FinetunePlan) -> dict:
     """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
     ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``.
 
-    With ``replace``, earlier results of the planned methods are moved aside first and deleted only
-    once the new ones are written; if the stage fails they are moved back (and a method's partial
-    new results removed), so a failed re-run loses nothing."""
+    With ``replace``, earlier results of the planned methods, and the task's items they were made
+    from (``finetune/data``, which a new recipe rebuilds), are put aside first and deleted only once
+    the new ones are written; if the stage fails they are moved back (and a method's partial new
+    results removed), so a failed re-run loses nothing."""
     import uuid
 
     cfg, rd = plan["cfg"], str(plan["run_dir"])
     layout = RunLayout(rd)
     aside: list[tuple[Path, Path]] = []
+    data = Path(layout.finetune_data)
+    data_aside = None
     if plan.get("replace"):
         tag = uuid.uuid4().hex[:8]
+        data_aside = _put_data_aside(data, tag)
         for m in plan["methods"]:
             for p in _results(layout, m):
                 dst = p.with_name(f".{p.name}.replaced-{tag}")
@@ -174,8 +227,11 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
                     shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
             for orig, dst in aside:
                 dst.rename(orig)
+            if data_aside is not None:
+                shutil.rmtree(data, ignore_errors=True)
+                data_aside.rename(data)
         raise
-    for _, dst in aside:
+    for _, dst in [*aside, *([(data, data_aside)] if data_aside is not None else [])]:
         shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
     out["interrupted"] = stop_requested()
     return out

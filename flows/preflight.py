@@ -150,9 +150,10 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
     ft = cfg.finetune
     task = cfg.finetune_task
     if task == "jsonl":
-        from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pairs, split_items
+        from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pair_files, split_items
 
-        counts = [len(load_jsonl_pairs(p, ft.prompt_field, ft.response_field)) for p in ft.paths]
+        pairs = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)  # (ids checked across files)
+        counts = [len(p) for p in pairs if p is not None]
         if len(counts) == 1:
             train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.seed))
         else:

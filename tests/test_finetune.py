@@ -2,6 +2,8 @@
 touching only its adapters, and one identical recipe for every method."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -241,21 +243,46 @@ def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     assert np.array_equal(rec["params"]["embed/embedding"], np.asarray(pretrained["embed/embedding"]))
 
 
-def _fake_run(small_cfg, small_data, tmp_path):
-    """A run directory with prepared data, two 'pretrained' methods and finished fine-tuning of both
-    (files only: enough for the checks that run before any work)."""
+def _complete_step(ckpt: Path, step: int = 1) -> None:
+    """A checkpoint step folder as Orbax finalises it, with the items the loaders restore (params/,
+    meta/; no arrays: enough for the checks that run before any work)."""
+    for item in ("params", "meta"):
+        (ckpt / str(step) / item).mkdir(parents=True)
+
+
+def _pretrained_run(small_cfg, small_data, tmp_path, complete: bool = True):
+    """A run directory with prepared data and two 'pretrained' methods (a summary and a checkpoint
+    folder each: a complete step, or with ``complete=False`` an empty folder)."""
     import shutil
 
     from run.layout import RunLayout
-    from training.finetune import finetune_record
 
     rd = tmp_path / "run"
     shutil.copytree(small_data, rd)
     layout = RunLayout(rd)
     layout.config.write_text(json.dumps(small_cfg.model_dump(mode="json")))
     for m in ("diloco", "dp"):
-        (layout.checkpoints("pretrain", m) / "1").mkdir(parents=True)
+        layout.checkpoints("pretrain", m).mkdir(parents=True)
+        if complete:
+            _complete_step(layout.checkpoints("pretrain", m))
         layout.summary("pretrain", m).write_text("{}")
+    return rd, layout
+
+
+def _tree(rd: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(rd)): (p.read_bytes() if p.is_file() else None) for p in sorted(rd.rglob("*"))}
+
+
+def _fake_run(small_cfg, small_data, tmp_path):
+    """A run directory with prepared data, two 'pretrained' methods and finished fine-tuning of both
+    (files only: enough for the checks that run before any work)."""
+    from data.finetune import prepare_finetune_data
+    from training.finetune import finetune_record
+
+    rd, layout = _pretrained_run(small_cfg, small_data, tmp_path)
+    ft_cfg = small_cfg.model_copy(update={"finetune": small_cfg.finetune.model_copy(update={"enabled": True})})
+    prepare_finetune_data(ft_cfg, rd, layout.finetune_data)  # the task's items of that recipe
+    for m in ("diloco", "dp"):
         layout.metrics("finetune", m, "train").parent.mkdir(parents=True)
         layout.metrics("finetune", m, "train").write_text("")
         layout.summary("finetune", m).write_text(json.dumps({"finetune_config": finetune_record(small_cfg)}))
@@ -296,3 +323,155 @@ def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tm
         FF.run_finetune_stage(plan)
     assert sorted(str(p.relative_to(rd)) for p in rd.rglob("*")) == before
     assert layout.metrics("finetune", "dp", "train").read_text() == ""  # the earlier file, not the new one
+
+
+def test_a_failed_replace_with_another_recipe_restores_the_task_data(small_cfg, small_data, tmp_path, monkeypatch):
+    """--replace with a new recipe rebuilds finetune/data/ (its items depend on the recipe); when the
+    stage then fails, the earlier results come back with the data they were made from."""
+    import flows.finetune as FF
+    from data.finetune import prepare_finetune_data
+
+    rd, layout = _fake_run(small_cfg, small_data, tmp_path)
+    before = _tree(rd)
+    plan = FF.finetune_preflight(str(rd), overrides={"finetune.max_test_items": 7}, replace=True)
+    seen = {}
+
+    def data_task(cfg, run_dir):  # the real data step (the task without Prefect's wrapper)
+        out = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+        seen["manifest"] = json.loads((layout.finetune_data / "manifest.json").read_text())
+        return out
+
+    def fail(cfg, run_dir, method, task, ckpt):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(FF, "finetune_data_task", data_task)
+    monkeypatch.setattr(FF, "finetune_task", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        FF.run_finetune_stage(plan)
+    assert seen["manifest"]["config"]["finetune"]["max_test_items"] == 7  # the new recipe's data was swapped in
+    assert _tree(rd) == before  # and the old data is back, byte for byte, with nothing left aside
+    # once the stage succeeds, nothing is kept aside
+    monkeypatch.setattr(FF, "finetune_task", lambda cfg, run_dir, method, task, ckpt: {"runs": []})
+    monkeypatch.setattr(FF, "evaluate_finetune_task", lambda cfg, run_dir, method, task, ckpt: {})
+    FF.run_finetune_stage(plan)
+    assert sorted(p.name for p in (rd / "finetune").iterdir()) == ["data"]
+    assert json.loads((layout.finetune_data / "manifest.json").read_text())["config"]["finetune"]["max_test_items"] == 7
+
+
+def test_a_checkpoint_is_never_named_after_another_pretrained_method(small_cfg, small_data, tmp_path):
+    """--name diloco on DP's checkpoint would put DP's fine-tuned figures under DiLoCo in the report."""
+    import shutil
+
+    from flows.finetune import finetune_preflight
+    from tests.test_refusals import cli, one_line_refusal
+
+    rd, layout = _pretrained_run(small_cfg, small_data, tmp_path)
+    dp, diloco = layout.checkpoints("pretrain", "dp"), layout.checkpoints("pretrain", "diloco")
+    before = _tree(rd)
+    with pytest.raises(ValueError, match=re.escape(f"--name diloco is this run's pretrained method (its checkpoint "
+                                                   f"is {diloco}); pick another name")):
+        finetune_preflight(None, checkpoint=str(dp), name="diloco")
+    line = one_line_refusal(*cli("finetune", "--checkpoint", dp, "--name", "diloco"))
+    assert "--name diloco is this run's pretrained method" in line
+    assert _tree(rd) == before  # nothing written
+    # a method's own checkpoint under its own name, or a new name, is fine
+    assert finetune_preflight(None, checkpoint=str(dp), name="dp")["methods"] == {"dp": str(dp)}
+    assert finetune_preflight(None, checkpoint=str(dp), name="dp-again")["methods"] == {"dp-again": str(dp)}
+    # a method name the pipeline uses is taken even where this run did not pretrain it
+    shutil.rmtree(diloco.parent)
+    with pytest.raises(ValueError, match="--name diloco is a pretraining method's name"):
+        finetune_preflight(None, checkpoint=str(dp), name="diloco")
+
+
+def test_checkpoint_folders_without_a_complete_step_are_refused(small_cfg, small_data, tmp_path):
+    """Empty checkpoint folders, or only partial steps (an interrupted save's temporary folder, a step
+    without its items), are refused before any work, naming the method; not after minutes of it."""
+    from flows.finetune import finetune_preflight
+    from tests.test_refusals import cli, one_line_refusal
+
+    rd, layout = _pretrained_run(small_cfg, small_data, tmp_path, complete=False)
+    dp = layout.checkpoints("pretrain", "dp")
+    before = _tree(rd)
+    with pytest.raises(FileNotFoundError, match=r"diloco .*holds no complete checkpoint step.*re-run pretraining"):
+        finetune_preflight(str(rd))
+    (dp / "2.orbax-checkpoint-tmp-1234" / "params").mkdir(parents=True)  # interrupted saves
+    (dp / "1").mkdir()
+    (dp / "3" / "meta").mkdir(parents=True)
+    from training.ckpt_steps import complete_steps
+
+    assert complete_steps(dp) == []
+    before = _tree(rd)
+    with pytest.raises(FileNotFoundError, match=r"dp .*holds no complete checkpoint step.*re-run pretraining"):
+        finetune_preflight(str(rd), ["dp"])
+    with pytest.raises(FileNotFoundError, match=r"--checkpoint .* holds no complete checkpoint step"):
+        finetune_preflight(None, checkpoint=str(dp), name="mine")
+    line = one_line_refusal(*cli("finetune", rd, "--methods", "dp"))
+    assert "re-run pretraining" in line and " dp " in line
+    assert _tree(rd) == before  # nothing written
+    _complete_step(dp, 4)
+    assert complete_steps(dp) == [4]
+    assert finetune_preflight(str(rd), ["dp"])["methods"] == {"dp": None}
+    assert finetune_preflight(None, checkpoint=str(dp), name="mine")["methods"] == {"mine": str(dp)}
+
+
+def test_the_checkpoint_completeness_test_needs_no_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, training.ckpt_steps; assert 'jax' not in sys.modules and 'orbax' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+# -- issue 25, new-user round: pair files as users have them -------------------------------------
+def _pairs_file(path, rows, encoding="utf-8", bom=False):
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode(encoding))
+    return path
+
+
+def test_a_pairs_file_that_is_not_utf8_is_refused_naming_file_and_offset(tmp_path):
+    """A Latin-1 file is refused in one line naming finetune.paths, the file, the byte and its offset
+    (the old code raised the codec's bare "'utf-8' codec can't decode byte 0xe9 in position 23"); a
+    UTF-8 file with a byte-order mark is read."""
+    rows = [{"prompt": "caf\u00e9?", "response": " yes\n"}]
+    latin = _pairs_file(tmp_path / "latin.jsonl", rows, encoding="latin-1")
+    offset = latin.read_bytes().index(b"\xe9")
+    with pytest.raises(ValueError) as err:
+        F.load_jsonl_pairs(latin)
+    assert str(err.value) == (f"finetune.paths: {latin} is not valid UTF-8 (byte 0xe9 at offset {offset}): "
+                              "re-save it as UTF-8")
+    bom = _pairs_file(tmp_path / "bom.jsonl", rows, bom=True)
+    assert F.load_jsonl_pairs(bom) == [{"id": "0", "prompt": "caf\u00e9?", "response": " yes\n"}]
+
+
+def test_repeated_pair_ids_are_refused_naming_both_lines(tmp_path):
+    """Ids must be unique (compared as text: 1 and "1" are one id), within a file and across a train and
+    a test file; the old code let them through to crash evaluation after training."""
+    rows = [{"id": "same", "prompt": f"q{i}", "response": f" a{i}\n"} for i in range(3)]
+    same = _pairs_file(tmp_path / "same.jsonl", rows)
+    with pytest.raises(ValueError, match=rf"^{same}: line 2 repeats the id 'same' of line 1; make ids unique "
+                                         r"or drop the id field$"):
+        F.load_jsonl_pairs(same)
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text('{"id": 1, "prompt": "a", "response": "b"}\n\n{"id": "1", "prompt": "c", "response": "d"}\n')
+    with pytest.raises(ValueError, match=r"line 3 repeats the id '1' of line 1"):
+        F.load_jsonl_pairs(mixed)
+    train = _pairs_file(tmp_path / "train.jsonl", [{"id": f"t{i}", "prompt": f"q{i}", "response": " a\n"}
+                                                   for i in range(10)])
+    test = _pairs_file(tmp_path / "test.jsonl", [{"id": f"t{9 - i}", "prompt": f"p{i}", "response": " b\n"}
+                                                 for i in range(5)])
+    with pytest.raises(ValueError, match=rf"^finetune.paths: {test} line 1 repeats the id 't9' of {train} line 10; "
+                                         r"make ids unique or drop the id field$"):
+        F.load_jsonl_pair_files([train, test])
+    from pathlib import Path
+
+    from configs.schema import load_config
+    from flows.preflight import check_finetune_inputs
+
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, {"finetune.source": "jsonl", "finetune.paths": [str(train), str(test)]})
+    with pytest.raises(ValueError, match="repeats the id 't9'"):
+        check_finetune_inputs(cfg)
+    plain = [_pairs_file(tmp_path / f"{n}.jsonl", [{"prompt": f"q{i}", "response": " a\n"} for i in range(k)])
+             for n, k in (("tr", 10), ("te", 5))]
+    assert [len(p) for p in F.load_jsonl_pair_files(plain)] == [10, 5]  # ids by position may repeat across files
