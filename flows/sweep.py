@@ -28,9 +28,10 @@ a cell waiting for a slot releases the leases whose heartbeat stopped (:func:`_s
 **Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
 the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
 results it vouches for, survives a new Prefect server or database, and cannot point at results
-that were deleted. A cell whose run directory holds a ``completed`` run of the same config is not
-run again; one whose run stopped (failed, interrupted, or killed while ``running``) is moved aside
-to ``attempts/`` and run anew; one that completed with another config is refused before anything
+that were deleted. A cell whose run directory holds a ``completed`` run of the same config, with its results
+(:func:`missing_results`), is not run again; one whose run stopped (failed, interrupted, or killed
+while ``running``), or that says ``completed`` but lacks its report or a method's summary, is moved
+aside to ``attempts/`` and run anew; one that completed with another config is refused before anything
 starts (the sweep's spec changed under the same name).
 """
 
@@ -62,6 +63,7 @@ from flows.preflight import check_config
 from run.control import graceful_stop, stop_requested
 from reports.common import flatten
 from run.directory import atomic_write_text, check_run_dir, read_status
+from run.layout import RunLayout
 
 __all__ = ["sweep", "sweep_preflight", "SweepPlan", "PlannedCell", "limit_name"]
 
@@ -139,6 +141,17 @@ def _first_difference(old: dict, new: dict) -> str:
     return ""
 
 
+def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
+    """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
+    relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
+    method's ``pretrain/<method>/summary.json`` (DiLoCo, and DP when ``dp.enabled``). Paths from
+    :class:`run.layout.RunLayout`."""
+    layout = RunLayout(run_dir)
+    needed = [layout.report / "report.json"]
+    needed += [layout.summary("pretrain", m) for m in ["diloco"] + (["dp"] if cfg.dp.enabled else [])]
+    return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
+
+
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
     """Every check of a sweep before anything is written: the sweep folder, each cell's config
     (schema, model, corpus: :func:`flows.preflight.check_config`; the corpus once per distinct data
@@ -183,7 +196,12 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
                 raise ValueError(
                     f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
                     "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again")
-            planned.append(PlannedCell(cell, cfg, run_dir, digest, "skip", status))
+            missing = missing_results(run_dir, cfg)
+            if missing:  # status.json vouches for results that are not there: run it again
+                planned.append(PlannedCell(cell, cfg, run_dir, digest, "rerun",
+                                           f"completed without its results (missing {', '.join(missing)})"))
+            else:
+                planned.append(PlannedCell(cell, cfg, run_dir, digest, "skip", status))
         else:
             planned.append(PlannedCell(cell, cfg, run_dir, digest, "rerun", status or "no status"))
     return SweepPlan(spec, path, planned)
@@ -453,17 +471,42 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
 @task(name="sweep-report", cache_policy=NO_CACHE)
 def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     """The comparison across the cells that have a report (:func:`reports.compare.build_comparison`),
-    written to ``<sweep>/report/`` and published as artifacts."""
+    written to ``<sweep>/report/`` and published as artifacts. Every planned cell is listed: one
+    without a readable ``report/report.json`` (failed before its report, or damaged) is shown as
+    "no results" with its status and a warning is logged; with no cell to compare nothing is written
+    and ``{}`` is returned."""
     from reports.artifacts import publish_comparison_artifacts
-    from reports.compare import build_comparison
+    from reports.compare import _read_run, build_comparison
+    from reports.read import ReportInputError
 
-    have = [pc for pc in plan.cells if (pc.run_dir / "report" / "report.json").is_file()]
+    have, none = [], []
+    for pc in plan.cells:
+        report = RunLayout(pc.run_dir).report / "report.json"
+        why = None
+        if not report.is_file():
+            why = "no report/report.json"
+        else:
+            try:
+                _read_run(pc.run_dir)
+            except ReportInputError as exc:  # corrupt or of another schema: shown, not fatal to the others
+                why = str(exc)
+        if why is None:
+            have.append(pc)
+            continue
+        status = read_status(pc.run_dir) if pc.run_dir.is_dir() else {}
+        none.append({"label": pc.cell.name, "run_dir": str(pc.run_dir), "status": status.get("status"),
+                     "reason": status.get("reason"), "why": why})
+    log = _logger()
+    for n in none:
+        log.warning("sweep %s: cell %s has no results (%s); status %s", plan.spec.name, n["label"], n["why"],
+                    n["status"] or "no status.json")
     if not have:
+        log.warning("sweep %s: no cell has results; no comparison written", plan.spec.name)
         return {}
     axes = list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides))
     comparison = build_comparison([pc.run_dir for pc in have], plan.sweep_dir / "report", axes=axes,
                                   labels=[pc.cell.name for pc in have], title=f"Sweep {plan.spec.name}",
-                                  source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)")
+                                  source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)", no_results=none)
     publish_comparison_artifacts(comparison, plan.spec.name)
     return comparison
 
@@ -507,7 +550,7 @@ def sweep(
                 spec.name, len(plan.cells), len(todo), len(plan.cells) - len(todo), plan.sweep_dir,
                 spec.concurrency, spec.launch)
     results: dict[str, dict] = {}
-    prior = _prior_results(plan.sweep_dir)
+    prior = _prior_results(plan.sweep_dir, logger)
     for pc in plan.cells:
         if pc.action == "skip":
             results[pc.cell.name] = {**prior.get(pc.cell.name, {}), "status": "completed",
@@ -576,10 +619,45 @@ class _Progress:
             update_progress_artifact(self.id, self.percent)
 
 
-def _prior_results(sweep_dir: Path) -> dict[str, dict]:
-    """The results recorded for each cell by an earlier run of the sweep (empty if none)."""
+def _logger():
+    """The Prefect run logger inside a flow or task run, else this module's logger."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+
     try:
-        record = json.loads((sweep_dir / SWEEP_JSON).read_text(encoding="utf-8"))
-        return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record.get("cells", [])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger(__name__)
+
+
+def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
+    """The results recorded for each cell by an earlier run of the sweep (empty if none).
+
+    A ``sweep.json`` that is not a sweep record (not UTF-8 JSON, or not an object whose ``cells``
+    is a list of objects with a ``name``) is not overwritten silently: it is renamed
+    ``sweep.json.corrupt-<UTC time>`` beside it and a warning naming both is logged (on
+    ``logger``, default the run's or this module's); the sweep then starts a new record."""
+    path = sweep_dir / SWEEP_JSON
+    if not path.is_file():
         return {}
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        problem = None
+    except (ValueError, UnicodeDecodeError):
+        record, problem = None, "not valid JSON"
+    if problem is None and not (isinstance(record, dict) and isinstance(record.get("cells"), list)
+                                and all(isinstance(c, dict) and "name" in c for c in record["cells"])):
+        problem = "no list of cells with names"
+    if problem is not None:
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}")
+        n = 1
+        while kept.exists():
+            n += 1
+            kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
+        os.replace(path, kept)
+        (logger or _logger()).warning("%s is not a sweep record (%s); kept as %s, and a new record is written",
+                                      path, problem, kept.name)
+        return {}
+    return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record["cells"]}

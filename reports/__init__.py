@@ -54,7 +54,10 @@ every place of ``report.md`` that shows it reads that one value (``reports.markd
 nothing).
 
 Missing inputs inside a run directory are normal (DP disabled, eval disabled, no failures): the
-part they feed says "not run". A path that does not exist, or a folder with neither
+part they feed says "not run". Results the run's record says exist but are gone (a summary of a
+method that ``status.json`` lists as completed, or of a completed run's method that holds metrics or
+checkpoints: ``reports.read.missing_results``) raise :class:`ReportInputError` naming the file, before
+``report/`` is touched, rather than reading "not run". A path that does not exist, or a folder with neither
 ``config.json`` nor a stage holding a method, raises :class:`ReportInputError` naming the path
 (and nothing is written there); a file that exists but is not valid JSON raises it naming the file.
 

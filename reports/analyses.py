@@ -260,6 +260,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
     first = stage == STAGES[0]
     for m, rec in records.items():
         kind, who = method_kind(rec), short_label(m)
+        notes.extend(rec.notes)  # what reading left out (a metrics line cut short)
         fig = method_figures(rec, notes)
         fig["kind"] = kind
         fig["budget"] = budget_figure(rec.summary, who if first else f"{who} {stage_label(stage).lower()}")

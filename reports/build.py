@@ -21,7 +21,7 @@ from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
 from reports.plots import (confusion_figure, loss_figure, merges_figure, resilience_loss_figure,
                            resilience_timeline_figure, save_png)
-from reports.read import MethodRecords, ReportInputError, RunRecords, open_run, read_run
+from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
 from run.layout import STAGES, RunLayout
 
@@ -229,11 +229,19 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     ``sim.study.simulate_goodput`` is one); None leaves the prediction "not computed".
 
     Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
-    or is not a run directory (nothing is written then), and naming the file when an input exists
-    but is corrupt.
+    or is not a run directory (nothing is written then), naming the file when an input exists
+    but is corrupt, and naming it ("results missing") when a result the run's record says exists is
+    gone (:func:`reports.read.missing_results`; nothing is written then either).
     """
     layout = open_run(run_dir)
     records = read_run(layout)
+    missing = missing_results(layout, records.status)
+    if missing:  # "not run" would be wrong: refuse before report/ is touched
+        file, why = missing[0]
+        more = f" (and {len(missing) - 1} more: {', '.join(f for f, _ in missing[1:3])})" if len(missing) > 1 else ""
+        raise ReportInputError(layout.root / file, f"results missing: {why}, but the file is gone{more}; restore it "
+                               "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
+                               "was left as it was")
     config = records.config
     stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)

@@ -532,17 +532,24 @@ def not_completed(comparison: dict) -> list[str]:
             out.append(f"{run['label']}: {what}{why}; completed stages: {done}")
         for m in run.get("methods_not_run") or []:
             out.append(f"{run['label']}: {short_label(m)} has no final held-out loss (not run or not finished)")
+    for run in comparison.get("no_results") or []:
+        why = f" ({run['reason']})" if run.get("reason") else ""
+        out.append(f"{run['label']}: no results ({run['why']}); status {run['status'] or 'no status.json'}{why}")
     return out
 
 
 def render_comparison(comparison: dict) -> str:
     """comparison.md from the dict :func:`build_comparison` returns (computes no figure of its own)."""
     c = comparison
+    nr = c.get("no_results") or []
+    of = f" (of {len(c['runs']) + len(nr)}; {len(nr)} with no results)" if nr else ""
     L = [f"# {c['title']}", "",
-         f"{len(c['runs'])} run directories compared, generated {c['generated_at']} by {c.get('source', '`ddiloco compare`')}. "
+         f"{len(c['runs'])} run directories compared{of}, generated {c['generated_at']} by {c.get('source', '`ddiloco compare`')}. "
          f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.", ""]
     L += ["## Runs", "", "| run | status | config name | path |", "|---|---|---|---|"]
     L += [f"| {r['label']} | {r['status'] or MISSING} | {r['name'] or MISSING} | `{r['run_dir']}` |" for r in c["runs"]]
+    L += [f"| {r['label']} | no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''}) "
+          f"| {MISSING} | `{r['run_dir']}` |" for r in nr]
     L += ["", "## Axes", ""]
     how = "detected: the config keys whose values differ between the runs" if c["axes_detected"] else "given"
     L.append(f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})." if c["axes"]
@@ -580,7 +587,7 @@ def render_comparison(comparison: dict) -> str:
 
 def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axes: list[str] | None = None,
                      labels: list[str] | None = None, title: str = "Comparison",
-                     source: str = "`ddiloco compare`") -> dict:
+                     source: str = "`ddiloco compare`", no_results: Iterable[dict] | None = None) -> dict:
     """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
 
     ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
@@ -600,7 +607,10 @@ def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axe
     Keys present in some runs only (an older schema's config, another model family's fields) are not
     detected; they are listed under ``partial_keys``. ``labels``: one row name per run (default: the
     run directory's folder name). ``title``: the markdown's title; ``source``: what built it (shown
-under the title, kept as ``source``).
+under the title, kept as ``source``). ``no_results``: runs that were meant to be compared but have
+    no results (a sweep's cells without a report), each a dict with ``label``, ``run_dir``, ``status``
+    and ``reason`` (status.json's, or None) and ``why`` (what is missing); the markdown lists them in
+    its runs table and notes as "no results", and they are kept as ``no_results``.
 
     Returns (and writes as ``comparison.json``) a strict-JSON dict: ``schema``, ``title``,
     ``generated_at``, ``stage`` (``pretrain``), ``baseline`` (``dp``), ``runs`` (per run: label,
@@ -613,7 +623,8 @@ under the title, kept as ``source``).
     ``post/task``, ``post/metric``, ``<method>/post_score``, ``<method>/post_diff`` with
     ``_ci_low``/``_ci_high`` (95 %) and ``post_verdict``, ``run_dir``; missing values None, shown
     "—"), ``plots`` (``loss`` and ``gap``: file names in ``out_dir``, None when not drawn), ``notes``
-    (a line per run that is not completed or lacks a method's result) and ``paths`` (``out_dir``,
+    (a line per run that is not completed or lacks a method's result, or has no results),
+    ``no_results`` (as given, else empty) and ``paths`` (``out_dir``,
     ``markdown``, ``json``, ``csv``: absolute).
 
     Raises :class:`ReportInputError` (one line naming the path and the fix) for a path that does not
@@ -679,6 +690,8 @@ under the title, kept as ``source``).
         "rows": rows,
         "plots": {"loss": None, "gap": None},
         "notes": [],
+        "no_results": [{k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")}
+                       for r in (no_results or [])],
         "paths": {"out_dir": str(out), "markdown": str(out / COMPARISON_MD), "json": str(out / COMPARISON_JSON),
                   "csv": str(out / COMPARISON_CSV)},
     }

@@ -21,6 +21,7 @@ pretraining's: tokens, bytes, merges).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ class MethodRecords:
     metrics/train.jsonl: DP) and ``chaos_events`` (a synchronous job's chaos events,
     metrics/events.jsonl: DP's failures, restores, checkpoints, slowdowns). ``files`` names each
     source by its path relative to the run directory (for the report's "source" fields).
+    ``notes``: what reading left out (a metrics file's last line cut short: :func:`read_jsonl`).
     """
 
     stage: str
@@ -67,6 +69,7 @@ class MethodRecords:
     train: list[dict] | None = None
     chaos_events: list[dict] | None = None
     files: dict[str, str] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -119,9 +122,15 @@ def read_json(path: Path, kind: type = dict) -> Any | None:
     return value
 
 
-def read_jsonl(path: Path) -> list[dict] | None:
+def read_jsonl(path: Path, notes: list[str] | None = None, name: str | None = None) -> list[dict] | None:
     """One dict per non-empty line, or ``None`` if the file does not exist. A line that is not a
-    JSON object → ReportInputError naming the file and the line."""
+    JSON object → ReportInputError naming the file and the line.
+
+    Except the last line cut short: a file whose last line is not valid JSON and has no trailing
+    newline (what a process killed mid-append leaves; every writer ends its lines with one) is
+    read without that line, and a warning naming the file (``name``, default its path) and the
+    line is logged and appended to ``notes`` when given. A corrupt line anywhere else, or a last
+    line that ends with a newline, is still refused."""
     if not path.is_file():
         return None
     rows = []
@@ -129,12 +138,20 @@ def read_jsonl(path: Path) -> list[dict] | None:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise ReportInputError(path, f"not UTF-8 text ({e})") from e
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    lines = text.splitlines()
+    for lineno, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
+            if lineno == len(lines) and not text.endswith(("\n", "\r")):
+                note = (f"{name or path}: its last line (line {lineno}) is cut short (no newline; a write stopped "
+                        "part-way) and was left out.")
+                logging.getLogger(__name__).warning(note)
+                if notes is not None:
+                    notes.append(note)
+                break
             raise ReportInputError(path, f"corrupt JSON on line {lineno} ({e.msg})") from e
         if not isinstance(row, dict):
             raise ReportInputError(path, f"line {lineno} is not a JSON object")
@@ -179,17 +196,23 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
         "train": layout.metrics(stage, method, "train"),
         "events": layout.metrics(stage, method, "events"),
     }
+    notes: list[str] = []
+
+    def lines(key: str) -> list[dict] | None:
+        return read_jsonl(paths[key], notes, relative(layout, paths[key]))
+
     return MethodRecords(
         stage=stage,
         method=method,
         summary=read_json(paths["summary"]),
         eval=read_json(paths["eval"]),
-        curve=read_jsonl(paths["curve"]),
-        merges=read_jsonl(paths["merges"]),
-        events=read_jsonl(paths["learners"]),
-        train=read_jsonl(paths["train"]),
-        chaos_events=read_jsonl(paths["events"]),
+        curve=lines("curve"),
+        merges=lines("merges"),
+        events=lines("learners"),
+        train=lines("train"),
+        chaos_events=lines("events"),
         files={k: relative(layout, p) for k, p in paths.items()},
+        notes=notes,
     )
 
 
@@ -234,6 +257,57 @@ def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
     if not any(is_post_training(r.summary, r.eval) for r in records.values()):
         return {}
     return records
+
+
+def _has_work(layout: RunLayout, stage: str, method: str) -> bool:
+    """Whether ``stage``/``method`` holds training output: a metrics file or a checkpoint folder."""
+    d = layout.method_dir(stage, method)
+    metrics = d / "metrics"
+    return (d / "checkpoints").exists() or (metrics.is_dir() and any(metrics.glob("*.jsonl")))
+
+
+def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, str]]:
+    """Results that the run's record says exist but are gone: ``[(file relative to the run
+    directory, why it should be there)]``, empty when nothing is missing.
+
+    A method's ``summary.json`` is missing when ``status.json`` lists its stage as completed
+    (``<stage>-<method>``, or ``finetune`` for a fine-tuned method with metrics or checkpoints), or
+    when the run completed and the method holds metrics or checkpoints; an evaluation result
+    (``eval/pretrain/<method>.json``) when ``eval-<method>`` is listed. A method of an interrupted or
+    failed stage is not listed, so its results read "not run" as before."""
+    status = status if isinstance(status, dict) else {}
+    done = [str(s) for s in status.get("completed_stages") or [] if isinstance(s, str)]
+    completed = status.get("status") == "completed"
+    out: list[tuple[str, str]] = []
+    for stage in STAGES:
+        names = {s[len(stage) + 1:] for s in done if s.startswith(stage + "-")}
+        base = layout.root / stage
+        if base.is_dir():
+            names |= {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")}
+        for method in sorted(names):
+            try:
+                summary = layout.summary(stage, method)
+            except ValueError:  # not a method's name (e.g. finetune/data)
+                continue
+            if summary.exists():
+                continue
+            if f"{stage}-{method}" in done:
+                why = f"status.json lists {stage}-{method} as completed"
+            elif _has_work(layout, stage, method) and (completed or (stage == POST_TRAINING_STAGE and stage in done)):
+                why = (f"the run {'completed' if completed else 'completed its ' + stage + ' stage'} and "
+                       f"{stage}/{method}/ holds its metrics or checkpoints")
+            else:
+                continue
+            out.append((relative(layout, summary), why))
+    for s in done:
+        if s.startswith("eval-"):
+            try:
+                result = layout.eval_result("pretrain", s[len("eval-"):])
+            except ValueError:
+                continue
+            if not result.exists():
+                out.append((relative(layout, result), f"status.json lists {s} as completed"))
+    return out
 
 
 def read_run(layout: RunLayout) -> RunRecords:

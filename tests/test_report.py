@@ -35,6 +35,7 @@ from reports.artifacts import artifact_key, publish_report_artifacts
 from reports.common import NOT_RUN
 from reports.learners import learner_failures
 from reports.plots import loss_figure
+from reports.read import read_jsonl
 from run.layout import RunLayout
 
 PRE = "pretrain"
@@ -422,6 +423,40 @@ def test_missing_dp_summary_says_not_run(run_dir: Path):
     assert "Data-parallel pretraining: **not run**" in md
 
 
+def test_a_completed_method_without_its_summary_is_refused(run_dir: Path):
+    """A summary deleted (or a method's folder removed) after the run finished is not "not run":
+    `ddiloco report` refuses in one line naming the file, and the good report stays as it was."""
+    import shutil
+
+    from tests.test_refusals import cli, one_line_refusal
+
+    lay = _layout(run_dir)
+    _write(lay.status, {"status": "completed", "completed_stages": ["data", "pretrain-diloco", "pretrain-dp",
+                                                                    "eval-diloco", "eval-dp", "report"]})
+    build_report(run_dir)
+    good = {p.name: p.read_bytes() for p in lay.report.iterdir()}
+    lay.summary(PRE, "diloco").unlink()
+    with pytest.raises(ReportInputError, match=r"pretrain/diloco/summary\.json: results missing"):
+        build_report(run_dir)
+    line = one_line_refusal(*cli("report", run_dir))
+    assert "pretrain/diloco/summary.json: results missing" in line and "pretrain-diloco" in line
+    assert {p.name: p.read_bytes() for p in lay.report.iterdir()} == good  # not overwritten
+    # a method's whole folder removed
+    _write(lay.summary(PRE, "diloco"), {"method": "diloco", "tokens": 32768})
+    shutil.rmtree(lay.method_dir(PRE, "dp"))
+    line = one_line_refusal(*cli("report", run_dir))
+    assert "pretrain/dp/summary.json: results missing" in line
+    # a completed run whose stage list does not name the method: its metrics without a summary
+    lay.summary(PRE, "diloco").unlink()
+    _write(lay.status, {"status": "completed", "completed_stages": ["data", "pretrain", "eval"]})
+    with pytest.raises(ReportInputError, match=r"pretrain/diloco/summary\.json: results missing"):
+        build_report(run_dir)
+    assert {p.name: p.read_bytes() for p in lay.report.iterdir()} == good
+    # an interrupted run: a method that did not complete reads "not run", as before
+    _write(lay.status, {"status": "interrupted", "completed_stages": ["data"], "reason": "SIGTERM"})
+    assert _method(build_report(run_dir))["status"] == NOT_RUN
+
+
 def test_dp_disabled_and_eval_disabled(run_dir: Path):
     lay = _layout(run_dir)
     for p in (lay.summary(PRE, "dp"), lay.metrics(PRE, "dp", "eval"), lay.eval_result(PRE, "dp"),
@@ -586,6 +621,25 @@ def test_corrupt_jsonl_names_file_and_line(run_dir: Path):
     path.write_text(path.read_text() + '{"fragment": 0, "merged_at\n')
     with pytest.raises(ReportInputError, match=r"pretrain/diloco/metrics/merges\.jsonl: corrupt JSON on line 9"):
         build_report(run_dir)
+
+
+def test_a_last_line_cut_short_is_dropped_with_a_note(run_dir: Path, caplog):
+    """A SIGKILL mid-append leaves the last line of a metrics file cut short, with no newline: the
+    report drops that line, says so in its notes and the log, and reads the rest."""
+    path = _layout(run_dir).metrics(PRE, "diloco", "merges")
+    whole = read_jsonl(path)
+    path.write_text(path.read_text() + '{"fragment": 0, "merged_at')  # no trailing newline
+    with caplog.at_level("WARNING"):
+        report = build_report(run_dir)
+    dropped = ("pretrain/diloco/metrics/merges.jsonl: its last line (line 9) is cut short (no newline; a write "
+               "stopped part-way) and was left out.")
+    assert dropped in caplog.text
+    assert dropped in report["stages"]["pretrain"]["notes"]
+    assert f"- {dropped}" in _layout(run_dir).report_md.read_text()
+    assert read_jsonl(path, notes=[]) == whole  # every whole line is kept
+    path.write_text(path.read_text() + '}\n{"fragment": 1')  # now line 9 is corrupt in the middle
+    with pytest.raises(ReportInputError, match=r"merges\.jsonl: corrupt JSON on line 9"):
+        read_jsonl(path, notes=[])
 
 
 def test_artifact_key_is_prefect_safe():

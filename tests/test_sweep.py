@@ -86,6 +86,7 @@ def test_preflight_plans_new_completed_and_stopped_cells(tmp_path):
     done.mkdir(parents=True)
     (done / "config.json").write_text(json.dumps(plan.cells[0].cfg.model_dump(mode="json")))
     (done / "status.json").write_text(json.dumps({"status": "completed"}))
+    _write_results(done)
     stopped.mkdir(parents=True)
     (stopped / "status.json").write_text(json.dumps({"status": "interrupted"}))
     (tmp_path / "sw" / "sweep.json").write_text("{}")
@@ -107,6 +108,91 @@ def test_preflight_plans_new_completed_and_stopped_cells(tmp_path):
     with pytest.raises(FileNotFoundError, match="cell learners-2: data.paths: file not found: /nope.jsonl"):
         sweep_preflight(missing, tmp_path / "sw3")
     assert not (tmp_path / "sw2").exists() and not (tmp_path / "sw3").exists()
+
+
+def _write_results(run_dir: Path, methods=("diloco", "dp")) -> None:
+    """What a completed pipeline run holds besides config.json and status.json, as the sweep checks
+    it: report/report.json (schema 3, only the keys a comparison reads) and pretrain/<m>/summary.json."""
+    (run_dir / "report").mkdir(parents=True, exist_ok=True)
+    ms = {m: {"status": "ok", "final_val_loss": 4.1 + 0.2 * i, "wall_s": 100.0, "tokens": 24576,
+              "tokens_per_s": 245.0, "goodput": None, "bytes": {"total": 1000, "sent": 500}, "eval": {}}
+          for i, m in enumerate(methods)}
+    (run_dir / "report" / "report.json").write_text(json.dumps(
+        {"schema": 3, "stages": {"pretrain": {"unit": "tokens", "methods": ms, "loss_gaps": {}}}, "finetune": None}))
+    for m in methods:
+        (run_dir / "pretrain" / m).mkdir(parents=True, exist_ok=True)
+        (run_dir / "pretrain" / m / "summary.json").write_text(json.dumps({"tokens": 24576}))
+
+
+def _completed_cell(pc, results: bool, methods=("diloco", "dp")) -> None:
+    pc.run_dir.mkdir(parents=True)
+    (pc.run_dir / "config.json").write_text(json.dumps(pc.cfg.model_dump(mode="json")))
+    (pc.run_dir / "status.json").write_text(json.dumps({"status": "completed", "completed_stages": ["data"]}))
+    if results:
+        _write_results(pc.run_dir, methods)
+
+
+def test_a_completed_cell_without_its_results_is_run_again(tmp_path):
+    """status.json says completed, but the report or a method's summary is gone (a damaged or
+    half-copied sweep): the cell is planned as a rerun naming what is missing, never skipped."""
+    from flows.sweep import sweep_preflight
+
+    s = spec(grid={"diloco.learners": [2, 3, 4]}, overrides=SMALL_DATA)
+    plan = sweep_preflight(s, tmp_path / "sw")
+    _completed_cell(plan.cells[0], results=True)
+    _completed_cell(plan.cells[1], results=False)  # config.json + status.json only
+    _completed_cell(plan.cells[2], results=True, methods=("diloco",))  # DP's summary is gone
+    (tmp_path / "sw" / "sweep.json").write_text("{}")
+    plan = sweep_preflight(s, tmp_path / "sw")
+    assert [c.action for c in plan.cells] == ["skip", "rerun", "rerun"]
+    assert plan.cells[1].previous == ("completed without its results (missing report/report.json, "
+                                      "pretrain/diloco/summary.json, pretrain/dp/summary.json)")
+    assert plan.cells[2].previous == "completed without its results (missing pretrain/dp/summary.json)"
+    # with the DP baseline off, DiLoCo's summary and the report are all a completed run holds
+    s_nodp = spec(grid={"diloco.learners": [4]}, overrides={**SMALL_DATA, "dp.enabled": False})
+    plan = sweep_preflight(s_nodp, tmp_path / "sw_nodp")
+    _completed_cell(plan.cells[0], results=True, methods=("diloco",))
+    (tmp_path / "sw_nodp" / "sweep.json").write_text("{}")
+    assert [c.action for c in sweep_preflight(s_nodp, tmp_path / "sw_nodp").cells] == ["skip"]
+
+
+def test_the_sweep_comparison_lists_every_cell_and_says_which_have_no_results(tmp_path):
+    from flows.sweep import sweep_preflight, sweep_report
+
+    s = spec(grid={"diloco.learners": [2, 3, 4]}, overrides=SMALL_DATA)
+    plan = sweep_preflight(s, tmp_path / "sw")
+    _completed_cell(plan.cells[0], results=True)
+    plan.cells[1].run_dir.mkdir(parents=True)  # a cell that failed before its report
+    (plan.cells[1].run_dir / "status.json").write_text(json.dumps({"status": "failed", "reason": "OOM"}))
+    _completed_cell(plan.cells[2], results=True)
+    (plan.cells[2].run_dir / "report" / "report.json").write_text('{"schema": 3, "sta')  # damaged
+    comparison = sweep_report.fn(plan, {})  # outside a flow run: written, not published
+    assert [r["label"] for r in comparison["runs"]] == ["learners-2"]
+    assert comparison["no_results"][0] == {"label": "learners-3", "run_dir": str(plan.cells[1].run_dir),
+                                           "status": "failed", "reason": "OOM", "why": "no report/report.json"}
+    assert comparison["no_results"][1]["label"] == "learners-4"
+    assert comparison["no_results"][1]["why"].endswith("learners-4/report/report.json: corrupt JSON "
+                                                       "(Unterminated string starting at at line 1, column 15)")
+    md = (tmp_path / "sw" / "report" / "comparison.md").read_text()
+    assert "1 run directories compared (of 3; 2 with no results)" in md
+    assert f"| learners-3 | no results (failed: OOM) | — | `{plan.cells[1].run_dir}` |" in md
+    assert "- learners-3: no results (no report/report.json); status failed (OOM)" in md
+
+
+def test_a_corrupt_sweep_record_is_kept_aside_with_a_warning(tmp_path, caplog):
+    from flows.sweep import _prior_results
+
+    sw = tmp_path / "sw"
+    sw.mkdir()
+    (sw / "sweep.json").write_text('{"cells": [{"name": "learners-2", "wall_s": 1')  # cut short
+    with caplog.at_level("WARNING"):
+        assert _prior_results(sw) == {}
+    kept = list(sw.glob("sweep.json.corrupt-*"))
+    assert len(kept) == 1 and kept[0].read_text() == '{"cells": [{"name": "learners-2", "wall_s": 1'
+    assert not (sw / "sweep.json").exists()
+    assert f"sweep.json is not a sweep record (not valid JSON); kept as {kept[0].name}" in caplog.text
+    (sw / "sweep.json").write_text(json.dumps({"cells": [{"name": "learners-2", "wall_s": 3.0, "state": "x"}]}))
+    assert _prior_results(sw) == {"learners-2": {"wall_s": 3.0}}  # a sound record is read, not moved
 
 
 # ---------------------------------------------------------------------------------------------
