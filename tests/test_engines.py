@@ -92,7 +92,7 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
     assert not any(e["event"] == "failure" and e["learner"] == 1 for e in events)  # a crash: nothing recorded
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
-    assert any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges), "merged again"
+    rejoined = any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges)
     merged = [(c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"],
                                                                            m["attempts"])]
     assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
@@ -100,6 +100,10 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
     redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
     assert sum(redone.values()) > 0, (high, restart["step"])  # attempt 1 had merged sends past the resume point
     assert not any(c == 1 and a == 2 and s <= high[p] for c, p, s, a in merged)
+    # merged again, unless the budget ran out before the new process trained a sync period past the steps
+    # already merged (on a loaded machine its start can outlast the rest of the budget: learner 0 spends it)
+    last = max(e["step"] for e in events if e["event"] == "stop" and e["learner"] == 1 and e["attempt"] == 2)
+    assert rejoined or last < max(high.values()) + cfg.diloco.sync_every, ("merged again", last, high)
     tps, P = cfg.tokens_per_learner_step, cfg.diloco.fragments
     assert 0 < summary["ledger"]["1"]["recomputed"] <= sum(redone.values()) * tps / P + P
     assert summary["ledger"]["0"]["recomputed"] == 0
