@@ -32,6 +32,7 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.tensors import tensor_bytes, to_numpy
+from run.clock import TrainingClock, WallClock
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter
@@ -74,12 +75,16 @@ def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = Non
 
 def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
              progress: Callable[[int, int, float, float], None] | None = None,
-             on_step: Callable[[int, dict], None] | None = None) -> dict:
+             on_step: Callable[[int, dict], None] | None = None,
+             clock: TrainingClock | None = None) -> dict:
     """Train the DP baseline for ``cfg.dp_steps`` steps; returns the summary dict.
 
     Writes ``pretrain/dp/metrics/{eval,train}.jsonl`` and ``pretrain/dp/checkpoints`` (step = tokens).
     ``progress(tokens, total_tokens, train_loss, heldout_loss)`` is called at each evaluation;
-    ``on_step(step, metrics)`` after every step (metrics as device scalars). Stops at the next step
+    ``on_step(step, metrics)`` after every step (metrics as device scalars). ``clock`` is the
+    training clock the chaos schedule and the train log's ``t`` are read on (seconds; default: wall
+    seconds since the call, :class:`run.clock.WallClock`; tests pass a
+    :class:`run.clock.SimulatedClock`). Stops at the next step
     boundary when ``run.control.STOP`` is set, then evaluates and saves where it stopped. Raises
     ``FileExistsError`` if ``run_dir`` already holds DP results, and ``ValueError`` (before any
     work) if the process has several devices and they do not divide the global batch or each
@@ -119,11 +124,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, **fields})
     cadence = EvalCadence(cfg.train.eval_every_tokens)
     done = high = 0  # steps the model holds now; the most it ever held (a rollback recomputes up to it)
-    origin = t0  # the chaos schedule's training clock: the train log's t
-
-    def clock() -> float:  # the training clock of the chaos schedule
-        return time.monotonic() - origin
-
+    clock = WallClock(t0) if clock is None else clock  # the chaos schedule's clock: the train log's t
     slowed, lost_steps, stall_s, met = 1.0, 0, 0.0, 0  # met: failures the job met
     try:
         while done < steps:
@@ -137,7 +138,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                         "restart_delay_s": f.restart_delay_s, "reason": f"chaos: replica {f.learner} failed"})
                 back_at = t_fail + f.restart_delay_s  # down for the restart delay from the failure
                 while clock() < back_at and not STOP.is_set():  # the whole job is down
-                    time.sleep(min(0.05, back_at - clock()))
+                    clock.sleep(min(0.05, back_at - clock()))
                     while failures and failures[0].at_s <= clock():  # another replica failed meanwhile:
                         g = failures.pop(0)  # the job restarts once both are back
                         met += 1
@@ -156,17 +157,18 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                 continue
             step = done + 1
             batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
-            computing = time.perf_counter()
+            computing = clock()
             params, opt_state, metrics = trainer.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
             if sched is not None:
                 jax.block_until_ready(metrics["loss"])
-                factor = sched.dp_factor(clock())
+                now = clock()
+                factor = sched.dp_factor(now)
                 if factor != slowed:
-                    events({"event": "slowdown", "factor": factor, "step": step, "t": clock()})
+                    events({"event": "slowdown", "factor": factor, "step": step, "t": now})
                     slowed = factor
                 if factor > 1.0 and step > 1:  # every replica waits for the slowest at the all-reduce
                     # (step 1 includes compiling)
-                    time.sleep((factor - 1.0) * (time.perf_counter() - computing))
+                    clock.sleep((factor - 1.0) * (now - computing))
             if on_step is not None:
                 on_step(step, metrics)
             tokens = step * tps
@@ -183,7 +185,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             if step % 10 == 0 or step == steps:
                 step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
                           **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                          "t": time.monotonic() - t0})
+                          "t": clock()})
             if cadence.due(tokens) or step == steps:
                 last, fields = measure()
                 eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step, **fields})
