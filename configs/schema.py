@@ -160,7 +160,7 @@ class MoEFields(_Strict):
     expert_d_ff: PositiveInt | None = Field(None, description="SwiGLU hidden width of each expert; unset = d_ff")
     capacity_factor: PositiveFloat | None = Field(
         1.25, description="expert slots per group = ⌈capacity_factor · top_k · tokens / n_experts⌉; "
-        "choices beyond it are dropped (counted); null = dropless")
+        "choices beyond it are dropped (counted); capacity_factor · top_k must be ≥ 1; null = dropless")
     aux_loss_weight: float = Field(
         0.01, ge=0.0, description="weight α of the Switch Transformer load-balancing loss E·Σ f_e·P_e")
     z_loss_weight: float = Field(0.001, ge=0.0, description="weight of the ST-MoE router z-loss")
@@ -169,6 +169,13 @@ class MoEFields(_Strict):
     def _check_moe(self):
         if self.top_k > self.n_experts:
             raise ValueError(f"model.top_k ({self.top_k}) must be ≤ model.n_experts ({self.n_experts})")
+        cf = self.capacity_factor
+        if cf is not None and cf * self.top_k < 1:  # E·C ≈ cf·k·S slots for S tokens
+            raise ValueError(
+                f"model.capacity_factor ({cf}) × model.top_k ({self.top_k}) = {cf * self.top_k:g} < 1: the experts "
+                f"would have fewer slots than a group has tokens, so at least {1 - cf * self.top_k:.0%} of the tokens "
+                f"would reach no expert even under a perfectly balanced router; use ≥ {1 / self.top_k:g} (1.25 is "
+                "usual), or null for dropless")
         if self.moe_every > self.n_layers:
             raise ValueError(
                 f"model.moe_every ({self.moe_every}) exceeds model.n_layers ({self.n_layers}): no block "

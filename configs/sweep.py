@@ -41,7 +41,8 @@ class SweepSpec(_Strict):
     (``<sweep_dir>/cells/<cell>``).
 
     Raises :class:`pydantic.ValidationError` naming the field: an empty sweep (no grid axis and no
-    cell), an axis without values, a key that names or places the run (``name``, ``run_root``).
+    cell), an axis without values, a key that names or places the run (``name``, ``run_root``), a
+    shared override that a grid axis also sets (the grid would silently win).
     """
 
     name: str = Field("sweep", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
@@ -95,6 +96,10 @@ class SweepSpec(_Strict):
                 _check_key(f"cells[{i}].{key}", key)
         for key in self.overrides:
             _check_key(f"overrides.{key}", key)
+            axis = next((a for a in self.grid if a == key or a.startswith(key + ".") or key.startswith(a + ".")), None)
+            if axis is not None:
+                raise ValueError(f"overrides.{key}: also set by the grid's axis {axis}, whose values would replace it in "
+                                 f"every cell; remove {key} from overrides (or {axis} from grid)")
         n = (_product_size(self.grid) if self.grid else 0) + len(self.cells)
         if n > MAX_CELLS:
             raise ValueError(f"grid: {n} cells, more than {MAX_CELLS}; split the sweep")

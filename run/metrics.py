@@ -6,6 +6,7 @@ No Prefect and no JAX here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 from pathlib import Path
@@ -15,13 +16,16 @@ class JsonlWriter:
     """Thread-safe append-only JSONL file; every record is flushed so a crash keeps what was logged.
 
     ``path``: a local file (created with its parents). Records are dicts of JSON values; floats
-    that JSON cannot hold as numbers (numpy scalars) are converted with ``float``.
+    that JSON cannot hold as numbers (numpy scalars) are converted with ``float``. A file whose last
+    line was cut short (a process killed mid-write) loses that partial line on opening, with a
+    warning, so the records appended after it stay one per line.
     """
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        _drop_cut_line(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")
         self.count = 0
 
@@ -35,6 +39,35 @@ class JsonlWriter:
     def close(self) -> None:
         with self._lock:
             self._fh.close()
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Truncate ``path`` after its last newline when it does not end with one (bytes after it are a
+    record cut short by a kill: never valid JSON, and appending to it would spoil the next record)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb+") as fh:
+        fh.seek(-1, os.SEEK_END)
+        if fh.read(1) == b"\n":
+            return
+        block, end = 65536, size
+        while end > 0:  # find the last newline, reading backwards
+            start = max(0, end - block)
+            fh.seek(start)
+            cut = fh.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                keep = start + cut + 1
+                break
+            end = start
+        else:
+            keep = 0
+        fh.truncate(keep)
+    logging.getLogger(__name__).warning("%s: dropped a last line cut short (%d bytes) before appending", path,
+                                        size - keep)
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

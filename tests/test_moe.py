@@ -109,6 +109,8 @@ def test_moe_config_is_checked_by_kind():
         "model.moe_every (2) exceeds model.n_layers (1)")
     assert "a field of kind: moe_lm" in refusal({"kind": "dense_lm", "n_experts": 4})
     assert "model.top_k" in refusal({"kind": "moe_lm", "top_k": 3})
+    assert "model.capacity_factor (0.01) × model.top_k (2) = 0.02 < 1" in refusal({"kind": "moe_lm", "capacity_factor": 0.01})
+    assert "use ≥ 1 (1.25 is usual)" in refusal({"kind": "moe_lm", "top_k": 1, "capacity_factor": 0.5})
     assert ExperimentConfig.model_validate({"model": {"d_model": 64}}).model.kind == "dense_lm"
 
 

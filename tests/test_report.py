@@ -642,6 +642,24 @@ def test_a_last_line_cut_short_is_dropped_with_a_note(run_dir: Path, caplog):
         read_jsonl(path, notes=[])
 
 
+def test_a_writer_reopening_a_file_cut_short_drops_the_partial_line(tmp_path, caplog):
+    """A resumed stage reopens its metrics file after a kill mid-append: the partial line goes (with
+    a warning) and the next record is a line of its own, so the whole file reads back."""
+    from run.metrics import JsonlWriter
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "lo')
+    with caplog.at_level("WARNING"):
+        writer = JsonlWriter(path)
+    writer({"step": 3})
+    writer.close()
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2}, {"step": 3}]
+    assert "dropped a last line cut short (15 bytes)" in caplog.text
+    path.write_text('{"step": 1, "lo')  # no whole line at all
+    JsonlWriter(path).close()
+    assert path.read_text() == ""
+
+
 def test_artifact_key_is_prefect_safe():
     assert artifact_key("report", "My Run_v2.1") == "report-my-run-v2-1"
     assert artifact_key("ledger", "--") == "ledger-run"

@@ -53,6 +53,10 @@ def test_a_cell_is_identified_by_its_resolved_config():
     ({"grid": {"diloco.learners": [2]}, "concurrency": 0}, "concurrency"),
     ({"grid": {"diloco.learners": [2]}, "launch": "ray"}, "launch"),
     ({"grid": {"diloco.learners": [2]}, "extra": 1}, "extra"),
+    ({"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco.learners": 8}},
+     "overrides.diloco.learners: also set by the grid's axis diloco.learners"),
+    ({"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco": {"learners": 8}}},
+     "overrides.diloco: also set by the grid's axis diloco.learners"),
 ])
 def test_bad_sweeps_are_refused_naming_the_field(kw, message):
     with pytest.raises(ValidationError, match=message):
