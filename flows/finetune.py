@@ -10,6 +10,7 @@ pretrained checkpoints, existing fine-tuning results and the task's inputs.
 # (see flows/pipeline.py).
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -18,6 +19,7 @@ from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
 from configs.schema import ExperimentConfig, apply_overrides, validation_lines
+from flows import run_logger
 from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested
 from run.layout import METHOD_ORDER, RunLayout
@@ -185,6 +187,35 @@ def _put_data_aside(data: Path, tag: str) -> Optional[Path]:
     return dst
 
 
+_ASIDE = re.compile(r"^\.(?P<name>.+)\.replaced-[0-9a-f]{8}$")
+
+
+def _recover_aside(layout: RunLayout) -> list[str]:
+    """Results a ``--replace`` put aside and never got back to (its process was killed: no handler
+    ran). One whose place is empty is moved back (the replace never wrote anything there); one whose
+    place holds newer results is kept where it is, with a warning that names both (whether those are
+    complete cannot be told here, so nothing is deleted). Returns one line per item found."""
+    lines = []
+    for folder in (Path(layout.root) / "finetune", Path(layout.root) / "eval" / "finetune"):
+        if not folder.is_dir():
+            continue
+        for p in sorted(folder.iterdir()):
+            m = _ASIDE.match(p.name)
+            if m is None:
+                continue
+            orig = p.with_name(m["name"])
+            if not orig.exists():
+                p.rename(orig)
+                lines.append(f"{orig}: moved back from {p.name} (an earlier --replace was killed before it wrote "
+                             "new results)")
+            else:
+                lines.append(f"{p}: earlier results an interrupted --replace put aside; {orig} holds newer ones. "
+                             f"Delete {p.name} to keep the newer, or put it back in place of {orig.name}")
+    for line in lines:
+        run_logger().warning(line)
+    return lines
+
+
 def run_finetune_stage(plan: FinetunePlan) -> dict:
     """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
     ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``.
@@ -197,6 +228,7 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
 
     cfg, rd = plan["cfg"], str(plan["run_dir"])
     layout = RunLayout(rd)
+    _recover_aside(layout)
     aside: list[tuple[Path, Path]] = []
     data = Path(layout.finetune_data)
     data_aside = None

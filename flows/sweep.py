@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Optional
 
 import yaml
-from prefect import flow, get_run_logger, task
+from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -59,6 +59,7 @@ from prefect.states import Cancelled, Failed, State
 
 from configs.schema import ExperimentConfig, config_path, read_config_file
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
+from flows import run_logger
 from flows.preflight import check_config
 from run.control import graceful_stop, stop_requested
 from reports.common import flatten
@@ -429,7 +430,7 @@ def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2
             if run.state is not None and run.state.is_final():
                 return run.state, str(run.id)
             if stop_requested() and not cancelled:
-                get_run_logger().warning("stop: cancelling the cell's flow run %s", run.name)
+                get_runrun_logger().warning("stop: cancelling the cell's flow run %s", run.name)
                 client.set_flow_run_state(run.id, Cancelling(message="the sweep was stopped"), force=True)
                 cancelled = True
             if cancelled and (run.state is None or not run.state.is_running()):
@@ -445,7 +446,7 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
     "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
     go on.
     """
-    logger = get_run_logger()
+    logger = get_runrun_logger()
     with _slot(limit) as held:
         if not held:
             return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
@@ -496,7 +497,7 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
         status = read_status(pc.run_dir) if pc.run_dir.is_dir() else {}
         none.append({"label": pc.cell.name, "run_dir": str(pc.run_dir), "status": status.get("status"),
                      "reason": status.get("reason"), "why": why})
-    log = _logger()
+    log = run_logger()
     for n in none:
         log.warning("sweep %s: cell %s has no results (%s); status %s", plan.spec.name, n["label"], n["why"],
                     n["status"] or "no status.json")
@@ -536,7 +537,7 @@ def sweep(
     written. Ends ``Failed`` when a cell failed (the other cells run, the report covers the cells
     that have one) and ``Cancelled`` after a stop signal.
     """
-    logger = get_run_logger()
+    logger = get_runrun_logger()
     spec = resolve_sweep(spec, sweep_file)
     plan = sweep_preflight(spec, sweep_dir)
     if spec.launch == "deployment":
@@ -619,16 +620,6 @@ class _Progress:
             update_progress_artifact(self.id, self.percent)
 
 
-def _logger():
-    """The Prefect run logger inside a flow or task run, else this module's logger."""
-    import logging
-
-    from prefect.exceptions import MissingContextError
-
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logging.getLogger(__name__)
 
 
 def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
@@ -657,7 +648,7 @@ def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
             n += 1
             kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
         os.replace(path, kept)
-        (logger or _logger()).warning("%s is not a sweep record (%s); kept as %s, and a new record is written",
+        (logger or run_logger()).warning("%s is not a sweep record (%s); kept as %s, and a new record is written",
                                       path, problem, kept.name)
         return {}
     return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record["cells"]}

@@ -325,6 +325,27 @@ def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tm
     assert layout.metrics("finetune", "dp", "train").read_text() == ""  # the earlier file, not the new one
 
 
+def test_results_left_aside_by_a_killed_replace_come_back_or_are_named(small_cfg, small_data, tmp_path, caplog):
+    """A --replace killed with SIGKILL leaves its earlier results in hidden ``.X.replaced-<tag>``
+    folders. The next fine-tuning start moves one back whose place is empty and, where newer results
+    stand, keeps both and says which is which."""
+    import flows.finetune as FF
+
+    rd, layout = _fake_run(small_cfg, small_data, tmp_path)
+    dp_dir, dp_eval = layout.method_dir("finetune", "dp"), layout.eval_result("finetune", "dp")
+    dp_dir.rename(dp_dir.with_name(".dp.replaced-0123abcd"))  # killed right after putting it aside
+    dp_eval.rename(dp_eval.with_name(f".{dp_eval.name}.replaced-0123abcd"))
+    dl = layout.method_dir("finetune", "diloco")
+    (dl.parent / ".diloco.replaced-89abcdef").mkdir()  # killed after the new results were started
+    with caplog.at_level("WARNING"):
+        lines = FF._recover_aside(layout)
+    assert dp_dir.is_dir() and json.loads(dp_eval.read_text()) == {"method": "dp"}
+    assert layout.metrics("finetune", "dp", "train").read_text() == ""
+    assert len(lines) == 3 and sum("moved back" in line for line in lines) == 2
+    assert (dl.parent / ".diloco.replaced-89abcdef").is_dir() and dl.is_dir()
+    assert "Delete .diloco.replaced-89abcdef to keep the newer" in caplog.text
+
+
 def test_a_failed_replace_with_another_recipe_restores_the_task_data(small_cfg, small_data, tmp_path, monkeypatch):
     """--replace with a new recipe rebuilds finetune/data/ (its items depend on the recipe); when the
     stage then fails, the earlier results come back with the data they were made from."""
