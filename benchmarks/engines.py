@@ -74,6 +74,12 @@ def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
     }
 
 
+def refuse(message: str) -> None:
+    """One line on stderr naming the option and the fix; exit 2 (before any work)."""
+    print(message, file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/tiny.yaml")
@@ -84,9 +90,16 @@ def main() -> None:
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in names if e not in ENGINES]
     if unknown:
-        sys.exit(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
-    overrides = parse_overrides([*args.sets, f"train.token_budget={args.tokens}",
-                                 f"train.eval_every_tokens={args.tokens}", "eval.enabled=false"])
+        refuse(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    try:
+        given = parse_overrides(args.sets)
+    except ValueError as exc:
+        refuse(str(exc))
+    if "train.token_budget" in given:
+        refuse("--set train.token_budget: give the budget of each run with --tokens")
+    # one evaluation at the end and no lm-eval, unless the user asks otherwise
+    overrides = {"train.eval_every_tokens": args.tokens, "eval.enabled": False, **given,
+                 "train.token_budget": args.tokens}
     base = load_config_checked(args.config, overrides)
     root = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     try:
