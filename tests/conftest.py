@@ -61,3 +61,33 @@ def small_data(tmp_path_factory, small_cfg):
     run_dir = tmp_path_factory.mktemp("small-data")
     prepare_data(small_cfg, run_dir)
     return run_dir
+
+
+def jsonl_finetune_run(small_cfg, small_data, tmp_path, **finetune):
+    """``(cfg, run_dir, layout, task)``: a copy of ``small_data`` with a random-init (seed ``cfg.seed``)
+    'pretrained' dp checkpoint at step 1 and a prepared jsonl task of 40 sums (32 train, 8 test);
+    ``finetune`` keys replace the recipe's (4 steps of 4 rows, lr 0.01, no warm-up)."""
+    import json
+    import shutil
+
+    from data.finetune import prepare_finetune_data
+    from configs.schema import ExperimentConfig
+    from run.layout import RunLayout
+    from training.checkpoint import save_checkpoint
+    from training.common import model_spec
+    from training.functional import nest, params_of
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(small_data, run_dir)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n"
+                             for i in range(40)))
+    cfg = ExperimentConfig.model_validate({
+        **small_cfg.model_dump(),
+        "finetune": {"enabled": True, "source": "jsonl", "paths": [str(pairs)], "steps": 4, "batch_size": 4,
+                     "eval_every_steps": 4, "seeds": [0], "optimizer": {"lr": 0.01, "warmup_steps": 0}, **finetune}})
+    layout = RunLayout(run_dir)
+    save_checkpoint(layout.checkpoints("pretrain", "dp"), 1, nest(params_of(model_spec(cfg, run_dir).init(cfg.seed))),
+                    {"method": "dp"})
+    task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+    return cfg, run_dir, layout, task

@@ -201,30 +201,14 @@ def test_lora_wraps_the_named_projections_and_merges_back():
 def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     """Fine-tune a (random-init) checkpoint with LoRA: every base weight is bit-identical afterwards,
     every adapter B moved; the saved model is base + A·B."""
-    import shutil
-
-    from configs.schema import ExperimentConfig
-    from data.finetune import prepare_finetune_data
-    from run.layout import RunLayout
-    from training.checkpoint import save_checkpoint
+    from tests.conftest import jsonl_finetune_run
     from training.common import model_spec
     from training.finetune import finetune_run
-    from training.functional import nest, params_of
+    from training.functional import params_of
 
-    run_dir = tmp_path / "run"
-    shutil.copytree(small_data, run_dir)
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n"
-                             for i in range(40)))
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "finetune": {"enabled": True, "source": "jsonl", "paths": [str(pairs)], "mode": "lora", "lora_rank": 2,
-                     "steps": 6, "batch_size": 4, "eval_every_steps": 3, "seeds": [0],
-                     "optimizer": {"lr": 0.01, "warmup_steps": 0}}})
-    layout = RunLayout(run_dir)
-    pretrained = params_of(model_spec(cfg, run_dir).init(cfg.seed))
-    save_checkpoint(layout.checkpoints("pretrain", "dp"), 1, nest(pretrained), {"method": "dp"})
-    task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+    cfg, run_dir, layout, task = jsonl_finetune_run(small_cfg, small_data, tmp_path, mode="lora", lora_rank=2,
+                                                    steps=6, eval_every_steps=3)
+    pretrained = params_of(model_spec(cfg, run_dir).init(cfg.seed))  # what the checkpoint holds
     assert task["train_items"] == 32 and task["test_items"] == 8
     rec = finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0,
                        keep_params=True)

@@ -14,6 +14,7 @@ from flax import nnx
 
 from configs.schema import DenseLMConfig
 from data import finetune as F
+from tests.conftest import jsonl_finetune_run
 
 V, L = 64, 16
 
@@ -121,30 +122,6 @@ def test_the_fine_tuning_loss_counts_the_stop_token():
 # ------------------------------------------------------------------------------ fine-tuning runs
 
 
-def _run(small_cfg, small_data, tmp_path, **finetune):
-    """A run directory with a random-init 'pretrained' dp checkpoint and a prepared jsonl task."""
-    from configs.schema import ExperimentConfig
-    from run.layout import RunLayout
-    from training.checkpoint import save_checkpoint
-    from training.common import model_spec
-    from training.functional import nest, params_of
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(small_data, run_dir)
-    pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n"
-                             for i in range(40)))
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "finetune": {"enabled": True, "source": "jsonl", "paths": [str(pairs)], "steps": 4, "batch_size": 4,
-                     "eval_every_steps": 4, "seeds": [0], "optimizer": {"lr": 0.01, "warmup_steps": 0}, **finetune}})
-    layout = RunLayout(run_dir)
-    save_checkpoint(layout.checkpoints("pretrain", "dp"), 1, nest(params_of(model_spec(cfg, run_dir).init(cfg.seed))),
-                    {"method": "dp"})
-    task = F.prepare_finetune_data(cfg, run_dir, layout.finetune_data)
-    return cfg, run_dir, layout, task
-
-
 def _blank_rows(layout, rows: slice | None) -> None:
     """Zero the target mask of the given train rows (None: every row)."""
     path = layout.finetune_data / "train.npz"
@@ -159,7 +136,7 @@ def test_a_batch_without_a_target_token_is_skipped_and_counted(small_cfg, small_
     parameters stay bit-identical) and is counted in the record, never trained at loss 0."""
     import training.finetune as T
 
-    cfg, run_dir, layout, task = _run(small_cfg, small_data, tmp_path, steps=2, eval_every_steps=2)
+    cfg, run_dir, layout, task = jsonl_finetune_run(small_cfg, small_data, tmp_path, steps=2, eval_every_steps=2)
     _blank_rows(layout, slice(None))
     data = T.load_finetune_rows(layout.finetune_data, "train")
     assert data["mask"].sum() == 0
@@ -234,7 +211,7 @@ def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_al
     from training.finetune import finetune_method, finetune_spec, load_adapters, load_pretrained, model_with
     from training.functional import Functional
 
-    cfg, run_dir, layout, task = _run(small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, lora_alpha=8,
+    cfg, run_dir, layout, task = jsonl_finetune_run(small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, lora_alpha=8,
                                       lora_targets=["qkv", "down"])
     finetune_method(cfg, run_dir, "dp", task)
     adapters = layout.adapters("finetune", "dp")
