@@ -430,7 +430,7 @@ def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2
             if run.state is not None and run.state.is_final():
                 return run.state, str(run.id)
             if stop_requested() and not cancelled:
-                get_runrun_logger().warning("stop: cancelling the cell's flow run %s", run.name)
+                run_logger().warning("stop: cancelling the cell's flow run %s", run.name)
                 client.set_flow_run_state(run.id, Cancelling(message="the sweep was stopped"), force=True)
                 cancelled = True
             if cancelled and (run.state is None or not run.state.is_running()):
@@ -446,7 +446,7 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
     "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
     go on.
     """
-    logger = get_runrun_logger()
+    logger = run_logger()
     with _slot(limit) as held:
         if not held:
             return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
@@ -537,7 +537,7 @@ def sweep(
     written. Ends ``Failed`` when a cell failed (the other cells run, the report covers the cells
     that have one) and ``Cancelled`` after a stop signal.
     """
-    logger = get_runrun_logger()
+    logger = run_logger()
     spec = resolve_sweep(spec, sweep_file)
     plan = sweep_preflight(spec, sweep_dir)
     if spec.launch == "deployment":

@@ -3,9 +3,7 @@ whatever the microbatching, the stop token that closes a response, no step on a 
 target, and LoRA with its α/r scale and an adapter-only checkpoint that refuses another rank or α."""
 
 import json
-import shutil
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

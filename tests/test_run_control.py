@@ -158,12 +158,12 @@ def test_the_local_dask_cluster_preloads_the_sigint_shield_and_it_absorbs_ctrl_c
         signal.signal(signal.SIGINT, before)
 
 
-@pytest.mark.parametrize("engine", ["threads", "dask"])
+@pytest.mark.parametrize("engine", ["threads", "dask", "ray"])
 def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
     """``kill -9`` of ``ddiloco`` mid-run (what a time-out or the out-of-memory killer does: no exit
     handler runs): everything the run started ends with it: Prefect's temporary server (its own
-    session: flows/server.py) and, on Dask, the local cluster's worker processes. Only the CLI's
-    process is killed, not its group."""
+    session: flows/server.py) and, on Dask, the local cluster's worker processes, on Ray the local
+    instance (GCS, raylet, its workers). Only the CLI's process is killed, not its group."""
     import psutil
 
     rd = tmp_path / "R"
@@ -176,7 +176,10 @@ def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
                                  "--set", "diloco.learners=2", "--set", "diloco.quorum=1"],
                                 cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"}, start_new_session=True)
-    workers = 3 if engine == "dask" else 0  # the local cluster's worker processes: 2 learners and the syncer
+    # the local cluster's worker processes (2 learners and the syncer): Dask's spawned workers, Ray's
+    # task workers (their process title: ray::<task>)
+    worker_mark = {"dask": "multiprocessing.spawn", "ray": "ray::"}.get(engine)
+    workers = 3 if worker_mark else 0
 
     def descendants():
         return [(p, " ".join(p.cmdline())) for p in psutil.Process(proc.pid).children(recursive=True)]
@@ -184,9 +187,9 @@ def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
     started: list = []
     try:
         deadline = time.monotonic() + 600
-        # DiLoCo under way: the flow's progress line, and on Dask the cluster's workers started
+        # DiLoCo under way: the flow's progress line, and on Dask and Ray the cluster's workers started
         while ("diloco: tokens" not in log.read_text()
-               or sum("multiprocessing.spawn" in n for _, n in descendants()) < workers):
+               or (worker_mark is not None and sum(worker_mark in n for _, n in descendants()) < workers)):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         started = [p for p, _ in descendants()]

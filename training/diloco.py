@@ -40,7 +40,7 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # (the last two: flows/preflight.py)
+from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401 (the last two: flows/preflight.py)
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
