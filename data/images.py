@@ -254,15 +254,17 @@ class ImageFolder:
             if self.archive.name.lower().endswith(".zip"):
                 with zipfile.ZipFile(self.archive) as z:
                     for info in z.infolist():
-                        rel = info.filename[len(self.prefix):]
-                        if info.filename.startswith(self.prefix) and rel in wanted:
+                        name = _member(info.filename)
+                        rel = name[len(self.prefix):]
+                        if name.startswith(self.prefix) and rel in wanted:
                             with z.open(info) as f:
                                 yield rel, io.BytesIO(f.read())
             else:
                 with tarfile.open(self.archive, "r|*") as t:  # one sequential pass
                     for m in t:
-                        rel = m.name[len(self.prefix):]
-                        if m.isfile() and m.name.startswith(self.prefix) and rel in wanted:
+                        name = _member(m.name)
+                        rel = name[len(self.prefix):]
+                        if m.isfile() and name.startswith(self.prefix) and rel in wanted:
                             yield rel, io.BytesIO(t.extractfile(m).read())
         except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
             raise ValueError(f"data.paths[0]: {self.archive} cannot be read as a "
@@ -270,14 +272,20 @@ class ImageFolder:
                              "repack or extract it") from None
 
 
+def _member(name: str) -> str:
+    """An archive member's path as the folder's relative path: ``./cat/0.png`` and ``/cat//0.png``
+    are ``cat/0.png`` (``tar czf x.tgz .`` writes the first form)."""
+    return PurePosixPath(name.lstrip("/")).as_posix().removeprefix("./")
+
+
 def _list_archive(path: Path) -> list[str]:
     kind = "zip" if path.name.lower().endswith(".zip") else "tar"
     try:
         if kind == "zip":
             with zipfile.ZipFile(path) as z:
-                return [i.filename for i in z.infolist() if not i.is_dir()]
+                return [_member(i.filename) for i in z.infolist() if not i.is_dir()]
         with tarfile.open(path, "r:*") as t:
-            return [m.name for m in t.getmembers() if m.isfile()]
+            return [_member(m.name) for m in t.getmembers() if m.isfile()]
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
         raise ValueError(f"data.paths[0]: {path} cannot be read as a {kind} archive ({exc}); repack or extract it") from None
 
@@ -325,10 +333,11 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
         if inner:
             raise ValueError(f"{where} holds another archive ({inner[0]}); extract it into the archive's folders "
                              "(archives inside archives are not read)")
-        tops = {PurePosixPath(r).parts[0] for r in rels}
-        if len(tops) == 1 and all(len(PurePosixPath(r).parts) >= 3 for r in rels):  # one wrapper folder
-            prefix = f"{tops.pop()}/"
-            rels = [r[len(prefix):] for r in rels]
+        pics = [r for r in rels if PurePosixPath(r).suffix.lower() in suffixes]
+        tops = {PurePosixPath(r).parts[0] for r in pics}
+        if len(tops) == 1 and all(len(PurePosixPath(r).parts) >= 3 for r in pics):  # one wrapper folder
+            prefix = f"{tops.pop()}/"  # (files beside it, e.g. pets/../README.md, are no images: skipped)
+            rels = [r[len(prefix):] for r in rels if r.startswith(prefix)]
     else:
         raise FileNotFoundError(f"{where} does not exist (an imagefolder is a folder of class sub-folders, or a "
                                 "zip/tar archive of one)")
@@ -396,7 +405,7 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
                          "≥ 2, one per class, images inside")
     index = {c: i for i, c in enumerate(classes)}
     files = {s: [(prefixes[s] + "/".join(p), index[p[0]]) for p in ps] for s, ps in groups.items()}
-    return ImageFolder(str(path), classes, files, archive, prefix)
+    return ImageFolder(str(root), classes, files, archive, prefix)
 
 
 def _open_image(f, name: str):
@@ -425,6 +434,9 @@ def inspect_image_folder(folder: ImageFolder, image_size: int | None = None, cha
         img = _open_image(f, folder.display(rel))
         modes.add(img.mode)
         sizes.setdefault(img.size, rel)
+    if not sizes:  # the scan listed images that reading the folder did not meet
+        raise ValueError(f"data.paths[0]: {folder.archive or folder.root}: none of its {sum(map(len, folder.files.values()))} "
+                         "images could be read back; repack it (e.g. cd pets && zip -r ../pets.zip .)")
     if image_size is None and len(sizes) > 1:
         raise size_refusal(sizes, f"data.paths[0] {folder.root}")
     w, h = (image_size, image_size) if image_size is not None else next(iter(sizes))

@@ -305,6 +305,36 @@ def test_an_archive_is_read_like_the_folder_inside_it(tmp_path, suffix):
         load_images("imagefolder", path=str(tmp_path / "broken.zip"))
 
 
+@pytest.mark.parametrize("how", ["dot", "dotted_wrapper", "wrapper_with_readme", "home"])
+def test_archives_and_paths_as_users_make_them(tmp_path, monkeypatch, how):
+    """``cd pets && tar czf ../pets.tgz .`` (members ``./train/...``), ``tar czf pets.tgz ./pets``, a
+    wrapper folder with a README beside the class folders, and a ``~/`` path: each reads as the folder."""
+    import tarfile
+
+    _split_folder(tmp_path / "pets", splits=(("train", 10), ("test", 3)))
+    folder = load_images("imagefolder", path=str(tmp_path / "pets"))
+    path = tmp_path / "pets.tgz"
+    if how == "dot":
+        with tarfile.open(path, "w:gz") as t:
+            t.add(tmp_path / "pets", arcname=".")
+    elif how == "dotted_wrapper":
+        with tarfile.open(path, "w:gz") as t:
+            t.add(tmp_path / "pets", arcname="./pets")
+    elif how == "wrapper_with_readme":
+        (tmp_path / "pets" / "README.md").write_text("my pets\n")
+        with tarfile.open(path, "w:gz") as t:
+            t.add(tmp_path / "pets", arcname="pets")
+    else:
+        monkeypatch.setenv("HOME", str(tmp_path))
+        path = "~/pets"
+    got = load_images("imagefolder", path=str(path))
+    np.testing.assert_array_equal(got.images, folder.images)
+    np.testing.assert_array_equal(got.labels, folder.labels)
+    from flows.preflight import check_image_source
+
+    check_image_source(_image_cfg(str(path)))
+
+
 def test_a_hub_style_dataset_converts_modes_too(tmp_path):
     """``hf_images`` (here a local Parquet dataset folder, as ``data.hf_name`` may be) goes through the same
     conversion: palette colours, alpha onto white, grey repeated."""
