@@ -1053,8 +1053,12 @@ def apply_overrides(raw: dict, overrides: dict | None) -> dict:
 
 
 def _merged(old, new):
-    """``new`` deep-merged into ``old`` when both are mappings (``new``'s keys win), else ``new``."""
+    """``new`` deep-merged into ``old`` when both are mappings (``new``'s keys win), else ``new``. A
+    mapping that names another ``kind`` (a model family) replaces the section: the old family's
+    fields would not fit the new one."""
     if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    if "kind" in new and new["kind"] != old.get("kind", new["kind"]):
         return new
     return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
 

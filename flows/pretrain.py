@@ -27,7 +27,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
-from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco
+from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco, with_absolute_exchange
 from flows.engines import engine_session, task_options, task_runner_for
 
 
@@ -105,6 +105,8 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
 
 def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float) -> dict:
     logger = get_run_logger()
+    # paths made absolute here, once: worker processes may start in another folder
+    config, rd = with_absolute_exchange(config), rd.absolute()
     exchange = prepare_diloco(config, rd)
     budget = token_budget(config)
     d, rt = config.diloco, config.runtime

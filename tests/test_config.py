@@ -226,6 +226,11 @@ def test_a_section_valued_override_merges_into_the_section(tmp_path):
         assert got.diloco.sync_every == 4 and got.diloco.outer_lr == tiny.diloco.outer_lr
     assert load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 3}]}) \
         .chaos.failures[0].at_step == 3  # lists are values: replaced, not merged
+    # a section naming another model family replaces the section (moe's expert fields would not fit)
+    dense = load_config(ROOT / "configs" / "moe.yaml", parse_overrides(["model={kind: dense_lm, d_model: 32}"]))
+    assert dense.model.kind == "dense_lm" and dense.model.d_model == 32
+    same = load_config(ROOT / "configs" / "moe.yaml", parse_overrides(["model={kind: moe_lm, n_experts: 2}"]))
+    assert same.model.n_experts == 2 and same.model.d_model == load_config(ROOT / "configs" / "moe.yaml").model.d_model
 
 
 def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):

@@ -288,7 +288,7 @@ def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path
     """``runtime.exchange_url`` relative or with ``~``: the run's exchange URL is made absolute once, in
     the process that resolves it (worker processes may start elsewhere)."""
     from configs.schema import load_config
-    from training.diloco import exchange_url
+    from training.diloco import exchange_url, with_absolute_exchange
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
@@ -298,6 +298,11 @@ def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path
         cfg = load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": given})
         got = exchange_url(cfg, tmp_path / "runs" / "R")
         assert got == (str(expected / "R") if expected else f"{given}/R"), given
+        fixed = with_absolute_exchange(cfg)  # what the flow hands its tasks
+        assert fixed.runtime.exchange_url == (str(expected) if expected else given)
+        monkeypatch.chdir(tmp_path / "runs" if (tmp_path / "runs").is_dir() else tmp_path.parent)  # a worker elsewhere
+        assert exchange_url(fixed, tmp_path / "runs" / "R") == got, given
+        monkeypatch.chdir(tmp_path)
 
 
 class _FailingFile:
@@ -389,3 +394,26 @@ def test_the_exchange_url_check_leaves_nothing_behind(tmp_path):
     root = Path(__file__).resolve().parents[1]
     check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": str(tmp_path / "new" / "ex")}))
     assert not (tmp_path / "new").exists()
+
+
+def test_the_writability_check_removes_only_its_own_empty_folders(tmp_path, monkeypatch):
+    """``check_writable`` on a new nested root makes the folders, probes and removes them again; when
+    another run starts writing in one of them meanwhile (two sweep cells checking the same new
+    exchange URL), that folder and its file stay."""
+    import fsspec.implementations.local as local
+
+    from diloco.exchange.fsspec import check_writable
+
+    check_writable(str(tmp_path / "a" / "b" / "c"))
+    assert list(tmp_path.iterdir()) == []
+    pipe = local.LocalFileSystem.pipe_file
+
+    def pipe_and_race(self, path, value, **kw):  # another run's exchange appears under a/b meanwhile
+        (tmp_path / "a" / "b" / "other").mkdir(exist_ok=True)
+        (tmp_path / "a" / "b" / "other" / "meta.json").write_text("{}")
+        return pipe(self, path, value, **kw)
+
+    monkeypatch.setattr(local.LocalFileSystem, "pipe_file", pipe_and_race)
+    check_writable(str(tmp_path / "a" / "b" / "c"))
+    assert (tmp_path / "a" / "b" / "other" / "meta.json").read_text() == "{}"
+    assert not (tmp_path / "a" / "b" / "c").exists()

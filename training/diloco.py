@@ -75,16 +75,31 @@ _EXCHANGES: dict[str, FsspecExchange] = {}
 _LOCK = threading.Lock()
 
 
+def _absolute(url: str) -> str:
+    """A local path without a protocol (relative, or with ``~``) made absolute in this process; any
+    other URL as it is."""
+    url = url.rstrip("/")
+    if "://" not in url and "::" not in url and not url.startswith(("file:", "local:")):
+        return str(Path(url).expanduser().absolute())
+    return url
+
+
+def with_absolute_exchange(cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with ``runtime.exchange_url`` made absolute (:func:`_absolute`) in the calling process:
+    the flow does it once, before any task starts, so worker processes started in another folder (a
+    Ray or Dask cluster) open the same exchange."""
+    url = cfg.runtime.exchange_url
+    if not url or _absolute(url) == url:
+        return cfg
+    return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"exchange_url": _absolute(url)})})
+
+
 def exchange_url(cfg: ExperimentConfig, run_dir: str | Path) -> str:
     """Where the run's fsspec exchange lives: ``runtime.exchange_url``/<run directory name>, or
-    ``pretrain/diloco/exchange`` inside the run directory. A local path given without a protocol
-    (relative, or with ``~``) is made absolute here, so that worker processes started in another
-    folder use the same one."""
+    ``pretrain/diloco/exchange`` inside the run directory. The flow passes its tasks a config whose
+    URL is already absolute (:func:`with_absolute_exchange`) and an absolute run directory."""
     if cfg.runtime.exchange_url:
-        base = cfg.runtime.exchange_url.rstrip('/')
-        if "://" not in base and "::" not in base and not base.startswith(("file:", "local:")):
-            base = str(Path(base).expanduser().absolute())
-        return f"{base}/{Path(run_dir).absolute().name}"
+        return f"{_absolute(cfg.runtime.exchange_url)}/{Path(run_dir).absolute().name}"
     return str(RunLayout(Path(run_dir).absolute()).exchange(STAGE, METHOD))
 
 

@@ -179,18 +179,20 @@ def check_url(url: str) -> None:
 def check_writable(url: str, storage_options: dict | None = None) -> None:
     """Check that an exchange can live under ``url``: :func:`check_url`, then create the root, write,
     read back and delete a probe object. Folders the check created on a local filesystem are removed
-    again, so a passed check leaves nothing behind. Raises ``ValueError`` for a refused form and
+    again, deepest first and only while empty (another run may have started writing in them
+    meanwhile: nothing of its is touched), so a passed check leaves nothing of its own. Raises ``ValueError`` for a refused form and
     whatever the filesystem raises (``OSError``, ``PermissionError``, ``NotImplementedError``, …) when
     the root cannot be created, written or read."""
     check_url(url)
     fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
     root = root.rstrip("/") or "/"
     local = "file" in fs.protocol or "local" in fs.protocol
-    created = None
+    created: list[str] = []  # the folders this check makes, outermost first
     if local:
         top = root
         while not fs.exists(top):
-            created, top = top, top.rsplit("/", 1)[0] or "/"
+            created.insert(0, top)
+            top = top.rsplit("/", 1)[0] or "/"
     try:
         fs.makedirs(root, exist_ok=True)
         probe = f"{root.rstrip('/')}/.exchange-probe-{uuid.uuid4().hex}"
@@ -201,8 +203,11 @@ def check_writable(url: str, storage_options: dict | None = None) -> None:
         finally:
             fs.rm(probe)
     finally:
-        if created is not None and fs.exists(created):
-            fs.rm(created, recursive=True)
+        for folder in reversed(created):
+            try:
+                os.rmdir(folder)  # never recursive: a folder in use by another run is not empty
+            except OSError:
+                break
 
 
 def _tmp_name() -> str:
