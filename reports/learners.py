@@ -146,8 +146,8 @@ def learner_table(events: list[dict]) -> list[dict]:
             row["starts"] += 1
         elif ev in ("failure", "kill"):
             row["failures"] += 1
-        elif ev == "dropped":
-            row["dropped_submissions"] += 1
+        elif ev == "dropped" and e.get("reason") != "recomputed":  # a re-trained copy of merged steps:
+            row["dropped_submissions"] += 1  # its tokens are recomputed work, not dropped
         if e.get("step") is not None:
             row["last_step"] = e.get("step")
         if ev in ("stop", "failure", "kill"):

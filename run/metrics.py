@@ -5,6 +5,7 @@ No Prefect and no JAX here.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -18,7 +19,8 @@ class JsonlWriter:
     ``path``: a local file (created with its parents). Records are dicts of JSON values; floats
     that JSON cannot hold as numbers (numpy scalars) are converted with ``float``. A file whose last
     line was cut short (a process killed mid-write) loses that partial line on opening, with a
-    warning, so the records appended after it stay one per line.
+    warning, so the records appended after it stay one per line. Each line is written under an
+    advisory ``flock`` (local filesystems), so several writers of one file never interleave.
     """
 
     def __init__(self, path: str | Path):
@@ -32,8 +34,14 @@ class JsonlWriter:
     def __call__(self, record: dict) -> None:
         line = json.dumps(record, default=float)
         with self._lock:
-            self._fh.write(line + "\n")
-            self._fh.flush()
+            # an advisory lock per line: writers of one file in other processes (learner attempts
+            # appending to learners.jsonl) and a reopening writer's check never see half a line
+            fcntl.flock(self._fh, fcntl.LOCK_EX)
+            try:
+                self._fh.write(line + "\n")
+                self._fh.flush()
+            finally:
+                fcntl.flock(self._fh, fcntl.LOCK_UN)
             self.count += 1
 
     def close(self) -> None:
@@ -51,6 +59,10 @@ def _drop_cut_line(path: Path) -> None:
     if size == 0:
         return
     with open(path, "rb+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released on close; no writer is half-way through a line now
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            return
         fh.seek(-1, os.SEEK_END)
         if fh.read(1) == b"\n":
             return

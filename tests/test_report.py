@@ -1163,3 +1163,15 @@ def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
     (sentence,) = [line for line in lines if line.startswith("Tokens per learner:")]
     assert "recomputed = " in sentence and "submitted = merged + recomputed + dropped + pending hold" in sentence
     assert "| 0 | 1,000 | 900 | 100 | 700 | 150 | 50 | 0 | 2 | stale: 50 | 70.0 |" in "\n".join(lines)
+
+
+def test_a_recomputed_copy_is_not_a_dropped_submission():
+    """The syncer drops a restarted learner's copy of steps already merged as "recomputed": that is
+    re-done work (the ledger's recomputed column), not a submission the learner lost."""
+    from reports.learners import learner_table
+
+    events = [{"event": "start", "learner": 0, "t": 0.0},
+              {"event": "dropped", "learner": 0, "reason": "recomputed", "t": 1.0},
+              {"event": "dropped", "learner": 0, "reason": "stale", "t": 2.0}]
+    (row,) = learner_table(events)
+    assert row["dropped_submissions"] == 1 and row["starts"] == 1
