@@ -848,16 +848,19 @@ class ExperimentConfig(_Strict):
         if sched is not None and sched.learners != M:
             raise ValueError(f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
                              f"diloco.learners {sched.learners}")
-        for m in range(M):
-            n = (len(sched.learner_failures(m)) if sched is not None else 0) \
-                + sum(1 for f in self.chaos.failures if f.learner == m) \
-                + sum(1 for k in self.chaos.kills if k.learner == m)
-            if n > self.diloco.learner_retries:
-                hint = (" (or drop some of them)" if sched is None else "" if self.chaos.replay else
-                        " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
-                raise ValueError(f"{src} fails learner {m} {n} times but diloco.learner_retries is "
-                                 f"{self.diloco.learner_retries}: it would end for good; raise diloco.learner_retries "
-                                 f"to ≥ {n}" + hint)
+        # a learner failed more often than its retries ends for good: allowed while another learner
+        # lives on to spend the budget (a learner lost for good is a scenario of its own); refused
+        # when every learner would end so (the run could only fail short of its budget)
+        fails = [(len(sched.learner_failures(m)) if sched is not None else 0)
+                 + sum(1 for f in self.chaos.failures if f.learner == m)
+                 + sum(1 for k in self.chaos.kills if k.learner == m) for m in range(M)]
+        if all(n > self.diloco.learner_retries for n in fails):
+            m, n = min(enumerate(fails), key=lambda x: x[1])
+            hint = (" (or drop some of them)" if sched is None else "" if self.chaos.replay else
+                    " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
+            raise ValueError(f"{src} fails every learner more often than diloco.learner_retries "
+                             f"({self.diloco.learner_retries}; the least, learner {m}, {n} times): all would end for "
+                             f"good and the run could not finish; raise diloco.learner_retries to ≥ {n}" + hint)
         if sched is None:
             return
         if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":

@@ -191,13 +191,18 @@ def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
 # -- issue 25, new-user round: overrides, retries, sweeps ---------------------------------------
 @pytest.mark.parametrize("field", ["failures", "kills"])
 def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(field):
-    """Four faults of learner 0 with diloco.learner_retries 2 and no chaos.schedule: the learner would
-    end for good (on the old code the count was skipped when no schedule was drawn, and this passed)."""
-    events = [{"learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
-    overrides = {f"chaos.{field}": events, "runtime.engine": "dask" if field == "kills" else "threads"}
-    with pytest.raises(ValidationError, match=r"fails learner 0 4 times but diloco.learner_retries is 2.*≥ 4"):
-        load_config(ROOT / "configs" / "tiny.yaml", overrides)
-    load_config(ROOT / "configs" / "tiny.yaml", {**overrides, "diloco.learner_retries": 4})
+    """Faults beyond diloco.learner_retries (2) and no chaos.schedule: one learner lost for good is a
+    scenario (the others spend the budget); every learner lost is refused (the run could not finish;
+    on the old code the count was skipped when no schedule was drawn)."""
+    engine = {"runtime.engine": "dask" if field == "kills" else "threads"}
+    lost = [{"learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
+    assert len(getattr(load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": lost, **engine}).chaos,
+                       field)) == 4
+    every = [{"learner": m, "at_step": s} for m in range(3) for s in (3, 5, 7, *((9,) if m == 1 else ()))]
+    with pytest.raises(ValidationError, match=r"fails every learner more often than diloco.learner_retries \(2; the "
+                                              r"least, learner 0, 3 times\).*≥ 3"):
+        load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine})
+    load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine, "diloco.learner_retries": 3})
 
 
 def test_a_key_set_twice_on_one_command_line_is_refused():
