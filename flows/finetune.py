@@ -195,15 +195,21 @@ def _recover_aside(layout: RunLayout) -> list[str]:
     ran). One whose place is empty is moved back (the replace never wrote anything there); one whose
     place holds newer results is kept where it is, with a warning that names both (whether those are
     complete cannot be told here, so nothing is deleted). Returns one line per item found."""
-    lines = []
+    lines: list[str] = []
+    data = Path(layout.finetune_data)
+    data_asides = sorted(data.parent.glob(f".{data.name}.replaced-*"), key=lambda p: p.stat().st_mtime) \
+        if data.parent.is_dir() else []  # oldest first
+    moved = kept = 0
     for folder in (Path(layout.root) / "finetune", Path(layout.root) / "eval" / "finetune"):
         if not folder.is_dir():
             continue
         for p in sorted(folder.iterdir()):
             m = _ASIDE.match(p.name)
-            if m is None:
+            if m is None or p in data_asides:
                 continue
             orig = p.with_name(m["name"])
+            kept += orig.exists()
+            moved += not orig.exists()
             if not orig.exists():
                 p.rename(orig)
                 lines.append(f"{orig}: moved back from {p.name} (an earlier --replace was killed before it wrote "
@@ -211,6 +217,16 @@ def _recover_aside(layout: RunLayout) -> list[str]:
             else:
                 lines.append(f"{p}: earlier results an interrupted --replace put aside; {orig} holds newer ones. "
                              f"Delete {p.name} to keep the newer, or put it back in place of {orig.name}")
+    for p in data_asides:  # the task's items the put-aside results were made from
+        if moved and p == data_asides[-1]:  # results came back: so does their data
+            shutil.rmtree(data, ignore_errors=True)
+            p.rename(data)
+            lines.append(f"{data}: moved back from {p.name} with the results made from it")
+        elif kept:
+            lines.append(f"{p}: the task data of the put-aside results above; keep or delete it with them")
+        else:  # the replace had finished its results and was killed while cleaning up
+            shutil.rmtree(p, ignore_errors=True)
+            lines.append(f"{p}: removed (an earlier --replace had finished its results)")
     for line in lines:
         run_logger().warning(line)
     return lines

@@ -309,7 +309,7 @@ def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tm
     assert layout.metrics("finetune", "dp", "train").read_text() == ""  # the earlier file, not the new one
 
 
-def test_results_left_aside_by_a_killed_replace_come_back_or_are_named(small_cfg, small_data, tmp_path, caplog):
+def test_results_left_aside_by_a_killed_replace_come_back_or_are_named(small_cfg, small_data, tmp_path):
     """A --replace killed with SIGKILL leaves its earlier results in hidden ``.X.replaced-<tag>``
     folders. The next fine-tuning start moves one back whose place is empty and, where newer results
     stand, keeps both and says which is which."""
@@ -321,13 +321,25 @@ def test_results_left_aside_by_a_killed_replace_come_back_or_are_named(small_cfg
     dp_eval.rename(dp_eval.with_name(f".{dp_eval.name}.replaced-0123abcd"))
     dl = layout.method_dir("finetune", "diloco")
     (dl.parent / ".diloco.replaced-89abcdef").mkdir()  # killed after the new results were started
-    with caplog.at_level("WARNING"):
-        lines = FF._recover_aside(layout)
+    lines = FF._recover_aside(layout)  # (each also logged as a warning)
     assert dp_dir.is_dir() and json.loads(dp_eval.read_text()) == {"method": "dp"}
     assert layout.metrics("finetune", "dp", "train").read_text() == ""
     assert len(lines) == 3 and sum("moved back" in line for line in lines) == 2
     assert (dl.parent / ".diloco.replaced-89abcdef").is_dir() and dl.is_dir()
-    assert "Delete .diloco.replaced-89abcdef to keep the newer" in caplog.text
+    assert any("Delete .diloco.replaced-89abcdef to keep the newer" in line for line in lines)
+    # the task data put aside with them: back with the results it made (the newer data/ goes)
+    (layout.finetune_data / "manifest.json").write_text('{"old": true}')
+    shutil_copy = __import__("shutil").copytree
+    shutil_copy(layout.finetune_data, layout.finetune_data.with_name(".data.replaced-0123abcd"))
+    (layout.finetune_data / "manifest.json").write_text('{"new": true}')
+    dp_dir.rename(dp_dir.with_name(".dp.replaced-0123abcd"))
+    FF._recover_aside(layout)
+    assert json.loads((layout.finetune_data / "manifest.json").read_text()) == {"old": True} and dp_dir.is_dir()
+    # a replace killed while cleaning up (its results written, no result left aside): the data copy goes
+    __import__("shutil").rmtree(dl.parent / ".diloco.replaced-89abcdef")
+    shutil_copy(layout.finetune_data, layout.finetune_data.with_name(".data.replaced-feedbeef"))
+    FF._recover_aside(layout)
+    assert sorted(p.name for p in layout.finetune_data.parent.iterdir() if p.name.startswith(".")) == []
 
 
 def test_a_failed_replace_with_another_recipe_restores_the_task_data(small_cfg, small_data, tmp_path, monkeypatch):

@@ -364,10 +364,12 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     (``InjectedFailure`` for a scheduled failure); the task runner retries it, and the retry resumes
     from the saved resume point. An attempt whose set-up raises (e.g. ``ValueError``: its worker
     cannot meet ``runtime.devices_per_learner``) is a failure before its first step: it reports itself
-    ``down`` to the exchange and logs a ``failure`` event at step 0 (``before_start``) first.
+    ``down`` to the exchange and logs a ``failure`` event (``before_start``) first, at the local step
+    its earlier attempts reached (0 on a first attempt).
     """
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
-    previous = exchange.learners().get(learner, {}).get("attempt")
+    seen = exchange.learners().get(learner, {})
+    previous, last_step = seen.get("attempt"), int(seen.get("step") or 0)  # of its earlier attempts
     if previous is not None:
         attempt = max(attempt, int(previous) + 1)
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"))
@@ -375,8 +377,9 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         try:
             setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
-            exchange.heartbeat(learner, status="down", attempt=attempt, step=0, reason=repr(exc), pid=os.getpid())
-            log({"event": "failure", "learner": learner, "attempt": attempt, "reason": repr(exc), "step": 0,
+            exchange.heartbeat(learner, status="down", attempt=attempt, step=last_step, reason=repr(exc),
+                               pid=os.getpid())
+            log({"event": "failure", "learner": learner, "attempt": attempt, "reason": repr(exc), "step": last_step,
                  "t": exchange.clock(), "before_start": True})
             raise
         return run_learner(setup)
