@@ -683,6 +683,22 @@ class FinetuneConfig(_Strict):
         return self
 
 
+class NetworkConfig(_Strict):
+    """The network between workers that the report models time under (``reports/interconnect.py``):
+    each DP replica and each DiLoCo learner on its own host, one full-duplex link each. The runs
+    themselves are unchanged (every worker shares this host); only the report's modelled times use it."""
+
+    label: str = Field("links between datacenters", max_length=80,
+                       description="what the links model, named in every modelled figure")
+    bandwidth_gbps: PositiveFloat | None = Field(
+        1.0, description="each link's bandwidth, Gbit/s each way; null = every worker on this host (no "
+                         "network: the modelled figures are the measured ones)")
+    latency_ms: float = Field(20.0, ge=0.0, description="one-way latency of each message, milliseconds")
+    dp_overlap: float = Field(0.0, ge=0.0, le=1.0,
+                              description="share of a DP step's compute that hides its all-reduce (0: the "
+                                          "all-reduce follows the backward pass)")
+
+
 class PrecisionConfig(_Strict):
     """The precision policy of every model family, both methods and fine-tuning (``training.precision``).
 
@@ -721,6 +737,7 @@ class ExperimentConfig(_Strict):
     finetune: FinetuneConfig = FinetuneConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     precision: PrecisionConfig = PrecisionConfig()
+    network: NetworkConfig = NetworkConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":

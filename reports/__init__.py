@@ -38,6 +38,10 @@ half-finished) run::
     values annotated.
 ``<stage>_loss_vs_time.png``
     The same held-out loss against wall-clock **seconds** since the method's training started.
+``pretrain_loss_vs_modelled_time.png``
+    The same held-out loss against **modelled seconds** under the config's ``network`` (each worker
+    on its own host, the links of ``network``: ``reports.interconnect``), its assumption in the
+    title; not drawn for a same-host network (``network.bandwidth_gbps`` null).
 ``finetune_loss.png`` (post-training)
     Fine-tuning loss against fine-tuning step, every method on one axes in its colour: training
     loss per seed (thin) and the loss on the task's held-out test items (markers).

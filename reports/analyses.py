@@ -17,6 +17,7 @@ from typing import Any
 from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, per_unit, safe_exp, short_label,
                             stage_label, unit_of)
 from reports.experts import expert_figures
+from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
 from reports.read import MethodRecords
 from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
@@ -289,6 +290,9 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
         "hyperparameters": hyper,
         "experts": expert_figures(records),
+        "interconnect": interconnect_figures(config or {}, *({"summary": records[m].summary, "curve": records[m].curve}
+                                                             if m in records else None for m in ("dp", "diloco")))
+        if first and config else None,
         "plots": {},
         "notes": notes,
     }

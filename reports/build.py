@@ -180,6 +180,13 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
         loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
                     "Held-out loss vs wall-clock time", finals, unit=unit.removesuffix("s")),
         out_dir, figure_file(name, "loss_vs_time"))
+    net = stage.get("interconnect")
+    if net and not net["same_host"]:
+        stage["plots"]["loss_vs_modelled_time"] = _draw(
+            loss_figure({m: f["curve"] for m, f in net["methods"].items()}, "modelled_s",
+                        "modelled wall-clock time (s)", f"Held-out loss vs modelled time ({net['short']})", finals,
+                        unit=unit.removesuffix("s")),
+            out_dir, figure_file(name, "loss_vs_modelled_time"))
     if unit == "images":
         stage["plots"]["confusion"] = _draw(confusion_figure({m: rec.eval for m, rec in records.items()}),
                                             out_dir, figure_file(name, "confusion"))

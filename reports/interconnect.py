@@ -1,0 +1,190 @@
+"""Wall time under a stated interconnect: what each method's run would take if its workers sat on
+separate hosts joined by the links of ``network`` (the config section), from the compute time this
+host measured and the bytes the run counted.
+
+The runs of this project put every DP replica and every DiLoCo learner on one host, where moving
+bytes costs nothing; their measured wall times say nothing about the network between workers, which
+is what Decoupled DiLoCo is for. This module models it (plain arithmetic, no Prefect, no JAX):
+
+* **Compute** is what this host measured: a DP step takes its measured time (the global batch on
+  this host), a learner step its measured time with the M learners sharing this host. Only the
+  network is modelled, so a same-host network (``network.bandwidth_gbps`` unset) gives back the
+  measured figures exactly, and a modelled figure is the measured one plus the communication the
+  links would add.
+* **Links.** Every worker has one full-duplex link of ``bandwidth_gbps`` (each direction) and
+  ``latency_ms`` one way per message; the syncer has a link per learner (no shared bottleneck).
+* **DP** all-reduces its gradient every step with a ring (Patarasuk & Yuan, J. Parallel Distrib.
+  Comput. 69(2), 2009): ``2(W−1)`` messages of ``G/W`` bytes each,
+  ``t_ar = 2(W−1)·(latency + G/(W·bandwidth))``. ``network.dp_overlap`` of the step's compute can
+  hide it (the backward pass overlapping the reduction of finished layers):
+  ``t_step = compute + max(0, t_ar − dp_overlap·compute)``.
+* **Decoupled DiLoCo** sends a fragment every ``H/P`` inner steps and gets the merged fragment back
+  (paper §3: the staggered schedule and overlap τ, ``diloco.overlap_steps``; unset: τ = H, the
+  fragment is due before it is sent again). A round trip ``2·latency + (up + down)/bandwidth`` is
+  hidden behind τ steps of compute and costs only what exceeds them; the link must also carry each
+  step's share of the traffic:
+  ``t_busy = max(compute, max(up, down) per step / bandwidth)``,
+  ``t_step = t_busy + (P/H)·max(0, t_rt − τ·t_busy)``.
+* **Keeping up** (the paper's framing: DP needed 198 Gbit/s where Decoupled DiLoCo needed 0.84 Gbit/s
+  across eight datacenters): the bandwidth at which a step's traffic, per direction, moves in one
+  step's compute time, latency excluded.
+
+Merging on the syncer, stragglers and failures are outside the model (the measured runs and the
+chaos schedules cover them). Every figure carries the assumption's line (:func:`assumption`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GBIT = 1e9 / 8  # bytes per second in one Gbit/s
+
+
+@dataclass(frozen=True)
+class Link:
+    """One worker's link: ``bandwidth_gbps`` (Gbit/s, each direction), ``latency_ms`` (one way, per
+    message), ``label`` (what it models, e.g. "links between datacenters"). Raises ``ValueError`` for
+    a bandwidth ≤ 0 or a negative latency."""
+
+    bandwidth_gbps: float
+    latency_ms: float
+    label: str = ""
+
+    def __post_init__(self):
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(f"network.bandwidth_gbps must be > 0 Gbit/s, got {self.bandwidth_gbps}")
+        if self.latency_ms < 0:
+            raise ValueError(f"network.latency_ms must be ≥ 0 ms, got {self.latency_ms}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * GBIT
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_ms / 1e3
+
+
+def assumption(link: Link, dp_overlap: float = 0.0) -> str:
+    """The line every modelled figure carries, e.g. ``modelled: links between datacenters, 1 Gbit/s
+    each way, 20 ms one way; compute as measured on this host; DP all-reduce not overlapped``."""
+    what = f"{link.label}, " if link.label else ""
+    dp = "not overlapped" if dp_overlap == 0 else f"{dp_overlap:.0%} of its compute hides the all-reduce"
+    return (f"modelled: {what}{link.bandwidth_gbps:g} Gbit/s each way, {link.latency_ms:g} ms one way; "
+            f"compute as measured on this host; DP all-reduce {dp}")
+
+
+def ring_allreduce_s(grad_bytes: float, workers: int, link: Link) -> float:
+    """Seconds of one ring all-reduce of ``grad_bytes`` over ``workers`` (0 for one worker):
+    ``2(W−1)·(latency + G/(W·bandwidth))`` (Patarasuk & Yuan 2009)."""
+    if workers <= 1:
+        return 0.0
+    return 2 * (workers - 1) * (link.latency_s + grad_bytes / (workers * link.bytes_per_s))
+
+
+def dp_step_s(compute_s: float, grad_bytes: float, workers: int, link: Link, dp_overlap: float = 0.0) -> dict:
+    """One DP step: ``{"compute_s", "comm_s" (the all-reduce), "step_s", "keep_up_gbps"}``."""
+    comm = ring_allreduce_s(grad_bytes, workers, link)
+    per_worker = 2 * (workers - 1) / workers * grad_bytes if workers > 1 else 0.0  # bytes each way
+    return {"compute_s": compute_s, "comm_s": comm,
+            "step_s": compute_s + max(0.0, comm - dp_overlap * compute_s),
+            "keep_up_gbps": per_worker / compute_s / GBIT if compute_s > 0 else None}
+
+
+def diloco_step_s(compute_s: float, up_bytes_per_step: float, down_bytes_per_step: float, fragments: int,
+                  sync_every: int, overlap_steps: int, link: Link) -> dict:
+    """One learner step: ``{"compute_s", "comm_s" (a fragment's round trip), "exposed_s" (per step,
+    beyond τ steps of compute), "step_s", "keep_up_gbps"}``; bytes per learner step, each direction."""
+    per_sync = sync_every / fragments  # learner steps between two of its sends
+    up, down = up_bytes_per_step * per_sync, down_bytes_per_step * per_sync  # one fragment, each way
+    round_trip = 2 * link.latency_s + (up + down) / link.bytes_per_s
+    busy = max(compute_s, max(up_bytes_per_step, down_bytes_per_step) / link.bytes_per_s)
+    exposed = max(0.0, round_trip - overlap_steps * busy) / per_sync
+    return {"compute_s": compute_s, "comm_s": round_trip, "exposed_s": exposed, "step_s": busy + exposed,
+            "keep_up_gbps": max(up_bytes_per_step, down_bytes_per_step) / compute_s / GBIT if compute_s > 0 else None}
+
+
+def modelled_curve(curve: list[dict], tokens_per_step: float, extra_s: float) -> list[dict]:
+    """The held-out curve (rows with ``tokens``, ``wall_s`` and ``val/loss``) against modelled seconds:
+    ``modelled_s`` = the measured ``wall_s`` + the steps taken by then (tokens / tokens per step of the
+    whole system) × ``extra_s``, the seconds the links add to each step."""
+    return [{**r, "modelled_s": r["wall_s"] + r["tokens"] / tokens_per_step * extra_s} for r in curve
+            if r.get("tokens") is not None and r.get("val/loss") is not None and r.get("wall_s") is not None]
+
+
+def time_to_loss(curve: list[dict], target: float) -> float | None:
+    """The first modelled second at which the curve reaches ``target`` (linear between evaluations),
+    or None if it never does."""
+    prev = None
+    for r in curve:
+        if r["val/loss"] <= target:
+            if prev is None or prev["val/loss"] == r["val/loss"]:
+                return r["modelled_s"]
+            f = (prev["val/loss"] - target) / (prev["val/loss"] - r["val/loss"])
+            return prev["modelled_s"] + f * (r["modelled_s"] - prev["modelled_s"])
+        prev = r
+    return None
+
+
+def _num(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> dict | None:
+    """Both methods' figures under ``config["network"]`` (a run's ``config.json``): per method
+    ``compute_s`` (measured, per step), ``comm_s`` (DP: the all-reduce; DiLoCo: a fragment's round
+    trip), ``extra_s`` (what the links add to each step), ``step_s``, ``keep_up_gbps``,
+    ``measured_wall_s``, ``modelled_wall_s`` and ``curve`` (the held-out curve with ``modelled_s``),
+    plus ``time_to_dp_final_s`` (modelled seconds each method takes to reach DP's final held-out loss;
+    None: not reached) and the ``assumption`` line. ``dp`` / ``diloco``: ``{"summary", "curve"}`` of
+    the method (its summary.json and eval.jsonl rows), or None when it did not run. Returns None
+    without a DP or a DiLoCo summary to model, or for a config without a ``network`` section. Raises nothing on missing figures: a method without
+    steps or wall time is left out."""
+    if "network" not in config:  # a run from before the section existed
+        return None
+    net = config.get("network") or {}
+    same_host = net.get("bandwidth_gbps") is None
+    link = None if same_host else Link(float(net["bandwidth_gbps"]), float(net.get("latency_ms") or 0.0),
+                                       str(net.get("label") or ""))
+    overlap = float(net.get("dp_overlap") or 0.0)
+    out: dict = {"same_host": same_host, "methods": {},
+                 "short": "this host" if same_host else f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links",
+                 "assumption": ("modelled: every worker on this host (no network); the measured figures"
+                                if same_host else assumption(link, overlap))}
+    for method, rec in (("dp", dp), ("diloco", diloco)):
+        s = (rec or {}).get("summary") or {}
+        steps, wall, tokens = _num(s.get("steps")), _num(s.get("wall_s")), _num(s.get("tokens"))
+        if not steps or not wall or not tokens:
+            continue
+        curve = (rec or {}).get("curve") or []
+        if method == "dp":
+            workers = int((config.get("dp") or {}).get("workers") or 1)
+            train_s = wall - sum(_num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
+            compute = train_s / steps
+            allreduce = _num(s.get("allreduce_bytes")) or 0.0
+            grad = allreduce / (2 * (workers - 1) * steps) if workers > 1 else 0.0
+            fig = dp_step_s(compute, grad, workers, link, overlap) if link else \
+                {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            per_step_tokens, system_steps = tokens / steps, steps
+        else:
+            d = config.get("diloco") or {}
+            learners = int(d.get("learners") or 1)
+            per_learner = steps / learners  # the summary's steps: all learners' steps together
+            compute = (wall - (_num(s.get("startup_s")) or 0.0)) / per_learner
+            tau = int(d.get("overlap_steps") or d.get("sync_every") or 1)
+            fig = diloco_step_s(compute, (_num(s.get("bytes_to_syncer")) or 0.0) / steps,
+                                (_num(s.get("bytes_from_syncer")) or 0.0) / steps, int(d.get("fragments") or 1),
+                                int(d.get("sync_every") or 1), tau, link) if link else \
+                {"compute_s": compute, "comm_s": 0.0, "exposed_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            per_step_tokens, system_steps = tokens / per_learner, per_learner  # M learners step side by side
+        extra = fig["step_s"] - fig["compute_s"]
+        out["methods"][method] = {**fig, "extra_s": extra, "measured_wall_s": wall,
+                                  "modelled_wall_s": wall + system_steps * extra,
+                                  "curve": modelled_curve(curve, per_step_tokens, extra)}
+    if not out["methods"]:
+        return None
+    dp_curve = out["methods"].get("dp", {}).get("curve") or []
+    target = dp_curve[-1]["val/loss"] if dp_curve else None
+    out["time_to_dp_final_s"] = {m: time_to_loss(f["curve"], target) if target is not None else None
+                                 for m, f in out["methods"].items()}
+    return out
