@@ -49,14 +49,14 @@ def load_manifest(run_dir: str | Path) -> dict:
 
 
 def load_sequences(run_dir: str | Path, name: str) -> np.ndarray:
-    """Packed sequences ``name`` (``train``, ``val``, ``shard_00``, ...): int32 ``[N, seq_len+1]``.
+    """Packed sequences ``name`` (``train``, ``val``, ``test``, ``shard_00``, ...): int32 ``[N, seq_len+1]``.
 
     Raises ``FileNotFoundError`` naming the path when the data folder or that dataset is missing.
     """
     from datasets import load_from_disk
 
-    if name not in ("train", "val") and not re.fullmatch(r"shard_\d{2,}", name):
-        raise ValueError(f"unknown sequence set {name!r}; use train, val or shard_00, shard_01..")
+    if name not in ("train", "val", "test") and not re.fullmatch(r"shard_\d{2,}", name):
+        raise ValueError(f"unknown sequence set {name!r}; use train, val, test or shard_00, shard_01..")
     path = _data_dir(run_dir) / name
     if not (path / "dataset_info.json").is_file():
         raise FileNotFoundError(f"{path} is missing or incomplete (no saved dataset there)")

@@ -269,6 +269,11 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
                 "characters": int(sum(len(t) for t in texts)),
                 "tokens": int(len(stream)),
             }
+            if s == "test":  # the headline figures' split (training.evaluation.final_heldout)
+                seqs = pack_sequences(stream, T)
+                if len(seqs):
+                    packed[s] = seqs
+                    split_info[s]["sequences"] = int(len(seqs))
             if s in ("train", "val"):
                 seqs = pack_sequences(stream, T)
                 if len(seqs) == 0:
@@ -285,6 +290,8 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         train_ds = _sequences_dataset(packed["train"])
         train_ds.save_to_disk(str(tmp / "train"))
         _sequences_dataset(packed["val"]).save_to_disk(str(tmp / "val"))
+        if "test" in packed:
+            _sequences_dataset(packed["test"]).save_to_disk(str(tmp / "test"))
         shards = []
         for m in range(M):
             sh = train_ds.shard(num_shards=M, index=m, contiguous=False)

@@ -122,6 +122,9 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
                          f"the last eval-curve point {cl:.6f}; the table uses the summary's.")
     else:
         out["final_val_loss_source"] = None
+    held = (summary or {}).get("heldout") or {}  # whole splits after training (training.evaluation.final_heldout)
+    out["test_loss"] = num((held.get("test") or {}).get("loss"))
+    out["val_loss_whole"] = num((held.get("val") or {}).get("loss"))
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
     if summary is not None:
         hp = summary.get("hyperparameters")
@@ -206,7 +209,12 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
         add("learner_exchange_s", "learners' time in the exchange (summed over their processes)", "s", "{:.1f}")
     if any(f.get("goodput") is not None for f in methods.values()):
         add("goodput", "goodput", "fraction", "{:.3f}")
-    add("final_val_loss", "final held-out loss", f"nats/{per_unit(unit)}", "{:.4f}")
+    if any(f.get("test_loss") is not None for f in methods.values()):
+        add("test_loss", "final test loss (the whole test split: nothing tuned on it)", f"nats/{per_unit(unit)}",
+            "{:.4f}")
+        add("val_loss_whole", "final validation loss (the whole validation split: what tuning reads)",
+            f"nats/{per_unit(unit)}", "{:.4f}")
+    add("final_val_loss", "final held-out loss (the curves' validation sample)", f"nats/{per_unit(unit)}", "{:.4f}")
     add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
     merges = {}
     for m, f in methods.items():
@@ -225,12 +233,15 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
 
 
 def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) -> dict:
-    """``method``'s final held-out loss relative to the baseline's, in %:
-    100 × (loss − baseline loss) / baseline loss (negative: ``method`` is better)."""
-    lm, lb = methods[method]["final_val_loss"], methods[baseline]["final_val_loss"]
+    """``method``'s final loss relative to the baseline's, in %: 100 × (loss − baseline loss) /
+    baseline loss (negative: ``method`` is better); on the whole test split when both methods were
+    measured there (``split`` "test"), else on the curves' validation sample ("val sample": runs
+    made before the test split was measured)."""
+    key = "test_loss" if all(methods[m].get("test_loss") is not None for m in (method, baseline)) else "final_val_loss"
+    lm, lb = methods[method][key], methods[baseline][key]
     if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
         return {"status": "ok", "method": method, "baseline": baseline, "method_loss": lm, "baseline_loss": lb,
-                "gap_pct": 100.0 * (lm - lb) / lb,
+                "split": "test" if key == "test_loss" else "val sample", "gap_pct": 100.0 * (lm - lb) / lb,
                 "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss"}
     missing = [label(m) for m, v in ((method, lm), (baseline, lb)) if v is None]
     return {"status": NOT_RUN if missing else "undefined", "method": method, "baseline": baseline,

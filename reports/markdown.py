@@ -163,7 +163,8 @@ def _comparison_section(st: dict, L: list[str]) -> None:
         head = "**Loss gap:**" if len(gaps) == 1 else f"**Loss gap, {who} vs {base}:**"
         if gap["status"] == "ok":
             a, b = gap["method_loss"], gap["baseline_loss"]
-            L.append(f"{head} {who}'s final held-out loss is {gap['gap_pct']:+.2f}% relative to {base}'s "
+            where = "test loss (the whole test split)" if gap.get("split") == "test" else "held-out loss"
+            L.append(f"{head} {who}'s final {where} is {gap['gap_pct']:+.2f}% relative to {base}'s "
                      f"(100 × ({a:.4f} − {b:.4f}) / {b:.4f}); negative means {who} is better.")
         else:
             L.append(f"{head} {gap['status']} ({gap['why']}).")

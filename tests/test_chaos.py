@@ -278,6 +278,9 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     assert curve == [(r["tokens"], r["val/loss"]) for r in read_jsonl(calm_layout.metrics("pretrain", "dp", "eval"))]
     assert hit["final_val_loss"] == calm["final_val_loss"] and hit["steps"] == calm["steps"]
     assert hit["chaos"]["stall_s"] >= 0.6 and calm["chaos"] is None
+    # the whole val and test splits measured after training: the same model, the same figures
+    assert hit["heldout"] == calm["heldout"] and calm["heldout"]["test"]["rows"] >= 8
+    assert calm["heldout"]["val"]["rows"] % small_cfg.train.eval_batch_size == 0
 
 
 # -- one real run -----------------------------------------------------------------------------------

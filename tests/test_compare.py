@@ -131,7 +131,7 @@ def test_given_axes_labels_vision_and_post_training(tmp_path):
     assert (lm["diloco/post_diff"], lm["diloco/post_diff_ci_low"], lm["diloco/post_diff_ci_high"]) == (-0.13, -0.17, -0.09)
     assert lm["diloco/post_verdict"] == "DP better" and vit["diloco/post_verdict"] is None
     headers = [col["header"] for col in c["columns"]]
-    assert "DiLoCo held-out loss (nats/token or image)" in headers and "DiLoCo tokens or images" in headers
+    assert "DiLoCo validation loss (nats/token or image)" in headers and "DiLoCo tokens or images" in headers
     md = (tmp_path / "cmp" / "comparison.md").read_text()
     assert "| lm | dense_lm | 24576 | speakers | exact_match | 0.2700 | 0.4000 | -0.1300 [-0.1700, -0.0900] | DP better |" in md
     assert "| vit | vit | 100000 | — | — | — | — | — | — |" in md
@@ -252,4 +252,4 @@ def test_comparison_artifacts(tmp_path, monkeypatch):
     (k1, key1, md), (k2, key2, table) = made
     assert (k1, key1, k2, key2) == ("md", "compare-sweep-1", "table", "compare-table-sweep-1")
     assert f"`{tmp_path / 'cmp'}/gap_vs_diloco.quorum.png`" in md and "![" not in md
-    assert [r["run"] for r in table] == ["a", "b"] and table[0]["DiLoCo held-out loss (nats/token)"] == "4.3000"
+    assert [r["run"] for r in table] == ["a", "b"] and table[0]["DiLoCo validation loss (nats/token)"] == "4.3000"

@@ -210,7 +210,7 @@ def test_table_has_the_right_numbers(built):
     assert _row(report, "heldout_nextline/acc")["dp"] == 0.345
     assert "| training tokens (tokens) | 32,768 | 32,768 |" in md
     assert "| optimizer steps (DiLoCo: inner steps summed over learners) (steps) | 256 | 64 |" in md
-    assert "| final held-out loss (nats/token) | 3.3000 | 3.0000 |" in md
+    assert "| final held-out loss (the curves' validation sample) (nats/token) | 3.3000 | 3.0000 |" in md
     assert "| final held-out perplexity exp(loss) | 27.113 | 20.086 |" in md
     assert "| heldout_ppl: word perplexity | 85.250 ± 1.500 | 70.500 ± 1.250 |" in md
     assert "| merges (DiLoCo) (merges) | 8 | — |" in md
@@ -1175,3 +1175,23 @@ def test_a_recomputed_copy_is_not_a_dropped_submission():
               {"event": "dropped", "learner": 0, "reason": "stale", "t": 2.0}]
     (row,) = learner_table(events)
     assert row["dropped_submissions"] == 1 and row["starts"] == 1
+
+
+def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_there(tmp_path):
+    """Summaries with ``heldout`` (whole val and test splits after training): the table shows both, the
+    curves' validation sample is labelled as such, and the loss gap is the test split's."""
+    run = _make_run(tmp_path)
+    lay = _layout(run)
+    for m, (val, test) in {"diloco": (3.32, 3.41), "dp": (3.05, 3.10)}.items():
+        summary = json.loads(lay.summary(PRE, m).read_text())
+        summary["heldout"] = {"val": {"loss": val, "rows": 96, "units": 6144},
+                              "test": {"loss": test, "rows": 88, "units": 5632}}
+        lay.summary(PRE, m).write_text(json.dumps(summary))
+    report = build_report(run)
+    gap = report["stages"][PRE]["loss_gaps"]["diloco"]
+    assert gap["split"] == "test" and gap["gap_pct"] == pytest.approx(100 * (3.41 - 3.10) / 3.10)
+    assert _row(report, "test_loss")["dp"] == 3.10 and _row(report, "val_loss_whole")["diloco"] == 3.32
+    md = lay.report_md.read_text()
+    assert "| final test loss (the whole test split: nothing tuned on it) (nats/token) | 3.4100 | 3.1000 |" in md
+    assert "final test loss (the whole test split) is +10.00% relative to" in md
+

@@ -56,7 +56,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
 from training.common import ensure_fresh, model_spec, save_chaos_schedule, token_budget
-from training.evaluation import eval_record, heldout_metrics, val_batches
+from training.evaluation import eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import nest
 from training.mesh import backend_line, learner_devices, single_default
 from training.optimizers import make_inner_tx
@@ -494,6 +494,10 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     meta = {"method": METHOD, "versions": s.versions, "merges": s.num_merges, "tokens": tokens,
             "fragments": s.fragments, "ledger": ledger}
     theta = s.params()
+    # whole val and test splits (the curve's fixed sample is for the cadence): selection reads val,
+    # the headline figure is test
+    heldout = final_heldout(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir,
+                            cfg.train.eval_batch_size)
     layout = RunLayout(run.run_dir)
     save_checkpoint(layout.checkpoints(STAGE, METHOD), tokens, nest(theta), meta, extra={"outer_state": outer})
     merges_bytes_in = sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))
@@ -530,6 +534,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "wall_s": wall_s,
         "tokens_per_s": tokens / max(wall_s, 1e-9),
         "final_val_loss": run.last_val_loss,
+        "heldout": heldout,
         "merges": s.num_merges,
         # learner→syncer submission payload bytes (every submission: merged, dropped or pending) and
         # syncer→learner pulled bytes, counted by the learners, summed over learners and attempts;

@@ -38,7 +38,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter
 from training.checkpoint import latest_step, load_extra, load_meta, save_checkpoint
 from training.common import budget_status, ensure_fresh, model_spec, save_chaos_schedule
-from training.evaluation import EvalCadence, eval_record, heldout_metrics, val_batches
+from training.evaluation import EvalCadence, eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import flatten, nest
 from training.optimizers import make_inner_tx
 from training.mesh import backend_line
@@ -200,6 +200,8 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         if events is not None:
             events.close()
     wall = time.monotonic() - t0
+    # whole val and test splits, after the clock stopped: what selection reads and the headline figure
+    heldout = final_heldout(trainer.evaluate, params, run_dir, cfg.train.eval_batch_size)
     param_bytes = sum(tensor_bytes(params).values())
     W = cfg.dp.workers
     # Ring all-reduce: each of W workers sends (and receives) 2(W−1)/W of the gradient bytes per step.
@@ -229,7 +231,7 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         "chaos": None if sched is None else {"failures": met,
                                              "lost_steps": lost_steps, "stall_s": stall_s,
                                              "checkpoint_every_steps": ckpt_every},
-        "final_val_loss": last, "merges": None,
+        "final_val_loss": last, "heldout": heldout, "merges": None,
         # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
         # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
         # are each half of it.

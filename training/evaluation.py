@@ -47,6 +47,32 @@ def heldout_metrics(evaluate: Callable, params: Mapping, batches: list[np.ndarra
     return {k: float(np.sum(w * np.asarray([float(o[k]) for o in outs]))) for k in outs[0] if k != TARGETS}
 
 
+def final_heldout(evaluate: Callable, params: Mapping, run_dir, batch_size: int,
+                  splits: tuple[str, ...] = ("val", "test")) -> dict[str, dict]:
+    """A finished model on every full batch of whole held-out splits, not the fixed sample of the
+    curves: ``{split: {"loss": float, "rows": int, "units": int}}`` (loss: nats per token, or per
+    image; rows: sequences or images measured, every row but fewer than ``batch_size`` left over;
+    units: predicted tokens, or images). ``val`` is what selection and tuning read, ``test`` the
+    headline figures' split that nothing tunes on. A split the run directory lacks (a text run
+    prepared before the test split was packed) or holding less than one batch is left out."""
+    from data.prepare import load_rows
+
+    out = {}
+    for split in splits:
+        try:
+            rows = load_rows(run_dir, split)
+        except FileNotFoundError:
+            continue
+        first = next(iter(rows.values())) if isinstance(rows, Mapping) else rows
+        n = (len(first) // batch_size) * batch_size
+        if n == 0:
+            continue
+        metrics = heldout_metrics(evaluate, params, val_batches(rows, n // batch_size, batch_size))
+        per_row = 1 if isinstance(rows, Mapping) else first.shape[1] - 1  # images, or next-token targets
+        out[split] = {"loss": float(metrics["loss"]), "rows": int(n), "units": int(n * per_row)}
+    return out
+
+
 def heldout_loss(evaluate: Callable, params: Mapping, batches: list[np.ndarray]) -> float:
     """The held-out loss alone (``heldout_metrics(...)["loss"]``)."""
     return heldout_metrics(evaluate, params, batches)["loss"]
