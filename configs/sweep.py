@@ -72,6 +72,10 @@ class SweepSpec(_Strict):
                             description="with launch: deployment, the pipeline deployment that runs each cell "
                                         "(its parameters are replaced by the cell's whole config)")
     sweep_root: str = Field("runs/sweeps", min_length=1, description="local folder holding sweep folders")
+    reuse_dp: bool = Field(
+        True, description="true: cells whose DP settings are the same (configs.sweep.dp_digest: data, model, "
+                          "seed, training, DP, precision) train DP once and share it (<sweep folder>/dp/); false: "
+                          "every cell trains its own")
     resume: bool = Field(
         True, description="true: the sweep's folder is <sweep_root>/<name>, and re-running the sweep skips every "
                           "cell whose run there completed with the same resolved config; false: a new folder "
@@ -205,6 +209,22 @@ def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> Ex
 def config_digest(cfg: ExperimentConfig | dict) -> str:
     """sha256 of a resolved config's canonical JSON: a cell's identity for resuming."""
     data = cfg.model_dump(mode="json") if isinstance(cfg, ExperimentConfig) else cfg
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def dp_digest(cfg: ExperimentConfig) -> str:
+    """sha256 of exactly what a DP baseline's result depends on: the data, model, seed, training
+    and evaluation settings, DP's own section, the precision policy, the chaos it meets (when
+    ``chaos.against_dp``) and the derived batch and steps. Cells and trials with one digest train
+    DP once (``flows.pipeline``'s ``dp_cache``); DiLoCo's settings, the runtime and the network
+    are not part of it."""
+    data = cfg.model_dump(mode="json", include={"seed", "data", "model", "train", "dp", "precision"})
+    data.pop("name", None)
+    data["data"].pop("cache_dir", None)  # where the corpus is cached, not what it is
+    chaos = cfg.chaos_schedule() if cfg.chaos.against_dp else None
+    data["chaos"] = json.loads(chaos.dumps()) if chaos is not None else None
+    data["derived"] = {"dp_batch_size": cfg.dp_batch_size, "tokens_per_dp_step": cfg.tokens_per_dp_step,
+                       "dp_steps": cfg.dp_steps}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

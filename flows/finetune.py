@@ -22,6 +22,7 @@ from configs.schema import ExperimentConfig, apply_overrides, validation_lines
 from flows import run_logger
 from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested
+from run.directory import link_or_copy
 from run.layout import METHOD_ORDER, RunLayout
 from tasks.finetune import evaluate_finetune_task, finetune_data_task, finetune_task
 from training.ckpt_steps import LOADED_ITEMS, complete_steps, step_folders
@@ -174,16 +175,8 @@ def _put_data_aside(data: Path, tag: str) -> Optional[Path]:
     Returns the copy, or None when there is no data yet."""
     if not data.is_dir():
         return None
-    import os
-
-    def link(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
     dst = data.with_name(f".{data.name}.replaced-{tag}")
-    shutil.copytree(data, dst, copy_function=link)
+    shutil.copytree(data, dst, copy_function=link_or_copy)
     return dst
 
 

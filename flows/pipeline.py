@@ -27,7 +27,7 @@ from prefect.exceptions import FailedRun
 from prefect.states import Cancelled, Failed, State
 
 from run.control import graceful_stop, stop_requested, stop_signal
-from run.directory import atomic_write_text, claim_run_dir, write_status
+from run.directory import atomic_write_text, claim_run_dir, link_or_copy, write_status
 from run.layout import RunLayout
 from tasks.evaluate import evaluate_task, report_task
 from tasks.shard import shard_data_task
@@ -55,6 +55,41 @@ def _short_stage(rd: Path, name: str) -> dict | None:
     except (OSError, ValueError):
         return None
     return summary if (summary.get("budget") or {}).get("status") == "short" else None
+
+
+def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> dict:
+    """DP's stage: trained (``flows.pretrain.pretrain_dp``), or, with a ``cache`` folder holding a
+    completed result of the same DP settings (``configs.sweep.dp_digest``), that result copied in
+    (hard links; its summary gets ``reused_from``). A run that trains a complete result stores it
+    in the cache. One lock file per digest, so runs side by side train each DP once."""
+    if cache is None:
+        return pretrain_dp(cfg, str(rd))
+    import fcntl
+    import os
+
+    from configs.sweep import dp_digest
+    from run.metrics import write_json
+
+    key, logger = dp_digest(cfg), get_run_logger()
+    root = Path(cache).expanduser().absolute()
+    root.mkdir(parents=True, exist_ok=True)
+    entry, mine = root / key, Path(RunLayout(rd).method_dir("pretrain", "dp"))
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run training this DP: wait for its result
+        if (entry / "summary.json").is_file():
+            shutil.copytree(entry, mine, copy_function=link_or_copy)
+            summary = json.loads((mine / "summary.json").read_text())
+            write_json(mine / "summary.json", {**summary, "reused_from": str(entry)})  # a new file: the cache's stays
+            logger.info("dp: reused the result of the same DP settings from %s (final held-out loss %.4f)", entry,
+                        summary.get("final_val_loss"))
+            return {**summary, "reused_from": str(entry)}
+        summary = pretrain_dp(cfg, str(rd))
+        if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
+            tmp = root / f".{key}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.copytree(mine, tmp, copy_function=link_or_copy)
+            os.replace(tmp, entry)
+        return summary
 
 
 def _run_problem(results: dict[str, Any]) -> str | None:
@@ -86,6 +121,7 @@ def pipeline(
     # dict/None switch with nothing to edit)
     overrides: dict[str, Any] = {},  # noqa: B006
     run_dir: Optional[str] = None,
+    dp_cache: Optional[str] = None,
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
     pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
@@ -97,6 +133,9 @@ def pipeline(
             ``failure``) or the path of a YAML config.
         overrides: dotted keys applied last, e.g. ``{"diloco.learners": 8}``.
         run_dir: where to write (default ``<run_root>/<name>-<UTC time>``); it must not hold a run.
+        dp_cache: a folder of DP results shared by runs (a sweep's ``dp/``): a run whose DP settings
+            (``configs.sweep.dp_digest``) match a completed result there copies it instead of
+            training DP again, and a run that trains one stores it there.
 
     Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks (before anything
     is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work
@@ -137,7 +176,7 @@ def pipeline(
                             manifest["vocab_size"])
             steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))]
             if cfg.dp.enabled:
-                steps.append(("pretrain-dp", lambda: pretrain_dp(cfg, str(rd))))
+                steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
             if cfg.eval.enabled:
                 for method in ["diloco"] + (["dp"] if cfg.dp.enabled else []):
                     steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))

@@ -439,8 +439,11 @@ def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2
 
 
 @task(name="sweep-cell", cache_policy=NO_CACHE, task_run_name="cell {name}")
-def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str) -> dict:
-    """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``.
+def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str,
+               dp_cache: Optional[str] = None) -> dict:
+    """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``;
+    ``dp_cache``: the sweep's shared DP results (the pipeline's ``dp_cache``: DP trained once per
+    DP setting).
 
     Returns ``{"state": <Prefect state type>, "status": <the run's status.json status>, "reason",
     "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
@@ -454,11 +457,11 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
         logger.info("cell %s: %s in %s", name, launch, run_dir)
         if launch == "deployment":
             state, run_id = _run_through_deployment(deployment, {"config": config.model_dump(mode="json"),
-                                                                 "run_dir": run_dir})
+                                                                 "run_dir": run_dir, "dp_cache": dp_cache})
         else:
             from flows.pipeline import pipeline
 
-            state = pipeline(config=config, run_dir=run_dir, return_state=True)
+            state = pipeline(config=config, run_dir=run_dir, dp_cache=dp_cache, return_state=True)
             run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         wall = time.perf_counter() - t0
     status = read_status(run_dir)
@@ -571,7 +574,9 @@ def sweep(
         with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
             futures = {runner.submit(sweep_cell, {"name": pc.cell.name, "config": pc.cfg, "run_dir": str(pc.run_dir),
                                                   "launch": spec.launch, "deployment": spec.deployment,
-                                                  "limit": limit}): pc.cell.name for pc in todo}
+                                                  "limit": limit,
+                                                  "dp_cache": str(plan.sweep_dir / "dp") if spec.reuse_dp else None}):
+                       pc.cell.name for pc in todo}
             for future in as_completed(list(futures)):
                 name = futures[future]
                 try:

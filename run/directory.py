@@ -148,3 +148,15 @@ def read_status(run_dir: str | Path) -> dict:
         return json.loads(RunLayout(run_dir).status.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """``shutil.copytree``'s ``copy_function`` for copies that share bytes: a hard link, or a copy
+    where the filesystem has none (another device, no link support). Files linked so must never
+    be written in place afterwards (every writer here writes a new file and renames it)."""
+    import shutil
+
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

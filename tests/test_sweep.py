@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from configs.sweep import SweepSpec, cell_config, config_digest, expand_cells, load_sweep, shipped_sweeps
-from tests.conftest import SMALL_DATA
+from tests.conftest import ROOT, SMALL_DATA
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -244,12 +244,21 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         config = json.loads((Path(row["run_dir"]) / "config.json").read_text())
         assert (row["diloco.quorum"], row["diloco.merge"]) == (config["diloco"]["quorum"], config["diloco"]["merge"])
         methods = json.loads((Path(row["run_dir"]) / "report" / "report.json").read_text())["stages"]["pretrain"]["methods"]
-        assert row["diloco/final_val_loss"] == methods["diloco"]["final_val_loss"]
-        assert row["dp/final_val_loss"] == methods["dp"]["final_val_loss"]
+        # the whole validation split (what selection reads); the gap is the test split's
+        assert row["diloco/final_val_loss"] == methods["diloco"]["val_loss_whole"] is not None
+        assert row["dp/final_val_loss"] == methods["dp"]["val_loss_whole"]
+        assert row["dp/test_loss"] == methods["dp"]["test_loss"] is not None
         assert row["diloco/loss_gap_pct"] == pytest.approx(
-            100 * (methods["diloco"]["final_val_loss"] / methods["dp"]["final_val_loss"] - 1))
+            100 * (methods["diloco"]["test_loss"] / methods["dp"]["test_loss"] - 1))
     assert (sweep_dir / "report" / comparison["plots"]["loss"]).is_file()
     assert "| quorum-1_merge-mean | 1 | mean |" in (sweep_dir / "report" / "comparison.md").read_text()
+    # DP once: the four cells differ in DiLoCo's settings only, so one of them trained DP and the
+    # others copied its result from the sweep's dp/ (one entry; the same figures everywhere)
+    reused = [json.loads((Path(r["run_dir"]) / "pretrain" / "dp" / "summary.json").read_text()).get("reused_from")
+              for r in comparison["rows"]]
+    (entry,) = [p for p in (sweep_dir / "dp").iterdir() if p.is_dir()]
+    assert sorted(map(bool, reused)) == [False, True, True, True] and {r for r in reused if r} == {str(entry)}
+    assert len({r["dp/final_val_loss"] for r in comparison["rows"]}) == 1
 
     # Prefect's global concurrency limit held the cells to two at once
     with get_client(sync_client=True) as client:
@@ -458,3 +467,19 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
     finally:
         for h in holders:
             h.close()
+
+
+def test_the_dp_digest_follows_what_dp_depends_on():
+    """DiLoCo's settings, the runtime and the network leave DP's digest alone; DP's, the model's, the
+    data's, the seed and the budget change it."""
+    from configs.schema import load_config
+    from configs.sweep import dp_digest
+
+    tiny = load_config(ROOT / "configs" / "tiny.yaml")
+    same = [{"diloco.outer_lr": 0.5}, {"diloco.quorum": 1}, {"runtime.engine": "dask"}, {"network.latency_ms": 5.0},
+            {"name": "other"}, {"eval.enabled": False}, {"finetune.enabled": False}]
+    for o in same:
+        assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) == dp_digest(tiny), o
+    for o in ({"dp.inner.lr": 0.001}, {"seed": 1}, {"train.token_budget": 49152}, {"model.d_model": 64},
+              {"data.val_docs": 3}, {"precision.compute": "bfloat16"}):
+        assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) != dp_digest(tiny), o
