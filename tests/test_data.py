@@ -238,7 +238,7 @@ def test_prepare_data_layout_and_manifest(built):
     cfg, run, m = built
     data = run / "data"
     assert sorted(p.name for p in data.iterdir()) == sorted(
-        ["tokenizer.json", "train", "val", "shard_00", "shard_01", "shard_02",
+        ["tokenizer.json", "train", "val", "test", "shard_00", "shard_01", "shard_02",
          "heldout_val.jsonl", "heldout_test.jsonl", "manifest.json"]
     )  # fmt: skip
     assert not [p for p in run.iterdir() if p.name.startswith(".data")]
@@ -254,6 +254,8 @@ def test_prepare_data_layout_and_manifest(built):
     val = St.load_sequences(run, "val")
     assert train.dtype == np.int32 and train.shape == (m["splits"]["train"]["sequences"], 17)
     assert val.shape == (m["splits"]["val"]["sequences"], 17) and len(val) > 0
+    test = St.load_sequences(run, "test")  # packed too: the headline figures' split
+    assert test.shape == (m["splits"]["test"]["sequences"], 17) and len(test) > 0
     assert m["splits"]["train"]["predicted_tokens"] == 16 * len(train)
     assert m["splits"]["train"]["tokens"] // 17 == len(train)
     assert train.max() < m["vocab_size"] and train.min() >= 0
