@@ -25,8 +25,11 @@ out-of-memory killer) leaves nothing of a local cluster running: each worker pro
 Dask cluster holds a pipe from the flow's process and exits as soon as it closes (distributed's
 ``AsyncProcess``; measured: gone within seconds, tests/test_run_control.py), and Ray starts a local
 instance's processes (GCS, raylet, …) with kernel fate-sharing (``PR_SET_PDEATHSIG``: SIGKILL when
-the flow's process dies; its workers end with the raylet). Prefect's temporary server ends too
-(flows/server.py). An existing cluster (``runtime.address``) is not the run's and keeps running.
+the flow's process dies; its workers end with the raylet), but its dashboard and runtime-env agents
+outlive it (measured with Ray 2.60: still there a minute later), so every command-line run starts a
+reaper (``flows.server.start_reaper``) that kills what the run's process started once it is gone.
+Prefect's temporary server ends too (flows/server.py). An existing cluster (``runtime.address``) is
+not the run's and keeps running.
 
 The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary
 server (no ``PREFECT_API_URL`` set, e.g. a plain ``ddiloco run``) lives in the flow's process

@@ -110,12 +110,56 @@ class _OwnSessionServer(SubprocessASGIServer):
             return super()._run_uvicorn_command()
 
 
+# The reaper's program (``python -c REAPER <parent pid>``): every second it notes the parent's
+# descendants (PID and start time); once the parent is gone (its parent-death signal, or a new
+# parent PID) it SIGKILLs each noted process still alive with the same start time, then exits.
+REAPER = """\
+import os, signal, sys, time
+import psutil
+parent, me, stop = int(sys.argv[1]), os.getpid(), []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+seen = {}
+while not stop and os.getppid() == parent:
+    try:
+        for p in psutil.Process(parent).children(recursive=True):
+            if p.pid != me:
+                seen.setdefault(p.pid, p.create_time())
+    except psutil.Error:
+        break
+    time.sleep(1.0)
+for pid, born in seen.items():
+    try:
+        p = psutil.Process(pid)
+        if p.create_time() == born:
+            p.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def start_reaper() -> subprocess.Popen:
+    """Start the run's reaper (:data:`REAPER`): a small process, in a session of its own, that ends
+    whatever this process started (the temporary server, a local Ray instance with its agents, a
+    local Dask cluster, worker processes) once this process dies, however it dies. Ray's dashboard
+    and runtime-env agents, for one, outlive a SIGKILLed driver: they report the raylet's death to
+    the GCS, which died with it, and wait. The parent-death signal (:func:`setpriv`) and a poll of
+    the parent PID both wake it; a process it noted whose start time differs (a reused PID) is
+    left alone. Call it from the main thread of a command-line run."""
+    command = [sys.executable, "-c", REAPER, str(os.getpid())]
+    if setpriv() is not None and threading.current_thread() is threading.main_thread():
+        command = [setpriv(), "--pdeathsig", "TERM", "--", *command]
+    return _Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                  stderr=subprocess.DEVNULL)
+
+
 def start_temporary_server() -> str | None:
-    """Start Prefect's temporary server in a session of its own, unless a Prefect API is configured
-    (``PREFECT_API_URL``: then nothing is started and None is returned). Returns the server's API
-    URL. Call it in the main thread before the first flow call; stopped at exit. Raises
-    ``RuntimeError`` if the server does not answer within
+    """Start the run's reaper (:func:`start_reaper`) and Prefect's temporary server in a session of
+    its own, unless a Prefect API is configured (``PREFECT_API_URL``: then no server is started and
+    None is returned). Returns the server's API URL. Call it in the main thread before the first
+    flow call; stopped at exit. Raises ``RuntimeError`` if the server does not answer within
     ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS``."""
+    start_reaper()
     if get_current_settings().api.url:
         return None
     server = _OwnSessionServer()  # registers itself as the process's SubprocessASGIServer()
