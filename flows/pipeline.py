@@ -88,6 +88,7 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> 
             tmp = root / f".{key}.{os.getpid()}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.copytree(mine, tmp, copy_function=link_or_copy)
+            shutil.rmtree(entry, ignore_errors=True)  # (an entry without its summary: a copy cut short)
             os.replace(tmp, entry)
         return summary
 

@@ -126,6 +126,9 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     out["test_loss"] = num((held.get("test") or {}).get("loss"))
     out["val_loss_whole"] = num((held.get("val") or {}).get("loss"))
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
+    if (summary or {}).get("reused_from"):  # DP trained once for runs with the same DP settings
+        notes.append(f"{label(rec.method)}: the result of another run with the same settings, reused from "
+                     f"{summary['reused_from']} (its wall time and throughput are that run's).")
     if summary is not None:
         hp = summary.get("hyperparameters")
         out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}
