@@ -259,6 +259,9 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
     (entry,) = [p for p in (sweep_dir / "dp").iterdir() if p.is_dir()]
     assert sorted(map(bool, reused)) == [False, True, True, True] and {r for r in reused if r} == {str(entry)}
     assert len({r["dp/final_val_loss"] for r in comparison["rows"]}) == 1
+    for r, came in zip(comparison["rows"], reused):
+        notes = json.loads((Path(r["run_dir"]) / "report" / "report.json").read_text())["stages"]["pretrain"]["notes"]
+        assert any(f"reused from {came}" in n for n in notes) == bool(came)
 
     # Prefect's global concurrency limit held the cells to two at once
     with get_client(sync_client=True) as client:
