@@ -153,7 +153,7 @@ def test_ui_form_shows_every_config_field_with_default_and_description():
 
     schema = parameter_schema(pipeline).model_dump_for_openapi()
     props, defs = schema["properties"], schema["definitions"]
-    assert list(props) == ["config", "config_file", "overrides", "run_dir"]
+    assert list(props) == ["config", "config_file", "overrides", "run_dir", "dp_cache"]
     assert all(props[name].get("description") for name in props)
     assert props["config"]["$ref"] == "#/definitions/ExperimentConfig"
     assert props["config"]["default"] == ExperimentConfig().model_dump(mode="json")
@@ -333,7 +333,7 @@ def test_prefect_yaml_deploy_all(route_env, tmp_path):
     _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
     dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
     assert dep.parameters == {"config": load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")}
-    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir"}
+    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir", "dp_cache"}
     for name in ("pipeline/default", "pipeline/failure", "pretrain-diloco/pretrain-diloco",
                  "pretrain-dp/pretrain-dp", "finetune/finetune", "goodput/goodput", "sweep/tiny_grid"):
         asyncio.run(_read_deployment(name, 5))
