@@ -161,8 +161,8 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             workers = int((config.get("dp") or {}).get("workers") or 1)
             train_s = wall - sum(_num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
             compute = train_s / steps
-            allreduce = _num(s.get("allreduce_bytes")) or 0.0
-            grad = allreduce / (2 * (workers - 1) * steps) if workers > 1 else 0.0
+            sent = _num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
+            grad = sent / (2 * (workers - 1) * steps) if workers > 1 else 0.0
             fig = dp_step_s(compute, grad, workers, link, overlap) if link else \
                 {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
             per_step_tokens, system_steps = tokens / steps, steps
