@@ -219,7 +219,6 @@ def dp_digest(cfg: ExperimentConfig) -> str:
     DP once (``flows.pipeline``'s ``dp_cache``); DiLoCo's settings, the runtime and the network
     are not part of it."""
     data = cfg.model_dump(mode="json", include={"seed", "data", "model", "train", "dp", "precision"})
-    data.pop("name", None)
     data["data"].pop("cache_dir", None)  # where the corpus is cached, not what it is
     chaos = cfg.chaos_schedule() if cfg.chaos.against_dp else None
     data["chaos"] = json.loads(chaos.dumps()) if chaos is not None else None
