@@ -296,6 +296,8 @@ class DiLoCoConfig(_Strict):
     are silent the value is ours (see the README).
     """
 
+    enabled: bool = Field(True, description="train Decoupled DiLoCo (false: the DP baseline only, e.g. a tuning "
+                          "trial of DP's settings; dp.enabled must then be true)")
     learners: PositiveInt = Field(4, description="M, number of learners")
     fragments: PositiveInt = Field(4, description="P, number of parameter fragments")
     sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
@@ -726,6 +728,11 @@ class ExperimentConfig(_Strict):
 
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
+    seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, min_length=1, description="train, evaluate and fine-tune both methods once per seed (initialisation "
+        "and data order, the same seed for both methods; the data split stays data.seed's): the report gives each "
+        "figure as a mean with its 95 % interval over seeds and the gap DiLoCo − DP as a paired difference. Unset: "
+        "one run with `seed` (no interval)")
     run_root: str = Field("runs", description="local folder holding run directories")
     data: DataConfig = DataConfig()
     model: ModelConfig = Field(default_factory=DenseLMConfig, description="the model family and its shape")
@@ -739,8 +746,29 @@ class ExperimentConfig(_Strict):
     precision: PrecisionConfig = PrecisionConfig()
     network: NetworkConfig = NetworkConfig()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_seed(cls, data: Any) -> Any:
+        """``seeds: [s]`` is the run of one seed ``seed: s`` (one config, one digest, one layout)."""
+        if isinstance(data, dict) and isinstance(data.get("seeds"), list) and len(data["seeds"]) == 1:
+            data = {**data, "seed": data["seeds"][0], "seeds": None}
+        return data
+
+    @property
+    def run_seeds(self) -> list[int]:
+        """The seeds the run trains each method with: ``seeds``, or ``[seed]``."""
+        return list(self.seeds) if self.seeds else [self.seed]
+
+    def for_seed(self, seed: int) -> "ExperimentConfig":
+        """This config as one seed's run: ``seed`` set, ``seeds`` unset."""
+        return self.model_copy(update={"seed": seed, "seeds": None})
+
     @model_validator(mode="after")
     def _check(self) -> "ExperimentConfig":
+        if not self.diloco.enabled and not self.dp.enabled:
+            raise ValueError("diloco.enabled and dp.enabled are both false: nothing would train; enable one")
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeats a seed; list each once")
         kinds = VISION_KINDS if self.data.modality == "image" else TEXT_KINDS
         if self.model.kind not in kinds:
             raise ValueError(

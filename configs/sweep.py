@@ -21,7 +21,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, model_validator
@@ -61,6 +61,10 @@ class SweepSpec(_Strict):
     cells: list[dict[str, Any]] = Field(
         default_factory=list, description="cells listed one by one (after the grid's), each a dict of dotted keys, e.g. "
                                           "[{\"model.kind\": \"moe_lm\", \"model.n_experts\": 4}]")
+    seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        None, min_length=1, description="every cell trains each method once per seed (the cells' config key seeds; "
+        "each cell's report gives means with 95 % intervals and the paired gap), e.g. [0, 1, 2]; with reuse_dp, "
+        "DP is trained once per seed for the whole sweep. Unset: the base config's seeds, or its one seed")
     concurrency: PositiveInt = Field(
         1, description="cells running at once, enforced by the Prefect global concurrency limit sweep-<name> "
                        "(created or updated to this value when the sweep starts)")
@@ -98,6 +102,13 @@ class SweepSpec(_Strict):
                 raise ValueError(f"cells[{i}]: an empty cell; give its dotted keys, e.g. {{diloco.learners: 8}}")
             for key in cell:
                 _check_key(f"cells[{i}].{key}", key)
+        if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds {self.seeds} repeats a seed; list each once")
+        for where, keys in (("overrides", self.overrides), ("grid", self.grid), *((f"cells[{i}]", c) for i, c in
+                                                                                     enumerate(self.cells))):
+            if self.seeds is not None and any(k in ("seed", "seeds") for k in keys):
+                raise ValueError(f"{where}: sets the seed while the sweep's seeds ({self.seeds}) set every cell's; "
+                                 "remove one of them")
         for key in self.overrides:
             _check_key(f"overrides.{key}", key)
             axis = next((a for a in self.grid if a == key or a.startswith(key + ".") or key.startswith(a + ".")), None)
@@ -199,6 +210,8 @@ def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> Ex
     try:
         merged = apply_overrides(apply_overrides(raw, spec.overrides), cell.overrides)
         merged["name"] = cell.name
+        if spec.seeds is not None:
+            merged["seeds"] = list(spec.seeds)
         return ExperimentConfig.model_validate(merged)
     except ValidationError as exc:
         raise ValueError(f"sweep {spec.name}, cell {cell.name}: " + "; ".join(validation_lines(exc))) from None

@@ -383,7 +383,7 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
 
         docs = load_heldout(run_dir, "finetune")
         pairs = speaker_pairs(docs, ft.speaker_context, ft.speaker_lines)
-        tr, te = split_items(len(pairs), ft.test_fraction, cfg.seed, [p["title"] for p in pairs])
+        tr, te = split_items(len(pairs), ft.test_fraction, cfg.data.seed, [p["title"] for p in pairs])
         train, test = [pairs[i] for i in tr], [pairs[i] for i in te]
         info["description"] = ("name the character who speaks a line of a play held out of pretraining, "
                                f"given the title and the {ft.speaker_context} speeches before it with their speakers")
@@ -402,11 +402,11 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
                     if ft.hf_test_split else None)
             where = ft.hf_name
         if test is None:
-            tr, te = split_items(len(train), ft.test_fraction, cfg.seed)
+            tr, te = split_items(len(train), ft.test_fraction, cfg.data.seed)
             train, test = [train[i] for i in tr], [train[i] for i in te]
         info["description"] = f"prompt/response pairs from {where}"
         info["baselines"] = {}
-    test = [test[i] for i in _sample_test(len(test), ft.max_test_items, cfg.seed)]
+    test = [test[i] for i in _sample_test(len(test), ft.max_test_items, cfg.data.seed)]
     if len(train) < MIN_TRAIN_ITEMS or len(test) < MIN_TEST_ITEMS:
         raise ValueError(
             f"the fine-tuning task {task} has {len(train)} train and {len(test)} test pairs, fewer than "
@@ -464,14 +464,14 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
     out_dir = Path(out_dir)
     data_manifest = load_manifest(run_dir)
     ft = cfg.finetune
-    record = {"finetune": ft.model_dump(mode="json", exclude={"enabled"}), "seed": cfg.seed}
+    record = {"finetune": ft.model_dump(mode="json", exclude={"enabled"}), "seed": cfg.data.seed}
     if cfg.data.modality == "image":
         from data.images import load_image_rows
 
         val, test_rows = load_image_rows(run_dir, "val"), load_image_rows(run_dir, "test")
         tr_x, tr_y = rotate_images(np.asarray(val["image"]))
         te_x, te_y = rotate_images(np.asarray(test_rows["image"]))
-        keep = _sample_test(len(te_y), ft.max_test_items, cfg.seed)
+        keep = _sample_test(len(te_y), ft.max_test_items, cfg.data.seed)
         te_x, te_y = te_x[keep], te_y[keep]
         manifest = {"name": "rotation", "modality": "image", "primary": "accuracy",
                     "description": "which of 0°, 90°, 180° or 270° a held-out image was turned by (a new 4-way head)",

@@ -124,7 +124,23 @@ def run(
     except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
         raise typer.Exit(1)
+    _print_verdict(Path(out))
     typer.echo(f"\nReport: {Path(out) / 'report' / 'report.md'}")
+
+
+def _print_verdict(rd: Path) -> None:
+    """The report's verdict (``report.json``) as a terminal table and a paragraph; nothing when the
+    run has none (a run without DP)."""
+    import json
+
+    from reports.verdict import verdict_table
+
+    try:
+        v = json.loads((RunLayout(rd).report / "report.json").read_text()).get("verdict")
+    except (OSError, ValueError):
+        return
+    if v:
+        typer.echo("\n" + verdict_table(v, "simple") + "\n\n" + v["words"])
 
 
 @app.command()

@@ -114,6 +114,94 @@ def _run_problem(results: dict[str, Any]) -> str | None:
             f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top")
 
 
+def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stages: list[str]) -> str | None:
+    """One seed's stages after the data: pretrain DiLoCo and DP, evaluate, fine-tune, report, each
+    appended to ``stages`` when completed; ``status.json`` says ``running`` (or ``failed`` /
+    ``interrupted``) when the report is built. Returns the one-line reason to fail the run, or None."""
+    methods = (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
+    steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
+    if cfg.dp.enabled:
+        steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
+    if cfg.eval.enabled:
+        for method in methods:
+            steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))
+    if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
+        steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
+    results: dict[str, Any] = {}
+    for name, step in steps:
+        if stop_requested():
+            break
+        write_status(rd, "running", stages)
+        try:
+            results[name] = step()
+        except FailedRun:
+            short = _short_stage(rd, name)
+            if short is None:
+                raise
+            results[name] = short  # trained short of its budget: the run fails after the report
+            break
+        if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
+            break
+        stages.append(name)
+    problem = None if stop_requested() else _run_problem(results)
+    if stop_requested():  # the report shows the run's state at its top
+        write_status(rd, "interrupted", stages, _signal_reason())
+    else:
+        write_status(rd, "failed" if problem else "running", stages, problem)
+    report_task(rd)  # also after a stop or a failure: the report of what was done
+    stages.append("report")
+    return problem
+
+
+@flow(name="pipeline-seed", flow_run_name="seed-{seed}", log_prints=True)
+def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str,
+             dp_cache: Optional[str] = None) -> dict:
+    """One seed of a run of several seeds, as a child flow run of the pipeline: ``run_dir``
+    (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its
+    data hard links to ``data_dir`` (sharded once for every seed), and its stages run as in a run
+    of one seed (:func:`_train_and_report`). Returns ``{"seed", "status", "problem"}``; raises what
+    a stage raises (the run directory's status then says ``failed``)."""
+    cfg, rd = config.for_seed(seed), Path(run_dir)
+    make_run_dir(cfg, rd)
+    shutil.copytree(data_dir, RunLayout(rd).data, copy_function=link_or_copy)
+    stages = ["data"]
+    try:
+        problem = _train_and_report(cfg, rd, dp_cache, stages)
+    except BaseException as exc:
+        if not stop_requested():
+            write_status(rd, "failed", stages, f"{type(exc).__name__}: {exc}")
+        raise
+    status = "interrupted" if stop_requested() else ("failed" if problem else "completed")
+    write_status(rd, status, stages, _signal_reason() if status == "interrupted" else problem)
+    return {"seed": seed, "status": status, "problem": problem}
+
+
+def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stages: list[str]) -> str | None:
+    """Every seed of ``cfg.seeds`` in turn (:func:`seed_run`, a child flow run each, in
+    ``RUN/seeds/seed-<s>``; ``seed-<s>`` appended to ``stages`` when that seed's run completed),
+    then the report over seeds. A seed whose run fails a check (a short budget, divergence, lost
+    work) does not stop the next; the run then fails with the first such reason. Returns it, or None."""
+    layout, problems = RunLayout(rd), []
+    for seed in cfg.run_seeds:
+        if stop_requested():
+            break
+        write_status(rd, "running", stages)
+        out = seed_run(config=cfg, seed=seed, run_dir=str(layout.seed_run(seed)), data_dir=str(layout.data),
+                       dp_cache=dp_cache)
+        if out["status"] == "completed":
+            stages.append(f"seed-{seed}")
+        elif out["problem"]:
+            problems.append(f"seed {seed}: {out['problem']}")
+    problem = None if stop_requested() or not problems else "; ".join(problems)
+    if stop_requested():
+        write_status(rd, "interrupted", stages, _signal_reason())
+    else:
+        write_status(rd, "failed" if problem else "running", stages, problem)
+    report_task(rd)
+    stages.append("report")
+    return problem
+
+
 @flow(name="pipeline", log_prints=True)
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
@@ -126,7 +214,10 @@ def pipeline(
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
     pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
-    ``flows.finetune``), report.
+    ``flows.finetune``), report. With ``seeds: [...]`` (two or more) the data is sharded once and
+    every seed's stages run in turn as a child flow run (``pipeline-seed``, named ``seed-<s>``) into
+    ``RUN/seeds/seed-<s>/``, a whole run directory each; the report at the top is the verdict over
+    seeds (``reports.seeds``: means, 95 % intervals, the paired gap DiLoCo − DP).
 
     Args:
         config: the experiment, field by field (the UI form).
@@ -148,6 +239,9 @@ def pipeline(
     """
     logger = get_run_logger()
     cfg = resolve_config(config, config_file, overrides)
+    seeds = cfg.run_seeds
+    if len(seeds) == 1:
+        cfg = cfg.for_seed(seeds[0])
     rd = preflight(cfg, run_dir)
     if stop_requested():  # a signal while Prefect started: nothing was written, nothing to save
         return Cancelled(message=f"stopped before the run started: {_signal_reason()}; nothing was written")
@@ -175,37 +269,10 @@ def pipeline(
                 logger.info("data: %s train tokens, %d shards, vocab %d",
                             f"{manifest['splits']['train']['tokens']:,}", len(manifest["shards"]),
                             manifest["vocab_size"])
-            steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))]
-            if cfg.dp.enabled:
-                steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
-            if cfg.eval.enabled:
-                for method in ["diloco"] + (["dp"] if cfg.dp.enabled else []):
-                    steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))
-            if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
-                steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
-            results: dict[str, Any] = {}
-            for name, step in steps:
-                if stop_requested():
-                    break
-                write_status(rd, "running", stages)
-                try:
-                    results[name] = step()
-                except FailedRun:
-                    short = _short_stage(rd, name)
-                    if short is None:
-                        raise
-                    results[name] = short  # trained short of its budget: the run fails after the report
-                    break
-                if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
-                    break
-                stages.append(name)
-            problem = None if stop_requested() else _run_problem(results)
-            if stop_requested():  # the report shows the run's state at its top
-                write_status(rd, "interrupted", stages, _signal_reason())
+            if len(seeds) == 1:
+                problem = _train_and_report(cfg, rd, dp_cache, stages)
             else:
-                write_status(rd, "failed" if problem else "running", stages, problem)
-            report_task(rd)  # also after a stop or a failure: the report of what was done
-            stages.append("report")
+                problem = _train_seeds(cfg, rd, dp_cache, stages)
         except BaseException as exc:
             if stop_requested():
                 return _interrupted(rd, stages)

@@ -155,7 +155,7 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
         pairs = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)  # (ids checked across files)
         counts = [len(p) for p in pairs if p is not None]
         if len(counts) == 1:
-            train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.seed))
+            train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.data.seed))
         else:
             train, test = counts
         if train < MIN_TRAIN_ITEMS or test < MIN_TEST_ITEMS:

@@ -145,11 +145,14 @@ def _first_difference(old: dict, new: dict) -> str:
 def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
     relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
-    method's ``pretrain/<method>/summary.json`` (DiLoCo, and DP when ``dp.enabled``). Paths from
+    method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
     :class:`run.layout.RunLayout`."""
     layout = RunLayout(run_dir)
     needed = [layout.report / "report.json"]
-    needed += [layout.summary("pretrain", m) for m in ["diloco"] + (["dp"] if cfg.dp.enabled else [])]
+    seeds = cfg.run_seeds
+    for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
+        needed += [sub.summary("pretrain", m) for m in (["diloco"] if cfg.diloco.enabled else []) +
+                   (["dp"] if cfg.dp.enabled else [])]
     return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
 
 

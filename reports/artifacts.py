@@ -32,11 +32,11 @@ def comparison_table(report: dict) -> list[dict]:
     table = []
     for stage, st in report["stages"].items():
         blank = {m: "" for m in methods}
-        for r in st["comparison"]:
+        for r in st.get("comparison") or []:
             table.append({"stage": stage, "metric": row_label(r), **blank,
                           **{m: row_cell(r, m) for m in st["methods"]}})
-        for m, gap in st["loss_gaps"].items():
-            table.append({"stage": stage, "metric": f"loss gap {short_label(m)} vs {short_label(gap['baseline'])} (%)",
+        for m, gap in (st.get("loss_gaps") or {}).items():
+            table.append({"stage": stage, "metric": f"loss gap {short_label(m)} vs {short_label(gap.get('baseline', 'dp'))} (%)",
                           **blank, m: f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"]})
     return table
 
@@ -87,10 +87,11 @@ def _ci(ci, signed: bool = False) -> str:
 
 
 def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
-    """Publish the report to Prefect: the markdown, the comparison table and the token ledger.
+    """Publish the report to Prefect: the markdown, the verdict, the comparison table and the token ledger.
 
     Must be called inside a Prefect flow or task run (it raises ``RuntimeError`` otherwise), so the
-    artifacts attach to that run. Keys are ``report-<slug>``, ``comparison-<slug>``,
+    artifacts attach to that run. Keys are ``report-<slug>``, ``verdict-<slug>`` (with a verdict),
+    ``comparison-<slug>``,
     ``posttraining-<slug>`` (only with a fine-tuning stage) and ``ledger-<slug>`` (only when a method
     has a ledger) with ``<slug>`` the run name
     (``config.name``) in lowercase letters, digits and dashes: repeated runs of one experiment become
@@ -110,6 +111,9 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     name = report["run"]["name"]
     where = f"run directory {report['run']['run_dir']}"
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
+    if report.get("verdict"):
+        create_table_artifact(report["verdict"]["rows"], key=artifact_key("verdict", name),
+                              description=f"The verdict, DiLoCo vs DP: {report['verdict']['words']} ({where})")
     create_table_artifact(comparison_table(report), key=artifact_key("comparison", name),
                           description=f"Every method vs DP, per stage, {where}")
     post = finetune_table(report)

@@ -21,8 +21,9 @@ from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
 from reports.plots import (confusion_figure, loss_figure, merges_figure, resilience_loss_figure,
                            resilience_timeline_figure, save_png)
-from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_run
+from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
+from reports.verdict import seed_figures, verdict
 from run.layout import STAGES, RunLayout
 
 PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
@@ -133,6 +134,22 @@ def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
     return ref_records
 
 
+def _learner_goodput(records: RunRecords, stages: dict) -> None:
+    """Goodput and uptime of every learners-and-syncer method (:func:`reports.resilience.diloco_resilience`
+    on its learner events and merges), for runs without a chaos schedule too: ``goodput`` and
+    ``uptime`` beside the method's other figures (a chaos run's Resilience section set ``goodput``)."""
+    from reports.resilience import diloco_resilience
+
+    for m, f in ((stages.get("pretrain") or {}).get("methods") or {}).items():
+        rec = (records.stages.get("pretrain") or {}).get(m)
+        if f.get("kind") != "syncer" or rec is None or not rec.events:
+            continue
+        d = diloco_resilience(rec.events, rec.merges, records.chaos_schedule, None, None)
+        if f.get("goodput") is None:
+            f["goodput"] = (d.get("global") or {}).get("goodput")
+        f["uptime"] = (d.get("uptime") or {}).get("uptime")
+
+
 def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRecords | None, out_dir: Path) -> None:
     """The timeline and the loss-vs-time figures of the Resilience section into ``stage["plots"]``."""
     res = stage.get("resilience")
@@ -241,6 +258,11 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     gone (:func:`reports.read.missing_results`; nothing is written then either).
     """
     layout = open_run(run_dir)
+    seeded = read_json(layout.config) or {}
+    if len(seeded.get("seeds") or []) > 1:  # a run of several seeds: the report over its seeds' reports
+        from reports.seeds import build_seeds_report
+
+        return build_seeds_report(run_dir, seeded, final_stage)
     records = read_run(layout)
     missing = missing_results(layout, records.status)
     if missing:  # "not run" would be wrong: refuse before report/ is touched
@@ -252,6 +274,7 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     config = records.config
     stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)
+    _learner_goodput(records, stages)
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "run": {
@@ -271,6 +294,9 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
         "finetune": post_training_figures(records.finetune),
         "config": config,
     }
+    pre = stages.get("pretrain") or {}
+    if {"diloco", "dp"} <= set(pre.get("methods") or {}):
+        report["verdict"] = verdict([seed_figures(report)])
 
     out_dir = layout.report
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -48,43 +48,52 @@ BOOTSTRAP_DEFINITION = (
 
 def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
                         confidence: float = CONFIDENCE) -> dict:
-    """Mean of ``values`` (shape [S seeds, N items], or [N] for one seed) with a percentile
-    bootstrap interval over seeds and items.
+    """Mean of ``values`` (shape [S seeds, N items], [N] for one seed, or [P, S, N] for S fine-tuning
+    seeds of each of P pretraining seeds) with a percentile bootstrap interval over seeds and items.
 
-    Estimate: mean over s, i of values[s, i]. Each of ``resamples`` resamples, in order, with
+    Estimate: mean of values. Each of ``resamples`` resamples, in order, with
     ``rng = numpy.random.default_rng(seed)``:
 
-    1. seeds: ``rows = rng.integers(0, S, size=S)`` (S > 1 only; one seed is not resampled),
-    2. items: ``cols = rng.integers(0, N, size=N)``, one draw shared by all drawn seeds (every
-       seed's model answered the same test items: items are crossed with seeds, not nested),
-    3. statistic: ``values[rows][:, cols].mean()``.
+    1. pretraining seeds ([P, S, N] only): ``pre = rng.integers(0, P, size=P)`` (P > 1 only),
+    2. seeds: ``rows = rng.integers(0, S, size=S)`` (S > 1 only; one seed is not resampled),
+    3. items: ``cols = rng.integers(0, N, size=N)``, one draw shared by all drawn seeds (every
+       seed's model answered the same test items: items are crossed with seeds, not nested; so are
+       fine-tuning seeds with pretraining seeds),
+    4. statistic: the mean of ``values`` at the drawn indices (``numpy.ix_``).
 
     The interval is ``numpy.percentile(stats, [100·α/2, 100·(1 − α/2)])`` (linear interpolation),
     α = 1 − ``confidence``. Returns ``estimate``, ``ci`` ([low, high]; None when a value is not
     finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N] input, which has no seed
-    axis: one model, e.g. a pretrained one), ``items`` (N), ``levels`` ("seeds and items" or
-    "items") and ``over`` ("over N items and S seeds", or "over N items" for [N] input).
+    axis: one model, e.g. a pretrained one), ``pretrain_seeds`` (P, [P, S, N] input only), ``items``
+    (N), ``levels`` and ``over`` ("over N items and S seeds", "over N items", or "over N items,
+    S fine-tuning seeds and P pretraining seeds").
     """
     v = np.asarray(values, dtype=float)
-    seed_axis = v.ndim == 2
+    seed_axis = v.ndim >= 2
     if v.ndim == 1:
         v = v[None, :]
-    if v.ndim != 2 or v.shape[0] < 1 or v.shape[1] < 1:
-        raise ValueError(f"values must be [seeds, items] with at least one of each, got shape {v.shape}")
-    s, n = v.shape
+    if v.ndim not in (2, 3) or min(v.shape) < 1:
+        raise ValueError(f"values must be [seeds, items] or [pretraining seeds, seeds, items] with at least one "
+                         f"of each, got shape {v.shape}")
+    *lead, n = v.shape
+    s = lead[-1]
     over = f"over {n:,} item{'s' if n != 1 else ''}"
     out = {"estimate": float(v.mean()), "ci": None, "confidence": confidence, "resamples": resamples,
            "seeds": s if seed_axis else None, "items": n, "levels": "seeds and items" if s > 1 else "items",
            "over": over + (f" and {s} seed{'s' if s != 1 else ''}" if seed_axis else "")}
+    if v.ndim == 3:
+        out.update(pretrain_seeds=lead[0], levels="pretraining seeds, fine-tuning seeds and items",
+                   over=f"{over}, {s} fine-tuning seed{'s' if s != 1 else ''} and {lead[0]} pretraining "
+                        f"seed{'s' if lead[0] != 1 else ''}")
     if not np.isfinite(v).all():
         return out
     rng = np.random.default_rng(seed)
     stats = np.empty(resamples)
-    all_rows = np.zeros(1, dtype=np.int64)
+    keep = [np.arange(k) for k in lead]
     for r in range(resamples):
-        rows = rng.integers(0, s, size=s) if s > 1 else all_rows
-        cols = rng.integers(0, n, size=n)
-        stats[r] = v[rows][:, cols].mean()
+        idx = [rng.integers(0, k, size=k) if k > 1 else keep[i] for i, k in enumerate(lead)]
+        idx.append(rng.integers(0, n, size=n))
+        stats[r] = v[np.ix_(*idx)].mean()
     alpha = 1.0 - confidence
     lo, hi = np.percentile(stats, [100 * alpha / 2, 100 * (1 - alpha / 2)])
     out["ci"] = [float(lo), float(hi)]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from reports.verdict import verdict_markdown
 from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label, per_unit,
                             short_label)
 from reports.experts import markdown_section
@@ -768,13 +769,15 @@ def render_markdown(report: dict) -> str:
     """The ``report.md`` text for a report dict from ``build_report`` (pure)."""
     L: list[str] = []
     _header(report, L)
-    if report.get("setup"):
-        setup = [[k, format_value(v)] for k, v in report["setup"].items()]
-        L += ["## Setup", "", _table(["setting", "value"], setup), ""]
+    if report.get("verdict"):
+        L += verdict_markdown(report["verdict"])
     for st in report["stages"].values():
         _stage(st, L)
     if report.get("finetune"):
         _post_training(report["finetune"], L)
+    if report.get("setup"):  # the appendix: what the run was, after what it found
+        setup = [[k, format_value(v)] for k, v in report["setup"].items()]
+        L += ["## Setup", "", _table(["setting", "value"], setup), ""]
     L += ["## Data", ""]
     man = report["manifest"]
     L += [_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"

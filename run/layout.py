@@ -19,6 +19,11 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
     RUN/report/                           report.md, report.json, figures
 
+A run of several seeds (``seeds: [...]``) holds its data and its report (over seeds) at the top,
+and one whole run directory per seed, laid out as above, its ``data/`` hard links to the top's::
+
+    RUN/seeds/seed-<s>/                   seed s's run: config.json (seed s), status.json, pretrain/, ...
+
 Every writer and reader asks this module for its paths; the report discovers which stages and
 methods a run holds with :meth:`RunLayout.methods` (a method exists once its folder holds a
 ``summary.json`` or an ``eval`` metrics file). Roots may be local paths or fsspec URLs
@@ -36,7 +41,7 @@ from upath import UPath
 STAGES = ("pretrain", "finetune")
 METHOD_ORDER = ("diloco", "dp")  # report order; other methods follow, sorted by name
 METRICS = ("eval", "train", "merges", "learners", "events")
-RESULT_ENTRIES = (*STAGES, "eval", "report", "status.json")  # a folder holding any of these is a run
+RESULT_ENTRIES = (*STAGES, "eval", "report", "seeds", "status.json")  # a folder holding any of these is a run
 REUSABLE_ENTRIES = ("data", "config.json")
 
 
@@ -91,6 +96,10 @@ class RunLayout:
     def chaos_schedule(self) -> UPath:
         """The pretraining chaos schedule both methods replayed (``configs.chaos.ChaosSchedule`` JSON)."""
         return self.root / "pretrain" / "chaos.json"
+
+    def seed_run(self, seed: int) -> UPath:
+        """The run directory of one seed of a run of several seeds."""
+        return self.root / "seeds" / f"seed-{int(seed)}"
 
     # -- one trained model: a stage and a method --------------------------------------------------
     def method_dir(self, stage: str, method: str) -> UPath:

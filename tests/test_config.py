@@ -245,5 +245,5 @@ def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
     with pytest.raises(ValidationError) as exc:
         load_sweep(tmp_path / "s.yaml")
     line = sweep_problem(exc.value)
-    assert "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, " \
+    assert "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, seeds, " \
            "concurrency" in line

@@ -1,0 +1,216 @@
+"""The verdict: is Decoupled DiLoCo as good as DP, and what does it buy — one table and a sentence.
+
+Built from one run's ``report.json`` (one seed: figures without an interval) or from the reports
+of every seed of a run of several seeds (``seeds: [...]``; mean and 95 % interval over seeds). Rows:
+
+* **test loss** (nats per token or image, the whole test split after training): each method's mean
+  over seeds with a Student-t 95 % interval (mean ± t₀.₉₇₅,ₙ₋₁ · sd / √n; none for one seed);
+* **gap DiLoCo − DP** in %: per seed 100 · (L_DiLoCo − L_DP) / L_DP, both trained with that seed
+  (same initialisation and data order), so the interval is that of the paired differences;
+* **published gap** at this model size and M: the DiLoCo scaling-law study's power-law fits
+  L = A·N^α (arXiv 2503.09799, each method tuned, H = 30), evaluated at this model's parameters;
+* **bytes sent per token**, learner→syncer against DP's ring all-reduce (``reports.wire``);
+* **modelled wall time** and **time to DP's final held-out loss** under the run's ``network``
+  section (``reports.interconnect``; the curve sample's loss);
+* **goodput and uptime** of DiLoCo's learners (``reports.resilience``; every run, chaos or not);
+* **post-training**: the fine-tuned primary metric, DiLoCo − DP, with its paired bootstrap interval
+  (``reports.finetune``: over pretraining seeds, fine-tuning seeds and test items).
+
+Tables are pandas DataFrames rendered by tabulate (``DataFrame.to_markdown``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from reports.common import BASELINE, num, short_label
+
+CONFIDENCE = 0.95
+# arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
+# loss against parameters N, each method tuned: DP and DiLoCo with M = 1, 2, 4, 8 replicas.
+PUBLISHED_FITS = {"dp": (18.129, -0.0953), 1: (18.363, -0.0961), 2: (18.768, -0.0969), 4: (19.762, -0.0992),
+                  8: (21.051, -0.1018)}
+PUBLISHED = "arXiv 2503.09799 power-law fits (each method tuned, H = 30)"
+
+
+def published_gap_pct(learners: int | None, params: float | None) -> float | None:
+    """The gap DiLoCo − DP in % that the fits of :data:`PUBLISHED_FITS` predict at ``params``
+    parameters with M = ``learners``: 100 · (A_M N^α_M / (A_DP N^α_DP) − 1); None for an M the
+    study did not fit or no parameter count."""
+    if learners not in PUBLISHED_FITS or not params:
+        return None
+    (a, al), (b, bl) = PUBLISHED_FITS[learners], PUBLISHED_FITS["dp"]
+    return 100.0 * (a * params ** al / (b * params ** bl) - 1.0)
+
+
+def mean_interval(values: list[float | None], confidence: float = CONFIDENCE) -> dict:
+    """``{"mean", "ci", "n", "sd"}`` of the finite ``values``: the mean and its Student-t interval
+    (``ci`` = [mean − h, mean + h], h = t_{(1+confidence)/2, n−1} · sd / √n, sd with ddof 1); ``ci``
+    is None for fewer than two values, ``mean`` None for none."""
+    from scipy.stats import t
+
+    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    if v.size == 0:
+        return {"mean": None, "ci": None, "n": 0, "sd": None}
+    if v.size == 1:
+        return {"mean": float(v[0]), "ci": None, "n": 1, "sd": None}
+    sd = float(v.std(ddof=1))
+    h = float(t.ppf((1 + confidence) / 2, v.size - 1)) * sd / math.sqrt(v.size)
+    return {"mean": float(v.mean()), "ci": [float(v.mean() - h), float(v.mean() + h)], "n": int(v.size), "sd": sd}
+
+
+def seed_figures(report: dict) -> dict:
+    """What the verdict reads of one run's ``report.json`` (one seed)."""
+    cfg = report.get("config") or {}
+    pre = (report.get("stages") or {}).get("pretrain") or {}
+    methods = pre.get("methods") or {}
+    net = pre.get("interconnect") or {}
+    d, p = methods.get("diloco") or {}, methods.get(BASELINE) or {}
+    out: dict[str, Any] = {
+        "seed": cfg.get("seed"), "status": (report.get("pipeline") or {}).get("status"),
+        "run_dir": (report.get("run") or {}).get("run_dir"), "unit": pre.get("unit") or "tokens",
+        "split": ((pre.get("loss_gaps") or {}).get("diloco") or {}).get("split") or "validation sample",
+        "loss": {m: num(f.get("test_loss")) if f.get("test_loss") is not None else num(f.get("final_val_loss"))
+                 for m, f in (("diloco", d), (BASELINE, p))},
+        "gap_pct": num(((pre.get("loss_gaps") or {}).get("diloco") or {}).get("gap_pct")),
+        "bytes_per_token": {"diloco": num((d.get("bytes") or {}).get("sent_per_token")),
+                            BASELINE: num((p.get("bytes") or {}).get("sent_per_token"))},
+        "network": net.get("short"), "assumption": net.get("assumption"),
+        "modelled_wall_s": {m: num(f.get("modelled_wall_s")) for m, f in (net.get("methods") or {}).items()},
+        "time_to_dp_final_s": {m: num(v) for m, v in (net.get("time_to_dp_final_s") or {}).items()},
+        "goodput": num(d.get("goodput")), "uptime": num(d.get("uptime")),
+        "params": num(d.get("params")), "learners": (cfg.get("diloco") or {}).get("learners"),
+    }
+    ft = report.get("finetune") or {}
+    primary = ft.get("primary")
+    if primary:
+        diff = ((((ft.get("differences") or {}).get("diloco") or {}).get("metrics") or {}).get(primary) or {})
+        out["post"] = {"metric": primary, "label": (((ft.get("task") or {}).get("metrics") or {}).get(primary)
+                                                    or {}).get("label", primary),
+                       "scores": {m: num(((((ft.get("methods") or {}).get(m) or {}).get("scores") or {})
+                                          .get(primary) or {}).get("finetuned")) for m in ("diloco", BASELINE)},
+                       "difference": diff.get("finetuned") or {}}
+    return out
+
+
+def _fmt(x: float | None, f: str = "{:.4f}") -> str:
+    return "—" if x is None else f.format(x)
+
+
+def _with_ci(m: dict, f: str = "{:.4f}") -> str:
+    if m.get("mean") is None:
+        return "—"
+    return _fmt(m["mean"], f) + ("" if m.get("ci") is None else f" [{_fmt(m['ci'][0], f)}, {_fmt(m['ci'][1], f)}]")
+
+
+def verdict(seeds: list[dict], post: dict | None = None) -> dict:
+    """The verdict over the :func:`seed_figures` of each seed's run (one or more).
+
+    ``post``: the post-training difference over every seed (a dict of
+    :func:`reports.finetune.paired_bootstrap_difference` with ``verdict``, ``metric``, ``label`` and
+    per method ``scores``); default: the one seed's own. Returns ``seeds`` (the seed values),
+    ``n``, ``loss`` (per method: :func:`mean_interval`), ``gap_pct`` (:func:`mean_interval` of
+    the paired per-seed gaps), ``published_gap_pct``, ``bytes_per_token``, ``modelled_wall_s``,
+    ``time_to_dp_final_s``, ``goodput``, ``uptime`` (means), ``network``, ``post``, ``rows``
+    (the table: figure, DiLoCo, DP, DiLoCo vs DP) and ``words`` (the verdict in a paragraph)."""
+    first = seeds[0]
+    n = len(seeds)
+    ok = [s for s in seeds if s["loss"].get("diloco") is not None and s["loss"].get(BASELINE) is not None]
+    loss = {m: mean_interval([s["loss"].get(m) for s in ok]) for m in ("diloco", BASELINE)}
+    gap = mean_interval([100 * (s["loss"]["diloco"] - s["loss"][BASELINE]) / s["loss"][BASELINE] for s in ok])
+    pub = published_gap_pct(first.get("learners"), first.get("params"))
+
+    def mean_of(get) -> float | None:
+        return mean_interval([get(s) for s in seeds])["mean"]
+
+    bpt = {m: mean_of(lambda s, m=m: s["bytes_per_token"].get(m)) for m in ("diloco", BASELINE)}
+    wall = {m: mean_of(lambda s, m=m: s["modelled_wall_s"].get(m)) for m in ("diloco", BASELINE)}
+    reached = [s["time_to_dp_final_s"].get("diloco") is not None for s in seeds]
+    ttl = {m: mean_of(lambda s, m=m: s["time_to_dp_final_s"].get(m)) for m in ("diloco", BASELINE)}
+    good, up = mean_of(lambda s: s["goodput"]), mean_of(lambda s: s["uptime"])
+    if post is None and n == 1 and first.get("post"):
+        p = first["post"]
+        post = {**(p["difference"] or {}), "metric": p["metric"], "label": p["label"], "scores": p["scores"]}
+    unit = first["unit"].removesuffix("s")
+    over = f"{n} seeds" if n > 1 else "one seed: no interval"
+    ratio = (lambda a, b: f"{a / b:.2f}×" if a is not None and b else "—")
+    rows = [
+        {"figure": f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
+         "DiLoCo": _with_ci(loss["diloco"]), "DP": _with_ci(loss[BASELINE]),
+         "DiLoCo vs DP": _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else "")},
+        {"figure": f"published gap at M = {first.get('learners')}, {_fmt(first.get('params'), '{:,.0f}')} "
+                   "parameters (arXiv 2503.09799 fits)", "DiLoCo": "", "DP": "", "DiLoCo vs DP": "not fitted for this M" if pub is None else f"{pub:+.2f} %"},
+        {"figure": "bytes sent per token (learner→syncer; DP: ring all-reduce)", "DiLoCo": _fmt(bpt["diloco"], "{:,.0f}"),
+         "DP": _fmt(bpt[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(bpt["diloco"], bpt[BASELINE])},
+    ]
+    if first.get("network"):
+        rows += [
+            {"figure": f"modelled wall time, s ({first['network']})", "DiLoCo": _fmt(wall["diloco"], "{:,.0f}"),
+             "DP": _fmt(wall[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(wall["diloco"], wall[BASELINE])},
+            {"figure": f"time to DP's final held-out loss, s ({first['network']})",
+             "DiLoCo": _fmt(ttl["diloco"], "{:,.0f}") if all(reached) else
+             f"not reached ({sum(not r for r in reached)} of {n} seed{'s' if n > 1 else ''})",
+             "DP": _fmt(ttl[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(ttl["diloco"], ttl[BASELINE])
+             if all(reached) else "—"},
+        ]
+    rows.append({"figure": "goodput / uptime of the learners (fraction of time)",
+                 "DiLoCo": f"{_fmt(good, '{:.3f}')} / {_fmt(up, '{:.3f}')}", "DP": "", "DiLoCo vs DP": ""})
+    if post and post.get("metric"):
+        ci = post.get("ci")
+        rows.append({"figure": f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
+                     "DiLoCo": _fmt((post.get("scores") or {}).get("diloco")),
+                     "DP": _fmt((post.get("scores") or {}).get(BASELINE)),
+                     "DiLoCo vs DP": _fmt(post.get("difference"), "{:+.4f}") +
+                     ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")})
+    return {"seeds": [s["seed"] for s in seeds], "n": n, "loss": loss, "gap_pct": gap, "published_gap_pct": pub,
+            "published": PUBLISHED, "bytes_per_token": bpt, "modelled_wall_s": wall, "time_to_dp_final_s": ttl,
+            "reached_dp_final": reached, "goodput": good, "uptime": up, "network": first.get("network"),
+            "assumption": first.get("assumption"), "post": post, "rows": rows,
+            "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n)}
+
+
+def _words(gap, loss, pub, bpt, wall, reached, post, first, n) -> str:
+    if gap["mean"] is None:
+        return "No verdict: a method has no final held-out loss (see the stages below)."
+    g, ci = gap["mean"], gap["ci"]
+    if ci is None:
+        head = (f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
+                "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one).")
+    elif ci[0] <= 0 <= ci[1]:
+        head = (f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
+                f"{ci[0]:+.2f} to {ci[1]:+.2f} %): no significant difference at equal tokens.")
+    else:
+        better = "DP" if g > 0 else "DiLoCo"
+        head = (f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
+                f"{ci[0]:+.2f} to {ci[1]:+.2f} %): {better} is better at equal tokens.")
+    parts = [head]
+    if pub is not None:
+        parts.append(f"The published fits predict {pub:+.2f} % at this size and M = {first.get('learners')} "
+                     f"({PUBLISHED}).")
+    if bpt["diloco"] and bpt[BASELINE]:
+        parts.append(f"DiLoCo sends {bpt['diloco'] / bpt[BASELINE]:.2f}× DP's bytes per token.")
+    if first.get("network") and wall["diloco"] and wall[BASELINE]:
+        t = (f"Under the modelled network ({first['network']}) it finishes in {wall['diloco'] / wall[BASELINE]:.2f}× "
+             f"DP's time")
+        t += ", reaching DP's final held-out loss." if all(reached) else \
+            (", without reaching DP's final held-out loss." if not any(reached) else
+             f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds.")
+        parts.append(t)
+    if post and (post.get("verdict") or {}).get("text"):
+        parts.append(f"Post-training ({post['label']}): {post['verdict']['text']}.")
+    return " ".join(parts)
+
+
+def verdict_table(v: dict, fmt: str = "github") -> str:
+    """The verdict's rows as a table (tabulate's ``fmt``: ``github`` for markdown, ``simple`` for a
+    terminal)."""
+    return pd.DataFrame(v["rows"]).to_markdown(index=False, tablefmt=fmt, disable_numparse=True)
+
+
+def verdict_markdown(v: dict) -> list[str]:
+    """The report's opening section: the verdict in words, then its table."""
+    return ["## Verdict", "", v["words"], "", verdict_table(v), ""]
