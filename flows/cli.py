@@ -320,6 +320,79 @@ def sweep(
 
 
 @app.command()
+def tune(
+    study_file: str = typer.Argument("tune_tiny", help="a study YAML file, or a shipped study's name: tune_tiny, "
+                                     "... (configs/studies/)"),
+    trials: Optional[int] = typer.Option(None, help="trials per method (default: the file's)"),
+    set_: list[str] = typer.Option([], "--set", help="a config key set in every trial and in the tuned comparison, "
+                                   "e.g. --set train.token_budget=50000"),
+    name: Optional[str] = typer.Option(None, help="the study's name (its folder <study_root>/<name>)"),
+    study_root: Optional[str] = typer.Option(None, help="the folder holding study folders (default runs/studies)"),
+    concurrency: Optional[int] = typer.Option(None, help="trials at once (a Prefect global concurrency limit)"),
+    compare: Optional[bool] = typer.Option(None, "--compare/--no-compare", help="run both methods' best settings "
+                                           "over the study's seeds after the trials (default: the file's)"),
+):
+    """Tune DP and DiLoCo with the same number of trials and budget per trial (Optuna, its storage in
+    the study folder), then compare the tuned methods over seeds; running it again resumes.
+
+    Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed; 2 refused
+    before any work; 130/143 stopped by a signal (run it again to resume).
+    """
+    from configs.sweep import sweep_problem
+    from configs.tune import TuneSpec, load_study
+
+    sets = _parse_sets(set_)
+    try:
+        raw = load_study(study_file).model_dump(mode="json")
+    except ValidationError as exc:
+        raise _fail(f"{study_file}: {sweep_problem(exc, 'study')}")
+    except yaml.YAMLError as exc:
+        raise _fail(f"{study_file} is not valid YAML: {' '.join(str(exc).split())}")
+    except (FileNotFoundError, ValueError) as exc:
+        raise _fail(str(exc))
+    raw["overrides"] = {**raw.get("overrides", {}), **sets}
+    for key, value in [("trials", trials), ("name", name), ("study_root", study_root), ("concurrency", concurrency),
+                       ("compare", compare)]:
+        if value is not None:
+            raw[key] = value
+    try:
+        spec = TuneSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise _fail(sweep_problem(exc, "study"))
+    _prefect_logging()
+    from flows.tune import tune_preflight
+
+    try:
+        study_dir, _ = tune_preflight(spec)
+    except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
+        raise _fail(str(exc))
+    from prefect.exceptions import CancelledRun, FailedRun
+
+    from flows.server import start_temporary_server
+    from flows.tune import tune as tune_flow
+    from run.control import graceful_stop, stop_signal
+
+    report_md = study_dir / "report" / "study.md"
+    try:
+        with graceful_stop():
+            start_temporary_server()
+            out = tune_flow(spec=spec)
+    except CancelledRun as exc:
+        typer.echo(f"\ninterrupted: {exc}", err=True)
+        raise typer.Exit(128 + (stop_signal() or 15))
+    except FailedRun as exc:
+        typer.echo(f"\nfailed: {exc}" + (f"\nStudy report: {report_md}" if report_md.is_file() else ""), err=True)
+        raise typer.Exit(1)
+    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)
+        raise typer.Exit(1)
+    for tuned in sorted((Path(out) / "tuned").glob("*/")):
+        typer.echo(f"\nTuned comparison {tuned.name}:")
+        _print_verdict(tuned)
+    typer.echo(f"\nStudy report: {report_md}")
+
+
+@app.command()
 def goodput(
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
     set_: list[str] = typer.Option([], "--set", help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "

@@ -68,6 +68,15 @@ def test_prefect_yaml_in_sync_with_configs():
         assert dep["parameters"] == {"spec": load_sweep(path).model_dump(mode="json")}, path.name
     assert deps["nightly"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
     assert "schedules" not in deps["tiny_grid"]
+    # one tune deployment per shipped study, its form pre-filled with the file's spec
+    from configs.tune import STUDY_DIR, load_study
+
+    studies = sorted(STUDY_DIR.glob("*.yaml"))
+    assert studies
+    for path in studies:
+        dep = deps[path.stem]
+        assert dep["entrypoint"] == "flows/tune.py:tune"
+        assert dep["parameters"] == {"spec": load_study(path).model_dump(mode="json")}, path.name
 
 
 def test_deployments_check_names_what_is_out_of_date(tmp_path, capsys):
@@ -141,6 +150,22 @@ def test_sweep_form_shows_every_spec_field_with_default_and_description():
         assert shown[name].get("description") == field.description, name
         if field.default is not PydanticUndefined:
             assert shown[name].get("default") == field.default, name
+
+
+def test_tune_form_shows_every_study_field_with_its_description():
+    from prefect.utilities.callables import parameter_schema
+
+    from configs.tune import TuneSpec, load_study
+    from flows.tune import tune
+
+    schema = parameter_schema(tune).model_dump_for_openapi()
+    props, defs = schema["properties"], schema["definitions"]
+    assert list(props) == ["spec", "study_file"]
+    assert all(props[name].get("description") for name in props)
+    assert props["spec"]["default"] == load_study("tune_tiny").model_dump(mode="json")
+    shown = defs["TuneSpec"]["properties"]
+    for name, field in TuneSpec.model_fields.items():
+        assert shown[name].get("description") == field.description, name
 
 
 def test_ui_form_shows_every_config_field_with_default_and_description():

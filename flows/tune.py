@@ -1,0 +1,300 @@
+"""The tune flow: one Optuna study per method, the same trials and budget each, then the tuned comparison.
+
+Layout of a study folder (``<study_root>/<name>``)::
+
+    tune.json             the spec, and per method every trial (number, params, value, state, run directory)
+    optuna.log            Optuna's journal storage of every study (``dp``, and ``diloco`` or one
+                          ``diloco-<variant>`` per variant): a stopped study resumes
+    trials/<study>-<n>/   trial n's pipeline run directory (that method alone; ``configs.tune.TuneSpec.trial_config``)
+    dp/                   DP results shared by the tuned comparison's seeds (the pipeline's ``dp_cache``)
+    tuned/<study>/        per DiLoCo study, the tuned comparison: a pipeline run of ``seeds`` with its and DP's best
+                          settings
+    report/               study.md, study.json, study_history.png (``reports.study``)
+
+A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`: a slot of
+the Prefect global concurrency limit ``tune-<name>`` while it runs, ``concurrency`` trials at
+once) and is scored by its method's loss on the whole validation split (``heldout.val`` of its
+summary): selection never reads the test split, which only the tuned comparison reports. Both
+methods get ``trials`` completed trials from a TPE sampler of the same seed; a failed trial is
+recorded as failed in the study and another is asked, at most ``trials`` more.
+
+**Resuming**: running the study again (same name) loads both Optuna studies from ``optuna.log``;
+trials a stopped study left running are marked failed, completed trials count, and the tuned
+comparison is skipped when ``tuned/`` holds a completed run of the same config (else moved to
+``attempts/``). A study folder of another spec (other base, space, overrides or seeds) is refused.
+"""
+
+# No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
+# (see flows/pipeline.py).
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+from prefect.futures import wait
+from prefect.states import Cancelled, Failed, State
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from configs.schema import ExperimentConfig, config_path, read_config_file, validation_lines
+from configs.tune import METHODS, TuneSpec, load_study
+from flows import run_logger
+from run.control import graceful_stop, stop_requested
+from run.directory import atomic_write_text, read_status
+
+__all__ = ["tune", "tune_preflight", "resolve_study"]
+
+TUNE_JSON = "tune.json"
+# The spec fields a resumed study may change: how many trials, whether to compare, how many at once.
+_MAY_CHANGE = ("trials", "compare", "concurrency")
+
+
+def resolve_study(spec: Any = None, study_file: Optional[str] = None) -> TuneSpec:
+    """The spec a tune flow run uses: ``study_file`` (a shipped study's name or a path), else ``spec``."""
+    if study_file:
+        return load_study(study_file)
+    return spec if isinstance(spec, TuneSpec) else TuneSpec.model_validate(dict(spec or {}))
+
+
+def _config(raw: dict, where: str) -> ExperimentConfig:
+    from pydantic import ValidationError
+
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ValueError(f"{where}: " + "; ".join(validation_lines(exc))) from None
+
+
+def tune_preflight(spec: TuneSpec) -> tuple[Path, dict]:
+    """Every check before anything is written: each searched value in a trial config of its method
+    (the others at their first value), the tuned comparison's config, the corpus and devices
+    (:func:`flows.preflight.check_config`), and the study folder (one of another spec is refused).
+    Returns (study folder, the base config's mapping). Raises ``ValueError`` in one line naming
+    the study, the key and the value, or ``FileNotFoundError`` for a missing base config."""
+    from flows.preflight import check_config
+
+    raw = read_config_file(config_path(spec.base))
+    first = {m: {k: r.values()[0] for k, r in spec.space[m].items()} for m in METHODS}
+    for name, m, variant in spec.arms():
+        for key, rng in spec.space[m].items():
+            for value in rng.values():
+                _config(spec.trial_config(m, {**first[m], key: value}, raw, variant),
+                        f"study {spec.name}, {name}: space.{m}.{key} = {value!r}")
+        check_config(_config(spec.trial_config(m, first[m], raw, variant), f"study {spec.name}, a {name} trial"),
+                     check_data=name == "dp")
+        if m == "diloco":
+            _config(spec.final_config(first["dp"], first["diloco"], raw, variant, name),
+                    f"study {spec.name}, the tuned comparison of {name}")
+    study_dir = spec.study_dir()
+    record = study_dir / TUNE_JSON
+    if record.exists():
+        old = json.loads(record.read_text()).get("spec") or {}
+        new = spec.model_dump(mode="json")
+        differs = sorted(k for k in {*old, *new} if k not in _MAY_CHANGE and old.get(k) != new.get(k))
+        if differs:
+            raise ValueError(f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
+                             "differ); give the study a new name or study_root, or delete that folder")
+    elif study_dir.exists() and any(study_dir.iterdir()):
+        raise ValueError(f"study {spec.name}: {study_dir} exists and is not a study folder (no {TUNE_JSON}); give "
+                         "the study a new name or study_root")
+    return study_dir, raw
+
+
+def _distributions(space: dict) -> dict:
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    out = {}
+    for key, r in space.items():
+        if r.choices is not None:
+            out[key] = CategoricalDistribution(r.choices)
+        elif r.is_int:
+            out[key] = IntDistribution(int(r.low), int(r.high), log=r.log, step=int(r.step or 1))
+        else:
+            out[key] = FloatDistribution(r.low, r.high, log=r.log, step=r.step)
+    return out
+
+
+def trial_value(run_dir: Path, method: str) -> float | None:
+    """The trial's objective: its method's loss on the whole validation split (nats per token or
+    image; ``heldout.val.loss`` of ``pretrain/<method>/summary.json``), None when it has none."""
+    import math
+
+    from run.layout import RunLayout
+
+    try:
+        summary = json.loads(RunLayout(run_dir).summary("pretrain", method).read_text())
+    except (OSError, ValueError):
+        return None
+    v = ((summary.get("heldout") or {}).get("val") or {}).get("loss")
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None = None) -> dict:
+    """``tune.json``: the spec, per study (``dp``, ``diloco`` or ``diloco-<variant>``) its trials
+    and best, and ``tuned`` (per DiLoCo study, its tuned comparison's run directory and state;
+    an earlier attempt's is kept when this one has none)."""
+    from optuna.trial import TrialState
+
+    if tuned is None and (study_dir / TUNE_JSON).is_file():  # an earlier attempt's tuned comparison, kept
+        tuned = json.loads((study_dir / TUNE_JSON).read_text()).get("tuned")
+    out: dict[str, Any] = {"spec": spec.model_dump(mode="json"), "methods": {}, "tuned": tuned}
+    for m, study in studies.items():  # m: the study's name
+        trials = [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
+                   "run_dir": t.user_attrs.get("run_dir"), "reason": t.user_attrs.get("reason")} for t in study.trials]
+        done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+        best = min(done, key=lambda t: t.value) if done else None
+        out["methods"][m] = {"trials": trials, "completed": len(done),
+                             "best": {"number": best.number, "value": best.value, "params": best.params} if best else None}
+    atomic_write_text(study_dir / TUNE_JSON, json.dumps(out, indent=2) + "\n")
+    return out
+
+
+@task(name="tune-report", cache_policy=NO_CACHE)
+def tune_report(record: dict, study_dir: str) -> str:
+    """``report/study.md``, ``study.json`` and ``study_history.png`` (:func:`reports.study.build_study_report`)."""
+    from reports.study import build_study_report
+
+    return build_study_report(record, Path(study_dir))
+
+
+def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str,
+                logger) -> None:
+    """Ask, run and tell trials of one study until it has ``trials`` completed ones (at most
+    ``trials`` failures more), ``concurrency`` at a time."""
+    from optuna.trial import TrialState
+
+    from flows.sweep import sweep_cell
+
+    name, method, variant = arm
+    for t in study.trials:  # left running by a stopped study
+        if t.state == TrialState.RUNNING:
+            study.tell(t.number, state=TrialState.FAIL)
+            logger.info("%s trial %d: left running by an earlier attempt; marked failed", name, t.number)
+    dists = _distributions(spec.space[method])
+    failed = 0
+    while not stop_requested():
+        done = sum(t.state == TrialState.COMPLETE for t in study.trials)
+        if done >= spec.trials or failed > spec.trials:
+            break
+        batch = [study.ask(dists) for _ in range(min(spec.concurrency, spec.trials - done))]
+        with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
+            futures = []
+            for trial in batch:
+                rd = study_dir / "trials" / f"{name}-{trial.number}"
+                trial.set_user_attr("run_dir", str(rd))
+                cfg = _config(spec.trial_config(method, trial.params, raw, variant), f"study {spec.name}, {name} trial")
+                logger.info("%s trial %d: %s", name, trial.number, trial.params)
+                futures.append((trial, rd, runner.submit(sweep_cell, {
+                    "name": f"{name}-{trial.number}", "config": cfg, "run_dir": str(rd), "launch": "subflow",
+                    "deployment": "pipeline/default", "limit": limit, "dp_cache": None})))
+            wait([f for _, _, f in futures])
+        for trial, rd, future in futures:
+            value = trial_value(rd, method) if read_status(rd).get("status") == "completed" else None
+            if value is None:
+                if stop_requested():
+                    break  # left running: the next attempt marks it failed
+                trial.set_user_attr("reason", read_status(rd).get("reason") or "no validation loss")
+                study.tell(trial, state=TrialState.FAIL)
+                failed += 1
+            else:
+                study.tell(trial, value)
+                logger.info("%s trial %d: validation loss %.4f", name, trial.number, value)
+
+
+def _tuned_comparison(spec: TuneSpec, study_dir: Path, raw: dict, best: dict, arm: tuple[str, str, dict],
+                      limit: str, logger) -> dict:
+    """The tuned comparison of one DiLoCo study against the tuned DP, over ``seeds``, in
+    ``tuned/<study>/`` (DP's seeds shared through ``<study folder>/dp``): skipped when that folder
+    holds a completed run of the same config, else an earlier attempt is moved to ``attempts/``."""
+    from flows.sweep import missing_results, sweep_cell
+
+    name, _, variant = arm
+    cfg = _config(spec.final_config(best["dp"], best[name], raw, variant, name),
+                  f"study {spec.name}, the tuned comparison of {name}")
+    rd = study_dir / "tuned" / name
+    if rd.exists():
+        old = json.loads((rd / "config.json").read_text()) if (rd / "config.json").is_file() else None
+        if read_status(rd).get("status") == "completed" and old == cfg.model_dump(mode="json") \
+                and not missing_results(rd, cfg):
+            logger.info("tuned comparison %s: completed before in %s", name, rd)
+            return {"run_dir": str(rd), "status": "completed", "skipped": True}
+        n = 1
+        while (study_dir / "attempts" / f"tuned-{name}-{n}").exists():
+            n += 1
+        (study_dir / "attempts").mkdir(exist_ok=True)
+        shutil.move(str(rd), study_dir / "attempts" / f"tuned-{name}-{n}")
+        logger.info("tuned comparison %s: an earlier attempt moved to attempts/tuned-%s-%d", name, name, n)
+    logger.info("tuned comparison %s: seeds %s with %s and %s", name, spec.seeds, best["dp"], best[name])
+    out = sweep_cell.submit(name=f"tuned-{name}", config=cfg, run_dir=str(rd), launch="subflow", deployment="pipeline/default",
+                            limit=limit, dp_cache=str(study_dir / "dp")).result()
+    return {"run_dir": str(rd), **out}
+
+
+def _default_spec() -> TuneSpec:
+    return load_study("tune_tiny")
+
+
+@flow(name="tune", log_prints=True)
+def tune(spec: TuneSpec = _default_spec(), study_file: Optional[str] = None) -> str | State:
+    """Tune DP and DiLoCo with the same number of trials and the same budget per trial, then run
+    both methods' best settings over ``seeds`` (see the module).
+
+    Args:
+        spec: the study, field by field (the UI form; :class:`configs.tune.TuneSpec`).
+        study_file: instead of ``spec``: a shipped study's name (``configs/studies/<name>.yaml``) or
+            the path of a study YAML file.
+
+    Returns the study folder (its report is ``report/study.md``). Raises ``ValueError`` /
+    ``FileNotFoundError`` from the checks, before anything is written. Ends ``Cancelled`` after a
+    stop signal (run it again to resume) and ``Failed`` when a method has no completed trial or
+    the tuned comparison did not complete.
+    """
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+
+    from flows.sweep import set_concurrency_limit
+
+    logger = run_logger()
+    spec = resolve_study(spec, study_file)
+    study_dir, raw = tune_preflight(spec)
+    if stop_requested():
+        return Cancelled(message="stopped before the study started; nothing was written")
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    with graceful_stop():
+        study_dir.mkdir(parents=True, exist_ok=True)
+        storage = JournalStorage(JournalFileBackend(str(study_dir / "optuna.log")))
+        arms = spec.arms()
+        studies = {a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize",
+                                             load_if_exists=True) for a in arms}
+        for study in studies.values():  # a resumed study's sampler continues from another seed: no repeated draws
+            study.sampler = optuna.samplers.TPESampler(seed=spec.sampler_seed + len(study.trials))
+        _record(spec, study_dir, studies)
+        limit = f"tune-{spec.name}"
+        set_concurrency_limit(limit, spec.concurrency)
+        logger.info("study %s in %s: studies %s, %d trials each, %d at once", spec.name, study_dir,
+                    ", ".join(studies), spec.trials, spec.concurrency)
+        for arm in arms:
+            _run_trials(spec, study_dir, raw, arm, studies[arm[0]], limit, logger)
+            _record(spec, study_dir, studies)
+        record = _record(spec, study_dir, studies)
+        best = {a: (record["methods"][a]["best"] or {}).get("params") for a in studies}
+        missing = [a for a in studies if best[a] is None]
+        tuned: dict = dict(record.get("tuned") or {})
+        for arm in arms[1:]:
+            if spec.compare and best["dp"] is not None and best[arm[0]] is not None and not stop_requested():
+                tuned[arm[0]] = _tuned_comparison(spec, study_dir, raw, best, arm, limit, logger)
+                record = _record(spec, study_dir, studies, tuned)
+        report = tune_report(record, str(study_dir))
+    logger.info("study report: %s", report)
+    if stop_requested():
+        return Cancelled(message=f"stopped; run the study again to resume ({study_dir})")
+    if missing:
+        return Failed(message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {study_dir / TUNE_JSON})")
+    bad = [a for a, t in tuned.items() if spec.compare and t.get("status") != "completed"]
+    if bad:
+        return Failed(message=f"study {spec.name}: the tuned comparison of {', '.join(bad)} did not complete "
+                              f"({tuned[bad[0]].get('reason')}); run the study again to retry it")
+    return str(study_dir)

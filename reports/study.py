@@ -1,0 +1,88 @@
+"""The report of a tuning study (``flows.tune``): each method's best settings, every trial, and the
+tuned comparison's verdict over seeds. Writes ``report/study.md``, ``study.json`` and
+``study_history.png`` (validation loss of each trial and the best so far, per method)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from reports.common import short_label
+from reports.plots import save_png
+from reports.verdict import verdict_markdown
+
+
+def history_figure(record: dict):
+    """Validation loss against trial number per method, with the best so far (matplotlib Figure),
+    or None without a completed trial."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    drawn = False
+    for m, r in record["methods"].items():
+        done = [(t["number"], t["value"]) for t in r["trials"] if t["state"] == "COMPLETE"]
+        if not done:
+            continue
+        x, y = zip(*done)
+        line = ax.plot(x, y, "o", alpha=0.6, label=f"{short_label(m)} trials")[0]
+        best = pd.Series(y).cummin()
+        ax.step(x, best, where="post", color=line.get_color(), label=f"{short_label(m)} best so far")
+        drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("trial")
+    ax.set_ylabel("validation loss (whole split)")
+    ax.set_title("Tuning: the same number of trials per method")
+    ax.legend()
+    return fig
+
+
+def _trials_table(r: dict) -> str:
+    rows = [{"trial": t["number"], "state": t["state"].lower(),
+             "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
+             **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()}}
+            for t in r["trials"]]
+    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True) if rows else "*no trials yet*"
+
+
+def build_study_report(record: dict, study_dir: Path) -> str:
+    """Write the study's report from its ``tune.json`` record; returns the path of ``study.md``."""
+    out = study_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = record["spec"]
+    L = [f"# Tuning study: {spec['name']}", "",
+         f"- study folder: `{study_dir}`",
+         f"- base config: {spec['base']}; trials per study: {spec['trials']} (TPE sampler, seed "
+         f"{spec['sampler_seed']}); the same overrides and budget for every trial: "
+         f"`{json.dumps({**spec['overrides'], **spec['trial_overrides']})}`",
+         "- selection: each trial's loss on the whole validation split; the tuned comparisons below report the "
+         "test split, which no trial read", ""]
+    tuned = record.get("tuned") or {}
+    for arm in [a for a in record["methods"] if a != "dp"]:
+        t = tuned.get(arm) or {}
+        path = Path(t["run_dir"]) / "report" / "report.json" if t.get("run_dir") else None
+        verdict = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
+        title = "Verdict" if arm == "diloco" else f"Verdict: {arm}"
+        if verdict:
+            L += [f"## {title}", "", *verdict_markdown(verdict)[2:],
+                  f"Tuned comparison: `{t['run_dir']}` (seeds {', '.join(map(str, spec['seeds']))}).", ""]
+        elif spec.get("compare", True):
+            L += [f"## {title}", "", f"*The tuned comparison has not completed ({t.get('status') or 'not run'}).*", ""]
+    best = pd.DataFrame([{"study": short_label(m), "best trial": (r["best"] or {}).get("number", "—"),
+                          "validation loss": "—" if not r["best"] else f"{r['best']['value']:.4f}",
+                          "completed trials": r["completed"],
+                          "settings": "—" if not r["best"] else json.dumps(r["best"]["params"])}
+                         for m, r in record["methods"].items()])
+    L += ["## Best settings", "", best.to_markdown(index=False, disable_numparse=True), ""]
+    fig = history_figure(record)
+    if fig is not None:
+        save_png(fig, out / "study_history.png")
+        L += ["![validation loss per trial](study_history.png)", ""]
+    for m, r in record["methods"].items():
+        L += [f"## {short_label(m)} trials", "", _trials_table(r), ""]
+    (out / "study.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "study.md").write_text("\n".join(L))
+    return str(out / "study.md")
