@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import pandas as pd
+
 from run.layout import METHOD_ORDER
 
 NOT_RUN = "not run"
@@ -57,6 +59,24 @@ def figure_file(stage: str, figure: str, method: str | None = None) -> str:
     """File name of a figure inside ``RUN/report/``: ``<stage>_<figure>.png`` or, for a figure of
     one method, ``<stage>_<method>_<figure>.png``."""
     return "_".join(x for x in (stage, method, figure) if x) + ".png"
+
+
+def md_table(headers: list[str], rows: Iterable[Iterable[Any]]) -> str:
+    """A markdown (pipe) table by pandas/tabulate; cells as given, as text ("|" escaped, newlines as
+    spaces, numbers not re-parsed)."""
+    esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
+    return pd.DataFrame([[esc(c) for c in r] for r in rows], columns=[esc(h) for h in headers]).to_markdown(
+        index=False, disable_numparse=True)
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit under 1024 of it: "11.8 MiB" ("" below 1 KiB)."""
+    x, unit = float(n), ""
+    for u in ("KiB", "MiB", "GiB", "TiB"):
+        if abs(x) < 1024:
+            break
+        x, unit = x / 1024, u
+    return f"{x:.1f} {unit}" if unit else ""
 
 
 def label(method: str) -> str:

@@ -39,9 +39,10 @@ from typing import Any, Iterable
 
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
+import pandas as pd
 
-from reports.common import (BASELINE, REPORT_JSON, flatten, json_safe, num, ordered_methods, per_unit, short_label,
-                            unit_of)
+from reports.common import (BASELINE, REPORT_JSON, flatten, human_bytes, json_safe, md_table, num, ordered_methods,
+                            per_unit, short_label, unit_of)
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
 from run.layout import RunLayout
@@ -73,12 +74,6 @@ class _Run:
 
 
 # -- reading -------------------------------------------------------------------------------------
-
-def config_leaves(config: dict, prefix: str = "") -> dict[str, Any]:
-    """The leaf values of a nested config under dotted keys (``{"diloco": {"learners": 4}}`` →
-    ``{"diloco.learners": 4}``); lists and empty dicts are leaves."""
-    return flatten(config, prefix, sep=".")
-
 
 def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
     """(absolute path, config, status or None, report) of one run directory; ReportInputError
@@ -208,6 +203,9 @@ def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
         if m != BASELINE:
             g = gaps.get(m) or {}
             row[f"{m}/loss_gap_pct"] = num(g.get("gap_pct")) if g.get("status") == "ok" else None
+            ci = g.get("ci") if isinstance(g.get("ci"), list) and len(g["ci"]) == 2 else [None, None]  # over seeds
+            row[f"{m}/loss_gap_pct_ci_low"], row[f"{m}/loss_gap_pct_ci_high"] = num(ci[0]), num(ci[1])
+            row[f"{m}/seeds"] = g.get("seeds")
     ft = run.report.get("finetune") or {}
     primary = ft.get("primary")
     row["post/task"] = (ft.get("task") or {}).get("name") if ft else None
@@ -255,6 +253,9 @@ def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict
     for m in methods:
         if m != BASELINE:
             add(f"{m}/loss_gap_pct", f"{short_label(m)} − {short_label(BASELINE)} loss gap (%)", "loss", "{:+.2f}", "%")
+            add(f"{m}/loss_gap_pct_ci_low", "95 % interval low (seeds)", "loss", "{:+.2f}", "%")
+            add(f"{m}/loss_gap_pct_ci_high", "95 % interval high (seeds)", "loss", "{:+.2f}", "%")
+            add(f"{m}/seeds", "seeds", "loss", "int")
     for m in methods:
         s = short_label(m)
         add(f"{m}/wall_s", f"{s} wall (s)", "cost", "{:,.1f}", "s", optional=False)
@@ -279,15 +280,6 @@ def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict
 
 # -- formatting ----------------------------------------------------------------------------------
 
-def _bytes(v: float) -> str:
-    n, unit = float(v), "B"
-    for u in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024:
-            break
-        n, unit = n / 1024, u
-    return f"{n:.1f} {unit}" if unit != "B" else f"{int(v):,} B"
-
-
 def cell(v: Any, fmt: str = "") -> str:
     """A table cell as shown in comparison.md: None → "—", numbers by ``fmt``, lists/dicts as JSON."""
     if v is None:
@@ -301,7 +293,7 @@ def cell(v: Any, fmt: str = "") -> str:
     if isinstance(v, float) and not math.isfinite(v):
         return str(v)
     if fmt == "bytes":
-        return _bytes(v)
+        return human_bytes(v) or f"{int(v):,} B"
     if fmt == "int":
         return f"{int(round(v)):,}"
     if fmt and fmt != "value":
@@ -311,29 +303,19 @@ def cell(v: Any, fmt: str = "") -> str:
 
 def _md_cell(r: dict, c: dict) -> str:
     text = cell(r.get(c["key"]), c["fmt"])
-    if c["key"].endswith("/post_diff") and r.get(c["key"]) is not None:  # "−0.1273 [−0.1663, −0.0862]"
+    if c["key"].endswith(("/post_diff", "/loss_gap_pct")) and r.get(c["key"]) is not None:  # "−0.1273 [−0.1663, −0.0862]"
         lo, hi = r.get(c["key"] + "_ci_low"), r.get(c["key"] + "_ci_high")
         text += f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if lo is not None and hi is not None else ""
     return text
 
 
 def _md_table(cols: list[dict], rows: list[dict]) -> str:
-    cols = [c for c in cols if not c["key"].endswith(("/post_diff_ci_low", "/post_diff_ci_high"))]  # in the diff
-    esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(esc(c["header"]) for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
-    for r in rows:
-        lines.append("| " + " | ".join(esc(_md_cell(r, c)) for c in cols) + " |")
-    return "\n".join(lines)
+    cols = [c for c in cols if not c["key"].endswith(("_ci_low", "_ci_high"))]  # shown beside their figure
+    return md_table([c["header"] for c in cols], [[_md_cell(r, c) for c in cols] for r in rows])
 
 
 def _csv_value(v: Any) -> Any:
-    if v is None:
-        return ""
-    if isinstance(v, (list, dict)):
-        return json.dumps(v, separators=(",", ":"))
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    return v
+    return "" if v is None else cell(v) if isinstance(v, (list, dict, bool)) else v
 
 
 # -- plots ---------------------------------------------------------------------------------------
@@ -422,11 +404,8 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
                     continue
                 drawn = True
                 color = colors[ci % len(colors)] if len(combos) > 1 else series_color(m, mi)
-                by_x: dict[float, list[float]] = {}
-                for x, y in pts:
-                    by_x.setdefault(x, []).append(y)
-                line_x = sorted(by_x)
-                line_y = [sum(by_x[x]) / len(by_x[x]) for x in line_x]
+                avg = pd.Series([y for _, y in pts]).groupby([x for x, _ in pts]).mean()  # sorted by x
+                line_x, line_y = [float(x) for x in avg.index], [float(y) for y in avg]
                 ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker=_marker(m), ms=5)
                 if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
                     ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
@@ -550,10 +529,10 @@ def render_comparison(comparison: dict) -> str:
     L = [f"# {c['title']}", "",
          f"{len(c['runs'])} run directories compared{of}, generated {c['generated_at']} by {c.get('source', '`ddiloco compare`')}. "
          f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.", ""]
-    L += ["## Runs", "", "| run | status | config name | path |", "|---|---|---|---|"]
-    L += [f"| {r['label']} | {r['status'] or MISSING} | {r['name'] or MISSING} | `{r['run_dir']}` |" for r in c["runs"]]
-    L += [f"| {r['label']} | no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''}) "
-          f"| {MISSING} | `{r['run_dir']}` |" for r in nr]
+    L += ["## Runs", "", md_table(["run", "status", "config name", "path"], [
+        [r["label"], r["status"] or MISSING, r["name"] or MISSING, f"`{r['run_dir']}`"] for r in c["runs"]] + [
+        [r["label"], f"no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''})",
+         MISSING, f"`{r['run_dir']}`"] for r in nr])]
     L += ["", "## Axes", ""]
     how = "detected: the config keys whose values differ between the runs" if c["axes_detected"] else "given"
     L.append(f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})." if c["axes"]
@@ -650,7 +629,7 @@ under the title, kept as ``source``). ``no_results``: runs that were meant to be
         seen[key] = path
         read.append((path, config, status, report))
     names = _labels([p for p, *_ in read], labels)
-    runs = [_Run(lb, p, c, s, r, config_leaves(c)) for lb, (p, c, s, r) in zip(names, read)]
+    runs = [_Run(lb, p, c, s, r, flatten(c, sep=".")) for lb, (p, c, s, r) in zip(names, read)]
     leaves = [r.leaves for r in runs]
     detected, partial = detect_axes(leaves)
     chosen = detected if axes is None else _check_axes(axes, leaves)
@@ -721,10 +700,8 @@ under the title, kept as ``source``). ``no_results``: runs that were meant to be
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     (out / COMPARISON_JSON).write_text(json.dumps(comparison, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    writer.writerow([c["key"] for c in columns])
-    for row in comparison["rows"]:
-        writer.writerow([_csv_value(row.get(c["key"])) for c in columns])
+    csv.writer(buf, lineterminator="\n").writerows([[c["key"] for c in columns]] + [
+        [_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]])
     (out / COMPARISON_CSV).write_text(buf.getvalue(), encoding="utf-8")
     (out / COMPARISON_MD).write_text(render_comparison(comparison), encoding="utf-8")
     return comparison

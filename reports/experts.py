@@ -13,7 +13,7 @@ import re
 
 from matplotlib.figure import Figure
 
-from reports.common import label, num
+from reports.common import label, md_table, num
 from reports.plots import finish_axes, new_figure
 from reports.read import MethodRecords
 
@@ -89,13 +89,10 @@ def markdown_section(experts: dict | None, unit: str = "tokens") -> list[str]:
          "of routing choices over the mean share (1.00 = perfectly even; the capacity limit drops "
          "choices beyond it), the dropped fraction, and the load-balancing loss E·Σ f·P "
          "(Switch Transformer Eq. 4; 1 for a uniform router) over training.", "",
-         "| method | block | busiest / mean | dropped | expert shares |", "|---|---|---|---|---|"]
-    for m, f in experts.items():
-        for block, lay in f["layers"].items():
-            shares = " ".join(f"{x:.3f}" for x in lay["loads"])
-            dropped = "—" if lay["dropped"] is None else f"{lay['dropped']:.2%}"
-            L.append(f"| {label(m)} | {int(block) + 1} | {lay['busiest']:.2f}× | {dropped} | {shares} |")
-    L.append("")
+         md_table(["method", "block", "busiest / mean", "dropped", "expert shares"],
+                  [[label(m), int(block) + 1, f"{lay['busiest']:.2f}×", "—" if lay["dropped"] is None
+                    else f"{lay['dropped']:.2%}", " ".join(f"{x:.3f}" for x in lay["loads"])]
+                   for m, f in experts.items() for block, lay in f["layers"].items()]), ""]
     for m, f in experts.items():
         if f["aux"]:
             a = f["aux"]

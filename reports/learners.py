@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from typing import Any
 
 from reports.common import NOT_RUN, lid, nested, num, sort_key
@@ -18,14 +19,9 @@ INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chao
 LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "recomputed", "dropped", "pending")
 
 
-def _merge_time(m: dict) -> float | None:
-    """When the merge took effect: ``merged_at_s``, seconds since training start."""
-    return num(m.get("merged_at_s"))
-
-
-def _event_time(e: dict) -> float | None:
-    """A learner event's ``t``: seconds since training start."""
-    return num(e.get("t"))
+def _timed(events: list[dict]) -> list[dict]:
+    """The events that carry a time ``t`` (seconds since training start), in time order."""
+    return sorted((e for e in events if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
@@ -38,14 +34,14 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
     start). ``merged_again_after_restart`` says whether any merge at or after the restart had this
     learner among its contributors.
     """
-    evs = sorted((e for e in events if _event_time(e) is not None), key=lambda e: _event_time(e))
-    timed_merges = [(t, m) for m in merges if (t := _merge_time(m)) is not None]
+    evs = _timed(events)
+    timed_merges = [(t, m) for m in merges if (t := num(m.get("merged_at_s"))) is not None]
     out = []
     for i, f in enumerate(evs):
         if f.get("event") not in ("failure", "kill"):
             continue
         who = lid(f.get("learner"))
-        t_fail = _event_time(f)
+        t_fail = num(f["t"])
         att = num(f.get("attempt"))
         later = [e for e in evs[i + 1:] if lid(e.get("learner")) == who]
 
@@ -56,12 +52,10 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
         restart = next((e for e in later if e.get("event") == "start" and _after(e)), None)
         if restart is None:
             restart = next((e for e in later if e.get("event") == "retry"), None)
-        t_restart = _event_time(restart) if restart else None
+        t_restart = num(restart["t"]) if restart else None
         end = t_restart if t_restart is not None else math.inf
         during = [(t, m) for t, m in timed_merges if t_fail <= t < end]
-        by_frag: dict[str, int] = {}
-        for _, m in during:
-            by_frag[str(m.get("fragment"))] = by_frag.get(str(m.get("fragment")), 0) + 1
+        by_frag = Counter(str(m.get("fragment")) for _, m in during)
         after = sorted(t for t, m in timed_merges if t_restart is not None and t >= t_restart
                        and who in {lid(c) for c in (m.get("contributors") or [])})
         out.append({
@@ -106,14 +100,12 @@ def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str
                 "source": f"{summary_file} (merges)" if summary_count is not None else None,
                 "by_fragment": {}, "contributions": 0, "mean_contributors": None, "stale_contributions": 0,
                 "max_stale_versions": None, "first_s": None, "last_s": None}
-    by_frag: dict[str, int] = {}
+    by_frag = Counter(str(m.get("fragment")) for m in merges)
     contributors, stale = [], []
     for m in merges:
-        k = str(m.get("fragment"))
-        by_frag[k] = by_frag.get(k, 0) + 1
         contributors.append(len(m.get("contributors") or []))
         stale += [_stale_versions(x) for x in (m.get("stale") or [])]
-    times = [t for m in merges if (t := _merge_time(m)) is not None]
+    times = [t for m in merges if (t := num(m.get("merged_at_s"))) is not None]
     if summary_count is not None and summary_count != len(merges):
         notes.append(f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
                      "lines; the report counts the merge log.")
@@ -135,7 +127,7 @@ def learner_table(events: list[dict]) -> list[dict]:
     """Per learner: starts (attempts begun), failures, submissions the syncer dropped, the last
     step seen in any event, and how its last attempt ended."""
     per: dict[Any, dict] = {}
-    for e in sorted(events, key=lambda e: _event_time(e) or 0.0):
+    for e in sorted(events, key=lambda e: num(e.get("t")) or 0.0):
         if e.get("learner") is None:
             continue
         who = lid(e.get("learner"))
@@ -348,13 +340,13 @@ def syncer_restarts(events: list[dict]) -> list[dict]:
     after how many merges, when the next syncer had taken office and recovered (seconds since
     training start), its generation, the journal entries it replayed and the merges it published
     again."""
-    evs = sorted((e for e in events if _event_time(e) is not None), key=lambda e: _event_time(e))
+    evs = _timed(events)
     out = []
     for i, e in enumerate(evs):
         if e.get("event") not in ("syncer-failure", "syncer-kill"):
             continue
         back = next((r for r in evs[i + 1:] if r.get("event") == "syncer-resumed"), None)
-        t_fail, t_back = _event_time(e), _event_time(back) if back else None
+        t_fail, t_back = num(e["t"]), num(back["t"]) if back else None
         out.append({"attempt": e.get("attempt"), "how": "SIGKILL" if e["event"] == "syncer-kill" else "exception",
                     "reason": e.get("reason"), "failed_at_s": t_fail, "merges_before": e.get("merges"),
                     "resumed_at_s": t_back, "downtime_s": (t_back - t_fail) if t_back is not None else None,

@@ -16,8 +16,8 @@ import json
 from typing import Any
 
 from reports.verdict import verdict_markdown
-from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, label, per_unit,
-                            short_label)
+from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, human_bytes, label,
+                            md_table, per_unit, short_label)
 from reports.experts import markdown_section
 
 
@@ -33,12 +33,7 @@ def format_value(v: Any, fmt: str = "") -> str:
     if isinstance(v, (list, dict)):
         return json.dumps(v, separators=(", ", ": "))
     if fmt == "bytes":
-        n, unit = float(v), "B"
-        for u in ("KiB", "MiB", "GiB", "TiB"):
-            if abs(n) < 1024:
-                break
-            n, unit = n / 1024, u
-        return f"{int(round(v)):,}" + (f" ({n:.1f} {unit})" if unit != "B" else "")
+        return f"{int(round(v)):,}" + (f" ({human_bytes(v)})" if human_bytes(v) else "")
     if fmt == "int" or (isinstance(v, int) and not fmt):
         return f"{int(round(v)):,}"
     if fmt:
@@ -65,12 +60,6 @@ def row_cell(row: dict, m: str) -> str:
 def row_label(row: dict) -> str:
     """The row's label with its unit: "training tokens (tokens)"."""
     return row["label"] + (f" ({row['unit']})" if row["unit"] else "")
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cell = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
 
 
 def bytes_or_missing(figures: dict, key: str) -> str:
@@ -151,7 +140,7 @@ def _comparison_section(st: dict, L: list[str]) -> None:
     others = [short_label(m) for m in st["methods"] if m != BASELINE]
     vs = " vs data-parallel" if st["baseline"] else ""
     L += [f"### {', '.join(others) or 'data-parallel'}{vs if others else ''}", ""]
-    L += [_table(*_side_by_side(st, "training", ["metric"])), ""]
+    L += [md_table(*_side_by_side(st, "training", ["metric"])), ""]
     every = "both methods" if len(st["methods"]) == 2 else "every method"
     unit = st.get("unit", "tokens")
     what = "next-token cross entropy" if unit == "tokens" else "cross entropy of the class labels"
@@ -180,7 +169,7 @@ def _eval_section(st: dict, L: list[str]) -> None:
         what = "test evaluation" if images else "lm-eval"
         L += [f"*{what}: {NOT_RUN} for {'either' if len(st['methods']) == 2 else 'any'} method.*", ""]
         return
-    L += [_table(headers, rows), ""]
+    L += [md_table(headers, rows), ""]
     if images:
         L += ["Top-1 accuracy and mean cross entropy (nats/image) over every image of the test split "
               "(stratified, never trained or tuned on); \"± x\" is the binomial standard error √(p(1−p)/N).", ""]
@@ -194,7 +183,7 @@ def _eval_section(st: dict, L: list[str]) -> None:
 
 def _bytes_section(st: dict, L: list[str]) -> None:
     L += ["### Bytes on the wire", ""]
-    L += [_table(*_side_by_side(st, "bytes", ["figure", "counted by"], lambda r: [r["counted_by"]])), ""]
+    L += [md_table(*_side_by_side(st, "bytes", ["figure", "counted by"], lambda r: [r["counted_by"]])), ""]
     L += [BYTES_CONVENTION, ""]
     for m, f in st["methods"].items():
         L += _per_token_line(short_label(m), f["bytes"])
@@ -230,12 +219,12 @@ def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
     rows = [[label(m), c.get("points", 0), format_value(c.get("final_tokens"), "int"),
              format_value(c.get("final_wall_s"), "{:.1f}"), format_value(c.get("final_loss"), "{:.4f}"),
              format_value(c.get("best_loss"), "{:.4f}")] for m, f in st["methods"].items() for c in [f["curve"]]]
-    L += [_table(["method", "points", f"last {st.get('unit', 'tokens')}", "last wall (s)", "last loss (nats)",
+    L += [md_table(["method", "points", f"last {st.get('unit', 'tokens')}", "last wall (s)", "last loss (nats)",
                   "best loss (nats)"],
                  rows), ""]
     L += ["### Hyperparameters", ""]
     if st["hyperparameters"]:
-        L.append(_table(["hyperparameter"] + [label(m) for m in st["methods"]],
+        L.append(md_table(["hyperparameter"] + [label(m) for m in st["methods"]],
                         [[h["name"]] + [format_value(h[m]) for m in st["methods"]] for h in st["hyperparameters"]]))
     else:
         L.append(f"*{NOT_RUN}: no method summary recorded hyperparameters.*")
@@ -251,7 +240,7 @@ def _interconnect(net: dict | None, plot: str | None, L: list[str]) -> None:
              format_value(f["extra_s"], "{:.3f}"), format_value(f["keep_up_gbps"], "{:.4f}"),
              format_value(f["measured_wall_s"], "{:.1f}"), format_value(f["modelled_wall_s"], "{:.1f}"),
              format_value(net["time_to_dp_final_s"].get(m), "{:.1f}")] for m, f in net["methods"].items()]
-    L += [_table(["method", "compute per step (s)", "communication (s)", "added per step (s)",
+    L += [md_table(["method", "compute per step (s)", "communication (s)", "added per step (s)",
                   "Gbit/s to keep up", "measured wall (s)", "modelled wall (s)", "modelled s to DP's final loss"],
                  rows), ""]
     L += ["Communication: DP's ring all-reduce per step; DiLoCo's fragment round trip, hidden behind τ inner "
@@ -275,7 +264,7 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
 
         rows = [[r["learner"]] + [_lcell(r[c]) for c in cols] + [format_value(r["merged_pct"], "{:.1f}")]
                 for r in [*led["rows"], led["total"]]]
-        L += [_table(["learner"] + cols + ["merged % of processed"], rows), ""]
+        L += [md_table(["learner"] + cols + ["merged % of processed"], rows), ""]
         p = led.get("fragments")
         tol = f"±{led['tolerance']} {unit} (P = {p})" if p else f"±{led['tolerance']} {per_unit(unit)}"
         L.append(
@@ -329,7 +318,7 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         else:
             fired, at, back = "no", "did not fire", "—"
         rows.append([r["event"], fired, at, back, r["note"] or "—"])
-    L += [_table(["scheduled event", "fired", "at t (s)", "rejoined at t (s)", "note"], rows), ""]
+    L += [md_table(["scheduled event", "fired", "at t (s)", "rejoined at t (s)", "note"], rows), ""]
     L += ["A scheduled failure fired when the learners log holds a failure of that learner whose reason "
           "is the injected failure at that local step (a kill: the SIGKILL logged just before it); "
           "rejoined is the start of its next attempt (seconds since training start).", ""]
@@ -356,7 +345,7 @@ def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
     L.append("")
     lt = f["learners"]
     if lt["status"] == "ok" and lt["rows"]:
-        L += [_table(["learner", "starts", "failures", "dropped submissions", "last step", "ended by"],
+        L += [md_table(["learner", "starts", "failures", "dropped submissions", "last step", "ended by"],
                      [[r["learner"], r["starts"], r["failures"], r["dropped_submissions"],
                        format_value(r["last_step"]), format_value(r["ended"])] for r in lt["rows"]]), ""]
     if f["failures"]:
@@ -367,7 +356,7 @@ def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
                  ", ".join(f"{k}: {v}" for k, v in x["merges_while_down_by_fragment"].items()) or "—",
                  x["merges_while_down_with_learner"], "yes" if x["merged_again_after_restart"] else "no"]
                 for x in f["failures"]]
-        L += [_table(["learner", "attempt", "failed at (s)", "inner steps done", "reason", "restarted at (s)",
+        L += [md_table(["learner", "attempt", "failed at (s)", "inner steps done", "reason", "restarted at (s)",
                       "down for (s)", "merges while down", "by fragment", "…of which with its earlier submissions",
                       "its submissions merged after restart"], rows), ""]
         L.append("Merges while down count every merge the syncer made between the failure and the "
@@ -390,7 +379,7 @@ def _merges_section(f: dict, suffix: str, L: list[str]) -> None:
                  format_value(x["resumed_at_s"], "{:.1f}") if x["resumed_at_s"] is not None else "never",
                  format_value(x["downtime_s"], "{:.1f}"), format_value(x["generation"]),
                  format_value(x["replayed"]), format_value(x["republished"])] for x in f["syncer_restarts"]]
-        L += [_table(["syncer attempt", "ended by", "at (s)", "merges by then", "next syncer recovered at (s)",
+        L += [md_table(["syncer attempt", "ended by", "at (s)", "merges by then", "next syncer recovered at (s)",
                       "down for (s)", "its generation", "journal entries replayed", "merges published again"],
                      rows), ""]
         L.append("A restarted syncer takes office (a higher generation fences out the old one), loads its "
@@ -450,19 +439,16 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
         sp = d["span"]
         L += [f"DiLoCo's training span: {sp['length_s']:.2f} s, from the first learner start "
               f"({sp['start_s']:.2f} s on the run clock) to its last event. Seconds per learner:", ""]
-        rows = []
-        for r in d["learners"]:
-            win = (f" ({r['window'][0]:.1f}–{r['window'][1]:.1f} s)" if r["scavenged"] and r["window"]
-                   else (" (never joined)" if r["scavenged"] else ""))
-            rows.append([f"{r['learner']}{' (scavenged)' if r['scavenged'] else ''}", _s(r["allocated_s"]) + win,
-                         _s(r["running_s"]), _s(r["straggling_s"]), _s(r["waiting_s"]), _s(r["down_s"]),
-                         _s(r["absent_s"]), _s(r["lost_work_s"]), _pct(r["goodput"]), r["failures"], r["restarts"],
-                         _yes(r["merged_again_after_restart"])])
-        g = d["global"]
-        rows.append(["**all**", _s(g["allocated_s"]), _s(g["running_s"]), _s(g["straggling_s"]), _s(g["waiting_s"]),
-                     _s(g["down_s"]), _s(g["absent_s"]), _s(g["lost_work_s"]), f"**{_pct(g['goodput'])}**",
-                     sum(r["failures"] for r in d["learners"]), sum(r["restarts"] for r in d["learners"]), "—"])
-        L += [_table(["learner", "allocated (s)", "running", "straggling", "waiting", "down", "absent",
+        secs, g = ("allocated", "running", "straggling", "waiting", "down", "absent", "lost_work"), d["global"]
+        rows = [[f"{r['learner']}{' (scavenged)' if r['scavenged'] else ''}"] + [_s(r[f"{k}_s"]) for k in secs]
+                + [_pct(r["goodput"]), r["failures"], r["restarts"], _yes(r["merged_again_after_restart"])]
+                for r in d["learners"]]
+        for row, r in zip(rows, d["learners"]):  # a scavenged learner's window
+            row[1] += (f" ({r['window'][0]:.1f}–{r['window'][1]:.1f} s)" if r["window"] else " (never joined)"
+                       ) if r["scavenged"] else ""
+        rows.append(["**all**"] + [_s(g[f"{k}_s"]) for k in secs] + [f"**{_pct(g['goodput'])}**", sum(
+            r["failures"] for r in d["learners"]), sum(r["restarts"] for r in d["learners"]), "—"])
+        L += [md_table(["learner", "allocated (s)", "running", "straggling", "waiting", "down", "absent",
                       "lost work", "goodput", "failures", "restarts", "merged again after restart"], rows), ""]
         up = d["uptime"]
         L += [f"DiLoCo uptime {_pct(up['uptime'])}: a learner computed and the syncer was up for "
@@ -477,16 +463,14 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
     if p:
         L += [f"DP's training span: {p['span']['length_s']:.2f} s on its own clock, W = {p['workers']} replicas, "
               f"measured step {format_value(p['step_s'], '{:.4f}')} s:", ""]
-        rows = [[r["replica"], _s(r["allocated_s"]), _s(r["running_s"]), _s(r["straggling_s"]),
-                 _s(r["waiting_s"]), _s(r["recomputing_s"]), _s(r["down_s"]), _pct(r["goodput"]), r["failures"]]
-                for r in p["replicas"]]
-        g = p["global"]
-        rows.append(["**job**", _s(g["allocated_s"]), _s(g["running_s"]), _s(g["straggling_s"]), _s(g["waiting_s"]),
-                     _s(g["recomputing_s"]), _s(g["down_s"]), f"**{_pct(g['goodput'])}**", g["failures"]])
-        L += [_table(["DP replica", "allocated (s)", "running", "straggling", "waiting", "recomputing", "down",
+        secs = ("allocated", "running", "straggling", "waiting", "recomputing", "down")
+        rows = [[r["replica"]] + [_s(r[f"{k}_s"]) for k in secs] + [_pct(r["goodput"]), r["failures"]]
+                for r in p["replicas"]] + [["**job**"] + [_s(p["global"][f"{k}_s"]) for k in secs]
+                                           + [f"**{_pct(p['global']['goodput'])}**", p["global"]["failures"]]]
+        L += [md_table(["DP replica", "allocated (s)", "running", "straggling", "waiting", "recomputing", "down",
                       "goodput", "failures"], rows), ""]
         if p["restores"]:
-            L += [_table(["failure at (s)", "replica", "step (high-water)", "restored to step", "down (s)",
+            L += [md_table(["failure at (s)", "replica", "step (high-water)", "restored to step", "down (s)",
                           "restore (s)", "recomputing (s)"],
                          [[_s(x["failed_at_s"]), format_value(x["replica"]),
                            f"{format_value(x['step_at_failure'])} ({format_value(x['high_water_step'])})",
@@ -526,16 +510,12 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
     cur = loss.get("curves") or {}
     ref = loss.get("reference") or {}
     if cur:
-        rows = []
-        for m, c in cur.items():
-            rows.append([label(m), "this run", format_value(c["final_tokens"], "int"), _s(c["final_s"]),
-                         format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
-                         format_value(c["final_loss"], "{:.4f}")])
-        for m, c in ((ref.get("at_this_runs_points") or {}).get("curves") or {}).items():
-            rows.append([label(m), "reference" + (" (with chaos)" if res["loss"].get("reference_has_chaos") else " (no chaos)"), format_value(c["final_tokens"], "int"), _s(c["final_s"]),
-                         format_value(c["loss_at_s"], "{:.4f}"), format_value(c["loss_at_tokens"], "{:.4f}"),
-                         format_value(c["final_loss"], "{:.4f}")])
-        L += [_table(["method", "run", f"final {unit}", "training s", f"loss at {_s(loss['at_s'])} s",
+        reference = "reference" + (" (with chaos)" if loss.get("reference_has_chaos") else " (no chaos)")
+        rows = [[label(m), run, format_value(c["final_tokens"], "int"), _s(c["final_s"])]
+                + [format_value(c[k], "{:.4f}") for k in ("loss_at_s", "loss_at_tokens", "final_loss")]
+                for run, curves in (("this run", cur), (reference, (ref.get("at_this_runs_points") or {}).get("curves")))
+                for m, c in (curves or {}).items()]
+        L += [md_table(["method", "run", f"final {unit}", "training s", f"loss at {_s(loss['at_s'])} s",
                       f"loss at {format_value(loss['at_tokens'], 'int')} {unit}", "final loss"], rows), ""]
         L += [f"Held-out loss (nats/{per_unit(unit)}) interpolated linearly at equal wall time (the shorter "
               "method's end, each method's time since its own training start) and at equal training "
@@ -551,7 +531,7 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
         L += [f"*held-out loss curves: {NOT_RUN} in this run.*", ""]
     # the schedule
     f, sl = sch["failures"], sch["slowdowns"]
-    L += [_table(["scheduled", "drawn", "in DiLoCo's span", "fired in DiLoCo", "in DP's span", "fired in DP"],
+    L += [md_table(["scheduled", "drawn", "in DiLoCo's span", "fired in DiLoCo", "in DP's span", "fired in DP"],
                  [["failures", f["drawn"], format_value(f["diloco_in_span"]), format_value(f["diloco_fired"]),
                    format_value(f["dp_in_span"]), format_value(f["dp_fired"])],
                   ["slowdowns (straggler / heterogeneity: "
@@ -562,12 +542,12 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
           "DiLoCo's failure or kill events naming a scheduled time, slowdown events with factor > 1; DP's "
           "failure events, and its slowdown events (one per change of the job's factor).", ""]
     if sch["scavenged"]:
-        L += [_table(["scavenged learner", "window (s of training)", "joined at (s)", "left at (s)"],
+        L += [md_table(["scavenged learner", "window (s of training)", "joined at (s)", "left at (s)"],
                      [[x["learner"], f"{format_value(x['join_s'], '{:g}')}–"
                        + (format_value(x["leave_s"], "{:g}") if x["leave_s"] is not None else "end"),
                        _s(x["joined_at_s"]), _s(x["left_at_s"])] for x in sch["scavenged"]]), ""]
     if sch["corruptions"]:
-        L += [_table(["corrupted learner", "after (s)", "kind", "sent at (s)", "fragment", "local step",
+        L += [md_table(["corrupted learner", "after (s)", "kind", "sent at (s)", "fragment", "local step",
                       "dropped by the syncer", "merged"],
                      [[x["learner"], format_value(x["at_s"], "{:g}"), x["kind"],
                        _s(x["sent_at_s"]) if x["sent"] else "not sent", format_value(x["fragment"]),
@@ -679,7 +659,7 @@ def _post_training(ft: dict, L: list[str]) -> None:
     if L[-1] != "":
         L.append("")
     L += ["### Recipe", ""]
-    L += [_table(["setting"] + [label(m) for m in methods], _recipe_rows(ft)), ""]
+    L += [md_table(["setting"] + [label(m) for m in methods], _recipe_rows(ft)), ""]
 
     L += ["### Task scores: pretrained → fine-tuned", ""]
     for k in ft["metrics"]:
@@ -705,7 +685,7 @@ def _post_training(ft: dict, L: list[str]) -> None:
             row = d["metrics"][k]
             rows.append([f"**{short_label(m)} − {short_label(d['baseline'])}**", _diff_cell(row["pretrained"]),
                          _diff_cell(row["finetuned"]), "—", row["finetuned"]["verdict"]["text"]])
-        L += [_table(["model", "pretrained", "fine-tuned", "change", "fine-tuned per seed / verdict"], rows), ""]
+        L += [md_table(["model", "pretrained", "fine-tuned", "change", "fine-tuned per seed / verdict"], rows), ""]
         for m, d in ft["differences"].items():
             over = [x["over"] for x in (d["metrics"][k]["finetuned"], d["metrics"][k]["pretrained"])
                     if x.get("status") == "ok"]
@@ -737,7 +717,7 @@ def _post_training(ft: dict, L: list[str]) -> None:
             return (f"{format_value(x['pretrained'], fmt)} → {format_value(x['finetuned'], fmt)}"
                     + (f" ({x['change']:+.4g})" if x["change"] is not None else ""))
 
-        L += [_table(["metric"] + [label(m) for m in have], [[r["label"]] + [cell(r.get(m), r["fmt"]) for m in have]
+        L += [md_table(["metric"] + [label(m) for m in have], [[r["label"]] + [cell(r.get(m), r["fmt"]) for m in have]
                                                               for r in rows]), ""]
         L += ["The pretraining evaluation (held-out text of the pretraining corpus) of each model before and after "
               "fine-tuning (change in parentheses): what fine-tuning cost or gained on the original task.", ""]
@@ -749,7 +729,7 @@ def _post_training(ft: dict, L: list[str]) -> None:
              f"`{str(r['order_sha256'])[:12]}`" if r.get("order_sha256") else "—"]
             for m, f in methods.items() for r in f["runs"]]
     if runs:
-        L += [_table(["method", "seed", "steps", "examples", "wall (s)", "final training loss",
+        L += [md_table(["method", "seed", "steps", "examples", "wall (s)", "final training loss",
                       "final held-out loss", "example order (sha256)"], runs), ""]
         same = ft["order"]["same"]
         if same is not None:
@@ -777,10 +757,10 @@ def render_markdown(report: dict) -> str:
         _post_training(report["finetune"], L)
     if report.get("setup"):  # the appendix: what the run was, after what it found
         setup = [[k, format_value(v)] for k, v in report["setup"].items()]
-        L += ["## Setup", "", _table(["setting", "value"], setup), ""]
+        L += ["## Setup", "", md_table(["setting", "value"], setup), ""]
     L += ["## Data", ""]
     man = report["manifest"]
-    L += [_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"
+    L += [md_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"
           else f"*data manifest: {NOT_RUN}.*", ""]
     return "\n".join(L)
 

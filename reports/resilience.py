@@ -320,11 +320,6 @@ def _attempts(evs: list[dict]) -> list[dict]:
     return out
 
 
-def _steps_taken(evs: list[dict]) -> int:
-    """Inner steps a learner took over all its attempts (recomputed ones included)."""
-    return sum(a["steps"] for a in _attempts(evs))
-
-
 def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = None, schedule: dict | None = None,
                       now: float | None = None, resume_every_steps: int | None = None) -> dict | None:
     """Decoupled DiLoCo's timelines and goodput (see the module docstring); None before any learner
@@ -359,7 +354,7 @@ def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = Non
         busy = secs["running"] + secs["straggling"]
         lost_s = min(sum(r["lost_s"] for r in lost), busy)
         useful = busy - lost_s
-        steps = _steps_taken(evs)
+        steps = sum(a["steps"] for a in _attempts(evs))  # recomputed steps included
         mine = [f for f in failures if f["learner"] == m]
         # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
         trained = {num(x.get("attempt")) for x in _attempts(evs) if x["steps"] > 0}

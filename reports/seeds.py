@@ -17,10 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from reports.analyses import manifest_items, pipeline_status, setup
-from reports.common import BASELINE, NOT_RUN, REPORT_JSON, json_safe, label, short_label
+from reports.common import BASELINE, NOT_RUN, REPORT_JSON, json_safe, label, md_table, short_label
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.read import open_run, read_json, read_run
 from reports.verdict import mean_interval, seed_figures, verdict, verdict_markdown
@@ -149,7 +147,6 @@ def render_seeds(report: dict) -> str:
                      "report": f"[report]({s['report']})" if s.get("report") else "—"})
     L += ["## Each seed", "", "Each seed's run is a whole run directory under `seeds/`, with its own report "
           "(curves, bytes, evaluations, post-training).", "",
-          pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True), ""]
-    L += ["## Setup", "", pd.DataFrame(list((report.get("setup") or {}).items()), columns=["setting", "value"])
-          .astype(str).to_markdown(index=False, disable_numparse=True), ""]
+          md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no seed has run*", ""]
+    L += ["## Setup", "", md_table(["setting", "value"], list((report.get("setup") or {}).items())), ""]
     return "\n".join(L)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from reports.common import short_label
+from reports.common import md_table, short_label
 from reports.plots import save_png
 from reports.verdict import verdict_markdown
 
@@ -45,7 +45,7 @@ def _trials_table(r: dict) -> str:
              "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
              **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()}}
             for t in r["trials"]]
-    return pd.DataFrame(rows).to_markdown(index=False, disable_numparse=True) if rows else "*no trials yet*"
+    return md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no trials yet*"
 
 
 def build_study_report(record: dict, study_dir: Path) -> str:
@@ -71,12 +71,10 @@ def build_study_report(record: dict, study_dir: Path) -> str:
                   f"Tuned comparison: `{t['run_dir']}` (seeds {', '.join(map(str, spec['seeds']))}).", ""]
         elif spec.get("compare", True):
             L += [f"## {title}", "", f"*The tuned comparison has not completed ({t.get('status') or 'not run'}).*", ""]
-    best = pd.DataFrame([{"study": short_label(m), "best trial": (r["best"] or {}).get("number", "—"),
-                          "validation loss": "—" if not r["best"] else f"{r['best']['value']:.4f}",
-                          "completed trials": r["completed"],
-                          "settings": "—" if not r["best"] else json.dumps(r["best"]["params"])}
-                         for m, r in record["methods"].items()])
-    L += ["## Best settings", "", best.to_markdown(index=False, disable_numparse=True), ""]
+    best = [[short_label(m), (r["best"] or {}).get("number", "—"), "—" if not r["best"] else f"{r['best']['value']:.4f}",
+             r["completed"], "—" if not r["best"] else json.dumps(r["best"]["params"])] for m, r in record["methods"].items()]
+    L += ["## Best settings", "", md_table(["study", "best trial", "validation loss", "completed trials", "settings"],
+                                           best), ""]
     fig = history_figure(record)
     if fig is not None:
         save_png(fig, out / "study_history.png")

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.common import BASELINE, num, short_label
+from reports.common import BASELINE, md_table, num
 
 CONFIDENCE = 0.95
 # arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
@@ -206,8 +206,10 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n) -> str:
 
 
 def verdict_table(v: dict, fmt: str = "github") -> str:
-    """The verdict's rows as a table (tabulate's ``fmt``: ``github`` for markdown, ``simple`` for a
-    terminal)."""
+    """The verdict's rows as a table: markdown (``github``, :func:`reports.common.md_table`) or
+    tabulate's ``fmt`` for a terminal (``simple``)."""
+    if fmt == "github":
+        return md_table(list(v["rows"][0]), [list(r.values()) for r in v["rows"]])
     return pd.DataFrame(v["rows"]).to_markdown(index=False, tablefmt=fmt, disable_numparse=True)
 
 

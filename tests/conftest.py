@@ -91,3 +91,10 @@ def jsonl_finetune_run(small_cfg, small_data, tmp_path, **finetune):
                     {"method": "dp"})
     task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
     return cfg, run_dir, layout, task
+
+
+def squash(md: str) -> str:
+    """Markdown with the tables' alignment padding (tabulate's) removed, so a test can name a row
+    by its cells: ``"| a    | b  |"`` → ``"| a | b |"``."""
+    import re
+    return re.sub(r" +\|", " |", re.sub(r"(?<!\\)\| +", "| ", md))

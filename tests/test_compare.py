@@ -21,6 +21,7 @@ from configs.schema import load_config
 from flows.cli import app
 from reports.compare import build_comparison
 from reports.read import ReportInputError
+from tests.conftest import squash
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -109,7 +110,7 @@ def test_a_sweep_table_holds_what_the_runs_wrote(tmp_path):
     assert c["plots"] == {"loss": "loss_vs_diloco.learners.png", "gap": "gap_vs_diloco.learners.png"}
     for name in c["plots"].values():
         assert (out / name).read_bytes()[:8] == PNG
-    md = (out / "comparison.md").read_text()
+    md = squash((out / "comparison.md").read_text())
     assert md.startswith("# Learners × quorum")
     assert "| M3K2 | 3 | 2 | completed | tokens | 4.2800 | 4.0000 | +7.00 |" in md
     assert "![loss](loss_vs_diloco.learners.png)" in md and str(runs[0]) in md
@@ -132,7 +133,7 @@ def test_given_axes_labels_vision_and_post_training(tmp_path):
     assert lm["diloco/post_verdict"] == "DP better" and vit["diloco/post_verdict"] is None
     headers = [col["header"] for col in c["columns"]]
     assert "DiLoCo validation loss (nats/token or image)" in headers and "DiLoCo tokens or images" in headers
-    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    md = squash((tmp_path / "cmp" / "comparison.md").read_text())
     assert "| lm | dense_lm | 24576 | speakers | exact_match | 0.2700 | 0.4000 | -0.1300 [-0.1700, -0.0900] | DP better |" in md
     assert "| vit | vit | 100000 | — | — | — | — | — | — |" in md
     assert c["plot_axis"] is None and c["plots"]["loss"] == "loss_per_run.png"  # kind and budget change together
@@ -152,7 +153,7 @@ def test_identical_configs_and_an_unfinished_run_are_bars_and_notes(tmp_path):
         "interrupted", 4.5, None, None)
     assert c["notes"] == ["b: interrupted (SIGTERM received); completed stages: data",
                           "b: DP has no final held-out loss (not run or not finished)"]
-    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    md = squash((tmp_path / "cmp" / "comparison.md").read_text())
     assert "## Not completed" in md and "- b: interrupted (SIGTERM received)" in md
     assert "| b | interrupted | tokens | 4.5000 | — | — |" in md
 

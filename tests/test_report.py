@@ -35,6 +35,7 @@ from reports.artifacts import artifact_key, publish_report_artifacts
 from reports.common import NOT_RUN
 from reports.learners import learner_failures
 from reports.plots import loss_figure
+from tests.conftest import squash
 from reports.read import read_jsonl
 from run.layout import RunLayout
 
@@ -189,7 +190,7 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     """One report built once for the read-only tests (plotting costs about a second a build)."""
     run = _make_run(tmp_path_factory.mktemp("built"))
     report = build_report(run)
-    return run, report, _layout(run).report_md.read_text()
+    return run, report, squash(_layout(run).report_md.read_text())
 
 
 def _row(report: dict, key: str, stage: str = PRE) -> dict:
@@ -314,7 +315,7 @@ def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
     assert row["not_submitted"] == 2048 and row["submitted"] == 12288  # 14,336 − 12,287.75, rounded
     assert all(isinstance(row[c], int) for c in ("processed", "submitted", "not_submitted", "merged",
                                                  "dropped", "pending"))
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
     assert "computed here as processed − submitted" in md
 
@@ -327,7 +328,7 @@ def test_ledger_identity_violation_is_reported(run_dir: Path):
     report = build_report(run_dir)
     (v,) = _method(report)["ledger"]["identity_violations"]
     assert v == {"learner": 1, "identity": "submitted = merged + dropped + pending", "difference": 512}
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert "**Ledger check failed:** learner 1: submitted = merged + dropped + pending is off by +512" in md
 
 
@@ -343,7 +344,7 @@ def test_merge_bytes_out(built, run_dir: Path):
     _write_jsonl(path, [{k: v for k, v in r.items() if k != "bytes_out"} for r in rows])
     old = build_report(run_dir)
     assert _method(old)["bytes"]["published_out"] is None and _method(old)["bytes"]["merged_in"] == 14 * 4096
-    old_md = _layout(run_dir).report_md.read_text()
+    old_md = squash(_layout(run_dir).report_md.read_text())
     assert "bytes_out (syncer publishes: fragment bytes × learners) not recorded." in old_md
     assert "| merge-log bytes_out: published, fragment bytes × M per merge | syncer | — |" in old_md
     # Some records with it, some without: still not a total, in the table and in the merges section.
@@ -351,7 +352,7 @@ def test_merge_bytes_out(built, run_dir: Path):
     mixed = build_report(run_dir)
     assert _method(mixed)["bytes"]["published_out"] is None
     assert _method(mixed)["bytes"]["published_out_recorded"] == 3
-    mixed_md = _layout(run_dir).report_md.read_text()
+    mixed_md = squash(_layout(run_dir).report_md.read_text())
     assert mixed_md.count("not recorded (in 3 of 8 merge records)") == 2
 
 
@@ -418,7 +419,7 @@ def test_missing_dp_summary_says_not_run(run_dir: Path):
     # The eval curve still gives DP's final loss, so the gap is still defined.
     assert _row(report, "final_val_loss")["dp"] == 3.0
     assert _stage(report)["loss_gaps"]["diloco"]["gap_pct"] == pytest.approx(10.0)
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert "| training tokens (tokens) | 32,768 | not run |" in md
     assert "Data-parallel pretraining: **not run**" in md
 
@@ -467,7 +468,7 @@ def test_dp_disabled_and_eval_disabled(run_dir: Path):
     assert _stage(report)["loss_gaps"]["diloco"]["status"] == NOT_RUN
     assert not [r for r in _stage(report)["comparison"] if r["group"] == "eval"]
     assert _stage(report)["plots"]["loss_vs_tokens"] == "pretrain_loss_vs_tokens.png"  # DiLoCo's curve alone
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert "**Loss gap:** not run" in md
     assert "*lm-eval: not run for either method.*" in md
     assert _row(report, "bytes_sent")["dp"] == NOT_RUN
@@ -475,7 +476,7 @@ def test_dp_disabled_and_eval_disabled(run_dir: Path):
     _write(lay.eval_result(PRE, "diloco"), {"heldout_nextline/acc": 0.5, "heldout_nextline/chance": 0.25})
     report = build_report(run_dir)
     assert _row(report, "heldout_nextline/acc")["dp"] == NOT_RUN
-    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in lay.report_md.read_text()
+    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in squash(lay.report_md.read_text())
 
 
 def test_empty_run_dir_does_not_crash(tmp_path: Path):
@@ -484,7 +485,7 @@ def test_empty_run_dir_does_not_crash(tmp_path: Path):
     report = build_report(tmp_path)
     assert report["stages"] == {}  # no stage holds a method: no section, no figure
     assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
-    assert "- training: **not run**" in lay.report_md.read_text()
+    assert "- training: **not run**" in squash(lay.report_md.read_text())
     # A stage whose DiLoCo summary exists but nothing else: every other part reads "not run".
     _write(lay.summary(PRE, "diloco"), {"method": "diloco"})
     report = build_report(tmp_path)
@@ -494,7 +495,7 @@ def test_empty_run_dir_does_not_crash(tmp_path: Path):
     assert _method(report)["ledger"]["status"] == "not recorded" and _method(report)["failures"] == []
     assert _method(report)["merges"]["status"] == NOT_RUN
     assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
-    assert "*merge log: not run.*" in lay.report_md.read_text()
+    assert "*merge log: not run.*" in squash(lay.report_md.read_text())
 
 
 @pytest.mark.parametrize("kind", ["missing", "not a run directory", "a file"])
@@ -546,7 +547,7 @@ def test_a_third_method_is_reported(run_dir: Path):
     assert st["loss_gaps"]["other"]["gap_pct"] == pytest.approx(5.0)
     assert st["loss_gaps"]["diloco"]["gap_pct"] == pytest.approx(10.0)  # unchanged by the third method
     assert _row(report, "final_val_loss")["diloco"] == 3.3 and _method(report)["ledger"]["total"]["processed"] == 32768
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     assert "### DiLoCo, other vs data-parallel" in md
     assert "| metric | Decoupled DiLoCo | Data-parallel | other |" in md
     assert "| training tokens (tokens) | 32,768 | 32,768 | 32,768 |" in md
@@ -576,7 +577,7 @@ def test_stages_are_reported_apart(run_dir: Path):
     assert ft["plots"]["loss_vs_tokens"] == "finetune_loss_vs_tokens.png"
     assert ft["methods"]["diloco"]["plots"] == {"merges_over_time": None}  # no merge log in this stage
     assert (lay.report / "finetune_loss_vs_tokens.png").stat().st_size > 0
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     assert md.index("## Pretraining") < md.index("## Fine-tuning") < md.index("## Data")
     assert "- Data-parallel fine-tuning: **not run**" in md and "- Data-parallel pretraining" not in md
     assert "| training tokens (tokens) | 4,096 | not run |" in md.split("## Fine-tuning")[1]
@@ -635,7 +636,7 @@ def test_a_last_line_cut_short_is_dropped_with_a_note(run_dir: Path, caplog):
                "stopped part-way) and was left out.")
     assert dropped in caplog.text
     assert dropped in report["stages"]["pretrain"]["notes"]
-    assert f"- {dropped}" in _layout(run_dir).report_md.read_text()
+    assert f"- {dropped}" in squash(_layout(run_dir).report_md.read_text())
     assert read_jsonl(path, notes=[]) == whole  # every whole line is kept
     path.write_text(path.read_text() + '}\n{"fragment": 1')  # now line 9 is corrupt in the middle
     with pytest.raises(ReportInputError, match=r"merges\.jsonl: corrupt JSON on line 9"):
@@ -824,7 +825,7 @@ def test_bytes_per_token_against_dps_allreduce_of_the_same_model(tmp_path: Path)
     config["dp"].update(workers=3, batch_size=8)
     _write(lay.config, config)
     report = build_report(run)
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     fig = _method(report)["bytes"]
     assert fig["wire"] == "int4:64" and report["setup"]["wire format (learner→syncer; syncer→learner is float32)"] == "int4:64"
     assert fig["sent_per_token"] == pytest.approx(13_100 / 16_384)
@@ -848,7 +849,7 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
     on_disk = json.loads((_layout(run).report / "report.json").read_text())
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     assert on_disk == report
 
     # Expected figures, straight from the raw files.
@@ -968,7 +969,7 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     assert (fired["learner"], fired["at_step"], fired["fired"], fired["fired_at_s"], fired["rejoined_at_s"]) == (
         2, 6, True, 2.5, 3.5)
     assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 50, False, None)
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     assert "| scheduled event | fired | at t (s) | rejoined at t (s) | note |" in md
     assert "| learner 2 fails at local step 6 | yes | 2.5 | 3.5 | — |" in md
     assert "| learner 0 fails at local step 50 | no | did not fire | — | learner 0's last logged step: 12 |" in md
@@ -980,7 +981,7 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     report = build_report(run)
     assert [r["fired"] for r in _method(report)["chaos"]["rows"]] == [False, False]
     assert _method(report)["failures"] == []
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     assert "No learner failures were logged, although 2 were scheduled: they did not fire" in md
     assert "No learner failures." not in md
 
@@ -996,7 +997,7 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     _write(_layout(run).config, cfg)
     build_report(run)
     assert ("No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty)"
-            in _layout(run).report_md.read_text())
+            in squash(_layout(run).report_md.read_text()))
 
 
 def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
@@ -1030,7 +1031,7 @@ def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     (restart,) = m["syncer_restarts"]
     assert (restart["how"], restart["merges_before"], restart["downtime_s"], restart["generation"],
             restart["replayed"], restart["republished"]) == ("SIGKILL", 2, 4.5, 2, 2, 1)
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     assert "| learner 1's process SIGKILLed at local step 5 | yes | 2.0 | 4.5 | — |" in md
     assert "| learner 0's process SIGKILLed at 9.5 s | no | did not fire |" in md
     assert "| 1 | SIGKILL | 3.0 | 2 | 7.5 | 4.5 | 2 | 2 | 1 |" in md
@@ -1058,7 +1059,7 @@ def test_work_lost_at_the_top(run_dir: Path):
                 "this run failed its diloco.max_dropped_fraction = 0.03 check (warning above "
                 "diloco.warn_dropped_fraction = 0.02).**")
     assert wl["headline"] == headline
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert md.splitlines()[:3] == ["# Run report: tiny", "", headline]
     on_disk = json.loads((_layout(run_dir).report / "report.json").read_text())
     assert _method(on_disk)["work_lost"]["headline"] == headline
@@ -1068,7 +1069,7 @@ def test_work_lost_at_the_top(run_dir: Path):
 
     # Warning; reasons from work_lost.reasons when the summary carries them.
     _set_work_lost(run_dir, **{**base, "fail_above": 0.5}, status="warning", reasons={"non-finite": 1000, "stale": 24})
-    md = (build_report(run_dir), _layout(run_dir).report_md.read_text())[1]
+    md = (build_report(run_dir), squash(_layout(run_dir).report_md.read_text()))[1]
     assert md.splitlines()[2] == (
         "**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (non-finite 3.1 %, "
         "stale 0.1 %); above diloco.warn_dropped_fraction = 0.02; the run fails above "
@@ -1076,7 +1077,7 @@ def test_work_lost_at_the_top(run_dir: Path):
     # ok: nothing at the top, the line in the ledger section.
     _set_work_lost(run_dir, **{**base, "warn_above": 0.05, "fail_above": 0.5}, status="ok")
     report = build_report(run_dir)
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert _method(report)["work_lost"]["headline"] is None and "**Warning" not in md and "status: ok." in md
     assert md.splitlines()[2].startswith("Decoupled DiLoCo (Douillard et al.")
     # Older runs without it: nothing computed, nothing shown.
@@ -1085,7 +1086,7 @@ def test_work_lost_at_the_top(run_dir: Path):
     summary.pop("work_lost")
     _write(path, summary)
     report = build_report(run_dir)
-    assert _method(report)["work_lost"] is None and "Work lost" not in _layout(run_dir).report_md.read_text()
+    assert _method(report)["work_lost"] is None and "Work lost" not in squash(_layout(run_dir).report_md.read_text())
 
 
 def test_interrupted_pipeline_at_the_top(run_dir: Path):
@@ -1096,7 +1097,7 @@ def test_interrupted_pipeline_at_the_top(run_dir: Path):
     report = build_report(run_dir)
     assert report["pipeline"]["status"] == "interrupted"
     assert report["pipeline"]["completed_stages"] == ["data", "pretrain-diloco"]
-    md = _layout(run_dir).report_md.read_text().splitlines()
+    md = squash(_layout(run_dir).report_md.read_text()).splitlines()
     assert md[2] == ("**Interrupted: this run stopped before it finished (SIGTERM); completed stages: data, "
                      "pretrain-diloco. Figures of the stages that did not complete are missing below.**")
     assert md[4].startswith("**Warning: 97.7 % of DiLoCo's processed tokens")
@@ -1104,7 +1105,7 @@ def test_interrupted_pipeline_at_the_top(run_dir: Path):
     # Completed: no bold line, the status in the header list.
     _write(_layout(run_dir).status, {"status": "completed", "completed_stages": ["data", "pretrain", "eval"]})
     report = build_report(run_dir)
-    md = _layout(run_dir).report_md.read_text()
+    md = squash(_layout(run_dir).report_md.read_text())
     assert report["pipeline"]["headline"] is None and "**Interrupted" not in md
     assert "- pipeline status: completed (completed stages: data, pretrain, eval)" in md
 
@@ -1112,7 +1113,7 @@ def test_interrupted_pipeline_at_the_top(run_dir: Path):
 def test_eval_extras(tmp_path: Path):
     run = _make_figures_run(tmp_path)
     report = build_report(run)
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     rows = [r["key"] for r in _stage(report)["comparison"] if r["group"] == "eval"]
     # Tasks come from the keys: the new heldout_cloze task appears without being named in the code.
     assert rows == ["heldout_nextline/acc", "heldout_cloze/acc", "truncated_requests", "eval_s"]
@@ -1127,7 +1128,7 @@ def test_eval_extras(tmp_path: Path):
         "acc_norm_stderr,none": "N/A"}}, "eval_s": 2.5})
     report = build_report(run)
     assert _method(report, "dp")["eval"]["heldout_nextline/acc_stderr"] == 0.0351
-    md = _layout(run).report_md.read_text()
+    md = squash(_layout(run).report_md.read_text())
     assert "| heldout_nextline: accuracy (length-normalised) (fraction) | — | 0.440 (chance 0.25) |" in md
 
 
@@ -1162,7 +1163,7 @@ def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
     _ledger_section({"ledger": led}, "DiLoCo", lines)
     (sentence,) = [line for line in lines if line.startswith("Tokens per learner:")]
     assert "recomputed = " in sentence and "submitted = merged + recomputed + dropped + pending hold" in sentence
-    assert "| 0 | 1,000 | 900 | 100 | 700 | 150 | 50 | 0 | 2 | stale: 50 | 70.0 |" in "\n".join(lines)
+    assert "| 0 | 1,000 | 900 | 100 | 700 | 150 | 50 | 0 | 2 | stale: 50 | 70.0 |" in squash("\n".join(lines))
 
 
 def test_a_recomputed_copy_is_not_a_dropped_submission():
@@ -1191,7 +1192,7 @@ def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_t
     gap = report["stages"][PRE]["loss_gaps"]["diloco"]
     assert gap["split"] == "test" and gap["gap_pct"] == pytest.approx(100 * (3.41 - 3.10) / 3.10)
     assert _row(report, "test_loss")["dp"] == 3.10 and _row(report, "val_loss_whole")["diloco"] == 3.32
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     assert "| final test loss (the whole test split: nothing tuned on it) (nats/token) | 3.4100 | 3.1000 |" in md
     assert "final test loss (the whole test split) is +10.00% relative to" in md
 

@@ -18,6 +18,7 @@ import pytest
 from reports import build_report
 from reports.finetune import paired_bootstrap_difference, two_level_bootstrap
 from run.layout import RunLayout
+from tests.conftest import squash
 from tests.test_report import _make_run, _write, _write_jsonl
 
 FT = "finetune"
@@ -167,7 +168,7 @@ def test_post_training_section_one_seed(tmp_path: Path):
 
     _write_finetune(run, seeds=(0,))
     report = build_report(run)
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     ft = report["finetune"]
     assert list(report["stages"]) == ["pretrain"]  # the post-training stage is reported apart
     assert md.index("## Pretraining") < md.index("## Post-training") < md.index("## Data")
@@ -222,7 +223,7 @@ def test_post_training_two_seeds(tmp_path: Path):
     run = _make_run(tmp_path)
     _write_finetune(run, seeds=(0, 1))
     report = build_report(run)
-    md = RunLayout(run).report_md.read_text()
+    md = squash(RunLayout(run).report_md.read_text())
     ft = report["finetune"]
     sc = ft["methods"]["dp"]["scores"]["exact_match"]
     per_seed = [np.mean(r["per_item"]["exact_match"]) for r in _eval(run, "dp")["finetuned"]]
@@ -244,7 +245,7 @@ def test_one_method_and_an_image_task(tmp_path: Path):
     path = RunLayout(run).summary(FT, "diloco")
     _write(path, {**json.loads(path.read_text()), "interrupted": True})
     report = build_report(run)
-    md = RunLayout(run).report_md.read_text()
+    md = squash(RunLayout(run).report_md.read_text())
     ft = report["finetune"]
     assert list(ft["methods"]) == ["diloco"] and ft["differences"] == {} and ft["verdicts"] == {}
     assert "DiLoCo − DP" not in md and "**Parity" not in md

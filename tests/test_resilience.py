@@ -26,6 +26,7 @@ from reports import build_report
 from reports.resilience import (diloco_resilience, dp_resilience, interpolate, loss_comparison, schedule_counts,
                                 simulator_knobs, state_uptime, syncer_outages, uptime)
 from run.layout import RunLayout
+from tests.conftest import squash
 
 
 def _row(res: dict, m: int) -> dict:
@@ -300,7 +301,7 @@ def test_the_resilience_section_of_a_hand_made_run(tmp_path: Path):
     assert plots["resilience_timeline"] == "pretrain_resilience_timeline.png"
     assert plots["resilience_loss"] == "pretrain_resilience_loss.png"
     assert (RunLayout(run).report / plots["resilience_timeline"]).is_file()
-    md = RunLayout(run).report_md.read_text()
+    md = squash(RunLayout(run).report_md.read_text())
     assert "### Resilience" in md and "DiLoCo uptime" in md and "| 0 | 10.00 | 8.00 | 0.00 | 0.00 | 2.00 |" in md
     assert json.loads((RunLayout(run).report / "report.json").read_text()) == report
     # Without a schedule or DP events: no section, no figures.
@@ -363,7 +364,7 @@ def test_a_real_chaos_run(chaos_run: Path):
     lay = RunLayout(chaos_run)
     report = build_report(chaos_run, predict=simulate_goodput)
     res = report["stages"]["pretrain"]["resilience"]
-    md = lay.report_md.read_text()
+    md = squash(lay.report_md.read_text())
     assert "### Resilience" in md and "**Resilience:**" in md
     assert (lay.report / "pretrain_resilience_timeline.png").is_file()
     assert (lay.report / "pretrain_resilience_loss.png").is_file()

@@ -123,4 +123,8 @@ def test_sweep_comparison_reads_a_run_of_seeds(two_seed_run, tmp_path):
     row = comp["rows"][0]
     report = json.loads((RunLayout(run_dir).report / "report.json").read_text())
     assert row["dp/test_loss"] == pytest.approx(report["stages"]["pretrain"]["methods"]["dp"]["test_loss"])
-    assert row["diloco/loss_gap_pct"] == pytest.approx(report["verdict"]["gap_pct"]["mean"])
+    gap = report["verdict"]["gap_pct"]
+    assert row["diloco/loss_gap_pct"] == pytest.approx(gap["mean"]) and row["diloco/seeds"] == 2
+    assert [row["diloco/loss_gap_pct_ci_low"], row["diloco/loss_gap_pct_ci_high"]] == pytest.approx(gap["ci"])
+    md = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert f"{gap['mean']:+.2f} [{gap['ci'][0]:+.2f}, {gap['ci'][1]:+.2f}]" in md  # the gap beside its interval

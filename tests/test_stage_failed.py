@@ -12,7 +12,7 @@ import pytest
 
 from run.layout import RunLayout
 from run.metrics import read_jsonl
-from tests.conftest import SMALL_DATA
+from tests.conftest import SMALL_DATA, squash
 
 
 def test_budget_status_from_trained_tokens_and_workers():
@@ -143,7 +143,7 @@ def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, sma
     summary = json.loads(layout.summary("pretrain", "diloco").read_text())
     assert summary["budget"]["status"] == "short" and summary["budget"]["trained"] == 0
     assert not layout.summary("pretrain", "dp").exists()  # the run stopped at the failed stage
-    md = layout.report_md.read_text().splitlines()
+    md = squash(layout.report_md.read_text()).splitlines()
     assert md[2].startswith("**Failed: ") and "pretrain-diloco trained 0 of 24,576 tokens (0.0 % of its budget)" in md[2]
     assert "No learner failures" not in "\n".join(md)
     assert sum(1 for ln in md if ln.startswith("| 2 | 1 | ") and "InjectedFailure" in ln) == 2  # both tables

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from configs.sweep import SweepSpec, cell_config, config_digest, expand_cells, load_sweep, shipped_sweeps
-from tests.conftest import ROOT, SMALL_DATA
+from tests.conftest import ROOT, SMALL_DATA, squash
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -177,7 +177,7 @@ def test_the_sweep_comparison_lists_every_cell_and_says_which_have_no_results(tm
     assert comparison["no_results"][1]["label"] == "learners-4"
     assert comparison["no_results"][1]["why"].endswith("learners-4/report/report.json: corrupt JSON "
                                                        "(Unterminated string starting at at line 1, column 15)")
-    md = (tmp_path / "sw" / "report" / "comparison.md").read_text()
+    md = squash((tmp_path / "sw" / "report" / "comparison.md").read_text())
     assert "1 run directories compared (of 3; 2 with no results)" in md
     assert f"| learners-3 | no results (failed: OOM) | — | `{plan.cells[1].run_dir}` |" in md
     assert "- learners-3: no results (no report/report.json); status failed (OOM)" in md
@@ -251,7 +251,7 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         assert row["diloco/loss_gap_pct"] == pytest.approx(
             100 * (methods["diloco"]["test_loss"] / methods["dp"]["test_loss"] - 1))
     assert (sweep_dir / "report" / comparison["plots"]["loss"]).is_file()
-    assert "| quorum-1_merge-mean | 1 | mean |" in (sweep_dir / "report" / "comparison.md").read_text()
+    assert "| quorum-1_merge-mean | 1 | mean |" in squash((sweep_dir / "report" / "comparison.md").read_text())
     # DP once: the four cells differ in DiLoCo's settings only, so one of them trained DP and the
     # others copied its result from the sweep's dp/ (one entry; the same figures everywhere)
     reused = [json.loads((Path(r["run_dir"]) / "pretrain" / "dp" / "summary.json").read_text()).get("reused_from")
