@@ -115,7 +115,8 @@ def _header(report: dict, L: list[str]) -> None:
                  + (f"; reason: {pl['reason']}" if pl.get("reason") else ""))
     if not report["stages"] and not report.get("finetune"):
         L.append(f"- training: **{NOT_RUN}** (no stage of this run holds a trained method)")
-    L += _post_training_headline(report.get("finetune"))
+    if not report.get("verdict"):  # (the verdict, right below, has the post-training difference)
+        L += _post_training_headline(report.get("finetune"))
     for st in report["stages"].values():
         noun = st["label"].lower()
         for m, f in st["methods"].items():
@@ -209,7 +210,7 @@ def _per_token_line(who: str, d: dict) -> list[str]:
             f"{d['sent_vs_dp']:,.1f}× as many as {who}'s learners.", ""]
 
 
-def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
+def _curves(st: dict, L: list[str]) -> None:
     L += ["### Held-out loss curves", ""]
     for key, alt in (("loss_vs_tokens", "held-out loss vs training tokens"),
                      ("loss_vs_time", "held-out loss vs wall-clock seconds")):
@@ -222,7 +223,11 @@ def _curves_and_hyperparameters(st: dict, L: list[str]) -> None:
     L += [md_table(["method", "points", f"last {st.get('unit', 'tokens')}", "last wall (s)", "last loss (nats)",
                   "best loss (nats)"],
                  rows), ""]
-    L += ["### Hyperparameters", ""]
+
+
+def _hyperparameters(st: dict, L: list[str]) -> None:
+    """The stage's hyperparameters side by side (the report's appendix)."""
+    L += [f"## Hyperparameters: {st['label']}", ""]
     if st["hyperparameters"]:
         L.append(md_table(["hyperparameter"] + [label(m) for m in st["methods"]],
                         [[h["name"]] + [format_value(h[m]) for m in st["methods"]] for h in st["hyperparameters"]]))
@@ -568,7 +573,7 @@ def _stage(st: dict, L: list[str]) -> None:
     _comparison_section(st, L)
     _eval_section(st, L)
     _bytes_section(st, L)
-    _curves_and_hyperparameters(st, L)
+    _curves(st, L)
     L += markdown_section(st.get("experts"))
     if (st.get("plots") or {}).get("expert_load"):
         L += [f"![expert load over training]({st['plots']['expert_load']})", ""]
@@ -758,6 +763,8 @@ def render_markdown(report: dict) -> str:
     if report.get("setup"):  # the appendix: what the run was, after what it found
         setup = [[k, format_value(v)] for k, v in report["setup"].items()]
         L += ["## Setup", "", md_table(["setting", "value"], setup), ""]
+    for st in report["stages"].values():
+        _hyperparameters(st, L)
     L += ["## Data", ""]
     man = report["manifest"]
     L += [md_table(["manifest field", "value"], man["items"]) if man["status"] == "ok"

@@ -34,7 +34,7 @@ CONFIDENCE = 0.95
 # loss against parameters N, each method tuned: DP and DiLoCo with M = 1, 2, 4, 8 replicas.
 PUBLISHED_FITS = {"dp": (18.129, -0.0953), 1: (18.363, -0.0961), 2: (18.768, -0.0969), 4: (19.762, -0.0992),
                   8: (21.051, -0.1018)}
-PUBLISHED = "arXiv 2503.09799 power-law fits (each method tuned, H = 30)"
+PUBLISHED = "arXiv 2503.09799, fits at 20 tokens per parameter; each method tuned, H = 30"
 
 
 def published_gap_pct(learners: int | None, params: float | None) -> float | None:
@@ -153,7 +153,7 @@ def verdict(seeds: list[dict], post: dict | None = None) -> dict:
              "DP": _fmt(wall[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(wall["diloco"], wall[BASELINE])},
             {"figure": f"time to DP's final held-out loss, s ({first['network']})",
              "DiLoCo": _fmt(ttl["diloco"], "{:,.0f}") if all(reached) else
-             f"not reached ({sum(not r for r in reached)} of {n} seed{'s' if n > 1 else ''})",
+             ("not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"),
              "DP": _fmt(ttl[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(ttl["diloco"], ttl[BASELINE])
              if all(reached) else "—"},
         ]
