@@ -729,7 +729,7 @@ class ExperimentConfig(_Strict):
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
     seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
-        None, min_length=1, description="train, evaluate and fine-tune both methods once per seed (initialisation "
+        None, description="train, evaluate and fine-tune both methods once per seed (initialisation "
         "and data order, the same seed for both methods; the data split stays data.seed's): the report gives each "
         "figure as a mean with its 95 % interval over seeds and the gap DiLoCo − DP as a paired difference. Unset: "
         "one run with `seed` (no interval)")
@@ -767,6 +767,9 @@ class ExperimentConfig(_Strict):
     def _check(self) -> "ExperimentConfig":
         if not self.diloco.enabled and not self.dp.enabled:
             raise ValueError("diloco.enabled and dp.enabled are both false: nothing would train; enable one")
+        if self.seeds is not None and not self.seeds:
+            raise ValueError("seeds is empty: give two or more seeds, e.g. seeds: [0, 1, 2], or remove it (one run "
+                             "with seed)")
         if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; list each once")
         kinds = VISION_KINDS if self.data.modality == "image" else TEXT_KINDS

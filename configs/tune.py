@@ -78,6 +78,14 @@ class Range(_Strict):
         return self.choices is None and float(self.low).is_integer() and float(self.high).is_integer() and \
             (self.step is None or float(self.step).is_integer())
 
+    def holds(self, value: Any) -> bool:
+        """Whether ``value`` lies in the space (a choice, or within [low, high] on its grid)."""
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not self.low <= value <= self.high:
+            return False
+        return self.step is None or abs((value - self.low) / self.step - round((value - self.low) / self.step)) < 1e-9
+
     def values(self) -> list[Any]:
         """The values a preflight validates: every choice, or both ends."""
         if self.choices is not None:
@@ -101,6 +109,9 @@ class TuneSpec(_Strict):
                                             "one trial, the same for both methods")
     trials: PositiveInt = Field(8, description="trials per method (the same number for both)")
     trial_seed: int = Field(0, ge=0, description="the training seed of every trial")
+    from_base: bool = Field(True, description="each study tries the base config's own values of its searched keys "
+                            "first (where they lie in the space), so a tuned method is never worse on validation than "
+                            "its shipped settings")
     sampler_seed: int = Field(0, ge=0, description="seed of Optuna's TPE sampler, the same for both methods (a resumed study "
                               "draws on with this seed + its trials so far)")
     space: dict[Literal["dp", "diloco"], dict[str, Range]] = Field(
@@ -143,6 +154,22 @@ class TuneSpec(_Strict):
 
     def study_dir(self) -> Path:
         return (Path(self.study_root).expanduser() / self.name).absolute()
+
+    def base_params(self, method: str, raw: dict, variant: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """The base config's values (after ``overrides`` and the ``variant``) of ``method``'s searched
+        keys, or None when one is unset or outside the space."""
+        from configs.schema import ExperimentConfig
+
+        cfg = ExperimentConfig.model_validate(apply_overrides(apply_overrides(raw, self.overrides), variant or {}))
+        out = {}
+        for key, rng in self.space[method].items():
+            node: Any = cfg
+            for part in key.split("."):
+                node = getattr(node, part, None)
+            if node is None or not rng.holds(node):
+                return None
+            out[key] = node
+        return out
 
     def arms(self) -> list[tuple[str, str, dict[str, Any]]]:
         """The studies to run: ``(name, method, variant overrides)``: ``dp``, then ``diloco`` or one

@@ -335,20 +335,28 @@ def tune(
     """Tune DP and DiLoCo with the same number of trials and budget per trial (Optuna, its storage in
     the study folder), then compare the tuned methods over seeds; running it again resumes.
 
-    Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed; 2 refused
-    before any work; 130/143 stopped by a signal (run it again to resume).
+    Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed;
+    2 refused before any work; 130/143 stopped by a signal (run it again to resume).
     """
     from configs.sweep import sweep_problem
     from configs.tune import TuneSpec, load_study
 
+    from configs.schema import CONFIG_DIR
+
     sets = _parse_sets(set_)
+    experiment = f"{study_file} is an experiment config, not a study file: run it with `ddiloco run {study_file}`, " \
+                 "or name it as a study's base (a study file holds base, trials, space: see configs/studies/)"
     try:
         raw = load_study(study_file).model_dump(mode="json")
     except ValidationError as exc:
+        if {"data", "model", "diloco", "dp", "train"} & {str(e["loc"][0]) for e in exc.errors() if e["loc"]}:
+            raise _fail(experiment)
         raise _fail(f"{study_file}: {sweep_problem(exc, 'study')}")
     except yaml.YAMLError as exc:
         raise _fail(f"{study_file} is not valid YAML: {' '.join(str(exc).split())}")
-    except (FileNotFoundError, ValueError) as exc:
+    except FileNotFoundError as exc:
+        raise _fail(experiment if (CONFIG_DIR / f"{study_file}.yaml").is_file() else str(exc))
+    except ValueError as exc:
         raise _fail(str(exc))
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
     for key, value in [("trials", trials), ("name", name), ("study_root", study_root), ("concurrency", concurrency),

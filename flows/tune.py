@@ -19,7 +19,8 @@ methods get ``trials`` completed trials from a TPE sampler of the same seed; a f
 recorded as failed in the study and another is asked, at most ``trials`` more.
 
 **Resuming**: running the study again (same name) loads both Optuna studies from ``optuna.log``;
-trials a stopped study left running are marked failed, completed trials count, and the tuned
+trials a stopped study left running are marked failed and their settings are asked again first
+(``Study.enqueue_trial``), completed trials count, and the tuned
 comparison is skipped when ``tuned/`` holds a completed run of the same config (else moved to
 ``attempts/``). A study folder of another spec (other base, space, overrides or seeds) is refused.
 """
@@ -168,10 +169,16 @@ def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str,
     from flows.sweep import sweep_cell
 
     name, method, variant = arm
-    for t in study.trials:  # left running by a stopped study
+    for t in study.trials:  # left running by a stopped study: failed, and its settings asked again first
         if t.state == TrialState.RUNNING:
             study.tell(t.number, state=TrialState.FAIL)
-            logger.info("%s trial %d: left running by an earlier attempt; marked failed", name, t.number)
+            study.enqueue_trial(t.params)
+            logger.info("%s trial %d: left running by an earlier attempt; marked failed, its settings tried again",
+                        name, t.number)
+    if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and \
+            not any(t.params == base for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING)):
+        study.enqueue_trial(base)  # the shipped settings first: tuning never ends worse than them
+        logger.info("%s: the base config's settings %s are tried first", name, base)
     dists = _distributions(spec.space[method])
     failed = 0
     while not stop_requested():

@@ -296,7 +296,9 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     }
     pre = stages.get("pretrain") or {}
     if {"diloco", "dp"} <= set(pre.get("methods") or {}):
-        report["verdict"] = verdict([seed_figures(report)])
+        parent = layout.root.parent
+        report["verdict"] = verdict([seed_figures(report)], part_of_seeds=parent.name == "seeds" and len(
+            (read_json(parent.parent / "config.json") or {}).get("seeds") or []) > 1)
 
     out_dir = layout.report
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -131,7 +131,8 @@ def render_seeds(report: dict) -> str:
     r, p = report["run"], report.get("pipeline") or {}
     L = [f"# Run report: {r['name']} ({len(r.get('seeds') or [])} seeds)", "",
          f"- run directory: `{r['run_dir']}`", f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
-         f"- pipeline status: {p.get('status', 'unknown')}", ""]
+         f"- pipeline status: {p.get('status', 'unknown')}"
+         + (" (this report is the run's last stage)" if p.get("status") == "completing" else ""), ""]
     if p.get("headline"):
         L += [p["headline"], ""]
     if report.get("verdict"):

@@ -33,6 +33,9 @@ def history_figure(record: dict):
         drawn = True
     if not drawn:
         return None
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial")
     ax.set_ylabel("validation loss (whole split)")
     ax.set_title("Tuning: the same number of trials per method")
@@ -41,7 +44,8 @@ def history_figure(record: dict):
 
 
 def _trials_table(r: dict) -> str:
-    rows = [{"trial": t["number"], "state": t["state"].lower(),
+    rows = [{"trial": t["number"], "state": "stopped (tried again on resume)" if t["state"] == "RUNNING"
+             else t["state"].lower(),
              "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
              **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()}}
             for t in r["trials"]]
@@ -53,11 +57,13 @@ def build_study_report(record: dict, study_dir: Path) -> str:
     out = study_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     spec = record["spec"]
+    done = ", ".join(f"{short_label(m)} {r['completed']}" for m, r in record["methods"].items())
     L = [f"# Tuning study: {spec['name']}", "",
          f"- study folder: `{study_dir}`",
-         f"- base config: {spec['base']}; trials per study: {spec['trials']} (TPE sampler, seed "
-         f"{spec['sampler_seed']}); the same overrides and budget for every trial: "
-         f"`{json.dumps({**spec['overrides'], **spec['trial_overrides']})}`",
+         f"- base config: {spec['base']}; trials asked per study: {spec['trials']} (completed: {done}; TPE "
+         f"sampler, seed {spec['sampler_seed']})",
+         f"- every run: `{json.dumps(spec['overrides'])}`; the trials only (one trial's budget, the same for "
+         f"each study): `{json.dumps(spec['trial_overrides'])}`",
          "- selection: each trial's loss on the whole validation split; the tuned comparisons below report the "
          "test split, which no trial read", ""]
     tuned = record.get("tuned") or {}
@@ -68,7 +74,8 @@ def build_study_report(record: dict, study_dir: Path) -> str:
         title = "Verdict" if arm == "diloco" else f"Verdict: {arm}"
         if verdict:
             L += [f"## {title}", "", *verdict_markdown(verdict)[2:],
-                  f"Tuned comparison: `{t['run_dir']}` (seeds {', '.join(map(str, spec['seeds']))}).", ""]
+                  f"Tuned comparison: [its report](../tuned/{arm}/report/report.md) (seeds "
+                  f"{', '.join(map(str, spec['seeds']))}).", ""]
         elif spec.get("compare", True):
             L += [f"## {title}", "", f"*The tuned comparison has not completed ({t.get('status') or 'not run'}).*", ""]
     best = [[short_label(m), (r["best"] or {}).get("number", "—"), "—" if not r["best"] else f"{r['best']['value']:.4f}",

@@ -107,12 +107,13 @@ def _with_ci(m: dict, f: str = "{:.4f}") -> str:
     return _fmt(m["mean"], f) + ("" if m.get("ci") is None else f" [{_fmt(m['ci'][0], f)}, {_fmt(m['ci'][1], f)}]")
 
 
-def verdict(seeds: list[dict], post: dict | None = None) -> dict:
+def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = False) -> dict:
     """The verdict over the :func:`seed_figures` of each seed's run (one or more).
 
     ``post``: the post-training difference over every seed (a dict of
     :func:`reports.finetune.paired_bootstrap_difference` with ``verdict``, ``metric``, ``label`` and
-    per method ``scores``); default: the one seed's own. Returns ``seeds`` (the seed values),
+    per method ``scores``); default: the one seed's own. ``part_of_seeds``: the run is one seed of
+    a run of several (its words point to the report over seeds). Returns ``seeds`` (the seed values),
     ``n``, ``loss`` (per method: :func:`mean_interval`), ``gap_pct`` (:func:`mean_interval` of
     the paired per-seed gaps), ``published_gap_pct``, ``bytes_per_token``, ``modelled_wall_s``,
     ``time_to_dp_final_s``, ``goodput``, ``uptime`` (means), ``network``, ``post``, ``rows``
@@ -170,14 +171,18 @@ def verdict(seeds: list[dict], post: dict | None = None) -> dict:
             "published": PUBLISHED, "bytes_per_token": bpt, "modelled_wall_s": wall, "time_to_dp_final_s": ttl,
             "reached_dp_final": reached, "goodput": good, "uptime": up, "network": first.get("network"),
             "assumption": first.get("assumption"), "post": post, "rows": rows,
-            "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n)}
+            "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds)}
 
 
-def _words(gap, loss, pub, bpt, wall, reached, post, first, n) -> str:
+def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=False) -> str:
     if gap["mean"] is None:
         return "No verdict: a method has no final held-out loss (see the stages below)."
     g, ci = gap["mean"], gap["ci"]
-    if ci is None:
+    if ci is None and part_of_seeds:
+        head = (f"This is seed {first['seed']} of a run of several seeds: DiLoCo's {first['split']} loss is "
+                f"{g:+.2f} % against DP's here; the verdict over seeds, with its interval, is the run's report "
+                "(../../report/report.md).")
+    elif ci is None:
         head = (f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
                 "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one).")
     elif ci[0] <= 0 <= ci[1]:
@@ -200,7 +205,11 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n) -> str:
             (", without reaching DP's final held-out loss." if not any(reached) else
              f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds.")
         parts.append(t)
-    if post and (post.get("verdict") or {}).get("text"):
+    scores = (post or {}).get("scores") or {}
+    if post and scores and all(v == 0 for v in scores.values()):
+        parts.append(f"Post-training ({post['label']}): both methods score 0 on every test item, so the task "
+                     "cannot tell them apart at this size.")
+    elif post and (post.get("verdict") or {}).get("text"):
         parts.append(f"Post-training ({post['label']}): {post['verdict']['text']}.")
     return " ".join(parts)
 
@@ -210,7 +219,8 @@ def verdict_table(v: dict, fmt: str = "github") -> str:
     tabulate's ``fmt`` for a terminal (``simple``)."""
     if fmt == "github":
         return md_table(list(v["rows"][0]), [list(r.values()) for r in v["rows"]])
-    return pd.DataFrame(v["rows"]).to_markdown(index=False, tablefmt=fmt, disable_numparse=True)
+    return pd.DataFrame(v["rows"]).to_markdown(index=False, tablefmt=fmt, disable_numparse=True,
+                                               maxcolwidths=[44, None, None, None])  # the labels wrap
 
 
 def verdict_markdown(v: dict) -> list[str]:

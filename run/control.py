@@ -18,11 +18,16 @@ import contextlib
 import logging
 import signal
 import threading
+import time
 from collections.abc import Iterator
 
 STOP = threading.Event()
 _signal_names = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT"}
 _received: list[int] = []
+_first_at = [0.0]  # monotonic time of the first stop
+# A repeat of the first signal within this many seconds is the same stop delivered twice (GNU
+# `timeout` signals the command and then its process group), not the user insisting.
+REPEAT_S = 1.0
 log = logging.getLogger(__name__)
 
 
@@ -40,6 +45,7 @@ def request_stop(signum: int = signal.SIGTERM) -> None:
     """Ask every loop of this process to stop at its next step boundary (as a signal would)."""
     if not STOP.is_set():
         _received.append(int(signum))
+        _first_at[0] = time.monotonic()
     STOP.set()
 
 
@@ -55,7 +61,8 @@ def graceful_stop() -> Iterator[None]:
 
     Installs the handlers only in the main thread (Python delivers signals there); elsewhere it is a
     no-op and :data:`STOP` can still be set by :func:`request_stop`. The handlers in place before are
-    restored on exit, and a second signal is passed on to them.
+    restored on exit, and a second signal is passed on to them (a repeat of the first one within
+    :data:`REPEAT_S` seconds is the same stop delivered twice, and is ignored).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -63,6 +70,8 @@ def graceful_stop() -> Iterator[None]:
     previous = {s: signal.getsignal(s) for s in _signal_names}
 
     def handler(signum, frame):
+        if STOP.is_set() and _received == [signum] and time.monotonic() - _first_at[0] < REPEAT_S:
+            return  # the same stop delivered twice at once (e.g. `timeout` signals the process and its group)
         if STOP.is_set():  # second signal: the user insists
             signal.signal(signum, previous[signum])
             prev = previous[signum]

@@ -84,6 +84,8 @@ def test_a_study_tunes_each_method_alone_and_compares_the_best_over_seeds(study)
         assert r["completed"] == 2
         done = [t for t in r["trials"] if t["state"] == "COMPLETE"]
         assert r["best"]["value"] == min(t["value"] for t in done)
+        base = {"dp": {"dp.inner.lr": 0.003}, "diloco": {"diloco.outer_lr": 0.8}}[m]  # tiny's own settings
+        assert r["trials"][0]["params"] == pytest.approx(base)  # tried first: tuning never ends worse
         for t in done:
             rd = study_dir / "trials" / f"{m}-{t['number']}"
             cfg = json.loads((rd / "config.json").read_text())
@@ -125,3 +127,13 @@ def test_running_a_study_again_resumes_it(study):
     other = spec.model_copy(update={"seeds": [5]})
     with pytest.raises(ValueError, match="another spec"):
         tune(spec=other)
+
+
+def test_the_cli_names_an_experiment_config_given_as_a_study(tmp_path):
+    from tests.test_refusals import cli, one_line_refusal
+
+    for given in ("configs/tiny.yaml", "tiny"):
+        line = one_line_refusal(*cli("tune", given))
+        assert "is an experiment config, not a study file" in line and f"ddiloco run {given}" in line
+    line = one_line_refusal(*cli("run", "tiny", "--set", "seeds=[]"))
+    assert "seeds is empty" in line and "[0, 1, 2]" in line
