@@ -134,7 +134,7 @@ def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
     with pytest.raises(ValidationError) as exc:
         ExperimentConfig.model_validate({"diloco": {"lerners": 2}})
     (line,) = validation_lines(exc.value)
-    assert line.startswith("diloco.lerners: ") and "valid keys here: learners, fragments" in line
+    assert line.startswith("diloco.lerners: ") and "valid keys here: enabled, learners, fragments" in line
 
 
 def test_override_below_a_single_value_is_refused(tmp_path):
