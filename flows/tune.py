@@ -48,8 +48,9 @@ from run.directory import atomic_write_text, read_status
 __all__ = ["tune", "tune_preflight", "resolve_study"]
 
 TUNE_JSON = "tune.json"
-# The spec fields a resumed study may change: how many trials, whether to compare, how many at once.
-_MAY_CHANGE = ("trials", "compare", "concurrency")
+# The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
+# whether its next trial tries the base config's settings (an extra trial, never a different objective).
+_MAY_CHANGE = ("trials", "compare", "concurrency", "from_base")
 
 
 def resolve_study(spec: Any = None, study_file: Optional[str] = None) -> TuneSpec:
