@@ -49,8 +49,9 @@ __all__ = ["tune", "tune_preflight", "resolve_study"]
 
 TUNE_JSON = "tune.json"
 # The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
-# whether its next trial tries the base config's settings (an extra trial, never a different objective).
-_MAY_CHANGE = ("trials", "compare", "concurrency", "from_base")
+# whether its next trial tries the base config's settings (an extra trial, never a different objective),
+# and where the study folder lies (a moved folder resumes).
+_MAY_CHANGE = ("trials", "compare", "concurrency", "from_base", "study_root")
 
 
 def resolve_study(spec: Any = None, study_file: Optional[str] = None) -> TuneSpec:
