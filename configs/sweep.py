@@ -78,8 +78,8 @@ class SweepSpec(_Strict):
     sweep_root: str = Field("runs/sweeps", min_length=1, description="local folder holding sweep folders")
     reuse_dp: bool = Field(
         True, description="true: cells whose DP settings are the same (configs.sweep.dp_digest: data, model, "
-                          "seed, training, DP, precision) train DP once and share it (<sweep folder>/dp/); false: "
-                          "every cell trains its own")
+                          "seed, training, DP, precision) train and evaluate DP once and share it (<sweep folder>/dp/); "
+                          "false: every cell trains its own")
     resume: bool = Field(
         True, description="true: the sweep's folder is <sweep_root>/<name>, and re-running the sweep skips every "
                           "cell whose run there completed with the same resolved config; false: a new folder "
@@ -237,6 +237,13 @@ def dp_digest(cfg: ExperimentConfig) -> str:
     data["chaos"] = json.loads(chaos.dumps()) if chaos is not None else None
     data["derived"] = {"dp_batch_size": cfg.dp_batch_size, "tokens_per_dp_step": cfg.tokens_per_dp_step,
                        "dp_steps": cfg.dp_steps}
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def dp_eval_digest(cfg: ExperimentConfig) -> str:
+    """sha256 of what DP's evaluation depends on: its result (:func:`dp_digest`) and the ``eval``
+    section. Runs with one digest evaluate DP once (``flows.pipeline``'s ``dp_cache``)."""
+    data = {"dp": dp_digest(cfg), "eval": cfg.eval.model_dump(mode="json")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

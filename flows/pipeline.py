@@ -93,6 +93,54 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> 
         return summary
 
 
+def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> dict:
+    """DP's evaluation: lm-eval (or the image metrics) on its checkpoint (``tasks.evaluate``), or,
+    with a ``cache`` folder holding the evaluation of the same DP result under the same ``eval``
+    section (``configs.sweep.dp_eval_digest``) and this run's DP result copied from that cache,
+    that evaluation copied in (hard links; its ``eval/pretrain/dp.json`` gets ``reused_from``). An
+    evaluation is stored in the cache (``<cache>/eval/<digest>``) only when the DP result it scored
+    is the cache's."""
+    if cache is None:
+        return evaluate_task(cfg, rd, "dp")
+    import fcntl
+    import os
+
+    from configs.sweep import dp_digest, dp_eval_digest
+    from run.metrics import write_json
+
+    root = Path(cache).expanduser().absolute() / "eval"
+    root.mkdir(parents=True, exist_ok=True)
+    key, layout = dp_eval_digest(cfg), RunLayout(rd)
+    entry, flat, outputs = root / key, layout.eval_result("pretrain", "dp"), layout.eval_outputs("pretrain", "dp")
+    trained = root.parent / dp_digest(cfg)
+    mine = layout.summary("pretrain", "dp")
+    try:  # this run's DP is the cache's: copied from it, or the training stored there (hard links)
+        same_dp = json.loads(mine.read_text()).get("reused_from") == str(trained)
+        stored = same_dp or os.path.samefile(mine, trained / "summary.json")
+    except (OSError, ValueError):
+        same_dp = stored = False
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another run evaluating this DP: wait for its result
+        if same_dp and (entry / "dp.json").is_file():
+            if (entry / "dp").is_dir():
+                shutil.copytree(entry / "dp", outputs, copy_function=link_or_copy, dirs_exist_ok=True)
+            metrics = {**json.loads((entry / "dp.json").read_text()), "reused_from": str(entry)}
+            write_json(flat, metrics)
+            get_run_logger().info("eval dp: reused the evaluation of the same DP result from %s", entry)
+            return metrics
+        metrics = evaluate_task(cfg, rd, "dp")
+        if stored:
+            tmp = root / f".{key}.{os.getpid()}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            if outputs.is_dir():
+                shutil.copytree(outputs, tmp / "dp", copy_function=link_or_copy)
+            link_or_copy(str(flat), str(tmp / "dp.json"))
+            shutil.rmtree(entry, ignore_errors=True)
+            os.replace(tmp, entry)
+        return metrics
+
+
 def _run_problem(results: dict[str, Any]) -> str | None:
     """The one-line reason to fail a run, else None: a pretraining stage that trained less than its
     budget because its workers were gone (summary ``budget``, ``training.common.budget_status``), a
@@ -118,13 +166,14 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], 
     """One seed's stages after the data: pretrain DiLoCo and DP, evaluate, fine-tune, report, each
     appended to ``stages`` when completed; ``status.json`` says ``running`` (or ``failed`` /
     ``interrupted``) when the report is built. Returns the one-line reason to fail the run, or None."""
-    methods = (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
     steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
     if cfg.dp.enabled:
         steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
     if cfg.eval.enabled:
-        for method in methods:
-            steps.append((f"eval-{method}", lambda m=method: evaluate_task(cfg, rd, m)))
+        if cfg.diloco.enabled:
+            steps.append(("eval-diloco", lambda: evaluate_task(cfg, rd, "diloco")))
+        if cfg.dp.enabled:
+            steps.append(("eval-dp", lambda: _evaluate_dp_once(cfg, rd, dp_cache)))
     if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
         steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
     results: dict[str, Any] = {}

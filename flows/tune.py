@@ -6,7 +6,8 @@ Layout of a study folder (``<study_root>/<name>``)::
     optuna.log            Optuna's journal storage of every study (``dp``, and ``diloco`` or one
                           ``diloco-<variant>`` per variant): a stopped study resumes
     trials/<study>-<n>/   trial n's pipeline run directory (that method alone; ``configs.tune.TuneSpec.trial_config``)
-    dp/                   DP results shared by the tuned comparison's seeds (the pipeline's ``dp_cache``)
+    dp/                   DP results (and their evaluations, dp/eval/) shared by the tuned comparison's
+                          arms (the pipeline's ``dp_cache``)
     tuned/<study>/        per DiLoCo study, the tuned comparison: a pipeline run of ``seeds`` with its and DP's best
                           settings
     report/               study.md, study.json, study_history.png (``reports.study``)

@@ -128,7 +128,8 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
     if (summary or {}).get("reused_from"):  # DP trained once for runs with the same DP settings
         notes.append(f"{label(rec.method)}: the result of another run with the same settings, reused from "
-                     f"{summary['reused_from']} (its wall time and throughput are that run's).")
+                     f"{summary['reused_from']} (its wall time and throughput are that run's"
+                     + ("; its evaluation too" if (rec.eval or {}).get("reused_from") else "") + ").")
     if summary is not None:
         hp = summary.get("hyperparameters")
         out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}

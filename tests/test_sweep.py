@@ -486,3 +486,35 @@ def test_the_dp_digest_follows_what_dp_depends_on():
     for o in ({"dp.inner.lr": 0.001}, {"seed": 1}, {"train.token_budget": 49152}, {"model.d_model": 64},
               {"data.val_docs": 3}, {"precision.compute": "bfloat16"}):
         assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) != dp_digest(tiny), o
+
+
+def test_runs_that_share_dp_train_and_evaluate_it_once(prefect_harness, small_data, tmp_path, monkeypatch):
+    """Two runs of the same DP settings through one ``dp_cache``: the first trains DP, runs lm-eval
+    and stores both; the second copies both (lm-eval does not run again) with the same figures."""
+    import shutil
+
+    import flows.pipeline as P
+    from configs.schema import load_config
+    from run.layout import RunLayout
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.enabled": False,
+                                                       "finetune.enabled": False, "train.token_budget": 3072,
+                                                       "train.eval_every_tokens": 3072})
+    cache, runs = tmp_path / "dp", [tmp_path / "a", tmp_path / "b"]
+    for rd in runs:
+        shutil.copytree(small_data, rd)
+    assert P.pipeline(config=cfg, run_dir=str(runs[0]), dp_cache=str(cache)) == str(runs[0])
+
+    def lm_eval_again(*args, **kwargs):
+        raise AssertionError("DP was evaluated again")
+
+    monkeypatch.setattr(P, "evaluate_task", lm_eval_again)
+    assert P.pipeline(config=cfg, run_dir=str(runs[1]), dp_cache=str(cache)) == str(runs[1])
+    first, second = (json.loads(RunLayout(rd).eval_result("pretrain", "dp").read_text()) for rd in runs)
+    (entry,) = [p for p in (cache / "eval").iterdir() if p.is_dir()]
+    assert "reused_from" not in first and second.pop("reused_from") == str(entry)
+    assert second == first and 0.0 <= first["heldout_nextline/acc"] <= 1.0
+    assert sorted(p.name for p in RunLayout(runs[1]).eval_outputs("pretrain", "dp").iterdir()) == sorted(
+        p.name for p in RunLayout(runs[0]).eval_outputs("pretrain", "dp").iterdir())
+    notes = json.loads((RunLayout(runs[1]).report / "report.json").read_text())["stages"]["pretrain"]["notes"]
+    assert any("its evaluation too" in n for n in notes)
