@@ -1227,7 +1227,10 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
             msg = f"is a section, not a value (got {value!r}); set its keys: {shown}"
         elif err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
             value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
-            msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
+            if err["type"] == "list_type":  # e.g. `seeds=3` where a list belongs
+                msg += f" (got {value!r}; write a YAML list, e.g. [{value!r}] or [0, 1, 2])"
+            else:
+                msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
         elif err["type"] != "extra_forbidden" and isinstance(err.get("input"), (str, int, float)) \
                 and loc not in (overrides or {}):  # (a --set value is shown below)
             msg += f" (got {err['input']!r})"  # e.g. `float16` where float32 or bfloat16 belongs

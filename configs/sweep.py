@@ -286,6 +286,11 @@ def resolve_sweep(spec: SweepSpec | dict | None = None, sweep_file: str | None =
     return SweepSpec.model_validate({**dict(spec or {}), **(overrides or {})})
 
 
-def sweep_problem(exc: ValidationError, where: str = "sweep") -> str:
-    """A sweep spec's validation errors as one line."""
-    return f"invalid {where}: " + "; ".join(validation_lines(exc))
+def sweep_problem(exc: ValidationError, where: str = "sweep", options: dict | None = None) -> str:
+    """A sweep spec's validation errors as one line; an error in a field given as a command-line
+    option (``options``: field -> value, e.g. ``{"trials": 0}``) names that option (``--trials 0``)."""
+    lines = validation_lines(exc)
+    for key, value in (options or {}).items():
+        lines = [f"{line} (from --{key.replace('_', '-')} {value})" if line.startswith(f"{key}:") else line
+                 for line in lines]
+    return f"invalid {where}: " + "; ".join(lines)

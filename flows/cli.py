@@ -266,14 +266,13 @@ def sweep(
         raise _fail(str(exc))
     raw["grid"] = {**raw.get("grid", {}), **axes}
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    for key, value in [("base", base), ("name", name), ("concurrency", concurrency), ("launch", launch),
-                       ("deployment", deployment)]:
-        if value is not None:
-            raw[key] = value
+    options = {key: value for key, value in [("base", base), ("name", name), ("concurrency", concurrency),
+                                             ("launch", launch), ("deployment", deployment)] if value is not None}
+    raw.update(options)
     try:
         spec = SweepSpec.model_validate(raw)
     except ValidationError as exc:
-        raise _fail(sweep_problem(exc, "sweep"))
+        raise _fail(sweep_problem(exc, "sweep", options))
     if spec.launch == "deployment":
         from prefect.settings import PREFECT_API_URL
 
@@ -359,14 +358,13 @@ def tune(
     except ValueError as exc:
         raise _fail(str(exc))
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    for key, value in [("trials", trials), ("name", name), ("study_root", study_root), ("concurrency", concurrency),
-                       ("compare", compare)]:
-        if value is not None:
-            raw[key] = value
+    options = {key: value for key, value in [("trials", trials), ("name", name), ("study_root", study_root),
+                                             ("concurrency", concurrency), ("compare", compare)] if value is not None}
+    raw.update(options)
     try:
         spec = TuneSpec.model_validate(raw)
     except ValidationError as exc:
-        raise _fail(sweep_problem(exc, "study"))
+        raise _fail(sweep_problem(exc, "study", options))
     _prefect_logging()
     from flows.tune import tune_preflight
 

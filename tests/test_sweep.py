@@ -294,6 +294,8 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
     (["tiny_grid", "--axis", "diloco.lerners=[2,4]"], "error: sweep tiny-grid, cell learners-2_quorum-1_lerners-2: "
                                                        "diloco.lerners: Extra inputs are not permitted"),
     (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
+    (["tiny_grid", "--concurrency", "0"], "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) "
+                                          "(from --concurrency 0)"),
     (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
     (["tiny_grid", "--launch", "deployment"], "error: sweep tiny-grid: launch: deployment runs each cell through a "
                                               "deployment's worker, which needs a Prefect server"),
