@@ -1,12 +1,8 @@
 """The report's figures, computed once from the records :mod:`reports.read` returns. Pure: no I/O.
 
-Per stage (:func:`stage_figures`): each method's figures (training, held-out loss, evaluation,
-bytes from :mod:`reports.wire`; for a learners-and-syncer method also merges, ledger, lost work, chaos and failures from
-:mod:`reports.learners`), the side-by-side rows of every method of the stage, and each method's
-loss gap to the baseline (``dp``) when both ran. Nothing here assumes two methods or one stage.
-
-Units: tokens (BPE tokens), seconds (wall clock), bytes (payload bytes, ``common.BYTES_CONVENTION``),
-nats/token (held-out loss; perplexity = exp(loss)).
+Per stage (:func:`stage_figures`): each method's figures, the side-by-side rows of every method of
+the stage, and each method's loss gap to the baseline (``dp``); docs/report.md ("Stage figures").
+Units: tokens, seconds, payload bytes, nats/token (perplexity = exp(loss)).
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ from reports.read import MethodRecords
 from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
 from run.layout import STAGES
 
-KNOWN_KINDS = {"dp": "allreduce", "diloco": "syncer"}  # kinds: see common.KINDS
+KNOWN_KINDS = {"dp": "allreduce", "diloco": "syncer"}  # kinds: see method_kind
 # lm-eval metric names → (label, unit, format); tasks are discovered from the eval keys
 # ("<task>/<metric>"), these only name and order the metrics we know.
 EVAL_METRIC_NAMES: dict[str, tuple[str, str, str]] = {
@@ -53,8 +49,9 @@ SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss",
 
 
 def method_kind(rec: MethodRecords) -> str:
-    """``allreduce`` (the baseline, or a summary with ``allreduce_bytes``), ``syncer`` (DiLoCo, or
-    any method with a merge log, learner events or a token ledger) or ``plain``."""
+    """The method's kind, by what its records hold: ``allreduce`` (the baseline, or a summary with
+    ``allreduce_bytes``: a ring all-reduce model of its bytes), ``syncer`` (DiLoCo, or any method with
+    a merge log, learner events or a token ledger) or ``plain`` (training and evaluation figures only)."""
     s = rec.summary or {}
     if rec.method in KNOWN_KINDS:
         return KNOWN_KINDS[rec.method]
@@ -103,11 +100,8 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     out: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
         "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
-        "summary_file": rec.files["summary"],
-        "eval_status": "ok" if rec.eval is not None else NOT_RUN,
-        "eval": eval_metrics(rec.eval) if rec.eval is not None else {},
-        "curve": curve,
-        "hyperparameters": {},
+        "summary_file": rec.files["summary"], "eval_status": "ok" if rec.eval is not None else NOT_RUN,
+        "eval": eval_metrics(rec.eval) if rec.eval is not None else {}, "curve": curve, "hyperparameters": {},
     }
     for key in SUMMARY_FIELDS:
         out[key] = num(summary.get(key)) if summary is not None else None
@@ -139,10 +133,9 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
 
 
 def eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
-    """The lm-eval table rows, discovered from the eval keys: ``<task>/<metric>`` (tasks in
-    EVAL_TASK_ORDER first, then sorted; metrics in EVAL_METRIC_NAMES order, then sorted), then the
-    run-level keys (checkpoint tokens, truncated requests, eval time). Each row carries the
-    per-method ``stderr`` (from ``<key>_stderr``) and, for accuracies, the task's ``chance``."""
+    """The lm-eval table rows, discovered from the eval keys: ``<task>/<metric>`` (in
+    EVAL_TASK_ORDER and EVAL_METRIC_NAMES order, then sorted), then the run-level keys; each with the
+    per-method ``stderr`` (``<key>_stderr``) and, for accuracies, the task's ``chance``."""
     evals = {m: f["eval"] for m, f in methods.items()}
     ran = {m: f["eval_status"] == "ok" for m, f in methods.items()}
     keys = set().union(*(e.keys() for e in evals.values()))
@@ -239,8 +232,7 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
 def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) -> dict:
     """``method``'s final loss relative to the baseline's, in %: 100 × (loss − baseline loss) /
     baseline loss (negative: ``method`` is better); on the whole test split when both methods were
-    measured there (``split`` "test"), else on the curves' validation sample ("val sample": runs
-    made before the test split was measured)."""
+    measured there (``split`` "test"), else on the curves' validation sample ("val sample")."""
     key = "test_loss" if all(methods[m].get("test_loss") is not None for m in (method, baseline)) else "final_val_loss"
     lm, lb = methods[method][key], methods[baseline][key]
     if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
@@ -255,10 +247,9 @@ def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) ->
 
 
 def budget_figure(summary: dict | None, who: str) -> dict | None:
-    """Whether the method trained its budget (summary ``budget``, ``training.common.budget_status``;
-    None when the summary has none: older runs): ``status`` (complete, interrupted, short),
-    ``trained``, ``budget``, ``share``, ``unit``, ``reason``, ``line``, and ``headline``, the bold
-    line at the top of report.md when the stage trained short of its budget (``who`` names the method)."""
+    """Whether the method trained its budget (summary ``budget``; None without one): ``status``
+    (complete, interrupted, short), ``trained``, ``budget``, ``share``, ``unit``, ``reason``, ``line``,
+    and ``headline``, the bold top line of report.md when it trained short (``who`` names the method)."""
     raw = (summary or {}).get("budget")
     if not isinstance(raw, dict):
         return None
@@ -295,21 +286,15 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
     hp_keys = sorted(set().union(*(f["hyperparameters"] for f in methods.values())))
     hyper = [{"name": k, **{m: (f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN)
                             for m, f in methods.items()}} for k in hp_keys]
+    network = (interconnect_figures(config or {}, *({"summary": records[m].summary, "curve": records[m].curve}
+                                                    if m in records else None for m in ("dp", "diloco")))
+               if first and config else None)
     return {
-        "stage": stage,
-        "label": stage_label(stage),
-        "baseline": BASELINE if BASELINE in methods else None,
-        "methods": methods,
-        "unit": unit_of(config),
-        "comparison": comparison(methods, rows_eval, unit_of(config)),
+        "stage": stage, "label": stage_label(stage), "baseline": BASELINE if BASELINE in methods else None,
+        "methods": methods, "unit": unit_of(config), "comparison": comparison(methods, rows_eval, unit_of(config)),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
-        "hyperparameters": hyper,
-        "experts": expert_figures(records),
-        "interconnect": interconnect_figures(config or {}, *({"summary": records[m].summary, "curve": records[m].curve}
-                                                             if m in records else None for m in ("dp", "diloco")))
-        if first and config else None,
-        "plots": {},
-        "notes": notes,
+        "hyperparameters": hyper, "experts": expert_figures(records), "interconnect": network,
+        "plots": {}, "notes": notes,
     }
 
 

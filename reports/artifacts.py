@@ -1,9 +1,6 @@
-"""The report's Prefect artifacts: the only module of the report that imports Prefect.
-
-:func:`publish_report_artifacts` publishes what :func:`reports.build_report` returned (the
-markdown, the comparison table, the post-training table and the token ledger) to the current flow or
-task run; :func:`publish_comparison_artifacts` publishes what :func:`reports.compare.build_comparison`
-returned (a comparison across run directories).
+"""The report's Prefect artifacts, the only module of the report that imports Prefect:
+:func:`publish_report_artifacts` (a run report) and :func:`publish_comparison_artifacts` (a
+comparison across run directories) publish to the current flow or task run.
 """
 
 from __future__ import annotations
@@ -89,14 +86,11 @@ def _ci(ci, signed: bool = False) -> str:
 def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     """Publish the report to Prefect: the markdown, the verdict, the comparison table and the token ledger.
 
-    Must be called inside a Prefect flow or task run (it raises ``RuntimeError`` otherwise), so the
-    artifacts attach to that run. Keys are ``report-<slug>``, ``verdict-<slug>`` (with a verdict),
-    ``comparison-<slug>``,
-    ``posttraining-<slug>`` (only with a fine-tuning stage) and ``ledger-<slug>`` (only when a method
-    has a ledger) with ``<slug>`` the run name
-    (``config.name``) in lowercase letters, digits and dashes: repeated runs of one experiment become
-    versions of the same keyed artifacts, and each description names the run directory. Images are
-    not uploaded; the markdown artifact lists the figures' paths instead.
+    Must be called inside a Prefect flow or task run (it raises ``RuntimeError`` otherwise). Keys are
+    ``report-``, ``verdict-`` (with a verdict), ``comparison-``, ``posttraining-`` (with a fine-tuning
+    stage) and ``ledger-<slug>`` (when a method has a ledger), ``<slug>`` the run name
+    (:func:`artifact_key`): repeated runs of one experiment become versions of the same keyed
+    artifacts. Images are not uploaded; the markdown lists the figures' paths instead.
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext, TaskRunContext
@@ -138,12 +132,10 @@ def comparison_rows(comparison: dict) -> list[dict]:
 
 def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
     """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
-    dict) to the current Prefect flow or task run: a markdown artifact (``comparison.md``, each
-    embedded plot replaced by its absolute path) keyed ``compare-<slug>`` and a table artifact (one
-    row per run, text cells) keyed ``compare-table-<slug>``, ``<slug>`` from ``key_name``
-    (:func:`artifact_key`; the ``compare`` prefix keeps them apart from a run report's
-    ``comparison-<run name>`` table). Outside a flow or task run nothing is published (no Prefect
-    server is contacted): a warning is logged and False returned; True when published.
+    dict) to the current Prefect flow or task run: ``comparison.md`` (plots replaced by their absolute
+    paths) keyed ``compare-<slug>`` and the table (text cells) keyed ``compare-table-<slug>``, the
+    slug from ``key_name``. Outside a flow or task run nothing is published (no Prefect server is
+    contacted): a warning is logged and False returned; True when published.
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext, TaskRunContext

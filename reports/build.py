@@ -1,7 +1,5 @@
-"""Building the report: read the run directory, compute the figures, draw, render, write.
-
-See :mod:`reports` for what is written and :func:`build_report` for the returned dict.
-"""
+"""Building the report: read the run directory, compute the figures, draw, render, write
+(docs/report.md)."""
 
 from __future__ import annotations
 
@@ -218,44 +216,26 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
 
 def build_report(run_dir: str | Path, final_stage: bool = False, reference: str | Path | None = None,
                  predict: Callable[[dict, list[str]], dict] | None = None) -> dict:
-    """Read one run directory, write ``RUN/report/`` (see :mod:`reports`), return the report.
+    """Read one run directory, write ``RUN/report/`` (docs/report.md), return the report.
 
     ``run_dir``: a local path or an fsspec URL. The returned dict is exactly what ``report.json``
-    holds: ``schema``, ``run`` (name, run_dir, run_id, generated_at, git_commit, versions),
-    ``setup`` (config values: M, P, H, K, budgets, model), ``pipeline`` (``status.json``, or None;
-    ``headline`` when interrupted or failed), ``manifest`` (``status``, ``items``), ``definitions``
-    (what each byte figure and a stale contribution mean), ``config``, and ``stages``: per stage
-    (``pretrain``, ``finetune``; only those the run holds) ``methods`` (per method: status, kind,
-    tokens, steps, wall_s [s], tokens_per_s, final_val_loss [nats/token], final_val_ppl, eval
-    metrics, curve summary, hyperparameters, ``bytes``; a learners-and-syncer method adds
-    ``merges``, ``ledger``, ``work_lost``, ``chaos``, ``learners``, ``failures`` and ``plots``),
-    ``comparison`` (rows with a value per method, ``group`` "training" | "eval" | "bytes"),
-    ``loss_gaps`` (each method vs ``dp``, in %), ``hyperparameters``, ``plots`` (file names
-    relative to ``report/``, None when not drawn) and ``notes``. ``finetune``: the post-training
-    part (:func:`reports.finetune.post_training_figures`: the task, per method its recipe, runs and
-    scores before and after fine-tuning with their intervals, each method's difference to ``dp``
-    with its paired bootstrap interval and verdict, the pretraining tasks before and after, the
-    ``finetune_loss.png`` figure), or None when the run has no post-training stage (a ``finetune``
-    stage in the pretraining layout is one of ``stages``).
+    holds (its keys: docs/contracts.md, "Report"): ``schema``, ``run``, ``setup``, ``pipeline``,
+    ``manifest``, ``definitions``, ``config``, ``stages`` (per stage its ``methods``, ``comparison``,
+    ``loss_gaps`` in %, ``hyperparameters``, ``plots``, ``notes``; under chaos ``resilience``),
+    ``finetune`` (:func:`reports.finetune.post_training_figures`, or None) and, with both DiLoCo and
+    DP, ``verdict``. Units: tokens, seconds, nats/token, payload bytes.
 
     ``final_stage``: the pipeline builds this report as its last stage (a ``running`` status then
-    means "completing"; rebuilt later by hand, ``running`` means the run is going on or its process
-    died without recording an end).
-
-    A run with a chaos schedule (``pretrain/chaos.json``) or DP chaos events gets
-    ``stages["pretrain"]["resilience"]`` (:func:`reports.resilience.resilience_figures`: timelines,
-    goodput, uptime, the simulator's prediction, held-out loss at equal time and tokens, the
-    schedule's events) and the figures ``pretrain_resilience_timeline.png`` and
-    ``pretrain_resilience_loss.png`` (``plots`` ``resilience_timeline``, ``resilience_loss``).
-    ``reference``: a run directory of the same experiment without chaos (default: config.json's
-    ``chaos.reference_run``; one given here must be a run directory, ReportInputError otherwise).
-    ``predict(knobs, systems)``: runs the goodput simulator (``reports`` may not import ``sim``;
-    ``sim.study.simulate_goodput`` is one); None leaves the prediction "not computed".
+    means "completing"). ``reference``: a run directory of the same experiment without chaos for the
+    Resilience section (default: config.json's ``chaos.reference_run``). ``predict(knobs, systems)``:
+    runs the goodput simulator (``reports`` may not import ``sim``; ``sim.study.simulate_goodput`` is
+    one); None leaves the prediction "not computed".
 
     Raises :class:`reports.read.ReportInputError` naming the path when ``run_dir`` does not exist
-    or is not a run directory (nothing is written then), naming the file when an input exists
-    but is corrupt, and naming it ("results missing") when a result the run's record says exists is
-    gone (:func:`reports.read.missing_results`; nothing is written then either).
+    or is not a run directory, or a ``reference`` given here is not one (nothing is written then),
+    naming the file when an input exists but is corrupt, and naming it ("results missing") when a
+    result the run's record says exists is gone (:func:`reports.read.missing_results`; nothing is
+    written then either).
     """
     layout = open_run(run_dir)
     seeded = read_json(layout.config) or {}
@@ -277,14 +257,10 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     _learner_goodput(records, stages)
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "run": {
-            "name": (config or {}).get("name") or layout.root.name,
-            "run_dir": _run_dir_text(layout),
-            "run_id": layout.root.name,
-            "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "git_commit": _git_commit(),
-            "versions": _versions(),
-        },
+        "run": {"name": (config or {}).get("name") or layout.root.name, "run_dir": _run_dir_text(layout),
+                "run_id": layout.root.name,
+                "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+                "git_commit": _git_commit(), "versions": _versions()},
         "setup": setup(config),
         "pipeline": pipeline_status(records.status, final_stage),
         "manifest": {"status": "ok" if records.manifest is not None else NOT_RUN,

@@ -7,6 +7,7 @@ against :data:`BASELINE`. Known methods get a readable label; any other method i
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Iterable
 
@@ -21,13 +22,6 @@ PAPER = ('Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Di
 LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
 SHORT_LABELS = {"diloco": "DiLoCo", "dp": "DP"}
 STAGE_LABELS = {"pretrain": "Pretraining", "finetune": "Fine-tuning"}
-
-# Method kinds, by what their records hold (docs/contracts.md "Summaries"):
-#   "allreduce": a data-parallel run whose bytes are a ring all-reduce model (the baseline, or any
-#                summary with ``allreduce_bytes``);
-#   "syncer":    learners and a syncer (DiLoCo): a merge log, learner events, a token ledger;
-#   "plain":     anything else: training and evaluation figures only.
-KINDS = ("allreduce", "syncer", "plain")
 
 # What each byte figure counts. report.json carries these texts (``definitions``) next to the
 # numbers, and report.md prints them under each bytes table.
@@ -77,6 +71,29 @@ def human_bytes(n: float) -> str:
             break
         x, unit = x / 1024, u
     return f"{x:.1f} {unit}" if unit else ""
+
+
+def format_value(v: Any, fmt: str = "") -> str:
+    """A table cell: ``None`` → "—", strings as is, ints with thousands separators,
+    ``fmt == "bytes"`` → "12,345,678 (11.8 MiB)", otherwise ``fmt.format(v)``."""
+    if v is None:
+        return "—"
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, (list, dict)):
+        return json.dumps(v, separators=(", ", ": "))
+    if fmt == "bytes":
+        return f"{int(round(v)):,}" + (f" ({human_bytes(v)})" if human_bytes(v) else "")
+    if fmt == "int" or (isinstance(v, int) and not fmt):
+        return f"{int(round(v)):,}"
+    if fmt:
+        try:
+            return fmt.format(v)
+        except (ValueError, TypeError):
+            return str(v)
+    return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
 def label(method: str) -> str:

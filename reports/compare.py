@@ -1,26 +1,8 @@
 """A comparison across run directories: the table and plots of an experiment sweep.
 
-:func:`build_comparison` reads finished (or partly finished) run directories, each through its
-``config.json`` (the resolved config), ``status.json`` and ``report/report.json`` (schema 3, written
-by :func:`reports.build_report` or ``ddiloco report``), and writes into one output folder:
-
-``comparison.md``
-    Title, the runs compared (label, status, path), the axes, the tables (held-out loss and the
-    DiLoCo − DP gap, the cost of each method, post-training), the plots, and a line per run that
-    failed or is not completed.
-``comparison.json``
-    Exactly the dict :func:`build_comparison` returns (strict JSON).
-``comparison.csv``
-    The table: one row per run, one column per entry of the dict's ``columns`` (header: the keys).
-``loss_vs_<axis>.png``, ``gap_vs_<axis>.png`` (or ``loss_per_run.png``, ``gap_per_run.png``)
-    Final held-out loss and the DiLoCo − DP loss gap against the first axis with two or more
-    values, or per run (bars) when there is no such axis.
-
-Units: held-out loss in nats per token (nats per image for vision runs), wall time in seconds,
-training budget in tokens or images (the run's unit, ``report.json``'s ``stages.pretrain.unit``),
-throughput in tokens (images) per second, bytes as payload bytes summed over all learners or
-workers (``reports.common.BYTES_CONVENTION``), gaps in %. Nothing here imports Prefect;
-``reports.artifacts.publish_comparison_artifacts`` publishes the result to a flow run.
+:func:`build_comparison` reads each run's ``config.json``, ``status.json`` and ``report/report.json``
+and writes ``comparison.md``, ``comparison.json``, ``comparison.csv`` and the plots into one folder.
+What it reads, writes and returns, and the units: docs/report.md ("A comparison across runs").
 """
 
 from __future__ import annotations
@@ -41,8 +23,8 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 import pandas as pd
 
-from reports.common import (BASELINE, REPORT_JSON, flatten, human_bytes, json_safe, md_table, num, ordered_methods,
-                            per_unit, short_label, unit_of)
+from reports.common import (BASELINE, REPORT_JSON, flatten, human_bytes, json_safe, md_table, nested, num,
+                            ordered_methods, per_unit, short_label, unit_of)
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
 from run.layout import RunLayout
@@ -179,6 +161,11 @@ def _verdict_text(v: dict | None) -> str | None:
     return v.get("status")
 
 
+def _interval(ci: Any) -> tuple[float | None, float | None]:
+    """(low, high) of a ``[low, high]`` interval; (None, None) for anything else."""
+    return (num(ci[0]), num(ci[1])) if isinstance(ci, list) and len(ci) == 2 else (None, None)
+
+
 def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
     stage = (run.report.get("stages") or {}).get(STAGE) or {}
     unit = stage.get("unit") or unit_of(run.config)
@@ -191,38 +178,28 @@ def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
         # the whole validation split where measured (what selection reads), else the curves' sample
         row[f"{m}/final_val_loss"] = num(f.get("val_loss_whole")) if f.get("val_loss_whole") is not None \
             else num(f.get("final_val_loss"))
-        row[f"{m}/test_loss"] = num(f.get("test_loss"))
+        row.update({f"{m}/{k}": num(f.get(k)) for k in ("test_loss", "wall_s", "tokens", "tokens_per_s", "goodput")})
         row[f"{m}/test_accuracy"] = num((f.get("eval") or {}).get("test/accuracy"))
-        row[f"{m}/wall_s"] = num(f.get("wall_s"))
-        row[f"{m}/tokens"] = num(f.get("tokens"))
-        row[f"{m}/tokens_per_s"] = num(f.get("tokens_per_s"))
-        row[f"{m}/goodput"] = num(f.get("goodput"))
         row[f"{m}/bytes_total"] = num((f.get("bytes") or {}).get("total"))
     gaps = stage.get("loss_gaps") or {}
     for m in methods:
         if m != BASELINE:
             g = gaps.get(m) or {}
             row[f"{m}/loss_gap_pct"] = num(g.get("gap_pct")) if g.get("status") == "ok" else None
-            ci = g.get("ci") if isinstance(g.get("ci"), list) and len(g["ci"]) == 2 else [None, None]  # over seeds
-            row[f"{m}/loss_gap_pct_ci_low"], row[f"{m}/loss_gap_pct_ci_high"] = num(ci[0]), num(ci[1])
+            lo, hi = _interval(g.get("ci"))  # over seeds
+            row[f"{m}/loss_gap_pct_ci_low"], row[f"{m}/loss_gap_pct_ci_high"] = lo, hi
             row[f"{m}/seeds"] = g.get("seeds")
     ft = run.report.get("finetune") or {}
     primary = ft.get("primary")
     row["post/task"] = (ft.get("task") or {}).get("name") if ft else None
     row["post/metric"] = primary
     for m in methods:
-        sc = (((ft.get("methods") or {}).get(m) or {}).get("scores") or {}).get(primary) or {}
-        row[f"{m}/post_score"] = num(sc.get("finetuned"))
-    for m in methods:
-        if m == BASELINE:
-            continue
-        d = (((((ft.get("differences") or {}).get(m) or {}).get("metrics") or {}).get(primary) or {})
-             .get("finetuned") or {})
+        row[f"{m}/post_score"] = num((nested(ft, ("methods", m, "scores", primary)) or {}).get("finetuned"))
+    for m in [m for m in methods if m != BASELINE]:
+        d = nested(ft, ("differences", m, "metrics", primary, "finetuned")) or {}
         ok = d.get("status") == "ok"
-        ci = d.get("ci") if ok and isinstance(d.get("ci"), list) and len(d["ci"]) == 2 else [None, None]
         row[f"{m}/post_diff"] = num(d.get("difference")) if ok else None
-        row[f"{m}/post_diff_ci_low"] = num(ci[0])
-        row[f"{m}/post_diff_ci_high"] = num(ci[1])
+        row[f"{m}/post_diff_ci_low"], row[f"{m}/post_diff_ci_high"] = _interval(d.get("ci")) if ok else (None, None)
         row[f"{m}/post_verdict"] = _verdict_text(d.get("verdict")) if ok else (d.get("status") if d else None)
     row["run_dir"] = str(run.path)
     return row
@@ -332,8 +309,7 @@ def _is_number(v: Any) -> bool:
 def plot_axis(rows: list[dict], axes: list[str]) -> str | None:
     """The axis the plots use: the first with two or more distinct values for which some
     combination of the other axes' values holds runs at two of its values (else a line would join
-    runs that differ in other keys too); None (bars per run) when there is none, e.g. identical
-    configs, or runs that each differ from the others in several keys at once."""
+    runs that differ in other keys too); None (bars per run) when there is none."""
     for a in axes:
         if len({_canon(r.get(a)) for r in rows}) < 2:
             continue
@@ -374,10 +350,9 @@ def _gap_title(methods: list[str]) -> str:
 
 
 def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[str], per: str):
-    """(loss figure, gap figure or None): one line per combination of the other axes' values and
-    method (colour: the combination, or the method's colour when there is one combination; line
-    style: the method), the mean over runs at one x joined, every run a marker (hollow: the run did
-    not complete)."""
+    """(loss figure, gap figure or None): one line per combination of the other axes' values (its
+    colour) and method (its line style), the mean over runs at one x joined, every run a marker
+    (hollow: the run did not complete)."""
     xs_all = [r.get(axis) for r in rows]
     numeric = all(_is_number(x) for x in xs_all)
     cats = list(dict.fromkeys(_canon(x) for x in xs_all))
@@ -574,41 +549,16 @@ def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axe
     """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
 
     ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
-    and ``report/report.json`` of schema 3. Of report.json it reads ``schema``, and under
-    ``stages.pretrain``: ``unit`` (else the config's data source decides), per method of
-    ``methods``: ``final_val_loss`` (nats/token, or nats/image), ``eval["test/accuracy"]`` (vision),
-    ``wall_s`` (seconds), ``tokens`` (tokens or images), ``tokens_per_s``, ``goodput`` (a fraction)
-    and ``bytes.total`` (payload bytes); ``loss_gaps.<method>`` (``status``, ``gap_pct``: 100 ×
-    (loss − DP loss) / DP loss); and, when the run fine-tuned, ``finetune``: ``task.name``,
-    ``primary`` (the task's primary metric), ``methods.<m>.scores.<primary>.finetuned`` and
-    ``differences.<m>.metrics.<primary>.finetuned`` (``status``, ``difference``, ``ci``,
-    ``verdict``). Of status.json: ``status``, ``reason``, ``completed_stages``.
+    and ``report/report.json`` of schema 3. ``axes``: dotted config keys to compare along
+    (``["diloco.learners", "diloco.quorum"]``); None detects them (the keys whose values differ,
+    :data:`IGNORED_KEYS` left out). ``labels``: one row name per run (default: the folder names).
+    ``title``: the markdown's title; ``source``: what built it (shown under the title). ``no_results``:
+    runs meant to be compared that have no results (a sweep's cells without a report), each a dict
+    with ``label``, ``run_dir``, ``status``, ``reason`` and ``why``, listed as "no results".
 
-    ``axes``: dotted config keys to compare along (``["diloco.learners", "diloco.quorum"]``); None
-    detects them: the leaf keys present in every run's config.json whose values differ, except
-    :data:`IGNORED_KEYS` (``name``, ``run_root``, ``data.cache_dir``: they only name or place a run).
-    Keys present in some runs only (an older schema's config, another model family's fields) are not
-    detected; they are listed under ``partial_keys``. ``labels``: one row name per run (default: the
-    run directory's folder name). ``title``: the markdown's title; ``source``: what built it (shown
-under the title, kept as ``source``). ``no_results``: runs that were meant to be compared but have
-    no results (a sweep's cells without a report), each a dict with ``label``, ``run_dir``, ``status``
-    and ``reason`` (status.json's, or None) and ``why`` (what is missing); the markdown lists them in
-    its runs table and notes as "no results", and they are kept as ``no_results``.
-
-    Returns (and writes as ``comparison.json``) a strict-JSON dict: ``schema``, ``title``,
-    ``generated_at``, ``stage`` (``pretrain``), ``baseline`` (``dp``), ``runs`` (per run: label,
-    run_dir, name, status, reason, completed_stages, unit, methods_not_run), ``axes``,
-    ``axes_detected``, ``ignored_keys``, ``partial_keys``, ``plot_axis`` (the x of the plots, or None
-    for bars per run), ``methods``, ``units``, ``columns`` (``key``, ``header``, ``unit``, ``fmt``,
-    ``group``), ``rows`` (one flat dict per run, keyed by the columns' keys: ``label``, ``status``,
-    each axis, ``unit``, ``<method>/final_val_loss``, ``/test_accuracy``, ``/wall_s``, ``/tokens``,
-    ``/tokens_per_s``, ``/goodput``, ``/bytes_total``, ``<method>/loss_gap_pct`` (%, vs DP),
-    ``post/task``, ``post/metric``, ``<method>/post_score``, ``<method>/post_diff`` with
-    ``_ci_low``/``_ci_high`` (95 %) and ``post_verdict``, ``run_dir``; missing values None, shown
-    "—"), ``plots`` (``loss`` and ``gap``: file names in ``out_dir``, None when not drawn), ``notes``
-    (a line per run that is not completed or lacks a method's result, or has no results),
-    ``no_results`` (as given, else empty) and ``paths`` (``out_dir``,
-    ``markdown``, ``json``, ``csv``: absolute).
+    Returns (and writes as ``comparison.json``) a strict-JSON dict: docs/report.md lists its keys;
+    losses in nats per token (or image), wall time in seconds, gaps in % against DP, bytes as payload
+    bytes, missing values None (shown "—").
 
     Raises :class:`ReportInputError` (one line naming the path and the fix) for a path that does not
     exist, is not a directory, holds no config.json, has no report/report.json, or holds a corrupt
@@ -651,28 +601,18 @@ under the title, kept as ``source``). ``no_results``: runs that were meant to be
     per = " or ".join(per_unit(u) for u in units)
 
     comparison: dict[str, Any] = {
-        "schema": SCHEMA,
-        "title": title,
+        "schema": SCHEMA, "title": title,
         "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "source": source,
-        "stage": STAGE,
-        "baseline": BASELINE,
+        "source": source, "stage": STAGE, "baseline": BASELINE,
         "runs": [{"label": r.label, "run_dir": str(r.path), "name": r.config.get("name"),
                   "status": _status_text(r.status), "reason": (r.status or {}).get("reason"),
                   "completed_stages": (r.status or {}).get("completed_stages"), "unit": row["unit"],
                   "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None]}
                  for r, row in zip(runs, rows)],
-        "axes": chosen,
-        "axes_detected": axes is None,
-        "ignored_keys": list(IGNORED_KEYS),
+        "axes": chosen, "axes_detected": axes is None, "ignored_keys": list(IGNORED_KEYS),
         "partial_keys": _partial_summary([k for k in partial if k not in chosen], runs),
-        "plot_axis": plot_axis(rows, chosen),
-        "methods": methods,
-        "units": units,
-        "columns": columns,
-        "rows": rows,
-        "plots": {"loss": None, "gap": None},
-        "notes": [],
+        "plot_axis": plot_axis(rows, chosen), "methods": methods, "units": units, "columns": columns, "rows": rows,
+        "plots": {"loss": None, "gap": None}, "notes": [],
         "no_results": [{k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")}
                        for r in (no_results or [])],
         "paths": {"out_dir": str(out), "markdown": str(out / COMPARISON_MD), "json": str(out / COMPARISON_JSON),

@@ -1,10 +1,7 @@
-"""The mixture-of-experts part of the report: how evenly each MoE layer routes, per method.
-
-Read from each method's held-out evaluations (``metrics/eval.jsonl``: ``val/moe/<block>/load/<e>``,
-the fraction of routing choices that picked expert e on the held-out batches; ``val/moe/<block>/
-dropped``; ``val/moe/aux``, the Switch Transformer load-balancing loss E·Σ f·P averaged over
-layers, 1 when the router is uniform). For DiLoCo these measure Θ, the syncer's global parameters;
-for DP its one model. Nothing here when the model has no MoE layer.
+"""The mixture-of-experts part of the report: how evenly each MoE layer routes, per method, from the
+held-out evaluations (``metrics/eval.jsonl``: ``val/moe/<block>/load/<e>``, the share of routing
+choices that picked expert e; ``val/moe/<block>/dropped``; ``val/moe/aux``, the Switch Transformer
+load-balancing loss E·Σ f·P, 1 for a uniform router). DiLoCo: Θ, the syncer's global parameters.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ def _loads(row: dict) -> dict[int, dict[int, float]]:
 
 def expert_figures(records: dict[str, MethodRecords]) -> dict | None:
     """Per method with MoE metrics: ``layers`` (block → ``loads`` [E] at the last evaluation,
-    ``busiest`` = max load × E, i.e. the busiest expert's load over the mean load; ``dropped``
-    fraction), ``aux`` (``first``, ``peak``, ``last`` of the held-out load-balancing loss) and
-    ``tokens`` of the last evaluation. None when no method logged expert loads."""
+    ``busiest`` = max load × E, the busiest expert's load over the mean; ``dropped`` fraction), ``aux``
+    (``first``, ``peak``, ``last`` load-balancing loss) and ``tokens``. None without expert loads."""
     out = {}
     for m, rec in records.items():
         rows = [r for r in (rec.curve or []) if _loads(r)]

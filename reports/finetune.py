@@ -1,21 +1,7 @@
 """The post-training part of the report: every pretrained model fine-tuned with one recipe, scored
-before and after, and each method's difference to the data-parallel baseline with its interval.
-
-Inputs (:class:`reports.read.FinetuneRecords`, one per method of the ``finetune`` stage):
-``finetune/<method>/summary.json`` (``recipe``, ``runs`` per seed, ``trainable_params``,
-``frozen_params``), ``finetune/<method>/metrics/{train,eval}.jsonl`` (``seed``, ``step``,
-``train/loss`` or ``val/loss``) and ``eval/finetune/<method>.json`` (the ``task``, ``pretrained``
-and per-seed ``finetuned`` scores, each with ``metrics`` and ``per_item`` arrays holding the same
-test items in the same order for every method and seed, and for text ``pretrain_tasks`` before and
-after).
-
-Intervals (:func:`two_level_bootstrap`, :func:`paired_bootstrap_difference`): a percentile
-bootstrap over the fine-tuning seeds and the test items, :data:`RESAMPLES` resamples of
-``numpy.random.default_rng(BOOTSTRAP_SEED)``, so every build of a report gives the same
-interval. A method's score (pretrained: one model, items only; fine-tuned: mean over seeds) and the
-difference ``method − dp`` (paired: the same seed and the same items for both) get one each.
-
-Pure (no I/O) but for :func:`finetune_loss_figure`, which returns a matplotlib figure.
+before and after, and each method's difference to the data-parallel baseline with its (paired,
+two-level bootstrap) interval. Inputs, the bootstrap and the verdict: docs/report.md
+("Post-training"). Pure (no I/O) but for :func:`finetune_loss_figure`, which returns a figure.
 """
 
 from __future__ import annotations
@@ -50,23 +36,14 @@ def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOO
                         confidence: float = CONFIDENCE) -> dict:
     """Mean of ``values`` (shape [S seeds, N items], [N] for one seed, or [P, S, N] for S fine-tuning
     seeds of each of P pretraining seeds) with a percentile bootstrap interval over seeds and items.
-
-    Estimate: mean of values. Each of ``resamples`` resamples, in order, with
-    ``rng = numpy.random.default_rng(seed)``:
-
-    1. pretraining seeds ([P, S, N] only): ``pre = rng.integers(0, P, size=P)`` (P > 1 only),
-    2. seeds: ``rows = rng.integers(0, S, size=S)`` (S > 1 only; one seed is not resampled),
-    3. items: ``cols = rng.integers(0, N, size=N)``, one draw shared by all drawn seeds (every
-       seed's model answered the same test items: items are crossed with seeds, not nested; so are
-       fine-tuning seeds with pretraining seeds),
-    4. statistic: the mean of ``values`` at the drawn indices (``numpy.ix_``).
-
-    The interval is ``numpy.percentile(stats, [100·α/2, 100·(1 − α/2)])`` (linear interpolation),
-    α = 1 − ``confidence``. Returns ``estimate``, ``ci`` ([low, high]; None when a value is not
-    finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N] input, which has no seed
-    axis: one model, e.g. a pretrained one), ``pretrain_seeds`` (P, [P, S, N] input only), ``items``
-    (N), ``levels`` and ``over`` ("over N items and S seeds", "over N items", or "over N items,
-    S fine-tuning seeds and P pretraining seeds").
+    Each of ``resamples`` resamples (``numpy.random.default_rng(seed)``, deterministic) draws the
+    pretraining seeds (P > 1), the seeds (S > 1), then the items with replacement, one item draw shared
+    by all drawn seeds (crossed, not nested), and takes the mean at the drawn indices (``numpy.ix_``);
+    the interval is ``numpy.percentile`` of those means at 100·α/2 and 100·(1 − α/2), α = 1 −
+    ``confidence`` (docs/report.md, "Post-training"). Returns ``estimate``, ``ci`` ([low, high]; None
+    when a value is not finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N] input),
+    ``pretrain_seeds`` (P, [P, S, N] input only), ``items`` (N), ``levels`` and ``over`` ("over N
+    items and S seeds", ...). ``ValueError`` for any other shape or an empty axis.
     """
     v = np.asarray(values, dtype=float)
     seed_axis = v.ndim >= 2
@@ -103,17 +80,11 @@ def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOO
 def paired_bootstrap_difference(a: Any, b: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
                                 confidence: float = CONFIDENCE) -> dict:
     """Difference A − B of two methods' per-item scores with a paired two-level bootstrap interval.
-
-    ``a``, ``b``: shape [S, N] (row s: the model fine-tuned with the s-th common seed, the same
-    seed for both methods; column i: test item i, the same item for both) or [N] (one model
-    each, e.g. the pretrained ones: a bootstrap over items only).
-
-    Estimate: D = mean over s, i of (a[s, i] − b[s, i]). Interval: each resample draws seed rows
-    with replacement (S > 1), then item columns with replacement, the same draws for both methods
-    (so the pairing is kept), and takes the mean of (a − b) over the drawn seeds and items;
-    the percentile interval of ``resamples`` such means (:func:`two_level_bootstrap` on a − b;
-    ``numpy.random.default_rng(seed)``, deterministic). Returns its dict with ``difference``
-    (= ``estimate``). ``ValueError`` when the shapes differ.
+    ``a``, ``b``: shape [S, N] (row s: the model fine-tuned with the s-th common seed; column i: test
+    item i, the same for both), [N] (one model each: items only) or [P, S, N]. D = mean of (a − b);
+    the interval is :func:`two_level_bootstrap` on a − b, so both methods get the same draws and the
+    pairing is kept. Returns its dict with ``difference`` (= ``estimate``). ``ValueError`` when the
+    shapes differ.
     """
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape:
@@ -187,16 +158,10 @@ def method_scores(result: dict, metric_keys: list[str], notes: list[str], method
                                                                              abs_tol=1e-9):
                 notes.append(f"{label(method)}: the {what} {k} ({value:.6g}) is not the mean of its per-item values "
                              f"({boot['estimate']:.6g}); its interval and the differences use the per-item mean.")
-        out[k] = {
-            "pretrained": pre_v,
-            "pretrained_ci": pre_boot["ci"] if pre_boot else None,
-            "pretrained_over": pre_boot["over"] if pre_boot else None,
-            "finetuned": ft_v,
-            "finetuned_per_seed": per_seed,
-            "finetuned_ci": ft_boot["ci"] if ft_boot else None,
-            "finetuned_over": ft_boot["over"] if ft_boot else None,
-            "change": ft_v - pre_v if ft_v is not None and pre_v is not None else None,
-        }
+        out[k] = {"pretrained": pre_v, "pretrained_ci": (pre_boot or {}).get("ci"),
+                  "pretrained_over": (pre_boot or {}).get("over"), "finetuned": ft_v, "finetuned_per_seed": per_seed,
+                  "finetuned_ci": (ft_boot or {}).get("ci"), "finetuned_over": (ft_boot or {}).get("over"),
+                  "change": ft_v - pre_v if ft_v is not None and pre_v is not None else None}
     return out
 
 
@@ -220,17 +185,15 @@ def curve_summary(rec: FinetuneRecords) -> dict:
 
 
 def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: list[str]) -> dict:
-    """One method's post-training figures: ``status``/``eval_status``, ``interrupted`` (a stop signal
-    ended fine-tuning early: fewer seeds or steps), ``source_checkpoint``,
-    ``recipe``, parameter counts, ``runs`` (per seed, from the summary), ``seeds`` (those
+    """One method's post-training figures: ``status``/``eval_status``, ``interrupted`` (fewer seeds or
+    steps), ``source_checkpoint``, ``recipe``, parameter counts, ``runs`` (per seed), ``seeds`` (those
     evaluated), ``scores`` (:func:`method_scores`), ``pretrain_tasks`` and ``curve``."""
     s, e = rec.summary, rec.eval
     pretrain_tasks = (e or {}).get("pretrain_tasks")
-    out: dict[str, Any] = {
+    return {
         "status": "ok" if s is not None else NOT_RUN,
         "interrupted": bool(s.get("interrupted")) if s is not None else None,
-        "eval_status": "ok" if e is not None else NOT_RUN,
-        "files": rec.files,
+        "eval_status": "ok" if e is not None else NOT_RUN, "files": rec.files,
         "source_checkpoint": (s or {}).get("source_checkpoint"),
         "recipe": (s or {}).get("recipe") if isinstance((s or {}).get("recipe"), dict) else {},
         "trainable_params": num((s or {}).get("trainable_params")),
@@ -238,10 +201,8 @@ def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: li
         "runs": [r for r in ((s or {}).get("runs") or []) if isinstance(r, dict)],
         "seeds": [r.get("seed") for r in _seed_rows(e or {})],
         "scores": method_scores(e, metric_keys, notes, rec.method) if e is not None else {},
-        "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None,
-        "curve": curve_summary(rec),
+        "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None, "curve": curve_summary(rec),
     }
-    return out
 
 
 # -- between methods -------------------------------------------------------------------------------
@@ -369,15 +330,10 @@ def order_check(methods: dict[str, dict]) -> dict:
 
 
 def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
-    """Every figure of the post-training part, or None when the run has no post-training stage.
-
-    ``label``, ``task`` (as the evaluation describes it), ``metrics`` (task metric keys, the
-    primary first), ``methods`` (per method: :func:`method_post_training`), ``differences``
-    (each method other than ``dp`` − ``dp``, when both ran: :func:`difference`), ``verdicts``
-    (per method, the primary metric's fine-tuned and pretrained verdict), ``pretrain_tasks``
-    (:func:`pretrain_task_rows`), ``order`` (:func:`order_check`), ``bootstrap`` (how the
-    intervals are made), ``plots`` (filled in by the builder) and ``notes``.
-    """
+    """Every figure of the post-training part, or None when the run has no post-training stage:
+    ``task``, ``metrics`` (the primary first), ``methods`` (:func:`method_post_training`),
+    ``differences`` (each method − ``dp``: :func:`difference`), ``verdicts`` (the primary metric's),
+    ``pretrain_tasks``, ``order`` (:func:`order_check`), ``bootstrap``, ``plots`` and ``notes``."""
     if not records:
         return None
     notes: list[str] = []
@@ -404,21 +360,12 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
             verdicts[m] = {"metric": primary, "finetuned": d["metrics"][primary]["finetuned"]["verdict"],
                            "pretrained": d["metrics"][primary]["pretrained"]["verdict"]}
     return {
-        "stage": "finetune",
-        "label": LABEL,
-        "task": task,
-        "metrics": keys,
-        "primary": primary,
-        "baseline": BASELINE if BASELINE in methods else None,
-        "methods": methods,
-        "differences": differences,
-        "verdicts": verdicts,
-        "pretrain_tasks": pretrain_task_rows(methods),
-        "order": order_check(methods),
+        "stage": "finetune", "label": LABEL, "task": task, "metrics": keys, "primary": primary,
+        "baseline": BASELINE if BASELINE in methods else None, "methods": methods, "differences": differences,
+        "verdicts": verdicts, "pretrain_tasks": pretrain_task_rows(methods), "order": order_check(methods),
         "bootstrap": {"resamples": RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": CONFIDENCE,
                       "interval": "percentile", "definition": BOOTSTRAP_DEFINITION},
-        "plots": {},
-        "notes": notes,
+        "plots": {}, "notes": notes,
     }
 
 

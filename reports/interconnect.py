@@ -1,41 +1,15 @@
 """Wall time under a stated interconnect: what each method's run would take if its workers sat on
 separate hosts joined by the links of ``network`` (the config section), from the compute time this
-host measured and the bytes the run counted.
-
-The runs of this project put every DP replica and every DiLoCo learner on one host, where moving
-bytes costs nothing; their measured wall times say nothing about the network between workers, which
-is what Decoupled DiLoCo is for. This module models it (plain arithmetic, no Prefect, no JAX):
-
-* **Compute** is what this host measured: a DP step takes its measured time (the global batch on
-  this host), a learner step its measured time with the M learners sharing this host. Only the
-  network is modelled, so a same-host network (``network.bandwidth_gbps`` unset) gives back the
-  measured figures exactly, and a modelled figure is the measured one plus the communication the
-  links would add.
-* **Links.** Every worker has one full-duplex link of ``bandwidth_gbps`` (each direction) and
-  ``latency_ms`` one way per message; the syncer has a link per learner (no shared bottleneck).
-* **DP** all-reduces its gradient every step with a ring (Patarasuk & Yuan, J. Parallel Distrib.
-  Comput. 69(2), 2009): ``2(W−1)`` messages of ``G/W`` bytes each,
-  ``t_ar = 2(W−1)·(latency + G/(W·bandwidth))``. ``network.dp_overlap`` of the step's compute can
-  hide it (the backward pass overlapping the reduction of finished layers):
-  ``t_step = compute + max(0, t_ar − dp_overlap·compute)``.
-* **Decoupled DiLoCo** sends a fragment every ``H/P`` inner steps and gets the merged fragment back
-  (paper §3: the staggered schedule and overlap τ, ``diloco.overlap_steps``; unset: τ = H, the
-  fragment is due before it is sent again). A round trip ``2·latency + (up + down)/bandwidth`` is
-  hidden behind τ steps of compute and costs only what exceeds them; the link must also carry each
-  step's share of the traffic:
-  ``t_busy = max(compute, max(up, down) per step / bandwidth)``,
-  ``t_step = t_busy + (P/H)·max(0, t_rt − τ·t_busy)``.
-* **Keeping up** (the paper's framing: DP needed 198 Gbit/s where Decoupled DiLoCo needed 0.84 Gbit/s
-  across eight datacenters): the bandwidth at which a step's traffic, per direction, moves in one
-  step's compute time, latency excluded.
-
-Merging on the syncer, stragglers and failures are outside the model (the measured runs and the
-chaos schedules cover them). Every figure carries the assumption's line (:func:`assumption`).
+host measured and the bytes the run counted. Plain arithmetic, no Prefect, no JAX. The model (DP's
+ring all-reduce, Patarasuk & Yuan 2009; DiLoCo's round trip hidden behind τ steps, paper §3) and
+its limits: docs/interconnect.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from reports.common import num
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -126,20 +100,15 @@ def time_to_loss(curve: list[dict], target: float) -> float | None:
     return None
 
 
-def _num(x) -> float | None:
-    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
-
-
 def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> dict | None:
     """Both methods' figures under ``config["network"]`` (a run's ``config.json``): per method
     ``compute_s`` (measured, per step), ``comm_s`` (DP: the all-reduce; DiLoCo: a fragment's round
     trip), ``extra_s`` (what the links add to each step), ``step_s``, ``keep_up_gbps``,
     ``measured_wall_s``, ``modelled_wall_s`` and ``curve`` (the held-out curve with ``modelled_s``),
-    plus ``time_to_dp_final_s`` (modelled seconds each method takes to reach DP's final held-out loss;
-    None: not reached) and the ``assumption`` line. ``dp`` / ``diloco``: ``{"summary", "curve"}`` of
-    the method (its summary.json and eval.jsonl rows), or None when it did not run. Returns None
-    without a DP or a DiLoCo summary to model, or for a config without a ``network`` section. Raises nothing on missing figures: a method without
-    steps or wall time is left out."""
+    plus ``time_to_dp_final_s`` (modelled seconds to DP's final held-out loss; None: not reached) and
+    the ``assumption`` line. ``dp`` / ``diloco``: ``{"summary", "curve"}`` of the method, or None.
+    Returns None without a method to model or a ``network`` section; a method without steps or wall
+    time is left out (nothing is raised)."""
     if "network" not in config:  # a run from before the section existed
         return None
     net = config.get("network") or {}
@@ -153,15 +122,15 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
                                 if same_host else assumption(link, overlap))}
     for method, rec in (("dp", dp), ("diloco", diloco)):
         s = (rec or {}).get("summary") or {}
-        steps, wall, tokens = _num(s.get("steps")), _num(s.get("wall_s")), _num(s.get("tokens"))
+        steps, wall, tokens = num(s.get("steps")), num(s.get("wall_s")), num(s.get("tokens"))
         if not steps or not wall or not tokens:
             continue
         curve = (rec or {}).get("curve") or []
         if method == "dp":
             workers = int((config.get("dp") or {}).get("workers") or 1)
-            train_s = wall - sum(_num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
+            train_s = wall - sum(num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
             compute = train_s / steps
-            sent = _num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
+            sent = num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
             grad = sent / (2 * (workers - 1) * steps) if workers > 1 else 0.0
             fig = dp_step_s(compute, grad, workers, link, overlap) if link else \
                 {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
@@ -170,10 +139,10 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             d = config.get("diloco") or {}
             learners = int(d.get("learners") or 1)
             per_learner = steps / learners  # the summary's steps: all learners' steps together
-            compute = (wall - (_num(s.get("startup_s")) or 0.0)) / per_learner
+            compute = (wall - (num(s.get("startup_s")) or 0.0)) / per_learner
             tau = int(d.get("overlap_steps") or d.get("sync_every") or 1)
-            fig = diloco_step_s(compute, (_num(s.get("bytes_to_syncer")) or 0.0) / steps,
-                                (_num(s.get("bytes_from_syncer")) or 0.0) / steps, int(d.get("fragments") or 1),
+            fig = diloco_step_s(compute, (num(s.get("bytes_to_syncer")) or 0.0) / steps,
+                                (num(s.get("bytes_from_syncer")) or 0.0) / steps, int(d.get("fragments") or 1),
                                 int(d.get("sync_every") or 1), tau, link) if link else \
                 {"compute_s": compute, "comm_s": 0.0, "exposed_s": 0.0, "step_s": compute, "keep_up_gbps": None}
             per_step_tokens, system_steps = tokens / per_learner, per_learner  # M learners step side by side

@@ -12,8 +12,7 @@ import re
 from collections import Counter
 from typing import Any
 
-from reports.common import NOT_RUN, lid, nested, num, sort_key
-from reports.markdown import format_value
+from reports.common import NOT_RUN, format_value, lid, nested, num, sort_key
 
 INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chaos) failure
 LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "recomputed", "dropped", "pending")
@@ -25,15 +24,9 @@ def _timed(events: list[dict]) -> list[dict]:
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
-    """Each ``failure`` event (an exception) and ``kill`` event (the chaos SIGKILL of a learner's
-    process, logged just before it) with its downtime and the merges that happened during it.
-
-    The learner is down from the failure time until its next ``start`` event (a later attempt),
-    or, if no start was logged, its next ``retry`` event; if neither, until the end of the run.
-    A merge at time t counts as "while down" when failure_t ≤ t < restart_t (seconds since training
-    start). ``merged_again_after_restart`` says whether any merge at or after the restart had this
-    learner among its contributors.
-    """
+    """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``start``, else
+    ``retry``) and the merges during it (docs/report.md, "Learners and syncer"); seconds since
+    training start."""
     evs = _timed(events)
     timed_merges = [(t, m) for m in merges if (t := num(m.get("merged_at_s"))) is not None]
     out = []
@@ -59,19 +52,14 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
         after = sorted(t for t, m in timed_merges if t_restart is not None and t >= t_restart
                        and who in {lid(c) for c in (m.get("contributors") or [])})
         out.append({
-            "learner": who,
-            "attempt": f.get("attempt"),
-            "failed_at_s": t_fail,
-            "failed_at_step": f.get("step"),
-            "reason": f.get("reason"),
-            "restarted_at_s": t_restart,
+            "learner": who, "attempt": f.get("attempt"), "failed_at_s": t_fail, "failed_at_step": f.get("step"),
+            "reason": f.get("reason"), "restarted_at_s": t_restart,
             "restart_attempt": restart.get("attempt") if restart else None,
             "restart_event": restart.get("event") if restart else None,
             "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
-            "merges_while_down": len(during),
-            "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
-            "merges_while_down_with_learner": sum(
-                who in {lid(c) for c in (m.get("contributors") or [])} for _, m in during),
+            "merges_while_down": len(during), "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
+            "merges_while_down_with_learner": sum(who in {lid(c) for c in (m.get("contributors") or [])}
+                                                  for _, m in during),
             "merged_again_after_restart": bool(after),
             "first_merge_with_learner_after_restart_s": after[0] if after else None,
         })
@@ -86,13 +74,10 @@ def _stale_versions(x: Any) -> int:
 
 def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str],
                 log_file: str, summary_file: str, who: str = "DiLoCo") -> dict:
-    """The merge figures, once: counts from the merge log (``log_file``, the syncer's one line per
-    merge), else the summary's ``merges`` (status "from summary"). A summary count that disagrees
-    with the log is a note; the log's count is the one shown everywhere.
-
-    ``contributions`` counts (merge, contributor) pairs; ``stale_contributions`` those with
-    ``stale`` > 0 (merged into a version newer than the one they were based on) and
-    ``max_stale_versions`` the largest ``stale``; ``first_s``/``last_s`` in seconds."""
+    """The merge figures, once, from the merge log (``log_file``), else the summary's ``merges``
+    (status "from summary"; a count that disagrees with the log is a note): ``count``,
+    ``by_fragment``, ``contributions``, ``stale_contributions``, ``max_stale_versions``, ``first_s`` /
+    ``last_s`` (seconds); docs/report.md ("Learners and syncer")."""
     summary_count = num((summary or {}).get("merges"))
     if merges is None:
         status = "from summary" if summary_count is not None else NOT_RUN
@@ -110,16 +95,12 @@ def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str
         notes.append(f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
                      "lines; the report counts the merge log.")
     return {
-        "status": "ok",
-        "count": len(merges),
-        "source": log_file,
+        "status": "ok", "count": len(merges), "source": log_file,
         "by_fragment": dict(sorted(by_frag.items(), key=lambda kv: sort_key(kv[0]))),
         "contributions": sum(contributors),
         "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
-        "stale_contributions": sum(1 for x in stale if x > 0),
-        "max_stale_versions": max(stale) if stale else None,
-        "first_s": min(times) if times else None,
-        "last_s": max(times) if times else None,
+        "stale_contributions": sum(1 for x in stale if x > 0), "max_stale_versions": max(stale) if stale else None,
+        "first_s": min(times) if times else None, "last_s": max(times) if times else None,
     }
 
 
@@ -156,17 +137,11 @@ def _int(x: Any) -> int | None:
 
 
 def ledger(summary: dict | None, fragments: int | None = None) -> dict:
-    """The token ledger per learner (whole tokens), a total row and merged % of processed.
-
-    Numeric entries become integer columns (the standard ones first: processed, submitted,
-    not_submitted, merged, recomputed (re-trained steps of a restarted learner whose work was
-    merged before; absent in older summaries), dropped, pending); dict-valued entries
-    (``drop_reasons``: reason → tokens) are kept as dicts and summed key-wise in the total.
-    ``not_submitted`` is computed as processed − submitted for summaries that do not record it.
-    Each learner row is checked against processed = submitted + not_submitted and submitted =
-    merged + recomputed + dropped + pending (recomputed left out where not recorded), allowing
-    ±P tokens (``tolerance``, P = ``fragments``) for the rounding of the per-fragment averages; rows that break either identity are listed in ``identity_violations``.
-    """
+    """The token ledger per learner (whole tokens), a total row and merged % of processed, each row
+    checked against processed = submitted + not_submitted and submitted = merged (+ recomputed) +
+    dropped + pending within ±P tokens (``tolerance``, P = ``fragments``); docs/report.md ("Token
+    ledger"). Returns ``status``, ``columns``, ``rows``, ``total``, ``fragments``, ``tolerance``,
+    ``not_submitted_computed`` and ``identity_violations``."""
     empty = {"columns": [], "rows": [], "total": None, "fragments": fragments, "tolerance": None,
              "not_submitted_computed": False, "identity_violations": []}
     if summary is None:
@@ -187,7 +162,7 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     columns = [c for c in LEDGER_COLUMNS if any(c in v for v in learners.values())] + extra
     dict_cols = {c for c in columns if any(isinstance(v.get(c), dict) for v in learners.values())}
     rows = []
-    for k in sorted(learners, key=lambda s: (0, int(s)) if str(s).isdigit() else (1, str(s))):
+    for k in sorted(learners, key=sort_key):
         v = learners[k]
         row: dict[str, Any] = {"learner": lid(k)}
         for c in columns:
@@ -239,16 +214,10 @@ def _killed(at_step: Any, at_s: Any):
 
 
 def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
-    """The scheduled failures (config ``chaos.failures``) and kills (``chaos.kills``) and whether
-    each fired.
-
-    A scheduled ``{"learner": m, "at_step": s}`` fired when a ``failure`` event of learner m has a
-    reason with ``InjectedFailure`` and ``at local step s``; a kill ``{"learner": m, "at_step": s}``
-    or ``{"learner": m, "at_s": t}`` when a ``kill`` event of learner m says ``SIGKILL at local
-    step s`` or ``SIGKILL at t s``; ``fired_at_s`` is that event's t,
-    ``rejoined_at_s`` the t of the learner's next ``start`` (a later attempt), None when it never
-    started again. ``fired`` is None when there is no learners log to tell.
-    """
+    """The scheduled failures (config ``chaos.failures``) and kills (``chaos.kills``) and whether each
+    fired (docs/report.md, "Scheduled chaos events"): ``rows`` with ``fired`` (None without a learners
+    log), ``fired_at_s`` and ``rejoined_at_s`` (None when it never started again), and
+    ``unscheduled_failures``."""
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
     scheduled = [dict(spec, kind="failure") for spec in nested(config, ("chaos", "failures")) or []
@@ -295,12 +264,9 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
 
 
 def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -> dict | None:
-    """The lost work (summary ``work_lost``; None when the summary has none: older runs).
-
-    Drop reasons (tokens) come from ``work_lost.reasons`` when the summary has it, else from the
-    ledger's total ``drop_reasons``; shown as fractions of the processed tokens. ``headline`` is
-    the bold line at the top of report.md when status is not ok (``who`` names the method there).
-    """
+    """The lost work (summary ``work_lost``; None when the summary has none: older runs), with drop
+    reasons as fractions of the processed tokens and ``headline``, the bold line at the top of
+    report.md when status is not ok (``who`` names the method there)."""
     raw = (summary or {}).get("work_lost")
     if not isinstance(raw, dict):
         return None
@@ -335,11 +301,8 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
 
 
 def syncer_restarts(events: list[dict]) -> list[dict]:
-    """Each syncer failure (``syncer-failure``: an exception; ``syncer-kill``: the chaos SIGKILL of
-    its process, logged just before it) with the next ``syncer-resumed`` event: when it failed and
-    after how many merges, when the next syncer had taken office and recovered (seconds since
-    training start), its generation, the journal entries it replayed and the merges it published
-    again."""
+    """Each syncer failure (``syncer-failure``, ``syncer-kill``) with the next ``syncer-resumed`` event
+    (docs/report.md, "Syncer restarts"); times in seconds since training start."""
     evs = _timed(events)
     out = []
     for i, e in enumerate(evs):

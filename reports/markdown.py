@@ -1,47 +1,17 @@
 """Rendering of the run report: ``report.md`` from the dict that :func:`reports.build_report` returns.
 
 :func:`render_markdown` computes no figure of its own: every number it prints is read from that
-dict, so ``report.md`` and ``report.json`` cannot disagree, and a figure shown in two places of
-the markdown is the same value both times. Layout: the header (run, headlines, versions), the
-setup, then one section per stage (comparison, lm-eval, bytes, curves, hyperparameters and, per
-learners-and-syncer method, ledger, chaos events, merges and failures), then post-training (the
-task, the recipe, per task metric each method's score before → after fine-tuning and each method's
-difference to DP with its interval and verdict, the pretraining tasks before → after, the
-fine-tuning runs and loss figure), then the data manifest.
+dict, so ``report.md`` and ``report.json`` cannot disagree. Layout: docs/report.md.
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from reports.verdict import verdict_markdown
-from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, human_bytes, label,
+from reports.common import (BASELINE, BYTES_CONVENTION, NOT_RUN, PAPER, STALE_DEFINITION, format_value, label,
                             md_table, per_unit, short_label)
 from reports.experts import markdown_section
-
-
-def format_value(v: Any, fmt: str = "") -> str:
-    """A table cell: ``None`` → "—", strings as is, ints with thousands separators,
-    ``fmt == "bytes"`` → "12,345,678 (11.8 MiB)", otherwise ``fmt.format(v)``."""
-    if v is None:
-        return "—"
-    if isinstance(v, str):
-        return v
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, (list, dict)):
-        return json.dumps(v, separators=(", ", ": "))
-    if fmt == "bytes":
-        return f"{int(round(v)):,}" + (f" ({human_bytes(v)})" if human_bytes(v) else "")
-    if fmt == "int" or (isinstance(v, int) and not fmt):
-        return f"{int(round(v)):,}"
-    if fmt:
-        try:
-            return fmt.format(v)
-        except (ValueError, TypeError):
-            return str(v)
-    return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
 def row_cell(row: dict, m: str) -> str:
@@ -399,10 +369,6 @@ def _s(x: float | None) -> str:
     return format_value(x, "{:.2f}")
 
 
-def _yes(x: bool | None) -> str:
-    return "—" if x is None else ("yes" if x else "no")
-
-
 def _pct_ci(d: dict | None, key: str = "goodput") -> str:
     if not d or d.get(key) is None:
         return "—"
@@ -446,7 +412,7 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
               f"({sp['start_s']:.2f} s on the run clock) to its last event. Seconds per learner:", ""]
         secs, g = ("allocated", "running", "straggling", "waiting", "down", "absent", "lost_work"), d["global"]
         rows = [[f"{r['learner']}{' (scavenged)' if r['scavenged'] else ''}"] + [_s(r[f"{k}_s"]) for k in secs]
-                + [_pct(r["goodput"]), r["failures"], r["restarts"], _yes(r["merged_again_after_restart"])]
+                + [_pct(r["goodput"]), r["failures"], r["restarts"], format_value(r["merged_again_after_restart"])]
                 for r in d["learners"]]
         for row, r in zip(rows, d["learners"]):  # a scavenged learner's window
             row[1] += (f" ({r['window'][0]:.1f}–{r['window'][1]:.1f} s)" if r["window"] else " (never joined)"
@@ -556,8 +522,9 @@ def _resilience_section(res: dict, plots: dict, unit: str, L: list[str]) -> None
                       "dropped by the syncer", "merged"],
                      [[x["learner"], format_value(x["at_s"], "{:g}"), x["kind"],
                        _s(x["sent_at_s"]) if x["sent"] else "not sent", format_value(x["fragment"]),
-                       format_value(x["step"]), (f"yes ({x['reason']})" if x["dropped"] else _yes(x["dropped"])),
-                       ("**yes**" if x["merged"] else _yes(x["merged"])
+                       format_value(x["step"]),
+                       (f"yes ({x['reason']})" if x["dropped"] else format_value(x["dropped"])),
+                       ("**yes**" if x["merged"] else format_value(x["merged"])
                         + (" (a retry sent that step again; its copy may be merged)"
                            if x.get("resent_by_a_later_attempt") else ""))] for x in sch["corruptions"]]), ""]
         L += ["A corrupted submission must be dropped and never merged (merged: a merge of that fragment "

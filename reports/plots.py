@@ -1,11 +1,6 @@
 """The report's figures, and the plot style every figure of the project shares (the goodput
-simulator's included: ``sim.plot``).
-
-Figures are built on matplotlib's object API (:class:`matplotlib.figure.Figure` with the Agg
-canvas, no pyplot), so they are safe to draw inside threads and tasks. Style helpers:
-:func:`new_figure` (size in inches, :data:`DPI`), :func:`finish_axes` (labels, title, grid),
-:func:`series_color` (a fixed colour per known method, then matplotlib's cycle) and
-:func:`save_png` (writes to a local path or an fsspec ``UPath``).
+simulator's included: ``sim.plot``). Built on matplotlib's object API (:class:`Figure` with the Agg
+canvas, no pyplot), so they are safe to draw inside threads and tasks.
 """
 
 from __future__ import annotations
@@ -68,11 +63,8 @@ def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, t
                 finals: dict[str, float | None] | None = None, unit: str = "token") -> Figure | None:
     """Held-out loss (nats/token) against ``x_key`` (``tokens`` or ``wall_s``, seconds) for each
     method with a curve (``curves``: method → eval rows with ``val/loss``); None if none has one.
-
-    Points are ordered by ``x_key`` with a stable sort, so rows that share an x value keep their
-    file order (the file's later row is the later measurement) and the last point drawn is the
-    last row written at the largest x. The "final" label shows ``finals[m]`` (the value the
-    tables use: the summary's ``final_val_loss``) when given, else that last point's loss.
+    Points are sorted stably by ``x_key`` (rows sharing an x keep their file order); the "final"
+    label shows ``finals[m]`` (the tables' final loss) when given, else the last point's loss.
     """
     finals = finals or {}
     series = {}
@@ -181,10 +173,9 @@ STATE_COLORS = {"running": "tab:green", "straggling": "#bcbd22", "waiting": "tab
 
 
 def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None = None) -> Figure | None:
-    """One row per DiLoCo learner, then one per DP replica, coloured by state (running, straggling,
-    waiting, recomputing, down, absent; ``reports.resilience``) against seconds since each method's
-    training start; DiLoCo's merges as ticks on a row of their own (``merge_times``, the same
-    seconds). None when neither method has a timeline."""
+    """One row per DiLoCo learner, then one per DP replica, coloured by state (:data:`STATE_COLORS`)
+    against seconds since each method's training start; DiLoCo's merges (``merge_times``, the same
+    seconds) as ticks on a row of their own. None when neither method has a timeline."""
     rows: list[tuple[str, list[dict]]] = []
     d, p = resilience.get("diloco") or {}, resilience.get("dp") or {}
     for m, ivs in (d.get("timelines") or {}).items():

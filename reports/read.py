@@ -1,21 +1,8 @@
 """Reading one run directory for the report; every path comes from :class:`run.layout.RunLayout`.
 
 :func:`open_run` checks that a path is a run directory; :func:`read_run` reads everything the report
-uses into plain dicts and lists (:class:`RunRecords`): the resolved config, the data manifest, the
-run state, and per stage (``RunLayout.stages()``) and method (``RunLayout.methods(stage)``, plus the
-known methods of ``run.layout.METHOD_ORDER`` so that a missing baseline reads "not run") the
-summary, the evaluation result and the metrics files, and the pretraining chaos schedule
-(``pretrain/chaos.json``, as a plain dict). A file that does not exist reads as ``None`` (the
-part it feeds says "not run"); a file that exists but is corrupt raises :class:`ReportInputError`
-naming it. Record fields are docs/contracts.md's; nothing is renamed or
-guessed here.
-
-Post-training (:func:`read_post_training`): a ``finetune`` stage written by the fine-tuning
-recipe (a summary with ``recipe``/``runs``, or an evaluation with ``pretrained``/``finetuned``
-scores of a task) is read into :class:`FinetuneRecords` (its summary, evaluation, and the
-``train`` and ``eval`` metrics files with one row per seed and step) for
-:mod:`reports.finetune`, and is then not one of :attr:`RunRecords.stages` (whose figures are
-pretraining's: tokens, bytes, merges).
+uses into plain dicts and lists (:class:`RunRecords`); a missing file reads as ``None``, a corrupt
+one raises :class:`ReportInputError` naming it. What is read: docs/report.md ("Reading a run directory").
 """
 
 from __future__ import annotations
@@ -48,16 +35,10 @@ class ReportInputError(ValueError):
 
 @dataclass
 class MethodRecords:
-    """What one method of one stage left in the run directory (``None``: the file does not exist).
-
-    ``summary`` (summary.json), ``eval`` (eval/<stage>/<method>.json, raw), ``curve`` (held-out loss
-    rows, metrics/eval.jsonl), ``merges`` and ``events`` (a syncer's merge log and the learner
-    events, metrics/merges.jsonl and metrics/learners.jsonl), ``train`` (training rows,
-    metrics/train.jsonl: DP) and ``chaos_events`` (a synchronous job's chaos events,
-    metrics/events.jsonl: DP's failures, restores, checkpoints, slowdowns). ``files`` names each
-    source by its path relative to the run directory (for the report's "source" fields).
-    ``notes``: what reading left out (a metrics file's last line cut short: :func:`read_jsonl`).
-    """
+    """What one method of one stage left in the run directory (``None``: the file does not exist):
+    the files :func:`read_method` reads (``events``: metrics/learners.jsonl; ``chaos_events``: a
+    synchronous job's metrics/events.jsonl), ``files`` (each source's path relative to the run
+    directory) and ``notes`` (what reading left out: :func:`read_jsonl`)."""
 
     stage: str
     method: str
@@ -74,14 +55,9 @@ class MethodRecords:
 
 @dataclass
 class FinetuneRecords:
-    """What one method's post-training left in the run directory (``None``: the file does not exist).
-
-    ``summary`` (finetune/<method>/summary.json: ``recipe``, ``runs`` per seed, parameter counts),
-    ``eval`` (eval/finetune/<method>.json: the task, ``pretrained`` and per-seed ``finetuned``
-    scores with per-item arrays, ``pretrain_tasks``), ``train`` and ``curve`` (metrics/train.jsonl
-    and metrics/eval.jsonl: rows with ``seed``, ``step``, ``train/loss`` or ``val/loss``).
-    ``files`` names each source by its path relative to the run directory.
-    """
+    """What one method's post-training left in the run directory (``None``: the file does not exist):
+    the files :func:`read_finetune_method` reads (docs/report.md, "Post-training") and ``files``
+    (each source's path relative to the run directory)."""
 
     method: str
     summary: dict | None = None
@@ -124,13 +100,9 @@ def read_json(path: Path, kind: type = dict) -> Any | None:
 
 def read_jsonl(path: Path, notes: list[str] | None = None, name: str | None = None) -> list[dict] | None:
     """One dict per non-empty line, or ``None`` if the file does not exist. A line that is not a
-    JSON object → ReportInputError naming the file and the line.
-
-    Except the last line cut short: a file whose last line is not valid JSON and has no trailing
-    newline (what a process killed mid-append leaves; every writer ends its lines with one) is
-    read without that line, and a warning naming the file (``name``, default its path) and the
-    line is logged and appended to ``notes`` when given. A corrupt line anywhere else, or a last
-    line that ends with a newline, is still refused."""
+    JSON object → ReportInputError naming the file and the line, except a last line cut short (not
+    valid JSON and no trailing newline: a process killed mid-append), which is left out with a
+    warning naming the file (``name``, default its path), also appended to ``notes`` when given."""
     if not path.is_file():
         return None
     rows = []
@@ -201,19 +173,10 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
     def lines(key: str) -> list[dict] | None:
         return read_jsonl(paths[key], notes, relative(layout, paths[key]))
 
-    return MethodRecords(
-        stage=stage,
-        method=method,
-        summary=read_json(paths["summary"]),
-        eval=read_json(paths["eval"]),
-        curve=lines("curve"),
-        merges=lines("merges"),
-        events=lines("learners"),
-        train=lines("train"),
-        chaos_events=lines("events"),
-        files={k: relative(layout, p) for k, p in paths.items()},
-        notes=notes,
-    )
+    return MethodRecords(stage, method, summary=read_json(paths["summary"]), eval=read_json(paths["eval"]),
+                         curve=lines("curve"), merges=lines("merges"), events=lines("learners"), train=lines("train"),
+                         chaos_events=lines("events"), files={k: relative(layout, p) for k, p in paths.items()},
+                         notes=notes)
 
 
 POST_TRAINING_STAGE = "finetune"
@@ -236,14 +199,9 @@ def read_finetune_method(layout: RunLayout, method: str) -> FinetuneRecords:
         "train": layout.metrics(stage, method, "train"),
         "curve": layout.metrics(stage, method, "eval"),
     }
-    return FinetuneRecords(
-        method=method,
-        summary=read_json(paths["summary"]),
-        eval=read_json(paths["eval"]),
-        train=read_jsonl(paths["train"]),
-        curve=read_jsonl(paths["curve"]),
-        files={k: relative(layout, p) for k, p in paths.items()},
-    )
+    return FinetuneRecords(method, summary=read_json(paths["summary"]), eval=read_json(paths["eval"]),
+                           train=read_jsonl(paths["train"]), curve=read_jsonl(paths["curve"]),
+                           files={k: relative(layout, p) for k, p in paths.items()})
 
 
 def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
@@ -268,10 +226,9 @@ def _has_work(layout: RunLayout, stage: str, method: str) -> bool:
 
 def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, str]]:
     """Results that the run's record says exist but are gone: ``[(file relative to the run
-    directory, why it should be there)]``, empty when nothing is missing.
-
-    A method's ``summary.json`` is missing when ``status.json`` lists its stage as completed
-    (``<stage>-<method>``, or ``finetune`` for a fine-tuned method with metrics or checkpoints), or
+    directory, why it should be there)]``, empty when nothing is missing. A method's ``summary.json``
+    is missing when ``status.json`` lists its stage as completed (``<stage>-<method>``, or
+    ``finetune`` for a fine-tuned method with metrics or checkpoints), or
     when the run completed and the method holds metrics or checkpoints; an evaluation result
     (``eval/pretrain/<method>.json``) when ``eval-<method>`` is listed. A method of an interrupted or
     failed stage is not listed, so its results read "not run" as before."""
@@ -321,12 +278,6 @@ def read_run(layout: RunLayout) -> RunRecords:
         for stage in layout.stages()
         if not (stage == POST_TRAINING_STAGE and finetune)
     }
-    return RunRecords(
-        layout=layout,
-        config=read_json(layout.config),
-        manifest=read_json(layout.manifest),
-        status=read_json(layout.status),
-        stages=stages,
-        finetune=finetune,
-        chaos_schedule=read_json(layout.chaos_schedule),
-    )
+    return RunRecords(layout, config=read_json(layout.config), manifest=read_json(layout.manifest),
+                      status=read_json(layout.status), stages=stages, finetune=finetune,
+                      chaos_schedule=read_json(layout.chaos_schedule))

@@ -1,82 +1,7 @@
-"""Resilience under a chaos schedule: per-method timelines, goodput, uptime, the goodput
-simulator's prediction for the same knobs, and held-out loss at equal wall time and tokens. Pure:
-dicts and lists in, dicts and lists out (no I/O, no Prefect, no JAX).
-
-Definitions (Douillard et al., "Decoupled DiLoCo for Resilient Distributed Pre-training", arXiv
-2604.21428, 2026: the metrics the paper reports; the goodput simulator ``sim/``,
-docs/goodput.md):
-
-- **Goodput** = useful compute time / allocated time (the paper: time lost to waiting, detection,
-  re-compilation, restarts and recomputation is not useful; ``sim.jobs``: useful chip-seconds /
-  (chips × horizon)). Here per learner (DiLoCo) or replica (DP), in seconds of its method's
-  training clock, and globally as Σ useful / Σ allocated.
-- **Uptime** = share of the training span in which the system as a whole progressed (the paper;
-  ``sim.jobs.quorum_sweep``: time with ≥ K learners running, K = 1 here since the syncer leaves
-  dead learners out of the quorum): DiLoCo is up while at least one learner computes (running or
-  straggling) and the syncer is not down (``syncer-failure`` → ``syncer-resumed``); DP is up while
-  the job computes new steps (not stalled by a failure, not recomputing rolled-back steps). That is
-  ``uptime``, from the timelines (:func:`state_uptime`). Beside it, the **merge cadence** checks that
-  the global model really advanced meanwhile (``cadence``, :func:`uptime`): DiLoCo's global model
-  advances at each merge (``merged_at_s``), DP's at
-  each step past its high-water mark (the rows of ``train.jsonl``, logged every 10 new steps and
-  never for recomputed ones). A gap between consecutive advances (or from the last advance to
-  the span's end) longer than :data:`STALL_FACTOR` × the median gap between advances
-  is a stall; each stall counts as down for its length minus one median gap (the time an advance
-  would have taken anyway). Uptime = 1 − Σ stall / the span after the first advance: the start-up
-  before it (compilation, DP's first evaluation, DiLoCo's first H inner steps) is reported apart
-  (``startup_s``; ``uptime_span`` counts it, by the same rule, over the whole span).
-
-Clocks: DiLoCo's events carry ``t``, the run clock (seconds since the exchange was created,
-shared by learners and syncer); its **training span** runs from the first learner ``start`` to
-the last learner event (the last ``stop`` of a finished run), or to ``now`` for a run in
-progress. DP's events, ``train.jsonl`` ``t`` and ``eval.jsonl`` ``wall_s`` share DP's own clock
-(seconds since DP training started); its span runs from 0 to its last step (or ``now``). Every
-timeline below is in seconds since its method's span start, so the two methods share an x axis.
-
-**DiLoCo learner states** (one row per learner, intervals [start, end) in seconds):
-
-- ``running``: between a ``start`` and the next ``failure``/``kill``/``stop``/``leave``;
-  ``straggling``: running while its last ``slowdown`` event said factor > 1 (a new attempt starts
-  at full speed until it logs a slowdown); its own time still counts as useful (it computes,
-  slower);
-- ``waiting``: a ``wait`` event (blocked from ``t`` to ``t + wait_s`` on an overdue merge,
-  ``why`` "merge"), or stopped (its budget spent) before the span ended (``why`` "done");
-- ``down``: from a ``failure``/``kill`` to its next ``start`` (``why`` "failure"), and from the
-  span's start (a scavenged learner: its ``join``) to its first ``start`` (``why`` "start-up");
-- ``absent``: a scavenged learner (a ``join``/``leave`` event or a ``presence`` window in the
-  schedule) outside its window: before its ``join``, after its ``leave``.
-
-Allocated time: the span (a scavenged learner: from its ``join``, or the span's start when it
-never had to wait to join, to its ``leave`` or the span's end). Lost work: after a failure the
-steps from the resume point it restarted from (the next ``start``'s ``step``) to the step it had
-reached (the ``failure``'s ``step``), × that attempt's seconds per step (its running and
-straggling seconds / the steps it took): the steps it trains again, recomputation, never useful
-(the token ledger counts the re-trained tokens whose first copy had been merged as ``recomputed``;
-the syncer does not merge them twice). Useful = allocated − down − waiting − absent (zero
-inside the window) − lost work.
-
-**DP rows** (one per replica, W = ``dp.workers``; lock-step SPMD):
-
-- a ``failure`` of replica r stops the whole job until the ``restore`` event: row r is ``down``,
-  the others ``waiting`` (``why`` "stall");
-- after a ``restore`` to step b, every row is ``recomputing`` until the job is back at the
-  high-water mark H it had reached before the failure: the end is the first ``train.jsonl`` row
-  past H less (row step − H) × the step time, or, when another failure interrupts first, that
-  failure's time (less the steps it was past H), or restore + (H − b) × the step time;
-- while the job's step time is factor f > 1 (``slowdown`` events; the replica is found in the
-  schedule's ``slowdowns``, learner m = replica m, and row 0 when the schedule cannot tell), the
-  slowed replica is ``straggling`` and every other replica (its own factor g, 1 unless slowed
-  too) computes for g / f of that time and waits for the rest: drawn as one ``running`` block of
-  g / f of each such interval followed by one ``waiting`` block (``why`` "slowest replica"),
-  although in the job the wait comes in every step;
-- otherwise ``running`` (DP's start-up, its first evaluation and compilation, are inside its
-  span and count as running; so do checkpoint saves).
-
-Useful = running + straggling; goodput = useful / span per row, Σ / (W × span) for the job.
-Replica indices ≥ W (a schedule for more learners than DP has replicas) map to row index mod W.
-
-All functions accept the logs of a run in progress: pass ``now`` (the method's own clock) as the
-end of the span.
+"""Resilience under a chaos schedule: per-method timelines, goodput, uptime, the goodput simulator's
+prediction for the same knobs, and held-out loss at equal wall time and tokens. Pure: dicts and lists
+in and out (no I/O, no Prefect, no JAX); every function accepts a run in progress (``now``: the end of
+the span on the method's clock). Definitions, states and clocks: docs/report.md ("Resilience").
 """
 
 from __future__ import annotations
@@ -208,7 +133,7 @@ def _windows(schedule: dict | None) -> dict[Any, tuple[float, float | None]]:
 
 
 def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
-    """One learner's intervals on the run clock (see the module docstring) and its allocation
+    """One learner's intervals on the run clock (docs/report.md) and its allocation
     ``{"start_s", "end_s"}`` (run clock; None when a scavenged learner has not joined yet)."""
     has_start = any(e["event"] == "start" for e in evs)
     has_join = any(e["event"] == "join" for e in evs)
@@ -262,13 +187,9 @@ def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> 
 
 
 def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
-    """Work thrown away by each of a learner's failures: ``lost_steps`` = the ``failure``'s (or
-    ``kill``'s) step − the step its next ``start`` resumed from, ``s_per_step`` = the learner's
-    median seconds per step between its logged ``step`` events (its pace, without the first step's
-    compilation), else the failed attempt's running + straggling seconds / the steps it took,
-    ``lost_s`` = their product (seconds).
-    A failure with no later start (down at ``now``, or out of retries) resumes, at best, from its
-    last resume point: step − step mod ``resume_every_steps`` (0 steps lost when unknown)."""
+    """Work thrown away by each of a learner's failures (docs/report.md, "Lost work"): per failure
+    ``lost_steps`` (its step − the step its next ``start`` resumed from, or from its last resume point
+    every ``resume_every_steps``), ``s_per_step`` and ``lost_s`` = their product (seconds)."""
     starts = [e for e in evs if e["event"] == "start"]
     useful = [iv for iv in intervals if iv["state"] in USEFUL]
     total_useful = sum(iv["end"] - iv["start"] for iv in useful)
@@ -322,17 +243,14 @@ def _attempts(evs: list[dict]) -> list[dict]:
 
 def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = None, schedule: dict | None = None,
                       now: float | None = None, resume_every_steps: int | None = None) -> dict | None:
-    """Decoupled DiLoCo's timelines and goodput (see the module docstring); None before any learner
-    started. ``now``: the run clock's present, for a run in progress.
-
-    Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per learner: ``allocated_s``,
-    seconds per state, ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
-    ``merged_again_after_restart`` (every restarted attempt that took a step had a merge with this
-    learner among its contributors afterwards; None without such a restart), ``steps_taken``,
-    ``s_per_step`` (running + straggling seconds / steps taken), ``scavenged``, ``window`` [join, leave]
-    in span seconds, ``lost``: :func:`lost_work`), ``global`` (Σ useful / Σ allocated), ``timelines``
-    (learner → intervals in seconds since the span start) and ``uptime`` (:func:`uptime` of the
-    merges)."""
+    """Decoupled DiLoCo's timelines and goodput (docs/report.md); None before any learner started.
+    ``now``: the run clock's present, for a run in progress. Returns ``span`` (:func:`diloco_span`),
+    ``learners`` (one row per learner: ``allocated_s``, seconds per state, ``lost_work_s``, ``useful_s``,
+    ``goodput``, ``failures``, ``restarts``, ``merged_again_after_restart`` (every restarted attempt
+    that took a step was merged again afterwards; None without such a restart), ``steps_taken``,
+    ``s_per_step``, ``scavenged``, ``window`` [join, leave] in span seconds, ``lost``), ``global``
+    (Σ useful / Σ allocated), ``timelines`` (learner → intervals in seconds since the span start) and
+    ``uptime`` (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
     span = diloco_span(events, now)
     if span is None:
         return None
@@ -431,7 +349,7 @@ def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | No
 
 
 def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
-    """Each DP failure with its restore and the recomputation after it (module docstring)."""
+    """Each DP failure with its restore and the recomputation after it (docs/report.md)."""
     evs = sorted((e for e in events if _t(e) is not None), key=_t)
     rows = sorted(((num(r.get("step")), num(r.get("t"))) for r in train
                    if num(r.get("step")) is not None and num(r.get("t")) is not None), key=lambda x: x[1])
@@ -491,14 +409,12 @@ def _episode_factor(schedule: dict | None, row: int, workers: int, t: float) -> 
 
 def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: int | None,
                   schedule: dict | None = None, now: float | None = None) -> dict | None:
-    """DP's timelines (one row per replica) and goodput (see the module docstring); None when DP
-    logged nothing. ``now``: DP's clock at present, for a run in progress.
-
-    Returns ``span`` (:func:`dp_span`), ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores``
-    (per failure: replica, times, high-water step, restored step, lost steps, down, restore and
-    recompute seconds), ``replicas`` (rows: seconds per state, ``useful_s``, ``goodput``,
-    ``failures``), ``global`` (Σ useful / (W × span)), ``timelines`` (row → intervals) and
-    ``uptime`` (:func:`uptime` of the ``train.jsonl`` rows)."""
+    """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
+    ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
+    ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
+    high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
+    (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
+    span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
     events, train = events or [], train or []
     span = dp_span(train, events, now)
     if span is None:
@@ -629,18 +545,14 @@ def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, fl
 
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:
-    """Share of the span in which the global model advanced (module docstring); seconds.
+    """Share of the span in which the global model advanced (docs/report.md, "Merge cadence"); seconds.
 
-    ``advances``: the times it advanced (merges; DP steps past the high-water mark). The gaps are
-    those between consecutive advances and from the last advance to ``end`` (a stall still going
-    on at ``now``); the median is over the gaps between advances only. The time before the first
-    advance, ``startup_s`` (compilation, DP's first evaluation, DiLoCo's first H inner steps: what
-    no schedule causes), is left out: ``uptime`` = 1 − Σ (stall − median) / (end − first advance).
-    ``uptime_span`` counts the start-up gap too (same rule, over end − start). Returns ``uptime``
-    (None with fewer than two advances: no median gap; 0 with none), ``uptime_span``,
-    ``stalled_s``, ``median_gap_s``, ``threshold_s`` (= factor × median), ``stalls`` ([start, end]
-    of each), ``longest_stall_s`` and ``longest_stall_at_s`` (the longest gap after the first
-    advance, stall or not), ``startup_s``, ``advances``, ``span_s``."""
+    ``advances``: the times it advanced (merges; DP steps past the high-water mark); ``uptime`` =
+    1 − Σ (stall − median) / (end − first advance), ``uptime_span`` the same over end − start. Returns
+    ``uptime`` (None with fewer than two advances; 0 with none), ``uptime_span``, ``stalled_s``,
+    ``median_gap_s``, ``threshold_s`` (= factor × median), ``stalls`` ([start, end] of each),
+    ``longest_stall_s`` and ``longest_stall_at_s`` (the longest gap after the first advance, stall or
+    not), ``startup_s``, ``advances``, ``span_s``."""
     span = end - start
     ts = sorted(t for t in advances if start <= t <= end)
     out = {"uptime": None, "uptime_span": None, "stalled_s": None, "median_gap_s": None, "threshold_s": None,
@@ -678,33 +590,9 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | None = None,
                     schedule: dict | None = None) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
-    ``{"status": why not}``.
-
-    chips = M = ``diloco.learners``, slice_chips = 1 (one learner or replica per chip), learners =
-    [M], quorum = 1 (our syncer leaves dead learners out of the quorum: one live learner advances the
-    model), chip_mtbi_years = ``chaos.schedule.mtbf_s`` / ``sim.config.SECONDS_PER_YEAR`` (365-day
-    years), detect_s = 0 (our failures are noticed at once), recovery_a / c / scale_s =
-    ``chaos.schedule.restart_delay`` a, c, scale_s, step_s = DP's measured step time
-    (:func:`dp_step_time`), checkpoint_every_steps = DP's (summary ``chaos.checkpoint_every_steps``),
-    restart_s = the mean ``restore_s`` of DP's restores (0 when DP restored nothing), downscale_s =
-    upscale_s = 0, failures_per_run = :data:`SIM_FAILURES_PER_RUN` (the horizon: that many expected
-    interruptions of the cluster, 4000 × mtbf_s / M seconds), seeds = :data:`SIM_SEEDS`, seed = the
-    schedule's, rule_of_thumb False.
-
-    The simulator's validators accept these (chips = M slices of one chip ≥ the largest learner
-    count M; quorum 1 ≤ M; seeds ≥ 2). Two fields must be positive integers or floats where a run
-    may have none: a DP without checkpoints (``checkpoint_every_steps`` None, it rolls back to step
-    0) gets the closest valid setting, one checkpoint interval as long as its whole run (its steps),
-    and a missing step time (DP did not run) leaves no prediction. Limits of the model, stated:
-    the simulator's DiLoCo learner loses only the step in flight at a failure (it is elastic), ours
-    roll back to their last resume point (``diloco.resume_every_steps``); ``diloco_rollback`` in the
-    prediction models that as a learner whose "step" is that interval (step_s = its seconds per
-    step × resume_every_steps: the sim's lost work, the time since the last step boundary, is then
-    the time since the last resume point). The simulator's failures of a chip that is down are
-    absorbed, as the schedule's are (a learner cannot fail while down); its DP restarts after
-    max(detect, recovery) + restart_s, ours after the drawn delay counted from the step boundary the
-    failure fired at + the restore. A replayed run reads the knobs from the plan saved in its
-    schedule (``chaos.json``'s ``plan``)."""
+    ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
+    law, DP's measured step time, checkpoint interval and mean restore seconds; each knob and the
+    model's limits: docs/report.md ("The simulator's prediction")."""
     cfg = config or {}
     plan = (cfg.get("chaos") or {}).get("schedule")
     if not isinstance(plan, dict):  # a replay: the plan its schedule was drawn from, saved with it
@@ -749,12 +637,9 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
 def simulator_prediction(knobs: dict, predict: Callable[[dict, list[str]], dict] | None,
                          diloco: dict | None = None, resume_every_steps: int | None = None) -> dict:
     """The simulator's goodput and uptime (fractions, with 95 % half-widths) for ``knobs``
-    (:func:`simulator_knobs`). ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
-    "uptime", "uptime_ci"}}`` runs the simulator: ``reports`` may not import ``sim`` (``sim`` draws
-    with ``reports.plots``; tests/test_imports.py), so the caller passes it (``ddiloco report`` does:
-    ``sim.study.simulate_goodput``). Without it: status "not computed". ``diloco_rollback``: the
-    DiLoCo system again with step_s = the learners' median seconds per step × resume_every_steps
-    (see :func:`simulator_knobs`), when both are known."""
+    (:func:`simulator_knobs`), from ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
+    "uptime", "uptime_ci"}}`` (the caller's simulator; None: status "not computed"), and
+    ``diloco_rollback`` when ``resume_every_steps`` is known (docs/report.md)."""
     if knobs.get("status") != "ok":
         return {**knobs, "predicted": {}}
     out = {**knobs, "predicted": {}}
@@ -801,14 +686,11 @@ def interpolate(points: list[tuple[float, float]], x: float | None) -> float | N
 
 
 def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_tokens: float | None = None) -> dict:
-    """Held-out loss (nats/token) of each curve at equal wall time and at equal tokens.
-
-    ``curves``: name → ``{"rows": eval rows, "start_s": the method's training start on the rows'
-    clock}``. Time: each curve's ``wall_s`` − ``start_s``; ``at_s`` defaults to the shortest curve's
-    last time (the shorter method's end), ``at_tokens`` to the smallest final token count (the common
-    final count); each curve is interpolated linearly there (None outside its range). Returns
-    ``at_s``, ``at_tokens``, and per curve ``final_s``, ``final_tokens``, ``final_loss``,
-    ``loss_at_s``, ``loss_at_tokens``."""
+    """Held-out loss (nats/token) of each curve, interpolated linearly at equal wall time ``at_s``
+    (default: the shorter method's end) and equal tokens ``at_tokens`` (default: the common final
+    count). ``curves``: name → ``{"rows": eval rows, "start_s": the method's training start on the
+    rows' clock}``. Returns ``at_s``, ``at_tokens`` and per curve ``final_s``, ``final_tokens``,
+    ``final_loss``, ``loss_at_s``, ``loss_at_tokens`` (None outside its range)."""
     pts = {k: (curve_points(c.get("rows"), "wall_s", c.get("start_s") or 0.0), curve_points(c.get("rows"), "tokens"))
            for k, c in curves.items()}
     pts = {k: v for k, v in pts.items() if v[0] or v[1]}
@@ -833,11 +715,9 @@ _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None,
           attempt: Any = None) -> bool:
-    """Whether ``merge`` took learner's submission of ``fragment`` sent at local ``step`` from
-    ``base`` version by ``attempt``: the learner is a contributor at that local step and, when both
-    are known, its base version (the merge's ``version`` − 1 − its ``stale``) is ``base`` (a retried
-    attempt sends the same local step again, from a newer base) and its attempt (the merge record's
-    ``attempts``, where recorded) is ``attempt``."""
+    """Whether ``merge`` took the learner's submission of ``fragment`` at local ``step``: a contributor
+    there whose base version (``version`` − 1 − ``stale``) is ``base`` and whose attempt (``attempts``,
+    where recorded) is ``attempt``, each checked when known (a retry resends a step from a newer base)."""
     if merge.get("fragment") != fragment:
         return False
     version, stale, attempts = num(merge.get("version")), merge.get("stale") or [], merge.get("attempts")
@@ -854,20 +734,11 @@ def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: fl
 
 def schedule_counts(schedule: dict | None, diloco: dict | None, events: list[dict] | None,
                     merges: list[dict] | None, dp: dict | None, dp_events: list[dict] | None) -> dict:
-    """The schedule's events, drawn and met by each method.
-
-    Failures: ``drawn`` (the schedule's), ``in_span`` per method (scheduled before the method's span
-    ended: DiLoCo on each learner's training clock, ``origin`` of its ``start`` events; DP on its
-    clock), ``fired`` (DiLoCo: ``failure``/``kill`` events whose reason names a time "at t s of
-    training"; DP: its ``failure`` events). Slowdowns: ``drawn``, ``in_span``, ``fired`` (DiLoCo:
-    ``slowdown`` events with factor > 1; DP: the same of its own, one per change of its job factor).
-    Scavenged: per window ``joined_at_s``/``left_at_s`` (span seconds). Corruptions: per scheduled one
-    the ``corrupt`` event it caused (fragment, local step, base version), the syncer's ``dropped``
-    event of that submission (its reason) and whether a merge took it (``merged``: a merge of that
-    fragment, after it was sent, with the learner among its contributors at that local step and
-    base version, unless a later attempt of that learner had resumed before that step by then and
-    sent the same local step again: ``resent_by_a_later_attempt``; a corrupted submission must never
-    be merged)."""
+    """The schedule's events, drawn and met by each method (docs/report.md, "The schedule's events"):
+    ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns
+    also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
+    ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
+    ``merged``, ``resent_by_a_later_attempt``)."""
     sch = schedule or {}
     t0 = (diloco or {}).get("span", {}).get("start_s")
     d_end = (diloco or {}).get("span", {}).get("end_s")

@@ -1,14 +1,8 @@
 """The report of a run of several seeds (``seeds: [...]``): the verdict over seeds, then each seed.
 
 Each seed's run (``RUN/seeds/seed-<s>/``) has its own full report; this one reads their
-``report.json`` files and writes ``RUN/report/report.json`` and ``report.md``:
-
-* ``verdict``: :func:`reports.verdict.verdict` over the seeds, the post-training difference from
-  one paired bootstrap over pretraining seeds, fine-tuning seeds and test items
-  (:func:`reports.finetune.two_level_bootstrap` on [P, S, N] per-item scores);
-* ``seed_runs``: per seed its status, run directory, both methods' losses and the gap;
-* ``stages.pretrain`` and ``finetune`` in the shape ``ddiloco compare`` and sweeps read: each
-  figure the mean over seeds (``loss_gaps`` adds ``ci`` and ``seeds``).
+``report.json`` files and writes ``RUN/report/report.json`` and ``report.md``
+(docs/report.md, "A run of several seeds").
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The verdict: is Decoupled DiLoCo as good as DP, and what does it buy — one table and a sentence.
 
-Built from one run's ``report.json`` (one seed: figures without an interval) or from the reports
-of every seed of a run of several seeds (``seeds: [...]``; mean and 95 % interval over seeds). Rows:
-
-* **test loss** (nats per token or image, the whole test split after training): each method's mean
-  over seeds with a Student-t 95 % interval (mean ± t₀.₉₇₅,ₙ₋₁ · sd / √n; none for one seed);
-* **gap DiLoCo − DP** in %: per seed 100 · (L_DiLoCo − L_DP) / L_DP, both trained with that seed
-  (same initialisation and data order), so the interval is that of the paired differences;
-* **published gap** at this model size and M: the DiLoCo scaling-law study's power-law fits
-  L = A·N^α (arXiv 2503.09799, each method tuned, H = 30), evaluated at this model's parameters;
-* **bytes sent per token**, learner→syncer against DP's ring all-reduce (``reports.wire``);
-* **modelled wall time** and **time to DP's final held-out loss** under the run's ``network``
-  section (``reports.interconnect``; the curve sample's loss);
-* **goodput and uptime** of DiLoCo's learners (``reports.resilience``; every run, chaos or not);
-* **post-training**: the fine-tuned primary metric, DiLoCo − DP, with its paired bootstrap interval
-  (``reports.finetune``: over pretraining seeds, fine-tuning seeds and test items).
-
-Tables are pandas DataFrames rendered by tabulate (``DataFrame.to_markdown``).
+Built from one run's ``report.json`` (one seed: figures without an interval) or from the reports of
+every seed of a run of several seeds (mean and 95 % Student-t interval over seeds; the gap paired
+per seed; the published gap from the fits of arXiv 2503.09799). Rows and statistics: docs/verdict.md.
 """
 
 from __future__ import annotations
@@ -27,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.common import BASELINE, md_table, num
+from reports.common import BASELINE, format_value, md_table, num
 
 CONFIDENCE = 0.95
 # arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
@@ -97,14 +83,11 @@ def seed_figures(report: dict) -> dict:
     return out
 
 
-def _fmt(x: float | None, f: str = "{:.4f}") -> str:
-    return "—" if x is None else f.format(x)
-
-
 def _with_ci(m: dict, f: str = "{:.4f}") -> str:
     if m.get("mean") is None:
         return "—"
-    return _fmt(m["mean"], f) + ("" if m.get("ci") is None else f" [{_fmt(m['ci'][0], f)}, {_fmt(m['ci'][1], f)}]")
+    return format_value(m["mean"], f) + ("" if m.get("ci") is None else
+                                         f" [{format_value(m['ci'][0], f)}, {format_value(m['ci'][1], f)}]")
 
 
 def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = False) -> dict:
@@ -139,34 +122,34 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
     unit = first["unit"].removesuffix("s")
     over = f"{n} seeds" if n > 1 else "one seed: no interval"
     ratio = (lambda a, b: f"{a / b:.2f}×" if a is not None and b else "—")
+    whole = (lambda x: format_value(x, "{:,.0f}"))
+
+    def row(figure: str, diloco: str, dp: str, vs: str) -> dict:
+        return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
+
     rows = [
-        {"figure": f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
-         "DiLoCo": _with_ci(loss["diloco"]), "DP": _with_ci(loss[BASELINE]),
-         "DiLoCo vs DP": _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else "")},
-        {"figure": f"published gap at M = {first.get('learners')}, {_fmt(first.get('params'), '{:,.0f}')} "
-                   "parameters (arXiv 2503.09799 fits)", "DiLoCo": "", "DP": "", "DiLoCo vs DP": "not fitted for this M" if pub is None else f"{pub:+.2f} %"},
-        {"figure": "bytes sent per token (learner→syncer; DP: ring all-reduce)", "DiLoCo": _fmt(bpt["diloco"], "{:,.0f}"),
-         "DP": _fmt(bpt[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(bpt["diloco"], bpt[BASELINE])},
+        row(f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})", _with_ci(loss["diloco"]),
+            _with_ci(loss[BASELINE]), _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else "")),
+        row(f"published gap at M = {first.get('learners')}, {whole(first.get('params'))} parameters "
+            "(arXiv 2503.09799 fits)", "", "", "not fitted for this M" if pub is None else f"{pub:+.2f} %"),
+        row("bytes sent per token (learner→syncer; DP: ring all-reduce)", whole(bpt["diloco"]), whole(bpt[BASELINE]),
+            ratio(bpt["diloco"], bpt[BASELINE])),
     ]
     if first.get("network"):
-        rows += [
-            {"figure": f"modelled wall time, s ({first['network']})", "DiLoCo": _fmt(wall["diloco"], "{:,.0f}"),
-             "DP": _fmt(wall[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(wall["diloco"], wall[BASELINE])},
-            {"figure": f"time to DP's final held-out loss, s ({first['network']})",
-             "DiLoCo": _fmt(ttl["diloco"], "{:,.0f}") if all(reached) else
-             ("not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"),
-             "DP": _fmt(ttl[BASELINE], "{:,.0f}"), "DiLoCo vs DP": ratio(ttl["diloco"], ttl[BASELINE])
-             if all(reached) else "—"},
-        ]
-    rows.append({"figure": "goodput / uptime of the learners (fraction of time)",
-                 "DiLoCo": f"{_fmt(good, '{:.3f}')} / {_fmt(up, '{:.3f}')}", "DP": "", "DiLoCo vs DP": ""})
+        missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
+        rows += [row(f"modelled wall time, s ({first['network']})", whole(wall["diloco"]), whole(wall[BASELINE]),
+                     ratio(wall["diloco"], wall[BASELINE])),
+                 row(f"time to DP's final held-out loss, s ({first['network']})",
+                     whole(ttl["diloco"]) if all(reached) else missed, whole(ttl[BASELINE]),
+                     ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—")]
+    rows.append(row("goodput / uptime of the learners (fraction of time)",
+                    f"{format_value(good, '{:.3f}')} / {format_value(up, '{:.3f}')}", "", ""))
     if post and post.get("metric"):
-        ci = post.get("ci")
-        rows.append({"figure": f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
-                     "DiLoCo": _fmt((post.get("scores") or {}).get("diloco")),
-                     "DP": _fmt((post.get("scores") or {}).get(BASELINE)),
-                     "DiLoCo vs DP": _fmt(post.get("difference"), "{:+.4f}") +
-                     ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")})
+        ci, scores = post.get("ci"), post.get("scores") or {}
+        diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
+        rows.append(row(f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
+                        format_value(scores.get("diloco"), "{:.4f}"), format_value(scores.get(BASELINE), "{:.4f}"),
+                        diff))
     return {"seeds": [s["seed"] for s in seeds], "n": n, "loss": loss, "gap_pct": gap, "published_gap_pct": pub,
             "published": PUBLISHED, "bytes_per_token": bpt, "modelled_wall_s": wall, "time_to_dp_final_s": ttl,
             "reached_dp_final": reached, "goodput": good, "uptime": up, "network": first.get("network"),

@@ -1,14 +1,8 @@
 """Bytes on the wire: every byte figure of a method, computed once (pure; no I/O).
 
 Payload bytes (tensor bytes, no framing), summed over all learners/workers and attempts; "per"
-figures are that sum ÷ M, "per token" figures that sum ÷ the method's training tokens (budget
-units). A DiLoCo learner's submissions are in its wire format (``diloco.wire``: float32 θ, or a
-bfloat16/int8/int4 update with its scales), so its bytes are what that format really sends; the
-DiLoCo figures also carry DP's all-reduce bytes per token *of the same model* (below), computed from
-the model's size and the DP baseline's config whether or not the baseline ran. Who counts what: ``reports.common.BYTES_CONVENTION`` (docs/contracts.md
-"Summaries"). A learners-and-syncer method (DiLoCo) counts learner→syncer submissions and
-syncer→learner pulls, and its merge log counts bytes merged in and published out; a data-parallel
-method is a ring all-reduce model of the gradient, half of its bytes sent and half received.
+figures are that sum ÷ M, "per token" figures that sum ÷ the method's training tokens. Who counts
+what: ``reports.common.BYTES_CONVENTION``; docs/report.md ("Bytes on the wire").
 """
 
 from __future__ import annotations
@@ -56,12 +50,10 @@ def wire_format(config: dict | None, summary: dict | None) -> str | None:
 
 
 def dp_allreduce_per_token(config: dict | None, summary: dict | None) -> dict | None:
-    """What DP's per-step ring all-reduce of this model's float32 gradient sends per token: each of
-    W = ``dp.workers`` workers sends 2(W−1)/W × G bytes a step (G: the gradient bytes, 4 × the
-    summary's ``params``, else the sum of its ``fragment_bytes``), so all of them 2(W−1) × G, over
-    ``dp.batch_size`` × ``data.seq_len`` tokens a step (images: ``dp.batch_size``). Returns
-    ``{"sent_per_token", "workers", "gradient_bytes", "tokens_per_step"}``, or None when a count is
-    missing."""
+    """What DP's per-step ring all-reduce of this model's float32 gradient sends per token: 2(W−1) × G
+    bytes a step (W = ``dp.workers``; G = 4 × the summary's ``params``, else the sum of its
+    ``fragment_bytes``) over ``dp.batch_size`` × ``data.seq_len`` tokens (images: ``dp.batch_size``).
+    Returns ``{"sent_per_token", "workers", "gradient_bytes", "tokens_per_step"}``, or None."""
     params = num(nested(summary, ("params",)))
     frag = summary.get("fragment_bytes") if summary else None
     G = 4 * int(params) if params else (sum(frag) if isinstance(frag, list) and frag else None)
@@ -77,16 +69,12 @@ def dp_allreduce_per_token(config: dict | None, summary: dict | None) -> dict | 
 
 def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] | None,
                  files: dict[str, str], notes: list[str], who: str, kind: str = "syncer") -> dict:
-    """A learners-and-syncer method's byte figures: ``sent`` = learner→syncer submission payload
-    bytes (summary ``bytes_to_syncer``), ``received`` = syncer→learner pulled bytes
-    (``bytes_from_syncer``), per learner = ÷ M; ``merged_in`` / ``published_out`` = the merge
-    log's ``bytes_in`` / ``bytes_out`` summed (None unless every record has the field;
-    ``*_recorded`` says in how many it is; without a log, ``merged_in`` is the summary's
-    ``bytes_merged``). ``kind`` is recorded with the figures: "syncer", or "plain" for a method
-    without a syncer whose summary counts its bytes under the same names. ``sent_per_token`` =
-    sent ÷ the summary's ``tokens``; ``wire``: the learners' wire format; ``dp_allreduce``:
-    :func:`dp_allreduce_per_token` of this model (a syncer method only) and ``sent_vs_dp``: DP's
-    sent per token ÷ this method's (how many times fewer bytes it sends)."""
+    """A learners-and-syncer method's byte figures: ``sent`` / ``received`` = summary
+    ``bytes_to_syncer`` / ``bytes_from_syncer``, per learner = ÷ M; ``merged_in`` / ``published_out``
+    = the merge log's ``bytes_in`` / ``bytes_out`` summed (None unless every record has the field,
+    ``*_recorded`` in how many; without a log the summary's ``bytes_merged``); ``sent_per_token``;
+    a syncer method (``kind`` "syncer", not "plain") also ``wire``, ``dp_allreduce``
+    (:func:`dp_allreduce_per_token`) and ``sent_vs_dp`` (DP's sent per token ÷ this method's)."""
     M = _count(config, ("diloco", "learners"), summary, "learners (M)")
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None
@@ -146,19 +134,18 @@ def _per_token(sent: float | int | None, summary: dict | None) -> float | None:
     return sent / tokens if sent is not None and tokens else None
 
 
+_BOTH = "learners (DiLoCo) / ring model (DP)"  # who counts a figure both kinds of method have
 BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None: no syncer)[, format]
     ("bytes_sent", "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; "
-     "DP: ring all-reduce sends)", "learners (DiLoCo) / ring model (DP)", "sent", "sent"),
+     "DP: ring all-reduce sends)", _BOTH, "sent", "sent"),
     ("bytes_received", "bytes received, all learners/workers (DiLoCo: syncer→learner pulled "
-     "fragments; DP: ring all-reduce receives)", "learners (DiLoCo) / ring model (DP)", "received", "received"),
-    ("bytes_total", "bytes sent + received, all learners/workers (DP: the all-reduce bytes)",
-     "learners (DiLoCo) / ring model (DP)", "total", "total"),
-    ("bytes_sent_per_worker", "bytes sent per learner/worker (all ÷ M)", "learners (DiLoCo) / ring model (DP)",
-     "sent_per_learner", "sent_per_worker"),
-    ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)",
-     "learners (DiLoCo) / ring model (DP)", "received_per_learner", "received_per_worker"),
-    ("bytes_sent_per_token", "bytes sent per training token, all learners/workers (bytes sent ÷ tokens)",
-     "learners (DiLoCo) / ring model (DP)", "sent_per_token", "sent_per_token", "{:,.1f}"),
+     "fragments; DP: ring all-reduce receives)", _BOTH, "received", "received"),
+    ("bytes_total", "bytes sent + received, all learners/workers (DP: the all-reduce bytes)", _BOTH, "total", "total"),
+    ("bytes_sent_per_worker", "bytes sent per learner/worker (all ÷ M)", _BOTH, "sent_per_learner", "sent_per_worker"),
+    ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)", _BOTH, "received_per_learner",
+     "received_per_worker"),
+    ("bytes_sent_per_token", "bytes sent per training token, all learners/workers (bytes sent ÷ tokens)", _BOTH,
+     "sent_per_token", "sent_per_token", "{:,.1f}"),
     ("bytes_merged_in", "merge-log bytes_in: submission bytes merged", "syncer", "merged_in", None),
     ("bytes_published_out", "merge-log bytes_out: published, fragment bytes × M per merge", "syncer",
      "published_out", None),
