@@ -18,7 +18,7 @@ endif
 EXTRAS_cpu  :=
 EXTRAS_cuda := --extra cuda
 
-.PHONY: setup browser run test bench bench-torch device-check ui clean
+.PHONY: setup browser run test bench bench-torch device-check ui docs docs-serve clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -66,6 +66,15 @@ device-check: setup
 ui: setup
 	PREFECT_SERVER_API_HOST=$(UI_HOST) PREFECT_SERVER_API_PORT=$(UI_PORT) \
 	  $(VENV)/bin/prefect server start --host $(UI_HOST) --port $(UI_PORT) --analytics-off
+
+# The documentation site (mkdocs.yml, docs/; the configuration reference is generated from the schema):
+# `make docs` builds it strictly into site/, `make docs-serve` serves it with live reload.
+export NO_MKDOCS_2_WARNING ?= 1
+docs: setup
+	$(VENV)/bin/python -m mkdocs build --strict
+
+docs-serve: setup
+	$(VENV)/bin/python -m mkdocs serve --dev-addr 127.0.0.1:8000
 
 clean:
 	rm -rf .venv .uv-bootstrap
