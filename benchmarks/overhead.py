@@ -54,7 +54,7 @@ def raw_tokens_per_s(cfg, run_dir: Path, repeats: int) -> tuple[float, float]:
     val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
     heldout_loss(trainer.evaluate, params, val)  # compile the syncer's evaluation too
     times = []
-    for r in range(repeats):
+    for _ in range(repeats):
         t = time.perf_counter()
         for b in batches:
             params, opt, m = trainer.step(params, opt, b)
@@ -68,8 +68,10 @@ def run_tokens_per_s(cfg, run_dir: Path) -> dict:
     run = setup_diloco(cfg, run_dir)
     out: dict = {}
     t0 = time.perf_counter()
-    learners = [threading.Thread(target=lambda m=m: out.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
-                for m in range(cfg.diloco.learners)]
+    learners = [
+        threading.Thread(target=lambda m=m: out.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
+        for m in range(cfg.diloco.learners)
+    ]
     syncer = threading.Thread(target=lambda: out.setdefault("syncer", run_syncer_to_end(run)))
     for t in learners:
         t.start()
@@ -83,9 +85,15 @@ def run_tokens_per_s(cfg, run_dir: Path) -> dict:
     summary = out["syncer"]
     layout = RunLayout(run_dir)
     evals = read_jsonl(layout.metrics("pretrain", "diloco", "eval"))
-    return {"tokens": summary["tokens"], "wall_s": wall, "tokens_per_s": summary["tokens"] / wall,
-            "merges": summary["merges"], "evals": len(evals), "eval_s": sum(e.get("eval_s", 0.0) for e in evals),
-            "val_loss": summary["final_val_loss"]}
+    return {
+        "tokens": summary["tokens"],
+        "wall_s": wall,
+        "tokens_per_s": summary["tokens"] / wall,
+        "merges": summary["merges"],
+        "evals": len(evals),
+        "eval_s": sum(e.get("eval_s", 0.0) for e in evals),
+        "val_loss": summary["final_val_loss"],
+    }
 
 
 def main() -> None:
@@ -113,20 +121,28 @@ def main() -> None:
     raw_after, _ = raw_tokens_per_s(cfg, run_dir, args.repeats)  # the machine may have changed meanwhile
     raw_mean = (raw + raw_after) / 2
     d = cfg.diloco
-    print(f"config {args.config}: M={d.learners} P={d.fragments} H={d.sync_every} K={d.quorum}, "
-          f"{cfg.tokens_per_learner_step} tokens per learner step, resume point every "
-          f"{d.resume_every_steps or 'never'} steps, evaluation every {cfg.train.eval_every_tokens:,} tokens")
+    print(
+        f"config {args.config}: M={d.learners} P={d.fragments} H={d.sync_every} K={d.quorum}, "
+        f"{cfg.tokens_per_learner_step} tokens per learner step, resume point every "
+        f"{d.resume_every_steps or 'never'} steps, evaluation every {cfg.train.eval_every_tokens:,} tokens"
+    )
     print(f"raw learner step: {ms:.1f} ms ({raw:,.0f} tokens/s before the run, {raw_after:,.0f} after)")
-    print(f"whole run: {got['tokens']:,} tokens in {got['wall_s']:.1f} s = {got['tokens_per_s']:,.0f} tokens/s "
-          f"({got['merges']} merges, {got['evals']} evaluations, held-out loss {got['val_loss']:.3f})")
-    print(f"share of raw step speed kept: {got['tokens_per_s'] / raw_mean:.1%} "
-          f"(overhead {1 - got['tokens_per_s'] / raw_mean:.1%})")
+    print(
+        f"whole run: {got['tokens']:,} tokens in {got['wall_s']:.1f} s = {got['tokens_per_s']:,.0f} tokens/s "
+        f"({got['merges']} merges, {got['evals']} evaluations, held-out loss {got['val_loss']:.3f})"
+    )
+    print(
+        f"share of raw step speed kept: {got['tokens_per_s'] / raw_mean:.1%} "
+        f"(overhead {1 - got['tokens_per_s'] / raw_mean:.1%})"
+    )
     # Θ's evaluations run on the same cores as the steps (on separate hardware in a real deployment)
     # and measure the run rather than train it; DP pays the same per evaluation.
     train_s = got["wall_s"] - got["eval_s"]
-    print(f"  evaluations of Θ: {got['evals']} taking {got['eval_s']:.1f} s ({got['eval_s'] / got['wall_s']:.1%} "
-          f"of the wall time); without them: {got['tokens'] / train_s / raw_mean:.1%} kept "
-          f"(overhead {1 - got['tokens'] / train_s / raw_mean:.1%}: merges, resume points, Python between steps)")
+    print(
+        f"  evaluations of Θ: {got['evals']} taking {got['eval_s']:.1f} s ({got['eval_s'] / got['wall_s']:.1%} "
+        f"of the wall time); without them: {got['tokens'] / train_s / raw_mean:.1%} kept "
+        f"(overhead {1 - got['tokens'] / train_s / raw_mean:.1%}: merges, resume points, Python between steps)"
+    )
 
 
 if __name__ == "__main__":

@@ -44,9 +44,16 @@ def policy_sets(out: Path, label: str, eval_every: int, extra: list[str]) -> lis
     this list's own item, as ``--set`` refuses a key given twice)."""
     params, compute, opt = POLICIES[label]
     user = {item.partition("=")[0] for item in extra}
-    own = [f"name=precision-{label}", f"run_root={out}", "eval.enabled=false", "finetune.enabled=false",
-           f"train.eval_every_tokens={eval_every}", f"precision.params={params}",
-           f"precision.compute={compute}", f"precision.opt_state={opt}"]
+    own = [
+        f"name=precision-{label}",
+        f"run_root={out}",
+        "eval.enabled=false",
+        "finetune.enabled=false",
+        f"train.eval_every_tokens={eval_every}",
+        f"precision.params={params}",
+        f"precision.compute={compute}",
+        f"precision.opt_state={opt}",
+    ]
     return [item for item in own if item.partition("=")[0] not in user] + list(extra)
 
 
@@ -98,10 +105,21 @@ def main() -> None:
     ap.add_argument("--config", default="tiny", help="a shipped config's name or a path (default: tiny)")
     ap.add_argument("--out", default=None, help="folder for the runs and figures (default: runs/precision-<time>)")
     ap.add_argument("--eval-every", type=int, default=2048, help="held-out loss every this many tokens")
-    ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
-                    help="which policies to run (default: all three; float32 is required)")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                    help="a config override for every run (repeat it)")
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=list(POLICIES),
+        choices=list(POLICIES),
+        help="which policies to run (default: all three; float32 is required)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for every run (repeat it)",
+    )
     args = ap.parse_args()
     if "float32" not in args.policies:
         ap.error("--policies must include float32 (the gaps are measured against it)")
@@ -125,12 +143,22 @@ def main() -> None:
         for m in METHODS:
             ref, got = dict(curves["float32", m]), curves[label, m]
             gaps = [loss - ref[t] for t, loss in got if t in ref]
-            row = {"policy": label, "method": m, "precision": POLICIES[label], "final": got[-1][1],
-                   "max_abs_gap": max(map(abs, gaps)), "final_gap": gaps[-1], "wall_s": walls[label, m],
-                   "float32_wall_over_this": walls["float32", m] / walls[label, m], "curve": got}
+            row = {
+                "policy": label,
+                "method": m,
+                "precision": POLICIES[label],
+                "final": got[-1][1],
+                "max_abs_gap": max(map(abs, gaps)),
+                "final_gap": gaps[-1],
+                "wall_s": walls[label, m],
+                "float32_wall_over_this": walls["float32", m] / walls[label, m],
+                "curve": got,
+            }
             rows.append(row)
-            print(f"{label:<10}{m:<8}{row['final']:>9.4f}{row['max_abs_gap']:>11.4f}{row['final_gap']:>+11.4f}"
-                  f"{row['wall_s']:>9.1f}{row['float32_wall_over_this']:>8.2f}")
+            print(
+                f"{label:<10}{m:<8}{row['final']:>9.4f}{row['max_abs_gap']:>11.4f}{row['final_gap']:>+11.4f}"
+                f"{row['wall_s']:>9.1f}{row['float32_wall_over_this']:>8.2f}"
+            )
     (out / "precision.json").write_text(json.dumps({"config": args.config, "rows": rows}, indent=1))
 
     import matplotlib

@@ -133,28 +133,37 @@ FAMILY_CONFIGS = ("default", "moe", "vit", "vit_moe")
 def family_batch(cfg, rows: int, rng) -> object:
     """A random batch of ``rows`` rows for ``cfg``'s data: token ids, or digits-like images and labels."""
     if cfg.data.modality == "image":
-        return {"image": rng.integers(0, 17, (rows, 8, 8, 1)).astype(np.uint8),
-                "label": rng.integers(0, 10, rows).astype(np.int32)}
+        return {
+            "image": rng.integers(0, 17, (rows, 8, 8, 1)).astype(np.uint8),
+            "label": rng.integers(0, 10, rows).astype(np.int32),
+        }
     return rng.integers(0, cfg.data.vocab_size, (rows, cfg.data.seq_len + 1)).astype(np.int32)
 
 
 def families(repeats: int) -> None:
     """Every family's learner and DP step, ours alone (see the module docstring)."""
     configure_host()
-    print(f"# throughput --families  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  "
-          f"{len(os.sched_getaffinity(0))} cores  load average {load_average()}  jax {jax.__version__}")
+    print(
+        f"# throughput --families  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  "
+        f"{len(os.sched_getaffinity(0))} cores  load average {load_average()}  jax {jax.__version__}"
+    )
     peak = jax_matmul_flops()
     print(f"peak: {peak / 1e9:,.1f} GFLOP/s = best float32 {PEAK_N}² matmul here (JAX)")
     rng = np.random.default_rng(0)
     runners, meta = {}, {}
     for name in FAMILY_CONFIGS:
         cfg = load_config_checked(ROOT / "configs" / f"{name}.yaml")
-        shape = (InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16) if cfg.data.modality == "image"
-                 else InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len))
+        shape = (
+            InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16)
+            if cfg.data.modality == "image"
+            else InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+        )
         spec = build_model(cfg.model, shape)
         tx = make_inner_tx(cfg.diloco.inner, 1000)
-        for step, bs, g in (("learner", cfg.diloco.batch_size, cfg.learner_microbatches),
-                            ("DP", cfg.dp_batch_size, cfg.dp_microbatches)):
+        for step, bs, g in (
+            ("learner", cfg.diloco.batch_size, cfg.learner_microbatches),
+            ("DP", cfg.dp_batch_size, cfg.dp_microbatches),
+        ):
             key = (name, step)
             runners[key] = ours(spec, tx, family_batch(cfg, bs, rng), g)
             meta[key] = (cfg.model.kind, bs, g, bs * cfg.units_per_row, cfg.unit, spec)
@@ -168,13 +177,18 @@ def families(repeats: int) -> None:
             run(STEPS)
             times[key].append((time.perf_counter() - t) / STEPS)
     print(f"median of {repeats} turns of {STEPS} steps; load average now {load_average()}")
-    print(f"{'config':<9}{'kind':<9}{'step':<8}{'rows':>5}{'micro':>6}{'params':>11}{'active':>11}"
-          f"{'ms':>8}{'units/s':>11} {'unit':<7}{'MFU':>7}")
+    print(
+        f"{'config':<9}{'kind':<9}{'step':<8}{'rows':>5}{'micro':>6}{'params':>11}{'active':>11}"
+        f"{'ms':>8}{'units/s':>11} {'unit':<7}{'MFU':>7}"
+    )
     for key, (kind, bs, g, units, unit, spec) in meta.items():
         sec = statistics.median(times[key])
         active = spec.extras.get("active_params", spec.params)
-        print(f"{key[0]:<9}{kind:<9}{key[1]:<8}{bs:>5}{'-' if g == 1 else str(bs // g):>6}{spec.params:>11,}"
-              f"{active:>11,}{sec * 1e3:>8.1f}{units / sec:>11,.0f} {unit:<7}{units / sec * spec.flops_per_unit / peak:>7.1%}")
+        print(
+            f"{key[0]:<9}{kind:<9}{key[1]:<8}{bs:>5}{'-' if g == 1 else str(bs // g):>6}{spec.params:>11,}"
+            f"{active:>11,}{sec * 1e3:>8.1f}{units / sec:>11,.0f} {unit:<7}"
+            f"{units / sec * spec.flops_per_unit / peak:>7.1%}"
+        )
 
 
 def main() -> None:
@@ -199,28 +213,38 @@ def main() -> None:
     ncores = len(os.sched_getaffinity(0))  # JAX sizes its thread pool from the same mask
     if torch is not None:
         torch.set_num_threads(cores())
-    print(f"# throughput  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  {ncores} cores  "
-          f"load average {load_average()}  jax {jax.__version__}"
-          + (f"  torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else "")
-          + f"  malloc keeps freed memory: {host}")
+    print(
+        f"# throughput  {time.strftime('%Y-%m-%d %H:%M')}  {platform.machine()}  {ncores} cores  "
+        f"load average {load_average()}  jax {jax.__version__}"
+        + (f"  torch {torch.__version__} ({torch.get_num_threads()} threads)" if torch else "")
+        + f"  malloc keeps freed memory: {host}"
+    )
     if torch is None:
-        print("PyTorch is not installed (optional: `make bench-torch` installs "
-              "benchmarks/requirements-torch.txt); JAX figures only.")
+        print(
+            "PyTorch is not installed (optional: `make bench-torch` installs "
+            "benchmarks/requirements-torch.txt); JAX figures only."
+        )
     else:
         n_torch = torch_params(TorchTrainer(cfg.model, cfg.diloco.inner, V, L).model)
         assert n_torch == spec.params, f"PyTorch reference has {n_torch:,} parameters, ours {spec.params:,}"
-    print(f"model: {spec.params:,} params (PyTorch reference: {'same' if torch else 'not run'}), "
-          f"{fpt / 1e6:.2f} MFLOPs/token (training), seq_len {L}, vocab {V}")
+    print(
+        f"model: {spec.params:,} params (PyTorch reference: {'same' if torch else 'not run'}), "
+        f"{fpt / 1e6:.2f} MFLOPs/token (training), seq_len {L}, vocab {V}"
+    )
     peak_jax = jax_matmul_flops()
     peak_torch = torch_matmul_flops() if torch else 0.0
     peak = max(peak_jax, peak_torch)
-    print(f"peak: {peak / 1e9:,.1f} GFLOP/s = best float32 {PEAK_N}² matmul here "
-          f"(JAX {peak_jax / 1e9:,.1f}" + (f", PyTorch {peak_torch / 1e9:,.1f}" if torch else "") + ")")
+    print(
+        f"peak: {peak / 1e9:,.1f} GFLOP/s = best float32 {PEAK_N}² matmul here "
+        f"(JAX {peak_jax / 1e9:,.1f}" + (f", PyTorch {peak_torch / 1e9:,.1f}" if torch else "") + ")"
+    )
 
     rng = np.random.default_rng(0)
     rows = []  # (name, batch rows, microbatches)
-    for name, bs, g in (("learner step", cfg.diloco.batch_size, cfg.learner_microbatches),
-                        ("DP step", cfg.dp_batch_size, cfg.dp_microbatches)):
+    for name, bs, g in (
+        ("learner step", cfg.diloco.batch_size, cfg.learner_microbatches),
+        ("DP step", cfg.dp_batch_size, cfg.dp_microbatches),
+    ):
         rows += [(name, bs, 1)] + ([(name, bs, g)] if g > 1 else [])
     tx = make_inner_tx(cfg.diloco.inner, 1000)  # one optimizer object: one compile per step shape
     runners: dict[tuple, Callable[[int], float]] = {}
@@ -239,10 +263,14 @@ def main() -> None:
             run(STEPS)
             times[key].append((time.perf_counter() - t) / STEPS)
 
-    print(f"ms per step: median of {args.repeats} turns of {STEPS} steps; "
-          f"ratio = PyTorch time / ours (> 1: ours faster); load average now {load_average()}")
-    print(f"{'step':<14}{'rows':>5}{'micro':>6}  {'ours ms':>8}{'torch ms':>9}{'ratio':>7}  "
-          f"{'ours tok/s':>10}{'MFU':>7}  {'torch tok/s':>11}{'MFU':>7}")
+    print(
+        f"ms per step: median of {args.repeats} turns of {STEPS} steps; "
+        f"ratio = PyTorch time / ours (> 1: ours faster); load average now {load_average()}"
+    )
+    print(
+        f"{'step':<14}{'rows':>5}{'micro':>6}  {'ours ms':>8}{'torch ms':>9}{'ratio':>7}  "
+        f"{'ours tok/s':>10}{'MFU':>7}  {'torch tok/s':>11}{'MFU':>7}"
+    )
     for name, bs, g in rows:
         tokens = bs * L
         ours_s = statistics.median(times[(name, bs, g, "jax")])

@@ -96,9 +96,9 @@ class DecoderLM(nn.Module):
         d = cfg.d_model
         self.embed = nn.Embedding(vocab_size, d)
         nn.init.normal_(self.embed.weight, std=0.02)
-        self.blocks = nn.ModuleList([
-            Block(d, cfg.n_heads, cfg.d_ff, cfg.n_layers, seq_len, cfg.rope_theta) for _ in range(cfg.n_layers)
-        ])
+        self.blocks = nn.ModuleList(
+            [Block(d, cfg.n_heads, cfg.d_ff, cfg.n_layers, seq_len, cfg.rope_theta) for _ in range(cfg.n_layers)]
+        )
         self.final_norm = nn.RMSNorm(d, eps=1e-6)
         self.head = None if cfg.tie_embeddings else nn.Linear(d, vocab_size, bias=False)
         if self.head is not None:
@@ -132,17 +132,27 @@ class TorchTrainer:
     update — as ``training.step.make_train_step``. ``inner``: an ``InnerOptConfig``.
     """
 
-    def __init__(self, model_cfg, inner, vocab_size: int, seq_len: int, microbatches: int = 1,
-                 total_steps: int = 1000, seed: int = 0):
+    def __init__(
+        self,
+        model_cfg,
+        inner,
+        vocab_size: int,
+        seq_len: int,
+        microbatches: int = 1,
+        total_steps: int = 1000,
+        seed: int = 0,
+    ):
         torch.set_num_threads(cores())
         torch.manual_seed(seed)
         self.model = DecoderLM(model_cfg, vocab_size, seq_len)
         self.microbatches, self.clip = microbatches, inner.grad_clip
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=inner.lr, betas=(inner.b1, inner.b2), eps=1e-8,
-                                     weight_decay=inner.weight_decay)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=inner.lr, betas=(inner.b1, inner.b2), eps=1e-8, weight_decay=inner.weight_decay
+        )
         warmup = min(inner.warmup_steps, max(total_steps - 1, 0))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: warmup_cosine(s, 1.0, warmup, max(total_steps, warmup + 1), inner.final_lr_frac))
+            self.opt, lambda s: warmup_cosine(s, 1.0, warmup, max(total_steps, warmup + 1), inner.final_lr_frac)
+        )
 
     def step(self, batch_BT: torch.Tensor) -> torch.Tensor:
         self.opt.zero_grad(set_to_none=True)

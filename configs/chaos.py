@@ -69,10 +69,12 @@ class Presence(_Frozen):
     leave_s: PositiveFloat | None = Field(None, description="seconds of training at which it leaves; unset = never")
 
     @model_validator(mode="after")
-    def _check(self) -> "Presence":
+    def _check(self) -> Presence:
         if self.leave_s is not None and self.leave_s <= self.join_s:
-            raise ValueError(f"a scavenged learner leaves (leave_s {self.leave_s:g}) before it joins (join_s "
-                             f"{self.join_s:g}): set leave_s > join_s, or unset it")
+            raise ValueError(
+                f"a scavenged learner leaves (leave_s {self.leave_s:g}) before it joins (join_s "
+                f"{self.join_s:g}): set leave_s > join_s, or unset it"
+            )
         return self
 
 
@@ -92,27 +94,40 @@ class ChaosPlan(_Frozen):
     made from ``seed`` (and the learner's index) alone, so a plan always gives the same schedule."""
 
     seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of every draw")
-    horizon_s: PositiveFloat = Field(120.0, description="events are drawn over this many seconds of training "
-                                     "(those past the end of a run never fire)")
-    mtbf_s: PositiveFloat | None = Field(None, description="per-learner mean time between failures, seconds "
-                                         "(a Poisson process, renewed at each restart); unset = no failures")
-    restart_delay: RestartDelay = Field(default_factory=RestartDelay,
-                                        description="restart delay law after a failure (exponentiated Weibull)")
+    horizon_s: PositiveFloat = Field(
+        120.0,
+        description="events are drawn over this many seconds of training (those past the end of a run never fire)",
+    )
+    mtbf_s: PositiveFloat | None = Field(
+        None,
+        description="per-learner mean time between failures, seconds "
+        "(a Poisson process, renewed at each restart); unset = no failures",
+    )
+    restart_delay: RestartDelay = Field(
+        default_factory=RestartDelay, description="restart delay law after a failure (exponentiated Weibull)"
+    )
     how: Literal["auto", "raise", "sigkill"] = Field(
-        "auto", description="how a failure is carried out: raise (an exception, retried by Prefect), sigkill "
+        "auto",
+        description="how a failure is carried out: raise (an exception, retried by Prefect), sigkill "
         "(the learner's process is killed, re-run by the engine: runtime.engine ray or dask), auto (sigkill on "
-        "ray and dask, raise on threads)")
+        "ray and dask, raise on threads)",
+    )
     straggler_every_s: PositiveFloat | None = Field(
-        None, description="per-learner mean time between straggler episodes, seconds; unset = none")
+        None, description="per-learner mean time between straggler episodes, seconds; unset = none"
+    )
     straggler_s: PositiveFloat = Field(5.0, description="mean length of a straggler episode, seconds (exponential)")
     straggler_factor: float = Field(2.0, gt=1.0, description="step-time multiplier during a straggler episode")
     heterogeneity: list[Annotated[float, Field(ge=1.0)]] | None = Field(
-        None, description="permanent step-time multiplier per learner, one per learner (1.0 = full speed; "
-        "e.g. [1, 1, 1.18, 1.18]: two learners on an older accelerator generation)")
-    scavenged: list[Presence] = Field(default_factory=list, description="learners that join and leave: "
-                                      "[{learner, join_s, leave_s}]")
-    corrupt: list[Corruption] = Field(default_factory=list, description="submissions damaged in flight: "
-                                      "[{learner, at_s, kind}]")
+        None,
+        description="permanent step-time multiplier per learner, one per learner (1.0 = full speed; "
+        "e.g. [1, 1, 1.18, 1.18]: two learners on an older accelerator generation)",
+    )
+    scavenged: list[Presence] = Field(
+        default_factory=list, description="learners that join and leave: [{learner, join_s, leave_s}]"
+    )
+    corrupt: list[Corruption] = Field(
+        default_factory=list, description="submissions damaged in flight: [{learner, at_s, kind}]"
+    )
 
 
 # --- the schedule (explicit events) ------------------------------------------------------------
@@ -154,13 +169,19 @@ class ChaosSchedule(_Frozen):
     corruptions: list[Corruption] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _check(self) -> "ChaosSchedule":
-        for kind, events in (("failures", self.failures), ("slowdowns", self.slowdowns),
-                             ("presence", self.presence), ("corruptions", self.corruptions)):
+    def _check(self) -> ChaosSchedule:
+        for kind, events in (
+            ("failures", self.failures),
+            ("slowdowns", self.slowdowns),
+            ("presence", self.presence),
+            ("corruptions", self.corruptions),
+        ):
             for i, e in enumerate(events):
                 if e.learner >= self.learners:
-                    raise ValueError(f"chaos schedule {kind}[{i}].learner ({e.learner}) must be < the "
-                                     f"schedule's learners ({self.learners})")
+                    raise ValueError(
+                        f"chaos schedule {kind}[{i}].learner ({e.learner}) must be < the "
+                        f"schedule's learners ({self.learners})"
+                    )
         seen: set[int] = set()
         for p in self.presence:
             if p.learner in seen:
@@ -170,8 +191,10 @@ class ChaosSchedule(_Frozen):
             mine = self.learner_failures(m)
             for a, b in zip(mine, mine[1:]):
                 if b.at_s < a.at_s + a.restart_delay_s:
-                    raise ValueError(f"chaos schedule: learner {m} fails at {b.at_s:g} s while still down from its "
-                                     f"failure at {a.at_s:g} s (restart at {a.at_s + a.restart_delay_s:g} s)")
+                    raise ValueError(
+                        f"chaos schedule: learner {m} fails at {b.at_s:g} s while still down from its "
+                        f"failure at {a.at_s:g} s (restart at {a.at_s + a.restart_delay_s:g} s)"
+                    )
         return self
 
     # views
@@ -194,8 +217,7 @@ class ChaosSchedule(_Frozen):
 
     def dp_factor(self, t: float) -> float:
         """The DP step-time factor at ``t``: the slowest replica sets the pace of a lock-step job."""
-        return max((e.factor for e in self.slowdowns if e.from_s <= t and (e.to_s is None or t < e.to_s)),
-                   default=1.0)
+        return max((e.factor for e in self.slowdowns if e.from_s <= t and (e.to_s is None or t < e.to_s)), default=1.0)
 
     @property
     def empty(self) -> bool:
@@ -206,7 +228,7 @@ class ChaosSchedule(_Frozen):
         return self.model_dump_json(indent=2)
 
     @classmethod
-    def loads(cls, text: str) -> "ChaosSchedule":
+    def loads(cls, text: str) -> ChaosSchedule:
         return cls.model_validate_json(text)
 
 
@@ -277,16 +299,25 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
                 if t >= plan.horizon_s:
                     break
                 length = float(rng.exponential(plan.straggler_s))
-                slowdowns.append(Episode(learner=m, factor=plan.straggler_factor, from_s=round(t, 3),
-                                         to_s=round(t + length, 3)))
+                slowdowns.append(
+                    Episode(learner=m, factor=plan.straggler_factor, from_s=round(t, 3), to_s=round(t + length, 3))
+                )
                 t += length
     for m, factor in enumerate(plan.heterogeneity or []):
         if factor > 1.0:
             slowdowns.append(Episode(learner=m, factor=factor, kind="heterogeneity"))
     if plan.heterogeneity is not None and len(plan.heterogeneity) != learners:
-        raise ValueError(f"chaos.schedule.heterogeneity lists {len(plan.heterogeneity)} factors for "
-                         f"{learners} learners (diloco.learners): give one per learner (1.0 = full speed)")
+        raise ValueError(
+            f"chaos.schedule.heterogeneity lists {len(plan.heterogeneity)} factors for "
+            f"{learners} learners (diloco.learners): give one per learner (1.0 = full speed)"
+        )
     failures.sort(key=lambda f: (f.at_s, f.learner))
-    return ChaosSchedule(learners=learners, seed=plan.seed, plan=plan.model_dump(mode="json"), failures=failures,
-                         slowdowns=slowdowns,
-                         presence=list(plan.scavenged), corruptions=list(plan.corrupt))
+    return ChaosSchedule(
+        learners=learners,
+        seed=plan.seed,
+        plan=plan.model_dump(mode="json"),
+        failures=failures,
+        slowdowns=slowdowns,
+        presence=list(plan.scavenged),
+        corruptions=list(plan.corrupt),
+    )

@@ -15,8 +15,18 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, ValidationError,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 
@@ -48,26 +58,36 @@ class DataConfig(_Strict):
     """
 
     source: Literal["shakespeare", "local", "hf", "digits", "hf_images", "imagefolder"] = Field(
-        "shakespeare", description="text: shakespeare (embedded default corpus), local (data.paths) or hf "
-        "(data.hf_name); images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])"
+        "shakespeare",
+        description="text: shakespeare (embedded default corpus), local (data.paths) or hf "
+        "(data.hf_name); images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])",
     )
-    paths: list[str] = Field(default_factory=list, description="local files for source=local; for imagefolder the "
-                             "folder of class sub-folders (optionally below train/, val/, test/), or a zip/tar of it")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="local files for source=local; for imagefolder the "
+        "folder of class sub-folders (optionally below train/, val/, test/), or a zip/tar of it",
+    )
     image_column: str = Field("image", description="column holding the images (hf_images)")
     label_column: str = Field("label", description="column holding the integer class labels (hf_images)")
     image_size: PositiveInt | None = Field(
-        None, description="resize images to this square side, pixels (hf_images, imagefolder); unset = as stored")
+        None, description="resize images to this square side, pixels (hf_images, imagefolder); unset = as stored"
+    )
     channels: Literal[1, 3] | None = Field(
-        None, description="channels every image is converted to: 1 (grey) or 3 (RGB; palette colours kept, "
-        "transparency flattened onto white); unset = 1 when every image is grey, else 3")
-    val_fraction: float = Field(0.1, gt=0.0, lt=0.5, description="share of the images held out for validation (stratified)")
+        None,
+        description="channels every image is converted to: 1 (grey) or 3 (RGB; palette colours kept, "
+        "transparency flattened onto white); unset = 1 when every image is grey, else 3",
+    )
+    val_fraction: float = Field(
+        0.1, gt=0.0, lt=0.5, description="share of the images held out for validation (stratified)"
+    )
     test_fraction: float = Field(0.2, gt=0.0, lt=0.5, description="share of the images held out for test (stratified)")
     text_field: str = Field("text", description="column holding the text in .jsonl/.parquet files and hub datasets")
     hf_name: str | None = Field(None, description="Hugging Face dataset name (or a local dataset folder) for source=hf")
     hf_split: str = Field("train", description="split of the Hugging Face dataset to read")
     encoding: str | None = Field(
-        None, description="text encoding of local .txt files (e.g. latin-1); unset = UTF-8, and a "
-        "file that is not valid UTF-8 is refused naming the file and the first bad byte"
+        None,
+        description="text encoding of local .txt files (e.g. latin-1); unset = UTF-8, and a "
+        "file that is not valid UTF-8 is refused naming the file and the first bad byte",
     )
     cache_dir: str | None = Field(
         default=None, description="where downloaded corpora are cached; default ~/.cache/ddiloco"
@@ -75,8 +95,11 @@ class DataConfig(_Strict):
     val_docs: PositiveInt = Field(2, description="whole documents (plays) held out for validation")
     test_docs: PositiveInt = Field(2, description="whole documents (plays) held out for test")
     finetune_docs: int = Field(
-        0, ge=0, description="whole documents (plays) held out of pretraining and of its evaluation, "
-        "for the embedded fine-tuning task (finetune.source: speakers)")
+        0,
+        ge=0,
+        description="whole documents (plays) held out of pretraining and of its evaluation, "
+        "for the embedded fine-tuning task (finetune.source: speakers)",
+    )
     vocab_size: int = Field(2048, ge=260, le=65536, description="byte-level BPE vocabulary size")
     seq_len: int = Field(128, ge=8, description="tokens per packed training sequence")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the held-out document split")
@@ -87,22 +110,27 @@ class DataConfig(_Strict):
         return "image" if self.source in IMAGE_SOURCES else "text"
 
     @model_validator(mode="after")
-    def _check_source(self) -> "DataConfig":
+    def _check_source(self) -> DataConfig:
         wrong = _TEXT_ONLY if self.modality == "image" else _IMAGE_ONLY
         # set to something other than its default (a full dump of a config, e.g. a deployment's
         # parameters, carries every field at its default and stays valid)
-        given = sorted(f for f in set(wrong) & self.model_fields_set
-                       if getattr(self, f) != type(self).model_fields[f].default)
+        given = sorted(
+            f for f in set(wrong) & self.model_fields_set if getattr(self, f) != type(self).model_fields[f].default
+        )
         if given:
             other = "text" if self.modality == "image" else "image"
             raise ValueError(f"data.{given[0]} applies to {other} sources, not data.source: {self.source}; remove it")
         if self.source == "imagefolder" and len(self.paths) != 1:
-            raise ValueError("data.paths must hold exactly one folder (of class sub-folders) or a zip/tar archive of "
-                             "one for data.source: imagefolder")
+            raise ValueError(
+                "data.paths must hold exactly one folder (of class sub-folders) or a zip/tar archive of "
+                "one for data.source: imagefolder"
+            )
         if self.source == "hf_images" and not self.hf_name:
             raise ValueError("data.hf_name must be set when data.source is 'hf_images'")
         if self.source == "digits" and (self.paths or self.hf_name or self.image_size):
-            raise ValueError("data.source: digits is the bundled dataset; remove data.paths, data.hf_name and data.image_size")
+            raise ValueError(
+                "data.source: digits is the bundled dataset; remove data.paths, data.hf_name and data.image_size"
+            )
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("data.val_fraction + data.test_fraction must leave ≥ 10 % of the images for training")
         if self.source == "local" and not self.paths:
@@ -136,9 +164,7 @@ class _DecoderLMFields(_Strict):
     @model_validator(mode="after")
     def _check_heads(self):
         if self.d_model % self.n_heads:
-            raise ValueError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})"
-            )
+            raise ValueError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads})")
         if (self.d_model // self.n_heads) % 2:
             raise ValueError("model.d_model / model.n_heads must be even for RoPE")
         return self
@@ -156,13 +182,17 @@ class MoEFields(_Strict):
     n_experts: int = Field(8, ge=1, le=256, description="experts per MoE layer (E)")
     top_k: int = Field(2, ge=1, le=2, description="experts each token is routed to (k = 1 as Switch, 2 as GShard)")
     moe_every: PositiveInt = Field(
-        2, description="every moe_every-th block has an MoE layer in place of its MLP (2: blocks 2, 4, …)")
+        2, description="every moe_every-th block has an MoE layer in place of its MLP (2: blocks 2, 4, …)"
+    )
     expert_d_ff: PositiveInt | None = Field(None, description="SwiGLU hidden width of each expert; unset = d_ff")
     capacity_factor: PositiveFloat | None = Field(
-        1.25, description="expert slots per group = ⌈capacity_factor · top_k · tokens / n_experts⌉; "
-        "choices beyond it are dropped (counted); capacity_factor · top_k must be ≥ 1; null = dropless")
+        1.25,
+        description="expert slots per group = ⌈capacity_factor · top_k · tokens / n_experts⌉; "
+        "choices beyond it are dropped (counted); capacity_factor · top_k must be ≥ 1; null = dropless",
+    )
     aux_loss_weight: float = Field(
-        0.01, ge=0.0, description="weight α of the Switch Transformer load-balancing loss E·Σ f_e·P_e")
+        0.01, ge=0.0, description="weight α of the Switch Transformer load-balancing loss E·Σ f_e·P_e"
+    )
     z_loss_weight: float = Field(0.001, ge=0.0, description="weight of the ST-MoE router z-loss")
 
     @model_validator(mode="after")
@@ -175,7 +205,8 @@ class MoEFields(_Strict):
                 f"model.capacity_factor ({cf}) × model.top_k ({self.top_k}) = {cf * self.top_k:g} < 1: the experts "
                 f"would have fewer slots than a group has tokens, so at least {1 - cf * self.top_k:.0%} of the tokens "
                 f"would reach no expert even under a perfectly balanced router; use ≥ {1 / self.top_k:g} (1.25 is "
-                "usual), or null for dropless")
+                "usual), or null for dropless"
+            )
         if self.moe_every > self.n_layers:
             raise ValueError(
                 f"model.moe_every ({self.moe_every}) exceeds model.n_layers ({self.n_layers}): no block "
@@ -241,10 +272,17 @@ def _model_kind(value) -> str | None:
 # The model section: one member per kind in the registry (models/), picked by ``kind`` (pydantic
 # names the allowed kinds when it is unknown).
 ModelConfig = Annotated[
-    Union[Annotated[DenseLMConfig, Tag("dense_lm")], Annotated[MoELMConfig, Tag("moe_lm")],  # noqa: UP007
-          Annotated[ViTConfig, Tag("vit")], Annotated[ViTMoEConfig, Tag("vit_moe")]],
-    Discriminator(_model_kind, custom_error_type="model_kind",
-                  custom_error_message=f"unknown model kind; choose one of {', '.join(MODEL_KINDS)}"),
+    Union[  # noqa: UP007
+        Annotated[DenseLMConfig, Tag("dense_lm")],
+        Annotated[MoELMConfig, Tag("moe_lm")],
+        Annotated[ViTConfig, Tag("vit")],
+        Annotated[ViTMoEConfig, Tag("vit_moe")],
+    ],
+    Discriminator(
+        _model_kind,
+        custom_error_type="model_kind",
+        custom_error_message=f"unknown model kind; choose one of {', '.join(MODEL_KINDS)}",
+    ),
 ]
 
 
@@ -268,16 +306,20 @@ class WireConfig(_Strict):
     scales per tensor or per block. The syncer publishes float32 whatever this says."""
 
     dtype: Literal["float32", "bfloat16", "int8", "int4"] = Field(
-        "float32", description="what learners send the syncer: float32 (θ exactly, 4 bytes a value), "
+        "float32",
+        description="what learners send the syncer: float32 (θ exactly, 4 bytes a value), "
         "bfloat16 (Δ rounded to bfloat16, 2 bytes), int8 (Δ as codes in [−127, 127] times a float32 scale, "
         "about 1 byte) or int4 (codes in [−7, 7], two per byte, about ½ byte); Δ = θ − the global fragment "
-        "last received. Publishing (syncer to learners) stays float32")
+        "last received. Publishing (syncer to learners) stays float32",
+    )
     block_size: PositiveInt | None = Field(
-        None, description="int8/int4: values per scale (a float32 absmax scale per block of this many values "
-        "of a tensor: a smaller block is more precise and costs 4 bytes a block); unset = one scale per tensor")
+        None,
+        description="int8/int4: values per scale (a float32 absmax scale per block of this many values "
+        "of a tensor: a smaller block is more precise and costs 4 bytes a block); unset = one scale per tensor",
+    )
 
     @model_validator(mode="after")
-    def _check_block(self) -> "WireConfig":
+    def _check_block(self) -> WireConfig:
         if self.block_size is not None and self.dtype not in ("int8", "int4"):
             raise ValueError(f"diloco.wire.block_size applies to int8 and int4 only, not {self.dtype}; unset it")
         return self
@@ -296,94 +338,125 @@ class DiLoCoConfig(_Strict):
     are silent the value is ours (see the README).
     """
 
-    enabled: bool = Field(True, description="train Decoupled DiLoCo (false: the DP baseline only, e.g. a tuning "
-                          "trial of DP's settings; dp.enabled must then be true)")
+    enabled: bool = Field(
+        True,
+        description="train Decoupled DiLoCo (false: the DP baseline only, e.g. a tuning "
+        "trial of DP's settings; dp.enabled must then be true)",
+    )
     learners: PositiveInt = Field(4, description="M, number of learners")
     fragments: PositiveInt = Field(4, description="P, number of parameter fragments")
     sync_every: PositiveInt = Field(32, description="H, inner steps between two sends of a fragment")
     quorum: PositiveInt = Field(3, description="K, minimum distinct learners before a merge")
-    grace_s: float = Field(3.0, ge=0.0, description="fixed grace window after quorum, seconds (with "
-                           "diloco.grace adaptive: the window until enough step times are measured)")
+    grace_s: float = Field(
+        3.0,
+        ge=0.0,
+        description="fixed grace window after quorum, seconds (with "
+        "diloco.grace adaptive: the window until enough step times are measured)",
+    )
     grace: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="grace window after quorum: fixed (diloco.grace_s) or adaptive (the paper's "
-        "Eq. 3: clamp(γ·(τ·t_step − t_quorum − t_sync), 0, cap), measured online)")
+        "fixed",
+        description="grace window after quorum: fixed (diloco.grace_s) or adaptive (the paper's "
+        "Eq. 3: clamp(γ·(τ·t_step − t_quorum − t_sync), 0, cap), measured online)",
+    )
     grace_gamma: PositiveFloat = Field(
-        0.5, le=1.0, description="γ of the adaptive grace window: the share of the measured slack the syncer "
-        "waits (the paper does not publish its value; 0.5 is ours)")
+        0.5,
+        le=1.0,
+        description="γ of the adaptive grace window: the share of the measured slack the syncer "
+        "waits (the paper does not publish its value; 0.5 is ours)",
+    )
     grace_overlap_steps: PositiveInt | None = Field(
-        None, description="τ of the adaptive grace window: inner steps a fragment's round trip may take "
+        None,
+        description="τ of the adaptive grace window: inner steps a fragment's round trip may take "
         "without costing a learner anything; unset = diloco.overlap_steps, or H (diloco.sync_every: the "
-        "merged fragment is due before the learner sends that fragment again)")
+        "merged fragment is due before the learner sends that fragment again)",
+    )
     grace_cap_s: float | None = Field(
-        None, ge=0.0, description="cap of the adaptive grace window, seconds; unset = one measured inner step")
+        None, ge=0.0, description="cap of the adaptive grace window, seconds; unset = one measured inner step"
+    )
     merge: Literal["mean", "token_weighted", "rda"] = Field(
-        "token_weighted", description="merge rule: mean, token_weighted (w = tokens²/steps) or rda "
-        "(radial-directional averaging)"
+        "token_weighted",
+        description="merge rule: mean, token_weighted (w = tokens²/steps) or rda (radial-directional averaging)",
     )
     outer_lr: PositiveFloat = Field(0.7, description="outer SGD learning rate")
     outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum μ; 0 = plain SGD")
     outer_nesterov: bool = Field(True, description="Nesterov momentum in the outer step (with μ > 0)")
     receipt: Literal["overwrite", "mix", "keep_in_flight"] = Field(
-        "overwrite", description="what a learner does with its fragment when a newer global one "
+        "overwrite",
+        description="what a learner does with its fragment when a newer global one "
         "arrives: overwrite (θ ← Θ, the paper), mix (θ ← α·θ_local + (1−α)·Θ, diloco.mix_alpha) or "
-        "keep_in_flight (θ ← Θ + (θ_local − θ_sent): keep the steps taken while it was in flight)"
+        "keep_in_flight (θ ← Θ + (θ_local − θ_sent): keep the steps taken while it was in flight)",
     )
     mix_alpha: float = Field(0.5, gt=0.0, lt=1.0, description="α of the mix receipt rule")
     compute_slots: int = Field(
-        1, ge=0, description="learners on one host step in first-come turns, at most this many at "
+        1,
+        ge=0,
+        description="learners on one host step in first-come turns, at most this many at "
         "once (threads of one process, or the learner processes of one host on Ray/Dask); 0 = "
         "unpaced (the OS scheduler decides, and co-located learners drift apart); set it to the "
         "number of learners that have their own devices on a host (threads on accelerators: the "
-        "turns are per device slice already, learners on different GPUs never wait for each other)"
+        "turns are per device slice already, learners on different GPUs never wait for each other)",
     )
     max_staleness: int = Field(
         1, ge=0, description="merge a late submission at most this many versions behind; else drop"
     )
     overlap_steps: PositiveInt | None = Field(
-        None, description="τ: a fragment a learner sent must be merged back within this many of its inner steps, "
+        None,
+        description="τ: a fragment a learner sent must be merged back within this many of its inner steps, "
         "or the learner waits for it (the paper's overlapped communication: waiting is lost goodput); unset = "
-        "never wait (merges are applied whenever they arrive)")
+        "never wait (merges are applied whenever they arrive)",
+    )
     wire: WireConfig = WireConfig()
     heartbeat_timeout_s: PositiveFloat = Field(
         10.0, description="a learner silent this long is treated as down by the syncer"
     )
     warn_dropped_fraction: float = Field(
-        0.05, ge=0.0, le=1.0, description="warn (log and report) when more than this fraction of the "
-        "learners' processed tokens was dropped by the syncer (non-finite, stale, superseded, ...)"
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="warn (log and report) when more than this fraction of the "
+        "learners' processed tokens was dropped by the syncer (non-finite, stale, superseded, ...)",
     )
     max_dropped_fraction: float = Field(
-        0.5, ge=0.0, le=1.0, description="the run fails (non-zero exit, after the report is written) "
-        "when more than this fraction of the learners' processed tokens was dropped"
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="the run fails (non-zero exit, after the report is written) "
+        "when more than this fraction of the learners' processed tokens was dropped",
     )
     batch_size: PositiveInt = Field(8, description="sequences per learner inner step")
     inner: InnerOptConfig = InnerOptConfig()
     learner_retries: int = Field(2, ge=0, description="Prefect retries for each learner task")
     resume_every_steps: int = Field(
-        100, ge=0, description="a learner saves its resume point (local step, data cursor, tokens, "
+        100,
+        ge=0,
+        description="a learner saves its resume point (local step, data cursor, tokens, "
         "inner optimizer state; Orbax, ~0.15 s for the default model on 2 CPU cores) every this many "
         "inner steps, so a retry, in this process or a fresh one, resumes there with its Adam moments; "
-        "0 = never (a retry starts again at step 0 with a fresh optimizer)"
+        "0 = never (a retry starts again at step 0 with a fresh optimizer)",
     )
-    retry_delay_s: float = Field(3.0, ge=0.0, description="seconds before Prefect retries a failed learner "
-                                 "or syncer task")
+    retry_delay_s: float = Field(
+        3.0, ge=0.0, description="seconds before Prefect retries a failed learner or syncer task"
+    )
     syncer_retries: int = Field(
-        2, ge=0, description="Prefect retries for the syncer task with runtime.exchange fsspec: a retry takes "
+        2,
+        ge=0,
+        description="Prefect retries for the syncer task with runtime.exchange fsspec: a retry takes "
         "office (fencing out the failed attempt), loads the newest syncer checkpoint and replays the journal "
-        "after it, losing and repeating no merge; the in-process exchange's syncer is not retried"
+        "after it, losing and repeating no merge; the in-process exchange's syncer is not retried",
     )
     syncer_checkpoint_every_s: float = Field(
-        30.0, ge=0.0, description="with runtime.exchange fsspec, the syncer checkpoints its state (global "
+        30.0,
+        ge=0.0,
+        description="with runtime.exchange fsspec, the syncer checkpoints its state (global "
         "fragments, outer momentum, versions, token ledger; Orbax in pretrain/diloco/syncer/) every this many "
         "seconds and at the end; submissions and journal entries are deleted once two checkpoints cover them, "
-        "so this also bounds the exchange's storage; 0 = only at the end"
+        "so this also bounds the exchange's storage; 0 = only at the end",
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "DiLoCoConfig":
+    def _check(self) -> DiLoCoConfig:
         if self.quorum > self.learners:
-            raise ValueError(
-                f"diloco.quorum (K={self.quorum}) must be ≤ diloco.learners (M={self.learners})"
-            )
+            raise ValueError(f"diloco.quorum (K={self.quorum}) must be ≤ diloco.learners (M={self.learners})")
         if self.warn_dropped_fraction > self.max_dropped_fraction:
             raise ValueError(
                 f"diloco.warn_dropped_fraction ({self.warn_dropped_fraction}) must be ≤ "
@@ -398,14 +471,17 @@ class DPConfig(_Strict):
     inner: InnerOptConfig = InnerOptConfig()
     batch_size: PositiveInt = Field(32, description="global batch: sequences per DP step (all replicas together)")
     workers: PositiveInt = Field(
-        4, description="data-parallel replicas the global batch is split over; sets the all-reduce "
-        "bytes the report counts (a ring all-reduce per step)"
+        4,
+        description="data-parallel replicas the global batch is split over; sets the all-reduce "
+        "bytes the report counts (a ring all-reduce per step)",
     )
     enabled: bool = Field(True, description="train the DP baseline (false: DiLoCo only)")
     checkpoint_every_steps: PositiveInt | None = Field(
-        None, description="DP saves a checkpoint (Orbax: parameters, optimizer state, data cursor) every this many "
+        None,
+        description="DP saves a checkpoint (Orbax: parameters, optimizer state, data cursor) every this many "
         "steps; a chaos failure rolls the job back to the last one; unset = every 50 steps when the chaos "
-        "schedule fails DP, else never")
+        "schedule fails DP, else never",
+    )
 
 
 class FailureSpec(_Strict):
@@ -427,11 +503,15 @@ class SyncerFailureSpec(_Strict):
 
     at_merge: PositiveInt = Field(description="the merge (1, 2, … over the run) after which the syncer raises")
     when: Literal["before_publish", "after_publish"] = Field(
-        "before_publish", description="before_publish: after the merge's journal entry, before its publish; "
-        "after_publish: right after the publish")
+        "before_publish",
+        description="before_publish: after the merge's journal entry, before its publish; "
+        "after_publish: right after the publish",
+    )
     how: Literal["raise", "sigkill"] = Field(
-        "raise", description="raise: an exception, retried by Prefect in the same worker; sigkill: the "
-        "syncer's process is killed (runtime.engine ray or dask), re-run by the engine in a new process")
+        "raise",
+        description="raise: an exception, retried by Prefect in the same worker; sigkill: the "
+        "syncer's process is killed (runtime.engine ray or dask), re-run by the engine in a new process",
+    )
 
 
 class RuntimeConfig(_Strict):
@@ -439,49 +519,59 @@ class RuntimeConfig(_Strict):
     learner trains."""
 
     engine: Literal["threads", "ray", "dask"] = Field(
-        "threads", description="task runner for the learner and syncer tasks: threads (one process; "
+        "threads",
+        description="task runner for the learner and syncer tasks: threads (one process; "
         "Prefect's ThreadPoolTaskRunner), ray (prefect-ray's RayTaskRunner) or dask (prefect-dask's "
-        "DaskTaskRunner): with ray and dask every learner and the syncer run in their own process"
+        "DaskTaskRunner): with ray and dask every learner and the syncer run in their own process",
     )
     address: str | None = Field(
-        None, description="an existing cluster to run on: a Ray address (ray://host:10001, or auto) "
-        "or a Dask scheduler (tcp://host:8786); unset = a local cluster started for the run"
+        None,
+        description="an existing cluster to run on: a Ray address (ray://host:10001, or auto) "
+        "or a Dask scheduler (tcp://host:8786); unset = a local cluster started for the run",
     )
     exchange: Literal["memory", "fsspec"] | None = Field(
-        None, description="how learners and the syncer exchange fragments: memory (threads of one "
+        None,
+        description="how learners and the syncer exchange fragments: memory (threads of one "
         "process) or fsspec (durable objects in runtime.exchange_url, any process or host); unset = "
-        "fsspec with ray, dask or an exchange_url, else memory"
+        "fsspec with ray, dask or an exchange_url, else memory",
     )
     exchange_url: str | None = Field(
-        None, description="fsspec URL of the exchange (a shared folder, s3://bucket/prefix, "
-        "gs://bucket/prefix); unset = pretrain/diloco/exchange inside the run directory"
+        None,
+        description="fsspec URL of the exchange (a shared folder, s3://bucket/prefix, "
+        "gs://bucket/prefix); unset = pretrain/diloco/exchange inside the run directory",
     )
     exchange_poll_s: PositiveFloat = Field(
-        0.02, description="seconds between two reads of the fsspec exchange's pointer and inbox "
-        "(bounds the storage request rate of each process)"
+        0.02,
+        description="seconds between two reads of the fsspec exchange's pointer and inbox "
+        "(bounds the storage request rate of each process)",
     )
     start_wait_s: float = Field(
-        120.0, ge=0.0, description="ray and dask: before its first step a learner waits at most this long "
+        120.0,
+        ge=0.0,
+        description="ray and dask: before its first step a learner waits at most this long "
         "(seconds) for all learners to be up (processes start seconds apart: each imports JAX and compiles); "
         "0 = no wait. "
-        "Once training has started no learner waits for another"
+        "Once training has started no learner waits for another",
     )
     max_workers: PositiveInt | None = Field(
-        None, description="threads of the task runner; unset = learners + 2 (every learner, the "
-        "syncer and the flow's own waits at once)"
+        None,
+        description="threads of the task runner; unset = learners + 2 (every learner, the "
+        "syncer and the flow's own waits at once)",
     )
     learner_gpus: NonNegativeInt | None = Field(
-        None, description="GPUs Ray reserves for each learner task (runtime.engine ray): Ray sets "
+        None,
+        description="GPUs Ray reserves for each learner task (runtime.engine ray): Ray sets "
         "CUDA_VISIBLE_DEVICES, so learners train on disjoint GPUs, and learners with GPUs of their own "
         "skip the host's compute turns; unset = runtime.devices_per_learner when the Ray cluster has "
-        "at least diloco.learners × that many GPUs, else 0 (CPU, or learners share the GPUs)"
+        "at least diloco.learners × that many GPUs, else 0 (CPU, or learners share the GPUs)",
     )
     devices_per_learner: PositiveInt = Field(
-        1, description="devices each DiLoCo learner trains on, data-parallel (a jax.sharding mesh: "
+        1,
+        description="devices each DiLoCo learner trains on, data-parallel (a jax.sharding mesh: "
         "parameters replicated, each batch split by rows); learner m takes devices [m·d, (m+1)·d) of "
         "the process, wrapping round (learners then share devices) when there are fewer than "
         "learners × d; must divide the device count and diloco.batch_size (and "
-        "train.microbatch_size). The DP baseline uses every device of the process."
+        "train.microbatch_size). The DP baseline uses every device of the process.",
     )
 
     @property
@@ -492,23 +582,32 @@ class RuntimeConfig(_Strict):
         return "fsspec" if self.engine != "threads" or self.exchange_url else "memory"
 
     @model_validator(mode="after")
-    def _check(self) -> "RuntimeConfig":
+    def _check(self) -> RuntimeConfig:
         if self.engine != "threads" and self.exchange == "memory":
-            raise ValueError(f"runtime.exchange memory cannot reach learners in other processes "
-                             f"(runtime.engine {self.engine}); use runtime.exchange fsspec or unset it")
+            raise ValueError(
+                f"runtime.exchange memory cannot reach learners in other processes "
+                f"(runtime.engine {self.engine}); use runtime.exchange fsspec or unset it"
+            )
         if self.address is not None and self.engine == "threads":
-            raise ValueError("runtime.address names a Ray or Dask cluster: set runtime.engine ray or dask, "
-                             "or unset runtime.address")
+            raise ValueError(
+                "runtime.address names a Ray or Dask cluster: set runtime.engine ray or dask, or unset runtime.address"
+            )
         if self.engine != "threads" and (self.exchange_url or "").startswith("memory://"):
-            raise ValueError(f"runtime.exchange_url {self.exchange_url}: a memory:// store lives in one process and "
-                             f"cannot be shared by the worker processes of runtime.engine {self.engine}; use a shared "
-                             "folder or object storage (s3://, gs://), or unset it")
+            raise ValueError(
+                f"runtime.exchange_url {self.exchange_url}: a memory:// store lives in one process and "
+                f"cannot be shared by the worker processes of runtime.engine {self.engine}; use a shared "
+                "folder or object storage (s3://, gs://), or unset it"
+            )
         if self.learner_gpus is not None and self.engine != "ray":
-            raise ValueError(f"runtime.learner_gpus is a Ray resource request; runtime.engine is {self.engine}: "
-                             "set runtime.engine ray, or unset runtime.learner_gpus")
+            raise ValueError(
+                f"runtime.learner_gpus is a Ray resource request; runtime.engine is {self.engine}: "
+                "set runtime.engine ray, or unset runtime.learner_gpus"
+            )
         if self.exchange_url is not None and self.exchange == "memory":
-            raise ValueError("runtime.exchange_url is used by the fsspec exchange only: set runtime.exchange "
-                             "fsspec, or unset runtime.exchange_url")
+            raise ValueError(
+                "runtime.exchange_url is used by the fsspec exchange only: set runtime.exchange "
+                "fsspec, or unset runtime.exchange_url"
+            )
         return self
 
 
@@ -521,10 +620,12 @@ class KillSpec(_Strict):
 
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     at_step: PositiveInt | None = Field(None, description="local inner step at which its process is killed")
-    at_s: PositiveFloat | None = Field(None, description="seconds since training started at which its process is killed")
+    at_s: PositiveFloat | None = Field(
+        None, description="seconds since training started at which its process is killed"
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "KillSpec":
+    def _check(self) -> KillSpec:
         if (self.at_step is None) == (self.at_s is None):
             raise ValueError("a chaos.kills entry needs exactly one of at_step and at_s")
         return self
@@ -546,10 +647,12 @@ class SlowdownSpec(_Strict):
     to_s: PositiveFloat | None = Field(None, description="seconds since training started when it ends; unset = never")
 
     @model_validator(mode="after")
-    def _check(self) -> "SlowdownSpec":
+    def _check(self) -> SlowdownSpec:
         if self.to_s is not None and self.to_s <= self.from_s:
-            raise ValueError(f"a chaos.slowdowns entry ends (to_s {self.to_s:g}) before it begins (from_s "
-                             f"{self.from_s:g}): set to_s > from_s, or unset it for a permanent slowdown")
+            raise ValueError(
+                f"a chaos.slowdowns entry ends (to_s {self.to_s:g}) before it begins (from_s "
+                f"{self.from_s:g}): set to_s > from_s, or unset it for a permanent slowdown"
+            )
         return self
 
 
@@ -558,37 +661,54 @@ class ChaosConfig(_Strict):
 
     failures: list[FailureSpec] = Field(default_factory=list, description="learner failures: [{learner, at_step}]")
     slowdowns: list[SlowdownSpec] = Field(
-        default_factory=list, description="slow learners: [{learner, factor, from_s, to_s}]: permanent "
-        "heterogeneity (no to_s) or straggler episodes")
+        default_factory=list,
+        description="slow learners: [{learner, factor, from_s, to_s}]: permanent "
+        "heterogeneity (no to_s) or straggler episodes",
+    )
     kills: list[KillSpec] = Field(
-        default_factory=list, description="learner processes killed with SIGKILL (ray and dask engines): "
-        "[{learner, at_step}] or [{learner, at_s}]"
+        default_factory=list,
+        description="learner processes killed with SIGKILL (ray and dask engines): "
+        "[{learner, at_step}] or [{learner, at_s}]",
     )
     syncer_failures: list[SyncerFailureSpec] = Field(
-        default_factory=list, description="syncer failures (runtime.exchange fsspec): [{at_merge, when}], "
-        "when = before_publish (default) or after_publish"
+        default_factory=list,
+        description="syncer failures (runtime.exchange fsspec): [{at_merge, when}], "
+        "when = before_publish (default) or after_publish",
     )
     schedule: ChaosPlan | None = Field(
-        None, description="a seeded chaos schedule (configs.chaos): failures with restart delays (mtbf_s, "
+        None,
+        description="a seeded chaos schedule (configs.chaos): failures with restart delays (mtbf_s, "
         "restart_delay), straggler episodes, heterogeneity, scavenged learners, corrupted submissions; drawn "
-        "once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP")
+        "once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP",
+    )
     replay: str | None = Field(
-        None, description="replay the schedule saved by an earlier run (its pretrain/chaos.json) instead of "
-        "drawing chaos.schedule")
+        None,
+        description="replay the schedule saved by an earlier run (its pretrain/chaos.json) instead of "
+        "drawing chaos.schedule",
+    )
     reference_run: str | None = Field(
-        None, description="a finished run directory of the same experiment without chaos: the report's Resilience "
-        "section puts its held-out loss at equal time and tokens beside this run's")
-    against_dp: bool = Field(True, description="replay the schedule's failures and slowdowns on the DP baseline too "
-                             "(a failure of any replica stalls the job and rolls it back to its last checkpoint)")
+        None,
+        description="a finished run directory of the same experiment without chaos: the report's Resilience "
+        "section puts its held-out loss at equal time and tokens beside this run's",
+    )
+    against_dp: bool = Field(
+        True,
+        description="replay the schedule's failures and slowdowns on the DP baseline too "
+        "(a failure of any replica stalls the job and rolls it back to its last checkpoint)",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "ChaosConfig":
+    def _check(self) -> ChaosConfig:
         if self.schedule is not None and self.replay is not None:
-            raise ValueError("chaos.schedule and chaos.replay both give a schedule: keep one (on a config that sets "
-                             "chaos.schedule, add --set chaos.schedule=null to replay)")
+            raise ValueError(
+                "chaos.schedule and chaos.replay both give a schedule: keep one (on a config that sets "
+                "chaos.schedule, add --set chaos.schedule=null to replay)"
+            )
         if self.reference_run is not None and not (Path(self.reference_run) / "pretrain").is_dir():
-            raise ValueError(f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
-                             "folder): give a finished run directory")
+            raise ValueError(
+                f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
+                "folder): give a finished run directory"
+            )
         return self
 
 
@@ -596,14 +716,17 @@ class TrainConfig(_Strict):
     """Budgets and measurement shared by both methods, in the data's unit: tokens for text, images
     for vision (the field names say tokens for both)."""
 
-    token_budget: PositiveInt = Field(2_097_152, description="training budget per method: tokens (text) or images (vision)")
+    token_budget: PositiveInt = Field(
+        2_097_152, description="training budget per method: tokens (text) or images (vision)"
+    )
     eval_every_tokens: PositiveInt = Field(262_144, description="held-out loss cadence, in the budget's unit")
     eval_batches: PositiveInt = Field(8, description="fixed validation batches per measurement")
     eval_batch_size: PositiveInt = Field(16, description="sequences per held-out batch")
     microbatch_size: PositiveInt | None = Field(
-        None, description="sequences per forward/backward pass; a step averages the gradients of "
+        None,
+        description="sequences per forward/backward pass; a step averages the gradients of "
         "its microbatches (same update, smaller activations); must divide diloco.batch_size; "
-        "unset = the whole batch at once"
+        "unset = the whole batch at once",
     )
 
 
@@ -632,48 +755,76 @@ class FinetuneConfig(_Strict):
 
     enabled: bool = Field(False, description="fine-tune and evaluate the pretrained models after pretraining")
     source: Literal["speakers", "jsonl", "hf", "rotation"] | None = Field(
-        None, description="the task: speakers (text default), jsonl (finetune.paths), hf (finetune.hf_name) "
-        "or rotation (images default); unset = the data's embedded task")
+        None,
+        description="the task: speakers (text default), jsonl (finetune.paths), hf (finetune.hf_name) "
+        "or rotation (images default); unset = the data's embedded task",
+    )
     paths: list[str] = Field(default_factory=list, description="jsonl: [train.jsonl] or [train.jsonl, test.jsonl]")
     hf_name: str | None = Field(None, description="hf: a Hugging Face dataset name or local dataset folder")
     hf_split: str = Field("train", description="hf: the split to fine-tune on")
-    hf_test_split: str | None = Field(None, description="hf: a split to test on; unset = cut test_fraction off the train split")
+    hf_test_split: str | None = Field(
+        None, description="hf: a split to test on; unset = cut test_fraction off the train split"
+    )
     prompt_field: str = Field("prompt", description="jsonl/hf: the field holding the prompt")
     response_field: str = Field("response", description="jsonl/hf: the field holding the response")
-    test_fraction: float = Field(0.2, gt=0.0, lt=1.0, description="share of the pairs (or items) held out as the task's test set")
-    max_test_items: PositiveInt | None = Field(600, description="evaluate at most this many test items (a seeded sample); unset = all")
-    speaker_context: int = Field(2, ge=0, description="speakers: speeches before the one to attribute shown in the "
-                                 "prompt, each with its speaker")
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0, description="share of the pairs (or items) held out as the task's test set"
+    )
+    max_test_items: PositiveInt | None = Field(
+        600, description="evaluate at most this many test items (a seeded sample); unset = all"
+    )
+    speaker_context: int = Field(
+        2, ge=0, description="speakers: speeches before the one to attribute shown in the prompt, each with its speaker"
+    )
     speaker_lines: PositiveInt = Field(2, description="speakers: lines of the speech to attribute")
-    mode: Literal["full", "lora"] = Field("full", description="full: every parameter trains; lora: low-rank adapters "
-                                          "(Flax NNX LoRA) on finetune.lora_targets, the rest frozen")
+    mode: Literal["full", "lora"] = Field(
+        "full",
+        description="full: every parameter trains; lora: low-rank adapters "
+        "(Flax NNX LoRA) on finetune.lora_targets, the rest frozen",
+    )
     lora_rank: PositiveInt = Field(8, description="lora: rank r of each adapter")
     lora_alpha: PositiveFloat | None = Field(
-        None, description="lora: α of each adapter; the adapter's product B·A enters scaled by α/r, in training "
-        "and in the merged checkpoint (Hu et al. 2021, §4.1); unset = the rank (scale 1)")
+        None,
+        description="lora: α of each adapter; the adapter's product B·A enters scaled by α/r, in training "
+        "and in the merged checkpoint (Hu et al. 2021, §4.1); unset = the rank (scale 1)",
+    )
     lora_targets: list[Literal["qkv", "out", "gate", "up", "down", "router", "patch"]] = Field(
         default_factory=lambda: ["qkv", "out", "gate", "up", "down"],
-        description="lora: projections that get adapters (attention qkv/out, MLP gate/up/down, MoE router, ViT patch)")
+        description="lora: projections that get adapters (attention qkv/out, MLP gate/up/down, MoE router, ViT patch)",
+    )
     steps: PositiveInt = Field(200, description="optimizer steps per fine-tuning run")
     batch_size: PositiveInt = Field(16, description="examples (rows) per step")
-    optimizer: InnerOptConfig = Field(default_factory=lambda: InnerOptConfig(lr=1e-3, warmup_steps=10, weight_decay=0.0),
-                                      description="the fine-tuning optimizer (AdamW, warmup, cosine decay)")
+    optimizer: InnerOptConfig = Field(
+        default_factory=lambda: InnerOptConfig(lr=1e-3, warmup_steps=10, weight_decay=0.0),
+        description="the fine-tuning optimizer (AdamW, warmup, cosine decay)",
+    )
     seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] = Field(
-        default_factory=lambda: [0], min_length=1, description="one fine-tuning run per seed and method (data order, "
-        "adapter/new-head initialisation); more seeds narrow the report's interval")
-    packing: bool = Field(False, description="text: pack several pairs into one row (loss mask carried through) "
-                          "instead of one padded pair per row")
-    seq_len: PositiveInt | None = Field(None, description="text: tokens per row; unset = the longest pair, rounded up "
-                                        "to 16, at most data.seq_len")
+        default_factory=lambda: [0],
+        min_length=1,
+        description="one fine-tuning run per seed and method (data order, "
+        "adapter/new-head initialisation); more seeds narrow the report's interval",
+    )
+    packing: bool = Field(
+        False,
+        description="text: pack several pairs into one row (loss mask carried through) "
+        "instead of one padded pair per row",
+    )
+    seq_len: PositiveInt | None = Field(
+        None, description="text: tokens per row; unset = the longest pair, rounded up to 16, at most data.seq_len"
+    )
     eval_every_steps: PositiveInt = Field(25, description="loss on the task's test items every this many steps")
     max_gen_toks: PositiveInt | None = Field(
-        None, description="text: greedy generation cap for the exact-match task, tokens; unset = the longest "
-        "response of the task + 2 (a cap below a response's length makes it unmatchable)")
+        None,
+        description="text: greedy generation cap for the exact-match task, tokens; unset = the longest "
+        "response of the task + 2 (a cap below a response's length makes it unmatchable)",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "FinetuneConfig":
+    def _check(self) -> FinetuneConfig:
         if self.source == "jsonl" and not 1 <= len(self.paths) <= 2:
-            raise ValueError("finetune.paths must hold a train .jsonl file, and optionally a test one, for finetune.source: jsonl")
+            raise ValueError(
+                "finetune.paths must hold a train .jsonl file, and optionally a test one, for finetune.source: jsonl"
+            )
         if self.source == "hf" and not self.hf_name:
             raise ValueError("finetune.hf_name must be set when finetune.source is 'hf'")
         if self.source not in ("jsonl",) and self.paths:
@@ -690,15 +841,22 @@ class NetworkConfig(_Strict):
     each DP replica and each DiLoCo learner on its own host, one full-duplex link each. The runs
     themselves are unchanged (every worker shares this host); only the report's modelled times use it."""
 
-    label: str = Field("links between datacenters", max_length=80,
-                       description="what the links model, named in every modelled figure")
+    label: str = Field(
+        "links between datacenters", max_length=80, description="what the links model, named in every modelled figure"
+    )
     bandwidth_gbps: PositiveFloat | None = Field(
-        1.0, description="each link's bandwidth, Gbit/s each way; null = every worker on this host (no "
-                         "network: the modelled figures are the measured ones)")
+        1.0,
+        description="each link's bandwidth, Gbit/s each way; null = every worker on this host (no "
+        "network: the modelled figures are the measured ones)",
+    )
     latency_ms: float = Field(20.0, ge=0.0, description="one-way latency of each message, milliseconds")
-    dp_overlap: float = Field(0.0, ge=0.0, le=1.0,
-                              description="share of a DP step's compute that hides its all-reduce (0: the "
-                                          "all-reduce follows the backward pass)")
+    dp_overlap: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="share of a DP step's compute that hides its all-reduce (0: the "
+        "all-reduce follows the backward pass)",
+    )
 
 
 class PrecisionConfig(_Strict):
@@ -714,9 +872,11 @@ class PrecisionConfig(_Strict):
 
     params: Literal["float32", "bfloat16"] = Field("float32", description="dtype of the trained parameters")
     compute: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the forward and backward passes (bfloat16: accelerators' mixed precision)")
+        "float32", description="dtype of the forward and backward passes (bfloat16: accelerators' mixed precision)"
+    )
     opt_state: Literal["float32", "bfloat16"] = Field(
-        "float32", description="dtype of the optimizer state's moments (AdamW's first and second moments)")
+        "float32", description="dtype of the optimizer state's moments (AdamW's first and second moments)"
+    )
 
     def describe(self) -> str:
         """One line for logs and reports: ``params float32 · compute bfloat16 · optimizer state float32``."""
@@ -729,10 +889,12 @@ class ExperimentConfig(_Strict):
     name: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$", description="run name (the run directory's prefix)")
     seed: int = Field(0, ge=0, le=2**31 - 1, description="model initialisation and data order seed")
     seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
-        None, description="train, evaluate and fine-tune both methods once per seed (initialisation "
+        None,
+        description="train, evaluate and fine-tune both methods once per seed (initialisation "
         "and data order, the same seed for both methods; the data split stays data.seed's): the report gives each "
         "figure as a mean with its 95 % interval over seeds and the gap DiLoCo − DP as a paired difference. Unset: "
-        "one run with `seed` (no interval)")
+        "one run with `seed` (no interval)",
+    )
     run_root: str = Field("runs", description="local folder holding run directories")
     data: DataConfig = DataConfig()
     model: ModelConfig = Field(default_factory=DenseLMConfig, description="the model family and its shape")
@@ -759,17 +921,18 @@ class ExperimentConfig(_Strict):
         """The seeds the run trains each method with: ``seeds``, or ``[seed]``."""
         return list(self.seeds) if self.seeds else [self.seed]
 
-    def for_seed(self, seed: int) -> "ExperimentConfig":
+    def for_seed(self, seed: int) -> ExperimentConfig:
         """This config as one seed's run: ``seed`` set, ``seeds`` unset."""
         return self.model_copy(update={"seed": seed, "seeds": None})
 
     @model_validator(mode="after")
-    def _check(self) -> "ExperimentConfig":
+    def _check(self) -> ExperimentConfig:
         if not self.diloco.enabled and not self.dp.enabled:
             raise ValueError("diloco.enabled and dp.enabled are both false: nothing would train; enable one")
         if self.seeds is not None and not self.seeds:
-            raise ValueError("seeds is empty: give two or more seeds, e.g. seeds: [0, 1, 2], or remove it (one run "
-                             "with seed)")
+            raise ValueError(
+                "seeds is empty: give two or more seeds, e.g. seeds: [0, 1, 2], or remove it (one run with seed)"
+            )
         if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; list each once")
         kinds = VISION_KINDS if self.data.modality == "image" else TEXT_KINDS
@@ -786,25 +949,30 @@ class ExperimentConfig(_Strict):
             if image_task != (self.data.modality == "image"):
                 raise ValueError(
                     f"finetune.source {task} does not fit {self.data.modality} data (data.source: {self.data.source}); "
-                    f"use {'rotation' if self.data.modality == 'image' else 'speakers, jsonl or hf'}")
+                    f"use {'rotation' if self.data.modality == 'image' else 'speakers, jsonl or hf'}"
+                )
             if task == "speakers" and self.data.finetune_docs < 1:
                 raise ValueError(
                     "finetune.source speakers builds its pairs from plays held out of pretraining: set "
-                    "data.finetune_docs (e.g. 4), or pick finetune.source jsonl or hf")
+                    "data.finetune_docs (e.g. 4), or pick finetune.source jsonl or hf"
+                )
             if ft.seq_len is not None and self.data.modality == "text" and ft.seq_len > self.data.seq_len:
-                raise ValueError(f"finetune.seq_len ({ft.seq_len}) must be ≤ data.seq_len ({self.data.seq_len}), the "
-                                 "longest input the model was built for")
+                raise ValueError(
+                    f"finetune.seq_len ({ft.seq_len}) must be ≤ data.seq_len ({self.data.seq_len}), the "
+                    "longest input the model was built for"
+                )
             mb = self.train.microbatch_size
             if mb is not None and ft.batch_size % mb:
-                raise ValueError(f"train.microbatch_size ({mb}) must divide finetune.batch_size ({ft.batch_size}); "
-                                 "pick a multiple of it")
+                raise ValueError(
+                    f"train.microbatch_size ({mb}) must divide finetune.batch_size ({ft.batch_size}); "
+                    "pick a multiple of it"
+                )
             if self.data.modality == "image" and (ft.packing or ft.seq_len is not None):
                 raise ValueError("finetune.packing and finetune.seq_len apply to text; remove them")
         for i, f in enumerate(self.chaos.failures):
             if f.learner >= self.diloco.learners:
                 raise ValueError(
-                    f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners "
-                    f"({self.diloco.learners})"
+                    f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners ({self.diloco.learners})"
                 )
             if any(g.learner == f.learner and g.at_step == f.at_step for g in self.chaos.failures[:i]):
                 raise ValueError(
@@ -819,34 +987,50 @@ class ExperimentConfig(_Strict):
                 )
         for i, sd in enumerate(self.chaos.slowdowns):
             if sd.learner >= self.diloco.learners:
-                raise ValueError(f"chaos.slowdowns[{i}].learner ({sd.learner}) must be < diloco.learners "
-                                 f"({self.diloco.learners})")
+                raise ValueError(
+                    f"chaos.slowdowns[{i}].learner ({sd.learner}) must be < diloco.learners ({self.diloco.learners})"
+                )
         for i, k in enumerate(self.chaos.kills):
             if k.learner >= self.diloco.learners:
-                raise ValueError(f"chaos.kills[{i}].learner ({k.learner}) must be < diloco.learners ({self.diloco.learners})")
+                raise ValueError(
+                    f"chaos.kills[{i}].learner ({k.learner}) must be < diloco.learners ({self.diloco.learners})"
+                )
             if k.at_step is not None and k.at_step > self.learner_steps:
-                raise ValueError(f"chaos.kills[{i}].at_step ({k.at_step}) cannot happen: each learner takes about "
-                                 f"{self.learner_steps} inner steps of this budget; pick a step ≤ {self.learner_steps}")
+                raise ValueError(
+                    f"chaos.kills[{i}].at_step ({k.at_step}) cannot happen: each learner takes about "
+                    f"{self.learner_steps} inner steps of this budget; pick a step ≤ {self.learner_steps}"
+                )
             if any(g.learner == k.learner and g.at_step == k.at_step for g in self.chaos.failures):
-                raise ValueError(f"chaos.kills[{i}] and chaos.failures both hit learner {k.learner} at step "
-                                 f"{k.at_step}; keep one")
+                raise ValueError(
+                    f"chaos.kills[{i}] and chaos.failures both hit learner {k.learner} at step {k.at_step}; keep one"
+                )
         if self.chaos.kills and self.runtime.engine == "threads":
-            raise ValueError("chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
-                             "kill the whole run): set runtime.engine ray or dask, or use chaos.failures")
+            raise ValueError(
+                "chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
+                "kill the whole run): set runtime.engine ray or dask, or use chaos.failures"
+            )
         merges = [f.at_merge for f in self.chaos.syncer_failures]
         if any(f.how == "sigkill" for f in self.chaos.syncer_failures) and self.runtime.engine == "threads":
-            raise ValueError("chaos.syncer_failures how: sigkill kills the syncer's process, which on runtime.engine "
-                             "threads is the whole run: use runtime.engine ray or dask, or how: raise")
+            raise ValueError(
+                "chaos.syncer_failures how: sigkill kills the syncer's process, which on runtime.engine "
+                "threads is the whole run: use runtime.engine ray or dask, or how: raise"
+            )
         if merges and self.runtime.exchange_kind != "fsspec":
-            raise ValueError("chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
-                             "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures")
+            raise ValueError(
+                "chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
+                "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures"
+            )
         if merges != sorted(set(merges)):
-            raise ValueError(f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
-                             "on the syncer's k-th attempt; list each merge once, in order")
+            raise ValueError(
+                f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
+                "on the syncer's k-th attempt; list each merge once, in order"
+            )
         if len(merges) > self.diloco.syncer_retries:
-            raise ValueError(f"chaos.syncer_failures schedules {len(merges)} syncer failures but diloco.syncer_retries "
-                             f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
-                             f"≥ {len(merges)} or drop failures")
+            raise ValueError(
+                f"chaos.syncer_failures schedules {len(merges)} syncer failures but diloco.syncer_retries "
+                f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
+                f"≥ {len(merges)} or drop failures"
+            )
         self._check_schedule()
         if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
@@ -884,36 +1068,55 @@ class ExperimentConfig(_Strict):
         its failures, SIGKILLs only where learners have processes of their own."""
         M = self.diloco.learners
         plan = self.chaos.schedule
-        for field, entries in (("scavenged", plan.scavenged if plan else []), ("corrupt", plan.corrupt if plan else [])):
+        for field, entries in (
+            ("scavenged", plan.scavenged if plan else []),
+            ("corrupt", plan.corrupt if plan else []),
+        ):
             for i, e in enumerate(entries):
                 if e.learner >= M:
-                    raise ValueError(f"chaos.schedule.{field}[{i}].learner ({e.learner}) must be < diloco.learners ({M})")
+                    raise ValueError(
+                        f"chaos.schedule.{field}[{i}].learner ({e.learner}) must be < diloco.learners ({M})"
+                    )
         sched = self.chaos_schedule()
         if sched is None:
             src = "chaos.failures + chaos.kills"  # explicit faults alone must fit the retries too
         else:
             src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
         if sched is not None and sched.learners != M:
-            raise ValueError(f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
-                             f"diloco.learners {sched.learners}")
+            raise ValueError(
+                f"{src} is for {sched.learners} learners, diloco.learners is {M}: replay it with "
+                f"diloco.learners {sched.learners}"
+            )
         # a learner failed more often than its retries ends for good: allowed while another learner
         # lives on to spend the budget (a learner lost for good is a scenario of its own); refused
         # when every learner would end so (the run could only fail short of its budget)
-        fails = [(len(sched.learner_failures(m)) if sched is not None else 0)
-                 + sum(1 for f in self.chaos.failures if f.learner == m)
-                 + sum(1 for k in self.chaos.kills if k.learner == m) for m in range(M)]
+        fails = [
+            (len(sched.learner_failures(m)) if sched is not None else 0)
+            + sum(1 for f in self.chaos.failures if f.learner == m)
+            + sum(1 for k in self.chaos.kills if k.learner == m)
+            for m in range(M)
+        ]
         if all(n > self.diloco.learner_retries for n in fails):
             m, n = min(enumerate(fails), key=lambda x: x[1])
-            hint = (" (or drop some of them)" if sched is None else "" if self.chaos.replay else
-                    " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)")
-            raise ValueError(f"{src} fails every learner more often than diloco.learner_retries "
-                             f"({self.diloco.learner_retries}; the least, learner {m}, {n} times): all would end for "
-                             f"good and the run could not finish; raise diloco.learner_retries to ≥ {n}" + hint)
+            hint = (
+                " (or drop some of them)"
+                if sched is None
+                else ""
+                if self.chaos.replay
+                else " (or raise chaos.schedule.mtbf_s, or shorten its horizon_s to the run's length)"
+            )
+            raise ValueError(
+                f"{src} fails every learner more often than diloco.learner_retries "
+                f"({self.diloco.learner_retries}; the least, learner {m}, {n} times): all would end for "
+                f"good and the run could not finish; raise diloco.learner_retries to ≥ {n}" + hint
+            )
         if sched is None:
             return
         if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":
-            raise ValueError(f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
-                             "chaos.schedule.how raise (or auto), or runtime.engine ray or dask")
+            raise ValueError(
+                f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
+                "chaos.schedule.how raise (or auto), or runtime.engine ray or dask"
+            )
 
     def chaos_schedule(self) -> ChaosSchedule | None:
         """The run's chaos schedule: ``chaos.replay``'s file, or ``chaos.schedule`` drawn from its seed
@@ -923,7 +1126,9 @@ class ExperimentConfig(_Strict):
             try:
                 return load_schedule(self.chaos.replay)
             except FileNotFoundError:
-                raise ValueError(f"chaos.replay {self.chaos.replay}: no such file; give a run's pretrain/chaos.json") from None
+                raise ValueError(
+                    f"chaos.replay {self.chaos.replay}: no such file; give a run's pretrain/chaos.json"
+                ) from None
             except ValueError as exc:
                 raise ValueError(f"chaos.replay: {exc}") from None
         if self.chaos.schedule is None:
@@ -1010,31 +1215,47 @@ class ConfigLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float, bool)) and key is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"a key must be a plain name, not {type(key).__name__}", key_node.start_mark)
+                    None, None, f"a key must be a plain name, not {type(key).__name__}", key_node.start_mark
+                )
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark)
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
 
 ConfigLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in (
-        "tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float",
-        "tag:yaml.org,2002:timestamp")]  # YAML 1.2 core has no dates: 2001-12-14 is a string
+    first: [
+        (tag, rx)
+        for tag, rx in resolvers
+        if tag
+        not in (
+            "tag:yaml.org,2002:bool",
+            "tag:yaml.org,2002:int",
+            "tag:yaml.org,2002:float",
+            "tag:yaml.org,2002:timestamp",
+        )
+    ]  # YAML 1.2 core has no dates: 2001-12-14 is a string
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"),
-    list("-+0123456789"))
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"),
+    list("-+0123456789"),
+)
 ConfigLoader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
                 |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
                 |[-+]?\.(?:inf|Inf|INF)
-                |\.(?:nan|NaN|NAN))$""", re.X),
+                |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
     list("-+0123456789."),
 )
 
@@ -1096,8 +1317,8 @@ def apply_overrides(raw: dict, overrides: dict | None) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(
-                    f"--set {key}: {'.'.join(parents[:i + 1])} is a single value, not a section; "
-                    f"set it directly ({'.'.join(parents[:i + 1])}=...)"
+                    f"--set {key}: {'.'.join(parents[: i + 1])} is a single value, not a section; "
+                    f"set it directly ({'.'.join(parents[: i + 1])}=...)"
                 )
         node[leaf] = _merged(node.get(leaf), copy.deepcopy(value))
     return raw
@@ -1127,7 +1348,9 @@ def read_config_file(path: str | Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte at offset {exc.start}); a config is a YAML text file") from None
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte at offset {exc.start}); a config is a YAML text file"
+        ) from None
     raw = yaml.load(text, Loader=ConfigLoader)
     if raw is None:
         raise ValueError(
@@ -1231,8 +1454,11 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
                 msg += f" (got {value!r}; write a YAML list, e.g. [{value!r}] or [0, 1, 2])"
             else:
                 msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
-        elif err["type"] != "extra_forbidden" and isinstance(err.get("input"), (str, int, float)) \
-                and loc not in (overrides or {}):  # (a --set value is shown below)
+        elif (
+            err["type"] != "extra_forbidden"
+            and isinstance(err.get("input"), (str, int, float))
+            and loc not in (overrides or {})
+        ):  # (a --set value is shown below)
             msg += f" (got {err['input']!r})"  # e.g. `float16` where float32 or bfloat16 belongs
         if err["type"] == "model_kind":
             given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]

@@ -26,8 +26,17 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 
-from configs.schema import (CONFIG_DIR, ConfigLoader, ExperimentConfig, _Strict, apply_overrides, config_path,
-                            read_config_file, shipped_or_path, validation_lines)
+from configs.schema import (
+    CONFIG_DIR,
+    ConfigLoader,
+    ExperimentConfig,
+    _Strict,
+    apply_overrides,
+    config_path,
+    read_config_file,
+    shipped_or_path,
+    validation_lines,
+)
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
 # Keys a cell may not set: the sweep names and places each cell's run itself.
@@ -45,51 +54,79 @@ class SweepSpec(_Strict):
     shared override that a grid axis also sets (the grid would silently win).
     """
 
-    name: str = Field("sweep", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-                      description="the sweep's name: its folder (<sweep_root>/<name>), its concurrency limit "
-                                  "(sweep-<name>) and its report's title")
-    base: str = Field("tiny", min_length=1,
-                      description="the config every cell starts from: a shipped config's name (default, failure, moe, "
-                                  "tiny, vit, vit_moe, chaos) or the path of a YAML config (relative to the repository)")
+    name: str = Field(
+        "sweep",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="the sweep's name: its folder (<sweep_root>/<name>), its concurrency limit "
+        "(sweep-<name>) and its report's title",
+    )
+    base: str = Field(
+        "tiny",
+        min_length=1,
+        description="the config every cell starts from: a shipped config's name (default, failure, moe, "
+        "tiny, vit, vit_moe, chaos) or the path of a YAML config (relative to the repository)",
+    )
     overrides: dict[str, Any] = Field(
-        default_factory=dict, description="dotted keys applied to the base in every cell before the cell's own, e.g. "
-                                          "{\"finetune.enabled\": false}")
+        default_factory=dict,
+        description="dotted keys applied to the base in every cell before the cell's own, e.g. "
+        '{"finetune.enabled": false}',
+    )
     grid: dict[str, list[Any]] = Field(
-        default_factory=dict, description="axes: a dotted config key and its values, e.g. {\"diloco.learners\": [2, 4, 8], "
-                                          "\"diloco.quorum\": [1, 2]}; every combination is one cell (the first key "
-                                          "varies slowest)")
+        default_factory=dict,
+        description='axes: a dotted config key and its values, e.g. {"diloco.learners": [2, 4, 8], '
+        '"diloco.quorum": [1, 2]}; every combination is one cell (the first key '
+        "varies slowest)",
+    )
     cells: list[dict[str, Any]] = Field(
-        default_factory=list, description="cells listed one by one (after the grid's), each a dict of dotted keys, e.g. "
-                                          "[{\"model.kind\": \"moe_lm\", \"model.n_experts\": 4}]")
+        default_factory=list,
+        description="cells listed one by one (after the grid's), each a dict of dotted keys, e.g. "
+        '[{"model.kind": "moe_lm", "model.n_experts": 4}]',
+    )
     seeds: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
-        None, min_length=1, description="every cell trains each method once per seed (the cells' config key seeds; "
+        None,
+        min_length=1,
+        description="every cell trains each method once per seed (the cells' config key seeds; "
         "each cell's report gives means with 95 % intervals and the paired gap), e.g. [0, 1, 2]; with reuse_dp, "
-        "DP is trained once per seed for the whole sweep. Unset: the base config's seeds, or its one seed")
+        "DP is trained once per seed for the whole sweep. Unset: the base config's seeds, or its one seed",
+    )
     concurrency: PositiveInt = Field(
-        1, description="cells running at once, enforced by the Prefect global concurrency limit sweep-<name> "
-                       "(created or updated to this value when the sweep starts)")
+        1,
+        description="cells running at once, enforced by the Prefect global concurrency limit sweep-<name> "
+        "(created or updated to this value when the sweep starts)",
+    )
     launch: Literal["subflow", "deployment"] = Field(
-        "subflow", description="subflow: each cell is a child flow run of the pipeline in the sweep's own process "
-                               "(runs anywhere, no worker needed); deployment: each cell is a run of the "
-                               "`deployment` below, executed by a worker of its work pool in its own process")
-    deployment: str = Field("pipeline/default", pattern=r"^pipeline/[A-Za-z0-9_.-]+$",
-                            description="with launch: deployment, the pipeline deployment that runs each cell "
-                                        "(its parameters are replaced by the cell's whole config)")
+        "subflow",
+        description="subflow: each cell is a child flow run of the pipeline in the sweep's own process "
+        "(runs anywhere, no worker needed); deployment: each cell is a run of the "
+        "`deployment` below, executed by a worker of its work pool in its own process",
+    )
+    deployment: str = Field(
+        "pipeline/default",
+        pattern=r"^pipeline/[A-Za-z0-9_.-]+$",
+        description="with launch: deployment, the pipeline deployment that runs each cell "
+        "(its parameters are replaced by the cell's whole config)",
+    )
     sweep_root: str = Field("runs/sweeps", min_length=1, description="local folder holding sweep folders")
     reuse_dp: bool = Field(
-        True, description="true: cells whose DP settings are the same (configs.sweep.dp_digest: data, model, "
-                          "seed, training, DP, precision) train and evaluate DP once and share it (<sweep folder>/dp/); "
-                          "false: every cell trains its own")
+        True,
+        description="true: cells whose DP settings are the same (configs.sweep.dp_digest: data, model, "
+        "seed, training, DP, precision) train and evaluate DP once and share it (<sweep folder>/dp/); "
+        "false: every cell trains its own",
+    )
     resume: bool = Field(
-        True, description="true: the sweep's folder is <sweep_root>/<name>, and re-running the sweep skips every "
-                          "cell whose run there completed with the same resolved config; false: a new folder "
-                          "<sweep_root>/<name>-<UTC time> each time (e.g. a nightly schedule)")
+        True,
+        description="true: the sweep's folder is <sweep_root>/<name>, and re-running the sweep skips every "
+        "cell whose run there completed with the same resolved config; false: a new folder "
+        "<sweep_root>/<name>-<UTC time> each time (e.g. a nightly schedule)",
+    )
 
     @model_validator(mode="after")
-    def _check(self) -> "SweepSpec":
+    def _check(self) -> SweepSpec:
         if not self.grid and not self.cells:
-            raise ValueError("grid: the sweep is empty (no grid axis and no cells); give at least one axis, e.g. "
-                             "grid: {diloco.learners: [2, 4]}, or one cell")
+            raise ValueError(
+                "grid: the sweep is empty (no grid axis and no cells); give at least one axis, e.g. "
+                "grid: {diloco.learners: [2, 4]}, or one cell"
+            )
         for key, values in self.grid.items():
             _check_key(f"grid.{key}", key)
             if not values:
@@ -104,17 +141,24 @@ class SweepSpec(_Strict):
                 _check_key(f"cells[{i}].{key}", key)
         if self.seeds is not None and len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds {self.seeds} repeats a seed; list each once")
-        for where, keys in (("overrides", self.overrides), ("grid", self.grid), *((f"cells[{i}]", c) for i, c in
-                                                                                     enumerate(self.cells))):
+        for where, keys in (
+            ("overrides", self.overrides),
+            ("grid", self.grid),
+            *((f"cells[{i}]", c) for i, c in enumerate(self.cells)),
+        ):
             if self.seeds is not None and any(k in ("seed", "seeds") for k in keys):
-                raise ValueError(f"{where}: sets the seed while the sweep's seeds ({self.seeds}) set every cell's; "
-                                 "remove one of them")
+                raise ValueError(
+                    f"{where}: sets the seed while the sweep's seeds ({self.seeds}) set every cell's; "
+                    "remove one of them"
+                )
         for key in self.overrides:
             _check_key(f"overrides.{key}", key)
             axis = next((a for a in self.grid if a == key or a.startswith(key + ".") or key.startswith(a + ".")), None)
             if axis is not None:
-                raise ValueError(f"overrides.{key}: also set by the grid's axis {axis}, whose values would replace it in "
-                                 f"every cell; remove {key} from overrides (or {axis} from grid)")
+                raise ValueError(
+                    f"overrides.{key}: also set by the grid's axis {axis}, whose values would replace it in "
+                    f"every cell; remove {key} from overrides (or {axis} from grid)"
+                )
         n = (_product_size(self.grid) if self.grid else 0) + len(self.cells)
         if n > MAX_CELLS:
             raise ValueError(f"grid: {n} cells, more than {MAX_CELLS}; split the sweep")
@@ -125,8 +169,10 @@ def _check_key(where: str, key: str) -> None:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key):
         raise ValueError(f"{where}: {key!r} is not a dotted config key (e.g. diloco.learners)")
     if key.split(".")[0] in RESERVED_KEYS:
-        raise ValueError(f"{where}: the sweep names and places every cell's run; remove {key} (set sweep_root or "
-                         "the sweep's name instead)")
+        raise ValueError(
+            f"{where}: the sweep names and places every cell's run; remove {key} (set sweep_root or "
+            "the sweep's name instead)"
+        )
 
 
 def _product_size(grid: dict[str, list]) -> int:
@@ -188,8 +234,10 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
     for i, overrides in enumerate(raw):
         canon = _canonical(overrides)
         if canon in seen:
-            raise ValueError(f"cells: cell {i + 1} sets the same overrides as cell {seen[canon] + 1} ({overrides}); "
-                             "list each combination once")
+            raise ValueError(
+                f"cells: cell {i + 1} sets the same overrides as cell {seen[canon] + 1} ({overrides}); "
+                "list each combination once"
+            )
         seen[canon] = i
         name = "_".join(f"{short[k]}-{_slug(v)}" for k, v in overrides.items())[:120] or f"cell-{i + 1}"
         base, n = name, 2
@@ -235,8 +283,11 @@ def dp_digest(cfg: ExperimentConfig) -> str:
     data["data"].pop("cache_dir", None)  # where the corpus is cached, not what it is
     chaos = cfg.chaos_schedule() if cfg.chaos.against_dp else None
     data["chaos"] = json.loads(chaos.dumps()) if chaos is not None else None
-    data["derived"] = {"dp_batch_size": cfg.dp_batch_size, "tokens_per_dp_step": cfg.tokens_per_dp_step,
-                       "dp_steps": cfg.dp_steps}
+    data["derived"] = {
+        "dp_batch_size": cfg.dp_batch_size,
+        "tokens_per_dp_step": cfg.tokens_per_dp_step,
+        "dp_steps": cfg.dp_steps,
+    }
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -273,8 +324,9 @@ def load_sweep(name_or_path: str | Path, overrides: dict | None = None) -> Sweep
     return SweepSpec.model_validate({**raw, **(overrides or {})})
 
 
-def resolve_sweep(spec: SweepSpec | dict | None = None, sweep_file: str | None = None,
-                  overrides: dict | None = None) -> SweepSpec:
+def resolve_sweep(
+    spec: SweepSpec | dict | None = None, sweep_file: str | None = None, overrides: dict | None = None
+) -> SweepSpec:
     """The spec a sweep flow run uses: ``sweep_file`` if given (a shipped sweep's name or a path),
     else ``spec`` (field by field, as the UI form sends it), with top-level ``overrides``."""
     if sweep_file:
@@ -291,6 +343,7 @@ def sweep_problem(exc: ValidationError, where: str = "sweep", options: dict | No
     option (``options``: field -> value, e.g. ``{"trials": 0}``) names that option (``--trials 0``)."""
     lines = validation_lines(exc)
     for key, value in (options or {}).items():
-        lines = [f"{line} (from --{key.replace('_', '-')} {value})" if line.startswith(f"{key}:") else line
-                 for line in lines]
+        lines = [
+            f"{line} (from --{key.replace('_', '-')} {value})" if line.startswith(f"{key}:") else line for line in lines
+        ]
     return f"invalid {where}: " + "; ".join(lines)

@@ -66,4 +66,3 @@ def batch_at(
     if isinstance(seqs, Mapping):
         return {k: np.asarray(v[picked]) for k, v in seqs.items()}, epoch, index
     return np.asarray(seqs[picked], dtype=np.int32), epoch, index
-

@@ -103,7 +103,7 @@ def _clip(text: str, limit: int, left: bool = False) -> str:
         return text
     if left:
         cut = text[-limit:]
-        return "…" + cut[cut.find(" ") + 1:] if " " in cut else "…" + cut
+        return "…" + cut[cut.find(" ") + 1 :] if " " in cut else "…" + cut
     cut = text[:limit]
     return (cut[: cut.rfind(" ")] if " " in cut else cut) + "…"
 
@@ -131,18 +131,26 @@ def speaker_pairs(docs: Sequence[dict], context: int = 2, speech_lines: int = 2)
                 before.insert(0, blocks[j])
                 j -= 1
             head = [doc["title"]]
-            for prev in before[len(before) - context:] if context else []:
+            for prev in before[len(before) - context :] if context else []:
                 head.append(f"{prev['speaker']}: {_clip(prev['lines'][-1], CONTEXT_CHARS, left=True)}")
             head.append(f"?: {_clip(' / '.join(cur['lines'][:speech_lines]), SPEECH_CHARS)}")
-            pairs.append({"id": f"{doc['title']}#{k}", "prompt": "\n".join(head) + "\nSpeaker:",
-                          "response": f" {cur['speaker']}\n", "title": doc["title"], "speaker": cur["speaker"],
-                          "two_back": before[-2]["speaker"] if len(before) >= 2 else None})
+            pairs.append(
+                {
+                    "id": f"{doc['title']}#{k}",
+                    "prompt": "\n".join(head) + "\nSpeaker:",
+                    "response": f" {cur['speaker']}\n",
+                    "title": doc["title"],
+                    "speaker": cur["speaker"],
+                    "two_back": before[-2]["speaker"] if len(before) >= 2 else None,
+                }
+            )
             k += 1
     return pairs
 
 
-def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where: str,
-                 lines: Sequence[int] | None = None) -> list[Pair]:
+def _check_pairs(
+    rows: list[dict], prompt_field: str, response_field: str, where: str, lines: Sequence[int] | None = None
+) -> list[Pair]:
     """``rows`` as pairs (ids: ``str(row["id"])``, or the row's position); ``lines``: each row's line
     number in the file, for the messages. Raises ``ValueError`` naming the item (its line) and the field,
     or both lines of an id given twice (ids identify pairs in evaluation: 1 and "1" are one id)."""
@@ -153,8 +161,10 @@ def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where
     for i, row in enumerate(rows):
         for field, name in ((prompt_field, "finetune.prompt_field"), (response_field, "finetune.response_field")):
             if field not in row:
-                raise ValueError(f"{where}: item {i + 1} has no field {field!r} ({name}); it has "
-                                 f"{sorted(row)[:8]}; set {name} to the right field")
+                raise ValueError(
+                    f"{where}: item {i + 1} has no field {field!r} ({name}); it has "
+                    f"{sorted(row)[:8]}; set {name} to the right field"
+                )
             if not isinstance(row[field], str):
                 raise ValueError(f"{where}: item {i + 1} field {field!r} is {type(row[field]).__name__}, not text")
         if not row[response_field].strip():
@@ -162,8 +172,9 @@ def _check_pairs(rows: list[dict], prompt_field: str, response_field: str, where
         pid = str(row.get("id", i))
         if pid in seen:
             at = (lambda k: f"line {lines[k]}") if lines is not None else (lambda k: f"item {k + 1}")
-            raise ValueError(f"{where}: {at(i)} repeats the id {pid!r} of {at(seen[pid])}; make ids unique or "
-                             "drop the id field")
+            raise ValueError(
+                f"{where}: {at(i)} repeats the id {pid!r} of {at(seen[pid])}; make ids unique or drop the id field"
+            )
         seen[pid] = i
         pairs.append({"id": pid, "prompt": row[prompt_field], "response": row[response_field]})
     return pairs
@@ -176,8 +187,10 @@ def _read_jsonl_rows(path: Path) -> tuple[list[dict], list[int]]:
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"finetune.paths: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
-                         f"{exc.start}): re-save it as UTF-8") from None
+        raise ValueError(
+            f"finetune.paths: {path} is not valid UTF-8 (byte 0x{data[exc.start]:02x} at offset "
+            f"{exc.start}): re-save it as UTF-8"
+        ) from None
     rows, lines = [], []
     for n, line in enumerate(text.split("\n"), 1):  # (not splitlines: U+2028 may sit inside a JSON string)
         if not line.strip():
@@ -212,8 +225,9 @@ def _load_jsonl(path: Path, prompt_field: str, response_field: str) -> tuple[lis
     return _check_pairs(rows, prompt_field, response_field, str(path), lines), rows, lines
 
 
-def load_jsonl_pair_files(paths: Sequence[str | Path], prompt_field: str = "prompt",
-                          response_field: str = "response") -> tuple[list[Pair], list[Pair] | None]:
+def load_jsonl_pair_files(
+    paths: Sequence[str | Path], prompt_field: str = "prompt", response_field: str = "response"
+) -> tuple[list[Pair], list[Pair] | None]:
     """``(train, test)`` pairs of ``finetune.paths``: one file (``test`` None: split later) or a train
     and a test file (:func:`load_jsonl_pairs` each). Ids given in both files (an ``id`` field) must
     differ; ids by position may repeat across the files. Raises the loader's errors, and
@@ -225,8 +239,10 @@ def load_jsonl_pair_files(paths: Sequence[str | Path], prompt_field: str = "prom
     given = {str(r["id"]): n for r, n in zip(train_rows, train_lines) if "id" in r}
     for r, n in zip(test_rows, test_lines):
         if "id" in r and str(r["id"]) in given:
-            raise ValueError(f"finetune.paths: {paths[1]} line {n} repeats the id {str(r['id'])!r} of {paths[0]} "
-                             f"line {given[str(r['id'])]}; make ids unique or drop the id field")
+            raise ValueError(
+                f"finetune.paths: {paths[1]} line {n} repeats the id {str(r['id'])!r} of {paths[0]} "
+                f"line {given[str(r['id'])]}; make ids unique or drop the id field"
+            )
     return train, test
 
 
@@ -249,17 +265,24 @@ def load_hf_pairs(name: str, split: str, prompt_field: str = "prompt", response_
         try:
             ds = datasets.load_dataset(name, split=split)
         except (ConnectionError, OSError) as exc:
-            raise ConnectionError(f"finetune.hf_name {name!r} could not be loaded from the Hugging Face hub "
-                                  f"({type(exc).__name__}); use finetune.source: jsonl with local files") from None
+            raise ConnectionError(
+                f"finetune.hf_name {name!r} could not be loaded from the Hugging Face hub "
+                f"({type(exc).__name__}); use finetune.source: jsonl with local files"
+            ) from None
     missing = [f for f in (prompt_field, response_field) if f not in ds.column_names]
     if missing:
-        raise ValueError(f"finetune.hf_name {name}: no column {missing[0]!r}; columns are {ds.column_names}; "
-                         "set finetune.prompt_field / finetune.response_field")
-    return _check_pairs(list(ds.select_columns([prompt_field, response_field])), prompt_field, response_field,
-                        f"{name}[{split}]")
+        raise ValueError(
+            f"finetune.hf_name {name}: no column {missing[0]!r}; columns are {ds.column_names}; "
+            "set finetune.prompt_field / finetune.response_field"
+        )
+    return _check_pairs(
+        list(ds.select_columns([prompt_field, response_field])), prompt_field, response_field, f"{name}[{split}]"
+    )
 
 
-def split_items(n: int, test_fraction: float, seed: int, groups: Sequence[str] | None = None) -> tuple[list[int], list[int]]:
+def split_items(
+    n: int, test_fraction: float, seed: int, groups: Sequence[str] | None = None
+) -> tuple[list[int], list[int]]:
     """Seeded train/test split of ``n`` items: ``(train indices, test indices)``, each ascending.
 
     With ``groups`` (e.g. each pair's play), every group is split on its own, so each group has
@@ -286,8 +309,9 @@ def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int]]:
     return tokenizer.encode(pair["prompt"]).ids, tokenizer.encode(pair["response"]).ids
 
 
-def pack_rows(examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot_id: int,
-              packing: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+def pack_rows(
+    examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot_id: int, packing: bool = False
+) -> tuple[np.ndarray, np.ndarray, dict]:
     """Rows of ``row_len`` (= S + 1) tokens and their target masks from ``(prompt ids, response ids)``.
 
     An example is ``prompt + response + [eot_id]``; the response and its closing ``eot_id`` are the
@@ -319,7 +343,7 @@ def pack_rows(examples: Sequence[tuple[list[int], list[int]]], row_len: int, eot
             target = target[: row_len - 1]
             info["truncated_responses"] += 1
         if len(prompt) + len(target) > row_len:
-            prompt = prompt[len(prompt) + len(target) - row_len:]
+            prompt = prompt[len(prompt) + len(target) - row_len :]
             info["truncated_prompts"] += 1
         ids, mask = prompt + target, [0] * len(prompt) + [1] * len(target)
         info["response_tokens"] += min(len(response), len(target))
@@ -385,21 +409,27 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
         pairs = speaker_pairs(docs, ft.speaker_context, ft.speaker_lines)
         tr, te = split_items(len(pairs), ft.test_fraction, cfg.data.seed, [p["title"] for p in pairs])
         train, test = [pairs[i] for i in tr], [pairs[i] for i in te]
-        info["description"] = ("name the character who speaks a line of a play held out of pretraining, "
-                               f"given the title and the {ft.speaker_context} speeches before it with their speakers")
+        info["description"] = (
+            "name the character who speaks a line of a play held out of pretraining, "
+            f"given the title and the {ft.speaker_context} speeches before it with their speakers"
+        )
         info["documents"] = [d["title"] for d in docs]
         info["speakers"] = len({(p["title"], p["speaker"]) for p in pairs})
-        info["baselines"] = {"majority speaker of the play": _majority_baseline(train, test),
-                             "the speaker two speeches back": float(np.mean([p["two_back"] == p["speaker"]
-                                                                             for p in test]))}
+        info["baselines"] = {
+            "majority speaker of the play": _majority_baseline(train, test),
+            "the speaker two speeches back": float(np.mean([p["two_back"] == p["speaker"] for p in test])),
+        }
     else:
         if task == "jsonl":
             train, test = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)
             where = ft.paths[0]
         else:
             train = load_hf_pairs(ft.hf_name, ft.hf_split, ft.prompt_field, ft.response_field)
-            test = (load_hf_pairs(ft.hf_name, ft.hf_test_split, ft.prompt_field, ft.response_field)
-                    if ft.hf_test_split else None)
+            test = (
+                load_hf_pairs(ft.hf_name, ft.hf_test_split, ft.prompt_field, ft.response_field)
+                if ft.hf_test_split
+                else None
+            )
             where = ft.hf_name
         if test is None:
             tr, te = split_items(len(train), ft.test_fraction, cfg.data.seed)
@@ -411,7 +441,8 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
         raise ValueError(
             f"the fine-tuning task {task} has {len(train)} train and {len(test)} test pairs, fewer than "
             f"{MIN_TRAIN_ITEMS} and {MIN_TEST_ITEMS}; give more pairs"
-            + (" (raise data.finetune_docs)" if task == "speakers" else ""))
+            + (" (raise data.finetune_docs)" if task == "speakers" else "")
+        )
     info.update(train_items=len(train), test_items=len(test))
     return train, test, info
 
@@ -420,8 +451,10 @@ def rotate_images(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Every image at 0°, 90°, 180° and 270° (counter-clockwise): ``(uint8[4N, H, W, C], int32[4N])``,
     item 4i + k being image i turned k quarter turns, labelled k. Needs square images."""
     if images.shape[1] != images.shape[2]:
-        raise ValueError(f"finetune.source rotation needs square images, got {images.shape[1]}×{images.shape[2]}; "
-                         "set data.image_size")
+        raise ValueError(
+            f"finetune.source rotation needs square images, got {images.shape[1]}×{images.shape[2]}; "
+            "set data.image_size"
+        )
     out = np.stack([np.rot90(images, k, axes=(1, 2)) for k in range(4)], axis=1)
     return out.reshape(-1, *images.shape[1:]), np.tile(np.arange(4, dtype=np.int32), len(images))
 
@@ -473,12 +506,18 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
         te_x, te_y = rotate_images(np.asarray(test_rows["image"]))
         keep = _sample_test(len(te_y), ft.max_test_items, cfg.data.seed)
         te_x, te_y = te_x[keep], te_y[keep]
-        manifest = {"name": "rotation", "modality": "image", "primary": "accuracy",
-                    "description": "which of 0°, 90°, 180° or 270° a held-out image was turned by (a new 4-way head)",
-                    "classes": [f"{r}°" for r in ROTATIONS], "num_classes": len(ROTATIONS),
-                    "train_items": int(len(tr_y)), "test_items": int(len(te_y)),
-                    "baselines": {"chance": 1.0 / len(ROTATIONS)},
-                    "digests": {"train": _digest(tr_y.tolist()), "test": _digest(keep)}}
+        manifest = {
+            "name": "rotation",
+            "modality": "image",
+            "primary": "accuracy",
+            "description": "which of 0°, 90°, 180° or 270° a held-out image was turned by (a new 4-way head)",
+            "classes": [f"{r}°" for r in ROTATIONS],
+            "num_classes": len(ROTATIONS),
+            "train_items": int(len(tr_y)),
+            "test_items": int(len(te_y)),
+            "baselines": {"chance": 1.0 / len(ROTATIONS)},
+            "digests": {"train": _digest(tr_y.tolist()), "test": _digest(keep)},
+        }
 
         def write(tmp: Path) -> None:
             np.savez(tmp / "train.npz", image=tr_x, label=tr_y)
@@ -496,14 +535,21 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
         row_len = ft.seq_len + 1 if ft.seq_len else auto_row_len(lengths, int(data_manifest["seq_len"]))
         tr_ids, tr_mask, tr_info = pack_rows(enc_train, row_len, eot, ft.packing)
         te_ids, te_mask, te_info = pack_rows(enc_test, row_len, eot, False)
-        manifest.update(row_len=row_len, packing=ft.packing, train_rows=int(len(tr_ids)), test_rows=int(len(te_ids)),
-                        train_response_tokens=tr_info["response_tokens"],
-                        train_target_tokens=tr_info["target_tokens"],
-                        truncated={"prompts": tr_info["truncated_prompts"] + te_info["truncated_prompts"],
-                                   "responses": tr_info["truncated_responses"] + te_info["truncated_responses"]},
-                        longest_pair_tokens=int(max(lengths)),
-                        longest_response_tokens=int(max(len(b) for _, b in enc_train + enc_test)),
-                        digests={"train": _digest([p["id"] for p in train]), "test": _digest([p["id"] for p in test])})
+        manifest.update(
+            row_len=row_len,
+            packing=ft.packing,
+            train_rows=int(len(tr_ids)),
+            test_rows=int(len(te_ids)),
+            train_response_tokens=tr_info["response_tokens"],
+            train_target_tokens=tr_info["target_tokens"],
+            truncated={
+                "prompts": tr_info["truncated_prompts"] + te_info["truncated_prompts"],
+                "responses": tr_info["truncated_responses"] + te_info["truncated_responses"],
+            },
+            longest_pair_tokens=int(max(lengths)),
+            longest_response_tokens=int(max(len(b) for _, b in enc_train + enc_test)),
+            digests={"train": _digest([p["id"] for p in train]), "test": _digest([p["id"] for p in test])},
+        )
 
         def write(tmp: Path) -> None:
             _write_pairs(tmp / "pairs_train.jsonl", train)

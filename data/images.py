@@ -97,8 +97,10 @@ def to_channels(img, channels: int, name: str = "an image"):
     if img.mode.startswith("I;16"):
         img = Image.fromarray(np.round(np.asarray(img, dtype=np.float64) / 257.0).astype(np.uint8))
     elif img.mode in ("I", "F"):
-        raise ValueError(f"{name} is a {'32-bit integer' if img.mode == 'I' else 'floating-point'} image (PIL mode "
-                         f"{img.mode}), which has no 8-bit reading; save it as 8-bit grey or RGB")
+        raise ValueError(
+            f"{name} is a {'32-bit integer' if img.mode == 'I' else 'floating-point'} image (PIL mode "
+            f"{img.mode}), which has no 8-bit reading; save it as 8-bit grey or RGB"
+        )
     if img.mode in ("P", "PA", "RGBA", "RGBa", "LA", "La") or "transparency" in img.info:
         rgba = img.convert("RGBA")
         img = Image.alpha_composite(Image.new("RGBA", img.size, (*BACKGROUND, 255)), rgba)
@@ -107,8 +109,9 @@ def to_channels(img, channels: int, name: str = "an image"):
         try:
             img = img.convert(target)
         except ValueError as exc:
-            raise ValueError(f"{name} has PIL mode {img.mode}, which cannot be converted to {target} ({exc}); "
-                             "save it as grey or RGB") from None
+            raise ValueError(
+                f"{name} has PIL mode {img.mode}, which cannot be converted to {target} ({exc}); save it as grey or RGB"
+            ) from None
     return img
 
 
@@ -143,17 +146,22 @@ def size_refusal(sizes: dict[tuple[int, int], str], where: str) -> ValueError:
     (width, height) in pixels to the first image that has it."""
     seen = ", ".join(f"{w}×{h} in {n}" for (w, h), n in sorted(sizes.items())[:3])
     side = max(max(wh) for wh in sizes)
-    return ValueError(f"data.image_size: {where} holds images of different sizes ({seen}{' …' if len(sizes) > 3 else ''}; "
-                      f"width × height in pixels); set data.image_size to resize every image to one square side "
-                      f"(e.g. data.image_size={side})")
+    return ValueError(
+        f"data.image_size: {where} holds images of different sizes ({seen}{' …' if len(sizes) > 3 else ''}; "
+        f"width × height in pixels); set data.image_size to resize every image to one square side "
+        f"(e.g. data.image_size={side})"
+    )
 
 
-def _from_dataset(ds, image_column: str, label_column: str, image_size: int | None, where: str,
-                  channels: int | None = None) -> ImageSet:
+def _from_dataset(
+    ds, image_column: str, label_column: str, image_size: int | None, where: str, channels: int | None = None
+) -> ImageSet:
     for col in (image_column, label_column):
         if col not in ds.column_names:
-            raise ValueError(f"{where} has no column {col!r} (it has {', '.join(ds.column_names)}); "
-                             f"name the columns with data.image_column and data.label_column")
+            raise ValueError(
+                f"{where} has no column {col!r} (it has {', '.join(ds.column_names)}); "
+                f"name the columns with data.image_column and data.label_column"
+            )
     if len(ds) == 0:
         raise ValueError(f"{where} holds no images")
     feature = ds.features[label_column]
@@ -222,8 +230,9 @@ class ImageFolder:
     def ordered(self) -> list[tuple[str, str, int]]:
         """``(split, relative path, label)`` of every image in the order :func:`read_image_folder`
         stacks them: by split (train, val, test; ``all`` without split folders), then path."""
-        return [(s, rel, label) for s in ("train", "val", "test", "all") if s in self.files
-                for rel, label in self.files[s]]
+        return [
+            (s, rel, label) for s in ("train", "val", "test", "all") if s in self.files for rel, label in self.files[s]
+        ]
 
     def labels_and_splits(self) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
         """Labels ``int32[N]`` in :meth:`ordered` order, and the split folders' indices (None without
@@ -255,7 +264,7 @@ class ImageFolder:
                 with zipfile.ZipFile(self.archive) as z:
                     for info in z.infolist():
                         name = _member(info.filename)
-                        rel = name[len(self.prefix):]
+                        rel = name[len(self.prefix) :]
                         if name.startswith(self.prefix) and rel in wanted:
                             with z.open(info) as f:
                                 yield rel, io.BytesIO(f.read())
@@ -263,13 +272,15 @@ class ImageFolder:
                 with tarfile.open(self.archive, "r|*") as t:  # one sequential pass
                     for m in t:
                         name = _member(m.name)
-                        rel = name[len(self.prefix):]
+                        rel = name[len(self.prefix) :]
                         if m.isfile() and name.startswith(self.prefix) and rel in wanted:
                             yield rel, io.BytesIO(t.extractfile(m).read())
         except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
-            raise ValueError(f"data.paths[0]: {self.archive} cannot be read as a "
-                             f"{'zip' if self.archive.name.lower().endswith('.zip') else 'tar'} archive ({exc}); "
-                             "repack or extract it") from None
+            raise ValueError(
+                f"data.paths[0]: {self.archive} cannot be read as a "
+                f"{'zip' if self.archive.name.lower().endswith('.zip') else 'tar'} archive ({exc}); "
+                "repack or extract it"
+            ) from None
 
 
 def _member(name: str) -> str:
@@ -287,7 +298,9 @@ def _list_archive(path: Path) -> list[str]:
         with tarfile.open(path, "r:*") as t:
             return [_member(m.name) for m in t.getmembers() if m.isfile()]
     except (zipfile.BadZipFile, tarfile.TarError, EOFError, OSError) as exc:
-        raise ValueError(f"data.paths[0]: {path} cannot be read as a {kind} archive ({exc}); repack or extract it") from None
+        raise ValueError(
+            f"data.paths[0]: {path} cannot be read as a {kind} archive ({exc}); repack or extract it"
+        ) from None
 
 
 def scan_image_folder(path: str | Path) -> ImageFolder:
@@ -320,27 +333,34 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
                     continue
                 rel = (Path(dirpath) / name).relative_to(root).as_posix()
                 if _is_archive(name):
-                    raise ValueError(f"{where}/{rel} is an archive inside the folder; extract it there, or give the "
-                                     "archive itself as data.paths[0] (zip and tar archives of an image folder are read)")
+                    raise ValueError(
+                        f"{where}/{rel} is an archive inside the folder; extract it there, or give the "
+                        "archive itself as data.paths[0] (zip and tar archives of an image folder are read)"
+                    )
                 rels.append(rel)
     elif root.is_file():
         if not _is_archive(root.name):
-            raise ValueError(f"{where} is a file, not a folder or a {'/'.join(ARCHIVE_SUFFIXES)} archive; give a folder "
-                             "of class sub-folders")
+            raise ValueError(
+                f"{where} is a file, not a folder or a {'/'.join(ARCHIVE_SUFFIXES)} archive; give a folder "
+                "of class sub-folders"
+            )
         archive = root
         rels = [r for r in _list_archive(root) if not _hidden(PurePosixPath(r).parts)]
         inner = [r for r in rels if _is_archive(r)]
         if inner:
-            raise ValueError(f"{where} holds another archive ({inner[0]}); extract it into the archive's folders "
-                             "(archives inside archives are not read)")
+            raise ValueError(
+                f"{where} holds another archive ({inner[0]}); extract it into the archive's folders "
+                "(archives inside archives are not read)"
+            )
         pics = [r for r in rels if PurePosixPath(r).suffix.lower() in suffixes]
         tops = {PurePosixPath(r).parts[0] for r in pics}
         if len(tops) == 1 and all(len(PurePosixPath(r).parts) >= 3 for r in pics):  # one wrapper folder
             prefix = f"{tops.pop()}/"  # (files beside it, e.g. pets/../README.md, are no images: skipped)
-            rels = [r[len(prefix):] for r in rels if r.startswith(prefix)]
+            rels = [r[len(prefix) :] for r in rels if r.startswith(prefix)]
     else:
-        raise FileNotFoundError(f"{where} does not exist (an imagefolder is a folder of class sub-folders, or a "
-                                "zip/tar archive of one)")
+        raise FileNotFoundError(
+            f"{where} does not exist (an imagefolder is a folder of class sub-folders, or a zip/tar archive of one)"
+        )
     images = sorted(r for r in rels if PurePosixPath(r).suffix.lower() in suffixes)
     skipped = len(rels) - len(images)
     if skipped:
@@ -352,9 +372,11 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
     with_images = {p[:k] for p in parts for k in (1, 2) if len(p) > k}
     for d in sorted(dirs - with_images, key=len):  # a class (or split) folder whose files are no images
         if len(d) == 1 or d[0].lower() in names:
-            example = next(r for r in rels if PurePosixPath(r).parts[:len(d)] == d)
-            raise ValueError(f"{where}/{'/'.join(d)} holds no image that Pillow reads ({example}); convert the files "
-                             "(e.g. to PNG) or remove the folder")
+            example = next(r for r in rels if PurePosixPath(r).parts[: len(d)] == d)
+            raise ValueError(
+                f"{where}/{'/'.join(d)} holds no image that Pillow reads ({example}); convert the files "
+                "(e.g. to PNG) or remove the folder"
+            )
     split_dirs = [t for t in tops if t.lower() in names]
     fix = "put the images in one sub-folder per class (cat/, dog/, …), optionally below train/, val/ and test/"
     if not split_dirs:
@@ -363,8 +385,10 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
     else:
         others = [t for t in tops if t not in split_dirs]
         if others:
-            raise ValueError(f"{where} mixes split folders ({', '.join(split_dirs)}) with other folders "
-                             f"({', '.join(others[:3])}); put every class folder below the split folders")
+            raise ValueError(
+                f"{where} mixes split folders ({', '.join(split_dirs)}) with other folders "
+                f"({', '.join(others[:3])}); put every class folder below the split folders"
+            )
         by_split: dict[str, list[str]] = {}
         for t in split_dirs:
             by_split.setdefault(names[t.lower()], []).append(t)
@@ -372,9 +396,13 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
             if len(dirs) > 1:
                 raise ValueError(f"{where} has two folders for the {s} split ({', '.join(dirs)}); merge them")
         if "train" not in by_split:
-            raise ValueError(f"{where} has {', '.join(d + '/' for d in split_dirs)} but no train/ (or training/); "
-                             "add the training images there, class folders inside")
-        groups = {s: [p[1:] for p in parts if len(p) > 1 and p[0] == by_split[s][0]] for s in IMAGE_SPLITS if s in by_split}
+            raise ValueError(
+                f"{where} has {', '.join(d + '/' for d in split_dirs)} but no train/ (or training/); "
+                "add the training images there, class folders inside"
+            )
+        groups = {
+            s: [p[1:] for p in parts if len(p) > 1 and p[0] == by_split[s][0]] for s in IMAGE_SPLITS if s in by_split
+        }
         prefixes = {s: f"{by_split[s][0]}/" for s in groups}
     loose = [p for p in parts if len(p) == 1]
     if loose and split_dirs:
@@ -387,22 +415,29 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
         if not cls:
             what = "holds images but no class sub-folders" if stray else "holds no images"
             if not split_dirs:
-                what = "holds no class sub-folders" + (f" ({len(stray)} images lie in it directly)" if stray else
-                                                        " and no images")
+                what = "holds no class sub-folders" + (
+                    f" ({len(stray)} images lie in it directly)" if stray else " and no images"
+                )
             raise ValueError(f"{sub} {what}; {fix}")
         if stray:
-            raise ValueError(f"{sub} holds images outside the class sub-folders ({stray[0]}); move them into their "
-                             "class folder or remove them")
+            raise ValueError(
+                f"{sub} holds images outside the class sub-folders ({stray[0]}); move them into their "
+                "class folder or remove them"
+            )
         classes_by[s] = cls
     classes = classes_by["train" if split_dirs else "all"]
     for s, cls in classes_by.items():
         extra = sorted(set(cls) - set(classes))
         if extra:
-            raise ValueError(f"{where}/{prefixes[s]}{extra[0]} is a class that train/ lacks; add its training images "
-                             f"under train/{extra[0]}/ or remove it")
+            raise ValueError(
+                f"{where}/{prefixes[s]}{extra[0]} is a class that train/ lacks; add its training images "
+                f"under train/{extra[0]}/ or remove it"
+            )
     if len(classes) < 2:
-        raise ValueError(f"{where} holds {len(classes)} class sub-folder ({', '.join(classes)}); an imagefolder needs "
-                         "≥ 2, one per class, images inside")
+        raise ValueError(
+            f"{where} holds {len(classes)} class sub-folder ({', '.join(classes)}); an imagefolder needs "
+            "≥ 2, one per class, images inside"
+        )
     index = {c: i for i, c in enumerate(classes)}
     files = {s: [(prefixes[s] + "/".join(p), index[p[0]]) for p in ps] for s, ps in groups.items()}
     return ImageFolder(str(root), classes, files, archive, prefix)
@@ -435,13 +470,18 @@ def inspect_image_folder(folder: ImageFolder, image_size: int | None = None, cha
         modes.add(img.mode)
         sizes.setdefault(img.size, rel)
     if not sizes:  # the scan listed images that reading the folder did not meet
-        raise ValueError(f"data.paths[0]: {folder.archive or folder.root}: none of its {sum(map(len, folder.files.values()))} "
-                         "images could be read back; repack it (e.g. cd pets && zip -r ../pets.zip .)")
+        raise ValueError(
+            f"data.paths[0]: {folder.archive or folder.root}: none of its {sum(map(len, folder.files.values()))} "
+            "images could be read back; repack it (e.g. cd pets && zip -r ../pets.zip .)"
+        )
     if image_size is None and len(sizes) > 1:
         raise size_refusal(sizes, f"data.paths[0] {folder.root}")
     w, h = (image_size, image_size) if image_size is not None else next(iter(sizes))
-    return {"image_shape": (h, w, channels or channels_for(modes)), "num_classes": len(folder.classes),
-            "counts": {s: len(v) for s, v in folder.files.items()}}
+    return {
+        "image_shape": (h, w, channels or channels_for(modes)),
+        "num_classes": len(folder.classes),
+        "counts": {s: len(v) for s, v in folder.files.items()},
+    }
 
 
 def read_image_folder(folder: ImageFolder, image_size: int | None = None, channels: int | None = None) -> ImageSet:
@@ -467,14 +507,26 @@ def read_image_folder(folder: ImageFolder, image_size: int | None = None, channe
     if len(sizes) > 1:
         raise size_refusal(sizes, f"data.paths[0] {folder.root}")
     labels, splits = folder.labels_and_splits()
-    info = {"source": "imagefolder", "name": str(folder.root), "channels": int(channels),
-            "folder_splits": folder.given_splits}
+    info = {
+        "source": "imagefolder",
+        "name": str(folder.root),
+        "channels": int(channels),
+        "folder_splits": folder.given_splits,
+    }
     return ImageSet(np.stack(arrays), labels, list(folder.classes), 255, info, splits)
 
 
-def load_images(source: str, *, hf_name: str | None = None, hf_split: str = "train",
-                image_column: str = "image", label_column: str = "label", path: str | None = None,
-                image_size: int | None = None, channels: int | None = None) -> ImageSet:
+def load_images(
+    source: str,
+    *,
+    hf_name: str | None = None,
+    hf_split: str = "train",
+    image_column: str = "image",
+    label_column: str = "label",
+    path: str | None = None,
+    image_size: int | None = None,
+    channels: int | None = None,
+) -> ImageSet:
     """Read the images of ``source`` (one of :data:`IMAGE_SOURCES`) as ``channels`` channels (1 or 3;
     None: 1 when every image is grey, else 3; digits: 1), converted by :func:`to_channels`.
 
@@ -493,8 +545,13 @@ def load_images(source: str, *, hf_name: str | None = None, hf_split: str = "tra
             raise ValueError("data.image_size does not apply to digits (8×8 as shipped); remove it")
         if channels == 3:
             images = np.repeat(images, 3, axis=-1)
-        return ImageSet(images, np.asarray(d.target, dtype=np.int32), [str(n) for n in d.target_names], 16,
-                        {"source": "digits", "name": "scikit-learn load_digits (UCI ML hand-written digits)"})
+        return ImageSet(
+            images,
+            np.asarray(d.target, dtype=np.int32),
+            [str(n) for n in d.target_names],
+            16,
+            {"source": "digits", "name": "scikit-learn load_digits (UCI ML hand-written digits)"},
+        )
     if source == "hf_images":
         import datasets
 
@@ -524,25 +581,34 @@ def stratified_split(labels: np.ndarray, val_fraction: float, test_fraction: flo
     idx = np.arange(len(labels))
     counts = np.bincount(labels)
     if counts.min() < 3:
-        raise ValueError(f"class {int(counts.argmin())} has {int(counts.min())} image(s); every class needs ≥ 3 "
-                         "to appear in train, val and test")
+        raise ValueError(
+            f"class {int(counts.argmin())} has {int(counts.min())} image(s); every class needs ≥ 3 "
+            "to appear in train, val and test"
+        )
     try:
         rest, test = train_test_split(idx, test_size=test_fraction, stratify=labels, random_state=seed)
-        train, val = train_test_split(rest, test_size=val_fraction / (1.0 - test_fraction),
-                                      stratify=labels[rest], random_state=seed)
+        train, val = train_test_split(
+            rest, test_size=val_fraction / (1.0 - test_fraction), stratify=labels[rest], random_state=seed
+        )
     except ValueError as exc:
-        raise ValueError(f"cannot split {len(labels)} images into val {val_fraction:.0%} and test "
-                         f"{test_fraction:.0%} with every class in each ({exc}); raise data.val_fraction "
-                         "and data.test_fraction or use more images") from None
+        raise ValueError(
+            f"cannot split {len(labels)} images into val {val_fraction:.0%} and test "
+            f"{test_fraction:.0%} with every class in each ({exc}); raise data.val_fraction "
+            "and data.test_fraction or use more images"
+        ) from None
     return {"train": np.sort(train), "val": np.sort(val), "test": np.sort(test)}
 
 
-SPLIT_SOURCES = {"folder": "the source's own split folder", "train folder, stratified": "cut from the train/ folder, "
-                 "stratified", "stratified": "cut from all images, stratified"}
+SPLIT_SOURCES = {
+    "folder": "the source's own split folder",
+    "train folder, stratified": "cut from the train/ folder, stratified",
+    "stratified": "cut from all images, stratified",
+}
 
 
-def complete_splits(image_set: ImageSet, val_fraction: float, test_fraction: float,
-                    seed: int) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def complete_splits(
+    image_set: ImageSet, val_fraction: float, test_fraction: float, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The train/val/test indices of ``image_set`` and where each came from (:data:`SPLIT_SOURCES`).
 
     Without given splits: :func:`stratified_split` of all images (fractions of all images). With an
@@ -554,8 +620,10 @@ def complete_splits(image_set: ImageSet, val_fraction: float, test_fraction: flo
     from sklearn.model_selection import train_test_split
 
     if not image_set.splits:
-        return (stratified_split(image_set.labels, val_fraction, test_fraction, seed),
-                {s: "stratified" for s in IMAGE_SPLITS})
+        return (
+            stratified_split(image_set.labels, val_fraction, test_fraction, seed),
+            {s: "stratified" for s in IMAGE_SPLITS},
+        )
     splits = {s: np.sort(np.asarray(i, dtype=np.int64)) for s, i in image_set.splits.items()}
     source = {s: "folder" for s in IMAGE_SPLITS if s in splits}
     missing = [s for s in ("val", "test") if s not in splits]
@@ -571,9 +639,11 @@ def complete_splits(image_set: ImageSet, val_fraction: float, test_fraction: flo
             splits.update({"train": np.sort(train[keep]), missing[0]: np.sort(train[held])})
     except ValueError as exc:
         fields = " and ".join(f"data.{s}_fraction" for s in missing)
-        raise ValueError(f"cannot cut {' and '.join(missing)} from the {len(train)} images of train/ with every class in "
-                         f"each ({str(exc).splitlines()[0]}); add images to train/, add {'/ and '.join(missing)}/ "
-                         f"folders, or change {fields}") from None
+        raise ValueError(
+            f"cannot cut {' and '.join(missing)} from the {len(train)} images of train/ with every class in "
+            f"each ({str(exc).splitlines()[0]}); add images to train/, add {'/ and '.join(missing)}/ "
+            f"folders, or change {fields}"
+        ) from None
     source.update({s: "train folder, stratified" for s in missing})
     return {s: splits[s] for s in IMAGE_SPLITS}, {s: source[s] for s in IMAGE_SPLITS}
 
@@ -581,24 +651,32 @@ def complete_splits(image_set: ImageSet, val_fraction: float, test_fraction: flo
 def _dataset(images: np.ndarray, labels: np.ndarray, class_names: list[str]):
     from datasets import Array3D, ClassLabel, Dataset, Features
 
-    features = Features({"image": Array3D(shape=images.shape[1:], dtype="uint8"),
-                         "label": ClassLabel(names=class_names)})
+    features = Features(
+        {"image": Array3D(shape=images.shape[1:], dtype="uint8"), "label": ClassLabel(names=class_names)}
+    )
     return Dataset.from_dict({"image": images, "label": labels.astype(np.int64)}, features=features)
 
 
-def prepare_images(image_set: ImageSet, splits: dict[str, np.ndarray], learners: int, run_dir: str | Path,
-                   record: dict, split_source: dict[str, str] | None = None) -> dict:
+def prepare_images(
+    image_set: ImageSet,
+    splits: dict[str, np.ndarray],
+    learners: int,
+    run_dir: str | Path,
+    record: dict,
+    split_source: dict[str, str] | None = None,
+) -> dict:
     """Write ``RUN/data`` (layout in the module docstring) and return its manifest.
 
     ``splits``: :func:`stratified_split`'s or :func:`complete_splits`' indices; ``split_source``:
     where each split came from (:func:`complete_splits`; default all ``stratified``); ``learners``: M
-    shards of the training split, round-robin (``Dataset.shard(..., contiguous=False)``); ``record``: what determines the data
-    (``data.text.config_record``), kept in the manifest. Built in a temporary folder and renamed into
-    place (a failure never leaves a half-written ``RUN/data``). Raises ``ValueError`` when the
-    training split cannot give every learner an image. The manifest: ``modality`` "image",
-    ``image_shape`` [H, W, C], ``num_classes``, ``class_names``, ``pixel_max``, ``splits`` (per split
-    ``images`` and ``per_class``), ``split_source`` (split → ``folder`` | ``train folder, stratified``
-    | ``stratified``), ``shards`` (``name``, ``path``, ``images``), ``learners``.
+    shards of the training split, round-robin (``Dataset.shard(..., contiguous=False)``);
+    ``record``: what determines the data (``data.text.config_record``), kept in the manifest. Built
+    in a temporary folder and renamed into place (a failure never leaves a half-written
+    ``RUN/data``). Raises ``ValueError`` when the training split cannot give every learner an image.
+    The manifest: ``modality`` "image", ``image_shape`` [H, W, C], ``num_classes``, ``class_names``,
+    ``pixel_max``, ``splits`` (per split ``images`` and ``per_class``), ``split_source`` (split →
+    ``folder`` | ``train folder, stratified`` | ``stratified``), ``shards`` (``name``, ``path``,
+    ``images``), ``learners``.
     """
     import datasets
 
@@ -615,8 +693,10 @@ def prepare_images(image_set: ImageSet, splits: dict[str, np.ndarray], learners:
             idx = splits[s]
             ds = _dataset(image_set.images[idx], image_set.labels[idx], image_set.class_names)
             ds.save_to_disk(str(tmp / s))
-            split_info[s] = {"images": int(len(idx)),
-                             "per_class": np.bincount(image_set.labels[idx], minlength=K).tolist()}
+            split_info[s] = {
+                "images": int(len(idx)),
+                "per_class": np.bincount(image_set.labels[idx], minlength=K).tolist(),
+            }
             if s == "train":
                 train_ds = ds
         if len(splits["train"]) < learners:
@@ -651,8 +731,12 @@ def prepare_images(image_set: ImageSet, splits: dict[str, np.ndarray], learners:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("images: %s train, %s val, %s test, %d classes, shape %s", *(split_info[s]["images"] for s in IMAGE_SPLITS),
-             K, manifest["image_shape"])
+    log.info(
+        "images: %s train, %s val, %s test, %d classes, shape %s",
+        *(split_info[s]["images"] for s in IMAGE_SPLITS),
+        K,
+        manifest["image_shape"],
+    )
     return manifest
 
 
@@ -667,5 +751,7 @@ def load_image_rows(run_dir: str | Path, name: str) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"{path} is missing or incomplete (no saved dataset there)")
     ds = load_from_disk(str(path)).with_format("numpy")
     cols = ds[:]
-    return {"image": np.ascontiguousarray(cols["image"], dtype=np.uint8),
-            "label": np.ascontiguousarray(cols["label"], dtype=np.int32)}
+    return {
+        "image": np.ascontiguousarray(cols["image"], dtype=np.uint8),
+        "label": np.ascontiguousarray(cols["label"], dtype=np.int32),
+    }

@@ -13,8 +13,7 @@ from configs.schema import ExperimentConfig
 from data.images import complete_splits, load_image_rows, load_images, prepare_images
 from data.sources import DATA_DIR
 from data.store import load_manifest, load_sequences
-from data.text import config_record
-from data.text import prepare_data as prepare_text
+from data.text import config_record, prepare_data as prepare_text
 
 log = logging.getLogger(__name__)
 
@@ -40,12 +39,21 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         if old is not None and old.get("config") == record:
             log.info("reusing %s (built from the same data config)", run_dir / DATA_DIR)
             return old
-        raise FileExistsError(f"{run_dir / DATA_DIR} already exists and was built from a different (or no) "
-                              "data config; pass overwrite=True or use a new run directory")
+        raise FileExistsError(
+            f"{run_dir / DATA_DIR} already exists and was built from a different (or no) "
+            "data config; pass overwrite=True or use a new run directory"
+        )
     d = cfg.data
-    images = load_images(d.source, hf_name=d.hf_name, hf_split=d.hf_split, image_column=d.image_column,
-                         label_column=d.label_column, path=d.paths[0] if d.paths else None, image_size=d.image_size,
-                         channels=d.channels)
+    images = load_images(
+        d.source,
+        hf_name=d.hf_name,
+        hf_split=d.hf_split,
+        image_column=d.image_column,
+        label_column=d.label_column,
+        path=d.paths[0] if d.paths else None,
+        image_size=d.image_size,
+        channels=d.channels,
+    )
     splits, source = complete_splits(images, d.val_fraction, d.test_fraction, d.seed)
     return prepare_images(images, splits, cfg.diloco.learners, run_dir, record, source)
 

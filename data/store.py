@@ -13,6 +13,7 @@ import numpy as np
 
 from data.sources import DATA_DIR, Document
 
+
 def _data_dir(run_dir: str | Path) -> Path:
     d = Path(run_dir) / DATA_DIR
     if not d.is_dir():
@@ -92,4 +93,3 @@ def load_heldout(run_dir: str | Path, split: str) -> list[Document]:
         raise FileNotFoundError(f"{path} is missing: {path.parent} is incomplete; rebuild it")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-

@@ -36,6 +36,7 @@ from data.store import load_manifest, swap_in_folder
 
 log = logging.getLogger(__name__)
 
+
 def _unique_titles(docs: list[Document]) -> list[Document]:
     seen: dict[str, int] = {}
     out = []
@@ -218,6 +219,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         now = time.perf_counter()
         stages[name] = round(now - lap[0], 3)
         lap[0] = now
+
     run_dir = Path(run_dir)
     final = run_dir / DATA_DIR
     record = config_record(cfg)
@@ -315,9 +317,11 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
         if splits["finetune"]:
             _write_jsonl(tmp / "heldout_finetune.jsonl", splits["finetune"])
-            split_info["finetune"] = {"documents": len(splits["finetune"]),
-                                      "titles": [d["title"] for d in splits["finetune"]],
-                                      "characters": int(sum(len(d["text"]) for d in splits["finetune"]))}
+            split_info["finetune"] = {
+                "documents": len(splits["finetune"]),
+                "titles": [d["title"] for d in splits["finetune"]],
+                "characters": int(sum(len(d["text"]) for d in splits["finetune"])),
+            }
 
         want = cfg.train.eval_batches * cfg.train.eval_batch_size
         if split_info["val"]["sequences"] < want:
@@ -361,5 +365,3 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
 # ---------------------------------------------------------------------------------------------
 # Loaders
 # ---------------------------------------------------------------------------------------------
-
-

@@ -30,9 +30,7 @@ def balanced_fragments(tensor_bytes: Mapping[str, int], num_fragments: int) -> l
     if num_fragments < 1:
         raise ValueError(f"num_fragments must be ≥ 1, got {num_fragments}")
     if num_fragments > len(tensor_bytes):
-        raise ValueError(
-            f"num_fragments (P={num_fragments}) exceeds the number of tensors ({len(tensor_bytes)})"
-        )
+        raise ValueError(f"num_fragments (P={num_fragments}) exceeds the number of tensors ({len(tensor_bytes)})")
     order = sorted(tensor_bytes.items(), key=lambda kv: (-kv[1], kv[0]))
     bins: list[list[str]] = [[] for _ in range(num_fragments)]
     loads = [0] * num_fragments
@@ -58,8 +56,4 @@ def fragments_due(step: int, num_fragments: int, period: int) -> list[int]:
     """
     if step < 1:
         return []
-    return [
-        p
-        for p, offset in enumerate(fragment_offsets(num_fragments, period))
-        if (step - offset) % period == 0
-    ]
+    return [p for p, offset in enumerate(fragment_offsets(num_fragments, period)) if (step - offset) % period == 0]

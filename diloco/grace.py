@@ -63,11 +63,13 @@ class GraceWindow:
         if self.cap_s is not None and self.cap_s < 0:
             raise ValueError(f"grace cap ({self.cap_s}) must be ≥ 0 seconds")
         self._steps, self._latency, self._quorum, self._merge = (
-            collections.deque(maxlen=self.window) for _ in range(4))
+            collections.deque(maxlen=self.window) for _ in range(4)
+        )
 
     # -- measurements ---------------------------------------------------------------------------
-    def observe_submission(self, learner: int, attempt: int, local_step: int, sent_at: float,
-                           received_at: float) -> None:
+    def observe_submission(
+        self, learner: int, attempt: int, local_step: int, sent_at: float, received_at: float
+    ) -> None:
         """One received submission: its learner, attempt, local step, send and receive times (s)."""
         self._latency.append(max(received_at - sent_at, 0.0))
         last = self._last.get(learner)

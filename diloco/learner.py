@@ -177,9 +177,16 @@ def _kill_timer(ex: Exchange, at_s: float, learner: int, attempt: int, log) -> t
     def watch() -> None:
         while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
             if ex.clock() >= at_s:
-                log({"event": "kill", "learner": learner, "attempt": attempt,
-                     "step": ex.learners().get(learner, {}).get("step", 0),
-                     "reason": f"chaos: SIGKILL at {at_s:g} s", "t": ex.clock()})
+                log(
+                    {
+                        "event": "kill",
+                        "learner": learner,
+                        "attempt": attempt,
+                        "step": ex.learners().get(learner, {}).get("step", 0),
+                        "reason": f"chaos: SIGKILL at {at_s:g} s",
+                        "t": ex.clock(),
+                    }
+                )
                 _kill_self()
 
     threading.Thread(target=watch, name=f"chaos-kill-{learner}", daemon=True).start()
@@ -224,8 +231,9 @@ def corrupt_payload(payload: dict[str, np.ndarray], kind: str) -> dict[str, np.n
     return out
 
 
-def _wait_until(clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange,
-                tokens_per_step: int = 1) -> float:
+def _wait_until(
+    clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange, tokens_per_step: int = 1
+) -> float:
     """Sleep until ``clock() >= until``, or stop, or the run closes, or the others have claimed the
     budget (no step of ``tokens_per_step`` tokens is left: a scavenged learner whose window opens
     after the run's end, a restart due after it); returns the seconds waited."""
@@ -267,10 +275,11 @@ def run_learner(s: LearnerSetup) -> dict:
 
     Chaos (``configs.chaos`` schedules, on the training clock: seconds since this learner's first
     attempt started): a retried attempt first waits out the restart delay of the failure it
-    follows, counted from the moment that failure fired (status ``down``); a scavenged learner waits to join (status ``absent``) and stops when
-    it leaves; a timed failure fires in the attempt that was running at its time; the next
-    submission after a corruption's time is damaged in flight. With ``overlap_steps`` τ the learner
-    waits (outside its compute turn) when a fragment it sent τ steps ago has not been merged back.
+    follows, counted from the moment that failure fired (status ``down``); a scavenged learner waits
+    to join (status ``absent``) and stops when it leaves; a timed failure fires in the attempt that
+    was running at its time; the next submission after a corruption's time is damaged in flight.
+    With ``overlap_steps`` τ the learner waits (outside its compute turn) when a fragment it sent τ
+    steps ago has not been merged back.
 
     Raises :class:`InjectedFailure` at a configured step or time, after recording the reason in the
     exchange and the log; at a configured kill (``kill_steps``, ``kill_at_s``, a timed failure with
@@ -345,11 +354,30 @@ def run_learner(s: LearnerSetup) -> dict:
                 s.log({"event": "join", "learner": m, "attempt": s.attempt, "t": ex.clock(), "train_t": clock()})
         attempt_start = clock()
         pending_failures = [(a, how) for a, _, how in s.timed_failures if a > attempt_start]
-        ex.heartbeat(m, status="running", attempt=s.attempt, step=step, processed=processed, cursor=(epoch, index),
-                     pid=os.getpid(), host=socket.gethostname(), started_at=ex.clock())
-        s.log({"event": "start", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(), "origin": origin,
-               "pid": os.getpid(),
-               "resumed": point is not None, "opt_state_digest": tree_digest(opt_state)})
+        ex.heartbeat(
+            m,
+            status="running",
+            attempt=s.attempt,
+            step=step,
+            processed=processed,
+            cursor=(epoch, index),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=ex.clock(),
+        )
+        s.log(
+            {
+                "event": "start",
+                "learner": m,
+                "attempt": s.attempt,
+                "step": step,
+                "t": ex.clock(),
+                "origin": origin,
+                "pid": os.getpid(),
+                "resumed": point is not None,
+                "opt_state_digest": tree_digest(opt_state),
+            }
+        )
         steps_this_attempt = skipped_saves = 0
         sat_out = 0.0  # turns owed by a slowed learner (chaos slowdowns, :func:`_slow_down`)
 
@@ -366,12 +394,32 @@ def run_learner(s: LearnerSetup) -> dict:
                 payload = corrupt_payload(payload, kind)
                 corrupted += 1
                 ex.heartbeat(m, corrupted=corrupted)
-                s.log({"event": "corrupt", "learner": m, "attempt": s.attempt, "fragment": p, "kind": kind,
-                       "step": step, "base_version": f.version, "tokens": f.tokens, "t": ex.clock(),
-                       "train_t": clock()})
-            sub = Submission(learner=m, fragment=p, params=payload, tokens=f.tokens, steps=f.steps,
-                             base_version=f.version, local_step=step, attempt=s.attempt, sent_at=ex.clock(),
-                             wire=s.wire.spec)
+                s.log(
+                    {
+                        "event": "corrupt",
+                        "learner": m,
+                        "attempt": s.attempt,
+                        "fragment": p,
+                        "kind": kind,
+                        "step": step,
+                        "base_version": f.version,
+                        "tokens": f.tokens,
+                        "t": ex.clock(),
+                        "train_t": clock(),
+                    }
+                )
+            sub = Submission(
+                learner=m,
+                fragment=p,
+                params=payload,
+                tokens=f.tokens,
+                steps=f.steps,
+                base_version=f.version,
+                local_step=step,
+                attempt=s.attempt,
+                sent_at=ex.clock(),
+                wire=s.wire.spec,
+            )
             bytes_out += sub.nbytes
             f.sent(copy)
             in_flight[p] = (step, f.version)
@@ -394,14 +442,27 @@ def run_learner(s: LearnerSetup) -> dict:
             p_wait = overdue()
             if p_wait is not None:
                 t_wait, t_clock, p_first = time.monotonic(), ex.clock(), p_wait
-                while p_wait is not None and not (s.stop() or ex.is_closed()) \
-                        and time.monotonic() - t_wait < s.wait_timeout_s:
+                while (
+                    p_wait is not None
+                    and not (s.stop() or ex.is_closed())
+                    and time.monotonic() - t_wait < s.wait_timeout_s
+                ):
                     time.sleep(0.002)
                     p_wait = overdue()
                 w = time.monotonic() - t_wait
                 waited += w
-                s.log({"event": "wait", "learner": m, "attempt": s.attempt, "step": step,
-                       "fragment": p_first, "wait_s": w, "t": t_clock, "timed_out": p_wait is not None})
+                s.log(
+                    {
+                        "event": "wait",
+                        "learner": m,
+                        "attempt": s.attempt,
+                        "step": step,
+                        "fragment": p_first,
+                        "wait_s": w,
+                        "t": t_clock,
+                        "timed_out": p_wait is not None,
+                    }
+                )
                 if p_wait is not None:
                     in_flight.pop(p_wait, None)  # its merge is not coming (dropped): stop waiting for it
             latest = ex.versions()
@@ -414,8 +475,16 @@ def run_learner(s: LearnerSetup) -> dict:
         metrics, slowed = None, 1.0
         while not (s.stop() or ex.is_closed()):
             if leave_s is not None and clock() >= leave_s:  # a scavenged learner's devices go back
-                s.log({"event": "leave", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock(),
-                       "train_t": clock()})
+                s.log(
+                    {
+                        "event": "leave",
+                        "learner": m,
+                        "attempt": s.attempt,
+                        "step": step,
+                        "t": ex.clock(),
+                        "train_t": clock(),
+                    }
+                )
                 break
             if pending_failures and pending_failures[0][0] <= clock():
                 at, how = pending_failures.pop(0)
@@ -423,15 +492,32 @@ def run_learner(s: LearnerSetup) -> dict:
                 ex.heartbeat(m, failed_t=clock(), failed_at_s=at)  # its retry is down for the restart delay from here
                 if how == "sigkill":
                     ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
-                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
-                           "reason": f"chaos: SIGKILL at {at:g} s of training", "t": ex.clock(), "train_t": clock()})
+                    s.log(
+                        {
+                            "event": "kill",
+                            "learner": m,
+                            "attempt": s.attempt,
+                            "step": step,
+                            "reason": f"chaos: SIGKILL at {at:g} s of training",
+                            "t": ex.clock(),
+                            "train_t": clock(),
+                        }
+                    )
                     _kill_self()
                 raise InjectedFailure(f"learner {m}: injected failure at {at:g} s of training")
             refresh()
             if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
                 if step + 1 in s.kill_steps:
-                    s.log({"event": "kill", "learner": m, "attempt": s.attempt, "step": step,
-                           "reason": f"chaos: SIGKILL at local step {step + 1}", "t": ex.clock()})
+                    s.log(
+                        {
+                            "event": "kill",
+                            "learner": m,
+                            "attempt": s.attempt,
+                            "step": step,
+                            "reason": f"chaos: SIGKILL at local step {step + 1}",
+                            "t": ex.clock(),
+                        }
+                    )
                     _kill_self()
                 raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
             if not ex.claim_tokens(s.tokens_per_step, learner=m, stop=s.stop):
@@ -453,19 +539,37 @@ def run_learner(s: LearnerSetup) -> dict:
                     # good. (The store copies the state and writes it in the background.)
                     saving = getattr(s.resume, "ready", lambda: True)()
                     if saving:
-                        s.resume.save(ResumePoint(step=step, cursor=(epoch, index), tokens=processed,
-                                                  opt_state=opt_state))
+                        s.resume.save(
+                            ResumePoint(step=step, cursor=(epoch, index), tokens=processed, opt_state=opt_state)
+                        )
                     else:  # the last one is still being written: skip this one rather than hold the turn
                         skipped_saves += 1
-                    s.log({"event": "resume_point", "learner": m, "attempt": s.attempt, "step": step,
-                           "saved": saving, "t": ex.clock()})
+                    s.log(
+                        {
+                            "event": "resume_point",
+                            "learner": m,
+                            "attempt": s.attempt,
+                            "step": step,
+                            "saved": saving,
+                            "t": ex.clock(),
+                        }
+                    )
                 computed = time.perf_counter() - computing
             if s.slowdowns:
                 now = clock()
                 factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
                 if factor != slowed:
-                    s.log({"event": "slowdown", "learner": m, "attempt": s.attempt, "factor": factor,
-                           "step": step, "t": ex.clock(), "train_t": now})
+                    s.log(
+                        {
+                            "event": "slowdown",
+                            "learner": m,
+                            "attempt": s.attempt,
+                            "factor": factor,
+                            "step": step,
+                            "t": ex.clock(),
+                            "train_t": now,
+                        }
+                    )
                     slowed = factor
                 if factor > 1.0 and steps_this_attempt > 1:  # (an attempt's first step includes compiling)
                     sat_out = _slow_down(s, factor - 1.0, computed, sat_out)
@@ -476,16 +580,29 @@ def run_learner(s: LearnerSetup) -> dict:
                 refresh()  # with τ = H the merge of its last send is due now, before it is sent again
             for p in due:
                 send(p)
-            beat = dict(step=step, processed=processed, cursor=(epoch, index),
-                        bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in,
-                        exchange_s=float(getattr(ex, "io_s", 0.0)),  # this process's, not this learner's
-                        waited_s=waited)
+            beat = dict(
+                step=step,
+                processed=processed,
+                cursor=(epoch, index),
+                bytes_to_syncer=bytes_out,
+                bytes_from_syncer=bytes_in,
+                exchange_s=float(getattr(ex, "io_s", 0.0)),  # this process's, not this learner's
+                waited_s=waited,
+            )
             if step % s.log_every == 0:
                 loss = float(metrics["loss"])
                 beat["loss"] = loss
-                s.log({"event": "step", "learner": m, "step": step, "train/loss": loss,
-                       **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                       "tokens": processed, "t": ex.clock()})
+                s.log(
+                    {
+                        "event": "step",
+                        "learner": m,
+                        "step": step,
+                        "train/loss": loss,
+                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+                        "tokens": processed,
+                        "t": ex.clock(),
+                    }
+                )
             ex.heartbeat(m, **beat)
         if s.resume is not None:
             s.resume.flush()  # the last resume point is on disk before the learner reports done
@@ -497,16 +614,32 @@ def run_learner(s: LearnerSetup) -> dict:
                 send(p)
         ex.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
         s.log({"event": "stop", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock()})
-        return {"learner": m, "attempt": s.attempt, "steps": step, "steps_this_attempt": steps_this_attempt,
-                "tokens": processed, "bytes_to_syncer": bytes_out, "bytes_from_syncer": bytes_in, "waited_s": waited,
-                "resume_points_skipped": skipped_saves}
+        return {
+            "learner": m,
+            "attempt": s.attempt,
+            "steps": step,
+            "steps_this_attempt": steps_this_attempt,
+            "tokens": processed,
+            "bytes_to_syncer": bytes_out,
+            "bytes_from_syncer": bytes_in,
+            "waited_s": waited,
+            "resume_points_skipped": skipped_saves,
+        }
     except BaseException as exc:
         if s.resume is not None:
             with contextlib.suppress(BaseException):
                 s.resume.flush()  # a save in flight finishes (or fails) before a retry loads
         ex.heartbeat(m, status="down", reason=repr(exc))
-        s.log({"event": "failure", "learner": m, "attempt": s.attempt, "reason": repr(exc),
-               "step": ex.learners().get(m, {}).get("step", 0), "t": ex.clock() if fired_at is None else fired_at})
+        s.log(
+            {
+                "event": "failure",
+                "learner": m,
+                "attempt": s.attempt,
+                "reason": repr(exc),
+                "step": ex.learners().get(m, {}).get("step", 0),
+                "t": ex.clock() if fired_at is None else fired_at,
+            }
+        )
         raise
     finally:
         if disarm is not None:

@@ -36,7 +36,7 @@ class FairTurns:
         self._queue: collections.deque[threading.Event] = collections.deque()
         self._free = slots
 
-    def __enter__(self) -> "FairTurns":
+    def __enter__(self) -> FairTurns:
         with self._guard:
             if self._free > 0 and not self._queue:
                 self._free -= 1
@@ -122,7 +122,7 @@ class HostTurns:
             os.close(fd)
 
     # -- the context manager -----------------------------------------------------------------------
-    def __enter__(self) -> "HostTurns":
+    def __enter__(self) -> HostTurns:
         ticket = f"{os.getpid()}-{threading.get_ident()}-{next(self._count)}"
         self._mine.ticket = ticket
         pipe, reader = self._pipe(ticket), None

@@ -216,8 +216,15 @@ class Syncer:
         if 0 <= sub.learner < self.settings.num_learners:
             self.ledger[sub.learner].drop(tokens, reason)
         self.events.append(
-            {"event": "dropped", "learner": sub.learner, "fragment": sub.fragment, "reason": reason,
-             "tokens": tokens, "base_version": sub.base_version, "t": now}
+            {
+                "event": "dropped",
+                "learner": sub.learner,
+                "fragment": sub.fragment,
+                "reason": reason,
+                "tokens": tokens,
+                "base_version": sub.base_version,
+                "t": now,
+            }
         )
 
     def receive(self, sub: Submission, now: float) -> bool:
@@ -266,8 +273,16 @@ class Syncer:
             fresh -= redone
         if sub.local_step <= self._merged_step.get(key, -1):
             self.events.append(
-                {"event": "dropped", "learner": sub.learner, "fragment": sub.fragment, "reason": "recomputed",
-                 "tokens": redone, "base_version": sub.base_version, "t": now})
+                {
+                    "event": "dropped",
+                    "learner": sub.learner,
+                    "fragment": sub.fragment,
+                    "reason": "recomputed",
+                    "tokens": redone,
+                    "base_version": sub.base_version,
+                    "t": now,
+                }
+            )
             return False
         decoded = _decode(sub, {k: a.shape for k, a in self.global_params[p].items()})
         if decoded is None:
@@ -280,8 +295,9 @@ class Syncer:
         if sub.base_version > self.versions[p] or sub.base_version < 0:
             self._reject(sub, "unknown-version", now, fresh)
             return False
-        if (self.versions[p] - sub.base_version > self.settings.max_staleness
-                or (fmt.sends_delta and sub.base_version not in self.bases[p])):
+        if self.versions[p] - sub.base_version > self.settings.max_staleness or (
+            fmt.sends_delta and sub.base_version not in self.bases[p]
+        ):
             self._reject(sub, "stale", now, fresh)
             return False
         theta = update
@@ -312,8 +328,9 @@ class Syncer:
         global downtime): K = M degrades to the learners still alive instead of stalling."""
         return max(1, min(self.settings.quorum, self.settings.num_learners - len(down)))
 
-    def ready(self, p: int, now: float, live: set[int], grace_s: float | None = None,
-              down: set[int] = frozenset()) -> bool:
+    def ready(
+        self, p: int, now: float, live: set[int], grace_s: float | None = None, down: set[int] = frozenset()
+    ) -> bool:
         """Quorum reached and (grace window over, or every live learner has submitted).
         ``live``: the learners the loop sees running; ``down``: those it knows ended or silent (the
         quorum is then :meth:`quorum`, reached at ``now`` once that many have submitted).
@@ -362,8 +379,16 @@ class Syncer:
         if reason is not None:
             for s in subs:
                 self._reject(s, "bad-merge", now, self._unmerged.pop((s.learner, p), 0))
-            self.events.append({"event": "merge-refused", "fragment": p, "reason": reason,
-                                "contributors": [s.learner for s in subs], "tokens": tokens, "t": now})
+            self.events.append(
+                {
+                    "event": "merge-refused",
+                    "fragment": p,
+                    "reason": reason,
+                    "contributors": [s.learner for s in subs],
+                    "tokens": tokens,
+                    "t": now,
+                }
+            )
             return None
         self.global_params[p], self.opt_states[p] = new_params, new_state
         self.versions[p] += 1
@@ -411,8 +436,7 @@ class Syncer:
         Returns the records of the adopted merges, in fragment order; refused ones are left out
         (their "merge-refused" events are in ``events``)."""
         grace_s = grace_s or {}
-        return self._merge_all([p for p in range(self.num_fragments)
-                                if self.ready(p, now, live, grace_s.get(p))], now)
+        return self._merge_all([p for p in range(self.num_fragments) if self.ready(p, now, live, grace_s.get(p))], now)
 
     def flush(self, now: float) -> list[dict]:
         """Merge everything still pending, quorum or not (used once all learners have stopped).
@@ -459,25 +483,39 @@ class Syncer:
         set by durable exchanges only: the in-process exchange's syncer is not restartable).
         """
         arrays = {
-            "global": {f"fragment_{p:03d}": {f"{i:04d}": np.array(g[k], copy=True) for i, k in enumerate(frag)}
-                       for p, (frag, g) in enumerate(zip(self.fragments, self.global_params))},
-            "outer": {f"fragment_{p:03d}": {f"{i:04d}": np.array(x, copy=True) for i, x in enumerate(jax.tree.leaves(st))}
-                      for p, st in enumerate(self.opt_states)},
+            "global": {
+                f"fragment_{p:03d}": {f"{i:04d}": np.array(g[k], copy=True) for i, k in enumerate(frag)}
+                for p, (frag, g) in enumerate(zip(self.fragments, self.global_params))
+            },
+            "outer": {
+                f"fragment_{p:03d}": {f"{i:04d}": np.array(x, copy=True) for i, x in enumerate(jax.tree.leaves(st))}
+                for p, st in enumerate(self.opt_states)
+            },
         }
         if self.settings.kept_bases:
             arrays["bases"] = {
                 f"fragment_{p:03d}": {
-                    f"back_{k:02d}": {f"{i:04d}": (np.array(bases[v - k][name], copy=True) if v - k in bases
-                                                   else np.zeros_like(g[name])) for i, name in enumerate(frag)}
-                    for k in range(1, self.settings.kept_bases + 1)}
-                for p, (frag, g, bases, v) in enumerate(zip(self.fragments, self.global_params, self.bases, self.versions))}
+                    f"back_{k:02d}": {
+                        f"{i:04d}": (
+                            np.array(bases[v - k][name], copy=True) if v - k in bases else np.zeros_like(g[name])
+                        )
+                        for i, name in enumerate(frag)
+                    }
+                    for k in range(1, self.settings.kept_bases + 1)
+                }
+                for p, (frag, g, bases, v) in enumerate(
+                    zip(self.fragments, self.global_params, self.bases, self.versions)
+                )
+            }
         pending = []
         for p, frag in enumerate(self.pending):
             row = []
             for s in frag.values():
                 if s.key is None:
-                    raise ValueError(f"fragment {p}: learner {s.learner}'s pending submission has no object name "
-                                     "(Submission.key); only submissions drained from a durable exchange can be saved")
+                    raise ValueError(
+                        f"fragment {p}: learner {s.learner}'s pending submission has no object name "
+                        "(Submission.key); only submissions drained from a durable exchange can be saved"
+                    )
                 row.append({**{f: getattr(s, f) for f in _SAVED_FIELDS}, "key": s.key})
             pending.append(row)
         meta = {
@@ -487,9 +525,16 @@ class Syncer:
             "versions": list(self.versions),
             "quorum_at": list(self.quorum_at),
             "pending": pending,
-            "ledger": {str(m): {"submitted": e.submitted, "merged": e.merged, "dropped": e.dropped,
-                                "drop_reasons": dict(e.drop_reasons), "recomputed": e.recomputed}
-                       for m, e in self.ledger.items()},
+            "ledger": {
+                str(m): {
+                    "submitted": e.submitted,
+                    "merged": e.merged,
+                    "dropped": e.dropped,
+                    "drop_reasons": dict(e.drop_reasons),
+                    "recomputed": e.recomputed,
+                }
+                for m, e in self.ledger.items()
+            },
             "unmerged": {_pair(k): v for k, v in self._unmerged.items()},
             "newest": {_pair(k): list(v) for k, v in self._newest.items()},
             "counted": {_pair(k): {_pair(g): n for g, n in c.items()} for k, c in self._counted.items()},
@@ -516,11 +561,14 @@ class Syncer:
         if meta.get("format") not in (1, STATE_FORMAT):
             raise ValueError(f"syncer state format {meta.get('format')} is not 1 or {STATE_FORMAT}")
         if meta["fragments"] != self.fragments:
-            raise ValueError("the saved syncer state has other fragments than this syncer (another model or "
-                             "diloco.fragments)")
+            raise ValueError(
+                "the saved syncer state has other fragments than this syncer (another model or diloco.fragments)"
+            )
         if {"wire": "float32", **meta["settings"]} != json.loads(json.dumps(asdict(self.settings))):
-            raise ValueError(f"the saved syncer state has other settings ({meta['settings']}) than this syncer "
-                             f"({asdict(self.settings)}): restart with the run's config")
+            raise ValueError(
+                f"the saved syncer state has other settings ({meta['settings']}) than this syncer "
+                f"({asdict(self.settings)}): restart with the run's config"
+            )
         global_params, opt_states = [], []
         for p, frag in enumerate(self.fragments):
             saved = arrays["global"][f"fragment_{p:03d}"]
@@ -535,8 +583,9 @@ class Syncer:
             for k in range(1, self.settings.kept_bases + 1):
                 if versions[p] - k >= 0:
                     saved = arrays["bases"][f"fragment_{p:03d}"][f"back_{k:02d}"]
-                    held[versions[p] - k] = {name: np.asarray(saved[f"{i:04d}"], dtype=np.float32)
-                                             for i, name in enumerate(frag)}
+                    held[versions[p] - k] = {
+                        name: np.asarray(saved[f"{i:04d}"], dtype=np.float32) for i, name in enumerate(frag)
+                    }
             bases.append(held)
         pending: list[dict[int, Submission]] = []
         pending_params: list[dict[int, dict[str, np.ndarray]]] = []
@@ -545,17 +594,23 @@ class Syncer:
             for saved in row:
                 sub = fetch(saved["key"])
                 got = {f: getattr(sub, f) for f in _SAVED_FIELDS if f != "sent_at"}
-                want = {f: saved.get(f, "float32") if f == "wire" else saved[f] for f in _SAVED_FIELDS if f != "sent_at"}
+                want = {
+                    f: saved.get(f, "float32") if f == "wire" else saved[f] for f in _SAVED_FIELDS if f != "sent_at"
+                }
                 if got != want:
                     raise ValueError(f"object {saved['key']} holds {got}, the saved syncer state expects {want}")
                 decoded = _decode(sub, {k: a.shape for k, a in global_params[p].items()})
                 if decoded is None or (decoded[0].sends_delta and sub.base_version not in bases[p]):
-                    raise ValueError(f"object {saved['key']}: its {sub.wire} payload does not decode against "
-                                     f"fragment {p} v{sub.base_version} of the saved syncer state")
+                    raise ValueError(
+                        f"object {saved['key']}: its {sub.wire} payload does not decode against "
+                        f"fragment {p} v{sub.base_version} of the saved syncer state"
+                    )
                 fmt, update = decoded
                 sub.key = saved["key"]
                 frag[int(saved["learner"])] = sub
-                thetas[int(saved["learner"])] = _rebuild(bases[p][sub.base_version], update) if fmt.sends_delta else update
+                thetas[int(saved["learner"])] = (
+                    _rebuild(bases[p][sub.base_version], update) if fmt.sends_delta else update
+                )
             pending.append(frag)
             pending_params.append(thetas)
         self.global_params, self.opt_states = global_params, opt_states
@@ -563,10 +618,16 @@ class Syncer:
         self.versions = versions
         self.quorum_at = [None if t is None else float(t) for t in meta["quorum_at"]]
         self.pending = pending
-        self.ledger = {int(m): LedgerEntry(int(e["submitted"]), int(e["merged"]), int(e["dropped"]),
-                                           {k: int(n) for k, n in e["drop_reasons"].items()},
-                                           int(e.get("recomputed", 0)))
-                       for m, e in meta["ledger"].items()}
+        self.ledger = {
+            int(m): LedgerEntry(
+                int(e["submitted"]),
+                int(e["merged"]),
+                int(e["dropped"]),
+                {k: int(n) for k, n in e["drop_reasons"].items()},
+                int(e.get("recomputed", 0)),
+            )
+            for m, e in meta["ledger"].items()
+        }
         self._unmerged = {_unpair(k): int(v) for k, v in meta["unmerged"].items()}
         self._newest = {_unpair(k): tuple(int(x) for x in v) for k, v in meta["newest"].items()}
         self._counted = {_unpair(k): {_unpair(g): int(n) for g, n in c.items()} for k, c in meta["counted"].items()}

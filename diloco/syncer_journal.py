@@ -97,8 +97,7 @@ class SyncerStateStore(Protocol):
         the step is damaged or does not match."""
         ...
 
-    def delete(self, step: int) -> None:
-        ...
+    def delete(self, step: int) -> None: ...
 
 
 def journal_seq(name: str) -> int:
@@ -151,8 +150,13 @@ class SyncerJournal:
     has taken office.
     """
 
-    def __init__(self, exchange: FsspecExchange, store: SyncerStateStore, checkpoint_every_s: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        exchange: FsspecExchange,
+        store: SyncerStateStore,
+        checkpoint_every_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.exchange = exchange
         self.store = store
         self.checkpoint_every_s = float(checkpoint_every_s)
@@ -198,13 +202,18 @@ class SyncerJournal:
                 continue
             seq, g = int(meta["seq"]), int(meta["generation"])
             entry = by_seq.get(seq)
-            if entry is not None and int(entry["generation"]) == g:
-                pass
-            elif entry is None and (not chain or seq == first - 1):
+            if (entry is not None and int(entry["generation"]) == g) or (
+                entry is None and (not chain or seq == first - 1)
+            ):
                 pass
             else:
-                logger.warning("syncer checkpoint step %d (generation %d, seq %d) is not on the journal's valid "
-                               "chain (a stale syncer's); trying an older one", step, g, seq)
+                logger.warning(
+                    "syncer checkpoint step %d (generation %d, seq %d) is not on the journal's valid "
+                    "chain (a stale syncer's); trying an older one",
+                    step,
+                    g,
+                    seq,
+                )
                 skipped.append(step)
                 continue
             chosen = (step, arrays, meta)
@@ -221,8 +230,10 @@ class SyncerJournal:
             self._kept = [(step, self.seq, _pending_names(syncer))]
             self._last_checkpoint_seq = self.seq
         elif chain and first != 1:
-            raise JournalMismatchError(f"the journal starts at seq {first} but no usable syncer checkpoint covers "
-                                       f"seqs 1..{first - 1}: the syncer cannot be rebuilt")
+            raise JournalMismatchError(
+                f"the journal starts at seq {first} but no usable syncer checkpoint covers "
+                f"seqs 1..{first - 1}: the syncer cannot be rebuilt"
+            )
         self.exchange.skip_drained(self.received)
         replayed = republished = 0
         for entry in chain:
@@ -248,11 +259,17 @@ class SyncerJournal:
             if v > syncer.versions[p]:
                 raise JournalMismatchError(
                     f"fragment {p} is published at version {v} but the journal ends at version {syncer.versions[p]}: "
-                    "a merge was published without its journal entry (a stale syncer's write)")
-        self.recovery = {"generation": gen, "checkpoint_step": chosen[0] if chosen else None,
-                         "checkpoint_seq": int(chosen[2]["seq"]) if chosen else None, "replayed": replayed,
-                         "republished": republished, "skipped_checkpoints": skipped,
-                         "recover_s": time.perf_counter() - t0}
+                    "a merge was published without its journal entry (a stale syncer's write)"
+                )
+        self.recovery = {
+            "generation": gen,
+            "checkpoint_step": chosen[0] if chosen else None,
+            "checkpoint_seq": int(chosen[2]["seq"]) if chosen else None,
+            "replayed": replayed,
+            "republished": republished,
+            "skipped_checkpoints": skipped,
+            "recover_s": time.perf_counter() - t0,
+        }
         return self.recovery
 
     def _replay(self, syncer: Syncer, entry: dict) -> None:
@@ -270,12 +287,16 @@ class SyncerJournal:
                 raise JournalMismatchError(f"journal entry {seq}: {exc}") from None
             version = None if rec is None else rec["version"]
             if version != entry["version"]:
-                raise JournalMismatchError(f"journal entry {seq}: merging fragment {p} gave version {version}, "
-                                           f"the journal records {entry['version']}")
+                raise JournalMismatchError(
+                    f"journal entry {seq}: merging fragment {p} gave version {version}, "
+                    f"the journal records {entry['version']}"
+                )
             digest = tensors_digest(syncer.global_params[int(p)])
             if digest != entry["sha256"]:
-                raise JournalMismatchError(f"journal entry {seq}: fragment {p} v{version} has sha256 {digest[:12]}…, "
-                                           f"the journal records {str(entry['sha256'])[:12]}…")
+                raise JournalMismatchError(
+                    f"journal entry {seq}: fragment {p} v{version} has sha256 {digest[:12]}…, "
+                    f"the journal records {str(entry['sha256'])[:12]}…"
+                )
             self._last_record = rec
         self.seq = seq
 
@@ -286,8 +307,16 @@ class SyncerJournal:
         self.received[sub.key] = None
 
     def _write(self, merge: int | None, now: float, version: int | None, digest: str | None, loop: dict) -> None:
-        entry = {"format": FORMAT, "seq": self.seq + 1, "received": self._buffer, "merge": merge, "t": now,
-                 "version": version, "sha256": digest, "loop": dict(loop)}
+        entry = {
+            "format": FORMAT,
+            "seq": self.seq + 1,
+            "received": self._buffer,
+            "merge": merge,
+            "t": now,
+            "version": version,
+            "sha256": digest,
+            "loop": dict(loop),
+        }
         self.exchange.write_journal(entry)
         self.seq += 1
         for name, _ in self._buffer:
@@ -297,13 +326,16 @@ class SyncerJournal:
     def note_merge(self, syncer: Syncer, p: int, record: dict | None, now: float, loop: dict) -> None:
         """Journal ``Syncer.merge(p, now)`` (``record``: its result, None if refused); call it before
         the merge is published."""
-        self._write(p, now, None if record is None else record["version"],
-                    tensors_digest(syncer.global_params[p]), loop)
+        self._write(
+            p, now, None if record is None else record["version"], tensors_digest(syncer.global_params[p]), loop
+        )
 
     def maybe_checkpoint(self, syncer: Syncer, loop: dict, now: float, force: bool = False) -> bool:
         """Checkpoint if ``checkpoint_every_s`` seconds have passed since the last one (or ``force``)
         and the syncer moved since; then collect garbage. Returns True if it wrote one."""
-        if not force and (self.checkpoint_every_s <= 0 or self.clock() - self._last_checkpoint_at < self.checkpoint_every_s):
+        if not force and (
+            self.checkpoint_every_s <= 0 or self.clock() - self._last_checkpoint_at < self.checkpoint_every_s
+        ):
             return False
         self._last_checkpoint_at = self.clock()
         if self._buffer:
@@ -312,8 +344,15 @@ class SyncerJournal:
             return False  # nothing happened since (or at all: Θ₀ is the origin)
         gen = self.exchange.check_office()
         arrays, state = syncer.state_dict()
-        meta = {"format": FORMAT, "generation": gen, "seq": self.seq, "t": now, "loop": dict(loop),
-                "received": {n: q for n, q in self.received.items()}, "syncer": state}
+        meta = {
+            "format": FORMAT,
+            "generation": gen,
+            "seq": self.seq,
+            "t": now,
+            "loop": dict(loop),
+            "received": {n: q for n, q in self.received.items()},
+            "syncer": state,
+        }
         step = gen * STEP_STRIDE + self.seq
         self.store.save(step, arrays, meta)
         self.exchange.check_office()

@@ -197,8 +197,11 @@ def run_syncer(
         live, down = liveness(exchange, heartbeat_timeout_s)
         note_liveness(live, down, now)
         open_windows()
-        due = [p for p in range(syncer.num_fragments)
-               if syncer.ready(p, now, live, window[p][0] if p in window else None, set(down))]
+        due = [
+            p
+            for p in range(syncer.num_fragments)
+            if syncer.ready(p, now, live, window[p][0] if p in window else None, set(down))
+        ]
         if journal is None:
             for p in due:
                 started = time.perf_counter()

@@ -88,7 +88,7 @@ class WireFormat:
         return self.dtype if self.block_size is None else f"{self.dtype}:{self.block_size}"
 
     @classmethod
-    def parse(cls, spec: str) -> "WireFormat":
+    def parse(cls, spec: str) -> WireFormat:
         """The format of a spec string (``"float32"``, ``"int4"``, ``"int4:64"``). ``ValueError`` if
         it is not one."""
         dtype, _, block = str(spec).partition(":")
@@ -121,8 +121,9 @@ class WireFormat:
 
     def payload_nbytes(self, shapes: Mapping[str, tuple[int, ...]]) -> int:
         """Bytes of the payload for tensors of ``shapes`` (float32 counted at 4 bytes a value)."""
-        return int(sum(math.prod(shape) * (4 if dt is None else dt.itemsize)
-                       for dt, shape in self.layout(shapes).values()))
+        return int(
+            sum(math.prod(shape) * (4 if dt is None else dt.itemsize) for dt, shape in self.layout(shapes).values())
+        )
 
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -154,8 +155,9 @@ class WireFormat:
         for key, (dt, shape) in want.items():
             a = payload[key]
             if tuple(a.shape) != shape or (dt is not None and a.dtype != dt):
-                raise ValueError(f"{self.spec} payload {key!r}: {a.dtype}{list(a.shape)}, expected "
-                                 f"{dt or 'float'}{list(shape)}")
+                raise ValueError(
+                    f"{self.spec} payload {key!r}: {a.dtype}{list(a.shape)}, expected {dt or 'float'}{list(shape)}"
+                )
 
     def decode(self, payload: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """The tensors of ``payload``: name → float32 array of ``shapes[name]``; float32 returns the
@@ -182,13 +184,13 @@ class WireFormat:
         if self.dtype == "float32":
             return np.zeros_like(x)
         if self.dtype == "bfloat16":
-            return np.abs(x) * 2.0 ** -8
+            return np.abs(x) * 2.0**-8
         flat = np.abs(x.reshape(-1))
         b, k = _blocks(flat.size, self.block_size)
         padded = np.zeros(k * b)
-        padded[:flat.size] = flat
+        padded[: flat.size] = flat
         absmax = padded.reshape(k, b).max(axis=1) if k else padded
-        return (np.repeat(absmax, b)[:flat.size] / (2 * _QMAX[self.dtype])).reshape(x.shape)
+        return (np.repeat(absmax, b)[: flat.size] / (2 * _QMAX[self.dtype])).reshape(x.shape)
 
 
 def _quantise(flat: np.ndarray, qmax: int, block_size: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -216,7 +218,7 @@ def _dequantise(codes: np.ndarray, scale: np.ndarray, block_size: int | None, n:
 
 def _pack_int4(codes: np.ndarray) -> np.ndarray:
     """int8 codes in [−8, 7] → uint8 [⌈n/2⌉]: value 2i in the low nibble, 2i + 1 in the high one."""
-    nib = (codes.astype(np.uint8) & 0x0F)
+    nib = codes.astype(np.uint8) & 0x0F
     if nib.size % 2:
         nib = np.concatenate([nib, np.zeros(1, np.uint8)])
     return (nib[0::2] | (nib[1::2] << 4)).astype(np.uint8)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from mkdocs.structure.files import File
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 ROOT = Path(__file__).resolve().parent.parent
 RECORDS = ROOT / "benchmarks" / "results"
@@ -80,8 +79,10 @@ def _section(model: type[BaseModel], path: str, level: int, out: list[str], kind
     nested = []
     for name, field in model.model_fields.items():
         key = f"{path}.{name}" if path else name
-        out.append(f"| `{key}` | {_cell(_type_name(field.annotation))} | {_cell(_default(field))} "
-                   f"| {_cell(field.description or '')} |")
+        out.append(
+            f"| `{key}` | {_cell(_type_name(field.annotation))} | {_cell(_default(field))} "
+            f"| {_cell(field.description or '')} |"
+        )
         subs = _models_in(field.annotation)
         suffix, tp = "", field.annotation
         while typing.get_origin(tp) in (list, dict):  # chaos.failures[], study space.<key>.<key>
@@ -102,12 +103,17 @@ def config_reference() -> str:
     from configs.sweep import SweepSpec
     from configs.tune import TuneSpec
 
-    out = ["# Configuration reference", "",
-           "Generated when the site is built, from the pydantic models themselves (`configs/schema.py`, "
-           "`configs/sweep.py`, `configs/tune.py`): every section and field with its type, its default and "
-           "the schema's description. Set a field in a YAML file or with `--set section.field=value`; "
-           "`ddiloco validate FILE` checks a config without running it.", "",
-           "## Experiment config (`ddiloco run`, `ddiloco validate`)", ""]
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated when the site is built, from the pydantic models themselves (`configs/schema.py`, "
+        "`configs/sweep.py`, `configs/tune.py`): every section and field with its type, its default and "
+        "the schema's description. Set a field in a YAML file or with `--set section.field=value`; "
+        "`ddiloco validate FILE` checks a config without running it.",
+        "",
+        "## Experiment config (`ddiloco run`, `ddiloco validate`)",
+        "",
+    ]
     _section(ExperimentConfig, "", 2, out)
     out += ["## Sweep file (`configs/sweeps/*.yaml`, `ddiloco sweep`)", ""]
     _section(SweepSpec, "", 2, out)
@@ -123,6 +129,5 @@ def on_files(files, config):
         if record.suffix in (".md", ".png"):
             files.append(File.generated(config, f"records/{record.name}", abs_src_path=str(record)))
         if record.suffix == ".md" and f"records/{record.name}" not in linked:
-            log.warning("benchmarks/results/%s is not linked from results.md: add it to the records table",
-                        record.name)
+            log.warning("benchmarks/results/%s is not linked from results.md: add it to the records table", record.name)
     return files

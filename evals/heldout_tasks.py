@@ -89,9 +89,7 @@ def _window(lines: list[str], end: int, n: int) -> str:
     return "\n".join(lines[end - n : end])
 
 
-def make_nextline_questions(
-    docs: list[dict], n_questions: int, context_lines: int, seed: int
-) -> list[dict]:
+def make_nextline_questions(docs: list[dict], n_questions: int, context_lines: int, seed: int) -> list[dict]:
     """``n_questions`` (fewer if the documents are too short) next-line questions.
 
     Each is ``{"title", "answer", "contexts": [4 str], "kinds": [4 str], "label": int,
@@ -166,8 +164,16 @@ def make_nextline_questions(
             label = rng.randrange(N_CHOICES)
             contexts.insert(label, true_ctx)
             kinds.insert(label, "true")
-            out.append({"title": title, "answer": answer, "contexts": contexts, "kinds": kinds,
-                        "label": label, "line_index": i})
+            out.append(
+                {
+                    "title": title,
+                    "answer": answer,
+                    "contexts": contexts,
+                    "kinds": kinds,
+                    "label": label,
+                    "line_index": i,
+                }
+            )
     return out
 
 

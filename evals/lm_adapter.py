@@ -16,8 +16,8 @@ Scoring semantics (the parts adapters in the field get wrong, and what this one 
   separately. Scoring the spanning token as "the continuation" would score a different string
   (``"out"``, not ``"ut"``) on a shorter context, and differently for each choice; splitting the
   joint encoding at ``len(encode(context))`` tokens (the HF backend's causal rule) would instead
-  score the wrong tokens (here none at all: ``encode("out")[1:]`` is empty). Token byte lengths come from the byte-level alphabet, so this needs
-  a byte-level BPE tokenizer (checked in ``__init__``).
+  score the wrong tokens (here none at all: ``encode("out")[1:]`` is empty). Token byte lengths come
+  from the byte-level alphabet, so this needs a byte-level BPE tokenizer (checked in ``__init__``).
 * **Empty context** (or one that is all whitespace, moved into the continuation): the EOT token is
   the sole context.
 * **Longer than the window.** The context is truncated from the left so that context +
@@ -44,7 +44,7 @@ so padding and dummy rows take no expert capacity and every score is the unpadde
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +59,9 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def logprobs(graphdef: nnx.GraphDef, state: nnx.State, ids_BT: jax.Array,
-             n_inputs_B: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def logprobs(
+    graphdef: nnx.GraphDef, state: nnx.State, ids_BT: jax.Array, n_inputs_B: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """Next-token log-probabilities and greedy predictions for a padded batch.
 
     Args:
@@ -271,8 +272,7 @@ class JaxLM(TemplateLM):
                 ids = windows[j][0]
                 ids_BT[r, : len(ids)] = ids
                 n_inputs_B[r] = len(ids) - 1  # the last token is only a target
-            logp_BL, argmax_BL = jax.device_get(
-                logprobs(graphdef, state, jnp.asarray(ids_BT), jnp.asarray(n_inputs_B)))
+            logp_BL, argmax_BL = jax.device_get(logprobs(graphdef, state, jnp.asarray(ids_BT), jnp.asarray(n_inputs_B)))
             for r, j in enumerate(chunk):
                 ids, n_pred = windows[j]
                 n = len(ids)

@@ -194,7 +194,9 @@ def _by_id(samples: list[dict], task: str, ids: list[str], filt: str) -> dict[st
         out[pid] = s
     missing = [i for i in ids if i not in out]
     if missing or len(out) != len(ids):
-        raise RuntimeError(f"lm-eval's {task} samples do not match the pairs (missing {missing[:5]}, {len(out)} logged)")
+        raise RuntimeError(
+            f"lm-eval's {task} samples do not match the pairs (missing {missing[:5]}, {len(out)} logged)"
+        )
     return out
 
 
@@ -262,8 +264,8 @@ def evaluate_pairs(
     em, nll, generated = [], [], []
     for r in rows:
         g, s = gen[r["id"]], ll[r["id"]]
-        (ctx, _), = g["arguments"]
-        (l_ctx, l_cont), = s["arguments"]
+        ((ctx, _),) = g["arguments"]
+        ((l_ctx, l_cont),) = s["arguments"]
         if ctx != r["prompt"] or (l_ctx, l_cont) != (r["prompt"], r["response"]):
             raise RuntimeError(
                 f"lm-eval's requests for pair {r['id']!r} are not (prompt, response) verbatim: "
@@ -287,9 +289,18 @@ def evaluate_pairs(
     if lm.truncated_requests:  # a warning when it changes the picture (≥ 5 % of the items), else a note
         (log.warning if lm.truncated_requests >= 0.05 * n else log.info)(
             "pair eval: %d of %d responses scored with their prompt cut from the left (%d-token window)",
-            lm.truncated_requests, n, lm.max_length + 1)
-    log.info("pair eval: %d pairs, exact_match %.3f, response_nll %.4f nats/token, greedy %.3f; %.1f s",
-             n, metrics["exact_match"], metrics["response_nll"], metrics["response_greedy"], metrics["eval_s"])
+            lm.truncated_requests,
+            n,
+            lm.max_length + 1,
+        )
+    log.info(
+        "pair eval: %d pairs, exact_match %.3f, response_nll %.4f nats/token, greedy %.3f; %.1f s",
+        n,
+        metrics["exact_match"],
+        metrics["response_nll"],
+        metrics["response_greedy"],
+        metrics["eval_s"],
+    )
 
     out = {"metrics": metrics, "per_item": {"exact_match": em, "response_nll": nll, "generated": generated}}
     payload = _jsonable({k: v for k, v in res.items() if k != "samples"})

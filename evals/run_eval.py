@@ -185,11 +185,23 @@ def evaluate_lm(
     eval_s = time.perf_counter() - t0
     flat["eval_s"] = eval_s
     if lm.truncated_requests:
-        _say("lm-eval: %d loglikelihood requests exceeded the %d-token window; their contexts were cut from the left",
-             lm.truncated_requests, lm.max_length + 1, warning=True)
-    _say("lm-eval: %s acc %.3f ± %s (chance %.2f), %s bits/byte %.4f; %d truncated requests; %.1f s",
-         MC_TASK, flat[f"{MC_TASK}/acc"], _fmt(flat[f"{MC_TASK}/acc_stderr"]), flat[f"{MC_TASK}/chance"],
-         PPL_TASK, flat[f"{PPL_TASK}/bits_per_byte"], flat["truncated_requests"], eval_s)
+        _say(
+            "lm-eval: %d loglikelihood requests exceeded the %d-token window; their contexts were cut from the left",
+            lm.truncated_requests,
+            lm.max_length + 1,
+            warning=True,
+        )
+    _say(
+        "lm-eval: %s acc %.3f ± %s (chance %.2f), %s bits/byte %.4f; %d truncated requests; %.1f s",
+        MC_TASK,
+        flat[f"{MC_TASK}/acc"],
+        _fmt(flat[f"{MC_TASK}/acc_stderr"]),
+        flat[f"{MC_TASK}/chance"],
+        PPL_TASK,
+        flat[f"{PPL_TASK}/bits_per_byte"],
+        flat["truncated_requests"],
+        eval_s,
+    )
     if name:
         out_dir.mkdir(parents=True, exist_ok=True)
         payload = _jsonable({k: v for k, v in res.items() if k != "samples"})

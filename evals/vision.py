@@ -10,8 +10,13 @@ from collections.abc import Callable
 import numpy as np
 
 
-def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dict[str, np.ndarray],
-                        num_classes: int, batch_size: int = 256, per_item: bool = False) -> dict:
+def evaluate_classifier(
+    logits_fn: Callable[[np.ndarray], np.ndarray],
+    rows: dict[str, np.ndarray],
+    num_classes: int,
+    batch_size: int = 256,
+    per_item: bool = False,
+) -> dict:
     """Every test image once, in order, in batches of ``batch_size``.
 
     Returns ``test/accuracy`` (top-1, fraction of N), ``test/accuracy_stderr`` (binomial,
@@ -26,10 +31,10 @@ def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dic
         raise ValueError("the test split holds no images")
     losses, preds = [], []
     for i in range(0, n, batch_size):
-        logits = np.asarray(logits_fn(images[i:i + batch_size]), dtype=np.float64)
+        logits = np.asarray(logits_fn(images[i : i + batch_size]), dtype=np.float64)
         shifted = logits - logits.max(axis=1, keepdims=True)
         logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        y = labels[i:i + batch_size]
+        y = labels[i : i + batch_size]
         losses.append(-logp[np.arange(len(y)), y])
         preds.append(logits.argmax(axis=1))
     pred = np.concatenate(preds)
@@ -46,6 +51,5 @@ def evaluate_classifier(logits_fn: Callable[[np.ndarray], np.ndarray], rows: dic
         "confusion": confusion.tolist(),
     }
     if per_item:
-        out["per_item"] = {"accuracy": (pred == labels).astype(float).tolist(),
-                           "loss": np.concatenate(losses).tolist()}
+        out["per_item"] = {"accuracy": (pred == labels).astype(float).tolist(), "loss": np.concatenate(losses).tolist()}
     return out

@@ -13,7 +13,6 @@ os.environ.setdefault("TQDM_DISABLE", "1")
 
 import json
 from pathlib import Path
-from typing import Optional
 
 import typer
 import yaml
@@ -75,8 +74,8 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     all before Prefect starts; exit 2 with one line on the first error. Returns (cfg, run dir)."""
     cfg = _load(config, sets)
     _prefect_logging()
-    from flows.preflight import preflight
     from flows.engines import share_accelerators
+    from flows.preflight import preflight
 
     share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
 
@@ -91,13 +90,20 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
 
 @app.command()
 def run(
-    config: str = typer.Argument("configs/default.yaml", help="YAML experiment config, or a shipped "
-                                 "config's name: default, chaos, failure, moe, tiny, vit, vit_moe"),
-    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2 (the value is "
-                                   "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
-                                   "section; each key once)"),
-    run_dir: Optional[str] = typer.Option(None, help="run directory (default: <run_root>/<name>-<time>); "
-                                          "must be new or empty"),
+    config: str = typer.Argument(
+        "configs/default.yaml",
+        help="YAML experiment config, or a shipped config's name: default, chaos, failure, moe, tiny, vit, vit_moe",
+    ),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override a field, e.g. --set diloco.learners=2 (the value is "
+        "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
+        "section; each key once)",
+    ),
+    run_dir: str | None = typer.Option(
+        None, help="run directory (default: <run_root>/<name>-<time>); must be new or empty"
+    ),
 ):
     """Shard → DiLoCo and DP pretraining → lm-eval → fine-tuning → report, as one Prefect flow run.
 
@@ -145,14 +151,17 @@ def _print_verdict(rd: Path) -> None:
 
 @app.command()
 def finetune(
-    run_dir: Optional[str] = typer.Argument(None, help="a run directory made by `ddiloco run`"),
-    methods: Optional[str] = typer.Option(None, help="pretrained methods to fine-tune, comma-separated "
-                                          "(default: every one with a checkpoint)"),
-    checkpoint: Optional[str] = typer.Option(None, help="instead, an Orbax checkpoint folder of ours, e.g. "
-                                             "RUN/pretrain/dp/checkpoints"),
-    name: Optional[str] = typer.Option(None, help="method name for --checkpoint's results (default <method>-ckpt)"),
-    set_: list[str] = typer.Option([], "--set", help="change the recipe, e.g. --set finetune.mode=lora "
-                                   "--set finetune.seeds=[0,1,2]"),
+    run_dir: str | None = typer.Argument(None, help="a run directory made by `ddiloco run`"),
+    methods: str | None = typer.Option(
+        None, help="pretrained methods to fine-tune, comma-separated (default: every one with a checkpoint)"
+    ),
+    checkpoint: str | None = typer.Option(
+        None, help="instead, an Orbax checkpoint folder of ours, e.g. RUN/pretrain/dp/checkpoints"
+    ),
+    name: str | None = typer.Option(None, help="method name for --checkpoint's results (default <method>-ckpt)"),
+    set_: list[str] = typer.Option(
+        [], "--set", help="change the recipe, e.g. --set finetune.mode=lora --set finetune.seeds=[0,1,2]"
+    ),
     replace: bool = typer.Option(False, help="delete these methods' earlier fine-tuning results first"),
 ):
     """Fine-tune a run's pretrained models with one recipe, evaluate before and after, rebuild the report.
@@ -177,8 +186,14 @@ def finetune(
     try:
         with graceful_stop():
             start_temporary_server()
-            out = finetune_flow(run_dir=str(plan["run_dir"]), methods=chosen, checkpoint=checkpoint, name=name,
-                                overrides=overrides, replace=replace)
+            out = finetune_flow(
+                run_dir=str(plan["run_dir"]),
+                methods=chosen,
+                checkpoint=checkpoint,
+                name=name,
+                overrides=overrides,
+                replace=replace,
+            )
     except CancelledRun as exc:
         typer.echo(f"\ninterrupted: {exc}", err=True)
         raise typer.Exit(128 + (stop_signal() or 15))
@@ -191,23 +206,34 @@ def finetune(
 @app.command()
 def validate(
     config: str = typer.Argument(..., help="YAML experiment config, or a shipped config's name"),
-    set_: list[str] = typer.Option([], "--set", help="override a field, e.g. --set diloco.learners=2 (the value is "
-                                   "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
-                                   "section; each key once)"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override a field, e.g. --set diloco.learners=2 (the value is "
+        "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
+        "section; each key once)",
+    ),
 ):
     """Check a config (the model it builds and its corpus) without running anything."""
     cfg, _ = _checked(config, set_)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    typer.echo(f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} {cfg.unit}; "
-               f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step")
+    typer.echo(
+        f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} {cfg.unit}; "
+        f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step"
+    )
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
-           reference: Optional[Path] = typer.Option(
-               None, "--reference", help="a run directory of the same experiment without chaos: the Resilience "
-               "section puts its held-out loss at equal time and tokens beside this run's (default: the run's "
-               "chaos.reference_run)")):
+def report(
+    run_dir: Path = typer.Argument(..., help="a finished run directory"),
+    reference: Path | None = typer.Option(
+        None,
+        "--reference",
+        help="a run directory of the same experiment without chaos: the Resilience "
+        "section puts its held-out loss at equal time and tokens beside this run's (default: the run's "
+        "chaos.reference_run)",
+    ),
+):
     """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
     run has a chaos schedule)."""
     from reports import build_report
@@ -223,21 +249,34 @@ def report(run_dir: Path = typer.Argument(..., help="a finished run directory"),
 
 @app.command()
 def sweep(
-    sweep_file: Optional[str] = typer.Argument(None, help="a sweep YAML file, or a shipped sweep's name: "
-                                               "tiny_grid, nightly, mixed_hardware (configs/sweeps/)"),
-    axis: list[str] = typer.Option([], "--axis", help="a grid axis, e.g. --axis diloco.learners=[2,4,8] "
-                                   "(added to the file's grid, or replacing its axis of that key)"),
-    base: Optional[str] = typer.Option(None, help="the config every cell starts from (a shipped config's name or "
-                                       "a YAML path); default: the file's, else tiny"),
-    set_: list[str] = typer.Option([], "--set", help="a config key set in every cell, e.g. --set train.token_budget=50000"),
-    name: Optional[str] = typer.Option(None, help="the sweep's name (its folder and concurrency limit)"),
-    concurrency: Optional[int] = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
-    launch: Optional[str] = typer.Option(None, help="subflow (default: in this process) or deployment (a pipeline "
-                                         "deployment's worker runs each cell)"),
-    deployment: Optional[str] = typer.Option(None, help="with --launch deployment: the pipeline deployment "
-                                             "(default pipeline/default)"),
-    sweep_dir: Optional[str] = typer.Option(None, help="the sweep's folder (default <sweep_root>/<name>); an "
-                                            "existing sweep folder is resumed"),
+    sweep_file: str | None = typer.Argument(
+        None, help="a sweep YAML file, or a shipped sweep's name: tiny_grid, nightly, mixed_hardware (configs/sweeps/)"
+    ),
+    axis: list[str] = typer.Option(
+        [],
+        "--axis",
+        help="a grid axis, e.g. --axis diloco.learners=[2,4,8] "
+        "(added to the file's grid, or replacing its axis of that key)",
+    ),
+    base: str | None = typer.Option(
+        None,
+        help="the config every cell starts from (a shipped config's name or "
+        "a YAML path); default: the file's, else tiny",
+    ),
+    set_: list[str] = typer.Option(
+        [], "--set", help="a config key set in every cell, e.g. --set train.token_budget=50000"
+    ),
+    name: str | None = typer.Option(None, help="the sweep's name (its folder and concurrency limit)"),
+    concurrency: int | None = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
+    launch: str | None = typer.Option(
+        None, help="subflow (default: in this process) or deployment (a pipeline deployment's worker runs each cell)"
+    ),
+    deployment: str | None = typer.Option(
+        None, help="with --launch deployment: the pipeline deployment (default pipeline/default)"
+    ),
+    sweep_dir: str | None = typer.Option(
+        None, help="the sweep's folder (default <sweep_root>/<name>); an existing sweep folder is resumed"
+    ),
 ):
     """Run a grid of pipeline runs (one per cell), resuming a sweep folder's finished cells, then
     write one comparison report across the cells.
@@ -257,8 +296,10 @@ def sweep(
     except ValidationError as exc:
         path = sweep_path(sweep_file)
         if {"data", "model", "diloco", "train"} & {str(e["loc"][0]) for e in exc.errors() if e["loc"]}:
-            raise _fail(f"{path} is an experiment config, not a sweep file; sweep over it with --base {path} and "
-                        "--axis key=[values] (a sweep file holds base, grid, ...: see configs/sweeps/)")
+            raise _fail(
+                f"{path} is an experiment config, not a sweep file; sweep over it with --base {path} and "
+                "--axis key=[values] (a sweep file holds base, grid, ...: see configs/sweeps/)"
+            )
         raise _fail(f"{path}: {sweep_problem(exc, 'sweep')}")
     except yaml.YAMLError as exc:
         raise _fail(f"{sweep_file} is not valid YAML: {' '.join(str(exc).split())}")
@@ -266,8 +307,17 @@ def sweep(
         raise _fail(str(exc))
     raw["grid"] = {**raw.get("grid", {}), **axes}
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    options = {key: value for key, value in [("base", base), ("name", name), ("concurrency", concurrency),
-                                             ("launch", launch), ("deployment", deployment)] if value is not None}
+    options = {
+        key: value
+        for key, value in [
+            ("base", base),
+            ("name", name),
+            ("concurrency", concurrency),
+            ("launch", launch),
+            ("deployment", deployment),
+        ]
+        if value is not None
+    }
     raw.update(options)
     try:
         spec = SweepSpec.model_validate(raw)
@@ -277,9 +327,11 @@ def sweep(
         from prefect.settings import PREFECT_API_URL
 
         if not PREFECT_API_URL.value():
-            raise _fail(f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, "
-                        "which needs a Prefect server: set PREFECT_API_URL (see the README's UI section) or use "
-                        "--launch subflow")
+            raise _fail(
+                f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, "
+                "which needs a Prefect server: set PREFECT_API_URL (see the README's UI section) or use "
+                "--launch subflow"
+            )
         from flows.sweep import check_deployment
 
         try:
@@ -320,16 +372,23 @@ def sweep(
 
 @app.command()
 def tune(
-    study_file: str = typer.Argument("tune_tiny", help="a study YAML file, or a shipped study's name: tune_tiny, "
-                                     "... (configs/studies/)"),
-    trials: Optional[int] = typer.Option(None, help="trials per method (default: the file's)"),
-    set_: list[str] = typer.Option([], "--set", help="a config key set in every trial and in the tuned comparison, "
-                                   "e.g. --set train.token_budget=50000"),
-    name: Optional[str] = typer.Option(None, help="the study's name (its folder <study_root>/<name>)"),
-    study_root: Optional[str] = typer.Option(None, help="the folder holding study folders (default runs/studies)"),
-    concurrency: Optional[int] = typer.Option(None, help="trials at once (a Prefect global concurrency limit)"),
-    compare: Optional[bool] = typer.Option(None, "--compare/--no-compare", help="run both methods' best settings "
-                                           "over the study's seeds after the trials (default: the file's)"),
+    study_file: str = typer.Argument(
+        "tune_tiny", help="a study YAML file, or a shipped study's name: tune_tiny, ... (configs/studies/)"
+    ),
+    trials: int | None = typer.Option(None, help="trials per method (default: the file's)"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="a config key set in every trial and in the tuned comparison, e.g. --set train.token_budget=50000",
+    ),
+    name: str | None = typer.Option(None, help="the study's name (its folder <study_root>/<name>)"),
+    study_root: str | None = typer.Option(None, help="the folder holding study folders (default runs/studies)"),
+    concurrency: int | None = typer.Option(None, help="trials at once (a Prefect global concurrency limit)"),
+    compare: bool | None = typer.Option(
+        None,
+        "--compare/--no-compare",
+        help="run both methods' best settings over the study's seeds after the trials (default: the file's)",
+    ),
 ):
     """Tune DP and DiLoCo with the same number of trials and budget per trial (Optuna, its storage in
     the study folder), then compare the tuned methods over seeds; running it again resumes.
@@ -337,14 +396,15 @@ def tune(
     Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed;
     2 refused before any work; 130/143 stopped by a signal (run it again to resume).
     """
+    from configs.schema import CONFIG_DIR
     from configs.sweep import sweep_problem
     from configs.tune import TuneSpec, load_study
 
-    from configs.schema import CONFIG_DIR
-
     sets = _parse_sets(set_)
-    experiment = f"{study_file} is an experiment config, not a study file: run it with `ddiloco run {study_file}`, " \
-                 "or name it as a study's base (a study file holds base, trials, space: see configs/studies/)"
+    experiment = (
+        f"{study_file} is an experiment config, not a study file: run it with `ddiloco run {study_file}`, "
+        "or name it as a study's base (a study file holds base, trials, space: see configs/studies/)"
+    )
     try:
         raw = load_study(study_file).model_dump(mode="json")
     except ValidationError as exc:
@@ -358,8 +418,17 @@ def tune(
     except ValueError as exc:
         raise _fail(str(exc))
     raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    options = {key: value for key, value in [("trials", trials), ("name", name), ("study_root", study_root),
-                                             ("concurrency", concurrency), ("compare", compare)] if value is not None}
+    options = {
+        key: value
+        for key, value in [
+            ("trials", trials),
+            ("name", name),
+            ("study_root", study_root),
+            ("concurrency", concurrency),
+            ("compare", compare),
+        ]
+        if value is not None
+    }
     raw.update(options)
     try:
         spec = TuneSpec.model_validate(raw)
@@ -400,9 +469,13 @@ def tune(
 
 @app.command()
 def goodput(
-    out: Optional[str] = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
-    set_: list[str] = typer.Option([], "--set", help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "
-                                   "--set restart_s=600 --set calibrate=true (see docs/goodput.md)"),
+    out: str | None = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "
+        "--set restart_s=600 --set calibrate=true (see docs/goodput.md)",
+    ),
 ):
     """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
     from sim import GoodputConfig
@@ -473,12 +546,19 @@ def _compare_out_problem(out: Path) -> str | None:
 
 @app.command()
 def compare(
-    run_dirs: Optional[list[str]] = typer.Argument(None, help="run directories made by `ddiloco run`, each with "
-                                                   "report/report.json (`ddiloco report RUN` builds it)"),
-    out: Optional[str] = typer.Option(None, "--out", help="folder for the comparison (default: "
-                                      "runs/compare-<UTC time>); must be new or empty"),
-    axis: list[str] = typer.Option([], "--axis", help="a dotted config key to compare along, e.g. --axis "
-                                   "diloco.learners (repeat it; default: the keys whose values differ)"),
+    run_dirs: list[str] | None = typer.Argument(
+        None,
+        help="run directories made by `ddiloco run`, each with report/report.json (`ddiloco report RUN` builds it)",
+    ),
+    out: str | None = typer.Option(
+        None, "--out", help="folder for the comparison (default: runs/compare-<UTC time>); must be new or empty"
+    ),
+    axis: list[str] = typer.Option(
+        [],
+        "--axis",
+        help="a dotted config key to compare along, e.g. --axis "
+        "diloco.learners (repeat it; default: the keys whose values differ)",
+    ),
     title: str = typer.Option("Comparison", "--title", help="the comparison's title"),
 ):
     """Compare runs: a table row per run (held-out loss, DiLoCo − DP gap, time, tokens, bytes,

@@ -50,31 +50,44 @@ FORM_NOTE = (
     "The form's `config` fields are this file's values (regenerated from it by "
     "`python -m flows.deployments`). `config_file` (a shipped config's name: {names}; or the path "
     "of a YAML file on the worker's machine) replaces all of the form's `config` fields; "
-    "`overrides` applies dotted keys last, e.g. `{{\"diloco.learners\": 8, \"eval.enabled\": false}}`. "
+    '`overrides` applies dotted keys last, e.g. `{{"diloco.learners": 8, "eval.enabled": false}}`. '
     "`run_dir` defaults to `<run_root>/<name>-<UTC time>` (relative to the repository)."
 )
 
 OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
-    {"name": "pretrain-diloco", "entrypoint": "flows/pretrain.py:pretrain_diloco",
-     "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
-                    "and no DiLoCo results yet (results are never overwritten: delete pretrain/diloco and "
-                    "eval/pretrain/diloco.json to train it again).",
-     "work_pool": {"name": WORK_POOL}},
-    {"name": "pretrain-dp", "entrypoint": "flows/pretrain.py:pretrain_dp",
-     "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
-                    "no DP results yet (results are never overwritten).",
-     "work_pool": {"name": WORK_POOL}},
-    {"name": "finetune", "entrypoint": "flows/finetune.py:finetune",
-     "description": "Fine-tune the pretrained models of an existing run directory with one recipe (its "
-                    "config's finetune section, changed by `overrides` such as {\"finetune.mode\": \"lora\"}), "
-                    "evaluate them before and after, and rebuild its report. `checkpoint` fine-tunes one Orbax "
-                    "checkpoint folder of ours instead (as method `name`); `replace` deletes earlier "
-                    "fine-tuning results of those methods first.",
-     "work_pool": {"name": WORK_POOL}},
-    {"name": "goodput", "entrypoint": "flows/goodput.py:goodput",
-     "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "
-                    "Table 1 (knobs as a form).",
-     "work_pool": {"name": WORK_POOL}, "parameters": {}},
+    {
+        "name": "pretrain-diloco",
+        "entrypoint": "flows/pretrain.py:pretrain_diloco",
+        "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
+        "and no DiLoCo results yet (results are never overwritten: delete pretrain/diloco and "
+        "eval/pretrain/diloco.json to train it again).",
+        "work_pool": {"name": WORK_POOL},
+    },
+    {
+        "name": "pretrain-dp",
+        "entrypoint": "flows/pretrain.py:pretrain_dp",
+        "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
+        "no DP results yet (results are never overwritten).",
+        "work_pool": {"name": WORK_POOL},
+    },
+    {
+        "name": "finetune",
+        "entrypoint": "flows/finetune.py:finetune",
+        "description": "Fine-tune the pretrained models of an existing run directory with one recipe (its "
+        'config\'s finetune section, changed by `overrides` such as {"finetune.mode": "lora"}), '
+        "evaluate them before and after, and rebuild its report. `checkpoint` fine-tunes one Orbax "
+        "checkpoint folder of ours instead (as method `name`); `replace` deletes earlier "
+        "fine-tuning results of those methods first.",
+        "work_pool": {"name": WORK_POOL},
+    },
+    {
+        "name": "goodput",
+        "entrypoint": "flows/goodput.py:goodput",
+        "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "
+        "Table 1 (knobs as a form).",
+        "work_pool": {"name": WORK_POOL},
+        "parameters": {},
+    },
 ]
 
 
@@ -104,13 +117,15 @@ def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     """The ``pipeline/<stem>`` deployment of one config file."""
     rel = f"configs/{path.name}"
     cfg = load_config_checked(path)
-    stages = "shard → pretrain → evaluate → fine-tune → report" if cfg.finetune.enabled else \
-        "shard → pretrain → evaluate → report"
+    stages = (
+        "shard → pretrain → evaluate → fine-tune → report"
+        if cfg.finetune.enabled
+        else "shard → pretrain → evaluate → report"
+    )
     what = f"The pipeline ({stages}) with `{rel}`"
     what += " (what `make run` runs)." if path.stem == FIRST else f" (`ddiloco run {rel}`)."
     expect = _expectation(path).rstrip(".")
-    description = " ".join([what, f"Expect: {expect}." if expect else "",
-                            FORM_NOTE.format(names=", ".join(names))])
+    description = " ".join([what, f"Expect: {expect}." if expect else "", FORM_NOTE.format(names=", ".join(names))])
     return {
         "name": path.stem,
         "entrypoint": PIPELINE_ENTRYPOINT,
@@ -124,7 +139,8 @@ SWEEP_NOTE = (
     "The form's `spec` fields are this sweep file's values (regenerated by `python -m flows.deployments`): "
     "edit `grid` (dotted config keys and their values; every combination is a cell), `cells`, `overrides`, "
     "`base`, `concurrency` for a custom sweep; `sweep_file` (a shipped sweep's name: {names}; or a YAML path) "
-    "replaces the form. A sweep folder's completed cells are not run again. Report: <sweep folder>/report/comparison.md."
+    "replaces the form. A sweep folder's completed cells are not run again. "
+    "Report: <sweep folder>/report/comparison.md."
 )
 
 
@@ -134,9 +150,14 @@ def sweep_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     expect = _expectation(path).rstrip(".")
     what = f"A sweep of pipeline runs from `configs/sweeps/{path.name}` (`ddiloco sweep {path.stem}`)."
     schedules = SWEEP_SCHEDULES.get(path.stem)
-    when = (" Scheduled " + ", ".join(f"`{s['cron']}` ({s['timezone']})" for s in schedules)
-            + ", inactive as shipped.") if schedules else ""
-    description = " ".join([what + when, f"Expect: {expect}." if expect else "", SWEEP_NOTE.format(names=", ".join(names))])
+    when = (
+        (" Scheduled " + ", ".join(f"`{s['cron']}` ({s['timezone']})" for s in schedules) + ", inactive as shipped.")
+        if schedules
+        else ""
+    )
+    description = " ".join(
+        [what + when, f"Expect: {expect}." if expect else "", SWEEP_NOTE.format(names=", ".join(names))]
+    )
     dep: dict[str, Any] = {
         "name": path.stem,
         "entrypoint": SWEEP_ENTRYPOINT,
@@ -164,8 +185,13 @@ def tune_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     expect = _expectation(path).rstrip(".")
     what = f"A tuning study from `configs/studies/{path.name}` (`ddiloco tune {path.stem}`)."
     description = " ".join([what, f"Expect: {expect}." if expect else "", TUNE_NOTE.format(names=", ".join(names))])
-    return {"name": path.stem, "entrypoint": TUNE_ENTRYPOINT, "description": " ".join(description.split()),
-            "work_pool": {"name": WORK_POOL}, "parameters": {"spec": spec.model_dump(mode="json")}}
+    return {
+        "name": path.stem,
+        "entrypoint": TUNE_ENTRYPOINT,
+        "description": " ".join(description.split()),
+        "work_pool": {"name": WORK_POOL},
+        "parameters": {"spec": spec.model_dump(mode="json")},
+    }
 
 
 def expected(config_dir: Path = CONFIG_DIR, sweep_dir: Path = SWEEP_DIR, study_dir: Path = STUDY_DIR) -> dict[str, Any]:
@@ -178,7 +204,8 @@ def expected(config_dir: Path = CONFIG_DIR, sweep_dir: Path = SWEEP_DIR, study_d
         "name": "decoupled-diloco-pipeline",
         "prefect-version": "3.9.1",
         "pull": [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}],
-        "deployments": [pipeline_deployment(p, names) for p in paths] + OTHER_DEPLOYMENTS
+        "deployments": [pipeline_deployment(p, names) for p in paths]
+        + OTHER_DEPLOYMENTS
         + [sweep_deployment(p, [q.stem for q in sweeps]) for p in sweeps]
         + [tune_deployment(p, [q.stem for q in studies]) for p in studies],
     }
@@ -200,8 +227,9 @@ def _diff_keys(want: Any, have: Any, prefix: str = "") -> list[str]:
     if isinstance(want, dict) and isinstance(have, dict):
         out: list[str] = []
         for key in list(want) + [k for k in have if k not in want]:
-            out += _diff_keys(want.get(key, "<missing>"), have.get(key, "<missing>"),
-                              f"{prefix}.{key}" if prefix else str(key))
+            out += _diff_keys(
+                want.get(key, "<missing>"), have.get(key, "<missing>"), f"{prefix}.{key}" if prefix else str(key)
+            )
         return out
     if want == have and type(want) is type(have):
         return []
@@ -215,7 +243,7 @@ def _diff_keys(want: Any, have: Any, prefix: str = "") -> list[str]:
 
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[str]:
@@ -230,8 +258,12 @@ def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[s
     if not isinstance(have, dict):
         return [f"{path}: the top level is not a mapping"]
     want = expected(config_dir)
-    out = [f"top level: {line}" for key in want if key != "deployments"
-           for line in _diff_keys(want[key], have.get(key, "<missing>"), key)]
+    out = [
+        f"top level: {line}"
+        for key in want
+        if key != "deployments"
+        for line in _diff_keys(want[key], have.get(key, "<missing>"), key)
+    ]
     have_deps = {d.get("name"): d for d in have.get("deployments") or [] if isinstance(d, dict)}
     want_deps = {d["name"]: d for d in want["deployments"]}
     for name, dep in want_deps.items():
@@ -242,10 +274,8 @@ def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[s
         if diffs:
             shown = "; ".join(diffs[:5]) + (f"; and {len(diffs) - 5} more" if len(diffs) > 5 else "")
             out.append(f"{_label(dep)}: {shown}")
-    out += [f"{_label(d)}: not generated from any config (stale)" for n, d in have_deps.items()
-            if n not in want_deps]
-    if [d.get("name") for d in have.get("deployments") or [] if isinstance(d, dict)] != list(want_deps) \
-            and not out:
+    out += [f"{_label(d)}: not generated from any config (stale)" for n, d in have_deps.items() if n not in want_deps]
+    if [d.get("name") for d in have.get("deployments") or [] if isinstance(d, dict)] != list(want_deps) and not out:
         out.append("deployments: order differs")
     return out
 
@@ -266,8 +296,10 @@ def _main(args: argparse.Namespace) -> int:
     if args.check:
         found = problems(args.output)
         if found:
-            print(f"{args.output} is out of date with configs/*.yaml (run `python -m flows.deployments`):",
-                  file=sys.stderr)
+            print(
+                f"{args.output} is out of date with configs/*.yaml (run `python -m flows.deployments`):",
+                file=sys.stderr,
+            )
             for line in found:
                 print(f"  {line}", file=sys.stderr)
             return 1

@@ -79,8 +79,9 @@ def crash_retries(config: ExperimentConfig, role: str | None = None) -> int:
     learner, ``diloco.syncer_retries`` for the syncer, the larger of the two for the whole cluster
     (``role`` None: Dask's limit is one setting per scheduler)."""
     d = config.diloco
-    return {"learner": d.learner_retries, "syncer": d.syncer_retries}.get(role, max(d.learner_retries,
-                                                                                  d.syncer_retries))
+    return {"learner": d.learner_retries, "syncer": d.syncer_retries}.get(
+        role, max(d.learner_retries, d.syncer_retries)
+    )
 
 
 def task_runner_for(config: ExperimentConfig):
@@ -107,19 +108,31 @@ def task_runner_for(config: ExperimentConfig):
     for name in ("distributed", *[n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    dask.config.set({"distributed.scheduler.allowed-failures": crash_retries(config),
-                     # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536 in their workers, which turns off
-                     # glibc's dynamic mmap threshold: XLA's large CPU buffers are then mapped and
-                     # zero-faulted afresh at every step (a 1024² matmul took 18.7 ms instead of 8.4 ms
-                     # here). Unset for the local cluster; on an existing one it is the workers' setting.
-                     "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None})
+    dask.config.set(
+        {
+            "distributed.scheduler.allowed-failures": crash_retries(config),
+            # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536 in their workers, which turns off
+            # glibc's dynamic mmap threshold: XLA's large CPU buffers are then mapped and
+            # zero-faulted afresh at every step (a 1024² matmul took 18.7 ms instead of 8.4 ms
+            # here). Unset for the local cluster; on an existing one it is the workers' setting.
+            "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
+        }
+    )
     if rt.address is not None:
         return DaskTaskRunner(address=rt.address)
     # memory_limit 0: no nanny restarts on a per-worker memory share (JAX holds its buffers);
     # preload: run.control's dask_setup in every worker process (a terminal's Ctrl-C must not kill them)
-    return DaskTaskRunner(cluster_kwargs={"n_workers": slots, "threads_per_worker": 1, "processes": True,
-                                          "dashboard_address": None, "memory_limit": 0,
-                                          "env": forwarded_env(), "preload": ["run.control"]})
+    return DaskTaskRunner(
+        cluster_kwargs={
+            "n_workers": slots,
+            "threads_per_worker": 1,
+            "processes": True,
+            "dashboard_address": None,
+            "memory_limit": 0,
+            "env": forwarded_env(),
+            "preload": ["run.control"],
+        }
+    )
 
 
 def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
@@ -131,9 +144,11 @@ def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
     if rt.learner_gpus is None:
         return rt.devices_per_learner if cluster_gpus >= m * rt.devices_per_learner else 0
     if rt.learner_gpus * m > cluster_gpus:
-        raise ValueError(f"runtime.learner_gpus {rt.learner_gpus} × diloco.learners {m} needs "
-                         f"{rt.learner_gpus * m} GPUs; the Ray cluster has {cluster_gpus:g}: lower "
-                         "runtime.learner_gpus (0: CPU), or unset it to decide from the cluster")
+        raise ValueError(
+            f"runtime.learner_gpus {rt.learner_gpus} × diloco.learners {m} needs "
+            f"{rt.learner_gpus * m} GPUs; the Ray cluster has {cluster_gpus:g}: lower "
+            "runtime.learner_gpus (0: CPU), or unset it to decide from the cluster"
+        )
     return rt.learner_gpus
 
 

@@ -13,7 +13,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import ValidationError
@@ -39,13 +39,20 @@ def _run_root_of(checkpoint: Path) -> Path:
     for p in [checkpoint, *checkpoint.parents]:
         if (p / "config.json").is_file() and (p / "data" / "manifest.json").is_file():
             return p
-    raise ValueError(f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
-                     "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints")
+    raise ValueError(
+        f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
+        "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints"
+    )
 
 
-def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = None, checkpoint: Optional[str] = None,
-                       name: Optional[str] = None, overrides: Optional[dict[str, Any]] = None,
-                       replace: bool = False) -> FinetunePlan:
+def finetune_preflight(
+    run_dir: str | None,
+    methods: list[str] | None = None,
+    checkpoint: str | None = None,
+    name: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    replace: bool = False,
+) -> FinetunePlan:
     """Check everything a fine-tuning run needs, write nothing; return the plan.
 
     ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
@@ -65,27 +72,40 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
     if bad:
         raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
     if "finetune.enabled" in (overrides or {}):
-        raise ValueError("--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
-                         "pipeline's stage (ddiloco run)")
+        raise ValueError(
+            "--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
+            "pipeline's stage (ddiloco run)"
+        )
     if name and not checkpoint:
         raise ValueError("--name names the results of --checkpoint; give both, or neither")
     ckpt = Path(checkpoint).expanduser().resolve() if checkpoint else None
     if ckpt is not None:
         if not ckpt.is_dir():
-            raise FileNotFoundError(f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
-                                    "(e.g. RUN/pretrain/dp/checkpoints)")
-        if ckpt.name.isdigit() and (ckpt / "_CHECKPOINT_METADATA").exists() or ckpt.name.isdigit() and \
-                (ckpt / "params").is_dir():
-            raise ValueError(f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
-                             f"holds the steps: {ckpt.parent}")
+            raise FileNotFoundError(
+                f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
+                "(e.g. RUN/pretrain/dp/checkpoints)"
+            )
+        if (
+            ckpt.name.isdigit()
+            and (ckpt / "_CHECKPOINT_METADATA").exists()
+            or ckpt.name.isdigit()
+            and (ckpt / "params").is_dir()
+        ):
+            raise ValueError(
+                f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
+                f"holds the steps: {ckpt.parent}"
+            )
         if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
-            raise FileNotFoundError(f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
-                                    "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints")
+            raise FileNotFoundError(
+                f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
+                "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints"
+            )
         if not complete_steps(ckpt):
             raise FileNotFoundError(
                 f"--checkpoint {checkpoint} holds no complete checkpoint step (its step folders "
                 f"{', '.join(step_folders(ckpt)[:3])} lack {' or '.join(i + '/' for i in LOADED_ITEMS)}: an "
-                "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method")
+                "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method"
+            )
         root = _run_root_of(ckpt)
         if run_dir and Path(run_dir).resolve() != root:
             raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
@@ -95,8 +115,10 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
     rd = Path(run_dir)
     layout = RunLayout(rd)
     if not layout.config.is_file() or not layout.manifest.is_file():
-        raise FileNotFoundError(f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
-                                "give a directory made by `ddiloco run`")
+        raise FileNotFoundError(
+            f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
+            "give a directory made by `ddiloco run`"
+        )
     raw = json.loads(layout.config.read_text())
     try:
         cfg = ExperimentConfig.model_validate(apply_overrides(raw, {"finetune.enabled": True, **(overrides or {})}))
@@ -111,18 +133,23 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
             # the report shows a method's fine-tuned figures beside its pretraining: another model's
             # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
             if name in pretrained:
-                raise ValueError(f"--name {name} is this run's pretrained method (its checkpoint is "
-                                 f"{layout.checkpoints('pretrain', name)}); pick another name")
-            raise ValueError(f"--name {name} is a pretraining method's name (the report would show this checkpoint "
-                             "as that method); pick another name")
+                raise ValueError(
+                    f"--name {name} is this run's pretrained method (its checkpoint is "
+                    f"{layout.checkpoints('pretrain', name)}); pick another name"
+                )
+            raise ValueError(
+                f"--name {name} is a pretraining method's name (the report would show this checkpoint "
+                "as that method); pick another name"
+            )
         plan_methods = {method: str(ckpt)}
     else:
         have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
         chosen = methods or have
         missing = [m for m in chosen if m not in have]
         if missing:
-            raise FileNotFoundError(f"{rd} has no pretrained checkpoint of {missing[0]} (has: {', '.join(have) or 'none'}); "
-                                    "pick from those")
+            raise FileNotFoundError(
+                f"{rd} has no pretrained checkpoint of {missing[0]} (has: {', '.join(have) or 'none'}); pick from those"
+            )
         if not chosen:
             raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
         usable = [m for m in chosen if complete_steps(layout.checkpoints("pretrain", m))]
@@ -131,16 +158,20 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
                 found = step_folders(layout.checkpoints("pretrain", m))
                 raise FileNotFoundError(
                     f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) holds no complete "
-                    "checkpoint step (" + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
+                    "checkpoint step ("
+                    + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
                     + f"); re-run pretraining of {m}"
-                    + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else ""))
+                    + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else "")
+                )
         plan_methods = {m: None for m in chosen}
     for m in plan_methods:
         RunLayout(rd).method_dir("finetune", m)  # a valid method name
         if layout.holds_results("finetune", m) and not replace:
-            raise FileExistsError(f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
-                                  "again (its earlier results are deleted once the new ones are written)"
-                                  + (", or another --name" if ckpt is not None else ""))
+            raise FileExistsError(
+                f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
+                "again (its earlier results are deleted once the new ones are written)"
+                + (", or another --name" if ckpt is not None else "")
+            )
     recipe = finetune_record(cfg)
     for m in layout.methods("finetune"):
         if m in plan_methods or not layout.summary("finetune", m).is_file():
@@ -148,16 +179,20 @@ def finetune_preflight(run_dir: Optional[str], methods: Optional[list[str]] = No
         other = json.loads(layout.summary("finetune", m).read_text()).get("finetune_config")
         if other is not None and other != recipe:
             diff = sorted(k for k in {*other, *recipe} if other.get(k) != recipe.get(k))
-            raise ValueError(f"{rd}: {m} was fine-tuned with another recipe ({', '.join(diff[:4])} differ); a run "
-                             "directory compares its methods under one recipe: fine-tune every method again "
-                             "(no --methods) with --replace, or keep the recipe")
+            raise ValueError(
+                f"{rd}: {m} was fine-tuned with another recipe ({', '.join(diff[:4])} differ); a run "
+                "directory compares its methods under one recipe: fine-tune every method again "
+                "(no --methods) with --replace, or keep the recipe"
+            )
     from data.store import load_manifest
     from training.common import input_shape
 
     check_lora_targets(cfg, input_shape(cfg, load_manifest(rd)))
     if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
-        raise ValueError(f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
-                         "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs")
+        raise ValueError(
+            f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
+            "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs"
+        )
     check_finetune_inputs(cfg)
     return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan_methods, replace=replace)
 
@@ -168,7 +203,7 @@ def _results(layout: RunLayout, method: str) -> list[Path]:
     return out + ([extra] if extra.exists() else [])
 
 
-def _put_data_aside(data: Path, tag: str) -> Optional[Path]:
+def _put_data_aside(data: Path, tag: str) -> Path | None:
     """Keep the task's items ``data`` (``RUN/finetune/data``) as ``.data.replaced-<tag>`` beside it
     while the folder stays in place: a copy of hard links (no bytes copied; the data step never writes
     a file in place, it swaps a new folder in), or of bytes where the filesystem has no hard links.
@@ -190,8 +225,11 @@ def _recover_aside(layout: RunLayout) -> list[str]:
     complete cannot be told here, so nothing is deleted). Returns one line per item found."""
     lines: list[str] = []
     data = Path(layout.finetune_data)
-    data_asides = sorted(data.parent.glob(f".{data.name}.replaced-*"), key=lambda p: p.stat().st_mtime) \
-        if data.parent.is_dir() else []  # oldest first
+    data_asides = (
+        sorted(data.parent.glob(f".{data.name}.replaced-*"), key=lambda p: p.stat().st_mtime)
+        if data.parent.is_dir()
+        else []
+    )  # oldest first
     moved = kept = 0
     for folder in (Path(layout.root) / "finetune", Path(layout.root) / "eval" / "finetune"):
         if not folder.is_dir():
@@ -205,11 +243,14 @@ def _recover_aside(layout: RunLayout) -> list[str]:
             moved += not orig.exists()
             if not orig.exists():
                 p.rename(orig)
-                lines.append(f"{orig}: moved back from {p.name} (an earlier --replace was killed before it wrote "
-                             "new results)")
+                lines.append(
+                    f"{orig}: moved back from {p.name} (an earlier --replace was killed before it wrote new results)"
+                )
             else:
-                lines.append(f"{p}: earlier results an interrupted --replace put aside; {orig} holds newer ones. "
-                             f"Delete {p.name} to keep the newer, or put it back in place of {orig.name}")
+                lines.append(
+                    f"{p}: earlier results an interrupted --replace put aside; {orig} holds newer ones. "
+                    f"Delete {p.name} to keep the newer, or put it back in place of {orig.name}"
+                )
     for p in data_asides:  # the task's items the put-aside results were made from
         if moved and p == data_asides[-1]:  # results came back: so does their data
             shutil.rmtree(data, ignore_errors=True)
@@ -259,8 +300,10 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
             if summary.get("interrupted") or stop_requested():
                 out["methods"][method] = {"summary": summary}
                 break
-            out["methods"][method] = {"summary": summary,
-                                      "eval": evaluate_finetune_task(cfg, rd, method, task_info, ckpt)}
+            out["methods"][method] = {
+                "summary": summary,
+                "eval": evaluate_finetune_task(cfg, rd, method, task_info, ckpt),
+            }
     except BaseException:
         if not stop_requested():
             for m in plan["methods"]:  # a failed method's partial results would read as a method
@@ -280,10 +323,10 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
 
 @flow(name="finetune", log_prints=True)
 def finetune(
-    run_dir: Optional[str] = None,
-    methods: Optional[list[str]] = None,
-    checkpoint: Optional[str] = None,
-    name: Optional[str] = None,
+    run_dir: str | None = None,
+    methods: list[str] | None = None,
+    checkpoint: str | None = None,
+    name: str | None = None,
     # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
     # dict/None switch with nothing to edit)
     overrides: dict[str, Any] = {},  # noqa: B006

@@ -25,7 +25,7 @@ from tasks.goodput import simulate_task, write_task
 def goodput_run_dir(out_dir: str | None = None, run_root: str = "runs") -> Path:
     """``out_dir``, or ``<run_root>/goodput-<UTC timestamp>``, as an absolute path."""
     if out_dir is None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         out_dir = str(Path(run_root) / f"goodput-{stamp}")
     return Path(out_dir).absolute()
 
@@ -40,24 +40,44 @@ def goodput(config: GoodputConfig = GoodputConfig(), out_dir: str | None = None)
         raise FileExistsError(f"{out / 'goodput.json'} exists; choose another out_dir")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
-    logger.info("goodput: %d systems × %d sizes × %d seeds, %d expected interruptions per run; "
-                "slices per size %s; constants %s%s", len(config.systems), len(config.chips), config.seeds,
-                config.failures_per_run, {n: n_slices(config, n) for n in config.chips}, config.constants(),
-                " (recalibrating restart_s, downscale_s, upscale_s first)" if config.calibrate else "")
+    logger.info(
+        "goodput: %d systems × %d sizes × %d seeds, %d expected interruptions per run; "
+        "slices per size %s; constants %s%s",
+        len(config.systems),
+        len(config.chips),
+        config.seeds,
+        config.failures_per_run,
+        {n: n_slices(config, n) for n in config.chips},
+        config.constants(),
+        " (recalibrating restart_s, downscale_s, upscale_s first)" if config.calibrate else "",
+    )
     result = simulate_task(config)
     paths = write_task(result, str(out))
     w = result["worst"]
-    logger.info("grid simulated in %.1f s; calibration rows RMS %.1f points; worst DiLoCo cell %s",
-                result["wall_s"], result["calibration_rmse"] or float("nan"),
-                "n/a" if w is None else f"{w['system']} at {w['chips']:,} chips: {w['goodput']:.1f} vs "
-                f"paper {w['paper']} ({w['diff']:+.1f})")
+    logger.info(
+        "grid simulated in %.1f s; calibration rows RMS %.1f points; worst DiLoCo cell %s",
+        result["wall_s"],
+        result["calibration_rmse"] or float("nan"),
+        "n/a"
+        if w is None
+        else f"{w['system']} at {w['chips']:,} chips: {w['goodput']:.1f} vs paper {w['paper']} ({w['diff']:+.1f})",
+    )
     markdown = Path(paths["goodput.md"]).read_text()
     markdown += f"\n\nFigure: `{paths['goodput.png']}`\n\nRun directory: `{out}`\n"
     create_markdown_artifact(markdown, key="goodput-report", description=f"Goodput study, {out}")
-    rows = [{"system": c["label"], "chips": c["chips"], "goodput_pct": round(c["goodput"], 2),
-             "ci_pct": round(c["goodput_ci"], 2), "uptime_pct": round(c["uptime"], 2),
-             "paper_pct": c["paper"], "diff_pts": None if c["diff"] is None else round(c["diff"], 2),
-             "role": c["role"]} for c in result["cells"]]
+    rows = [
+        {
+            "system": c["label"],
+            "chips": c["chips"],
+            "goodput_pct": round(c["goodput"], 2),
+            "ci_pct": round(c["goodput_ci"], 2),
+            "uptime_pct": round(c["uptime"], 2),
+            "paper_pct": c["paper"],
+            "diff_pts": None if c["diff"] is None else round(c["diff"], 2),
+            "role": c["role"],
+        }
+        for c in result["cells"]
+    ]
     create_table_artifact(rows, key="goodput-table", description=f"Goodput per system and size, {out}")
     logger.info("table: %s  figure: %s", paths["goodput.md"], paths["goodput.png"])
     return paths["goodput.md"]

@@ -15,17 +15,16 @@ import json
 import math
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.exceptions import FailedRun
+from prefect.states import Cancelled, Failed, State
 
 from configs.schema import ExperimentConfig, resolve_config
 from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
-from prefect.exceptions import FailedRun
-from prefect.states import Cancelled, Failed, State
-
 from run.control import graceful_stop, stop_requested, stop_signal
 from run.directory import atomic_write_text, claim_run_dir, link_or_copy, write_status
 from run.layout import RunLayout
@@ -57,7 +56,7 @@ def _short_stage(rd: Path, name: str) -> dict | None:
     return summary if (summary.get("budget") or {}).get("status") == "short" else None
 
 
-def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> dict:
+def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
     """DP's stage: trained (``flows.pretrain.pretrain_dp``), or, with a ``cache`` folder holding a
     completed result of the same DP settings (``configs.sweep.dp_digest``), that result copied in
     (hard links; its summary gets ``reused_from``). A run that trains a complete result stores it
@@ -80,8 +79,11 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> 
             shutil.copytree(entry, mine, copy_function=link_or_copy)
             summary = json.loads((mine / "summary.json").read_text())
             write_json(mine / "summary.json", {**summary, "reused_from": str(entry)})  # a new file: the cache's stays
-            logger.info("dp: reused the result of the same DP settings from %s (final held-out loss %.4f)", entry,
-                        summary.get("final_val_loss"))
+            logger.info(
+                "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)",
+                entry,
+                summary.get("final_val_loss"),
+            )
             return {**summary, "reused_from": str(entry)}
         summary = pretrain_dp(cfg, str(rd))
         if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
@@ -93,7 +95,7 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> 
         return summary
 
 
-def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: Optional[str]) -> dict:
+def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
     """DP's evaluation: lm-eval (or the image metrics) on its checkpoint (``tasks.evaluate``), or,
     with a ``cache`` folder holding the evaluation of the same DP result under the same ``eval``
     section (``configs.sweep.dp_eval_digest``) and this run's DP result copied from that cache,
@@ -157,12 +159,14 @@ def _run_problem(results: dict[str, Any]) -> str | None:
     lost = (results.get("pretrain-diloco") or {}).get("work_lost") or {}
     if lost.get("status") != "failed":
         return None
-    return (f"the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed tokens "
-            f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {lost.get('reasons')}), "
-            f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top")
+    return (
+        f"the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed tokens "
+        f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {lost.get('reasons')}), "
+        f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top"
+    )
 
 
-def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stages: list[str]) -> str | None:
+def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
     """One seed's stages after the data: pretrain DiLoCo and DP, evaluate, fine-tune, report, each
     appended to ``stages`` when completed; ``status.json`` says ``running`` (or ``failed`` /
     ``interrupted``) when the report is built. Returns the one-line reason to fail the run, or None."""
@@ -203,8 +207,7 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], 
 
 
 @flow(name="pipeline-seed", flow_run_name="seed-{seed}", log_prints=True)
-def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str,
-             dp_cache: Optional[str] = None) -> dict:
+def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, dp_cache: str | None = None) -> dict:
     """One seed of a run of several seeds, as a child flow run of the pipeline: ``run_dir``
     (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its
     data hard links to ``data_dir`` (sharded once for every seed), and its stages run as in a run
@@ -225,7 +228,7 @@ def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str,
     return {"seed": seed, "status": status, "problem": problem}
 
 
-def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stages: list[str]) -> str | None:
+def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
     """Every seed of ``cfg.seeds`` in turn (:func:`seed_run`, a child flow run each, in
     ``RUN/seeds/seed-<s>``; ``seed-<s>`` appended to ``stages`` when that seed's run completed),
     then the report over seeds. A seed whose run fails a check (a short budget, divergence, lost
@@ -235,8 +238,9 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stage
         if stop_requested():
             break
         write_status(rd, "running", stages)
-        out = seed_run(config=cfg, seed=seed, run_dir=str(layout.seed_run(seed)), data_dir=str(layout.data),
-                       dp_cache=dp_cache)
+        out = seed_run(
+            config=cfg, seed=seed, run_dir=str(layout.seed_run(seed)), data_dir=str(layout.data), dp_cache=dp_cache
+        )
         if out["status"] == "completed":
             stages.append(f"seed-{seed}")
         elif out["problem"]:
@@ -254,12 +258,12 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: Optional[str], stage
 @flow(name="pipeline", log_prints=True)
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
-    config_file: Optional[str] = None,
+    config_file: str | None = None,
     # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
     # dict/None switch with nothing to edit)
     overrides: dict[str, Any] = {},  # noqa: B006
-    run_dir: Optional[str] = None,
-    dp_cache: Optional[str] = None,
+    run_dir: str | None = None,
+    dp_cache: str | None = None,
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
     pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
@@ -311,13 +315,20 @@ def pipeline(
                 raise
             stages.append("data")
             if manifest.get("modality") == "image":
-                logger.info("data: %s train images of %s in %d classes, %d shards",
-                            f"{manifest['splits']['train']['images']:,}", "×".join(map(str, manifest["image_shape"])),
-                            manifest["num_classes"], len(manifest["shards"]))
+                logger.info(
+                    "data: %s train images of %s in %d classes, %d shards",
+                    f"{manifest['splits']['train']['images']:,}",
+                    "×".join(map(str, manifest["image_shape"])),
+                    manifest["num_classes"],
+                    len(manifest["shards"]),
+                )
             else:
-                logger.info("data: %s train tokens, %d shards, vocab %d",
-                            f"{manifest['splits']['train']['tokens']:,}", len(manifest["shards"]),
-                            manifest["vocab_size"])
+                logger.info(
+                    "data: %s train tokens, %d shards, vocab %d",
+                    f"{manifest['splits']['train']['tokens']:,}",
+                    len(manifest["shards"]),
+                    manifest["vocab_size"],
+                )
             if len(seeds) == 1:
                 problem = _train_and_report(cfg, rd, dp_cache, stages)
             else:
@@ -346,5 +357,6 @@ def _signal_reason() -> str:
 def _interrupted(rd: Path, stages: list[str]) -> State:
     reason = _signal_reason()
     write_status(rd, "interrupted", stages, reason)
-    return Cancelled(message=f"stopped: {reason}; completed stages: {', '.join(stages) or 'none'} "
-                             f"(recorded in {rd / 'status.json'})")
+    return Cancelled(
+        message=f"stopped: {reason}; completed stages: {', '.join(stages) or 'none'} (recorded in {rd / 'status.json'})"
+    )

@@ -45,11 +45,13 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
             raise ValueError("its manifest.json is not a JSON object")
         old = manifest.get("config")
     except (FileNotFoundError, ValueError, OSError) as exc:
-        raise ValueError(f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a "
-                         "new --run-dir") from None
+        raise ValueError(
+            f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a new --run-dir"
+        ) from None
     if old != config_record(cfg):
-        raise ValueError(f"run directory {path} holds data built from another data config or learner count; "
-                         "choose a new --run-dir")
+        raise ValueError(
+            f"run directory {path} holds data built from another data config or learner count; choose a new --run-dir"
+        )
 
 
 def check_model(cfg: ExperimentConfig, shape=None) -> int:
@@ -108,8 +110,10 @@ def check_image_source(cfg: ExperimentConfig) -> None:
         for split in ("val", "test"):
             field = f"{split}_fraction"
             if split in folder.files and getattr(d, field) != type(d).model_fields[field].default:
-                raise ValueError(f"data.{field}: {d.paths[0]} has a {split} split folder, which is the {split} split "
-                                 f"as is; remove data.{field}")
+                raise ValueError(
+                    f"data.{field}: {d.paths[0]} has a {split} split folder, which is the {split} split "
+                    f"as is; remove data.{field}"
+                )
         found = inspect_image_folder(folder, d.image_size, d.channels)
         shape = InputShape(image_shape=found["image_shape"], num_classes=found["num_classes"], pixel_max=255)
         check_model(cfg, shape)
@@ -119,28 +123,38 @@ def check_image_source(cfg: ExperimentConfig) -> None:
         from data.images import ImageSet, complete_splits
 
         labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
-        splits, source = complete_splits(ImageSet(np.empty(0), labels, folder.classes, 255, {}, given),
-                                         d.val_fraction, d.test_fraction, d.seed)
+        splits, source = complete_splits(
+            ImageSet(np.empty(0), labels, folder.classes, 255, {}, given), d.val_fraction, d.test_fraction, d.seed
+        )
         if len(splits["val"]) < cfg.train.eval_batch_size:
-            where = (f"the val split folder of {d.paths[0]}" if source["val"] == "folder" else
-                     f"data.val_fraction ({d.val_fraction}) of the {len(labels) if given is None else len(given['train'])} "
-                     f"{'images' if given is None else 'train/ images'}")
-            raise ValueError(f"{where} holds {len(splits['val'])} validation images, fewer than train.eval_batch_size "
-                             f"({cfg.train.eval_batch_size}) for one held-out batch; "
-                             f"{'add validation images' if source['val'] == 'folder' else 'raise data.val_fraction'} "
-                             "or lower train.eval_batch_size")
+            where = (
+                f"the val split folder of {d.paths[0]}"
+                if source["val"] == "folder"
+                else f"data.val_fraction ({d.val_fraction}) of the "
+                f"{len(labels) if given is None else len(given['train'])} "
+                f"{'images' if given is None else 'train/ images'}"
+            )
+            raise ValueError(
+                f"{where} holds {len(splits['val'])} validation images, fewer than train.eval_batch_size "
+                f"({cfg.train.eval_batch_size}) for one held-out batch; "
+                f"{'add validation images' if source['val'] == 'folder' else 'raise data.val_fraction'} "
+                "or lower train.eval_batch_size"
+            )
     if count is not None:
         val = int(count * d.val_fraction)  # the stratified split rounds per class, give or take a few
         if val < cfg.train.eval_batch_size:
             raise ValueError(
                 f"data.val_fraction ({d.val_fraction}) of {count} images holds about {val} validation images, "
                 f"fewer than train.eval_batch_size ({cfg.train.eval_batch_size}) for one held-out batch; raise "
-                "data.val_fraction or lower train.eval_batch_size")
+                "data.val_fraction or lower train.eval_batch_size"
+            )
     if d.source == "hf_images":
         from data.sources import check_hf_reachable
 
-        check_hf_reachable(d.hf_name, "use data.source: digits (bundled) or imagefolder with data.paths: [a folder of "
-                                      "class sub-folders] instead")
+        check_hf_reachable(
+            d.hf_name,
+            "use data.source: digits (bundled) or imagefolder with data.paths: [a folder of class sub-folders] instead",
+        )
 
 
 def check_finetune_inputs(cfg: ExperimentConfig) -> None:
@@ -159,12 +173,16 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
         else:
             train, test = counts
         if train < MIN_TRAIN_ITEMS or test < MIN_TEST_ITEMS:
-            raise ValueError(f"finetune.paths: {train} train and {test} test pairs, fewer than {MIN_TRAIN_ITEMS} and "
-                             f"{MIN_TEST_ITEMS}; give more pairs")
+            raise ValueError(
+                f"finetune.paths: {train} train and {test} test pairs, fewer than {MIN_TRAIN_ITEMS} and "
+                f"{MIN_TEST_ITEMS}; give more pairs"
+            )
     elif task == "hf" and not Path(ft.hf_name).expanduser().is_dir():
         from data.sources import check_hf_reachable
 
-        check_hf_reachable(ft.hf_name, "use finetune.source: jsonl with finetune.paths instead", field="finetune.hf_name")
+        check_hf_reachable(
+            ft.hf_name, "use finetune.source: jsonl with finetune.paths instead", field="finetune.hf_name"
+        )
 
 
 def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
@@ -180,20 +198,27 @@ def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
     from models.layers.lora import linear_layers
 
     if shape is None:
-        shape = _known_image_shape(cfg) if cfg.data.modality == "image" else \
-            InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+        shape = (
+            _known_image_shape(cfg)
+            if cfg.data.modality == "image"
+            else InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+        )
     if shape is None:
         return
     layers = linear_layers(nnx.eval_shape(lambda: build_model(cfg.model, shape).init(0)))
     names = {n for n, _ in layers.values()}
     missing = [t for t in cfg.finetune.lora_targets if t not in names]
     if missing:
-        raise ValueError(f"finetune.lora_targets: {missing[0]!r} is no projection of a {cfg.model.kind} model; its "
-                         f"projections are {', '.join(sorted(names))}")
+        raise ValueError(
+            f"finetune.lora_targets: {missing[0]!r} is no projection of a {cfg.model.kind} model; its "
+            f"projections are {', '.join(sorted(names))}"
+        )
     small = min(min(io) for n, io in layers.values() if n in cfg.finetune.lora_targets)
     if cfg.finetune.lora_rank >= small:
-        raise ValueError(f"finetune.lora_rank ({cfg.finetune.lora_rank}) must be below the smallest adapted "
-                         f"projection's side ({small})")
+        raise ValueError(
+            f"finetune.lora_rank ({cfg.finetune.lora_rank}) must be below the smallest adapted "
+            f"projection's side ({small})"
+        )
 
 
 def check_runtime(cfg: ExperimentConfig) -> None:
@@ -219,30 +244,38 @@ def check_runtime(cfg: ExperimentConfig) -> None:
         try:
             fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as exc:
-            raise ValueError(f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
-                             f"here ({str(exc).splitlines()[0]}); install it (s3fs for s3://, gcsfs for gs://) "
-                             "or use a shared folder") from None
+            raise ValueError(
+                f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
+                f"here ({str(exc).splitlines()[0]}); install it (s3fs for s3://, gcsfs for gs://) "
+                "or use a shared folder"
+            ) from None
         try:
             check_writable(rt.exchange_url)
         except Exception as exc:  # whatever the filesystem raises (OSError, NotImplementedError, its own)
             first = (str(exc).strip().splitlines() or [""])[0]
-            raise ValueError(f"runtime.exchange_url {rt.exchange_url}: cannot be created or written here "
-                             f"({type(exc).__name__}: {first}); give a folder or bucket prefix this user can "
-                             "write and every worker can reach, or unset it (the exchange then lives in the run "
-                             "directory)") from None
+            raise ValueError(
+                f"runtime.exchange_url {rt.exchange_url}: cannot be created or written here "
+                f"({type(exc).__name__}: {first}); give a folder or bucket prefix this user can "
+                "write and every worker can reach, or unset it (the exchange then lives in the run "
+                "directory)"
+            ) from None
     if rt.address and rt.address != "auto":
         import socket
         from urllib.parse import urlsplit
 
         url = urlsplit(rt.address if "://" in rt.address else f"tcp://{rt.address}")
         if not url.hostname or not url.port:
-            raise ValueError(f"runtime.address {rt.address}: give host and port, e.g. "
-                             f"{'ray://head:10001' if rt.engine == 'ray' else 'tcp://scheduler:8786'}")
+            raise ValueError(
+                f"runtime.address {rt.address}: give host and port, e.g. "
+                f"{'ray://head:10001' if rt.engine == 'ray' else 'tcp://scheduler:8786'}"
+            )
         try:
             socket.create_connection((url.hostname, url.port), timeout=5).close()
         except OSError as exc:
-            raise ConnectionError(f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
-                                  f"{rt.engine} cluster first or unset runtime.address for a local one") from None
+            raise ConnectionError(
+                f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
+                f"{rt.engine} cluster first or unset runtime.address for a local one"
+            ) from None
 
 
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:

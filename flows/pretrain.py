@@ -20,6 +20,7 @@ from prefect.futures import wait
 from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
+from flows.engines import engine_session, task_options, task_runner_for
 from reports.artifacts import artifact_key
 from reports.resilience import diloco_resilience
 from run.control import STOP, graceful_stop
@@ -28,7 +29,6 @@ from run.metrics import JsonlWriter, read_jsonl, write_json
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
 from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco, with_absolute_exchange
-from flows.engines import engine_session, task_options, task_runner_for
 
 
 def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
@@ -40,9 +40,11 @@ def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -
     evals = read_jsonl(eval_path)
     val = f"{evals[-1]['val/loss']:.3f}" if evals else "n/a"
     versions = exchange.versions()
-    return (f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
-            f"train loss {loss}  held-out loss {val}  merges {sum(versions)}  "
-            f"learners up {up}/{config.diloco.learners}  versions {versions}")
+    return (
+        f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
+        f"train loss {loss}  held-out loss {val}  merges {sum(versions)}  "
+        f"learners up {up}/{config.diloco.learners}  versions {versions}"
+    )
 
 
 def _live_resilience(rd: Path, now: float) -> dict | None:
@@ -52,8 +54,12 @@ def _live_resilience(rd: Path, now: float) -> dict | None:
     path = layout.chaos_schedule
     try:
         schedule = json.loads(path.read_text()) if path.exists() else None
-        return diloco_resilience(read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
-                                 read_jsonl(layout.metrics("pretrain", "diloco", "merges")), schedule, now=now)
+        return diloco_resilience(
+            read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
+            read_jsonl(layout.metrics("pretrain", "diloco", "merges")),
+            schedule,
+            now=now,
+        )
     except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
         return None
 
@@ -69,17 +75,24 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path) -> None:
         for row in rows:
             g = per.get(row["learner"], {}).get("goodput")
             row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
-    live = ("" if res is None or res["global"]["goodput"] is None else
-            f" Goodput so far {100 * res['global']['goodput']:.1f} %, uptime "
-            f"{100 * (res['uptime']['uptime'] or 0):.1f} % (a learner computing and the syncer up).")
+    live = (
+        ""
+        if res is None or res["global"]["goodput"] is None
+        else f" Goodput so far {100 * res['global']['goodput']:.1f} %, uptime "
+        f"{100 * (res['uptime']['uptime'] or 0):.1f} % (a learner computing and the syncer up)."
+    )
     u = config.unit
     create_table_artifact(
-        key=artifact_key("diloco-learners", config.name), table=rows,
-        description=(f"**DiLoCo, live**: {t['alive']}/{t['learners']} learners alive; {t['merges']} merges, "
-                     f"versions {t['versions']}; {t['tokens claimed']:,} {u} claimed, {t['tokens merged']:,} merged "
-                     f"into Θ; {t['bytes merged']:,} submission bytes merged. A learner is dead after "
-                     f"{config.diloco.heartbeat_timeout_s:g} s without a heartbeat (diloco.heartbeat_timeout_s) "
-                     "and left out of the quorum until it beats again." + live))
+        key=artifact_key("diloco-learners", config.name),
+        table=rows,
+        description=(
+            f"**DiLoCo, live**: {t['alive']}/{t['learners']} learners alive; {t['merges']} merges, "
+            f"versions {t['versions']}; {t['tokens claimed']:,} {u} claimed, {t['tokens merged']:,} merged "
+            f"into Θ; {t['bytes merged']:,} submission bytes merged. A learner is dead after "
+            f"{config.diloco.heartbeat_timeout_s:g} s without a heartbeat (diloco.heartbeat_timeout_s) "
+            "and left out of the quorum until it beats again." + live
+        ),
+    )
 
 
 @flow(name="pretrain-diloco", log_prints=True)
@@ -112,21 +125,37 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     d, rt = config.diloco, config.runtime
     logger.info(
         "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
-        "(%s per learner step); engine %s, exchange %s%s; precision: %s", d.learners, d.fragments, d.sync_every,
-        d.quorum, d.grace_s, d.merge, f"{budget:,}", config.unit, f"{config.tokens_per_learner_step:,}", rt.engine,
-        rt.exchange_kind, f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "", config.precision.describe())
+        "(%s per learner step); engine %s, exchange %s%s; precision: %s",
+        d.learners,
+        d.fragments,
+        d.sync_every,
+        d.quorum,
+        d.grace_s,
+        d.merge,
+        f"{budget:,}",
+        config.unit,
+        f"{config.tokens_per_learner_step:,}",
+        rt.engine,
+        rt.exchange_kind,
+        f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "",
+        config.precision.describe(),
+    )
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
-    syncer = syncer_task.with_options(retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
-                                      retry_delay_seconds=d.retry_delay_s, retry_condition_fn=retry_syncer)
+    syncer = syncer_task.with_options(
+        retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
+        retry_delay_seconds=d.retry_delay_s,
+        retry_condition_fn=retry_syncer,
+    )
     with engine_session(config), task_runner_for(config) as runner:
         with task_options(config, "syncer"):
             syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
         with task_options(config, "learner"):
-            futures = [runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m})
-                       for m in range(d.learners)]
+            futures = [
+                runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
+            ]
         t_submit = time.monotonic()
         try:
             next_progress = time.monotonic() + progress_every_s
@@ -150,9 +179,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                     if not exchange.learners():
                         exchange.request_stop()
                         raise RuntimeError(
-                            f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s on runtime.engine "
+                            f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s "
+                            "on runtime.engine "
                             f"{rt.engine}: the worker processes could not start the learner task (see the worker "
-                            "errors above: imports, packages, the run directory on every node)")
+                            "errors above: imports, packages, the run directory on every node)"
+                        )
                     give_up_at = None
                 if syncer_future.state.is_final():
                     exchange.close()
@@ -163,8 +194,12 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         # The exchange knows how each learner ended (Prefect's future state can lag behind).
         for m, info in sorted(exchange.learners().items()):
             if info.get("status") != "done":
-                logger.error("learner %d ended %s after its retries (%s); the others spent its share of the "
-                             "budget", m, info.get("status"), info.get("reason", "no reason recorded"))
+                logger.error(
+                    "learner %d ended %s after its retries (%s); the others spent its share of the budget",
+                    m,
+                    info.get("status"),
+                    info.get("reason", "no reason recorded"),
+                )
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
@@ -172,22 +207,37 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     learners = exchange.learners()
     finished = any(info.get("status") == "done" for info in learners.values())
     summary["budget"] = budget_status(
-        summary["tokens"], budget, config.unit, interrupted=bool(summary["interrupted"]), finished=finished,
-        why=None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries))
+        summary["tokens"],
+        budget,
+        config.unit,
+        interrupted=bool(summary["interrupted"]),
+        finished=finished,
+        why=None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries),
+    )
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     u = config.unit
-    logger.info(f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
-                f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"], summary["merges"],
-                summary["final_val_loss"])
+    logger.info(
+        f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
+        f"{summary['tokens']:,}",
+        summary["wall_s"],
+        summary["tokens_per_s"],
+        summary["merges"],
+        summary["final_val_loss"],
+    )
     lost = summary["work_lost"]
     if lost["status"] != "ok":
-        logger.warning(f"diloco: the syncer dropped %.1f %% of the learners' processed {u} (%s of %s; %s)%s",
-                       100 * lost["dropped_fraction"], f"{lost['dropped_tokens']:,}", f"{lost['processed_tokens']:,}",
-                       lost["reasons"], " — above diloco.max_dropped_fraction: this run fails"
-                       if lost["status"] == "failed" else "")
+        logger.warning(
+            f"diloco: the syncer dropped %.1f %% of the learners' processed {u} (%s of %s; %s)%s",
+            100 * lost["dropped_fraction"],
+            f"{lost['dropped_tokens']:,}",
+            f"{lost['processed_tokens']:,}",
+            lost["reasons"],
+            " — above diloco.max_dropped_fraction: this run fails" if lost["status"] == "failed" else "",
+        )
     if summary["interrupted"]:
-        logger.warning(f"diloco: stopped early by a signal at %s of %s {u}; state saved",
-                       f"{summary['tokens']:,}", f"{budget:,}")
+        logger.warning(
+            f"diloco: stopped early by a signal at %s of %s {u}; state saved", f"{summary['tokens']:,}", f"{budget:,}"
+        )
     if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
         message = f"pretrain-diloco {summary['budget']['line']}"
         logger.error("%s; Θ as it stands is saved and the report can be built", message)
@@ -209,8 +259,18 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
             continue
         out[m] = state.message or state.name
         events = events or JsonlWriter(RunLayout(rd).metrics("pretrain", "diloco", "learners"))
-        events({"event": "failure", "learner": m, "attempt": 1, "reason": out[m], "step": 0, "t": exchange.clock(),
-                "before_start": True, "source": "flow"})
+        events(
+            {
+                "event": "failure",
+                "learner": m,
+                "attempt": 1,
+                "reason": out[m],
+                "step": 0,
+                "t": exchange.clock(),
+                "before_start": True,
+                "source": "flow",
+            }
+        )
     if events is not None:
         events.close()
     return out
@@ -224,9 +284,13 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     with graceful_stop():
         summary = dp_task(config, run_dir)
     u = config.unit
-    get_run_logger().info(f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
-                          f"{summary['tokens']:,}", summary["wall_s"], summary["tokens_per_s"],
-                          summary["final_val_loss"])
+    get_run_logger().info(
+        f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
+        f"{summary['tokens']:,}",
+        summary["wall_s"],
+        summary["tokens_per_s"],
+        summary["final_val_loss"],
+    )
     if summary["budget"]["status"] == "short":
         message = f"pretrain-dp {summary['budget']['line']}"
         get_run_logger().error(message)

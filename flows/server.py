@@ -1,4 +1,4 @@
-"""Prefect's temporary server for a command-line run, in a session of its own.
+r"""Prefect's temporary server for a command-line run, in a session of its own.
 
 With no ``PREFECT_API_URL`` set, the first flow call of a process starts Prefect's temporary API
 server (``SubprocessASGIServer``: uvicorn in a child process) and stops it at exit. That child shares
@@ -42,7 +42,6 @@ from unittest import mock
 
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
-
 
 # Runs first in the server's process, then hands over to uvicorn's command line (what ``python -m
 # uvicorn`` runs). Polls twice a second; a parent that is gone leaves the process to a reaper.
@@ -149,8 +148,9 @@ def start_reaper() -> subprocess.Popen:
     command = [sys.executable, "-c", REAPER, str(os.getpid())]
     if setpriv() is not None and threading.current_thread() is threading.main_thread():
         command = [setpriv(), "--pdeathsig", "TERM", "--", *command]
-    return _Popen(command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                  stderr=subprocess.DEVNULL)
+    return _Popen(
+        command, start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def start_temporary_server() -> str | None:

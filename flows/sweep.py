@@ -48,21 +48,20 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
-from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.states import Cancelled, Failed, State
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig, config_path, read_config_file
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
 from flows import run_logger
 from flows.preflight import check_config
-from run.control import graceful_stop, stop_requested
 from reports.common import flatten
+from run.control import graceful_stop, stop_requested
 from run.directory import atomic_write_text, check_run_dir, read_status
 from run.layout import RunLayout
 
@@ -81,7 +80,7 @@ class PlannedCell:
     run_dir: Path
     digest: str
     action: str
-    previous: Optional[str] = None
+    previous: str | None = None
 
 
 @dataclass
@@ -96,10 +95,19 @@ class SweepPlan:
         return {
             "sweep": self.spec.model_dump(mode="json"),
             "sweep_dir": str(self.sweep_dir),
-            "updated_at": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "cells": [{"name": pc.cell.name, "overrides": pc.cell.overrides, "config_sha256": pc.digest,
-                       "run_dir": str(pc.run_dir), "action": pc.action, "previous": pc.previous,
-                       **results.get(pc.cell.name, {})} for pc in self.cells],
+            "updated_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "cells": [
+                {
+                    "name": pc.cell.name,
+                    "overrides": pc.cell.overrides,
+                    "config_sha256": pc.digest,
+                    "run_dir": str(pc.run_dir),
+                    "action": pc.action,
+                    "previous": pc.previous,
+                    **results.get(pc.cell.name, {}),
+                }
+                for pc in self.cells
+            ],
         }
 
 
@@ -112,7 +120,7 @@ def default_sweep_dir(spec: SweepSpec) -> Path:
     root = Path(spec.sweep_root).expanduser()
     if spec.resume:
         return (root / spec.name).absolute()
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     return (root / f"{spec.name}-{stamp}").absolute()
 
 
@@ -126,8 +134,10 @@ def _check_sweep_dir(path: Path) -> Path:
         if (above / "status.json").is_file():
             raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
     if path.is_dir() and any(path.iterdir()) and not (path / SWEEP_JSON).is_file():
-        raise ValueError(f"sweep folder {path} is not empty and holds no {SWEEP_JSON} (not a sweep); choose a new "
-                         "--sweep-dir or sweep name")
+        raise ValueError(
+            f"sweep folder {path} is not empty and holds no {SWEEP_JSON} (not a sweep); choose a new "
+            "--sweep-dir or sweep name"
+        )
     return path
 
 
@@ -151,8 +161,10 @@ def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     needed = [layout.report / "report.json"]
     seeds = cfg.run_seeds
     for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
-        needed += [sub.summary("pretrain", m) for m in (["diloco"] if cfg.diloco.enabled else []) +
-                   (["dp"] if cfg.dp.enabled else [])]
+        needed += [
+            sub.summary("pretrain", m)
+            for m in (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
+        ]
     return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
 
 
@@ -171,7 +183,9 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
     except (FileNotFoundError, ValueError) as exc:
         raise type(exc)(f"sweep {spec.name}, base: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ValueError(f"sweep {spec.name}, base: {spec.base} is not valid YAML: {' '.join(str(exc).split())}") from None
+        raise ValueError(
+            f"sweep {spec.name}, base: {spec.base} is not valid YAML: {' '.join(str(exc).split())}"
+        ) from None
     cells = expand_cells(spec)
     planned: list[PlannedCell] = []
     checked_data: set[str] = set()
@@ -199,11 +213,20 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
                 what = _first_difference(old, new) if isinstance(old, dict) else "config.json is missing or unreadable"
                 raise ValueError(
                     f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
-                    "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again")
+                    "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again"
+                )
             missing = missing_results(run_dir, cfg)
             if missing:  # status.json vouches for results that are not there: run it again
-                planned.append(PlannedCell(cell, cfg, run_dir, digest, "rerun",
-                                           f"completed without its results (missing {', '.join(missing)})"))
+                planned.append(
+                    PlannedCell(
+                        cell,
+                        cfg,
+                        run_dir,
+                        digest,
+                        "rerun",
+                        f"completed without its results (missing {', '.join(missing)})",
+                    )
+                )
             else:
                 planned.append(PlannedCell(cell, cfg, run_dir, digest, "skip", status))
         else:
@@ -246,16 +269,22 @@ def check_deployment(spec: SweepSpec) -> str | None:
             dep = client.read_deployment_by_name(spec.deployment)
             pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
         except ObjectNotFound:
-            raise ValueError(f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on the Prefect server "
-                             f"{client.api_url}; deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
-                             "or use launch: subflow") from None
+            raise ValueError(
+                f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on the Prefect server "
+                f"{client.api_url}; deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
+                "or use launch: subflow"
+            ) from None
         except Exception as exc:  # the server does not answer (connection refused, timeout, ...)
-            raise ValueError(f"sweep {spec.name}: launch: deployment: the Prefect server {client.api_url} "
-                             f"(PREFECT_API_URL) does not answer ({type(exc).__name__}); start it or use launch: "
-                             "subflow") from None
+            raise ValueError(
+                f"sweep {spec.name}: launch: deployment: the Prefect server {client.api_url} "
+                f"(PREFECT_API_URL) does not answer ({type(exc).__name__}); start it or use launch: "
+                "subflow"
+            ) from None
     if pool is not None and str(getattr(pool.status, "value", pool.status)).upper() != "READY":
-        return (f"no worker polls the work pool {pool.name} of {spec.deployment}: the cells wait until one starts "
-                f"(`prefect worker start --pool {pool.name}`)")
+        return (
+            f"no worker polls the work pool {pool.name} of {spec.deployment}: the cells wait until one starts "
+            f"(`prefect worker start --pool {pool.name}`)"
+        )
     return None
 
 
@@ -286,11 +315,15 @@ def _heartbeats(client, limit: str) -> dict[str, object]:
     ``ddiloco-slot-holder:<limit>``)."""
     from prefect.client.schemas.objects import Variable
 
-    response = client.request("POST", "/variables/filter",
-                              json={"variables": {"tags": {"all_": [f"{_HOLDER_TAG}:{limit}"]}}})
+    response = client.request(
+        "POST", "/variables/filter", json={"variables": {"tags": {"all_": [f"{_HOLDER_TAG}:{limit}"]}}}
+    )
     records = Variable.model_validate_list(response.json())
-    return {r.value["lease_id"]: r.value.get("beat") for r in records
-            if isinstance(r.value, dict) and r.value.get("limit") == limit and "lease_id" in r.value}
+    return {
+        r.value["lease_id"]: r.value.get("beat")
+        for r in records
+        if isinstance(r.value, dict) and r.value.get("limit") == limit and "lease_id" in r.value
+    }
 
 
 class _HolderWatch:
@@ -333,8 +366,9 @@ def _try_acquire(client, limit: str):
     import httpx
 
     try:
-        response = client.increment_concurrency_slots_with_lease(names=[limit], slots=1, mode="concurrency",
-                                                                 lease_duration=SLOT_LEASE_S)
+        response = client.increment_concurrency_slots_with_lease(
+            names=[limit], slots=1, mode="concurrency", lease_duration=SLOT_LEASE_S
+        )
     except httpx.HTTPStatusError as exc:
         if exc.response.status_code == 423:  # locked: no free slot
             return None
@@ -361,11 +395,13 @@ def _beat(lease_id, limit: str, every_s: float, stop: threading.Event) -> None:
             beat += 1
             try:
                 client.renew_concurrency_lease(lease_id, SLOT_LEASE_S)
-                client.update_variable(VariableUpdate(name=_holder_record(lease_id),
-                                                      value=_heartbeat(lease_id, limit, beat)))
+                client.update_variable(
+                    VariableUpdate(name=_holder_record(lease_id), value=_heartbeat(lease_id, limit, beat))
+                )
             except Exception as exc:
-                log.warning("sweep slot %s of %s: heartbeat %d failed (%s: %s)", lease_id, limit, beat,
-                            type(exc).__name__, exc)
+                log.warning(
+                    "sweep slot %s of %s: heartbeat %d failed (%s: %s)", lease_id, limit, beat, type(exc).__name__, exc
+                )
 
 
 def _heartbeat(lease_id, limit: str, beat: int) -> dict:
@@ -395,8 +431,13 @@ def _slot(limit: str, poll_s: float = 2.0):
         while not stop_requested():
             lease_id = _try_acquire(client, limit)
             if lease_id is not None:
-                client.create_variable(VariableCreate(name=_holder_record(lease_id), value=_heartbeat(lease_id, limit, 0),
-                                                      tags=[_HOLDER_TAG, f"{_HOLDER_TAG}:{limit}"]))
+                client.create_variable(
+                    VariableCreate(
+                        name=_holder_record(lease_id),
+                        value=_heartbeat(lease_id, limit, 0),
+                        tags=[_HOLDER_TAG, f"{_HOLDER_TAG}:{limit}"],
+                    )
+                )
                 break
             watch.reap(client)
             STOP.wait(poll_s)
@@ -404,8 +445,9 @@ def _slot(limit: str, poll_s: float = 2.0):
         yield False
         return
     stop = threading.Event()
-    beater = threading.Thread(target=_beat, args=(lease_id, limit, SLOT_HEARTBEAT_S, stop), daemon=True,
-                              name=f"sweep-slot-{lease_id}")
+    beater = threading.Thread(
+        target=_beat, args=(lease_id, limit, SLOT_HEARTBEAT_S, stop), daemon=True, name=f"sweep-slot-{lease_id}"
+    )
     beater.start()
     try:
         yield True
@@ -442,8 +484,15 @@ def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2
 
 
 @task(name="sweep-cell", cache_policy=NO_CACHE, task_run_name="cell {name}")
-def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, deployment: str, limit: str,
-               dp_cache: Optional[str] = None) -> dict:
+def sweep_cell(
+    name: str,
+    config: ExperimentConfig,
+    run_dir: str,
+    launch: str,
+    deployment: str,
+    limit: str,
+    dp_cache: str | None = None,
+) -> dict:
     """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``;
     ``dp_cache``: the sweep's shared DP results (the pipeline's ``dp_cache``: DP trained once per
     DP setting).
@@ -459,8 +508,9 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
         t0 = time.perf_counter()
         logger.info("cell %s: %s in %s", name, launch, run_dir)
         if launch == "deployment":
-            state, run_id = _run_through_deployment(deployment, {"config": config.model_dump(mode="json"),
-                                                                 "run_dir": run_dir, "dp_cache": dp_cache})
+            state, run_id = _run_through_deployment(
+                deployment, {"config": config.model_dump(mode="json"), "run_dir": run_dir, "dp_cache": dp_cache}
+            )
         else:
             from flows.pipeline import pipeline
 
@@ -468,9 +518,13 @@ def sweep_cell(name: str, config: ExperimentConfig, run_dir: str, launch: str, d
             run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         wall = time.perf_counter() - t0
     status = read_status(run_dir)
-    out = {"state": state.type.value if state else "UNKNOWN", "status": status.get("status"),
-           "reason": status.get("reason") or (state.message if state and not state.is_completed() else None),
-           "wall_s": wall, "flow_run_id": run_id}
+    out = {
+        "state": state.type.value if state else "UNKNOWN",
+        "status": status.get("status"),
+        "reason": status.get("reason") or (state.message if state and not state.is_completed() else None),
+        "wall_s": wall,
+        "flow_run_id": run_id,
+    }
     logger.info("cell %s: %s (%s) in %.0f s", name, out["status"], out["state"], wall)
     return out
 
@@ -501,19 +555,37 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
             have.append(pc)
             continue
         status = read_status(pc.run_dir) if pc.run_dir.is_dir() else {}
-        none.append({"label": pc.cell.name, "run_dir": str(pc.run_dir), "status": status.get("status"),
-                     "reason": status.get("reason"), "why": why})
+        none.append(
+            {
+                "label": pc.cell.name,
+                "run_dir": str(pc.run_dir),
+                "status": status.get("status"),
+                "reason": status.get("reason"),
+                "why": why,
+            }
+        )
     log = run_logger()
     for n in none:
-        log.warning("sweep %s: cell %s has no results (%s); status %s", plan.spec.name, n["label"], n["why"],
-                    n["status"] or "no status.json")
+        log.warning(
+            "sweep %s: cell %s has no results (%s); status %s",
+            plan.spec.name,
+            n["label"],
+            n["why"],
+            n["status"] or "no status.json",
+        )
     if not have:
         log.warning("sweep %s: no cell has results; no comparison written", plan.spec.name)
         return {}
     axes = list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides))
-    comparison = build_comparison([pc.run_dir for pc in have], plan.sweep_dir / "report", axes=axes,
-                                  labels=[pc.cell.name for pc in have], title=f"Sweep {plan.spec.name}",
-                                  source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)", no_results=none)
+    comparison = build_comparison(
+        [pc.run_dir for pc in have],
+        plan.sweep_dir / "report",
+        axes=axes,
+        labels=[pc.cell.name for pc in have],
+        title=f"Sweep {plan.spec.name}",
+        source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)",
+        no_results=none,
+    )
     publish_comparison_artifacts(comparison, plan.spec.name)
     return comparison
 
@@ -525,8 +597,8 @@ def _default_spec() -> SweepSpec:
 @flow(name="sweep", log_prints=True)
 def sweep(
     spec: SweepSpec = _default_spec(),
-    sweep_file: Optional[str] = None,
-    sweep_dir: Optional[str] = None,
+    sweep_file: str | None = None,
+    sweep_dir: str | None = None,
 ) -> str | State:
     """Run every cell of a sweep through the pipeline, then build the sweep's comparison report.
 
@@ -553,15 +625,26 @@ def sweep(
     if stop_requested():
         return Cancelled(message="stopped before the sweep started; nothing was written")
     todo = [pc for pc in plan.cells if pc.action != "skip"]
-    logger.info("sweep %s: %d cells (%d to run, %d completed before) in %s; at most %d at once (%s)",
-                spec.name, len(plan.cells), len(todo), len(plan.cells) - len(todo), plan.sweep_dir,
-                spec.concurrency, spec.launch)
+    logger.info(
+        "sweep %s: %d cells (%d to run, %d completed before) in %s; at most %d at once (%s)",
+        spec.name,
+        len(plan.cells),
+        len(todo),
+        len(plan.cells) - len(todo),
+        plan.sweep_dir,
+        spec.concurrency,
+        spec.launch,
+    )
     results: dict[str, dict] = {}
     prior = _prior_results(plan.sweep_dir, logger)
     for pc in plan.cells:
         if pc.action == "skip":
-            results[pc.cell.name] = {**prior.get(pc.cell.name, {}), "status": "completed",
-                                     "state": "COMPLETED", "skipped": True}
+            results[pc.cell.name] = {
+                **prior.get(pc.cell.name, {}),
+                "status": "completed",
+                "state": "COMPLETED",
+                "skipped": True,
+            }
     with graceful_stop():
         plan.sweep_dir.mkdir(parents=True, exist_ok=True)
         for pc in todo:
@@ -575,18 +658,32 @@ def sweep(
         # `concurrency` threads take the cells in grid order; the global limit holds them to
         # `concurrency` at once across every sweep of this name
         with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
-            futures = {runner.submit(sweep_cell, {"name": pc.cell.name, "config": pc.cfg, "run_dir": str(pc.run_dir),
-                                                  "launch": spec.launch, "deployment": spec.deployment,
-                                                  "limit": limit,
-                                                  "dp_cache": str(plan.sweep_dir / "dp") if spec.reuse_dp else None}):
-                       pc.cell.name for pc in todo}
+            futures = {
+                runner.submit(
+                    sweep_cell,
+                    {
+                        "name": pc.cell.name,
+                        "config": pc.cfg,
+                        "run_dir": str(pc.run_dir),
+                        "launch": spec.launch,
+                        "deployment": spec.deployment,
+                        "limit": limit,
+                        "dp_cache": str(plan.sweep_dir / "dp") if spec.reuse_dp else None,
+                    },
+                ): pc.cell.name
+                for pc in todo
+            }
             for future in as_completed(list(futures)):
                 name = futures[future]
                 try:
                     results[name] = {**future.result(), "skipped": False}
                 except Exception as exc:  # the cell's own failure is recorded; the others go on
-                    results[name] = {"state": "FAILED", "reason": f"{type(exc).__name__}: {exc}", "skipped": False,
-                                     "status": read_status(plan.sweep_dir / "cells" / name).get("status")}
+                    results[name] = {
+                        "state": "FAILED",
+                        "reason": f"{type(exc).__name__}: {exc}",
+                        "skipped": False,
+                        "status": read_status(plan.sweep_dir / "cells" / name).get("status"),
+                    }
                 _write_record(plan, results)
                 progress.advance()
         comparison = sweep_report(plan, results)
@@ -595,12 +692,16 @@ def sweep(
     if comparison:
         logger.info("sweep report: %s", report)
     if stop_requested():
-        return Cancelled(message=f"stopped: cells completed: {sum(r.get('status') == 'completed' for r in results.values())} "
-                                 f"of {len(plan.cells)}; re-run the sweep to resume ({plan.sweep_dir})")
+        return Cancelled(
+            message=f"stopped: cells completed: {sum(r.get('status') == 'completed' for r in results.values())} "
+            f"of {len(plan.cells)}; re-run the sweep to resume ({plan.sweep_dir})"
+        )
     if failed:
-        return Failed(message=f"{len(failed)} of {len(plan.cells)} cells did not complete: "
-                              + "; ".join(f"{n}: {results[n].get('reason') or results[n].get('status')}" for n in failed)
-                              + f" (report of the others: {report})")
+        return Failed(
+            message=f"{len(failed)} of {len(plan.cells)} cells did not complete: "
+            + "; ".join(f"{n}: {results[n].get('reason') or results[n].get('status')}" for n in failed)
+            + f" (report of the others: {report})"
+        )
     return str(plan.sweep_dir)
 
 
@@ -613,8 +714,11 @@ class _Progress:
         from reports.artifacts import artifact_key
 
         self.total, self.done = total, done
-        self.id = create_progress_artifact(self.percent, key=artifact_key("sweep-progress", spec.name),
-                                           description=f"sweep {spec.name}: cells finished of {total}")
+        self.id = create_progress_artifact(
+            self.percent,
+            key=artifact_key("sweep-progress", spec.name),
+            description=f"sweep {spec.name}: cells finished of {total}",
+        )
 
     @property
     def percent(self) -> float:
@@ -626,8 +730,6 @@ class _Progress:
         self.done += 1
         if self.id is not None:
             update_progress_artifact(self.id, self.percent)
-
-
 
 
 def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
@@ -645,18 +747,22 @@ def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
         problem = None
     except (ValueError, UnicodeDecodeError):
         record, problem = None, "not valid JSON"
-    if problem is None and not (isinstance(record, dict) and isinstance(record.get("cells"), list)
-                                and all(isinstance(c, dict) and "name" in c for c in record["cells"])):
+    if problem is None and not (
+        isinstance(record, dict)
+        and isinstance(record.get("cells"), list)
+        and all(isinstance(c, dict) and "name" in c for c in record["cells"])
+    ):
         problem = "no list of cells with names"
     if problem is not None:
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
         kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}")
         n = 1
         while kept.exists():
             n += 1
             kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
         os.replace(path, kept)
-        (logger or run_logger()).warning("%s is not a sweep record (%s); kept as %s, and a new record is written",
-                                      path, problem, kept.name)
+        (logger or run_logger()).warning(
+            "%s is not a sweep record (%s); kept as %s, and a new record is written", path, problem, kept.name
+        )
         return {}
     return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record["cells"]}

@@ -32,7 +32,7 @@ comparison is skipped when ``tuned/`` holds a completed run of the same config (
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
@@ -55,7 +55,7 @@ TUNE_JSON = "tune.json"
 _MAY_CHANGE = ("trials", "compare", "concurrency", "from_base", "study_root")
 
 
-def resolve_study(spec: Any = None, study_file: Optional[str] = None) -> TuneSpec:
+def resolve_study(spec: Any = None, study_file: str | None = None) -> TuneSpec:
     """The spec a tune flow run uses: ``study_file`` (a shipped study's name or a path), else ``spec``."""
     if study_file:
         return load_study(study_file)
@@ -84,13 +84,19 @@ def tune_preflight(spec: TuneSpec) -> tuple[Path, dict]:
     for name, m, variant in spec.arms():
         for key, rng in spec.space[m].items():
             for value in rng.values():
-                _config(spec.trial_config(m, {**first[m], key: value}, raw, variant),
-                        f"study {spec.name}, {name}: space.{m}.{key} = {value!r}")
-        check_config(_config(spec.trial_config(m, first[m], raw, variant), f"study {spec.name}, a {name} trial"),
-                     check_data=name == "dp")
+                _config(
+                    spec.trial_config(m, {**first[m], key: value}, raw, variant),
+                    f"study {spec.name}, {name}: space.{m}.{key} = {value!r}",
+                )
+        check_config(
+            _config(spec.trial_config(m, first[m], raw, variant), f"study {spec.name}, a {name} trial"),
+            check_data=name == "dp",
+        )
         if m == "diloco":
-            _config(spec.final_config(first["dp"], first["diloco"], raw, variant, name),
-                    f"study {spec.name}, the tuned comparison of {name}")
+            _config(
+                spec.final_config(first["dp"], first["diloco"], raw, variant, name),
+                f"study {spec.name}, the tuned comparison of {name}",
+            )
     study_dir = spec.study_dir()
     record = study_dir / TUNE_JSON
     if record.exists():
@@ -98,11 +104,15 @@ def tune_preflight(spec: TuneSpec) -> tuple[Path, dict]:
         new = spec.model_dump(mode="json")
         differs = sorted(k for k in {*old, *new} if k not in _MAY_CHANGE and old.get(k) != new.get(k))
         if differs:
-            raise ValueError(f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
-                             "differ); give the study a new name or study_root, or delete that folder")
+            raise ValueError(
+                f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
+                "differ); give the study a new name or study_root, or delete that folder"
+            )
     elif study_dir.exists() and any(study_dir.iterdir()):
-        raise ValueError(f"study {spec.name}: {study_dir} exists and is not a study folder (no {TUNE_JSON}); give "
-                         "the study a new name or study_root")
+        raise ValueError(
+            f"study {spec.name}: {study_dir} exists and is not a study folder (no {TUNE_JSON}); give "
+            "the study a new name or study_root"
+        )
     return study_dir, raw
 
 
@@ -145,12 +155,24 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
         tuned = json.loads((study_dir / TUNE_JSON).read_text()).get("tuned")
     out: dict[str, Any] = {"spec": spec.model_dump(mode="json"), "methods": {}, "tuned": tuned}
     for m, study in studies.items():  # m: the study's name
-        trials = [{"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
-                   "run_dir": t.user_attrs.get("run_dir"), "reason": t.user_attrs.get("reason")} for t in study.trials]
+        trials = [
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "value": t.value,
+                "params": t.params,
+                "run_dir": t.user_attrs.get("run_dir"),
+                "reason": t.user_attrs.get("reason"),
+            }
+            for t in study.trials
+        ]
         done = [t for t in study.trials if t.state == TrialState.COMPLETE]
         best = min(done, key=lambda t: t.value) if done else None
-        out["methods"][m] = {"trials": trials, "completed": len(done),
-                             "best": {"number": best.number, "value": best.value, "params": best.params} if best else None}
+        out["methods"][m] = {
+            "trials": trials,
+            "completed": len(done),
+            "best": {"number": best.number, "value": best.value, "params": best.params} if best else None,
+        }
     atomic_write_text(study_dir / TUNE_JSON, json.dumps(out, indent=2) + "\n")
     return out
 
@@ -163,8 +185,9 @@ def tune_report(record: dict, study_dir: str) -> str:
     return build_study_report(record, Path(study_dir))
 
 
-def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str,
-                logger) -> None:
+def _run_trials(
+    spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str, logger
+) -> None:
     """Ask, run and tell trials of one study until it has ``trials`` completed ones (at most
     ``trials`` failures more), ``concurrency`` at a time."""
     from optuna.trial import TrialState
@@ -176,10 +199,16 @@ def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str,
         if t.state == TrialState.RUNNING:
             study.tell(t.number, state=TrialState.FAIL)
             study.enqueue_trial(t.params)
-            logger.info("%s trial %d: left running by an earlier attempt; marked failed, its settings tried again",
-                        name, t.number)
-    if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and \
-            not any(t.params == base for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING)):
+            logger.info(
+                "%s trial %d: left running by an earlier attempt; marked failed, its settings tried again",
+                name,
+                t.number,
+            )
+    if (
+        spec.from_base
+        and (base := spec.base_params(method, raw, variant)) is not None
+        and not any(t.params == base for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING))
+    ):
         study.enqueue_trial(base)  # the shipped settings first: tuning never ends worse than them
         logger.info("%s: the base config's settings %s are tried first", name, base)
     dists = _distributions(spec.space[method])
@@ -196,11 +225,26 @@ def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str,
                 trial.set_user_attr("run_dir", str(rd))
                 cfg = _config(spec.trial_config(method, trial.params, raw, variant), f"study {spec.name}, {name} trial")
                 logger.info("%s trial %d: %s", name, trial.number, trial.params)
-                futures.append((trial, rd, runner.submit(sweep_cell, {
-                    "name": f"{name}-{trial.number}", "config": cfg, "run_dir": str(rd), "launch": "subflow",
-                    "deployment": "pipeline/default", "limit": limit, "dp_cache": None})))
+                futures.append(
+                    (
+                        trial,
+                        rd,
+                        runner.submit(
+                            sweep_cell,
+                            {
+                                "name": f"{name}-{trial.number}",
+                                "config": cfg,
+                                "run_dir": str(rd),
+                                "launch": "subflow",
+                                "deployment": "pipeline/default",
+                                "limit": limit,
+                                "dp_cache": None,
+                            },
+                        ),
+                    )
+                )
             wait([f for _, _, f in futures])
-        for trial, rd, future in futures:
+        for trial, rd, _future in futures:
             value = trial_value(rd, method) if read_status(rd).get("status") == "completed" else None
             if value is None:
                 if stop_requested():
@@ -213,21 +257,27 @@ def _run_trials(spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str,
                 logger.info("%s trial %d: validation loss %.4f", name, trial.number, value)
 
 
-def _tuned_comparison(spec: TuneSpec, study_dir: Path, raw: dict, best: dict, arm: tuple[str, str, dict],
-                      limit: str, logger) -> dict:
+def _tuned_comparison(
+    spec: TuneSpec, study_dir: Path, raw: dict, best: dict, arm: tuple[str, str, dict], limit: str, logger
+) -> dict:
     """The tuned comparison of one DiLoCo study against the tuned DP, over ``seeds``, in
     ``tuned/<study>/`` (DP's seeds shared through ``<study folder>/dp``): skipped when that folder
     holds a completed run of the same config, else an earlier attempt is moved to ``attempts/``."""
     from flows.sweep import missing_results, sweep_cell
 
     name, _, variant = arm
-    cfg = _config(spec.final_config(best["dp"], best[name], raw, variant, name),
-                  f"study {spec.name}, the tuned comparison of {name}")
+    cfg = _config(
+        spec.final_config(best["dp"], best[name], raw, variant, name),
+        f"study {spec.name}, the tuned comparison of {name}",
+    )
     rd = study_dir / "tuned" / name
     if rd.exists():
         old = json.loads((rd / "config.json").read_text()) if (rd / "config.json").is_file() else None
-        if read_status(rd).get("status") == "completed" and old == cfg.model_dump(mode="json") \
-                and not missing_results(rd, cfg):
+        if (
+            read_status(rd).get("status") == "completed"
+            and old == cfg.model_dump(mode="json")
+            and not missing_results(rd, cfg)
+        ):
             logger.info("tuned comparison %s: completed before in %s", name, rd)
             return {"run_dir": str(rd), "status": "completed", "skipped": True}
         n = 1
@@ -237,8 +287,15 @@ def _tuned_comparison(spec: TuneSpec, study_dir: Path, raw: dict, best: dict, ar
         shutil.move(str(rd), study_dir / "attempts" / f"tuned-{name}-{n}")
         logger.info("tuned comparison %s: an earlier attempt moved to attempts/tuned-%s-%d", name, name, n)
     logger.info("tuned comparison %s: seeds %s with %s and %s", name, spec.seeds, best["dp"], best[name])
-    out = sweep_cell.submit(name=f"tuned-{name}", config=cfg, run_dir=str(rd), launch="subflow", deployment="pipeline/default",
-                            limit=limit, dp_cache=str(study_dir / "dp")).result()
+    out = sweep_cell.submit(
+        name=f"tuned-{name}",
+        config=cfg,
+        run_dir=str(rd),
+        launch="subflow",
+        deployment="pipeline/default",
+        limit=limit,
+        dp_cache=str(study_dir / "dp"),
+    ).result()
     return {"run_dir": str(rd), **out}
 
 
@@ -247,7 +304,7 @@ def _default_spec() -> TuneSpec:
 
 
 @flow(name="tune", log_prints=True)
-def tune(spec: TuneSpec = _default_spec(), study_file: Optional[str] = None) -> str | State:
+def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str | State:
     """Tune DP and DiLoCo with the same number of trials and the same budget per trial, then run
     both methods' best settings over ``seeds`` (see the module).
 
@@ -277,15 +334,23 @@ def tune(spec: TuneSpec = _default_spec(), study_file: Optional[str] = None) -> 
         study_dir.mkdir(parents=True, exist_ok=True)
         storage = JournalStorage(JournalFileBackend(str(study_dir / "optuna.log")))
         arms = spec.arms()
-        studies = {a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize",
-                                             load_if_exists=True) for a in arms}
+        studies = {
+            a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize", load_if_exists=True)
+            for a in arms
+        }
         for study in studies.values():  # a resumed study's sampler continues from another seed: no repeated draws
             study.sampler = optuna.samplers.TPESampler(seed=spec.sampler_seed + len(study.trials))
         _record(spec, study_dir, studies)
         limit = f"tune-{spec.name}"
         set_concurrency_limit(limit, spec.concurrency)
-        logger.info("study %s in %s: studies %s, %d trials each, %d at once", spec.name, study_dir,
-                    ", ".join(studies), spec.trials, spec.concurrency)
+        logger.info(
+            "study %s in %s: studies %s, %d trials each, %d at once",
+            spec.name,
+            study_dir,
+            ", ".join(studies),
+            spec.trials,
+            spec.concurrency,
+        )
         for arm in arms:
             _run_trials(spec, study_dir, raw, arm, studies[arm[0]], limit, logger)
             _record(spec, study_dir, studies)
@@ -302,9 +367,13 @@ def tune(spec: TuneSpec = _default_spec(), study_file: Optional[str] = None) -> 
     if stop_requested():
         return Cancelled(message=f"stopped; run the study again to resume ({study_dir})")
     if missing:
-        return Failed(message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {study_dir / TUNE_JSON})")
+        return Failed(
+            message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {study_dir / TUNE_JSON})"
+        )
     bad = [a for a, t in tuned.items() if spec.compare and t.get("status") != "completed"]
     if bad:
-        return Failed(message=f"study {spec.name}: the tuned comparison of {', '.join(bad)} did not complete "
-                              f"({tuned[bad[0]].get('reason')}); run the study again to retry it")
+        return Failed(
+            message=f"study {spec.name}: the tuned comparison of {', '.join(bad)} did not complete "
+            f"({tuned[bad[0]].get('reason')}); run the study again to retry it"
+        )
     return str(study_dir)

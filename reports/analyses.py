@@ -10,8 +10,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from reports.common import (BASELINE, NOT_RUN, flatten, label, nested, num, per_unit, safe_exp, short_label,
-                            stage_label, unit_of)
+from reports.common import (
+    BASELINE,
+    NOT_RUN,
+    flatten,
+    label,
+    nested,
+    num,
+    per_unit,
+    safe_exp,
+    short_label,
+    stage_label,
+    unit_of,
+)
 from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
@@ -44,8 +55,20 @@ EVAL_RUN_KEYS = (
     ("eval_s", "lm-eval time", "s", "{:.1f}"),
 )
 # Summary fields read as numbers (the contract's names, docs/contracts.md "Summaries").
-SUMMARY_FIELDS = ("tokens", "steps", "wall_s", "tokens_per_s", "final_val_loss", "params",
-                  "active_params", "flops_per_token", "goodput", "startup_s", "exchange_s", "learner_exchange_s")
+SUMMARY_FIELDS = (
+    "tokens",
+    "steps",
+    "wall_s",
+    "tokens_per_s",
+    "final_val_loss",
+    "params",
+    "active_params",
+    "flops_per_token",
+    "goodput",
+    "startup_s",
+    "exchange_s",
+    "learner_exchange_s",
+)
 
 
 def method_kind(rec: MethodRecords) -> str:
@@ -88,9 +111,14 @@ def curve_summary(rows: list[dict] | None) -> dict:
     if not pts:
         return {"status": "no loss values", "points": 0}
     last = pts[-1]
-    return {"status": "ok", "points": len(pts), "final_tokens": num(last.get("tokens")),
-            "final_wall_s": num(last.get("wall_s")), "final_loss": num(last.get("val/loss")),
-            "best_loss": min(num(r["val/loss"]) for r in pts)}
+    return {
+        "status": "ok",
+        "points": len(pts),
+        "final_tokens": num(last.get("tokens")),
+        "final_wall_s": num(last.get("wall_s")),
+        "final_loss": num(last.get("val/loss")),
+        "best_loss": min(num(r["val/loss"]) for r in pts),
+    }
 
 
 def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
@@ -100,8 +128,11 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     out: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
         "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
-        "summary_file": rec.files["summary"], "eval_status": "ok" if rec.eval is not None else NOT_RUN,
-        "eval": eval_metrics(rec.eval) if rec.eval is not None else {}, "curve": curve, "hyperparameters": {},
+        "summary_file": rec.files["summary"],
+        "eval_status": "ok" if rec.eval is not None else NOT_RUN,
+        "eval": eval_metrics(rec.eval) if rec.eval is not None else {},
+        "curve": curve,
+        "hyperparameters": {},
     }
     for key in SUMMARY_FIELDS:
         out[key] = num(summary.get(key)) if summary is not None else None
@@ -112,8 +143,10 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
         out["final_val_loss_source"] = out["summary_file"]
         cl = curve.get("final_loss")
         if cl is not None and not math.isclose(cl, out["final_val_loss"], rel_tol=1e-6, abs_tol=1e-9):
-            notes.append(f"{label(rec.method)}: summary final loss {out['final_val_loss']:.6f} differs from "
-                         f"the last eval-curve point {cl:.6f}; the table uses the summary's.")
+            notes.append(
+                f"{label(rec.method)}: summary final loss {out['final_val_loss']:.6f} differs from "
+                f"the last eval-curve point {cl:.6f}; the table uses the summary's."
+            )
     else:
         out["final_val_loss_source"] = None
     held = (summary or {}).get("heldout") or {}  # whole splits after training (training.evaluation.final_heldout)
@@ -121,9 +154,12 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     out["val_loss_whole"] = num((held.get("val") or {}).get("loss"))
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
     if (summary or {}).get("reused_from"):  # DP trained once for runs with the same DP settings
-        notes.append(f"{label(rec.method)}: the result of another run with the same settings, reused from "
-                     f"{summary['reused_from']} (its wall time and throughput are that run's"
-                     + ("; its evaluation too" if (rec.eval or {}).get("reused_from") else "") + ").")
+        notes.append(
+            f"{label(rec.method)}: the result of another run with the same settings, reused from "
+            f"{summary['reused_from']} (its wall time and throughput are that run's"
+            + ("; its evaluation too" if (rec.eval or {}).get("reused_from") else "")
+            + ")."
+        )
     if summary is not None:
         hp = summary.get("hyperparameters")
         out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}
@@ -166,8 +202,10 @@ def eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
             found = {m: evals[m][f"{task}/chance"] for m in methods if f"{task}/chance" in evals[m]}
             chance = next(iter(found.values()), None)
             if len(set(found.values())) > 1:
-                notes.append(f"{task}: chance accuracy differs between the methods' evals ({found}); the "
-                             f"table shows {short_label(next(iter(found)))}'s.")
+                notes.append(
+                    f"{task}: chance accuracy differs between the methods' evals ({found}); the "
+                    f"table shows {short_label(next(iter(found)))}'s."
+                )
         add(k, f"{task}: {text}", unit, fmt, chance)
     for k, text, unit, fmt in EVAL_RUN_KEYS:
         if k in keys:
@@ -207,10 +245,18 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
     if any(f.get("goodput") is not None for f in methods.values()):
         add("goodput", "goodput", "fraction", "{:.3f}")
     if any(f.get("test_loss") is not None for f in methods.values()):
-        add("test_loss", "final test loss (the whole test split: nothing tuned on it)", f"nats/{per_unit(unit)}",
-            "{:.4f}")
-        add("val_loss_whole", "final validation loss (the whole validation split: what tuning reads)",
-            f"nats/{per_unit(unit)}", "{:.4f}")
+        add(
+            "test_loss",
+            "final test loss (the whole test split: nothing tuned on it)",
+            f"nats/{per_unit(unit)}",
+            "{:.4f}",
+        )
+        add(
+            "val_loss_whole",
+            "final validation loss (the whole validation split: what tuning reads)",
+            f"nats/{per_unit(unit)}",
+            "{:.4f}",
+        )
     add("final_val_loss", "final held-out loss (the curves' validation sample)", f"nats/{per_unit(unit)}", "{:.4f}")
     add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
     merges = {}
@@ -224,8 +270,17 @@ def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tok
     add("flops_per_token", f"training FLOPs per {per_unit(unit)} (active, for MoE)", "FLOPs", "{:.4g}")
     rows += rows_eval
     for key, text, by, sk, ak, *fmt in BYTE_ROWS:
-        rows.append({"key": key, "label": text, "unit": "", "fmt": fmt[0] if fmt else "bytes", "group": "bytes",
-                     "counted_by": by, **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()}})
+        rows.append(
+            {
+                "key": key,
+                "label": text,
+                "unit": "",
+                "fmt": fmt[0] if fmt else "bytes",
+                "group": "bytes",
+                "counted_by": by,
+                **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()},
+            }
+        )
     return rows
 
 
@@ -236,14 +291,26 @@ def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) ->
     key = "test_loss" if all(methods[m].get("test_loss") is not None for m in (method, baseline)) else "final_val_loss"
     lm, lb = methods[method][key], methods[baseline][key]
     if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
-        return {"status": "ok", "method": method, "baseline": baseline, "method_loss": lm, "baseline_loss": lb,
-                "split": "test" if key == "test_loss" else "val sample", "gap_pct": 100.0 * (lm - lb) / lb,
-                "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss"}
+        return {
+            "status": "ok",
+            "method": method,
+            "baseline": baseline,
+            "method_loss": lm,
+            "baseline_loss": lb,
+            "split": "test" if key == "test_loss" else "val sample",
+            "gap_pct": 100.0 * (lm - lb) / lb,
+            "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss",
+        }
     missing = [label(m) for m, v in ((method, lm), (baseline, lb)) if v is None]
-    return {"status": NOT_RUN if missing else "undefined", "method": method, "baseline": baseline,
-            "missing": missing,
-            "why": f"no final held-out loss for {' and '.join(missing)}" if missing
-            else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)"}
+    return {
+        "status": NOT_RUN if missing else "undefined",
+        "method": method,
+        "baseline": baseline,
+        "missing": missing,
+        "why": f"no final held-out loss for {' and '.join(missing)}"
+        if missing
+        else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)",
+    }
 
 
 def budget_figure(summary: dict | None, who: str) -> dict | None:
@@ -274,8 +341,18 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         cfg = config if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
         if kind == "syncer":
             headline_who = who if first else f"{who} {stage_label(stage).lower()}"
-            fig.update(syncer_sections(config, rec.summary, rec.merges, rec.events,
-                                       fragments(cfg, rec.summary), rec.files, notes, headline_who))
+            fig.update(
+                syncer_sections(
+                    config,
+                    rec.summary,
+                    rec.merges,
+                    rec.events,
+                    fragments(cfg, rec.summary),
+                    rec.files,
+                    notes,
+                    headline_who,
+                )
+            )
             fig["bytes"] = syncer_bytes(cfg, rec.summary, rec.merges, rec.files, notes, who)
         elif kind == "allreduce":
             fig["bytes"] = allreduce_bytes(config, rec.summary, notes, who)
@@ -284,17 +361,37 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         methods[m] = fig
     rows_eval = eval_rows(methods, notes)
     hp_keys = sorted(set().union(*(f["hyperparameters"] for f in methods.values())))
-    hyper = [{"name": k, **{m: (f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN)
-                            for m, f in methods.items()}} for k in hp_keys]
-    network = (interconnect_figures(config or {}, *({"summary": records[m].summary, "curve": records[m].curve}
-                                                    if m in records else None for m in ("dp", "diloco")))
-               if first and config else None)
+    hyper = [
+        {
+            "name": k,
+            **{m: (f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN) for m, f in methods.items()},
+        }
+        for k in hp_keys
+    ]
+    network = (
+        interconnect_figures(
+            config or {},
+            *(
+                {"summary": records[m].summary, "curve": records[m].curve} if m in records else None
+                for m in ("dp", "diloco")
+            ),
+        )
+        if first and config
+        else None
+    )
     return {
-        "stage": stage, "label": stage_label(stage), "baseline": BASELINE if BASELINE in methods else None,
-        "methods": methods, "unit": unit_of(config), "comparison": comparison(methods, rows_eval, unit_of(config)),
+        "stage": stage,
+        "label": stage_label(stage),
+        "baseline": BASELINE if BASELINE in methods else None,
+        "methods": methods,
+        "unit": unit_of(config),
+        "comparison": comparison(methods, rows_eval, unit_of(config)),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
-        "hyperparameters": hyper, "experts": expert_figures(records), "interconnect": network,
-        "plots": {}, "notes": notes,
+        "hyperparameters": hyper,
+        "experts": expert_figures(records),
+        "interconnect": network,
+        "plots": {},
+        "notes": notes,
     }
 
 
@@ -320,20 +417,38 @@ def setup(config: dict | None) -> dict:
         "sync every (H, inner steps)": g("diloco", "sync_every"),
         "quorum (K)": g("diloco", "quorum"),
         "grace window (s)": g("diloco", "grace_s"),
-        "grace window rule": (None if g("diloco", "grace") in (None, "fixed") else
-                              f"adaptive, Eq. 3 (γ {g('diloco', 'grace_gamma')}, τ "
-                              f"{g('diloco', 'grace_overlap_steps') or g('diloco', 'sync_every')} steps; "
-                              f"{g('diloco', 'grace_s')} s until step times are measured)"),
+        "grace window rule": (
+            None
+            if g("diloco", "grace") in (None, "fixed")
+            else f"adaptive, Eq. 3 (γ {g('diloco', 'grace_gamma')}, τ "
+            f"{g('diloco', 'grace_overlap_steps') or g('diloco', 'sync_every')} steps; "
+            f"{g('diloco', 'grace_s')} s until step times are measured)"
+        ),
         "merge rule": g("diloco", "merge"),
         "wire format (learner→syncer; syncer→learner is float32)": wire_format(config, None)
-        if g("diloco", "wire") is not None else None,
+        if g("diloco", "wire") is not None
+        else None,
         f"budget per method ({unit})": g("train", "token_budget"),
         "data source": g("data", "source"),
         "sequence length (tokens)": g("data", "seq_len") if text else None,
         f"learner batch ({'sequences' if text else 'images'})": g("diloco", "batch_size"),
-        "model": " ".join(f"{k}={v}" for k in ("kind", "d_model", "n_layers", "n_heads", "d_ff", "patch_size",
-                                               "n_experts", "top_k", "moe_every", "expert_d_ff")
-                          if (v := g("model", k)) is not None) or None,
+        "model": " ".join(
+            f"{k}={v}"
+            for k in (
+                "kind",
+                "d_model",
+                "n_layers",
+                "n_heads",
+                "d_ff",
+                "patch_size",
+                "n_experts",
+                "top_k",
+                "moe_every",
+                "expert_d_ff",
+            )
+            if (v := g("model", k)) is not None
+        )
+        or None,
         "DP enabled": g("dp", "enabled"),
         "lm-eval enabled": g("eval", "enabled") if text else None,
         "injected failures": g("chaos", "failures"),
@@ -374,13 +489,19 @@ def pipeline_status(raw: dict | None, final_stage: bool = False) -> dict | None:
     stages = raw.get("completed_stages")
     stages = [str(s) for s in stages] if isinstance(stages, list) else []
     status = str(raw.get("status") or "unknown")
-    out = {"status": "completing" if status == "running" and final_stage else status, "completed_stages": stages,
-           "reason": str(raw["reason"]) if raw.get("reason") else None, "headline": None}
+    out = {
+        "status": "completing" if status == "running" and final_stage else status,
+        "completed_stages": stages,
+        "reason": str(raw["reason"]) if raw.get("reason") else None,
+        "headline": None,
+    }
     done = ", ".join(stages) or "none"
     why = f" ({out['reason']})" if out["reason"] else ""
     if out["status"] == "interrupted":
-        out["headline"] = (f"**Interrupted: this run stopped before it finished{why}; completed stages: "
-                           f"{done}. Figures of the stages that did not complete are missing below.**")
+        out["headline"] = (
+            f"**Interrupted: this run stopped before it finished{why}; completed stages: "
+            f"{done}. Figures of the stages that did not complete are missing below.**"
+        )
     elif out["status"] == "failed":
         out["headline"] = f"**Failed: the pipeline failed{why}; completed stages: {done}.**"
     return out

@@ -30,11 +30,18 @@ def comparison_table(report: dict) -> list[dict]:
     for stage, st in report["stages"].items():
         blank = {m: "" for m in methods}
         for r in st.get("comparison") or []:
-            table.append({"stage": stage, "metric": row_label(r), **blank,
-                          **{m: row_cell(r, m) for m in st["methods"]}})
+            table.append(
+                {"stage": stage, "metric": row_label(r), **blank, **{m: row_cell(r, m) for m in st["methods"]}}
+            )
         for m, gap in (st.get("loss_gaps") or {}).items():
-            table.append({"stage": stage, "metric": f"loss gap {short_label(m)} vs {short_label(gap.get('baseline', 'dp'))} (%)",
-                          **blank, m: f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"]})
+            table.append(
+                {
+                    "stage": stage,
+                    "metric": f"loss gap {short_label(m)} vs {short_label(gap.get('baseline', 'dp'))} (%)",
+                    **blank,
+                    m: f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"],
+                }
+            )
     return table
 
 
@@ -48,9 +55,15 @@ def ledger_table(report: dict) -> list[dict]:
             if led.get("status") != "ok":
                 continue
             for r in [*led["rows"], led["total"]]:
-                rows.append({"stage": stage, "method": m, "learner": str(r["learner"]),
-                             **{c: (json.dumps(r[c]) if isinstance(r[c], dict) else r[c]) for c in led["columns"]},
-                             "merged_pct": r["merged_pct"]})
+                rows.append(
+                    {
+                        "stage": stage,
+                        "method": m,
+                        "learner": str(r["learner"]),
+                        **{c: (json.dumps(r[c]) if isinstance(r[c], dict) else r[c]) for c in led["columns"]},
+                        "merged_pct": r["merged_pct"],
+                    }
+                )
     return rows
 
 
@@ -63,15 +76,29 @@ def finetune_table(report: dict) -> list[dict]:
         for m, f in ft["methods"].items():
             sc = (f.get("scores") or {}).get(metric)
             if sc:
-                rows.append({"metric": metric, "model": short_label(m), "pretrained": _num(sc.get("pretrained")),
-                             "fine-tuned": _num(sc.get("finetuned")), "95 % interval": _ci(sc.get("finetuned_ci")),
-                             "over": sc.get("finetuned_over", "")})
+                rows.append(
+                    {
+                        "metric": metric,
+                        "model": short_label(m),
+                        "pretrained": _num(sc.get("pretrained")),
+                        "fine-tuned": _num(sc.get("finetuned")),
+                        "95 % interval": _ci(sc.get("finetuned_ci")),
+                        "over": sc.get("finetuned_over", ""),
+                    }
+                )
         for m, d in (ft.get("differences") or {}).items():
             fd = ((d.get("metrics") or {}).get(metric) or {}).get("finetuned") or {}
             if fd.get("status") == "ok":
-                rows.append({"metric": metric, "model": f"{short_label(m)} − {short_label(d['baseline'])}",
-                             "pretrained": "", "fine-tuned": _num(fd["difference"], signed=True),
-                             "95 % interval": _ci(fd["ci"], signed=True), "over": fd.get("over", "")})
+                rows.append(
+                    {
+                        "metric": metric,
+                        "model": f"{short_label(m)} − {short_label(d['baseline'])}",
+                        "pretrained": "",
+                        "fine-tuned": _num(fd["difference"], signed=True),
+                        "95 % interval": _ci(fd["ci"], signed=True),
+                        "over": fd.get("over", ""),
+                    }
+                )
     return rows
 
 
@@ -106,19 +133,29 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     where = f"run directory {report['run']['run_dir']}"
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
     if report.get("verdict"):
-        create_table_artifact(report["verdict"]["rows"], key=artifact_key("verdict", name),
-                              description=f"The verdict, DiLoCo vs DP: {report['verdict']['words']} ({where})")
-    create_table_artifact(comparison_table(report), key=artifact_key("comparison", name),
-                          description=f"Every method vs DP, per stage, {where}")
+        create_table_artifact(
+            report["verdict"]["rows"],
+            key=artifact_key("verdict", name),
+            description=f"The verdict, DiLoCo vs DP: {report['verdict']['words']} ({where})",
+        )
+    create_table_artifact(
+        comparison_table(report),
+        key=artifact_key("comparison", name),
+        description=f"Every method vs DP, per stage, {where}",
+    )
     post = finetune_table(report)
     if post:
-        create_table_artifact(post, key=artifact_key("posttraining", name),
-                              description=f"Post-training: pretrained → fine-tuned, DiLoCo − DP with 95 % intervals, {where}")
+        create_table_artifact(
+            post,
+            key=artifact_key("posttraining", name),
+            description=f"Post-training: pretrained → fine-tuned, DiLoCo − DP with 95 % intervals, {where}",
+        )
     ledger = ledger_table(report)
     if ledger:
         unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
-        create_table_artifact(ledger, key=artifact_key("ledger", name),
-                              description=f"Ledger per learner ({unit}), {where}")
+        create_table_artifact(
+            ledger, key=artifact_key("ledger", name), description=f"Ledger per learner ({unit}), {where}"
+        )
 
 
 def comparison_rows(comparison: dict) -> list[dict]:
@@ -143,15 +180,21 @@ def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         logging.getLogger(__name__).warning(
             "publish_comparison_artifacts: not inside a Prefect flow or task run; no artifacts published "
-            "(the comparison is in %s)", comparison["paths"]["out_dir"])
+            "(the comparison is in %s)",
+            comparison["paths"]["out_dir"],
+        )
         return False
     out_dir = comparison["paths"]["out_dir"]
     md_path = Path(comparison["paths"]["markdown"])
     markdown = md_path.read_text(encoding="utf-8") if md_path.is_file() else render_comparison(comparison)
     markdown = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"*{m[1]}*: `{out_dir}/{m[2]}`", markdown)
     where = f"{len(comparison['rows'])} runs, written to {out_dir}"
-    create_markdown_artifact(markdown, key=artifact_key("compare", key_name),
-                             description=f"{comparison['title']}: {where}")
-    create_table_artifact(comparison_rows(comparison), key=artifact_key("compare-table", key_name),
-                          description=f"{comparison['title']}, one row per run: {where}")
+    create_markdown_artifact(
+        markdown, key=artifact_key("compare", key_name), description=f"{comparison['title']}: {where}"
+    )
+    create_table_artifact(
+        comparison_rows(comparison),
+        key=artifact_key("compare-table", key_name),
+        description=f"{comparison['title']}, one row per run: {where}",
+    )
     return True

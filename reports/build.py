@@ -7,8 +7,9 @@ import datetime as _dt
 import importlib.metadata
 import json
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from matplotlib.figure import Figure
 
@@ -17,8 +18,14 @@ from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINIT
 from reports.experts import expert_load_figure
 from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
-from reports.plots import (confusion_figure, loss_figure, merges_figure, resilience_loss_figure,
-                           resilience_timeline_figure, save_png)
+from reports.plots import (
+    confusion_figure,
+    loss_figure,
+    merges_figure,
+    resilience_loss_figure,
+    resilience_timeline_figure,
+    save_png,
+)
 from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
 from reports.verdict import seed_figures, verdict
@@ -31,8 +38,13 @@ SCHEMA = 3  # report.json layout: 3 = one entry per stage under "stages"
 def _git_commit() -> str:
     """Short commit of the code producing the report (``git rev-parse --short HEAD``), or "unknown"."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
@@ -73,8 +85,9 @@ def _method_dict(rec: MethodRecords | None, role: str) -> dict | None:
     return {"events": rec.chaos_events, "train": rec.train, "curve": rec.curve, "summary": rec.summary}
 
 
-def _reference(run_dir: str | Path | None, from_config: bool,
-               notes: list[str]) -> tuple[dict | None, RunRecords | None]:
+def _reference(
+    run_dir: str | Path | None, from_config: bool, notes: list[str]
+) -> tuple[dict | None, RunRecords | None]:
     """The reference run's pretraining records (``resilience_figures``' ``reference``) and the run
     records. A path given by the caller must be a run directory (ReportInputError otherwise); one
     from config.json (``chaos.reference_run``) that no longer is one is a note."""
@@ -88,16 +101,20 @@ def _reference(run_dir: str | Path | None, from_config: bool,
         notes.append(f"chaos.reference_run: {exc}; the reference run is left out.")
         return None, None
     pre = recs.stages.get("pretrain") or {}
-    ref = {"run_dir": str(run_dir), "diloco": _method_dict(pre.get("diloco"), "diloco"),
-           "dp": _method_dict(pre.get("dp"), "dp")}
+    ref = {
+        "run_dir": str(run_dir),
+        "diloco": _method_dict(pre.get("diloco"), "diloco"),
+        "dp": _method_dict(pre.get("dp"), "dp"),
+    }
     if ref["diloco"] is None and ref["dp"] is None:
         notes.append(f"reference run {run_dir} holds no pretraining curve of DiLoCo or DP; left out.")
         return None, None
     return ref, recs
 
 
-def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
-                predict: Callable | None) -> RunRecords | None:
+def _resilience(
+    records: RunRecords, stages: dict, reference: str | Path | None, predict: Callable | None
+) -> RunRecords | None:
     """The Resilience figures into ``stages["pretrain"]["resilience"]`` when the run has a chaos
     schedule (``pretrain/chaos.json``) or DP chaos events; returns the reference run's records."""
     pre = records.stages.get("pretrain")
@@ -112,13 +129,20 @@ def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
         reference = ((records.config or {}).get("chaos") or {}).get("reference_run")
     ref, ref_records = _reference(reference, from_config, notes)
     res = stages["pretrain"]["resilience"] = resilience_figures(
-        records.config, records.chaos_schedule, _method_dict(pre.get("diloco"), "diloco"), _method_dict(dp, "dp"),
-        reference=ref, predict=predict)
+        records.config,
+        records.chaos_schedule,
+        _method_dict(pre.get("diloco"), "diloco"),
+        _method_dict(dp, "dp"),
+        reference=ref,
+        predict=predict,
+    )
     if ref_records is not None:  # a reference meant to run without chaos: say so when it did not
         res["loss"]["reference_has_chaos"] = ref_records.chaos_schedule is not None
         if ref_records.chaos_schedule is not None:
-            notes.append(f"the reference run {reference} ran under a chaos schedule too (its pretrain/chaos.json): "
-                         "it is no failure-free reference")
+            notes.append(
+                f"the reference run {reference} ran under a chaos schedule too (its pretrain/chaos.json): "
+                "it is no failure-free reference"
+            )
     # each method's goodput beside its other figures (the comparison table; `ddiloco compare`, sweeps)
     st, goodput = stages["pretrain"], {}
     for m in st.get("methods") or {}:
@@ -127,8 +151,17 @@ def _resilience(records: RunRecords, stages: dict, reference: str | Path | None,
         st["methods"][m]["goodput"] = goodput[m]
     if any(v is not None for v in goodput.values()) and not any(r.get("key") == "goodput" for r in st["comparison"]):
         at = next((i + 1 for i, r in enumerate(st["comparison"]) if r.get("key") == "wall_s"), len(st["comparison"]))
-        st["comparison"].insert(at, {"key": "goodput", "label": "goodput (useful / allocated time; Resilience)",
-                                     "unit": "fraction", "fmt": "{:.3f}", "group": "training", **goodput})
+        st["comparison"].insert(
+            at,
+            {
+                "key": "goodput",
+                "label": "goodput (useful / allocated time; Resilience)",
+                "unit": "fraction",
+                "fmt": "{:.3f}",
+                "group": "training",
+                **goodput,
+            },
+        )
     return ref_records
 
 
@@ -158,14 +191,16 @@ def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRec
     t0 = d["span"]["start_s"] if d else 0.0
     rec = records.get("diloco")
     merges = [t - t0 for m in (rec.merges if rec else None) or [] if (t := m.get("merged_at_s")) is not None]
-    stage["plots"]["resilience_timeline"] = _draw(resilience_timeline_figure(res, merges if d else None),
-                                                  out_dir, figure_file(name, "resilience_timeline"))
+    stage["plots"]["resilience_timeline"] = _draw(
+        resilience_timeline_figure(res, merges if d else None), out_dir, figure_file(name, "resilience_timeline")
+    )
     series = []
     for m, start in (("diloco", t0), ("dp", 0.0)):
         r = records.get(m)
         if r is not None and r.curve:
-            series.append({"method": m, "label": f"{label(m)} (this run)",
-                           "points": curve_points(r.curve, "wall_s", start)})
+            series.append(
+                {"method": m, "label": f"{label(m)} (this run)", "points": curve_points(r.curve, "wall_s", start)}
+            )
     pts = (res["loss"].get("reference") or {}).get("reference_pair")
     if ref is not None and pts:
         rpre = ref.stages.get("pretrain") or {}
@@ -173,11 +208,19 @@ def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRec
             r = rpre.get(m)
             if r is not None and r.curve:
                 start = diloco_training_start(r.events, r.summary) if m == "diloco" else 0.0
-                series.append({"method": m, "label": f"{label(m)} (reference, no chaos)", "dashed": True,
-                               "points": curve_points(r.curve, "wall_s", start)})
+                series.append(
+                    {
+                        "method": m,
+                        "label": f"{label(m)} (reference, no chaos)",
+                        "dashed": True,
+                        "points": curve_points(r.curve, "wall_s", start),
+                    }
+                )
     stage["plots"]["resilience_loss"] = _draw(
         resilience_loss_figure(series, res["loss"].get("at_s"), stage.get("unit", "tokens").removesuffix("s")),
-        out_dir, figure_file(name, "resilience_loss"))
+        out_dir,
+        figure_file(name, "resilience_loss"),
+    )
 
 
 def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -> None:
@@ -188,34 +231,68 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
     finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
     unit = stage.get("unit", "tokens")
     stage["plots"]["loss_vs_tokens"] = _draw(
-        loss_figure(curves, "tokens", f"training {unit} (all learners)", f"Held-out loss vs {unit}", finals,
-                    unit=unit.removesuffix("s")),
-        out_dir, figure_file(name, "loss_vs_tokens"))
+        loss_figure(
+            curves,
+            "tokens",
+            f"training {unit} (all learners)",
+            f"Held-out loss vs {unit}",
+            finals,
+            unit=unit.removesuffix("s"),
+        ),
+        out_dir,
+        figure_file(name, "loss_vs_tokens"),
+    )
     stage["plots"]["loss_vs_time"] = _draw(
-        loss_figure(curves, "wall_s", "wall-clock time since training start (s)",
-                    "Held-out loss vs wall-clock time", finals, unit=unit.removesuffix("s")),
-        out_dir, figure_file(name, "loss_vs_time"))
+        loss_figure(
+            curves,
+            "wall_s",
+            "wall-clock time since training start (s)",
+            "Held-out loss vs wall-clock time",
+            finals,
+            unit=unit.removesuffix("s"),
+        ),
+        out_dir,
+        figure_file(name, "loss_vs_time"),
+    )
     net = stage.get("interconnect")
     if net and not net["same_host"]:
         stage["plots"]["loss_vs_modelled_time"] = _draw(
-            loss_figure({m: f["curve"] for m, f in net["methods"].items()}, "modelled_s",
-                        "modelled wall-clock time (s)", f"Held-out loss vs modelled time ({net['short']})", finals,
-                        unit=unit.removesuffix("s")),
-            out_dir, figure_file(name, "loss_vs_modelled_time"))
+            loss_figure(
+                {m: f["curve"] for m, f in net["methods"].items()},
+                "modelled_s",
+                "modelled wall-clock time (s)",
+                f"Held-out loss vs modelled time ({net['short']})",
+                finals,
+                unit=unit.removesuffix("s"),
+            ),
+            out_dir,
+            figure_file(name, "loss_vs_modelled_time"),
+        )
     if unit == "images":
-        stage["plots"]["confusion"] = _draw(confusion_figure({m: rec.eval for m, rec in records.items()}),
-                                            out_dir, figure_file(name, "confusion"))
+        stage["plots"]["confusion"] = _draw(
+            confusion_figure({m: rec.eval for m, rec in records.items()}), out_dir, figure_file(name, "confusion")
+        )
     if stage.get("experts"):  # an MoE model
-        stage["plots"]["expert_load"] = _draw(expert_load_figure(records, unit), out_dir,
-                                              figure_file(name, "expert_load"))
+        stage["plots"]["expert_load"] = _draw(
+            expert_load_figure(records, unit), out_dir, figure_file(name, "expert_load")
+        )
     for m, f in stage["methods"].items():
         if f["kind"] == "syncer":
-            f["plots"] = {"merges_over_time": _draw(merges_figure(records[m].merges or [], f["failures"], m),
-                                                    out_dir, figure_file(name, "merges_over_time", m))}
+            f["plots"] = {
+                "merges_over_time": _draw(
+                    merges_figure(records[m].merges or [], f["failures"], m),
+                    out_dir,
+                    figure_file(name, "merges_over_time", m),
+                )
+            }
 
 
-def build_report(run_dir: str | Path, final_stage: bool = False, reference: str | Path | None = None,
-                 predict: Callable[[dict, list[str]], dict] | None = None) -> dict:
+def build_report(
+    run_dir: str | Path,
+    final_stage: bool = False,
+    reference: str | Path | None = None,
+    predict: Callable[[dict, list[str]], dict] | None = None,
+) -> dict:
     """Read one run directory, write ``RUN/report/`` (docs/report.md), return the report.
 
     ``run_dir``: a local path or an fsspec URL. The returned dict is exactly what ``report.json``
@@ -248,23 +325,32 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     if missing:  # "not run" would be wrong: refuse before report/ is touched
         file, why = missing[0]
         more = f" (and {len(missing) - 1} more: {', '.join(f for f, _ in missing[1:3])})" if len(missing) > 1 else ""
-        raise ReportInputError(layout.root / file, f"results missing: {why}, but the file is gone{more}; restore it "
-                               "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
-                               "was left as it was")
+        raise ReportInputError(
+            layout.root / file,
+            f"results missing: {why}, but the file is gone{more}; restore it "
+            "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
+            "was left as it was",
+        )
     config = records.config
     stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)
     _learner_goodput(records, stages)
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "run": {"name": (config or {}).get("name") or layout.root.name, "run_dir": _run_dir_text(layout),
-                "run_id": layout.root.name,
-                "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-                "git_commit": _git_commit(), "versions": _versions()},
+        "run": {
+            "name": (config or {}).get("name") or layout.root.name,
+            "run_dir": _run_dir_text(layout),
+            "run_id": layout.root.name,
+            "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "git_commit": _git_commit(),
+            "versions": _versions(),
+        },
         "setup": setup(config),
         "pipeline": pipeline_status(records.status, final_stage),
-        "manifest": {"status": "ok" if records.manifest is not None else NOT_RUN,
-                     "items": manifest_items(records.manifest) if records.manifest is not None else []},
+        "manifest": {
+            "status": "ok" if records.manifest is not None else NOT_RUN,
+            "items": manifest_items(records.manifest) if records.manifest is not None else [],
+        },
         "definitions": {"bytes": BYTES_CONVENTION, "stale_contribution": STALE_DEFINITION},
         "stages": stages,
         "finetune": post_training_figures(records.finetune),
@@ -273,8 +359,11 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
     pre = stages.get("pretrain") or {}
     if {"diloco", "dp"} <= set(pre.get("methods") or {}):
         parent = layout.root.parent
-        report["verdict"] = verdict([seed_figures(report)], part_of_seeds=parent.name == "seeds" and len(
-            (read_json(parent.parent / "config.json") or {}).get("seeds") or []) > 1)
+        report["verdict"] = verdict(
+            [seed_figures(report)],
+            part_of_seeds=parent.name == "seeds"
+            and len((read_json(parent.parent / "config.json") or {}).get("seeds") or []) > 1,
+        )
 
     out_dir = layout.report
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -286,8 +375,10 @@ def build_report(run_dir: str | Path, final_stage: bool = False, reference: str 
         _draw_resilience(st, records.stages[s], ref_records, out_dir)
     if report["finetune"] is not None:
         report["finetune"]["plots"]["loss"] = _draw(
-            finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")), out_dir,
-            figure_file("finetune", "loss"))
+            finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")),
+            out_dir,
+            figure_file("finetune", "loss"),
+        )
 
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))

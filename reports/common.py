@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import pandas as pd
 
@@ -17,8 +18,10 @@ from run.layout import METHOD_ORDER
 
 NOT_RUN = "not run"
 BASELINE = "dp"  # every method of a stage is compared with this one
-PAPER = ('Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Distributed '
-         'Pre-training", arXiv 2604.21428, 2026)')
+PAPER = (
+    'Decoupled DiLoCo (Douillard et al., "Decoupled DiLoCo for Resilient Distributed '
+    'Pre-training", arXiv 2604.21428, 2026)'
+)
 LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
 SHORT_LABELS = {"diloco": "DiLoCo", "dp": "DP"}
 STAGE_LABELS = {"pretrain": "Pretraining", "finetune": "Fine-tuning"}
@@ -35,8 +38,8 @@ BYTES_CONVENTION = (
     "if every learner pulled every version). DP, counted by the model of a ring all-reduce of the "
     "gradient: each of the M workers sends 2(M−1)/M × the gradient bytes per step and receives as "
     "many, so the all-reduce bytes (sent + received, all workers) split evenly: half sent, half "
-    "received. \"All\" figures are summed over all learners/workers and attempts; \"per\" figures "
-    "are that sum divided by M; \"per token\" figures divide it by the method's training tokens."
+    'received. "All" figures are summed over all learners/workers and attempts; "per" figures '
+    'are that sum divided by M; "per token" figures divide it by the method\'s training tokens.'
 )
 STALE_DEFINITION = (
     "a stale contribution is a submission merged into a global fragment newer than the one it was "
@@ -60,7 +63,8 @@ def md_table(headers: list[str], rows: Iterable[Iterable[Any]]) -> str:
     spaces, numbers not re-parsed)."""
     esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return pd.DataFrame([[esc(c) for c in r] for r in rows], columns=[esc(h) for h in headers]).to_markdown(
-        index=False, disable_numparse=True)
+        index=False, disable_numparse=True
+    )
 
 
 def human_bytes(n: float) -> str:
@@ -113,8 +117,7 @@ def stage_label(stage: str) -> str:
 
 def ordered_methods(methods: Iterable[str]) -> list[str]:
     """Known methods first (``run.layout.METHOD_ORDER``), then the others by name."""
-    return sorted(set(methods), key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER
-                                               else len(METHOD_ORDER), m))
+    return sorted(set(methods), key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
 
 
 def num(x: Any) -> float | int | None:

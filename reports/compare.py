@@ -15,16 +15,29 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
+import pandas as pd
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
-import pandas as pd
 
-from reports.common import (BASELINE, REPORT_JSON, flatten, human_bytes, json_safe, md_table, nested, num,
-                            ordered_methods, per_unit, short_label, unit_of)
+from reports.common import (
+    BASELINE,
+    REPORT_JSON,
+    flatten,
+    human_bytes,
+    json_safe,
+    md_table,
+    nested,
+    num,
+    ordered_methods,
+    per_unit,
+    short_label,
+    unit_of,
+)
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
 from run.layout import RunLayout
@@ -57,6 +70,7 @@ class _Run:
 
 # -- reading -------------------------------------------------------------------------------------
 
+
 def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
     """(absolute path, config, status or None, report) of one run directory; ReportInputError
     (one line: the path, the problem, the fix) otherwise."""
@@ -74,8 +88,11 @@ def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
         raise ReportInputError(path, f"has no report/{REPORT_JSON}; build it with `ddiloco report {path}`")
     report = read_json(report_path)
     if report.get("schema") != REPORT_SCHEMA:
-        raise ReportInputError(report_path, f"report schema {report.get('schema')!r}, a comparison reads schema "
-                                            f"{REPORT_SCHEMA}; rebuild it with `ddiloco report {path}`")
+        raise ReportInputError(
+            report_path,
+            f"report schema {report.get('schema')!r}, a comparison reads schema "
+            f"{REPORT_SCHEMA}; rebuild it with `ddiloco report {path}`",
+        )
     return path, config, read_json(layout.status), report
 
 
@@ -123,12 +140,15 @@ def _check_axes(axes: Iterable[str], leaves: list[dict[str, Any]]) -> list[str]:
         if a not in known:
             under = [k for k in known if k.startswith(a + ".")]
             if under:
-                raise ValueError(f"axis {a!r} is a config section, not a value; give one of its keys, "
-                                 f"e.g. {', '.join(under[:3])}")
+                raise ValueError(
+                    f"axis {a!r} is a config section, not a value; give one of its keys, e.g. {', '.join(under[:3])}"
+                )
             close = difflib.get_close_matches(a, known, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ValueError(f"axis {a!r} is not a key of the runs' config.json{hint}; give a dotted key such as "
-                             "diloco.learners or train.token_budget")
+            raise ValueError(
+                f"axis {a!r} is not a key of the runs' config.json{hint}; give a dotted key such as "
+                "diloco.learners or train.token_budget"
+            )
         out.append(a)
     return out
 
@@ -148,6 +168,7 @@ def _partial_summary(partial: list[str], runs: list[_Run]) -> list[str]:
 
 
 # -- the table -----------------------------------------------------------------------------------
+
 
 def _status_text(status: dict | None) -> str | None:
     return None if status is None else str(status.get("status") or "unknown")
@@ -176,8 +197,9 @@ def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
     for m in methods:
         f = figures.get(m) or {}
         # the whole validation split where measured (what selection reads), else the curves' sample
-        row[f"{m}/final_val_loss"] = num(f.get("val_loss_whole")) if f.get("val_loss_whole") is not None \
-            else num(f.get("final_val_loss"))
+        row[f"{m}/final_val_loss"] = (
+            num(f.get("val_loss_whole")) if f.get("val_loss_whole") is not None else num(f.get("final_val_loss"))
+        )
         row.update({f"{m}/{k}": num(f.get(k)) for k in ("test_loss", "wall_s", "tokens", "tokens_per_s", "goodput")})
         row[f"{m}/test_accuracy"] = num((f.get("eval") or {}).get("test/accuracy"))
         row[f"{m}/bytes_total"] = num((f.get("bytes") or {}).get("total"))
@@ -257,6 +279,7 @@ def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict
 
 # -- formatting ----------------------------------------------------------------------------------
 
+
 def cell(v: Any, fmt: str = "") -> str:
     """A table cell as shown in comparison.md: None → "—", numbers by ``fmt``, lists/dicts as JSON."""
     if v is None:
@@ -280,7 +303,9 @@ def cell(v: Any, fmt: str = "") -> str:
 
 def _md_cell(r: dict, c: dict) -> str:
     text = cell(r.get(c["key"]), c["fmt"])
-    if c["key"].endswith(("/post_diff", "/loss_gap_pct")) and r.get(c["key"]) is not None:  # "−0.1273 [−0.1663, −0.0862]"
+    if (
+        c["key"].endswith(("/post_diff", "/loss_gap_pct")) and r.get(c["key"]) is not None
+    ):  # "−0.1273 [−0.1663, −0.0862]"
         lo, hi = r.get(c["key"] + "_ci_low"), r.get(c["key"] + "_ci_high")
         text += f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if lo is not None and hi is not None else ""
     return text
@@ -296,6 +321,7 @@ def _csv_value(v: Any) -> Any:
 
 
 # -- plots ---------------------------------------------------------------------------------------
+
 
 def slug(text: str) -> str:
     """A file-name-safe form of an axis key (letters, digits, ``.``, ``_``, ``-``)."""
@@ -343,7 +369,7 @@ def _style(m: str, methods: list[str]) -> str:
 
 
 def _gap_title(methods: list[str]) -> str:
-    """"DiLoCo − DP held-out loss gap (%)", or "Held-out loss gap to DP (%)" for several methods."""
+    """ "DiLoCo − DP held-out loss gap (%)", or "Held-out loss gap to DP (%)" for several methods."""
     if len(methods) == 1:
         return f"{short_label(methods[0])} − {short_label(BASELINE)} held-out loss gap (%)"
     return f"Held-out loss gap to {short_label(BASELINE)} (%)"
@@ -362,8 +388,7 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
     combos: dict[str, list[dict]] = {}
     for r in rows:
         combos.setdefault(_canon([r.get(b) for b in others]), []).append(r)
-    combo_text = {k: ", ".join(f"{_leaf(b, axes)}={cell(v)}" for b, v in zip(others, json.loads(k)))
-                  for k in combos}
+    combo_text = {k: ", ".join(f"{_leaf(b, axes)}={cell(v)}" for b, v in zip(others, json.loads(k))) for k in combos}
     colors = cycle_colors()
 
     def draw(key_of, ylabel: str, title: str, which: list[str], fmt: str):
@@ -372,7 +397,7 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
         handles, drawn, hollow = [], False, False
         means = {m: [r[key_of(m)] for r in rows if _is_number(r.get(key_of(m)))] for m in which}
         lowest = min((m for m in which if means[m]), key=lambda m: sum(means[m]) / len(means[m]), default=None)
-        for ci, (combo, rs) in enumerate(combos.items()):
+        for ci, (_combo, rs) in enumerate(combos.items()):
             for mi, m in enumerate(which):
                 pts = [(pos(r.get(axis)), r[key_of(m)]) for r in rs if _is_number(r.get(key_of(m)))]
                 if not pts:
@@ -384,27 +409,59 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
                 ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker=_marker(m), ms=5)
                 if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
                     ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
-                unfinished = [(pos(r.get(axis)), r[key_of(m)]) for r in rs
-                              if r.get("status") != COMPLETED and _is_number(r.get(key_of(m)))]
+                unfinished = [
+                    (pos(r.get(axis)), r[key_of(m)])
+                    for r in rs
+                    if r.get("status") != COMPLETED and _is_number(r.get(key_of(m)))
+                ]
                 if unfinished:  # a run that did not complete: a hollow marker
                     hollow = True
-                    ax.scatter([x for x, _ in unfinished], [y for _, y in unfinished], s=36, facecolors="white",
-                               edgecolors=color, linewidths=1.5, zorder=4)
+                    ax.scatter(
+                        [x for x, _ in unfinished],
+                        [y for _, y in unfinished],
+                        s=36,
+                        facecolors="white",
+                        edgecolors=color,
+                        linewidths=1.5,
+                        zorder=4,
+                    )
                 if len(line_x) <= 8 and len(combos) == 1:  # values at the points (one line per method): the
-                    below = m == lowest and len(which) > 1                # lowest method's below them
+                    below = m == lowest and len(which) > 1  # lowest method's below them
                     for x, y in zip(line_x, line_y):
-                        ax.annotate(fmt.format(y), xy=(x, y), xytext=(0, -9 if below else 7), textcoords="offset points",
-                                    ha="center", va="top" if below else "bottom", fontsize=8, color=color)
+                        ax.annotate(
+                            fmt.format(y),
+                            xy=(x, y),
+                            xytext=(0, -9 if below else 7),
+                            textcoords="offset points",
+                            ha="center",
+                            va="top" if below else "bottom",
+                            fontsize=8,
+                            color=color,
+                        )
         if not drawn:
             return None
         if len(combos) > 1:
-            handles += [Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
-                        for ci, k in enumerate(combos)]
-            handles += [Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5,
-                               label=short_label(m)) for m in which]
+            handles += [
+                Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
+                for ci, k in enumerate(combos)
+            ]
+            handles += [
+                Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5, label=short_label(m))
+                for m in which
+            ]
         else:
-            handles += [Line2D([], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker=_marker(m),
-                               label=short_label(m)) for mi, m in enumerate(which)]
+            handles += [
+                Line2D(
+                    [],
+                    [],
+                    color=series_color(m, mi),
+                    ls=_style(m, which),
+                    lw=1.8,
+                    marker=_marker(m),
+                    label=short_label(m),
+                )
+                for mi, m in enumerate(which)
+            ]
         if hollow:
             handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))
         if numeric:
@@ -422,11 +479,25 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
         ax.legend(handles=handles, fontsize=8)
         return fig, ax
 
-    loss = draw(lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})",
-                f"Held-out loss vs {axis}", methods, "{:.4f}")
+    loss = draw(
+        lambda m: f"{m}/final_val_loss",
+        f"final held-out loss (nats/{per})",
+        f"Held-out loss vs {axis}",
+        methods,
+        "{:.4f}",
+    )
     gap_methods = [m for m in methods if m != BASELINE]
-    gap = draw(lambda m: f"{m}/loss_gap_pct", f"loss gap to {short_label(BASELINE)} (%)",
-               f"{_gap_title(gap_methods)} vs {axis}", gap_methods, "{:+.2f} %") if gap_methods else None
+    gap = (
+        draw(
+            lambda m: f"{m}/loss_gap_pct",
+            f"loss gap to {short_label(BASELINE)} (%)",
+            f"{_gap_title(gap_methods)} vs {axis}",
+            gap_methods,
+            "{:+.2f} %",
+        )
+        if gap_methods
+        else None
+    )
     if gap is not None:
         gap[1].axhline(0.0, color="0.5", lw=0.8)
     return (loss[0] if loss else None), (gap[0] if gap else None)
@@ -454,29 +525,46 @@ def _bar_figures(rows: list[dict], methods: list[str], per: str):
                 if r.get("status") != COMPLETED:
                     b.set_hatch("//")
                     b.set_edgecolor("white")
-            ax.bar_label(bs, labels=[fmt.format(r[key_of(m)]) if _is_number(r.get(key_of(m))) else MISSING
-                                     for r in rows], fontsize=8, padding=2)
-        ax.set_xticks(range(len(rows)), labels, rotation=20 if rotate else 0, ha="right" if rotate else "center",
-                      fontsize=8)
+            ax.bar_label(
+                bs,
+                labels=[fmt.format(r[key_of(m)]) if _is_number(r.get(key_of(m))) else MISSING for r in rows],
+                fontsize=8,
+                padding=2,
+            )
+        ax.set_xticks(
+            range(len(rows)), labels, rotation=20 if rotate else 0, ha="right" if rotate else "center", fontsize=8
+        )
         ax.axhline(0.0, color="0.5", lw=0.8)
         ax.margins(y=0.12)
         finish_axes(ax, "run", ylabel, title, grid_axis="y")
         handles = ax.get_legend_handles_labels()[0]
         if any(r.get("status") != COMPLETED for r in rows):
             handles.append(Patch(facecolor="0.55", edgecolor="white", hatch="//", label="run not completed"))
-        fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8,
-                   frameon=False)  # below the axes, clear of the bars' labels
+        fig.legend(
+            handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
+        )  # below the axes, clear of the bars' labels
         return fig
 
-    loss = bars(methods, lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})",
-                "Final held-out loss per run", "{:.4f}")
+    loss = bars(
+        methods,
+        lambda m: f"{m}/final_val_loss",
+        f"final held-out loss (nats/{per})",
+        "Final held-out loss per run",
+        "{:.4f}",
+    )
     gaps = [m for m in methods if m != BASELINE]
-    gap = bars(gaps, lambda m: f"{m}/loss_gap_pct", f"loss gap to {short_label(BASELINE)} (%)",
-               f"{_gap_title(gaps)} per run", "{:+.2f} %")
+    gap = bars(
+        gaps,
+        lambda m: f"{m}/loss_gap_pct",
+        f"loss gap to {short_label(BASELINE)} (%)",
+        f"{_gap_title(gaps)} per run",
+        "{:+.2f} %",
+    )
     return loss, gap
 
 
 # -- markdown ------------------------------------------------------------------------------------
+
 
 def not_completed(comparison: dict) -> list[str]:
     """One line per run that failed, was interrupted, is still running, or has no status.json, and
@@ -501,51 +589,103 @@ def render_comparison(comparison: dict) -> str:
     c = comparison
     nr = c.get("no_results") or []
     of = f" (of {len(c['runs']) + len(nr)}; {len(nr)} with no results)" if nr else ""
-    L = [f"# {c['title']}", "",
-         f"{len(c['runs'])} run directories compared{of}, generated {c['generated_at']} by {c.get('source', '`ddiloco compare`')}. "
-         f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.", ""]
-    L += ["## Runs", "", md_table(["run", "status", "config name", "path"], [
-        [r["label"], r["status"] or MISSING, r["name"] or MISSING, f"`{r['run_dir']}`"] for r in c["runs"]] + [
-        [r["label"], f"no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''})",
-         MISSING, f"`{r['run_dir']}`"] for r in nr])]
+    L = [
+        f"# {c['title']}",
+        "",
+        f"{len(c['runs'])} run directories compared{of}, generated {c['generated_at']} "
+        f"by {c.get('source', '`ddiloco compare`')}. "
+        f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.",
+        "",
+    ]
+    L += [
+        "## Runs",
+        "",
+        md_table(
+            ["run", "status", "config name", "path"],
+            [[r["label"], r["status"] or MISSING, r["name"] or MISSING, f"`{r['run_dir']}`"] for r in c["runs"]]
+            + [
+                [
+                    r["label"],
+                    f"no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''})",
+                    MISSING,
+                    f"`{r['run_dir']}`",
+                ]
+                for r in nr
+            ],
+        ),
+    ]
     L += ["", "## Axes", ""]
     how = "detected: the config keys whose values differ between the runs" if c["axes_detected"] else "given"
-    L.append(f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})." if c["axes"]
-             else "No axis: no config key present in every run differs between them; the plots show each run."
-             if c["axes_detected"] else "No axis given; the plots show each run.")
+    L.append(
+        f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})."
+        if c["axes"]
+        else "No axis: no config key present in every run differs between them; the plots show each run."
+        if c["axes_detected"]
+        else "No axis given; the plots show each run."
+    )
     if c["axes"] and c["plot_axis"] is None:
         L.append("The plots show each run: no axis varies while the others stay fixed.")
     if c["axes_detected"]:
-        L.append(f"Never detected as axes (they only name or place a run): {', '.join(f'`{k}`' for k in c['ignored_keys'])}.")
+        L.append(
+            f"Never detected as axes (they only name or place a run): {', '.join(f'`{k}`' for k in c['ignored_keys'])}."
+        )
     if c["partial_keys"]:
-        L += ["", "Config keys present in some runs only (an older schema, or another model family; not axes): "
-              + "; ".join(c["partial_keys"]) + "."]
+        L += [
+            "",
+            "Config keys present in some runs only (an older schema, or another model family; not axes): "
+            + "; ".join(c["partial_keys"])
+            + ".",
+        ]
     if c["notes"]:
         L += ["", "## Not completed", ""] + [f"- {n}" for n in c["notes"]]
     groups = {g: [col for col in c["columns"] if col["group"] == g] for g in ("run", "axis", "loss", "cost", "post")}
     first = [col for col in c["columns"] if col["key"] == "label"] + groups["axis"]
-    L += ["", "## Held-out loss", "", _md_table(first + [k for k in groups["run"] if k["key"] != "label"]
-                                                + groups["loss"], c["rows"]), ""]
+    L += [
+        "",
+        "## Held-out loss",
+        "",
+        _md_table(first + [k for k in groups["run"] if k["key"] != "label"] + groups["loss"], c["rows"]),
+        "",
+    ]
     for name in ("loss", "gap"):
         if c["plots"].get(name):
             L += [f"![{name}]({c['plots'][name]})", ""]
-    L += ["## Cost", "", _md_table(first + groups["cost"], c["rows"]), "",
-          "Wall time in seconds from the method's training start to its end; bytes are payload bytes summed over "
-          "all learners (DiLoCo: sent to and pulled from the syncer) or workers (DP: the modelled ring all-reduce).",
-          ""]
+    L += [
+        "## Cost",
+        "",
+        _md_table(first + groups["cost"], c["rows"]),
+        "",
+        "Wall time in seconds from the method's training start to its end; bytes are payload bytes summed over "
+        "all learners (DiLoCo: sent to and pulled from the syncer) or workers (DP: the modelled ring all-reduce).",
+        "",
+    ]
     if groups["post"]:
-        L += ["## Post-training", "", _md_table(first + groups["post"], c["rows"]), "",
-              "Each method's fine-tuned score on the task's primary metric (mean over seeds), and the paired "
-              "difference to DP with its 95 % bootstrap interval over test items and seeds.", ""]
+        L += [
+            "## Post-training",
+            "",
+            _md_table(first + groups["post"], c["rows"]),
+            "",
+            "Each method's fine-tuned score on the task's primary metric (mean over seeds), and the paired "
+            "difference to DP with its 95 % bootstrap interval over test items and seeds.",
+            "",
+        ]
     L += ["Files: `comparison.json` (everything above), `comparison.csv` (the table).", ""]
     return "\n".join(L)
 
 
 # -- the whole -----------------------------------------------------------------------------------
 
-def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axes: list[str] | None = None,
-                     labels: list[str] | None = None, title: str = "Comparison",
-                     source: str = "`ddiloco compare`", no_results: Iterable[dict] | None = None) -> dict:
+
+def build_comparison(
+    run_dirs: Iterable[str | Path],
+    out_dir: str | Path,
+    *,
+    axes: list[str] | None = None,
+    labels: list[str] | None = None,
+    title: str = "Comparison",
+    source: str = "`ddiloco compare`",
+    no_results: Iterable[dict] | None = None,
+) -> dict:
     """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
 
     ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
@@ -588,11 +728,15 @@ def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axe
         raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
     for r in runs:
         if out == r.path or r.path in out.parents:
-            raise ReportInputError(out, f"is inside the run directory {r.path}, which a comparison never writes "
-                                        "into; choose a folder outside it")
+            raise ReportInputError(
+                out,
+                f"is inside the run directory {r.path}, which a comparison never writes "
+                "into; choose a folder outside it",
+            )
 
-    methods_all = ordered_methods(m for r in runs
-                                  for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {}))
+    methods_all = ordered_methods(
+        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
+    )
     rows = [_row(r, chosen, methods_all) for r in runs]
     methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
     columns = _columns(rows, chosen, methods)
@@ -601,22 +745,45 @@ def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axe
     per = " or ".join(per_unit(u) for u in units)
 
     comparison: dict[str, Any] = {
-        "schema": SCHEMA, "title": title,
-        "generated_at": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "source": source, "stage": STAGE, "baseline": BASELINE,
-        "runs": [{"label": r.label, "run_dir": str(r.path), "name": r.config.get("name"),
-                  "status": _status_text(r.status), "reason": (r.status or {}).get("reason"),
-                  "completed_stages": (r.status or {}).get("completed_stages"), "unit": row["unit"],
-                  "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None]}
-                 for r, row in zip(runs, rows)],
-        "axes": chosen, "axes_detected": axes is None, "ignored_keys": list(IGNORED_KEYS),
+        "schema": SCHEMA,
+        "title": title,
+        "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "source": source,
+        "stage": STAGE,
+        "baseline": BASELINE,
+        "runs": [
+            {
+                "label": r.label,
+                "run_dir": str(r.path),
+                "name": r.config.get("name"),
+                "status": _status_text(r.status),
+                "reason": (r.status or {}).get("reason"),
+                "completed_stages": (r.status or {}).get("completed_stages"),
+                "unit": row["unit"],
+                "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None],
+            }
+            for r, row in zip(runs, rows)
+        ],
+        "axes": chosen,
+        "axes_detected": axes is None,
+        "ignored_keys": list(IGNORED_KEYS),
         "partial_keys": _partial_summary([k for k in partial if k not in chosen], runs),
-        "plot_axis": plot_axis(rows, chosen), "methods": methods, "units": units, "columns": columns, "rows": rows,
-        "plots": {"loss": None, "gap": None}, "notes": [],
-        "no_results": [{k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")}
-                       for r in (no_results or [])],
-        "paths": {"out_dir": str(out), "markdown": str(out / COMPARISON_MD), "json": str(out / COMPARISON_JSON),
-                  "csv": str(out / COMPARISON_CSV)},
+        "plot_axis": plot_axis(rows, chosen),
+        "methods": methods,
+        "units": units,
+        "columns": columns,
+        "rows": rows,
+        "plots": {"loss": None, "gap": None},
+        "notes": [],
+        "no_results": [
+            {k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")} for r in (no_results or [])
+        ],
+        "paths": {
+            "out_dir": str(out),
+            "markdown": str(out / COMPARISON_MD),
+            "json": str(out / COMPARISON_JSON),
+            "csv": str(out / COMPARISON_CSV),
+        },
     }
     comparison["notes"] = not_completed(comparison)
 
@@ -640,8 +807,9 @@ def build_comparison(run_dirs: Iterable[str | Path], out_dir: str | Path, *, axe
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     (out / COMPARISON_JSON).write_text(json.dumps(comparison, indent=2, allow_nan=False) + "\n", encoding="utf-8")
     buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows([[c["key"] for c in columns]] + [
-        [_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]])
+    csv.writer(buf, lineterminator="\n").writerows(
+        [[c["key"] for c in columns]] + [[_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]]
+    )
     (out / COMPARISON_CSV).write_text(buf.getvalue(), encoding="utf-8")
     (out / COMPARISON_MD).write_text(render_comparison(comparison), encoding="utf-8")
     return comparison

@@ -40,11 +40,17 @@ def expert_figures(records: dict[str, MethodRecords]) -> dict | None:
         layers = {}
         for block, loads in sorted(_loads(last).items()):
             vec = [loads[e] for e in sorted(loads)]
-            layers[block] = {"loads": vec, "busiest": max(vec) * len(vec),
-                             "dropped": num(last.get(f"val/moe/{block}/dropped"))}
+            layers[block] = {
+                "loads": vec,
+                "busiest": max(vec) * len(vec),
+                "dropped": num(last.get(f"val/moe/{block}/dropped")),
+            }
         aux = [float(r["val/moe/aux"]) for r in rows if num(r.get("val/moe/aux")) is not None]
-        out[m] = {"layers": layers, "tokens": last.get("tokens"),
-                  "aux": {"first": aux[0], "peak": max(aux), "last": aux[-1]} if aux else None}
+        out[m] = {
+            "layers": layers,
+            "tokens": last.get("tokens"),
+            "aux": {"first": aux[0], "peak": max(aux), "last": aux[-1]} if aux else None,
+        }
     return out or None
 
 
@@ -70,8 +76,7 @@ def expert_load_figure(records: dict[str, MethodRecords], unit: str = "tokens") 
         for e in per_expert:
             ax.plot(xs, [_loads(r).get(block, {}).get(e) for r in rows], lw=1.2, label=f"expert {e}")
         ax.axhline(1.0 / len(per_expert), color="black", lw=0.8, ls="--")
-        finish_axes(ax, f"training {unit}", "share of routing choices", f"{label(m)}: block {block + 1}",
-                    title_size=9)
+        finish_axes(ax, f"training {unit}", "share of routing choices", f"{label(m)}: block {block + 1}", title_size=9)
     axes[0][-1].legend(fontsize=7, ncol=2)
     return fig
 
@@ -80,19 +85,36 @@ def markdown_section(experts: dict | None, unit: str = "tokens") -> list[str]:
     """The report's "Experts" section (empty without MoE metrics)."""
     if not experts:
         return []
-    L = ["### Experts (mixture of experts)", "",
-         "Routing on the held-out batches at the last evaluation: each MoE layer's busiest expert's share "
-         "of routing choices over the mean share (1.00 = perfectly even; the capacity limit drops "
-         "choices beyond it), the dropped fraction, and the load-balancing loss E·Σ f·P "
-         "(Switch Transformer Eq. 4; 1 for a uniform router) over training.", "",
-         md_table(["method", "block", "busiest / mean", "dropped", "expert shares"],
-                  [[label(m), int(block) + 1, f"{lay['busiest']:.2f}×", "—" if lay["dropped"] is None
-                    else f"{lay['dropped']:.2%}", " ".join(f"{x:.3f}" for x in lay["loads"])]
-                   for m, f in experts.items() for block, lay in f["layers"].items()]), ""]
+    L = [
+        "### Experts (mixture of experts)",
+        "",
+        "Routing on the held-out batches at the last evaluation: each MoE layer's busiest expert's share "
+        "of routing choices over the mean share (1.00 = perfectly even; the capacity limit drops "
+        "choices beyond it), the dropped fraction, and the load-balancing loss E·Σ f·P "
+        "(Switch Transformer Eq. 4; 1 for a uniform router) over training.",
+        "",
+        md_table(
+            ["method", "block", "busiest / mean", "dropped", "expert shares"],
+            [
+                [
+                    label(m),
+                    int(block) + 1,
+                    f"{lay['busiest']:.2f}×",
+                    "—" if lay["dropped"] is None else f"{lay['dropped']:.2%}",
+                    " ".join(f"{x:.3f}" for x in lay["loads"]),
+                ]
+                for m, f in experts.items()
+                for block, lay in f["layers"].items()
+            ],
+        ),
+        "",
+    ]
     for m, f in experts.items():
         if f["aux"]:
             a = f["aux"]
-            L.append(f"- {label(m)}: load-balancing loss {a['first']:.4f} at the start, peak {a['peak']:.4f}, "
-                     f"{a['last']:.4f} at the end.")
+            L.append(
+                f"- {label(m)}: load-balancing loss {a['first']:.4f} at the start, peak {a['peak']:.4f}, "
+                f"{a['last']:.4f} at the end."
+            )
     L.append("")
     return L

@@ -32,8 +32,9 @@ BOOTSTRAP_DEFINITION = (
 )
 
 
-def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
-                        confidence: float = CONFIDENCE) -> dict:
+def two_level_bootstrap(
+    values: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, confidence: float = CONFIDENCE
+) -> dict:
     """Mean of ``values`` (shape [S seeds, N items], [N] for one seed, or [P, S, N] for S fine-tuning
     seeds of each of P pretraining seeds) with a percentile bootstrap interval over seeds and items.
     Each of ``resamples`` resamples (``numpy.random.default_rng(seed)``, deterministic) draws the
@@ -50,18 +51,30 @@ def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOO
     if v.ndim == 1:
         v = v[None, :]
     if v.ndim not in (2, 3) or min(v.shape) < 1:
-        raise ValueError(f"values must be [seeds, items] or [pretraining seeds, seeds, items] with at least one "
-                         f"of each, got shape {v.shape}")
+        raise ValueError(
+            f"values must be [seeds, items] or [pretraining seeds, seeds, items] with at least one "
+            f"of each, got shape {v.shape}"
+        )
     *lead, n = v.shape
     s = lead[-1]
     over = f"over {n:,} item{'s' if n != 1 else ''}"
-    out = {"estimate": float(v.mean()), "ci": None, "confidence": confidence, "resamples": resamples,
-           "seeds": s if seed_axis else None, "items": n, "levels": "seeds and items" if s > 1 else "items",
-           "over": over + (f" and {s} seed{'s' if s != 1 else ''}" if seed_axis else "")}
+    out = {
+        "estimate": float(v.mean()),
+        "ci": None,
+        "confidence": confidence,
+        "resamples": resamples,
+        "seeds": s if seed_axis else None,
+        "items": n,
+        "levels": "seeds and items" if s > 1 else "items",
+        "over": over + (f" and {s} seed{'s' if s != 1 else ''}" if seed_axis else ""),
+    }
     if v.ndim == 3:
-        out.update(pretrain_seeds=lead[0], levels="pretraining seeds, fine-tuning seeds and items",
-                   over=f"{over}, {s} fine-tuning seed{'s' if s != 1 else ''} and {lead[0]} pretraining "
-                        f"seed{'s' if lead[0] != 1 else ''}")
+        out.update(
+            pretrain_seeds=lead[0],
+            levels="pretraining seeds, fine-tuning seeds and items",
+            over=f"{over}, {s} fine-tuning seed{'s' if s != 1 else ''} and {lead[0]} pretraining "
+            f"seed{'s' if lead[0] != 1 else ''}",
+        )
     if not np.isfinite(v).all():
         return out
     rng = np.random.default_rng(seed)
@@ -77,8 +90,9 @@ def two_level_bootstrap(values: Any, resamples: int = RESAMPLES, seed: int = BOO
     return out
 
 
-def paired_bootstrap_difference(a: Any, b: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED,
-                                confidence: float = CONFIDENCE) -> dict:
+def paired_bootstrap_difference(
+    a: Any, b: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, confidence: float = CONFIDENCE
+) -> dict:
     """Difference A − B of two methods' per-item scores with a paired two-level bootstrap interval.
     ``a``, ``b``: shape [S, N] (row s: the model fine-tuned with the s-th common seed; column i: test
     item i, the same for both), [N] (one model each: items only) or [P, S, N]. D = mean of (a − b);
@@ -102,14 +116,21 @@ def verdict(diff: dict | None, higher_is_better: bool, method: str, baseline: st
         return {"status": "undefined", "better": None, "text": "undefined (no interval: missing or non-finite scores)"}
     lo, hi = diff["ci"]
     if lo <= 0.0 <= hi:
-        return {"status": "no significant difference", "better": None,
-                "text": f"no significant difference between {who} and {base} (the 95 % interval contains 0)"}
+        return {
+            "status": "no significant difference",
+            "better": None,
+            "text": f"no significant difference between {who} and {base} (the 95 % interval contains 0)",
+        }
     better = method if (diff["difference"] > 0) == higher_is_better else baseline
-    return {"status": "better", "better": better,
-            "text": f"{short_label(better)} is better (the 95 % interval excludes 0)"}
+    return {
+        "status": "better",
+        "better": better,
+        "text": f"{short_label(better)} is better (the 95 % interval excludes 0)",
+    }
 
 
 # -- per method ----------------------------------------------------------------------------------
+
 
 def _finite_list(x: Any) -> list[float] | None:
     if not isinstance(x, list) or not x or any(num(v) is None for v in x):
@@ -154,14 +175,25 @@ def method_scores(result: dict, metric_keys: list[str], notes: list[str], method
         for what, value, boot in (("pretrained", pre_v, pre_boot), ("fine-tuned", ft_v, ft_boot)):
             if boot is not None and not math.isfinite(boot["estimate"]):
                 notes.append(f"{label(method)}: the {what} {k} has non-finite per-item values; no interval.")
-            elif value is not None and boot is not None and not math.isclose(value, boot["estimate"], rel_tol=1e-6,
-                                                                             abs_tol=1e-9):
-                notes.append(f"{label(method)}: the {what} {k} ({value:.6g}) is not the mean of its per-item values "
-                             f"({boot['estimate']:.6g}); its interval and the differences use the per-item mean.")
-        out[k] = {"pretrained": pre_v, "pretrained_ci": (pre_boot or {}).get("ci"),
-                  "pretrained_over": (pre_boot or {}).get("over"), "finetuned": ft_v, "finetuned_per_seed": per_seed,
-                  "finetuned_ci": (ft_boot or {}).get("ci"), "finetuned_over": (ft_boot or {}).get("over"),
-                  "change": ft_v - pre_v if ft_v is not None and pre_v is not None else None}
+            elif (
+                value is not None
+                and boot is not None
+                and not math.isclose(value, boot["estimate"], rel_tol=1e-6, abs_tol=1e-9)
+            ):
+                notes.append(
+                    f"{label(method)}: the {what} {k} ({value:.6g}) is not the mean of its per-item values "
+                    f"({boot['estimate']:.6g}); its interval and the differences use the per-item mean."
+                )
+        out[k] = {
+            "pretrained": pre_v,
+            "pretrained_ci": (pre_boot or {}).get("ci"),
+            "pretrained_over": (pre_boot or {}).get("over"),
+            "finetuned": ft_v,
+            "finetuned_per_seed": per_seed,
+            "finetuned_ci": (ft_boot or {}).get("ci"),
+            "finetuned_over": (ft_boot or {}).get("over"),
+            "change": ft_v - pre_v if ft_v is not None and pre_v is not None else None,
+        }
     return out
 
 
@@ -179,8 +211,14 @@ def curve_summary(rec: FinetuneRecords) -> dict:
     per_seed = []
     for s in seeds:
         vs = [num(r["val/loss"]) for r in val if r.get("seed") == s]
-        per_seed.append({"seed": s, "first_val_loss": vs[0] if vs else None, "last_val_loss": vs[-1] if vs else None,
-                         "last_train_loss": _last(train, "train/loss", s)})
+        per_seed.append(
+            {
+                "seed": s,
+                "first_val_loss": vs[0] if vs else None,
+                "last_val_loss": vs[-1] if vs else None,
+                "last_train_loss": _last(train, "train/loss", s),
+            }
+        )
     return {"train_points": len(train), "eval_points": len(val), "per_seed": per_seed}
 
 
@@ -193,7 +231,8 @@ def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: li
     return {
         "status": "ok" if s is not None else NOT_RUN,
         "interrupted": bool(s.get("interrupted")) if s is not None else None,
-        "eval_status": "ok" if e is not None else NOT_RUN, "files": rec.files,
+        "eval_status": "ok" if e is not None else NOT_RUN,
+        "files": rec.files,
         "source_checkpoint": (s or {}).get("source_checkpoint"),
         "recipe": (s or {}).get("recipe") if isinstance((s or {}).get("recipe"), dict) else {},
         "trainable_params": num((s or {}).get("trainable_params")),
@@ -201,11 +240,13 @@ def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: li
         "runs": [r for r in ((s or {}).get("runs") or []) if isinstance(r, dict)],
         "seeds": [r.get("seed") for r in _seed_rows(e or {})],
         "scores": method_scores(e, metric_keys, notes, rec.method) if e is not None else {},
-        "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None, "curve": curve_summary(rec),
+        "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None,
+        "curve": curve_summary(rec),
     }
 
 
 # -- between methods -------------------------------------------------------------------------------
+
 
 def _per_item_matrix(result: dict, key: str, seeds: list) -> np.ndarray | None:
     by_seed = {r.get("seed"): _finite_list((r.get("per_item") or {}).get(key)) for r in _seed_rows(result)}
@@ -215,8 +256,15 @@ def _per_item_matrix(result: dict, key: str, seeds: list) -> np.ndarray | None:
     return np.asarray(rows)
 
 
-def difference(a_res: dict, b_res: dict, method: str, task: dict, metric_keys: list[str], notes: list[str],
-               baseline: str = BASELINE) -> dict:
+def difference(
+    a_res: dict,
+    b_res: dict,
+    method: str,
+    task: dict,
+    metric_keys: list[str],
+    notes: list[str],
+    baseline: str = BASELINE,
+) -> dict:
     """``method − baseline`` for every task metric, pretrained and fine-tuned, with the paired
     bootstrap interval (:func:`paired_bootstrap_difference`) and a :func:`verdict` each; seeds
     paired by value (those both methods were fine-tuned with)."""
@@ -225,24 +273,33 @@ def difference(a_res: dict, b_res: dict, method: str, task: dict, metric_keys: l
     seeds = [s for s in seeds_a if s in seeds_b]
     unpaired = sorted({*seeds_a, *seeds_b} - set(seeds), key=str)
     if unpaired:
-        notes.append(f"{short_label(method)} − {short_label(baseline)}: seed(s) {', '.join(map(str, unpaired))} "
-                     "were fine-tuned for only one of the two methods and are left out of the paired difference.")
+        notes.append(
+            f"{short_label(method)} − {short_label(baseline)}: seed(s) {', '.join(map(str, unpaired))} "
+            "were fine-tuned for only one of the two methods and are left out of the paired difference."
+        )
     out: dict[str, Any] = {"method": method, "baseline": baseline, "seeds": seeds, "metrics": {}}
     for k in metric_keys:
         hib = bool(((task.get("metrics") or {}).get(k) or {}).get("higher_is_better", True))
         row: dict[str, Any] = {"higher_is_better": hib}
         for what, a, b in (
-            ("pretrained", _finite_list(((a_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
-             _finite_list(((b_res.get("pretrained") or {}).get("per_item") or {}).get(k))),
-            ("finetuned", _per_item_matrix(a_res, k, seeds) if seeds else None,
-             _per_item_matrix(b_res, k, seeds) if seeds else None),
+            (
+                "pretrained",
+                _finite_list(((a_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
+                _finite_list(((b_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
+            ),
+            (
+                "finetuned",
+                _per_item_matrix(a_res, k, seeds) if seeds else None,
+                _per_item_matrix(b_res, k, seeds) if seeds else None,
+            ),
         ):
             if a is None or b is None:
                 row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
             elif np.shape(a) != np.shape(b):
-                row[what] = {"status": "not paired",
-                             "why": f"the methods scored different numbers of items ({np.shape(a)[-1]} and "
-                                    f"{np.shape(b)[-1]})"}
+                row[what] = {
+                    "status": "not paired",
+                    "why": f"the methods scored different numbers of items ({np.shape(a)[-1]} and {np.shape(b)[-1]})",
+                }
                 notes.append(f"{k} ({what}): {row[what]['why']}; no paired difference.")
             else:
                 row[what] = {"status": "ok", **paired_bootstrap_difference(a, b)}
@@ -253,13 +310,17 @@ def difference(a_res: dict, b_res: dict, method: str, task: dict, metric_keys: l
 
 # -- the part as a whole ---------------------------------------------------------------------------
 
+
 def _recipe_differences(a: dict | None, b: dict | None) -> list[str]:
     """The recipe fields two methods' summaries disagree on (the ``finetune_config`` record when both
     have it, else the ``recipe`` without its seeds; seeds are paired separately)."""
     if not a or not b:
         return []
-    ra, rb = (a.get("finetune_config"), b.get("finetune_config")) if a.get("finetune_config") and \
-        b.get("finetune_config") else (a.get("recipe") or {}, b.get("recipe") or {})
+    ra, rb = (
+        (a.get("finetune_config"), b.get("finetune_config"))
+        if a.get("finetune_config") and b.get("finetune_config")
+        else (a.get("recipe") or {}, b.get("recipe") or {})
+    )
     return sorted(k for k in {*ra, *rb} if k != "seeds" and ra.get(k) != rb.get(k))
 
 
@@ -271,8 +332,10 @@ def _task(records: dict[str, FinetuneRecords], notes: list[str]) -> dict:
     for m, t in tasks.items():
         diff = [k for k in ("name", "train_items", "test_items", "primary") if t.get(k) != first.get(k)]
         if diff:
-            notes.append(f"{label(m)}'s evaluation describes another task ({', '.join(diff)} differ); the section "
-                         f"shows {label(next(iter(tasks)))}'s.")
+            notes.append(
+                f"{label(m)}'s evaluation describes another task ({', '.join(diff)} differ); the section "
+                f"shows {label(next(iter(tasks)))}'s."
+            )
     return dict(first)
 
 
@@ -294,24 +357,30 @@ def _pretrain_task_label(key: str) -> tuple[str, str]:
 def pretrain_task_rows(methods: dict[str, dict]) -> list[dict]:
     """The pretraining tasks before → after fine-tuning: one row per key (``_stderr`` keys attached
     to their metric; a task's chance level, the same before and after, and word perplexity, which
-    runs to 1e10 once fine-tuning has worn the model down, left out: bits per byte says the same), per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
+    runs to 1e10 once fine-tuning has worn the model down, left out: bits per byte says the same),
+    per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
     have = {m: f["pretrain_tasks"] for m, f in methods.items() if f.get("pretrain_tasks")}
     keys: list[str] = []
     for pt in have.values():
         for part in ("pretrained", "finetuned"):
-            keys += [k for k, v in (pt.get(part) or {}).items()
-                     if k not in keys and not k.endswith(("_stderr", "/chance", "/word_perplexity"))
-                     and num(v) is not None]
+            keys += [
+                k
+                for k, v in (pt.get(part) or {}).items()
+                if k not in keys and not k.endswith(("_stderr", "/chance", "/word_perplexity")) and num(v) is not None
+            ]
     rows = []
     for k in keys:
         text, fmt = _pretrain_task_label(k)
         row: dict[str, Any] = {"key": k, "label": text, "fmt": fmt}
         for m, pt in have.items():
             before, after = num((pt.get("pretrained") or {}).get(k)), num((pt.get("finetuned") or {}).get(k))
-            row[m] = {"pretrained": before, "finetuned": after,
-                      "change": after - before if before is not None and after is not None else None,
-                      "pretrained_stderr": num((pt.get("pretrained") or {}).get(f"{k}_stderr")),
-                      "finetuned_stderr": num((pt.get("finetuned") or {}).get(f"{k}_stderr"))}
+            row[m] = {
+                "pretrained": before,
+                "finetuned": after,
+                "change": after - before if before is not None and after is not None else None,
+                "pretrained_stderr": num((pt.get("pretrained") or {}).get(f"{k}_stderr")),
+                "finetuned_stderr": num((pt.get("finetuned") or {}).get(f"{k}_stderr")),
+            }
         rows.append(row)
     return rows
 
@@ -325,8 +394,10 @@ def order_check(methods: dict[str, dict]) -> dict:
             if r.get("order_sha256"):
                 by_seed.setdefault(str(r.get("seed")), {})[m] = r["order_sha256"]
     compared = {s: len(set(h.values())) == 1 for s, h in by_seed.items() if len(h) > 1}
-    return {"same": all(compared.values()) if compared else None,
-            "differs_at_seeds": [s for s, same in compared.items() if not same]}
+    return {
+        "same": all(compared.values()) if compared else None,
+        "differs_at_seeds": [s for s, same in compared.items() if not same],
+    }
 
 
 def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
@@ -350,22 +421,44 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
         differs = _recipe_differences(rec.summary, base.summary)
         if differs:  # not a comparison of pretrained models any more
             why = f"the recipes differ ({', '.join(differs[:4])})"
-            notes.append(f"{short_label(m)} − {short_label(BASELINE)}: {why}; the fine-tuned difference is shown "
-                         "but is not a like-for-like comparison.")
+            notes.append(
+                f"{short_label(m)} − {short_label(BASELINE)}: {why}; the fine-tuned difference is shown "
+                "but is not a like-for-like comparison."
+            )
             for row in d["metrics"].values():
-                row["finetuned"]["verdict"] = {"status": "not comparable", "better": None,
-                                               "text": f"not comparable: {why}"}
+                row["finetuned"]["verdict"] = {
+                    "status": "not comparable",
+                    "better": None,
+                    "text": f"not comparable: {why}",
+                }
         differences[m] = d
         if primary is not None:
-            verdicts[m] = {"metric": primary, "finetuned": d["metrics"][primary]["finetuned"]["verdict"],
-                           "pretrained": d["metrics"][primary]["pretrained"]["verdict"]}
+            verdicts[m] = {
+                "metric": primary,
+                "finetuned": d["metrics"][primary]["finetuned"]["verdict"],
+                "pretrained": d["metrics"][primary]["pretrained"]["verdict"],
+            }
     return {
-        "stage": "finetune", "label": LABEL, "task": task, "metrics": keys, "primary": primary,
-        "baseline": BASELINE if BASELINE in methods else None, "methods": methods, "differences": differences,
-        "verdicts": verdicts, "pretrain_tasks": pretrain_task_rows(methods), "order": order_check(methods),
-        "bootstrap": {"resamples": RESAMPLES, "seed": BOOTSTRAP_SEED, "confidence": CONFIDENCE,
-                      "interval": "percentile", "definition": BOOTSTRAP_DEFINITION},
-        "plots": {}, "notes": notes,
+        "stage": "finetune",
+        "label": LABEL,
+        "task": task,
+        "metrics": keys,
+        "primary": primary,
+        "baseline": BASELINE if BASELINE in methods else None,
+        "methods": methods,
+        "differences": differences,
+        "verdicts": verdicts,
+        "pretrain_tasks": pretrain_task_rows(methods),
+        "order": order_check(methods),
+        "bootstrap": {
+            "resamples": RESAMPLES,
+            "seed": BOOTSTRAP_SEED,
+            "confidence": CONFIDENCE,
+            "interval": "percentile",
+            "definition": BOOTSTRAP_DEFINITION,
+        },
+        "plots": {},
+        "notes": notes,
     }
 
 
@@ -391,15 +484,31 @@ def finetune_loss_figure(records: dict[str, FinetuneRecords], modality: str | No
         color = series_color(m, i)
         for j, s in enumerate(dict.fromkeys(r.get("seed") for r in train)):
             pts = sorted((float(r["step"]), float(r["train/loss"])) for r in train if r.get("seed") == s)
-            ax.plot(*zip(*pts), lw=0.8, alpha=0.35, color=color,
-                    label=f"{label(m)}: training loss (each seed)" if j == 0 else None)
+            ax.plot(
+                *zip(*pts),
+                lw=0.8,
+                alpha=0.35,
+                color=color,
+                label=f"{label(m)}: training loss (each seed)" if j == 0 else None,
+            )
         for j, s in enumerate(dict.fromkeys(r.get("seed") for r in val)):
             pts = sorted((float(r["step"]), float(r["val/loss"])) for r in val if r.get("seed") == s)
-            ax.plot(*zip(*pts), lw=1.4, marker=MARKERS[i % len(MARKERS)], ms=4, color=color,
-                    label=f"{label(m)}: held-out test loss (each seed)" if j == 0 else None)
+            ax.plot(
+                *zip(*pts),
+                lw=1.4,
+                marker=MARKERS[i % len(MARKERS)],
+                ms=4,
+                color=color,
+                label=f"{label(m)}: held-out test loss (each seed)" if j == 0 else None,
+            )
     unit = "nats/image" if modality == "image" else "nats/token, response tokens"
     ax.set_yscale("log")  # from the pretrained model's ~5 nats down to where the methods differ
-    finish_axes(ax, "fine-tuning step", f"loss ({unit}, log scale)", "Fine-tuning loss (thin: training, each seed; "
-                "markers: held-out test items)", title_size=10)
+    finish_axes(
+        ax,
+        "fine-tuning step",
+        f"loss ({unit}, log scale)",
+        "Fine-tuning loss (thin: training, each seed; markers: held-out test items)",
+        title_size=10,
+    )
     ax.legend(fontsize=8)
     return fig

@@ -44,8 +44,10 @@ def assumption(link: Link, dp_overlap: float = 0.0) -> str:
     each way, 20 ms one way; compute as measured on this host; DP all-reduce not overlapped``."""
     what = f"{link.label}, " if link.label else ""
     dp = "not overlapped" if dp_overlap == 0 else f"{dp_overlap:.0%} of its compute hides the all-reduce"
-    return (f"modelled: {what}{link.bandwidth_gbps:g} Gbit/s each way, {link.latency_ms:g} ms one way; "
-            f"compute as measured on this host; DP all-reduce {dp}")
+    return (
+        f"modelled: {what}{link.bandwidth_gbps:g} Gbit/s each way, {link.latency_ms:g} ms one way; "
+        f"compute as measured on this host; DP all-reduce {dp}"
+    )
 
 
 def ring_allreduce_s(grad_bytes: float, workers: int, link: Link) -> float:
@@ -60,13 +62,23 @@ def dp_step_s(compute_s: float, grad_bytes: float, workers: int, link: Link, dp_
     """One DP step: ``{"compute_s", "comm_s" (the all-reduce), "step_s", "keep_up_gbps"}``."""
     comm = ring_allreduce_s(grad_bytes, workers, link)
     per_worker = 2 * (workers - 1) / workers * grad_bytes if workers > 1 else 0.0  # bytes each way
-    return {"compute_s": compute_s, "comm_s": comm,
-            "step_s": compute_s + max(0.0, comm - dp_overlap * compute_s),
-            "keep_up_gbps": per_worker / compute_s / GBIT if compute_s > 0 else None}
+    return {
+        "compute_s": compute_s,
+        "comm_s": comm,
+        "step_s": compute_s + max(0.0, comm - dp_overlap * compute_s),
+        "keep_up_gbps": per_worker / compute_s / GBIT if compute_s > 0 else None,
+    }
 
 
-def diloco_step_s(compute_s: float, up_bytes_per_step: float, down_bytes_per_step: float, fragments: int,
-                  sync_every: int, overlap_steps: int, link: Link) -> dict:
+def diloco_step_s(
+    compute_s: float,
+    up_bytes_per_step: float,
+    down_bytes_per_step: float,
+    fragments: int,
+    sync_every: int,
+    overlap_steps: int,
+    link: Link,
+) -> dict:
     """One learner step: ``{"compute_s", "comm_s" (a fragment's round trip), "exposed_s" (per step,
     beyond τ steps of compute), "step_s", "keep_up_gbps"}``; bytes per learner step, each direction."""
     per_sync = sync_every / fragments  # learner steps between two of its sends
@@ -74,16 +86,24 @@ def diloco_step_s(compute_s: float, up_bytes_per_step: float, down_bytes_per_ste
     round_trip = 2 * link.latency_s + (up + down) / link.bytes_per_s
     busy = max(compute_s, max(up_bytes_per_step, down_bytes_per_step) / link.bytes_per_s)
     exposed = max(0.0, round_trip - overlap_steps * busy) / per_sync
-    return {"compute_s": compute_s, "comm_s": round_trip, "exposed_s": exposed, "step_s": busy + exposed,
-            "keep_up_gbps": max(up_bytes_per_step, down_bytes_per_step) / compute_s / GBIT if compute_s > 0 else None}
+    return {
+        "compute_s": compute_s,
+        "comm_s": round_trip,
+        "exposed_s": exposed,
+        "step_s": busy + exposed,
+        "keep_up_gbps": max(up_bytes_per_step, down_bytes_per_step) / compute_s / GBIT if compute_s > 0 else None,
+    }
 
 
 def modelled_curve(curve: list[dict], tokens_per_step: float, extra_s: float) -> list[dict]:
     """The held-out curve (rows with ``tokens``, ``wall_s`` and ``val/loss``) against modelled seconds:
     ``modelled_s`` = the measured ``wall_s`` + the steps taken by then (tokens / tokens per step of the
     whole system) × ``extra_s``, the seconds the links add to each step."""
-    return [{**r, "modelled_s": r["wall_s"] + r["tokens"] / tokens_per_step * extra_s} for r in curve
-            if r.get("tokens") is not None and r.get("val/loss") is not None and r.get("wall_s") is not None]
+    return [
+        {**r, "modelled_s": r["wall_s"] + r["tokens"] / tokens_per_step * extra_s}
+        for r in curve
+        if r.get("tokens") is not None and r.get("val/loss") is not None and r.get("wall_s") is not None
+    ]
 
 
 def time_to_loss(curve: list[dict], target: float) -> float | None:
@@ -113,13 +133,22 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
         return None
     net = config.get("network") or {}
     same_host = net.get("bandwidth_gbps") is None
-    link = None if same_host else Link(float(net["bandwidth_gbps"]), float(net.get("latency_ms") or 0.0),
-                                       str(net.get("label") or ""))
+    link = (
+        None
+        if same_host
+        else Link(float(net["bandwidth_gbps"]), float(net.get("latency_ms") or 0.0), str(net.get("label") or ""))
+    )
     overlap = float(net.get("dp_overlap") or 0.0)
-    out: dict = {"same_host": same_host, "methods": {},
-                 "short": "this host" if same_host else f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links",
-                 "assumption": ("modelled: every worker on this host (no network); the measured figures"
-                                if same_host else assumption(link, overlap))}
+    out: dict = {
+        "same_host": same_host,
+        "methods": {},
+        "short": "this host" if same_host else f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links",
+        "assumption": (
+            "modelled: every worker on this host (no network); the measured figures"
+            if same_host
+            else assumption(link, overlap)
+        ),
+    }
     for method, rec in (("dp", dp), ("diloco", diloco)):
         s = (rec or {}).get("summary") or {}
         steps, wall, tokens = num(s.get("steps")), num(s.get("wall_s")), num(s.get("tokens"))
@@ -132,8 +161,11 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             compute = train_s / steps
             sent = num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
             grad = sent / (2 * (workers - 1) * steps) if workers > 1 else 0.0
-            fig = dp_step_s(compute, grad, workers, link, overlap) if link else \
-                {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            fig = (
+                dp_step_s(compute, grad, workers, link, overlap)
+                if link
+                else {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            )
             per_step_tokens, system_steps = tokens / steps, steps
         else:
             d = config.get("diloco") or {}
@@ -141,19 +173,33 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             per_learner = steps / learners  # the summary's steps: all learners' steps together
             compute = (wall - (num(s.get("startup_s")) or 0.0)) / per_learner
             tau = int(d.get("overlap_steps") or d.get("sync_every") or 1)
-            fig = diloco_step_s(compute, (num(s.get("bytes_to_syncer")) or 0.0) / steps,
-                                (num(s.get("bytes_from_syncer")) or 0.0) / steps, int(d.get("fragments") or 1),
-                                int(d.get("sync_every") or 1), tau, link) if link else \
-                {"compute_s": compute, "comm_s": 0.0, "exposed_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            fig = (
+                diloco_step_s(
+                    compute,
+                    (num(s.get("bytes_to_syncer")) or 0.0) / steps,
+                    (num(s.get("bytes_from_syncer")) or 0.0) / steps,
+                    int(d.get("fragments") or 1),
+                    int(d.get("sync_every") or 1),
+                    tau,
+                    link,
+                )
+                if link
+                else {"compute_s": compute, "comm_s": 0.0, "exposed_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+            )
             per_step_tokens, system_steps = tokens / per_learner, per_learner  # M learners step side by side
         extra = fig["step_s"] - fig["compute_s"]
-        out["methods"][method] = {**fig, "extra_s": extra, "measured_wall_s": wall,
-                                  "modelled_wall_s": wall + system_steps * extra,
-                                  "curve": modelled_curve(curve, per_step_tokens, extra)}
+        out["methods"][method] = {
+            **fig,
+            "extra_s": extra,
+            "measured_wall_s": wall,
+            "modelled_wall_s": wall + system_steps * extra,
+            "curve": modelled_curve(curve, per_step_tokens, extra),
+        }
     if not out["methods"]:
         return None
     dp_curve = out["methods"].get("dp", {}).get("curve") or []
     target = dp_curve[-1]["val/loss"] if dp_curve else None
-    out["time_to_dp_final_s"] = {m: time_to_loss(f["curve"], target) if target is not None else None
-                                 for m, f in out["methods"].items()}
+    out["time_to_dp_final_s"] = {
+        m: time_to_loss(f["curve"], target) if target is not None else None for m, f in out["methods"].items()
+    }
     return out

@@ -36,7 +36,7 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
         who = lid(f.get("learner"))
         t_fail = num(f["t"])
         att = num(f.get("attempt"))
-        later = [e for e in evs[i + 1:] if lid(e.get("learner")) == who]
+        later = [e for e in evs[i + 1 :] if lid(e.get("learner")) == who]
 
         def _after(e: dict) -> bool:  # a start of a later attempt (when attempts are logged)
             a = num(e.get("attempt"))
@@ -49,20 +49,31 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
         end = t_restart if t_restart is not None else math.inf
         during = [(t, m) for t, m in timed_merges if t_fail <= t < end]
         by_frag = Counter(str(m.get("fragment")) for _, m in during)
-        after = sorted(t for t, m in timed_merges if t_restart is not None and t >= t_restart
-                       and who in {lid(c) for c in (m.get("contributors") or [])})
-        out.append({
-            "learner": who, "attempt": f.get("attempt"), "failed_at_s": t_fail, "failed_at_step": f.get("step"),
-            "reason": f.get("reason"), "restarted_at_s": t_restart,
-            "restart_attempt": restart.get("attempt") if restart else None,
-            "restart_event": restart.get("event") if restart else None,
-            "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
-            "merges_while_down": len(during), "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
-            "merges_while_down_with_learner": sum(who in {lid(c) for c in (m.get("contributors") or [])}
-                                                  for _, m in during),
-            "merged_again_after_restart": bool(after),
-            "first_merge_with_learner_after_restart_s": after[0] if after else None,
-        })
+        after = sorted(
+            t
+            for t, m in timed_merges
+            if t_restart is not None and t >= t_restart and who in {lid(c) for c in (m.get("contributors") or [])}
+        )
+        out.append(
+            {
+                "learner": who,
+                "attempt": f.get("attempt"),
+                "failed_at_s": t_fail,
+                "failed_at_step": f.get("step"),
+                "reason": f.get("reason"),
+                "restarted_at_s": t_restart,
+                "restart_attempt": restart.get("attempt") if restart else None,
+                "restart_event": restart.get("event") if restart else None,
+                "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
+                "merges_while_down": len(during),
+                "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
+                "merges_while_down_with_learner": sum(
+                    who in {lid(c) for c in (m.get("contributors") or [])} for _, m in during
+                ),
+                "merged_again_after_restart": bool(after),
+                "first_merge_with_learner_after_restart_s": after[0] if after else None,
+            }
+        )
     return out
 
 
@@ -72,8 +83,14 @@ def _stale_versions(x: Any) -> int:
     return int(v) if v is not None and math.isfinite(v) else 0
 
 
-def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str],
-                log_file: str, summary_file: str, who: str = "DiLoCo") -> dict:
+def merge_stats(
+    merges: list[dict] | None,
+    summary: dict | None,
+    notes: list[str],
+    log_file: str,
+    summary_file: str,
+    who: str = "DiLoCo",
+) -> dict:
     """The merge figures, once, from the merge log (``log_file``), else the summary's ``merges``
     (status "from summary"; a count that disagrees with the log is a note): ``count``,
     ``by_fragment``, ``contributions``, ``stale_contributions``, ``max_stale_versions``, ``first_s`` /
@@ -81,10 +98,18 @@ def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str
     summary_count = num((summary or {}).get("merges"))
     if merges is None:
         status = "from summary" if summary_count is not None else NOT_RUN
-        return {"status": status, "count": int(summary_count) if summary_count is not None else None,
-                "source": f"{summary_file} (merges)" if summary_count is not None else None,
-                "by_fragment": {}, "contributions": 0, "mean_contributors": None, "stale_contributions": 0,
-                "max_stale_versions": None, "first_s": None, "last_s": None}
+        return {
+            "status": status,
+            "count": int(summary_count) if summary_count is not None else None,
+            "source": f"{summary_file} (merges)" if summary_count is not None else None,
+            "by_fragment": {},
+            "contributions": 0,
+            "mean_contributors": None,
+            "stale_contributions": 0,
+            "max_stale_versions": None,
+            "first_s": None,
+            "last_s": None,
+        }
     by_frag = Counter(str(m.get("fragment")) for m in merges)
     contributors, stale = [], []
     for m in merges:
@@ -92,15 +117,21 @@ def merge_stats(merges: list[dict] | None, summary: dict | None, notes: list[str
         stale += [_stale_versions(x) for x in (m.get("stale") or [])]
     times = [t for m in merges if (t := num(m.get("merged_at_s"))) is not None]
     if summary_count is not None and summary_count != len(merges):
-        notes.append(f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
-                     "lines; the report counts the merge log.")
+        notes.append(
+            f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
+            "lines; the report counts the merge log."
+        )
     return {
-        "status": "ok", "count": len(merges), "source": log_file,
+        "status": "ok",
+        "count": len(merges),
+        "source": log_file,
         "by_fragment": dict(sorted(by_frag.items(), key=lambda kv: sort_key(kv[0]))),
         "contributions": sum(contributors),
         "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
-        "stale_contributions": sum(1 for x in stale if x > 0), "max_stale_versions": max(stale) if stale else None,
-        "first_s": min(times) if times else None, "last_s": max(times) if times else None,
+        "stale_contributions": sum(1 for x in stale if x > 0),
+        "max_stale_versions": max(stale) if stale else None,
+        "first_s": min(times) if times else None,
+        "last_s": max(times) if times else None,
     }
 
 
@@ -112,8 +143,10 @@ def learner_table(events: list[dict]) -> list[dict]:
         if e.get("learner") is None:
             continue
         who = lid(e.get("learner"))
-        row = per.setdefault(who, {"learner": who, "starts": 0, "failures": 0, "dropped_submissions": 0,
-                                   "last_step": None, "ended": None})
+        row = per.setdefault(
+            who,
+            {"learner": who, "starts": 0, "failures": 0, "dropped_submissions": 0, "last_step": None, "ended": None},
+        )
         ev = e.get("event")
         if ev == "start":
             row["starts"] += 1
@@ -142,8 +175,15 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     dropped + pending within ±P tokens (``tolerance``, P = ``fragments``); docs/report.md ("Token
     ledger"). Returns ``status``, ``columns``, ``rows``, ``total``, ``fragments``, ``tolerance``,
     ``not_submitted_computed`` and ``identity_violations``."""
-    empty = {"columns": [], "rows": [], "total": None, "fragments": fragments, "tolerance": None,
-             "not_submitted_computed": False, "identity_violations": []}
+    empty = {
+        "columns": [],
+        "rows": [],
+        "total": None,
+        "fragments": fragments,
+        "tolerance": None,
+        "not_submitted_computed": False,
+        "identity_violations": [],
+    }
     if summary is None:
         return {"status": NOT_RUN, **empty}
     raw = summary.get("ledger")
@@ -154,8 +194,11 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     learners = {k: dict(v) for k, v in raw.items() if isinstance(v, dict)}
     computed = False
     for v in learners.values():
-        if v.get("not_submitted") is None and num(v.get("processed")) is not None \
-                and num(v.get("submitted")) is not None:
+        if (
+            v.get("not_submitted") is None
+            and num(v.get("processed")) is not None
+            and num(v.get("submitted")) is not None
+        ):
             v["not_submitted"] = num(v["processed"]) - num(v["submitted"])
             computed = True
     extra = sorted({c for v in learners.values() for c in v} - set(LEDGER_COLUMNS))
@@ -166,8 +209,7 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
         v = learners[k]
         row: dict[str, Any] = {"learner": lid(k)}
         for c in columns:
-            row[c] = ({str(kk): _int(vv) for kk, vv in (v.get(c) or {}).items()} if c in dict_cols
-                      else _int(v.get(c)))
+            row[c] = {str(kk): _int(vv) for kk, vv in (v.get(c) or {}).items()} if c in dict_cols else _int(v.get(c))
         rows.append(row)
     total: dict[str, Any] = {"learner": "total"}
     for c in columns:
@@ -185,19 +227,32 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     tol = fragments or 1
     violations = []
     for r in rows:
-        identities = (("processed", ("submitted", "not_submitted")),
-                      ("submitted", ("merged", *(("recomputed",) if r.get("recomputed") is not None else ()),
-                                     "dropped", "pending")))
+        identities = (
+            ("processed", ("submitted", "not_submitted")),
+            (
+                "submitted",
+                ("merged", *(("recomputed",) if r.get("recomputed") is not None else ()), "dropped", "pending"),
+            ),
+        )
         for lhs, parts in identities:
             vals = [r.get(c) for c in (lhs, *parts)]
             if any(x is None for x in vals):
                 continue
             diff = vals[0] - sum(vals[1:])
             if abs(diff) > tol:
-                violations.append({"learner": r["learner"], "identity": f"{lhs} = {' + '.join(parts)}",
-                                   "difference": diff})
-    return {"status": "ok", "columns": columns, "rows": rows, "total": total, "fragments": fragments,
-            "tolerance": tol, "not_submitted_computed": computed, "identity_violations": violations}
+                violations.append(
+                    {"learner": r["learner"], "identity": f"{lhs} = {' + '.join(parts)}", "difference": diff}
+                )
+    return {
+        "status": "ok",
+        "columns": columns,
+        "rows": rows,
+        "total": total,
+        "fragments": fragments,
+        "tolerance": tol,
+        "not_submitted_computed": computed,
+        "identity_violations": violations,
+    }
 
 
 def _injected_at(reason: Any, at_step: Any) -> bool:
@@ -208,8 +263,9 @@ def _injected_at(reason: Any, at_step: Any) -> bool:
 
 def _killed(at_step: Any, at_s: Any):
     """A test of a failure reason: the chaos SIGKILL at local step ``at_step`` (or at ``at_s`` s)."""
-    pattern = (rf"SIGKILL at local step {int(at_step)}(?!\d)" if at_step is not None
-               else rf"SIGKILL at {float(at_s):g} s")
+    pattern = (
+        rf"SIGKILL at local step {int(at_step)}(?!\d)" if at_step is not None else rf"SIGKILL at {float(at_s):g} s"
+    )
     return lambda reason: re.search(pattern, str(reason or "")) is not None
 
 
@@ -220,9 +276,12 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
     ``unscheduled_failures``."""
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
-    scheduled = [dict(spec, kind="failure") for spec in nested(config, ("chaos", "failures")) or []
-                 if isinstance(spec, dict)]
-    scheduled += [dict(spec, kind="kill") for spec in nested(config, ("chaos", "kills")) or [] if isinstance(spec, dict)]
+    scheduled = [
+        dict(spec, kind="failure") for spec in nested(config, ("chaos", "failures")) or [] if isinstance(spec, dict)
+    ]
+    scheduled += [
+        dict(spec, kind="kill") for spec in nested(config, ("chaos", "kills")) or [] if isinstance(spec, dict)
+    ]
     last_step: dict[Any, int] = {}
     for e in events or []:
         s = num(e.get("step"))
@@ -237,14 +296,28 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
             when = f"at local step {format_value(at)}" if at is not None else f"at {format_value(at_s)} s"
             event, fired_by = f"learner {who}'s process SIGKILLed {when}", _killed(at, at_s)
         else:
-            event, fired_by = f"learner {who} fails at local step {format_value(at)}", (
-                lambda reason, at=at: _injected_at(reason, at))
-        row: dict[str, Any] = {"learner": who, "at_step": at, "at_s": at_s, "kind": spec["kind"], "event": event,
-                               "fired": None, "fired_at_s": None, "failed_attempt": None,
-                               "rejoined_at_s": None, "rejoin_attempt": None, "note": None}
+            event, fired_by = (
+                f"learner {who} fails at local step {format_value(at)}",
+                (lambda reason, at=at: _injected_at(reason, at)),
+            )
+        row: dict[str, Any] = {
+            "learner": who,
+            "at_step": at,
+            "at_s": at_s,
+            "kind": spec["kind"],
+            "event": event,
+            "fired": None,
+            "fired_at_s": None,
+            "failed_attempt": None,
+            "rejoined_at_s": None,
+            "rejoin_attempt": None,
+            "note": None,
+        }
         if events is not None and (at is not None or at_s is not None):
-            hit = next((i for i, f in enumerate(failures) if i not in used and f["learner"] == who
-                        and fired_by(f["reason"])), None)
+            hit = next(
+                (i for i, f in enumerate(failures) if i not in used and f["learner"] == who and fired_by(f["reason"])),
+                None,
+            )
             row["fired"] = hit is not None
             if hit is not None:
                 used.add(hit)
@@ -256,11 +329,13 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
                     row["note"] = "no later attempt started"
             else:
                 seen = last_step.get(who)
-                row["note"] = (f"learner {who}'s last logged step: {seen}" if seen is not None
-                               else f"no events of learner {who} logged")
+                row["note"] = (
+                    f"learner {who}'s last logged step: {seen}"
+                    if seen is not None
+                    else f"no events of learner {who} logged"
+                )
         rows.append(row)
-    return {"status": "ok", "rows": rows,
-            "unscheduled_failures": sum(1 for i in range(len(failures)) if i not in used)}
+    return {"status": "ok", "rows": rows, "unscheduled_failures": sum(1 for i in range(len(failures)) if i not in used)}
 
 
 def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -> dict | None:
@@ -270,13 +345,16 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
     raw = (summary or {}).get("work_lost")
     if not isinstance(raw, dict):
         return None
-    wl = {k: num(raw.get(k)) for k in ("processed_tokens", "dropped_tokens", "dropped_fraction",
-                                       "warn_above", "fail_above")}
+    wl = {
+        k: num(raw.get(k))
+        for k in ("processed_tokens", "dropped_tokens", "dropped_fraction", "warn_above", "fail_above")
+    }
     wl["status"] = str(raw.get("status") or "unknown")
     reasons = raw.get("reasons")
     if not isinstance(reasons, dict):
-        reasons = ((ledger_figures.get("total") or {}).get("drop_reasons")
-                   if ledger_figures.get("status") == "ok" else None)
+        reasons = (
+            (ledger_figures.get("total") or {}).get("drop_reasons") if ledger_figures.get("status") == "ok" else None
+        )
     reasons = {str(k): n for k, v in (reasons or {}).items() if (n := num(v))}
     processed = wl["processed_tokens"]
     wl["drop_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
@@ -285,18 +363,26 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
     frac = wl["dropped_fraction"]
     if wl["status"] != "ok" and frac is not None:
         why = ", ".join(f"{k} {100 * x:.1f} %" for k, x in wl["drop_reason_fractions"].items())
-        counts = (f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
-                  if wl["dropped_tokens"] is not None and processed is not None else "")
+        counts = (
+            f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
+            if wl["dropped_tokens"] is not None and processed is not None
+            else ""
+        )
         warn = f"diloco.warn_dropped_fraction = {wl['warn_above']:g}" if wl["warn_above"] is not None else None
         fail = f"diloco.max_dropped_fraction = {wl['fail_above']:g}" if wl["fail_above"] is not None else None
         if wl["status"] == "failed":
             verdict = f"this run failed its {fail or 'diloco.max_dropped_fraction'} check" + (
-                f" (warning above {warn})" if warn else "")
+                f" (warning above {warn})" if warn else ""
+            )
         else:
             verdict = f"above {warn or 'diloco.warn_dropped_fraction'}" + (
-                f"; the run fails above {fail}" if fail else "")
-        wl["headline"] = (f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped"
-                          + (f" ({why})" if why else "") + f"; {verdict}.**")
+                f"; the run fails above {fail}" if fail else ""
+            )
+        wl["headline"] = (
+            f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped"
+            + (f" ({why})" if why else "")
+            + f"; {verdict}.**"
+        )
     return wl
 
 
@@ -308,20 +394,35 @@ def syncer_restarts(events: list[dict]) -> list[dict]:
     for i, e in enumerate(evs):
         if e.get("event") not in ("syncer-failure", "syncer-kill"):
             continue
-        back = next((r for r in evs[i + 1:] if r.get("event") == "syncer-resumed"), None)
+        back = next((r for r in evs[i + 1 :] if r.get("event") == "syncer-resumed"), None)
         t_fail, t_back = num(e["t"]), num(back["t"]) if back else None
-        out.append({"attempt": e.get("attempt"), "how": "SIGKILL" if e["event"] == "syncer-kill" else "exception",
-                    "reason": e.get("reason"), "failed_at_s": t_fail, "merges_before": e.get("merges"),
-                    "resumed_at_s": t_back, "downtime_s": (t_back - t_fail) if t_back is not None else None,
-                    "generation": back.get("generation") if back else None,
-                    "replayed": back.get("replayed") if back else None,
-                    "republished": back.get("republished") if back else None})
+        out.append(
+            {
+                "attempt": e.get("attempt"),
+                "how": "SIGKILL" if e["event"] == "syncer-kill" else "exception",
+                "reason": e.get("reason"),
+                "failed_at_s": t_fail,
+                "merges_before": e.get("merges"),
+                "resumed_at_s": t_back,
+                "downtime_s": (t_back - t_fail) if t_back is not None else None,
+                "generation": back.get("generation") if back else None,
+                "replayed": back.get("replayed") if back else None,
+                "republished": back.get("republished") if back else None,
+            }
+        )
     return out
 
 
-def syncer_sections(config: dict | None, summary: dict | None, merges: list[dict] | None,
-                    events: list[dict] | None, fragments: int | None, files: dict[str, str],
-                    notes: list[str], who: str = "DiLoCo") -> dict:
+def syncer_sections(
+    config: dict | None,
+    summary: dict | None,
+    merges: list[dict] | None,
+    events: list[dict] | None,
+    fragments: int | None,
+    files: dict[str, str],
+    notes: list[str],
+    who: str = "DiLoCo",
+) -> dict:
     """Every learner/syncer figure of one method: ``merges``, ``ledger``, ``work_lost``, ``chaos``,
     ``learners`` (per-learner table) and ``failures``; ``files`` names the sources (read.py)."""
     failures = learner_failures(events or [], merges or [])
@@ -330,8 +431,10 @@ def syncer_sections(config: dict | None, summary: dict | None, merges: list[dict
     if lost and led["status"] == "ok" and lost["dropped_tokens"] is not None:
         diff = lost["dropped_tokens"] - (led["total"].get("dropped") or 0)
         if abs(diff) > (led["tolerance"] or 1) * max(len(led["rows"]), 1):
-            notes.append(f"work_lost.dropped_tokens {int(lost['dropped_tokens']):,} differs from the "
-                         f"ledger's total dropped {led['total'].get('dropped') or 0:,} by {int(diff):+,} tokens.")
+            notes.append(
+                f"work_lost.dropped_tokens {int(lost['dropped_tokens']):,} differs from the "
+                f"ledger's total dropped {led['total'].get('dropped') or 0:,} by {int(diff):+,} tokens."
+            )
     return {
         "merges": merge_stats(merges, summary, notes, files["merges"], files["summary"], who),
         "ledger": led,

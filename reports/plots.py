@@ -40,8 +40,9 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), dpi=DPI, layout="constrained")
 
 
-def finish_axes(ax, xlabel: str, ylabel: str | None, title: str, grid_axis: str = "both",
-                title_size: float | None = None) -> None:
+def finish_axes(
+    ax, xlabel: str, ylabel: str | None, title: str, grid_axis: str = "both", title_size: float | None = None
+) -> None:
     """Axis labels, title (``title_size`` points; matplotlib's default when None) and the light grid
     of every figure."""
     ax.set_xlabel(xlabel)
@@ -59,8 +60,14 @@ def save_png(fig: Figure, path: Path) -> Path:
     return path
 
 
-def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, title: str,
-                finals: dict[str, float | None] | None = None, unit: str = "token") -> Figure | None:
+def loss_figure(
+    curves: dict[str, list[dict] | None],
+    x_key: str,
+    xlabel: str,
+    title: str,
+    finals: dict[str, float | None] | None = None,
+    unit: str = "token",
+) -> Figure | None:
     """Held-out loss (nats/token) against ``x_key`` (``tokens`` or ``wall_s``, seconds) for each
     method with a curve (``curves``: method → eval rows with ``val/loss``); None if none has one.
     Points are sorted stably by ``x_key`` (rows sharing an x keep their file order); the "final"
@@ -69,8 +76,11 @@ def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, t
     finals = finals or {}
     series = {}
     for m, rows in curves.items():
-        pts = [(num(r.get(x_key)), num(r.get("val/loss"))) for r in (rows or [])
-               if num(r.get(x_key)) is not None and num(r.get("val/loss")) is not None]
+        pts = [
+            (num(r.get(x_key)), num(r.get("val/loss")))
+            for r in (rows or [])
+            if num(r.get(x_key)) is not None and num(r.get("val/loss")) is not None
+        ]
         if pts:
             series[m] = sorted(pts, key=lambda xy: xy[0])  # stable: ties keep file order
     if not series:
@@ -89,8 +99,14 @@ def loss_figure(curves: dict[str, list[dict] | None], x_key: str, xlabel: str, t
         # The lowest final value's label below its point, the others above.
         below = len(series) > 1 and m == lowest
         ax.annotate(
-            f"final {final[m]:.4f}", xy=(xs[-1], final[m]), xytext=(-8, -14 if below else 10),
-            textcoords="offset points", ha="right", va="top" if below else "bottom", fontsize=9, color=color,
+            f"final {final[m]:.4f}",
+            xy=(xs[-1], final[m]),
+            xytext=(-8, -14 if below else 10),
+            textcoords="offset points",
+            ha="right",
+            va="top" if below else "bottom",
+            fontsize=9,
+            color=color,
             bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
             arrowprops={"arrowstyle": "-", "color": color, "lw": 0.8},
         )
@@ -112,9 +128,16 @@ def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloc
     ypos = {f: i for i, f in enumerate(frag_ids)}
     fig = new_figure(8.0, 1.6 + 0.55 * len(frag_ids))
     ax = fig.add_subplot()
-    sc = ax.scatter([t for t, _ in pts], [ypos[str(m.get("fragment"))] for _, m in pts],
-                    c=[len(m.get("contributors") or []) for _, m in pts], cmap="viridis", marker="D", s=28,
-                    zorder=3, vmin=0)
+    sc = ax.scatter(
+        [t for t, _ in pts],
+        [ypos[str(m.get("fragment"))] for _, m in pts],
+        c=[len(m.get("contributors") or []) for _, m in pts],
+        cmap="viridis",
+        marker="D",
+        s=28,
+        zorder=3,
+        vmin=0,
+    )
     cbar = fig.colorbar(sc, ax=ax, pad=0.01)
     cbar.set_label("contributing learners")
     cbar.locator = MaxNLocator(integer=True)
@@ -126,13 +149,21 @@ def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloc
         if t1 is not None:
             ax.axvline(t1, color="tab:green", ls="--", lw=1.2, label="learner restart" if i == 0 else None)
         ax.axvspan(t0, t1 if t1 is not None else max(t_end, t0), color="tab:red", alpha=0.08)
-        ax.annotate(f"learner {f['learner']} down: {f['merges_while_down']} merges", xy=(t0, 1.0),
-                    xycoords=("data", "axes fraction"), xytext=(3, -3 - 11 * (i % 3)), textcoords="offset points",
-                    va="top", fontsize=8, color="tab:red")
+        ax.annotate(
+            f"learner {f['learner']} down: {f['merges_while_down']} merges",
+            xy=(t0, 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -3 - 11 * (i % 3)),
+            textcoords="offset points",
+            va="top",
+            fontsize=8,
+            color="tab:red",
+        )
     ax.set_yticks(range(len(frag_ids)), [f"fragment {f}" for f in frag_ids])
     ax.set_ylim(-0.6, len(frag_ids) - 0.4 + 0.5)
-    finish_axes(ax, "time since training start (s)", None, f"{short_label(method)} merges per fragment over time",
-                grid_axis="x")
+    finish_axes(
+        ax, "time since training start (s)", None, f"{short_label(method)} merges per fragment over time", grid_axis="x"
+    )
     if failures:
         fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig
@@ -155,21 +186,35 @@ def confusion_figure(evals: dict[str, dict | None]) -> Figure | None:
         for i in range(k):
             for j in range(k):
                 if counts[i][j]:
-                    ax.text(j, i, str(counts[i][j]), ha="center", va="center", fontsize=7,
-                            color="white" if share[i][j] > 0.5 else "black")
+                    ax.text(
+                        j,
+                        i,
+                        str(counts[i][j]),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white" if share[i][j] > 0.5 else "black",
+                    )
         names = e.get("class_names") or [str(i) for i in range(k)]
         ax.set_xticks(range(k), names, fontsize=7)
         ax.set_yticks(range(k), names, fontsize=7)
         acc = e.get("test/accuracy")
-        finish_axes(ax, "predicted class", "true class",
-                    f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else ""))
+        finish_axes(
+            ax, "predicted class", "true class", f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else "")
+        )
         ax.grid(False)
     return fig
 
 
 # Timeline states (reports.resilience.STATES) and their colours.
-STATE_COLORS = {"running": "tab:green", "straggling": "#bcbd22", "waiting": "tab:orange",
-                "recomputing": "tab:purple", "down": "tab:red", "absent": "#d9d9d9"}
+STATE_COLORS = {
+    "running": "tab:green",
+    "straggling": "#bcbd22",
+    "waiting": "tab:orange",
+    "recomputing": "tab:purple",
+    "down": "tab:red",
+    "absent": "#d9d9d9",
+}
 
 
 def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None = None) -> Figure | None:
@@ -208,8 +253,13 @@ def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None
     ax.set_ylim(-0.7, n - 0.3)
     ends = [iv["end"] for _, ivs in rows for iv in ivs]
     ax.set_xlim(0, max(ends, default=1.0) * 1.01 or 1.0)
-    finish_axes(ax, "seconds since the method's training start", None,
-                "Learner and replica states over training (DiLoCo: run clock; DP: its own clock)", grid_axis="x")
+    finish_axes(
+        ax,
+        "seconds since the method's training start",
+        None,
+        "Learner and replica states over training (DiLoCo: run clock; DP: its own clock)",
+        grid_axis="x",
+    )
     handles = [Patch(color=STATE_COLORS[s], label=s) for s in STATE_COLORS if s in seen]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     return fig
@@ -226,11 +276,24 @@ def resilience_loss_figure(series: list[dict], at_s: float | None = None, unit: 
     ax = fig.add_subplot()
     for i, s in enumerate(have):
         xs, ys = zip(*s["points"])
-        ax.plot(xs, ys, ls="--" if s.get("dashed") else "-", marker="o", ms=2.5, lw=1.4,
-                color=series_color(s["method"], i), alpha=0.7 if s.get("dashed") else 1.0, label=s["label"])
+        ax.plot(
+            xs,
+            ys,
+            ls="--" if s.get("dashed") else "-",
+            marker="o",
+            ms=2.5,
+            lw=1.4,
+            color=series_color(s["method"], i),
+            alpha=0.7 if s.get("dashed") else 1.0,
+            label=s["label"],
+        )
     if at_s is not None:
         ax.axvline(at_s, color="grey", lw=0.8, ls=":", label=f"equal time: {at_s:.1f} s")
-    finish_axes(ax, "seconds since the method's training start", f"held-out loss (nats/{unit})",
-                "Held-out loss vs training time under the chaos schedule")
+    finish_axes(
+        ax,
+        "seconds since the method's training start",
+        f"held-out loss (nats/{unit})",
+        "Held-out loss vs training time under the chaos schedule",
+    )
     ax.legend(fontsize=8)
     return fig

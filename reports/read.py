@@ -118,8 +118,10 @@ def read_jsonl(path: Path, notes: list[str] | None = None, name: str | None = No
             row = json.loads(line)
         except json.JSONDecodeError as e:
             if lineno == len(lines) and not text.endswith(("\n", "\r")):
-                note = (f"{name or path}: its last line (line {lineno}) is cut short (no newline; a write stopped "
-                        "part-way) and was left out.")
+                note = (
+                    f"{name or path}: its last line (line {lineno}) is cut short (no newline; a write stopped "
+                    "part-way) and was left out."
+                )
                 logging.getLogger(__name__).warning(note)
                 if notes is not None:
                     notes.append(note)
@@ -152,8 +154,9 @@ def open_run(run_dir: str | Path) -> RunLayout:
     if not layout.config.is_file() and not layout.stages():
         stages = " or ".join(f"{s}/" for s in STAGES)
         raise ReportInputError(
-            layout.root, f"not a run directory (no config.json and no {stages} folder holding a method); "
-                         f"{RUN_DIR_CONTENTS}")
+            layout.root,
+            f"not a run directory (no config.json and no {stages} folder holding a method); {RUN_DIR_CONTENTS}",
+        )
     return layout
 
 
@@ -173,10 +176,19 @@ def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
     def lines(key: str) -> list[dict] | None:
         return read_jsonl(paths[key], notes, relative(layout, paths[key]))
 
-    return MethodRecords(stage, method, summary=read_json(paths["summary"]), eval=read_json(paths["eval"]),
-                         curve=lines("curve"), merges=lines("merges"), events=lines("learners"), train=lines("train"),
-                         chaos_events=lines("events"), files={k: relative(layout, p) for k, p in paths.items()},
-                         notes=notes)
+    return MethodRecords(
+        stage,
+        method,
+        summary=read_json(paths["summary"]),
+        eval=read_json(paths["eval"]),
+        curve=lines("curve"),
+        merges=lines("merges"),
+        events=lines("learners"),
+        train=lines("train"),
+        chaos_events=lines("events"),
+        files={k: relative(layout, p) for k, p in paths.items()},
+        notes=notes,
+    )
 
 
 POST_TRAINING_STAGE = "finetune"
@@ -186,8 +198,9 @@ def is_post_training(summary: dict | None, result: dict | None) -> bool:
     """Whether a method's records are the fine-tuning recipe's (a summary with ``recipe`` or
     ``runs``, or an evaluation with ``finetuned`` or ``pretrained`` scores of a ``task``) rather
     than a pretraining-style stage's."""
-    return ((isinstance(summary, dict) and ("recipe" in summary or "runs" in summary))
-            or (isinstance(result, dict) and ("finetuned" in result or isinstance(result.get("task"), dict))))
+    return (isinstance(summary, dict) and ("recipe" in summary or "runs" in summary)) or (
+        isinstance(result, dict) and ("finetuned" in result or isinstance(result.get("task"), dict))
+    )
 
 
 def read_finetune_method(layout: RunLayout, method: str) -> FinetuneRecords:
@@ -199,9 +212,14 @@ def read_finetune_method(layout: RunLayout, method: str) -> FinetuneRecords:
         "train": layout.metrics(stage, method, "train"),
         "curve": layout.metrics(stage, method, "eval"),
     }
-    return FinetuneRecords(method, summary=read_json(paths["summary"]), eval=read_json(paths["eval"]),
-                           train=read_jsonl(paths["train"]), curve=read_jsonl(paths["curve"]),
-                           files={k: relative(layout, p) for k, p in paths.items()})
+    return FinetuneRecords(
+        method,
+        summary=read_json(paths["summary"]),
+        eval=read_json(paths["eval"]),
+        train=read_jsonl(paths["train"]),
+        curve=read_jsonl(paths["curve"]),
+        files={k: relative(layout, p) for k, p in paths.items()},
+    )
 
 
 def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
@@ -237,7 +255,7 @@ def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, s
     completed = status.get("status") == "completed"
     out: list[tuple[str, str]] = []
     for stage in STAGES:
-        names = {s[len(stage) + 1:] for s in done if s.startswith(stage + "-")}
+        names = {s[len(stage) + 1 :] for s in done if s.startswith(stage + "-")}
         base = layout.root / stage
         if base.is_dir():
             names |= {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")}
@@ -251,15 +269,17 @@ def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, s
             if f"{stage}-{method}" in done:
                 why = f"status.json lists {stage}-{method} as completed"
             elif _has_work(layout, stage, method) and (completed or (stage == POST_TRAINING_STAGE and stage in done)):
-                why = (f"the run {'completed' if completed else 'completed its ' + stage + ' stage'} and "
-                       f"{stage}/{method}/ holds its metrics or checkpoints")
+                why = (
+                    f"the run {'completed' if completed else 'completed its ' + stage + ' stage'} and "
+                    f"{stage}/{method}/ holds its metrics or checkpoints"
+                )
             else:
                 continue
             out.append((relative(layout, summary), why))
     for s in done:
         if s.startswith("eval-"):
             try:
-                result = layout.eval_result("pretrain", s[len("eval-"):])
+                result = layout.eval_result("pretrain", s[len("eval-") :])
             except ValueError:
                 continue
             if not result.exists():
@@ -273,11 +293,16 @@ def read_run(layout: RunLayout) -> RunRecords:
     a post-training ``finetune`` stage (:func:`read_post_training`) is in ``finetune`` instead."""
     finetune = read_post_training(layout)
     stages = {
-        stage: {m: read_method(layout, stage, m)
-                for m in ordered_methods([*METHOD_ORDER, *layout.methods(stage)])}
+        stage: {m: read_method(layout, stage, m) for m in ordered_methods([*METHOD_ORDER, *layout.methods(stage)])}
         for stage in layout.stages()
         if not (stage == POST_TRAINING_STAGE and finetune)
     }
-    return RunRecords(layout, config=read_json(layout.config), manifest=read_json(layout.manifest),
-                      status=read_json(layout.status), stages=stages, finetune=finetune,
-                      chaos_schedule=read_json(layout.chaos_schedule))
+    return RunRecords(
+        layout,
+        config=read_json(layout.config),
+        manifest=read_json(layout.manifest),
+        status=read_json(layout.status),
+        stages=stages,
+        finetune=finetune,
+        chaos_schedule=read_json(layout.chaos_schedule),
+    )

@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import re
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from reports.common import lid, num
 from reports.learners import learner_failures
@@ -38,16 +39,26 @@ def merge_adjacent(intervals: list[Interval]) -> list[Interval]:
     """Sorted, without empty intervals, touching intervals of the same state (and ``why``) joined."""
     out: list[Interval] = []
     for iv in sorted((x for x in intervals if x["end"] > x["start"]), key=lambda x: x["start"]):
-        if out and out[-1]["state"] == iv["state"] and out[-1].get("why") == iv.get("why") \
-                and abs(out[-1]["end"] - iv["start"]) < 1e-12:
+        if (
+            out
+            and out[-1]["state"] == iv["state"]
+            and out[-1].get("why") == iv.get("why")
+            and abs(out[-1]["end"] - iv["start"]) < 1e-12
+        ):
             out[-1]["end"] = iv["end"]
         else:
             out.append(dict(iv))
     return out
 
 
-def overlay(intervals: list[Interval], a: float, b: float, state: str, why: str | None = None,
-            replace: tuple[str, ...] | None = None) -> list[Interval]:
+def overlay(
+    intervals: list[Interval],
+    a: float,
+    b: float,
+    state: str,
+    why: str | None = None,
+    replace: tuple[str, ...] | None = None,
+) -> list[Interval]:
     """``intervals`` with [a, b) set to ``state`` where their state is in ``replace`` (None: any)."""
     if b <= a:
         return intervals
@@ -67,8 +78,11 @@ def overlay(intervals: list[Interval], a: float, b: float, state: str, why: str 
 
 def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
     """The parts of ``intervals`` inside [lo, hi)."""
-    return [{**iv, "start": max(iv["start"], lo), "end": min(iv["end"], hi)}
-            for iv in intervals if iv["end"] > lo and iv["start"] < hi]
+    return [
+        {**iv, "start": max(iv["start"], lo), "end": min(iv["end"], hi)}
+        for iv in intervals
+        if iv["end"] > lo and iv["start"] < hi
+    ]
 
 
 def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, float]:
@@ -121,15 +135,21 @@ def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | N
     if now is not None:
         t1 = float(now)
     else:
-        t1 = max(_t(e) + (num(e.get("wait_s")) or 0.0) if e["event"] == "wait" else _t(e)
-                 for evs in per.values() for e in evs)
+        t1 = max(
+            _t(e) + (num(e.get("wait_s")) or 0.0) if e["event"] == "wait" else _t(e)
+            for evs in per.values()
+            for e in evs
+        )
     t1 = max(t1, t0)
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
 def _windows(schedule: dict | None) -> dict[Any, tuple[float, float | None]]:
-    return {lid(p.get("learner")): (num(p.get("join_s")) or 0.0, num(p.get("leave_s")))
-            for p in (schedule or {}).get("presence") or [] if isinstance(p, dict)}
+    return {
+        lid(p.get("learner")): (num(p.get("join_s")) or 0.0, num(p.get("leave_s")))
+        for p in (schedule or {}).get("presence") or []
+        if isinstance(p, dict)
+    }
 
 
 def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
@@ -212,14 +232,25 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
         taken = s_f - (num(b.get("step")) or 0) if b is not None else 0
         busy = sum(max(0.0, min(iv["end"], t_f) - max(iv["start"], _t(b))) for iv in useful) if b is not None else 0.0
         steps_total += max(taken, 0)
-        out.append({"attempt": f.get("attempt"), "failed_at_s": t_f, "failed_at_step": s_f,
-                    "resumed_from_step": resumed if nxt is not None else None,
-                    "lost_steps": max(0, s_f - resumed), "steps_taken": taken, "busy_s": busy,
-                    "restarted": nxt is not None})
+        out.append(
+            {
+                "attempt": f.get("attempt"),
+                "failed_at_s": t_f,
+                "failed_at_step": s_f,
+                "resumed_from_step": resumed if nxt is not None else None,
+                "lost_steps": max(0, s_f - resumed),
+                "steps_taken": taken,
+                "busy_s": busy,
+                "restarted": nxt is not None,
+            }
+        )
     mean_sps = total_useful / steps_total if steps_total else None
     logged = [e for e in evs if e["event"] == "step" and _t(e) is not None and num(e.get("step")) is not None]
-    paces = [(_t(b) - _t(a)) / (num(b["step"]) - num(a["step"])) for a, b in zip(logged, logged[1:])
-             if num(b["step"]) > num(a["step"]) and b.get("attempt", a.get("attempt")) == a.get("attempt", b.get("attempt"))]
+    paces = [
+        (_t(b) - _t(a)) / (num(b["step"]) - num(a["step"]))
+        for a, b in zip(logged, logged[1:])
+        if num(b["step"]) > num(a["step"]) and b.get("attempt", a.get("attempt")) == a.get("attempt", b.get("attempt"))
+    ]
     pace = statistics.median(paces) if paces else None
     for r in out:
         sps = pace if pace is not None else (r["busy_s"] / r["steps_taken"] if r["steps_taken"] > 0 else mean_sps)
@@ -241,8 +272,13 @@ def _attempts(evs: list[dict]) -> list[dict]:
     return out
 
 
-def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = None, schedule: dict | None = None,
-                      now: float | None = None, resume_every_steps: int | None = None) -> dict | None:
+def diloco_resilience(
+    events: list[dict] | None,
+    merges: list[dict] | None = None,
+    schedule: dict | None = None,
+    now: float | None = None,
+    resume_every_steps: int | None = None,
+) -> dict | None:
     """Decoupled DiLoCo's timelines and goodput (docs/report.md); None before any learner started.
     ``now``: the run clock's present, for a run in progress. Returns ``span`` (:func:`diloco_span`),
     ``learners`` (one row per learner: ``allocated_s``, seconds per state, ``lost_work_s``, ``useful_s``,
@@ -277,32 +313,48 @@ def diloco_resilience(events: list[dict] | None, merges: list[dict] | None = Non
         # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
         trained = {num(x.get("attempt")) for x in _attempts(evs) if x["steps"] > 0}
         restarted = [f for f in mine if f["restart_event"] == "start" and num(f["restart_attempt"]) in trained]
-        rows.append({
-            "learner": m, "scavenged": scav,
-            "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
-            "allocated_s": allocated,
-            **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
-            "absent_s": whole["absent"],  # outside its window
-            "down_startup_s": secs.get("down/start-up", 0.0), "waiting_done_s": secs.get("waiting/done", 0.0),
-            "lost_work_s": lost_s, "useful_s": useful, "goodput": _ratio(useful, allocated),
-            "steps_taken": steps, "s_per_step": _ratio(busy, steps),
-            "failures": sum(1 for e in evs if e["event"] in ("failure", "kill")),
-            "restarts": max(0, sum(1 for e in evs if e["event"] == "start") - 1),
-            "merged_again_after_restart": (all(f["merged_again_after_restart"] for f in restarted)
-                                           if restarted else None),
-            "lost": lost,
-        })
+        rows.append(
+            {
+                "learner": m,
+                "scavenged": scav,
+                "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+                "allocated_s": allocated,
+                **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+                "absent_s": whole["absent"],  # outside its window
+                "down_startup_s": secs.get("down/start-up", 0.0),
+                "waiting_done_s": secs.get("waiting/done", 0.0),
+                "lost_work_s": lost_s,
+                "useful_s": useful,
+                "goodput": _ratio(useful, allocated),
+                "steps_taken": steps,
+                "s_per_step": _ratio(busy, steps),
+                "failures": sum(1 for e in evs if e["event"] in ("failure", "kill")),
+                "restarts": max(0, sum(1 for e in evs if e["event"] == "start") - 1),
+                "merged_again_after_restart": (
+                    all(f["merged_again_after_restart"] for f in restarted) if restarted else None
+                ),
+                "lost": lost,
+            }
+        )
         timelines[str(m)] = [{**iv, "start": iv["start"] - t0, "end": iv["end"] - t0} for iv in ivs]
     alloc_sum = sum(r["allocated_s"] for r in rows)
     useful_sum = sum(r["useful_s"] for r in rows)
     merge_times = [t - t0 for x in merges or [] if (t := num(x.get("merged_at_s"))) is not None]
     return {
-        "span": span, "learners": rows, "timelines": timelines,
-        "global": {"allocated_s": alloc_sum, "useful_s": useful_sum, "goodput": _ratio(useful_sum, alloc_sum),
-                   **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
-                   "lost_work_s": sum(r["lost_work_s"] for r in rows)},
-        "uptime": {**state_uptime(timelines, span["length_s"], syncer_outages(events, t0)),
-                   "cadence": uptime(merge_times, 0.0, span["length_s"])},
+        "span": span,
+        "learners": rows,
+        "timelines": timelines,
+        "global": {
+            "allocated_s": alloc_sum,
+            "useful_s": useful_sum,
+            "goodput": _ratio(useful_sum, alloc_sum),
+            **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
+            "lost_work_s": sum(r["lost_work_s"] for r in rows),
+        },
+        "uptime": {
+            **state_uptime(timelines, span["length_s"], syncer_outages(events, t0)),
+            "cadence": uptime(merge_times, 0.0, span["length_s"]),
+        },
     }
 
 
@@ -313,8 +365,14 @@ def dp_step_time(train: list[dict] | None, events: list[dict] | None = None) -> 
     """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
     no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
     the median over all pairs when no pair is clean; None with fewer than two rows."""
-    rows = sorted(((num(r.get("step")), num(r.get("t"))) for r in train or []
-                   if num(r.get("step")) is not None and num(r.get("t")) is not None), key=lambda x: x[1])
+    rows = sorted(
+        (
+            (num(r.get("step")), num(r.get("t")))
+            for r in train or []
+            if num(r.get("step")) is not None and num(r.get("t")) is not None
+        ),
+        key=lambda x: x[1],
+    )
     evs = sorted(((_t(e), e) for e in events or [] if _t(e) is not None), key=lambda x: x[0])
     factors = [(t, num(e.get("factor")) or 1.0) for t, e in evs if e.get("event") == "slowdown"]
 
@@ -351,27 +409,54 @@ def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | No
 def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
     """Each DP failure with its restore and the recomputation after it (docs/report.md)."""
     evs = sorted((e for e in events if _t(e) is not None), key=_t)
-    rows = sorted(((num(r.get("step")), num(r.get("t"))) for r in train
-                   if num(r.get("step")) is not None and num(r.get("t")) is not None), key=lambda x: x[1])
+    rows = sorted(
+        (
+            (num(r.get("step")), num(r.get("t")))
+            for r in train
+            if num(r.get("step")) is not None and num(r.get("t")) is not None
+        ),
+        key=lambda x: x[1],
+    )
     fails = [e for e in evs if e.get("event") == "failure"]
     high, out = 0, []
     for i, f in enumerate(fails):
         t_f = _t(f)
         high = max([high, num(f.get("step")) or 0] + [s for s, t in rows if t <= t_f])
         nxt_fail = fails[i + 1] if i + 1 < len(fails) else None
-        restore = next((e for e in evs if e.get("event") == "restore" and _t(e) >= t_f
-                        and (nxt_fail is None or _t(e) <= _t(nxt_fail))), None)
-        rec = {"replica": f.get("replica"), "failed_at_s": t_f, "step_at_failure": num(f.get("step")),
-               "high_water_step": high, "restart_delay_s": num(f.get("restart_delay_s")),
-               "restored_at_s": None, "restored_step": None, "lost_steps": None, "restore_s": None,
-               "down_s": None, "recomputed_until_s": None, "recompute_s": None}
+        restore = next(
+            (
+                e
+                for e in evs
+                if e.get("event") == "restore" and _t(e) >= t_f and (nxt_fail is None or _t(e) <= _t(nxt_fail))
+            ),
+            None,
+        )
+        rec = {
+            "replica": f.get("replica"),
+            "failed_at_s": t_f,
+            "step_at_failure": num(f.get("step")),
+            "high_water_step": high,
+            "restart_delay_s": num(f.get("restart_delay_s")),
+            "restored_at_s": None,
+            "restored_step": None,
+            "lost_steps": None,
+            "restore_s": None,
+            "down_s": None,
+            "recomputed_until_s": None,
+            "recompute_s": None,
+        }
         if restore is None:
             rec["down_s"] = (_t(nxt_fail) if nxt_fail else end) - t_f
             out.append(rec)
             continue
         t_r, back = _t(restore), num(restore.get("step")) or 0
-        rec.update(restored_at_s=t_r, restored_step=back, lost_steps=num(restore.get("lost_steps")),
-                   restore_s=num(restore.get("restore_s")), down_s=t_r - t_f)
+        rec.update(
+            restored_at_s=t_r,
+            restored_step=back,
+            lost_steps=num(restore.get("lost_steps")),
+            restore_s=num(restore.get("restore_s")),
+            down_s=t_r - t_f,
+        )
         limit = _t(nxt_fail) if nxt_fail is not None else end
         if back >= high:
             t_c = t_r
@@ -407,8 +492,13 @@ def _episode_factor(schedule: dict | None, row: int, workers: int, t: float) -> 
     return f
 
 
-def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: int | None,
-                  schedule: dict | None = None, now: float | None = None) -> dict | None:
+def dp_resilience(
+    events: list[dict] | None,
+    train: list[dict] | None,
+    workers: int | None,
+    schedule: dict | None = None,
+    now: float | None = None,
+) -> dict | None:
     """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
     ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
     ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
@@ -424,15 +514,28 @@ def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: 
     step_s = dp_step_time(train, events)
     restores = _restores(events, train, step_s, end)
     # The job's step-time factor over time, from its slowdown events.
-    factors = sorted(((_t(e), num(e.get("factor")) or 1.0) for e in events
-                      if e.get("event") == "slowdown" and _t(e) is not None), key=lambda x: x[0])
-    stalls = [(x["failed_at_s"], x["restored_at_s"] if x["restored_at_s"] is not None
-               else x["failed_at_s"] + x["down_s"], _row(x["replica"], W)) for x in restores]
-    recomputes = [(x["restored_at_s"], x["recomputed_until_s"]) for x in restores
-                  if x["recomputed_until_s"] is not None]
+    factors = sorted(
+        ((_t(e), num(e.get("factor")) or 1.0) for e in events if e.get("event") == "slowdown" and _t(e) is not None),
+        key=lambda x: x[0],
+    )
+    stalls = [
+        (
+            x["failed_at_s"],
+            x["restored_at_s"] if x["restored_at_s"] is not None else x["failed_at_s"] + x["down_s"],
+            _row(x["replica"], W),
+        )
+        for x in restores
+    ]
+    recomputes = [
+        (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
+    ]
     # Elementary pieces between every change of state, so that each slowdown share lies in its piece.
-    cuts = {0.0, end} | {t for t, _ in factors} | {t for a, b, _ in stalls for t in (a, b)} \
+    cuts = (
+        {0.0, end}
+        | {t for t, _ in factors}
+        | {t for a, b, _ in stalls for t in (a, b)}
         | {t for a, b in recomputes for t in (a, b)}
+    )
     for e in (schedule or {}).get("slowdowns") or []:
         cuts |= {t for t in (num(e.get("from_s")), num(e.get("to_s"))) if t is not None}
     cuts = sorted(t for t in cuts if 0.0 <= t <= end)
@@ -464,52 +567,80 @@ def dp_resilience(events: list[dict] | None, train: list[dict] | None, workers: 
                 rows[r].append(_iv("straggling", a, b))
             else:
                 cut = a + (b - a) * gr / f
-                rows[r] += [_iv("straggling" if gr > 1.0 else "running", a, cut),
-                            _iv("waiting", cut, b, "slowest replica")]
+                rows[r] += [
+                    _iv("straggling" if gr > 1.0 else "running", a, cut),
+                    _iv("waiting", cut, b, "slowest replica"),
+                ]
     for r in rows:
         rows[r] = merge_adjacent(rows[r])
     table = []
     for r, ivs in rows.items():
         secs = state_seconds(ivs, why=True)
         useful = secs["running"] + secs["straggling"]
-        table.append({"replica": r, "allocated_s": span["length_s"], **{f"{s}_s": secs[s] for s in STATES},
-                      "waiting_stall_s": secs.get("waiting/stall", 0.0),
-                      "waiting_slowest_s": secs.get("waiting/slowest replica", 0.0),
-                      "lost_work_s": secs["recomputing"], "useful_s": useful,
-                      "goodput": _ratio(useful, span["length_s"]),
-                      "failures": sum(1 for x in restores if _row(x["replica"], W) == r)})
+        table.append(
+            {
+                "replica": r,
+                "allocated_s": span["length_s"],
+                **{f"{s}_s": secs[s] for s in STATES},
+                "waiting_stall_s": secs.get("waiting/stall", 0.0),
+                "waiting_slowest_s": secs.get("waiting/slowest replica", 0.0),
+                "lost_work_s": secs["recomputing"],
+                "useful_s": useful,
+                "goodput": _ratio(useful, span["length_s"]),
+                "failures": sum(1 for x in restores if _row(x["replica"], W) == r),
+            }
+        )
     alloc = W * span["length_s"]
     useful = sum(x["useful_s"] for x in table)
     advances = [t for x in train if (t := num(x.get("t"))) is not None]
     return {
-        "span": span, "workers": W, "step_s": step_s, "restores": restores, "replicas": table,
+        "span": span,
+        "workers": W,
+        "step_s": step_s,
+        "restores": restores,
+        "replicas": table,
         "timelines": {str(r): ivs for r, ivs in rows.items()},
         "slowdown_unattributed_s": unattributed,
         "checkpoints": sum(1 for e in events if e.get("event") == "checkpoint"),
         "checkpoint_s": sum(num(e.get("save_s")) or 0.0 for e in events if e.get("event") == "checkpoint"),
-        "global": {"allocated_s": alloc, "useful_s": useful, "goodput": _ratio(useful, alloc),
-                   **{f"{s}_s": sum(x[f"{s}_s"] for x in table) for s in STATES},
-                   "failures": len(restores), "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
-                   "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
-                   "stall_s": sum(x["down_s"] or 0.0 for x in restores)},
+        "global": {
+            "allocated_s": alloc,
+            "useful_s": useful,
+            "goodput": _ratio(useful, alloc),
+            **{f"{s}_s": sum(x[f"{s}_s"] for x in table) for s in STATES},
+            "failures": len(restores),
+            "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
+            "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
+            "stall_s": sum(x["down_s"] or 0.0 for x in restores),
+        },
         # up while the job computes new steps: a replica running or straggling (a stall leaves none, and
         # recomputing is not up); a slowdown's waiting replicas do not matter, the slowed one computes
-        "uptime": {**state_uptime({str(r): ivs for r, ivs in rows.items()}, span["length_s"]),
-                   "cadence": uptime(advances, 0.0, span["length_s"])},
+        "uptime": {
+            **state_uptime({str(r): ivs for r, ivs in rows.items()}, span["length_s"]),
+            "cadence": uptime(advances, 0.0, span["length_s"]),
+        },
     }
 
 
 # --- uptime --------------------------------------------------------------------------------------
 
 
-def state_uptime(timelines: dict[str, list[Interval]], length_s: float, down: list[tuple[float, float]] = (),
-                 up_states: tuple[str, ...] = USEFUL) -> dict:
+def state_uptime(
+    timelines: dict[str, list[Interval]],
+    length_s: float,
+    down: list[tuple[float, float]] = (),
+    up_states: tuple[str, ...] = USEFUL,
+) -> dict:
     """Share of [0, ``length_s``] in which at least one row of ``timelines`` was in ``up_states`` and
     no interval of ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (≥ 1
     learner running, ``sim.jobs.quorum_sweep``). Returns ``uptime`` (None for an empty span),
     ``up_s``, ``down_s`` and ``outages`` ([start, end] of each interval with nothing up, seconds)."""
-    ups = sorted((iv["start"], iv["end"]) for ivs in timelines.values() for iv in ivs
-                 if iv["state"] in up_states and iv["end"] > iv["start"])
+    ups = sorted(
+        (iv["start"], iv["end"])
+        for ivs in timelines.values()
+        for iv in ivs
+        if iv["state"] in up_states and iv["end"] > iv["start"]
+    )
     merged: list[list[float]] = []
     for a, b in ups:  # the union of every row's up intervals
         if merged and a <= merged[-1][1]:
@@ -532,8 +663,14 @@ def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, fl
     """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
     the next ``syncer-resumed`` (still down at the end: to infinity)."""
     out, down_at = [], None
-    for e in sorted((e for e in events or [] if e.get("event") in ("syncer-failure", "syncer-kill", "syncer-resumed")
-                     and _t(e) is not None), key=lambda e: _t(e)):
+    for e in sorted(
+        (
+            e
+            for e in events or []
+            if e.get("event") in ("syncer-failure", "syncer-kill", "syncer-resumed") and _t(e) is not None
+        ),
+        key=lambda e: _t(e),
+    ):
         if e["event"] != "syncer-resumed":
             down_at = _t(e) if down_at is None else down_at
         elif down_at is not None:
@@ -555,14 +692,31 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
     not), ``startup_s``, ``advances``, ``span_s``."""
     span = end - start
     ts = sorted(t for t in advances if start <= t <= end)
-    out = {"uptime": None, "uptime_span": None, "stalled_s": None, "median_gap_s": None, "threshold_s": None,
-           "factor": factor, "stalls": [], "longest_stall_s": None, "longest_stall_at_s": None,
-           "startup_s": (ts[0] - start) if ts else None, "advances": len(ts), "span_s": span}
+    out = {
+        "uptime": None,
+        "uptime_span": None,
+        "stalled_s": None,
+        "median_gap_s": None,
+        "threshold_s": None,
+        "factor": factor,
+        "stalls": [],
+        "longest_stall_s": None,
+        "longest_stall_at_s": None,
+        "startup_s": (ts[0] - start) if ts else None,
+        "advances": len(ts),
+        "span_s": span,
+    }
     if span <= 0:
         return out
     if not ts:
-        out.update(uptime=0.0, uptime_span=0.0, stalled_s=span, stalls=[[start, end]], longest_stall_s=span,
-                   longest_stall_at_s=start)
+        out.update(
+            uptime=0.0,
+            uptime_span=0.0,
+            stalled_s=span,
+            stalls=[[start, end]],
+            longest_stall_s=span,
+            longest_stall_at_s=start,
+        )
         return out
     bounds = ts + [end]
     gaps = [(a, b) for a, b in zip(bounds, bounds[1:])]
@@ -578,17 +732,23 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
     lead = ts[0] - start
     lead_stall = lead - med if lead > thr else 0.0
     after = end - ts[0]
-    out.update(uptime=max(0.0, 1.0 - stalled / after) if after > 0 else None,
-               uptime_span=max(0.0, 1.0 - (stalled + lead_stall) / span),
-               stalled_s=stalled, median_gap_s=med, threshold_s=thr, stalls=[[a, b] for a, b in stalls])
+    out.update(
+        uptime=max(0.0, 1.0 - stalled / after) if after > 0 else None,
+        uptime_span=max(0.0, 1.0 - (stalled + lead_stall) / span),
+        stalled_s=stalled,
+        median_gap_s=med,
+        threshold_s=thr,
+        stalls=[[a, b] for a, b in stalls],
+    )
     return out
 
 
 # --- the goodput simulator's prediction ----------------------------------------------------------
 
 
-def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | None = None,
-                    schedule: dict | None = None) -> dict:
+def simulator_knobs(
+    config: dict | None, dp: dict | None, dp_summary: dict | None = None, schedule: dict | None = None
+) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
     ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
     law, DP's measured step time, checkpoint interval and mean restore seconds; each knob and the
@@ -598,8 +758,11 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
     if not isinstance(plan, dict):  # a replay: the plan its schedule was drawn from, saved with it
         plan = (schedule or {}).get("plan")
     if not isinstance(plan, dict):
-        why = "chaos.replay: a replayed schedule carries no mtbf_s" if (cfg.get("chaos") or {}).get("replay") \
+        why = (
+            "chaos.replay: a replayed schedule carries no mtbf_s"
+            if (cfg.get("chaos") or {}).get("replay")
             else "no chaos.schedule"
+        )
         return {"status": f"no prediction ({why})"}
     mtbf = num(plan.get("mtbf_s"))
     if mtbf is None:
@@ -614,8 +777,10 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
     ckpt = num(((dp_summary or {}).get("chaos") or {}).get("checkpoint_every_steps"))
     if not ckpt:
         ckpt = int(num((dp_summary or {}).get("steps")) or 1)
-        notes.append(f"DP took no checkpoints: checkpoint_every_steps = its {ckpt} steps (the closest valid "
-                     "setting: the simulator needs a positive interval)")
+        notes.append(
+            f"DP took no checkpoints: checkpoint_every_steps = its {ckpt} steps (the closest valid "
+            "setting: the simulator needs a positive interval)"
+        )
     restores = [x["restore_s"] for x in (dp or {}).get("restores") or [] if x.get("restore_s") is not None]
     restart = sum(restores) / len(restores) if restores else 0.0
     if not restores:
@@ -623,19 +788,34 @@ def simulator_knobs(config: dict | None, dp: dict | None, dp_summary: dict | Non
     delay = plan.get("restart_delay") or {}
     law = {"a": 2.0, "c": 1.5, "scale_s": 2.0}  # configs.chaos.RestartDelay's defaults
     knobs = {
-        "chips": [M], "slice_chips": 1, "learners": [M], "quorum": 1,
-        "chip_mtbi_years": mtbf / (365.0 * 24 * 3600), "detect_s": 0.0,
-        "recovery_a": num(delay.get("a")) or law["a"], "recovery_c": num(delay.get("c")) or law["c"],
+        "chips": [M],
+        "slice_chips": 1,
+        "learners": [M],
+        "quorum": 1,
+        "chip_mtbi_years": mtbf / (365.0 * 24 * 3600),
+        "detect_s": 0.0,
+        "recovery_a": num(delay.get("a")) or law["a"],
+        "recovery_c": num(delay.get("c")) or law["c"],
         "recovery_scale_s": num(delay.get("scale_s")) or law["scale_s"],
-        "step_s": float(step_s), "checkpoint_every_steps": int(ckpt), "restart_s": float(restart),
-        "downscale_s": 0.0, "upscale_s": 0.0, "failures_per_run": SIM_FAILURES_PER_RUN, "seeds": SIM_SEEDS,
-        "seed": int(num(plan.get("seed")) or 0), "rule_of_thumb": False,
+        "step_s": float(step_s),
+        "checkpoint_every_steps": int(ckpt),
+        "restart_s": float(restart),
+        "downscale_s": 0.0,
+        "upscale_s": 0.0,
+        "failures_per_run": SIM_FAILURES_PER_RUN,
+        "seeds": SIM_SEEDS,
+        "seed": int(num(plan.get("seed")) or 0),
+        "rule_of_thumb": False,
     }
     return {"status": "ok", "knobs": knobs, "systems": ["dp", f"diloco-{M}"], "mtbf_s": mtbf, "notes": notes}
 
 
-def simulator_prediction(knobs: dict, predict: Callable[[dict, list[str]], dict] | None,
-                         diloco: dict | None = None, resume_every_steps: int | None = None) -> dict:
+def simulator_prediction(
+    knobs: dict,
+    predict: Callable[[dict, list[str]], dict] | None,
+    diloco: dict | None = None,
+    resume_every_steps: int | None = None,
+) -> dict:
     """The simulator's goodput and uptime (fractions, with 95 % half-widths) for ``knobs``
     (:func:`simulator_knobs`), from ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
     "uptime", "uptime_ci"}}`` (the caller's simulator; None: status "not computed"), and
@@ -691,8 +871,10 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
     count). ``curves``: name → ``{"rows": eval rows, "start_s": the method's training start on the
     rows' clock}``. Returns ``at_s``, ``at_tokens`` and per curve ``final_s``, ``final_tokens``,
     ``final_loss``, ``loss_at_s``, ``loss_at_tokens`` (None outside its range)."""
-    pts = {k: (curve_points(c.get("rows"), "wall_s", c.get("start_s") or 0.0), curve_points(c.get("rows"), "tokens"))
-           for k, c in curves.items()}
+    pts = {
+        k: (curve_points(c.get("rows"), "wall_s", c.get("start_s") or 0.0), curve_points(c.get("rows"), "tokens"))
+        for k, c in curves.items()
+    }
     pts = {k: v for k, v in pts.items() if v[0] or v[1]}
     if at_s is None and pts:
         ends = [v[0][-1][0] for v in pts.values() if v[0]]
@@ -702,9 +884,13 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
         at_tokens = min(ends) if ends else None
     per = {}
     for k, (by_t, by_n) in pts.items():
-        per[k] = {"final_s": by_t[-1][0] if by_t else None, "final_tokens": by_n[-1][0] if by_n else None,
-                  "final_loss": (by_n or by_t)[-1][1],
-                  "loss_at_s": interpolate(by_t, at_s), "loss_at_tokens": interpolate(by_n, at_tokens)}
+        per[k] = {
+            "final_s": by_t[-1][0] if by_t else None,
+            "final_tokens": by_n[-1][0] if by_n else None,
+            "final_loss": (by_n or by_t)[-1][1],
+            "loss_at_s": interpolate(by_t, at_s),
+            "loss_at_tokens": interpolate(by_n, at_tokens),
+        }
     return {"at_s": at_s, "at_tokens": at_tokens, "curves": per}
 
 
@@ -713,8 +899,9 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
 _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
-def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None,
-          attempt: Any = None) -> bool:
+def _took(
+    merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None, attempt: Any = None
+) -> bool:
     """Whether ``merge`` took the learner's submission of ``fragment`` at local ``step``: a contributor
     there whose base version (``version`` − 1 − ``stale``) is ``base`` and whose attempt (``attempts``,
     where recorded) is ``attempt``, each checked when known (a retry resends a step from a newer base)."""
@@ -732,8 +919,14 @@ def _took(merge: dict, learner: Any, fragment: Any, step: float | None, base: fl
     return False
 
 
-def schedule_counts(schedule: dict | None, diloco: dict | None, events: list[dict] | None,
-                    merges: list[dict] | None, dp: dict | None, dp_events: list[dict] | None) -> dict:
+def schedule_counts(
+    schedule: dict | None,
+    diloco: dict | None,
+    events: list[dict] | None,
+    merges: list[dict] | None,
+    dp: dict | None,
+    dp_events: list[dict] | None,
+) -> dict:
     """The schedule's events, drawn and met by each method (docs/report.md, "The schedule's events"):
     ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns
     also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
@@ -761,63 +954,122 @@ def schedule_counts(schedule: dict | None, diloco: dict | None, events: list[dic
     slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
     fired_d = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
     out = {
-        "failures": {"drawn": len(fails),
-                     "diloco_in_span": sum(1 for f in fails if in_diloco(f.get("learner"), num(f.get("at_s")))),
-                     "diloco_fired": len(fired_d) if events is not None else None,
-                     "dp_in_span": sum(1 for f in fails if in_dp(num(f.get("at_s")))) if dp else None,
-                     "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "failure") if dp else None},
-        "slowdowns": {"drawn": len(slows),
-                      "diloco_in_span": sum(1 for s in slows if in_diloco(s.get("learner"), num(s.get("from_s")))),
-                      "diloco_fired": sum(1 for e in own if e.get("event") == "slowdown"
-                                          and (num(e.get("factor")) or 1.0) > 1.0) if events is not None else None,
-                      "dp_in_span": sum(1 for s in slows if in_dp(num(s.get("from_s")))) if dp else None,
-                      "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "slowdown"
-                                      and (num(e.get("factor")) or 1.0) > 1.0) if dp else None,
-                      "by_kind": {k: sum(1 for s in slows if s.get("kind", "straggler") == k)
-                                  for k in ("straggler", "heterogeneity")}},
+        "failures": {
+            "drawn": len(fails),
+            "diloco_in_span": sum(1 for f in fails if in_diloco(f.get("learner"), num(f.get("at_s")))),
+            "diloco_fired": len(fired_d) if events is not None else None,
+            "dp_in_span": sum(1 for f in fails if in_dp(num(f.get("at_s")))) if dp else None,
+            "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "failure") if dp else None,
+        },
+        "slowdowns": {
+            "drawn": len(slows),
+            "diloco_in_span": sum(1 for s in slows if in_diloco(s.get("learner"), num(s.get("from_s")))),
+            "diloco_fired": sum(1 for e in own if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0)
+            if events is not None
+            else None,
+            "dp_in_span": sum(1 for s in slows if in_dp(num(s.get("from_s")))) if dp else None,
+            "dp_fired": sum(
+                1 for e in dp_events or [] if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0
+            )
+            if dp
+            else None,
+            "by_kind": {
+                k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")
+            },
+        },
     }
     scav = []
     for p in sch.get("presence") or []:
         m = lid(p.get("learner"))
         j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
         lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
-        scav.append({"learner": m, "join_s": num(p.get("join_s")), "leave_s": num(p.get("leave_s")),
-                     "joined_at_s": j - t0 if j is not None and t0 is not None else None,
-                     "left_at_s": lv - t0 if lv is not None and t0 is not None else None})
+        scav.append(
+            {
+                "learner": m,
+                "join_s": num(p.get("join_s")),
+                "leave_s": num(p.get("leave_s")),
+                "joined_at_s": j - t0 if j is not None and t0 is not None else None,
+                "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
+            }
+        )
     out["scavenged"] = scav
     dropped = [e for e in events or [] if e.get("event") == "dropped"]
     corr, used = [], set()
     scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
     for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
         m = lid(c.get("learner"))
-        ev = next((e for i, e in enumerate(own) if e.get("event") == "corrupt" and lid(e["learner"]) == m
-                   and i not in used and (e.get("kind") in (None, c.get("kind")))), None)
-        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None,
-               "sent_at_s": None, "fragment": None, "step": None, "dropped": None, "reason": None, "merged": None,
-               "resent_by_a_later_attempt": None}
+        ev = next(
+            (
+                e
+                for i, e in enumerate(own)
+                if e.get("event") == "corrupt"
+                and lid(e["learner"]) == m
+                and i not in used
+                and (e.get("kind") in (None, c.get("kind")))
+            ),
+            None,
+        )
+        row = {
+            "learner": m,
+            "at_s": num(c.get("at_s")),
+            "kind": c.get("kind"),
+            "sent": ev is not None,
+            "sent_at_s": None,
+            "fragment": None,
+            "step": None,
+            "dropped": None,
+            "reason": None,
+            "merged": None,
+            "resent_by_a_later_attempt": None,
+        }
         if ev is not None:
             used.add(own.index(ev))
             frag, step = ev.get("fragment"), num(ev.get("step"))
-            drop = next((d for d in dropped if lid(d.get("learner")) == m and d.get("fragment") == frag
-                         and (d.get("base_version") is None or ev.get("base_version") is None
-                              or d.get("base_version") == ev.get("base_version"))
-                         and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6), None)
+            drop = next(
+                (
+                    d
+                    for d in dropped
+                    if lid(d.get("learner")) == m
+                    and d.get("fragment") == frag
+                    and (
+                        d.get("base_version") is None
+                        or ev.get("base_version") is None
+                        or d.get("base_version") == ev.get("base_version")
+                    )
+                    and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6
+                ),
+                None,
+            )
             base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
             # A later attempt that resumed before that step sends the same (fragment, local step) again,
             # possibly from the same base version (nothing merged meanwhile): a merge after its start is
             # that clean copy's.
-            resent = [_t(e) for e in own if e.get("event") == "start" and lid(e["learner"]) == m
-                      and (_t(e) or 0.0) > t_c and (num(e.get("step")) or 0) < (step or 0)]
-            took = [x for x in merges or [] if _took(x, m, frag, step, base, ev.get("attempt"))
-                    and (num(x.get("merged_at_s")) or 0.0) > t_c]
+            resent = [
+                _t(e)
+                for e in own
+                if e.get("event") == "start"
+                and lid(e["learner"]) == m
+                and (_t(e) or 0.0) > t_c
+                and (num(e.get("step")) or 0) < (step or 0)
+            ]
+            took = [
+                x
+                for x in merges or []
+                if _took(x, m, frag, step, base, ev.get("attempt")) and (num(x.get("merged_at_s")) or 0.0) > t_c
+            ]
             if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
                 merged = bool(took)
             else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
                 merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
             row["resent_by_a_later_attempt"] = bool(resent)
-            row.update(sent_at_s=(_t(ev) - t0) if _t(ev) is not None and t0 is not None else None, fragment=frag,
-                       step=step, dropped=drop is not None, reason=drop.get("reason") if drop else None,
-                       merged=merged if merges is not None else None)
+            row.update(
+                sent_at_s=(_t(ev) - t0) if _t(ev) is not None and t0 is not None else None,
+                fragment=frag,
+                step=step,
+                dropped=drop is not None,
+                reason=drop.get("reason") if drop else None,
+                merged=merged if merges is not None else None,
+            )
         corr.append(row)
     out["corruptions"] = corr
     return out
@@ -835,9 +1087,16 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
     return num((summary or {}).get("startup_s")) or 0.0
 
 
-def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict | None, dp: dict | None,
-                       reference: dict | None = None, predict: Callable | None = None,
-                       diloco_now: float | None = None, dp_now: float | None = None) -> dict:
+def resilience_figures(
+    config: dict | None,
+    schedule: dict | None,
+    diloco: dict | None,
+    dp: dict | None,
+    reference: dict | None = None,
+    predict: Callable | None = None,
+    diloco_now: float | None = None,
+    dp_now: float | None = None,
+) -> dict:
     """The whole Resilience section, once.
 
     ``diloco``/``dp``: the method's records as dicts (``events`` (DiLoCo: learners.jsonl; DP: its
@@ -853,8 +1112,17 @@ def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict 
     cfg = config or {}
     resume_every = num((cfg.get("diloco") or {}).get("resume_every_steps"))
     workers = num((cfg.get("dp") or {}).get("workers"))
-    d = (diloco_resilience(diloco.get("events"), diloco.get("merges"), schedule, diloco_now,
-                           int(resume_every) if resume_every else None) if diloco else None)
+    d = (
+        diloco_resilience(
+            diloco.get("events"),
+            diloco.get("merges"),
+            schedule,
+            diloco_now,
+            int(resume_every) if resume_every else None,
+        )
+        if diloco
+        else None
+    )
     if dp and workers is None:
         workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
@@ -863,8 +1131,12 @@ def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict 
 
     curves = {}
     if diloco and diloco.get("curve"):
-        curves["diloco"] = {"rows": diloco["curve"], "start_s": d["span"]["start_s"] if d else
-                            diloco_training_start(diloco.get("events"), diloco.get("summary"))}
+        curves["diloco"] = {
+            "rows": diloco["curve"],
+            "start_s": d["span"]["start_s"]
+            if d
+            else diloco_training_start(diloco.get("events"), diloco.get("summary")),
+        }
     if dp and dp.get("curve"):
         curves["dp"] = {"rows": dp["curve"], "start_s": 0.0}
     loss = loss_comparison(curves)
@@ -874,14 +1146,21 @@ def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict 
         for m in ("diloco", "dp"):
             r = reference.get(m)
             if r and r.get("curve"):
-                ref_curves[m] = {"rows": r["curve"], "start_s": diloco_training_start(r.get("events"), r.get("summary"))
-                                 if m == "diloco" else 0.0}
+                ref_curves[m] = {
+                    "rows": r["curve"],
+                    "start_s": diloco_training_start(r.get("events"), r.get("summary")) if m == "diloco" else 0.0,
+                }
         same = loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None
-        ref_out = {"run_dir": reference.get("run_dir"), "methods": list(ref_curves),
-                   "at_this_runs_points": same, "reference_pair": loss_comparison(ref_curves) if ref_curves else None}
+        ref_out = {
+            "run_dir": reference.get("run_dir"),
+            "methods": list(ref_curves),
+            "at_this_runs_points": same,
+            "reference_pair": loss_comparison(ref_curves) if ref_curves else None,
+        }
     loss["reference"] = ref_out
-    counts = schedule_counts(schedule, d, (diloco or {}).get("events"), (diloco or {}).get("merges"), p,
-                             (dp or {}).get("events"))
+    counts = schedule_counts(
+        schedule, d, (diloco or {}).get("events"), (diloco or {}).get("merges"), p, (dp or {}).get("events")
+    )
     pred = sim.get("predicted") or {}
     M = (knobs.get("knobs") or {}).get("learners", [None])[0]
     summary = {
@@ -894,5 +1173,13 @@ def resilience_figures(config: dict | None, schedule: dict | None, diloco: dict 
         "predicted_diloco_rollback_goodput": (pred.get("diloco_rollback") or {}).get("goodput"),
         "learners": M,
     }
-    return {"status": "ok", "diloco": d, "dp": p, "simulator": sim, "loss": loss, "schedule": counts,
-            "summary": summary, "stall_factor": STALL_FACTOR}
+    return {
+        "status": "ok",
+        "diloco": d,
+        "dp": p,
+        "simulator": sim,
+        "loss": loss,
+        "schedule": counts,
+        "summary": summary,
+        "stall_factor": STALL_FACTOR,
+    }

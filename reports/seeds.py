@@ -61,30 +61,44 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
         rep = json.loads(path.read_text()) if path.is_file() else None
         st = read_json(sd / "status.json") if (sd / "status.json").is_file() else None
         fig = seed_figures(rep) if rep else None
-        runs.append({"seed": s, "status": (st or {}).get("status", NOT_RUN), "run_dir": str(sd),
-                     "report": f"../seeds/seed-{s}/report/report.md" if rep else None, "figures": fig,
-                     "report_json": rep})
+        runs.append(
+            {
+                "seed": s,
+                "status": (st or {}).get("status", NOT_RUN),
+                "run_dir": str(sd),
+                "report": f"../seeds/seed-{s}/report/report.md" if rep else None,
+                "figures": fig,
+                "report_json": rep,
+            }
+        )
         if rep and (st or {}).get("status") == "completed":
             done.append(runs[-1])
     use = done or [r for r in runs if r["figures"]]
     primary = next((((r["report_json"] or {}).get("finetune") or {}).get("primary") for r in use), None)
     post = _post_over_seeds([Path(r["run_dir"]) for r in use], primary) if primary else None
     if post is not None:
-        task = ((use[0]["report_json"].get("finetune") or {}).get("task") or {})
+        task = (use[0]["report_json"].get("finetune") or {}).get("task") or {}
         post.update(metric=primary, label=((task.get("metrics") or {}).get(primary) or {}).get("label", primary))
     v = verdict([r["figures"] for r in use], post) if use else None
     report: dict[str, Any] = {
         "schema": 3,
-        "run": {"name": config.get("name") or layout.root.name, "run_dir": str(layout.root), "run_id": layout.root.name,
-                "seeds": config.get("seeds")},
+        "run": {
+            "name": config.get("name") or layout.root.name,
+            "run_dir": str(layout.root),
+            "run_id": layout.root.name,
+            "seeds": config.get("seeds"),
+        },
         "setup": setup(config),
         "pipeline": pipeline_status(status, final_stage),
         "manifest": {"status": "ok", "items": manifest_items(read_json(layout.manifest))}
-        if layout.manifest.exists() else {"status": NOT_RUN, "items": []},
+        if layout.manifest.exists()
+        else {"status": NOT_RUN, "items": []},
         "verdict": v,
-        "seed_runs": [{k: r[k] for k in ("seed", "status", "run_dir", "report")} |
-                      ({"loss": r["figures"]["loss"], "gap_pct": r["figures"]["gap_pct"]} if r["figures"] else {})
-                      for r in runs],
+        "seed_runs": [
+            {k: r[k] for k in ("seed", "status", "run_dir", "report")}
+            | ({"loss": r["figures"]["loss"], "gap_pct": r["figures"]["gap_pct"]} if r["figures"] else {})
+            for r in runs
+        ],
         "stages": {"pretrain": _mean_stage(use, v)} if use else {},
         "finetune": _mean_finetune(use, post, primary),
         "config": config,
@@ -105,28 +119,48 @@ def _mean_stage(use: list[dict], v: dict | None) -> dict:
         f["bytes"] = {"total": mean_interval([(x.get("bytes") or {}).get("total") for x in rows])["mean"]}
         methods[m] = f
     gap = (v or {}).get("gap_pct") or {}
-    return {"stage": "pretrain", "unit": use[0]["figures"]["unit"], "methods": methods,
-            "loss_gaps": {"diloco": {"status": "ok" if gap.get("mean") is not None else NOT_RUN,
-                                     "gap_pct": gap.get("mean"), "ci": gap.get("ci"), "seeds": gap.get("n"),
-                                     "split": use[0]["figures"]["split"]}}}
+    return {
+        "stage": "pretrain",
+        "unit": use[0]["figures"]["unit"],
+        "methods": methods,
+        "loss_gaps": {
+            "diloco": {
+                "status": "ok" if gap.get("mean") is not None else NOT_RUN,
+                "gap_pct": gap.get("mean"),
+                "ci": gap.get("ci"),
+                "seeds": gap.get("n"),
+                "split": use[0]["figures"]["split"],
+            }
+        },
+    }
 
 
 def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> dict | None:
     if not primary or post is None:
         return None
     first = use[0]["report_json"]["finetune"]
-    return {"primary": primary, "task": first.get("task"),
-            "methods": {m: {"scores": {primary: {"finetuned": post["scores"][m]}}} for m in ("diloco", BASELINE)},
-            "differences": {"diloco": {"baseline": BASELINE, "metrics": {primary: {"finetuned": {"status": "ok", **post}}}}}}
+    return {
+        "primary": primary,
+        "task": first.get("task"),
+        "methods": {m: {"scores": {primary: {"finetuned": post["scores"][m]}}} for m in ("diloco", BASELINE)},
+        "differences": {
+            "diloco": {"baseline": BASELINE, "metrics": {primary: {"finetuned": {"status": "ok", **post}}}}
+        },
+    }
 
 
 def render_seeds(report: dict) -> str:
     """``report.md`` of a run of several seeds (pure)."""
     r, p = report["run"], report.get("pipeline") or {}
-    L = [f"# Run report: {r['name']} ({len(r.get('seeds') or [])} seeds)", "",
-         f"- run directory: `{r['run_dir']}`", f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
-         f"- pipeline status: {p.get('status', 'unknown')}"
-         + (" (this report is the run's last stage)" if p.get("status") == "completing" else ""), ""]
+    L = [
+        f"# Run report: {r['name']} ({len(r.get('seeds') or [])} seeds)",
+        "",
+        f"- run directory: `{r['run_dir']}`",
+        f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
+        f"- pipeline status: {p.get('status', 'unknown')}"
+        + (" (this report is the run's last stage)" if p.get("status") == "completing" else ""),
+        "",
+    ]
     if p.get("headline"):
         L += [p["headline"], ""]
     if report.get("verdict"):
@@ -134,14 +168,26 @@ def render_seeds(report: dict) -> str:
     rows = []
     for s in report["seed_runs"]:
         loss = s.get("loss") or {}
-        rows.append({"seed": s["seed"], "status": s["status"],
-                     f"{label('diloco')} loss": "—" if loss.get("diloco") is None else f"{loss['diloco']:.4f}",
-                     f"{label(BASELINE)} loss": "—" if loss.get(BASELINE) is None else f"{loss[BASELINE]:.4f}",
-                     f"{short_label('diloco')} − {short_label(BASELINE)}": "—" if s.get("gap_pct") is None
-                     else f"{s['gap_pct']:+.2f} %",
-                     "report": f"[report]({s['report']})" if s.get("report") else "—"})
-    L += ["## Each seed", "", "Each seed's run is a whole run directory under `seeds/`, with its own report "
-          "(curves, bytes, evaluations, post-training).", "",
-          md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no seed has run*", ""]
+        rows.append(
+            {
+                "seed": s["seed"],
+                "status": s["status"],
+                f"{label('diloco')} loss": "—" if loss.get("diloco") is None else f"{loss['diloco']:.4f}",
+                f"{label(BASELINE)} loss": "—" if loss.get(BASELINE) is None else f"{loss[BASELINE]:.4f}",
+                f"{short_label('diloco')} − {short_label(BASELINE)}": "—"
+                if s.get("gap_pct") is None
+                else f"{s['gap_pct']:+.2f} %",
+                "report": f"[report]({s['report']})" if s.get("report") else "—",
+            }
+        )
+    L += [
+        "## Each seed",
+        "",
+        "Each seed's run is a whole run directory under `seeds/`, with its own report "
+        "(curves, bytes, evaluations, post-training).",
+        "",
+        md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no seed has run*",
+        "",
+    ]
     L += ["## Setup", "", md_table(["setting", "value"], list((report.get("setup") or {}).items())), ""]
     return "\n".join(L)

@@ -44,11 +44,15 @@ def history_figure(record: dict):
 
 
 def _trials_table(r: dict) -> str:
-    rows = [{"trial": t["number"], "state": "stopped (tried again on resume)" if t["state"] == "RUNNING"
-             else t["state"].lower(),
-             "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
-             **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()}}
-            for t in r["trials"]]
+    rows = [
+        {
+            "trial": t["number"],
+            "state": "stopped (tried again on resume)" if t["state"] == "RUNNING" else t["state"].lower(),
+            "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
+            **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()},
+        }
+        for t in r["trials"]
+    ]
     return md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no trials yet*"
 
 
@@ -58,14 +62,18 @@ def build_study_report(record: dict, study_dir: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
     spec = record["spec"]
     done = ", ".join(f"{short_label(m)} {r['completed']}" for m, r in record["methods"].items())
-    L = [f"# Tuning study: {spec['name']}", "",
-         f"- study folder: `{study_dir}`",
-         f"- base config: {spec['base']}; trials asked per study: {spec['trials']} (completed: {done}; TPE "
-         f"sampler, seed {spec['sampler_seed']})",
-         f"- every run: `{json.dumps(spec['overrides'])}`; the trials only (one trial's budget, the same for "
-         f"each study): `{json.dumps(spec['trial_overrides'])}`",
-         "- selection: each trial's loss on the whole validation split; the tuned comparisons below report the "
-         "test split, which no trial read", ""]
+    L = [
+        f"# Tuning study: {spec['name']}",
+        "",
+        f"- study folder: `{study_dir}`",
+        f"- base config: {spec['base']}; trials asked per study: {spec['trials']} (completed: {done}; TPE "
+        f"sampler, seed {spec['sampler_seed']})",
+        f"- every run: `{json.dumps(spec['overrides'])}`; the trials only (one trial's budget, the same for "
+        f"each study): `{json.dumps(spec['trial_overrides'])}`",
+        "- selection: each trial's loss on the whole validation split; the tuned comparisons below report the "
+        "test split, which no trial read",
+        "",
+    ]
     tuned = record.get("tuned") or {}
     for arm in [a for a in record["methods"] if a != "dp"]:
         t = tuned.get(arm) or {}
@@ -73,15 +81,32 @@ def build_study_report(record: dict, study_dir: Path) -> str:
         verdict = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
         title = "Verdict" if arm == "diloco" else f"Verdict: {arm}"
         if verdict:
-            L += [f"## {title}", "", *verdict_markdown(verdict)[2:],
-                  f"Tuned comparison: [its report](../tuned/{arm}/report/report.md) (seeds "
-                  f"{', '.join(map(str, spec['seeds']))}).", ""]
+            L += [
+                f"## {title}",
+                "",
+                *verdict_markdown(verdict)[2:],
+                f"Tuned comparison: [its report](../tuned/{arm}/report/report.md) (seeds "
+                f"{', '.join(map(str, spec['seeds']))}).",
+                "",
+            ]
         elif spec.get("compare", True):
             L += [f"## {title}", "", f"*The tuned comparison has not completed ({t.get('status') or 'not run'}).*", ""]
-    best = [[short_label(m), (r["best"] or {}).get("number", "—"), "—" if not r["best"] else f"{r['best']['value']:.4f}",
-             r["completed"], "—" if not r["best"] else json.dumps(r["best"]["params"])] for m, r in record["methods"].items()]
-    L += ["## Best settings", "", md_table(["study", "best trial", "validation loss", "completed trials", "settings"],
-                                           best), ""]
+    best = [
+        [
+            short_label(m),
+            (r["best"] or {}).get("number", "—"),
+            "—" if not r["best"] else f"{r['best']['value']:.4f}",
+            r["completed"],
+            "—" if not r["best"] else json.dumps(r["best"]["params"]),
+        ]
+        for m, r in record["methods"].items()
+    ]
+    L += [
+        "## Best settings",
+        "",
+        md_table(["study", "best trial", "validation loss", "completed trials", "settings"], best),
+        "",
+    ]
     fig = history_figure(record)
     if fig is not None:
         save_png(fig, out / "study_history.png")

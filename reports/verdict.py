@@ -18,8 +18,13 @@ from reports.common import BASELINE, format_value, md_table, num
 CONFIDENCE = 0.95
 # arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
 # loss against parameters N, each method tuned: DP and DiLoCo with M = 1, 2, 4, 8 replicas.
-PUBLISHED_FITS = {"dp": (18.129, -0.0953), 1: (18.363, -0.0961), 2: (18.768, -0.0969), 4: (19.762, -0.0992),
-                  8: (21.051, -0.1018)}
+PUBLISHED_FITS = {
+    "dp": (18.129, -0.0953),
+    1: (18.363, -0.0961),
+    2: (18.768, -0.0969),
+    4: (19.762, -0.0992),
+    8: (21.051, -0.1018),
+}
 PUBLISHED = "arXiv 2503.09799, fits at 20 tokens per parameter; each method tuned, H = 30"
 
 
@@ -30,7 +35,7 @@ def published_gap_pct(learners: int | None, params: float | None) -> float | Non
     if learners not in PUBLISHED_FITS or not params:
         return None
     (a, al), (b, bl) = PUBLISHED_FITS[learners], PUBLISHED_FITS["dp"]
-    return 100.0 * (a * params ** al / (b * params ** bl) - 1.0)
+    return 100.0 * (a * params**al / (b * params**bl) - 1.0)
 
 
 def mean_interval(values: list[float | None], confidence: float = CONFIDENCE) -> dict:
@@ -57,37 +62,53 @@ def seed_figures(report: dict) -> dict:
     net = pre.get("interconnect") or {}
     d, p = methods.get("diloco") or {}, methods.get(BASELINE) or {}
     out: dict[str, Any] = {
-        "seed": cfg.get("seed"), "status": (report.get("pipeline") or {}).get("status"),
-        "run_dir": (report.get("run") or {}).get("run_dir"), "unit": pre.get("unit") or "tokens",
+        "seed": cfg.get("seed"),
+        "status": (report.get("pipeline") or {}).get("status"),
+        "run_dir": (report.get("run") or {}).get("run_dir"),
+        "unit": pre.get("unit") or "tokens",
         "split": ((pre.get("loss_gaps") or {}).get("diloco") or {}).get("split") or "validation sample",
-        "loss": {m: num(f.get("test_loss")) if f.get("test_loss") is not None else num(f.get("final_val_loss"))
-                 for m, f in (("diloco", d), (BASELINE, p))},
+        "loss": {
+            m: num(f.get("test_loss")) if f.get("test_loss") is not None else num(f.get("final_val_loss"))
+            for m, f in (("diloco", d), (BASELINE, p))
+        },
         "gap_pct": num(((pre.get("loss_gaps") or {}).get("diloco") or {}).get("gap_pct")),
-        "bytes_per_token": {"diloco": num((d.get("bytes") or {}).get("sent_per_token")),
-                            BASELINE: num((p.get("bytes") or {}).get("sent_per_token"))},
-        "network": net.get("short"), "assumption": net.get("assumption"),
+        "bytes_per_token": {
+            "diloco": num((d.get("bytes") or {}).get("sent_per_token")),
+            BASELINE: num((p.get("bytes") or {}).get("sent_per_token")),
+        },
+        "network": net.get("short"),
+        "assumption": net.get("assumption"),
         "modelled_wall_s": {m: num(f.get("modelled_wall_s")) for m, f in (net.get("methods") or {}).items()},
         "time_to_dp_final_s": {m: num(v) for m, v in (net.get("time_to_dp_final_s") or {}).items()},
-        "goodput": num(d.get("goodput")), "uptime": num(d.get("uptime")),
-        "params": num(d.get("params")), "learners": (cfg.get("diloco") or {}).get("learners"),
+        "goodput": num(d.get("goodput")),
+        "uptime": num(d.get("uptime")),
+        "params": num(d.get("params")),
+        "learners": (cfg.get("diloco") or {}).get("learners"),
     }
     ft = report.get("finetune") or {}
     primary = ft.get("primary")
     if primary:
-        diff = ((((ft.get("differences") or {}).get("diloco") or {}).get("metrics") or {}).get(primary) or {})
-        out["post"] = {"metric": primary, "label": (((ft.get("task") or {}).get("metrics") or {}).get(primary)
-                                                    or {}).get("label", primary),
-                       "scores": {m: num(((((ft.get("methods") or {}).get(m) or {}).get("scores") or {})
-                                          .get(primary) or {}).get("finetuned")) for m in ("diloco", BASELINE)},
-                       "difference": diff.get("finetuned") or {}}
+        diff = (((ft.get("differences") or {}).get("diloco") or {}).get("metrics") or {}).get(primary) or {}
+        out["post"] = {
+            "metric": primary,
+            "label": (((ft.get("task") or {}).get("metrics") or {}).get(primary) or {}).get("label", primary),
+            "scores": {
+                m: num(
+                    ((((ft.get("methods") or {}).get(m) or {}).get("scores") or {}).get(primary) or {}).get("finetuned")
+                )
+                for m in ("diloco", BASELINE)
+            },
+            "difference": diff.get("finetuned") or {},
+        }
     return out
 
 
 def _with_ci(m: dict, f: str = "{:.4f}") -> str:
     if m.get("mean") is None:
         return "—"
-    return format_value(m["mean"], f) + ("" if m.get("ci") is None else
-                                         f" [{format_value(m['ci'][0], f)}, {format_value(m['ci'][1], f)}]")
+    return format_value(m["mean"], f) + (
+        "" if m.get("ci") is None else f" [{format_value(m['ci'][0], f)}, {format_value(m['ci'][1], f)}]"
+    )
 
 
 def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = False) -> dict:
@@ -121,40 +142,91 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
         post = {**(p["difference"] or {}), "metric": p["metric"], "label": p["label"], "scores": p["scores"]}
     unit = first["unit"].removesuffix("s")
     over = f"{n} seeds" if n > 1 else "one seed: no interval"
-    ratio = (lambda a, b: f"{a / b:.2f}×" if a is not None and b else "—")
-    whole = (lambda x: format_value(x, "{:,.0f}"))
+
+    def ratio(a, b) -> str:
+        return f"{a / b:.2f}×" if a is not None and b else "—"
+
+    def whole(x) -> str:
+        return format_value(x, "{:,.0f}")
 
     def row(figure: str, diloco: str, dp: str, vs: str) -> dict:
         return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
 
     rows = [
-        row(f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})", _with_ci(loss["diloco"]),
-            _with_ci(loss[BASELINE]), _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else "")),
-        row(f"published gap at M = {first.get('learners')}, {whole(first.get('params'))} parameters "
-            "(arXiv 2503.09799 fits)", "", "", "not fitted for this M" if pub is None else f"{pub:+.2f} %"),
-        row("bytes sent per token (learner→syncer; DP: ring all-reduce)", whole(bpt["diloco"]), whole(bpt[BASELINE]),
-            ratio(bpt["diloco"], bpt[BASELINE])),
+        row(
+            f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
+            _with_ci(loss["diloco"]),
+            _with_ci(loss[BASELINE]),
+            _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
+        ),
+        row(
+            f"published gap at M = {first.get('learners')}, {whole(first.get('params'))} parameters "
+            "(arXiv 2503.09799 fits)",
+            "",
+            "",
+            "not fitted for this M" if pub is None else f"{pub:+.2f} %",
+        ),
+        row(
+            "bytes sent per token (learner→syncer; DP: ring all-reduce)",
+            whole(bpt["diloco"]),
+            whole(bpt[BASELINE]),
+            ratio(bpt["diloco"], bpt[BASELINE]),
+        ),
     ]
     if first.get("network"):
         missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
-        rows += [row(f"modelled wall time, s ({first['network']})", whole(wall["diloco"]), whole(wall[BASELINE]),
-                     ratio(wall["diloco"], wall[BASELINE])),
-                 row(f"time to DP's final held-out loss, s ({first['network']})",
-                     whole(ttl["diloco"]) if all(reached) else missed, whole(ttl[BASELINE]),
-                     ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—")]
-    rows.append(row("goodput / uptime of the learners (fraction of time)",
-                    f"{format_value(good, '{:.3f}')} / {format_value(up, '{:.3f}')}", "", ""))
+        rows += [
+            row(
+                f"modelled wall time, s ({first['network']})",
+                whole(wall["diloco"]),
+                whole(wall[BASELINE]),
+                ratio(wall["diloco"], wall[BASELINE]),
+            ),
+            row(
+                f"time to DP's final held-out loss, s ({first['network']})",
+                whole(ttl["diloco"]) if all(reached) else missed,
+                whole(ttl[BASELINE]),
+                ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—",
+            ),
+        ]
+    rows.append(
+        row(
+            "goodput / uptime of the learners (fraction of time)",
+            f"{format_value(good, '{:.3f}')} / {format_value(up, '{:.3f}')}",
+            "",
+            "",
+        )
+    )
     if post and post.get("metric"):
         ci, scores = post.get("ci"), post.get("scores") or {}
         diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
-        rows.append(row(f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
-                        format_value(scores.get("diloco"), "{:.4f}"), format_value(scores.get(BASELINE), "{:.4f}"),
-                        diff))
-    return {"seeds": [s["seed"] for s in seeds], "n": n, "loss": loss, "gap_pct": gap, "published_gap_pct": pub,
-            "published": PUBLISHED, "bytes_per_token": bpt, "modelled_wall_s": wall, "time_to_dp_final_s": ttl,
-            "reached_dp_final": reached, "goodput": good, "uptime": up, "network": first.get("network"),
-            "assumption": first.get("assumption"), "post": post, "rows": rows,
-            "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds)}
+        rows.append(
+            row(
+                f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
+                format_value(scores.get("diloco"), "{:.4f}"),
+                format_value(scores.get(BASELINE), "{:.4f}"),
+                diff,
+            )
+        )
+    return {
+        "seeds": [s["seed"] for s in seeds],
+        "n": n,
+        "loss": loss,
+        "gap_pct": gap,
+        "published_gap_pct": pub,
+        "published": PUBLISHED,
+        "bytes_per_token": bpt,
+        "modelled_wall_s": wall,
+        "time_to_dp_final_s": ttl,
+        "reached_dp_final": reached,
+        "goodput": good,
+        "uptime": up,
+        "network": first.get("network"),
+        "assumption": first.get("assumption"),
+        "post": post,
+        "rows": rows,
+        "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds),
+    }
 
 
 def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=False) -> str:
@@ -162,36 +234,55 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=Fal
         return "No verdict: a method has no final held-out loss (see the stages below)."
     g, ci = gap["mean"], gap["ci"]
     if ci is None and part_of_seeds:
-        head = (f"This is seed {first['seed']} of a run of several seeds: DiLoCo's {first['split']} loss is "
-                f"{g:+.2f} % against DP's here; the verdict over seeds, with its interval, is the run's report "
-                "(../../report/report.md).")
+        head = (
+            f"This is seed {first['seed']} of a run of several seeds: DiLoCo's {first['split']} loss is "
+            f"{g:+.2f} % against DP's here; the verdict over seeds, with its interval, is the run's report "
+            "(../../report/report.md)."
+        )
     elif ci is None:
-        head = (f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
-                "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one).")
+        head = (
+            f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
+            "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one)."
+        )
     elif ci[0] <= 0 <= ci[1]:
-        head = (f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-                f"{ci[0]:+.2f} to {ci[1]:+.2f} %): no significant difference at equal tokens.")
+        head = (
+            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
+            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): no significant difference at equal tokens."
+        )
     else:
         better = "DP" if g > 0 else "DiLoCo"
-        head = (f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-                f"{ci[0]:+.2f} to {ci[1]:+.2f} %): {better} is better at equal tokens.")
+        head = (
+            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
+            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): {better} is better at equal tokens."
+        )
     parts = [head]
     if pub is not None:
-        parts.append(f"The published fits predict {pub:+.2f} % at this size and M = {first.get('learners')} "
-                     f"({PUBLISHED}).")
+        parts.append(
+            f"The published fits predict {pub:+.2f} % at this size and M = {first.get('learners')} ({PUBLISHED})."
+        )
     if bpt["diloco"] and bpt[BASELINE]:
         parts.append(f"DiLoCo sends {bpt['diloco'] / bpt[BASELINE]:.2f}× DP's bytes per token.")
     if first.get("network") and wall["diloco"] and wall[BASELINE]:
-        t = (f"Under the modelled network ({first['network']}) it finishes in {wall['diloco'] / wall[BASELINE]:.2f}× "
-             f"DP's time")
-        t += ", reaching DP's final held-out loss." if all(reached) else \
-            (", without reaching DP's final held-out loss." if not any(reached) else
-             f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds.")
+        t = (
+            f"Under the modelled network ({first['network']}) it finishes in {wall['diloco'] / wall[BASELINE]:.2f}× "
+            f"DP's time"
+        )
+        t += (
+            ", reaching DP's final held-out loss."
+            if all(reached)
+            else (
+                ", without reaching DP's final held-out loss."
+                if not any(reached)
+                else f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds."
+            )
+        )
         parts.append(t)
     scores = (post or {}).get("scores") or {}
     if post and scores and all(v == 0 for v in scores.values()):
-        parts.append(f"Post-training ({post['label']}): both methods score 0 on every test item, so the task "
-                     "cannot tell them apart at this size.")
+        parts.append(
+            f"Post-training ({post['label']}): both methods score 0 on every test item, so the task "
+            "cannot tell them apart at this size."
+        )
     elif post and (post.get("verdict") or {}).get("text"):
         parts.append(f"Post-training ({post['label']}): {post['verdict']['text']}.")
     return " ".join(parts)
@@ -202,8 +293,9 @@ def verdict_table(v: dict, fmt: str = "github") -> str:
     tabulate's ``fmt`` for a terminal (``simple``)."""
     if fmt == "github":
         return md_table(list(v["rows"][0]), [list(r.values()) for r in v["rows"]])
-    return pd.DataFrame(v["rows"]).to_markdown(index=False, tablefmt=fmt, disable_numparse=True,
-                                               maxcolwidths=[44, None, None, None])  # the labels wrap
+    return pd.DataFrame(v["rows"]).to_markdown(
+        index=False, tablefmt=fmt, disable_numparse=True, maxcolwidths=[44, None, None, None]
+    )  # the labels wrap
 
 
 def verdict_markdown(v: dict) -> list[str]:

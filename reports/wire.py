@@ -63,12 +63,18 @@ def dp_allreduce_per_token(config: dict | None, summary: dict | None) -> dict | 
         return None
     per_step = 2 * (int(W) - 1) * G
     tokens = int(batch) * int(seq)
-    return {"sent_per_token": per_step / tokens, "workers": int(W), "gradient_bytes": int(G),
-            "tokens_per_step": tokens}
+    return {"sent_per_token": per_step / tokens, "workers": int(W), "gradient_bytes": int(G), "tokens_per_step": tokens}
 
 
-def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] | None,
-                 files: dict[str, str], notes: list[str], who: str, kind: str = "syncer") -> dict:
+def syncer_bytes(
+    config: dict | None,
+    summary: dict | None,
+    merges: list[dict] | None,
+    files: dict[str, str],
+    notes: list[str],
+    who: str,
+    kind: str = "syncer",
+) -> dict:
     """A learners-and-syncer method's byte figures: ``sent`` / ``received`` = summary
     ``bytes_to_syncer`` / ``bytes_from_syncer``, per learner = ÷ M; ``merged_in`` / ``published_out``
     = the merge log's ``bytes_in`` / ``bytes_out`` summed (None unless every record has the field,
@@ -79,10 +85,14 @@ def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] |
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None
     fig: dict[str, Any] = {
-        "status": "ok" if summary is not None else NOT_RUN, "kind": kind, "learners": M,
-        "sent": sent, "received": received,
+        "status": "ok" if summary is not None else NOT_RUN,
+        "kind": kind,
+        "learners": M,
+        "sent": sent,
+        "received": received,
         "total": sent + received if sent is not None and received is not None else None,
-        "sent_per_learner": _div(sent, M), "received_per_learner": _div(received, M),
+        "sent_per_learner": _div(sent, M),
+        "received_per_learner": _div(received, M),
         "sent_per_token": _per_token(sent, summary),
         "merge_records": len(merges or []),
     }
@@ -100,8 +110,10 @@ def syncer_bytes(config: dict | None, summary: dict | None, merges: list[dict] |
     if merges is None and summary_merged is not None:
         fig["merged_in"], fig["merged_in_source"] = summary_merged, f"{files['summary']} (bytes_merged)"
     elif summary_merged is not None and fig["merged_in"] is not None and summary_merged != fig["merged_in"]:
-        notes.append(f"{who} summary bytes_merged {int(summary_merged):,} differs from the merge log's "
-                     f"bytes_in total {int(fig['merged_in']):,}; the report shows the merge log's.")
+        notes.append(
+            f"{who} summary bytes_merged {int(summary_merged):,} differs from the merge log's "
+            f"bytes_in total {int(fig['merged_in']):,}; the report shows the merge log's."
+        )
     return fig
 
 
@@ -119,13 +131,22 @@ def allreduce_bytes(config: dict | None, summary: dict | None, notes: list[str],
         sent = received = _div(allreduce, 2)
     total = sent + received if sent is not None and received is not None else allreduce
     if allreduce is not None and total is not None and total != allreduce:
-        notes.append(f"{who} summary allreduce_bytes {int(allreduce):,} is not bytes_to_syncer + "
-                     f"bytes_from_syncer = {int(total):,} (a summary written before allreduce_bytes "
-                     "counted both directions); the report shows the sent and received fields.")
-    return {"status": "ok" if summary is not None else NOT_RUN, "kind": "allreduce", "workers": W,
-            "sent": sent, "received": received, "total": total,
-            "sent_per_worker": _div(sent, W), "received_per_worker": _div(received, W),
-            "sent_per_token": _per_token(sent, summary)}
+        notes.append(
+            f"{who} summary allreduce_bytes {int(allreduce):,} is not bytes_to_syncer + "
+            f"bytes_from_syncer = {int(total):,} (a summary written before allreduce_bytes "
+            "counted both directions); the report shows the sent and received fields."
+        )
+    return {
+        "status": "ok" if summary is not None else NOT_RUN,
+        "kind": "allreduce",
+        "workers": W,
+        "sent": sent,
+        "received": received,
+        "total": total,
+        "sent_per_worker": _div(sent, W),
+        "received_per_worker": _div(received, W),
+        "sent_per_token": _per_token(sent, summary),
+    }
 
 
 def _per_token(sent: float | int | None, summary: dict | None) -> float | None:
@@ -136,19 +157,45 @@ def _per_token(sent: float | int | None, summary: dict | None) -> float | None:
 
 _BOTH = "learners (DiLoCo) / ring model (DP)"  # who counts a figure both kinds of method have
 BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None: no syncer)[, format]
-    ("bytes_sent", "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; "
-     "DP: ring all-reduce sends)", _BOTH, "sent", "sent"),
-    ("bytes_received", "bytes received, all learners/workers (DiLoCo: syncer→learner pulled "
-     "fragments; DP: ring all-reduce receives)", _BOTH, "received", "received"),
+    (
+        "bytes_sent",
+        "bytes sent, all learners/workers (DiLoCo: learner→syncer submission payloads; DP: ring all-reduce sends)",
+        _BOTH,
+        "sent",
+        "sent",
+    ),
+    (
+        "bytes_received",
+        "bytes received, all learners/workers (DiLoCo: syncer→learner pulled fragments; DP: ring all-reduce receives)",
+        _BOTH,
+        "received",
+        "received",
+    ),
     ("bytes_total", "bytes sent + received, all learners/workers (DP: the all-reduce bytes)", _BOTH, "total", "total"),
     ("bytes_sent_per_worker", "bytes sent per learner/worker (all ÷ M)", _BOTH, "sent_per_learner", "sent_per_worker"),
-    ("bytes_received_per_worker", "bytes received per learner/worker (all ÷ M)", _BOTH, "received_per_learner",
-     "received_per_worker"),
-    ("bytes_sent_per_token", "bytes sent per training token, all learners/workers (bytes sent ÷ tokens)", _BOTH,
-     "sent_per_token", "sent_per_token", "{:,.1f}"),
+    (
+        "bytes_received_per_worker",
+        "bytes received per learner/worker (all ÷ M)",
+        _BOTH,
+        "received_per_learner",
+        "received_per_worker",
+    ),
+    (
+        "bytes_sent_per_token",
+        "bytes sent per training token, all learners/workers (bytes sent ÷ tokens)",
+        _BOTH,
+        "sent_per_token",
+        "sent_per_token",
+        "{:,.1f}",
+    ),
     ("bytes_merged_in", "merge-log bytes_in: submission bytes merged", "syncer", "merged_in", None),
-    ("bytes_published_out", "merge-log bytes_out: published, fragment bytes × M per merge", "syncer",
-     "published_out", None),
+    (
+        "bytes_published_out",
+        "merge-log bytes_out: published, fragment bytes × M per merge",
+        "syncer",
+        "published_out",
+        None,
+    ),
 )
 
 

@@ -81,8 +81,10 @@ def graceful_stop() -> Iterator[None]:
                 signal.raise_signal(signum)
             return
         request_stop(signum)
-        log.warning("%s received: stopping at the next step boundary (send it again to abort at once)",
-                    _signal_names.get(signum, signum))
+        log.warning(
+            "%s received: stopping at the next step boundary (send it again to abort at once)",
+            _signal_names.get(signum, signum),
+        )
 
     for s in _signal_names:
         signal.signal(s, handler)
@@ -91,7 +93,6 @@ def graceful_stop() -> Iterator[None]:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-
 
 
 def dask_setup(worker) -> None:

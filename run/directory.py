@@ -20,8 +20,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from run.layout import REUSABLE_ENTRIES, RunLayout
-from run.layout import RESULT_ENTRIES as _RESULTS
+from run.layout import RESULT_ENTRIES as _RESULTS, REUSABLE_ENTRIES, RunLayout
 
 # what makes a folder a run: this layout's entries, and those of runs written before it
 RESULT_ENTRIES = (*_RESULTS, "checkpoints", "metrics")
@@ -31,7 +30,7 @@ def default_run_dir(run_root: str | Path, name: str) -> Path:
     """``<run_root>/<name>-<UTC timestamp>`` (seconds), absolute. ``ValueError`` for a URL."""
     if "://" in str(run_root):
         raise ValueError(f"run_root {run_root} is a URL; runs are written to a local folder: give a local path")
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     return (Path(run_root).expanduser() / f"{name}-{stamp}").absolute()
 
 
@@ -45,8 +44,10 @@ def check_run_dir(path: str | Path) -> Path:
     if not str(path).strip():
         raise ValueError("run directory is empty or blank; give a folder name with --run-dir")
     if "://" in str(path):
-        raise ValueError(f"run directory {path} is a URL; runs are written to a local folder (run_root or "
-                         "--run-dir): give a local path")
+        raise ValueError(
+            f"run directory {path} is a URL; runs are written to a local folder (run_root or "
+            "--run-dir): give a local path"
+        )
     path = Path(os.path.normpath(Path(path).expanduser().absolute()))
     if path.is_symlink() and not path.exists():
         raise ValueError(f"run directory {path} is a dangling symbolic link; choose another --run-dir")
@@ -126,8 +127,9 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         raise
 
 
-def write_status(run_dir: str | Path, status: str, completed_stages: list[str], reason: str | None = None,
-                 **extra) -> dict:
+def write_status(
+    run_dir: str | Path, status: str, completed_stages: list[str], reason: str | None = None, **extra
+) -> dict:
     """Record the run's state in ``RUN/status.json`` (atomically) and return the record.
 
     ``status``: ``running`` | ``completed`` | ``interrupted`` | ``failed``; ``completed_stages``: the
@@ -136,8 +138,13 @@ def write_status(run_dir: str | Path, status: str, completed_stages: list[str], 
     """
     if status not in ("running", "completed", "interrupted", "failed"):
         raise ValueError(f"unknown run status {status!r}")
-    record = {"status": status, "completed_stages": list(completed_stages), "reason": reason,
-              "updated_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **extra}
+    record = {
+        "status": status,
+        "completed_stages": list(completed_stages),
+        "reason": reason,
+        "updated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        **extra,
+    }
     atomic_write_text(RunLayout(run_dir).status, json.dumps(record, indent=2))
     return record
 

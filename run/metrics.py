@@ -28,7 +28,7 @@ class JsonlWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         _drop_cut_line(self.path)
-        self._fh = open(self.path, "a", encoding="utf-8")
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open, closed by close()
         self.count = 0
 
     def __call__(self, record: dict) -> None:
@@ -78,8 +78,9 @@ def _drop_cut_line(path: Path) -> None:
         else:
             keep = 0
         fh.truncate(keep)
-    logging.getLogger(__name__).warning("%s: dropped a last line cut short (%d bytes) before appending", path,
-                                        size - keep)
+    logging.getLogger(__name__).warning(
+        "%s: dropped a last line cut short (%d bytes) before appending", path, size - keep
+    )
 
 
 def read_jsonl(path: str | Path) -> list[dict]:

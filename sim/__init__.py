@@ -57,17 +57,51 @@ systems), ``study`` (the grid, statistics, calibration: :func:`run_goodput`), ``
 with the report's plot style, ``reports.plots``; import it as ``sim.outputs``).
 """
 
-from sim.config import (CALIBRATED_FIELDS, CALIBRATION_ROWS, PAPER_CHIPS, PAPER_TABLE1, SECONDS_PER_YEAR,
-                        GoodputConfig, system_label)
-from sim.jobs import (JobRun, Outcome, learner_slices, quorum_sweep, simulate_diloco, simulate_dp,
-                      simulate_elastic, simulate_system)
+from sim.config import (
+    CALIBRATED_FIELDS,
+    CALIBRATION_ROWS,
+    PAPER_CHIPS,
+    PAPER_TABLE1,
+    SECONDS_PER_YEAR,
+    GoodputConfig,
+    system_label,
+)
+from sim.jobs import (
+    JobRun,
+    Outcome,
+    learner_slices,
+    quorum_sweep,
+    simulate_diloco,
+    simulate_dp,
+    simulate_elastic,
+    simulate_system,
+)
 from sim.markdown import markdown_report
 from sim.study import calibrate, confidence_interval, run_goodput, simulate_grid
 from sim.trace import Trace, failure_trace, n_slices
 
 __all__ = [
-    "CALIBRATED_FIELDS", "CALIBRATION_ROWS", "PAPER_CHIPS", "PAPER_TABLE1", "SECONDS_PER_YEAR", "GoodputConfig",
-    "JobRun", "Outcome", "Trace", "calibrate", "confidence_interval", "failure_trace", "learner_slices",
-    "markdown_report", "n_slices", "quorum_sweep", "run_goodput", "simulate_diloco", "simulate_dp",
-    "simulate_elastic", "simulate_grid", "simulate_system", "system_label",
+    "CALIBRATED_FIELDS",
+    "CALIBRATION_ROWS",
+    "PAPER_CHIPS",
+    "PAPER_TABLE1",
+    "SECONDS_PER_YEAR",
+    "GoodputConfig",
+    "JobRun",
+    "Outcome",
+    "Trace",
+    "calibrate",
+    "confidence_interval",
+    "failure_trace",
+    "learner_slices",
+    "markdown_report",
+    "n_slices",
+    "quorum_sweep",
+    "run_goodput",
+    "simulate_diloco",
+    "simulate_dp",
+    "simulate_elastic",
+    "simulate_grid",
+    "simulate_system",
+    "system_label",
 ]

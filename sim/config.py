@@ -46,10 +46,10 @@ class GoodputConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     # Grid
-    chips: list[PositiveInt] = Field(default_factory=lambda: list(PAPER_CHIPS),
-                                     description="cluster sizes N (chips)")
-    learners: list[PositiveInt] = Field(default_factory=lambda: [2, 4, 8, 16],
-                                        description="Decoupled DiLoCo learner counts M")
+    chips: list[PositiveInt] = Field(default_factory=lambda: list(PAPER_CHIPS), description="cluster sizes N (chips)")
+    learners: list[PositiveInt] = Field(
+        default_factory=lambda: [2, 4, 8, 16], description="Decoupled DiLoCo learner counts M"
+    )
     quorum: PositiveInt = Field(1, description="K: learners that must run for the global model to advance")
     # Failures and recovery (stated)
     chip_mtbi_years: PositiveFloat = Field(1.0, description="per-chip mean time between interruptions, years (paper)")
@@ -60,14 +60,16 @@ class GoodputConfig(BaseModel):
     recovery_scale_s: PositiveFloat = Field(24.0, description="exponentiated Weibull scale, s (mean 29.7 s)")
     step_s: PositiveFloat = Field(2.0, description="training step time, s (work in flight at a failure is lost)")
     checkpoint_every_steps: PositiveInt = Field(
-        1, description="non-elastic DP rolls back to its last checkpoint, taken every this many steps")
+        1, description="non-elastic DP rolls back to its last checkpoint, taken every this many steps"
+    )
     # Calibrated on the DP rows (see calibrate())
     restart_s: float = Field(46.59, ge=0.0, description="non-elastic restart (reschedule, re-compile, restore), s")
     downscale_s: float = Field(0.5, ge=0.0, description="elastic pause to drop a failed slice, s (after detection)")
     upscale_s: float = Field(22.37, ge=0.0, description="elastic pause to take a returned slice back, s")
     # Statistics
     failures_per_run: PositiveInt = Field(
-        4000, description="horizon per run = this many expected interruptions of the full cluster")
+        4000, description="horizon per run = this many expected interruptions of the full cluster"
+    )
     seeds: int = Field(10, ge=2, description="independent replications (confidence intervals need ≥ 2)")
     seed: int = Field(0, ge=0, description="base seed; the same seed gives the same numbers")
     confidence: float = Field(0.95, gt=0.0, lt=1.0, description="confidence level of the intervals")
@@ -75,7 +77,7 @@ class GoodputConfig(BaseModel):
     calibrate: bool = Field(False, description="refit restart_s, downscale_s, upscale_s on the DP rows first")
 
     @model_validator(mode="after")
-    def _check(self) -> "GoodputConfig":
+    def _check(self) -> GoodputConfig:
         if not self.chips:
             raise ValueError("chips must list at least one cluster size")
         if len(set(self.chips)) != len(self.chips):
@@ -88,7 +90,8 @@ class GoodputConfig(BaseModel):
             if round(n / self.slice_chips) < max(self.learners, default=1):
                 raise ValueError(
                     f"chips: {n} chips make {round(n / self.slice_chips)} slices of slice_chips="
-                    f"{self.slice_chips}, fewer than the largest learner count {max(self.learners)}")
+                    f"{self.slice_chips}, fewer than the largest learner count {max(self.learners)}"
+                )
         return self
 
     @property
@@ -115,9 +118,16 @@ class GoodputConfig(BaseModel):
     def constants(self) -> dict:
         """The time constants in one flat dict (for tables and the run directory)."""
         return {
-            "chip_mtbi_years": self.chip_mtbi_years, "slice_chips": self.slice_chips,
-            "detect_s": self.detect_s, "recovery_a": self.recovery_a, "recovery_c": self.recovery_c,
-            "recovery_scale_s": self.recovery_scale_s, "mean_recovery_s": round(self.mean_recovery_s, 3),
-            "step_s": self.step_s, "checkpoint_every_steps": self.checkpoint_every_steps,
-            "restart_s": self.restart_s, "downscale_s": self.downscale_s, "upscale_s": self.upscale_s,
+            "chip_mtbi_years": self.chip_mtbi_years,
+            "slice_chips": self.slice_chips,
+            "detect_s": self.detect_s,
+            "recovery_a": self.recovery_a,
+            "recovery_c": self.recovery_c,
+            "recovery_scale_s": self.recovery_scale_s,
+            "mean_recovery_s": round(self.mean_recovery_s, 3),
+            "step_s": self.step_s,
+            "checkpoint_every_steps": self.checkpoint_every_steps,
+            "restart_s": self.restart_s,
+            "downscale_s": self.downscale_s,
+            "upscale_s": self.upscale_s,
         }

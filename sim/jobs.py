@@ -27,9 +27,9 @@ class JobRun:
     ends: list = field(default_factory=list)
     chips: list = field(default_factory=list)
     lost: list = field(default_factory=list)
-    failures: int = 0      # interruptions that hit the running job
-    upscales: int = 0      # pauses taken only to take returned slices back
-    coalesced: int = 0     # returned slices taken in by a pause already in progress
+    failures: int = 0  # interruptions that hit the running job
+    upscales: int = 0  # pauses taken only to take returned slices back
+    coalesced: int = 0  # returned slices taken in by a pause already in progress
 
     def useful_chip_s(self) -> float:
         run = sum((e - s) * c for s, e, c in zip(self.starts, self.ends, self.chips))
@@ -81,7 +81,7 @@ def simulate_elastic(trace: Trace, cfg: GoodputConfig) -> JobRun:
     detect, down, up = cfg.detect_s, cfg.downscale_s, cfg.upscale_s
     inf = math.inf
     in_job = [True] * trace.n_slices
-    waiting: list[int] = []          # back from recovery, joining at the end of the current pause
+    waiting: list[int] = []  # back from recovery, joining at the end of the current pause
     returns: list[tuple[float, int]] = []
     n_active = trace.n_slices
     running, run_start, pause_end = True, 0.0, inf
@@ -91,7 +91,7 @@ def simulate_elastic(trace: Trace, cfg: GoodputConfig) -> JobRun:
     while True:
         tr = returns[0][0] if returns else inf
         tp = inf if running else pause_end
-        if tp <= tr and tp <= tf:                       # the pause ends
+        if tp <= tr and tp <= tf:  # the pause ends
             if tp >= horizon:
                 break
             for j in waiting:
@@ -101,9 +101,9 @@ def simulate_elastic(trace: Trace, cfg: GoodputConfig) -> JobRun:
             if n_active:
                 running, run_start = True, tp
             else:
-                pause_end = inf                         # nothing to run on: wait for a slice
+                pause_end = inf  # nothing to run on: wait for a slice
             continue
-        if tr <= tf:                                    # a slice is back
+        if tr <= tf:  # a slice is back
             if tr >= horizon:
                 break
             j = heapq.heappop(returns)[1]
@@ -112,10 +112,10 @@ def simulate_elastic(trace: Trace, cfg: GoodputConfig) -> JobRun:
                 job.starts.append(run_start)
                 job.ends.append(tr)
                 job.chips.append(n_active * cps)
-                job.lost.append(0.0)                    # an upscale waits for the step boundary
+                job.lost.append(0.0)  # an upscale waits for the step boundary
                 running, pause_end = False, tr + up
                 job.upscales += 1
-            elif pause_end == inf:                      # waiting with no slice: take this one in
+            elif pause_end == inf:  # waiting with no slice: take this one in
                 pause_end = tr + up
                 job.upscales += 1
             else:
@@ -128,7 +128,7 @@ def simulate_elastic(trace: Trace, cfg: GoodputConfig) -> JobRun:
         i += 1
         t, tf = tf, (times[i] if i < nf else inf)
         if not running or not in_job[j]:
-            continue                                    # idle chips are not interrupted
+            continue  # idle chips are not interrupted
         job.starts.append(run_start)
         job.ends.append(t)
         job.chips.append(n_active * cps)
@@ -161,15 +161,15 @@ def quorum_sweep(jobs: list[JobRun], quorum: int, horizon: float) -> tuple[float
     dn = np.concatenate([np.ones_like(starts), -np.ones_like(ends)])
     dc = np.concatenate([chips, -chips])
     dl = np.concatenate([np.zeros_like(starts), lost])
-    order = np.lexsort((dn, t))                       # ends before starts at equal times
+    order = np.lexsort((dn, t))  # ends before starts at equal times
     t, dn, dc, dl = t[order], dn[order], dc[order], dl[order]
-    count = np.cumsum(dn)                             # jobs running after each boundary
+    count = np.cumsum(dn)  # jobs running after each boundary
     running_chips = np.cumsum(dc)
     dt = np.diff(t, append=horizon)
     up = count >= quorum
     up_s = float(dt[up].sum())
     useful = float((running_chips * dt)[up].sum())
-    before = np.concatenate([[0.0], count[:-1]])      # jobs running just before each boundary
+    before = np.concatenate([[0.0], count[:-1]])  # jobs running just before each boundary
     useful -= float(dl[before >= quorum].sum())
     return useful, up_s
 
@@ -184,8 +184,13 @@ class Outcome:
 
 
 def _job_outcome(job: JobRun, trace: Trace) -> Outcome:
-    return Outcome(job.useful_chip_s() / (trace.chips * trace.horizon_s), job.running_s() / trace.horizon_s,
-                   job.failures, job.upscales, job.coalesced)
+    return Outcome(
+        job.useful_chip_s() / (trace.chips * trace.horizon_s),
+        job.running_s() / trace.horizon_s,
+        job.failures,
+        job.upscales,
+        job.coalesced,
+    )
 
 
 def simulate_diloco(trace: Trace, cfg: GoodputConfig, learners: int, quorum: int | None = None) -> Outcome:
@@ -193,8 +198,13 @@ def simulate_diloco(trace: Trace, cfg: GoodputConfig, learners: int, quorum: int
     k = cfg.quorum if quorum is None else quorum
     jobs = [simulate_elastic(trace.subset(ids), cfg) for ids in learner_slices(trace.n_slices, learners)]
     useful, up_s = quorum_sweep(jobs, k, trace.horizon_s)
-    return Outcome(useful / (trace.chips * trace.horizon_s), up_s / trace.horizon_s,
-                   sum(j.failures for j in jobs), sum(j.upscales for j in jobs), sum(j.coalesced for j in jobs))
+    return Outcome(
+        useful / (trace.chips * trace.horizon_s),
+        up_s / trace.horizon_s,
+        sum(j.failures for j in jobs),
+        sum(j.upscales for j in jobs),
+        sum(j.coalesced for j in jobs),
+    )
 
 
 def simulate_system(system: str, trace: Trace, cfg: GoodputConfig) -> Outcome:

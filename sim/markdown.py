@@ -38,15 +38,23 @@ def markdown_report(result: dict) -> str:
         "Calibration rows were fitted to the paper (only `restart_s`, `downscale_s`, `upscale_s`); the "
         "Decoupled DiLoCo rows are predictions.",
         "",
-        head, rule,
+        head,
+        rule,
     ]
     fields = GoodputConfig.model_fields
-    changed = [k for k in (*result["constants"], "quorum") if k in fields
-               and k not in (CALIBRATED_FIELDS if result.get("calibration") else ())
-               and getattr(cfg, k) != fields[k].default]
+    changed = [
+        k
+        for k in (*result["constants"], "quorum")
+        if k in fields
+        and k not in (CALIBRATED_FIELDS if result.get("calibration") else ())
+        and getattr(cfg, k) != fields[k].default
+    ]
     if changed:
-        lines[-3:-3] = ["", f"This run changes {', '.join(f'`{k}`' for k in changed)} from the defaults, so the "
-                        "differences from the paper show the effect of that change, not the model's error."]
+        lines[-3:-3] = [
+            "",
+            f"This run changes {', '.join(f'`{k}`' for k in changed)} from the defaults, so the "
+            "differences from the paper show the effect of that change, not the model's error.",
+        ]
     for s in cfg.systems:
         row = []
         for n in chips:
@@ -60,22 +68,38 @@ def markdown_report(result: dict) -> str:
     w = result.get("worst")
     lines.append("")
     if w:
-        lines.append(f"**Worst Decoupled DiLoCo cell:** {system_label(w['system'])} at {chips_label(w['chips'])} "
-                     f"chips: predicted {w['goodput']:.1f} vs paper {w['paper']} ({w['diff']:+.1f} points).")
+        lines.append(
+            f"**Worst Decoupled DiLoCo cell:** {system_label(w['system'])} at {chips_label(w['chips'])} "
+            f"chips: predicted {w['goodput']:.1f} vs paper {w['paper']} ({w['diff']:+.1f} points)."
+        )
     if result.get("calibration_rmse") is not None:
         lines.append(f"RMS error on the two calibration rows: {result['calibration_rmse']:.1f} points.")
-    lines += ["", "## Uptime (%): time the system as a whole advances", "",
-              f"DP: the job runs. Decoupled DiLoCo: at least K = {cfg.quorum} learner(s) run.", "", head, rule]
+    lines += [
+        "",
+        "## Uptime (%): time the system as a whole advances",
+        "",
+        f"DP: the job runs. Decoupled DiLoCo: at least K = {cfg.quorum} learner(s) run.",
+        "",
+        head,
+        rule,
+    ]
     for s in cfg.systems:
         row = [_pm(cell[(s, n)]["uptime"], cell[(s, n)]["uptime_ci"]) for n in chips]
         lines.append(f"| {system_label(s)} | | " + " | ".join(row) + " |")
     if result.get("rule_of_thumb"):
-        lines += ["", "## Rule of thumb: M learners at N chips ≈ one elastic job at N/M chips", "",
-                  "| M | N | Decoupled DiLoCo at N | elastic DP at N/M | difference |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Rule of thumb: M learners at N chips ≈ one elastic job at N/M chips",
+            "",
+            "| M | N | Decoupled DiLoCo at N | elastic DP at N/M | difference |",
+            "|---|---|---|---|---|",
+        ]
         for r in result["rule_of_thumb"]:
-            lines.append(f"| {r['learners']} | {chips_label(r['chips'])} | {_pm(r['diloco'], r['diloco_ci'])} | "
-                         f"{_pm(r['elastic'], r['elastic_ci'])} ({chips_label(r['elastic_chips'])}) | "
-                         f"{r['diff']:+.1f} |")
+            lines.append(
+                f"| {r['learners']} | {chips_label(r['chips'])} | {_pm(r['diloco'], r['diloco_ci'])} | "
+                f"{_pm(r['elastic'], r['elastic_ci'])} ({chips_label(r['elastic_chips'])}) | "
+                f"{r['diff']:+.1f} |"
+            )
     lines += ["", "## Constants", "", "| constant | value | source |", "|---|---|---|"]
     calibrated = set(result.get("calibrated", ()))
     for k, v in result["constants"].items():
@@ -92,7 +116,10 @@ def markdown_report(result: dict) -> str:
         lines.append(f"| `{k}` | {v:g} | {src} |")
     if result.get("calibration"):
         cal = result["calibration"]
-        lines += ["", f"Calibration ran in this job ({cal['wall_s']:.1f} s, {cal['seeds']} seeds × "
-                      f"{cal['failures_per_run']} interruptions): RMS {cal['rmse']['dp']:.2f} (DP) and "
-                      f"{cal['rmse']['elastic']:.2f} (elastic) points."]
+        lines += [
+            "",
+            f"Calibration ran in this job ({cal['wall_s']:.1f} s, {cal['seeds']} seeds × "
+            f"{cal['failures_per_run']} interruptions): RMS {cal['rmse']['dp']:.2f} (DP) and "
+            f"{cal['rmse']['elastic']:.2f} (elastic) points.",
+        ]
     return "\n".join(lines) + "\n"

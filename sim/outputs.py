@@ -27,9 +27,16 @@ def goodput_figure(result: dict) -> Figure:
     for i, system in enumerate(cfg.systems):
         cells = sorted((c for c in result["cells"] if c["system"] == system), key=lambda c: c["chips"])
         color = colors[i % len(colors)]
-        ax.errorbar([c["chips"] for c in cells], [c["goodput"] for c in cells],
-                    yerr=[c["goodput_ci"] for c in cells], color=color, marker="o", ms=4, capsize=3,
-                    label=f"{system_label(system)} (sim)")
+        ax.errorbar(
+            [c["chips"] for c in cells],
+            [c["goodput"] for c in cells],
+            yerr=[c["goodput_ci"] for c in cells],
+            color=color,
+            marker="o",
+            ms=4,
+            capsize=3,
+            label=f"{system_label(system)} (sim)",
+        )
         paper = [(c["chips"], c["paper"]) for c in cells if c["paper"] is not None]
         if paper and system in PAPER_TABLE1:
             ax.plot(*zip(*paper), linestyle="none", marker="s", ms=8, mfc="none", mec=color)
@@ -40,8 +47,14 @@ def goodput_figure(result: dict) -> Figure:
     ax.set_xticklabels([chips_label(n) for n in chips])
     ax.minorticks_off()
     ax.set_ylim(0, 100)
-    finish_axes(ax, "chips", "goodput (%)", f"Goodput under failures (per-chip MTBI {cfg.chip_mtbi_years:g} y; "
-                f"{cfg.confidence:.0%} CI over {cfg.seeds} seeds)", title_size=10)
+    finish_axes(
+        ax,
+        "chips",
+        "goodput (%)",
+        f"Goodput under failures (per-chip MTBI {cfg.chip_mtbi_years:g} y; "
+        f"{cfg.confidence:.0%} CI over {cfg.seeds} seeds)",
+        title_size=10,
+    )
     ax.legend(fontsize=8, loc="lower left")
     return fig
 

@@ -30,8 +30,9 @@ def confidence_interval(values, confidence: float = 0.95) -> tuple[float, float]
     return float(x.mean()), float(half)
 
 
-def simulate_grid(cfg: GoodputConfig, systems: list[str] | None = None,
-                  chips: list[int] | None = None) -> dict[tuple[str, int], list[Outcome]]:
+def simulate_grid(
+    cfg: GoodputConfig, systems: list[str] | None = None, chips: list[int] | None = None
+) -> dict[tuple[str, int], list[Outcome]]:
     """Every (system, N) cell, ``cfg.seeds`` replications each; the same trace for all systems."""
     systems = cfg.systems if systems is None else systems
     out: dict[tuple[str, int], list[Outcome]] = {(s, n): [] for s in systems for n in (chips or cfg.chips)}
@@ -68,20 +69,27 @@ def run_goodput(cfg: GoodputConfig) -> dict:
         u, u_ci = confidence_interval(_percent(o.uptime for o in outs), cfg.confidence)
         paper = PAPER_TABLE1.get(system, ())
         pv = paper[paper_col[n]] if n in paper_col and paper else None
-        cells.append({
-            "system": system, "label": system_label(system), "chips": n,
-            "goodput": g, "goodput_ci": g_ci, "uptime": u, "uptime_ci": u_ci,
-            "goodput_seeds": _percent(o.goodput for o in outs),
-            "failures_mean": float(np.mean([o.failures for o in outs])),
-            "paper": pv, "diff": None if pv is None else g - pv,
-            "role": "calibration" if system in CALIBRATION_ROWS else "prediction",
-        })
+        cells.append(
+            {
+                "system": system,
+                "label": system_label(system),
+                "chips": n,
+                "goodput": g,
+                "goodput_ci": g_ci,
+                "uptime": u,
+                "uptime_ci": u_ci,
+                "goodput_seeds": _percent(o.goodput for o in outs),
+                "failures_mean": float(np.mean([o.failures for o in outs])),
+                "paper": pv,
+                "diff": None if pv is None else g - pv,
+                "role": "calibration" if system in CALIBRATION_ROWS else "prediction",
+            }
+        )
     rule = []
     if cfg.rule_of_thumb:
         # Elastic DP at N/M: reuse the grid's cells where N/M is a grid size, simulate the rest.
         small = sorted({n // m for n in cfg.chips for m in cfg.learners if n % m == 0} - set(cfg.chips))
-        elastic = simulate_grid(cfg.model_copy(update={"learners": [1], "quorum": 1}),
-                                systems=["elastic"], chips=small)
+        elastic = simulate_grid(cfg.model_copy(update={"learners": [1], "quorum": 1}), systems=["elastic"], chips=small)
         by = {c["chips"]: c for c in cells if c["system"] == "elastic"}
         for m in cfg.learners:
             for n in cfg.chips:
@@ -89,11 +97,23 @@ def run_goodput(cfg: GoodputConfig) -> dict:
                     continue
                 dl = next(c for c in cells if c["system"] == f"diloco-{m}" and c["chips"] == n)
                 e = by.get(n // m)
-                eg = (e["goodput"], e["goodput_ci"]) if e else confidence_interval(
-                    _percent(o.goodput for o in elastic[("elastic", n // m)]), cfg.confidence)
-                rule.append({"learners": m, "chips": n, "diloco": dl["goodput"], "diloco_ci": dl["goodput_ci"],
-                             "elastic_chips": n // m, "elastic": eg[0], "elastic_ci": eg[1],
-                             "diff": dl["goodput"] - eg[0]})
+                eg = (
+                    (e["goodput"], e["goodput_ci"])
+                    if e
+                    else confidence_interval(_percent(o.goodput for o in elastic[("elastic", n // m)]), cfg.confidence)
+                )
+                rule.append(
+                    {
+                        "learners": m,
+                        "chips": n,
+                        "diloco": dl["goodput"],
+                        "diloco_ci": dl["goodput_ci"],
+                        "elastic_chips": n // m,
+                        "elastic": eg[0],
+                        "elastic_ci": eg[1],
+                        "diff": dl["goodput"] - eg[0],
+                    }
+                )
     preds = [c for c in cells if c["role"] == "prediction" and c["paper"] is not None]
     worst = max(preds, key=lambda c: abs(c["diff"]), default=None)
     calib = [c for c in cells if c["role"] == "calibration" and c["paper"] is not None]
@@ -147,16 +167,24 @@ def calibrate(cfg: GoodputConfig, seeds: int = 8, failures_per_run: int = 4000) 
     coarse = [(d, u) for d in (0.0, 3.0, 6.0, 9.0, 12.0) for u in (0.0, 8.0, 16.0, 24.0, 32.0)]
     start = min(coarse, key=el_loss)
     simplex = [start, (start[0] + 1.5, start[1]), (start[0], start[1] + 4.0)]
-    res2 = optimize.minimize(el_loss, x0=start, method="Nelder-Mead", bounds=[(0.0, 600.0), (0.0, 600.0)],
-                             options={"xatol": 0.05, "fatol": 1e-3, "maxfev": 120, "initial_simplex": simplex})
+    res2 = optimize.minimize(
+        el_loss,
+        x0=start,
+        method="Nelder-Mead",
+        bounds=[(0.0, 600.0), (0.0, 600.0)],
+        options={"xatol": 0.05, "fatol": 1e-3, "maxfev": 120, "initial_simplex": simplex},
+    )
     down, up = (float(v) for v in res2.x)
     fitted = base.model_copy(update={"restart_s": restart, "downscale_s": down, "upscale_s": up})
     return {
         "constants": {"restart_s": round(restart, 2), "downscale_s": round(down, 2), "upscale_s": round(up, 2)},
         "rmse": {"dp": math.sqrt(res.fun), "elastic": math.sqrt(res2.fun)},
-        "fitted": {"dp": _row_goodputs(fitted, "dp", seeds).round(2).tolist(),
-                   "elastic": _row_goodputs(fitted, "elastic", seeds).round(2).tolist()},
-        "seeds": seeds, "failures_per_run": failures_per_run,
+        "fitted": {
+            "dp": _row_goodputs(fitted, "dp", seeds).round(2).tolist(),
+            "elastic": _row_goodputs(fitted, "elastic", seeds).round(2).tolist(),
+        },
+        "seeds": seeds,
+        "failures_per_run": failures_per_run,
         "wall_s": time.perf_counter() - t0,
     }
 
@@ -171,6 +199,11 @@ def simulate_goodput(knobs: dict, systems: list[str]) -> dict:
     for (system, _), runs in simulate_grid(cfg, systems=systems).items():
         g, g_ci = confidence_interval([o.goodput for o in runs], cfg.confidence)
         u, u_ci = confidence_interval([o.uptime for o in runs], cfg.confidence)
-        out[system] = {"goodput": g, "goodput_ci": g_ci, "uptime": u, "uptime_ci": u_ci,
-                       "failures_mean": sum(o.failures for o in runs) / len(runs)}
+        out[system] = {
+            "goodput": g,
+            "goodput_ci": g_ci,
+            "uptime": u,
+            "uptime_ci": u_ci,
+            "failures_mean": sum(o.failures for o in runs) / len(runs),
+        }
     return out

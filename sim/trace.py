@@ -28,21 +28,26 @@ class Trace:
     def chips_per_slice(self) -> float:
         return self.chips / self.n_slices
 
-    def subset(self, slice_ids: np.ndarray) -> "Trace":
+    def subset(self, slice_ids: np.ndarray) -> Trace:
         """The interruptions of ``slice_ids`` only, renumbered 0 … len(slice_ids)−1."""
         local = np.full(self.n_slices, -1, dtype=np.int64)
         local[slice_ids] = np.arange(len(slice_ids))
         keep = local[self.slices] >= 0
-        return Trace(self.times[keep], local[self.slices[keep]], self.recovery[keep], len(slice_ids),
-                     self.chips * len(slice_ids) / self.n_slices, self.horizon_s)
+        return Trace(
+            self.times[keep],
+            local[self.slices[keep]],
+            self.recovery[keep],
+            len(slice_ids),
+            self.chips * len(slice_ids) / self.n_slices,
+            self.horizon_s,
+        )
 
 
 def n_slices(cfg: GoodputConfig, chips: int) -> int:
     return max(1, round(chips / cfg.slice_chips))
 
 
-def failure_trace(cfg: GoodputConfig, chips: int, rng: np.random.Generator,
-                  horizon_s: float | None = None) -> Trace:
+def failure_trace(cfg: GoodputConfig, chips: int, rng: np.random.Generator, horizon_s: float | None = None) -> Trace:
     """Poisson interruptions of ``chips`` chips at the full rate N / MTBI, each on a uniformly drawn
     slice (slices have equal size), with a recovery delay drawn from ``cfg.recovery``."""
     horizon = cfg.horizon_s(chips) if horizon_s is None else horizon_s

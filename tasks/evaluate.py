@@ -20,8 +20,11 @@ def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str 
     logger = get_run_logger()
     logger.info("eval %s %s: %s", stage, method, {k: v for k, v in metrics.items() if isinstance(v, float)})
     if metrics.get("truncated_requests"):
-        logger.warning("eval %s: %d requests had their context cut to fit the model's window",
-                       method, metrics["truncated_requests"])
+        logger.warning(
+            "eval %s: %d requests had their context cut to fit the model's window",
+            method,
+            metrics["truncated_requests"],
+        )
     return metrics
 
 
@@ -29,8 +32,8 @@ def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str 
 def report_task(run_dir: Path, final_stage: bool = True) -> dict:
     """Build the report (``final_stage``: as the pipeline's last stage, before its status is final)."""
     from reports import build_report
-    from sim.study import simulate_goodput
     from reports.artifacts import publish_report_artifacts
+    from sim.study import simulate_goodput
 
     report = build_report(Path(run_dir), final_stage=final_stage, predict=simulate_goodput)
     publish_report_artifacts(report, Path(run_dir))

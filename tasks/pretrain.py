@@ -29,8 +29,11 @@ def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
     attempt = int(task_run.run_count or 1)
     logger = get_run_logger()
     if attempt > 1:
-        logger.warning("learner %d: attempt %d, rejoining from its resume point and the syncer's global "
-                       "fragments", learner, attempt)
+        logger.warning(
+            "learner %d: attempt %d, rejoining from its resume point and the syncer's global fragments",
+            learner,
+            attempt,
+        )
     out = learner_attempt(config, run_dir, learner, attempt)
     logger.info("learner %d done: %d steps, %d tokens", learner, out["steps"], out["tokens"])
     return out
@@ -72,8 +75,14 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     logger = get_run_logger()
 
     def progress(tokens, total, loss, val):
-        logger.info(f"dp: {config.unit} %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
-                    f"{tokens:,}", f"{total:,}", 100 * tokens / total, loss, val)
+        logger.info(
+            f"dp: {config.unit} %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
+            f"{tokens:,}",
+            f"{total:,}",
+            100 * tokens / total,
+            loss,
+            val,
+        )
 
     summary = train_dp(config, Path(run_dir), progress)
     write_json(RunLayout(run_dir).summary("pretrain", "dp"), summary)

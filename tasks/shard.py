@@ -9,5 +9,8 @@ shard_data_task = task(
     name="shard-data",
     cache_policy=NO_CACHE,
     log_prints=False,  # datasets prints bytecode while fingerprinting; keep it out of the run log
-    description="Text: corpus → held-out split → BPE → packed sequences; images: stratified split; then M learner shards (RUN/data)",
+    description=(
+        "Text: corpus → held-out split → BPE → packed sequences; images: stratified split; "
+        "then M learner shards (RUN/data)"
+    ),
 )(prepare_data)

@@ -70,8 +70,8 @@ def jsonl_finetune_run(small_cfg, small_data, tmp_path, **finetune):
     import json
     import shutil
 
-    from data.finetune import prepare_finetune_data
     from configs.schema import ExperimentConfig
+    from data.finetune import prepare_finetune_data
     from run.layout import RunLayout
     from training.checkpoint import save_checkpoint
     from training.common import model_spec
@@ -80,15 +80,32 @@ def jsonl_finetune_run(small_cfg, small_data, tmp_path, **finetune):
     run_dir = tmp_path / "run"
     shutil.copytree(small_data, run_dir)
     pairs = tmp_path / "pairs.jsonl"
-    pairs.write_text("".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n"
-                             for i in range(40)))
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "finetune": {"enabled": True, "source": "jsonl", "paths": [str(pairs)], "steps": 4, "batch_size": 4,
-                     "eval_every_steps": 4, "seeds": [0], "optimizer": {"lr": 0.01, "warmup_steps": 0}, **finetune}})
+    pairs.write_text(
+        "".join(json.dumps({"prompt": f"{i} plus {i} is", "response": f" {2 * i}\n"}) + "\n" for i in range(40))
+    )
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "finetune": {
+                "enabled": True,
+                "source": "jsonl",
+                "paths": [str(pairs)],
+                "steps": 4,
+                "batch_size": 4,
+                "eval_every_steps": 4,
+                "seeds": [0],
+                "optimizer": {"lr": 0.01, "warmup_steps": 0},
+                **finetune,
+            },
+        }
+    )
     layout = RunLayout(run_dir)
-    save_checkpoint(layout.checkpoints("pretrain", "dp"), 1, nest(params_of(model_spec(cfg, run_dir).init(cfg.seed))),
-                    {"method": "dp"})
+    save_checkpoint(
+        layout.checkpoints("pretrain", "dp"),
+        1,
+        nest(params_of(model_spec(cfg, run_dir).init(cfg.seed))),
+        {"method": "dp"},
+    )
     task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
     return cfg, run_dir, layout, task
 
@@ -97,4 +114,5 @@ def squash(md: str) -> str:
     """Markdown with the tables' alignment padding (tabulate's) removed, so a test can name a row
     by its cells: ``"| a    | b  |"`` → ``"| a | b |"``."""
     import re
+
     return re.sub(r" +\|", " |", re.sub(r"(?<!\\)\| +", "| ", md))

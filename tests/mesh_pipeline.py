@@ -31,11 +31,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OVERRIDES = {
-    "data.source": "local", "data.paths": [str(ROOT / "tests" / "data" / "shakespeare_small.jsonl")],
-    "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
+    "data.source": "local",
+    "data.paths": [str(ROOT / "tests" / "data" / "shakespeare_small.jsonl")],
+    "train.token_budget": 3072,
+    "train.eval_every_tokens": 3072,
+    "eval.enabled": False,
     "finetune.enabled": False,
-    "diloco.learners": 2, "diloco.quorum": 2, "runtime.devices_per_learner": 2,
-    "chaos.failures": [{"learner": 1, "at_step": 6}], "diloco.resume_every_steps": 4, "diloco.retry_delay_s": 0.5,
+    "diloco.learners": 2,
+    "diloco.quorum": 2,
+    "runtime.devices_per_learner": 2,
+    "chaos.failures": [{"learner": 1, "at_step": 6}],
+    "diloco.resume_every_steps": 4,
+    "diloco.retry_delay_s": 0.5,
 }
 
 
@@ -60,19 +67,32 @@ def main() -> None:
     for method in ("diloco", "dp"):
         curve = read_jsonl(layout.metrics("pretrain", method, "eval"))
         summary = json.loads(layout.summary("pretrain", method).read_text())
-        out[method] = {"heldout_first": curve[0]["val/loss"], "heldout_last": curve[-1]["val/loss"],
-                       "final_val_loss": summary["final_val_loss"], "tokens": summary["tokens"],
-                       "steps": summary["steps"], "hyperparameters": summary["hyperparameters"]}
+        out[method] = {
+            "heldout_first": curve[0]["val/loss"],
+            "heldout_last": curve[-1]["val/loss"],
+            "final_val_loss": summary["final_val_loss"],
+            "tokens": summary["tokens"],
+            "steps": summary["steps"],
+            "hyperparameters": summary["hyperparameters"],
+        }
     out["learner_slices"] = sorted(key[2] for key in diloco._TRAINERS if key[2] is not None)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
-    out["learner_1_restart"] = [{k: e.get(k) for k in ("event", "attempt", "step", "resumed")}
-                                for e in events if e.get("learner") == 1 and e.get("event") in ("failure", "start")]
+    out["learner_1_restart"] = [
+        {k: e.get(k) for k in ("event", "attempt", "step", "resumed")}
+        for e in events
+        if e.get("learner") == 1 and e.get("event") in ("failure", "start")
+    ]
     out["status"] = json.loads(layout.status.read_text())
     out["wall_s"] = time.monotonic() - t0
     print(json.dumps(out))
     restarts = [e for e in out["learner_1_restart"] if e["event"] == "start" and e["attempt"] == 2]
-    ok = (out["status"]["status"] == "completed" and len(out["learner_slices"]) == 2
-          and restarts and restarts[0]["resumed"] and restarts[0]["step"] == 4)
+    ok = (
+        out["status"]["status"] == "completed"
+        and len(out["learner_slices"]) == 2
+        and restarts
+        and restarts[0]["resumed"]
+        and restarts[0]["step"] == 4
+    )
     sys.exit(0 if ok else 1)
 
 

@@ -95,8 +95,9 @@ def compare() -> dict:
     spec = build_model(cfg.model, InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len))
     tx = make_inner_tx(cfg.diloco.inner, STEPS)
     rng = np.random.default_rng(0)
-    batches = [rng.integers(0, cfg.data.vocab_size, size=(B, cfg.data.seq_len + 1), dtype=np.int32)
-               for _ in range(STEPS)]
+    batches = [
+        rng.integers(0, cfg.data.vocab_size, size=(B, cfg.data.seq_len + 1), dtype=np.int32) for _ in range(STEPS)
+    ]
     devs = jax.devices()
     out: dict = {"devices": len(devs)}
     for G, single in ((1, devs[:1]), (2, devs[1:2])):

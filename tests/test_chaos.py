@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from configs.schema import ExperimentConfig
 from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
+from configs.schema import ExperimentConfig
 from diloco.exchange import InMemoryExchange
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, corrupt_payload, run_learner
@@ -26,9 +26,15 @@ from run.layout import RunLayout
 from run.metrics import read_jsonl
 from tests.test_learner import B, L, _setup, tiny_trainer
 
-PLAN = {"seed": 7, "horizon_s": 100.0, "mtbf_s": 20.0, "straggler_every_s": 30.0,
-        "heterogeneity": [1.0, 1.0, 1.18, 1.18], "scavenged": [{"learner": 3, "join_s": 10.0, "leave_s": 60.0}],
-        "corrupt": [{"learner": 1, "at_s": 5.0, "kind": "nan"}]}
+PLAN = {
+    "seed": 7,
+    "horizon_s": 100.0,
+    "mtbf_s": 20.0,
+    "straggler_every_s": 30.0,
+    "heterogeneity": [1.0, 1.0, 1.18, 1.18],
+    "scavenged": [{"learner": 3, "join_s": 10.0, "leave_s": 60.0}],
+    "corrupt": [{"learner": 1, "at_s": 5.0, "kind": "nan"}],
+}
 
 
 # -- schedules ----------------------------------------------------------------------------------
@@ -60,8 +66,15 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
 
 def test_schedules_and_plans_refuse_what_cannot_happen(tmp_path):
     with pytest.raises(ValidationError, match="still down"):
-        ChaosSchedule.model_validate({"learners": 2, "failures": [
-            {"learner": 0, "at_s": 1.0, "restart_delay_s": 5.0}, {"learner": 0, "at_s": 3.0, "restart_delay_s": 1.0}]})
+        ChaosSchedule.model_validate(
+            {
+                "learners": 2,
+                "failures": [
+                    {"learner": 0, "at_s": 1.0, "restart_delay_s": 5.0},
+                    {"learner": 0, "at_s": 3.0, "restart_delay_s": 1.0},
+                ],
+            }
+        )
     with pytest.raises(ValidationError, match=r"failures\[0\].learner \(2\) must be < the schedule's learners \(2\)"):
         ChaosSchedule.model_validate({"learners": 2, "failures": [{"learner": 2, "at_s": 1.0, "restart_delay_s": 1.0}]})
     with pytest.raises(ValidationError, match="leaves"):
@@ -70,15 +83,26 @@ def test_schedules_and_plans_refuse_what_cannot_happen(tmp_path):
     bad.write_text('{"learners": "four"}')
     refusals = [
         ({"chaos": {"schedule": {"mtbf_s": 2.0, "horizon_s": 60.0}}}, "raise diloco.learner_retries to ≥"),
-        ({"chaos": {"schedule": {"mtbf_s": 50.0, "horizon_s": 60.0, "how": "sigkill"}},
-          "diloco": {"learner_retries": 20}}, "SIGKILLs learners"),
+        (
+            {
+                "chaos": {"schedule": {"mtbf_s": 50.0, "horizon_s": 60.0, "how": "sigkill"}},
+                "diloco": {"learner_retries": 20},
+            },
+            "SIGKILLs learners",
+        ),
         ({"chaos": {"schedule": {"heterogeneity": [1.0, 1.18]}}}, "2 factors for 4 learners"),
         ({"chaos": {"replay": str(tmp_path / "none.json")}}, "no such file"),
         ({"chaos": {"replay": str(bad)}}, "chaos.replay: .* is not a chaos schedule"),
         ({"chaos": {"replay": str(tmp_path)}}, "chaos.replay: .* is a folder"),
         ({"chaos": {"schedule": {}, "replay": str(bad)}}, "keep one"),
-        ({"chaos": {"schedule": {"scavenged": [{"learner": 5}]}}}, r"chaos.schedule.scavenged\[0\].learner \(5\) must be < diloco.learners"),
-        ({"chaos": {"schedule": {"corrupt": [{"learner": 4, "at_s": 1.0}]}}}, r"chaos.schedule.corrupt\[0\].learner \(4\)"),
+        (
+            {"chaos": {"schedule": {"scavenged": [{"learner": 5}]}}},
+            r"chaos.schedule.scavenged\[0\].learner \(5\) must be < diloco.learners",
+        ),
+        (
+            {"chaos": {"schedule": {"corrupt": [{"learner": 4, "at_s": 1.0}]}}},
+            r"chaos.schedule.corrupt\[0\].learner \(4\)",
+        ),
     ]
     for overrides, message in refusals:
         with pytest.raises(ValidationError, match=message):
@@ -87,8 +111,13 @@ def test_schedules_and_plans_refuse_what_cannot_happen(tmp_path):
     other.write_text(draw_schedule(ChaosPlan(), 2).dumps())
     with pytest.raises(ValidationError, match="is for 2 learners, diloco.learners is 4"):
         ExperimentConfig.model_validate({"chaos": {"replay": str(other)}})
-    sigkill = ExperimentConfig.model_validate({"chaos": {"schedule": {"mtbf_s": 50.0, "horizon_s": 60.0}},
-                                               "diloco": {"learner_retries": 20}, "runtime": {"engine": "dask"}})
+    sigkill = ExperimentConfig.model_validate(
+        {
+            "chaos": {"schedule": {"mtbf_s": 50.0, "horizon_s": 60.0}},
+            "diloco": {"learner_retries": 20},
+            "runtime": {"engine": "dask"},
+        }
+    )
     assert {f.how for f in sigkill.chaos_schedule().failures} == {"sigkill"}  # auto: the real kill where there is one
 
 
@@ -100,16 +129,32 @@ def test_a_corrupted_submission_is_quarantined_never_merged(wire):
     rng = np.random.default_rng(0)
     theta0 = {"a": rng.normal(size=(6, 4)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
     fmt = WireFormat(wire, 4 if wire.startswith("int") else None)
-    syncer = Syncer(theta0, [["a", "b"]], SyncerSettings(num_learners=2, quorum=1, outer_lr=1.0, outer_momentum=0.0,
-                                                         wire=fmt.spec))
+    syncer = Syncer(
+        theta0, [["a", "b"]], SyncerSettings(num_learners=2, quorum=1, outer_lr=1.0, outer_momentum=0.0, wire=fmt.spec)
+    )
     moved = {k: v + 0.01 for k, v in theta0.items()}
     payload = fmt.encode({k: moved[k] - theta0[k] for k in moved} if fmt.sends_delta else moved)
     for learner, kind, reason in ((0, "nan", "non-finite"), (1, "shape", "wrong-tensors")):
         bad = corrupt_payload(payload, kind)
-        assert all(np.array_equal(payload[k], fmt.encode({k2: (moved[k2] - theta0[k2]) if fmt.sends_delta else moved[k2]
-                                                           for k2 in moved})[k]) for k in payload)  # the original intact
-        sub = Submission(learner=learner, fragment=0, params=bad, tokens=64, steps=2, base_version=0, local_step=2,
-                         attempt=1, sent_at=0.0, wire=fmt.spec)
+        assert all(
+            np.array_equal(
+                payload[k],
+                fmt.encode({k2: (moved[k2] - theta0[k2]) if fmt.sends_delta else moved[k2] for k2 in moved})[k],
+            )
+            for k in payload
+        )  # the original intact
+        sub = Submission(
+            learner=learner,
+            fragment=0,
+            params=bad,
+            tokens=64,
+            steps=2,
+            base_version=0,
+            local_step=2,
+            attempt=1,
+            sent_at=0.0,
+            wire=fmt.spec,
+        )
         assert syncer.receive(sub, 0.0) is False
         assert syncer.ledger[learner].drop_reasons == {reason: 64}
     assert syncer.poll(10.0, live={0, 1}) == [] and syncer.versions == [0]  # nothing reached Θ
@@ -135,6 +180,7 @@ def _slow(batches, delay_s=0.01):
     def next_batch(e, i):
         time.sleep(delay_s)
         return batches[i % len(batches)], e, i + 1
+
     return next_batch
 
 
@@ -170,8 +216,10 @@ def test_a_scavenged_learner_trains_only_inside_its_window_and_is_out_of_the_quo
 
     def watch():
         deadline = time.monotonic() + 30.0
-        while exchange.learners().get(0, {}).get("status") not in ("absent", "running", "done") \
-                and time.monotonic() < deadline:
+        while (
+            exchange.learners().get(0, {}).get("status") not in ("absent", "running", "done")
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.005)
         seen["before"] = liveness(exchange, 10.0)
 
@@ -212,8 +260,18 @@ def test_with_overlap_tau_a_learner_waits_for_an_overdue_merge_and_only_then():
         for p, names in enumerate(frags):
             exchange.publish(p, 0, {k: theta0[k] for k in names})
         events = []
-        out = run_learner(_setup(trainer, exchange, batches, frags, overlap_steps=tau, wait_timeout_s=5.0,
-                                 turns=FairTurns(1), log=events.append))
+        out = run_learner(
+            _setup(
+                trainer,
+                exchange,
+                batches,
+                frags,
+                overlap_steps=tau,
+                wait_timeout_s=5.0,
+                turns=FairTurns(1),
+                log=events.append,
+            )
+        )
         waits = [e for e in events if e["event"] == "wait"]
         assert out["steps"] == 12
         if expect_waits:  # every send (one fragment per step here) is waited for, about the merge delay
@@ -228,8 +286,9 @@ def test_with_overlap_tau_a_learner_waits_for_an_overdue_merge_and_only_then():
 def test_a_wait_gives_up_when_the_merge_never_comes():
     trainer, exchange, batches, frags = _world(budget_steps=6)
     events = []
-    out = run_learner(_setup(trainer, exchange, batches, frags, overlap_steps=1, wait_timeout_s=0.05,
-                             log=events.append))
+    out = run_learner(
+        _setup(trainer, exchange, batches, frags, overlap_steps=1, wait_timeout_s=0.05, log=events.append)
+    )
     waits = [e for e in events if e["event"] == "wait"]
     assert out["steps"] == 6 and waits and all(w["timed_out"] for w in waits)
 
@@ -246,18 +305,25 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     from run.clock import SimulatedClock
     from training.dp import train_dp
 
-    sched = ChaosSchedule.model_validate({"learners": 3, "failures": [
-        {"learner": 1, "at_s": 3.0, "restart_delay_s": 0.5}, {"learner": 0, "at_s": 3.2, "restart_delay_s": 0.6}],
-        "slowdowns": [
-        {"learner": 2, "factor": 30.0, "from_s": 0.0, "to_s": 5.0}]})
+    sched = ChaosSchedule.model_validate(
+        {
+            "learners": 3,
+            "failures": [
+                {"learner": 1, "at_s": 3.0, "restart_delay_s": 0.5},
+                {"learner": 0, "at_s": 3.2, "restart_delay_s": 0.6},
+            ],
+            "slowdowns": [{"learner": 2, "factor": 30.0, "from_s": 0.0, "to_s": 5.0}],
+        }
+    )
     path = tmp_path / "chaos.json"
     path.write_text(sched.dumps())
     runs = {}
     for name, chaos, extra in (("calm", {}, {}), ("chaos", {"replay": str(path)}, {"checkpoint_every_steps": 5})):
         run_dir = tmp_path / name
         shutil.copytree(small_data, run_dir)
-        cfg = ExperimentConfig.model_validate({**small_cfg.model_dump(), "chaos": chaos,
-                                               "dp": {**small_cfg.dp.model_dump(), **extra}})
+        cfg = ExperimentConfig.model_validate(
+            {**small_cfg.model_dump(), "chaos": chaos, "dp": {**small_cfg.dp.model_dump(), **extra}}
+        )
         runs[name] = (train_dp(cfg, run_dir, clock=SimulatedClock(0.1)), RunLayout(run_dir))
     (calm, calm_layout), (hit, layout) = runs["calm"], runs["chaos"]
     events = read_jsonl(layout.metrics("pretrain", "dp", "events"))
@@ -271,7 +337,12 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
     assert restore["step"] == max(saved, default=0) and restore["lost_steps"] == fail["step"] - restore["step"]
     # down for the restart delay from the step boundary it met the failure at, then restored
     assert restore["t"] >= fail["t"] + 0.5 and hit["chaos"]["stall_s"] == pytest.approx(restore["down_s"])
-    assert hit["chaos"] == {**hit["chaos"], "failures": 2, "lost_steps": restore["lost_steps"], "checkpoint_every_steps": 5}
+    assert hit["chaos"] == {
+        **hit["chaos"],
+        "failures": 2,
+        "lost_steps": restore["lost_steps"],
+        "checkpoint_every_steps": 5,
+    }
     assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0, 1.0]
     assert json.loads(layout.chaos_schedule.read_text()) == json.loads(sched.dumps())  # saved for the record
     curve = [(r["tokens"], r["val/loss"]) for r in read_jsonl(layout.metrics("pretrain", "dp", "eval"))]
@@ -284,8 +355,9 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
 
 
 # -- one real run -----------------------------------------------------------------------------------
-def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(prefect_harness, small_cfg, small_data,
-                                                                              tmp_path):
+def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(
+    prefect_harness, small_cfg, small_data, tmp_path
+):
     """Three learners under a seeded schedule (failures with restart delays, a scavenged learner, a
     NaN and a truncated submission) in real Prefect tasks: every failed learner is retried and
     merged again, the damaged submissions are dropped and never merged, the ledger balances, and
@@ -295,16 +367,31 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(pre
     run_dir = tmp_path / "run"
     shutil.copytree(small_data, run_dir)
     layout = RunLayout(run_dir)
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 0.0, "learner_retries": 8,
-                   "resume_every_steps": 25},
-        "train": {**small_cfg.train.model_dump(), "token_budget": 65536, "eval_every_tokens": 65536},
-        "chaos": {"schedule": {"seed": 1, "horizon_s": 12.0, "mtbf_s": 4.0, "restart_delay": {"scale_s": 0.6},
-                               "scavenged": [{"learner": 2, "join_s": 0.5, "leave_s": 30.0}],
-                               "corrupt": [{"learner": 1, "at_s": 0.2, "kind": "nan"},
-                                           {"learner": 0, "at_s": 0.4, "kind": "shape"}]}},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {
+                **small_cfg.diloco.model_dump(),
+                "retry_delay_s": 0.0,
+                "learner_retries": 8,
+                "resume_every_steps": 25,
+            },
+            "train": {**small_cfg.train.model_dump(), "token_budget": 65536, "eval_every_tokens": 65536},
+            "chaos": {
+                "schedule": {
+                    "seed": 1,
+                    "horizon_s": 12.0,
+                    "mtbf_s": 4.0,
+                    "restart_delay": {"scale_s": 0.6},
+                    "scavenged": [{"learner": 2, "join_s": 0.5, "leave_s": 30.0}],
+                    "corrupt": [
+                        {"learner": 1, "at_s": 0.2, "kind": "nan"},
+                        {"learner": 0, "at_s": 0.4, "kind": "shape"},
+                    ],
+                }
+            },
+        }
+    )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
     sched = ChaosSchedule.loads(layout.chaos_schedule.read_text())
     assert sched == cfg.chaos_schedule()
@@ -314,21 +401,35 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(pre
     assert len(failures) >= 2, "the schedule must have fired several failures within the run"
     for f in failures:  # retried, merged again after its restart
         m = f["learner"]
-        restart = next(e for e in events if e["event"] == "start" and e["learner"] == m and e["attempt"] == f["attempt"] + 1)
+        restart = next(
+            e for e in events if e["event"] == "start" and e["learner"] == m and e["attempt"] == f["attempt"] + 1
+        )
         # it fires at the first step boundary after its time and is down until its time + restart delay
         planned = next(x for x in sched.learner_failures(m) if f"failure at {x.at_s:g} s of training" in f["reason"])
         assert f["t"] - restart["origin"] >= planned.at_s
         # down for its restart delay from the moment it failed, unless the others spent the budget meanwhile
-        took = next((e["step"] for e in events if e["event"] in ("stop", "failure", "kill") and e["learner"] == m
-                     and e["attempt"] == restart["attempt"]), None)
+        took = next(
+            (
+                e["step"]
+                for e in events
+                if e["event"] in ("stop", "failure", "kill")
+                and e["learner"] == m
+                and e["attempt"] == restart["attempt"]
+            ),
+            None,
+        )
         assert restart["t"] - f["t"] >= planned.restart_delay_s - 0.01 or took == restart["step"]
         if restart["t"] < merges[-1]["merged_at_s"] - 0.5:  # (not a restart in the run's last moments)
             assert any(m in r["contributors"] and r["merged_at_s"] > restart["t"] for r in merges)
             assert any(f["t"] < r["merged_at_s"] < restart["t"] for r in merges), "merges go on while it is down"
     drops = [e for e in events if e["event"] == "dropped"]
     for c in (e for e in events if e["event"] == "corrupt"):
-        assert any(d["learner"] == c["learner"] and d["fragment"] == c["fragment"] and
-                   d["reason"] in ("non-finite", "wrong-tensors") for d in drops)
+        assert any(
+            d["learner"] == c["learner"]
+            and d["fragment"] == c["fragment"]
+            and d["reason"] in ("non-finite", "wrong-tensors")
+            for d in drops
+        )
     assert {c["kind"] for c in events if c["event"] == "corrupt"} == {"nan", "shape"}
     assert next(e for e in events if e["event"] == "join")["learner"] == 2
     assert summary["tokens"] == cfg.dp_steps * cfg.tokens_per_dp_step and np.isfinite(summary["final_val_loss"])

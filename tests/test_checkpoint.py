@@ -11,8 +11,17 @@ from flax import nnx
 
 from configs.schema import DenseLMConfig
 from models import InputShape, build_model
-from training.checkpoint import (INTEGRITY_FILE, CheckpointDamaged, CheckpointError, latest_step, load_extra,
-                                 load_into_model, load_meta, save_checkpoint, verify_step)
+from training.checkpoint import (
+    INTEGRITY_FILE,
+    CheckpointDamaged,
+    CheckpointError,
+    latest_step,
+    load_extra,
+    load_into_model,
+    load_meta,
+    save_checkpoint,
+    verify_step,
+)
 from training.functional import params_of
 
 CFG = DenseLMConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
@@ -64,8 +73,11 @@ def test_round_trip(tmp_path, caplog):
     step_dir = save_checkpoint(ck, 7, _pure(a), {"method": "dp", "tokens": 7})
     # The integrity record lists every file of the step with its size and sha256.
     record = json.loads((step_dir / INTEGRITY_FILE).read_text())
-    on_disk = {p.relative_to(step_dir).as_posix(): p.stat().st_size
-               for p in step_dir.rglob("*") if p.is_file() and p.name != INTEGRITY_FILE}
+    on_disk = {
+        p.relative_to(step_dir).as_posix(): p.stat().st_size
+        for p in step_dir.rglob("*")
+        if p.is_file() and p.name != INTEGRITY_FILE
+    }
     assert {k: v["size"] for k, v in record["files"].items()} == on_disk
     assert all(len(v["sha256"]) == 64 for v in record["files"].values())
     with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
@@ -100,8 +112,9 @@ def test_truncated_newest_step_falls_back_to_older_step_with_warning(tmp_path, c
         assert load_into_model(ck, fresh) == {"tokens": 1}
         assert float(load_extra(ck, "outer_state", {"x": jnp.zeros(4)})["x"][0]) == 1.0
     assert _same_params(a, fresh)
-    warnings = [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and r.name == "training.checkpoint"]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "training.checkpoint"
+    ]
     assert len(warnings) == 4
     assert all("step 2" in w and rel in w and "truncated" in w for w in warnings)
     # An explicitly requested damaged step is an error, not a silent fallback.
@@ -130,8 +143,12 @@ def test_deleted_file_of_only_step_is_reported_damaged(tmp_path):
     victim = _largest_file(ck / "5" / "params")
     rel = victim.relative_to(ck / "5").as_posix()
     victim.unlink()
-    for load in (lambda: load_into_model(ck, _model(2)), lambda: load_meta(ck), lambda: latest_step(ck),
-                 lambda: load_into_model(ck, _model(2), step=5)):
+    for load in (
+        lambda: load_into_model(ck, _model(2)),
+        lambda: load_meta(ck),
+        lambda: latest_step(ck),
+        lambda: load_into_model(ck, _model(2), step=5),
+    ):
         with pytest.raises(CheckpointDamaged, match="DAMAGED") as info:
             load()
         msg = str(info.value)
@@ -206,8 +223,9 @@ def test_extra_tree_without_arrays_is_intact_without_a_record(tmp_path):
     """Outer SGD without momentum has an empty state: Orbax writes no data files for it, and a step
     saved before integrity records existed must still read as intact."""
     a = _model(1)
-    save_checkpoint(tmp_path / "ck", 7, _pure(a), {"tokens": 7},
-                    extra={"outer_state": {"fragment_0": {}, "fragment_1": {}}})
+    save_checkpoint(
+        tmp_path / "ck", 7, _pure(a), {"tokens": 7}, extra={"outer_state": {"fragment_0": {}, "fragment_1": {}}}
+    )
     (tmp_path / "ck" / "7" / INTEGRITY_FILE).unlink()
     verify_step(tmp_path / "ck", 7)
     fresh = _model(9)

@@ -27,9 +27,19 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def make_run(path: Path, overrides: dict | None = None, *, config: str = "tiny", losses=(4.3, 4.1),
-             status: str = "completed", unit: str = "tokens", accuracy=None, finetune: dict | None = None,
-             report: bool = True, drop: tuple[str, ...] = ()) -> Path:
+def make_run(
+    path: Path,
+    overrides: dict | None = None,
+    *,
+    config: str = "tiny",
+    losses=(4.3, 4.1),
+    status: str = "completed",
+    unit: str = "tokens",
+    accuracy=None,
+    finetune: dict | None = None,
+    report: bool = True,
+    drop: tuple[str, ...] = (),
+) -> Path:
     """A run directory: config.json (the resolved config; top-level sections in ``drop`` removed,
     like a config of an older schema), status.json and report/report.json (schema 3) with DiLoCo
     and DP final held-out losses ``losses`` (None: the method did not run)."""
@@ -38,8 +48,15 @@ def make_run(path: Path, overrides: dict | None = None, *, config: str = "tiny",
         cfg.pop(key)
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(cfg))
-    (path / "status.json").write_text(json.dumps({"status": status, "completed_stages": ["data"],
-                                                  "reason": None if status == "completed" else "SIGTERM received"}))
+    (path / "status.json").write_text(
+        json.dumps(
+            {
+                "status": status,
+                "completed_stages": ["data"],
+                "reason": None if status == "completed" else "SIGTERM received",
+            }
+        )
+    )
     if not report:
         return path
     methods = {}
@@ -47,26 +64,58 @@ def make_run(path: Path, overrides: dict | None = None, *, config: str = "tiny",
         if loss is None:
             methods[m] = {"status": "not run", "final_val_loss": None, "eval": {}, "bytes": {"status": "not run"}}
             continue
-        methods[m] = {"status": "ok", "final_val_loss": loss, "wall_s": 100.0 + 10 * i, "tokens": 24576,
-                      "tokens_per_s": 245.76 - i, "goodput": None, "bytes": {"total": 1000 * (i + 1), "sent": 500},
-                      "eval": {} if accuracy is None else {"test/accuracy": accuracy[i]}}
+        methods[m] = {
+            "status": "ok",
+            "final_val_loss": loss,
+            "wall_s": 100.0 + 10 * i,
+            "tokens": 24576,
+            "tokens_per_s": 245.76 - i,
+            "goodput": None,
+            "bytes": {"total": 1000 * (i + 1), "sent": 500},
+            "eval": {} if accuracy is None else {"test/accuracy": accuracy[i]},
+        }
     dl, dp = losses
-    gap = ({"status": "ok", "gap_pct": 100 * (dl - dp) / dp, "baseline": "dp"} if dl is not None and dp is not None
-           else {"status": "not run"})
-    rep = {"schema": 3, "stages": {"pretrain": {"unit": unit, "methods": methods, "loss_gaps": {"diloco": gap}}},
-           "finetune": finetune}
+    gap = (
+        {"status": "ok", "gap_pct": 100 * (dl - dp) / dp, "baseline": "dp"}
+        if dl is not None and dp is not None
+        else {"status": "not run"}
+    )
+    rep = {
+        "schema": 3,
+        "stages": {"pretrain": {"unit": unit, "methods": methods, "loss_gaps": {"diloco": gap}}},
+        "finetune": finetune,
+    }
     (path / "report").mkdir()
     (path / "report" / "report.json").write_text(json.dumps(rep))
     return path
 
 
 FINETUNE = {  # DiLoCo 0.27, DP 0.40 exact match after fine-tuning; DiLoCo − DP −0.13 [−0.17, −0.09]
-    "task": {"name": "speakers"}, "primary": "exact_match",
-    "methods": {"diloco": {"scores": {"exact_match": {"finetuned": 0.27}}},
-                "dp": {"scores": {"exact_match": {"finetuned": 0.40}}}},
-    "differences": {"diloco": {"baseline": "dp", "metrics": {"exact_match": {"finetuned": {
-        "status": "ok", "difference": -0.13, "ci": [-0.17, -0.09],
-        "verdict": {"status": "better", "better": "dp", "text": "DP is better (the 95 % interval excludes 0)"}}}}}},
+    "task": {"name": "speakers"},
+    "primary": "exact_match",
+    "methods": {
+        "diloco": {"scores": {"exact_match": {"finetuned": 0.27}}},
+        "dp": {"scores": {"exact_match": {"finetuned": 0.40}}},
+    },
+    "differences": {
+        "diloco": {
+            "baseline": "dp",
+            "metrics": {
+                "exact_match": {
+                    "finetuned": {
+                        "status": "ok",
+                        "difference": -0.13,
+                        "ci": [-0.17, -0.09],
+                        "verdict": {
+                            "status": "better",
+                            "better": "dp",
+                            "text": "DP is better (the 95 % interval excludes 0)",
+                        },
+                    }
+                }
+            },
+        }
+    },
 }
 
 
@@ -78,8 +127,13 @@ def sweep(tmp_path: Path) -> tuple[list[Path], dict]:
         for k in (1, 2):
             name = f"M{m}K{k}"
             losses[name] = (4.0 + 0.1 * m - 0.01 * k, 4.0)
-            runs.append(make_run(tmp_path / name, {"name": name, "diloco.learners": m, "diloco.fragments": 2,
-                                                   "diloco.quorum": k}, losses=losses[name]))
+            runs.append(
+                make_run(
+                    tmp_path / name,
+                    {"name": name, "diloco.learners": m, "diloco.fragments": 2, "diloco.quorum": k},
+                    losses=losses[name],
+                )
+            )
     return runs, losses
 
 
@@ -120,21 +174,38 @@ def test_a_sweep_table_holds_what_the_runs_wrote(tmp_path):
 def test_given_axes_labels_vision_and_post_training(tmp_path):
     text = make_run(tmp_path / "text", finetune=FINETUNE)
     vision = make_run(tmp_path / "vision", config="vit", losses=(0.36, 0.22), unit="images", accuracy=(0.975, 0.978))
-    c = build_comparison([text, vision], tmp_path / "cmp", axes=["model.kind", "train.token_budget"],
-                         labels=["lm", "vit"])
+    c = build_comparison(
+        [text, vision], tmp_path / "cmp", axes=["model.kind", "train.token_budget"], labels=["lm", "vit"]
+    )
     assert c["axes"] == ["model.kind", "train.token_budget"] and not c["axes_detected"]
     lm, vit = c["rows"]
     assert (lm["label"], lm["model.kind"], lm["unit"], vit["model.kind"], vit["unit"]) == (
-        "lm", "dense_lm", "tokens", "vit", "images")
+        "lm",
+        "dense_lm",
+        "tokens",
+        "vit",
+        "images",
+    )
     assert (vit["diloco/test_accuracy"], vit["dp/test_accuracy"], lm["diloco/test_accuracy"]) == (0.975, 0.978, None)
     assert (lm["post/task"], lm["post/metric"], lm["diloco/post_score"], lm["dp/post_score"]) == (
-        "speakers", "exact_match", 0.27, 0.40)
-    assert (lm["diloco/post_diff"], lm["diloco/post_diff_ci_low"], lm["diloco/post_diff_ci_high"]) == (-0.13, -0.17, -0.09)
+        "speakers",
+        "exact_match",
+        0.27,
+        0.40,
+    )
+    assert (lm["diloco/post_diff"], lm["diloco/post_diff_ci_low"], lm["diloco/post_diff_ci_high"]) == (
+        -0.13,
+        -0.17,
+        -0.09,
+    )
     assert lm["diloco/post_verdict"] == "DP better" and vit["diloco/post_verdict"] is None
     headers = [col["header"] for col in c["columns"]]
     assert "DiLoCo validation loss (nats/token or image)" in headers and "DiLoCo tokens or images" in headers
     md = squash((tmp_path / "cmp" / "comparison.md").read_text())
-    assert "| lm | dense_lm | 24576 | speakers | exact_match | 0.2700 | 0.4000 | -0.1300 [-0.1700, -0.0900] | DP better |" in md
+    assert (
+        "| lm | dense_lm | 24576 | speakers | exact_match | 0.2700 | 0.4000 | -0.1300 [-0.1700, -0.0900] | DP better |"
+        in md
+    )
     assert "| vit | vit | 100000 | — | — | — | — | — | — |" in md
     assert c["plot_axis"] is None and c["plots"]["loss"] == "loss_per_run.png"  # kind and budget change together
 
@@ -150,9 +221,15 @@ def test_identical_configs_and_an_unfinished_run_are_bars_and_notes(tmp_path):
     assert (tmp_path / "cmp" / "loss_per_run.png").read_bytes()[:8] == PNG
     row = c["rows"][1]
     assert (row["status"], row["diloco/final_val_loss"], row["dp/final_val_loss"], row["diloco/loss_gap_pct"]) == (
-        "interrupted", 4.5, None, None)
-    assert c["notes"] == ["b: interrupted (SIGTERM received); completed stages: data",
-                          "b: DP has no final held-out loss (not run or not finished)"]
+        "interrupted",
+        4.5,
+        None,
+        None,
+    )
+    assert c["notes"] == [
+        "b: interrupted (SIGTERM received); completed stages: data",
+        "b: DP has no final held-out loss (not run or not finished)",
+    ]
     md = squash((tmp_path / "cmp" / "comparison.md").read_text())
     assert "## Not completed" in md and "- b: interrupted (SIGTERM received)" in md
     assert "| b | interrupted | tokens | 4.5000 | — | — |" in md
@@ -165,8 +242,11 @@ def test_function_refusals_name_the_path(tmp_path):
     with pytest.raises(ReportInputError, match=r"bad/report/report.json: corrupt JSON"):
         build_comparison([good, bad], tmp_path / "cmp")
     (bad / "report" / "report.json").write_text(json.dumps({"schema": 2}))
-    with pytest.raises(ReportInputError, match=r"report schema 2, a comparison reads schema 3; rebuild it with "
-                                               r"`ddiloco report .*bad`"):
+    with pytest.raises(
+        ReportInputError,
+        match=r"report schema 2, a comparison reads schema 3; rebuild it with "
+        r"`ddiloco report .*bad`",
+    ):
         build_comparison([good, bad], tmp_path / "cmp")
     with pytest.raises(ReportInputError, match="is given twice"):
         build_comparison([good, str(good) + "/"], tmp_path / "cmp")
@@ -200,8 +280,9 @@ def test_cli_writes_the_comparison(tmp_path, monkeypatch):
     assert out.strip() == f"Comparison: {made}"
 
 
-@pytest.mark.parametrize("case", ["not a run dir", "no report", "nonexistent", "no args", "unknown axis",
-                                  "out not empty", "out is a file"])
+@pytest.mark.parametrize(
+    "case", ["not a run dir", "no report", "nonexistent", "no args", "unknown axis", "out not empty", "out is a file"]
+)
 def test_cli_refusals_are_one_line_and_write_nothing(tmp_path, case):
     good = make_run(tmp_path / "good")
     out = tmp_path / "out"
@@ -217,7 +298,10 @@ def test_cli_refusals_are_one_line_and_write_nothing(tmp_path, case):
     elif case == "no args":
         args, expect = [], "no run directories given"
     elif case == "unknown axis":
-        args, expect = [*args, "--axis", "diloco.lerners"], "axis 'diloco.lerners' is not a key of the runs' config.json"
+        args, expect = (
+            [*args, "--axis", "diloco.lerners"],
+            "axis 'diloco.lerners' is not a key of the runs' config.json",
+        )
     elif case == "out not empty":
         out.mkdir()
         (out / "notes.txt").write_text("mine")

@@ -62,12 +62,22 @@ def test_default_config_meets_the_brief():
         ({"diloco": {"syncer_checkpoint_every_s": -1}}, "diloco.syncer_checkpoint_every_s"),
         # a syncer failure needs a restartable syncer (fsspec), increasing merges, enough retries
         ({"chaos": {"syncer_failures": [{"at_merge": 3}]}}, "runtime.exchange fsspec"),
-        ({"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3}, {"at_merge": 3}]}},
-         "chaos.syncer_failures at_merge"),
-        ({"runtime": {"exchange": "fsspec"}, "diloco": {"syncer_retries": 0},
-          "chaos": {"syncer_failures": [{"at_merge": 3}]}}, "diloco.syncer_retries"),
-        ({"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3, "when": "later"}]}},
-         "chaos.syncer_failures.0.when"),
+        (
+            {"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3}, {"at_merge": 3}]}},
+            "chaos.syncer_failures at_merge",
+        ),
+        (
+            {
+                "runtime": {"exchange": "fsspec"},
+                "diloco": {"syncer_retries": 0},
+                "chaos": {"syncer_failures": [{"at_merge": 3}]},
+            },
+            "diloco.syncer_retries",
+        ),
+        (
+            {"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3, "when": "later"}]}},
+            "chaos.syncer_failures.0.when",
+        ),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -89,30 +99,73 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("diloco: {learners: 2, quorum: 4}\n")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(bad)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "validate", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2
     assert "diloco.quorum" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(ROOT / "configs/default.yaml"),
-                          "--set", "diloco.fragments=99"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "validate",
+            str(ROOT / "configs/default.yaml"),
+            "--set",
+            "diloco.fragments=99",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "diloco.fragments" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(ROOT / "configs/tiny.yaml"),
-                          "--set", "data.source=local", "--set", "data.paths=[/nonexistent.txt]"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "validate",
+            str(ROOT / "configs/tiny.yaml"),
+            "--set",
+            "data.source=local",
+            "--set",
+            "data.paths=[/nonexistent.txt]",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "data.paths: file not found: /nonexistent.txt" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "report", str(tmp_path / "no-such-run")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "report", str(tmp_path / "no-such-run")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "no-such-run" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "no-such-run").exists()
     broken = tmp_path / "broken.yaml"
     broken.write_text("data: [1\n")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "validate", str(broken)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "validate", str(broken)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "not valid YAML" in out.stderr and "Traceback" not in out.stderr
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    out = subprocess.run([sys.executable, "-m", "flows.cli", "goodput", "--out", str(a_file)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "goodput", "--out", str(a_file)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "not a directory" in out.stderr and "Traceback" not in out.stderr
 
 
@@ -122,7 +175,10 @@ def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
     from configs.schema import ExperimentConfig, parse_overrides, validation_lines
 
     assert parse_overrides(["diloco.learners=2", "data.paths=[a.txt, b.txt]", "eval.enabled=false"]) == {
-        "diloco.learners": 2, "data.paths": ["a.txt", "b.txt"], "eval.enabled": False}
+        "diloco.learners": 2,
+        "data.paths": ["a.txt", "b.txt"],
+        "eval.enabled": False,
+    }
     with pytest.raises(ValueError, match="key=value.*'learners'"):
         parse_overrides(["learners"])
     with pytest.raises(ValidationError) as exc:
@@ -162,9 +218,11 @@ def test_slowdowns_are_checked():
     base = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").model_dump()
     ok = ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [{"learner": 1, "factor": 1.18}]}})
     assert ok.chaos.slowdowns[0].to_s is None and ok.chaos.slowdowns[0].from_s == 0.0
-    bad = [({"learner": 9, "factor": 1.18}, r"chaos.slowdowns\[0\].learner \(9\) must be < diloco.learners"),
-           ({"learner": 0, "factor": 0.9}, "greater than 1"),
-           ({"learner": 0, "factor": 2, "from_s": 5, "to_s": 5}, r"ends \(to_s 5\) before it begins")]
+    bad = [
+        ({"learner": 9, "factor": 1.18}, r"chaos.slowdowns\[0\].learner \(9\) must be < diloco.learners"),
+        ({"learner": 0, "factor": 0.9}, "greater than 1"),
+        ({"learner": 0, "factor": 2, "from_s": 5, "to_s": 5}, r"ends \(to_s 5\) before it begins"),
+    ]
     for spec, message in bad:
         with pytest.raises(ValidationError, match=message):
             ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [spec]}})
@@ -196,11 +254,15 @@ def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(
     on the old code the count was skipped when no schedule was drawn)."""
     engine = {"runtime.engine": "dask" if field == "kills" else "threads"}
     lost = [{"learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
-    assert len(getattr(load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": lost, **engine}).chaos,
-                       field)) == 4
+    assert (
+        len(getattr(load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": lost, **engine}).chaos, field)) == 4
+    )
     every = [{"learner": m, "at_step": s} for m in range(3) for s in (3, 5, 7, *((9,) if m == 1 else ()))]
-    with pytest.raises(ValidationError, match=r"fails every learner more often than diloco.learner_retries \(2; the "
-                                              r"least, learner 0, 3 times\).*≥ 3"):
+    with pytest.raises(
+        ValidationError,
+        match=r"fails every learner more often than diloco.learner_retries \(2; the "
+        r"least, learner 0, 3 times\).*≥ 3",
+    ):
         load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine})
     load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine, "diloco.learner_retries": 3})
 
@@ -229,8 +291,12 @@ def test_a_section_valued_override_merges_into_the_section(tmp_path):
     for cell in expand_cells(spec):
         got = cell_config(spec, cell)
         assert got.diloco.sync_every == 4 and got.diloco.outer_lr == tiny.diloco.outer_lr
-    assert load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 3}]}) \
-        .chaos.failures[0].at_step == 3  # lists are values: replaced, not merged
+    assert (
+        load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 3}]})
+        .chaos.failures[0]
+        .at_step
+        == 3
+    )  # lists are values: replaced, not merged
     # a section naming another model family replaces the section (moe's expert fields would not fit)
     dense = load_config(ROOT / "configs" / "moe.yaml", parse_overrides(["model={kind: dense_lm, d_model: 32}"]))
     assert dense.model.kind == "dense_lm" and dense.model.d_model == 32
@@ -245,5 +311,7 @@ def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
     with pytest.raises(ValidationError) as exc:
         load_sweep(tmp_path / "s.yaml")
     line = sweep_problem(exc.value)
-    assert "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, seeds, " \
-           "concurrency" in line
+    assert (
+        "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, seeds, "
+        "concurrency" in line
+    )

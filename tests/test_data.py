@@ -14,17 +14,54 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from configs.schema import DataConfig, DiLoCoConfig, ExperimentConfig
 import data.cursor as C
 import data.sources as S
 import data.store as St
 import data.text as T
+from configs.schema import DataConfig, DiLoCoConfig, ExperimentConfig
 
-WORDS = (
-    "the king queen lord love night day sword crown heart death blood fair sweet good "
-    "noble gentle speak hear come go thou thee thy my mine art hath doth shall will "
-    "what why where when o alas farewell exeunt enter"
-).split()
+WORDS = [
+    "the",
+    "king",
+    "queen",
+    "lord",
+    "love",
+    "night",
+    "day",
+    "sword",
+    "crown",
+    "heart",
+    "death",
+    "blood",
+    "fair",
+    "sweet",
+    "good",
+    "noble",
+    "gentle",
+    "speak",
+    "hear",
+    "come",
+    "go",
+    "thou",
+    "thee",
+    "thy",
+    "my",
+    "mine",
+    "art",
+    "hath",
+    "doth",
+    "shall",
+    "will",
+    "what",
+    "why",
+    "where",
+    "when",
+    "o",
+    "alas",
+    "farewell",
+    "exeunt",
+    "enter",
+]
 
 
 def _text(seed: int, lines: int = 40) -> str:
@@ -331,9 +368,7 @@ def test_val_too_short_is_an_error(tmp_path):
     tiny.write_text("Hi.")
     # find a seed that holds out the tiny document for validation
     docs = S.read_local([str(p) for p in paths + [tiny]])
-    seed = next(
-        s for s in range(100) if T.split_documents(docs, 1, 1, s)["val"][0]["title"] == "tiny.txt"
-    )
+    seed = next(s for s in range(100) if T.split_documents(docs, 1, 1, s)["val"][0]["title"] == "tiny.txt")
     with pytest.raises(ValueError, match=r"val split.*data\.seq_len"):
         T.prepare_data(_cfg(paths + [tiny], seed=seed), tmp_path / "run")
     assert not (tmp_path / "run" / "data").exists()
@@ -361,15 +396,18 @@ def test_prefect_wrapper():
 
     from prefect.cache_policies import NO_CACHE
 
-    from tasks.shard import shard_data_task
-
     from data.prepare import prepare_data
+    from tasks.shard import shard_data_task
 
     assert shard_data_task.fn is prepare_data
     assert shard_data_task.cache_policy is NO_CACHE
     # the plain data code (the corpus checks run before Prefect starts) does not import Prefect
-    out = subprocess.run([sys.executable, "-c", "import sys, data.text, data.store, data.cursor; print('prefect' in sys.modules)"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", "import sys, data.text, data.store, data.cursor; print('prefect' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.stdout.strip() == "False", out.stderr
 
 

@@ -29,8 +29,14 @@ REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 # The tiny config on the committed small corpus, one DiLoCo eval interval, no lm-eval, no DP and no
 # post-training: shard → DiLoCo → report.
-FAST = {**SMALL_DATA, "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
-        "dp.enabled": False, "finetune.enabled": False}
+FAST = {
+    **SMALL_DATA,
+    "train.token_budget": 3072,
+    "train.eval_every_tokens": 3072,
+    "eval.enabled": False,
+    "dp.enabled": False,
+    "finetune.enabled": False,
+}
 RUN_TIMEOUT_S = 240
 
 
@@ -52,10 +58,12 @@ def test_prefect_yaml_in_sync_with_configs():
         assert dep["parameters"] == {"config": load_config(path).model_dump(mode="json")}, path.name
         for word in (f"configs/{path.name}", "config_file", "overrides"):
             assert word in dep["description"], (path.stem, word)
-    assert deps["default"]["parameters"]["config"]["diloco"]["sync_every"] == 4  # not the schema's 32
-    for name, entrypoint in [("pretrain-diloco", "flows/pretrain.py:pretrain_diloco"),
-                             ("pretrain-dp", "flows/pretrain.py:pretrain_dp"),
-                             ("goodput", "flows/goodput.py:goodput")]:
+    assert deps["default"]["parameters"]["config"]["diloco"]["sync_every"] == 8  # not the schema's 32
+    for name, entrypoint in [
+        ("pretrain-diloco", "flows/pretrain.py:pretrain_diloco"),
+        ("pretrain-dp", "flows/pretrain.py:pretrain_dp"),
+        ("goodput", "flows/goodput.py:goodput"),
+    ]:
         assert deps[name]["entrypoint"] == entrypoint
     assert all(d["work_pool"] == {"name": "local-proc"} for d in deps.values())
     # one sweep deployment per shipped sweep, its form pre-filled with the file's spec; the nightly
@@ -111,11 +119,13 @@ def _flows_and_params():
     from flows.pretrain import pretrain_diloco, pretrain_dp
 
     tiny = load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")
-    return [(pipeline, {"config": tiny, "config_file": None, "overrides": FAST, "run_dir": "x"}),
-            (pipeline, {"config_file": "tiny"}),
-            (pretrain_diloco, {"config": tiny, "run_dir": "x", "progress_every_s": 1.0}),
-            (pretrain_dp, {"config": tiny, "run_dir": "x"}),
-            (goodput, {"config": {"seeds": 2}, "out_dir": None})]
+    return [
+        (pipeline, {"config": tiny, "config_file": None, "overrides": FAST, "run_dir": "x"}),
+        (pipeline, {"config_file": "tiny"}),
+        (pretrain_diloco, {"config": tiny, "run_dir": "x", "progress_every_s": 1.0}),
+        (pretrain_dp, {"config": tiny, "run_dir": "x"}),
+        (goodput, {"config": {"seeds": 2}, "out_dir": None}),
+    ]
 
 
 def test_flow_parameters_validate_after_cloudpickle():
@@ -126,16 +136,17 @@ def test_flow_parameters_validate_after_cloudpickle():
     import inspect
 
     for flow, params in _flows_and_params():
-        strings = {n: p.annotation for n, p in inspect.signature(flow.fn).parameters.items()
-                   if isinstance(p.annotation, str)}
+        strings = {
+            n: p.annotation for n, p in inspect.signature(flow.fn).parameters.items() if isinstance(p.annotation, str)
+        }
         assert not strings, f"flow {flow.name}: string annotations {strings} break flow.serve()"
         clone = pickle.loads(cloudpickle.dumps(flow))
         clone.validate_parameters(params)
 
 
 def test_sweep_form_shows_every_spec_field_with_default_and_description():
-    from pydantic_core import PydanticUndefined
     from prefect.utilities.callables import parameter_schema
+    from pydantic_core import PydanticUndefined
 
     from configs.sweep import SweepSpec, load_sweep
     from flows.sweep import sweep
@@ -169,9 +180,9 @@ def test_tune_form_shows_every_study_field_with_its_description():
 
 
 def test_ui_form_shows_every_config_field_with_default_and_description():
+    from prefect.utilities.callables import parameter_schema
     from pydantic import BaseModel
     from pydantic_core import PydanticUndefined
-    from prefect.utilities.callables import parameter_schema
 
     from configs.schema import ExperimentConfig
     from flows.pipeline import pipeline
@@ -191,8 +202,9 @@ def test_ui_form_shows_every_config_field_with_default_and_description():
             if field.description:
                 assert shown[name].get("description") == field.description, f"{model.__name__}.{name}"
             if field.default is not PydanticUndefined:
-                default = field.default.model_dump(mode="json") if isinstance(field.default, BaseModel) \
-                    else field.default
+                default = (
+                    field.default.model_dump(mode="json") if isinstance(field.default, BaseModel) else field.default
+                )
                 assert shown[name].get("default") == default, f"{model.__name__}.{name}"
             sub = field.annotation
             if isinstance(sub, type) and issubclass(sub, BaseModel):
@@ -214,16 +226,28 @@ def route_env(prefect_harness, tmp_path):
     polling, and PWD = the repository (prefect.yaml's pull step sets the working directory to it)."""
     from prefect.settings import PREFECT_API_URL
 
-    return {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(),
-            "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PWD": str(REPO)}
+    return {
+        **os.environ,
+        "PREFECT_API_URL": PREFECT_API_URL.value(),
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PWD": str(REPO),
+    }
 
 
 def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
     """A child in its own process group (so it and what it spawns can be stopped together)."""
     with open(log, "ab") as fh:
-        return subprocess.Popen(args, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(
+            args,
+            cwd=REPO,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -279,8 +303,9 @@ def _run(args: list[str], env: dict, log: Path, timeout: float) -> None:
 
 
 def _assert_completed(flow_run, run_dir: Path, log: Path, name: str = "tiny") -> None:
-    assert flow_run.state is not None and flow_run.state.is_completed(), \
+    assert flow_run.state is not None and flow_run.state.is_completed(), (
         f"flow run {flow_run.name}: {flow_run.state}\n{_tail(log)}"
+    )
     assert (run_dir / "report" / "report.md").is_file()
     assert json.loads((run_dir / "status.json").read_text())["status"] == "completed"
     config = json.loads((run_dir / "config.json").read_text())
@@ -316,15 +341,28 @@ def test_flow_serve_and_a_sweep_through_the_deployment(route_env, tmp_path):
     from flows.sweep import sweep
 
     log, sweep_dir = tmp_path / "serve.log", tmp_path / "sweep"
-    serve = _start([sys.executable, "-c", "from flows.pipeline import pipeline; "
-                    "pipeline.serve(name='serve-test', print_starting_message=False)"], route_env, log)
+    serve = _start(
+        [
+            sys.executable,
+            "-c",
+            "from flows.pipeline import pipeline; pipeline.serve(name='serve-test', print_starting_message=False)",
+        ],
+        route_env,
+        log,
+    )
     try:
         try:
             dep = asyncio.run(_read_deployment("pipeline/serve-test", 120, serve))
         except Exception as exc:
             raise AssertionError(f"pipeline.serve() did not register ({exc}):\n{_tail(log)}") from None
-        spec = SweepSpec(name="route", base="tiny", overrides=FAST, cells=[{"diloco.quorum": 1}],
-                         launch="deployment", deployment="pipeline/serve-test")
+        spec = SweepSpec(
+            name="route",
+            base="tiny",
+            overrides=FAST,
+            cells=[{"diloco.quorum": 1}],
+            launch="deployment",
+            deployment="pipeline/serve-test",
+        )
         assert sweep(spec=spec, sweep_dir=str(sweep_dir)) == str(sweep_dir), _tail(log)
         cell = json.loads((sweep_dir / "sweep.json").read_text())["cells"][0]
         assert (cell["name"], cell["status"], cell["state"]) == ("quorum-1", "completed", "COMPLETED")
@@ -358,10 +396,25 @@ def test_prefect_yaml_deploy_all(route_env, tmp_path):
     _run([PREFECT, "--no-prompt", "deploy", "--all"], route_env, log, 180)
     dep = asyncio.run(_read_deployment("pipeline/tiny", 5))
     assert dep.parameters == {"config": load_config(REPO / "configs" / "tiny.yaml").model_dump(mode="json")}
-    assert set(dep.parameter_openapi_schema["properties"]) == {"config", "config_file", "overrides", "run_dir", "dp_cache"}
-    for name in ("pipeline/default", "pipeline/failure", "pretrain-diloco/pretrain-diloco",
-                 "pretrain-dp/pretrain-dp", "finetune/finetune", "goodput/goodput", "sweep/tiny_grid"):
+    assert set(dep.parameter_openapi_schema["properties"]) == {
+        "config",
+        "config_file",
+        "overrides",
+        "run_dir",
+        "dp_cache",
+    }
+    for name in (
+        "pipeline/default",
+        "pipeline/failure",
+        "pretrain-diloco/pretrain-diloco",
+        "pretrain-dp/pretrain-dp",
+        "finetune/finetune",
+        "goodput/goodput",
+        "sweep/tiny_grid",
+    ):
         asyncio.run(_read_deployment(name, 5))
     nightly = asyncio.run(_read_deployment("sweep/nightly", 5))  # the scheduled sweep, inactive as shipped
-    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [("0 3 * * *", "UTC", False)]
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in nightly.schedules] == [
+        ("0 3 * * *", "UTC", False)
+    ]
     assert set(nightly.parameter_openapi_schema["properties"]) == {"spec", "sweep_file", "sweep_dir"}

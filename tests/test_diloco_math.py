@@ -110,9 +110,13 @@ def test_outer_nesterov_two_steps_by_hand():
 def test_one_syncer_round_equals_hand_computation():
     params = {"a": np.array([1.0, 1.0], np.float32), "b": np.array([0.0], np.float32)}
     s = Syncer(params, [["a"], ["b"]], SyncerSettings(num_learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0))
-    s.receive(Submission(0, 0, {"a": np.array([0.0, 1.0], np.float32)}, tokens=10, steps=1, base_version=0, local_step=1), 0.0)
+    s.receive(
+        Submission(0, 0, {"a": np.array([0.0, 1.0], np.float32)}, tokens=10, steps=1, base_version=0, local_step=1), 0.0
+    )
     assert s.poll(0.0, live={0, 1}) == []  # quorum K=2 not reached
-    s.receive(Submission(1, 0, {"a": np.array([1.0, 3.0], np.float32)}, tokens=30, steps=1, base_version=0, local_step=1), 0.1)
+    s.receive(
+        Submission(1, 0, {"a": np.array([1.0, 3.0], np.float32)}, tokens=30, steps=1, base_version=0, local_step=1), 0.1
+    )
     (rec,) = s.poll(0.1, live={0, 1})
     # weights 10²:30² = 0.1:0.9; v = Θ−θ: [1,0] and [0,−2]; Δ = [0.1, −1.8]; Θ' = Θ − Δ = [0.9, 2.8]
     np.testing.assert_allclose(s.global_params[0]["a"], [0.9, 2.8], rtol=1e-6)
@@ -124,7 +128,10 @@ def test_one_syncer_round_equals_hand_computation():
 def test_grace_window_and_live_set():
     params = {"a": np.zeros(2, np.float32)}
     s = Syncer(params, [["a"]], SyncerSettings(num_learners=3, quorum=1, grace_s=1.0))
-    sub = lambda m: Submission(m, 0, {"a": np.ones(2, np.float32)}, 8, 1, 0, 1)
+
+    def sub(m):
+        return Submission(m, 0, {"a": np.ones(2, np.float32)}, 8, 1, 0, 1)
+
     s.receive(sub(0), 10.0)
     assert not s.ready(0, 10.5, live={0, 1, 2})  # inside the grace window, learners 1, 2 missing
     assert s.ready(0, 10.5, live={0})  # every live learner has submitted: no reason to wait
@@ -155,8 +162,11 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_dp_step():
     batches = [rng.integers(0, 50, size=(B, L + 1)).astype(np.int32) for _ in range(M)]
     theta0 = to_numpy(params_of(tiny_model()))
     fragments = balanced_fragments(tensor_bytes(theta0), 3)
-    syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=M, quorum=M, merge="token_weighted",
-                                                      outer_lr=1.0, outer_momentum=0.0))
+    syncer = Syncer(
+        theta0,
+        fragments,
+        SyncerSettings(num_learners=M, quorum=M, merge="token_weighted", outer_lr=1.0, outer_momentum=0.0),
+    )
     tx = optax.sgd(lr)
     for m in range(M):
         model = tiny_model(seed=1 + m)
@@ -189,7 +199,7 @@ def test_default_model_fragments_within_four_thirds_of_ideal():
         heaviest = max(sum(sizes[n] for n in f) for f in frags)
         # Graham's LPT bound: ≤ 4/3 of the optimum, which is ≥ max(ideal, largest whole tensor).
         assert heaviest <= 4 / 3 * max(ideal, max(sizes.values())), P
-        if P == cfg.diloco.fragments:
+        if cfg.diloco.fragments == P:
             assert heaviest <= 4 / 3 * ideal
 
 
@@ -224,12 +234,19 @@ def test_ledger_identity_holds_through_replacements():
         for m, e in s.ledger.items():
             assert e.submitted == e.merged + e.dropped + pend[m], (m, e, pend)
 
-    s.receive(sub(0, 64, 0, 8), 0.0); check()
-    s.receive(sub(0, 128, 0, 16), 0.1); check()       # same base: replaces, carries 64
-    s.receive(sub(1, 32, 0, 4), 0.1); s.poll(0.2, {0, 1}); check()
+    s.receive(sub(0, 64, 0, 8), 0.0)
+    check()
+    s.receive(sub(0, 128, 0, 16), 0.1)
+    check()  # same base: replaces, carries 64
+    s.receive(sub(1, 32, 0, 4), 0.1)
+    s.poll(0.2, {0, 1})
+    check()
     assert s.ledger[0].merged == 128
-    s.receive(sub(0, 192, 0, 24), 0.3); check()       # v1 not received yet: 64 new tokens, pending
-    s.receive(sub(0, 8, 1, 25), 0.4); check()         # after receipt of v1: supersedes the v0 copy
-    s.receive(sub(0, 160, 0, 20), 0.5); check()       # a late v0 copy: its work is inside step 24's
+    s.receive(sub(0, 192, 0, 24), 0.3)
+    check()  # v1 not received yet: 64 new tokens, pending
+    s.receive(sub(0, 8, 1, 25), 0.4)
+    check()  # after receipt of v1: supersedes the v0 copy
+    s.receive(sub(0, 160, 0, 20), 0.5)
+    check()  # a late v0 copy: its work is inside step 24's
     assert s.ledger[0].drop_reasons == {"superseded": 64, "out-of-order": 0}
     assert s.pending[0][0].local_step == 25 and s.pending_tokens()[0] == 8

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from run.layout import RunLayout
-from training.common import token_budget
 from run.metrics import read_jsonl
+from training.common import token_budget
 
 
 def _copy(src, tmp_path):
@@ -24,14 +24,23 @@ def _copy(src, tmp_path):
 def _cfg(small_cfg, engine: str, **chaos):
     from configs.schema import ExperimentConfig
 
-    return ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "learners": 2, "quorum": 1, "fragments": 2,
-                   "grace_s": 0.05, "resume_every_steps": 5, "learner_retries": 2},
-        "train": {**small_cfg.train.model_dump(), **chaos.pop("train", {})},
-        "runtime": {"engine": engine},
-        "chaos": chaos,
-    })
+    return ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {
+                **small_cfg.diloco.model_dump(),
+                "learners": 2,
+                "quorum": 1,
+                "fragments": 2,
+                "grace_s": 0.05,
+                "resume_every_steps": 5,
+                "learner_retries": 2,
+            },
+            "train": {**small_cfg.train.model_dump(), **chaos.pop("train", {})},
+            "runtime": {"engine": engine},
+            "chaos": chaos,
+        }
+    )
 
 
 def _ledger_balanced(summary) -> None:
@@ -57,8 +66,9 @@ def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_c
     assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
-def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(prefect_harness, small_cfg,
-                                                                             small_data, tmp_path):
+def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(
+    prefect_harness, small_cfg, small_data, tmp_path
+):
     """Learner 1's process is SIGKILLed at local step 30: Dask runs the task again in a new worker
     process, which resumes at the last resume point (every 5 steps) and is merged again; merges go
     on while it is down, and the ledger balances. The steps it trains again (from its resume point
@@ -73,9 +83,13 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
 
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
-    cfg = _cfg(small_cfg, "dask", kills=[{"learner": 1, "at_step": 30}],
-               syncer_failures=[{"at_merge": 6, "how": "sigkill"}],
-               train={"token_budget": 32768, "eval_every_tokens": 32768})
+    cfg = _cfg(
+        small_cfg,
+        "dask",
+        kills=[{"learner": 1, "at_step": 30}],
+        syncer_failures=[{"at_merge": 6, "how": "sigkill"}],
+        train={"token_budget": 32768, "eval_every_tokens": 32768},
+    )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]
@@ -86,15 +100,19 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(pre
     assert restart["pid"] != starts[0]["pid"]  # a new process
     # The last resume point written before the kill, or the one before it if the kill cut that
     # write off. (A point is skipped while the previous one is still being written: see the log.)
-    saved = [e["step"] for e in events if e["event"] == "resume_point" and e["learner"] == 1
-             and e["attempt"] == 1 and e["saved"]]
+    saved = [
+        e["step"]
+        for e in events
+        if e["event"] == "resume_point" and e["learner"] == 1 and e["attempt"] == 1 and e["saved"]
+    ]
     assert saved and restart["resumed"] and restart["step"] in saved[-2:]
     assert not any(e["event"] == "failure" and e["learner"] == 1 for e in events)  # a crash: nothing recorded
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
     rejoined = any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges)
-    merged = [(c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"],
-                                                                           m["attempts"])]
+    merged = [
+        (c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"], m["attempts"])
+    ]
     assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
     high = {p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(2)}
     redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
@@ -141,14 +159,20 @@ def test_ray_learner_gpu_requests(small_cfg):
     from flows.engines import learner_gpus
 
     def cfg(**runtime):
-        return ExperimentConfig.model_validate({
-            **small_cfg.model_dump(), "diloco": {**small_cfg.diloco.model_dump(), "learners": 4, "batch_size": 8},
-            "runtime": {"engine": "ray", **runtime}})
+        return ExperimentConfig.model_validate(
+            {
+                **small_cfg.model_dump(),
+                "diloco": {**small_cfg.diloco.model_dump(), "learners": 4, "batch_size": 8},
+                "runtime": {"engine": "ray", **runtime},
+            }
+        )
 
     assert learner_gpus(cfg(), 0) == 0 and learner_gpus(cfg(), 3) == 0 and learner_gpus(cfg(), 4) == 1
     assert learner_gpus(cfg(devices_per_learner=2), 8) == 2 and learner_gpus(cfg(devices_per_learner=2), 6) == 0
     assert learner_gpus(cfg(learner_gpus=0), 8) == 0 and learner_gpus(cfg(learner_gpus=2), 8) == 2
-    with pytest.raises(ValueError, match=r"runtime.learner_gpus 1 × diloco.learners 4 needs 4 GPUs; the Ray cluster has 2"):
+    with pytest.raises(
+        ValueError, match=r"runtime.learner_gpus 1 × diloco.learners 4 needs 4 GPUs; the Ray cluster has 2"
+    ):
         learner_gpus(cfg(learner_gpus=1), 2)
     with pytest.raises(ValidationError, match="runtime.learner_gpus is a Ray resource request"):
         cfg(engine="dask", learner_gpus=1)
@@ -162,6 +186,7 @@ def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkey
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
     share_accelerators(small_cfg)  # threads
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
+
     def on(engine):
         return small_cfg.model_copy(update={"runtime": small_cfg.runtime.model_copy(update={"engine": engine})})
 

@@ -30,11 +30,48 @@ from evals.lm_adapter import JaxLM
 from models import InputShape, build_model
 
 MAX_LEN = 32
-WORDS = (
-    "hello there friend the king is dead long live the queen what say you my lord "
-    "i know not sir but hark who comes here enter a messenger with letters from rome "
-    "café naïve ghost night watch castle sword crown"
-).split()
+WORDS = [
+    "hello",
+    "there",
+    "friend",
+    "the",
+    "king",
+    "is",
+    "dead",
+    "long",
+    "live",
+    "the",
+    "queen",
+    "what",
+    "say",
+    "you",
+    "my",
+    "lord",
+    "i",
+    "know",
+    "not",
+    "sir",
+    "but",
+    "hark",
+    "who",
+    "comes",
+    "here",
+    "enter",
+    "a",
+    "messenger",
+    "with",
+    "letters",
+    "from",
+    "rome",
+    "café",
+    "naïve",
+    "ghost",
+    "night",
+    "watch",
+    "castle",
+    "sword",
+    "crown",
+]
 
 
 def _play(title: str, seed: int, n_lines: int = 120) -> dict:
@@ -123,7 +160,7 @@ def test_loglikelihood_matches_hand_computation(lm, model, sharp_model, tok):
     ctx_ids, cont_ids = tok.encode(ctx).ids, tok.encode(cont).ids
     assert tok.encode(ctx + cont).ids == ctx_ids + cont_ids  # no token spans this join
     want, want_greedy = _direct(model, ctx_ids, cont_ids)
-    (got, greedy), = lm.loglikelihood([_req("loglikelihood", ctx, cont)])
+    ((got, greedy),) = lm.loglikelihood([_req("loglikelihood", ctx, cont)])
     assert isinstance(got, float) and isinstance(greedy, bool)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert greedy == want_greedy
@@ -158,7 +195,7 @@ def test_boundary_token_spanning_the_join(model, out_tok):
     # "o" + "ut" is one token "out": the continuation scored is still exactly "ut", given "o".
     ctx_ids, cont_ids = lm.split_pair("o", "ut")
     assert (ctx_ids, cont_ids) == (enc("o"), enc("ut"))
-    (got, _), = lm.loglikelihood([_req("loglikelihood", "o", "ut")])
+    ((got, _),) = lm.loglikelihood([_req("loglikelihood", "o", "ut")])
     assert got == pytest.approx(_direct(model, enc("o"), enc("ut"))[0], rel=1e-5, abs=1e-4)
     assert got != pytest.approx(_direct(model, [lm.eot_token_id], enc("out"))[0], rel=1e-5, abs=1e-4)
     # Every choice of one question is scored on the context's own ids, and each continuation's
@@ -173,7 +210,7 @@ def test_boundary_token_spanning_the_join(model, out_tok):
         assert lm.split_pair(ctx, cont) == TemplateLM._encode_pair(lm, ctx, cont), (ctx, cont)
     assert lm.split_pair("shout ", "out") == (enc("shout"), enc(" out"))
     assert lm.split_pair("  ", "out") == ([lm.eot_token_id], enc("  out"))  # all-space context → EOT
-    (got, _), = lm.loglikelihood([_req("loglikelihood", "shout ", "out")])
+    ((got, _),) = lm.loglikelihood([_req("loglikelihood", "shout ", "out")])
     assert got == pytest.approx(_direct(model, enc("shout"), enc(" out"))[0], rel=1e-5, abs=1e-4)
 
 
@@ -186,7 +223,7 @@ def test_boundary_multibyte_characters(lm, tok):
 
 def test_empty_context_uses_eot(lm, model, tok):
     cont = "the ghost"
-    (got, _), = lm.loglikelihood([_req("loglikelihood", "", cont)])
+    ((got, _),) = lm.loglikelihood([_req("loglikelihood", "", cont)])
     want, _ = _direct(model, [lm.eot_token_id], tok.encode(cont).ids)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert lm.loglikelihood([_req("loglikelihood", "abc", "")]) == [(0.0, True)]
@@ -205,7 +242,7 @@ def test_long_context_truncated_from_the_left(model, tok):
     assert math.isfinite(got) and got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert lm.truncated_requests == 1  # counted, not silent; the short request is not
     # Exactly max_len + 1 tokens fit (the model sees max_len inputs): not truncated.
-    (got, _), = lm._loglikelihood_tokens([(None, keep[: len(keep) - len(cont_ids)], cont_ids)])
+    ((got, _),) = lm._loglikelihood_tokens([(None, keep[: len(keep) - len(cont_ids)], cont_ids)])
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4) and lm.truncated_requests == 1
     lm.loglikelihood_rolling([_req("loglikelihood_rolling", ctx * 3)])  # rolling windows never truncate
     assert lm.truncated_requests == 1
@@ -219,7 +256,7 @@ def test_long_context_truncated_from_the_left(model, tok):
         b = min(a + MAX_LEN, len(full))
         s = max(0, b - 1 - MAX_LEN)
         want += _logp(model, full[s:b])[-(b - a) :].sum()
-    (got, _), = lm.loglikelihood([_req("loglikelihood", "hark", long_cont)])
+    ((got, _),) = lm.loglikelihood([_req("loglikelihood", "hark", long_cont)])
     assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert lm.truncated_requests == 2
 
@@ -240,7 +277,9 @@ def test_loglikelihood_rolling_windows_and_batch_size(model, tok):
     results = []
     for bs in (1, 3, 4):
         lm = JaxLM(model, tok, batch_size=bs)
-        results.append(lm.loglikelihood_rolling([_req("loglikelihood_rolling", text), _req("loglikelihood_rolling", "x")]))
+        results.append(
+            lm.loglikelihood_rolling([_req("loglikelihood_rolling", text), _req("loglikelihood_rolling", "x")])
+        )
     assert results[0][0] == pytest.approx(want, rel=1e-5, abs=1e-4)
     for r in results[1:]:
         assert r == pytest.approx(results[0], rel=1e-6, abs=1e-5)
@@ -362,8 +401,9 @@ def test_nextline_task_scores_contexts_not_line_priors(tmp_path):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    tasks, info = build_heldout_tasks(DOCS, tmp_path, ppl_docs=2, ppl_chars=300, mc_questions=40,
-                                      mc_context_lines=2, seed=3)
+    tasks, info = build_heldout_tasks(
+        DOCS, tmp_path, ppl_docs=2, ppl_chars=300, mc_questions=40, mc_context_lines=2, seed=3
+    )
     qs = [json.loads(ln) for ln in open(info["mc_path"])]
     texts = ["\n".join(ln for ln in d["text"].split("\n") if ln.strip()) for d in DOCS]
     seen = []
@@ -373,9 +413,18 @@ def test_nextline_task_scores_contexts_not_line_priors(tmp_path):
         return 0.0 if any(ctx + cont in t for t in texts) else -1.0
 
     def run(score):
-        res = lm_eval.simple_evaluate(model=_TextLM(score), tasks=[tasks[1]],
-                                      task_manager=TaskManager(include_defaults=False), num_fewshot=0, bootstrap_iters=0, log_samples=False, random_seed=0,
-                                      numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+        res = lm_eval.simple_evaluate(
+            model=_TextLM(score),
+            tasks=[tasks[1]],
+            task_manager=TaskManager(include_defaults=False),
+            num_fewshot=0,
+            bootstrap_iters=0,
+            log_samples=False,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
         return res["results"]["heldout_nextline"]["acc,none"]
 
     assert run(oracle) == 1.0
@@ -418,11 +467,20 @@ def test_evaluate_lm_end_to_end(tmp_path, model, tok, monkeypatch):
     monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
     cfg = EvalConfig(ppl_docs=3, ppl_chars=300, mc_questions=12, mc_context_lines=3, batch_size=8)
     flat = evaluate_lm(model, tok, DOCS, tmp_path, cfg, seed=0, name="tiny")
-    for k in ("heldout_ppl/word_perplexity", "heldout_ppl/byte_perplexity", "heldout_ppl/bits_per_byte",
-              "heldout_nextline/acc", "eval_s"):
+    for k in (
+        "heldout_ppl/word_perplexity",
+        "heldout_ppl/byte_perplexity",
+        "heldout_ppl/bits_per_byte",
+        "heldout_nextline/acc",
+        "eval_s",
+    ):
         assert math.isfinite(flat[k]), k
-    for k in ("heldout_ppl/word_perplexity", "heldout_ppl/byte_perplexity", "heldout_ppl/bits_per_byte",
-              "heldout_nextline/acc"):
+    for k in (
+        "heldout_ppl/word_perplexity",
+        "heldout_ppl/byte_perplexity",
+        "heldout_ppl/bits_per_byte",
+        "heldout_nextline/acc",
+    ):
         assert isinstance(flat[f"{k}_stderr"], float) and flat[f"{k}_stderr"] > 0, k
     assert 0.0 <= flat["heldout_nextline/acc"] <= 1.0 and flat["heldout_nextline/chance"] == 0.25
     assert flat["heldout_ppl/byte_perplexity"] > 1.0

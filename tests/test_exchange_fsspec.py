@@ -35,15 +35,24 @@ def theta0():
 
 
 def make(url, learners=2, budget=1000, grant=100, **kw):
-    return FsspecExchange.create(url, initial=theta0(), num_learners=learners, token_budget=budget,
-                                 grant_tokens=grant, poll_s=0.001, **kw)
+    return FsspecExchange.create(
+        url, initial=theta0(), num_learners=learners, token_budget=budget, grant_tokens=grant, poll_s=0.001, **kw
+    )
 
 
 def sub(m, p, value, tokens=10, base=0, step=1, attempt=1):
     shape = (4, 8) if p == 0 else (16,)
     name = "a" if p == 0 else "b"
-    return Submission(learner=m, fragment=p, params={name: np.full(shape, value, np.float32)}, tokens=tokens,
-                      steps=1, base_version=base, local_step=step, attempt=attempt)
+    return Submission(
+        learner=m,
+        fragment=p,
+        params={name: np.full(shape, value, np.float32)},
+        tokens=tokens,
+        steps=1,
+        base_version=base,
+        local_step=step,
+        attempt=attempt,
+    )
 
 
 # -- objects -------------------------------------------------------------------------------------
@@ -95,8 +104,9 @@ def test_a_reader_never_sees_a_half_written_object(url):
 
     def write():
         for i in range(n):
-            writer.submit(Submission(learner=0, fragment=0, params=big, tokens=1, steps=1, base_version=0,
-                                     local_step=i + 1))
+            writer.submit(
+                Submission(learner=0, fragment=0, params=big, tokens=1, steps=1, base_version=0, local_step=i + 1)
+            )
 
     t = threading.Thread(target=write)
     t.start()
@@ -125,12 +135,22 @@ def test_corrupted_and_truncated_submissions_are_quarantined_not_merged(url):
     flipped[-1] ^= 1
     ex.fs.pipe_file(ex._p("inbox", extra), bytes(flipped))  # bit flip after the checksum was taken
 
-    s = Syncer({"a": np.zeros((4, 8), np.float32), "b": np.zeros(16, np.float32)}, [["a"], ["b"]],
-               SyncerSettings(num_learners=2, quorum=1, grace_s=0.0, outer_lr=1.0, outer_momentum=0.0))
+    s = Syncer(
+        {"a": np.zeros((4, 8), np.float32), "b": np.zeros(16, np.float32)},
+        [["a"], ["b"]],
+        SyncerSettings(num_learners=2, quorum=1, grace_s=0.0, outer_lr=1.0, outer_momentum=0.0),
+    )
     events, records = [], []
     syncer_ex.mark_learners_done()
-    run_syncer(s, syncer_ex, records.append, lambda params, tokens: None, eval_every_tokens=10**9,
-               heartbeat_timeout_s=1.0, on_event=events.append)
+    run_syncer(
+        s,
+        syncer_ex,
+        records.append,
+        lambda params, tokens: None,
+        eval_every_tokens=10**9,
+        heartbeat_timeout_s=1.0,
+        on_event=events.append,
+    )
     assert {e["object"] for e in events} == {bad, extra}
     assert {e["learner"] for e in events} == {1, 0} and all(e["event"] == "quarantined" for e in events)
     assert sorted(ex._ls(ex._p("quarantine"))) == sorted([bad, bad + ".reason", extra, extra + ".reason"])
@@ -264,18 +284,30 @@ def test_url_forms_fsspec_documents_work_or_are_refused_naming_the_form(tmp_path
     rewrites (``state.json``, the heartbeats), an archive is read-only."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    for url in (str(tmp_path / "plain"), f"file://{tmp_path}/fileurl", f"local://{tmp_path}/localurl",
-                f"memory://ex-{uuid.uuid4().hex}", "rel/ex", "./rel2", "~/tilde"):
+    for url in (
+        str(tmp_path / "plain"),
+        f"file://{tmp_path}/fileurl",
+        f"local://{tmp_path}/localurl",
+        f"memory://ex-{uuid.uuid4().hex}",
+        "rel/ex",
+        "./rel2",
+        "~/tilde",
+    ):
         ex = _round_trip(url)
         if not url.startswith("memory://"):
-            expected = {"rel/ex": tmp_path / "rel" / "ex", "./rel2": tmp_path / "rel2",
-                        "~/tilde": tmp_path / "home" / "tilde"}.get(url)
+            expected = {
+                "rel/ex": tmp_path / "rel" / "ex",
+                "./rel2": tmp_path / "rel2",
+                "~/tilde": tmp_path / "home" / "tilde",
+            }.get(url)
             assert expected is None or ex.root == str(expected), url
             assert (Path(ex.root) / "meta.json").is_file(), url
-    for url, needle in ((f"simplecache::file://{tmp_path}/sc", "simplecache::"),
-                        (f"blockcache::file://{tmp_path}/bc", "blockcache::"),
-                        (f"filecache::memory://x-{uuid.uuid4().hex}", "filecache::"),
-                        (f"zip://inner::file://{tmp_path}/a.zip", "zip://")):
+    for url, needle in (
+        (f"simplecache::file://{tmp_path}/sc", "simplecache::"),
+        (f"blockcache::file://{tmp_path}/bc", "blockcache::"),
+        (f"filecache::memory://x-{uuid.uuid4().hex}", "filecache::"),
+        (f"zip://inner::file://{tmp_path}/a.zip", "zip://"),
+    ):
         with pytest.raises(ValueError, match=re.escape(needle)) as info:
             make(url)
         assert "chained" in str(info.value)
@@ -293,8 +325,12 @@ def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     root = Path(__file__).resolve().parents[1]
-    for given, expected in (("rel/ex", tmp_path / "rel" / "ex"), ("~/ex", tmp_path / "home" / "ex"),
-                            (f"file://{tmp_path}/f", None), ("memory://m", None)):
+    for given, expected in (
+        ("rel/ex", tmp_path / "rel" / "ex"),
+        ("~/ex", tmp_path / "home" / "ex"),
+        (f"file://{tmp_path}/f", None),
+        ("memory://m", None),
+    ):
         cfg = load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": given})
         got = exchange_url(cfg, tmp_path / "runs" / "R")
         assert got == (str(expected / "R") if expected else f"{given}/R"), given
@@ -333,8 +369,13 @@ def test_a_write_that_fails_half_way_leaves_no_temporary_object(tmp_path, monkey
     make(url)
     learner, syncer = FsspecExchange.open(url), FsspecExchange.open(url)
     real_open = learner.fs.open
-    monkeypatch.setattr(learner.fs, "open", lambda path, mode="rb", **kw: _FailingFile(real_open(path, mode, **kw))
-                        if "w" in mode else real_open(path, mode, **kw))
+    monkeypatch.setattr(
+        learner.fs,
+        "open",
+        lambda path, mode="rb", **kw: (
+            _FailingFile(real_open(path, mode, **kw)) if "w" in mode else real_open(path, mode, **kw)
+        ),
+    )
     with pytest.raises(OSError, match="No space left"):
         learner.submit(sub(0, 1, 1.0))
     monkeypatch.undo()
@@ -359,8 +400,11 @@ def test_the_next_start_removes_temporary_objects_of_dead_writers(tmp_path):
     dead.wait()
     tmp = Path(ex.root) / "tmp"
     host = socket.gethostname()
-    names = {"dead": f"{host}-{dead.pid}-{uuid.uuid4().hex}.part", "live": f"{host}-{os.getpid()}-{uuid.uuid4().hex}.part",
-             "other": f"elsewhere-{dead.pid}-{uuid.uuid4().hex}.part"}
+    names = {
+        "dead": f"{host}-{dead.pid}-{uuid.uuid4().hex}.part",
+        "live": f"{host}-{os.getpid()}-{uuid.uuid4().hex}.part",
+        "other": f"elsewhere-{dead.pid}-{uuid.uuid4().hex}.part",
+    }
     for name in names.values():
         (tmp / name).write_bytes(b"half an object")
     FsspecExchange.open(url)
@@ -375,12 +419,14 @@ def test_an_exchange_url_that_cannot_be_written_is_refused_before_prefect_starts
 
     (tmp_path / "afile").write_text("not a folder")
     rd = tmp_path / "R"
-    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", rd, "--set",
-                                         f"runtime.exchange_url={tmp_path / 'afile' / 'ex'}"))
+    line = one_line_refusal(
+        *cli_process("run", "tiny", "--run-dir", rd, "--set", f"runtime.exchange_url={tmp_path / 'afile' / 'ex'}")
+    )
     assert "runtime.exchange_url" in line and "cannot be created or written" in line, line
     assert not rd.exists()
-    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", rd, "--set",
-                                         f"runtime.exchange_url=simplecache::file://{tmp_path}/ex"))
+    line = one_line_refusal(
+        *cli_process("run", "tiny", "--run-dir", rd, "--set", f"runtime.exchange_url=simplecache::file://{tmp_path}/ex")
+    )
     assert "runtime.exchange_url" in line and "simplecache::" in line, line
     assert not rd.exists() and not (tmp_path / "ex").exists()
 

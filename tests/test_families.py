@@ -12,9 +12,18 @@ from tests.conftest import squash
 
 VISION = {
     "data": {"source": "digits"},
-    "diloco": {"learners": 3, "fragments": 3, "sync_every": 4, "quorum": 2, "grace_s": 0.5, "batch_size": 16,
-               "receipt": "keep_in_flight", "outer_lr": 0.8, "outer_momentum": 0.0,
-               "inner": {"lr": 0.003, "warmup_steps": 5}},
+    "diloco": {
+        "learners": 3,
+        "fragments": 3,
+        "sync_every": 4,
+        "quorum": 2,
+        "grace_s": 0.5,
+        "batch_size": 16,
+        "receipt": "keep_in_flight",
+        "outer_lr": 0.8,
+        "outer_momentum": 0.0,
+        "inner": {"lr": 0.003, "warmup_steps": 5},
+    },
     "dp": {"batch_size": 48, "workers": 3, "inner": {"lr": 0.003, "warmup_steps": 5}},
     "train": {"token_budget": 9600, "eval_every_tokens": 4800, "eval_batches": 2, "eval_batch_size": 64},
 }
@@ -31,10 +40,12 @@ def _run(cfg, tmp_path):
 def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     from configs.schema import ExperimentConfig
 
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "model": {**small_cfg.model.model_dump(), "kind": "moe_lm", "n_experts": 4, "top_k": 2, "moe_every": 2},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "model": {**small_cfg.model.model_dump(), "kind": "moe_lm", "n_experts": 4, "top_k": 2, "moe_every": 2},
+        }
+    )
     shutil.copytree(small_data / "data", tmp_path / "run" / "data")
     layout = _run(cfg, tmp_path)
     for method in ("diloco", "dp"):
@@ -52,18 +63,40 @@ def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     assert (layout.report / "pretrain_expert_load.png").is_file()
 
 
-@pytest.mark.parametrize("model", [
-    {"kind": "vit", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 4},
-    {"kind": "vit_moe", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 4,
-     "n_experts": 4, "top_k": 1, "pool": "mean"},
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"kind": "vit", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "patch_size": 4},
+        {
+            "kind": "vit_moe",
+            "d_model": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "d_ff": 64,
+            "patch_size": 4,
+            "n_experts": 4,
+            "top_k": 1,
+            "pool": "mean",
+        },
+    ],
+)
 def test_vision_end_to_end(prefect_harness, model, tmp_path):
     from configs.schema import ExperimentConfig
 
-    finetune = {"finetune": {"enabled": True, "steps": 40, "batch_size": 32, "eval_every_steps": 20, "seeds": [0],
-                             "max_test_items": 400, "optimizer": {"lr": 0.003, "warmup_steps": 5}}}
-    cfg = ExperimentConfig.model_validate({**VISION, "name": f"{model['kind']}-test", "model": model,
-                                           **(finetune if model["kind"] == "vit" else {})})
+    finetune = {
+        "finetune": {
+            "enabled": True,
+            "steps": 40,
+            "batch_size": 32,
+            "eval_every_steps": 20,
+            "seeds": [0],
+            "max_test_items": 400,
+            "optimizer": {"lr": 0.003, "warmup_steps": 5},
+        }
+    }
+    cfg = ExperimentConfig.model_validate(
+        {**VISION, "name": f"{model['kind']}-test", "model": model, **(finetune if model["kind"] == "vit" else {})}
+    )
     layout = _run(cfg, tmp_path)
     manifest = json.loads((layout.root / "data" / "manifest.json").read_text())
     assert manifest["modality"] == "image" and manifest["image_shape"] == [8, 8, 1]

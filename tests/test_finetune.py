@@ -46,8 +46,9 @@ def test_speaker_pairs_read_headings_in_every_spelling_and_skip_stage_directions
     # the first speech follows a stage direction: no context line
     assert pairs[0]["prompt"] == "Test\n?: What light through yonder window breaks? / It is the east.\nSpeaker:"
     # the second follows ROMEO's speech: its last line, with its speaker
-    assert pairs[1]["prompt"] == ("Test\nROMEO: It is the east.\n?: Madam, your mother craves a word with you.\n"
-                                  "Speaker:")
+    assert pairs[1]["prompt"] == (
+        "Test\nROMEO: It is the east.\n?: Madam, your mother craves a word with you.\nSpeaker:"
+    )
     # the third follows an exit: no context; a bracketed stage direction inside a speech is not speech
     assert pairs[2]["prompt"] == "Test\n?: O Romeo, Romeo! / Deny thy father.\nSpeaker:"
     assert len({p["id"] for p in pairs}) == 3 and [p["two_back"] for p in pairs] == [None, None, None]
@@ -107,7 +108,10 @@ def test_jsonl_pairs_load_and_bad_files_are_refused_in_one_line(tmp_path):
     good = tmp_path / "pairs.jsonl"
     good.write_text('{"q": "2+2=", "a": " 4\\n"}\n\n{"q": "3+3=", "a": " 6\\n", "id": "x"}\n')
     pairs = F.load_jsonl_pairs(good, "q", "a")
-    assert pairs == [{"id": "0", "prompt": "2+2=", "response": " 4\n"}, {"id": "x", "prompt": "3+3=", "response": " 6\n"}]
+    assert pairs == [
+        {"id": "0", "prompt": "2+2=", "response": " 4\n"},
+        {"id": "x", "prompt": "3+3=", "response": " 6\n"},
+    ]
     with pytest.raises(ValueError, match=r"item 1 has no field 'prompt' \(finetune.prompt_field\)") as err:
         F.load_jsonl_pairs(good)
     assert "\n" not in str(err.value)
@@ -206,12 +210,14 @@ def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     from training.finetune import finetune_run
     from training.functional import params_of
 
-    cfg, run_dir, layout, task = jsonl_finetune_run(small_cfg, small_data, tmp_path, mode="lora", lora_rank=2,
-                                                    steps=6, eval_every_steps=3)
+    cfg, run_dir, layout, task = jsonl_finetune_run(
+        small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, steps=6, eval_every_steps=3
+    )
     pretrained = params_of(model_spec(cfg, run_dir).init(cfg.seed))  # what the checkpoint holds
     assert task["train_items"] == 32 and task["test_items"] == 8
-    rec = finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0,
-                       keep_params=True)
+    rec = finetune_run(
+        cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0, keep_params=True
+    )
     assert rec["steps"] == 6 and rec["fresh"] == [] and len(rec["adapted"]) == 5 * cfg.model.n_layers
     assert all(k.endswith(("lora_a", "lora_b")) for k in rec["state"])
     assert rec["trainable_params"] == sum(v.size for v in rec["state"].values()) < rec["frozen_params"]
@@ -285,8 +291,10 @@ def test_one_run_directory_compares_its_methods_under_one_recipe(small_cfg, smal
     assert plan["methods"] == {"dp": None}
     with pytest.raises(ValueError, match=r"diloco was fine-tuned with another recipe \(steps differ\)"):
         finetune_preflight(str(rd), ["dp"], overrides={"finetune.steps": 3}, replace=True)
-    assert finetune_preflight(str(rd), overrides={"finetune.steps": 3}, replace=True)["methods"] == \
-        {"diloco": None, "dp": None}  # every method with the new recipe
+    assert finetune_preflight(str(rd), overrides={"finetune.steps": 3}, replace=True)["methods"] == {
+        "diloco": None,
+        "dp": None,
+    }  # every method with the new recipe
 
 
 def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tmp_path, monkeypatch):
@@ -385,8 +393,12 @@ def test_a_checkpoint_is_never_named_after_another_pretrained_method(small_cfg, 
     rd, layout = _pretrained_run(small_cfg, small_data, tmp_path)
     dp, diloco = layout.checkpoints("pretrain", "dp"), layout.checkpoints("pretrain", "diloco")
     before = _tree(rd)
-    with pytest.raises(ValueError, match=re.escape(f"--name diloco is this run's pretrained method (its checkpoint "
-                                                   f"is {diloco}); pick another name")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            f"--name diloco is this run's pretrained method (its checkpoint is {diloco}); pick another name"
+        ),
+    ):
         finetune_preflight(None, checkpoint=str(dp), name="diloco")
     line = one_line_refusal(*cli("finetune", "--checkpoint", dp, "--name", "diloco"))
     assert "--name diloco is this run's pretrained method" in line
@@ -455,8 +467,9 @@ def test_a_pairs_file_that_is_not_utf8_is_refused_naming_file_and_offset(tmp_pat
     offset = latin.read_bytes().index(b"\xe9")
     with pytest.raises(ValueError) as err:
         F.load_jsonl_pairs(latin)
-    assert str(err.value) == (f"finetune.paths: {latin} is not valid UTF-8 (byte 0xe9 at offset {offset}): "
-                              "re-save it as UTF-8")
+    assert str(err.value) == (
+        f"finetune.paths: {latin} is not valid UTF-8 (byte 0xe9 at offset {offset}): re-save it as UTF-8"
+    )
     bom = _pairs_file(tmp_path / "bom.jsonl", rows, bom=True)
     assert F.load_jsonl_pairs(bom) == [{"id": "0", "prompt": "caf\u00e9?", "response": " yes\n"}]
 
@@ -466,19 +479,27 @@ def test_repeated_pair_ids_are_refused_naming_both_lines(tmp_path):
     a test file; the old code let them through to crash evaluation after training."""
     rows = [{"id": "same", "prompt": f"q{i}", "response": f" a{i}\n"} for i in range(3)]
     same = _pairs_file(tmp_path / "same.jsonl", rows)
-    with pytest.raises(ValueError, match=rf"^{same}: line 2 repeats the id 'same' of line 1; make ids unique "
-                                         r"or drop the id field$"):
+    with pytest.raises(
+        ValueError,
+        match=rf"^{same}: line 2 repeats the id 'same' of line 1; make ids unique "
+        r"or drop the id field$",
+    ):
         F.load_jsonl_pairs(same)
     mixed = tmp_path / "mixed.jsonl"
     mixed.write_text('{"id": 1, "prompt": "a", "response": "b"}\n\n{"id": "1", "prompt": "c", "response": "d"}\n')
     with pytest.raises(ValueError, match=r"line 3 repeats the id '1' of line 1"):
         F.load_jsonl_pairs(mixed)
-    train = _pairs_file(tmp_path / "train.jsonl", [{"id": f"t{i}", "prompt": f"q{i}", "response": " a\n"}
-                                                   for i in range(10)])
-    test = _pairs_file(tmp_path / "test.jsonl", [{"id": f"t{9 - i}", "prompt": f"p{i}", "response": " b\n"}
-                                                 for i in range(5)])
-    with pytest.raises(ValueError, match=rf"^finetune.paths: {test} line 1 repeats the id 't9' of {train} line 10; "
-                                         r"make ids unique or drop the id field$"):
+    train = _pairs_file(
+        tmp_path / "train.jsonl", [{"id": f"t{i}", "prompt": f"q{i}", "response": " a\n"} for i in range(10)]
+    )
+    test = _pairs_file(
+        tmp_path / "test.jsonl", [{"id": f"t{9 - i}", "prompt": f"p{i}", "response": " b\n"} for i in range(5)]
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"^finetune.paths: {test} line 1 repeats the id 't9' of {train} line 10; "
+        r"make ids unique or drop the id field$",
+    ):
         F.load_jsonl_pair_files([train, test])
     from pathlib import Path
 
@@ -489,6 +510,8 @@ def test_repeated_pair_ids_are_refused_naming_both_lines(tmp_path):
     cfg = load_config(tiny, {"finetune.source": "jsonl", "finetune.paths": [str(train), str(test)]})
     with pytest.raises(ValueError, match="repeats the id 't9'"):
         check_finetune_inputs(cfg)
-    plain = [_pairs_file(tmp_path / f"{n}.jsonl", [{"prompt": f"q{i}", "response": " a\n"} for i in range(k)])
-             for n, k in (("tr", 10), ("te", 5))]
+    plain = [
+        _pairs_file(tmp_path / f"{n}.jsonl", [{"prompt": f"q{i}", "response": " a\n"} for i in range(k)])
+        for n, k in (("tr", 10), ("te", 5))
+    ]
     assert [len(p) for p in F.load_jsonl_pair_files(plain)] == [10, 5]  # ids by position may repeat across files

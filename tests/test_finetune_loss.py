@@ -29,7 +29,7 @@ def _ragged_batch(rows: int = 8) -> dict:
     ids = rng.integers(0, V, size=(rows, L + 1)).astype(np.int32)
     mask = np.zeros((rows, L + 1), np.float32)
     for i in range(rows):
-        mask[i, L + 1 - (1 + 2 * i):] = 1.0
+        mask[i, L + 1 - (1 + 2 * i) :] = 1.0
     return {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)}
 
 
@@ -61,10 +61,14 @@ def test_unpadded_batches_count_every_row_alike(family):
 
     rng = np.random.default_rng(1)
     if family == "images":
-        spec = build_model(ViTConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, patch_size=4),
-                           InputShape(image_shape=(8, 8, 1), num_classes=4, pixel_max=16))
-        batch = {"image": jnp.asarray(rng.integers(0, 17, (8, 8, 8, 1), dtype=np.uint8)),
-                 "label": jnp.asarray(np.arange(8) % 4, dtype=jnp.int32)}
+        spec = build_model(
+            ViTConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32, patch_size=4),
+            InputShape(image_shape=(8, 8, 1), num_classes=4, pixel_max=16),
+        )
+        batch = {
+            "image": jnp.asarray(rng.integers(0, 17, (8, 8, 8, 1), dtype=np.uint8)),
+            "label": jnp.asarray(np.arange(8) % 4, dtype=jnp.int32),
+        }
         assert float(spec.count_targets(batch)) == 8
     else:
         spec = _lm_spec()
@@ -152,8 +156,10 @@ def test_a_batch_without_a_target_token_is_skipped_and_counted(small_cfg, small_
 
     def spy(*a, **k):
         step = real(*a, **k)
-        return lambda params, opt, batch, frozen=None: (seen.append(float(np.asarray(batch["mask"]).sum())),
-                                                        step(params, opt, batch, frozen))[1]
+        return lambda params, opt, batch, frozen=None: (
+            seen.append(float(np.asarray(batch["mask"]).sum())),
+            step(params, opt, batch, frozen),
+        )[1]
 
     monkeypatch.setattr(T, "make_train_step", spy)
     rec = T.finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0)
@@ -187,7 +193,11 @@ def test_lora_alpha_scales_the_forward_pass_and_the_merge():
     layer = ScaledLoRA(6, 2, 5, alpha=6.0, base_module=nnx.Linear(6, 5, rngs=nnx.Rngs(2)), rngs=nnx.Rngs(3))
     layer.lora_b[...] = jnp.ones((2, 5))
     x = jnp.arange(12.0).reshape(2, 6) / 10
-    want = x @ layer.base_module.kernel[...] + layer.base_module.bias[...] + 3.0 * x @ layer.lora_a[...] @ layer.lora_b[...]
+    want = (
+        x @ layer.base_module.kernel[...]
+        + layer.base_module.bias[...]
+        + 3.0 * x @ layer.lora_a[...] @ layer.lora_b[...]
+    )
     assert jnp.allclose(layer(x), want, atol=1e-5) and jnp.allclose(project(layer, x), want, atol=1e-5)
 
 
@@ -209,8 +219,9 @@ def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_al
     from training.finetune import finetune_method, finetune_spec, load_adapters, load_pretrained, model_with
     from training.functional import Functional
 
-    cfg, run_dir, layout, task = jsonl_finetune_run(small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, lora_alpha=8,
-                                      lora_targets=["qkv", "down"])
+    cfg, run_dir, layout, task = jsonl_finetune_run(
+        small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, lora_alpha=8, lora_targets=["qkv", "down"]
+    )
     finetune_method(cfg, run_dir, "dp", task)
     adapters = layout.adapters("finetune", "dp")
     assert adapters.is_dir() and layout.checkpoints("finetune", "dp").is_dir()

@@ -81,7 +81,8 @@ def _check_finetune(cfg, layout):
         assert layout.checkpoints("finetune", m).is_dir()
         result = json.loads(layout.eval_result("finetune", m).read_text())
         assert result["task"]["name"] == "speakers" and result["task"]["test_items"] == len(
-            result["pretrained"]["per_item"]["exact_match"])
+            result["pretrained"]["per_item"]["exact_match"]
+        )
         before, after = result["pretrained"]["metrics"], result["finetuned"][0]["metrics"]
         assert after["response_nll"] < before["response_nll"] - 0.5  # it learnt the task's responses
         assert set(result["pretrain_tasks"]["finetuned"]) >= {"heldout_ppl/bits_per_byte", "heldout_nextline/acc"}
@@ -116,14 +117,21 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
 
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 2.0, "grace_s": 0.05,
-                   "resume_every_steps": 5, "grace": "adaptive"},
-        # a budget that outlasts the retry (the other two used 98,304 tokens 3 s after the failure)
-        "train": {**small_cfg.train.model_dump(), "token_budget": 196608, "eval_every_tokens": 196608},
-        "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {
+                **small_cfg.diloco.model_dump(),
+                "retry_delay_s": 2.0,
+                "grace_s": 0.05,
+                "resume_every_steps": 5,
+                "grace": "adaptive",
+            },
+            # a budget that outlasts the retry (the other two used 98,304 tokens 3 s after the failure)
+            "train": {**small_cfg.train.model_dump(), "token_budget": 196608, "eval_every_tokens": 196608},
+            "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
+        }
+    )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
     assert summary["tokens"] == cfg.dp_steps * cfg.tokens_per_dp_step
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
@@ -132,8 +140,11 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
     assert "InjectedFailure" in fail["reason"] and fail["step"] == 19  # the last step it completed
     # It resumes at its last resume point: step 15 (one every 5 steps), unless that one was skipped
     # because the one before was still being written (a loaded machine); the log says which.
-    saved = [e["step"] for e in events if e["event"] == "resume_point" and e["learner"] == 1
-             and e["attempt"] == 1 and e["saved"]]
+    saved = [
+        e["step"]
+        for e in events
+        if e["event"] == "resume_point" and e["learner"] == 1 and e["attempt"] == 1 and e["saved"]
+    ]
     assert saved and saved[-1] <= 15 and restart["resumed"] and restart["step"] == saved[-1]
     assert restart["t"] - fail["t"] >= 1.5
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
@@ -153,21 +164,26 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
     per_step = []  # seconds per inner step between a learner's logged steps
     for m in range(cfg.diloco.learners):
         steps = [e for e in events if e["event"] == "step" and e["learner"] == m]
-        per_step += [(b["t"] - a["t"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:])
-                     if b["step"] > a["step"]]
+        per_step += [
+            (b["t"] - a["t"]) / (b["step"] - a["step"]) for a, b in zip(steps, steps[1:]) if b["step"] > a["step"]
+        ]
     # the estimate is a step time (a moving median of the submissions'), not a wait or a stall
     assert statistics.median(m["grace_cap_s"] for m in measured) <= 2 * max(per_step)
     # the syncer saw learner 1 go down and come back (liveness from heartbeats), the others never down
     seen = [(e["alive"], e.get("reason")) for e in events if e["event"] == "liveness" and e["learner"] == 1]
     assert seen[:3] == [(True, None), (False, "down"), (True, None)], seen
-    assert not any(e["event"] == "liveness" and not e["alive"] and e.get("reason") != "done"
-                   for e in events if e.get("learner") in (0, 2))
+    assert not any(
+        e["event"] == "liveness" and not e["alive"] and e.get("reason") != "done"
+        for e in events
+        if e.get("learner") in (0, 2)
+    )
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     with get_client(sync_client=True) as client:  # the live view's last version: every learner done
-        (art,) = client.read_latest_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=[f"diloco-learners-{cfg.name}"])))
+        (art,) = client.read_latest_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"diloco-learners-{cfg.name}"]))
+        )
     rows = json.loads(art.data) if isinstance(art.data, str) else art.data
     assert [r["learner"] for r in rows] == [0, 1, 2] and {r["state"] for r in rows} == {"done"}
     assert rows[1]["attempt"] == 2 and sum(r["tokens"] for r in rows) == summary["tokens"]
@@ -200,14 +216,20 @@ def test_injected_syncer_failure_resumes_from_checkpoint_and_journal(prefect_har
 
     run_dir = _copy(small_data, tmp_path)
     layout = RunLayout(run_dir)
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "retry_delay_s": 0.2, "grace_s": 0.05,
-                   "syncer_checkpoint_every_s": 0.2},
-        "train": {**small_cfg.train.model_dump(), "token_budget": 6144, "eval_every_tokens": 6144},
-        "runtime": {"exchange": "fsspec"},
-        "chaos": {"syncer_failures": [{"at_merge": 4}]},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {
+                **small_cfg.diloco.model_dump(),
+                "retry_delay_s": 0.2,
+                "grace_s": 0.05,
+                "syncer_checkpoint_every_s": 0.2,
+            },
+            "train": {**small_cfg.train.model_dump(), "token_budget": 6144, "eval_every_tokens": 6144},
+            "runtime": {"exchange": "fsspec"},
+            "chaos": {"syncer_failures": [{"at_merge": 4}]},
+        }
+    )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
     assert summary["tokens"] == cfg.dp_steps * cfg.tokens_per_dp_step
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
@@ -227,8 +249,10 @@ def test_injected_syncer_failure_resumes_from_checkpoint_and_journal(prefect_har
     assert json.loads(layout.summary("pretrain", "diloco").read_text())["merges"] == sum(versions)
     assert exchange.generation() == 2
     restart_s = resumed["t"] - fail["t"]
-    print(f"\nsyncer restart: {len(merges)} merges, versions {versions}, failure at t={fail['t']:.2f}s, "
-          f"resumed at t={resumed['t']:.2f}s ({restart_s:.2f}s later; recovery itself {resumed['recover_s']:.3f}s, "
-          f"checkpoint seq {resumed['checkpoint_seq']}, {resumed['replayed']} entries replayed), "
-          f"wall {summary['wall_s']:.1f}s")
+    print(
+        f"\nsyncer restart: {len(merges)} merges, versions {versions}, failure at t={fail['t']:.2f}s, "
+        f"resumed at t={resumed['t']:.2f}s ({restart_s:.2f}s later; recovery itself {resumed['recover_s']:.3f}s, "
+        f"checkpoint seq {resumed['checkpoint_seq']}, {resumed['replayed']} entries replayed), "
+        f"wall {summary['wall_s']:.1f}s"
+    )
     assert np.isfinite(summary["final_val_loss"])

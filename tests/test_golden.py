@@ -34,5 +34,6 @@ def test_golden_losses(runs, name):
         worst = float(np.max(np.abs(a - b)))
         assert worst <= TOL, f"{name} {key}: largest deviation {worst:.2e} nats > {TOL:.0e}"
     if name == "lockstep":
-        assert [(m["step"], m["fragment"]) for m in got["merges"]] == \
-               [(m["step"], m["fragment"]) for m in want["merges"]]
+        assert [(m["step"], m["fragment"]) for m in got["merges"]] == [
+            (m["step"], m["fragment"]) for m in want["merges"]
+        ]

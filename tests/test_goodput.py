@@ -30,9 +30,19 @@ def _mtbi_years(chips: int, mtbf_s: float) -> float:
 
 def _fixed_repair_cfg(chips: int, mtbf_s: float, mttr_s: float, **kw) -> GoodputConfig:
     # Recovery ~0 s, detection = the whole repair, no restart, negligible step: downtime = MTTR exactly.
-    return GoodputConfig(chips=[chips], learners=[1], slice_chips=chips, chip_mtbi_years=_mtbi_years(chips, mtbf_s),
-                         detect_s=mttr_s, recovery_scale_s=1e-9, restart_s=0.0, downscale_s=0.0, upscale_s=0.0,
-                         step_s=1e-6, **kw)
+    return GoodputConfig(
+        chips=[chips],
+        learners=[1],
+        slice_chips=chips,
+        chip_mtbi_years=_mtbi_years(chips, mtbf_s),
+        detect_s=mttr_s,
+        recovery_scale_s=1e-9,
+        restart_s=0.0,
+        downscale_s=0.0,
+        upscale_s=0.0,
+        step_s=1e-6,
+        **kw,
+    )
 
 
 def _goodput(job: JobRun, trace: Trace) -> float:
@@ -98,8 +108,9 @@ def test_elastic_by_hand():
     slice back at 15 → upscale pause to 18, run [18,100) on 200 chips → goodput (2000 + 200 + 16400)/20000.
     A failure at t = 11 (job paused, chips idle) is absorbed. With R = 2 the slice is back at 12, inside
     the pause, and joins for free: goodput (2000 + 200·87)/20000."""
-    cfg = GoodputConfig(chips=[200], learners=[1], slice_chips=100, detect_s=2.0, downscale_s=1.0, upscale_s=3.0,
-                        step_s=1.0)
+    cfg = GoodputConfig(
+        chips=[200], learners=[1], slice_chips=100, detect_s=2.0, downscale_s=1.0, upscale_s=3.0, step_s=1.0
+    )
     trace = Trace(np.array([10.0, 11.0]), np.array([0, 1]), np.array([5.0, 7.0]), 2, 200, 100.0)
     job = simulate_elastic(trace, cfg)
     assert list(zip(job.starts, job.ends, job.chips)) == [(0.0, 10.0, 200.0), (13.0, 15.0, 100.0), (18.0, 100.0, 200.0)]
@@ -157,16 +168,19 @@ def test_same_seed_same_numbers(small_grid):
     assert other["cells"][0]["goodput_seeds"] != res["cells"][0]["goodput_seeds"]
 
 
-@pytest.mark.parametrize("bad, field", [
-    ({"detect_s": -1}, "detect_s"),
-    ({"chip_mtbi_years": 0}, "chip_mtbi_years"),
-    ({"seeds": 1}, "seeds"),
-    ({"confidence": 1.5}, "confidence"),
-    ({"learners": [2, 4], "quorum": 3}, "quorum"),
-    ({"slice_chips": 20_000}, "slice_chips"),
-    ({"chips": [150_000, 150_000]}, "chips"),
-    ({"restart_minutes": 10}, "restart_minutes"),
-])
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        ({"detect_s": -1}, "detect_s"),
+        ({"chip_mtbi_years": 0}, "chip_mtbi_years"),
+        ({"seeds": 1}, "seeds"),
+        ({"confidence": 1.5}, "confidence"),
+        ({"learners": [2, 4], "quorum": 3}, "quorum"),
+        ({"slice_chips": 20_000}, "slice_chips"),
+        ({"chips": [150_000, 150_000]}, "chips"),
+        ({"restart_minutes": 10}, "restart_minutes"),
+    ],
+)
 def test_bad_settings_are_rejected_naming_the_field(bad, field):
     with pytest.raises(ValidationError) as exc:
         GoodputConfig.model_validate(bad)
@@ -194,8 +208,9 @@ def test_goodput_flow_end_to_end(prefect_harness, tmp_path):
     assert "Decoupled DiLoCo M=2" in md and "(94, " in md and "Worst Decoupled DiLoCo cell" in md
     assert f"| `restart_s` | {GoodputConfig().restart_s:g} | calibrated on the DP rows (shipped default) |" in md
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        )
     by_key = {a.key: a for a in arts}
     assert {"goodput-report", "goodput-table"} <= set(by_key)
     assert str(out / "goodput.png") in by_key["goodput-report"].data

@@ -66,14 +66,17 @@ def test_an_image_folder_reads_with_its_class_names(tmp_path):
         load_images("imagefolder", path=str(tmp_path / "cat"))
 
 
-@pytest.mark.parametrize("data, model, message", [
-    ({"source": "digits"}, {"kind": "dense_lm"}, "model.kind dense_lm does not take image data"),
-    ({"source": "shakespeare"}, {"kind": "vit"}, "model.kind vit does not take text data"),
-    ({"source": "digits", "seq_len": 64}, {"kind": "vit"}, "data.seq_len applies to text sources"),
-    ({"source": "shakespeare", "val_fraction": 0.2}, {"kind": "dense_lm"}, "data.val_fraction applies to image"),
-    ({"source": "imagefolder"}, {"kind": "vit"}, "data.paths must hold exactly one folder"),
-    ({"source": "digits", "val_fraction": 0.45, "test_fraction": 0.45}, {"kind": "vit"}, "leave ≥ 10 %"),
-])
+@pytest.mark.parametrize(
+    "data, model, message",
+    [
+        ({"source": "digits"}, {"kind": "dense_lm"}, "model.kind dense_lm does not take image data"),
+        ({"source": "shakespeare"}, {"kind": "vit"}, "model.kind vit does not take text data"),
+        ({"source": "digits", "seq_len": 64}, {"kind": "vit"}, "data.seq_len applies to text sources"),
+        ({"source": "shakespeare", "val_fraction": 0.2}, {"kind": "dense_lm"}, "data.val_fraction applies to image"),
+        ({"source": "imagefolder"}, {"kind": "vit"}, "data.paths must hold exactly one folder"),
+        ({"source": "digits", "val_fraction": 0.45, "test_fraction": 0.45}, {"kind": "vit"}, "leave ≥ 10 %"),
+    ],
+)
 def test_bad_image_configs_are_refused(data, model, message):
     with pytest.raises(Exception) as err:
         ExperimentConfig.model_validate({"data": data, "model": model})
@@ -81,20 +84,27 @@ def test_bad_image_configs_are_refused(data, model, message):
 
 
 def test_a_validation_split_smaller_than_one_batch_is_refused_before_work(tmp_path):
-    from flows.preflight import preflight
     from PIL import Image
+
+    from flows.preflight import preflight
 
     rng = np.random.default_rng(0)
     for cls in ("a", "b"):
         (tmp_path / "imgs" / cls).mkdir(parents=True)
         for i in range(20):
             Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "imgs" / cls / f"{i}.png")
-    cfg = ExperimentConfig.model_validate({
-        "data": {"source": "imagefolder", "paths": [str(tmp_path / "imgs")]},
-        "model": {"kind": "vit", "patch_size": 4},
-        "diloco": {"learners": 2, "fragments": 2, "quorum": 1, "batch_size": 4}, "dp": {"batch_size": 8, "workers": 2},
-        "train": {"token_budget": 400, "eval_every_tokens": 200, "eval_batches": 1, "eval_batch_size": 16}})
-    with pytest.raises(ValueError, match=r"of the 40 images holds 4 validation images, fewer than train.eval_batch_size \(16\)"):
+    cfg = ExperimentConfig.model_validate(
+        {
+            "data": {"source": "imagefolder", "paths": [str(tmp_path / "imgs")]},
+            "model": {"kind": "vit", "patch_size": 4},
+            "diloco": {"learners": 2, "fragments": 2, "quorum": 1, "batch_size": 4},
+            "dp": {"batch_size": 8, "workers": 2},
+            "train": {"token_budget": 400, "eval_every_tokens": 200, "eval_batches": 1, "eval_batch_size": 16},
+        }
+    )
+    with pytest.raises(
+        ValueError, match=r"of the 40 images holds 4 validation images, fewer than train.eval_batch_size \(16\)"
+    ):
         preflight(cfg, tmp_path / "run")
     assert not (tmp_path / "run").exists()
 
@@ -138,8 +148,16 @@ def test_every_mode_is_read_with_its_colours(tmp_path):
     assert got.images.shape == (9, 6, 6, 3) and got.labels.tolist() == [0] * 4 + [1] * 5
     assert np.all(got.images == got.images[:, :1, :1]), "each image is one flat colour"
     px = got.images[:, 0, 0].tolist()
-    assert px[:8] == [[200, 10, 30], [255, 255, 255], [127, 127, 127], [255, 255, 255],
-                      [100, 100, 100], [255, 255, 255], [1, 2, 3], [255, 255, 255]]
+    assert px[:8] == [
+        [200, 10, 30],
+        [255, 255, 255],
+        [127, 127, 127],
+        [255, 255, 255],
+        [100, 100, 100],
+        [255, 255, 255],
+        [1, 2, 3],
+        [255, 255, 255],
+    ]
     assert np.abs(np.array(px[8]) - [200, 10, 30]).max() <= 6  # JPEG, CMYK: near the colour it was saved as
     grey = load_images("imagefolder", path=str(tmp_path), channels=1)
     assert grey.images.shape == (9, 6, 6, 1)
@@ -161,19 +179,32 @@ def _mixed_sizes(root, per_class=20):
     """Two classes of 8×8 RGB, 6×6 grey, 5×7 palette and 8×8 RGBA images."""
     from PIL import Image
 
-    makers = [lambda: Image.new("RGB", (8, 8), (40, 50, 60)), lambda: Image.new("L", (6, 6), 70),
-              lambda: _palette((1, 200, 3), size=(5, 7)), lambda: Image.new("RGBA", (8, 8), (0, 0, 255, 255))]
+    makers = [
+        lambda: Image.new("RGB", (8, 8), (40, 50, 60)),
+        lambda: Image.new("L", (6, 6), 70),
+        lambda: _palette((1, 200, 3), size=(5, 7)),
+        lambda: Image.new("RGBA", (8, 8), (0, 0, 255, 255)),
+    ]
     for c in ("a", "b"):
         for i in range(per_class):
             _save(makers[i % 4](), root / c / f"{i:02d}.png")
 
 
 def _image_cfg(folder, eval_batch_size=2, **data):
-    return ExperimentConfig.model_validate({
-        "data": {"source": "imagefolder", "paths": [str(folder)], **data},
-        "model": {"kind": "vit", "patch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
-        "diloco": {"learners": 2, "fragments": 1, "quorum": 1, "batch_size": 4}, "dp": {"batch_size": 8, "workers": 2},
-        "train": {"token_budget": 400, "eval_every_tokens": 200, "eval_batches": 1, "eval_batch_size": eval_batch_size}})
+    return ExperimentConfig.model_validate(
+        {
+            "data": {"source": "imagefolder", "paths": [str(folder)], **data},
+            "model": {"kind": "vit", "patch_size": 4, "d_model": 16, "n_layers": 1, "n_heads": 2, "d_ff": 32},
+            "diloco": {"learners": 2, "fragments": 1, "quorum": 1, "batch_size": 4},
+            "dp": {"batch_size": 8, "workers": 2},
+            "train": {
+                "token_budget": 400,
+                "eval_every_tokens": 200,
+                "eval_batches": 1,
+                "eval_batch_size": eval_batch_size,
+            },
+        }
+    )
 
 
 def test_mixed_modes_and_sizes_are_refused_before_work_with_a_fix_that_works(tmp_path):
@@ -221,20 +252,23 @@ def test_split_folders_are_read_as_splits_with_classes_below(tmp_path):
     assert manifest["split_source"] == {"train": "folder", "val": "folder", "test": "train folder, stratified"}
 
 
-@pytest.mark.parametrize("layout, needle", [
-    ("train_and_class", "data.paths[0]: {root} mixes split folders (train) with other folders (cats)"),
-    ("test_only", "data.paths[0]: {root} has test/ but no train/"),
-    ("flat_split", "data.paths[0]: {root}/train holds images but no class sub-folders"),
-    ("new_class", "data.paths[0]: {root}/test/bird is a class that train/ lacks"),
-    ("two_vals", "data.paths[0]: {root} has two folders for the val split (val, validation)"),
-    ("flat", "data.paths[0]: {root} holds no class sub-folders"),
-    ("hidden_only", "data.paths[0]: {root} holds no class sub-folders"),
-    ("loose_images", "data.paths[0]: {root} holds images outside the class sub-folders (x.png)"),
-    ("nested_zip", "data.paths[0]: {root}/more.zip is an archive inside the folder"),
-    ("corrupt", "data.paths[0]: {root}/a/bad.png is not a readable image"),
-    ("one_class", "data.paths[0]: {root} holds 1 class sub-folder (a); an imagefolder needs ≥ 2"),
-    ("unreadable_class", "data.paths[0]: {root}/b holds no image that Pillow reads (b/0.heic)"),
-])
+@pytest.mark.parametrize(
+    "layout, needle",
+    [
+        ("train_and_class", "data.paths[0]: {root} mixes split folders (train) with other folders (cats)"),
+        ("test_only", "data.paths[0]: {root} has test/ but no train/"),
+        ("flat_split", "data.paths[0]: {root}/train holds images but no class sub-folders"),
+        ("new_class", "data.paths[0]: {root}/test/bird is a class that train/ lacks"),
+        ("two_vals", "data.paths[0]: {root} has two folders for the val split (val, validation)"),
+        ("flat", "data.paths[0]: {root} holds no class sub-folders"),
+        ("hidden_only", "data.paths[0]: {root} holds no class sub-folders"),
+        ("loose_images", "data.paths[0]: {root} holds images outside the class sub-folders (x.png)"),
+        ("nested_zip", "data.paths[0]: {root}/more.zip is an archive inside the folder"),
+        ("corrupt", "data.paths[0]: {root}/a/bad.png is not a readable image"),
+        ("one_class", "data.paths[0]: {root} holds 1 class sub-folder (a); an imagefolder needs ≥ 2"),
+        ("unreadable_class", "data.paths[0]: {root}/b holds no image that Pillow reads (b/0.heic)"),
+    ],
+)
 def test_folder_layouts_that_cannot_be_read_are_refused_in_one_line(tmp_path, layout, needle):
     from PIL import Image
 
@@ -243,9 +277,15 @@ def test_folder_layouts_that_cannot_be_read_are_refused_in_one_line(tmp_path, la
     root = tmp_path / "imgs"
     img = Image.new("RGB", (8, 8), (5, 5, 5))
     if layout in ("train_and_class", "test_only", "new_class", "two_vals"):
-        _split_folder(root, splits={"train_and_class": (("train", 3),), "test_only": (("test", 3),),
-                                    "new_class": (("train", 3),), "two_vals": (("train", 3), ("val", 1),
-                                                                                ("validation", 1))}[layout])
+        _split_folder(
+            root,
+            splits={
+                "train_and_class": (("train", 3),),
+                "test_only": (("test", 3),),
+                "new_class": (("train", 3),),
+                "two_vals": (("train", 3), ("val", 1), ("validation", 1)),
+            }[layout],
+        )
         if layout == "train_and_class":
             _save(img, root / "cats" / "0.png")
         if layout == "new_class":
@@ -301,7 +341,9 @@ def test_an_archive_is_read_like_the_folder_inside_it(tmp_path, suffix):
 
     check_image_source(_image_cfg(archive))
     (tmp_path / "broken.zip").write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(ValueError, match=re.escape(f"data.paths[0]: {tmp_path / 'broken.zip'} cannot be read as a zip")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"data.paths[0]: {tmp_path / 'broken.zip'} cannot be read as a zip")
+    ):
         load_images("imagefolder", path=str(tmp_path / "broken.zip"))
 
 
@@ -338,14 +380,19 @@ def test_archives_and_paths_as_users_make_them(tmp_path, monkeypatch, how):
 def test_a_hub_style_dataset_converts_modes_too(tmp_path):
     """``hf_images`` (here a local Parquet dataset folder, as ``data.hf_name`` may be) goes through the same
     conversion: palette colours, alpha onto white, grey repeated."""
-    from datasets import ClassLabel, Dataset, Features
-    from datasets import Image as ImageFeature
+    from datasets import ClassLabel, Dataset, Features, Image as ImageFeature
     from PIL import Image
 
-    rows = [_palette((200, 10, 30)), Image.new("RGBA", (6, 6), (0, 0, 0, 0)), Image.new("L", (6, 6), 100),
-            Image.new("RGB", (6, 6), (1, 2, 3))] * 2
-    ds = Dataset.from_dict({"image": rows, "label": [0, 0, 1, 1] * 2},
-                           features=Features({"image": ImageFeature(), "label": ClassLabel(names=["x", "y"])}))
+    rows = [
+        _palette((200, 10, 30)),
+        Image.new("RGBA", (6, 6), (0, 0, 0, 0)),
+        Image.new("L", (6, 6), 100),
+        Image.new("RGB", (6, 6), (1, 2, 3)),
+    ] * 2
+    ds = Dataset.from_dict(
+        {"image": rows, "label": [0, 0, 1, 1] * 2},
+        features=Features({"image": ImageFeature(), "label": ClassLabel(names=["x", "y"])}),
+    )
     (tmp_path / "hub").mkdir()
     ds.to_parquet(str(tmp_path / "hub" / "train.parquet"))
     got = load_images("hf_images", hf_name=str(tmp_path / "hub"))
@@ -369,11 +416,16 @@ def test_split_problems_are_found_before_work(tmp_path):
     with pytest.raises(ValueError, match=r"class 1 has 2 image\(s\); every class needs ≥ 3"):
         check_image_source(_image_cfg(tmp_path / "small"))
     _split_folder(tmp_path / "sv", splits=(("train", 10), ("val", 1)))
-    with pytest.raises(ValueError, match=r"the val split folder of .*sv holds 2 validation images, fewer than "
-                                         r"train.eval_batch_size \(4\) for one held-out batch; add validation images"):
+    with pytest.raises(
+        ValueError,
+        match=r"the val split folder of .*sv holds 2 validation images, fewer than "
+        r"train.eval_batch_size \(4\) for one held-out batch; add validation images",
+    ):
         check_image_source(_image_cfg(tmp_path / "sv", eval_batch_size=4))
     with zipfile.ZipFile(tmp_path / "outer.zip", "w") as z:
         z.writestr("a/0.png", b"")
         z.writestr("a/inner.zip", b"")
-    with pytest.raises(ValueError, match=re.escape(f"data.paths[0]: {tmp_path / 'outer.zip'} holds another archive (a/inner.zip)")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"data.paths[0]: {tmp_path / 'outer.zip'} holds another archive (a/inner.zip)")
+    ):
         load_images("imagefolder", path=str(tmp_path / "outer.zip"))

@@ -91,7 +91,7 @@ def test_no_circular_imports_between_modules():
         state[node] = "open"
         for dep in graph[node]:
             if state.get(dep) == "open":
-                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[node] = "done"

@@ -6,8 +6,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from reports.interconnect import (Link, diloco_step_s, dp_step_s, interconnect_figures, ring_allreduce_s,
-                                  time_to_loss)
+from reports.interconnect import Link, diloco_step_s, dp_step_s, interconnect_figures, ring_allreduce_s, time_to_loss
 from tests.test_report import PRE, _layout, _make_run
 
 DC = Link(1.0, 20.0, "links between datacenters")  # 1.25e8 bytes/s, 0.02 s
@@ -38,8 +37,11 @@ def test_a_fragment_round_trip_costs_only_beyond_tau_steps_and_the_link_bounds_t
 
 
 def test_time_to_a_loss_interpolates_between_evaluations():
-    curve = [{"modelled_s": 0.0, "val/loss": 6.0}, {"modelled_s": 10.0, "val/loss": 4.0},
-             {"modelled_s": 20.0, "val/loss": 3.0}]
+    curve = [
+        {"modelled_s": 0.0, "val/loss": 6.0},
+        {"modelled_s": 10.0, "val/loss": 4.0},
+        {"modelled_s": 20.0, "val/loss": 3.0},
+    ]
     assert time_to_loss(curve, 3.5) == pytest.approx(15.0)
     assert time_to_loss(curve, 6.5) == 0.0 and time_to_loss(curve, 2.0) is None
 
@@ -50,6 +52,7 @@ def _records(run):
     def rec(m):
         rows = [json.loads(x) for x in lay.metrics(PRE, m, "eval").read_text().splitlines()]
         return {"summary": json.loads(lay.summary(PRE, m).read_text()), "curve": rows}
+
     return json.loads(lay.config.read_text()), rec("dp"), rec("diloco")
 
 
@@ -62,8 +65,12 @@ def test_a_same_host_network_gives_back_the_measured_figures_and_links_add_to_th
     for m, f in same["methods"].items():
         assert f["modelled_wall_s"] == f["measured_wall_s"] and f["extra_s"] == 0.0
         assert [r["modelled_s"] for r in f["curve"]] == [r["wall_s"] for r in (dp if m == "dp" else dl)["curve"]]
-    config["network"] = {"label": "links between datacenters", "bandwidth_gbps": 1.0, "latency_ms": 20.0,
-                         "dp_overlap": 0.0}
+    config["network"] = {
+        "label": "links between datacenters",
+        "bandwidth_gbps": 1.0,
+        "latency_ms": 20.0,
+        "dp_overlap": 0.0,
+    }
     net = interconnect_figures(config, dp, dl)
     assert net["assumption"].startswith("modelled: links between datacenters, 1 Gbit/s each way, 20 ms one way")
     f = net["methods"]["dp"]
@@ -98,8 +105,12 @@ def test_the_report_states_the_interconnect_beside_its_figures(tmp_path):
     run = _make_run(tmp_path)
     lay = _layout(run)
     config = json.loads(lay.config.read_text())
-    config["network"] = {"label": "links between datacenters", "bandwidth_gbps": 0.5, "latency_ms": 30.0,
-                         "dp_overlap": 0.0}
+    config["network"] = {
+        "label": "links between datacenters",
+        "bandwidth_gbps": 0.5,
+        "latency_ms": 30.0,
+        "dp_overlap": 0.0,
+    }
     config["dp"]["workers"] = 2
     lay.config.write_text(json.dumps(config))
     report = build_report(run)

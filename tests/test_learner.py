@@ -87,15 +87,26 @@ class OneStepLateExchange(InMemoryExchange):
 
 def _setup(trainer, exchange, batches, fragments, rule="overwrite", **kw) -> LearnerSetup:
     return LearnerSetup(
-        learner=0, attempt=kw.pop("attempt", 1), step=trainer.step, init_params=trainer.init_params,
-        init_opt=trainer.init_opt, next_batch=lambda e, i: (batches[i % len(batches)], e, i + 1),
-        fragments=fragments, period=2, tokens_per_step=B * L, receipt=receipt_rule(rule),
-        exchange=exchange, log=kw.pop("log", lambda rec: None), **kw)
+        learner=0,
+        attempt=kw.pop("attempt", 1),
+        step=trainer.step,
+        init_params=trainer.init_params,
+        init_opt=trainer.init_opt,
+        next_batch=lambda e, i: (batches[i % len(batches)], e, i + 1),
+        fragments=fragments,
+        period=2,
+        tokens_per_step=B * L,
+        receipt=receipt_rule(rule),
+        exchange=exchange,
+        log=kw.pop("log", lambda rec: None),
+        **kw,
+    )
 
 
 def _run_one_learner(rule: str, batches, theta0, fragments) -> dict:
-    syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean",
-                                                      outer_lr=1.0, outer_momentum=0.0))
+    syncer = Syncer(
+        theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean", outer_lr=1.0, outer_momentum=0.0)
+    )
     exchange = OneStepLateExchange(syncer, budget=STEPS * B * L)
     out = run_learner(_setup(tiny_trainer(), exchange, batches, fragments, rule, turns=FairTurns(1)))
     assert out["steps"] == STEPS
@@ -232,9 +243,15 @@ def test_host_turns_pace_processes_first_come_and_survive_a_killed_holder(tmp_pa
     assert lead <= 2, f"a process got {lead} turns ahead of another"
     assert not list((tmp_path / "fair").glob("wait-*"))  # every waiter's pipe removed
 
-    turns = _turn_takers(tmp_path / "dead", [dict(slots=1, turns=1, hold_s=0.01, die_holding=True),
-                                             dict(slots=1, turns=10, hold_s=0.01),
-                                             dict(slots=1, turns=10, hold_s=0.01)], timeout_s=30)
+    turns = _turn_takers(
+        tmp_path / "dead",
+        [
+            dict(slots=1, turns=1, hold_s=0.01, die_holding=True),
+            dict(slots=1, turns=10, hold_s=0.01),
+            dict(slots=1, turns=10, hold_s=0.01),
+        ],
+        timeout_s=30,
+    )
     assert len({t[0] for t in turns}) == 2
 
 
@@ -314,14 +331,17 @@ def test_co_located_learners_saving_resume_points_stay_in_step():
             counts[m] += 1
             spread.append(abs(counts[0] - counts[1]))
             return out
+
         return step
 
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 50, (B, L + 1), dtype=np.int32) for _ in range(per_learner)]
     trainer.step(trainer.init_params(), trainer.init_opt(trainer.init_params()), jnp.asarray(batches[0]))
     turns = FairTurns(1)
-    setups = [_setup(trainer, exchange, batches, fragments, turns=turns, resume=SlowLockedStore(),
-                     resume_every=4) for _ in range(2)]
+    setups = [
+        _setup(trainer, exchange, batches, fragments, turns=turns, resume=SlowLockedStore(), resume_every=4)
+        for _ in range(2)
+    ]
     start = threading.Barrier(2)
 
     def init_together():
@@ -355,11 +375,33 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
     failed_at = []
     for attempt in (1, 2):
         with pytest.raises(InjectedFailure, match=f"at local step {(3, 7)[attempt - 1]}"):
-            run_learner(_setup(trainer, exchange, batches, fragments, attempt=attempt, resume=store,
-                               resume_every=2, fail_at_steps=(3, 7), log=events.append))
+            run_learner(
+                _setup(
+                    trainer,
+                    exchange,
+                    batches,
+                    fragments,
+                    attempt=attempt,
+                    resume=store,
+                    resume_every=2,
+                    fail_at_steps=(3, 7),
+                    log=events.append,
+                )
+            )
         failed_at.append(exchange.learners()[0]["step"])
-    out = run_learner(_setup(trainer, exchange, batches, fragments, attempt=3, resume=store, resume_every=2,
-                             fail_at_steps=(3, 7), log=events.append))
+    out = run_learner(
+        _setup(
+            trainer,
+            exchange,
+            batches,
+            fragments,
+            attempt=3,
+            resume=store,
+            resume_every=2,
+            fail_at_steps=(3, 7),
+            log=events.append,
+        )
+    )
     starts = [e["step"] for e in events if e["event"] == "start"]
     assert failed_at == [2, 6] and starts == [0, 2, 6]
     # Both failures come right after a save (steps 2 and 6), so nothing is redone: 2 + 4 + 4 steps
@@ -373,10 +415,15 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
 def small_run(tmp_path_factory):
     from data.text import prepare_data
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", {
-        "data.source": "local", "data.paths": [str(CORPUS)], "train.token_budget": 400_000,
-        "diloco.resume_every_steps": 5,
-    })
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        {
+            "data.source": "local",
+            "data.paths": [str(CORPUS)],
+            "train.token_budget": 400_000,
+            "diloco.resume_every_steps": 5,
+        },
+    )
     run_dir = tmp_path_factory.mktemp("learner-run")
     prepare_data(cfg, run_dir)
     return cfg, run_dir
@@ -398,9 +445,12 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
     resume_dir = layout.resume_point("pretrain", "diloco", 0)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
-    first = subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_process.py"),
-                              str(tmp_path / "inputs.pkl"), "1"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "learner_process.py"), str(tmp_path / "inputs.pkl"), "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 240
     try:
         while True:  # wait for a few resume points, then kill it mid-run
@@ -423,9 +473,12 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
 
     # the retry, in another fresh process: once it has resumed and saved a later resume point it has
     # shown what this test is about (the rest of its budget would take a minute), so it is killed too
-    second = subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_process.py"),
-                               str(tmp_path / "inputs.pkl"), "2"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    second = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "learner_process.py"), str(tmp_path / "inputs.pkl"), "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 240
     try:
         while max((int(p.name) for p in resume_dir.iterdir() if p.name.isdigit()), default=0) < saved.step + 10:
@@ -483,23 +536,36 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
         def init(seed):
             return MLPLM(cfg.d_model, shape.vocab_size, nnx.Rngs(seed))
 
-        return ModelSpec(kind="mlp_lm", config=cfg, init=init, objective=_mlp_objective,
-                         batch=BatchLayout("int32", (shape.seq_len + 1,), "tokens", shape.seq_len),
-                         params=count_params(nnx.eval_shape(lambda: init(0))),
-                         flops_per_unit=6.0 * 3 * cfg.d_model * shape.vocab_size)
+        return ModelSpec(
+            kind="mlp_lm",
+            config=cfg,
+            init=init,
+            objective=_mlp_objective,
+            batch=BatchLayout("int32", (shape.seq_len + 1,), "tokens", shape.seq_len),
+            params=count_params(nnx.eval_shape(lambda: init(0))),
+            flops_per_unit=6.0 * 3 * cfg.d_model * shape.vocab_size,
+        )
 
     try:
         base, _ = small_run
-        cfg = base.model_copy(update={"model": MLPLMConfig(), "diloco": base.diloco.model_copy(
-            update={"learners": 2, "quorum": 1, "fragments": 2, "resume_every_steps": 0})})
+        cfg = base.model_copy(
+            update={
+                "model": MLPLMConfig(),
+                "diloco": base.diloco.model_copy(
+                    update={"learners": 2, "quorum": 1, "fragments": 2, "resume_every_steps": 0}
+                ),
+            }
+        )
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"token_budget": 8192})})
         run_dir = tmp_path / "run"
         prepare_data(cfg, run_dir)
 
         run = setup_diloco(cfg, run_dir)
         outs = {}
-        learners = [threading.Thread(target=lambda m=m: outs.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
-                    for m in range(2)]
+        learners = [
+            threading.Thread(target=lambda m=m: outs.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
+            for m in range(2)
+        ]
         for t in learners:
             t.start()
         syncer = threading.Thread(target=lambda: outs.setdefault("syncer", run_syncer_to_end(run)))
@@ -513,8 +579,9 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
         assert summary["merges"] > 0 and summary["tokens"] == token_budget(cfg)
         evals = read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "eval"))
         assert evals[-1]["val/loss"] < evals[0]["val/loss"]  # it learned (unigram statistics at least)
-        steps = [e for e in read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "learners"))
-                 if e["event"] == "step"]
+        steps = [
+            e for e in read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "learners")) if e["event"] == "step"
+        ]
         assert steps and all("train/accuracy" in e for e in steps)
 
         dp = train_dp(cfg, run_dir)
@@ -541,8 +608,10 @@ def test_a_cut_off_or_damaged_resume_point_lets_the_learner_start_again(tmp_path
     assert "starts again at step 0" in caplog.text
     store.save(ResumePoint(step=30, cursor=(0, 3), tokens=90, opt_state=template))
     assert store.load(template).step == 30
-    victim = max((p for p in (tmp_path / "resume" / "30").rglob("*") if p.is_file() and p.stat().st_size > 64),
-                 key=lambda p: p.stat().st_size)
+    victim = max(
+        (p for p in (tmp_path / "resume" / "30").rglob("*") if p.is_file() and p.stat().st_size > 64),
+        key=lambda p: p.stat().st_size,
+    )
     victim.write_bytes(b"\0" * victim.stat().st_size)  # same size, other bytes: damaged
     caplog.clear()
     with caplog.at_level("WARNING", logger="training.checkpoint"):
@@ -562,12 +631,23 @@ def test_a_slowed_learner_idles_its_factor_outside_its_turn():
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), 2)
     for window, expect in (((1.5, 0.0, None),), True), (((1.5, 1e9, None),), False):
-        syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean",
-                                                          outer_lr=1.0, outer_momentum=0.0))
+        syncer = Syncer(
+            theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean", outer_lr=1.0, outer_momentum=0.0)
+        )
         exchange = OneStepLateExchange(syncer, budget=STEPS * B * L)
         idled, logged = [], []
-        out = run_learner(_setup(trainer, exchange, batches, fragments, turns=FairTurns(1), slowdowns=window,
-                                 sleep=idled.append, log=logged.append))
+        out = run_learner(
+            _setup(
+                trainer,
+                exchange,
+                batches,
+                fragments,
+                turns=FairTurns(1),
+                slowdowns=window,
+                sleep=idled.append,
+                log=logged.append,
+            )
+        )
         assert out["steps"] == STEPS
         paces = [r for r in logged if r["event"] == "slowdown"]
         if expect:

@@ -26,11 +26,21 @@ EIGHT = [f"dev{i}" for i in range(8)]  # stand-ins: learner_devices only slices 
 
 
 # -- learner_devices ---------------------------------------------------------------------------
-@pytest.mark.parametrize("learner, per, want", [
-    (0, 2, ["dev0", "dev1"]), (1, 2, ["dev2", "dev3"]), (3, 2, ["dev6", "dev7"]),
-    (4, 2, ["dev0", "dev1"]), (5, 2, ["dev2", "dev3"]),  # M·d > 8: the slices wrap round
-    (0, 8, EIGHT), (2, 8, EIGHT), (7, 1, ["dev7"]), (9, 1, ["dev1"]), (1, 4, ["dev4", "dev5", "dev6", "dev7"]),
-])
+@pytest.mark.parametrize(
+    "learner, per, want",
+    [
+        (0, 2, ["dev0", "dev1"]),
+        (1, 2, ["dev2", "dev3"]),
+        (3, 2, ["dev6", "dev7"]),
+        (4, 2, ["dev0", "dev1"]),
+        (5, 2, ["dev2", "dev3"]),  # M·d > 8: the slices wrap round
+        (0, 8, EIGHT),
+        (2, 8, EIGHT),
+        (7, 1, ["dev7"]),
+        (9, 1, ["dev1"]),
+        (1, 4, ["dev4", "dev5", "dev6", "dev7"]),
+    ],
+)
 def test_learner_devices_slices_and_wraps(learner, per, want):
     assert learner_devices(learner, per, EIGHT) == want
 
@@ -39,13 +49,16 @@ def test_learner_devices_one_device_is_shared_by_all():
     assert [learner_devices(m, 1, ["cpu0"]) for m in range(3)] == [["cpu0"]] * 3
 
 
-@pytest.mark.parametrize("learner, per, devices, match", [
-    (0, 3, EIGHT, r"runtime.devices_per_learner \(3\) must divide the 8 devices .* pick one of \[1, 2, 4, 8\]"),
-    (0, 9, EIGHT, r"runtime.devices_per_learner \(9\) exceeds the 8 device\(s\) .* at most 8"),
-    (0, 2, ["cpu0"], r"runtime.devices_per_learner \(2\) exceeds the 1 device"),
-    (0, 0, EIGHT, r"runtime.devices_per_learner must be ≥ 1"),
-    (-1, 1, EIGHT, r"learner index must be ≥ 0"),
-])
+@pytest.mark.parametrize(
+    "learner, per, devices, match",
+    [
+        (0, 3, EIGHT, r"runtime.devices_per_learner \(3\) must divide the 8 devices .* pick one of \[1, 2, 4, 8\]"),
+        (0, 9, EIGHT, r"runtime.devices_per_learner \(9\) exceeds the 8 device\(s\) .* at most 8"),
+        (0, 2, ["cpu0"], r"runtime.devices_per_learner \(2\) exceeds the 1 device"),
+        (0, 0, EIGHT, r"runtime.devices_per_learner must be ≥ 1"),
+        (-1, 1, EIGHT, r"learner index must be ≥ 0"),
+    ],
+)
 def test_learner_devices_refuses(learner, per, devices, match):
     with pytest.raises(ValueError, match=match):
         learner_devices(learner, per, devices)
@@ -78,13 +91,20 @@ def test_devices_per_learner_defaults_to_one():
     assert _tiny(**{"runtime.devices_per_learner": 2}).runtime.devices_per_learner == 2  # batch 4
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"runtime.devices_per_learner": 3},  # tiny: diloco.batch_size 4
-     r"diloco.batch_size \(4\) must be divisible by runtime.devices_per_learner \(3\)"),
-    ({"runtime.devices_per_learner": 4, "diloco.batch_size": 8, "dp.batch_size": 16, "train.microbatch_size": 2},
-     r"train.microbatch_size \(2\) must be divisible by runtime.devices_per_learner \(4\)"),
-    ({"runtime.devices_per_learner": 0}, r"runtime.devices_per_learner\s+Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            {"runtime.devices_per_learner": 3},  # tiny: diloco.batch_size 4
+            r"diloco.batch_size \(4\) must be divisible by runtime.devices_per_learner \(3\)",
+        ),
+        (
+            {"runtime.devices_per_learner": 4, "diloco.batch_size": 8, "dp.batch_size": 16, "train.microbatch_size": 2},
+            r"train.microbatch_size \(2\) must be divisible by runtime.devices_per_learner \(4\)",
+        ),
+        ({"runtime.devices_per_learner": 0}, r"runtime.devices_per_learner\s+Input should be greater than 0"),
+    ],
+)
 def test_devices_per_learner_must_split_the_batch(overrides, message):
     with pytest.raises(ValidationError, match=message):
         _tiny(**overrides)
@@ -126,8 +146,14 @@ PARAM_TOL = 1e-5
 @pytest.fixture(scope="module")
 def two_devices():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    out = subprocess.run([sys.executable, str(ROOT / "tests" / "mesh_process.py")], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "mesh_process.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -11,8 +11,7 @@ from flax import nnx
 from configs.schema import ExperimentConfig, MoELMConfig, validation_lines
 from models import InputShape, build_model
 from models.layers.mlp import SwiGLU
-from models.layers.moe import MoE, collect_stats, expert_capacity, route
-from models.layers.moe import moe_blocks
+from models.layers.moe import MoE, collect_stats, expert_capacity, moe_blocks, route
 from models.text.moe import flops_per_token
 from training.step import Trainer
 
@@ -75,8 +74,9 @@ def test_aux_and_z_losses_equal_their_formulas():
     assert float(stats["z"]) == pytest.approx(np.mean(lse**2), rel=1e-5)
 
 
-TINY_MOE = MoELMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2,
-                       tie_embeddings=False)
+TINY_MOE = MoELMConfig(
+    d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2, tie_embeddings=False
+)
 
 
 def test_moe_lm_spec_counts_active_parameters_and_reports_the_cross_entropy():
@@ -86,7 +86,10 @@ def test_moe_lm_spec_counts_active_parameters_and_reports_the_cross_entropy():
     assert spec.extras["total_params"] - spec.extras["active_params"] == 2 * 3 * 32 * 64
     dense_mlp = 3 * 32 * 64
     moe_active = 32 * 4 + 2 * 3 * 32 * 64
-    assert flops_per_token(TINY_MOE, 64, 16) == 6.0 * (2 * 4 * 32 * 32 + dense_mlp + moe_active + 32 * 64) + 12.0 * 2 * 32 * 16
+    assert (
+        flops_per_token(TINY_MOE, 64, 16)
+        == 6.0 * (2 * 4 * 32 * 32 + dense_mlp + moe_active + 32 * 64) + 12.0 * 2 * 32 * 16
+    )
     trainer = Trainer(spec, optax.adam(3e-3))
     params = trainer.init_params()
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 64, (4, 17), dtype=np.int32))
@@ -106,10 +109,13 @@ def test_moe_config_is_checked_by_kind():
 
     assert "model.kind: 'mlp' is unknown; choose one of dense_lm, moe_lm" in refusal({"kind": "mlp"})
     assert refusal({"kind": "moe_lm", "n_experts": 2, "top_k": 2, "n_layers": 1, "moe_every": 2}).startswith(
-        "model.moe_every (2) exceeds model.n_layers (1)")
+        "model.moe_every (2) exceeds model.n_layers (1)"
+    )
     assert "a field of kind: moe_lm" in refusal({"kind": "dense_lm", "n_experts": 4})
     assert "model.top_k" in refusal({"kind": "moe_lm", "top_k": 3})
-    assert "model.capacity_factor (0.01) × model.top_k (2) = 0.02 < 1" in refusal({"kind": "moe_lm", "capacity_factor": 0.01})
+    assert "model.capacity_factor (0.01) × model.top_k (2) = 0.02 < 1" in refusal(
+        {"kind": "moe_lm", "capacity_factor": 0.01}
+    )
     assert "use ≥ 1 (1.25 is usual)" in refusal({"kind": "moe_lm", "top_k": 1, "capacity_factor": 0.5})
     assert ExperimentConfig.model_validate({"model": {"d_model": 64}}).model.kind == "dense_lm"
 
@@ -117,8 +123,17 @@ def test_moe_config_is_checked_by_kind():
 # -- padding (fine-tuning batches): only real tokens are routed, counted and take capacity ------------
 
 # Drops on purpose (C = ⌈0.5 · 2 · n / 4⌉ slots for n real tokens) and two MoE layers of four blocks.
-PAD_MOE = MoELMConfig(d_model=32, n_layers=4, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2,
-                      capacity_factor=0.5, tie_embeddings=False)
+PAD_MOE = MoELMConfig(
+    d_model=32,
+    n_layers=4,
+    n_heads=2,
+    d_ff=64,
+    n_experts=4,
+    top_k=2,
+    moe_every=2,
+    capacity_factor=0.5,
+    tie_embeddings=False,
+)
 # (prompt length, response length) of each row: prompt + response tokens are the row's real tokens
 PAD_ROWS = [(4, 3), (6, 4), (2, 3)]
 
@@ -129,8 +144,8 @@ def _sft_batch(row_len: int, eot: int = 0) -> dict:
     ids = np.full((len(PAD_ROWS), row_len), eot, np.int32)
     mask = np.zeros((len(PAD_ROWS), row_len), np.float32)
     for r, (p, n) in enumerate(PAD_ROWS):
-        ids[r, :p + n] = rng.integers(1, 64, p + n)
-        mask[r, p:p + n] = 1.0
+        ids[r, : p + n] = rng.integers(1, 64, p + n)
+        mask[r, p : p + n] = 1.0
     return {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)}
 
 
@@ -161,8 +176,8 @@ def test_real_tokens_see_the_same_model_with_or_without_padding():
     np.testing.assert_array_equal(np.asarray(mask_BL).sum(1), [p + n - 1 for p, n in PAD_ROWS])
     padded = np.asarray(model(lm_inputs(batch), mask_BL))
     for r, (p, n) in enumerate(PAD_ROWS):
-        alone = np.asarray(model(batch["ids"][r:r + 1, :p + n - 1]))[0]
-        np.testing.assert_allclose(padded[r, :p + n - 1], alone, rtol=1e-5, atol=1e-5)
+        alone = np.asarray(model(batch["ids"][r : r + 1, : p + n - 1]))[0]
+        np.testing.assert_allclose(padded[r, : p + n - 1], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_padding_takes_no_expert_slot():
@@ -209,18 +224,23 @@ def test_evaluation_padding_does_not_change_an_moe_models_scores():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["the king is dead long live the queen"] * 20, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        ["the king is dead long live the queen"] * 20,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     model = build_model(PAD_MOE, InputShape(vocab_size=300, seq_len=24)).init(0)
     rng = np.random.default_rng(3)
-    reqs = [(None, [int(t) for t in rng.integers(1, 300, n)], [int(t) for t in rng.integers(1, 300, 4)])
-            for n in (3, 9, 5)]
+    reqs = [
+        (None, [int(t) for t in rng.integers(1, 300, n)], [int(t) for t in rng.integers(1, 300, 4)]) for n in (3, 9, 5)
+    ]
 
     def direct(ctx, cont):  # one unpadded forward pass of exactly the request's inputs
         ids = ctx + cont
         logits = np.asarray(model(jnp.asarray([ids[:-1]], jnp.int32))[0], np.float64)
         logp = logits[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(logits).sum(-1))
-        return float(logp[len(ctx) - 1:].sum())
+        return float(logp[len(ctx) - 1 :].sum())
 
     want = [direct(c, x) for _, c, x in reqs]
     for buckets, batch_size in (((24,), 4), ((8, 16, 24), 1), ((12, 24), 2)):

@@ -126,7 +126,10 @@ def test_build_pair_tasks_config_and_file(tmp_path):
         ([{"id": "a", "response": " A\n"}], "no 'prompt' field"),
         ([{"id": "a", "prompt": "Who?\n", "response": ""}], "empty response"),
         ([{"id": "a", "prompt": "Who?\n", "response": " \n"}], "empty response"),
-        ([{"id": "a", "prompt": "Q", "response": "A\n"}, {"id": "a", "prompt": "R", "response": "B\n"}], "duplicate id"),
+        (
+            [{"id": "a", "prompt": "Q", "response": "A\n"}, {"id": "a", "prompt": "R", "response": "B\n"}],
+            "duplicate id",
+        ),
     ],
 )
 def test_bad_pairs_raise(tmp_path, pairs, match):

@@ -37,8 +37,7 @@ def _floating(tree) -> set[str]:
 
 def _dot_operand_dtypes(trainer: Trainer, batch) -> Counter:
     """(lhs, rhs) element types of every dot in the lowered forward + backward pass."""
-    fn = _loss_and_grad(trainer.fn, trainer.spec.objective,
-                        None if trainer.dtypes is None else trainer.dtypes.compute)
+    fn = _loss_and_grad(trainer.fn, trainer.spec.objective, None if trainer.dtypes is None else trainer.dtypes.compute)
     text = jax.jit(fn).lower(trainer.init_params(), {}, batch).as_text()
     pairs = re.findall(r"stablehlo.dot_general[^\n]*: \(tensor<([^>]*)>, tensor<([^>]*)>\)", text)
     return Counter((a.rsplit("x", 1)[-1], b.rsplit("x", 1)[-1]) for a, b in pairs)
@@ -59,8 +58,10 @@ def test_config_policy_and_refusal():
 def test_bfloat16_compute_runs_in_bfloat16_with_a_float32_loss(policy):
     spec = build_model(LM, SHAPE)
     batch = np.random.default_rng(0).integers(0, 50, (4, 9)).astype(np.int32)
-    float32, mixed = Trainer(spec, optax.adamw(1e-2), microbatches=2), Trainer(spec, optax.adamw(1e-2), 2,
-                                                                                precision=policy)
+    float32, mixed = (
+        Trainer(spec, optax.adamw(1e-2), microbatches=2),
+        Trainer(spec, optax.adamw(1e-2), 2, precision=policy),
+    )
     dots = _dot_operand_dtypes(mixed, batch)
     assert dots[("bf16", "bf16")] >= 20 and set(dots) == {("bf16", "bf16")}, dots  # every matmul in bfloat16
     assert set(_dot_operand_dtypes(float32, batch)) == {("f32", "f32")}
@@ -97,22 +98,34 @@ def test_state_dtype_wrapper_and_ops_in_bfloat16():
     assert low.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(low, np.float32), ref, atol=0.05)
     g = jax.grad(lambda q, k, v: causal_attention(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
-        *(a.astype(jnp.bfloat16) for a in (q, k, v)))
+        *(a.astype(jnp.bfloat16) for a in (q, k, v))
+    )
     assert {x.dtype for x in g} == {jnp.dtype(jnp.bfloat16)}
-    x, w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32), jnp.asarray(rng.standard_normal((8, 30)), jnp.float32)
+    x, w = (
+        jnp.asarray(rng.standard_normal((16, 8)), jnp.float32),
+        jnp.asarray(rng.standard_normal((8, 30)), jnp.float32),
+    )
     labels = jnp.asarray(rng.integers(0, 30, 16))
     loss = softmax_cross_entropy_head(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels)
     assert loss.dtype == jnp.float32
     assert float(loss) == pytest.approx(float(softmax_cross_entropy_head(x, w, labels)), abs=0.05)
-    gx, gw = jax.grad(softmax_cross_entropy_head, argnums=(0, 1))(x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels)
+    gx, gw = jax.grad(softmax_cross_entropy_head, argnums=(0, 1))(
+        x.astype(jnp.bfloat16), w.astype(jnp.bfloat16), labels
+    )
     assert gx.dtype == gw.dtype == jnp.bfloat16
 
 
-@pytest.mark.parametrize("model, shape", [
-    (MoELMConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, moe_every=2), SHAPE),
-    (ViTConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, patch_size=4),
-     InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16)),
-], ids=["moe_lm", "vit"])
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        (MoELMConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, n_experts=4, top_k=2, moe_every=2), SHAPE),
+        (
+            ViTConfig(d_model=16, n_layers=2, n_heads=2, d_ff=32, patch_size=4),
+            InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16),
+        ),
+    ],
+    ids=["moe_lm", "vit"],
+)
 def test_every_family_computes_in_bfloat16(model, shape):
     spec = build_model(model, shape)
     rng = np.random.default_rng(0)
@@ -162,8 +175,13 @@ def test_bfloat16_learner_keeps_the_syncer_state_and_outer_gradients_float32(mon
     trainer = Trainer(spec, optax.adamw(1e-2), precision=BF16)
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), 2)
-    syncer = Syncer(theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="token_weighted",
-                                                      outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True))
+    syncer = Syncer(
+        theta0,
+        fragments,
+        SyncerSettings(
+            num_learners=1, quorum=1, merge="token_weighted", outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True
+        ),
+    )
     seen = []
     real_step = syncer_module.outer_step
 
@@ -182,19 +200,32 @@ def test_bfloat16_learner_keeps_the_syncer_state_and_outer_gradients_float32(mon
 
     rng = np.random.default_rng(0)
     batches = [rng.integers(0, 50, (B, L + 1)).astype(np.int32) for _ in range(steps)]
-    out = run_learner(LearnerSetup(
-        learner=0, attempt=1, step=step, init_params=trainer.init_params, init_opt=trainer.init_opt,
-        next_batch=lambda e, i: (batches[i % steps], e, i + 1), fragments=fragments, period=2,
-        tokens_per_step=B * L, receipt=receipt_rule("overwrite"), exchange=exchange, log=lambda rec: None,
-        turns=FairTurns(1)))
+    out = run_learner(
+        LearnerSetup(
+            learner=0,
+            attempt=1,
+            step=step,
+            init_params=trainer.init_params,
+            init_opt=trainer.init_opt,
+            next_batch=lambda e, i: (batches[i % steps], e, i + 1),
+            fragments=fragments,
+            period=2,
+            tokens_per_step=B * L,
+            receipt=receipt_rule("overwrite"),
+            exchange=exchange,
+            log=lambda rec: None,
+            turns=FairTurns(1),
+        )
+    )
     assert out["steps"] == steps and syncer.num_merges >= steps // 2 and len(seen) == syncer.num_merges
     assert learner_dtypes and all(d == {"bfloat16"} for d in learner_dtypes)  # bfloat16 after every pull
     assert all(_floating(s.params) == {"float32"} for s in exchange.subs)  # sent as float32
     assert all(s == ({"float32"}, {"float32"}, {"float32"}) for s in seen)  # outer grad, Θ_p, momentum
     assert all(_floating(g) == {"float32"} for g in syncer.global_params)
     assert all(_floating(s) == {"float32"} for s in syncer.opt_states)
-    assert any(np.abs(np.concatenate([np.ravel(x) for x in jax.tree.leaves(s)])).max() > 0
-               for s in syncer.opt_states)  # the momentum is really there
+    assert any(
+        np.abs(np.concatenate([np.ravel(x) for x in jax.tree.leaves(s)])).max() > 0 for s in syncer.opt_states
+    )  # the momentum is really there
 
 
 def test_dp_in_bfloat16_saves_a_float32_checkpoint(small_cfg, small_data, tmp_path):
@@ -204,9 +235,13 @@ def test_dp_in_bfloat16_saves_a_float32_checkpoint(small_cfg, small_data, tmp_pa
 
     run_dir = tmp_path / "run"
     shutil.copytree(small_data / "data", run_dir / "data")
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(), "precision": PrecisionConfig(params="bfloat16", compute="bfloat16").model_dump(),
-        "train": {**small_cfg.train.model_dump(), "token_budget": 8192, "eval_every_tokens": 8192}})
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "precision": PrecisionConfig(params="bfloat16", compute="bfloat16").model_dump(),
+            "train": {**small_cfg.train.model_dump(), "token_budget": 8192, "eval_every_tokens": 8192},
+        }
+    )
     summary = train_dp(cfg, run_dir)
     assert summary["hyperparameters"]["precision"] == "params bfloat16 · compute bfloat16 · optimizer state float32"
     assert summary["hyperparameters"]["backend"].startswith("cpu: ")

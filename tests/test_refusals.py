@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def cli_process(*args, env=None, timeout=180):
     """``ddiloco ARGS`` in a fresh Python process: (exit code, stderr)."""
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
     return out.returncode, out.stderr
 
 
@@ -61,8 +67,9 @@ def test_a_refused_run_never_touches_a_finished_run(tmp_path):
     before = finished_run(tmp_path / "R")
     listing = sorted(p.name for p in (tmp_path / "R").rglob("*"))
     os.utime(tmp_path / "R", (0, 0))  # nothing may be created in it, not even a probe folder
-    line = one_line_refusal(*cli_process("run", "configs/tiny.yaml", "--run-dir", tmp_path / "R",
-                                         "--set", "diloco.outer_lr=0.5"))
+    line = one_line_refusal(
+        *cli_process("run", "configs/tiny.yaml", "--run-dir", tmp_path / "R", "--set", "diloco.outer_lr=0.5")
+    )
     assert "already holds a run (completed" in line and "--run-dir" in line
     assert (tmp_path / "R" / "config.json").read_bytes() == before
     assert sorted(p.name for p in (tmp_path / "R").rglob("*")) == listing
@@ -87,7 +94,7 @@ def test_run_dir_rules(tmp_path):
     with pytest.raises(ValueError, match="not empty .*notes.txt"):
         check_run_dir(tmp_path / "other")
     (tmp_path / "partial" / "pretrain" / "dp" / "checkpoints").mkdir(parents=True)  # an interrupted run
-    with pytest.raises(ValueError, match="already holds a run"):                    # is a run too
+    with pytest.raises(ValueError, match="already holds a run"):  # is a run too
         check_run_dir(tmp_path / "partial")
     (tmp_path / "old-layout" / "checkpoints").mkdir(parents=True)  # and so is one of the layout before
     with pytest.raises(ValueError, match="already holds a run"):
@@ -119,22 +126,46 @@ def corpus(tmp_path: Path, texts: list[str | bytes]) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize("texts, needle", [
-    ([""] * 6, "empty corpus"),
-    (["   \n\t \n"] * 6, "empty corpus"),
-    (["one play, no more\n" * 50], "holds 1 non-empty document"),
-])
+@pytest.mark.parametrize(
+    "texts, needle",
+    [
+        ([""] * 6, "empty corpus"),
+        (["   \n\t \n"] * 6, "empty corpus"),
+        (["one play, no more\n" * 50], "holds 1 non-empty document"),
+    ],
+)
 def test_corpus_too_small_is_refused_before_prefect_starts(tmp_path, texts, needle):
     paths = corpus(tmp_path, texts)
-    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", "data.source=local",
-                                 "--set", f"data.paths=[{', '.join(paths)}]"))
+    line = one_line_refusal(
+        *cli(
+            "run",
+            "tiny",
+            "--run-dir",
+            tmp_path / "R",
+            "--set",
+            "data.source=local",
+            "--set",
+            f"data.paths=[{', '.join(paths)}]",
+        )
+    )
     assert needle in line
     assert not (tmp_path / "R").exists()
 
 
 def test_hub_dataset_while_offline_is_refused_before_prefect_starts(tmp_path):
-    line = one_line_refusal(*cli_process("run", "tiny", "--run-dir", tmp_path / "R", "--set", "data.source=hf",
-                                         "--set", "data.hf_name=wikitext", env={"HF_HUB_OFFLINE": "1"}))
+    line = one_line_refusal(
+        *cli_process(
+            "run",
+            "tiny",
+            "--run-dir",
+            tmp_path / "R",
+            "--set",
+            "data.source=hf",
+            "--set",
+            "data.hf_name=wikitext",
+            env={"HF_HUB_OFFLINE": "1"},
+        )
+    )
     assert "data.hf_name 'wikitext'" in line and "data.source: local" in line
     assert not (tmp_path / "R").exists()
 
@@ -167,8 +198,9 @@ def test_latin1_and_binary_files_are_refused_naming_file_and_offset(tmp_path):
 
 def test_cli_refuses_latin1_corpus_in_one_line(tmp_path):
     paths = corpus(tmp_path, ["café ".encode("latin-1") * 200 for _ in range(6)])
-    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.source=local",
-                                 "--set", f"data.paths=[{', '.join(paths)}]"))
+    line = one_line_refusal(
+        *cli("validate", "tiny", "--set", "data.source=local", "--set", f"data.paths=[{', '.join(paths)}]")
+    )
     assert "not valid UTF-8 (byte 0xe9 at offset 3)" in line
 
 
@@ -189,18 +221,21 @@ def test_empty_config_is_an_error(tmp_path):
         assert "e.yaml is empty" in line
 
 
-@pytest.mark.parametrize("section, field, value", [
-    ("diloco", "learners", True),
-    ("diloco", "learners", "4"),
-    ("diloco", "outer_lr", "0.5"),
-    ("diloco", "outer_nesterov", "yes"),
-    ("diloco", "outer_nesterov", 1),
-    ("diloco", "receipt", True),
-    ("dp", "batch_size", "32"),
-    ("train", "token_budget", 2e6),
-    ("data", "seq_len", False),
-    ("eval", "enabled", 0),
-])
+@pytest.mark.parametrize(
+    "section, field, value",
+    [
+        ("diloco", "learners", True),
+        ("diloco", "learners", "4"),
+        ("diloco", "outer_lr", "0.5"),
+        ("diloco", "outer_nesterov", "yes"),
+        ("diloco", "outer_nesterov", 1),
+        ("diloco", "receipt", True),
+        ("dp", "batch_size", "32"),
+        ("train", "token_budget", 2e6),
+        ("data", "seq_len", False),
+        ("eval", "enabled", 0),
+    ],
+)
 def test_no_coercion_from_booleans_or_strings(section, field, value):
     with pytest.raises(ValidationError) as exc:
         ExperimentConfig.model_validate({section: {field: value}})
@@ -271,8 +306,10 @@ def test_reused_data_must_match_the_config(tmp_path, small_cfg, small_data):
     with pytest.raises(ValueError, match="holds data built from another data config"):
         check_reusable_data(other, tmp_path / "R")
     with pytest.raises(ValueError, match="holds data built from another data config or learner count"):
-        check_reusable_data(load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.learners": 2,
-                                                                         "diloco.quorum": 2}), tmp_path / "R")
+        check_reusable_data(
+            load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.learners": 2, "diloco.quorum": 2}),
+            tmp_path / "R",
+        )
     (tmp_path / "S" / "data").mkdir(parents=True)
     with pytest.raises(ValueError, match="holds a data folder that cannot be reused"):
         check_reusable_data(small_cfg, tmp_path / "S")
@@ -303,12 +340,15 @@ def test_more_corpus_faults_are_one_line(tmp_path):
         read_local([str(tmp_path)])
 
 
-@pytest.mark.parametrize("text, field, value", [
-    ("diloco: {learners: 010, quorum: 2}", "diloco.learners", 10),  # YAML 1.1 read 8 (octal)
-    ("diloco: {grace_s: 1:30}", "diloco.grace_s", None),  # YAML 1.1 read 90 (base 60): refused
-    ("model: {tie_embeddings: yes}", "model.tie_embeddings", None),  # YAML 1.1 read true: refused
-    ("train: {token_budget: 1_000_000}", "train.token_budget", 1_000_000),
-])
+@pytest.mark.parametrize(
+    "text, field, value",
+    [
+        ("diloco: {learners: 010, quorum: 2}", "diloco.learners", 10),  # YAML 1.1 read 8 (octal)
+        ("diloco: {grace_s: 1:30}", "diloco.grace_s", None),  # YAML 1.1 read 90 (base 60): refused
+        ("model: {tie_embeddings: yes}", "model.tie_embeddings", None),  # YAML 1.1 read true: refused
+        ("train: {token_budget: 1_000_000}", "train.token_budget", 1_000_000),
+    ],
+)
 def test_yaml_means_what_it_says(tmp_path, text, field, value):
     (tmp_path / "c.yaml").write_text(text + "\n")
     if value is None:
@@ -326,11 +366,15 @@ def test_duplicate_keys_and_chaos_events_are_refused(tmp_path):
     with pytest.raises(yaml.YAMLError, match="'name' is given twice"):
         load_config(tmp_path / "d.yaml")
     with pytest.raises(ValidationError, match=r"chaos.failures\[1\] repeats learner 1's failure at step 3"):
-        load_config(ROOT / "configs" / "tiny.yaml",
-                    {"chaos.failures": [{"learner": 1, "at_step": 3}, {"learner": 1, "at_step": 3}]})
+        load_config(
+            ROOT / "configs" / "tiny.yaml",
+            {"chaos.failures": [{"learner": 1, "at_step": 3}, {"learner": 1, "at_step": 3}]},
+        )
     # two failures of one learner: the k-th fires on its k-th attempt (tests/test_learner.py)
-    load_config(ROOT / "configs" / "tiny.yaml",
-                {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]})
+    load_config(
+        ROOT / "configs" / "tiny.yaml",
+        {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]},
+    )
 
 
 def test_third_round_inputs(tmp_path):
@@ -368,11 +412,31 @@ def test_finetune_inputs_are_refused_in_one_line(tmp_path):
     empty.write_text("")
     nofield = tmp_path / "nofield.jsonl"
     nofield.write_text('{"question": "a", "answer": "b"}\n')
-    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R1", "--set", "finetune.source=jsonl",
-                                 "--set", f"finetune.paths=[{empty}]"))
+    line = one_line_refusal(
+        *cli(
+            "run",
+            "tiny",
+            "--run-dir",
+            tmp_path / "R1",
+            "--set",
+            "finetune.source=jsonl",
+            "--set",
+            f"finetune.paths=[{empty}]",
+        )
+    )
     assert "empty.jsonl holds no pairs" in line and not (tmp_path / "R1").exists()
-    line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R2", "--set", "finetune.source=jsonl",
-                                 "--set", f"finetune.paths=[{nofield}]"))
+    line = one_line_refusal(
+        *cli(
+            "run",
+            "tiny",
+            "--run-dir",
+            tmp_path / "R2",
+            "--set",
+            "finetune.source=jsonl",
+            "--set",
+            f"finetune.paths=[{nofield}]",
+        )
+    )
     assert "no field 'prompt' (finetune.prompt_field)" in line and not (tmp_path / "R2").exists()
     line = one_line_refusal(*cli("validate", "tiny", "--set", "data.finetune_docs=0"))
     assert "data.finetune_docs" in line
@@ -387,12 +451,20 @@ def test_finetune_inputs_are_refused_in_one_line(tmp_path):
     assert "--checkpoint" in line and "is not a folder" in line
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("precision=bfloat16", "precision: is a section, not a value (got 'bfloat16'); set its keys: "
-                           "precision.params, precision.compute, precision.opt_state"),
-    ("precision.compute=float16", "precision.compute: Input should be 'float32' or 'bfloat16' "
-                                  "(from --set precision.compute=float16)"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (
+            "precision=bfloat16",
+            "precision: is a section, not a value (got 'bfloat16'); set its keys: "
+            "precision.params, precision.compute, precision.opt_state",
+        ),
+        (
+            "precision.compute=float16",
+            "precision.compute: Input should be 'float32' or 'bfloat16' (from --set precision.compute=float16)",
+        ),
+    ],
+)
 def test_a_bad_precision_policy_is_refused_in_one_line(tmp_path, override, needle):
     line = one_line_refusal(*cli("run", "tiny", "--run-dir", tmp_path / "R", "--set", override))
     assert needle in line
@@ -411,8 +483,18 @@ def test_an_image_folder_without_classes_is_refused_at_validate(tmp_path):
         (folder / sub).mkdir(parents=True, exist_ok=True)
         for i in range(30):
             Image.new("RGB", (8, 8), (i, 0, 0)).save(folder / sub / f"{i}.png")
-    line = one_line_refusal(*cli("validate", "vit", "--set", "data.source=imagefolder",
-                                 "--set", f"data.paths=[{folder}]", "--set", "train.eval_batch_size=2"))
+    line = one_line_refusal(
+        *cli(
+            "validate",
+            "vit",
+            "--set",
+            "data.source=imagefolder",
+            "--set",
+            f"data.paths=[{folder}]",
+            "--set",
+            "train.eval_batch_size=2",
+        )
+    )
     assert f"data.paths[0]: {folder} holds no class sub-folders" in line and "one sub-folder per class" in line
 
 
@@ -422,19 +504,60 @@ def test_a_corpus_too_short_for_one_sequence_is_refused_at_validate(tmp_path):
     the held-out validation split (on the old code `validate` passed and the run failed in the data
     task with a traceback, exit 1)."""
     paths = corpus(tmp_path, [f"doc {i} is short" for i in range(6)])
-    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
-                                 "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]"))
-    assert line.startswith("error: ") and ("the train split (the 2 document(s) not held out by data.val_docs, "
-                                           "data.test_docs, data.finetune_docs) holds 28 bytes of text") in line
+    line = one_line_refusal(
+        *cli(
+            "validate",
+            "tiny",
+            "--set",
+            "data.source=local",
+            "--set",
+            "data.finetune_docs=0",
+            "--set",
+            "finetune.enabled=false",
+            "--set",
+            f"data.paths=[{', '.join(paths)}]",
+        )
+    )
+    assert (
+        line.startswith("error: ")
+        and (
+            "the train split (the 2 document(s) not held out by data.val_docs, "
+            "data.test_docs, data.finetune_docs) holds 28 bytes of text"
+        )
+        in line
+    )
     assert "at most 30 tokens" in line and "data.seq_len + 1 = 33; lower data.seq_len, add text" in line
     # a long training split, a short validation split: the val split is named
     paths = corpus(tmp_path, [f"doc {i} is short" for i in range(4)] + ["a long play " * 40, "another " * 50])
-    line = one_line_refusal(*cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
-                                 "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]",
-                                 "--set", "data.test_docs=1"))
+    line = one_line_refusal(
+        *cli(
+            "validate",
+            "tiny",
+            "--set",
+            "data.source=local",
+            "--set",
+            "data.finetune_docs=0",
+            "--set",
+            "finetune.enabled=false",
+            "--set",
+            f"data.paths=[{', '.join(paths)}]",
+            "--set",
+            "data.test_docs=1",
+        )
+    )
     assert "the val split (data.val_docs: 2 document(s)) holds 28 bytes of text" in line  # two short ones
     # long enough documents pass: every split can fill a sequence of 33 tokens
     paths = corpus(tmp_path, [f"doc {i} is long enough " * 4 for i in range(6)])
-    code, err = cli("validate", "tiny", "--set", "data.source=local", "--set", "data.finetune_docs=0",
-                    "--set", "finetune.enabled=false", "--set", f"data.paths=[{', '.join(paths)}]")
+    code, err = cli(
+        "validate",
+        "tiny",
+        "--set",
+        "data.source=local",
+        "--set",
+        "data.finetune_docs=0",
+        "--set",
+        "finetune.enabled=false",
+        "--set",
+        f"data.paths=[{', '.join(paths)}]",
+    )
     assert code == 0, err

@@ -35,9 +35,9 @@ from reports.artifacts import artifact_key, publish_report_artifacts
 from reports.common import NOT_RUN
 from reports.learners import learner_failures
 from reports.plots import loss_figure
-from tests.conftest import squash
 from reports.read import read_jsonl
 from run.layout import RunLayout
+from tests.conftest import squash
 
 PRE = "pretrain"
 
@@ -80,102 +80,221 @@ MERGES = [  # (merged_at_s, fragment, contributors, stale)
 def _make_run(root: Path) -> Path:
     run = root / "tiny-20261129-101500"
     lay = _layout(run)
-    _write(lay.config, {
-        "name": "tiny",
-        "seed": 0,
-        "data": {"source": "shakespeare", "seq_len": 64, "vocab_size": 512},
-        "model": {"kind": "dense", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 96},
-        "diloco": {"learners": 2, "fragments": 2, "sync_every": 8, "quorum": 1, "grace_s": 0.5,
-                   "merge": "token_weighted", "batch_size": 4, "inner": INNER},
-        "dp": {"enabled": True, "inner": INNER},
-        "train": {"token_budget": 32768},
-        "chaos": {"failures": [{"learner": 1, "at_step": 40}]},
-        "eval": {"enabled": True},
-    })
-    _write(lay.manifest, {
-        "source": "shakespeare",
-        "sha256": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
-        "vocab_size": 512,
-        "seq_len": 64,
-        "documents": {"train": [f"play {i}" for i in range(39)], "val": ["hamlet", "macbeth"],
-                      "test": ["othello", "king lear"]},
-        "tokens": {"train": 1_200_000, "val": 60_000, "test": 58_000},
-        "shards": {"shard_00": 600_000, "shard_01": 600_000},
-    })
+    _write(
+        lay.config,
+        {
+            "name": "tiny",
+            "seed": 0,
+            "data": {"source": "shakespeare", "seq_len": 64, "vocab_size": 512},
+            "model": {"kind": "dense", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 96},
+            "diloco": {
+                "learners": 2,
+                "fragments": 2,
+                "sync_every": 8,
+                "quorum": 1,
+                "grace_s": 0.5,
+                "merge": "token_weighted",
+                "batch_size": 4,
+                "inner": INNER,
+            },
+            "dp": {"enabled": True, "inner": INNER},
+            "train": {"token_budget": 32768},
+            "chaos": {"failures": [{"learner": 1, "at_step": 40}]},
+            "eval": {"enabled": True},
+        },
+    )
+    _write(
+        lay.manifest,
+        {
+            "source": "shakespeare",
+            "sha256": "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be",
+            "vocab_size": 512,
+            "seq_len": 64,
+            "documents": {
+                "train": [f"play {i}" for i in range(39)],
+                "val": ["hamlet", "macbeth"],
+                "test": ["othello", "king lear"],
+            },
+            "tokens": {"train": 1_200_000, "val": 60_000, "test": 58_000},
+            "shards": {"shard_00": 600_000, "shard_01": 600_000},
+        },
+    )
     toks = [0, 8192, 16384, 24576, 32768]
-    _write_jsonl(lay.metrics(PRE, "diloco", "eval"), [
-        {"method": "diloco", "tokens": t, "wall_s": 5.0 * i, "step": 32 * i, "val/loss": loss}
-        for i, (t, loss) in enumerate(zip(toks, [6.20, 4.10, 3.60, 3.40, 3.30]))
-    ])
-    _write_jsonl(lay.metrics(PRE, "dp", "eval"), [
-        {"method": "dp", "tokens": t, "wall_s": 7.0 * i, "step": 16 * i, "val/loss": loss}
-        for i, (t, loss) in enumerate(zip(toks, [6.20, 3.90, 3.40, 3.25, 3.00]))
-    ])
-    _write_jsonl(lay.metrics(PRE, "diloco", "merges"), [
-        {"fragment": f, "version": v + 1, "contributors": c, "weights": [1 / len(c)] * len(c),
-         "tokens": [2048] * len(c), "steps": [8] * len(c), "quorum_at_s": t - 0.5, "merged_at_s": t,
-         "grace_s": 0.5, "stale": s, "bytes_in": 4096 * len(c), "fragment_bytes": 4096,
-         "bytes_out": 4096 * 2}  # fragment bytes × M learners
-        for v, (t, f, c, s) in enumerate(MERGES)
-    ])
-    _write_jsonl(lay.metrics(PRE, "diloco", "learners"), [
-        {"event": "start", "learner": 0, "attempt": 1, "t": 0.0, "step": 0},
-        {"event": "start", "learner": 1, "attempt": 1, "t": 0.1, "step": 0},
-        {"event": "step", "learner": 1, "step": 30, "train/loss": 4.0, "tokens": 7680, "t": 7.9},
-        {"event": "failure", "learner": 1, "attempt": 1, "t": 8.0, "step": 39,
-         "reason": "InjectedFailure('learner 1: injected failure at local step 40')"},
-        {"event": "retry", "learner": 1, "attempt": 1, "t": 9.0, "step": 39, "reason": "prefect retry"},
-        {"event": "start", "learner": 1, "attempt": 2, "t": 12.0, "step": 39},
-        {"event": "stop", "learner": 0, "attempt": 1, "t": 20.0, "step": 144, "reason": "budget"},
-        {"event": "stop", "learner": 1, "attempt": 2, "t": 20.0, "step": 112, "reason": "budget"},
-        # The syncer appends its own events (a dropped submission) at the end of the run.
-        {"event": "dropped", "learner": 1, "fragment": 0, "reason": "stale", "tokens": 1024,
-         "base_version": 2, "t": 13.0, "source": "syncer"},
-    ])
-    _write(lay.summary(PRE, "diloco"), {
-        "method": "diloco",
-        "hyperparameters": {"inner": INNER, "outer_lr": 0.7, "outer_momentum": 0.9, "sync_every": 8,
-                            "fragments (P)": 2, "learners (M)": 2, "batch_size": 4},
-        "tokens": 32768, "steps": 256, "wall_s": 20.0, "tokens_per_s": 1638.4,
-        "final_val_loss": 3.30, "merges": 8,
-        "bytes_to_syncer": 16 * 4096, "bytes_merged": 14 * 4096, "bytes_from_syncer": 20 * 4096,
-        "fragment_bytes": [4096, 4096],
-        # Integer token counts, drop reasons and attempts (processed = submitted + not_submitted,
-        # submitted = merged + dropped + pending).
-        "ledger": {"0": {"processed": 18432, "submitted": 18432, "not_submitted": 0, "merged": 18432,
-                         "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 1},
-                   "1": {"processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
-                         "dropped": 1024, "pending": 1024, "drop_reasons": {"stale": 1024}, "attempts": 2}},
-        "params": 123456, "flops_per_token": 812345.0,
-    })
-    _write(lay.summary(PRE, "dp"), {
-        "method": "dp",
-        "hyperparameters": {"inner": INNER, "batch_size": 8, "simulated workers": 2},
-        "tokens": 32768, "steps": 64, "wall_s": 28.0, "tokens_per_s": 1170.2857,
-        "final_val_loss": 3.00, "merges": None,
-        "bytes_to_syncer": 63_209_472, "bytes_from_syncer": 63_209_472, "allreduce_bytes": 126_418_944,
-        "params": 123456, "flops_per_token": 812345.0,
-    })
-    _write(lay.eval_result(PRE, "diloco"), {
-        "method": "diloco", "checkpoint_tokens": 32768,
-        "heldout_ppl/word_perplexity": 85.25, "heldout_ppl/word_perplexity_stderr": 1.5,
-        "heldout_ppl/byte_perplexity": 2.6103, "heldout_ppl/bits_per_byte": 1.3842,
-        "heldout_ppl/passages": 40,
-        "heldout_nextline/acc": 0.31, "heldout_nextline/acc_stderr": 0.035,
-        "heldout_nextline/acc_norm": 0.335, "heldout_nextline/acc_norm_stderr": 0.036,
-        "heldout_nextline/chance": 0.25, "heldout_nextline/questions": 200,
-        "truncated_requests": 3, "eval_s": 12.5,
-    })
-    _write(lay.eval_result(PRE, "dp"), {
-        "method": "dp", "checkpoint_tokens": 32768,
-        "heldout_ppl/word_perplexity": 70.5, "heldout_ppl/word_perplexity_stderr": 1.25,
-        "heldout_ppl/byte_perplexity": 2.5012, "heldout_ppl/bits_per_byte": 1.3227,
-        "heldout_ppl/passages": 40,
-        "heldout_nextline/acc": 0.345, "heldout_nextline/acc_stderr": 0.0336,
-        "heldout_nextline/acc_norm": 0.36, "heldout_nextline/acc_norm_stderr": 0.034,
-        "heldout_nextline/chance": 0.25, "heldout_nextline/questions": 200,
-        "truncated_requests": 0, "eval_s": 11.0,
-    })
+    _write_jsonl(
+        lay.metrics(PRE, "diloco", "eval"),
+        [
+            {"method": "diloco", "tokens": t, "wall_s": 5.0 * i, "step": 32 * i, "val/loss": loss}
+            for i, (t, loss) in enumerate(zip(toks, [6.20, 4.10, 3.60, 3.40, 3.30]))
+        ],
+    )
+    _write_jsonl(
+        lay.metrics(PRE, "dp", "eval"),
+        [
+            {"method": "dp", "tokens": t, "wall_s": 7.0 * i, "step": 16 * i, "val/loss": loss}
+            for i, (t, loss) in enumerate(zip(toks, [6.20, 3.90, 3.40, 3.25, 3.00]))
+        ],
+    )
+    _write_jsonl(
+        lay.metrics(PRE, "diloco", "merges"),
+        [
+            {
+                "fragment": f,
+                "version": v + 1,
+                "contributors": c,
+                "weights": [1 / len(c)] * len(c),
+                "tokens": [2048] * len(c),
+                "steps": [8] * len(c),
+                "quorum_at_s": t - 0.5,
+                "merged_at_s": t,
+                "grace_s": 0.5,
+                "stale": s,
+                "bytes_in": 4096 * len(c),
+                "fragment_bytes": 4096,
+                "bytes_out": 4096 * 2,
+            }  # fragment bytes × M learners
+            for v, (t, f, c, s) in enumerate(MERGES)
+        ],
+    )
+    _write_jsonl(
+        lay.metrics(PRE, "diloco", "learners"),
+        [
+            {"event": "start", "learner": 0, "attempt": 1, "t": 0.0, "step": 0},
+            {"event": "start", "learner": 1, "attempt": 1, "t": 0.1, "step": 0},
+            {"event": "step", "learner": 1, "step": 30, "train/loss": 4.0, "tokens": 7680, "t": 7.9},
+            {
+                "event": "failure",
+                "learner": 1,
+                "attempt": 1,
+                "t": 8.0,
+                "step": 39,
+                "reason": "InjectedFailure('learner 1: injected failure at local step 40')",
+            },
+            {"event": "retry", "learner": 1, "attempt": 1, "t": 9.0, "step": 39, "reason": "prefect retry"},
+            {"event": "start", "learner": 1, "attempt": 2, "t": 12.0, "step": 39},
+            {"event": "stop", "learner": 0, "attempt": 1, "t": 20.0, "step": 144, "reason": "budget"},
+            {"event": "stop", "learner": 1, "attempt": 2, "t": 20.0, "step": 112, "reason": "budget"},
+            # The syncer appends its own events (a dropped submission) at the end of the run.
+            {
+                "event": "dropped",
+                "learner": 1,
+                "fragment": 0,
+                "reason": "stale",
+                "tokens": 1024,
+                "base_version": 2,
+                "t": 13.0,
+                "source": "syncer",
+            },
+        ],
+    )
+    _write(
+        lay.summary(PRE, "diloco"),
+        {
+            "method": "diloco",
+            "hyperparameters": {
+                "inner": INNER,
+                "outer_lr": 0.7,
+                "outer_momentum": 0.9,
+                "sync_every": 8,
+                "fragments (P)": 2,
+                "learners (M)": 2,
+                "batch_size": 4,
+            },
+            "tokens": 32768,
+            "steps": 256,
+            "wall_s": 20.0,
+            "tokens_per_s": 1638.4,
+            "final_val_loss": 3.30,
+            "merges": 8,
+            "bytes_to_syncer": 16 * 4096,
+            "bytes_merged": 14 * 4096,
+            "bytes_from_syncer": 20 * 4096,
+            "fragment_bytes": [4096, 4096],
+            # Integer token counts, drop reasons and attempts (processed = submitted + not_submitted,
+            # submitted = merged + dropped + pending).
+            "ledger": {
+                "0": {
+                    "processed": 18432,
+                    "submitted": 18432,
+                    "not_submitted": 0,
+                    "merged": 18432,
+                    "dropped": 0,
+                    "pending": 0,
+                    "drop_reasons": {},
+                    "attempts": 1,
+                },
+                "1": {
+                    "processed": 14336,
+                    "submitted": 12288,
+                    "not_submitted": 2048,
+                    "merged": 10240,
+                    "dropped": 1024,
+                    "pending": 1024,
+                    "drop_reasons": {"stale": 1024},
+                    "attempts": 2,
+                },
+            },
+            "params": 123456,
+            "flops_per_token": 812345.0,
+        },
+    )
+    _write(
+        lay.summary(PRE, "dp"),
+        {
+            "method": "dp",
+            "hyperparameters": {"inner": INNER, "batch_size": 8, "simulated workers": 2},
+            "tokens": 32768,
+            "steps": 64,
+            "wall_s": 28.0,
+            "tokens_per_s": 1170.2857,
+            "final_val_loss": 3.00,
+            "merges": None,
+            "bytes_to_syncer": 63_209_472,
+            "bytes_from_syncer": 63_209_472,
+            "allreduce_bytes": 126_418_944,
+            "params": 123456,
+            "flops_per_token": 812345.0,
+        },
+    )
+    _write(
+        lay.eval_result(PRE, "diloco"),
+        {
+            "method": "diloco",
+            "checkpoint_tokens": 32768,
+            "heldout_ppl/word_perplexity": 85.25,
+            "heldout_ppl/word_perplexity_stderr": 1.5,
+            "heldout_ppl/byte_perplexity": 2.6103,
+            "heldout_ppl/bits_per_byte": 1.3842,
+            "heldout_ppl/passages": 40,
+            "heldout_nextline/acc": 0.31,
+            "heldout_nextline/acc_stderr": 0.035,
+            "heldout_nextline/acc_norm": 0.335,
+            "heldout_nextline/acc_norm_stderr": 0.036,
+            "heldout_nextline/chance": 0.25,
+            "heldout_nextline/questions": 200,
+            "truncated_requests": 3,
+            "eval_s": 12.5,
+        },
+    )
+    _write(
+        lay.eval_result(PRE, "dp"),
+        {
+            "method": "dp",
+            "checkpoint_tokens": 32768,
+            "heldout_ppl/word_perplexity": 70.5,
+            "heldout_ppl/word_perplexity_stderr": 1.25,
+            "heldout_ppl/byte_perplexity": 2.5012,
+            "heldout_ppl/bits_per_byte": 1.3227,
+            "heldout_ppl/passages": 40,
+            "heldout_nextline/acc": 0.345,
+            "heldout_nextline/acc_stderr": 0.0336,
+            "heldout_nextline/acc_norm": 0.36,
+            "heldout_nextline/acc_norm_stderr": 0.034,
+            "heldout_nextline/chance": 0.25,
+            "heldout_nextline/questions": 200,
+            "truncated_requests": 0,
+            "eval_s": 11.0,
+        },
+    )
     return run
 
 
@@ -246,8 +365,10 @@ def test_merges_while_learner_down(built):
     assert f["merged_again_after_restart"] is True
     assert f["first_merge_with_learner_after_restart_s"] == 14.0
     assert f["restart_event"] == "start" and f["restart_attempt"] == 2
-    assert ("| 1 | 1 | 8.0 | 39 | InjectedFailure('learner 1: injected failure at local step 40') | 12.0 "
-            "| 4.0 | 3 | 0: 1, 1: 2 | 1 | yes |") in md
+    assert (
+        "| 1 | 1 | 8.0 | 39 | InjectedFailure('learner 1: injected failure at local step 40') | 12.0 "
+        "| 4.0 | 3 | 0: 1, 1: 2 | 1 | yes |"
+    ) in md
 
 
 def test_downtime_window_is_half_open():
@@ -267,22 +388,34 @@ def test_downtime_window_is_half_open():
     assert g["merged_again_after_restart"] is False
 
 
-LEDGER_SENTENCE_END = ("per learner processed = submitted + not_submitted and submitted = merged + dropped + "
-                       "pending hold within ±2 tokens (P = 2).")
+LEDGER_SENTENCE_END = (
+    "per learner processed = submitted + not_submitted and submitted = merged + dropped + "
+    "pending hold within ±2 tokens (P = 2)."
+)
 
 
 def test_ledger_table(built):
     run_dir, report, md = built
     led = _method(report)["ledger"]
-    assert led["columns"] == ["processed", "submitted", "not_submitted", "merged", "dropped", "pending",
-                              "attempts", "drop_reasons"]
+    assert led["columns"] == [
+        "processed",
+        "submitted",
+        "not_submitted",
+        "merged",
+        "dropped",
+        "pending",
+        "attempts",
+        "drop_reasons",
+    ]
     assert led["total"]["drop_reasons"] == {"stale": 1024}
     assert led["total"]["processed"] == 32768  # 18,432 + 14,336 = the method's tokens
     assert led["total"]["not_submitted"] == 2048
     assert led["rows"][1]["merged_pct"] == pytest.approx(100 * 10240 / 14336)  # 71.43 %
     assert led["identity_violations"] == [] and not led["not_submitted_computed"]
-    assert ("| learner | processed | submitted | not_submitted | merged | dropped | pending | attempts "
-            "| drop_reasons | merged % of processed |") in md
+    assert (
+        "| learner | processed | submitted | not_submitted | merged | dropped | pending | attempts "
+        "| drop_reasons | merged % of processed |"
+    ) in md
     assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
     assert "| total | 32,768 | 30,720 | 2,048 | 28,672 | 1,024 | 1,024 | 3 | stale: 1,024 | 87.5 |" in md
     # One sentence under the table: what each column means and the identities.
@@ -302,10 +435,24 @@ def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
     path = _layout(run_dir).summary(PRE, "diloco")
     summary = json.loads(path.read_text())
     summary["ledger"] = {
-        "0": {"processed": 18432, "submitted": 18432.0, "merged": 18432.0, "dropped": 0.0, "pending": 0.0,
-              "drop_reasons": {}, "attempts": 1},
-        "1": {"processed": 14336, "submitted": 12287.75, "merged": 10240.25, "dropped": 1024.0,
-              "pending": 1023.5, "drop_reasons": {"stale": 1024.0}, "attempts": 2},
+        "0": {
+            "processed": 18432,
+            "submitted": 18432.0,
+            "merged": 18432.0,
+            "dropped": 0.0,
+            "pending": 0.0,
+            "drop_reasons": {},
+            "attempts": 1,
+        },
+        "1": {
+            "processed": 14336,
+            "submitted": 12287.75,
+            "merged": 10240.25,
+            "dropped": 1024.0,
+            "pending": 1023.5,
+            "drop_reasons": {"stale": 1024.0},
+            "attempts": 2,
+        },
     }
     _write(path, summary)
     report = build_report(run_dir)
@@ -313,8 +460,9 @@ def test_ledger_without_not_submitted_and_fractional_counts(run_dir: Path):
     assert led["not_submitted_computed"] and led["identity_violations"] == []
     row = led["rows"][1]
     assert row["not_submitted"] == 2048 and row["submitted"] == 12288  # 14,336 − 12,287.75, rounded
-    assert all(isinstance(row[c], int) for c in ("processed", "submitted", "not_submitted", "merged",
-                                                 "dropped", "pending"))
+    assert all(
+        isinstance(row[c], int) for c in ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
+    )
     md = squash(_layout(run_dir).report_md.read_text())
     assert "| 1 | 14,336 | 12,288 | 2,048 | 10,240 | 1,024 | 1,024 | 2 | stale: 1,024 | 71.4 |" in md
     assert "computed here as processed − submitted" in md
@@ -432,8 +580,13 @@ def test_a_completed_method_without_its_summary_is_refused(run_dir: Path):
     from tests.test_refusals import cli, one_line_refusal
 
     lay = _layout(run_dir)
-    _write(lay.status, {"status": "completed", "completed_stages": ["data", "pretrain-diloco", "pretrain-dp",
-                                                                    "eval-diloco", "eval-dp", "report"]})
+    _write(
+        lay.status,
+        {
+            "status": "completed",
+            "completed_stages": ["data", "pretrain-diloco", "pretrain-dp", "eval-diloco", "eval-dp", "report"],
+        },
+    )
     build_report(run_dir)
     good = {p.name: p.read_bytes() for p in lay.report.iterdir()}
     lay.summary(PRE, "diloco").unlink()
@@ -460,8 +613,12 @@ def test_a_completed_method_without_its_summary_is_refused(run_dir: Path):
 
 def test_dp_disabled_and_eval_disabled(run_dir: Path):
     lay = _layout(run_dir)
-    for p in (lay.summary(PRE, "dp"), lay.metrics(PRE, "dp", "eval"), lay.eval_result(PRE, "dp"),
-              lay.eval_result(PRE, "diloco")):
+    for p in (
+        lay.summary(PRE, "dp"),
+        lay.metrics(PRE, "dp", "eval"),
+        lay.eval_result(PRE, "dp"),
+        lay.eval_result(PRE, "diloco"),
+    ):
         p.unlink()
     report = build_report(run_dir)
     assert list(_stage(report)["methods"]) == ["diloco", "dp"]  # the baseline's column says "not run"
@@ -476,7 +633,9 @@ def test_dp_disabled_and_eval_disabled(run_dir: Path):
     _write(lay.eval_result(PRE, "diloco"), {"heldout_nextline/acc": 0.5, "heldout_nextline/chance": 0.25})
     report = build_report(run_dir)
     assert _row(report, "heldout_nextline/acc")["dp"] == NOT_RUN
-    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in squash(lay.report_md.read_text())
+    assert "| heldout_nextline: accuracy (fraction) | 0.500 (chance 0.25) | not run |" in squash(
+        lay.report_md.read_text()
+    )
 
 
 def test_empty_run_dir_does_not_crash(tmp_path: Path):
@@ -528,12 +687,26 @@ def test_a_third_method_is_reported(run_dir: Path):
     an eval curve and an evaluation): it gets its own column, curve and loss gap to DP
     (100 × (3.15 − 3.00) / 3.00 = +5.00 %), and DiLoCo and DP read as before."""
     lay = _layout(run_dir)
-    _write(lay.summary(PRE, "other"), {"method": "other", "hyperparameters": {"inner": INNER},
-                                       "tokens": 32768, "steps": 128, "wall_s": 24.0, "final_val_loss": 3.15,
-                                       "bytes_to_syncer": 1000, "bytes_from_syncer": 3000})
-    _write_jsonl(lay.metrics(PRE, "other", "eval"), [
-        {"method": "other", "tokens": t, "wall_s": 6.0 * i, "val/loss": loss}
-        for i, (t, loss) in enumerate(zip([0, 16384, 32768], [6.2, 3.5, 3.15]))])
+    _write(
+        lay.summary(PRE, "other"),
+        {
+            "method": "other",
+            "hyperparameters": {"inner": INNER},
+            "tokens": 32768,
+            "steps": 128,
+            "wall_s": 24.0,
+            "final_val_loss": 3.15,
+            "bytes_to_syncer": 1000,
+            "bytes_from_syncer": 3000,
+        },
+    )
+    _write_jsonl(
+        lay.metrics(PRE, "other", "eval"),
+        [
+            {"method": "other", "tokens": t, "wall_s": 6.0 * i, "val/loss": loss}
+            for i, (t, loss) in enumerate(zip([0, 16384, 32768], [6.2, 3.5, 3.15]))
+        ],
+    )
     _write(lay.eval_result(PRE, "other"), {"heldout_nextline/acc": 0.33, "heldout_nextline/chance": 0.25})
     report = build_report(run_dir)
     st = _stage(report)
@@ -553,8 +726,10 @@ def test_a_third_method_is_reported(run_dir: Path):
     assert "| training tokens (tokens) | 32,768 | 32,768 | 32,768 |" in md
     assert "**Loss gap, other vs DP:** other's final held-out loss is +5.00% relative to DP's" in md
     assert "**Loss gap, DiLoCo vs DP:** DiLoCo's final held-out loss is +10.00% relative to DP's" in md
-    assert "| heldout_nextline: accuracy (fraction) | 0.310 ± 0.035 (chance 0.25) | 0.345 ± 0.034 (chance 0.25) " \
-           "| 0.330 (chance 0.25) |" in md
+    assert (
+        "| heldout_nextline: accuracy (fraction) | 0.310 ± 0.035 (chance 0.25) | 0.345 ± 0.034 (chance 0.25) "
+        "| 0.330 (chance 0.25) |" in md
+    )
     assert "### other token ledger" not in md  # no ledger, merges or chaos sections for it
     curves = {m: [json.loads(x) for x in lay.metrics(PRE, m, "eval").read_text().splitlines()] for m in st["methods"]}
     legend = loss_figure(curves, "tokens", "tokens", "loss").axes[0].get_legend()
@@ -566,9 +741,13 @@ def test_stages_are_reported_apart(run_dir: Path):
     lacks (DP) reads "not run" there only."""
     lay = _layout(run_dir)
     _write(lay.summary("finetune", "diloco"), {"method": "diloco", "tokens": 4096, "final_val_loss": 2.5})
-    _write_jsonl(lay.metrics("finetune", "diloco", "eval"), [
-        {"method": "diloco", "tokens": 0, "wall_s": 0.0, "val/loss": 3.3},
-        {"method": "diloco", "tokens": 4096, "wall_s": 2.0, "val/loss": 2.5}])
+    _write_jsonl(
+        lay.metrics("finetune", "diloco", "eval"),
+        [
+            {"method": "diloco", "tokens": 0, "wall_s": 0.0, "val/loss": 3.3},
+            {"method": "diloco", "tokens": 4096, "wall_s": 2.0, "val/loss": 2.5},
+        ],
+    )
     report = build_report(run_dir)
     assert list(report["stages"]) == ["pretrain", "finetune"]
     ft = _stage(report, "finetune")
@@ -632,8 +811,10 @@ def test_a_last_line_cut_short_is_dropped_with_a_note(run_dir: Path, caplog):
     path.write_text(path.read_text() + '{"fragment": 0, "merged_at')  # no trailing newline
     with caplog.at_level("WARNING"):
         report = build_report(run_dir)
-    dropped = ("pretrain/diloco/metrics/merges.jsonl: its last line (line 9) is cut short (no newline; a write "
-               "stopped part-way) and was left out.")
+    dropped = (
+        "pretrain/diloco/metrics/merges.jsonl: its last line (line 9) is cut short (no newline; a write "
+        "stopped part-way) and was left out."
+    )
     assert dropped in caplog.text
     assert dropped in report["stages"]["pretrain"]["notes"]
     assert f"- {dropped}" in squash(_layout(run_dir).report_md.read_text())
@@ -703,8 +884,11 @@ def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     keys = [artifact_key(p, name) for p in ("report", "comparison", "ledger")]
     assert keys == [f"report-{name}", f"comparison-{name}", f"ledger-{name}"]
     with get_client(sync_client=True) as client:
-        arts = client.read_artifacts(artifact_filter=ArtifactFilter(
-            key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
+        arts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=keys), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])
+            )
+        )
     assert sorted(a.key for a in arts) == sorted(keys)  # one each, all from this flow run
     by_key = {a.key: a for a in arts}
     assert "+10.00%" in by_key[f"report-{name}"].data
@@ -715,9 +899,20 @@ def test_publish_inside_a_flow(run_dir: Path, prefect_harness):
     assert {"stage": "pretrain", "metric": "loss gap DiLoCo vs DP (%)", "diloco": "+10.00", "dp": ""} in table
     ledger = by_key[f"ledger-{name}"].data
     ledger = json.loads(ledger) if isinstance(ledger, str) else ledger
-    assert {"stage": "pretrain", "method": "diloco", "learner": "1", "processed": 14336, "submitted": 12288, "not_submitted": 2048, "merged": 10240,
-            "dropped": 1024, "pending": 1024, "attempts": 2, "drop_reasons": '{"stale": 1024}',
-            "merged_pct": pytest.approx(100 * 10240 / 14336)} in ledger
+    assert {
+        "stage": "pretrain",
+        "method": "diloco",
+        "learner": "1",
+        "processed": 14336,
+        "submitted": 12288,
+        "not_submitted": 2048,
+        "merged": 10240,
+        "dropped": 1024,
+        "pending": 1024,
+        "attempts": 2,
+        "drop_reasons": '{"stale": 1024}',
+        "merged_pct": pytest.approx(100 * 10240 / 14336),
+    } in ledger
 
 
 # --------------------------------------------------------------------------------------------
@@ -744,58 +939,155 @@ def _make_figures_run(root: Path) -> Path:
     config["diloco"].update(learners=3, fragments=2)
     config["chaos"] = {"failures": [{"learner": 2, "at_step": 6}, {"learner": 0, "at_step": 50}]}
     _write(lay.config, config)
-    _write_jsonl(lay.metrics(PRE, "diloco", "merges"), [
-        {"fragment": f, "version": 1 + sum(1 for x in FIGURE_MERGES[:i] if x[1] == f), "contributors": c,
-         "weights": [1 / len(c)] * len(c), "tokens": [512] * len(c), "steps": [2] * len(c),
-         "stale": s, "local_steps": [2] * len(c), "quorum_at_s": t - 0.25, "merged_at_s": t,
-         "bytes_in": fb * len(c), "fragment_bytes": fb, "bytes_out": fb * 3, "outer_grad_norm": 0.5}
-        for i, (t, f, c, s, fb) in enumerate(FIGURE_MERGES)
-    ])
-    _write_jsonl(lay.metrics(PRE, "diloco", "learners"), [
-        {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
-        {"event": "start", "learner": 1, "attempt": 1, "step": 0, "t": 0.0},
-        {"event": "start", "learner": 2, "attempt": 1, "step": 0, "t": 0.0},
-        {"event": "failure", "learner": 2, "attempt": 1, "step": 5, "t": 2.5,
-         "reason": "InjectedFailure('learner 2: injected failure at local step 6')"},
-        {"event": "start", "learner": 2, "attempt": 2, "step": 5, "t": 3.5},
-        {"event": "stop", "learner": 0, "attempt": 1, "step": 12, "t": 6.0},
-        {"event": "stop", "learner": 1, "attempt": 1, "step": 11, "t": 6.0},
-        {"event": "stop", "learner": 2, "attempt": 2, "step": 9, "t": 6.0},
-        {"event": "dropped", "learner": 1, "fragment": 1, "reason": "stale", "tokens": 256,
-         "base_version": 0, "t": 4.5, "source": "syncer"},
-    ])
-    _write(lay.summary(PRE, "diloco"), {
-        "method": "diloco", "hyperparameters": {"learners (M)": 3, "fragments (P)": 2},
-        "tokens": 16_384, "steps": 32, "wall_s": 6.0, "tokens_per_s": 16_384 / 6.0,
-        "final_val_loss": 3.30, "merges": 5,
-        "bytes_to_syncer": 13_100, "bytes_merged": 11_600, "bytes_from_syncer": 15_400,
-        "fragment_bytes": [1000, 1200],
-        "ledger": {
-            "0": {"processed": 6144, "submitted": 6144, "not_submitted": 0, "merged": 6144, "dropped": 0,
-                  "pending": 0, "drop_reasons": {}, "attempts": 1},
-            "1": {"processed": 5632, "submitted": 5120, "not_submitted": 512, "merged": 4608,
-                  "dropped": 256, "pending": 256, "drop_reasons": {"stale": 256}, "attempts": 1},
-            "2": {"processed": 4608, "submitted": 4096, "not_submitted": 512, "merged": 4096,
-                  "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 2},
+    _write_jsonl(
+        lay.metrics(PRE, "diloco", "merges"),
+        [
+            {
+                "fragment": f,
+                "version": 1 + sum(1 for x in FIGURE_MERGES[:i] if x[1] == f),
+                "contributors": c,
+                "weights": [1 / len(c)] * len(c),
+                "tokens": [512] * len(c),
+                "steps": [2] * len(c),
+                "stale": s,
+                "local_steps": [2] * len(c),
+                "quorum_at_s": t - 0.25,
+                "merged_at_s": t,
+                "bytes_in": fb * len(c),
+                "fragment_bytes": fb,
+                "bytes_out": fb * 3,
+                "outer_grad_norm": 0.5,
+            }
+            for i, (t, f, c, s, fb) in enumerate(FIGURE_MERGES)
+        ],
+    )
+    _write_jsonl(
+        lay.metrics(PRE, "diloco", "learners"),
+        [
+            {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
+            {"event": "start", "learner": 1, "attempt": 1, "step": 0, "t": 0.0},
+            {"event": "start", "learner": 2, "attempt": 1, "step": 0, "t": 0.0},
+            {
+                "event": "failure",
+                "learner": 2,
+                "attempt": 1,
+                "step": 5,
+                "t": 2.5,
+                "reason": "InjectedFailure('learner 2: injected failure at local step 6')",
+            },
+            {"event": "start", "learner": 2, "attempt": 2, "step": 5, "t": 3.5},
+            {"event": "stop", "learner": 0, "attempt": 1, "step": 12, "t": 6.0},
+            {"event": "stop", "learner": 1, "attempt": 1, "step": 11, "t": 6.0},
+            {"event": "stop", "learner": 2, "attempt": 2, "step": 9, "t": 6.0},
+            {
+                "event": "dropped",
+                "learner": 1,
+                "fragment": 1,
+                "reason": "stale",
+                "tokens": 256,
+                "base_version": 0,
+                "t": 4.5,
+                "source": "syncer",
+            },
+        ],
+    )
+    _write(
+        lay.summary(PRE, "diloco"),
+        {
+            "method": "diloco",
+            "hyperparameters": {"learners (M)": 3, "fragments (P)": 2},
+            "tokens": 16_384,
+            "steps": 32,
+            "wall_s": 6.0,
+            "tokens_per_s": 16_384 / 6.0,
+            "final_val_loss": 3.30,
+            "merges": 5,
+            "bytes_to_syncer": 13_100,
+            "bytes_merged": 11_600,
+            "bytes_from_syncer": 15_400,
+            "fragment_bytes": [1000, 1200],
+            "ledger": {
+                "0": {
+                    "processed": 6144,
+                    "submitted": 6144,
+                    "not_submitted": 0,
+                    "merged": 6144,
+                    "dropped": 0,
+                    "pending": 0,
+                    "drop_reasons": {},
+                    "attempts": 1,
+                },
+                "1": {
+                    "processed": 5632,
+                    "submitted": 5120,
+                    "not_submitted": 512,
+                    "merged": 4608,
+                    "dropped": 256,
+                    "pending": 256,
+                    "drop_reasons": {"stale": 256},
+                    "attempts": 1,
+                },
+                "2": {
+                    "processed": 4608,
+                    "submitted": 4096,
+                    "not_submitted": 512,
+                    "merged": 4096,
+                    "dropped": 0,
+                    "pending": 0,
+                    "drop_reasons": {},
+                    "attempts": 2,
+                },
+            },
+            "params": 825,
+            "flops_per_token": 4950.0,
         },
-        "params": 825, "flops_per_token": 4950.0,
-    })
-    _write(lay.summary(PRE, "dp"), {
-        "method": "dp", "hyperparameters": {"simulated workers": 3},
-        "tokens": 16_384, "steps": 10, "wall_s": 9.0, "tokens_per_s": 16_384 / 9.0, "final_val_loss": 3.00,
-        "merges": None, "bytes_to_syncer": 132_000, "bytes_from_syncer": 132_000, "allreduce_bytes": 264_000,
-        "params": 825, "flops_per_token": 4950.0,
-    })
-    _write(lay.eval_result(PRE, "diloco"), {
-        "method": "diloco", "heldout_nextline/acc": 0.412, "heldout_nextline/acc_stderr": 0.035,
-        "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.5, "heldout_cloze/acc_stderr": 0.05,
-        "heldout_cloze/chance": 0.2, "truncated_requests": 7, "eval_s": 3.0,
-    })
-    _write(lay.eval_result(PRE, "dp"), {
-        "method": "dp", "heldout_nextline/acc": 0.43, "heldout_nextline/acc_stderr": 0.0351,
-        "heldout_nextline/chance": 0.25, "heldout_cloze/acc": 0.55, "heldout_cloze/acc_stderr": 0.049,
-        "heldout_cloze/chance": 0.2, "truncated_requests": 0, "eval_s": 2.5,
-    })
+    )
+    _write(
+        lay.summary(PRE, "dp"),
+        {
+            "method": "dp",
+            "hyperparameters": {"simulated workers": 3},
+            "tokens": 16_384,
+            "steps": 10,
+            "wall_s": 9.0,
+            "tokens_per_s": 16_384 / 9.0,
+            "final_val_loss": 3.00,
+            "merges": None,
+            "bytes_to_syncer": 132_000,
+            "bytes_from_syncer": 132_000,
+            "allreduce_bytes": 264_000,
+            "params": 825,
+            "flops_per_token": 4950.0,
+        },
+    )
+    _write(
+        lay.eval_result(PRE, "diloco"),
+        {
+            "method": "diloco",
+            "heldout_nextline/acc": 0.412,
+            "heldout_nextline/acc_stderr": 0.035,
+            "heldout_nextline/chance": 0.25,
+            "heldout_cloze/acc": 0.5,
+            "heldout_cloze/acc_stderr": 0.05,
+            "heldout_cloze/chance": 0.2,
+            "truncated_requests": 7,
+            "eval_s": 3.0,
+        },
+    )
+    _write(
+        lay.eval_result(PRE, "dp"),
+        {
+            "method": "dp",
+            "heldout_nextline/acc": 0.43,
+            "heldout_nextline/acc_stderr": 0.0351,
+            "heldout_nextline/chance": 0.25,
+            "heldout_cloze/acc": 0.55,
+            "heldout_cloze/acc_stderr": 0.049,
+            "heldout_cloze/chance": 0.2,
+            "truncated_requests": 0,
+            "eval_s": 2.5,
+        },
+    )
     return run
 
 
@@ -827,18 +1119,27 @@ def test_bytes_per_token_against_dps_allreduce_of_the_same_model(tmp_path: Path)
     report = build_report(run)
     md = squash(lay.report_md.read_text())
     fig = _method(report)["bytes"]
-    assert fig["wire"] == "int4:64" and report["setup"]["wire format (learner→syncer; syncer→learner is float32)"] == "int4:64"
+    assert (
+        fig["wire"] == "int4:64"
+        and report["setup"]["wire format (learner→syncer; syncer→learner is float32)"] == "int4:64"
+    )
     assert fig["sent_per_token"] == pytest.approx(13_100 / 16_384)
-    assert fig["dp_allreduce"] == {"sent_per_token": pytest.approx(13_200 / 512), "workers": 3,
-                                   "gradient_bytes": 3300, "tokens_per_step": 512}
+    assert fig["dp_allreduce"] == {
+        "sent_per_token": pytest.approx(13_200 / 512),
+        "workers": 3,
+        "gradient_bytes": 3300,
+        "tokens_per_step": 512,
+    }
     assert fig["sent_vs_dp"] == pytest.approx((13_200 / 512) / (13_100 / 16_384))
     row = _row(report, "bytes_sent_per_token")
     assert row["diloco"] == pytest.approx(0.79956, abs=1e-5) and row["dp"] == pytest.approx(132_000 / 16_384)
     assert _md_row(md, row["label"])[2:] == ["0.8", "8.1"]
-    assert ("DiLoCo's learners sent 0.8 bytes per training token (wire format int4:64: its update Δ = θ − Θ_base; "
-            "the syncer publishes float32). DP's ring all-reduce of this model's float32 gradient (3,300 bytes, "
-            "W = 3 workers, 512 tokens per step) sends 2(W − 1) × 3,300 ÷ 512 = 25.8 bytes per token, 32.2× as "
-            "many as DiLoCo's learners.") in md
+    assert (
+        "DiLoCo's learners sent 0.8 bytes per training token (wire format int4:64: its update Δ = θ − Θ_base; "
+        "the syncer publishes float32). DP's ring all-reduce of this model's float32 gradient (3,300 bytes, "
+        "W = 3 workers, 512 tokens per step) sends 2(W − 1) × 3,300 ÷ 512 = 25.8 bytes per token, 32.2× as "
+        "many as DiLoCo's learners."
+    ) in md
     # a config from before wire formats: float32, and no DP config, no comparison line
     del config["diloco"]["wire"]
     _write(lay.config, config)
@@ -866,13 +1167,22 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     by_frag = {str(f): sum(1 for m in merges if m["fragment"] == f) for f in (0, 1)}
     dp_sent = dp_recv = ps["allreduce_bytes"] / 2  # the contract: half sent, half received
     expect = {
-        "diloco": {"sent": ds["bytes_to_syncer"], "received": ds["bytes_from_syncer"],
-                   "total": ds["bytes_to_syncer"] + ds["bytes_from_syncer"],
-                   "sent_per_learner": ds["bytes_to_syncer"] / M,
-                   "received_per_learner": ds["bytes_from_syncer"] / M,
-                   "merged_in": bytes_in, "published_out": bytes_out},
-        "dp": {"sent": dp_sent, "received": dp_recv, "total": ps["allreduce_bytes"],
-               "sent_per_worker": dp_sent / W, "received_per_worker": dp_recv / W},
+        "diloco": {
+            "sent": ds["bytes_to_syncer"],
+            "received": ds["bytes_from_syncer"],
+            "total": ds["bytes_to_syncer"] + ds["bytes_from_syncer"],
+            "sent_per_learner": ds["bytes_to_syncer"] / M,
+            "received_per_learner": ds["bytes_from_syncer"] / M,
+            "merged_in": bytes_in,
+            "published_out": bytes_out,
+        },
+        "dp": {
+            "sent": dp_sent,
+            "received": dp_recv,
+            "total": ps["allreduce_bytes"],
+            "sent_per_worker": dp_sent / W,
+            "received_per_worker": dp_recv / W,
+        },
     }
     # Hand check of the hand-made numbers: the ring moves 2 × (W − 1)/W × 3,300 bytes per worker per
     # step each way, 10 steps; the merge log's totals by hand.
@@ -887,19 +1197,26 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
             assert _method(report, m)["bytes"][k] == pytest.approx(v), (m, k)
     assert _stage(report)["notes"] == []  # nothing disagrees, so nothing to explain
     # The table rows read those same values.
-    row_of = {"bytes_sent": ("sent", "sent"), "bytes_received": ("received", "received"),
-              "bytes_total": ("total", "total"),
-              "bytes_sent_per_worker": ("sent_per_learner", "sent_per_worker"),
-              "bytes_received_per_worker": ("received_per_learner", "received_per_worker"),
-              "bytes_merged_in": ("merged_in", None), "bytes_published_out": ("published_out", None)}
+    row_of = {
+        "bytes_sent": ("sent", "sent"),
+        "bytes_received": ("received", "received"),
+        "bytes_total": ("total", "total"),
+        "bytes_sent_per_worker": ("sent_per_learner", "sent_per_worker"),
+        "bytes_received_per_worker": ("received_per_learner", "received_per_worker"),
+        "bytes_merged_in": ("merged_in", None),
+        "bytes_published_out": ("published_out", None),
+    }
     for key, (dk, pk) in row_of.items():
         row = _row(report, key)
         assert row["group"] == "bytes" and row["diloco"] == pytest.approx(expect["diloco"][dk])
         assert row["dp"] == (pytest.approx(expect["dp"][pk]) if pk else "n/a (no syncer)")
     # Merge, token and failure figures.
     mg = _method(report)["merges"]
-    assert (mg["count"], mg["by_fragment"], mg["contributions"], mg["stale_contributions"]) == (
-        len(merges), by_frag, contributions, stale) == (5, {"0": 3, "1": 2}, 11, 3)
+    assert (
+        (mg["count"], mg["by_fragment"], mg["contributions"], mg["stale_contributions"])
+        == (len(merges), by_frag, contributions, stale)
+        == (5, {"0": 3, "1": 2}, 11, 3)
+    )
     assert mg["max_stale_versions"] == max(s for m in merges for s in m["stale"]) == 2
     assert mg["mean_contributors"] == pytest.approx(contributions / len(merges))
     assert _row(report, "merges")["diloco"] == len(merges) == ds["merges"]
@@ -924,18 +1241,23 @@ def test_every_figure_matches_the_raw_logs(tmp_path: Path):
     assert md.count(_fmt_bytes(ps["allreduce_bytes"])) == 1
     assert md.count(_fmt_bytes(dp_sent)) == 2
     # The merges section repeats the merge-log totals: the same figures as the table.
-    assert (f"bytes_in (submission bytes merged) {_fmt_bytes(bytes_in)}; bytes_out (syncer publishes: "
-            f"fragment bytes × learners) {_fmt_bytes(bytes_out)}.") in md
+    assert (
+        f"bytes_in (submission bytes merged) {_fmt_bytes(bytes_in)}; bytes_out (syncer publishes: "
+        f"fragment bytes × learners) {_fmt_bytes(bytes_out)}."
+    ) in md
     assert md.count(_fmt_bytes(bytes_in)) == 2 and md.count(_fmt_bytes(bytes_out)) == 2
     assert md.count(_fmt_bytes(ds["bytes_from_syncer"])) == 1  # pulled bytes: one figure, one place
     assert f"{len(merges)} merges (fragment 0: 3, fragment 1: 2); mean contributors per merge 2.20;" in md
-    assert (f"Stale contributions: {stale} of {contributions} contributions to merges, at most 2 versions "
-            "behind (a stale contribution is a submission merged into a global fragment newer than the one "
-            "it was based on") in md
+    assert (
+        f"Stale contributions: {stale} of {contributions} contributions to merges, at most 2 versions "
+        "behind (a stale contribution is a submission merged into a global fragment newer than the one "
+        "it was based on"
+    ) in md
     assert _md_row(md, "merges (DiLoCo) (merges)")[1:] == [f"{len(merges)}", "—"]
     assert _md_row(md, "training tokens (tokens)")[1:] == [f"{ds['tokens']:,}", f"{ps['tokens']:,}"]
-    assert _md_row(md, "total")[1:7] == [f"{led[c]:,}" for c in ("processed", "submitted", "not_submitted",
-                                                                 "merged", "dropped", "pending")]
+    assert _md_row(md, "total")[1:7] == [
+        f"{led[c]:,}" for c in ("processed", "submitted", "not_submitted", "merged", "dropped", "pending")
+    ]
     # The byte convention is stated in the report.
     assert "half sent, half received" in md and "syncer→learner pulled bytes" in md
     assert "learner→syncer submission payload bytes" in md
@@ -959,7 +1281,11 @@ def test_old_dp_summary_with_both_fields_equal_to_allreduce(run_dir: Path):
     _write(path, summary)
     dp = _method(build_report(run_dir), "dp")["bytes"]
     assert (dp["sent"], dp["received"], dp["total"], dp["sent_per_worker"]) == (
-        63_209_472, 63_209_472, 126_418_944, 31_604_736)
+        63_209_472,
+        63_209_472,
+        126_418_944,
+        31_604_736,
+    )
 
 
 def test_chaos_events_fired_and_not_fired(tmp_path: Path):
@@ -967,7 +1293,12 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     report = build_report(run)
     fired, missed = _method(report)["chaos"]["rows"]
     assert (fired["learner"], fired["at_step"], fired["fired"], fired["fired_at_s"], fired["rejoined_at_s"]) == (
-        2, 6, True, 2.5, 3.5)
+        2,
+        6,
+        True,
+        2.5,
+        3.5,
+    )
     assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 50, False, None)
     md = squash(_layout(run).report_md.read_text())
     assert "| scheduled event | fired | at t (s) | rejoined at t (s) | note |" in md
@@ -986,8 +1317,12 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     assert "No learner failures." not in md
 
     # An injected failure at another step does not count ("at local step 5" is not step 50 or 6).
-    _write_jsonl(path, rows[:3] + [{**rows[3], "reason": "InjectedFailure('learner 2: injected failure at "
-                                    "local step 60')"}] + rows[4:])
+    _write_jsonl(
+        path,
+        rows[:3]
+        + [{**rows[3], "reason": "InjectedFailure('learner 2: injected failure at local step 60')"}]
+        + rows[4:],
+    )
     report = build_report(run)
     assert [r["fired"] for r in _method(report)["chaos"]["rows"]] == [False, False]
     assert _method(report)["chaos"]["unscheduled_failures"] == 1
@@ -996,8 +1331,9 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     cfg["chaos"] = {"failures": []}
     _write(_layout(run).config, cfg)
     build_report(run)
-    assert ("No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty)"
-            in squash(_layout(run).report_md.read_text()))
+    assert "No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty)" in squash(
+        _layout(run).report_md.read_text()
+    )
 
 
 def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
@@ -1006,20 +1342,39 @@ def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     a killed syncer with the next syncer's recovery; the setup names the engine and exchange."""
     run = _make_figures_run(tmp_path)
     cfg = json.loads(_layout(run).config.read_text())
-    cfg["chaos"] = {"failures": [], "kills": [{"learner": 1, "at_step": 5}, {"learner": 0, "at_s": 9.5}],
-                    "syncer_failures": [{"at_merge": 2, "when": "before_publish", "how": "sigkill"}]}
+    cfg["chaos"] = {
+        "failures": [],
+        "kills": [{"learner": 1, "at_step": 5}, {"learner": 0, "at_s": 9.5}],
+        "syncer_failures": [{"at_merge": 2, "when": "before_publish", "how": "sigkill"}],
+    }
     cfg["runtime"] = {"engine": "dask", "exchange": None, "exchange_url": None}
     _write(_layout(run).config, cfg)
     path = _layout(run).metrics(PRE, "diloco", "learners")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
     rows = [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2]
-    rows += [{"event": "kill", "learner": 1, "attempt": 1, "step": 4, "t": 2.0,
-              "reason": "chaos: SIGKILL at local step 5"},
-             {"event": "start", "learner": 1, "attempt": 2, "step": 0, "t": 4.5, "resumed": False},
-             {"event": "syncer-kill", "role": "syncer", "attempt": 1, "generation": 1, "merges": 2, "t": 3.0,
-              "reason": "chaos: SIGKILL (syncer: injected failure at merge 2 (before publish))"},
-             {"event": "syncer-resumed", "role": "syncer", "attempt": 2, "generation": 2, "t": 7.5,
-              "replayed": 2, "republished": 1, "merges": 2}]
+    rows += [
+        {"event": "kill", "learner": 1, "attempt": 1, "step": 4, "t": 2.0, "reason": "chaos: SIGKILL at local step 5"},
+        {"event": "start", "learner": 1, "attempt": 2, "step": 0, "t": 4.5, "resumed": False},
+        {
+            "event": "syncer-kill",
+            "role": "syncer",
+            "attempt": 1,
+            "generation": 1,
+            "merges": 2,
+            "t": 3.0,
+            "reason": "chaos: SIGKILL (syncer: injected failure at merge 2 (before publish))",
+        },
+        {
+            "event": "syncer-resumed",
+            "role": "syncer",
+            "attempt": 2,
+            "generation": 2,
+            "t": 7.5,
+            "replayed": 2,
+            "republished": 1,
+            "merges": 2,
+        },
+    ]
     _write_jsonl(path, rows)
     report = build_report(run)
     m = _method(report)
@@ -1029,8 +1384,14 @@ def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     (down,) = m["failures"]
     assert (down["learner"], down["failed_at_step"], down["downtime_s"]) == (1, 4, 2.5)
     (restart,) = m["syncer_restarts"]
-    assert (restart["how"], restart["merges_before"], restart["downtime_s"], restart["generation"],
-            restart["replayed"], restart["republished"]) == ("SIGKILL", 2, 4.5, 2, 2, 1)
+    assert (
+        restart["how"],
+        restart["merges_before"],
+        restart["downtime_s"],
+        restart["generation"],
+        restart["replayed"],
+        restart["republished"],
+    ) == ("SIGKILL", 2, 4.5, 2, 2, 1)
     md = squash(_layout(run).report_md.read_text())
     assert "| learner 1's process SIGKILLed at local step 5 | yes | 2.0 | 4.5 | — |" in md
     assert "| learner 0's process SIGKILLed at 9.5 s | no | did not fire |" in md
@@ -1048,24 +1409,33 @@ def _set_work_lost(run: Path, **work_lost) -> None:
 
 def test_work_lost_at_the_top(run_dir: Path):
     # The fixture's ledger: 1,024 of 32,768 processed tokens dropped, all stale (3.1 %).
-    base = {"processed_tokens": 32768, "dropped_tokens": 1024, "dropped_fraction": 1024 / 32768,
-            "warn_above": 0.02, "fail_above": 0.03}
+    base = {
+        "processed_tokens": 32768,
+        "dropped_tokens": 1024,
+        "dropped_fraction": 1024 / 32768,
+        "warn_above": 0.02,
+        "fail_above": 0.03,
+    }
     _set_work_lost(run_dir, **base, status="failed")
     report = build_report(run_dir)
     wl = _method(report)["work_lost"]
     assert wl["status"] == "failed" and wl["drop_reasons"] == {"stale": 1024}
     assert wl["drop_reason_fractions"] == {"stale": pytest.approx(1024 / 32768)}
-    headline = ("**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (stale 3.1 %); "
-                "this run failed its diloco.max_dropped_fraction = 0.03 check (warning above "
-                "diloco.warn_dropped_fraction = 0.02).**")
+    headline = (
+        "**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (stale 3.1 %); "
+        "this run failed its diloco.max_dropped_fraction = 0.03 check (warning above "
+        "diloco.warn_dropped_fraction = 0.02).**"
+    )
     assert wl["headline"] == headline
     md = squash(_layout(run_dir).report_md.read_text())
     assert md.splitlines()[:3] == ["# Run report: tiny", "", headline]
     on_disk = json.loads((_layout(run_dir).report / "report.json").read_text())
     assert _method(on_disk)["work_lost"]["headline"] == headline
-    assert ("**Work lost:** 1,024 of 32,768 processed tokens dropped (3.1 %: stale 3.1 %); warning above "
-            "2.0 % (diloco.warn_dropped_fraction), run fails above 3.0 % (diloco.max_dropped_fraction); "
-            "status: failed.") in md
+    assert (
+        "**Work lost:** 1,024 of 32,768 processed tokens dropped (3.1 %: stale 3.1 %); warning above "
+        "2.0 % (diloco.warn_dropped_fraction), run fails above 3.0 % (diloco.max_dropped_fraction); "
+        "status: failed."
+    ) in md
 
     # Warning; reasons from work_lost.reasons when the summary carries them.
     _set_work_lost(run_dir, **{**base, "fail_above": 0.5}, status="warning", reasons={"non-finite": 1000, "stale": 24})
@@ -1073,7 +1443,8 @@ def test_work_lost_at_the_top(run_dir: Path):
     assert md.splitlines()[2] == (
         "**Warning: 3.1 % of DiLoCo's processed tokens (1,024 of 32,768) were dropped (non-finite 3.1 %, "
         "stale 0.1 %); above diloco.warn_dropped_fraction = 0.02; the run fails above "
-        "diloco.max_dropped_fraction = 0.5.**")
+        "diloco.max_dropped_fraction = 0.5.**"
+    )
     # ok: nothing at the top, the line in the ledger section.
     _set_work_lost(run_dir, **{**base, "warn_above": 0.05, "fail_above": 0.5}, status="ok")
     report = build_report(run_dir)
@@ -1090,16 +1461,27 @@ def test_work_lost_at_the_top(run_dir: Path):
 
 
 def test_interrupted_pipeline_at_the_top(run_dir: Path):
-    _write(_layout(run_dir).status, {"status": "interrupted", "completed_stages": ["data", "pretrain-diloco"],
-                                     "reason": "SIGTERM"})
-    _set_work_lost(run_dir, processed_tokens=32768, dropped_tokens=32000, dropped_fraction=32000 / 32768,
-                   warn_above=0.05, fail_above=0.5, status="failed")
+    _write(
+        _layout(run_dir).status,
+        {"status": "interrupted", "completed_stages": ["data", "pretrain-diloco"], "reason": "SIGTERM"},
+    )
+    _set_work_lost(
+        run_dir,
+        processed_tokens=32768,
+        dropped_tokens=32000,
+        dropped_fraction=32000 / 32768,
+        warn_above=0.05,
+        fail_above=0.5,
+        status="failed",
+    )
     report = build_report(run_dir)
     assert report["pipeline"]["status"] == "interrupted"
     assert report["pipeline"]["completed_stages"] == ["data", "pretrain-diloco"]
     md = squash(_layout(run_dir).report_md.read_text()).splitlines()
-    assert md[2] == ("**Interrupted: this run stopped before it finished (SIGTERM); completed stages: data, "
-                     "pretrain-diloco. Figures of the stages that did not complete are missing below.**")
+    assert md[2] == (
+        "**Interrupted: this run stopped before it finished (SIGTERM); completed stages: data, "
+        "pretrain-diloco. Figures of the stages that did not complete are missing below.**"
+    )
     assert md[4].startswith("**Warning: 97.7 % of DiLoCo's processed tokens")
     assert "- pipeline status: interrupted (completed stages: data, pretrain-diloco); reason: SIGTERM" in md
     # Completed: no bold line, the status in the header list.
@@ -1123,9 +1505,21 @@ def test_eval_extras(tmp_path: Path):
     assert "| heldout_cloze: accuracy (fraction) | 0.500 ± 0.050 (chance 0.2) | 0.550 ± 0.049 (chance 0.2) |" in md
     assert "| truncated requests (contexts cut to fit the window) (requests) | 7 | 0 |" in md
     # lm-eval's own results format: the stderr entries are kept ("N/A" ones dropped).
-    _write(_layout(run).eval_result(PRE, "dp"), {"results": {"heldout_nextline": {
-        "alias": "heldout_nextline", "acc,none": 0.43, "acc_stderr,none": 0.0351, "acc_norm,none": 0.44,
-        "acc_norm_stderr,none": "N/A"}}, "eval_s": 2.5})
+    _write(
+        _layout(run).eval_result(PRE, "dp"),
+        {
+            "results": {
+                "heldout_nextline": {
+                    "alias": "heldout_nextline",
+                    "acc,none": 0.43,
+                    "acc_stderr,none": 0.0351,
+                    "acc_norm,none": 0.44,
+                    "acc_norm_stderr,none": "N/A",
+                }
+            },
+            "eval_s": 2.5,
+        },
+    )
     report = build_report(run)
     assert _method(report, "dp")["eval"]["heldout_nextline/acc_stderr"] == 0.0351
     md = squash(_layout(run).report_md.read_text())
@@ -1148,17 +1542,48 @@ def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
     from reports.learners import ledger
     from reports.markdown import _ledger_section
 
-    summary = {"ledger": {
-        "0": {"processed": 1000, "submitted": 900, "not_submitted": 100, "merged": 700, "recomputed": 150,
-              "dropped": 50, "pending": 0, "drop_reasons": {"stale": 50}, "attempts": 2},
-        "1": {"processed": 500, "submitted": 500, "not_submitted": 0, "merged": 400, "recomputed": 20,
-              "dropped": 0, "pending": 0, "drop_reasons": {}, "attempts": 2}}}
+    summary = {
+        "ledger": {
+            "0": {
+                "processed": 1000,
+                "submitted": 900,
+                "not_submitted": 100,
+                "merged": 700,
+                "recomputed": 150,
+                "dropped": 50,
+                "pending": 0,
+                "drop_reasons": {"stale": 50},
+                "attempts": 2,
+            },
+            "1": {
+                "processed": 500,
+                "submitted": 500,
+                "not_submitted": 0,
+                "merged": 400,
+                "recomputed": 20,
+                "dropped": 0,
+                "pending": 0,
+                "drop_reasons": {},
+                "attempts": 2,
+            },
+        }
+    }
     led = ledger(summary, fragments=2)
-    assert led["columns"] == ["processed", "submitted", "not_submitted", "merged", "recomputed", "dropped",
-                              "pending", "attempts", "drop_reasons"]
+    assert led["columns"] == [
+        "processed",
+        "submitted",
+        "not_submitted",
+        "merged",
+        "recomputed",
+        "dropped",
+        "pending",
+        "attempts",
+        "drop_reasons",
+    ]
     assert led["total"]["recomputed"] == 170
-    assert led["identity_violations"] == [{"learner": 1, "identity": "submitted = merged + recomputed + dropped + "
-                                           "pending", "difference": 80}]
+    assert led["identity_violations"] == [
+        {"learner": 1, "identity": "submitted = merged + recomputed + dropped + pending", "difference": 80}
+    ]
     lines: list[str] = []
     _ledger_section({"ledger": led}, "DiLoCo", lines)
     (sentence,) = [line for line in lines if line.startswith("Tokens per learner:")]
@@ -1171,9 +1596,11 @@ def test_a_recomputed_copy_is_not_a_dropped_submission():
     re-done work (the ledger's recomputed column), not a submission the learner lost."""
     from reports.learners import learner_table
 
-    events = [{"event": "start", "learner": 0, "t": 0.0},
-              {"event": "dropped", "learner": 0, "reason": "recomputed", "t": 1.0},
-              {"event": "dropped", "learner": 0, "reason": "stale", "t": 2.0}]
+    events = [
+        {"event": "start", "learner": 0, "t": 0.0},
+        {"event": "dropped", "learner": 0, "reason": "recomputed", "t": 1.0},
+        {"event": "dropped", "learner": 0, "reason": "stale", "t": 2.0},
+    ]
     (row,) = learner_table(events)
     assert row["dropped_submissions"] == 1 and row["starts"] == 1
 
@@ -1185,8 +1612,10 @@ def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_t
     lay = _layout(run)
     for m, (val, test) in {"diloco": (3.32, 3.41), "dp": (3.05, 3.10)}.items():
         summary = json.loads(lay.summary(PRE, m).read_text())
-        summary["heldout"] = {"val": {"loss": val, "rows": 96, "units": 6144},
-                              "test": {"loss": test, "rows": 88, "units": 5632}}
+        summary["heldout"] = {
+            "val": {"loss": val, "rows": 96, "units": 6144},
+            "test": {"loss": test, "rows": 88, "units": 5632},
+        }
         lay.summary(PRE, m).write_text(json.dumps(summary))
     report = build_report(run)
     gap = report["stages"][PRE]["loss_gaps"]["diloco"]
@@ -1195,4 +1624,3 @@ def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_t
     md = squash(lay.report_md.read_text())
     assert "| final test loss (the whole test split: nothing tuned on it) (nats/token) | 3.4100 | 3.1000 |" in md
     assert "final test loss (the whole test split) is +10.00% relative to" in md
-

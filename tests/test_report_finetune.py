@@ -24,22 +24,35 @@ from tests.test_report import _make_run, _write, _write_jsonl
 FT = "finetune"
 N = 40
 TEXT_TASK = {
-    "name": "speakers", "modality": "text", "description": "name the character who speaks a line of a held-out play",
+    "name": "speakers",
+    "modality": "text",
+    "description": "name the character who speaks a line of a held-out play",
     "primary": "exact_match",
-    "metrics": {"exact_match": {"higher_is_better": True, "label": "exact match"},
-                "response_nll": {"higher_is_better": False, "label": "response NLL (nats/token)"}},
-    "train_items": 160, "test_items": N, "baselines": {"majority speaker of the play": 0.18},
+    "metrics": {
+        "exact_match": {"higher_is_better": True, "label": "exact match"},
+        "response_nll": {"higher_is_better": False, "label": "response NLL (nats/token)"},
+    },
+    "train_items": 160,
+    "test_items": N,
+    "baselines": {"majority speaker of the play": 0.18},
 }
 IMAGE_TASK = {
-    "name": "rotation", "modality": "image", "description": "which of 0/90/180/270° an image was turned by",
+    "name": "rotation",
+    "modality": "image",
+    "description": "which of 0/90/180/270° an image was turned by",
     "primary": "accuracy",
-    "metrics": {"accuracy": {"higher_is_better": True, "label": "accuracy"},
-                "loss": {"higher_is_better": False, "label": "loss (nats)"}},
-    "train_items": 300, "test_items": N, "baselines": {"chance": 0.25},
+    "metrics": {
+        "accuracy": {"higher_is_better": True, "label": "accuracy"},
+        "loss": {"higher_is_better": False, "label": "loss (nats)"},
+    },
+    "train_items": 300,
+    "test_items": N,
+    "baselines": {"chance": 0.25},
 }
 
 
 # -- the bootstrap ------------------------------------------------------------------------------------
+
 
 def _reference(d: np.ndarray, resamples: int = 2000) -> list[float]:
     """The documented procedure written out again: seeds (if more than one), then items, per resample."""
@@ -59,7 +72,11 @@ def test_identical_inputs_give_zero():
     out = paired_bootstrap_difference(a, a.copy())
     assert out["difference"] == 0.0 and out["ci"] == [0.0, 0.0]
     assert (out["seeds"], out["items"], out["levels"], out["over"]) == (
-        3, 50, "seeds and items", "over 50 items and 3 seeds")
+        3,
+        50,
+        "seeds and items",
+        "over 50 items and 3 seeds",
+    )
 
 
 def test_a_constant_shift_is_that_shift():
@@ -105,6 +122,7 @@ def test_the_interval_is_the_documented_procedure():
 
 # -- the run ------------------------------------------------------------------------------------------
 
+
 def _items(method: str, seed: int | None, modality: str) -> dict[str, list]:
     """Per-item scores; fine-tuned DiLoCo gets a few more items right than DP at each seed."""
     rng = np.random.default_rng(10 * len(method) + (seed if seed is not None else 7))
@@ -127,28 +145,79 @@ def _write_finetune(run: Path, methods=("diloco", "dp"), seeds=(0,), modality: s
     lay = RunLayout(run)
     task = TEXT_TASK if modality == "text" else IMAGE_TASK
     for m in methods:
-        _write(lay.summary(FT, m), {
-            "method": m, "source_checkpoint": f"{run}/pretrain/{m}/checkpoints/32768",
-            "recipe": {"mode": "lora", "lora_rank": 8, "steps": 20, "batch_size": 8, "lr": 0.001,
-                       "seeds": list(seeds), "packing": False, "task": task["name"]},
-            "trainable_params": 4096, "frozen_params": 123456,
-            "runs": [{"seed": s, "steps": 20, "examples": 160, "wall_s": 3.5, "final_train_loss": 1.2 + 0.1 * s,
-                      "final_val_loss": 1.4 + 0.1 * s, "order_sha256": f"{s:02d}ab12cd34ef56" * 4} for s in seeds],
-        })
-        _write_jsonl(lay.metrics(FT, m, "train"), [
-            {"seed": s, "step": st, "examples": 8 * st, "train/loss": 3.0 / (1 + 0.1 * st) + 0.05 * s, "t": 0.1 * st}
-            for s in seeds for st in range(5, 21, 5)])
-        _write_jsonl(lay.metrics(FT, m, "eval"), [
-            {"seed": s, "step": st, "examples": 8 * st, "val/loss": 3.2 / (1 + 0.08 * st) + 0.05 * s}
-            for s in seeds for st in (0, 10, 20)])
-        result = {"method": m, "stage": FT, "task": task, "pretrained": _scores(_items(m, None, modality)),
-                  "finetuned": [{"seed": s, **_scores(_items(m, s, modality))} for s in seeds]}
+        _write(
+            lay.summary(FT, m),
+            {
+                "method": m,
+                "source_checkpoint": f"{run}/pretrain/{m}/checkpoints/32768",
+                "recipe": {
+                    "mode": "lora",
+                    "lora_rank": 8,
+                    "steps": 20,
+                    "batch_size": 8,
+                    "lr": 0.001,
+                    "seeds": list(seeds),
+                    "packing": False,
+                    "task": task["name"],
+                },
+                "trainable_params": 4096,
+                "frozen_params": 123456,
+                "runs": [
+                    {
+                        "seed": s,
+                        "steps": 20,
+                        "examples": 160,
+                        "wall_s": 3.5,
+                        "final_train_loss": 1.2 + 0.1 * s,
+                        "final_val_loss": 1.4 + 0.1 * s,
+                        "order_sha256": f"{s:02d}ab12cd34ef56" * 4,
+                    }
+                    for s in seeds
+                ],
+            },
+        )
+        _write_jsonl(
+            lay.metrics(FT, m, "train"),
+            [
+                {
+                    "seed": s,
+                    "step": st,
+                    "examples": 8 * st,
+                    "train/loss": 3.0 / (1 + 0.1 * st) + 0.05 * s,
+                    "t": 0.1 * st,
+                }
+                for s in seeds
+                for st in range(5, 21, 5)
+            ],
+        )
+        _write_jsonl(
+            lay.metrics(FT, m, "eval"),
+            [
+                {"seed": s, "step": st, "examples": 8 * st, "val/loss": 3.2 / (1 + 0.08 * st) + 0.05 * s}
+                for s in seeds
+                for st in (0, 10, 20)
+            ],
+        )
+        result = {
+            "method": m,
+            "stage": FT,
+            "task": task,
+            "pretrained": _scores(_items(m, None, modality)),
+            "finetuned": [{"seed": s, **_scores(_items(m, s, modality))} for s in seeds],
+        }
         if modality == "text":
             result["pretrain_tasks"] = {
-                "pretrained": {"heldout_ppl/bits_per_byte": 2.33, "heldout_nextline/acc": 0.44,
-                               "heldout_nextline/acc_stderr": 0.03},
-                "finetuned": {"heldout_ppl/bits_per_byte": 2.41, "heldout_nextline/acc": 0.40,
-                              "heldout_nextline/acc_stderr": 0.03}}
+                "pretrained": {
+                    "heldout_ppl/bits_per_byte": 2.33,
+                    "heldout_nextline/acc": 0.44,
+                    "heldout_nextline/acc_stderr": 0.03,
+                },
+                "finetuned": {
+                    "heldout_ppl/bits_per_byte": 2.41,
+                    "heldout_nextline/acc": 0.40,
+                    "heldout_nextline/acc_stderr": 0.03,
+                },
+            }
         _write(lay.eval_result(FT, m), result)
 
 
@@ -197,8 +266,10 @@ def test_post_training_section_one_seed(tmp_path: Path):
     assert "#### response NLL (nats/token): lower is better" in md
     assert "#### exact match (primary): higher is better" in md
     # Task, recipe, pretraining tasks, runs and figure.
-    assert ("**Task:** speakers (text): name the character who speaks a line of a held-out play; 160 training items, "
-            f"{N} test items; primary metric: exact match.") in md
+    assert (
+        "**Task:** speakers (text): name the character who speaks a line of a held-out play; 160 training items, "
+        f"{N} test items; primary metric: exact match."
+    ) in md
     assert "majority speaker of the play: 0.1800" in md
     assert "| mode | lora | lora |" in md and "| trainable parameters | 4,096 | 4,096 |" in md
     assert "| seeds | 0 | 0 |" in md and "| learning rate | 0.001 | 0.001 |" in md
@@ -208,10 +279,12 @@ def test_post_training_section_one_seed(tmp_path: Path):
     assert (lay.report / "finetune_loss.png").stat().st_size > 0
     on_disk = json.loads((lay.report / "report.json").read_text())
     assert on_disk == report and on_disk["finetune"]["differences"]["diloco"]["metrics"]["exact_match"]["finetuned"][
-        "ci"] == pytest.approx([lo, hi])
+        "ci"
+    ] == pytest.approx([lo, hi])
 
     # Without the post-training files the report is what it was (no section, no figure).
     import shutil
+
     shutil.rmtree(run / FT)
     shutil.rmtree(run / "eval" / FT)
     report = build_report(run)

@@ -23,8 +23,17 @@ from pathlib import Path
 import pytest
 
 from reports import build_report
-from reports.resilience import (diloco_resilience, dp_resilience, interpolate, loss_comparison, schedule_counts,
-                                simulator_knobs, state_uptime, syncer_outages, uptime)
+from reports.resilience import (
+    diloco_resilience,
+    dp_resilience,
+    interpolate,
+    loss_comparison,
+    schedule_counts,
+    simulator_knobs,
+    state_uptime,
+    syncer_outages,
+    uptime,
+)
 from run.layout import RunLayout
 from tests.conftest import squash
 
@@ -55,9 +64,11 @@ def test_a_learner_down_two_of_ten_seconds_has_80_percent_goodput():
     assert (r["allocated_s"], r["down_s"], r["running_s"], r["lost_work_s"]) == (10.0, 2.0, 8.0, 0.0)
     assert r["goodput"] == pytest.approx(0.8)
     assert (r["failures"], r["restarts"], r["merged_again_after_restart"]) == (1, 1, True)
-    assert res["timelines"]["0"] == [{"state": "running", "start": 0.0, "end": 4.0},
-                                     {"state": "down", "start": 4.0, "end": 6.0, "why": "failure"},
-                                     {"state": "running", "start": 6.0, "end": 10.0}]
+    assert res["timelines"]["0"] == [
+        {"state": "running", "start": 0.0, "end": 4.0},
+        {"state": "down", "start": 4.0, "end": 6.0, "why": "failure"},
+        {"state": "running", "start": 6.0, "end": 10.0},
+    ]
     # Restarted from its resume point at step 30: 10 steps taken again, at attempt 1's 4 s / 40 steps.
     events[4] = {**events[4], "step": 30}
     r = _row(diloco_resilience(events), 0)
@@ -69,8 +80,16 @@ def test_a_learner_down_two_of_ten_seconds_has_80_percent_goodput():
 def test_a_wait_is_not_useful_and_a_slowed_learner_is():
     events = [
         {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
-        {"event": "wait", "learner": 0, "attempt": 1, "step": 8, "fragment": 1, "wait_s": 1.5, "t": 2.0,
-         "timed_out": False},
+        {
+            "event": "wait",
+            "learner": 0,
+            "attempt": 1,
+            "step": 8,
+            "fragment": 1,
+            "wait_s": 1.5,
+            "t": 2.0,
+            "timed_out": False,
+        },
         {"event": "slowdown", "learner": 0, "attempt": 1, "factor": 2.0, "step": 20, "t": 5.0},
         {"event": "slowdown", "learner": 0, "attempt": 1, "factor": 1.0, "step": 25, "t": 7.0},
         {"event": "stop", "learner": 0, "attempt": 1, "step": 50, "t": 10.0},
@@ -103,8 +122,10 @@ def test_a_scavenged_learner_is_allocated_only_its_window():
 
 
 def test_a_run_in_progress_ends_at_now():
-    events = [{"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 1.0},
-              {"event": "failure", "learner": 0, "attempt": 1, "step": 12, "t": 3.0, "reason": "x"}]
+    events = [
+        {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 1.0},
+        {"event": "failure", "learner": 0, "attempt": 1, "step": 12, "t": 3.0, "reason": "x"},
+    ]
     res = diloco_resilience(events, now=5.0, resume_every_steps=10)
     r = _row(res, 0)
     assert res["span"]["length_s"] == 4.0 and r["down_s"] == 2.0  # still down at now
@@ -115,29 +136,56 @@ def test_corrupted_submissions_dropped_and_never_merged():
     events = [
         {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0, "origin": 0.0},
         {"event": "corrupt", "learner": 0, "fragment": 1, "kind": "nan", "step": 3, "base_version": 2, "t": 1.0},
-        {"event": "dropped", "learner": 0, "fragment": 1, "reason": "non-finite", "base_version": 2, "t": 1.1,
-         "source": "syncer"},
+        {
+            "event": "dropped",
+            "learner": 0,
+            "fragment": 1,
+            "reason": "non-finite",
+            "base_version": 2,
+            "t": 1.1,
+            "source": "syncer",
+        },
         {"event": "stop", "learner": 0, "attempt": 1, "step": 9, "t": 4.0},
     ]
     # A retried attempt sending the same local step again from a newer base (version 5 − 1 − 0 = 4) is
     # another submission.
-    merges = [{"fragment": 1, "version": 3, "contributors": [0], "local_steps": [7], "stale": [0], "merged_at_s": 2.0},
-              {"fragment": 1, "version": 5, "contributors": [0], "local_steps": [3], "stale": [0], "merged_at_s": 2.5}]
-    sched = {"learners": 1, "failures": [{"learner": 0, "at_s": 9.0, "restart_delay_s": 1.0}],
-             "corruptions": [{"learner": 0, "at_s": 0.5, "kind": "nan"}]}
+    merges = [
+        {"fragment": 1, "version": 3, "contributors": [0], "local_steps": [7], "stale": [0], "merged_at_s": 2.0},
+        {"fragment": 1, "version": 5, "contributors": [0], "local_steps": [3], "stale": [0], "merged_at_s": 2.5},
+    ]
+    sched = {
+        "learners": 1,
+        "failures": [{"learner": 0, "at_s": 9.0, "restart_delay_s": 1.0}],
+        "corruptions": [{"learner": 0, "at_s": 0.5, "kind": "nan"}],
+    }
     counts = schedule_counts(sched, diloco_resilience(events, merges), events, merges, None, None)
-    assert counts["corruptions"] == [{"learner": 0, "at_s": 0.5, "kind": "nan", "sent": True, "sent_at_s": 1.0,
-                                      "fragment": 1, "step": 3, "dropped": True, "reason": "non-finite",
-                                      "merged": False, "resent_by_a_later_attempt": False}]
+    assert counts["corruptions"] == [
+        {
+            "learner": 0,
+            "at_s": 0.5,
+            "kind": "nan",
+            "sent": True,
+            "sent_at_s": 1.0,
+            "fragment": 1,
+            "step": 3,
+            "dropped": True,
+            "reason": "non-finite",
+            "merged": False,
+            "resent_by_a_later_attempt": False,
+        }
+    ]
     assert counts["failures"]["drawn"] == 1 and counts["failures"]["diloco_in_span"] == 0
-    merges.append({"fragment": 1, "version": 6, "contributors": [0], "local_steps": [3], "stale": [3],
-                   "merged_at_s": 3.0})  # base 6 − 1 − 3 = 2: the corrupted one
+    merges.append(
+        {"fragment": 1, "version": 6, "contributors": [0], "local_steps": [3], "stale": [3], "merged_at_s": 3.0}
+    )  # base 6 − 1 − 3 = 2: the corrupted one
     counts = schedule_counts(sched, diloco_resilience(events, merges), events, merges, None, None)
     assert counts["corruptions"][0]["merged"] is True
     # The learner failed and a retry from step 0 sent local step 3 again from the same base before
     # that merge: the merge is the clean copy's.
-    events[3:3] = [{"event": "failure", "learner": 0, "attempt": 1, "step": 3, "t": 1.2, "reason": "x"},
-                   {"event": "start", "learner": 0, "attempt": 2, "step": 0, "t": 1.5}]
+    events[3:3] = [
+        {"event": "failure", "learner": 0, "attempt": 1, "step": 3, "t": 1.2, "reason": "x"},
+        {"event": "start", "learner": 0, "attempt": 2, "step": 0, "t": 1.5},
+    ]
     counts = schedule_counts(sched, diloco_resilience(events, merges), events, merges, None, None)
     assert counts["corruptions"][0]["merged"] is False and counts["corruptions"][0]["resent_by_a_later_attempt"]
 
@@ -147,8 +195,10 @@ def test_corrupted_submissions_dropped_and_never_merged():
 
 def test_dp_failure_stall_and_recomputation():
     train = [{"step": s, "t": s / 10} for s in (10, 20)] + [{"step": s, "t": 5.5 + (s - 20) / 10} for s in (30, 40, 50)]
-    events = [{"event": "failure", "replica": 1, "step": 25, "t": 2.5, "at_s": 2.5, "restart_delay_s": 2.9},
-              {"event": "restore", "step": 20, "lost_steps": 5, "t": 5.5, "restore_s": 0.1, "down_s": 3.0}]
+    events = [
+        {"event": "failure", "replica": 1, "step": 25, "t": 2.5, "at_s": 2.5, "restart_delay_s": 2.9},
+        {"event": "restore", "step": 20, "lost_steps": 5, "t": 5.5, "restore_s": 0.1, "down_s": 3.0},
+    ]
     res = dp_resilience(events, train, workers=2)
     assert res["step_s"] == pytest.approx(0.1) and res["span"]["length_s"] == pytest.approx(8.5)
     (x,) = res["restores"]
@@ -165,8 +215,10 @@ def test_dp_failure_stall_and_recomputation():
 
 def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
     train = [{"step": s, "t": s / 10} for s in range(10, 101, 10)]
-    events = [{"event": "slowdown", "factor": 2.0, "step": 20, "t": 2.0},
-              {"event": "slowdown", "factor": 1.0, "step": 40, "t": 6.0}]
+    events = [
+        {"event": "slowdown", "factor": 2.0, "step": 20, "t": 2.0},
+        {"event": "slowdown", "factor": 1.0, "step": 40, "t": 6.0},
+    ]
     sched = {"learners": 4, "slowdowns": [{"learner": 2, "factor": 2.0, "from_s": 2.0, "to_s": 6.0}]}
     res = dp_resilience(events, train, workers=4, schedule=sched)
     by = {r["replica"]: r for r in res["replicas"]}
@@ -181,11 +233,15 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
     assert res["replicas"][0]["straggling_s"] == pytest.approx(4.0)
     assert res["slowdown_unattributed_s"] == pytest.approx(4.0)
     # A failure during a slowdown: the waiting share is counted outside the stall only.
-    events = [{"event": "slowdown", "factor": 2.0, "step": 1, "t": 0.0},
-              {"event": "failure", "replica": 0, "step": 40, "t": 4.0, "at_s": 4.0, "restart_delay_s": 2.0},
-              {"event": "restore", "step": 40, "lost_steps": 0, "t": 6.0, "restore_s": 0.0, "down_s": 2.0}]
-    sched = {"learners": 2, "slowdowns": [{"learner": 1, "factor": 2.0, "from_s": 0.0, "to_s": None,
-                                           "kind": "heterogeneity"}]}
+    events = [
+        {"event": "slowdown", "factor": 2.0, "step": 1, "t": 0.0},
+        {"event": "failure", "replica": 0, "step": 40, "t": 4.0, "at_s": 4.0, "restart_delay_s": 2.0},
+        {"event": "restore", "step": 40, "lost_steps": 0, "t": 6.0, "restore_s": 0.0, "down_s": 2.0},
+    ]
+    sched = {
+        "learners": 2,
+        "slowdowns": [{"learner": 1, "factor": 2.0, "from_s": 0.0, "to_s": None, "kind": "heterogeneity"}],
+    }
     r0, r1 = dp_resilience(events, train, workers=2, schedule=sched)["replicas"]
     assert (r0["running_s"], r0["waiting_s"], r0["down_s"]) == pytest.approx((4.0, 4.0, 2.0))
     assert (r1["straggling_s"], r1["waiting_s"], r1["goodput"]) == pytest.approx((8.0, 2.0, 0.8))
@@ -197,10 +253,18 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
 def test_state_uptime_is_the_share_with_a_learner_computing_and_the_syncer_up():
     """Learner 0 runs 0–4 s and 6–10 s, learner 1 runs 3–5 s: nothing computes 5–6 s (1 s); the syncer
     is down 8–8.5 s: uptime (10 − 1.5) / 10."""
-    tl = {"0": [{"state": "running", "start": 0.0, "end": 4.0}, {"state": "down", "start": 4.0, "end": 6.0},
-                {"state": "running", "start": 6.0, "end": 10.0}],
-          "1": [{"state": "absent", "start": 0.0, "end": 3.0}, {"state": "straggling", "start": 3.0, "end": 5.0},
-                {"state": "waiting", "start": 5.0, "end": 10.0}]}
+    tl = {
+        "0": [
+            {"state": "running", "start": 0.0, "end": 4.0},
+            {"state": "down", "start": 4.0, "end": 6.0},
+            {"state": "running", "start": 6.0, "end": 10.0},
+        ],
+        "1": [
+            {"state": "absent", "start": 0.0, "end": 3.0},
+            {"state": "straggling", "start": 3.0, "end": 5.0},
+            {"state": "waiting", "start": 5.0, "end": 10.0},
+        ],
+    }
     out = syncer_outages([{"event": "syncer-failure", "t": 18.0}, {"event": "syncer-resumed", "t": 18.5}], t0=10.0)
     assert out == [(8.0, 8.5)]
     up = state_uptime(tl, 10.0, out)
@@ -224,10 +288,16 @@ def test_uptime_with_one_long_merge_gap():
 
 
 def test_loss_at_equal_wall_time_and_tokens():
-    diloco = [{"tokens": 0, "wall_s": 1.0, "val/loss": 6.0}, {"tokens": 100, "wall_s": 5.0, "val/loss": 5.0},
-              {"tokens": 200, "wall_s": 11.0, "val/loss": 4.0}]
-    dp = [{"tokens": 0, "wall_s": 0.0, "val/loss": 6.0}, {"tokens": 50, "wall_s": 2.0, "val/loss": 5.0},
-          {"tokens": 150, "wall_s": 4.0, "val/loss": 4.5}]
+    diloco = [
+        {"tokens": 0, "wall_s": 1.0, "val/loss": 6.0},
+        {"tokens": 100, "wall_s": 5.0, "val/loss": 5.0},
+        {"tokens": 200, "wall_s": 11.0, "val/loss": 4.0},
+    ]
+    dp = [
+        {"tokens": 0, "wall_s": 0.0, "val/loss": 6.0},
+        {"tokens": 50, "wall_s": 2.0, "val/loss": 5.0},
+        {"tokens": 150, "wall_s": 4.0, "val/loss": 4.5},
+    ]
     out = loss_comparison({"diloco": {"rows": diloco, "start_s": 1.0}, "dp": {"rows": dp, "start_s": 0.0}})
     assert (out["at_s"], out["at_tokens"]) == (4.0, 150)  # DP's end; the common final count
     assert out["curves"]["diloco"]["loss_at_s"] == pytest.approx(5.0)  # aligned at its own start: 4 s
@@ -239,8 +309,10 @@ def test_loss_at_equal_wall_time_and_tokens():
 def test_the_simulators_validators_accept_the_knobs():
     from sim.config import SECONDS_PER_YEAR, GoodputConfig
 
-    config = {"diloco": {"learners": 4}, "chaos": {"schedule": {"seed": 3, "mtbf_s": 8.0,
-                                                               "restart_delay": {"a": 2.0, "c": 1.5, "scale_s": 1.0}}}}
+    config = {
+        "diloco": {"learners": 4},
+        "chaos": {"schedule": {"seed": 3, "mtbf_s": 8.0, "restart_delay": {"a": 2.0, "c": 1.5, "scale_s": 1.0}}},
+    }
     dp = {"step_s": 0.005, "restores": [{"restore_s": 0.1}, {"restore_s": 0.3}]}
     k = simulator_knobs(config, dp, {"chaos": {"checkpoint_every_steps": 50}, "steps": 192})
     assert k["status"] == "ok" and k["systems"] == ["dp", "diloco-4"]
@@ -263,27 +335,42 @@ def _jsonl(path: Path, rows: list[dict]) -> None:
 def _hand_made_run(root: Path, chaos: bool = True) -> Path:
     lay = RunLayout(root)
     root.mkdir(parents=True, exist_ok=True)
-    lay.config.write_text(json.dumps({"name": "hand", "diloco": {"learners": 1, "resume_every_steps": 10},
-                                      "dp": {"workers": 2}, "chaos": {}}))
+    lay.config.write_text(
+        json.dumps(
+            {"name": "hand", "diloco": {"learners": 1, "resume_every_steps": 10}, "dp": {"workers": 2}, "chaos": {}}
+        )
+    )
     for m in ("diloco", "dp"):
         lay.summary("pretrain", m).parent.mkdir(parents=True, exist_ok=True)
-        lay.summary("pretrain", m).write_text(json.dumps({"method": m, "tokens": 200, "steps": 80, "wall_s": 10.0,
-                                                          "final_val_loss": 4.0}))
-    _jsonl(lay.metrics("pretrain", "diloco", "learners"), [
-        {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0, "origin": 0.0},
-        {"event": "failure", "learner": 0, "attempt": 1, "step": 40, "t": 4.0, "reason": "x at 4 s of training"},
-        {"event": "start", "learner": 0, "attempt": 2, "step": 40, "t": 6.0, "origin": 0.0},
-        {"event": "stop", "learner": 0, "attempt": 2, "step": 80, "t": 10.0}])
-    _jsonl(lay.metrics("pretrain", "diloco", "merges"),
-           [{"fragment": 0, "version": i + 1, "contributors": [0], "local_steps": [i], "merged_at_s": 0.5 + i}
-            for i in range(10)])
+        lay.summary("pretrain", m).write_text(
+            json.dumps({"method": m, "tokens": 200, "steps": 80, "wall_s": 10.0, "final_val_loss": 4.0})
+        )
+    _jsonl(
+        lay.metrics("pretrain", "diloco", "learners"),
+        [
+            {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0, "origin": 0.0},
+            {"event": "failure", "learner": 0, "attempt": 1, "step": 40, "t": 4.0, "reason": "x at 4 s of training"},
+            {"event": "start", "learner": 0, "attempt": 2, "step": 40, "t": 6.0, "origin": 0.0},
+            {"event": "stop", "learner": 0, "attempt": 2, "step": 80, "t": 10.0},
+        ],
+    )
+    _jsonl(
+        lay.metrics("pretrain", "diloco", "merges"),
+        [
+            {"fragment": 0, "version": i + 1, "contributors": [0], "local_steps": [i], "merged_at_s": 0.5 + i}
+            for i in range(10)
+        ],
+    )
     curve = [{"tokens": 0, "wall_s": 0.0, "val/loss": 6.0}, {"tokens": 200, "wall_s": 10.0, "val/loss": 4.0}]
     _jsonl(lay.metrics("pretrain", "diloco", "eval"), curve)
     _jsonl(lay.metrics("pretrain", "dp", "eval"), curve)
     _jsonl(lay.metrics("pretrain", "dp", "train"), [{"step": s, "t": s / 10} for s in range(10, 101, 10)])
     if chaos:
-        lay.chaos_schedule.write_text(json.dumps({"learners": 1, "failures": [
-            {"learner": 0, "at_s": 4.0, "restart_delay_s": 2.0, "how": "raise"}]}))
+        lay.chaos_schedule.write_text(
+            json.dumps(
+                {"learners": 1, "failures": [{"learner": 0, "at_s": 4.0, "restart_delay_s": 2.0, "how": "raise"}]}
+            )
+        )
         _jsonl(lay.metrics("pretrain", "dp", "events"), [])
     return root
 
@@ -294,8 +381,13 @@ def test_the_resilience_section_of_a_hand_made_run(tmp_path: Path):
     res = report["stages"]["pretrain"]["resilience"]
     assert res["diloco"]["global"]["goodput"] == pytest.approx(0.8)
     assert res["dp"]["global"]["goodput"] == pytest.approx(1.0)
-    assert res["schedule"]["failures"] == {"drawn": 1, "diloco_in_span": 1, "diloco_fired": 1, "dp_in_span": 1,
-                                           "dp_fired": 0}
+    assert res["schedule"]["failures"] == {
+        "drawn": 1,
+        "diloco_in_span": 1,
+        "diloco_fired": 1,
+        "dp_in_span": 1,
+        "dp_fired": 0,
+    }
     assert res["simulator"]["status"].startswith("no prediction")  # config.json has no chaos.schedule
     plots = report["stages"]["pretrain"]["plots"]
     assert plots["resilience_timeline"] == "pretrain_resilience_timeline.png"
@@ -334,8 +426,15 @@ def test_a_reference_run(tmp_path: Path):
 # Seed 2 draws failures of learners 0 and 1 at 0.52 s and 1.04 s of training (the tiny run trains for
 # about 3 s), at most 4 per learner over the 6 s horizon (learner_retries 6), and a straggler episode
 # of learner 1 from 0.14 s.
-CHAOS = {"seed": 2, "horizon_s": 6, "mtbf_s": 4, "restart_delay": {"scale_s": 0.5},
-         "straggler_every_s": 3, "straggler_s": 1.0, "corrupt": [{"learner": 1, "at_s": 0.5, "kind": "nan"}]}
+CHAOS = {
+    "seed": 2,
+    "horizon_s": 6,
+    "mtbf_s": 4,
+    "restart_delay": {"scale_s": 0.5},
+    "straggler_every_s": 3,
+    "straggler_s": 1.0,
+    "corrupt": [{"learner": 1, "at_s": 0.5, "kind": "nan"}],
+}
 
 
 @pytest.fixture(scope="session")
@@ -345,13 +444,15 @@ def chaos_run(prefect_harness, small_cfg, small_data, tmp_path_factory):
     from configs.schema import ExperimentConfig
     from flows.pipeline import pipeline
 
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "learner_retries": 6, "retry_delay_s": 0},
-        "eval": {**small_cfg.eval.model_dump(), "enabled": False},
-        "finetune": {**small_cfg.finetune.model_dump(), "enabled": False},
-        "chaos": {**small_cfg.chaos.model_dump(), "schedule": CHAOS},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {**small_cfg.diloco.model_dump(), "learner_retries": 6, "retry_delay_s": 0},
+            "eval": {**small_cfg.eval.model_dump(), "enabled": False},
+            "finetune": {**small_cfg.finetune.model_dump(), "enabled": False},
+            "chaos": {**small_cfg.chaos.model_dump(), "schedule": CHAOS},
+        }
+    )
     run = tmp_path_factory.mktemp("chaos") / "run"
     shutil.copytree(small_data / "data", run / "data")
     pipeline(config=cfg, run_dir=str(run))
@@ -375,11 +476,16 @@ def test_a_real_chaos_run(chaos_run: Path):
         if r["allocated_s"] > 0:  # 0 % is possible: every step of every attempt thrown away
             assert 0.0 <= r["goodput"] <= 1.0
         # Down = the start-up before its first start + each failure (kill) → next start gap.
-        mine = sorted((e for e in events if e.get("learner") == r["learner"] and e.get("source") != "syncer"),
-                      key=lambda e: e["t"])
+        mine = sorted(
+            (e for e in events if e.get("learner") == r["learner"] and e.get("source") != "syncer"),
+            key=lambda e: e["t"],
+        )
         starts = [e for e in mine if e["event"] == "start"]
-        gaps = sum(next((s["t"] for s in starts if s["t"] > f["t"]), d["span"]["end_s"]) - f["t"]
-                   for f in mine if f["event"] in ("failure", "kill"))
+        gaps = sum(
+            next((s["t"] for s in starts if s["t"] > f["t"]), d["span"]["end_s"]) - f["t"]
+            for f in mine
+            if f["event"] in ("failure", "kill")
+        )
         startup = starts[0]["t"] - d["span"]["start_s"]
         assert r["down_s"] == pytest.approx(gaps + startup, abs=1e-9)
         assert r["failures"] == sum(1 for e in mine if e["event"] in ("failure", "kill"))
@@ -388,8 +494,9 @@ def test_a_real_chaos_run(chaos_run: Path):
         assert r["down_s"] == pytest.approx(_secs(ivs, "down"))
     assert sum(r["failures"] for r in d["learners"]) >= 1  # the schedule fired
     for r in p["replicas"]:
-        assert sum(r[f"{s}_s"] for s in ("running", "straggling", "waiting", "recomputing", "down", "absent")) \
-            == pytest.approx(p["span"]["length_s"])
+        assert sum(
+            r[f"{s}_s"] for s in ("running", "straggling", "waiting", "recomputing", "down", "absent")
+        ) == pytest.approx(p["span"]["length_s"])
     (c,) = res["schedule"]["corruptions"]
     assert c["sent"] and c["dropped"] and c["merged"] is False
     pred = res["simulator"]["predicted"]

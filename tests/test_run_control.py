@@ -22,8 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_work_lost_thresholds():
-    ledger = {"0": {"processed": 1000, "dropped": 30, "drop_reasons": {"stale": 30}},
-              "1": {"processed": 1000, "dropped": 90, "drop_reasons": {"stale": 40, "non-finite": 50}}}
+    ledger = {
+        "0": {"processed": 1000, "dropped": 30, "drop_reasons": {"stale": 30}},
+        "1": {"processed": 1000, "dropped": 90, "drop_reasons": {"stale": 40, "non-finite": 50}},
+    }
     lost = work_lost(ledger, warn_above=0.05, fail_above=0.5)
     assert lost["processed_tokens"] == 2000 and lost["dropped_tokens"] == 120
     assert lost["dropped_fraction"] == pytest.approx(0.06)
@@ -47,9 +49,17 @@ def test_a_run_that_mostly_failed_fails(prefect_harness, small_data, tmp_path):
     shutil.copytree(small_data, rd)  # the data is reused: it was built from the same data config
     layout = RunLayout(rd)
     with pytest.raises(FailedRun, match=r"the syncer dropped \d+\.\d % .*non-finite.*max_dropped_fraction = 0.5"):
-        pipeline(config_file="tiny", run_dir=str(rd),
-                 overrides={**SMALL_DATA, "diloco.inner.lr": 50.0, "dp.enabled": False, "eval.enabled": False,
-                            "finetune.enabled": False})
+        pipeline(
+            config_file="tiny",
+            run_dir=str(rd),
+            overrides={
+                **SMALL_DATA,
+                "diloco.inner.lr": 50.0,
+                "dp.enabled": False,
+                "eval.enabled": False,
+                "finetune.enabled": False,
+            },
+        )
     status = json.loads(layout.status.read_text())
     assert status["status"] == "failed" and status["completed_stages"] == ["data", "pretrain-diloco", "report"]
     lost = json.loads(layout.summary("pretrain", "diloco").read_text())["work_lost"]
@@ -75,11 +85,28 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     # jitted step runs 98,304 tokens of the tiny config in about 9 s on 2 CPU cores
     budget = 393216
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "tiny", "--run-dir", str(rd),
-                                 "--set", f"train.token_budget={budget}", "--set", "data.source=local",
-                                 "--set", f"data.paths=[{SMALL_CORPUS}]"], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"},
-                                start_new_session=True)  # a process group of its own, as a terminal's job
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "run",
+                "tiny",
+                "--run-dir",
+                str(rd),
+                "--set",
+                f"train.token_budget={budget}",
+                "--set",
+                "data.source=local",
+                "--set",
+                f"data.paths=[{SMALL_CORPUS}]",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"},
+            start_new_session=True,
+        )  # a process group of its own, as a terminal's job
     try:
         deadline = time.monotonic() + 240
         while "diloco: tokens" not in log.read_text():  # training has started
@@ -175,12 +202,34 @@ def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
     log = tmp_path / "out.log"
     budget = 393216  # far more than is trained before the kill
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", "tiny", "--run-dir", str(rd),
-                                 "--set", f"train.token_budget={budget}", "--set", "data.source=local",
-                                 "--set", f"data.paths=[{SMALL_CORPUS}]", "--set", f"runtime.engine={engine}",
-                                 "--set", "diloco.learners=2", "--set", "diloco.quorum=1"],
-                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"}, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flows.cli",
+                "run",
+                "tiny",
+                "--run-dir",
+                str(rd),
+                "--set",
+                f"train.token_budget={budget}",
+                "--set",
+                "data.source=local",
+                "--set",
+                f"data.paths=[{SMALL_CORPUS}]",
+                "--set",
+                f"runtime.engine={engine}",
+                "--set",
+                "diloco.learners=2",
+                "--set",
+                "diloco.quorum=1",
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PREFECT_LOGGING_LEVEL": "INFO"},
+            start_new_session=True,
+        )
     # the local cluster's worker processes (2 learners and the syncer): Dask's spawned workers, Ray's
     # task workers (their process title: ray::<task>)
     worker_mark = {"dask": "multiprocessing.spawn", "ray": "ray::"}.get(engine)
@@ -193,8 +242,9 @@ def test_a_run_killed_with_sigkill_leaves_nothing_running(tmp_path, engine):
     try:
         deadline = time.monotonic() + 600
         # DiLoCo under way: the flow's progress line, and on Dask and Ray the cluster's workers started
-        while ("diloco: tokens" not in log.read_text()
-               or (worker_mark is not None and sum(worker_mark in n for _, n in descendants()) < workers)):
+        while "diloco: tokens" not in log.read_text() or (
+            worker_mark is not None and sum(worker_mark in n for _, n in descendants()) < workers
+        ):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
         started = [p for p, _ in descendants()]
@@ -231,18 +281,31 @@ def test_the_temporary_servers_process_ends_when_its_parent_is_killed(tmp_path, 
         "async def app(scope, receive, send):\n"
         "    if scope['type'] == 'http':\n"
         "        await send({'type': 'http.response.start', 'status': 200, 'headers': []})\n"
-        "        await send({'type': 'http.response.body', 'body': b'ok'})\n")
+        "        await send({'type': 'http.response.body', 'body': b'ok'})\n"
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\n"
-        "import flows.server as server\n"
-        f"if not {with_setpriv}: server.setpriv = lambda: None\n"
-        f"child = server.start_server_process([sys.executable, '-m', 'uvicorn', '--app-dir', {str(tmp_path)!r}, "
-        f"'app:app', '--port', '{port}', '--log-level', 'error'])\n"
-        "print(child.pid, ' '.join(child.args[:4]), flush=True)\n"
-        "time.sleep(600)\n")], cwd=ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "import flows.server as server\n"
+                f"if not {with_setpriv}: server.setpriv = lambda: None\n"
+                "child = server.start_server_process("
+                f"[sys.executable, '-m', 'uvicorn', '--app-dir', {str(tmp_path)!r}, "
+                f"'app:app', '--port', '{port}', '--log-level', 'error'])\n"
+                "print(child.pid, ' '.join(child.args[:4]), flush=True)\n"
+                "time.sleep(600)\n"
+            ),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     server = None
     try:
         pid, command = parent.stdout.readline().split(" ", 1)

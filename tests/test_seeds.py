@@ -84,11 +84,15 @@ def test_run_of_two_seeds_trains_each_seed_on_shared_data(two_seed_run):
         assert json.loads(sub.config.read_text())["seed"] == s
         assert json.loads(sub.status.read_text())["status"] == "completed"
         assert os.path.samefile(sub.manifest, layout.manifest)  # sharded once: hard links
-        losses[s] = {m: json.loads(sub.summary("pretrain", m).read_text())["heldout"]["test"]["loss"] for m in ("diloco", "dp")}
+        losses[s] = {
+            m: json.loads(sub.summary("pretrain", m).read_text())["heldout"]["test"]["loss"] for m in ("diloco", "dp")
+        }
         assert sub.report_md.is_file() and (sub.root / "finetune" / "data" / "manifest.json").is_file()
     assert losses[0]["dp"] != losses[1]["dp"]  # another initialisation and data order: another DP
-    tests = [json.loads((RunLayout(layout.seed_run(s)).finetune_data / "manifest.json").read_text())["test_items"]
-             for s in (0, 1)]
+    tests = [
+        json.loads((RunLayout(layout.seed_run(s)).finetune_data / "manifest.json").read_text())["test_items"]
+        for s in (0, 1)
+    ]
     assert tests[0] == tests[1]  # every seed is fine-tuned and scored on the same test items
 
 

@@ -36,26 +36,42 @@ def test_budget_status_from_trained_tokens_and_workers():
 def test_learners_gone_says_how_each_learner_ended():
     from training.diloco import learners_gone
 
-    info = {0: {"status": "down", "attempt": 3, "step": 12, "reason": "InjectedFailure('learner 0: at step 13')"},
-            1: {"status": "down", "attempt": 1, "reason": "ValueError('runtime.devices_per_learner (2) exceeds')"}}
+    info = {
+        0: {"status": "down", "attempt": 3, "step": 12, "reason": "InjectedFailure('learner 0: at step 13')"},
+        1: {"status": "down", "attempt": 1, "reason": "ValueError('runtime.devices_per_learner (2) exceeds')"},
+    }
     line = learners_gone(info, 3, {2: "ModuleNotFoundError: No module named 'models'"}, retries=2)
-    assert line == ("every learner ended before the budget was spent (diloco.learner_retries 2): learner 0 failed "
-                    "at local step 12 after 3 attempts (InjectedFailure('learner 0: at step 13')); learner 1 failed "
-                    "before its first step after 1 attempt (ValueError('runtime.devices_per_learner (2) exceeds')); "
-                    "learner 2 failed before its first step, never reporting to the exchange "
-                    "(ModuleNotFoundError: No module named 'models')")
+    assert line == (
+        "every learner ended before the budget was spent (diloco.learner_retries 2): learner 0 failed "
+        "at local step 12 after 3 attempts (InjectedFailure('learner 0: at step 13')); learner 1 failed "
+        "before its first step after 1 attempt (ValueError('runtime.devices_per_learner (2) exceeds')); "
+        "learner 2 failed before its first step, never reporting to the exchange "
+        "(ModuleNotFoundError: No module named 'models')"
+    )
 
 
 def test_report_headline_gives_the_share_and_why():
     from reports.analyses import budget_figure
 
-    summary = {"tokens": 0, "budget": {"status": "short", "trained": 0, "budget": 24576, "share": 0.0,
-                                       "unit": "tokens", "line": "trained 0 of 24,576 tokens (0.0 % of its "
-                                       "budget): every learner ended before the budget was spent"}}
+    summary = {
+        "tokens": 0,
+        "budget": {
+            "status": "short",
+            "trained": 0,
+            "budget": 24576,
+            "share": 0.0,
+            "unit": "tokens",
+            "line": "trained 0 of 24,576 tokens (0.0 % of its budget): every learner ended before the budget was spent",
+        },
+    }
     fig = budget_figure(summary, "DiLoCo")
-    assert fig["headline"] == ("**Failed: DiLoCo trained 0 of 24,576 tokens (0.0 % of its budget): every learner "
-                               "ended before the budget was spent.**")
-    assert budget_figure({"budget": {**summary["budget"], "status": "complete", "line": None}}, "DP")["headline"] is None
+    assert fig["headline"] == (
+        "**Failed: DiLoCo trained 0 of 24,576 tokens (0.0 % of its budget): every learner "
+        "ended before the budget was spent.**"
+    )
+    assert (
+        budget_figure({"budget": {**summary["budget"], "status": "complete", "line": None}}, "DP")["headline"] is None
+    )
     assert budget_figure({"tokens": 5}, "DP") is None  # older summaries: nothing computed
 
 
@@ -72,8 +88,13 @@ def test_a_learner_that_fails_before_its_first_step_is_a_failure(small_cfg, smal
     shutil.copytree(small_data, run_dir)
     n = len(jax.devices())
     d = n + 1  # more devices than the process has
-    cfg = ExperimentConfig.model_validate({**small_cfg.model_dump(), "diloco": {**small_cfg.diloco.model_dump(),
-                                           "batch_size": 4 * d}, "runtime": {"devices_per_learner": d}})
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {**small_cfg.diloco.model_dump(), "batch_size": 4 * d},
+            "runtime": {"devices_per_learner": d},
+        }
+    )
     exchange = initial_exchange(cfg, run_dir)
     with pytest.raises(ValueError, match="runtime.devices_per_learner"):
         learner_attempt(cfg, run_dir, 1, 1, exchange=exchange)
@@ -100,15 +121,23 @@ def test_unmeetable_device_requests_are_refused_before_the_run(small_cfg):
 
     def cfg(**runtime):
         d = runtime.get("devices_per_learner", 1)
-        return ExperimentConfig.model_validate({**base, "diloco": {**base["diloco"], "batch_size": 4 * d},
-                                                "dp": {**base["dp"], "enabled": False}, "runtime": runtime})
+        return ExperimentConfig.model_validate(
+            {
+                **base,
+                "diloco": {**base["diloco"], "batch_size": 4 * d},
+                "dp": {**base["dp"], "enabled": False},
+                "runtime": runtime,
+            }
+        )
 
     for engine in ("dask", "ray"):
         with pytest.raises(ValueError, match=rf"^runtime.devices_per_learner \({n + 1}\) exceeds the {n} device"):
             check_devices(cfg(engine=engine, devices_per_learner=n + 1))
         check_devices(cfg(engine=engine, devices_per_learner=1))  # fits
     gpus = sum(1 for x in jax.devices() if x.platform == "gpu")
-    with pytest.raises(ValueError, match=rf"^runtime.learner_gpus {1 + gpus} × diloco.learners 3 needs {3 * (1 + gpus)} GPUs"):
+    with pytest.raises(
+        ValueError, match=rf"^runtime.learner_gpus {1 + gpus} × diloco.learners 3 needs {3 * (1 + gpus)} GPUs"
+    ):
         check_devices(cfg(engine="ray", learner_gpus=1 + gpus))  # (a GPU host: more than it has)
     # an existing cluster's workers are not known before the run: left to the run (which then fails)
     check_devices(cfg(engine="dask", address="tcp://scheduler:8786", devices_per_learner=n + 1))
@@ -131,11 +160,22 @@ def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, sma
     shutil.copytree(small_data, rd)
     layout = RunLayout(rd)
     fails = [{"learner": m, "at_step": 1} for m in range(3)]
-    with pytest.raises(FailedRun, match=r"pretrain-diloco trained 0 of 24,576 tokens \(0\.0 % of its budget\): "
-                                        r"every learner ended"):
-        pipeline(config_file="tiny", run_dir=str(rd),
-                 overrides={**SMALL_DATA, "diloco.learner_retries": 0, "chaos.failures": fails,
-                            "eval.enabled": False, "finetune.enabled": False})
+    with pytest.raises(
+        FailedRun,
+        match=r"pretrain-diloco trained 0 of 24,576 tokens \(0\.0 % of its budget\): "
+        r"every learner ended",
+    ):
+        pipeline(
+            config_file="tiny",
+            run_dir=str(rd),
+            overrides={
+                **SMALL_DATA,
+                "diloco.learner_retries": 0,
+                "chaos.failures": fails,
+                "eval.enabled": False,
+                "finetune.enabled": False,
+            },
+        )
     status = json.loads(layout.status.read_text())
     assert status["status"] == "failed" and status["completed_stages"] == ["data", "report"]
     assert "0 of 24,576 tokens (0.0 % of its budget)" in status["reason"]
@@ -144,6 +184,8 @@ def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, sma
     assert summary["budget"]["status"] == "short" and summary["budget"]["trained"] == 0
     assert not layout.summary("pretrain", "dp").exists()  # the run stopped at the failed stage
     md = squash(layout.report_md.read_text()).splitlines()
-    assert md[2].startswith("**Failed: ") and "pretrain-diloco trained 0 of 24,576 tokens (0.0 % of its budget)" in md[2]
+    assert (
+        md[2].startswith("**Failed: ") and "pretrain-diloco trained 0 of 24,576 tokens (0.0 % of its budget)" in md[2]
+    )
     assert "No learner failures" not in "\n".join(md)
     assert sum(1 for ln in md if ln.startswith("| 2 | 1 | ") and "InjectedFailure" in ln) == 2  # both tables

@@ -19,11 +19,18 @@ def spec(**kw) -> SweepSpec:
 
 
 def test_grid_cells_are_every_combination_named_from_their_overrides():
-    s = spec(grid={"diloco.learners": [2, 4], "diloco.quorum": [1, 2]},
-             cells=[{"diloco.inner.lr": 0.01, "finetune.optimizer.lr": 0.1}])
+    s = spec(
+        grid={"diloco.learners": [2, 4], "diloco.quorum": [1, 2]},
+        cells=[{"diloco.inner.lr": 0.01, "finetune.optimizer.lr": 0.1}],
+    )
     cells = expand_cells(s)
-    assert [c.name for c in cells] == ["learners-2_quorum-1", "learners-2_quorum-2", "learners-4_quorum-1",
-                                       "learners-4_quorum-2", "inner-lr-0.01_optimizer-lr-0.1"]
+    assert [c.name for c in cells] == [
+        "learners-2_quorum-1",
+        "learners-2_quorum-2",
+        "learners-4_quorum-1",
+        "learners-4_quorum-2",
+        "inner-lr-0.01_optimizer-lr-0.1",
+    ]
     assert cells[2].overrides == {"diloco.learners": 4, "diloco.quorum": 1}  # the first key varies slowest
     cfg = cell_config(s, cells[3])
     assert (cfg.name, cfg.diloco.learners, cfg.diloco.quorum) == ("learners-4_quorum-2", 4, 2)
@@ -43,21 +50,28 @@ def test_a_cell_is_identified_by_its_resolved_config():
     assert config_digest(again) == config_digest(a)  # tiny's quorum is 2: the same run
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({}, "grid: the sweep is empty"),
-    ({"grid": {"diloco.learners": []}}, "grid.diloco.learners: no values"),
-    ({"grid": {"diloco.learners": [2, 2]}}, "listed twice"),
-    ({"grid": {"run_root": ["a"]}}, "grid.run_root: the sweep names and places"),
-    ({"grid": {"diloco learners": [2]}}, "is not a dotted config key"),
-    ({"cells": [{}]}, r"cells\[0\]: an empty cell"),
-    ({"grid": {"diloco.learners": [2]}, "concurrency": 0}, "concurrency"),
-    ({"grid": {"diloco.learners": [2]}, "launch": "ray"}, "launch"),
-    ({"grid": {"diloco.learners": [2]}, "extra": 1}, "extra"),
-    ({"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco.learners": 8}},
-     "overrides.diloco.learners: also set by the grid's axis diloco.learners"),
-    ({"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco": {"learners": 8}}},
-     "overrides.diloco: also set by the grid's axis diloco.learners"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({}, "grid: the sweep is empty"),
+        ({"grid": {"diloco.learners": []}}, "grid.diloco.learners: no values"),
+        ({"grid": {"diloco.learners": [2, 2]}}, "listed twice"),
+        ({"grid": {"run_root": ["a"]}}, "grid.run_root: the sweep names and places"),
+        ({"grid": {"diloco learners": [2]}}, "is not a dotted config key"),
+        ({"cells": [{}]}, r"cells\[0\]: an empty cell"),
+        ({"grid": {"diloco.learners": [2]}, "concurrency": 0}, "concurrency"),
+        ({"grid": {"diloco.learners": [2]}, "launch": "ray"}, "launch"),
+        ({"grid": {"diloco.learners": [2]}, "extra": 1}, "extra"),
+        (
+            {"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco.learners": 8}},
+            "overrides.diloco.learners: also set by the grid's axis diloco.learners",
+        ),
+        (
+            {"grid": {"diloco.learners": [2, 4]}, "overrides": {"diloco": {"learners": 8}}},
+            "overrides.diloco: also set by the grid's axis diloco.learners",
+        ),
+    ],
+)
 def test_bad_sweeps_are_refused_naming_the_field(kw, message):
     with pytest.raises(ValidationError, match=message):
         spec(**kw)
@@ -98,8 +112,11 @@ def test_preflight_plans_new_completed_and_stopped_cells(tmp_path):
     assert [(c.action, c.previous) for c in plan.cells] == [("skip", "completed"), ("rerun", "interrupted")]
     # the same name with another config: the completed cell is not silently reused or overwritten
     other = spec(grid={"diloco.learners": [2, 3]}, overrides={**SMALL_DATA, "train.token_budget": 12288})
-    with pytest.raises(ValueError, match=r"cell learners-2: .* holds a completed run of another config "
-                                         r"\(train.token_budget: 24576 there, 12288 now\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cell learners-2: .* holds a completed run of another config "
+        r"\(train.token_budget: 24576 there, 12288 now\)",
+    ):
         sweep_preflight(other, tmp_path / "sw")
     (tmp_path / "notsweep").mkdir()
     (tmp_path / "notsweep" / "x.txt").write_text("x")
@@ -118,11 +135,24 @@ def _write_results(run_dir: Path, methods=("diloco", "dp")) -> None:
     """What a completed pipeline run holds besides config.json and status.json, as the sweep checks
     it: report/report.json (schema 3, only the keys a comparison reads) and pretrain/<m>/summary.json."""
     (run_dir / "report").mkdir(parents=True, exist_ok=True)
-    ms = {m: {"status": "ok", "final_val_loss": 4.1 + 0.2 * i, "wall_s": 100.0, "tokens": 24576,
-              "tokens_per_s": 245.0, "goodput": None, "bytes": {"total": 1000, "sent": 500}, "eval": {}}
-          for i, m in enumerate(methods)}
-    (run_dir / "report" / "report.json").write_text(json.dumps(
-        {"schema": 3, "stages": {"pretrain": {"unit": "tokens", "methods": ms, "loss_gaps": {}}}, "finetune": None}))
+    ms = {
+        m: {
+            "status": "ok",
+            "final_val_loss": 4.1 + 0.2 * i,
+            "wall_s": 100.0,
+            "tokens": 24576,
+            "tokens_per_s": 245.0,
+            "goodput": None,
+            "bytes": {"total": 1000, "sent": 500},
+            "eval": {},
+        }
+        for i, m in enumerate(methods)
+    }
+    (run_dir / "report" / "report.json").write_text(
+        json.dumps(
+            {"schema": 3, "stages": {"pretrain": {"unit": "tokens", "methods": ms, "loss_gaps": {}}}, "finetune": None}
+        )
+    )
     for m in methods:
         (run_dir / "pretrain" / m).mkdir(parents=True, exist_ok=True)
         (run_dir / "pretrain" / m / "summary.json").write_text(json.dumps({"tokens": 24576}))
@@ -149,8 +179,10 @@ def test_a_completed_cell_without_its_results_is_run_again(tmp_path):
     (tmp_path / "sw" / "sweep.json").write_text("{}")
     plan = sweep_preflight(s, tmp_path / "sw")
     assert [c.action for c in plan.cells] == ["skip", "rerun", "rerun"]
-    assert plan.cells[1].previous == ("completed without its results (missing report/report.json, "
-                                      "pretrain/diloco/summary.json, pretrain/dp/summary.json)")
+    assert plan.cells[1].previous == (
+        "completed without its results (missing report/report.json, "
+        "pretrain/diloco/summary.json, pretrain/dp/summary.json)"
+    )
     assert plan.cells[2].previous == "completed without its results (missing pretrain/dp/summary.json)"
     # with the DP baseline off, DiLoCo's summary and the report are all a completed run holds
     s_nodp = spec(grid={"diloco.learners": [4]}, overrides={**SMALL_DATA, "dp.enabled": False})
@@ -172,11 +204,17 @@ def test_the_sweep_comparison_lists_every_cell_and_says_which_have_no_results(tm
     (plan.cells[2].run_dir / "report" / "report.json").write_text('{"schema": 3, "sta')  # damaged
     comparison = sweep_report.fn(plan, {})  # outside a flow run: written, not published
     assert [r["label"] for r in comparison["runs"]] == ["learners-2"]
-    assert comparison["no_results"][0] == {"label": "learners-3", "run_dir": str(plan.cells[1].run_dir),
-                                           "status": "failed", "reason": "OOM", "why": "no report/report.json"}
+    assert comparison["no_results"][0] == {
+        "label": "learners-3",
+        "run_dir": str(plan.cells[1].run_dir),
+        "status": "failed",
+        "reason": "OOM",
+        "why": "no report/report.json",
+    }
     assert comparison["no_results"][1]["label"] == "learners-4"
-    assert comparison["no_results"][1]["why"].endswith("learners-4/report/report.json: corrupt JSON "
-                                                       "(Unterminated string starting at at line 1, column 15)")
+    assert comparison["no_results"][1]["why"].endswith(
+        "learners-4/report/report.json: corrupt JSON (Unterminated string starting at at line 1, column 15)"
+    )
     md = squash((tmp_path / "sw" / "report" / "comparison.md").read_text())
     assert "1 run directories compared (of 3; 2 with no results)" in md
     assert f"| learners-3 | no results (failed: OOM) | — | `{plan.cells[1].run_dir}` |" in md
@@ -202,8 +240,13 @@ def test_a_corrupt_sweep_record_is_kept_aside_with_a_warning(tmp_path, caplog):
 # ---------------------------------------------------------------------------------------------
 # One real sweep through the flow (the session's Prefect test server)
 
-FAST = {**SMALL_DATA, "train.token_budget": 3072, "train.eval_every_tokens": 3072, "eval.enabled": False,
-        "finetune.enabled": False}
+FAST = {
+    **SMALL_DATA,
+    "train.token_budget": 3072,
+    "train.eval_every_tokens": 3072,
+    "eval.enabled": False,
+    "finetune.enabled": False,
+}
 
 
 def _pipeline_runs(client, sweep_dir: Path) -> list:
@@ -218,8 +261,12 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
 
     from flows.sweep import sweep
 
-    s = spec(name="e2e", grid={"diloco.quorum": [1, 2], "diloco.merge": ["token_weighted", "mean"]},
-             overrides=FAST, concurrency=2)
+    s = spec(
+        name="e2e",
+        grid={"diloco.quorum": [1, 2], "diloco.merge": ["token_weighted", "mean"]},
+        overrides=FAST,
+        concurrency=2,
+    )
     sweep_dir = tmp_path / "sw"
     # a cell whose process died earlier: its folder is moved aside (kept) and the cell runs anew
     dead = sweep_dir / "cells" / "quorum-2_merge-mean"
@@ -230,11 +277,18 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
     assert sweep(spec=s, sweep_dir=str(sweep_dir)) == str(sweep_dir)
     record = json.loads((sweep_dir / "sweep.json").read_text())
     cells = {c["name"]: c for c in record["cells"]}
-    assert list(cells) == ["quorum-1_merge-token-weighted", "quorum-1_merge-mean", "quorum-2_merge-token-weighted",
-                           "quorum-2_merge-mean"]
+    assert list(cells) == [
+        "quorum-1_merge-token-weighted",
+        "quorum-1_merge-mean",
+        "quorum-2_merge-token-weighted",
+        "quorum-2_merge-mean",
+    ]
     assert all(c["status"] == "completed" and c["skipped"] is False for c in cells.values())
     assert cells["quorum-2_merge-mean"]["action"] == "rerun"
-    assert json.loads((sweep_dir / "attempts" / "quorum-2_merge-mean-1" / "status.json").read_text())["status"] == "running"
+    assert (
+        json.loads((sweep_dir / "attempts" / "quorum-2_merge-mean-1" / "status.json").read_text())["status"]
+        == "running"
+    )
 
     # the report: one row per cell, its numbers those of the cell's own report
     comparison = json.loads((sweep_dir / "report" / "comparison.json").read_text())
@@ -243,19 +297,24 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
     for row in comparison["rows"]:
         config = json.loads((Path(row["run_dir"]) / "config.json").read_text())
         assert (row["diloco.quorum"], row["diloco.merge"]) == (config["diloco"]["quorum"], config["diloco"]["merge"])
-        methods = json.loads((Path(row["run_dir"]) / "report" / "report.json").read_text())["stages"]["pretrain"]["methods"]
+        methods = json.loads((Path(row["run_dir"]) / "report" / "report.json").read_text())["stages"]["pretrain"][
+            "methods"
+        ]
         # the whole validation split (what selection reads); the gap is the test split's
         assert row["diloco/final_val_loss"] == methods["diloco"]["val_loss_whole"] is not None
         assert row["dp/final_val_loss"] == methods["dp"]["val_loss_whole"]
         assert row["dp/test_loss"] == methods["dp"]["test_loss"] is not None
         assert row["diloco/loss_gap_pct"] == pytest.approx(
-            100 * (methods["diloco"]["test_loss"] / methods["dp"]["test_loss"] - 1))
+            100 * (methods["diloco"]["test_loss"] / methods["dp"]["test_loss"] - 1)
+        )
     assert (sweep_dir / "report" / comparison["plots"]["loss"]).is_file()
     assert "| quorum-1_merge-mean | 1 | mean |" in squash((sweep_dir / "report" / "comparison.md").read_text())
     # DP once: the four cells differ in DiLoCo's settings only, so one of them trained DP and the
     # others copied its result from the sweep's dp/ (one entry; the same figures everywhere)
-    reused = [json.loads((Path(r["run_dir"]) / "pretrain" / "dp" / "summary.json").read_text()).get("reused_from")
-              for r in comparison["rows"]]
+    reused = [
+        json.loads((Path(r["run_dir"]) / "pretrain" / "dp" / "summary.json").read_text()).get("reused_from")
+        for r in comparison["rows"]
+    ]
     (entry,) = [p for p in (sweep_dir / "dp").iterdir() if p.is_dir()]
     assert sorted(map(bool, reused)) == [False, True, True, True] and {r for r in reused if r} == {str(entry)}
     assert len({r["dp/final_val_loss"] for r in comparison["rows"]}) == 1
@@ -278,7 +337,9 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
         keys = ["sweep-progress-e2e", "compare-e2e", "compare-table-e2e"]
-        found = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))}
+        found = {
+            a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+        }
         assert set(found) == set(keys) and float(found["sweep-progress-e2e"].data) == 100.0
 
     # a re-run finds every cell completed with its config: no pipeline run starts
@@ -289,23 +350,33 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         assert len(_pipeline_runs(client, sweep_dir)) == 4
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "error: invalid sweep: grid: the sweep is empty (no grid axis and no cells); give at least one axis"),
-    (["tiny_grid", "--axis", "diloco.lerners=[2,4]"], "error: sweep tiny-grid, cell learners-2_quorum-1_lerners-2: "
-                                                       "diloco.lerners: Extra inputs are not permitted"),
-    (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
-    (["tiny_grid", "--concurrency", "0"], "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) "
-                                          "(from --concurrency 0)"),
-    (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
-    (["tiny_grid", "--launch", "deployment"], "error: sweep tiny-grid: launch: deployment runs each cell through a "
-                                              "deployment's worker, which needs a Prefect server"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "error: invalid sweep: grid: the sweep is empty (no grid axis and no cells); give at least one axis"),
+        (
+            ["tiny_grid", "--axis", "diloco.lerners=[2,4]"],
+            "error: sweep tiny-grid, cell learners-2_quorum-1_lerners-2: "
+            "diloco.lerners: Extra inputs are not permitted",
+        ),
+        (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
+        (
+            ["tiny_grid", "--concurrency", "0"],
+            "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) (from --concurrency 0)",
+        ),
+        (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
+        (
+            ["tiny_grid", "--launch", "deployment"],
+            "error: sweep tiny-grid: launch: deployment runs each cell through a "
+            "deployment's worker, which needs a Prefect server",
+        ),
+    ],
+)
 def test_sweep_cli_refuses_bad_input_in_one_line(args, message, tmp_path, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
     from typer.testing import CliRunner
 
     from flows.cli import app
-
-    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with temporary_settings(restore_defaults={PREFECT_API_URL}):  # no server, even beside the test harness
@@ -329,10 +400,12 @@ def test_a_stop_while_a_cell_waits_for_a_worker_cancels_it_and_ends_the_sweep(pr
     from run.control import request_stop, reset
 
     with get_client(sync_client=True) as client:  # a pipeline deployment that no worker serves
-        client.create_deployment(flow_id=client.create_flow_from_name("pipeline"), name="nobody",
-                                 entrypoint="flows/pipeline.py:pipeline")
-    s = spec(name="stop", grid={"diloco.quorum": [1, 2]}, overrides=FAST, launch="deployment",
-             deployment="pipeline/nobody")
+        client.create_deployment(
+            flow_id=client.create_flow_from_name("pipeline"), name="nobody", entrypoint="flows/pipeline.py:pipeline"
+        )
+    s = spec(
+        name="stop", grid={"diloco.quorum": [1, 2]}, overrides=FAST, launch="deployment", deployment="pipeline/nobody"
+    )
     timer = threading.Timer(10, request_stop)
     timer.start()
     try:
@@ -355,8 +428,19 @@ def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_p
 
     from flows.cli import app
 
-    result = CliRunner().invoke(app, ["sweep", "tiny_grid", "--launch", "deployment", "--deployment", "pipeline/none",
-                                      "--sweep-dir", str(tmp_path / "sw")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sweep",
+            "tiny_grid",
+            "--launch",
+            "deployment",
+            "--deployment",
+            "pipeline/none",
+            "--sweep-dir",
+            str(tmp_path / "sw"),
+        ],
+    )
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "deployment: pipeline/none is not deployed on the Prefect server" in lines[0], lines
@@ -390,11 +474,22 @@ class _Holder:
 
         from prefect.settings import PREFECT_API_URL
 
-        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen([sys.executable, "-c", SLOT_HOLDER, limit], cwd=REPO, env=env, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        self.lines: "queue.Queue[str]" = queue.Queue()
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": PREFECT_API_URL.value(),
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONPATH": str(REPO),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SLOT_HOLDER, limit],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=lambda: [self.lines.put(x.rstrip("\n")) for x in self.proc.stdout], daemon=True).start()
 
@@ -481,12 +576,25 @@ def test_the_dp_digest_follows_what_dp_depends_on():
     from configs.sweep import dp_digest
 
     tiny = load_config(ROOT / "configs" / "tiny.yaml")
-    same = [{"diloco.outer_lr": 0.5}, {"diloco.quorum": 1}, {"runtime.engine": "dask"}, {"network.latency_ms": 5.0},
-            {"name": "other"}, {"eval.enabled": False}, {"finetune.enabled": False}]
+    same = [
+        {"diloco.outer_lr": 0.5},
+        {"diloco.quorum": 1},
+        {"runtime.engine": "dask"},
+        {"network.latency_ms": 5.0},
+        {"name": "other"},
+        {"eval.enabled": False},
+        {"finetune.enabled": False},
+    ]
     for o in same:
         assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) == dp_digest(tiny), o
-    for o in ({"dp.inner.lr": 0.001}, {"seed": 1}, {"train.token_budget": 49152}, {"model.d_model": 64},
-              {"data.val_docs": 3}, {"precision.compute": "bfloat16"}):
+    for o in (
+        {"dp.inner.lr": 0.001},
+        {"seed": 1},
+        {"train.token_budget": 49152},
+        {"model.d_model": 64},
+        {"data.val_docs": 3},
+        {"precision.compute": "bfloat16"},
+    ):
         assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) != dp_digest(tiny), o
 
 
@@ -499,9 +607,16 @@ def test_runs_that_share_dp_train_and_evaluate_it_once(prefect_harness, small_da
     from configs.schema import load_config
     from run.layout import RunLayout
 
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.enabled": False,
-                                                       "finetune.enabled": False, "train.token_budget": 3072,
-                                                       "train.eval_every_tokens": 3072})
+    cfg = load_config(
+        ROOT / "configs" / "tiny.yaml",
+        {
+            **SMALL_DATA,
+            "diloco.enabled": False,
+            "finetune.enabled": False,
+            "train.token_budget": 3072,
+            "train.eval_every_tokens": 3072,
+        },
+    )
     cache, runs = tmp_path / "dp", [tmp_path / "a", tmp_path / "b"]
     for rd in runs:
         shutil.copytree(small_data, rd)
@@ -517,6 +632,7 @@ def test_runs_that_share_dp_train_and_evaluate_it_once(prefect_harness, small_da
     assert "reused_from" not in first and second.pop("reused_from") == str(entry)
     assert second == first and 0.0 <= first["heldout_nextline/acc"] <= 1.0
     assert sorted(p.name for p in RunLayout(runs[1]).eval_outputs("pretrain", "dp").iterdir()) == sorted(
-        p.name for p in RunLayout(runs[0]).eval_outputs("pretrain", "dp").iterdir())
+        p.name for p in RunLayout(runs[0]).eval_outputs("pretrain", "dp").iterdir()
+    )
     notes = json.loads((RunLayout(runs[1]).report / "report.json").read_text())["stages"]["pretrain"]["notes"]
     assert any("its evaluation too" in n for n in notes)

@@ -4,7 +4,6 @@ Every case uses 1–3 learners, tensors of 1–2 values and token counts that ad
 tokens are 8 per inner step, so a submission's steps are tokens // 8.
 """
 
-
 import jax
 import numpy as np
 import pytest
@@ -20,8 +19,11 @@ BIG = float(np.float32(3e38))  # finite in float32 (max 3.4e38); BIG² is not
 def make(num_learners=2, quorum=1, merge="token_weighted", lr=0.7, momentum=0.9, a=(0.0, 0.0)):
     """Two fragments: "a" (2 values, the one under test) and "b" (1 value, 5.0)."""
     params = {"a": np.array(a, np.float32), "b": np.array([5.0], np.float32)}
-    return Syncer(params, [["a"], ["b"]], SyncerSettings(num_learners=num_learners, quorum=quorum, merge=merge,
-                                                         outer_lr=lr, outer_momentum=momentum))
+    return Syncer(
+        params,
+        [["a"], ["b"]],
+        SyncerSettings(num_learners=num_learners, quorum=quorum, merge=merge, outer_lr=lr, outer_momentum=momentum),
+    )
 
 
 def sub(m, values, tokens, base, step, attempt=1, fragment=0):
@@ -85,8 +87,9 @@ def _run_syncer_once(s, subs):
         exchange.submit(x)
     records = []
     exchange.mark_learners_done()
-    result = run_syncer(s, exchange, records.append, lambda params, tokens: None,
-                        eval_every_tokens=10**9, heartbeat_timeout_s=1.0)
+    result = run_syncer(
+        s, exchange, records.append, lambda params, tokens: None, eval_every_tokens=10**9, heartbeat_timeout_s=1.0
+    )
     assert exchange.is_closed()  # the loop ends the run: learners stop at their next step boundary
     return records, result, exchange
 
@@ -121,8 +124,14 @@ def test_overflowing_outer_step_is_refused_and_changes_nothing():
     assert s.pending[0] == {} and s.quorum_at[0] is None
     assert ledger(s) == {0: (128, 64, 64, 0), 1: (96, 64, 32, 0)}
     assert s.ledger[0].drop_reasons == {"bad-merge": 64} and s.ledger[1].drop_reasons == {"bad-merge": 32}
-    assert s.events[-1] == {"event": "merge-refused", "fragment": 0, "contributors": [0, 1], "tokens": [64, 32],
-                            "reason": "non-finite fragment after the outer step", "t": 2.0}
+    assert s.events[-1] == {
+        "event": "merge-refused",
+        "fragment": 0,
+        "contributors": [0, 1],
+        "tokens": [64, 32],
+        "reason": "non-finite fragment after the outer step",
+        "t": 2.0,
+    }
     # The next sound merge starts from the untouched Θ and buffer: Δ = −1.33 − (−2.33) = 1,
     # buffer 0.9·1 + 1 = 1.9, Θ = −1.33 − 0.7·(1 + 0.9·1.9) = −3.227. Learner 1's counter went
     # 32 → 48 since v1: 16 new tokens.
@@ -146,8 +155,7 @@ def test_non_finite_outer_gradient_is_refused(rule):
 
 def test_run_syncer_publishes_only_adopted_merges():
     s = make(a=(-BIG, 0.0))
-    records, result, exchange = _run_syncer_once(
-        s, [sub(0, [BIG, 0], 64, 0, 8), sub(0, [4.0], 64, 0, 8, fragment=1)])
+    records, result, exchange = _run_syncer_once(s, [sub(0, [BIG, 0], 64, 0, 8), sub(0, [4.0], 64, 0, 8, fragment=1)])
     # fragment 0 refused; fragment 1: Δ = 5 − 4 = 1, Θ = 5 − 0.7·1.9 = 3.67
     assert [r["fragment"] for r in records] == [1] and result.merges == 1
     assert exchange.versions() == [0, 1]
@@ -160,8 +168,15 @@ def test_run_syncer_publishes_only_adopted_merges():
 def test_zero_token_submission_is_not_queued_and_casts_no_vote():
     s = make(quorum=2)
     assert not s.receive(Submission(0, 0, {"a": np.ones(2, np.float32)}, 0, 0, 0, 1), 0.0)
-    assert s.events[-1] == {"event": "dropped", "learner": 0, "fragment": 0, "reason": "empty", "tokens": 0,
-                            "base_version": 0, "t": 0.0}
+    assert s.events[-1] == {
+        "event": "dropped",
+        "learner": 0,
+        "fragment": 0,
+        "reason": "empty",
+        "tokens": 0,
+        "base_version": 0,
+        "t": 0.0,
+    }
     assert s.pending[0] == {}
     assert s.receive(sub(1, [2, 2], 64, 0, 8), 0.1)
     assert s.quorum_at[0] is None and s.poll(0.1, live={0, 1}) == []  # one vote of K = 2
@@ -256,8 +271,15 @@ def test_retrained_steps_after_a_restart_are_merged_once():
     assert _books(s) == (80, 80, 0, 0, 0)
     # attempt 2, resumed at step 5 with v2: its step-10 copy holds steps 6–10 again
     assert not s.receive(sub(0, [3, 3], 40, 2, 10, attempt=2), 2.0)
-    assert s.events[-1] == {"event": "dropped", "learner": 0, "fragment": 0, "reason": "recomputed", "tokens": 40,
-                            "base_version": 2, "t": 2.0}
+    assert s.events[-1] == {
+        "event": "dropped",
+        "learner": 0,
+        "fragment": 0,
+        "reason": "recomputed",
+        "tokens": 40,
+        "base_version": 2,
+        "t": 2.0,
+    }
     assert s.pending[0] == {} and s.poll(2.0, live={0}) == [] and s.versions == [2, 0]
     np.testing.assert_allclose(s.global_params[0]["a"], [2.0, 2.0])  # not merged
     assert _books(s) == (120, 80, 40, 0, 0)
@@ -269,8 +291,9 @@ def test_retrained_steps_after_a_restart_are_merged_once():
     np.testing.assert_allclose(s.global_params[0]["a"], [4.0, 4.0])
     assert _books(s) == (160, 120, 40, 0, 0)
     assert s.ledger[0].drop_reasons == {}  # recomputed work is not a drop: its own column
-    merged = [(c, rec["fragment"], ls) for rec in (r1, r2, r3)
-              for c, ls in zip(rec["contributors"], rec["local_steps"])]
+    merged = [
+        (c, rec["fragment"], ls) for rec in (r1, r2, r3) for c, ls in zip(rec["contributors"], rec["local_steps"])
+    ]
     assert len(merged) == len(set(merged)) == 3
 
 

@@ -108,16 +108,26 @@ def run_attempt(url, store_dir, recorder, fail_at=None, every_s=0.0, clock=time.
     journal = SyncerJournal(ex, OrbaxSyncerStore(store_dir), every_s, clock=clock)
     out = {"syncer": syncer, "journal": journal, "exchange": ex, "records": [] if records is None else records}
     try:
-        run_syncer(syncer, ex, out["records"].append, lambda params, tokens: None, eval_every_tokens=10**9,
-                   heartbeat_timeout_s=1.0, poll_s=0.001, journal=journal, fail_at=fail_at)
+        run_syncer(
+            syncer,
+            ex,
+            out["records"].append,
+            lambda params, tokens: None,
+            eval_every_tokens=10**9,
+            heartbeat_timeout_s=1.0,
+            poll_s=0.001,
+            journal=journal,
+            fail_at=fail_at,
+        )
     except InjectedFailure as exc:
         out["failure"] = exc
     return out
 
 
 def make_exchange(url):
-    return FsspecExchange.create(url, initial=theta0(), num_learners=M, token_budget=10**6, grant_tokens=10**5,
-                                 poll_s=0.001)
+    return FsspecExchange.create(
+        url, initial=theta0(), num_learners=M, token_budget=10**6, grant_tokens=10**5, poll_s=0.001
+    )
 
 
 def ledger_of(s):
@@ -166,7 +176,8 @@ def test_state_dict_round_trip_is_bit_identical(tmp_path):
     assert ledger_of(s) == ledger_of(fresh) and s.events == fresh.events
     with pytest.raises(ValueError, match="other settings"):
         Syncer(fresh.params(), [["a"], ["b"]], SyncerSettings(num_learners=M, quorum=1)).load_state_dict(
-            back_arrays, back_meta, objects.__getitem__)
+            back_arrays, back_meta, objects.__getitem__
+        )
 
 
 # -- (b) killed between journal and publish, restarted from checkpoint + journal ------------------
@@ -179,8 +190,9 @@ def reference_run(url, tmp_path):
     return ref
 
 
-@pytest.mark.parametrize("when, damaged", [("before_publish", False), ("after_publish", False),
-                                            ("before_publish", True)])
+@pytest.mark.parametrize(
+    "when, damaged", [("before_publish", False), ("after_publish", False), ("before_publish", True)]
+)
 def test_a_killed_syncer_resumes_without_losing_or_repeating_a_merge(url, tmp_path, when, damaged):
     """Killed right after merge 6's journal entry (before or after its publish); with ``damaged``
     the newest checkpoint also loses bytes of a file, so the restart falls back to the older one
@@ -204,15 +216,19 @@ def test_a_killed_syncer_resumes_without_losing_or_repeating_a_merge(url, tmp_pa
     driver = threading.Thread(target=drive, args=(url, on_round))
     driver.start()
     # merge 6 is fragment 1's round-3 merge: killed after its journal entry, before (or after) its publish
-    first = run_attempt(url, tmp_path / "state", recorder, fail_at=(6, when), every_s=50.0,
-                        clock=lambda: fake["t"], records=records)
+    first = run_attempt(
+        url, tmp_path / "state", recorder, fail_at=(6, when), every_s=50.0, clock=lambda: fake["t"], records=records
+    )
     assert isinstance(first.get("failure"), InjectedFailure)
     crashed_at = time.perf_counter()
     assert len(store.steps()) == 2  # the checkpoints of rounds 2 and 3
     if damaged:
         newest = store.path / str(store.steps()[-1])
-        victim = next(f for f in sorted(newest.rglob("*")) if f.is_file() and f.stat().st_size > 16
-                      and f.name != "_integrity.json")
+        victim = next(
+            f
+            for f in sorted(newest.rglob("*"))
+            if f.is_file() and f.stat().st_size > 16 and f.name != "_integrity.json"
+        )
         victim.write_bytes(victim.read_bytes()[:-8])
     second = run_attempt(url, tmp_path / "state", recorder, every_s=50.0, clock=lambda: fake["t"], records=records)
     driver.join()
@@ -292,8 +308,16 @@ def test_a_stale_syncer_is_fenced_out_of_every_write(url, tmp_path):
 
     b = syncer_for(b_ex)
     learner.mark_learners_done()
-    run_syncer(b, b_ex, lambda rec: None, lambda params, tokens: None, 10**9, 1.0, poll_s=0.001,
-               journal=SyncerJournal(b_ex, OrbaxSyncerStore(tmp_path / "state"), 0.0))
+    run_syncer(
+        b,
+        b_ex,
+        lambda rec: None,
+        lambda params, tokens: None,
+        10**9,
+        1.0,
+        poll_s=0.001,
+        journal=SyncerJournal(b_ex, OrbaxSyncerStore(tmp_path / "state"), 0.0),
+    )
     # B replayed A's two merges (already published), then merged round 2 from the inbox itself
     assert recorder.published == [(0, 1, 1), (1, 1, 1), (0, 2, 2), (1, 2, 2)]
     np.testing.assert_array_equal(b.global_params[0]["a"], FsspecExchange.open(url).latest(0)[1]["a"])

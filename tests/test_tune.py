@@ -7,8 +7,10 @@ from pydantic import ValidationError
 
 from tests.conftest import SMALL_DATA
 
-SPACE = {"dp": {"dp.inner.lr": {"low": 0.003, "high": 0.03, "log": True}},
-         "diloco": {"diloco.outer_lr": {"low": 0.4, "high": 1.0}}}
+SPACE = {
+    "dp": {"dp.inner.lr": {"low": 0.003, "high": 0.03, "log": True}},
+    "diloco": {"diloco.outer_lr": {"low": 0.4, "high": 1.0}},
+}
 
 
 def test_a_study_spec_refuses_unequal_or_unsafe_searches():
@@ -42,8 +44,13 @@ def test_variants_get_a_diloco_study_each_and_one_dp(tmp_path):
     assert final["seeds"] == [0, 1, 2] and final["dp"]["inner"]["lr"] == 0.01 and final["diloco"]["learners"] == 2
     with pytest.raises(ValidationError, match="changes DiLoCo only"):
         TuneSpec(space=SPACE, variants=[{"dp.batch_size": 8}])
-    bad = TuneSpec(base="tiny", overrides=SMALL_DATA, study_root=str(tmp_path), space=SPACE,
-                   variants=[{"diloco.learners": 2, "diloco.quorum": 3}])
+    bad = TuneSpec(
+        base="tiny",
+        overrides=SMALL_DATA,
+        study_root=str(tmp_path),
+        space=SPACE,
+        variants=[{"diloco.learners": 2, "diloco.quorum": 3}],
+    )
     with pytest.raises(ValueError, match="diloco-learners-2_quorum-3"):
         tune_preflight(bad)
 
@@ -52,8 +59,12 @@ def test_preflight_names_the_searched_value_that_cannot_run(tmp_path):
     from configs.tune import TuneSpec
     from flows.tune import tune_preflight
 
-    spec = TuneSpec(base="tiny", overrides=SMALL_DATA, study_root=str(tmp_path),
-                    space={**SPACE, "diloco": {"diloco.quorum": {"choices": [1, 9]}}})
+    spec = TuneSpec(
+        base="tiny",
+        overrides=SMALL_DATA,
+        study_root=str(tmp_path),
+        space={**SPACE, "diloco": {"diloco.quorum": {"choices": [1, 9]}}},
+    )
     with pytest.raises(ValueError, match=r"space\.diloco\.diloco\.quorum = 9: .*quorum"):
         tune_preflight(spec)
     assert not any(tmp_path.iterdir())  # nothing written
@@ -65,9 +76,16 @@ def study(prefect_harness, tmp_path_factory):
     from configs.tune import TuneSpec
     from flows.tune import tune
 
-    spec = TuneSpec(name="t", base="tiny", overrides={**SMALL_DATA, "finetune.enabled": False},
-                    trial_overrides={"eval.enabled": False}, trials=2, seeds=[0, 1], space=SPACE,
-                    study_root=str(tmp_path_factory.mktemp("studies")))
+    spec = TuneSpec(
+        name="t",
+        base="tiny",
+        overrides={**SMALL_DATA, "finetune.enabled": False},
+        trial_overrides={"eval.enabled": False},
+        trials=2,
+        seeds=[0, 1],
+        space=SPACE,
+        study_root=str(tmp_path_factory.mktemp("studies")),
+    )
     out = tune(spec=spec)
     return spec, out
 

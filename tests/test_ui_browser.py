@@ -48,9 +48,17 @@ INSTALL_HINT = "`make browser` as root (apt-get install -y chromium)"
 # small /dev/shm; nothing that reaches out of the machine (component updates, sync, background
 # requests, QUIC); no first-run dialogs. Each test gets a fresh --user-data-dir (Playwright's
 # persistent context under tmp_path), so no profile of an earlier run is read.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--headless",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--no-first-run", "--disable-quic"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-dev-shm-usage",
+    "--headless",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
 # Failed API requests that are no fault: the browser aborts a page's requests still in flight when
 # the test navigates away from it (net::ERR_ABORTED is Chromium's own cancel, no server answer).
 # Every API response with status >= 400 is a fault: there is no exception for those.
@@ -58,8 +66,11 @@ BENIGN_REQUEST_FAILURES = ("net::ERR_ABORTED",)
 # The custom-run form's fields checked against configs/tiny.yaml, as (label, dotted config key): the
 # form shows them as the deployment's parameters; the whole config is compared through the API.
 # Labels are the fields' titles; each of these differs from the schema's default in configs/tiny.yaml.
-FORM_FIELDS = [("Learners", "diloco.learners"), ("Sync Every", "diloco.sync_every"),
-               ("Token Budget", "train.token_budget")]
+FORM_FIELDS = [
+    ("Learners", "diloco.learners"),
+    ("Sync Every", "diloco.sync_every"),
+    ("Token Budget", "train.token_budget"),
+]
 
 
 def _unavailable(reason: str) -> None:
@@ -109,17 +120,21 @@ def ui_server(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("prefect-server")
     port = _free_port()
     base, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}/api"
-    env = {**os.environ,
-           "PREFECT_HOME": str(tmp_path / "prefect-home"),
-           "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           # the UI asks the server for its API URL: without this it is http://127.0.0.1:4200/api
-           "PREFECT_API_URL": api, "PREFECT_UI_API_URL": api,
-           "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1", "PREFECT_WORKER_QUERY_SECONDS": "1",
-           # the scheduler looks for schedules to fill every 5 s, not 60 (the schedule test)
-           "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
-           "PWD": str(REPO)}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # the UI asks the server for its API URL: without this it is http://127.0.0.1:4200/api
+        "PREFECT_API_URL": api,
+        "PREFECT_UI_API_URL": api,
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        # the scheduler looks for schedules to fill every 5 s, not 60 (the schedule test)
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+        "PWD": str(REPO),
+    }
     log = tmp_path / "server.log"
     server = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
     try:
@@ -140,14 +155,16 @@ class _ApiWatch:
 
     def _response(self, response) -> None:
         if response.url.startswith(self.api) and response.status >= 400:
-            self.failures.append(f"{response.status} {response.request.method} {response.url[len(self.api):]} "
-                                 f"(page {self.page.url})")
+            self.failures.append(
+                f"{response.status} {response.request.method} {response.url[len(self.api) :]} (page {self.page.url})"
+            )
 
     def _failed(self, request) -> None:
         failure = request.failure or ""
         if request.url.startswith(self.api) and not any(b in failure for b in BENIGN_REQUEST_FAILURES):
-            self.failures.append(f"{request.method} {request.url[len(self.api):]} failed: {failure} "
-                                 f"(page {self.page.url})")
+            self.failures.append(
+                f"{request.method} {request.url[len(self.api) :]} failed: {failure} (page {self.page.url})"
+            )
 
     def check(self, what: str) -> None:
         assert not self.failures, f"{what}: the UI's API calls failed: " + "; ".join(self.failures)
@@ -158,8 +175,11 @@ def _config_difference(deployed: dict, shipped: dict) -> str:
     from reports.common import flatten
 
     a, b = flatten(deployed, sep="."), flatten(shipped, sep=".")
-    return "; ".join(f"{k}: {a.get(k, '(missing)')!r} deployed, {b.get(k, '(missing)')!r} in the shipped config"
-                     for k in sorted(set(a) | set(b)) if a.get(k, "(missing)") != b.get(k, "(missing)"))
+    return "; ".join(
+        f"{k}: {a.get(k, '(missing)')!r} deployed, {b.get(k, '(missing)')!r} in the shipped config"
+        for k in sorted(set(a) | set(b))
+        if a.get(k, "(missing)") != b.get(k, "(missing)")
+    )
 
 
 def _in_api(api: str, fn):
@@ -187,8 +207,14 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
         old.unlink()
 
     # What `prefect work-pool create local-proc --type process` does (tests/test_deployments.py runs the CLI).
-    _in_api(api, lambda client: client.create_work_pool(WorkPoolCreate(
-        name="local-proc", type="process", base_job_template=ProcessWorker.get_default_base_job_template())))
+    _in_api(
+        api,
+        lambda client: client.create_work_pool(
+            WorkPoolCreate(
+                name="local-proc", type="process", base_job_template=ProcessWorker.get_default_base_job_template()
+            )
+        ),
+    )
     with sync_playwright() as pw, ExitStack() as stack:  # the stack closes first: browser, worker, deploy
         # deploy, the worker and the browser start side by side
         deploy = _start([PREFECT, "--no-prompt", "deploy", "--name", "tiny"], env, tmp_path / "deploy.log")
@@ -196,8 +222,12 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
         worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], env, log)
         stack.callback(_stop, worker)
         browser = pw.chromium.launch_persistent_context(
-            str(tmp_path / "chromium-profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS,
-            viewport={"width": 1400, "height": 1000})
+            str(tmp_path / "chromium-profile"),
+            executable_path=chromium,
+            headless=True,
+            args=CHROMIUM_ARGS,
+            viewport={"width": 1400, "height": 1000},
+        )
         stack.callback(browser.close)
         page = browser.new_page()
         page.set_default_timeout(60_000)
@@ -225,8 +255,10 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
 
             shipped = load_config(CONFIG_DIR / "tiny.yaml").model_dump(mode="json")
             deployed = _in_api(api, lambda client: client.read_deployment_by_name("pipeline/tiny")).parameters
-            assert deployed.get("config") == shipped, \
-                f"pipeline/tiny's form differs from configs/tiny.yaml: {_config_difference(deployed.get('config') or {}, shipped)}"
+            assert deployed.get("config") == shipped, (
+                "pipeline/tiny's form differs from configs/tiny.yaml: "
+                f"{_config_difference(deployed.get('config') or {}, shipped)}"
+            )
 
             page.get_by_role("link", name="Deployments", exact=True).click()
             # the list a user sees holds the deployment (an empty list shows "Create a deployment to get started")
@@ -247,22 +279,36 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
                 section, name = key.split(".")
                 want = str(shipped[section][name])
                 title = page.get_by_text(re.compile(rf"^{label} \(Optional\)$"))
-                box = (page.locator("div").filter(has=title).filter(has=page.locator("input, textarea")).last
-                       .locator("input, textarea").first)
-                assert box.input_value() == want, \
+                box = (
+                    page.locator("div")
+                    .filter(has=title)
+                    .filter(has=page.locator("input, textarea"))
+                    .last.locator("input, textarea")
+                    .first
+                )
+                assert box.input_value() == want, (
                     f"the custom-run form shows {label} = {box.input_value()!r}; configs/tiny.yaml has {key} = {want}"
+                )
             api_calls.check("the custom-run form")
             # overrides: a JSON editor (CodeMirror); the fast offline values replace its {}
-            editor = (page.locator("div").filter(has=page.get_by_text("overrides (Optional)", exact=True))
-                      .locator(".cm-content").last)
+            editor = (
+                page.locator("div")
+                .filter(has=page.get_by_text("overrides (Optional)", exact=True))
+                .locator(".cm-content")
+                .last
+            )
             editor.click()
             page.keyboard.press("Control+a")
             page.keyboard.press("Delete")
             page.keyboard.insert_text(json.dumps(UI_FAST))  # inserted whole: no auto-closed brackets
             expect(editor).to_contain_text('"train.token_budget": 3072')
             # run_dir is Optional[str]: a "str | None" switch set to None; pick str, type a path
-            field = (page.locator("div").filter(has=page.get_by_text("run_dir (Optional)", exact=True))
-                     .filter(has=page.get_by_role("tablist")).last)
+            field = (
+                page.locator("div")
+                .filter(has=page.get_by_text("run_dir (Optional)", exact=True))
+                .filter(has=page.get_by_role("tablist"))
+                .last
+            )
             field.get_by_role("tab", name="str", exact=True).click()
             field.get_by_role("textbox").fill(str(run_dir))
             expect(field.get_by_role("textbox")).to_have_value(str(run_dir))
@@ -303,8 +349,9 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             flow_run = _in_api(api, wait_final)
             assert flow_run.parameters.get("run_dir") == str(run_dir), flow_run.parameters
             assert flow_run.parameters.get("overrides") == UI_FAST  # typed into the form
-            assert flow_run.state is not None and flow_run.state.is_completed(), \
+            assert flow_run.state is not None and flow_run.state.is_completed(), (
                 f"flow run {flow_run.name}: {flow_run.state}\n{_tail(log)}"
+            )
             assert (run_dir / "report" / "report.md").is_file(), f"no report in {run_dir}"
 
             page.goto(base + run_url if run_url.startswith("/") else run_url)
@@ -332,8 +379,11 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
                 runs = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["pretrain-diloco"])))
                 return next(r for r in runs if r.parameters.get("run_dir") == str(run_dir))
 
-            page.goto((base + run_url if run_url.startswith("/") else run_url).replace(flow_run_id,
-                                                                                     str(_in_api(api, diloco_run).id)))
+            page.goto(
+                (base + run_url if run_url.startswith("/") else run_url).replace(
+                    flow_run_id, str(_in_api(api, diloco_run).id)
+                )
+            )
             page.get_by_role("tab", name="Task Runs").click()
             expect(page.get_by_role("link", name="syncer", exact=False).first).to_be_visible()
             expect(page.get_by_role("link", name="learner", exact=False)).to_have_count(3)  # tiny: M = 3
@@ -369,25 +419,43 @@ def test_an_activated_schedule_creates_flow_runs(ui_server):
     def create(client):
         flow_id = client.create_flow_from_name("sweep")
         dep_id = client.create_deployment(
-            flow_id=flow_id, name="every-10s", entrypoint="flows/sweep.py:sweep", parameters={"spec": spec},
-            schedules=[DeploymentScheduleCreate(schedule=IntervalSchedule(interval=dt.timedelta(seconds=10)),
-                                                active=False)])
+            flow_id=flow_id,
+            name="every-10s",
+            entrypoint="flows/sweep.py:sweep",
+            parameters={"spec": spec},
+            schedules=[
+                DeploymentScheduleCreate(schedule=IntervalSchedule(interval=dt.timedelta(seconds=10)), active=False)
+            ],
+        )
         return dep_id, client.read_deployment(dep_id).schedules
 
     def runs_of(dep_id):
         return lambda client: client.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id])))
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[dep_id]))
+        )
 
     dep_id, schedules = _in_api(api, create)
     assert [(s.active, s.schedule.interval) for s in schedules] == [(False, dt.timedelta(seconds=10))]
-    listed = subprocess.run([PREFECT, "deployment", "schedule", "ls", "sweep/every-10s"], env=env, cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [PREFECT, "deployment", "schedule", "ls", "sweep/every-10s"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.returncode == 0 and "10" in listed.stdout, listed.stdout + listed.stderr
     time.sleep(6)  # longer than the scheduler's loop for recently changed deployments (5 s)
     assert _in_api(api, runs_of(dep_id)) == []  # inactive: nothing scheduled
 
-    resumed = subprocess.run([PREFECT, "deployment", "schedule", "resume", "sweep/every-10s", str(schedules[0].id)],
-                             env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    resumed = subprocess.run(
+        [PREFECT, "deployment", "schedule", "resume", "sweep/every-10s", str(schedules[0].id)],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     end = time.monotonic() + 60
     while not (runs := _in_api(api, runs_of(dep_id))) and time.monotonic() < end:

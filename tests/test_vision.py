@@ -25,11 +25,15 @@ def test_patchify_shapes_and_round_trip():
         patchify(jnp.asarray(images), 5)
 
 
-@pytest.mark.parametrize("cfg", [
-    ViTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, patch_size=2),
-    ViTMoEConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, patch_size=4, pool="mean", n_experts=4,
-                 capacity_factor=None),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ViTConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, patch_size=2),
+        ViTMoEConfig(
+            d_model=32, n_layers=2, n_heads=2, d_ff=64, patch_size=4, pool="mean", n_experts=4, capacity_factor=None
+        ),
+    ],
+)
 def test_vit_kinds_fit_a_few_images(cfg):
     """Both kinds learn 16 random 8×8 digit-like images by heart (accuracy → 1) with microbatches."""
     spec = build_model(cfg, InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16))
@@ -37,8 +41,10 @@ def test_vit_kinds_fit_a_few_images(cfg):
     trainer = Trainer(spec, optax.adam(1e-2), microbatches=2)
     params, rng = trainer.init_params(), np.random.default_rng(0)
     opt = trainer.init_opt(params)
-    batch = {"image": jnp.asarray(rng.integers(0, 17, (16, 8, 8, 1), dtype=np.uint8)),
-             "label": jnp.asarray(np.arange(16) % 10, dtype=jnp.int32)}
+    batch = {
+        "image": jnp.asarray(rng.integers(0, 17, (16, 8, 8, 1), dtype=np.uint8)),
+        "label": jnp.asarray(np.arange(16) % 10, dtype=jnp.int32),
+    }
     first = float(trainer.evaluate(params, batch)["ce"])
     for _ in range(80):
         params, opt, _ = trainer.step(params, opt, batch)

@@ -21,8 +21,16 @@ from diloco.exchange.fsspec import FsspecExchange
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.wire import SCALE_SUFFIX, WireFormat
 
-FORMATS = [WireFormat("float32"), WireFormat("bfloat16"), WireFormat("int8"), WireFormat("int8", 64),
-           WireFormat("int8", 7), WireFormat("int4"), WireFormat("int4", 64), WireFormat("int4", 5)]
+FORMATS = [
+    WireFormat("float32"),
+    WireFormat("bfloat16"),
+    WireFormat("int8"),
+    WireFormat("int8", 64),
+    WireFormat("int8", 7),
+    WireFormat("int4"),
+    WireFormat("int4", 64),
+    WireFormat("int4", 5),
+]
 IDS = [f.spec for f in FORMATS]
 
 
@@ -56,7 +64,7 @@ def test_round_trip_within_the_stated_bound(fmt):
         assert got.dtype == np.float32 and got.shape == a.shape, name
         err = np.abs(got.astype(np.float64) - a.astype(np.float64))
         # the bound, plus the float32 rounding of the decoded value (relative 2⁻²⁴)
-        allowed = fmt.error_bound(a) + np.abs(a.astype(np.float64)) * 2.0 ** -23
+        allowed = fmt.error_bound(a) + np.abs(a.astype(np.float64)) * 2.0**-23
         assert (err <= allowed).all(), (name, float(np.max(err - allowed)))
     np.testing.assert_array_equal(out["zeros"], 0.0)  # a zero block decodes to exact zeros
     if fmt.dtype == "float32":
@@ -77,10 +85,17 @@ def test_stated_bounds_by_hand():
     np.testing.assert_allclose(fmt.error_bound(y["a"]), [3 / 14, 3 / 14, 0.5, 0.5])
 
 
-@pytest.mark.parametrize("fmt, per_value, scales", [
-    (WireFormat("float32"), 4.0, 0), (WireFormat("bfloat16"), 2.0, 0), (WireFormat("int8"), 1.0, 1),
-    (WireFormat("int8", 64), 1.0, 64), (WireFormat("int4"), 0.5, 1), (WireFormat("int4", 64), 0.5, 64),
-])
+@pytest.mark.parametrize(
+    "fmt, per_value, scales",
+    [
+        (WireFormat("float32"), 4.0, 0),
+        (WireFormat("bfloat16"), 2.0, 0),
+        (WireFormat("int8"), 1.0, 1),
+        (WireFormat("int8", 64), 1.0, 64),
+        (WireFormat("int4"), 0.5, 1),
+        (WireFormat("int4", 64), 0.5, 64),
+    ],
+)
 def test_payload_bytes(fmt, per_value, scales):
     """n values: 4n, 2n, n + 4·blocks, ⌈n/2⌉ + 4·blocks (one tensor of 4096, one of 7)."""
     x = {"big": np.ones((64, 64), np.float32), "odd": np.ones(7, np.float32)}
@@ -123,8 +138,9 @@ def test_specs_parse_and_bad_formats_are_refused():
 # -- the syncer rebuilds θ from quantised updates ----------------------------------------------------
 def _int4_syncer(max_staleness=1):
     theta0 = {"w": np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6), "b": np.full(5, 0.5, np.float32)}
-    settings = SyncerSettings(num_learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0,
-                              max_staleness=max_staleness, wire="int4:4")
+    settings = SyncerSettings(
+        num_learners=2, quorum=2, outer_lr=1.0, outer_momentum=0.0, max_staleness=max_staleness, wire="int4:4"
+    )
     return theta0, Syncer(theta0, [["w"], ["b"]], settings)
 
 
@@ -166,8 +182,9 @@ def test_syncer_drops_int4_nan_wrong_payloads_and_overflow():
     unknown = Submission(1, 0, {"w": theta0["w"]}, 128, 16, 0, 9, wire="int3")  # 64 more tokens
     assert not s.receive(unknown, 0.0) and s.ledger[1].drop_reasons == {"wrong-tensors": 128}
     # a finite update whose sum with the base overflows float32 is non-finite
-    edge = Syncer({"w": np.full(4, 3e38, np.float32)}, [["w"]],
-                  SyncerSettings(num_learners=1, outer_momentum=0.0, wire="int8"))
+    edge = Syncer(
+        {"w": np.full(4, 3e38, np.float32)}, [["w"]], SyncerSettings(num_learners=1, outer_momentum=0.0, wire="int8")
+    )
     huge = Submission(0, 0, WireFormat("int8").encode({"w": np.full(4, 1e38, np.float32)}), 64, 8, 0, 8, wire="int8")
     assert not edge.receive(huge, 0.0) and edge.ledger[0].drop_reasons == {"non-finite": 64}
 
@@ -206,8 +223,9 @@ def test_state_dict_round_trip_with_int4_pending_submissions():
     submissions (re-read by name) to the same θ and merges bit-identically."""
     url = f"memory://wire-{uuid.uuid4().hex}"
     theta0, s = _int4_syncer(max_staleness=1)
-    ex = FsspecExchange.create(url, initial=[{"w": theta0["w"]}, {"b": theta0["b"]}], num_learners=2,
-                               token_budget=10**6, grant_tokens=64)
+    ex = FsspecExchange.create(
+        url, initial=[{"w": theta0["w"]}, {"b": theta0["b"]}], num_learners=2, token_budget=10**6, grant_tokens=64
+    )
     rng = np.random.default_rng(2)
 
     def send(m, v, step):
@@ -264,12 +282,14 @@ def test_tiny_pretrain_with_int4_on_the_fsspec_exchange(prefect_harness, small_c
     run_dir = tmp_path / "run"
     shutil.copytree(small_data, run_dir)
     layout = RunLayout(run_dir)
-    cfg = ExperimentConfig.model_validate({
-        **small_cfg.model_dump(),
-        "diloco": {**small_cfg.diloco.model_dump(), "grace_s": 0.05, "wire": {"dtype": "int4"}},
-        "train": {**small_cfg.train.model_dump(), "token_budget": 6144, "eval_every_tokens": 6144},
-        "runtime": {"exchange": "fsspec"},
-    })
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {**small_cfg.diloco.model_dump(), "grace_s": 0.05, "wire": {"dtype": "int4"}},
+            "train": {**small_cfg.train.model_dump(), "token_budget": 6144, "eval_every_tokens": 6144},
+            "runtime": {"exchange": "fsspec"},
+        }
+    )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
     assert summary["tokens"] == cfg.dp_steps * cfg.tokens_per_dp_step
     assert summary["hyperparameters"]["wire format (learner→syncer)"] == "int4"
@@ -284,6 +304,8 @@ def test_tiny_pretrain_with_int4_on_the_fsspec_exchange(prefect_harness, small_c
     merged = sum(m["bytes_in"] for m in merges)
     assert merged == summary["bytes_merged"] <= summary["bytes_to_syncer"]
     ratio = merged / as_float32
-    print(f"\nint4: {merged:,} bytes merged in {len(merges)} merges, {ratio:.4f} of float32's {as_float32:,}; "
-          f"bytes_to_syncer {summary['bytes_to_syncer']:,}, final loss {summary['final_val_loss']:.4f}")
+    print(
+        f"\nint4: {merged:,} bytes merged in {len(merges)} merges, {ratio:.4f} of float32's {as_float32:,}; "
+        f"bytes_to_syncer {summary['bytes_to_syncer']:,}, final loss {summary['final_val_loss']:.4f}"
+    )
     assert 1 / 8 < ratio < 0.13  # ½ byte a value, plus 4 bytes a tensor

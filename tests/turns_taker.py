@@ -13,7 +13,8 @@ from diloco.pacing import HostTurns
 
 def take_turns(path: str, slots: int, turns: int, hold_s: float, out, go, die_holding: bool = False) -> None:
     """Take ``turns`` turns of ``hold_s`` seconds each, putting ``(pid, start, end)`` on ``out`` for
-    every one, once ``go`` (an Event) is set. With ``die_holding``, SIGKILL this process in the middle of its first turn."""
+    every one, once ``go`` (an Event) is set. With ``die_holding``, SIGKILL this process in the
+    middle of its first turn."""
     host = HostTurns(path, slots, check_s=0.02)
     out.put(("ready", os.getpid(), time.time()))
     go.wait()

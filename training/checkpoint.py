@@ -220,9 +220,15 @@ def _check_without_record(step_dir: Path) -> list[tuple[str, str]]:
             # a tree without arrays (e.g. the empty state of outer SGD without momentum) has no data files
             has_arrays = not isinstance(tree, dict) or any(
                 not (v.get("value_metadata") or {}).get("skip_deserialize", False)
-                for v in tree.values() if isinstance(v, dict))
-            if (isinstance(meta, dict) and meta.get("use_ocdbt", True) and has_arrays
-                    and not (item / "manifest.ocdbt").is_file()):
+                for v in tree.values()
+                if isinstance(v, dict)
+            )
+            if (
+                isinstance(meta, dict)
+                and meta.get("use_ocdbt", True)
+                and has_arrays
+                and not (item / "manifest.ocdbt").is_file()
+            ):
                 damaged.append((f"{name}/manifest.ocdbt", "missing"))
         for p in sorted((item / "array_metadatas").glob("*")):
             problem = _json_problem(p) if p.is_file() else None
@@ -250,7 +256,10 @@ def _describe(files: list[tuple[str, str]]) -> str:
 def _damaged_error(step_dir: Path, step: int, files: list[tuple[str, str]], fix: str) -> CheckpointDamaged:
     return CheckpointDamaged(
         f"checkpoint step {step} in {step_dir.parent} is DAMAGED: {_describe(files)}; {fix}",
-        step=step, files=files, step_dir=step_dir)
+        step=step,
+        files=files,
+        step_dir=step_dir,
+    )
 
 
 def _error_chain(exc: BaseException):
@@ -264,9 +273,20 @@ def _error_chain(exc: BaseException):
 # Orbax 0.12.8 wording of a genuine shape / tree-structure mismatch (checked before the read markers:
 # TensorStore specs quoted in read errors mention shapes and dtypes too).
 _MISMATCH_MARKERS = ("is not compatible with the stored shape", "tree structures do not match")
-_READ_MARKERS = ("NOT_FOUND", "OUT_OF_RANGE", "DATA_LOSS", "FAILED_PRECONDITION", "Error reading",
-                 "Error decoding", "Error opening", "not found", "Truncated", "error while reading",
-                 "Unexpected end", "corrupt")
+_READ_MARKERS = (
+    "NOT_FOUND",
+    "OUT_OF_RANGE",
+    "DATA_LOSS",
+    "FAILED_PRECONDITION",
+    "Error reading",
+    "Error decoding",
+    "Error opening",
+    "not found",
+    "Truncated",
+    "error while reading",
+    "Unexpected end",
+    "corrupt",
+)
 _LOCAL_FILE = re.compile(r'local file \\?"([^"\\]+)\\?"')
 _FILE_NOT_FOUND = re.compile(r"File (\S+) not found")
 
@@ -324,8 +344,9 @@ def _no_complete(ckpt_dir: Path) -> CheckpointError:
 
 
 def _skip_warning(ckpt_dir: Path, err: CheckpointDamaged) -> None:
-    logger.warning("skipping DAMAGED checkpoint step %d in %s: %s; trying an older step",
-                   err.step, ckpt_dir, _describe(err.files))
+    logger.warning(
+        "skipping DAMAGED checkpoint step %d in %s: %s; trying an older step", err.step, ckpt_dir, _describe(err.files)
+    )
 
 
 def _no_intact(ckpt_dir: Path, damaged: list[CheckpointDamaged]) -> CheckpointDamaged:
@@ -334,7 +355,10 @@ def _no_intact(ckpt_dir: Path, damaged: list[CheckpointDamaged]) -> CheckpointDa
     return CheckpointDamaged(
         f"{ckpt_dir} holds no intact checkpoint: the newest step {newest.step} is DAMAGED: "
         f"{_describe(newest.files)}{older}; {_FIX}",
-        step=newest.step, files=newest.files, step_dir=newest.step_dir)
+        step=newest.step,
+        files=newest.files,
+        step_dir=newest.step_dir,
+    )
 
 
 def _restore_verified(ckpt_dir: str | Path, step: int | None, items: dict[str, Any]) -> tuple[int, Any]:
@@ -348,8 +372,9 @@ def _restore_verified(ckpt_dir: str | Path, step: int | None, items: dict[str, A
                 if not steps:
                     raise _no_complete(ckpt_dir)
                 raise CheckpointError(f"{ckpt_dir} has no complete step {step}; its steps are {sorted(steps)}")
-            return step, _restore_step(mngr, ckpt_dir, step, items,
-                                       fix=f"load an older step (steps: {sorted(steps)}) or {_FIX}")
+            return step, _restore_step(
+                mngr, ckpt_dir, step, items, fix=f"load an older step (steps: {sorted(steps)}) or {_FIX}"
+            )
         if not steps:
             raise _no_complete(ckpt_dir)
         damaged: list[CheckpointDamaged] = []
@@ -369,8 +394,10 @@ def _restore_step(mngr, ckpt_dir: Path, step: int, items: dict[str, Any], *, fix
         raise _damaged_error(step_dir, step, files, fix)
     for name in items:
         if not (step_dir / name).is_dir():
-            raise CheckpointError(f"checkpoint step {step} in {ckpt_dir} has no item {name!r} "
-                                  f"(it holds {sorted(p.name for p in step_dir.iterdir() if p.is_dir())})")
+            raise CheckpointError(
+                f"checkpoint step {step} in {ckpt_dir} has no item {name!r} "
+                f"(it holds {sorted(p.name for p in step_dir.iterdir() if p.is_dir())})"
+            )
     try:
         return mngr.restore(step, args=ocp.args.Composite(**items))
     except Exception as exc:  # orbax raises a variety of errors for mismatched trees and bad files
@@ -379,14 +406,22 @@ def _restore_step(mngr, ckpt_dir: Path, step: int, items: dict[str, Any], *, fix
             raise _damaged_error(step_dir, step, files, fix) from exc
         raise CheckpointError(
             f"cannot restore {ckpt_dir}/{step} into this model: the checkpoint does not match this "
-            f"model ({type(exc).__name__}: {exc})") from exc
+            f"model ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 # ------------------------------------------------------------------------------------------ public
 
 
-def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, extra: dict[str, Any] | None = None,
-                    *, max_to_keep: int = 2) -> Path:
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    step: int,
+    params: Any,
+    meta: dict,
+    extra: dict[str, Any] | None = None,
+    *,
+    max_to_keep: int = 2,
+) -> Path:
     """Save ``params`` (a pytree, e.g. ``nnx.to_pure_dict(nnx.state(model, nnx.Param))``; None: none), JSON
     ``meta`` and optional extra pytrees (name -> pytree) under ``ckpt_dir/step``; blocks until written.
 
@@ -406,7 +441,10 @@ def save_checkpoint(ckpt_dir: str | Path, step: int, params: Any, meta: dict, ex
         items["params"] = ocp.args.StandardSave(params)
     for name, tree in (extra or {}).items():
         items[name] = ocp.args.StandardSave(tree)
-    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr:
+    with (
+        _ORBAX_LOCK,
+        ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr,
+    ):
         mngr.save(step, args=ocp.args.Composite(**items))
         mngr.wait_until_finished()
     # Orbax has renamed the step into place and closed the manager: the files are final.
@@ -478,8 +516,9 @@ def load_into_model(ckpt_dir: str | Path, model: nnx.Module, step: int | None = 
     """
     state = nnx.state(model, nnx.Param)
     target = nnx.to_pure_dict(state)
-    _, restored = _restore_verified(ckpt_dir, step, {
-        "params": ocp.args.StandardRestore(_abstract(target)), "meta": ocp.args.JsonRestore()})
+    _, restored = _restore_verified(
+        ckpt_dir, step, {"params": ocp.args.StandardRestore(_abstract(target)), "meta": ocp.args.JsonRestore()}
+    )
     nnx.replace_by_pure_dict(state, restored.params)
     nnx.update(model, state)
     return dict(restored.meta)
@@ -567,8 +606,9 @@ class OrbaxResumeStore:
             # damaged steps: a learner must still be able to rejoin, so it starts again at step 0.
             logger.warning("resume point %s is unusable, the learner starts again at step 0: %s", self.path, exc)
             return None
-        return ResumePoint(step=int(meta["step"]), cursor=tuple(meta["cursor"]), tokens=int(meta["tokens"]),
-                           opt_state=opt_state)
+        return ResumePoint(
+            step=int(meta["step"]), cursor=tuple(meta["cursor"]), tokens=int(meta["tokens"]), opt_state=opt_state
+        )
 
 
 # ------------------------------------------------------------------------------ syncer checkpoints
@@ -583,11 +623,11 @@ class OrbaxSyncerStore:
     ``path``: the syncer's state folder (``run.layout.RunLayout.syncer_state``). Each step holds the
     items ``global`` and ``outer`` (``Syncer.state_dict()``'s arrays: Θ per fragment and the outer
     optimizer's momentum, float32), with a quantised wire format also ``bases`` (the earlier
-    versions of Θ that learners' updates are decoded against), and ``meta`` (JSON: the rest of the syncer's state, the journal
-    seq, the generation, the loop's state), written by :func:`save_checkpoint` (so under this
-    module's Orbax lock, with an integrity record), keeping the newest ``max_to_keep`` steps.
-    ``save`` blocks until the step and its record are on disk: the journal entries and inbox objects
-    the step covers may be deleted right after.
+    versions of Θ that learners' updates are decoded against), and ``meta`` (JSON: the rest of the
+    syncer's state, the journal seq, the generation, the loop's state), written by
+    :func:`save_checkpoint` (so under this module's Orbax lock, with an integrity record), keeping
+    the newest ``max_to_keep`` steps. ``save`` blocks until the step and its record are on disk: the
+    journal entries and inbox objects the step covers may be deleted right after.
     """
 
     def __init__(self, path: str | Path, max_to_keep: int = 2):
@@ -605,8 +645,14 @@ class OrbaxSyncerStore:
     def save(self, step: int, arrays: dict, meta: dict) -> None:
         """Write step ``step`` (``arrays``: ``{"global": …, "outer": …}`` and optionally ``"bases": …``,
         of numpy arrays). Raises ``FileExistsError`` if the step exists."""
-        save_checkpoint(self.path, step, None, meta, extra={k: arrays[k] for k in _SYNCER_ITEMS if k in arrays},
-                        max_to_keep=self.max_to_keep)
+        save_checkpoint(
+            self.path,
+            step,
+            None,
+            meta,
+            extra={k: arrays[k] for k in _SYNCER_ITEMS if k in arrays},
+            max_to_keep=self.max_to_keep,
+        )
 
     def load(self, step: int, like: dict) -> tuple[dict, dict]:
         """``(arrays, meta)`` of ``step``, verified against its integrity record; ``like``: arrays of

@@ -38,5 +38,6 @@ def complete_steps(ckpt_dir: str | Path, items: tuple[str, ...] = LOADED_ITEMS) 
     d = Path(ckpt_dir)
     if not d.is_dir():
         return []
-    return sorted(int(p.name) for p in d.iterdir()
-                  if p.is_dir() and p.name.isdigit() and all((p / i).is_dir() for i in items))
+    return sorted(
+        int(p.name) for p in d.iterdir() if p.is_dir() and p.name.isdigit() and all((p / i).is_dir() for i in items)
+    )

@@ -17,8 +17,9 @@ def token_budget(cfg: ExperimentConfig) -> int:
     return cfg.dp_steps * cfg.tokens_per_dp_step
 
 
-def budget_status(trained: int, budget: int, unit: str, *, interrupted: bool, finished: bool,
-                  why: str | None = None) -> dict:
+def budget_status(
+    trained: int, budget: int, unit: str, *, interrupted: bool, finished: bool, why: str | None = None
+) -> dict:
     """Whether a pretraining stage trained its budget, and if not, why (the pipeline fails a ``short`` stage).
 
     ``trained``/``budget``: ``unit`` (tokens, or images) trained and the stage's budget
@@ -39,10 +40,20 @@ def budget_status(trained: int, budget: int, unit: str, *, interrupted: bool, fi
     else:
         status = "interrupted" if interrupted else "short"
     why = why or "its workers stopped before the budget was spent"
-    line = (f"trained {trained:,} of {budget:,} {unit} ({100 * share:.1f} % of its budget): {why}"
-            if status == "short" else None)
-    return {"status": status, "trained": int(trained), "budget": int(budget), "share": share, "unit": unit,
-            "reason": why if status == "short" else None, "line": line}
+    line = (
+        f"trained {trained:,} of {budget:,} {unit} ({100 * share:.1f} % of its budget): {why}"
+        if status == "short"
+        else None
+    )
+    return {
+        "status": status,
+        "trained": int(trained),
+        "budget": int(budget),
+        "share": share,
+        "unit": unit,
+        "reason": why if status == "short" else None,
+        "line": line,
+    }
 
 
 _SPECS: dict[tuple, ModelSpec] = {}
@@ -53,8 +64,11 @@ def input_shape(cfg: ExperimentConfig, manifest: dict) -> InputShape:
     """What the prepared data (its ``manifest``) fixes about the model: the vocabulary and sequence
     length, or the image shape, classes and pixel range."""
     if manifest.get("modality", "text") == "image":
-        return InputShape(image_shape=tuple(manifest["image_shape"]), num_classes=int(manifest["num_classes"]),
-                          pixel_max=int(manifest["pixel_max"]))
+        return InputShape(
+            image_shape=tuple(manifest["image_shape"]),
+            num_classes=int(manifest["num_classes"]),
+            pixel_max=int(manifest["pixel_max"]),
+        )
     return InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=cfg.data.seq_len)
 
 

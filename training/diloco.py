@@ -40,7 +40,9 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401 (the last two: flows/preflight.py)
+
+# check_url and check_writable are re-exported for flows/preflight.py
+from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
@@ -128,8 +130,14 @@ def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequenc
     with _LOCK:
         if key not in _TRAINERS:
             tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-            _TRAINERS[key] = Trainer(model_spec(cfg, run_dir), tx, cfg.learner_microbatches, seed=cfg.seed,
-                                     devices=placed, precision=cfg.precision)
+            _TRAINERS[key] = Trainer(
+                model_spec(cfg, run_dir),
+                tx,
+                cfg.learner_microbatches,
+                seed=cfg.seed,
+                devices=placed,
+                precision=cfg.precision,
+            )
         return _TRAINERS[key]
 
 
@@ -148,8 +156,9 @@ def host_turns_dir(run_dir: str | Path) -> Path:
     return Path(tempfile.gettempdir()) / "ddiloco-turns" / digest
 
 
-def learner_turns(cfg: ExperimentConfig, run_dir: str | Path,
-                  devices: Sequence[jax.Device] | None = None) -> FairTurns | HostTurns | None:
+def learner_turns(
+    cfg: ExperimentConfig, run_dir: str | Path, devices: Sequence[jax.Device] | None = None
+) -> FairTurns | HostTurns | None:
     """The turns learner steps take on this host (``diloco.compute_slots``; None when 0): between
     the threads of this process on the thread engine, between the learner processes of this host
     on Ray and Dask (none for a Ray learner with GPUs of its own).
@@ -214,15 +223,26 @@ class DiLoCoRun:
 def grace_window(cfg: ExperimentConfig) -> GraceWindow:
     """The syncer loop's grace window from ``diloco.grace*`` (τ defaults to H)."""
     d = cfg.diloco
-    return GraceWindow(mode=d.grace, fixed_s=d.grace_s, gamma=d.grace_gamma,
-                       overlap_steps=d.grace_overlap_steps or d.overlap_steps or d.sync_every, cap_s=d.grace_cap_s)
+    return GraceWindow(
+        mode=d.grace,
+        fixed_s=d.grace_s,
+        gamma=d.grace_gamma,
+        overlap_steps=d.grace_overlap_steps or d.overlap_steps or d.sync_every,
+        cap_s=d.grace_cap_s,
+    )
 
 
 def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
     d = cfg.diloco
     return SyncerSettings(
-        num_learners=d.learners, quorum=d.quorum, grace_s=d.grace_s, merge=d.merge, outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=d.max_staleness,
+        num_learners=d.learners,
+        quorum=d.quorum,
+        grace_s=d.grace_s,
+        merge=d.merge,
+        outer_lr=d.outer_lr,
+        outer_momentum=d.outer_momentum,
+        outer_nesterov=d.outer_nesterov,
+        max_staleness=d.max_staleness,
         wire=d.wire.spec,
     )
 
@@ -255,8 +275,14 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
         return exchange
     # every learner starts with, and is topped up by, one sync period of inner steps' tokens
     grant = cfg.diloco.sync_every * cfg.tokens_per_learner_step
-    return FsspecExchange.create(exchange_url(cfg, run_dir), initial=initial, num_learners=cfg.diloco.learners,
-                                 token_budget=budget, grant_tokens=grant, poll_s=cfg.runtime.exchange_poll_s)
+    return FsspecExchange.create(
+        exchange_url(cfg, run_dir),
+        initial=initial,
+        num_learners=cfg.diloco.learners,
+        token_budget=budget,
+        grant_tokens=grant,
+        poll_s=cfg.runtime.exchange_poll_s,
+    )
 
 
 def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) -> DiLoCoRun:
@@ -289,22 +315,31 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         theta = {}
         for p in range(len(fragments)):
             theta.update(exchange.origin(p))
-        journal = SyncerJournal(exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)),
-                                cfg.diloco.syncer_checkpoint_every_s)
+        journal = SyncerJournal(
+            exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)), cfg.diloco.syncer_checkpoint_every_s
+        )
     syncer = Syncer(theta, fragments, syncer_settings(cfg), embedding_names(theta))
     merges_path = layout.metrics(STAGE, METHOD, "merges")
     logged = {(int(r["fragment"]), int(r["version"])) for r in read_jsonl(merges_path)} if resumed else set()
     return DiLoCoRun(
-        cfg=cfg, run_dir=run_dir, exchange=exchange, syncer=syncer, trainer=trainer,
+        cfg=cfg,
+        run_dir=run_dir,
+        exchange=exchange,
+        syncer=syncer,
+        trainer=trainer,
         merges_log=JsonlWriter(merges_path),
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
         # a syncer whose process died is re-run by the engine without counting a Prefect retry: the
         # exchange's generation counts every syncer that took office in this run
-        budget=token_budget(cfg), generation=generation, attempt=max(attempt, generation), journal=journal,
+        budget=token_budget(cfg),
+        generation=generation,
+        attempt=max(attempt, generation),
+        journal=journal,
         resumed=resumed,
-        logged_merges=logged, merges=len(logged),
+        logged_merges=logged,
+        merges=len(logged),
     )
 
 
@@ -314,8 +349,9 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     return open_syncer(cfg, run_dir)
 
 
-def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int,
-                  log, exchange=None) -> LearnerSetup:
+def learner_setup(
+    cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange=None
+) -> LearnerSetup:
     """Learner ``learner``'s setup for ``attempt``, from plain inputs (and the process's exchange
     registered for ``run_dir`` unless ``exchange`` is given). Its step runs on
     ``learner_devices(learner, runtime.devices_per_learner)`` (``ValueError`` if those do not fit)."""
@@ -331,22 +367,36 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     slowdowns = tuple((sd.factor, sd.from_s, sd.to_s) for sd in cfg.chaos.slowdowns if sd.learner == learner)
     chaos = {}
     if sched is not None:
-        chaos = dict(timed_failures=tuple((f.at_s, f.restart_delay_s, f.how) for f in sched.learner_failures(learner)),
-                     window=sched.window(learner),
-                     corruptions=tuple((c.at_s, c.kind) for c in sched.learner_corruptions(learner)))
+        chaos = dict(
+            timed_failures=tuple((f.at_s, f.restart_delay_s, f.how) for f in sched.learner_failures(learner)),
+            window=sched.window(learner),
+            corruptions=tuple((c.at_s, c.kind) for c in sched.learner_corruptions(learner)),
+        )
         slowdowns += sched.learner_slowdowns(learner)
     return LearnerSetup(
-        learner=learner, attempt=attempt, step=trainer.step, init_params=trainer.init_params,
+        learner=learner,
+        attempt=attempt,
+        step=trainer.step,
+        init_params=trainer.init_params,
         init_opt=trainer.init_opt,
         next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (learner + 1)),
-        fragments=run_fragments(cfg, trainer), period=d.sync_every,
-        tokens_per_step=cfg.tokens_per_learner_step, receipt=receipt_rule(d.receipt, d.mix_alpha),
-        exchange=exchange, log=log, stop=lambda: STOP.is_set() or exchange.stop_requested(),
+        fragments=run_fragments(cfg, trainer),
+        period=d.sync_every,
+        tokens_per_step=cfg.tokens_per_learner_step,
+        receipt=receipt_rule(d.receipt, d.mix_alpha),
+        exchange=exchange,
+        log=log,
+        stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
-        fail_at_steps=fails, kill_steps=kill_steps, kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
+        fail_at_steps=fails,
+        kill_steps=kill_steps,
+        kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
         turns=learner_turns(cfg, run_dir, devices),
-        slowdowns=slowdowns, overlap_steps=d.overlap_steps, wait_timeout_s=d.heartbeat_timeout_s, **chaos,
+        slowdowns=slowdowns,
+        overlap_steps=d.overlap_steps,
+        wait_timeout_s=d.heartbeat_timeout_s,
+        **chaos,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
@@ -354,8 +404,7 @@ def learner_setup(cfg: ExperimentConfig, run_dir: str | Path, learner: int, atte
     )
 
 
-def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int,
-                    exchange=None) -> dict:
+def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, exchange=None) -> dict:
     """Run one attempt of learner ``learner`` (``diloco.learner.run_learner``) from plain inputs.
 
     ``exchange``: default, this process's handle on the run's exchange (:func:`open_run_exchange`).
@@ -377,10 +426,20 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         try:
             setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
-            exchange.heartbeat(learner, status="down", attempt=attempt, step=last_step, reason=repr(exc),
-                               pid=os.getpid())
-            log({"event": "failure", "learner": learner, "attempt": attempt, "reason": repr(exc), "step": last_step,
-                 "t": exchange.clock(), "before_start": True})
+            exchange.heartbeat(
+                learner, status="down", attempt=attempt, step=last_step, reason=repr(exc), pid=os.getpid()
+            )
+            log(
+                {
+                    "event": "failure",
+                    "learner": learner,
+                    "attempt": attempt,
+                    "reason": repr(exc),
+                    "step": last_step,
+                    "t": exchange.clock(),
+                    "before_start": True,
+                }
+            )
             raise
         return run_learner(setup)
     finally:
@@ -428,16 +487,34 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
 
     def on_eval(params: dict[str, np.ndarray], tokens: int) -> None:
         t0 = time.perf_counter()
-        fields = eval_record(heldout_metrics(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()},
-                                             run.val))
+        fields = eval_record(
+            heldout_metrics(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()}, run.val)
+        )
         run.last_val_loss = fields["val/loss"]
-        run.eval_log({"method": METHOD, "tokens": tokens, "wall_s": run.exchange.clock(),
-                      "merges": run.merges, **fields, "eval_s": time.perf_counter() - t0})
+        run.eval_log(
+            {
+                "method": METHOD,
+                "tokens": tokens,
+                "wall_s": run.exchange.clock(),
+                "merges": run.merges,
+                **fields,
+                "eval_s": time.perf_counter() - t0,
+            }
+        )
 
     def on_recover(info: dict) -> None:
         if run.resumed:
-            run.learners_log({"event": "syncer-resumed", "role": "syncer", "attempt": run.attempt, "pid": os.getpid(), **info,
-                              "merges": run.syncer.num_merges, "t": run.exchange.clock()})
+            run.learners_log(
+                {
+                    "event": "syncer-resumed",
+                    "role": "syncer",
+                    "attempt": run.attempt,
+                    "pid": os.getpid(),
+                    **info,
+                    "merges": run.syncer.num_merges,
+                    "t": run.exchange.clock(),
+                }
+            )
 
     if not run.resumed:
         on_eval(run.syncer.params(), 0)
@@ -448,21 +525,50 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
         f = failures[run.attempt - 1]
         fail_at = (f.at_merge, f.when)
         if f.how == "sigkill":
+
             def on_fail(reason: str) -> None:
-                run.learners_log({"event": "syncer-kill", "role": "syncer", "attempt": run.attempt,
-                                  "generation": run.generation, "reason": f"chaos: SIGKILL ({reason})",
-                                  "merges": run.syncer.num_merges, "pid": os.getpid(), "t": run.exchange.clock()})
+                run.learners_log(
+                    {
+                        "event": "syncer-kill",
+                        "role": "syncer",
+                        "attempt": run.attempt,
+                        "generation": run.generation,
+                        "reason": f"chaos: SIGKILL ({reason})",
+                        "merges": run.syncer.num_merges,
+                        "pid": os.getpid(),
+                        "t": run.exchange.clock(),
+                    }
+                )
                 os.kill(os.getpid(), signal.SIGKILL)
+
     try:
-        result = run_syncer(run.syncer, run.exchange, on_merge, on_eval, run.cfg.train.eval_every_tokens,
-                            run.cfg.diloco.heartbeat_timeout_s, poll_s=poll_s,
-                            on_event=lambda ev: run.learners_log({"source": "exchange", **ev}),
-                            journal=run.journal, fail_at=fail_at, on_recover=on_recover, on_fail=on_fail,
-                            grace=grace_window(run.cfg))
+        result = run_syncer(
+            run.syncer,
+            run.exchange,
+            on_merge,
+            on_eval,
+            run.cfg.train.eval_every_tokens,
+            run.cfg.diloco.heartbeat_timeout_s,
+            poll_s=poll_s,
+            on_event=lambda ev: run.learners_log({"source": "exchange", **ev}),
+            journal=run.journal,
+            fail_at=fail_at,
+            on_recover=on_recover,
+            on_fail=on_fail,
+            grace=grace_window(run.cfg),
+        )
     except BaseException as exc:
-        run.learners_log({"event": "syncer-failure", "role": "syncer", "attempt": run.attempt, "generation": run.generation,
-                          "reason": f"{type(exc).__name__}: {exc}", "merges": run.syncer.num_merges,
-                          "t": run.exchange.clock()})
+        run.learners_log(
+            {
+                "event": "syncer-failure",
+                "role": "syncer",
+                "attempt": run.attempt,
+                "generation": run.generation,
+                "reason": f"{type(exc).__name__}: {exc}",
+                "merges": run.syncer.num_merges,
+                "t": run.exchange.clock(),
+            }
+        )
         raise
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
@@ -473,8 +579,10 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     """Checkpoint Θ and the outer state (step = tokens claimed); return the summary dict."""
     cfg, s = run.cfg, run.syncer
     P = s.num_fragments
-    outer = {f"fragment_{p}": {f"{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st))}
-             for p, st in enumerate(s.opt_states)}
+    outer = {
+        f"fragment_{p}": {f"{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st))}
+        for p, st in enumerate(s.opt_states)
+    }
     learners = run.exchange.learners()
     pending = s.pending_tokens()
     ledger = {}
@@ -485,19 +593,28 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
             "processed": processed,
             "submitted": round(entry.submitted / P),
             "not_submitted": processed - round(entry.submitted / P),
-            "merged": round(entry.merged / P), "recomputed": round(entry.recomputed / P),
-            "dropped": round(entry.dropped / P), "pending": round(pending[m] / P),
+            "merged": round(entry.merged / P),
+            "recomputed": round(entry.recomputed / P),
+            "dropped": round(entry.dropped / P),
+            "pending": round(pending[m] / P),
             "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
             "attempts": int(learners.get(m, {}).get("attempt", 1)),
         }
     tokens = run.exchange.claimed_tokens
-    meta = {"method": METHOD, "versions": s.versions, "merges": s.num_merges, "tokens": tokens,
-            "fragments": s.fragments, "ledger": ledger}
+    meta = {
+        "method": METHOD,
+        "versions": s.versions,
+        "merges": s.num_merges,
+        "tokens": tokens,
+        "fragments": s.fragments,
+        "ledger": ledger,
+    }
     theta = s.params()
     # whole val and test splits (the curve's fixed sample is for the cadence): selection reads val,
     # the headline figure is test
-    heldout = final_heldout(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir,
-                            cfg.train.eval_batch_size)
+    heldout = final_heldout(
+        run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir, cfg.train.eval_batch_size
+    )
     layout = RunLayout(run.run_dir)
     save_checkpoint(layout.checkpoints(STAGE, METHOD), tokens, nest(theta), meta, extra={"outer_state": outer})
     merges_bytes_in = sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))
@@ -510,16 +627,29 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "interrupted": STOP.is_set() or run.exchange.stop_requested(),
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
         "hyperparameters": {
-            "backend": backend_line(), "precision": cfg.precision.describe(),
-            "learners (M)": d.learners, "fragments (P)": d.fragments, "sync every (H)": d.sync_every,
-            "quorum (K)": d.quorum, "grace window (s)": d.grace_s, "grace": d.grace if d.grace == "fixed" else
-            f"adaptive (γ {d.grace_gamma:g}, τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "
-            f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})", "merge": d.merge, "outer lr": d.outer_lr,
+            "backend": backend_line(),
+            "precision": cfg.precision.describe(),
+            "learners (M)": d.learners,
+            "fragments (P)": d.fragments,
+            "sync every (H)": d.sync_every,
+            "quorum (K)": d.quorum,
+            "grace window (s)": d.grace_s,
+            "grace": d.grace
+            if d.grace == "fixed"
+            else f"adaptive (γ {d.grace_gamma:g}, "
+            f"τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "
+            f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})",
+            "merge": d.merge,
+            "outer lr": d.outer_lr,
             "outer momentum": d.outer_momentum,
             "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
-            f"batch ({rows}/learner step)": d.batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
-            "inner optimizer": d.inner.name, "inner lr": d.inner.lr, "warmup steps": d.inner.warmup_steps,
-            "weight decay": d.inner.weight_decay, "grad clip": d.inner.grad_clip,
+            f"batch ({rows}/learner step)": d.batch_size,
+            **({"seq len": cfg.data.seq_len} if text else {}),
+            "inner optimizer": d.inner.name,
+            "inner lr": d.inner.lr,
+            "warmup steps": d.inner.warmup_steps,
+            "weight decay": d.inner.weight_decay,
+            "grad clip": d.inner.grad_clip,
             f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
             "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
             "compute slots": d.compute_slots or "unpaced",
@@ -547,8 +677,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "exchange_s": float(getattr(run.exchange, "io_s", 0.0)),
         "learner_exchange_s": _per_process_total(learners.values(), "exchange_s"),
         # run clock (seconds since set-up) of the first learner step: engine start, imports, compiles
-        "startup_s": min((e["t"] for e in read_jsonl(run.learners_log.path) if e.get("event") == "start"),
-                         default=0.0),
+        "startup_s": min((e["t"] for e in read_jsonl(run.learners_log.path) if e.get("event") == "start"), default=0.0),
         "ledger": ledger,
         "params": spec.params,
         "active_params": int(spec.extras.get("active_params", spec.params)),  # per token (MoE: k of E experts)
@@ -571,17 +700,30 @@ def live_view(cfg: ExperimentConfig, exchange, run_dir: str | Path) -> tuple[lis
     for m in range(cfg.diloco.learners):
         b = beats.get(m, {})
         state = "alive" if m in live else down.get(m, b.get("status", "not started"))
-        rows.append({"learner": m, "state": state, "attempt": b.get("attempt", 1 if b else None),
-                     "step": b.get("step"), "tokens": b.get("processed"),
-                     "bytes sent": b.get("bytes_to_syncer"), "bytes received": b.get("bytes_from_syncer"),
-                     "heartbeat age (s)": round(now - b["last_seen"], 1) if "last_seen" in b else None,
-                     "pid": b.get("pid")})
+        rows.append(
+            {
+                "learner": m,
+                "state": state,
+                "attempt": b.get("attempt", 1 if b else None),
+                "step": b.get("step"),
+                "tokens": b.get("processed"),
+                "bytes sent": b.get("bytes_to_syncer"),
+                "bytes received": b.get("bytes_from_syncer"),
+                "heartbeat age (s)": round(now - b["last_seen"], 1) if "last_seen" in b else None,
+                "pid": b.get("pid"),
+            }
+        )
     merges = read_jsonl(RunLayout(run_dir).metrics(STAGE, METHOD, "merges"))
     versions = exchange.versions()
-    totals = {"alive": len(live), "learners": cfg.diloco.learners, "versions": versions, "merges": sum(versions),
-              "tokens claimed": exchange.claimed_tokens,
-              "tokens merged": round(sum(sum(r.get("tokens") or []) for r in merges) / max(len(versions), 1)),
-              "bytes merged": int(sum(r.get("bytes_in") or 0 for r in merges))}
+    totals = {
+        "alive": len(live),
+        "learners": cfg.diloco.learners,
+        "versions": versions,
+        "merges": sum(versions),
+        "tokens claimed": exchange.claimed_tokens,
+        "tokens merged": round(sum(sum(r.get("tokens") or []) for r in merges) / max(len(versions), 1)),
+        "bytes merged": int(sum(r.get("bytes_in") or 0 for r in merges)),
+    }
     return rows, totals
 
 
@@ -611,12 +753,20 @@ def work_lost(ledger: dict[str, dict], warn_above: float, fail_above: float) -> 
             reasons[k] = reasons.get(k, 0) + int(n)
     frac = dropped / processed if processed else 0.0
     status = "failed" if frac > fail_above else "warning" if frac > warn_above else "ok"
-    return {"processed_tokens": processed, "dropped_tokens": dropped, "dropped_fraction": frac,
-            "reasons": reasons, "warn_above": warn_above, "fail_above": fail_above, "status": status}
+    return {
+        "processed_tokens": processed,
+        "dropped_tokens": dropped,
+        "dropped_fraction": frac,
+        "reasons": reasons,
+        "warn_above": warn_above,
+        "fail_above": fail_above,
+        "status": status,
+    }
 
 
-def learners_gone(learners: dict[int, dict], num_learners: int, errors: dict[int, str] | None = None,
-                  retries: int | None = None) -> str:
+def learners_gone(
+    learners: dict[int, dict], num_learners: int, errors: dict[int, str] | None = None, retries: int | None = None
+) -> str:
     """Why a DiLoCo stage's learners stopped before its budget was spent, in one phrase (for
     ``training.common.budget_status``): how each learner ended, from its last heartbeat
     (``learners``: the exchange's view, learner → status, attempt, step, reason) or, for a learner
@@ -628,8 +778,10 @@ def learners_gone(learners: dict[int, dict], num_learners: int, errors: dict[int
     for m in range(num_learners):
         info = learners.get(m)
         if info is None:
-            parts.append(f"learner {m} failed before its first step, never reporting to the exchange "
-                         f"({errors.get(m, 'no reason recorded')})")
+            parts.append(
+                f"learner {m} failed before its first step, never reporting to the exchange "
+                f"({errors.get(m, 'no reason recorded')})"
+            )
             continue
         status = info.get("status")
         verb = "failed" if status == "down" else f"ended {status or 'without a status'}"

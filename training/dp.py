@@ -40,8 +40,8 @@ from training.checkpoint import latest_step, load_extra, load_meta, save_checkpo
 from training.common import budget_status, ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import flatten, nest
-from training.optimizers import make_inner_tx
 from training.mesh import backend_line
+from training.optimizers import make_inner_tx
 from training.step import Trainer
 
 STAGE, METHOD = "pretrain", "dp"
@@ -73,10 +73,13 @@ def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = Non
     return devices
 
 
-def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
-             progress: Callable[[int, int, float, float], None] | None = None,
-             on_step: Callable[[int, dict], None] | None = None,
-             clock: TrainingClock | None = None) -> dict:
+def train_dp(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    progress: Callable[[int, int, float, float], None] | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+    clock: TrainingClock | None = None,
+) -> dict:
     """Train the DP baseline for ``cfg.dp_steps`` steps; returns the summary dict.
 
     Writes ``pretrain/dp/metrics/{eval,train}.jsonl`` and ``pretrain/dp/checkpoints`` (step = tokens).
@@ -96,8 +99,14 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
     layout = RunLayout(run_dir)
     spec = model_spec(cfg, run_dir)
     steps = cfg.dp_steps
-    trainer = Trainer(spec, make_inner_tx(cfg.dp.inner, steps), cfg.dp_microbatches, seed=cfg.seed,
-                      devices=devices, precision=cfg.precision)
+    trainer = Trainer(
+        spec,
+        make_inner_tx(cfg.dp.inner, steps),
+        cfg.dp_microbatches,
+        seed=cfg.seed,
+        devices=devices,
+        precision=cfg.precision,
+    )
     params = trainer.init_params()
     validate_against_model(cfg, len(params))
     opt_state = trainer.init_opt(params)
@@ -134,24 +143,50 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
                 f = failures.pop(0)
                 met += 1
                 t_fail = clock()
-                events({"event": "failure", "replica": f.learner, "step": done, "t": t_fail, "at_s": f.at_s,
-                        "restart_delay_s": f.restart_delay_s, "reason": f"chaos: replica {f.learner} failed"})
+                events(
+                    {
+                        "event": "failure",
+                        "replica": f.learner,
+                        "step": done,
+                        "t": t_fail,
+                        "at_s": f.at_s,
+                        "restart_delay_s": f.restart_delay_s,
+                        "reason": f"chaos: replica {f.learner} failed",
+                    }
+                )
                 back_at = t_fail + f.restart_delay_s  # down for the restart delay from the failure
                 while clock() < back_at and not STOP.is_set():  # the whole job is down
                     clock.sleep(min(0.05, back_at - clock()))
                     while failures and failures[0].at_s <= clock():  # another replica failed meanwhile:
                         g = failures.pop(0)  # the job restarts once both are back
                         met += 1
-                        events({"event": "failure", "replica": g.learner, "step": done, "t": clock(), "at_s": g.at_s,
-                                "restart_delay_s": g.restart_delay_s, "reason": f"chaos: replica {g.learner} "
-                                "failed while the job was down", "while_down": True})
+                        events(
+                            {
+                                "event": "failure",
+                                "replica": g.learner,
+                                "step": done,
+                                "t": clock(),
+                                "at_s": g.at_s,
+                                "restart_delay_s": g.restart_delay_s,
+                                "reason": f"chaos: replica {g.learner} failed while the job was down",
+                                "while_down": True,
+                            }
+                        )
                         back_at = max(back_at, clock() + g.restart_delay_s)
                 t_restore = clock()
                 params, opt_state, (epoch, index), back = _restore(trainer, resume_dir, params, opt_state)
                 lost_steps += done - back
                 now = clock()
-                events({"event": "restore", "step": back, "lost_steps": done - back, "t": now,
-                        "restore_s": now - t_restore, "down_s": now - t_fail})
+                events(
+                    {
+                        "event": "restore",
+                        "step": back,
+                        "lost_steps": done - back,
+                        "t": now,
+                        "restore_s": now - t_restore,
+                        "down_s": now - t_fail,
+                    }
+                )
                 stall_s += now - t_fail
                 done = back
                 continue
@@ -175,17 +210,28 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
             done = step
             if ckpt_every and step % ckpt_every == 0 and step > high:
                 t_save = time.perf_counter()
-                save_checkpoint(resume_dir, step, None, {"step": step, "cursor": [int(epoch), int(index)]},
-                                extra={"params": nest(params), "opt_state": opt_state})
+                save_checkpoint(
+                    resume_dir,
+                    step,
+                    None,
+                    {"step": step, "cursor": [int(epoch), int(index)]},
+                    extra={"params": nest(params), "opt_state": opt_state},
+                )
                 events({"event": "checkpoint", "step": step, "t": clock(), "save_s": time.perf_counter() - t_save})
             recomputed = step <= high
             high = max(high, step)
             if recomputed:
                 continue  # logged and measured the first time round
             if step % 10 == 0 or step == steps:
-                step_log({"step": step, "tokens": tokens, "train/loss": float(metrics["loss"]),
-                          **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                          "t": clock()})
+                step_log(
+                    {
+                        "step": step,
+                        "tokens": tokens,
+                        "train/loss": float(metrics["loss"]),
+                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+                        "t": clock(),
+                    }
+                )
             if cadence.due(tokens) or step == steps:
                 last, fields = measure()
                 eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step, **fields})
@@ -216,28 +262,48 @@ def train_dp(cfg: ExperimentConfig, run_dir: str | Path,
         "method": METHOD,
         "interrupted": STOP.is_set(),
         # trained vs budget (``training.common.budget_status``): the pipeline fails a short stage
-        "budget": budget_status(done * tps, steps * tps, cfg.unit, interrupted=STOP.is_set(), finished=done >= steps,
-                                why=f"the job stopped at step {done:,} of {steps:,}"),
+        "budget": budget_status(
+            done * tps,
+            steps * tps,
+            cfg.unit,
+            interrupted=STOP.is_set(),
+            finished=done >= steps,
+            why=f"the job stopped at step {done:,} of {steps:,}",
+        ),
         "hyperparameters": {
-            "backend": backend_line(), "precision": cfg.precision.describe(),
-            f"global batch ({rows})": cfg.dp_batch_size, **({"seq len": cfg.data.seq_len} if text else {}),
+            "backend": backend_line(),
+            "precision": cfg.precision.describe(),
+            f"global batch ({rows})": cfg.dp_batch_size,
+            **({"seq len": cfg.data.seq_len} if text else {}),
             "inner optimizer": i.name,
-            "lr": i.lr, "warmup steps": i.warmup_steps, "weight decay": i.weight_decay, "grad clip": i.grad_clip,
-            f"{cfg.unit}/step": tps, "simulated workers": W, "devices": len(devices) if devices else 1,
+            "lr": i.lr,
+            "warmup steps": i.warmup_steps,
+            "weight decay": i.weight_decay,
+            "grad clip": i.grad_clip,
+            f"{cfg.unit}/step": tps,
+            "simulated workers": W,
+            "devices": len(devices) if devices else 1,
             f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
         },
-        "tokens": done * tps, "steps": done, "wall_s": wall, "tokens_per_s": done * tps / wall,
+        "tokens": done * tps,
+        "steps": done,
+        "wall_s": wall,
+        "tokens_per_s": done * tps / wall,
         # chaos: steps recomputed after rollbacks, seconds stalled (failure → restored), failures met
-        "chaos": None if sched is None else {"failures": met,
-                                             "lost_steps": lost_steps, "stall_s": stall_s,
-                                             "checkpoint_every_steps": ckpt_every},
-        "final_val_loss": last, "heldout": heldout, "merges": None,
+        "chaos": None
+        if sched is None
+        else {"failures": met, "lost_steps": lost_steps, "stall_s": stall_s, "checkpoint_every_steps": ckpt_every},
+        "final_val_loss": last,
+        "heldout": heldout,
+        "merges": None,
         # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
         # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
         # are each half of it.
-        "bytes_to_syncer": allreduce_bytes, "bytes_from_syncer": allreduce_bytes,
+        "bytes_to_syncer": allreduce_bytes,
+        "bytes_from_syncer": allreduce_bytes,
         "allreduce_bytes": 2 * allreduce_bytes,
-        "params": spec.params, "active_params": int(spec.extras.get("active_params", spec.params)),
+        "params": spec.params,
+        "active_params": int(spec.extras.get("active_params", spec.params)),
         "flops_per_token": spec.flops_per_unit,
     }
 

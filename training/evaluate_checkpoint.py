@@ -29,8 +29,15 @@ def evaluate_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, sta
     else:
         from evals.run_eval import evaluate_lm  # lm-eval import is slow; only pay it when evaluating
 
-        metrics = evaluate_lm(model, load_tokenizer(run_dir), load_heldout(run_dir, "test"),
-                              layout.eval_outputs(stage, method), cfg.eval, seed=cfg.seed, name="lm_eval")
+        metrics = evaluate_lm(
+            model,
+            load_tokenizer(run_dir),
+            load_heldout(run_dir, "test"),
+            layout.eval_outputs(stage, method),
+            cfg.eval,
+            seed=cfg.seed,
+            name="lm_eval",
+        )
     metrics = {"method": method, "stage": stage, "checkpoint_tokens": meta.get("tokens"), **metrics}
     write_json(layout.eval_result(stage, method), metrics)
     return metrics
@@ -49,6 +56,7 @@ def _evaluate_images(model, run_dir: str | Path) -> dict:
     fn, params = Functional.of(model)
     logits = jax.jit(lambda p, x: fn.module(p)(x))
     manifest = load_manifest(run_dir)
-    out = evaluate_classifier(lambda x: np.asarray(logits(params, x)), load_image_rows(run_dir, "test"),
-                              int(manifest["num_classes"]))
+    out = evaluate_classifier(
+        lambda x: np.asarray(logits(params, x)), load_image_rows(run_dir, "test"), int(manifest["num_classes"])
+    )
     return {**out, "class_names": manifest["class_names"]}

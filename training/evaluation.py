@@ -47,8 +47,9 @@ def heldout_metrics(evaluate: Callable, params: Mapping, batches: list[np.ndarra
     return {k: float(np.sum(w * np.asarray([float(o[k]) for o in outs]))) for k in outs[0] if k != TARGETS}
 
 
-def final_heldout(evaluate: Callable, params: Mapping, run_dir, batch_size: int,
-                  splits: tuple[str, ...] = ("val", "test")) -> dict[str, dict]:
+def final_heldout(
+    evaluate: Callable, params: Mapping, run_dir, batch_size: int, splits: tuple[str, ...] = ("val", "test")
+) -> dict[str, dict]:
     """A finished model on every full batch of whole held-out splits, not the fixed sample of the
     curves: ``{split: {"loss": float, "rows": int, "units": int}}`` (loss: nats per token, or per
     image; rows: sequences or images measured, every row but fewer than ``batch_size`` left over;

@@ -64,13 +64,15 @@ def finetune_spec(cfg: ExperimentConfig, run_dir: str | Path, task: Mapping[str,
     if cfg.data.modality != "image":
         return model_spec(cfg, run_dir)
     m = load_manifest(run_dir)
-    shape = InputShape(image_shape=tuple(m["image_shape"]), num_classes=int(task["num_classes"]),
-                       pixel_max=int(m["pixel_max"]))
+    shape = InputShape(
+        image_shape=tuple(m["image_shape"]), num_classes=int(task["num_classes"]), pixel_max=int(m["pixel_max"])
+    )
     return build_model(cfg.model, shape)
 
 
-def load_pretrained(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path,
-                    spec: ModelSpec, seed: int) -> tuple[nnx.Module, list[str], dict]:
+def load_pretrained(
+    cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path, spec: ModelSpec, seed: int
+) -> tuple[nnx.Module, list[str], dict]:
     """``spec``'s model (initialised with ``seed``) holding the checkpoint's parameters wherever name
     and shape agree: ``(model, fresh parameter names, checkpoint meta)``. ``fresh`` lists the
     parameters that keep their initialisation (a new head).
@@ -112,13 +114,21 @@ def _batches(rows: Mapping[str, np.ndarray], batch_size: int) -> list[dict]:
     first row would bias the mean, so the remainder is dropped when there is at least one batch)."""
     n = len(next(iter(rows.values())))
     size = min(batch_size, n)
-    return [{k: v[i:i + size] for k, v in rows.items()} for i in range(0, n - size + 1, size)]
+    return [{k: v[i : i + size] for k, v in rows.items()} for i in range(0, n - size + 1, size)]
 
 
-def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path, data_dir: str | Path,
-                 task: Mapping[str, Any], seed: int, *,
-                 train_log: Callable[[dict], None] | None = None, eval_log: Callable[[dict], None] | None = None,
-                 keep_params: bool = False) -> dict:
+def finetune_run(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    checkpoint: str | Path,
+    data_dir: str | Path,
+    task: Mapping[str, Any],
+    seed: int,
+    *,
+    train_log: Callable[[dict], None] | None = None,
+    eval_log: Callable[[dict], None] | None = None,
+    keep_params: bool = False,
+) -> dict:
     """One fine-tuning run of ``checkpoint`` with seed ``seed``; returns its record.
 
     Record: ``seed``, ``steps`` (taken; fewer after a stop signal), ``examples``, ``wall_s``,
@@ -135,8 +145,9 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     ft = cfg.finetune
     spec = finetune_spec(cfg, run_dir, task)
     model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
-    adapted = (add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha)
-               if ft.mode == "lora" else [])
+    adapted = (
+        add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha) if ft.mode == "lora" else []
+    )
     alpha = float(ft.lora_alpha or ft.lora_rank)
     policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
     compute = None if policy is None else policy.compute
@@ -149,14 +160,17 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
     frozen = {k: v for k, v in flat.items() if k not in trainable}
     tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
     mb = cfg.train.microbatch_size
-    step_fn = make_train_step(fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute,
-                              targets=spec.count_targets)
+    step_fn = make_train_step(
+        fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute, targets=spec.count_targets
+    )
     evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute, targets=spec.count_targets)
     opt_state = tx.init(params)
     rows = load_finetune_rows(data_dir, "train")
     if float(spec.count_targets(rows)) == 0:
-        raise ValueError(f"the fine-tuning rows in {data_dir} hold no target token (every response mask is 0): "
-                         "nothing to learn; prepare the fine-tuning data again (finetune.source, finetune.seq_len)")
+        raise ValueError(
+            f"the fine-tuning rows in {data_dir} hold no target token (every response mask is 0): "
+            "nothing to learn; prepare the fine-tuning data again (finetune.source, finetune.seq_len)"
+        )
     test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
     n_rows = len(next(iter(rows.values())))
     order = batch_order(n_rows, ft.batch_size, ft.steps, seed)
@@ -184,8 +198,15 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
         if (done % LOG_EVERY == 0 or done == ft.steps) and metrics is not None:
             loss = float(metrics["loss"])
             if train_log:
-                train_log({"seed": seed, "step": done, "examples": done * ft.batch_size, "train/loss": loss,
-                           "t": time.monotonic() - t0})
+                train_log(
+                    {
+                        "seed": seed,
+                        "step": done,
+                        "examples": done * ft.batch_size,
+                        "train/loss": loss,
+                        "t": time.monotonic() - t0,
+                    }
+                )
         if done % ft.eval_every_steps == 0 or done == ft.steps:
             last_val = val_loss()
             if eval_log:
@@ -194,14 +215,23 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
         last_val = val_loss()
     trained = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}  # (float32 whatever the policy)
     record = {
-        "seed": seed, "steps": done, "examples": done * ft.batch_size, "wall_s": time.monotonic() - t0,
-        "final_train_loss": loss, "final_val_loss": last_val, "order_sha256": order_digest(order[:done]),
+        "seed": seed,
+        "steps": done,
+        "examples": done * ft.batch_size,
+        "wall_s": time.monotonic() - t0,
+        "final_train_loss": loss,
+        "final_val_loss": last_val,
+        "order_sha256": order_digest(order[:done]),
         "trainable_params": int(sum(v.size for v in trained.values())),
         "frozen_params": int(sum(np.size(v) for v in frozen.values())),
-        "fresh": fresh, "adapted": adapted, "lora_alpha": alpha if adapted else None,
+        "fresh": fresh,
+        "adapted": adapted,
+        "lora_alpha": alpha if adapted else None,
         "skipped_empty_batches": skipped,
-        "params": {k: np.asarray(v, dtype=np.float32)
-                   for k, v in merge_lora({**frozen, **trained}, scale=alpha / ft.lora_rank).items()},
+        "params": {
+            k: np.asarray(v, dtype=np.float32)
+            for k, v in merge_lora({**frozen, **trained}, scale=alpha / ft.lora_rank).items()
+        },
         "trained": trained,
     }
     if keep_params:
@@ -213,22 +243,38 @@ def finetune_run(cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | P
 def save_finetuned(ckpt_dir: str | Path, record: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
     """Write a fine-tuned model (``record["params"]``, the plain layout) as an Orbax checkpoint at
     step = optimizer steps taken; returns the step folder (never overwrites one)."""
-    return save_checkpoint(ckpt_dir, int(record["steps"]), nest(record["params"]),
-                           {**meta, "steps": record["steps"], "seed": record["seed"]})
+    return save_checkpoint(
+        ckpt_dir,
+        int(record["steps"]),
+        nest(record["params"]),
+        {**meta, "steps": record["steps"], "seed": record["seed"]},
+    )
 
 
-def save_adapters(ckpt_dir: str | Path, record: Mapping[str, Any], cfg: ExperimentConfig,
-                  meta: Mapping[str, Any]) -> Path:
+def save_adapters(
+    ckpt_dir: str | Path, record: Mapping[str, Any], cfg: ExperimentConfig, meta: Mapping[str, Any]
+) -> Path:
     """Write a LoRA run's adapters alone (``record["trained"]``: every ``lora_a``/``lora_b`` and a new
     head) as an Orbax checkpoint at step = optimizer steps taken, beside the merged model
     (``run.layout.RunLayout.adapters``); returns the step folder. Meta: ``meta`` plus ``lora_rank``,
     ``lora_alpha`` (α; the adapters enter scaled by α/r), ``lora_targets``, ``adapted`` (layer paths),
     ``fresh``, ``steps``, ``seed``. Raises ``FileExistsError`` for an existing step."""
     ft = cfg.finetune
-    return save_checkpoint(ckpt_dir, int(record["steps"]), nest(dict(record["trained"])),
-                           {**meta, "lora_rank": ft.lora_rank, "lora_alpha": float(ft.lora_alpha or ft.lora_rank),
-                            "lora_targets": list(ft.lora_targets), "adapted": list(record["adapted"]),
-                            "fresh": list(record["fresh"]), "steps": record["steps"], "seed": record["seed"]})
+    return save_checkpoint(
+        ckpt_dir,
+        int(record["steps"]),
+        nest(dict(record["trained"])),
+        {
+            **meta,
+            "lora_rank": ft.lora_rank,
+            "lora_alpha": float(ft.lora_alpha or ft.lora_rank),
+            "lora_targets": list(ft.lora_targets),
+            "adapted": list(record["adapted"]),
+            "fresh": list(record["fresh"]),
+            "steps": record["steps"],
+            "seed": record["seed"],
+        },
+    )
 
 
 def load_adapters(ckpt_dir: str | Path, model: nnx.Module, step: int | None = None) -> dict:
@@ -243,21 +289,27 @@ def load_adapters(ckpt_dir: str | Path, model: nnx.Module, step: int | None = No
     meta = load_meta(ckpt_dir, step)
     layers = adapted_layers(model)
     if not layers:
-        raise CheckpointError(f"{ckpt_dir} holds LoRA adapters but this model has none; adapt it first "
-                              f"(add_lora with rank {meta['lora_rank']}, α {meta['lora_alpha']}, "
-                              f"targets {meta['lora_targets']})")
+        raise CheckpointError(
+            f"{ckpt_dir} holds LoRA adapters but this model has none; adapt it first "
+            f"(add_lora with rank {meta['lora_rank']}, α {meta['lora_alpha']}, "
+            f"targets {meta['lora_targets']})"
+        )
     for path, layer in layers.items():
         rank = int(layer.lora_a.shape[1])
         alpha = float(getattr(layer, "alpha", rank))
         if rank != int(meta["lora_rank"]) or alpha != float(meta["lora_alpha"]):
             raise CheckpointError(
-                f"{ckpt_dir}: the adapters were trained with rank {meta['lora_rank']} and α {float(meta['lora_alpha'])} "
+                f"{ckpt_dir}: the adapters were trained with rank {meta['lora_rank']} "
+                f"and α {float(meta['lora_alpha'])} "
                 f"(finetune.lora_rank, finetune.lora_alpha); this model's {path} has rank {rank} and α {alpha}; "
-                "adapt the model with the checkpoint's rank and α")
+                "adapt the model with the checkpoint's rank and α"
+            )
     if sorted(layers) != sorted(meta["adapted"]):
-        raise CheckpointError(f"{ckpt_dir}: the adapters are on {len(meta['adapted'])} layers "
-                              f"(targets {meta['lora_targets']}), this model adapts {len(layers)}; "
-                              "adapt it with the checkpoint's finetune.lora_targets")
+        raise CheckpointError(
+            f"{ckpt_dir}: the adapters are on {len(meta['adapted'])} layers "
+            f"(targets {meta['lora_targets']}), this model adapts {len(layers)}; "
+            "adapt it with the checkpoint's finetune.lora_targets"
+        )
     own = params_of(model)
     names = [k for k in own if is_adapter(k) or k in set(meta.get("fresh", []))]
     restored = load_extra(ckpt_dir, "params", nest({k: own[k] for k in names}), step)
@@ -279,9 +331,6 @@ def logits_fn(model: nnx.Module) -> Callable[[np.ndarray], np.ndarray]:
     return lambda x: np.asarray(run(params, x))
 
 
-
-
-
 # ----------------------------------------------------------------------------------- one method
 
 
@@ -298,16 +347,31 @@ def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
     """The recipe as the summary and the report state it."""
     ft = cfg.finetune
     o = ft.optimizer
-    return {"task": task["name"], "mode": ft.mode, "lora_rank": ft.lora_rank if ft.mode == "lora" else None,
-            "lora_alpha": float(ft.lora_alpha or ft.lora_rank) if ft.mode == "lora" else None,
-            "lora_targets": list(ft.lora_targets) if ft.mode == "lora" else None,
-            "steps": ft.steps, "batch_size": ft.batch_size, "optimizer": o.name, "lr": o.lr,
-            "warmup_steps": o.warmup_steps, "weight_decay": o.weight_decay, "seeds": list(ft.seeds),
-            "packing": ft.packing if task.get("modality") == "text" else None, "row_len": task.get("row_len")}
+    return {
+        "task": task["name"],
+        "mode": ft.mode,
+        "lora_rank": ft.lora_rank if ft.mode == "lora" else None,
+        "lora_alpha": float(ft.lora_alpha or ft.lora_rank) if ft.mode == "lora" else None,
+        "lora_targets": list(ft.lora_targets) if ft.mode == "lora" else None,
+        "steps": ft.steps,
+        "batch_size": ft.batch_size,
+        "optimizer": o.name,
+        "lr": o.lr,
+        "warmup_steps": o.warmup_steps,
+        "weight_decay": o.weight_decay,
+        "seeds": list(ft.seeds),
+        "packing": ft.packing if task.get("modality") == "text" else None,
+        "row_len": task.get("row_len"),
+    }
 
 
-def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, task: Mapping[str, Any],
-                    checkpoint: str | Path | None = None) -> dict:
+def finetune_method(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    method: str,
+    task: Mapping[str, Any],
+    checkpoint: str | Path | None = None,
+) -> dict:
     """Fine-tune ``method``'s pretrained model once per seed of ``cfg.finetune.seeds``; returns the
     summary (also written to ``finetune/<method>/summary.json``).
 
@@ -332,11 +396,17 @@ def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, tas
         for i, seed in enumerate(cfg.finetune.seeds):
             if STOP.is_set():
                 break
-            rec = finetune_run(cfg, run_dir, source, layout.finetune_data, task, seed,
-                               train_log=train_log, eval_log=eval_log)
+            rec = finetune_run(
+                cfg, run_dir, source, layout.finetune_data, task, seed, train_log=train_log, eval_log=eval_log
+            )
             ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
-            meta = {"method": method, "stage": "finetune", "source": str(source), "task": task["name"],
-                    "mode": cfg.finetune.mode}
+            meta = {
+                "method": method,
+                "stage": "finetune",
+                "source": str(source),
+                "task": task["name"],
+                "mode": cfg.finetune.mode,
+            }
             save_finetuned(ckpt, rec, meta)
             where = {"checkpoint": ckpt}
             if rec["adapted"]:
@@ -344,16 +414,30 @@ def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, tas
                 save_adapters(where["adapters"], rec, cfg, meta)
             rec.pop("params")
             rec.pop("trained")
-            runs.append({**rec, **{k: str(Path(p).relative_to(Path(layout.root)))
-                                   if Path(p).is_relative_to(Path(layout.root)) else str(p) for k, p in where.items()}})
+            runs.append(
+                {
+                    **rec,
+                    **{
+                        k: str(Path(p).relative_to(Path(layout.root)))
+                        if Path(p).is_relative_to(Path(layout.root))
+                        else str(p)
+                        for k, p in where.items()
+                    },
+                }
+            )
     finally:
         train_log.close()
         eval_log.close()
-    summary = {"method": method, "source_checkpoint": str(source), "recipe": recipe_of(cfg, task),
-               "finetune_config": finetune_record(cfg),
-               "trainable_params": runs[0]["trainable_params"] if runs else None,
-               "frozen_params": runs[0]["frozen_params"] if runs else None,
-               "interrupted": STOP.is_set(), "runs": runs}
+    summary = {
+        "method": method,
+        "source_checkpoint": str(source),
+        "recipe": recipe_of(cfg, task),
+        "finetune_config": finetune_record(cfg),
+        "trainable_params": runs[0]["trainable_params"] if runs else None,
+        "frozen_params": runs[0]["frozen_params"] if runs else None,
+        "interrupted": STOP.is_set(),
+        "runs": runs,
+    }
     import json
 
     atomic_write_text(layout.summary("finetune", method), json.dumps(summary, indent=2))
@@ -362,14 +446,19 @@ def finetune_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, tas
 
 def _task_metrics_meta(task: Mapping[str, Any]) -> dict:
     if task["modality"] == "image":
-        return {"accuracy": {"higher_is_better": True, "label": "accuracy"},
-                "loss": {"higher_is_better": False, "label": "loss (nats/image)"}}
-    return {"exact_match": {"higher_is_better": True, "label": "exact match"},
-            "response_nll": {"higher_is_better": False, "label": "response NLL (nats/token)"}}
+        return {
+            "accuracy": {"higher_is_better": True, "label": "accuracy"},
+            "loss": {"higher_is_better": False, "label": "loss (nats/image)"},
+        }
+    return {
+        "exact_match": {"higher_is_better": True, "label": "exact match"},
+        "response_nll": {"higher_is_better": False, "label": "response NLL (nats/token)"},
+    }
 
 
-def _score(cfg: ExperimentConfig, run_dir: str | Path, model: nnx.Module, task: Mapping[str, Any],
-           out_dir: Path) -> dict:
+def _score(
+    cfg: ExperimentConfig, run_dir: str | Path, model: nnx.Module, task: Mapping[str, Any], out_dir: Path
+) -> dict:
     """``{"metrics", "per_item"}`` of ``model`` on the task's test items."""
     from run.layout import RunLayout
 
@@ -377,16 +466,26 @@ def _score(cfg: ExperimentConfig, run_dir: str | Path, model: nnx.Module, task: 
     if task["modality"] == "image":
         from evals.vision import evaluate_classifier
 
-        out = evaluate_classifier(logits_fn(model), load_finetune_rows(data_dir, "test"), int(task["num_classes"]),
-                                  per_item=True)
-        return {"metrics": {"accuracy": out["test/accuracy"], "loss": out["test/loss"], "items": out["test/images"]},
-                "per_item": out["per_item"]}
+        out = evaluate_classifier(
+            logits_fn(model), load_finetune_rows(data_dir, "test"), int(task["num_classes"]), per_item=True
+        )
+        return {
+            "metrics": {"accuracy": out["test/accuracy"], "loss": out["test/loss"], "items": out["test/images"]},
+            "per_item": out["per_item"],
+        }
     from data.finetune import read_pairs
     from data.store import load_tokenizer
     from evals.pair_tasks import evaluate_pairs
 
-    res = evaluate_pairs(model, load_tokenizer(run_dir), read_pairs(Path(data_dir) / "pairs_test.jsonl"), out_dir,
-                         batch_size=cfg.eval.batch_size, max_gen_toks=max_gen_tokens(cfg, task), seed=cfg.seed)
+    res = evaluate_pairs(
+        model,
+        load_tokenizer(run_dir),
+        read_pairs(Path(data_dir) / "pairs_test.jsonl"),
+        out_dir,
+        batch_size=cfg.eval.batch_size,
+        max_gen_toks=max_gen_tokens(cfg, task),
+        seed=cfg.seed,
+    )
     per_item = {k: v for k, v in res["per_item"].items() if k in ("exact_match", "response_nll")}
     return {"metrics": res["metrics"], "per_item": per_item, "generated": res["per_item"].get("generated")}
 
@@ -397,8 +496,13 @@ def max_gen_tokens(cfg: ExperimentConfig, task: Mapping[str, Any]) -> int:
     return cfg.finetune.max_gen_toks or int(task.get("longest_response_tokens", 14)) + 2
 
 
-def evaluate_finetune(cfg: ExperimentConfig, run_dir: str | Path, method: str, task: Mapping[str, Any],
-                      checkpoint: str | Path | None = None) -> dict:
+def evaluate_finetune(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    method: str,
+    task: Mapping[str, Any],
+    checkpoint: str | Path | None = None,
+) -> dict:
     """Score ``method`` on the fine-tuning task before (the pretrained checkpoint, with a fresh head
     for a new label set) and after fine-tuning (every seed), and, for text, the pretraining tasks
     again on the first seed's model; writes ``eval/finetune/<method>.json`` and returns it.
@@ -425,27 +529,46 @@ def evaluate_finetune(cfg: ExperimentConfig, run_dir: str | Path, method: str, t
             continue  # a stopped run fine-tuned fewer seeds
         model = spec.init(seed)
         meta = load_into_model(ckpt, model)
-        finetuned.append({"seed": seed, "steps": meta.get("steps"), **_score(cfg, run_dir, model, task, out_dir / f"seed{seed}")})
+        finetuned.append(
+            {"seed": seed, "steps": meta.get("steps"), **_score(cfg, run_dir, model, task, out_dir / f"seed{seed}")}
+        )
         first_model = first_model or model
     result: dict[str, Any] = {
-        "method": method, "stage": "finetune", "source_checkpoint": str(source),
-        "task": {**{k: task[k] for k in ("name", "modality", "primary", "description", "train_items", "test_items",
-                                         "baselines") if k in task},
-                 "metrics": _task_metrics_meta(task),
-                 **({"max_gen_toks": max_gen_tokens(cfg, task)} if task["modality"] == "text" else {})},
-        "pretrained": pretrained, "finetuned": finetuned,
+        "method": method,
+        "stage": "finetune",
+        "source_checkpoint": str(source),
+        "task": {
+            **{
+                k: task[k]
+                for k in ("name", "modality", "primary", "description", "train_items", "test_items", "baselines")
+                if k in task
+            },
+            "metrics": _task_metrics_meta(task),
+            **({"max_gen_toks": max_gen_tokens(cfg, task)} if task["modality"] == "text" else {}),
+        },
+        "pretrained": pretrained,
+        "finetuned": finetuned,
     }
     if task["modality"] == "text" and first_model is not None and cfg.eval.enabled:
         from data.store import load_heldout, load_tokenizer
         from evals.run_eval import evaluate_lm
 
-        after = evaluate_lm(first_model, load_tokenizer(run_dir), load_heldout(run_dir, "test"), out_dir / "pretrain_tasks",
-                            cfg.eval, seed=cfg.seed, name="lm_eval")
+        after = evaluate_lm(
+            first_model,
+            load_tokenizer(run_dir),
+            load_heldout(run_dir, "test"),
+            out_dir / "pretrain_tasks",
+            cfg.eval,
+            seed=cfg.seed,
+            name="lm_eval",
+        )
         before_path = Path(layout.eval_result("pretrain", method))
         before_flat = json.loads(before_path.read_text()) if before_path.is_file() and not checkpoint else None
         keys = [k for k, v in after.items() if isinstance(v, float) and k.startswith("heldout_")]
-        result["pretrain_tasks"] = {"pretrained": {k: before_flat.get(k) for k in keys} if before_flat else None,
-                                    "finetuned": {k: after[k] for k in keys}}
+        result["pretrain_tasks"] = {
+            "pretrained": {k: before_flat.get(k) for k in keys} if before_flat else None,
+            "finetuned": {k: after[k] for k in keys},
+        }
     result["eval_s"] = time.monotonic() - t0
     atomic_write_text(layout.eval_result("finetune", method), json.dumps(result, indent=2))
     return result

@@ -51,7 +51,7 @@ class Functional:
     names: tuple[str, ...]
 
     @classmethod
-    def of(cls, model: nnx.Module) -> tuple["Functional", dict[str, jax.Array]]:
+    def of(cls, model: nnx.Module) -> tuple[Functional, dict[str, jax.Array]]:
         graphdef, params, rest = nnx.split(model, nnx.Param, ...)
         flat = flatten(nnx.to_pure_dict(params))
         return cls(graphdef, rest, tuple(flat)), flat

@@ -24,8 +24,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, Sharding, SingleDev
 BATCH = "batch"  # the mesh's one axis: the batch's leading (row) axis is split over it
 
 
-def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | None = None,
-                    where: str = "this process") -> list[Any]:
+def learner_devices(
+    learner: int, per_learner: int, devices: Sequence[Any] | None = None, where: str = "this process"
+) -> list[Any]:
     """The devices learner ``learner`` (m ≥ 0) trains on: ``per_learner`` (d) consecutive devices.
 
     ``devices``: the pool, in order (default ``jax.devices()``); any objects, so tests can pass
@@ -55,7 +56,7 @@ def learner_devices(learner: int, per_learner: int, devices: Sequence[Any] | Non
             f"(learners take equal, whole slices); pick one of {fits}"
         )
     start = (learner * per_learner) % n
-    return pool[start:start + per_learner]
+    return pool[start : start + per_learner]
 
 
 def batch_mesh(devices: Sequence[jax.Device]) -> Mesh:
@@ -96,8 +97,9 @@ def place(tree: Any, sharding: Sharding) -> Any:
     """``tree`` with every leaf committed to ``sharding``: leaves already there are returned as they
     are, others (host numpy, uncommitted arrays, arrays committed elsewhere) put there with
     ``jax.device_put``. (Committed and uncommitted inputs are different signatures to ``jax.jit``:
-    a mix of them, e.g. freshly pulled fragments beside stepped parameters, compiles again.) Use it before a call whose input shardings are fixed: ``jax.jit`` refuses
-    an argument committed to another sharding."""
+    a mix of them, e.g. freshly pulled fragments beside stepped parameters, compiles again.) Use it
+    before a call whose input shardings are fixed: ``jax.jit`` refuses an argument committed to
+    another sharding."""
 
     def put(x):
         if isinstance(x, jax.Array) and x.sharding == sharding and x.committed:
@@ -117,8 +119,12 @@ def backend_info() -> dict[str, Any]:
     ``devices`` (how many), ``device_kind`` (the first device's, e.g. ``NVIDIA H200`` or ``cpu``),
     ``jax`` (its version). Starts JAX's backend if it has not started."""
     devices = jax.devices()
-    return {"backend": jax.default_backend(), "devices": len(devices),
-            "device_kind": devices[0].device_kind, "jax": jax.__version__}
+    return {
+        "backend": jax.default_backend(),
+        "devices": len(devices),
+        "device_kind": devices[0].device_kind,
+        "jax": jax.__version__,
+    }
 
 
 def backend_line(info: dict[str, Any] | None = None) -> str:

@@ -29,11 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from configs.schema import PrecisionConfig
 from models.spec import ModelSpec
 from training.functional import Functional
-from training.mesh import (batch_mesh, batch_sharding, device_sharding, microbatch_sharding, place, replicated,
-                           single_default)
-from configs.schema import PrecisionConfig
+from training.mesh import (
+    batch_mesh,
+    batch_sharding,
+    device_sharding,
+    microbatch_sharding,
+    place,
+    replicated,
+    single_default,
+)
 from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_optimizer
 from training.xla import configure_host
 
@@ -69,9 +76,15 @@ def _leading_rows(tree) -> int:
     return int(np.shape(jax.tree.leaves(tree)[0])[0])
 
 
-def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation, microbatches: int = 1,
-                    devices: Sequence[jax.Device] | None = None, compute_dtype=None,
-                    targets: Callable[[Any], jax.Array] | None = None) -> StepFn:
+def make_train_step(
+    fn: Functional,
+    objective,
+    tx: optax.GradientTransformation,
+    microbatches: int = 1,
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=None,
+    targets: Callable[[Any], jax.Array] | None = None,
+) -> StepFn:
     """The jitted inner step: forward and backward over the batch, one optimizer update.
 
     ``microbatches`` (G) > 1 runs forward and backward on B / G rows at a time (a ``lax.scan``) and
@@ -126,8 +139,10 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
             if B % microbatches:
                 raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches")
             if B % (microbatches * D):
-                raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches of "
-                                 f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})")
+                raise ValueError(
+                    f"batch of {B} rows is not divisible into {microbatches} microbatches of "
+                    f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})"
+                )
             slices_GB = jax.tree.map(lambda a: _split_microbatches(a, microbatches, D), batch)
             if mesh is not None:
                 slices_GB = jax.lax.with_sharding_constraint(slices_GB, microbatch_sharding(mesh))
@@ -161,8 +176,7 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
         return on_device
 
     rep, rows = replicated(mesh), batch_sharding(mesh)
-    jitted = jax.jit(step, in_shardings=(rep, rep, rows, rep), out_shardings=(rep, rep, rep),
-                     donate_argnums=(0, 1))
+    jitted = jax.jit(step, in_shardings=(rep, rep, rows, rep), out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
 
     def data_parallel(params, opt_state, batch, frozen=None):
         B = _leading_rows(batch)
@@ -174,10 +188,14 @@ def make_train_step(fn: Functional, objective, tx: optax.GradientTransformation,
     return data_parallel
 
 
-def make_eval_step(fn: Functional, objective, heldout: str = "loss",
-                   devices: Sequence[jax.Device] | None = None,
-                   compute_dtype=None,
-                   targets: Callable[[Any], jax.Array] | None = None) -> Callable[[Params, Any], dict[str, jax.Array]]:
+def make_eval_step(
+    fn: Functional,
+    objective,
+    heldout: str = "loss",
+    devices: Sequence[jax.Device] | None = None,
+    compute_dtype=None,
+    targets: Callable[[Any], jax.Array] | None = None,
+) -> Callable[[Params, Any], dict[str, jax.Array]]:
     """Jitted ``(params, batch, frozen=None) -> {"loss": …, "objective": …, **metrics}`` without an update
     (nothing donated). ``loss`` is the metric named ``heldout`` (the objective's value by default;
     an MoE model's cross entropy without its auxiliary losses); ``objective`` the value minimised.
@@ -233,8 +251,15 @@ class Trainer:
     ``tx``'s state is kept in ``opt_state`` (``self.tx`` is the wrapped optimizer).
     """
 
-    def __init__(self, spec: ModelSpec, tx: optax.GradientTransformation, microbatches: int = 1, seed: int = 0,
-                 devices: Sequence[jax.Device] | None = None, precision: PrecisionConfig | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        tx: optax.GradientTransformation,
+        microbatches: int = 1,
+        seed: int = 0,
+        devices: Sequence[jax.Device] | None = None,
+        precision: PrecisionConfig | None = None,
+    ):
         self.precision = precision or PrecisionConfig()
         self.dtypes = dtypes(self.precision)  # None: all float32, nothing cast
         compute = None if self.dtypes is None else self.dtypes.compute
@@ -245,10 +270,10 @@ class Trainer:
         self._params0 = params0 if self.dtypes is None else cast_floating(params0, self.dtypes.params)
         self.seed = seed
         self.devices: tuple[jax.Device, ...] | None = None if single_default(devices) else tuple(devices)
-        self.step = make_train_step(self.fn, spec.objective, self.tx, microbatches, self.devices, compute,
-                                    spec.count_targets)
-        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices, compute,
-                                       spec.count_targets)
+        self.step = make_train_step(
+            self.fn, spec.objective, self.tx, microbatches, self.devices, compute, spec.count_targets
+        )
+        self.evaluate = make_eval_step(self.fn, spec.objective, spec.heldout, self.devices, compute, spec.count_targets)
         if self.devices is None:
             self._placement = None
         elif len(self.devices) == 1:

@@ -13,8 +13,8 @@ Backends: ``diloco.exchange.memory.InMemoryExchange`` (threads of one process) a
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np

@@ -99,8 +99,7 @@ from collections.abc import Iterable, Mapping
 
 import fsspec
 import numpy as np
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
+from safetensors.numpy import load as st_load, save as st_save
 
 from diloco.exchange.base import Submission
 
@@ -141,7 +140,7 @@ def decode(data: bytes) -> tuple[dict[str, np.ndarray], dict]:
         n = int.from_bytes(data[:8], "little")
         if len(data) < 8 + n:
             raise ValueError(f"truncated: header declares {n} bytes, {len(data) - 8} present")
-        header = json.loads(data[8:8 + n])
+        header = json.loads(data[8 : 8 + n])
         meta = {k: json.loads(v) for k, v in (header.get("__metadata__") or {}).items()}
         tensors = st_load(bytes(data))
     except Exception as exc:  # safetensors raises its own error type; json a ValueError
@@ -168,11 +167,15 @@ def check_url(url: str) -> None:
     layer = outer.split("://", 1)[0]
     storage = inner.rsplit("::", 1)[-1]
     if layer in _CACHING:
-        why = (f"a chained URL through {layer}:: caches what it reads, and the exchange rewrites state.json "
-               "and the heartbeats in place (learners would never see a new grant)")
+        why = (
+            f"a chained URL through {layer}:: caches what it reads, and the exchange rewrites state.json "
+            "and the heartbeats in place (learners would never see a new grant)"
+        )
     else:
-        why = (f"a chained URL ({layer}://…::…) reads through another filesystem (an archive is read-only); "
-               "the exchange writes objects and renames them into place")
+        why = (
+            f"a chained URL ({layer}://…::…) reads through another filesystem (an archive is read-only); "
+            "the exchange writes objects and renames them into place"
+        )
     raise ValueError(f"{url}: {why}; give the storage URL itself, e.g. {storage}")
 
 
@@ -180,9 +183,10 @@ def check_writable(url: str, storage_options: dict | None = None) -> None:
     """Check that an exchange can live under ``url``: :func:`check_url`, then create the root, write,
     read back and delete a probe object. Folders the check created on a local filesystem are removed
     again, deepest first and only while empty (another run may have started writing in them
-    meanwhile: nothing of its is touched), so a passed check leaves nothing of its own. Raises ``ValueError`` for a refused form and
-    whatever the filesystem raises (``OSError``, ``PermissionError``, ``NotImplementedError``, …) when
-    the root cannot be created, written or read."""
+    meanwhile: nothing of its is touched), so a passed check leaves nothing of its own. Raises
+    ``ValueError`` for a refused form and whatever the filesystem raises (``OSError``,
+    ``PermissionError``, ``NotImplementedError``, …) when the root cannot be created, written or
+    read."""
     check_url(url)
     fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
     root = root.rstrip("/") or "/"
@@ -254,8 +258,10 @@ class FsspecExchange:
         try:
             meta = json.loads(self.fs.cat_file(self._p("meta.json")))
         except FileNotFoundError:
-            raise FileNotFoundError(f"no exchange at {self.url} (meta.json missing): the syncer's "
-                                    "set-up creates it before any learner starts") from None
+            raise FileNotFoundError(
+                f"no exchange at {self.url} (meta.json missing): the syncer's "
+                "set-up creates it before any learner starts"
+            ) from None
         if meta.get("format") != FORMAT:
             raise ValueError(f"exchange at {self.url} has format {meta.get('format')}, expected {FORMAT}")
         self.num_fragments = int(meta["num_fragments"])
@@ -286,7 +292,7 @@ class FsspecExchange:
         those of live processes and of other hosts are kept."""
         host = socket.gethostname()
         for name in self._ls(self._p("tmp")):
-            parts = name[:-len(".part")].rsplit("-", 2) if name.endswith(".part") else []
+            parts = name[: -len(".part")].rsplit("-", 2) if name.endswith(".part") else []
             if len(parts) == 3 and parts[0] == host and parts[1].isdigit() and not _pid_alive(int(parts[1])):
                 try:
                     self.fs.rm(self._p("tmp", name))
@@ -295,9 +301,18 @@ class FsspecExchange:
 
     # -- creation -------------------------------------------------------------------------------
     @classmethod
-    def create(cls, url: str, *, initial: list[dict[str, np.ndarray]], num_learners: int, token_budget: int,
-               grant_tokens: int, keep_versions: int = 2, poll_s: float = 0.02,
-               storage_options: dict | None = None) -> "FsspecExchange":
+    def create(
+        cls,
+        url: str,
+        *,
+        initial: list[dict[str, np.ndarray]],
+        num_learners: int,
+        token_budget: int,
+        grant_tokens: int,
+        keep_versions: int = 2,
+        poll_s: float = 0.02,
+        storage_options: dict | None = None,
+    ) -> FsspecExchange:
         """Create the exchange at ``url`` holding version 0 of every global fragment (``initial``:
         Θ₀ as P name → float32 array mappings), the clock starting now, and open it.
 
@@ -307,9 +322,13 @@ class FsspecExchange:
         counts below 1.
         """
         num_fragments = len(initial)
-        for name, v in (("fragments", num_fragments), ("num_learners", num_learners),
-                        ("token_budget", token_budget), ("grant_tokens", grant_tokens),
-                        ("keep_versions", keep_versions)):
+        for name, v in (
+            ("fragments", num_fragments),
+            ("num_learners", num_learners),
+            ("token_budget", token_budget),
+            ("grant_tokens", grant_tokens),
+            ("keep_versions", keep_versions),
+        ):
             if int(v) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {v}")
         check_url(url)
@@ -318,9 +337,15 @@ class FsspecExchange:
         if fs.exists(f"{root}/meta.json"):
             raise FileExistsError(f"an exchange already exists at {url}")
         fs.makedirs(root, exist_ok=True)
-        meta = {"format": FORMAT, "num_fragments": int(num_fragments), "num_learners": int(num_learners),
-                "token_budget": int(token_budget), "grant_tokens": int(grant_tokens),
-                "keep_versions": int(keep_versions), "t0": time.time()}
+        meta = {
+            "format": FORMAT,
+            "num_fragments": int(num_fragments),
+            "num_learners": int(num_learners),
+            "token_budget": int(token_budget),
+            "grant_tokens": int(grant_tokens),
+            "keep_versions": int(keep_versions),
+            "t0": time.time(),
+        }
         fs.pipe_file(f"{root}/meta.json", json.dumps(meta).encode())
         ex = cls(url, poll_s=poll_s, storage_options=storage_options)
         first = min(ex.grant_tokens, ex.token_budget // ex.num_learners) or 1
@@ -328,12 +353,18 @@ class FsspecExchange:
             data = ex._io(encode, params, {"fragment": p, "version": 0, "generation": 0})
             ex._put(ex._p("origin", f"f{p:03d}.safetensors"), data)  # kept for good (see origin())
             ex._put(ex._p("global", f"f{p:03d}", f"v{0:08d}.safetensors"), data)
-        ex._write_state({"generation": 0, "versions": [0] * ex.num_fragments,
-                         "grants": {str(m): first for m in range(ex.num_learners)}, "closed": False})
+        ex._write_state(
+            {
+                "generation": 0,
+                "versions": [0] * ex.num_fragments,
+                "grants": {str(m): first for m in range(ex.num_learners)},
+                "closed": False,
+            }
+        )
         return ex
 
     @classmethod
-    def open(cls, url: str, **kwargs) -> "FsspecExchange":
+    def open(cls, url: str, **kwargs) -> FsspecExchange:
         """Open the exchange created at ``url`` (see the constructor)."""
         return cls(url, **kwargs)
 
@@ -431,8 +462,9 @@ class FsspecExchange:
             raise RuntimeError("only a syncer that has taken office (take_office) may write the exchange's state")
         current = self.generation()
         if current != self._generation:
-            raise StaleSyncerError(f"syncer of generation {self._generation} is stale: generation {current} "
-                                   "has taken office")
+            raise StaleSyncerError(
+                f"syncer of generation {self._generation} is stale: generation {current} has taken office"
+            )
         return self._generation
 
     # -- learners → syncer ----------------------------------------------------------------------
@@ -441,8 +473,10 @@ class FsspecExchange:
         manifest = {k: getattr(sub, k) for k in (*_SUBMISSION_FIELDS, "wire")}
         manifest["sent_at"] = self.clock()
         ms = int(manifest["sent_at"] * 1000)
-        name = (f"{ms:012d}-l{sub.learner:03d}-f{sub.fragment:03d}-a{sub.attempt:03d}-s{sub.local_step:09d}-"
-                f"{uuid.uuid4().hex[:8]}.safetensors")
+        name = (
+            f"{ms:012d}-l{sub.learner:03d}-f{sub.fragment:03d}-a{sub.attempt:03d}-s{sub.local_step:09d}-"
+            f"{uuid.uuid4().hex[:8]}.safetensors"
+        )
         self._put(self._p("inbox", name), self._io(encode, sub.params, manifest))
         sub.key = name
 
@@ -470,11 +504,19 @@ class FsspecExchange:
         missing = [k for k in _SUBMISSION_FIELDS if k not in meta]
         if missing:
             raise CorruptObjectError(f"manifest lacks {missing}")
-        return Submission(learner=int(meta["learner"]), fragment=int(meta["fragment"]), params=tensors,
-                          tokens=int(meta["tokens"]), steps=int(meta["steps"]),
-                          base_version=int(meta["base_version"]), local_step=int(meta["local_step"]),
-                          attempt=int(meta["attempt"]), sent_at=float(meta["sent_at"]), key=name,
-                          wire=str(meta.get("wire", "float32")))  # objects written before wire formats: float32
+        return Submission(
+            learner=int(meta["learner"]),
+            fragment=int(meta["fragment"]),
+            params=tensors,
+            tokens=int(meta["tokens"]),
+            steps=int(meta["steps"]),
+            base_version=int(meta["base_version"]),
+            local_step=int(meta["local_step"]),
+            attempt=int(meta["attempt"]),
+            sent_at=float(meta["sent_at"]),
+            key=name,
+            wire=str(meta.get("wire", "float32")),
+        )  # objects written before wire formats: float32
 
     def read_submission(self, name: str) -> Submission:
         """The submission stored in ``inbox/<name>`` (a restarted syncer re-reads what its predecessor
@@ -501,8 +543,16 @@ class FsspecExchange:
         self._put(self._p("quarantine", name + ".reason"), reason.encode())
         learner = _field_of(name, "l")
         with self._lock:
-            self._events.append({"event": "quarantined", "object": name, "reason": reason,
-                                 "learner": learner, "fragment": _field_of(name, "f"), "t": self.clock()})
+            self._events.append(
+                {
+                    "event": "quarantined",
+                    "object": name,
+                    "reason": reason,
+                    "learner": learner,
+                    "fragment": _field_of(name, "f"),
+                    "t": self.clock(),
+                }
+            )
 
     def discard(self, keys: Iterable[str]) -> None:
         """Delete drained submissions the syncer is done with (merged or dropped). A syncer in office
@@ -537,16 +587,18 @@ class FsspecExchange:
             state = dict(self._read_state(fresh=True))
             versions = list(state["versions"])
             if version <= versions[fragment]:
-                raise ValueError(f"fragment {fragment}: version {version} is not above the published "
-                                 f"{versions[fragment]}")
+                raise ValueError(
+                    f"fragment {fragment}: version {version} is not above the published {versions[fragment]}"
+                )
             manifest = {"fragment": fragment, "version": version, "generation": gen}
-            self._put(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors"),
-                      self._io(encode, params, manifest))
+            self._put(
+                self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors"), self._io(encode, params, manifest)
+            )
             self._check_office()
             versions[fragment] = version
             state["versions"] = versions
             self._write_state(state)
-            old = sorted(self._ls(self._p("global", f"f{fragment:03d}")))[:-self.keep_versions]
+            old = sorted(self._ls(self._p("global", f"f{fragment:03d}")))[: -self.keep_versions]
             if old:
                 self._io(self.fs.rm, [self._p("global", f"f{fragment:03d}", n) for n in old])
 
@@ -557,12 +609,15 @@ class FsspecExchange:
             if version < 0:
                 raise RuntimeError(f"fragment {fragment} has not been published by the syncer yet")
             try:
-                tensors, meta = self._io(decode, self._get(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors")))
+                tensors, meta = self._io(
+                    decode, self._get(self._p("global", f"f{fragment:03d}", f"v{version:08d}.safetensors"))
+                )
             except FileNotFoundError:
                 continue  # garbage-collected under us: a newer version exists
             if int(meta["version"]) != version or int(meta["fragment"]) != fragment:
-                raise CorruptObjectError(f"fragment {fragment} v{version}: manifest says "
-                                         f"fragment {meta['fragment']} v{meta['version']}")
+                raise CorruptObjectError(
+                    f"fragment {fragment} v{version}: manifest says fragment {meta['fragment']} v{meta['version']}"
+                )
             return version, tensors
         raise RuntimeError(f"fragment {fragment}: the published version kept disappearing")
 
@@ -576,8 +631,9 @@ class FsspecExchange:
         if damaged."""
         tensors, meta = self._io(decode, self._get(self._p("origin", f"f{fragment:03d}.safetensors")))
         if int(meta["version"]) != 0 or int(meta["fragment"]) != fragment:
-            raise CorruptObjectError(f"fragment {fragment} v0: manifest says fragment {meta['fragment']} "
-                                     f"v{meta['version']}")
+            raise CorruptObjectError(
+                f"fragment {fragment} v0: manifest says fragment {meta['fragment']} v{meta['version']}"
+            )
         return tensors
 
     # -- the syncer's write-ahead journal -------------------------------------------------------
@@ -695,8 +751,11 @@ class FsspecExchange:
                     beat["claimed"] = int(beat.get("claimed", 0)) + n
                     self._write_beat(learner, beat, time.monotonic())
                 return True
-            if (state.get("closed") or (stop is not None and stop())
-                    or sum(int(g) for g in state["grants"].values()) >= self.token_budget):
+            if (
+                state.get("closed")
+                or (stop is not None and stop())
+                or sum(int(g) for g in state["grants"].values()) >= self.token_budget
+            ):
                 state = self._read_state(fresh=True)
                 grant = int(state["grants"].get(str(learner), 0))
                 if int(beat.get("claimed", 0)) + n <= grant:

@@ -14,7 +14,7 @@ import numpy as np
 
 from diloco.exchange.base import Submission
 
-_REGISTRY: dict[str, "InMemoryExchange"] = {}
+_REGISTRY: dict[str, InMemoryExchange] = {}
 _REGISTRY_LOCK = threading.Lock()
 
 

@@ -37,8 +37,7 @@ class SelfAttention(nnx.Module):
     ``jax.nn.dot_product_attention``.
     """
 
-    def __init__(self, d_model: int, n_heads: int, n_layers: int, rope_theta: float, causal: bool,
-                 rngs: nnx.Rngs):
+    def __init__(self, d_model: int, n_heads: int, n_layers: int, rope_theta: float, causal: bool, rngs: nnx.Rngs):
         self.n_heads, self.head_dim, self.theta, self.causal = n_heads, d_model // n_heads, rope_theta, causal
         init = nnx.initializers.normal(0.02)
         self.qkv = nnx.Linear(d_model, 3 * d_model, use_bias=False, kernel_init=init, rngs=rngs)

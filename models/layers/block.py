@@ -22,8 +22,9 @@ class Block(nnx.Module):
     attention ignore it (the rows are right-padded and causal, or not padded at all).
     """
 
-    def __init__(self, d_model: int, make_attn: Callable[[], nnx.Module], make_mlp: Callable[[], nnx.Module],
-                 rngs: nnx.Rngs):
+    def __init__(
+        self, d_model: int, make_attn: Callable[[], nnx.Module], make_mlp: Callable[[], nnx.Module], rngs: nnx.Rngs
+    ):
         self.attn_norm = nnx.RMSNorm(d_model, rngs=rngs)
         self.attn = make_attn()
         self.mlp_norm = nnx.RMSNorm(d_model, rngs=rngs)

@@ -78,8 +78,9 @@ def linear_layers(model: nnx.Module) -> dict[str, tuple[str, tuple[int, int]]]:
     return out
 
 
-def add_lora(model: nnx.Module, rank: int, targets: Iterable[str], rngs: nnx.Rngs,
-             alpha: float | None = None) -> list[str]:
+def add_lora(
+    model: nnx.Module, rank: int, targets: Iterable[str], rngs: nnx.Rngs, alpha: float | None = None
+) -> list[str]:
     """Wrap every ``nnx.Linear`` attribute named in ``targets`` (e.g. ``qkv``, ``down``) in a
     :class:`ScaledLoRA` of rank ``rank`` and scale ``alpha / rank`` (``alpha`` None: the rank, scale
     1), in place; returns the wrapped layers' paths (``blocks/0/attn/qkv``).
@@ -97,8 +98,10 @@ def add_lora(model: nnx.Module, rank: int, targets: Iterable[str], rngs: nnx.Rng
                 if name in targets and isinstance(child, nnx.Linear):
                     found.append((node, name, "/".join(map(str, (*path, name)))))
     if not found:
-        raise ValueError(f"finetune.lora_targets {sorted(targets)} match no projection of this model; "
-                         "use e.g. qkv, out, gate, up, down")
+        raise ValueError(
+            f"finetune.lora_targets {sorted(targets)} match no projection of this model; "
+            "use e.g. qkv, out, gate, up, down"
+        )
     for parent, name, path in found:
         base = getattr(parent, name)
         i, o = base.kernel.shape
@@ -132,7 +135,7 @@ def merge_lora(params: Mapping[str, jax.Array], scale: float = 1.0) -> dict[str,
         if BASE in parts:
             i = parts.index(BASE)
             prefix = "/".join(parts[:i])
-            name = "/".join(parts[:i] + parts[i + 1:])
+            name = "/".join(parts[:i] + parts[i + 1 :])
             if parts[-1] == "kernel" and f"{prefix}/{LORA_A}" in params:
                 delta = jnp.asarray(params[f"{prefix}/{LORA_A}"]) @ jnp.asarray(params[f"{prefix}/{LORA_B}"])
                 value = value + (delta if scale == 1.0 else scale * delta)

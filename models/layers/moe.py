@@ -53,8 +53,9 @@ def expert_capacity(tokens_per_group: int, num_experts: int, top_k: int, capacit
     return max(1, min(tokens_per_group, c))
 
 
-def group_capacity(real_G: jax.Array, max_tokens: int, num_experts: int, top_k: int,
-                   capacity_factor: float | None) -> jax.Array:
+def group_capacity(
+    real_G: jax.Array, max_tokens: int, num_experts: int, top_k: int, capacity_factor: float | None
+) -> jax.Array:
     """:func:`expert_capacity` of each group's real token count ``int32[G]`` (each in [0, max_tokens]),
     as ``int32[G]``: read from a table of :func:`expert_capacity` (the same rounding as a group of
     that many tokens without padding); at most ``expert_capacity(max_tokens, …)``."""
@@ -62,8 +63,13 @@ def group_capacity(real_G: jax.Array, max_tokens: int, num_experts: int, top_k: 
     return jnp.asarray(table, jnp.int32)[real_G]
 
 
-def route(logits_GSE: jax.Array, top_k: int, capacity: int, mask_GS: jax.Array | None = None,
-          capacity_G: jax.Array | None = None) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+def route(
+    logits_GSE: jax.Array,
+    top_k: int,
+    capacity: int,
+    mask_GS: jax.Array | None = None,
+    capacity_G: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Top-k routing with expert capacity, from router logits ``float32[G, S, E]``.
 
     ``capacity``: C, the slots per expert the dispatch tensors hold. ``mask_GS`` (bool or float
@@ -129,8 +135,16 @@ class MoE(nnx.Module):
     ``capacity_factor``: None for dropless routing. Raises ``ValueError`` for k outside [1, E].
     """
 
-    def __init__(self, d_model: int, d_ff: int, n_layers: int, num_experts: int, top_k: int,
-                 capacity_factor: float | None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        d_model: int,
+        d_ff: int,
+        n_layers: int,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+        rngs: nnx.Rngs,
+    ):
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k ({top_k}) must be between 1 and the number of experts ({num_experts})")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
@@ -145,8 +159,13 @@ class MoE(nnx.Module):
     def __call__(self, x_GSD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         G, S, D = x_GSD.shape
         C = expert_capacity(S, self.num_experts, self.top_k, self.capacity_factor)
-        capacity_G = None if mask is None else group_capacity(
-            (mask > 0).sum(axis=1).astype(jnp.int32), S, self.num_experts, self.top_k, self.capacity_factor)
+        capacity_G = (
+            None
+            if mask is None
+            else group_capacity(
+                (mask > 0).sum(axis=1).astype(jnp.int32), S, self.num_experts, self.top_k, self.capacity_factor
+            )
+        )
         # the router in float32 whatever the compute dtype (Switch Transformer's selective precision, Sec. 2.4)
         # (x in float32 promotes the product to float32 with a bfloat16 kernel too)
         logits_GSE = project(self.router, x_GSD.astype(jnp.float32))
@@ -156,7 +175,8 @@ class MoE(nnx.Module):
         dispatch_GSEC, combine_GSEC = dispatch_GSEC.astype(x_GSD.dtype), combine_GSEC.astype(x_GSD.dtype)
         x_EGCD = jnp.einsum("gsec,gsd->egcd", dispatch_GSEC, x_GSD)
         h_EGCF = jax.nn.silu(jnp.einsum("egcd,edf->egcf", x_EGCD, self.gate[...])) * jnp.einsum(
-            "egcd,edf->egcf", x_EGCD, self.up[...])
+            "egcd,edf->egcf", x_EGCD, self.up[...]
+        )
         y_EGCD = jnp.einsum("egcf,efd->egcd", h_EGCF, self.down[...])
         return jnp.einsum("gsec,egcd->gsd", combine_GSEC, y_EGCD)
 

@@ -76,8 +76,9 @@ def rope(x_LC: jax.Array, cos_LC: jax.Array, sin_LC: jax.Array) -> jax.Array:
 
 def _causal_scores(q_BNLC, k_BNMC):
     # scores and their softmax in float32 whatever the inputs' dtype (bfloat16 compute)
-    s_BNLM = jnp.einsum("bnlc,bnmc->bnlm", q_BNLC, k_BNMC,
-                        preferred_element_type=jnp.float32) * (1.0 / math.sqrt(q_BNLC.shape[-1]))
+    s_BNLM = jnp.einsum("bnlc,bnmc->bnlm", q_BNLC, k_BNMC, preferred_element_type=jnp.float32) * (
+        1.0 / math.sqrt(q_BNLC.shape[-1])
+    )
     row = jax.lax.broadcasted_iota(jnp.int32, s_BNLM.shape, 2)
     col = jax.lax.broadcasted_iota(jnp.int32, s_BNLM.shape, 3)
     return jnp.where(col <= row, s_BNLM, jnp.finfo(s_BNLM.dtype).min)
@@ -154,7 +155,7 @@ def _xent_fwd(x_TD, w_DV, labels_T):
     rows = HEAD_ROWS if R % HEAD_ROWS == 0 else R
     loss, dx, dw_DV = 0.0, [], jnp.zeros(w_DV.shape, jnp.float32)
     for i in range(0, R, rows):
-        xc_RD, yc_R = x_RD[i:i + rows], y_R[i:i + rows]
+        xc_RD, yc_R = x_RD[i : i + rows], y_R[i : i + rows]
         nll_R, e_RV, s_R1 = _xent_rows(xc_RD, w_DV, yc_R)
         loss = loss + jnp.sum(nll_R)
         p_RV = e_RV / s_R1

@@ -25,23 +25,30 @@ class DecoderLM(nnx.Module):
 
     ``cfg``: a ``configs.schema.DenseLMConfig`` (d_model, n_layers, n_heads, d_ff, tie_embeddings,
     rope_theta). ``make_mlp(i)`` builds block i's feed-forward layer (default: a SwiGLU of width
-    d_ff; the MoE LM puts :class:`models.layers.moe.MoE` in some blocks). ``features(ids)`` is everything before the output projection (final-normed
-    ``float32[B, L, D]``) and ``head_kernel()`` that projection as ``float32[D, V]``: the training
-    objective fuses the two with the loss (:func:`lm_objective`).
+    d_ff; the MoE LM puts :class:`models.layers.moe.MoE` in some blocks). ``features(ids)`` is
+    everything before the output projection (final-normed ``float32[B, L, D]``) and
+    ``head_kernel()`` that projection as ``float32[D, V]``: the training objective fuses the two
+    with the loss (:func:`lm_objective`).
     """
 
-    def __init__(self, cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs,
-                 make_mlp: Callable[[int], nnx.Module] | None = None):
+    def __init__(
+        self, cfg, vocab_size: int, max_len: int, rngs: nnx.Rngs, make_mlp: Callable[[int], nnx.Module] | None = None
+    ):
         self.vocab_size, self.max_len = vocab_size, max_len
         d = cfg.d_model
         make_mlp = make_mlp or (lambda i: SwiGLU(d, cfg.d_ff, cfg.n_layers, rngs))
         self.embed = nnx.Embed(vocab_size, d, embedding_init=nnx.initializers.normal(0.02), rngs=rngs)
-        self.blocks = nnx.List([
-            Block(d,
-                  partial(SelfAttention, d, cfg.n_heads, cfg.n_layers, cfg.rope_theta, True, rngs),
-                  partial(make_mlp, i), rngs)
-            for i in range(cfg.n_layers)
-        ])
+        self.blocks = nnx.List(
+            [
+                Block(
+                    d,
+                    partial(SelfAttention, d, cfg.n_heads, cfg.n_layers, cfg.rope_theta, True, rngs),
+                    partial(make_mlp, i),
+                    rngs,
+                )
+                for i in range(cfg.n_layers)
+            ]
+        )
         self.final_norm = nnx.RMSNorm(d, rngs=rngs)
         self.head = (
             None
@@ -150,7 +157,12 @@ def build_dense_lm(cfg, shape: InputShape) -> ModelSpec:
 
     abstract = nnx.eval_shape(lambda: init(0))
     return ModelSpec(
-        kind="dense_lm", config=cfg, init=init, objective=lm_objective, targets=lm_targets,
+        kind="dense_lm",
+        config=cfg,
+        init=init,
+        objective=lm_objective,
+        targets=lm_targets,
         batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
-        params=count_params(abstract), flops_per_unit=flops_per_token(cfg, V, L),
+        params=count_params(abstract),
+        flops_per_unit=flops_per_token(cfg, V, L),
     )

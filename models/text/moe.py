@@ -101,8 +101,14 @@ def build_moe_lm_spec(cfg, shape: InputShape) -> ModelSpec:
 
     total, active = param_counts(cfg, V)
     return ModelSpec(
-        kind="moe_lm", config=cfg, init=init, objective=make_objective(cfg), targets=lm_targets,
+        kind="moe_lm",
+        config=cfg,
+        init=init,
+        objective=make_objective(cfg),
+        targets=lm_targets,
         batch=BatchLayout(dtype="int32", row_shape=(L + 1,), unit="tokens", units_per_row=L),
-        params=total, flops_per_unit=flops_per_token(cfg, V, L), heldout="ce",
+        params=total,
+        flops_per_unit=flops_per_token(cfg, V, L),
+        heldout="ce",
         extras={"active_params": active, "total_params": total, "moe_layers": moe_blocks(cfg)},
     )

@@ -1,2 +1,3 @@
 """Vision model kinds (each registers itself on import)."""
+
 from models.vision import vit  # noqa: F401

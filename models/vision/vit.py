@@ -28,9 +28,9 @@ from flax import nnx
 
 from models.layers.attention import SelfAttention
 from models.layers.block import Block
+from models.layers.lora import project
 from models.layers.mlp import SwiGLU
 from models.layers.moe import auxiliary_loss, collect_stats, idle_expert_params, mlp_factory, moe_blocks
-from models.layers.lora import project
 from models.spec import BatchLayout, InputShape, ModelSpec, count_params, register
 from models.text.moe import moe_metrics
 
@@ -57,8 +57,15 @@ class ViT(nnx.Module):
     ``blocks/<i>/…``, ``final_norm/scale``, ``head/kernel [D, K]``, ``head/bias [K]``.
     """
 
-    def __init__(self, cfg, image_shape: tuple[int, int, int], num_classes: int, rngs: nnx.Rngs,
-                 make_mlp: Callable[[int], nnx.Module] | None = None, pixel_scale: float = 1.0 / 255.0):
+    def __init__(
+        self,
+        cfg,
+        image_shape: tuple[int, int, int],
+        num_classes: int,
+        rngs: nnx.Rngs,
+        make_mlp: Callable[[int], nnx.Module] | None = None,
+        pixel_scale: float = 1.0 / 255.0,
+    ):
         H, W, C = image_shape
         d, P = cfg.d_model, cfg.patch_size
         if H % P or W % P:
@@ -67,11 +74,17 @@ class ViT(nnx.Module):
         make_mlp = make_mlp or (lambda i: SwiGLU(d, cfg.d_ff, cfg.n_layers, rngs))
         self.patch = nnx.Linear(P * P * C, d, kernel_init=nnx.initializers.normal(0.02), rngs=rngs)
         self.cls = nnx.Param(jnp.zeros((1, 1, d), jnp.float32)) if cfg.pool == "cls" else None
-        self.blocks = nnx.List([
-            Block(d, partial(SelfAttention, d, cfg.n_heads, cfg.n_layers, cfg.rope_theta, False, rngs),
-                  partial(make_mlp, i), rngs)
-            for i in range(cfg.n_layers)
-        ])
+        self.blocks = nnx.List(
+            [
+                Block(
+                    d,
+                    partial(SelfAttention, d, cfg.n_heads, cfg.n_layers, cfg.rope_theta, False, rngs),
+                    partial(make_mlp, i),
+                    rngs,
+                )
+                for i in range(cfg.n_layers)
+            ]
+        )
         self.final_norm = nnx.RMSNorm(d, rngs=rngs)
         self.head = nnx.Linear(d, num_classes, kernel_init=nnx.initializers.zeros_init(), rngs=rngs)
 
@@ -145,8 +158,13 @@ def flops_per_image(cfg, image_shape: tuple[int, int, int], num_classes: int, mo
 
 
 def _layout(image_shape) -> BatchLayout:
-    return BatchLayout(dtype="uint8", row_shape=tuple(image_shape), unit="images", units_per_row=1,
-                       columns={"image": ("uint8", tuple(image_shape)), "label": ("int32", ())})
+    return BatchLayout(
+        dtype="uint8",
+        row_shape=tuple(image_shape),
+        unit="images",
+        units_per_row=1,
+        columns={"image": ("uint8", tuple(image_shape)), "label": ("int32", ())},
+    )
 
 
 def _need_images(kind: str, shape: InputShape) -> tuple[tuple[int, int, int], int]:
@@ -165,9 +183,16 @@ def build_vit(cfg, shape: InputShape) -> ModelSpec:
         return ViT(cfg, image_shape, K, nnx.Rngs(seed), pixel_scale=pixel_scale(shape))
 
     abstract = nnx.eval_shape(lambda: init(0))
-    return ModelSpec(kind="vit", config=cfg, init=init, objective=classification_objective(),
-                     batch=_layout(image_shape), params=count_params(abstract),
-                     flops_per_unit=flops_per_image(cfg, image_shape, K), heldout="ce")
+    return ModelSpec(
+        kind="vit",
+        config=cfg,
+        init=init,
+        objective=classification_objective(),
+        batch=_layout(image_shape),
+        params=count_params(abstract),
+        flops_per_unit=flops_per_image(cfg, image_shape, K),
+        heldout="ce",
+    )
 
 
 @register("vit_moe")
@@ -184,10 +209,17 @@ def build_vit_moe(cfg, shape: InputShape) -> ModelSpec:
 
     total = count_params(nnx.eval_shape(lambda: init(0)))
     active = total - idle_expert_params(cfg)
-    return ModelSpec(kind="vit_moe", config=cfg, init=init, objective=classification_objective(cfg, blocks),
-                     batch=_layout(image_shape), params=total,
-                     flops_per_unit=flops_per_image(cfg, image_shape, K, blocks), heldout="ce",
-                     extras={"active_params": active, "total_params": total, "moe_layers": blocks})
+    return ModelSpec(
+        kind="vit_moe",
+        config=cfg,
+        init=init,
+        objective=classification_objective(cfg, blocks),
+        batch=_layout(image_shape),
+        params=total,
+        flops_per_unit=flops_per_image(cfg, image_shape, K, blocks),
+        heldout="ce",
+        extras={"active_params": active, "total_params": total, "moe_layers": blocks},
+    )
 
 
 def pixel_scale(shape: InputShape) -> float:

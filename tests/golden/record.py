@@ -38,16 +38,22 @@ def golden_config():
     out for fine-tuning (the pretraining data the losses were recorded on)."""
     from configs.schema import load_config
 
-    return load_config(ROOT / "configs" / "tiny.yaml", {
-        "data.source": "local", "data.paths": [str(CORPUS)], "train.token_budget": 12288,
-        "data.finetune_docs": 0, "finetune.enabled": False,
-    })
+    return load_config(
+        ROOT / "configs" / "tiny.yaml",
+        {
+            "data.source": "local",
+            "data.paths": [str(CORPUS)],
+            "train.token_budget": 12288,
+            "data.finetune_docs": 0,
+            "finetune.enabled": False,
+        },
+    )
 
 
 def run_dp(cfg, run_dir: Path) -> dict:
     """The DP loop itself (``training.dp.train_dp``), every step's loss read through its hook."""
-    from run.metrics import read_jsonl
     from run.layout import RunLayout
+    from run.metrics import read_jsonl
     from training.dp import train_dp
 
     losses: list[float] = []
@@ -77,15 +83,28 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), d.fragments)
-    syncer = Syncer(theta0, fragments, SyncerSettings(
-        num_learners=M, quorum=M, grace_s=0.0, merge=d.merge, outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum, outer_nesterov=d.outer_nesterov, max_staleness=0,
-    ), embedding_names(theta0))
+    syncer = Syncer(
+        theta0,
+        fragments,
+        SyncerSettings(
+            num_learners=M,
+            quorum=M,
+            grace_s=0.0,
+            merge=d.merge,
+            outer_lr=d.outer_lr,
+            outer_momentum=d.outer_momentum,
+            outer_nesterov=d.outer_nesterov,
+            max_staleness=0,
+        ),
+        embedding_names(theta0),
+    )
     rule = receipt_rule(d.receipt, d.mix_alpha)
     params = [trainer.init_params() for _ in range(M)]
     opt = [trainer.init_opt(p) for p in params]
-    frags = [[FragmentState(list(names), version=0, reference=syncer.global_params[p])
-              for p, names in enumerate(fragments)] for _ in range(M)]
+    frags = [
+        [FragmentState(list(names), version=0, reference=syncer.global_params[p]) for p, names in enumerate(fragments)]
+        for _ in range(M)
+    ]
     shards = [load_sequences(run_dir, f"shard_{m:02d}") for m in range(M)]
     cursors = [(0, 0)] * M
     val = val_batches(load_sequences(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
@@ -94,8 +113,9 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
     for step in range(1, cfg.learner_steps + 1):
         row = []
         for m in range(M):
-            batch, *cursors[m] = batch_at(shards[m], *cursors[m], batch_size=d.batch_size,
-                                          seed=cfg.seed + 1000 * (m + 1))
+            batch, *cursors[m] = batch_at(
+                shards[m], *cursors[m], batch_size=d.batch_size, seed=cfg.seed + 1000 * (m + 1)
+            )
             params[m], opt[m], metrics = trainer.step(params[m], opt[m], jnp.asarray(batch))
             row.append(float(metrics["loss"]))
             for f in frags[m]:
@@ -108,8 +128,18 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
             for m in range(M):
                 f = frags[m][p]
                 copy = to_numpy({k: params[m][k] for k in f.names})
-                syncer.receive(Submission(learner=m, fragment=p, params=copy, tokens=f.tokens, steps=f.steps,
-                                          base_version=f.version, local_step=step), 0.0)
+                syncer.receive(
+                    Submission(
+                        learner=m,
+                        fragment=p,
+                        params=copy,
+                        tokens=f.tokens,
+                        steps=f.steps,
+                        base_version=f.version,
+                        local_step=step,
+                    ),
+                    0.0,
+                )
                 f.sent(copy)
             records = syncer.poll(0.0, set(range(M)))
             assert [r["fragment"] for r in records] == [p], records
@@ -147,11 +177,16 @@ def main() -> None:
             want = json.loads(path.read_text())
             import numpy as np
 
-            dev = {k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
-                   for k in ("train_loss", "heldout_loss") if np.shape(got[k]) == np.shape(want[k])}
-            print(f"{name}: held-out loss {got['heldout_loss']} (recorded {want['heldout_loss']}); largest "
-                  f"deviation per step: train {dev.get('train_loss', 'shape differs')}, held-out "
-                  f"{dev.get('heldout_loss', 'shape differs')} nats")
+            dev = {
+                k: float(np.max(np.abs(np.asarray(got[k]) - np.asarray(want[k]))))
+                for k in ("train_loss", "heldout_loss")
+                if np.shape(got[k]) == np.shape(want[k])
+            }
+            print(
+                f"{name}: held-out loss {got['heldout_loss']} (recorded {want['heldout_loss']}); largest "
+                f"deviation per step: train {dev.get('train_loss', 'shape differs')}, held-out "
+                f"{dev.get('heldout_loss', 'shape differs')} nats"
+            )
         else:
             print(f"{name}: held-out loss {got['heldout_loss']} (nothing recorded yet)")
 
