@@ -18,7 +18,7 @@ endif
 EXTRAS_cpu  :=
 EXTRAS_cuda := --extra cuda
 
-.PHONY: setup browser run test lint bench bench-torch device-check ui docs docs-serve clean
+.PHONY: setup browser run test test-fast lint bench bench-torch device-check ui docs docs-serve clean
 
 $(UV):
 	$(PY) -m venv .uv-bootstrap
@@ -44,9 +44,17 @@ run: setup
 	$(VENV)/bin/ddiloco run $(CONFIG)
 
 # The suite runs on CPU even where a GPU is (its golden losses and forced host devices are CPU's);
-# JAX_PLATFORMS=cuda make test runs it on the GPU.
+# JAX_PLATFORMS=cuda make test runs it on the GPU. TEST_WORKERS pytest-xdist workers share it, whole
+# modules each (their module-scoped runs are not repeated); TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 test: setup browser
-	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests $(XDIST)
+
+# The edit loop's tier (docs/testing.md): every test but those marked slow, process, browser or
+# network; one whole tiny pipeline among them. About 4 min on 2 cores.
+test-fast: setup
+	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests -m "not slow and not process and not browser and not network"
 
 # ruff (pyproject.toml's [tool.ruff]): lint and format check; `.venv/bin/ruff format .` and
 # `.venv/bin/ruff check --fix .` fix most findings. `make test` runs the same checks (tests/test_lint.py).

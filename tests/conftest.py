@@ -25,26 +25,6 @@ def prefect_harness():
 
 
 @pytest.fixture(scope="session")
-def tiny_cfg():
-    """The pulse-test config as shipped: the real default corpus (``data.source: shakespeare``,
-    downloaded once and cached), a 2-layer d_model-32 model, 3 learners. Only the one end-to-end test
-    of the default corpus uses it; every other quick run uses :func:`small_cfg`."""
-    from configs.schema import load_config
-
-    return load_config(ROOT / "configs" / "tiny.yaml")
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory, tiny_cfg):
-    """A run directory with the tiny config's data (the real corpus) prepared once per session."""
-    from data.text import prepare_data
-
-    run_dir = tmp_path_factory.mktemp("tiny-data")
-    prepare_data(tiny_cfg, run_dir)
-    return run_dir
-
-
-@pytest.fixture(scope="session")
 def small_cfg():
     """The tiny config on the committed small corpus (:data:`SMALL_DATA`): no network."""
     from configs.schema import load_config
@@ -116,3 +96,23 @@ def squash(md: str) -> str:
     import re
 
     return re.sub(r" +\|", " |", re.sub(r"(?<!\\)\| +", "| ", md))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``make test`` runs 2 workers, whole modules each: ``--dist loadscope``),
+    modules holding ``process``/``browser`` tests go first and then those holding ``slow`` ones, so the
+    longest start early and the quick modules fill the end; the order within a module is kept. A
+    run without workers keeps the collection order."""
+    if getattr(config.option, "dist", "no") == "no":
+        return
+
+    def weight(item) -> int:
+        marks = {m.name for m in item.iter_markers()}
+        return 2 if marks & {"process", "browser"} else 1 if "slow" in marks else 0
+
+    module_weight: dict[str, int] = {}
+    for item in items:
+        key = item.nodeid.split("::")[0]
+        module_weight[key] = max(module_weight.get(key, 0), weight(item))
+    first_seen = {key: i for i, key in reversed(list(enumerate(i.nodeid.split("::")[0] for i in items)))}
+    items.sort(key=lambda i: (-module_weight[i.nodeid.split("::")[0]], first_seen[i.nodeid.split("::")[0]]))

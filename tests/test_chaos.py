@@ -184,6 +184,7 @@ def _slow(batches, delay_s=0.01):
     return next_batch
 
 
+@pytest.mark.slow
 def test_a_timed_failure_fires_once_and_the_retry_waits_out_its_restart_delay():
     trainer, exchange, batches, frags = _world(budget_steps=40)
     events = []
@@ -294,6 +295,7 @@ def test_a_wait_gives_up_when_the_merge_never_comes():
 
 
 # -- DP under the same schedule -----------------------------------------------------------------------
+@pytest.mark.slow
 def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_failures(small_cfg, small_data, tmp_path):
     """A failure at 3 s of training (and a second replica's at 3.2 s, while the job is down): the whole
     job stops until both are back (3.8 s), restores its
@@ -355,6 +357,7 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
 
 
 # -- one real run -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(
     prefect_harness, small_cfg, small_data, tmp_path
 ):
@@ -441,6 +444,7 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(
     assert {"non-finite", "wrong-tensors"} <= reasons
 
 
+@pytest.mark.slow
 def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_its_peer():
     """Two learners taking turns on one host (one compute slot), learner 1 2× slower: it sits out one
     turn per step (passes it on unused), so it takes about half as many steps as learner 0 in the
@@ -470,6 +474,7 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
     assert outs[0]["steps"] + outs[1]["steps"] == 120 and 1.3 < ratio < 2.8, outs
 
 
+@pytest.mark.slow
 def test_a_learner_waiting_to_join_or_restart_gives_up_once_the_others_spent_the_budget():
     """A scavenged learner whose window opens after the run's end, and a retry whose restart delay
     outlasts the run, stop waiting when no step of the budget is left: the run does not hang."""

@@ -93,6 +93,8 @@ def test_too_many_fragments_for_the_model():
         validate_against_model(cfg, n_tensors=20)
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_cli_rejects_bad_config_before_work(tmp_path):
     import subprocess
     import sys

@@ -331,6 +331,8 @@ async def _read_deployment(name: str, deadline_s: float, proc: subprocess.Popen 
                 await asyncio.sleep(0.5)
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_flow_serve_and_a_sweep_through_the_deployment(route_env, tmp_path):
     """`pipeline.serve()` in a child process, and a one-cell sweep launched through that deployment
     (`launch: deployment`): `run_deployment` with the cell's whole config, run in the served process
@@ -385,6 +387,8 @@ def test_flow_serve_and_a_sweep_through_the_deployment(route_env, tmp_path):
     assert (sweep_dir / "report" / "comparison.md").is_file()
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_prefect_yaml_deploy_all(route_env, tmp_path):
     """`prefect deploy --all` from the repository's prefect.yaml: every deployment registered, with
     its parameters and form, the nightly sweep's schedule inactive. (A process worker running a

@@ -50,6 +50,8 @@ def _ledger_balanced(summary) -> None:
 
 
 # `ray.init` starts its daemons with subprocess (fork, then exec at once), which JAX warns about
+@pytest.mark.process
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_cfg, small_data, tmp_path):
     from flows.pretrain import pretrain_diloco
@@ -66,6 +68,8 @@ def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_c
     assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(
     prefect_harness, small_cfg, small_data, tmp_path
 ):

@@ -411,6 +411,8 @@ def test_the_next_start_removes_temporary_objects_of_dead_writers(tmp_path):
     assert sorted(p.name for p in tmp.iterdir()) == sorted([names["live"], names["other"]])
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_an_exchange_url_that_cannot_be_written_is_refused_before_prefect_starts(tmp_path):
     """``runtime.exchange_url`` below a file, or a chained caching URL: one line naming the field and
     the fix, exit 2, before Prefect starts, and no run directory. (In fresh processes: the CLI's

@@ -37,6 +37,7 @@ def _run(cfg, tmp_path):
     return RunLayout(run_dir)
 
 
+@pytest.mark.slow
 def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     from configs.schema import ExperimentConfig
 
@@ -63,6 +64,7 @@ def test_moe_lm_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     assert (layout.report / "pretrain_expert_load.png").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
     [

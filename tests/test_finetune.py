@@ -202,6 +202,7 @@ def test_lora_wraps_the_named_projections_and_merges_back():
         add_lora(DecoderLM(cfg, 64, 8, nnx.Rngs(0)), 4, ["nothing"], nnx.Rngs(1))
 
 
+@pytest.mark.slow
 def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     """Fine-tune a (random-init) checkpoint with LoRA: every base weight is bit-identical afterwards,
     every adapter B moved; the saved model is base + A·B."""

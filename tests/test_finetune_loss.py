@@ -33,6 +33,7 @@ def _ragged_batch(rows: int = 8) -> dict:
     return {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)}
 
 
+@pytest.mark.slow
 def test_four_microbatches_give_the_whole_batch_update_on_a_masked_batch():
     """One SGD step on a batch whose rows hold 1 … 15 target tokens: the parameters after the step
     are the same (within 1e-6) with 1 and with 4 microbatches, and so is the reported loss: the
@@ -51,6 +52,7 @@ def test_four_microbatches_give_the_whole_batch_update_on_a_masked_batch():
     assert out[4][1] == pytest.approx(out[1][1], abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["packed text", "images"])
 def test_unpadded_batches_count_every_row_alike(family):
     """Pretraining's packed text rows and the vision families' labelled images: every row holds the
@@ -133,6 +135,7 @@ def _blank_rows(layout, rows: slice | None) -> None:
     np.savez(path, **data)
 
 
+@pytest.mark.slow
 def test_a_batch_without_a_target_token_is_skipped_and_counted(small_cfg, small_data, tmp_path, monkeypatch):
     """Rows whose mask holds no target: a batch made only of them takes no optimizer step (the
     parameters stay bit-identical) and is counted in the record, never trained at loss 0."""
@@ -210,6 +213,7 @@ def test_lora_alpha_is_a_finetune_field_defaulting_to_the_rank():
         FinetuneConfig(lora_alpha=0)
 
 
+@pytest.mark.slow
 def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_alpha(small_cfg, small_data, tmp_path):
     """Beside the merged checkpoint: the adapters alone, with rank, α and targets recorded; they load
     back into a model adapted the same way (the same outputs as the merged model) and are refused,

@@ -116,6 +116,7 @@ def _run_one_learner(rule: str, batches, theta0, fragments) -> dict:
     return syncer.params()
 
 
+@pytest.mark.slow
 def test_keep_in_flight_loses_no_inner_step():
     """One learner, outer lr 1, no momentum: Θ after a merge is the learner's sent copy. Keeping
     the in-flight step makes the run identical to plain training on the same batches; overwriting
@@ -140,6 +141,7 @@ def test_keep_in_flight_loses_no_inner_step():
     assert worst > 1e-3
 
 
+@pytest.mark.slow
 def test_microbatched_step_is_the_whole_batch_step():
     """Averaging the gradients of 4 slices of 2 sequences gives the update of one pass over 8."""
     batch = jnp.asarray(np.random.default_rng(1).integers(0, 50, size=(8, L + 1)).astype(np.int32))
@@ -429,6 +431,8 @@ def small_run(tmp_path_factory):
     return cfg, run_dir
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp_path):
     """The learner task's inputs pickle; a learner run from them in a fresh process is killed
     (SIGKILL) part-way; the retry, in another fresh process, resumes at the last saved step with
@@ -522,6 +526,7 @@ def _mlp_objective(model, batch):
     return loss, {"accuracy": (logits.argmax(-1) == batch[:, 1:]).mean()}
 
 
+@pytest.mark.slow
 def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     """Registering a kind (its module, objective and builder) is all it takes: the DiLoCo learner,
     the syncer and the DP loop train it unchanged, and its extra metric reaches the learner log."""

@@ -158,6 +158,8 @@ def two_devices():
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.process
+@pytest.mark.slow
 @pytest.mark.parametrize("G", [1, 2])
 def test_two_devices_step_like_one(two_devices, G):
     r = two_devices[f"G{G}"]
@@ -174,12 +176,16 @@ def test_two_devices_step_like_one(two_devices, G):
     assert r["one"]["param_devices"] == r["one"]["opt_devices"] == [0 if G == 1 else 1]
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_two_devices_evaluate_like_one(two_devices):
     one, two = two_devices["G1"]["one"], two_devices["G1"]["two"]
     assert abs(one["eval"] - two["eval"]) <= LOSS_TOL  # 4 rows: split over the 2 devices
     assert abs(one["eval_odd_rows"] - two["eval_odd_rows"]) <= LOSS_TOL  # 3 rows: whole on each
 
 
+@pytest.mark.process
+@pytest.mark.slow
 def test_microbatches_stay_on_their_devices(two_devices):
     """Each microbatch is split over both devices, so no row moves between them: the compiled step's
     only collective is the all-reduce (gradients and metrics)."""

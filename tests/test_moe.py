@@ -16,6 +16,7 @@ from models.text.moe import flops_per_token
 from training.step import Trainer
 
 
+@pytest.mark.slow
 def test_one_expert_top1_dropless_is_the_dense_mlp():
     d, f = 16, 24
     moe = MoE(d, f, 2, num_experts=1, top_k=1, capacity_factor=None, rngs=nnx.Rngs(0))
@@ -149,6 +150,7 @@ def _sft_batch(row_len: int, eot: int = 0) -> dict:
     return {"ids": jnp.asarray(ids), "mask": jnp.asarray(mask)}
 
 
+@pytest.mark.slow
 def test_padding_changes_neither_the_loss_nor_the_router_figures():
     """The same rows padded to 11 and to 24 tokens: cross entropy, aux and z losses, dropped fraction
     and the experts' loads are the same (padding is neither routed nor counted)."""
@@ -164,6 +166,7 @@ def test_padding_changes_neither_the_loss_nor_the_router_figures():
         assert out[24][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_real_tokens_see_the_same_model_with_or_without_padding():
     """Each padded row's real positions give the logits of that row alone, unpadded (same capacity:
     it is counted from the row's real tokens)."""
@@ -199,6 +202,7 @@ def test_padding_takes_no_expert_slot():
     assert p > 0.9
 
 
+@pytest.mark.slow
 def test_auxiliary_losses_are_averaged_over_the_moe_layers():
     """aux_loss_weight and z_loss_weight weigh the mean over MoE layers (the same at any depth)."""
     from models.layers.moe import auxiliary_loss
@@ -213,6 +217,7 @@ def test_auxiliary_losses_are_averaged_over_the_moe_layers():
     assert float(loss) == pytest.approx(expected, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_evaluation_padding_does_not_change_an_moe_models_scores():
     """The lm-eval adapter right-pads every window to a bucket and fills short batches with dummy
     rows: an MoE model's log-likelihoods and greedy generations are those of the unpadded sequence,

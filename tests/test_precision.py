@@ -54,6 +54,7 @@ def test_config_policy_and_refusal():
         ExperimentConfig.model_validate({"precision": {"param_dtype": "bfloat16"}})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [MIXED, BF16], ids=["mixed", "bf16"])
 def test_bfloat16_compute_runs_in_bfloat16_with_a_float32_loss(policy):
     spec = build_model(LM, SHAPE)
@@ -115,6 +116,7 @@ def test_state_dtype_wrapper_and_ops_in_bfloat16():
     assert gx.dtype == gw.dtype == jnp.bfloat16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, shape",
     [
@@ -228,6 +230,7 @@ def test_bfloat16_learner_keeps_the_syncer_state_and_outer_gradients_float32(mon
     )  # the momentum is really there
 
 
+@pytest.mark.slow
 def test_dp_in_bfloat16_saves_a_float32_checkpoint(small_cfg, small_data, tmp_path):
     from run.layout import RunLayout
     from training.checkpoint import latest_step

@@ -152,6 +152,7 @@ def test_corpus_too_small_is_refused_before_prefect_starts(tmp_path, texts, need
     assert not (tmp_path / "R").exists()
 
 
+@pytest.mark.slow
 def test_hub_dataset_while_offline_is_refused_before_prefect_starts(tmp_path):
     line = one_line_refusal(
         *cli_process(

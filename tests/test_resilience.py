@@ -459,6 +459,7 @@ def chaos_run(prefect_harness, small_cfg, small_data, tmp_path_factory):
     return run
 
 
+@pytest.mark.slow
 def test_a_real_chaos_run(chaos_run: Path):
     from sim.study import simulate_goodput
 

@@ -72,6 +72,7 @@ def two_seed_run(prefect_harness, small_cfg, small_data, tmp_path_factory):
     return cfg, run_dir
 
 
+@pytest.mark.slow
 def test_run_of_two_seeds_trains_each_seed_on_shared_data(two_seed_run):
     cfg, run_dir = two_seed_run
     layout = RunLayout(run_dir)
@@ -96,6 +97,7 @@ def test_run_of_two_seeds_trains_each_seed_on_shared_data(two_seed_run):
     assert tests[0] == tests[1]  # every seed is fine-tuned and scored on the same test items
 
 
+@pytest.mark.slow
 def test_report_over_seeds_leads_with_the_paired_verdict(two_seed_run):
     from reports.verdict import mean_interval
 
@@ -119,6 +121,7 @@ def test_report_over_seeds_leads_with_the_paired_verdict(two_seed_run):
     assert "Over 2 seeds" in md and "(paired)" in md and "seeds/seed-1/report/report.md" in md
 
 
+@pytest.mark.slow
 def test_sweep_comparison_reads_a_run_of_seeds(two_seed_run, tmp_path):
     from reports.compare import build_comparison
 

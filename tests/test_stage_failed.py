@@ -143,6 +143,7 @@ def test_unmeetable_device_requests_are_refused_before_the_run(small_cfg):
     check_devices(cfg(engine="dask", address="tcp://scheduler:8786", devices_per_learner=n + 1))
 
 
+@pytest.mark.slow
 def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, small_data, tmp_path, monkeypatch):
     """Every learner fails at its first step with no retries: the DiLoCo stage ends Failed, the run
     records ``failed`` with the share trained and why, the report says so on its first line and lists

@@ -256,6 +256,7 @@ def _pipeline_runs(client, sweep_dir: Path) -> list:
     return [r for r in runs if str(r.parameters.get("run_dir", "")).startswith(str(sweep_dir))]
 
 
+@pytest.mark.slow
 def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none(prefect_harness, tmp_path):
     from prefect.client.orchestration import get_client
 
@@ -387,6 +388,7 @@ def test_sweep_cli_refuses_bad_input_in_one_line(args, message, tmp_path, monkey
     assert not (tmp_path / "sw").exists()
 
 
+@pytest.mark.slow
 def test_a_stop_while_a_cell_waits_for_a_worker_cancels_it_and_ends_the_sweep(prefect_harness, tmp_path):
     """`launch: deployment` with no worker: the cell's flow run waits, scheduled. A stop signal (as
     SIGINT/SIGTERM would set it) cancels that run, the cell waiting for a slot never starts, and the
@@ -519,6 +521,7 @@ def _active_slots(limit: str) -> int:
         return client.read_global_concurrency_limit_by_name(limit).active_slots
 
 
+@pytest.mark.slow
 def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness):
     """A sweep of one name shares ``concurrency`` slots wherever it runs (a persistent server). A
     holder killed with SIGKILL cannot release its slot; a cell waiting for one frees it once the
@@ -598,6 +601,7 @@ def test_the_dp_digest_follows_what_dp_depends_on():
         assert dp_digest(load_config(ROOT / "configs" / "tiny.yaml", o)) != dp_digest(tiny), o
 
 
+@pytest.mark.slow
 def test_runs_that_share_dp_train_and_evaluate_it_once(prefect_harness, small_data, tmp_path, monkeypatch):
     """Two runs of the same DP settings through one ``dp_cache``: the first trains DP, runs lm-eval
     and stores both; the second copies both (lm-eval does not run again) with the same figures."""

@@ -90,6 +90,7 @@ def study(prefect_harness, tmp_path_factory):
     return spec, out
 
 
+@pytest.mark.slow
 def test_a_study_tunes_each_method_alone_and_compares_the_best_over_seeds(study):
     from configs.tune import METHODS
 
@@ -129,6 +130,7 @@ def test_a_study_tunes_each_method_alone_and_compares_the_best_over_seeds(study)
     assert (study_dir / "report" / "study_history.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_running_a_study_again_resumes_it(study):
     from flows.tune import tune
 

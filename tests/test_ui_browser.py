@@ -400,6 +400,7 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
                 print(f"\nUI screenshots: {SHOTS}/", flush=True)
 
 
+@pytest.mark.browser
 def test_an_activated_schedule_creates_flow_runs(ui_server):
     """The sweep deployments' schedules are inactive as shipped (tests/test_deployments.py checks
     sweep/nightly's, deployed from prefect.yaml); here a sweep deployment with a short interval

@@ -25,6 +25,7 @@ def test_patchify_shapes_and_round_trip():
         patchify(jnp.asarray(images), 5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "cfg",
     [

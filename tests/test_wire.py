@@ -270,6 +270,7 @@ def test_config_names_the_wire_format():
 
 
 # -- end to end ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_tiny_pretrain_with_int4_on_the_fsspec_exchange(prefect_harness, small_cfg, small_data, tmp_path):
     """The tiny config with ``diloco.wire.dtype: int4`` on the durable exchange: the run completes and
     trains, every merged submission carries about 1/8 of its float32 bytes (codes ½ byte a value
