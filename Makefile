@@ -47,7 +47,7 @@ run: setup
 # JAX_PLATFORMS=cuda make test runs it on the GPU. TEST_WORKERS pytest-xdist workers share it, whole
 # modules each (their module-scoped runs are not repeated); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 test: setup browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests $(XDIST)
 

@@ -50,8 +50,6 @@ import collections
 import hashlib
 import json
 import re
-import shutil
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -60,7 +58,7 @@ import numpy as np
 
 from configs.schema import ExperimentConfig
 from data.sources import EOT
-from data.store import swap_in_folder
+from run import atomic
 
 Pair = dict[str, str]
 MIN_TRAIN_ITEMS, MIN_TEST_ITEMS = 8, 4
@@ -459,18 +457,6 @@ def rotate_images(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return out.reshape(-1, *images.shape[1:]), np.tile(np.arange(4, dtype=np.int32), len(images))
 
 
-def _atomic_folder(final: Path, write) -> None:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        swap_in_folder(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _write_pairs(path: Path, pairs: list[Pair]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         for p in pairs:
@@ -563,7 +549,8 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
         old = json.loads(existing.read_text())
         if old.get("config") == record:
             return old
-    _atomic_folder(out_dir, write)
+    with atomic.folder(out_dir) as tmp:
+        write(tmp)
     return {**manifest, "config": record}
 
 

@@ -36,10 +36,8 @@ import io
 import json
 import logging
 import os
-import shutil
 import tarfile
 import time
-import uuid
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -48,6 +46,7 @@ import numpy as np
 
 from configs.schema import IMAGE_SOURCES
 from data.sources import DATA_DIR, MANIFEST_VERSION
+from run import atomic
 
 log = logging.getLogger(__name__)
 
@@ -684,10 +683,8 @@ def prepare_images(
     datasets.disable_progress_bars()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{DATA_DIR}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
     K = len(image_set.class_names)
-    try:
+    with atomic.folder(run_dir / DATA_DIR) as tmp:  # the old folder goes only once the new one is in
         split_info = {}
         for s in IMAGE_SPLITS:
             idx = splits[s]
@@ -724,13 +721,6 @@ def prepare_images(
             "elapsed_s": round(time.perf_counter() - t0, 3),
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        final = run_dir / DATA_DIR
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info(
         "images: %s train, %s val, %s test, %d classes, shape %s",
         *(split_info[s]["images"] for s in IMAGE_SPLITS),

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -19,19 +16,6 @@ def _data_dir(run_dir: str | Path) -> Path:
     if not d.is_dir():
         raise FileNotFoundError(f"no data folder at {d}; run prepare_data (the shard step) first")
     return d
-
-
-def swap_in_folder(tmp: Path, final: Path) -> None:
-    """Move the finished folder ``tmp`` to ``final`` (same parent): renamed into place, or, when
-    ``final`` exists, the old one renamed aside, the new one in, the old one deleted; a reader sees
-    the old folder or the new one, never half of one."""
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
 
 
 def load_manifest(run_dir: str | Path) -> dict:

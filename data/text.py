@@ -23,16 +23,15 @@ import itertools
 import json
 import logging
 import re
-import shutil
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 
 from configs.schema import ExperimentConfig
 from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents
-from data.store import load_manifest, swap_in_folder
+from data.store import load_manifest
+from run import atomic
 
 log = logging.getLogger(__name__)
 
@@ -252,9 +251,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     )
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{DATA_DIR}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    with atomic.folder(final) as tmp:  # the old folder goes only once the new one is in
         tok = train_tokenizer([d["text"] for d in splits["train"]], dcfg.vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
         eot_id = tok.token_to_id(EOT)
@@ -350,10 +347,6 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
 
-        swap_in_folder(tmp, final)  # overwrite=True: the old folder goes only once the new one is in
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info(
         "data ready in %.1f s: %d train sequences, %d val, vocab %d",
         manifest["elapsed_s"], split_info["train"]["sequences"], split_info["val"]["sequences"],

@@ -52,6 +52,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from evals.lm_adapter import JaxLM  # noqa: E402
 from evals.run_eval import _jsonable, _no_multiprocessing, _stderr, run_local_tasks  # noqa: E402
+from run import atomic  # noqa: E402
 
 GEN_TASK = "ft_generate"
 LL_TASK = "ft_loglik"
@@ -132,9 +133,7 @@ def build_pair_tasks(pairs: list[dict], out_dir: str | Path, max_gen_toks: int =
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / PAIRS_FILE
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    atomic.write_text(path, text)
     digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
     dataset = {
         "dataset_path": "json",
@@ -312,7 +311,5 @@ def evaluate_pairs(
     payload["truncated_requests"] = int(lm.truncated_requests)
     payload["task_files"] = info
     out_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir / f"{RESULTS_FILE}.tmp"
-    tmp.write_text(json.dumps(_jsonable(payload), indent=2, ensure_ascii=False))
-    tmp.replace(out_dir / RESULTS_FILE)
+    atomic.write_json(out_dir / RESULTS_FILE, _jsonable(payload), default=None, ensure_ascii=False)
     return out

@@ -17,7 +17,6 @@ duration of the call only), which makes lm-eval's bootstrap run in-process inste
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import os
@@ -34,6 +33,7 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from configs.schema import EvalConfig  # noqa: E402
 from evals.heldout_tasks import MC_TASK, PPL_TASK, build_heldout_tasks  # noqa: E402
 from evals.lm_adapter import JaxLM  # noqa: E402
+from run import atomic  # noqa: E402
 
 FLAT_METRICS = {
     PPL_TASK: ("word_perplexity", "byte_perplexity", "bits_per_byte"),
@@ -208,9 +208,7 @@ def evaluate_lm(
         payload["flat"] = flat
         payload[f"{MC_TASK}_by_kind"] = _wins_by_kind(res.get("samples", {}).get(MC_TASK, []))
         payload["task_files"] = info
-        tmp = out_dir / f"{name}.json.tmp"
-        tmp.write_text(json.dumps(payload, indent=2))
-        tmp.replace(out_dir / f"{name}.json")
+        atomic.write_json(out_dir / f"{name}.json", payload, default=None)
     return flat
 
 

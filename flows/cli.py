@@ -18,7 +18,8 @@ import typer
 import yaml
 from pydantic import ValidationError
 
-from run.layout import RunLayout
+from run.directory import is_run
+from run.layout import RunLayout, StudyLayout, SweepLayout
 
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
@@ -142,7 +143,7 @@ def _print_verdict(rd: Path) -> None:
     from reports.verdict import verdict_table
 
     try:
-        v = json.loads((RunLayout(rd).report / "report.json").read_text()).get("verdict")
+        v = json.loads(RunLayout(rd).report_json.read_text()).get("verdict")
     except (OSError, ValueError):
         return
     if v:
@@ -353,7 +354,7 @@ def sweep(
     from flows.sweep import sweep as sweep_flow
     from run.control import graceful_stop, stop_signal
 
-    report_md = plan.sweep_dir / "report" / "comparison.md"
+    report_md = SweepLayout(plan.sweep_dir).comparison_md
     try:
         with graceful_stop():
             start_temporary_server()
@@ -447,7 +448,7 @@ def tune(
     from flows.tune import tune as tune_flow
     from run.control import graceful_stop, stop_signal
 
-    report_md = study_dir / "report" / "study.md"
+    report_md = StudyLayout(study_dir).study_md
     try:
         with graceful_stop():
             start_temporary_server()
@@ -461,7 +462,7 @@ def tune(
     except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)
         raise typer.Exit(1)
-    for tuned in sorted((Path(out) / "tuned").glob("*/")):
+    for tuned in StudyLayout(Path(out)).tuned_runs:
         typer.echo(f"\nTuned comparison {tuned.name}:")
         _print_verdict(tuned)
     typer.echo(f"\nStudy report: {report_md}")
@@ -510,7 +511,7 @@ def _out_dir_problem(out: Path) -> str | None:
         return "exists and is not a directory; choose a new directory"
     if (out / "goodput.json").exists():
         return "already holds a goodput run (goodput.json); choose another directory"
-    if (out / "status.json").exists() or (out / "pretrain").exists():
+    if RunLayout(out).status.exists() or (out / "pretrain").exists():
         return "holds a pipeline run, which is never written into; choose another directory"
     if not (out.is_dir() and any(out.iterdir())):  # a new or empty folder: the run directory's rules
         from run.directory import check_run_dir
@@ -536,7 +537,7 @@ def _compare_out_problem(out: Path) -> str | None:
     if out.is_dir() and any(out.iterdir()):
         return "exists and is not empty; choose a new or empty folder (a comparison never writes over files)"
     for above in [out, *out.parents]:
-        if (above / "status.json").is_file() or ((above / "config.json").is_file() and (above / "pretrain").is_dir()):
+        if is_run(above):
             return f"is inside the run directory {above}, which only its pipeline writes; choose a folder outside it"
     parent = next((p for p in out.parents if p.exists()), Path("/")) if not out.exists() else out
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):

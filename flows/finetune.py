@@ -37,7 +37,7 @@ class FinetunePlan(dict):
 
 def _run_root_of(checkpoint: Path) -> Path:
     for p in [checkpoint, *checkpoint.parents]:
-        if (p / "config.json").is_file() and (p / "data" / "manifest.json").is_file():
+        if RunLayout(p).config.is_file() and RunLayout(p).manifest.is_file():
             return p
     raise ValueError(
         f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
@@ -231,7 +231,7 @@ def _recover_aside(layout: RunLayout) -> list[str]:
         else []
     )  # oldest first
     moved = kept = 0
-    for folder in (Path(layout.root) / "finetune", Path(layout.root) / "eval" / "finetune"):
+    for folder in (layout.stage_dir("finetune"), layout.eval_dir("finetune")):
         if not folder.is_dir():
             continue
         for p in sorted(folder.iterdir()):

@@ -12,12 +12,12 @@ the resolved ``config.json``) to a run directory, ``runs/goodput-<UTC time>/`` b
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import datetime as dt
-import json
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from run import atomic
 from sim import GoodputConfig, n_slices
 from tasks.goodput import simulate_task, write_task
 
@@ -39,7 +39,7 @@ def goodput(config: GoodputConfig = GoodputConfig(), out_dir: str | None = None)
     if (out / "goodput.json").exists():
         raise FileExistsError(f"{out / 'goodput.json'} exists; choose another out_dir")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(config.model_dump(mode="json"), indent=2))
+    atomic.write_json(out / "config.json", config.model_dump(mode="json"))
     logger.info(
         "goodput: %d systems × %d sizes × %d seeds, %d expected interruptions per run; "
         "slices per size %s; constants %s%s",

@@ -25,9 +25,10 @@ from configs.schema import ExperimentConfig, resolve_config
 from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
+from run import atomic
 from run.control import graceful_stop, stop_requested, stop_signal
-from run.directory import atomic_write_text, claim_run_dir, link_or_copy, write_status
-from run.layout import RunLayout
+from run.directory import claim_run_dir, link_or_copy, write_status
+from run.layout import DPCacheLayout, RunLayout
 from tasks.evaluate import evaluate_task, report_task
 from tasks.shard import shard_data_task
 
@@ -38,7 +39,7 @@ def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
     """Claim the (checked) run directory and write the resolved config and a ``running`` status.
     Raises ``FileExistsError`` when another run claimed it since the check."""
     claim_run_dir(path)
-    atomic_write_text(RunLayout(path).config, json.dumps(cfg.model_dump(mode="json"), indent=2))
+    atomic.write_text(RunLayout(path).config, json.dumps(cfg.model_dump(mode="json"), indent=2))
     write_status(path, "running", [])
     return path
 
@@ -64,21 +65,20 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     if cache is None:
         return pretrain_dp(cfg, str(rd))
     import fcntl
-    import os
 
     from configs.sweep import dp_digest
-    from run.metrics import write_json
+    from run.atomic import write_json
 
     key, logger = dp_digest(cfg), get_run_logger()
-    root = Path(cache).expanduser().absolute()
-    root.mkdir(parents=True, exist_ok=True)
-    entry, mine = root / key, Path(RunLayout(rd).method_dir("pretrain", "dp"))
-    with open(root / f"{key}.lock", "w") as lock:
+    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
+    dp_cache.lock(key).parent.mkdir(parents=True, exist_ok=True)
+    entry, mine = dp_cache.trained(key), Path(RunLayout(rd).method_dir("pretrain", "dp"))
+    with open(dp_cache.lock(key), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run training this DP: wait for its result
-        if (entry / "summary.json").is_file():
+        if dp_cache.trained_summary(key).is_file():
             shutil.copytree(entry, mine, copy_function=link_or_copy)
-            summary = json.loads((mine / "summary.json").read_text())
-            write_json(mine / "summary.json", {**summary, "reused_from": str(entry)})  # a new file: the cache's stays
+            summary = json.loads(RunLayout(rd).summary("pretrain", "dp").read_text())
+            write_json(RunLayout(rd).summary("pretrain", "dp"), {**summary, "reused_from": str(entry)})  # a new file
             logger.info(
                 "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)",
                 entry,
@@ -87,11 +87,8 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
             return {**summary, "reused_from": str(entry)}
         summary = pretrain_dp(cfg, str(rd))
         if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
-            tmp = root / f".{key}.{os.getpid()}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(mine, tmp, copy_function=link_or_copy)
-            shutil.rmtree(entry, ignore_errors=True)  # (an entry without its summary: a copy cut short)
-            os.replace(tmp, entry)
+            with atomic.folder(entry) as tmp:  # (replaces an entry without its summary: a copy cut short)
+                shutil.copytree(mine, tmp, copy_function=link_or_copy, dirs_exist_ok=True)
         return summary
 
 
@@ -108,38 +105,40 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     import os
 
     from configs.sweep import dp_digest, dp_eval_digest
-    from run.metrics import write_json
+    from run.atomic import write_json
 
-    root = Path(cache).expanduser().absolute() / "eval"
-    root.mkdir(parents=True, exist_ok=True)
+    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
     key, layout = dp_eval_digest(cfg), RunLayout(rd)
-    entry, flat, outputs = root / key, layout.eval_result("pretrain", "dp"), layout.eval_outputs("pretrain", "dp")
-    trained = root.parent / dp_digest(cfg)
+    dp_cache.evaluation_lock(key).parent.mkdir(parents=True, exist_ok=True)
+    entry, flat, outputs = (
+        dp_cache.evaluation(key),
+        layout.eval_result("pretrain", "dp"),
+        layout.eval_outputs("pretrain", "dp"),
+    )
+    trained = dp_cache.trained(dp_digest(cfg))
     mine = layout.summary("pretrain", "dp")
     try:  # this run's DP is the cache's: copied from it, or the training stored there (hard links)
         same_dp = json.loads(mine.read_text()).get("reused_from") == str(trained)
-        stored = same_dp or os.path.samefile(mine, trained / "summary.json")
+        stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_digest(cfg)))
     except (OSError, ValueError):
         same_dp = stored = False
-    with open(root / f"{key}.lock", "w") as lock:
+    with open(dp_cache.evaluation_lock(key), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run evaluating this DP: wait for its result
-        if same_dp and (entry / "dp.json").is_file():
-            if (entry / "dp").is_dir():
-                shutil.copytree(entry / "dp", outputs, copy_function=link_or_copy, dirs_exist_ok=True)
-            metrics = {**json.loads((entry / "dp.json").read_text()), "reused_from": str(entry)}
+        if same_dp and dp_cache.evaluation_result(key).is_file():
+            if dp_cache.evaluation_outputs(key).is_dir():
+                shutil.copytree(
+                    dp_cache.evaluation_outputs(key), outputs, copy_function=link_or_copy, dirs_exist_ok=True
+                )
+            metrics = {**json.loads(dp_cache.evaluation_result(key).read_text()), "reused_from": str(entry)}
             write_json(flat, metrics)
             get_run_logger().info("eval dp: reused the evaluation of the same DP result from %s", entry)
             return metrics
         metrics = evaluate_task(cfg, rd, "dp")
         if stored:
-            tmp = root / f".{key}.{os.getpid()}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            if outputs.is_dir():
-                shutil.copytree(outputs, tmp / "dp", copy_function=link_or_copy)
-            link_or_copy(str(flat), str(tmp / "dp.json"))
-            shutil.rmtree(entry, ignore_errors=True)
-            os.replace(tmp, entry)
+            with atomic.folder(entry) as tmp:  # the entry's files, under their names in the cache
+                if outputs.is_dir():
+                    shutil.copytree(outputs, tmp / dp_cache.evaluation_outputs(key).name, copy_function=link_or_copy)
+                link_or_copy(str(flat), str(tmp / dp_cache.evaluation_result(key).name))
         return metrics
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from configs.schema import ExperimentConfig, validate_against_model
 from run.directory import check_run_dir, default_run_dir
+from run.layout import RunLayout
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -33,7 +34,7 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
     """A run directory that already holds ``data/`` (an earlier run's, that never trained) is used
     only when that data was built from this config's data section and learner count.
     Raises ``ValueError`` naming the folder and the fix."""
-    data = path / "data"
+    data = RunLayout(path).data
     if not data.exists() and not data.is_symlink():
         return
     from data.store import load_manifest

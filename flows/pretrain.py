@@ -23,9 +23,10 @@ from configs.schema import ExperimentConfig
 from flows.engines import engine_session, task_options, task_runner_for
 from reports.artifacts import artifact_key
 from reports.resilience import diloco_resilience
+from run.atomic import write_json
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
-from run.metrics import JsonlWriter, read_jsonl, write_json
+from run.metrics import JsonlWriter, read_jsonl
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
 from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco, with_absolute_exchange

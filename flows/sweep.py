@@ -61,13 +61,12 @@ from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_ce
 from flows import run_logger
 from flows.preflight import check_config
 from reports.common import flatten
+from run import atomic
 from run.control import graceful_stop, stop_requested
-from run.directory import atomic_write_text, check_run_dir, read_status
-from run.layout import RunLayout
+from run.directory import check_run_dir, is_run, read_status
+from run.layout import SWEEP_RECORD as SWEEP_JSON, RunLayout, SweepLayout
 
 __all__ = ["sweep", "sweep_preflight", "SweepPlan", "PlannedCell", "limit_name"]
-
-SWEEP_JSON = "sweep.json"
 
 
 @dataclass
@@ -131,9 +130,9 @@ def _check_sweep_dir(path: Path) -> Path:
     if path.exists() and not path.is_dir():
         raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
     for above in [path, *path.parents]:
-        if (above / "status.json").is_file():
+        if is_run(above):
             raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
-    if path.is_dir() and any(path.iterdir()) and not (path / SWEEP_JSON).is_file():
+    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
         raise ValueError(
             f"sweep folder {path} is not empty and holds no {SWEEP_JSON} (not a sweep); choose a new "
             "--sweep-dir or sweep name"
@@ -158,7 +157,7 @@ def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
     :class:`run.layout.RunLayout`."""
     layout = RunLayout(run_dir)
-    needed = [layout.report / "report.json"]
+    needed = [layout.report_json]
     seeds = cfg.run_seeds
     for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
         needed += [
@@ -197,7 +196,7 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
         except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
             raise type(exc)(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
         checked_data.add(data_key)
-        run_dir = path / "cells" / cell.name
+        run_dir = SweepLayout(path).cell(cell.name)
         digest = config_digest(cfg)
         status = read_status(run_dir).get("status") if run_dir.exists() else None
         if not run_dir.exists():
@@ -205,7 +204,7 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
             planned.append(PlannedCell(cell, cfg, run_dir, digest, "run"))
         elif status == "completed":
             try:
-                old = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+                old = json.loads(RunLayout(run_dir).config.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 old = None
             new = cfg.model_dump(mode="json")
@@ -235,11 +234,11 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
 
 
 def _write_record(plan: SweepPlan, results: dict[str, dict]) -> None:
-    atomic_write_text(plan.sweep_dir / SWEEP_JSON, json.dumps(plan.record(results), indent=2) + "\n")
+    atomic.write_json(SweepLayout(plan.sweep_dir).record, plan.record(results), newline=True, default=None)
 
 
 def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
-    attempts = sweep_dir / "attempts"
+    attempts = SweepLayout(sweep_dir).attempts
     attempts.mkdir(parents=True, exist_ok=True)
     n = 1
     while (attempts / f"{pc.cell.name}-{n}").exists():
@@ -542,7 +541,7 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
 
     have, none = [], []
     for pc in plan.cells:
-        report = RunLayout(pc.run_dir).report / "report.json"
+        report = RunLayout(pc.run_dir).report_json
         why = None
         if not report.is_file():
             why = "no report/report.json"
@@ -579,11 +578,11 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     axes = list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides))
     comparison = build_comparison(
         [pc.run_dir for pc in have],
-        plan.sweep_dir / "report",
+        SweepLayout(plan.sweep_dir).report,
         axes=axes,
         labels=[pc.cell.name for pc in have],
         title=f"Sweep {plan.spec.name}",
-        source=f"the sweep flow (`{plan.sweep_dir / SWEEP_JSON}`)",
+        source=f"the sweep flow (`{SweepLayout(plan.sweep_dir).record}`)",
         no_results=none,
     )
     publish_comparison_artifacts(comparison, plan.spec.name)
@@ -668,7 +667,7 @@ def sweep(
                         "launch": spec.launch,
                         "deployment": spec.deployment,
                         "limit": limit,
-                        "dp_cache": str(plan.sweep_dir / "dp") if spec.reuse_dp else None,
+                        "dp_cache": str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None,
                     },
                 ): pc.cell.name
                 for pc in todo
@@ -682,12 +681,12 @@ def sweep(
                         "state": "FAILED",
                         "reason": f"{type(exc).__name__}: {exc}",
                         "skipped": False,
-                        "status": read_status(plan.sweep_dir / "cells" / name).get("status"),
+                        "status": read_status(SweepLayout(plan.sweep_dir).cell(name)).get("status"),
                     }
                 _write_record(plan, results)
                 progress.advance()
         comparison = sweep_report(plan, results)
-    report = plan.sweep_dir / "report" / "comparison.md"
+    report = SweepLayout(plan.sweep_dir).comparison_md
     failed = [n for n, r in results.items() if r.get("status") != "completed" and r.get("state") != "NOT_STARTED"]
     if comparison:
         logger.info("sweep report: %s", report)
@@ -739,7 +738,7 @@ def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
     is a list of objects with a ``name``) is not overwritten silently: it is renamed
     ``sweep.json.corrupt-<UTC time>`` beside it and a warning naming both is logged (on
     ``logger``, default the run's or this module's); the sweep then starts a new record."""
-    path = sweep_dir / SWEEP_JSON
+    path = SweepLayout(sweep_dir).record
     if not path.is_file():
         return {}
     try:

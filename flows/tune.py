@@ -43,12 +43,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from configs.schema import ExperimentConfig, config_path, read_config_file, validation_lines
 from configs.tune import METHODS, TuneSpec, load_study
 from flows import run_logger
+from run import atomic
 from run.control import graceful_stop, stop_requested
-from run.directory import atomic_write_text, read_status
+from run.directory import read_status
+from run.layout import STUDY_RECORD as TUNE_JSON, RunLayout, StudyLayout
 
 __all__ = ["tune", "tune_preflight", "resolve_study"]
 
-TUNE_JSON = "tune.json"
 # The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
 # whether its next trial tries the base config's settings (an extra trial, never a different objective),
 # and where the study folder lies (a moved folder resumes).
@@ -98,7 +99,7 @@ def tune_preflight(spec: TuneSpec) -> tuple[Path, dict]:
                 f"study {spec.name}, the tuned comparison of {name}",
             )
     study_dir = spec.study_dir()
-    record = study_dir / TUNE_JSON
+    record = StudyLayout(study_dir).record
     if record.exists():
         old = json.loads(record.read_text()).get("spec") or {}
         new = spec.model_dump(mode="json")
@@ -151,8 +152,9 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
     an earlier attempt's is kept when this one has none)."""
     from optuna.trial import TrialState
 
-    if tuned is None and (study_dir / TUNE_JSON).is_file():  # an earlier attempt's tuned comparison, kept
-        tuned = json.loads((study_dir / TUNE_JSON).read_text()).get("tuned")
+    record = StudyLayout(study_dir).record
+    if tuned is None and record.is_file():  # an earlier attempt's tuned comparison, kept
+        tuned = json.loads(record.read_text()).get("tuned")
     out: dict[str, Any] = {"spec": spec.model_dump(mode="json"), "methods": {}, "tuned": tuned}
     for m, study in studies.items():  # m: the study's name
         trials = [
@@ -173,7 +175,7 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
             "completed": len(done),
             "best": {"number": best.number, "value": best.value, "params": best.params} if best else None,
         }
-    atomic_write_text(study_dir / TUNE_JSON, json.dumps(out, indent=2) + "\n")
+    atomic.write_json(record, out, newline=True, default=None)
     return out
 
 
@@ -221,7 +223,7 @@ def _run_trials(
         with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
             futures = []
             for trial in batch:
-                rd = study_dir / "trials" / f"{name}-{trial.number}"
+                rd = StudyLayout(study_dir).trial(name, trial.number)
                 trial.set_user_attr("run_dir", str(rd))
                 cfg = _config(spec.trial_config(method, trial.params, raw, variant), f"study {spec.name}, {name} trial")
                 logger.info("%s trial %d: %s", name, trial.number, trial.params)
@@ -270,9 +272,11 @@ def _tuned_comparison(
         spec.final_config(best["dp"], best[name], raw, variant, name),
         f"study {spec.name}, the tuned comparison of {name}",
     )
-    rd = study_dir / "tuned" / name
+    layout = StudyLayout(study_dir)
+    rd = layout.tuned(name)
     if rd.exists():
-        old = json.loads((rd / "config.json").read_text()) if (rd / "config.json").is_file() else None
+        config = RunLayout(rd).config
+        old = json.loads(config.read_text()) if config.is_file() else None
         if (
             read_status(rd).get("status") == "completed"
             and old == cfg.model_dump(mode="json")
@@ -281,10 +285,10 @@ def _tuned_comparison(
             logger.info("tuned comparison %s: completed before in %s", name, rd)
             return {"run_dir": str(rd), "status": "completed", "skipped": True}
         n = 1
-        while (study_dir / "attempts" / f"tuned-{name}-{n}").exists():
+        while layout.attempt(name, n).exists():
             n += 1
-        (study_dir / "attempts").mkdir(exist_ok=True)
-        shutil.move(str(rd), study_dir / "attempts" / f"tuned-{name}-{n}")
+        layout.attempt(name, n).parent.mkdir(exist_ok=True)
+        shutil.move(str(rd), layout.attempt(name, n))
         logger.info("tuned comparison %s: an earlier attempt moved to attempts/tuned-%s-%d", name, name, n)
     logger.info("tuned comparison %s: seeds %s with %s and %s", name, spec.seeds, best["dp"], best[name])
     out = sweep_cell.submit(
@@ -294,7 +298,7 @@ def _tuned_comparison(
         launch="subflow",
         deployment="pipeline/default",
         limit=limit,
-        dp_cache=str(study_dir / "dp"),
+        dp_cache=str(layout.dp_cache),
     ).result()
     return {"run_dir": str(rd), **out}
 
@@ -332,7 +336,7 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     with graceful_stop():
         study_dir.mkdir(parents=True, exist_ok=True)
-        storage = JournalStorage(JournalFileBackend(str(study_dir / "optuna.log")))
+        storage = JournalStorage(JournalFileBackend(str(StudyLayout(study_dir).journal)))
         arms = spec.arms()
         studies = {
             a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize", load_if_exists=True)
@@ -368,7 +372,8 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
         return Cancelled(message=f"stopped; run the study again to resume ({study_dir})")
     if missing:
         return Failed(
-            message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {study_dir / TUNE_JSON})"
+            message=f"study {spec.name}: no completed trial of {', '.join(missing)} "
+            f"(see {StudyLayout(study_dir).record})"
         )
     bad = [a for a, t in tuned.items() if spec.compare and t.get("status") != "completed"]
     if bad:

@@ -14,7 +14,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from reports.analyses import manifest_items, pipeline_status, setup, stage_figures
-from reports.common import BYTES_CONVENTION, NOT_RUN, REPORT_JSON, STALE_DEFINITION, figure_file, json_safe, label
+from reports.common import BYTES_CONVENTION, NOT_RUN, STALE_DEFINITION, figure_file, json_safe, label
 from reports.experts import expert_load_figure
 from reports.finetune import finetune_loss_figure, post_training_figures
 from reports.markdown import render_markdown
@@ -29,6 +29,7 @@ from reports.plots import (
 from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
 from reports.verdict import seed_figures, verdict
+from run import atomic
 from run.layout import STAGES, RunLayout
 
 PACKAGES = ("jax", "flax", "optax", "prefect", "lm_eval")
@@ -362,7 +363,7 @@ def build_report(
         report["verdict"] = verdict(
             [seed_figures(report)],
             part_of_seeds=parent.name == "seeds"
-            and len((read_json(parent.parent / "config.json") or {}).get("seeds") or []) > 1,
+            and len((read_json(RunLayout(parent.parent).config) or {}).get("seeds") or []) > 1,
         )
 
     out_dir = layout.report
@@ -382,6 +383,6 @@ def build_report(
 
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
-    (out_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    layout.report_md.write_text(render_markdown(report))
+    atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
+    atomic.write_text(layout.report_md, render_markdown(report))
     return report

@@ -14,7 +14,7 @@ from typing import Any
 
 import pandas as pd
 
-from run.layout import METHOD_ORDER
+from run.layout import METHOD_ORDER, REPORT_JSON  # noqa: F401  (re-exported to the report modules)
 
 NOT_RUN = "not run"
 BASELINE = "dp"  # every method of a stage is compared with this one
@@ -46,10 +46,6 @@ STALE_DEFINITION = (
     "based on, i.e. the syncer had merged that fragment again after the learner pulled it: "
     "merge-log stale > 0 versions behind"
 )
-
-# The report's own files inside RUN/report/ besides report.md (the folder and report.md come from
-# run.layout).
-REPORT_JSON = "report.json"
 
 
 def figure_file(stage: str, figure: str, method: str | None = None) -> str:

@@ -40,6 +40,7 @@ from reports.common import (
 )
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
+from run import atomic
 from run.layout import RunLayout
 
 SCHEMA = 1  # comparison.json layout
@@ -83,7 +84,7 @@ def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
     if not layout.config.is_file():
         raise ReportInputError(path, f"is not a run directory (no config.json); {RUN_HINT}")
     config = read_json(layout.config)
-    report_path = layout.report / REPORT_JSON
+    report_path = layout.report_json
     if not report_path.is_file():
         raise ReportInputError(path, f"has no report/{REPORT_JSON}; build it with `ddiloco report {path}`")
     report = read_json(report_path)
@@ -805,11 +806,11 @@ def build_comparison(
             comparison["plots"][key] = name
 
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
-    (out / COMPARISON_JSON).write_text(json.dumps(comparison, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    atomic.write_json(out / COMPARISON_JSON, comparison, newline=True, default=None, allow_nan=False)
     buf = io.StringIO()
     csv.writer(buf, lineterminator="\n").writerows(
         [[c["key"] for c in columns]] + [[_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]]
     )
-    (out / COMPARISON_CSV).write_text(buf.getvalue(), encoding="utf-8")
-    (out / COMPARISON_MD).write_text(render_comparison(comparison), encoding="utf-8")
+    atomic.write_text(out / COMPARISON_CSV, buf.getvalue())
+    atomic.write_text(out / COMPARISON_MD, render_comparison(comparison))
     return comparison

@@ -237,9 +237,8 @@ def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
 
 def _has_work(layout: RunLayout, stage: str, method: str) -> bool:
     """Whether ``stage``/``method`` holds training output: a metrics file or a checkpoint folder."""
-    d = layout.method_dir(stage, method)
-    metrics = d / "metrics"
-    return (d / "checkpoints").exists() or (metrics.is_dir() and any(metrics.glob("*.jsonl")))
+    metrics = layout.metrics(stage, method, "eval").parent
+    return layout.checkpoints(stage, method).exists() or (metrics.is_dir() and any(metrics.glob("*.jsonl")))
 
 
 def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, str]]:

@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from reports.analyses import manifest_items, pipeline_status, setup
-from reports.common import BASELINE, NOT_RUN, REPORT_JSON, json_safe, label, md_table, short_label
+from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, short_label
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.read import open_run, read_json, read_run
 from reports.verdict import mean_interval, seed_figures, verdict, verdict_markdown
+from run import atomic
+from run.layout import RunLayout
 
 _MEAN_KEYS = ("test_loss", "val_loss_whole", "final_val_loss", "tokens", "wall_s", "tokens_per_s", "goodput", "uptime")
 
@@ -56,16 +58,16 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     status = read_json(layout.status) if layout.status.exists() else None
     runs, done = [], []
     for s in config.get("seeds") or []:
-        sd = layout.seed_run(s)
-        path = sd / "report" / REPORT_JSON
+        sd = RunLayout(layout.seed_run(s))
+        path = sd.report_json
         rep = json.loads(path.read_text()) if path.is_file() else None
-        st = read_json(sd / "status.json") if (sd / "status.json").is_file() else None
+        st = read_json(sd.status) if sd.status.is_file() else None
         fig = seed_figures(rep) if rep else None
         runs.append(
             {
                 "seed": s,
                 "status": (st or {}).get("status", NOT_RUN),
-                "run_dir": str(sd),
+                "run_dir": str(sd.root),
                 "report": f"../seeds/seed-{s}/report/report.md" if rep else None,
                 "figures": fig,
                 "report_json": rep,
@@ -105,8 +107,8 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     }
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     layout.report.mkdir(parents=True, exist_ok=True)
-    (layout.report / REPORT_JSON).write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    layout.report_md.write_text(render_seeds(report))
+    atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
+    atomic.write_text(layout.report_md, render_seeds(report))
     return report
 
 

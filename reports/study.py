@@ -12,6 +12,8 @@ import pandas as pd
 from reports.common import md_table, short_label
 from reports.plots import save_png
 from reports.verdict import verdict_markdown
+from run import atomic
+from run.layout import RunLayout, StudyLayout
 
 
 def history_figure(record: dict):
@@ -58,7 +60,7 @@ def _trials_table(r: dict) -> str:
 
 def build_study_report(record: dict, study_dir: Path) -> str:
     """Write the study's report from its ``tune.json`` record; returns the path of ``study.md``."""
-    out = study_dir / "report"
+    out = StudyLayout(study_dir).report
     out.mkdir(parents=True, exist_ok=True)
     spec = record["spec"]
     done = ", ".join(f"{short_label(m)} {r['completed']}" for m, r in record["methods"].items())
@@ -77,7 +79,7 @@ def build_study_report(record: dict, study_dir: Path) -> str:
     tuned = record.get("tuned") or {}
     for arm in [a for a in record["methods"] if a != "dp"]:
         t = tuned.get(arm) or {}
-        path = Path(t["run_dir"]) / "report" / "report.json" if t.get("run_dir") else None
+        path = RunLayout(t["run_dir"]).report_json if t.get("run_dir") else None
         verdict = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
         title = "Verdict" if arm == "diloco" else f"Verdict: {arm}"
         if verdict:
@@ -113,6 +115,6 @@ def build_study_report(record: dict, study_dir: Path) -> str:
         L += ["![validation loss per trial](study_history.png)", ""]
     for m, r in record["methods"].items():
         L += [f"## {short_label(m)} trials", "", _trials_table(r), ""]
-    (out / "study.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "study.md").write_text("\n".join(L))
+    atomic.write_json(out / "study.json", record, newline=True, default=None)
+    atomic.write_text(out / "study.md", "\n".join(L))
     return str(out / "study.md")

@@ -20,10 +20,18 @@ import os
 import tempfile
 from pathlib import Path
 
+from run import atomic
 from run.layout import RESULT_ENTRIES as _RESULTS, REUSABLE_ENTRIES, RunLayout
 
 # what makes a folder a run: this layout's entries, and those of runs written before it
 RESULT_ENTRIES = (*_RESULTS, "checkpoints", "metrics")
+
+
+def is_run(path: str | Path) -> bool:
+    """True when ``path`` is a pipeline run's directory: it holds ``status.json``, or (a run written
+    before status files) ``config.json`` beside a ``pretrain/`` folder."""
+    layout = RunLayout(path)
+    return layout.status.is_file() or (layout.config.is_file() and (layout.root / "pretrain").is_dir())
 
 
 def default_run_dir(run_root: str | Path, name: str) -> Path:
@@ -55,7 +63,7 @@ def check_run_dir(path: str | Path) -> Path:
         raise ValueError(f"run directory {path} exists and is not a directory; choose another --run-dir")
     real = path.resolve()  # a symbolic link must not lead inside a run either
     for above in [*path.parents, *(real.parents if real != path else [])]:  # never nested in a run
-        if (above / "status.json").is_file() or ((above / "config.json").is_file() and (above / "pretrain").is_dir()):
+        if is_run(above):
             raise ValueError(f"run directory {path} is inside the run directory {above}; choose a path outside it")
     parent = path
     while not parent.exists() and not parent.is_symlink():
@@ -111,22 +119,6 @@ def claim_run_dir(path: str | Path) -> Path:
     return path
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``:
-    readers see the old file or the new one, never half of one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600, unlike every other file of a run
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def write_status(
     run_dir: str | Path, status: str, completed_stages: list[str], reason: str | None = None, **extra
 ) -> dict:
@@ -145,7 +137,7 @@ def write_status(
         "updated_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **extra,
     }
-    atomic_write_text(RunLayout(run_dir).status, json.dumps(record, indent=2))
+    atomic.write_text(RunLayout(run_dir).status, json.dumps(record, indent=2))
     return record
 
 

@@ -43,6 +43,9 @@ METHOD_ORDER = ("diloco", "dp")  # report order; other methods follow, sorted by
 METRICS = ("eval", "train", "merges", "learners", "events")
 RESULT_ENTRIES = (*STAGES, "eval", "report", "seeds", "status.json")  # a folder holding any of these is a run
 REUSABLE_ENTRIES = ("data", "config.json")
+REPORT_JSON = "report.json"  # a report's record, beside report.md (RunLayout.report_json)
+SWEEP_RECORD = "sweep.json"  # what makes a folder a sweep (SweepLayout.record)
+STUDY_RECORD = "tune.json"  # what makes a folder a study (StudyLayout.record)
 
 
 def _check_name(kind: str, name: str, allowed: tuple[str, ...] | None = None) -> None:
@@ -93,6 +96,10 @@ class RunLayout:
         return self.report / "report.md"
 
     @property
+    def report_json(self) -> UPath:
+        return self.report / REPORT_JSON
+
+    @property
     def chaos_schedule(self) -> UPath:
         """The pretraining chaos schedule both methods replayed (``configs.chaos.ChaosSchedule`` JSON)."""
         return self.root / "pretrain" / "chaos.json"
@@ -102,6 +109,11 @@ class RunLayout:
         return self.root / "seeds" / f"seed-{int(seed)}"
 
     # -- one trained model: a stage and a method --------------------------------------------------
+    def stage_dir(self, stage: str) -> UPath:
+        """The folder of every method of ``stage`` (``RUN/<stage>/``)."""
+        _check_name("stage", stage, STAGES)
+        return self.root / stage
+
     def method_dir(self, stage: str, method: str) -> UPath:
         _check_name("stage", stage, STAGES)
         _check_name("method", method)
@@ -157,10 +169,14 @@ class RunLayout:
         """The durable exchange of a DiLoCo run when it uses one (``diloco.exchange.fsspec``)."""
         return self.method_dir(stage, method) / "exchange"
 
-    def eval_result(self, stage: str, method: str) -> UPath:
+    def eval_dir(self, stage: str) -> UPath:
+        """The evaluations of every method of ``stage`` (``RUN/eval/<stage>/``)."""
         _check_name("stage", stage, STAGES)
+        return self.root / "eval" / stage
+
+    def eval_result(self, stage: str, method: str) -> UPath:
         _check_name("method", method)
-        return self.root / "eval" / stage / f"{method}.json"
+        return self.eval_dir(stage) / f"{method}.json"
 
     def eval_outputs(self, stage: str, method: str) -> UPath:
         """Per-task outputs of the evaluation harness (samples, lm-eval's own files)."""
@@ -190,3 +206,129 @@ class RunLayout:
         if evals.is_dir():
             found.update(p.stem for p in evals.iterdir() if p.suffix == ".json")
         return sorted(found, key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m))
+
+
+# -- folders that hold runs -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DPCacheLayout:
+    """A DP cache (``dp_cache``: a sweep's or a study's ``dp/``): one trained DP per settings digest,
+    and its evaluation per DP result and ``eval`` section (``flows.pipeline``)::
+
+        CACHE/<dp_digest>/                 a copy (hard links) of a run's ``pretrain/dp/``
+        CACHE/<dp_digest>.lock             held while one run trains that DP
+        CACHE/eval/<dp_eval_digest>/       dp.json (its evaluation), dp/ (the harness's outputs)
+        CACHE/eval/<dp_eval_digest>.lock   held while one run evaluates it
+    """
+
+    root: Path
+
+    def trained(self, digest: str) -> Path:
+        return Path(self.root) / digest
+
+    def trained_summary(self, digest: str) -> Path:
+        return self.trained(digest) / "summary.json"
+
+    def lock(self, digest: str) -> Path:
+        return Path(self.root) / f"{digest}.lock"
+
+    def evaluation(self, digest: str) -> Path:
+        return Path(self.root) / "eval" / digest
+
+    def evaluation_result(self, digest: str) -> Path:
+        return self.evaluation(digest) / "dp.json"
+
+    def evaluation_outputs(self, digest: str) -> Path:
+        return self.evaluation(digest) / "dp"
+
+    def evaluation_lock(self, digest: str) -> Path:
+        return Path(self.root) / "eval" / f"{digest}.lock"
+
+
+@dataclass(frozen=True)
+class SweepLayout:
+    """Paths of a sweep folder (``flows.sweep``)::
+
+    SWEEP/sweep.json                 the sweep's record (cells, their status, wall time)
+    SWEEP/cells/<cell>/              one run directory per cell (:class:`RunLayout`)
+    SWEEP/attempts/<cell>-<n>/       a cell's earlier attempt, moved aside by a re-run
+    SWEEP/dp/                        the DP cache shared by the cells (:class:`DPCacheLayout`)
+    SWEEP/report/                    comparison.md, .json, .csv, figures (reports.compare)
+    """
+
+    root: Path
+
+    @property
+    def record(self) -> Path:
+        return Path(self.root) / SWEEP_RECORD
+
+    def cell(self, name: str) -> Path:
+        _check_name("cell", name)
+        return Path(self.root) / "cells" / name
+
+    @property
+    def attempts(self) -> Path:
+        return Path(self.root) / "attempts"
+
+    @property
+    def dp_cache(self) -> Path:
+        return Path(self.root) / "dp"
+
+    @property
+    def report(self) -> Path:
+        return Path(self.root) / "report"
+
+    @property
+    def comparison_md(self) -> Path:
+        return self.report / "comparison.md"
+
+
+@dataclass(frozen=True)
+class StudyLayout:
+    """Paths of a tuning study's folder (``flows.tune``)::
+
+    STUDY/tune.json                  the study's record (spec, best settings, tuned comparison)
+    STUDY/optuna.log                 Optuna's journal storage of every study of it
+    STUDY/trials/<study>-<n>/        trial n's run directory (:class:`RunLayout`)
+    STUDY/tuned/<name>/              the comparison of the best settings over seeds
+    STUDY/attempts/tuned-<name>-<n>/ an earlier tuned comparison, moved aside
+    STUDY/dp/                        the DP cache of its trials and comparison
+    STUDY/report/                    study.md, study.json, figures (reports.study)
+    """
+
+    root: Path
+
+    @property
+    def record(self) -> Path:
+        return Path(self.root) / STUDY_RECORD
+
+    @property
+    def journal(self) -> Path:
+        return Path(self.root) / "optuna.log"
+
+    def trial(self, study: str, number: int) -> Path:
+        _check_name("study", study)
+        return Path(self.root) / "trials" / f"{study}-{int(number)}"
+
+    def tuned(self, name: str) -> Path:
+        _check_name("tuned comparison", name)
+        return Path(self.root) / "tuned" / name
+
+    @property
+    def tuned_runs(self) -> list[Path]:
+        """The tuned comparisons present, by name."""
+        return sorted(p for p in (Path(self.root) / "tuned").glob("*/"))
+
+    def attempt(self, name: str, n: int) -> Path:
+        return Path(self.root) / "attempts" / f"tuned-{name}-{int(n)}"
+
+    @property
+    def dp_cache(self) -> Path:
+        return Path(self.root) / "dp"
+
+    @property
+    def report(self) -> Path:
+        return Path(self.root) / "report"
+
+    @property
+    def study_md(self) -> Path:
+        return self.report / "study.md"

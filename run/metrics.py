@@ -89,13 +89,3 @@ def read_jsonl(path: str | Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def write_json(path: str | Path, obj) -> None:
-    """Write JSON atomically (temp file in the same folder + ``os.replace``): readers never see half
-    a file, and a crash leaves the previous version."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=float))
-    os.replace(tmp, path)

@@ -14,8 +14,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from configs.schema import ExperimentConfig
+from run.atomic import write_json
 from run.layout import RunLayout
-from run.metrics import write_json
 from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syncer_retryable
 from training.dp import train_dp
 

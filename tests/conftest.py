@@ -99,20 +99,20 @@ def squash(md: str) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test`` runs 2 workers, whole modules each: ``--dist loadscope``),
-    modules holding ``process``/``browser`` tests go first and then those holding ``slow`` ones, so the
-    longest start early and the quick modules fill the end; the order within a module is kept. A
-    run without workers keeps the collection order."""
-    if getattr(config.option, "dist", "no") == "no":
+    """Under pytest-xdist (``make test``: 2 workers, whole modules each, ``--dist loadscope
+    --no-loadscope-reorder``), the modules run longest first, so the quick ones fill the end: a
+    module's weight is a rough estimate of its seconds (a ``process`` or ``browser`` test 40, a
+    ``slow`` one 15, any other 0.3). The order within a module is kept; a run without workers keeps
+    the collection order."""
+    if not hasattr(config, "workerinput"):  # (the workers collect; the controller only schedules)
         return
 
-    def weight(item) -> int:
+    def seconds(item) -> float:
         marks = {m.name for m in item.iter_markers()}
-        return 2 if marks & {"process", "browser"} else 1 if "slow" in marks else 0
+        return 40.0 if marks & {"process", "browser"} else 15.0 if "slow" in marks else 0.3
 
-    module_weight: dict[str, int] = {}
+    weight: dict[str, float] = {}
     for item in items:
-        key = item.nodeid.split("::")[0]
-        module_weight[key] = max(module_weight.get(key, 0), weight(item))
-    first_seen = {key: i for i, key in reversed(list(enumerate(i.nodeid.split("::")[0] for i in items)))}
-    items.sort(key=lambda i: (-module_weight[i.nodeid.split("::")[0]], first_seen[i.nodeid.split("::")[0]]))
+        module = item.nodeid.split("::")[0]
+        weight[module] = weight.get(module, 0.0) + seconds(item)
+    items.sort(key=lambda i: -weight[i.nodeid.split("::")[0]])  # (a stable sort: modules stay whole)

@@ -21,7 +21,7 @@ ALLOWED = {  # package -> the project packages it may import
     "diloco": set(),
     "reports": {"run"},
     "sim": {"reports"},
-    "evals": {"configs"},
+    "evals": {"configs", "run"},
     "training": {"configs", "data", "diloco", "evals", "models", "run"},
     "tasks": {"configs", "data", "reports", "run", "sim", "training"},
     "flows": {"configs", "data", "models", "reports", "run", "sim", "tasks", "training"},

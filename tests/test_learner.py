@@ -531,7 +531,7 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     """Registering a kind (its module, objective and builder) is all it takes: the DiLoCo learner,
     the syncer and the DP loop train it unchanged, and its extra metric reaches the learner log."""
     from data.text import prepare_data
-    from run.metrics import write_json
+    from run.atomic import write_json
     from training.common import token_budget
     from training.diloco import learner_attempt, run_syncer_to_end, setup_diloco
     from training.dp import train_dp

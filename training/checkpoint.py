@@ -38,6 +38,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from run import atomic
+
 logger = logging.getLogger(__name__)
 
 
@@ -96,7 +98,9 @@ def _abstract(tree):
 
 
 def _is_record_file(rel: str) -> bool:
-    return rel == INTEGRITY_FILE or rel.startswith(_INTEGRITY_TMP)
+    """The record, or a temporary of it (``run.atomic``'s ``._integrity.json.*.tmp``, or the
+    ``_integrity.json.tmp-<pid>`` of checkpoints written before it)."""
+    return rel == INTEGRITY_FILE or rel.startswith((f".{INTEGRITY_FILE}.", _INTEGRITY_TMP))
 
 
 def _step_files(step_dir: Path) -> list[str]:
@@ -119,27 +123,13 @@ def _sha256(path: Path) -> str:
 
 
 def _write_integrity(step_dir: Path, step: int) -> Path:
-    """Write ``step_dir/_integrity.json`` atomically (temp file, fsync, ``os.replace``)."""
+    """Write ``step_dir/_integrity.json`` atomically and durably (``run.atomic``, fsynced)."""
     files = {}
     for rel in _step_files(step_dir):
         p = step_dir / rel
         files[rel] = {"size": p.stat().st_size, "sha256": _sha256(p)}
     record = {"version": _INTEGRITY_VERSION, "step": int(step), "files": files}
-    tmp = step_dir / f"{_INTEGRITY_TMP}-{os.getpid()}"
-    with open(tmp, "w") as fh:
-        json.dump(record, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, step_dir / INTEGRITY_FILE)
-    try:  # make the rename itself durable; best effort (not every filesystem allows a dir fsync)
-        fd = os.open(step_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-    return step_dir / INTEGRITY_FILE
+    return atomic.write_json(step_dir / INTEGRITY_FILE, record, fsync=True, indent=1, sort_keys=True)
 
 
 def _check_against_record(step_dir: Path, record_path: Path) -> list[tuple[str, str]]:

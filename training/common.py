@@ -8,8 +8,8 @@ from pathlib import Path
 from configs.schema import ExperimentConfig
 from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
+from run.atomic import write_json
 from run.layout import RunLayout
-from run.metrics import write_json
 
 
 def token_budget(cfg: ExperimentConfig) -> int:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from configs.schema import ExperimentConfig
 from data.store import load_heldout, load_tokenizer
+from run.atomic import write_json
 from run.layout import RunLayout
-from run.metrics import write_json
 from training.checkpoint import load_into_model
 from training.common import model_spec
 

@@ -382,7 +382,7 @@ def finetune_method(
     ``FileExistsError`` when the method already has fine-tuning results, and the errors of
     :func:`load_pretrained`.
     """
-    from run.directory import atomic_write_text
+    from run import atomic
     from run.layout import RunLayout
     from training.common import ensure_fresh
 
@@ -440,7 +440,7 @@ def finetune_method(
     }
     import json
 
-    atomic_write_text(layout.summary("finetune", method), json.dumps(summary, indent=2))
+    atomic.write_text(layout.summary("finetune", method), json.dumps(summary, indent=2))
     return summary
 
 
@@ -511,7 +511,7 @@ def evaluate_finetune(
     """
     import json
 
-    from run.directory import atomic_write_text
+    from run import atomic
     from run.layout import RunLayout
 
     layout = RunLayout(run_dir)
@@ -570,5 +570,5 @@ def evaluate_finetune(
             "finetuned": {k: after[k] for k in keys},
         }
     result["eval_s"] = time.monotonic() - t0
-    atomic_write_text(layout.eval_result("finetune", method), json.dumps(result, indent=2))
+    atomic.write_text(layout.eval_result("finetune", method), json.dumps(result, indent=2))
     return result
