@@ -44,8 +44,9 @@ run: setup
 	$(VENV)/bin/ddiloco run $(CONFIG)
 
 # The suite runs on CPU even where a GPU is (its golden losses and forced host devices are CPU's);
-# JAX_PLATFORMS=cuda make test runs it on the GPU. TEST_WORKERS pytest-xdist workers share it, whole
-# modules each (their module-scoped runs are not repeated); TEST_WORKERS=0 runs it in one process.
+# JAX_PLATFORMS=cuda make test runs it on the GPU. TEST_WORKERS pytest-xdist workers share it: whole
+# modules each, and the tests that start processes of their own one at a time on one worker
+# (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 test: setup browser

@@ -5,7 +5,9 @@ half of one, and a crash part-way leaves the old version and at most a hidden te
 (``.<name>.*``) beside it:
 
 * :func:`write_text` / :func:`write_json`: a temporary file in the same folder, then ``os.replace``;
-  ``fsync=True`` also flushes the file and the rename to disk (checkpoint integrity records);
+  ``fsync=True`` also flushes the file and the rename to disk (checkpoint integrity records). On an
+  fsspec URL (a run's report on object storage, ``memory://`` in tests) the object is put whole, as
+  object stores do;
 * :func:`folder`: a temporary folder beside the final one, filled by the caller, then renamed into
   place (:func:`swap_in_folder` when one is there already).
 
@@ -24,8 +26,12 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+from upath import UPath
 
-def write_text(path: str | Path, text: str | bytes, *, fsync: bool = False) -> Path:
+LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+def write_text(path: str | Path | UPath, text: str | bytes, *, fsync: bool = False) -> Path | UPath:
     """Write ``text`` (``str`` as UTF-8, or ``bytes``) to ``path`` atomically; create its folder.
 
     The temporary file is made 0644 like every other file of a run (``mkstemp`` makes it 0600).
@@ -33,12 +39,19 @@ def write_text(path: str | Path, text: str | bytes, *, fsync: bool = False) -> P
     filesystem refuses a folder fsync). Returns ``path``. On any error the temporary is removed and
     the old file, if any, is left as it was.
     """
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    if isinstance(path, str) and "://" in path:
+        path = UPath(path)
+    if isinstance(path, UPath) and path.protocol not in LOCAL_PROTOCOLS:  # an object store: one put
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        return path
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(text.encode("utf-8") if isinstance(text, str) else text)
+            f.write(data)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -57,7 +70,7 @@ def write_text(path: str | Path, text: str | bytes, *, fsync: bool = False) -> P
     return path
 
 
-def write_json(path: str | Path, obj, *, fsync: bool = False, newline: bool = False, **dumps) -> Path:
+def write_json(path: str | Path | UPath, obj, *, fsync: bool = False, newline: bool = False, **dumps) -> Path | UPath:
     """:func:`write_text` of ``json.dumps(obj, indent=2, default=float, **dumps)`` (NumPy and JAX
     scalars written as floats); ``newline`` ends the file with one."""
     text = json.dumps(obj, **{"indent": 2, "default": float, **dumps})

@@ -1,3 +1,4 @@
+import functools
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -98,12 +99,43 @@ def squash(md: str) -> str:
     return re.sub(r" +\|", " |", re.sub(r"(?<!\\)\| +", "| ", md))
 
 
+# -- pytest-xdist: ``make test`` runs 2 workers, ``--dist loadscope --no-loadscope-reorder`` ---------
+# A work unit is a whole module (its module-scoped runs are made once), except that every module
+# holding a ``process`` or ``browser`` test joins one unit, run by one worker one test at a time: two
+# of them at once (a Ray instance starting beside a Dask cluster and a Prefect server) overload 2
+# cores past Ray's fixed 30-s start-up wait. (pytest-xdist's own ``xdist_group``/``loadgroup`` does
+# not group under pytest 9.2: it renames ``item._nodeid``, which pytest no longer reads.)
+PROCESSES_UNIT = "tests/(the tests that start processes)"
+
+
+@functools.cache
+def _starts_processes(module: str) -> bool:
+    text = (ROOT / module).read_text() if (ROOT / module).is_file() else ""
+    return "pytest.mark.process" in text or "pytest.mark.browser" in text
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::")[0]
+    return PROCESSES_UNIT if _starts_processes(module) else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """The controller's scheduler under ``--dist loadscope``: LoadScope with the units above."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ProcessesApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ProcessesApart(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``make test``: 2 workers, whole modules each, ``--dist loadscope
-    --no-loadscope-reorder``), the modules run longest first, so the quick ones fill the end: a
-    module's weight is a rough estimate of its seconds (a ``process`` or ``browser`` test 40, a
-    ``slow`` one 15, any other 0.3). The order within a module is kept; a run without workers keeps
-    the collection order."""
+    """Under pytest-xdist the units run longest first (a ``process``/``browser`` test counts 40 s, a
+    ``slow`` one 15 s, any other 0.3 s), so the quick ones fill the end; the order within a unit is
+    kept. A run without workers keeps the collection order."""
     if not hasattr(config, "workerinput"):  # (the workers collect; the controller only schedules)
         return
 
@@ -113,6 +145,5 @@ def pytest_collection_modifyitems(config, items):
 
     weight: dict[str, float] = {}
     for item in items:
-        module = item.nodeid.split("::")[0]
-        weight[module] = weight.get(module, 0.0) + seconds(item)
-    items.sort(key=lambda i: -weight[i.nodeid.split("::")[0]])  # (a stable sort: modules stay whole)
+        weight[_unit(item.nodeid)] = weight.get(_unit(item.nodeid), 0.0) + seconds(item)
+    items.sort(key=lambda i: -weight[_unit(i.nodeid)])  # (a stable sort)
