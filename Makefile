@@ -48,12 +48,15 @@ run: setup
 # modules each, and the tests that start processes of their own one at a time on one worker
 # (tests/conftest.py); TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
+ifeq ($(shell echo '$(TEST_WORKERS)' | grep -Ex '[0-9]+|auto'),)
+$(error TEST_WORKERS='$(TEST_WORKERS)' is not a number of workers (0 for one process) or auto)
+endif
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder)
 test: setup browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests $(XDIST)
 
 # The edit loop's tier (docs/testing.md): every test but those marked slow, process, browser or
-# network; one whole tiny pipeline among them. About 4 min on 2 cores.
+# network; one whole tiny pipeline among them. About 3.5 min on 2 idle cores.
 test-fast: setup
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests -m "not slow and not process and not browser and not network"
 

@@ -79,8 +79,9 @@ def write_json(path: str | Path | UPath, obj, *, fsync: bool = False, newline: b
 
 def swap_in_folder(tmp: Path, final: Path) -> None:
     """Move the finished folder ``tmp`` to ``final`` (same parent): renamed into place, or, when
-    ``final`` exists, the old one renamed aside, the new one in, the old one deleted; a reader sees
-    the old folder or the new one, never half of one."""
+    ``final`` exists, the old one renamed aside, the new one in, the old one deleted. A reader never
+    sees half a folder; between the two renames ``final`` is briefly absent, and a crash there leaves
+    the old folder aside as ``.<name>.old-*`` (writers that race take a lock: the DP cache)."""
     if final.exists():
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
         os.replace(final, old)

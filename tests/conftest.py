@@ -1,5 +1,6 @@
 import functools
 import os
+import re
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
@@ -111,7 +112,7 @@ PROCESSES_UNIT = "tests/(the tests that start processes)"
 @functools.cache
 def _starts_processes(module: str) -> bool:
     text = (ROOT / module).read_text() if (ROOT / module).is_file() else ""
-    return "pytest.mark.process" in text or "pytest.mark.browser" in text
+    return re.search(r"\bmark\.(process|browser)\b", text) is not None
 
 
 def _unit(nodeid: str) -> str:
@@ -119,6 +120,7 @@ def _unit(nodeid: str) -> str:
     return PROCESSES_UNIT if _starts_processes(module) else module
 
 
+@pytest.hookimpl(optionalhook=True)  # (pytest without pytest-xdist, or with -p no:xdist, runs too)
 def pytest_xdist_make_scheduler(config, log):
     """The controller's scheduler under ``--dist loadscope``: LoadScope with the units above."""
     if config.getvalue("dist") != "loadscope":
@@ -143,6 +145,10 @@ def pytest_collection_modifyitems(config, items):
         marks = {m.name for m in item.iter_markers()}
         return 40.0 if marks & {"process", "browser"} else 15.0 if "slow" in marks else 0.3
 
+    stray = [i.nodeid for i in items if {"process", "browser"} & {m.name for m in i.iter_markers()}]
+    stray = [n for n in stray if _unit(n) != PROCESSES_UNIT]
+    if stray:  # (the scheduler finds those modules by the text of their marks)
+        raise pytest.UsageError(f"mark process/browser tests as @pytest.mark.process or .browser: {stray[:3]}")
     weight: dict[str, float] = {}
     for item in items:
         weight[_unit(item.nodeid)] = weight.get(_unit(item.nodeid), 0.0) + seconds(item)
