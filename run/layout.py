@@ -245,7 +245,22 @@ class DPCacheLayout:
 
 
 @dataclass(frozen=True)
-class SweepLayout:
+class _FolderOfRuns:
+    """What a sweep folder and a study folder share: their DP cache and their report folder."""
+
+    root: Path
+
+    @property
+    def dp_cache(self) -> Path:
+        return Path(self.root) / "dp"
+
+    @property
+    def report(self) -> Path:
+        return Path(self.root) / "report"
+
+
+@dataclass(frozen=True)
+class SweepLayout(_FolderOfRuns):
     """Paths of a sweep folder (``flows.sweep``)::
 
     SWEEP/sweep.json                 the sweep's record (cells, their status, wall time)
@@ -270,20 +285,12 @@ class SweepLayout:
         return Path(self.root) / "attempts"
 
     @property
-    def dp_cache(self) -> Path:
-        return Path(self.root) / "dp"
-
-    @property
-    def report(self) -> Path:
-        return Path(self.root) / "report"
-
-    @property
     def comparison_md(self) -> Path:
         return self.report / "comparison.md"
 
 
 @dataclass(frozen=True)
-class StudyLayout:
+class StudyLayout(_FolderOfRuns):
     """Paths of a tuning study's folder (``flows.tune``)::
 
     STUDY/tune.json                  the study's record (spec, best settings, tuned comparison)
@@ -320,14 +327,6 @@ class StudyLayout:
 
     def attempt(self, name: str, n: int) -> Path:
         return Path(self.root) / "attempts" / f"tuned-{name}-{int(n)}"
-
-    @property
-    def dp_cache(self) -> Path:
-        return Path(self.root) / "dp"
-
-    @property
-    def report(self) -> Path:
-        return Path(self.root) / "report"
 
     @property
     def study_md(self) -> Path:
