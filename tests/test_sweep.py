@@ -455,7 +455,7 @@ def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_p
 SLOT_HOLDER = """
 import sys
 import flows.sweep as sweep
-sweep.SLOT_HEARTBEAT_S, sweep.SLOT_STALE_S = 0.5, 3.0
+sweep.SLOT_HEARTBEAT_S, sweep.SLOT_STALE_S = 0.5, 8.0
 print("waiting", flush=True)
 with sweep._slot(sys.argv[1], poll_s=0.5) as held:
     print("held" if held else "stopped", flush=True)
@@ -525,7 +525,8 @@ def _active_slots(limit: str) -> int:
 def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness):
     """A sweep of one name shares ``concurrency`` slots wherever it runs (a persistent server). A
     holder killed with SIGKILL cannot release its slot; a cell waiting for one frees it once the
-    holder's heartbeat stops (here 3 s; as shipped SLOT_STALE_S, well within a minute) instead of
+    holder's heartbeat stops (here 8 s, 16 heartbeats, so that a loaded machine's slow server calls do not
+    pass for a death; as shipped SLOT_STALE_S, well within a minute) instead of
     Prefect's lease keeping it for minutes. A living holder whose work outlasts that window keeps
     its slot (its heartbeat and Prefect lease are renewed) until it releases it."""
     import signal
@@ -543,7 +544,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
         b = _Holder(limit)
         holders.append(b)
         assert b.wait_for("waiting", 120), b.seen
-        assert not b.wait_for("held", 12), b.seen  # 4 stale windows: A's heartbeat is renewed
+        assert not b.wait_for("held", 20), b.seen  # 2.5 stale windows: A's heartbeat is renewed
         assert _active_slots(limit) == 1
         a.proc.stdin.close()  # A ends its work: the slot goes to B
         assert a.wait_for("released", 60), a.seen
