@@ -202,7 +202,7 @@ class ChaosSchedule(_Frozen):
         return sorted((f for f in self.failures if f.learner == m), key=lambda f: f.at_s)
 
     def learner_slowdowns(self, m: int) -> tuple[tuple[float, float, float | None], ...]:
-        """(factor, from_s, to_s) of learner m's slowdowns (``diloco.learner.LearnerSetup.slowdowns``)."""
+        """(factor, from_s, to_s) of learner m's slowdowns (``diloco.faults.SlowDown`` events)."""
         return tuple((e.factor, e.from_s, e.to_s) for e in self.slowdowns if e.learner == m)
 
     def window(self, m: int) -> tuple[float, float | None]:

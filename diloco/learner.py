@@ -22,9 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import signal
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,16 +33,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from diloco.exchange.base import Exchange, Submission
+from diloco.faults import (
+    FaultHooks,
+    InjectedFailure as InjectedFailure,  # re-exported: the task runner's retry reason
+    LearnerFaults,
+)
 from diloco.fragments import fragments_due
 from diloco.pacing import FairTurns
 from diloco.receipt import ReceiptRule
 from diloco.tensors import to_numpy
 from diloco.wire import WireFormat
-
-
-class InjectedFailure(RuntimeError):
-    """Raised by a learner at a configured local step (chaos testing); the task runner retries it."""
-
 
 # (epoch, index) -> (batch [B, ...], next_epoch, next_index): a pure, resumable cursor
 BatchFn = Callable[[int, int], tuple[np.ndarray, int, int]]
@@ -134,21 +132,11 @@ class LearnerSetup:
     resume: ResumeStore | None = None
     resume_every: int = 0
     turns: FairTurns | None = None
-    fail_at_steps: tuple[int, ...] = ()  # ascending; the k-th fires on attempt k (chaos testing)
-    kill_steps: frozenset[int] = frozenset()  # those of fail_at_steps that SIGKILL the process instead
-    kill_at_s: tuple[float, ...] = ()  # SIGKILL the process at these run-clock times (seconds), each once
+    faults: LearnerFaults = LearnerFaults()  # scheduled faults (chaos testing, ``diloco.faults``)
     num_learners: int = 1  # M: how many learners the start gate waits for
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
     wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
-    # (factor, from_s, to_s or None): in [from_s, to_s) of the training clock the learner steps factor×
-    # less often than its peers: it sits out turns, or idles alone (chaos.slowdowns, _slow_down)
-    slowdowns: tuple[tuple[float, float, float | None], ...] = ()
-    # chaos schedule (configs.chaos), on the training clock: (at_s, restart_delay_s, how) failures,
-    # ascending; the presence window (join_s, leave_s or None); (at_s, kind) corruptions, ascending
-    timed_failures: tuple[tuple[float, float, str], ...] = ()
-    window: tuple[float, float | None] = (0.0, None)
-    corruptions: tuple[tuple[float, str], ...] = ()
     # τ (diloco.overlap_steps): a fragment sent at step s must be merged back by step s + τ, or the
     # learner waits for it (the paper's overlapped communication); None = never wait
     overlap_steps: int | None = None
@@ -162,35 +150,6 @@ def tree_digest(tree: Any) -> str:
     for leaf in jax.tree.leaves(tree):
         h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
     return h.hexdigest()[:16]
-
-
-def _kill_self() -> None:
-    """SIGKILL this process: a real crash, nothing after it runs (chaos testing)."""
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _kill_timer(ex: Exchange, at_s: float, learner: int, attempt: int, log) -> threading.Event:
-    """A daemon thread that SIGKILLs this process once the run clock reaches ``at_s`` seconds;
-    setting the returned event disarms it (the learner ended first)."""
-    disarm = threading.Event()
-
-    def watch() -> None:
-        while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
-            if ex.clock() >= at_s:
-                log(
-                    {
-                        "event": "kill",
-                        "learner": learner,
-                        "attempt": attempt,
-                        "step": ex.learners().get(learner, {}).get("step", 0),
-                        "reason": f"chaos: SIGKILL at {at_s:g} s",
-                        "t": ex.clock(),
-                    }
-                )
-                _kill_self()
-
-    threading.Thread(target=watch, name=f"chaos-kill-{learner}", daemon=True).start()
-    return disarm
 
 
 def _start_gate(ex: Exchange, m: int, num_learners: int, wait_s: float, stop: Callable[[], bool]) -> float:
@@ -210,437 +169,290 @@ def _start_gate(ex: Exchange, m: int, num_learners: int, wait_s: float, stop: Ca
     return time.monotonic() - t0
 
 
-def corrupt_payload(payload: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
-    """A copy of a submission ``payload`` damaged in flight (chaos): ``nan`` sets the first value of
-    its first floating-point array (a quantised format's scale) to NaN; ``shape`` drops the last
-    value of its first array. The syncer must refuse either ("non-finite", "wrong-tensors")."""
-    out = dict(payload)
-    names = sorted(out)
-    if kind == "nan":
-        name = next((k for k in names if np.issubdtype(out[k].dtype, np.floating)), None)
-        if name is None:  # bfloat16 travels as uint16 bit patterns: 0x7FC0 is a NaN
-            name = names[0]
-            bad = np.array(out[name], copy=True).reshape(-1)
-            bad[0] = 0x7FC0
+class Learner:
+    """One attempt of learner ``s.learner``: its parameters, inner optimizer state, fragments, data
+    cursor and counters, and the steps of :func:`run_learner` as methods.
+
+    Counters carried over attempts come from the exchange's record of the learner (``info``):
+    bytes to and from the syncer (bytes), tokens processed (tokens), seconds waited (seconds),
+    corruptions sent."""
+
+    def __init__(self, s: LearnerSetup) -> None:
+        self.s, self.m, self.attempt, self.ex = s, s.learner, s.attempt, s.exchange
+        self.info = self.ex.learners().get(self.m, {})
+        self.bytes_in = int(self.info.get("bytes_from_syncer", 0))
+        self.bytes_out = int(self.info.get("bytes_to_syncer", 0))
+        self.processed = int(self.info.get("processed", 0))
+        self.waited = float(self.info.get("waited_s", 0.0))
+        self.corrupted = int(self.info.get("corrupted", 0))
+        self.frags = [FragmentState(list(names)) for names in s.fragments]
+        self.in_flight: dict[int, tuple[int, int]] = {}  # fragment → (local step, base version) of its last send
+        self.params: dict = {}
+        self.opt_state: Any = None
+        self.step, self.epoch, self.index = 0, 0, 0
+        self.steps_this_attempt = self.skipped_saves = 0
+        self.resumed = False
+        self.origin = 0.0
+        self.metrics: dict | None = None
+
+    def clock(self) -> float:
+        """The training clock: seconds since this learner's first attempt started."""
+        return self.ex.clock() - self.origin
+
+    def event(self, name: str, **fields) -> None:
+        """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless given)."""
+        self.s.log(
+            {"event": name, "learner": self.m, "attempt": self.attempt, **fields, "t": fields.get("t", self.ex.clock())}
+        )
+
+    def stopping(self) -> bool:
+        return self.s.stop() or self.ex.is_closed()
+
+    # -- start ------------------------------------------------------------------------------------
+    def restore(self) -> None:
+        """The paper's rejoin: pull every global fragment at its current version, then restore the last
+        resume point (step, data cursor, inner optimizer state), or start at step 0; then (a first
+        attempt on a process engine) pass the start gate and fix the training clock's origin."""
+        s = self.s
+        self.params = s.init_params()
+        for p in range(len(self.frags)):
+            self.pull(p, *self.ex.latest(p))
+        self.opt_state = s.init_opt(self.params)
+        point = s.resume.load(self.opt_state) if s.resume is not None else None
+        if point is not None:
+            self.step, (self.epoch, self.index), self.opt_state = point.step, tuple(point.cursor), point.opt_state
+            self.resumed = True
+        if self.attempt == 1 and s.start_wait_s > 0:
+            _start_gate(self.ex, self.m, s.num_learners, s.start_wait_s, s.stop)
+        self.origin = float(self.info["origin"]) if "origin" in self.info else self.ex.clock()
+        self.ex.heartbeat(self.m, origin=self.origin)
+
+    def announce(self) -> None:
+        """Report ``running`` and log the attempt's ``start`` (with its optimizer state's digest)."""
+        self.ex.heartbeat(
+            self.m,
+            status="running",
+            attempt=self.attempt,
+            step=self.step,
+            processed=self.processed,
+            cursor=(self.epoch, self.index),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=self.ex.clock(),
+        )
+        self.event(
+            "start",
+            step=self.step,
+            origin=self.origin,
+            pid=os.getpid(),
+            resumed=self.resumed,
+            opt_state_digest=tree_digest(self.opt_state),
+        )
+
+    # -- fragments in and out ---------------------------------------------------------------------
+    def pull(self, p: int, version: int, theta: dict[str, np.ndarray]) -> None:
+        """Apply global fragment ``p`` at ``version`` by the receipt rule (overwrite on a first pull)."""
+        f, receipt = self.frags[p], self.s.receipt
+        if f.version >= 0 and receipt.needs_local:
+            new = receipt.apply(theta, to_numpy({k: self.params[k] for k in f.names}), f.reference)
         else:
-            bad = np.array(out[name], copy=True).reshape(-1)
-            bad[0] = np.nan
-        out[name] = bad.reshape(np.shape(out[name]))
-    else:
-        out[names[0]] = np.asarray(out[names[0]]).reshape(-1)[:-1].copy()
-    return out
+            new = theta
+        # Θ_p arrives in float32 (the syncer's master copy); kept in this learner's parameter dtype
+        self.params = {**self.params, **{k: jnp.asarray(v, dtype=self.params[k].dtype) for k, v in new.items()}}
+        f.received(version, theta, receipt.keeps_progress)
+        self.bytes_in += sum(a.nbytes for a in theta.values())
 
+    def send(self, p: int, faults: FaultHooks) -> None:
+        """Submit fragment ``p``: θ_p itself (float32 wire) or Δ = θ_p − Θ_base encoded (``diloco.wire``)."""
+        f, wire = self.frags[p], self.s.wire
+        copy = to_numpy({k: self.params[k] for k in f.names})
+        payload = wire.encode({k: copy[k] - f.base[k] for k in f.names} if wire.sends_delta else copy)
+        sub = Submission(
+            learner=self.m,
+            fragment=p,
+            params=faults.on_send(p, payload),
+            tokens=f.tokens,
+            steps=f.steps,
+            base_version=f.version,
+            local_step=self.step,
+            attempt=self.attempt,
+            sent_at=self.ex.clock(),
+            wire=wire.spec,
+        )
+        self.bytes_out += sub.nbytes
+        f.sent(copy)
+        self.in_flight[p] = (self.step, f.version)
+        self.ex.submit(sub)
 
-def _wait_until(
-    clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange, tokens_per_step: int = 1
-) -> float:
-    """Sleep until ``clock() >= until``, or stop, or the run closes, or the others have claimed the
-    budget (no step of ``tokens_per_step`` tokens is left: a scavenged learner whose window opens
-    after the run's end, a restart due after it); returns the seconds waited."""
-    t0 = time.monotonic()
-    while clock() < until and not (stop() or ex.is_closed()):
-        if ex.claimed_tokens + tokens_per_step > ex.token_budget:
-            break
-        time.sleep(min(0.05, max(until - clock(), 0.001)))
-    return time.monotonic() - t0
+    def overdue(self) -> int | None:
+        """A fragment sent ≥ τ steps ago whose merge has not come back, or None."""
+        if self.s.overlap_steps is None:
+            return None
+        versions = self.ex.versions()
+        for p, (sent_step, base) in self.in_flight.items():
+            if self.step - sent_step >= self.s.overlap_steps and versions[p] <= base:
+                return p
+        return None
 
+    def refresh(self) -> None:
+        """Wait out an overdue merge (τ: ``overlap_steps``; a ``wait`` event, given up after
+        ``wait_timeout_s``), then apply every newer global fragment."""
+        p_wait = self.overdue()
+        if p_wait is not None:
+            t_wait, t_clock, p_first = time.monotonic(), self.ex.clock(), p_wait
+            while p_wait is not None and not self.stopping() and time.monotonic() - t_wait < self.s.wait_timeout_s:
+                time.sleep(0.002)
+                p_wait = self.overdue()
+            w = time.monotonic() - t_wait
+            self.waited += w
+            self.event("wait", step=self.step, fragment=p_first, wait_s=w, t=t_clock, timed_out=p_wait is not None)
+            if p_wait is not None:
+                self.in_flight.pop(p_wait, None)  # its merge is not coming (dropped): stop waiting for it
+        latest = self.ex.versions()
+        for p, f in enumerate(self.frags):
+            if latest[p] > f.version:
+                self.pull(p, *self.ex.latest(p))
+                if p in self.in_flight and latest[p] > self.in_flight[p][1]:
+                    del self.in_flight[p]
 
-def _slow_down(s: LearnerSetup, extra: float, computed: float, owed: float) -> float:
-    """A slower device (chaos slowdowns): after a step of ``computed`` seconds, make this learner
-    (factor − 1) = ``extra`` steps' worth slower than its peers; returns the part of a turn still owed.
+    # -- the inner step ---------------------------------------------------------------------------
+    def inner_step(self) -> float:
+        """One inner optimizer step on the next batch, inside the host's compute turn; saves a resume
+        point every ``resume_every`` steps. Returns the seconds it computed."""
+        s = self.s
+        batch, self.epoch, self.index = s.next_batch(self.epoch, self.index)
+        with s.turns or contextlib.nullcontext():
+            computing = time.perf_counter()
+            self.params, self.opt_state, self.metrics = s.step(
+                self.params, self.opt_state, jax.tree.map(jnp.asarray, batch)
+            )
+            # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
+            # learners would all compute at once and drift apart (what the turns prevent).
+            jax.block_until_ready(self.metrics["loss"])
+            self.step += 1
+            self.steps_this_attempt += 1
+            self.processed += s.tokens_per_step
+            if s.resume is not None and s.resume_every and self.step % s.resume_every == 0:
+                self.save_resume_point()
+            return time.perf_counter() - computing
 
-    Alone on its device (no turns) it idles ``extra × computed`` seconds. On a host shared in first-come
-    turns idling cannot slow it (its peers' turns fill the idle and it is served once a round all the
-    same), so it owes ``extra`` of a turn per step and, for each whole turn owed, sits one out: it joins
-    the queue and passes its turn on unused, the learners behind it stepping first. It steps factor×
-    less often than its peers, as on a device factor× slower. A turn passed at once (nobody else was
-    waiting) costs nothing, so then it idles one step's time instead."""
-    if s.turns is None:
-        s.sleep(extra * computed)
-        return 0.0
-    owed += extra
-    while owed >= 1.0:
-        owed -= 1.0
-        t = time.perf_counter()
-        with s.turns:
-            pass  # sat out: the learners queued before it took their turns
-        if time.perf_counter() - t < 0.5 * computed:
-            s.sleep(computed)
-    return owed
+    def save_resume_point(self) -> None:
+        """Hand a resume point to the store, inside the turn like the step: co-located learners reach
+        the same step together, and saving outside their turns they queued on each other's writes
+        while the first to finish took their turns, one sync period ahead for good. (The store copies
+        the state and writes it in the background; one still being written skips this one rather
+        than hold the turn.)"""
+        saving = getattr(self.s.resume, "ready", lambda: True)()
+        if saving:
+            point = ResumePoint(self.step, (self.epoch, self.index), self.processed, self.opt_state)
+            self.s.resume.save(point)
+        else:
+            self.skipped_saves += 1
+        self.event("resume_point", step=self.step, saved=saving)
+
+    def sync(self, faults: FaultHooks) -> None:
+        """Count the step in every fragment and send the fragments due at this step (the staggered
+        schedule, ``diloco.fragments.fragments_due``); with τ = H the merge of a fragment's last send
+        is awaited first."""
+        for f in self.frags:
+            f.stepped(self.s.tokens_per_step)
+        due = fragments_due(self.step, len(self.frags), self.s.period)
+        if self.s.overlap_steps is not None and any(p in self.in_flight for p in due):
+            self.refresh()
+        for p in due:
+            self.send(p, faults)
+
+    def beat(self) -> None:
+        """Heartbeat the counters to the exchange; every ``log_every`` steps log the train metrics."""
+        beat = dict(
+            step=self.step,
+            processed=self.processed,
+            cursor=(self.epoch, self.index),
+            bytes_to_syncer=self.bytes_out,
+            bytes_from_syncer=self.bytes_in,
+            exchange_s=float(getattr(self.ex, "io_s", 0.0)),  # this process's, not this learner's
+            waited_s=self.waited,
+        )
+        if self.step % self.s.log_every == 0:
+            beat["loss"] = loss = float(self.metrics["loss"])
+            metrics = {f"train/{k}": float(v) for k, v in self.metrics.items() if k != "loss"}
+            self.s.log(
+                {
+                    "event": "step",
+                    "learner": self.m,
+                    "step": self.step,
+                    "train/loss": loss,
+                    **metrics,
+                    "tokens": self.processed,
+                    "t": self.ex.clock(),
+                }
+            )
+        self.ex.heartbeat(self.m, **beat)
+
+    # -- the end ----------------------------------------------------------------------------------
+    def hand_in(self, faults: FaultHooks) -> dict:
+        """Flush the resume store, send every fragment with unsent progress (unsent, not total: one
+        sent and not yet merged back holds no new progress, and sending it again would have the syncer
+        merge the same parameters twice), report ``done``; returns the attempt's summary."""
+        if self.s.resume is not None:
+            self.s.resume.flush()  # the last resume point is on disk before the learner reports done
+        for p, f in enumerate(self.frags):
+            if f.unsent_steps > 0:
+                self.send(p, faults)
+        self.ex.heartbeat(self.m, status="done", bytes_to_syncer=self.bytes_out, bytes_from_syncer=self.bytes_in)
+        self.event("stop", step=self.step)
+        return {
+            "learner": self.m,
+            "attempt": self.attempt,
+            "steps": self.step,
+            "steps_this_attempt": self.steps_this_attempt,
+            "tokens": self.processed,
+            "bytes_to_syncer": self.bytes_out,
+            "bytes_from_syncer": self.bytes_in,
+            "waited_s": self.waited,
+            "resume_points_skipped": self.skipped_saves,
+        }
+
+    def failed(self, exc: BaseException, fired_at: float | None) -> None:
+        """Let a resume save in flight finish (or fail) before a retry loads, report ``down`` and log
+        the ``failure`` (at ``fired_at`` on the run clock when a timed failure fired)."""
+        if self.s.resume is not None:
+            with contextlib.suppress(BaseException):
+                self.s.resume.flush()
+        self.ex.heartbeat(self.m, status="down", reason=repr(exc))
+        step = self.ex.learners().get(self.m, {}).get("step", 0)
+        self.event("failure", reason=repr(exc), step=step, t=self.ex.clock() if fired_at is None else fired_at)
 
 
 def run_learner(s: LearnerSetup) -> dict:
     """Run inner steps until the budget is spent, the run closes or ``s.stop()``; then hand in
-    every fragment with unsent progress.
+    every fragment with unsent progress. Returns a summary dict (steps, tokens, bytes, seconds waited).
 
-    Chaos (``configs.chaos`` schedules, on the training clock: seconds since this learner's first
-    attempt started): a retried attempt first waits out the restart delay of the failure it
-    follows, counted from the moment that failure fired (status ``down``); a scavenged learner waits
-    to join (status ``absent``) and stops when it leaves; a timed failure fires in the attempt that
-    was running at its time; the next submission after a corruption's time is damaged in flight.
-    With ``overlap_steps`` τ the learner waits (outside its compute turn) when a fragment it sent τ
-    steps ago has not been merged back.
-
-    Raises :class:`InjectedFailure` at a configured step or time, after recording the reason in the
-    exchange and the log; at a configured kill (``kill_steps``, ``kill_at_s``, a timed failure with
-    ``how`` sigkill) SIGKILLs its own process instead (after a log line only). Returns a summary
-    dict (steps, tokens, bytes, seconds waited).
+    The learner never waits on the syncer or on peers, except with ``overlap_steps`` τ, when a
+    fragment it sent τ steps ago has not been merged back (outside its compute turn). Scheduled
+    faults (``s.faults``, :mod:`diloco.faults`) fire at the boundaries: before the first step, before
+    and after each inner step and on each send. Raises :class:`InjectedFailure` at a scheduled
+    failure, after reporting itself down and logging it; a scheduled kill SIGKILLs the process.
     """
-    m, ex = s.learner, s.exchange
-    fired_at = None  # run clock at which a timed failure fired (its failure event's time)
-    disarm = None
-    ahead = sorted(t for t in s.kill_at_s if t > ex.clock())  # a kill time already passed has fired
-    if ahead:
-        disarm = _kill_timer(ex, ahead[0], m, s.attempt, s.log)
+    lrn = Learner(s)
+    faults = s.faults.hooks(lrn)
+    faults.arm()
     try:
-        info = ex.learners().get(m, {})
-        bytes_in, bytes_out = int(info.get("bytes_from_syncer", 0)), int(info.get("bytes_to_syncer", 0))
-        processed = int(info.get("processed", 0))
-        params = s.init_params()
-        frags = [FragmentState(list(names)) for names in s.fragments]
-
-        def pull(p: int, version: int, theta: dict[str, np.ndarray]) -> None:
-            nonlocal bytes_in, params
-            f = frags[p]
-            if f.version >= 0 and s.receipt.needs_local:
-                new = s.receipt.apply(theta, to_numpy({k: params[k] for k in f.names}), f.reference)
-            else:
-                new = theta  # first pull of this attempt, or overwrite
-            # Θ_p arrives in float32 (the syncer's master copy); kept in this learner's parameter dtype
-            params = {**params, **{k: jnp.asarray(v, dtype=params[k].dtype) for k, v in new.items()}}
-            f.received(version, theta, s.receipt.keeps_progress)
-            bytes_in += sum(a.nbytes for a in theta.values())
-
-        for p in range(len(frags)):
-            pull(p, *ex.latest(p))
-        opt_state = s.init_opt(params)
-        step, cursor = 0, (0, 0)
-        point = s.resume.load(opt_state) if s.resume is not None else None
-        if point is not None:
-            step, cursor, opt_state = point.step, tuple(point.cursor), point.opt_state
-        epoch, index = cursor
-        if s.attempt == 1 and s.start_wait_s > 0:
-            _start_gate(ex, m, s.num_learners, s.start_wait_s, s.stop)
-        # the training clock: seconds since this learner's first attempt started (kept by the exchange)
-        origin = float(info["origin"]) if "origin" in info else ex.clock()
-        ex.heartbeat(m, origin=origin)
-
-        def clock() -> float:
-            return ex.clock() - origin
-
-        waited = float(info.get("waited_s", 0.0))
-        corrupted = int(info.get("corrupted", 0))  # corruptions already sent (over attempts)
-        if s.attempt > 1 and s.timed_failures:
-            # down for the restart delay from the moment its failure fired (a failure fires at the first
-            # step boundary after its time, a compiling first step can make that seconds late)
-            fired = float(info.get("failed_t", clock()))
-            due = [(a, d) for a, d, _ in s.timed_failures if a <= fired]
-            if due:
-                # the failure that fired (the earliest pending one: two can fall due at one step boundary)
-                which = info.get("failed_at_s")
-                a, d = next(((a, d) for a, d in due if which is not None and a == float(which)), due[-1])
-                back = fired + d
-                for a2, d2, _ in sorted(s.timed_failures):  # failing again while down extends it (as DP)
-                    if a < a2 <= back:
-                        back = max(back, a2 + d2)
-                if back > clock():  # still within the restart delay
-                    ex.heartbeat(m, status="down", reason=f"restarting: delay {d:g} s after the failure at {a:g} s")
-                    _wait_until(clock, back, s.stop, ex, s.tokens_per_step)
-        join_s, leave_s = s.window
-        if clock() < join_s:
-            ex.heartbeat(m, status="absent", pid=os.getpid())
-            _wait_until(clock, join_s, s.stop, ex, s.tokens_per_step)
-            if clock() >= join_s:  # (else the run ended first: it never joins, and stops at once)
-                s.log({"event": "join", "learner": m, "attempt": s.attempt, "t": ex.clock(), "train_t": clock()})
-        attempt_start = clock()
-        pending_failures = [(a, how) for a, _, how in s.timed_failures if a > attempt_start]
-        ex.heartbeat(
-            m,
-            status="running",
-            attempt=s.attempt,
-            step=step,
-            processed=processed,
-            cursor=(epoch, index),
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_at=ex.clock(),
-        )
-        s.log(
-            {
-                "event": "start",
-                "learner": m,
-                "attempt": s.attempt,
-                "step": step,
-                "t": ex.clock(),
-                "origin": origin,
-                "pid": os.getpid(),
-                "resumed": point is not None,
-                "opt_state_digest": tree_digest(opt_state),
-            }
-        )
-        steps_this_attempt = skipped_saves = 0
-        sat_out = 0.0  # turns owed by a slowed learner (chaos slowdowns, :func:`_slow_down`)
-
-        in_flight: dict[int, tuple[int, int]] = {}  # fragment → (local step, base version) of its last send
-
-        def send(p: int) -> None:
-            nonlocal bytes_out, corrupted
-            f = frags[p]
-            copy = to_numpy({k: params[k] for k in f.names})
-            # float32: θ itself (bit-identical to before wire formats); else Δ = θ − Θ_base, encoded
-            payload = s.wire.encode({k: copy[k] - f.base[k] for k in f.names} if s.wire.sends_delta else copy)
-            if corrupted < len(s.corruptions) and s.corruptions[corrupted][0] <= clock():
-                kind = s.corruptions[corrupted][1]
-                payload = corrupt_payload(payload, kind)
-                corrupted += 1
-                ex.heartbeat(m, corrupted=corrupted)
-                s.log(
-                    {
-                        "event": "corrupt",
-                        "learner": m,
-                        "attempt": s.attempt,
-                        "fragment": p,
-                        "kind": kind,
-                        "step": step,
-                        "base_version": f.version,
-                        "tokens": f.tokens,
-                        "t": ex.clock(),
-                        "train_t": clock(),
-                    }
-                )
-            sub = Submission(
-                learner=m,
-                fragment=p,
-                params=payload,
-                tokens=f.tokens,
-                steps=f.steps,
-                base_version=f.version,
-                local_step=step,
-                attempt=s.attempt,
-                sent_at=ex.clock(),
-                wire=s.wire.spec,
-            )
-            bytes_out += sub.nbytes
-            f.sent(copy)
-            in_flight[p] = (step, f.version)
-            ex.submit(sub)
-
-        def overdue() -> int | None:
-            """A fragment sent ≥ τ steps ago whose merge has not come back, or None."""
-            if s.overlap_steps is None:
-                return None
-            versions = ex.versions()
-            for p, (sent_step, base) in in_flight.items():
-                if step - sent_step >= s.overlap_steps and versions[p] <= base:
-                    return p
-            return None
-
-        def refresh() -> None:
-            """Wait out an overdue merge (τ: ``overlap_steps``; a ``wait`` event), then apply every newer
-            global fragment."""
-            nonlocal waited
-            p_wait = overdue()
-            if p_wait is not None:
-                t_wait, t_clock, p_first = time.monotonic(), ex.clock(), p_wait
-                while (
-                    p_wait is not None
-                    and not (s.stop() or ex.is_closed())
-                    and time.monotonic() - t_wait < s.wait_timeout_s
-                ):
-                    time.sleep(0.002)
-                    p_wait = overdue()
-                w = time.monotonic() - t_wait
-                waited += w
-                s.log(
-                    {
-                        "event": "wait",
-                        "learner": m,
-                        "attempt": s.attempt,
-                        "step": step,
-                        "fragment": p_first,
-                        "wait_s": w,
-                        "t": t_clock,
-                        "timed_out": p_wait is not None,
-                    }
-                )
-                if p_wait is not None:
-                    in_flight.pop(p_wait, None)  # its merge is not coming (dropped): stop waiting for it
-            latest = ex.versions()
-            for p, f in enumerate(frags):
-                if latest[p] > f.version:
-                    pull(p, *ex.latest(p))
-                    if p in in_flight and latest[p] > in_flight[p][1]:
-                        del in_flight[p]
-
-        metrics, slowed = None, 1.0
-        while not (s.stop() or ex.is_closed()):
-            if leave_s is not None and clock() >= leave_s:  # a scavenged learner's devices go back
-                s.log(
-                    {
-                        "event": "leave",
-                        "learner": m,
-                        "attempt": s.attempt,
-                        "step": step,
-                        "t": ex.clock(),
-                        "train_t": clock(),
-                    }
-                )
+        lrn.restore()
+        faults.before_start()
+        lrn.announce()
+        while not lrn.stopping():
+            if faults.before_step():  # leaves the run, or raises at a scheduled failure
                 break
-            if pending_failures and pending_failures[0][0] <= clock():
-                at, how = pending_failures.pop(0)
-                fired_at = ex.clock()
-                ex.heartbeat(m, failed_t=clock(), failed_at_s=at)  # its retry is down for the restart delay from here
-                if how == "sigkill":
-                    ex.heartbeat(m, status="down", reason=f"chaos: SIGKILL at {at:g} s of training")
-                    s.log(
-                        {
-                            "event": "kill",
-                            "learner": m,
-                            "attempt": s.attempt,
-                            "step": step,
-                            "reason": f"chaos: SIGKILL at {at:g} s of training",
-                            "t": ex.clock(),
-                            "train_t": clock(),
-                        }
-                    )
-                    _kill_self()
-                raise InjectedFailure(f"learner {m}: injected failure at {at:g} s of training")
-            refresh()
-            if s.attempt <= len(s.fail_at_steps) and step + 1 == s.fail_at_steps[s.attempt - 1]:
-                if step + 1 in s.kill_steps:
-                    s.log(
-                        {
-                            "event": "kill",
-                            "learner": m,
-                            "attempt": s.attempt,
-                            "step": step,
-                            "reason": f"chaos: SIGKILL at local step {step + 1}",
-                            "t": ex.clock(),
-                        }
-                    )
-                    _kill_self()
-                raise InjectedFailure(f"learner {m}: injected failure at local step {step + 1}")
-            if not ex.claim_tokens(s.tokens_per_step, learner=m, stop=s.stop):
+            lrn.refresh()
+            if not lrn.ex.claim_tokens(s.tokens_per_step, learner=lrn.m, stop=s.stop):
                 break
-            batch, epoch, index = s.next_batch(epoch, index)
-            with s.turns or contextlib.nullcontext():
-                computing = time.perf_counter()
-                params, opt_state, metrics = s.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
-                # JAX dispatches asynchronously: hold the turn until the step has run, or co-located
-                # learners would all compute at once and drift apart (what the turns prevent).
-                jax.block_until_ready(metrics["loss"])
-                step += 1
-                steps_this_attempt += 1
-                processed += s.tokens_per_step
-                if s.resume is not None and s.resume_every and step % s.resume_every == 0:
-                    # Handed over inside the turn, like the step: co-located learners reach the same
-                    # step together, and saving outside their turns they queued on each other's
-                    # writes while the first to finish took their turns, one sync period ahead for
-                    # good. (The store copies the state and writes it in the background.)
-                    saving = getattr(s.resume, "ready", lambda: True)()
-                    if saving:
-                        s.resume.save(
-                            ResumePoint(step=step, cursor=(epoch, index), tokens=processed, opt_state=opt_state)
-                        )
-                    else:  # the last one is still being written: skip this one rather than hold the turn
-                        skipped_saves += 1
-                    s.log(
-                        {
-                            "event": "resume_point",
-                            "learner": m,
-                            "attempt": s.attempt,
-                            "step": step,
-                            "saved": saving,
-                            "t": ex.clock(),
-                        }
-                    )
-                computed = time.perf_counter() - computing
-            if s.slowdowns:
-                now = clock()
-                factor = max((f for f, a, b in s.slowdowns if a <= now and (b is None or now < b)), default=1.0)
-                if factor != slowed:
-                    s.log(
-                        {
-                            "event": "slowdown",
-                            "learner": m,
-                            "attempt": s.attempt,
-                            "factor": factor,
-                            "step": step,
-                            "t": ex.clock(),
-                            "train_t": now,
-                        }
-                    )
-                    slowed = factor
-                if factor > 1.0 and steps_this_attempt > 1:  # (an attempt's first step includes compiling)
-                    sat_out = _slow_down(s, factor - 1.0, computed, sat_out)
-            for f in frags:
-                f.stepped(s.tokens_per_step)
-            due = fragments_due(step, len(frags), s.period)
-            if s.overlap_steps is not None and any(p in in_flight for p in due):
-                refresh()  # with τ = H the merge of its last send is due now, before it is sent again
-            for p in due:
-                send(p)
-            beat = dict(
-                step=step,
-                processed=processed,
-                cursor=(epoch, index),
-                bytes_to_syncer=bytes_out,
-                bytes_from_syncer=bytes_in,
-                exchange_s=float(getattr(ex, "io_s", 0.0)),  # this process's, not this learner's
-                waited_s=waited,
-            )
-            if step % s.log_every == 0:
-                loss = float(metrics["loss"])
-                beat["loss"] = loss
-                s.log(
-                    {
-                        "event": "step",
-                        "learner": m,
-                        "step": step,
-                        "train/loss": loss,
-                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                        "tokens": processed,
-                        "t": ex.clock(),
-                    }
-                )
-            ex.heartbeat(m, **beat)
-        if s.resume is not None:
-            s.resume.flush()  # the last resume point is on disk before the learner reports done
-        # Last step always syncs: hand in every fragment that has unsent progress. (unsent, not
-        # total: a fragment sent and not yet merged back holds no new progress, and sending it again
-        # would have the syncer merge the same parameters twice.)
-        for p, f in enumerate(frags):
-            if f.unsent_steps > 0:
-                send(p)
-        ex.heartbeat(m, status="done", bytes_to_syncer=bytes_out, bytes_from_syncer=bytes_in)
-        s.log({"event": "stop", "learner": m, "attempt": s.attempt, "step": step, "t": ex.clock()})
-        return {
-            "learner": m,
-            "attempt": s.attempt,
-            "steps": step,
-            "steps_this_attempt": steps_this_attempt,
-            "tokens": processed,
-            "bytes_to_syncer": bytes_out,
-            "bytes_from_syncer": bytes_in,
-            "waited_s": waited,
-            "resume_points_skipped": skipped_saves,
-        }
+            faults.after_step(lrn.inner_step())
+            lrn.sync(faults)
+            lrn.beat()
+        return lrn.hand_in(faults)
     except BaseException as exc:
-        if s.resume is not None:
-            with contextlib.suppress(BaseException):
-                s.resume.flush()  # a save in flight finishes (or fails) before a retry loads
-        ex.heartbeat(m, status="down", reason=repr(exc))
-        s.log(
-            {
-                "event": "failure",
-                "learner": m,
-                "attempt": s.attempt,
-                "reason": repr(exc),
-                "step": ex.learners().get(m, {}).get("step", 0),
-                "t": ex.clock() if fired_at is None else fired_at,
-            }
-        )
+        lrn.failed(exc, faults.fired_at)
         raise
     finally:
-        if disarm is not None:
-            disarm.set()
+        faults.close()

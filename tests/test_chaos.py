@@ -15,8 +15,9 @@ from pydantic import ValidationError
 from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
 from configs.schema import ExperimentConfig
 from diloco.exchange import InMemoryExchange
+from diloco.faults import Fail, LearnerFaults, Presence, SlowDown, corrupt_payload
 from diloco.fragments import balanced_fragments
-from diloco.learner import InjectedFailure, corrupt_payload, run_learner
+from diloco.learner import InjectedFailure, run_learner
 from diloco.pacing import FairTurns
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_loop import liveness
@@ -188,7 +189,7 @@ def _slow(batches, delay_s=0.01):
 def test_a_timed_failure_fires_once_and_the_retry_waits_out_its_restart_delay():
     trainer, exchange, batches, frags = _world(budget_steps=40)
     events = []
-    kw = dict(timed_failures=((0.15, 0.4, "raise"),), log=events.append)
+    kw = dict(faults=LearnerFaults((Fail(at_s=0.15, restart_delay_s=0.4),)), log=events.append)
     setup = _setup(trainer, exchange, batches, frags, **kw)
     setup.next_batch = _slow(batches)
     with pytest.raises(InjectedFailure, match="at 0.15 s of training"):
@@ -211,7 +212,7 @@ def test_a_scavenged_learner_trains_only_inside_its_window_and_is_out_of_the_quo
     events = []
     # the window opens 1 s into the learner's training clock: time enough, on a loaded machine, to
     # see its first heartbeat ("absent") before it joins
-    setup = _setup(trainer, exchange, batches, frags, window=(1.0, 1.3), log=events.append)
+    setup = _setup(trainer, exchange, batches, frags, faults=LearnerFaults((Presence(1.0, 1.3),)), log=events.append)
     setup.next_batch = _slow(batches)
     seen = {}
 
@@ -460,11 +461,11 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
     outs = {}
 
     def one(m, slowdowns):
-        setup = _setup(trainer, exchange, batches, frags, turns=turns, slowdowns=slowdowns)
+        setup = _setup(trainer, exchange, batches, frags, turns=turns, faults=LearnerFaults(slowdowns))
         setup.learner, setup.step = m, slow_step
         outs[m] = run_learner(setup)
 
-    threads = [threading.Thread(target=one, args=(0, ())), threading.Thread(target=one, args=(1, ((2.0, 0.0, None),)))]
+    threads = [threading.Thread(target=one, args=(0, ())), threading.Thread(target=one, args=(1, (SlowDown(2.0),)))]
     for t in threads:
         t.start()
     for t in threads:
@@ -478,7 +479,10 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
 def test_a_learner_waiting_to_join_or_restart_gives_up_once_the_others_spent_the_budget():
     """A scavenged learner whose window opens after the run's end, and a retry whose restart delay
     outlasts the run, stop waiting when no step of the budget is left: the run does not hang."""
-    for kw in (dict(window=(1000.0, None)), dict(attempt=2, timed_failures=((0.0, 1000.0, "raise"),))):
+    for kw in (
+        dict(faults=LearnerFaults((Presence(1000.0),))),
+        dict(attempt=2, faults=LearnerFaults((Fail(at_s=0.0, restart_delay_s=1000.0),))),
+    ):
         trainer, exchange, batches, frags = _world(budget_steps=4)
         threading.Timer(0.2, exchange.claim_tokens, (4 * B * L,)).start()  # the others take it all
         events = []

@@ -19,7 +19,7 @@ import pytest
 from diloco.exchange.base import Submission
 from diloco.exchange.fsspec import CorruptObjectError, FsspecExchange, StaleSyncerError, decode, encode
 from diloco.syncer import Syncer, SyncerSettings
-from diloco.syncer_loop import run_syncer
+from diloco.syncer_loop import SyncerHooks, run_syncer
 from tests.exchange_claimer import claim_until_refused
 
 
@@ -145,11 +145,9 @@ def test_corrupted_and_truncated_submissions_are_quarantined_not_merged(url):
     run_syncer(
         s,
         syncer_ex,
-        records.append,
-        lambda params, tokens: None,
+        SyncerHooks(on_merge=records.append, on_event=events.append),
         eval_every_tokens=10**9,
         heartbeat_timeout_s=1.0,
-        on_event=events.append,
     )
     assert {e["object"] for e in events} == {bad, extra}
     assert {e["learner"] for e in events} == {1, 0} and all(e["event"] == "quarantined" for e in events)

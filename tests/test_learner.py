@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from configs.schema import DenseLMConfig, load_config
 from diloco.exchange import InMemoryExchange, Submission
+from diloco.faults import Fail, LearnerFaults, SlowDown
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, LearnerSetup, ResumePoint, run_learner, tree_digest
 from diloco.pacing import FairTurns, HostTurns
@@ -386,7 +387,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
                     attempt=attempt,
                     resume=store,
                     resume_every=2,
-                    fail_at_steps=(3, 7),
+                    faults=LearnerFaults((Fail(at_step=3), Fail(at_step=7))),
                     log=events.append,
                 )
             )
@@ -400,7 +401,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
             attempt=3,
             resume=store,
             resume_every=2,
-            fail_at_steps=(3, 7),
+            faults=LearnerFaults((Fail(at_step=3), Fail(at_step=7))),
             log=events.append,
         )
     )
@@ -635,7 +636,7 @@ def test_a_slowed_learner_idles_its_factor_outside_its_turn():
     trainer = tiny_trainer()
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), 2)
-    for window, expect in (((1.5, 0.0, None),), True), (((1.5, 1e9, None),), False):
+    for window, expect in ((SlowDown(1.5, 0.0), True), (SlowDown(1.5, 1e9), False)):
         syncer = Syncer(
             theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean", outer_lr=1.0, outer_momentum=0.0)
         )
@@ -648,7 +649,7 @@ def test_a_slowed_learner_idles_its_factor_outside_its_turn():
                 batches,
                 fragments,
                 turns=FairTurns(1),
-                slowdowns=window,
+                faults=LearnerFaults((window,)),
                 sleep=idled.append,
                 log=logged.append,
             )

@@ -11,7 +11,7 @@ import pytest
 from diloco.exchange import InMemoryExchange, Submission
 from diloco.merge import rda
 from diloco.syncer import Syncer, SyncerSettings
-from diloco.syncer_loop import run_syncer
+from diloco.syncer_loop import SyncerHooks, run_syncer
 
 BIG = float(np.float32(3e38))  # finite in float32 (max 3.4e38); BIG² is not
 
@@ -88,7 +88,7 @@ def _run_syncer_once(s, subs):
     records = []
     exchange.mark_learners_done()
     result = run_syncer(
-        s, exchange, records.append, lambda params, tokens: None, eval_every_tokens=10**9, heartbeat_timeout_s=1.0
+        s, exchange, SyncerHooks(on_merge=records.append), eval_every_tokens=10**9, heartbeat_timeout_s=1.0
     )
     assert exchange.is_closed()  # the loop ends the run: learners stop at their next step boundary
     return records, result, exchange

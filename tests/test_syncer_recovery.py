@@ -21,10 +21,11 @@ import pytest
 
 from diloco.exchange.base import Submission
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
+from diloco.faults import SyncerFaults
 from diloco.learner import InjectedFailure
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import SyncerJournal, journal_chain
-from diloco.syncer_loop import run_syncer
+from diloco.syncer_loop import SyncerHooks, run_syncer
 from training.checkpoint import OrbaxSyncerStore
 
 M, ROUNDS = 2, 5
@@ -111,13 +112,12 @@ def run_attempt(url, store_dir, recorder, fail_at=None, every_s=0.0, clock=time.
         run_syncer(
             syncer,
             ex,
-            out["records"].append,
-            lambda params, tokens: None,
+            SyncerHooks(on_merge=out["records"].append),
             eval_every_tokens=10**9,
             heartbeat_timeout_s=1.0,
             poll_s=0.001,
             journal=journal,
-            fail_at=fail_at,
+            faults=SyncerFaults(fail_at=fail_at),
         )
     except InjectedFailure as exc:
         out["failure"] = exc
@@ -303,7 +303,7 @@ def test_a_stale_syncer_is_fenced_out_of_every_write(url, tmp_path):
     with pytest.raises(StaleSyncerError):
         a_ex.discard(["000000000000-l000-f000-a001-s000000001-00000000.safetensors"])
     with pytest.raises(StaleSyncerError):
-        run_syncer(a, a_ex, lambda rec: None, lambda params, tokens: None, 10**9, 1.0, journal=a_journal)
+        run_syncer(a, a_ex, SyncerHooks(), eval_every_tokens=10**9, heartbeat_timeout_s=1.0, journal=a_journal)
     assert FsspecExchange.open(url).versions() == [1, 1]  # A's attempts left the published versions alone
 
     b = syncer_for(b_ex)
@@ -311,10 +311,9 @@ def test_a_stale_syncer_is_fenced_out_of_every_write(url, tmp_path):
     run_syncer(
         b,
         b_ex,
-        lambda rec: None,
-        lambda params, tokens: None,
-        10**9,
-        1.0,
+        SyncerHooks(),
+        eval_every_tokens=10**9,
+        heartbeat_timeout_s=1.0,
         poll_s=0.001,
         journal=SyncerJournal(b_ex, OrbaxSyncerStore(tmp_path / "state"), 0.0),
     )

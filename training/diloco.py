@@ -43,6 +43,7 @@ from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 
 # check_url and check_writable are re-exported for flows/preflight.py
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401
+from diloco.faults import Corrupt, Fail, Kill, LearnerFaults, Presence, SlowDown, SyncerFaults
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
@@ -50,7 +51,7 @@ from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import JournalMismatchError, SyncerJournal
-from diloco.syncer_loop import liveness, run_syncer
+from diloco.syncer_loop import SyncerHooks, liveness, run_syncer
 from diloco.tensors import embedding_names, tensor_bytes, to_numpy
 from diloco.wire import WireFormat
 from run.control import STOP
@@ -349,6 +350,28 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     return open_syncer(cfg, run_dir)
 
 
+def learner_faults(cfg: ExperimentConfig, learner: int) -> LearnerFaults:
+    """Learner ``learner``'s scheduled faults as typed events (``diloco.faults``): ``chaos.failures``
+    and step ``chaos.kills`` as :class:`Fail` at a step, timed ``chaos.kills`` as :class:`Kill`,
+    ``chaos.slowdowns``, and the drawn or replayed ``chaos.schedule``'s timed failures, slowdowns,
+    presence window and corruptions."""
+    chaos = cfg.chaos
+    events: list = [Fail(at_step=f.at_step) for f in chaos.failures if f.learner == learner]
+    for k in (k for k in chaos.kills if k.learner == learner):
+        events.append(Fail(at_step=k.at_step, how="sigkill") if k.at_step is not None else Kill(k.at_s))
+    events += [SlowDown(e.factor, e.from_s, e.to_s) for e in chaos.slowdowns if e.learner == learner]
+    sched = cfg.chaos_schedule()
+    if sched is not None:
+        events += [
+            Fail(at_s=f.at_s, how=f.how, restart_delay_s=f.restart_delay_s) for f in sched.learner_failures(learner)
+        ]
+        events += [SlowDown(*e) for e in sched.learner_slowdowns(learner)]
+        events += [Corrupt(c.at_s, c.kind) for c in sched.learner_corruptions(learner)]
+        if sched.window(learner) != (0.0, None):
+            events.append(Presence(*sched.window(learner)))
+    return LearnerFaults(tuple(events))
+
+
 def learner_setup(
     cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange=None
 ) -> LearnerSetup:
@@ -360,19 +383,7 @@ def learner_setup(
     trainer = learner_trainer(cfg, run_dir, devices)
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
-    kills = [k for k in cfg.chaos.kills if k.learner == learner]
-    kill_steps = frozenset(k.at_step for k in kills if k.at_step is not None)
-    fails = tuple(sorted({f.at_step for f in cfg.chaos.failures if f.learner == learner} | kill_steps))
-    sched = cfg.chaos_schedule()
-    slowdowns = tuple((sd.factor, sd.from_s, sd.to_s) for sd in cfg.chaos.slowdowns if sd.learner == learner)
-    chaos = {}
-    if sched is not None:
-        chaos = dict(
-            timed_failures=tuple((f.at_s, f.restart_delay_s, f.how) for f in sched.learner_failures(learner)),
-            window=sched.window(learner),
-            corruptions=tuple((c.at_s, c.kind) for c in sched.learner_corruptions(learner)),
-        )
-        slowdowns += sched.learner_slowdowns(learner)
+    faults = learner_faults(cfg, learner)
     return LearnerSetup(
         learner=learner,
         attempt=attempt,
@@ -389,14 +400,10 @@ def learner_setup(
         stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
-        fail_at_steps=fails,
-        kill_steps=kill_steps,
-        kill_at_s=tuple(k.at_s for k in kills if k.at_s is not None),
+        faults=faults,
         turns=learner_turns(cfg, run_dir, devices),
-        slowdowns=slowdowns,
         overlap_steps=d.overlap_steps,
         wait_timeout_s=d.heartbeat_timeout_s,
-        **chaos,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
@@ -516,46 +523,23 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
                 }
             )
 
+    def on_event(ev: dict) -> None:
+        run.learners_log({"source": "exchange", **ev})
+
     if not run.resumed:
         on_eval(run.syncer.params(), 0)
     poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
-    failures = sorted(run.cfg.chaos.syncer_failures, key=lambda f: f.at_merge)
-    fail_at = on_fail = None
-    if run.journal is not None and run.attempt <= len(failures):
-        f = failures[run.attempt - 1]
-        fail_at = (f.at_merge, f.when)
-        if f.how == "sigkill":
-
-            def on_fail(reason: str) -> None:
-                run.learners_log(
-                    {
-                        "event": "syncer-kill",
-                        "role": "syncer",
-                        "attempt": run.attempt,
-                        "generation": run.generation,
-                        "reason": f"chaos: SIGKILL ({reason})",
-                        "merges": run.syncer.num_merges,
-                        "pid": os.getpid(),
-                        "t": run.exchange.clock(),
-                    }
-                )
-                os.kill(os.getpid(), signal.SIGKILL)
-
     try:
         result = run_syncer(
             run.syncer,
             run.exchange,
-            on_merge,
-            on_eval,
-            run.cfg.train.eval_every_tokens,
-            run.cfg.diloco.heartbeat_timeout_s,
+            SyncerHooks(on_merge=on_merge, on_eval=on_eval, on_event=on_event, on_recover=on_recover),
+            eval_every_tokens=run.cfg.train.eval_every_tokens,
+            heartbeat_timeout_s=run.cfg.diloco.heartbeat_timeout_s,
             poll_s=poll_s,
-            on_event=lambda ev: run.learners_log({"source": "exchange", **ev}),
             journal=run.journal,
-            fail_at=fail_at,
-            on_recover=on_recover,
-            on_fail=on_fail,
             grace=grace_window(run.cfg),
+            faults=syncer_faults(run),
         )
     except BaseException as exc:
         run.learners_log(
@@ -573,6 +557,35 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
     return save_diloco(run, result.wall_s)
+
+
+def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
+    """This syncer attempt's injected failure: the ``run.attempt``-th of ``chaos.syncer_failures``
+    (in merge order), with a journal only (the fsspec exchange); ``how: sigkill`` logs a
+    ``syncer-kill`` event and SIGKILLs the process instead of raising. None due: no faults."""
+    failures = sorted(run.cfg.chaos.syncer_failures, key=lambda f: f.at_merge)
+    if run.journal is None or run.attempt > len(failures):
+        return SyncerFaults()
+    f = failures[run.attempt - 1]
+    if f.how != "sigkill":
+        return SyncerFaults(fail_at=(f.at_merge, f.when))
+
+    def on_fail(reason: str) -> None:
+        run.learners_log(
+            {
+                "event": "syncer-kill",
+                "role": "syncer",
+                "attempt": run.attempt,
+                "generation": run.generation,
+                "reason": f"chaos: SIGKILL ({reason})",
+                "merges": run.syncer.num_merges,
+                "pid": os.getpid(),
+                "t": run.exchange.clock(),
+            }
+        )
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return SyncerFaults(fail_at=(f.at_merge, f.when), on_fail=on_fail)
 
 
 def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:

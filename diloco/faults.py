@@ -1,0 +1,372 @@
+"""Faults a learner is scheduled to suffer (chaos testing), as typed events and the hooks that fire them.
+
+The learner loop (``diloco.learner``) knows nothing of chaos: it calls a :class:`FaultHooks` at its
+boundaries (before its first step, before and after each inner step, on each send) and the hooks
+fail it, kill it, slow it down, hold it out of the run or damage a submission in flight. The events
+are plain frozen values, built by ``training.diloco.learner_setup`` from the config (``chaos.*`` and
+the drawn or replayed ``chaos.schedule``, ``configs.chaos``):
+
+==================  ===============================================================================
+event               what happens to learner m
+==================  ===============================================================================
+:class:`Fail`       at local step ``at_step`` (the k-th such failure on its k-th attempt), or at the
+                    first step boundary after ``at_s`` seconds of its training clock: it raises
+                    :class:`InjectedFailure` (``how="raise"``, retried by the task runner) or
+                    SIGKILLs its own process after reporting itself down (``how="sigkill"``); a
+                    timed failure's retry stays down ``restart_delay_s`` from when it fired
+:class:`Kill`       its process is SIGKILLed at ``at_s`` seconds of the run clock wherever it is
+                    (a timer thread): a crash that tells no one, seen by the syncer as silence
+:class:`SlowDown`   from ``from_s`` to ``to_s`` of its training clock it steps ``factor``× less
+                    often than its peers (:func:`slow_down`)
+:class:`Corrupt`    its first submission after ``at_s`` is damaged in flight (:func:`corrupt_payload`)
+:class:`Presence`   a scavenged learner: it trains only from ``join_s`` to ``leave_s``
+==================  ===============================================================================
+
+The syncer's faults (``chaos.syncer_failures``) enter its loop (``diloco.syncer_loop``) the same
+way, through :class:`SyncerFaults` at merge boundaries.
+
+The training clock is seconds since the learner's first attempt started (kept by the exchange
+over attempts); the run clock is the exchange's ``clock()``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from diloco.exchange.base import Exchange
+    from diloco.learner import Learner
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by a learner (or the syncer) at a scheduled fault; the task runner retries it."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A scheduled failure at local step ``at_step`` or at ``at_s`` seconds of the training clock
+    (exactly one of the two), by ``how``: ``raise`` or ``sigkill``. ``restart_delay_s`` [s]: how long
+    the retry of a timed failure stays down, counted from when it fired."""
+
+    at_step: int | None = None
+    at_s: float | None = None
+    how: Literal["raise", "sigkill"] = "raise"
+    restart_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("a Fail event needs exactly one of at_step and at_s")
+
+
+@dataclass(frozen=True)
+class Kill:
+    """The learner's process is SIGKILLed at ``at_s`` seconds of the run clock, once."""
+
+    at_s: float
+
+
+@dataclass(frozen=True)
+class SlowDown:
+    """``factor`` (> 1) times slower from ``from_s`` to ``to_s`` (None: the end) of the training clock."""
+
+    factor: float
+    from_s: float = 0.0
+    to_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Corrupt:
+    """The first submission after ``at_s`` of the training clock is damaged: ``nan`` or ``shape``."""
+
+    at_s: float
+    kind: Literal["nan", "shape"] = "nan"
+
+
+@dataclass(frozen=True)
+class Presence:
+    """The learner trains only from ``join_s`` to ``leave_s`` (None: the end) of the training clock."""
+
+    join_s: float = 0.0
+    leave_s: float | None = None
+
+
+LearnerFault = Fail | Kill | SlowDown | Corrupt | Presence
+
+
+@dataclass(frozen=True)
+class LearnerFaults:
+    """One learner's scheduled faults (any order; at most one :class:`Presence`)."""
+
+    events: tuple[LearnerFault, ...] = ()
+    step_failures: tuple[Fail, ...] = field(init=False)  # ascending at_step: the k-th on attempt k
+    timed_failures: tuple[Fail, ...] = field(init=False)  # ascending at_s
+    kills: tuple[Kill, ...] = field(init=False)
+    slowdowns: tuple[SlowDown, ...] = field(init=False)
+    corruptions: tuple[Corrupt, ...] = field(init=False)  # ascending at_s
+    presence: Presence = field(init=False)
+
+    def __post_init__(self) -> None:
+        def of(kind):
+            return [e for e in self.events if isinstance(e, kind)]
+
+        fails = of(Fail)
+        presence = of(Presence)
+        if len(presence) > 1:
+            raise ValueError("a learner has at most one presence window")
+        put = object.__setattr__
+        at_steps: dict[int, Fail] = {}  # one failure per step: a kill wins over a raise
+        for f in (f for f in fails if f.at_step is not None):
+            if f.at_step not in at_steps or f.how == "sigkill":
+                at_steps[f.at_step] = f
+        put(self, "step_failures", tuple(at_steps[k] for k in sorted(at_steps)))
+        put(self, "timed_failures", tuple(sorted((f for f in fails if f.at_s is not None), key=lambda f: f.at_s)))
+        put(self, "kills", tuple(of(Kill)))
+        put(self, "slowdowns", tuple(of(SlowDown)))
+        put(self, "corruptions", tuple(sorted(of(Corrupt), key=lambda c: c.at_s)))
+        put(self, "presence", presence[0] if presence else Presence())
+
+    def hooks(self, learner: Learner) -> FaultHooks:
+        """The hooks that fire these faults on one attempt of ``learner``."""
+        return FaultHooks(self, learner)
+
+
+def kill_self() -> None:
+    """SIGKILL this process: a real crash, nothing after it runs (chaos testing)."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def corrupt_payload(payload: dict[str, np.ndarray], kind: str) -> dict[str, np.ndarray]:
+    """A copy of a submission ``payload`` damaged in flight (chaos): ``nan`` sets the first value of
+    its first floating-point array (a quantised format's scale) to NaN; ``shape`` drops the last
+    value of its first array. The syncer must refuse either ("non-finite", "wrong-tensors")."""
+    out = dict(payload)
+    names = sorted(out)
+    if kind == "nan":
+        name = next((k for k in names if np.issubdtype(out[k].dtype, np.floating)), None)
+        if name is None:  # bfloat16 travels as uint16 bit patterns: 0x7FC0 is a NaN
+            name = names[0]
+            bad = np.array(out[name], copy=True).reshape(-1)
+            bad[0] = 0x7FC0
+        else:
+            bad = np.array(out[name], copy=True).reshape(-1)
+            bad[0] = np.nan
+        out[name] = bad.reshape(np.shape(out[name]))
+    else:
+        out[names[0]] = np.asarray(out[names[0]]).reshape(-1)[:-1].copy()
+    return out
+
+
+def wait_until(
+    clock: Callable[[], float], until: float, stop: Callable[[], bool], ex: Exchange, tokens_per_step: int = 1
+) -> float:
+    """Sleep until ``clock() >= until``, or stop, or the run closes, or the others have claimed the
+    budget (no step of ``tokens_per_step`` tokens is left: a scavenged learner whose window opens
+    after the run's end, a restart due after it); returns the seconds waited."""
+    t0 = time.monotonic()
+    while clock() < until and not (stop() or ex.is_closed()):
+        if ex.claimed_tokens + tokens_per_step > ex.token_budget:
+            break
+        time.sleep(min(0.05, max(until - clock(), 0.001)))
+    return time.monotonic() - t0
+
+
+def slow_down(turns, sleep: Callable[[float], None], extra: float, computed: float, owed: float) -> float:
+    """A slower device (:class:`SlowDown`): after a step of ``computed`` seconds, make this learner
+    (factor − 1) = ``extra`` steps' worth slower than its peers; returns the part of a turn still owed.
+
+    Alone on its device (``turns`` None) it idles ``extra × computed`` seconds. On a host shared in
+    first-come turns (``diloco.pacing.FairTurns``) idling cannot slow it (its peers' turns fill the
+    idle and it is served once a round all the same), so it owes ``extra`` of a turn per step and, for
+    each whole turn owed, sits one out: it joins the queue and passes its turn on unused, the learners
+    behind it stepping first. It steps factor× less often than its peers, as on a device factor×
+    slower. A turn passed at once (nobody else was waiting) costs nothing, so then it idles one
+    step's time instead."""
+    if turns is None:
+        sleep(extra * computed)
+        return 0.0
+    owed += extra
+    while owed >= 1.0:
+        owed -= 1.0
+        t = time.perf_counter()
+        with turns:
+            pass  # sat out: the learners queued before it took their turns
+        if time.perf_counter() - t < 0.5 * computed:
+            sleep(computed)
+    return owed
+
+
+@dataclass
+class SyncerFaults:
+    """Fault injection at merge boundaries (chaos testing of the syncer's recovery).
+
+    ``fail_at = (n, "before_publish" | "after_publish")``: :meth:`at_merge` raises
+    :class:`InjectedFailure` right after the n-th adopted merge (counted over the
+    whole run) is journaled, or once it is published; ``on_fail(reason)``, when given, is called
+    first (e.g. to SIGKILL the process instead). Needs a journal (``diloco.syncer_loop.SyncerLoop``
+    refuses it without one). The default injects nothing.
+    """
+
+    fail_at: tuple[int, str] | None = None
+    on_fail: Callable[[str], None] | None = None
+
+    def at_merge(self, point: str, merge_number: int) -> None:
+        """The loop reached ``point`` ("before_publish" | "after_publish") of adopted merge
+        ``merge_number`` (1-based). Raises ``InjectedFailure`` there if ``fail_at`` says so."""
+        if self.fail_at != (merge_number, point):
+            return
+        reason = f"syncer: injected failure at merge {merge_number} ({point.replace('_', ' ')})"
+        if self.on_fail is not None:
+            self.on_fail(reason)
+        raise InjectedFailure(reason)
+
+
+class FaultHooks:
+    """Fires one learner attempt's :class:`LearnerFaults` at the loop's boundaries.
+
+    ``arm`` (before anything else: a :class:`Kill` timer), ``before_start`` (a retry waits out its
+    restart delay; a scavenged learner waits to join), ``before_step`` (True: leave the run; else
+    fails or kills at a due :class:`Fail`), ``after_step`` (slows down), ``on_send`` (damages a
+    payload), ``close`` (disarms the timer). ``fired_at``: the run clock when a timed failure fired
+    (its failure event's time), else None."""
+
+    def __init__(self, plan: LearnerFaults, learner: Learner) -> None:
+        self.plan, self.l = plan, learner
+        self.fired_at: float | None = None
+        self.pending: list[Fail] = []  # timed failures after this attempt's start, ascending
+        self.slowed, self.owed = 1.0, 0.0  # the current slowdown factor; turns owed (:func:`slow_down`)
+        self._disarm: threading.Event | None = None
+
+    # -- before anything --------------------------------------------------------------------------
+    def arm(self) -> None:
+        """Start the timer of the first :class:`Kill` not yet passed (a passed one has fired)."""
+        ex = self.l.ex
+        ahead = sorted(k.at_s for k in self.plan.kills if k.at_s > ex.clock())
+        if ahead:
+            self._disarm = self._kill_timer(ahead[0])
+
+    def _kill_timer(self, at_s: float) -> threading.Event:
+        ex, disarm = self.l.ex, threading.Event()
+
+        def watch() -> None:
+            while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
+                if ex.clock() >= at_s:
+                    step = ex.learners().get(self.l.m, {}).get("step", 0)
+                    self.l.event("kill", step=step, reason=f"chaos: SIGKILL at {at_s:g} s")
+                    kill_self()
+
+        threading.Thread(target=watch, name=f"chaos-kill-{self.l.m}", daemon=True).start()
+        return disarm
+
+    def close(self) -> None:
+        if self._disarm is not None:
+            self._disarm.set()
+
+    # -- before the first step --------------------------------------------------------------------
+    def before_start(self) -> None:
+        """A retry stays down for the restart delay of the timed failure it follows, counted from the
+        moment that failure fired (a failure fires at the first step boundary after its time; a
+        compiling first step can make that seconds late); failing again while down extends it (as
+        DP). A scavenged learner waits (status ``absent``) until it joins."""
+        lrn, plan = self.l, self.plan
+        if lrn.attempt > 1 and plan.timed_failures:
+            fired = float(lrn.info.get("failed_t", lrn.clock()))
+            due = [f for f in plan.timed_failures if f.at_s <= fired]
+            if due:
+                # the failure that fired (the earliest pending one: two can fall due at one step boundary)
+                which = lrn.info.get("failed_at_s")
+                f = next((f for f in due if which is not None and f.at_s == float(which)), due[-1])
+                back = fired + f.restart_delay_s
+                for g in plan.timed_failures:
+                    if f.at_s < g.at_s <= back:
+                        back = max(back, g.at_s + g.restart_delay_s)
+                if back > lrn.clock():  # still within the restart delay
+                    reason = f"restarting: delay {f.restart_delay_s:g} s after the failure at {f.at_s:g} s"
+                    lrn.ex.heartbeat(lrn.m, status="down", reason=reason)
+                    wait_until(lrn.clock, back, lrn.s.stop, lrn.ex, lrn.s.tokens_per_step)
+        join_s = plan.presence.join_s
+        if lrn.clock() < join_s:
+            lrn.ex.heartbeat(lrn.m, status="absent", pid=os.getpid())
+            wait_until(lrn.clock, join_s, lrn.s.stop, lrn.ex, lrn.s.tokens_per_step)
+            if lrn.clock() >= join_s:  # (else the run ended first: it never joins, and stops at once)
+                lrn.event("join", train_t=lrn.clock())
+        start = lrn.clock()
+        self.pending = [f for f in plan.timed_failures if f.at_s > start]
+
+    # -- at step boundaries -----------------------------------------------------------------------
+    def before_step(self) -> bool:
+        """True when the learner leaves the run now (its presence window closed); raises
+        :class:`InjectedFailure` (or SIGKILLs the process) when a :class:`Fail` is due."""
+        lrn, plan = self.l, self.plan
+        leave_s = plan.presence.leave_s
+        if leave_s is not None and lrn.clock() >= leave_s:  # a scavenged learner's devices go back
+            lrn.event("leave", step=lrn.step, train_t=lrn.clock())
+            return True
+        if self.pending and self.pending[0].at_s <= lrn.clock():
+            f = self.pending.pop(0)
+            self.fired_at = lrn.ex.clock()
+            lrn.ex.heartbeat(lrn.m, failed_t=lrn.clock(), failed_at_s=f.at_s)  # its retry is down from here
+            self._fail(f.how, f"at {f.at_s:g} s of training", report_down=True, train_t=lrn.clock())
+        k = lrn.attempt - 1
+        if k < len(plan.step_failures) and lrn.step + 1 == plan.step_failures[k].at_step:
+            self._fail(plan.step_failures[k].how, f"at local step {lrn.step + 1}")
+        return False
+
+    def _fail(self, how: str, when: str, report_down: bool = False, **fields) -> None:
+        """Raise :class:`InjectedFailure`, or (``how`` sigkill) log a ``kill`` event and SIGKILL the
+        process, first reporting it down to the exchange when ``report_down`` (a timed failure, whose
+        retry waits out a restart delay; a step kill is seen by the syncer as silence)."""
+        lrn = self.l
+        if how == "sigkill":
+            reason = f"chaos: SIGKILL {when}"
+            if report_down:
+                lrn.ex.heartbeat(lrn.m, status="down", reason=reason)
+            lrn.event("kill", step=lrn.step, reason=reason, **fields)
+            kill_self()
+        raise InjectedFailure(f"learner {lrn.m}: injected failure {when}")
+
+    def after_step(self, computed: float) -> None:
+        """Slow the learner down after a step of ``computed`` seconds when a :class:`SlowDown` is on
+        (logging each change of pace once; an attempt's first step, which compiles, is not slowed)."""
+        lrn = self.l
+        if not self.plan.slowdowns:
+            return
+        now = lrn.clock()
+        factor = max(
+            (e.factor for e in self.plan.slowdowns if e.from_s <= now and (e.to_s is None or now < e.to_s)), default=1.0
+        )
+        if factor != self.slowed:
+            lrn.event("slowdown", factor=factor, step=lrn.step, train_t=now)
+            self.slowed = factor
+        if factor > 1.0 and lrn.steps_this_attempt > 1:
+            self.owed = slow_down(lrn.s.turns, lrn.s.sleep, factor - 1.0, computed, self.owed)
+
+    def on_send(self, p: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``payload`` of fragment ``p``, damaged when a :class:`Corrupt` is due (counted over attempts
+        in the exchange's ``corrupted``)."""
+        lrn = self.l
+        done = lrn.corrupted
+        due = self.plan.corruptions
+        if done < len(due) and due[done].at_s <= lrn.clock():
+            kind = due[done].kind
+            payload = corrupt_payload(payload, kind)
+            lrn.corrupted = done + 1
+            lrn.ex.heartbeat(lrn.m, corrupted=lrn.corrupted)
+            f = lrn.frags[p]
+            lrn.event(
+                "corrupt",
+                fragment=p,
+                kind=kind,
+                step=lrn.step,
+                base_version=f.version,
+                tokens=f.tokens,
+                train_t=lrn.clock(),
+            )
+        return payload
