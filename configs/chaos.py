@@ -21,9 +21,10 @@ The same schedule drives both methods:
   the pace); scavenged capacity and submissions do not exist for it.
 
 Plain Python, NumPy and pydantic; SciPy for the restart-delay law. No JAX, no Prefect, nothing of
-ours: the config validates a run's schedule (a retry for every failure, the replayed file's learner
-count) before any work starts, so the schedule lives beside the schema; the learner loop
-(``diloco.learner``) and the DP job (``training.dp``) receive its events as plain values.
+ours but the fault language (``configs.faults``: :meth:`ChaosSchedule.events` gives the schedule as
+``chaos.events`` entries): the config validates a run's schedule (a retry for every failure, the
+replayed file's learner count) before any work starts, so the schedule lives beside the schema; the
+learner loop (``diloco.learner``) and the DP job (``training.dp``) receive its events as plain values.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
+
+from configs.faults import CorruptEvent, FailEvent, FaultEvent, KillEvent, PresenceEvent, SlowdownEvent
 
 
 class _Frozen(BaseModel):
@@ -218,6 +221,29 @@ class ChaosSchedule(_Frozen):
     def dp_factor(self, t: float) -> float:
         """The DP step-time factor at ``t``: the slowest replica sets the pace of a lock-step job."""
         return max((e.factor for e in self.slowdowns if e.from_s <= t and (e.to_s is None or t < e.to_s)), default=1.0)
+
+    def events(self) -> list[FaultEvent]:
+        """The schedule as events of the config's fault language (``chaos.events``, ``configs.faults``):
+        each failure a ``fail`` (how raise) or ``kill`` (how sigkill) at ``at_s`` with its restart
+        delay, then the slowdowns, presence windows and corruptions. A drawn schedule and its replay
+        give the same events."""
+        out: list[FaultEvent] = []
+        for f in self.failures:
+            if f.how == "raise":
+                out.append(FailEvent(kind="fail", learner=f.learner, at_s=f.at_s, restart_delay_s=f.restart_delay_s))
+            else:
+                out.append(KillEvent(kind="kill", learner=f.learner, at_s=f.at_s, restart_delay_s=f.restart_delay_s))
+        out += [
+            SlowdownEvent(kind="slowdown", learner=e.learner, factor=e.factor, from_s=e.from_s, to_s=e.to_s)
+            for e in self.slowdowns
+        ]
+        out += [
+            PresenceEvent(kind="presence", learner=p.learner, join_s=p.join_s, leave_s=p.leave_s) for p in self.presence
+        ]
+        out += [
+            CorruptEvent(kind="corrupt", learner=c.learner, at_s=c.at_s, corruption=c.kind) for c in self.corruptions
+        ]
+        return out
 
     @property
     def empty(self) -> bool:

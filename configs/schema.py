@@ -29,6 +29,7 @@ from pydantic import (
 )
 
 from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
+from configs.faults import LEARNER_FAILURES, FaultEvent, KillEvent, SyncerFailEvent, refuse_old_keys
 
 
 class _Strict(BaseModel):
@@ -484,36 +485,6 @@ class DPConfig(_Strict):
     )
 
 
-class FailureSpec(_Strict):
-    """Learner ``learner`` raises at local step ``at_step``. A learner's scheduled failures fire in
-    step order, the k-th on its k-th attempt (a retry resumes at the step it failed at, so a later
-    step is reached again). The step must be reachable: at most the learner's even share of the
-    budget (``ExperimentConfig.learner_steps``)."""
-
-    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
-    at_step: PositiveInt = Field(description="local inner step at which it raises")
-
-
-class SyncerFailureSpec(_Strict):
-    """The syncer task raises right after its ``at_merge``-th merge (counted over the run) is written
-    to the journal, before it is published (``before_publish``: the nastiest point), or right after
-    the publish (``after_publish``). A run's syncer failures fire in merge order, the k-th on the
-    syncer's k-th attempt; each is retried (diloco.syncer_retries) and resumes from its checkpoint
-    and journal. Needs runtime.exchange fsspec; ``how: sigkill`` a process engine."""
-
-    at_merge: PositiveInt = Field(description="the merge (1, 2, … over the run) after which the syncer raises")
-    when: Literal["before_publish", "after_publish"] = Field(
-        "before_publish",
-        description="before_publish: after the merge's journal entry, before its publish; "
-        "after_publish: right after the publish",
-    )
-    how: Literal["raise", "sigkill"] = Field(
-        "raise",
-        description="raise: an exception, retried by Prefect in the same worker; sigkill: the "
-        "syncer's process is killed (runtime.engine ray or dask), re-run by the engine in a new process",
-    )
-
-
 class RuntimeConfig(_Strict):
     """Where learners and the syncer run, how they exchange fragments, and on how many devices each
     learner trains."""
@@ -611,75 +582,19 @@ class RuntimeConfig(_Strict):
         return self
 
 
-class KillSpec(_Strict):
-    """Learner ``learner``'s process is killed with SIGKILL (a real crash: no exception, no clean-up,
-    no last heartbeat) at local step ``at_step`` or ``at_s`` seconds into training, once. Needs a
-    process engine (runtime.engine ray or dask), where the engine runs the learner again in a new
-    process; step kills count as the learner's scheduled faults (with chaos.failures: the k-th in
-    step order fires on its k-th attempt)."""
-
-    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
-    at_step: PositiveInt | None = Field(None, description="local inner step at which its process is killed")
-    at_s: PositiveFloat | None = Field(
-        None, description="seconds since training started at which its process is killed"
-    )
-
-    @model_validator(mode="after")
-    def _check(self) -> KillSpec:
-        if (self.at_step is None) == (self.at_s is None):
-            raise ValueError("a chaos.kills entry needs exactly one of at_step and at_s")
-        return self
-
-
-class SlowdownSpec(_Strict):
-    """Learner ``learner`` runs ``factor`` times slower from ``from_s`` to ``to_s`` seconds into
-    training (unset ``to_s``: to the end): permanent heterogeneity (e.g. 1.18, the paper's gap
-    between accelerator generations) or a straggler episode. After each of its inner steps the
-    learner is made factor× slower than its peers, as on a slower device: on a host shared in compute
-    turns it sits out (factor − 1) of a turn per step (one whole turn at a time, passed on to the
-    learners queued behind it), alone on its device it idles (factor − 1) × each step's compute time;
-    the other learners never wait for it (its first step after a start, which compiles, is not
-    slowed)."""
-
-    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
-    factor: float = Field(gt=1.0, description="step-time multiplier (> 1), e.g. 1.18")
-    from_s: float = Field(0.0, ge=0.0, description="seconds since training started when it begins")
-    to_s: PositiveFloat | None = Field(None, description="seconds since training started when it ends; unset = never")
-
-    @model_validator(mode="after")
-    def _check(self) -> SlowdownSpec:
-        if self.to_s is not None and self.to_s <= self.from_s:
-            raise ValueError(
-                f"a chaos.slowdowns entry ends (to_s {self.to_s:g}) before it begins (from_s "
-                f"{self.from_s:g}): set to_s > from_s, or unset it for a permanent slowdown"
-            )
-        return self
-
-
 class ChaosConfig(_Strict):
     """Scheduled faults of a run (chaos testing)."""
 
-    failures: list[FailureSpec] = Field(default_factory=list, description="learner failures: [{learner, at_step}]")
-    slowdowns: list[SlowdownSpec] = Field(
+    events: list[FaultEvent] = Field(
         default_factory=list,
-        description="slow learners: [{learner, factor, from_s, to_s}]: permanent "
-        "heterogeneity (no to_s) or straggler episodes",
-    )
-    kills: list[KillSpec] = Field(
-        default_factory=list,
-        description="learner processes killed with SIGKILL (ray and dask engines): "
-        "[{learner, at_step}] or [{learner, at_s}]",
-    )
-    syncer_failures: list[SyncerFailureSpec] = Field(
-        default_factory=list,
-        description="syncer failures (runtime.exchange fsspec): [{at_merge, when}], "
-        "when = before_publish (default) or after_publish",
+        description="scheduled faults, typed events (configs.faults): fail, kill, slowdown, corrupt, presence "
+        "(a learner at a step or a time) and syncer_fail (at a merge), e.g. [{kind: fail, learner: 1, at_step: 20}]",
     )
     schedule: ChaosPlan | None = Field(
         None,
-        description="a seeded chaos schedule (configs.chaos): failures with restart delays (mtbf_s, "
-        "restart_delay), straggler episodes, heterogeneity, scavenged learners, corrupted submissions; drawn "
-        "once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP",
+        description="a seeded chaos schedule (configs.chaos), drawn as events of chaos.events' kinds: failures "
+        "with restart delays (mtbf_s, restart_delay), straggler episodes, heterogeneity, scavenged learners, "
+        "corrupted submissions; drawn once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP",
     )
     replay: str | None = Field(
         None,
@@ -696,6 +611,11 @@ class ChaosConfig(_Strict):
         description="replay the schedule's failures and slowdowns on the DP baseline too "
         "(a failure of any replica stalls the job and rolls it back to its last checkpoint)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_keys(cls, data: Any) -> Any:
+        return refuse_old_keys(data)
 
     @model_validator(mode="after")
     def _check(self) -> ChaosConfig:
@@ -969,68 +889,7 @@ class ExperimentConfig(_Strict):
                 )
             if self.data.modality == "image" and (ft.packing or ft.seq_len is not None):
                 raise ValueError("finetune.packing and finetune.seq_len apply to text; remove them")
-        for i, f in enumerate(self.chaos.failures):
-            if f.learner >= self.diloco.learners:
-                raise ValueError(
-                    f"chaos.failures[{i}].learner ({f.learner}) must be < diloco.learners ({self.diloco.learners})"
-                )
-            if any(g.learner == f.learner and g.at_step == f.at_step for g in self.chaos.failures[:i]):
-                raise ValueError(
-                    f"chaos.failures[{i}] repeats learner {f.learner}'s failure at step {f.at_step}; a learner "
-                    "fails at most once per step (list each failure once)"
-                )
-            if f.at_step > self.learner_steps:
-                raise ValueError(
-                    f"chaos.failures[{i}].at_step ({f.at_step}) cannot happen: each learner takes about "
-                    f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
-                    f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
-                )
-        for i, sd in enumerate(self.chaos.slowdowns):
-            if sd.learner >= self.diloco.learners:
-                raise ValueError(
-                    f"chaos.slowdowns[{i}].learner ({sd.learner}) must be < diloco.learners ({self.diloco.learners})"
-                )
-        for i, k in enumerate(self.chaos.kills):
-            if k.learner >= self.diloco.learners:
-                raise ValueError(
-                    f"chaos.kills[{i}].learner ({k.learner}) must be < diloco.learners ({self.diloco.learners})"
-                )
-            if k.at_step is not None and k.at_step > self.learner_steps:
-                raise ValueError(
-                    f"chaos.kills[{i}].at_step ({k.at_step}) cannot happen: each learner takes about "
-                    f"{self.learner_steps} inner steps of this budget; pick a step ≤ {self.learner_steps}"
-                )
-            if any(g.learner == k.learner and g.at_step == k.at_step for g in self.chaos.failures):
-                raise ValueError(
-                    f"chaos.kills[{i}] and chaos.failures both hit learner {k.learner} at step {k.at_step}; keep one"
-                )
-        if self.chaos.kills and self.runtime.engine == "threads":
-            raise ValueError(
-                "chaos.kills need learners in their own processes (SIGKILL on the thread engine would "
-                "kill the whole run): set runtime.engine ray or dask, or use chaos.failures"
-            )
-        merges = [f.at_merge for f in self.chaos.syncer_failures]
-        if any(f.how == "sigkill" for f in self.chaos.syncer_failures) and self.runtime.engine == "threads":
-            raise ValueError(
-                "chaos.syncer_failures how: sigkill kills the syncer's process, which on runtime.engine "
-                "threads is the whole run: use runtime.engine ray or dask, or how: raise"
-            )
-        if merges and self.runtime.exchange_kind != "fsspec":
-            raise ValueError(
-                "chaos.syncer_failures need a syncer that can be restarted: set runtime.exchange fsspec "
-                "(the in-process exchange's syncer is not retried), or remove chaos.syncer_failures"
-            )
-        if merges != sorted(set(merges)):
-            raise ValueError(
-                f"chaos.syncer_failures at_merge {merges} must be strictly increasing: the k-th fires "
-                "on the syncer's k-th attempt; list each merge once, in order"
-            )
-        if len(merges) > self.diloco.syncer_retries:
-            raise ValueError(
-                f"chaos.syncer_failures schedules {len(merges)} syncer failures but diloco.syncer_retries "
-                f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
-                f"≥ {len(merges)} or drop failures"
-            )
+        self._check_events()
         self._check_schedule()
         if self.train.token_budget < self.diloco.learners * self.tokens_per_learner_step:
             raise ValueError(
@@ -1063,6 +922,68 @@ class ExperimentConfig(_Strict):
             )
         return self
 
+    def _check_events(self) -> None:
+        """``chaos.events`` fit this run: learners exist, step faults are reachable and one per step,
+        kills and SIGKILLed syncers have processes of their own, syncer failures a restartable syncer
+        and a retry each."""
+        M, engine = self.diloco.learners, self.runtime.engine
+        steps: set[tuple[int, int]] = set()
+        for i, e in enumerate(self.chaos.events):
+            at = f"chaos.events[{i}] ({e.kind})"
+            if isinstance(e, SyncerFailEvent):
+                continue
+            if e.learner >= M:
+                raise ValueError(f"{at}: learner ({e.learner}) must be < diloco.learners ({M})")
+            if not isinstance(e, LEARNER_FAILURES):
+                continue
+            if e.at_step is not None:
+                if (e.learner, e.at_step) in steps:
+                    raise ValueError(
+                        f"{at} hits learner {e.learner} at step {e.at_step} again; a learner fails at most "
+                        "once per step (list each failure once)"
+                    )
+                steps.add((e.learner, e.at_step))
+                if e.at_step > self.learner_steps:
+                    raise ValueError(
+                        f"{at}: at_step ({e.at_step}) cannot happen: each learner takes about "
+                        f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
+                        f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
+                    )
+            if isinstance(e, KillEvent) and engine == "threads":
+                raise ValueError(
+                    f"{at}: a kill needs learners in their own processes (SIGKILL on the thread engine would "
+                    "kill the whole run): set runtime.engine ray or dask, or use kind: fail"
+                )
+        syncer = [e for e in self.chaos.events if isinstance(e, SyncerFailEvent)]
+        merges = [e.at_merge for e in syncer]
+        if any(e.how == "sigkill" for e in syncer) and engine == "threads":
+            raise ValueError(
+                "chaos.events syncer_fail how: sigkill kills the syncer's process, which on runtime.engine "
+                "threads is the whole run: use runtime.engine ray or dask, or how: raise"
+            )
+        if merges and self.runtime.exchange_kind != "fsspec":
+            raise ValueError(
+                "chaos.events syncer_fail needs a syncer that can be restarted: set runtime.exchange fsspec "
+                "(the in-process exchange's syncer is not retried), or remove the syncer_fail events"
+            )
+        if merges != sorted(set(merges)):
+            raise ValueError(
+                f"chaos.events syncer_fail at_merge {merges} must be strictly increasing: the k-th fires "
+                "on the syncer's k-th attempt; list each merge once, in order"
+            )
+        if len(merges) > self.diloco.syncer_retries:
+            raise ValueError(
+                f"chaos.events schedules {len(merges)} syncer failures but diloco.syncer_retries "
+                f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
+                f"≥ {len(merges)} or drop failures"
+            )
+
+    def fault_events(self) -> list[FaultEvent]:
+        """Every scheduled fault of the run in the one language of ``chaos.events``: the config's
+        events, then the drawn or replayed schedule's (``ChaosSchedule.events``)."""
+        sched = self.chaos_schedule()
+        return list(self.chaos.events) + (sched.events() if sched is not None else [])
+
     def _check_schedule(self) -> None:
         """The chaos schedule fits this run: its learners exist, every learner has a retry for each of
         its failures, SIGKILLs only where learners have processes of their own."""
@@ -1079,7 +1000,7 @@ class ExperimentConfig(_Strict):
                     )
         sched = self.chaos_schedule()
         if sched is None:
-            src = "chaos.failures + chaos.kills"  # explicit faults alone must fit the retries too
+            src = "chaos.events"  # explicit faults alone must fit the retries too
         else:
             src = f"chaos.replay {self.chaos.replay}" if self.chaos.replay else "chaos.schedule"
         if sched is not None and sched.learners != M:
@@ -1092,8 +1013,7 @@ class ExperimentConfig(_Strict):
         # when every learner would end so (the run could only fail short of its budget)
         fails = [
             (len(sched.learner_failures(m)) if sched is not None else 0)
-            + sum(1 for f in self.chaos.failures if f.learner == m)
-            + sum(1 for k in self.chaos.kills if k.learner == m)
+            + sum(1 for e in self.chaos.events if isinstance(e, LEARNER_FAILURES) and e.learner == m)
             for m in range(M)
         ]
         if all(n > self.diloco.learner_retries for n in fails):
@@ -1486,7 +1406,7 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
 
 def _valid_keys(title: str, loc: tuple) -> list[str]:
     """The field names of the config section at ``loc`` (empty when it cannot be resolved, e.g.
-    inside a list such as ``chaos.failures``)."""
+    inside a list such as ``chaos.events``)."""
 
     def is_section(x) -> bool:
         return isinstance(x, type) and issubclass(x, BaseModel)

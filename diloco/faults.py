@@ -3,8 +3,8 @@
 The learner loop (``diloco.learner``) knows nothing of chaos: it calls a :class:`FaultHooks` at its
 boundaries (before its first step, before and after each inner step, on each send) and the hooks
 fail it, kill it, slow it down, hold it out of the run or damage a submission in flight. The events
-are plain frozen values, built by ``training.diloco.learner_setup`` from the config (``chaos.*`` and
-the drawn or replayed ``chaos.schedule``, ``configs.chaos``):
+are plain frozen values, built by ``training.diloco.learner_faults`` from the config's events
+(``chaos.events`` and the drawn or replayed ``chaos.schedule``: ``configs.faults``, ``configs.chaos``):
 
 ==================  ===============================================================================
 event               what happens to learner m
@@ -12,17 +12,16 @@ event               what happens to learner m
 :class:`Fail`       at local step ``at_step`` (the k-th such failure on its k-th attempt), or at the
                     first step boundary after ``at_s`` seconds of its training clock: it raises
                     :class:`InjectedFailure` (``how="raise"``, retried by the task runner) or
-                    SIGKILLs its own process after reporting itself down (``how="sigkill"``); a
-                    timed failure's retry stays down ``restart_delay_s`` from when it fired
-:class:`Kill`       its process is SIGKILLed at ``at_s`` seconds of the run clock wherever it is
-                    (a timer thread): a crash that tells no one, seen by the syncer as silence
+                    SIGKILLs its own process (``how="sigkill"``: a timed kill reports itself down
+                    first, a step kill tells no one); a timed failure's retry stays down
+                    ``restart_delay_s`` from when it fired
 :class:`SlowDown`   from ``from_s`` to ``to_s`` of its training clock it steps ``factor``× less
                     often than its peers (:func:`slow_down`)
 :class:`Corrupt`    its first submission after ``at_s`` is damaged in flight (:func:`corrupt_payload`)
 :class:`Presence`   a scavenged learner: it trains only from ``join_s`` to ``leave_s``
 ==================  ===============================================================================
 
-The syncer's faults (``chaos.syncer_failures``) enter its loop (``diloco.syncer_loop``) the same
+The syncer's faults (``syncer_fail`` events) enter its loop (``diloco.syncer_loop``) the same
 way, through :class:`SyncerFaults` at merge boundaries.
 
 The training clock is seconds since the learner's first attempt started (kept by the exchange
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,13 +65,6 @@ class Fail:
 
 
 @dataclass(frozen=True)
-class Kill:
-    """The learner's process is SIGKILLed at ``at_s`` seconds of the run clock, once."""
-
-    at_s: float
-
-
-@dataclass(frozen=True)
 class SlowDown:
     """``factor`` (> 1) times slower from ``from_s`` to ``to_s`` (None: the end) of the training clock."""
 
@@ -98,7 +89,7 @@ class Presence:
     leave_s: float | None = None
 
 
-LearnerFault = Fail | Kill | SlowDown | Corrupt | Presence
+LearnerFault = Fail | SlowDown | Corrupt | Presence
 
 
 @dataclass(frozen=True)
@@ -108,7 +99,6 @@ class LearnerFaults:
     events: tuple[LearnerFault, ...] = ()
     step_failures: tuple[Fail, ...] = field(init=False)  # ascending at_step: the k-th on attempt k
     timed_failures: tuple[Fail, ...] = field(init=False)  # ascending at_s
-    kills: tuple[Kill, ...] = field(init=False)
     slowdowns: tuple[SlowDown, ...] = field(init=False)
     corruptions: tuple[Corrupt, ...] = field(init=False)  # ascending at_s
     presence: Presence = field(init=False)
@@ -128,7 +118,6 @@ class LearnerFaults:
                 at_steps[f.at_step] = f
         put(self, "step_failures", tuple(at_steps[k] for k in sorted(at_steps)))
         put(self, "timed_failures", tuple(sorted((f for f in fails if f.at_s is not None), key=lambda f: f.at_s)))
-        put(self, "kills", tuple(of(Kill)))
         put(self, "slowdowns", tuple(of(SlowDown)))
         put(self, "corruptions", tuple(sorted(of(Corrupt), key=lambda c: c.at_s)))
         put(self, "presence", presence[0] if presence else Presence())
@@ -231,10 +220,10 @@ class SyncerFaults:
 class FaultHooks:
     """Fires one learner attempt's :class:`LearnerFaults` at the loop's boundaries.
 
-    ``arm`` (before anything else: a :class:`Kill` timer), ``before_start`` (a retry waits out its
+    ``before_start`` (a retry waits out its
     restart delay; a scavenged learner waits to join), ``before_step`` (True: leave the run; else
     fails or kills at a due :class:`Fail`), ``after_step`` (slows down), ``on_send`` (damages a
-    payload), ``close`` (disarms the timer). ``fired_at``: the run clock when a timed failure fired
+    payload). ``fired_at``: the run clock when a timed failure fired
     (its failure event's time), else None."""
 
     def __init__(self, plan: LearnerFaults, learner: Learner) -> None:
@@ -242,32 +231,6 @@ class FaultHooks:
         self.fired_at: float | None = None
         self.pending: list[Fail] = []  # timed failures after this attempt's start, ascending
         self.slowed, self.owed = 1.0, 0.0  # the current slowdown factor; turns owed (:func:`slow_down`)
-        self._disarm: threading.Event | None = None
-
-    # -- before anything --------------------------------------------------------------------------
-    def arm(self) -> None:
-        """Start the timer of the first :class:`Kill` not yet passed (a passed one has fired)."""
-        ex = self.l.ex
-        ahead = sorted(k.at_s for k in self.plan.kills if k.at_s > ex.clock())
-        if ahead:
-            self._disarm = self._kill_timer(ahead[0])
-
-    def _kill_timer(self, at_s: float) -> threading.Event:
-        ex, disarm = self.l.ex, threading.Event()
-
-        def watch() -> None:
-            while not disarm.wait(min(0.05, max(at_s - ex.clock(), 0.0))):
-                if ex.clock() >= at_s:
-                    step = ex.learners().get(self.l.m, {}).get("step", 0)
-                    self.l.event("kill", step=step, reason=f"chaos: SIGKILL at {at_s:g} s")
-                    kill_self()
-
-        threading.Thread(target=watch, name=f"chaos-kill-{self.l.m}", daemon=True).start()
-        return disarm
-
-    def close(self) -> None:
-        if self._disarm is not None:
-            self._disarm.set()
 
     # -- before the first step --------------------------------------------------------------------
     def before_start(self) -> None:

@@ -436,7 +436,6 @@ def run_learner(s: LearnerSetup) -> dict:
     """
     lrn = Learner(s)
     faults = s.faults.hooks(lrn)
-    faults.arm()
     try:
         lrn.restore()
         faults.before_start()
@@ -454,5 +453,3 @@ def run_learner(s: LearnerSetup) -> dict:
     except BaseException as exc:
         lrn.failed(exc, faults.fired_at)
         raise
-    finally:
-        faults.close()

@@ -270,18 +270,19 @@ def _killed(at_step: Any, at_s: Any):
 
 
 def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
-    """The scheduled failures (config ``chaos.failures``) and kills (``chaos.kills``) and whether each
+    """The step-scheduled failures and the kills of config ``chaos.events`` (``fail`` at a step,
+    ``kill``; ``chaos.failures`` and ``chaos.kills`` in runs configured before it) and whether each
     fired (docs/report.md, "Scheduled chaos events"): ``rows`` with ``fired`` (None without a learners
     log), ``fired_at_s`` and ``rejoined_at_s`` (None when it never started again), and
     ``unscheduled_failures``."""
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
-    scheduled = [
-        dict(spec, kind="failure") for spec in nested(config, ("chaos", "failures")) or [] if isinstance(spec, dict)
-    ]
-    scheduled += [
-        dict(spec, kind="kill") for spec in nested(config, ("chaos", "kills")) or [] if isinstance(spec, dict)
-    ]
+    specs = [e for e in nested(config, ("chaos", "events")) or [] if isinstance(e, dict)]
+    scheduled = [dict(e, kind="failure") for e in specs if e.get("kind") == "fail" and e.get("at_step") is not None]
+    scheduled += [dict(e) for e in specs if e.get("kind") == "kill"]
+    # runs configured before chaos.events: chaos.failures and chaos.kills
+    scheduled += [dict(e, kind="failure") for e in nested(config, ("chaos", "failures")) or [] if isinstance(e, dict)]
+    scheduled += [dict(e, kind="kill") for e in nested(config, ("chaos", "kills")) or [] if isinstance(e, dict)]
     last_step: dict[Any, int] = {}
     for e in events or []:
         s = num(e.get("step"))

@@ -392,7 +392,7 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         return
     if not ch["rows"]:
         L += [
-            "No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty); a drawn "
+            "No step-scheduled failures or kills (config chaos.events holds no fail at a step and no kill); a drawn "
             "chaos schedule's events are in *Resilience*.",
             "",
         ]

@@ -40,7 +40,7 @@ OVERRIDES = {
     "diloco.learners": 2,
     "diloco.quorum": 2,
     "runtime.devices_per_learner": 2,
-    "chaos.failures": [{"learner": 1, "at_step": 6}],
+    "chaos.events": [{"kind": "fail", "learner": 1, "at_step": 6}],
     "diloco.resume_every_steps": 4,
     "diloco.retry_delay_s": 0.5,
 }

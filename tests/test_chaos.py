@@ -65,6 +65,29 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
     assert a.dp_factor(0.0) == 1.18
 
 
+def test_drawn_replayed_and_written_schedules_speak_the_one_fault_language(tmp_path):
+    """chaos.schedule, its replay and the same events written by hand in chaos.events give every
+    learner the same typed faults (diloco.faults values); a config may mix both."""
+    from training.diloco import learner_faults
+
+    base = {"diloco": {"learners": 4, "quorum": 3, "learner_retries": 9}}
+    drawn = ExperimentConfig.model_validate({**base, "chaos": {"schedule": PLAN}})
+    path = tmp_path / "chaos.json"
+    path.write_text(drawn.chaos_schedule().dumps())
+    replayed = ExperimentConfig.model_validate({**base, "chaos": {"replay": str(path)}})
+    events = [e.model_dump() for e in drawn.chaos_schedule().events()]
+    written = ExperimentConfig.model_validate({**base, "chaos": {"events": events}})
+    kinds = {e["kind"] for e in events}
+    assert kinds == {"fail", "slowdown", "corrupt", "presence"}, kinds  # (how auto on threads: raise)
+    for m in range(4):
+        faults = learner_faults(drawn, m)
+        assert faults == learner_faults(replayed, m) == learner_faults(written, m)
+    three = learner_faults(drawn, 3)
+    assert (three.presence.join_s, three.presence.leave_s) == (10.0, 60.0)
+    assert [c.at_s for c in learner_faults(drawn, 1).corruptions] == [5.0]
+    assert all(f.restart_delay_s > 0 and f.at_s is not None for f in three.timed_failures)
+
+
 def test_schedules_and_plans_refuse_what_cannot_happen(tmp_path):
     with pytest.raises(ValidationError, match="still down"):
         ChaosSchedule.model_validate(

@@ -48,7 +48,10 @@ def test_default_config_meets_the_brief():
         ({"model": {"kind": "rnn"}}, "model.kind"),
         ({"model": {"d_model": 100, "n_heads": 3}}, "model.d_model"),
         ({"diloco": {"learnres": 4}}, "diloco.learnres"),
-        ({"chaos": {"failures": [{"learner": 9, "at_step": 3}]}}, "chaos.failures[0].learner"),
+        ({"chaos": {"events": [{"kind": "fail", "learner": 9, "at_step": 3}]}}, "chaos.events[0] (fail): learner"),
+        # the earlier fault keys are refused with the new spelling
+        ({"chaos": {"failures": [{"learner": 1, "at_step": 3}]}}, "chaos.failures is now written as chaos.events"),
+        ({"chaos": {"events": [{"kind": "explode", "learner": 1}]}}, "chaos.events.0"),
         ({"data": {"source": "local"}}, "data.paths"),
         ({"train": {"microbatch_size": 3}}, "train.microbatch_size"),
         # one receipt rule by name (the old keep_in_flight / mix_alpha pair is gone)
@@ -61,22 +64,28 @@ def test_default_config_meets_the_brief():
         ({"diloco": {"compute_slots": -1}}, "diloco.compute_slots"),
         ({"diloco": {"syncer_checkpoint_every_s": -1}}, "diloco.syncer_checkpoint_every_s"),
         # a syncer failure needs a restartable syncer (fsspec), increasing merges, enough retries
-        ({"chaos": {"syncer_failures": [{"at_merge": 3}]}}, "runtime.exchange fsspec"),
+        ({"chaos": {"events": [{"kind": "syncer_fail", "at_merge": 3}]}}, "runtime.exchange fsspec"),
         (
-            {"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3}, {"at_merge": 3}]}},
-            "chaos.syncer_failures at_merge",
+            {
+                "runtime": {"exchange": "fsspec"},
+                "chaos": {"events": [{"kind": "syncer_fail", "at_merge": 3}, {"kind": "syncer_fail", "at_merge": 3}]},
+            },
+            "chaos.events syncer_fail at_merge",
         ),
         (
             {
                 "runtime": {"exchange": "fsspec"},
                 "diloco": {"syncer_retries": 0},
-                "chaos": {"syncer_failures": [{"at_merge": 3}]},
+                "chaos": {"events": [{"kind": "syncer_fail", "at_merge": 3}]},
             },
             "diloco.syncer_retries",
         ),
         (
-            {"runtime": {"exchange": "fsspec"}, "chaos": {"syncer_failures": [{"at_merge": 3, "when": "later"}]}},
-            "chaos.syncer_failures.0.when",
+            {
+                "runtime": {"exchange": "fsspec"},
+                "chaos": {"events": [{"kind": "syncer_fail", "at_merge": 3, "when": "later"}]},
+            },
+            "chaos.events.0.syncer_fail.when",
         ),
     ],
 )
@@ -218,16 +227,18 @@ def test_scripts_get_one_error_line_for_any_bad_config(tmp_path):
 
 def test_slowdowns_are_checked():
     base = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml").model_dump()
-    ok = ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [{"learner": 1, "factor": 1.18}]}})
-    assert ok.chaos.slowdowns[0].to_s is None and ok.chaos.slowdowns[0].from_s == 0.0
+    ok = ExperimentConfig.model_validate(
+        {**base, "chaos": {"events": [{"kind": "slowdown", "learner": 1, "factor": 1.18}]}}
+    )
+    assert ok.chaos.events[0].to_s is None and ok.chaos.events[0].from_s == 0.0
     bad = [
-        ({"learner": 9, "factor": 1.18}, r"chaos.slowdowns\[0\].learner \(9\) must be < diloco.learners"),
+        ({"learner": 9, "factor": 1.18}, r"chaos.events\[0\] \(slowdown\): learner \(9\) must be < diloco.learners"),
         ({"learner": 0, "factor": 0.9}, "greater than 1"),
         ({"learner": 0, "factor": 2, "from_s": 5, "to_s": 5}, r"ends \(to_s 5\) before it begins"),
     ]
     for spec, message in bad:
         with pytest.raises(ValidationError, match=message):
-            ExperimentConfig.model_validate({**base, "chaos": {"slowdowns": [spec]}})
+            ExperimentConfig.model_validate({**base, "chaos": {"events": [{"kind": "slowdown", **spec}]}})
 
 
 def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
@@ -249,24 +260,22 @@ def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
 
 
 # -- issue 25, new-user round: overrides, retries, sweeps ---------------------------------------
-@pytest.mark.parametrize("field", ["failures", "kills"])
-def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(field):
+@pytest.mark.parametrize("kind", ["fail", "kill"])
+def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(kind):
     """Faults beyond diloco.learner_retries (2) and no chaos.schedule: one learner lost for good is a
     scenario (the others spend the budget); every learner lost is refused (the run could not finish;
     on the old code the count was skipped when no schedule was drawn)."""
-    engine = {"runtime.engine": "dask" if field == "kills" else "threads"}
-    lost = [{"learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
-    assert (
-        len(getattr(load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": lost, **engine}).chaos, field)) == 4
-    )
-    every = [{"learner": m, "at_step": s} for m in range(3) for s in (3, 5, 7, *((9,) if m == 1 else ()))]
+    engine = {"runtime.engine": "dask" if kind == "kill" else "threads"}
+    lost = [{"kind": kind, "learner": 0, "at_step": s} for s in (3, 5, 7, 9)]
+    assert len(load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": lost, **engine}).chaos.events) == 4
+    every = [{"kind": kind, "learner": m, "at_step": s} for m in range(3) for s in (3, 5, 7, *((9,) if m == 1 else ()))]
     with pytest.raises(
         ValidationError,
         match=r"fails every learner more often than diloco.learner_retries \(2; the "
         r"least, learner 0, 3 times\).*≥ 3",
     ):
-        load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine})
-    load_config(ROOT / "configs" / "tiny.yaml", {f"chaos.{field}": every, **engine, "diloco.learner_retries": 3})
+        load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": every, **engine})
+    load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": every, **engine, "diloco.learner_retries": 3})
 
 
 def test_a_key_set_twice_on_one_command_line_is_refused():
@@ -294,8 +303,8 @@ def test_a_section_valued_override_merges_into_the_section(tmp_path):
         got = cell_config(spec, cell)
         assert got.diloco.sync_every == 4 and got.diloco.outer_lr == tiny.diloco.outer_lr
     assert (
-        load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 3}]})
-        .chaos.failures[0]
+        load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": [{"kind": "fail", "learner": 0, "at_step": 3}]})
+        .chaos.events[0]
         .at_step
         == 3
     )  # lists are values: replaced, not merged

@@ -90,8 +90,10 @@ def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(
     cfg = _cfg(
         small_cfg,
         "dask",
-        kills=[{"learner": 1, "at_step": 30}],
-        syncer_failures=[{"at_merge": 6, "how": "sigkill"}],
+        events=[
+            {"kind": "kill", "learner": 1, "at_step": 30},
+            {"kind": "syncer_fail", "at_merge": 6, "how": "sigkill"},
+        ],
         train={"token_budget": 32768, "eval_every_tokens": 32768},
     )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)

@@ -130,7 +130,7 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
             },
             # a budget that outlasts the retry (the other two used 98,304 tokens 3 s after the failure)
             "train": {**small_cfg.train.model_dump(), "token_budget": 196608, "eval_every_tokens": 196608},
-            "chaos": {"failures": [{"learner": 1, "at_step": 20}]},
+            "chaos": {"events": [{"kind": "fail", "learner": 1, "at_step": 20}]},
         }
     )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)
@@ -229,7 +229,7 @@ def test_injected_syncer_failure_resumes_from_checkpoint_and_journal(prefect_har
             },
             "train": {**small_cfg.train.model_dump(), "token_budget": 6144, "eval_every_tokens": 6144},
             "runtime": {"exchange": "fsspec"},
-            "chaos": {"syncer_failures": [{"at_merge": 4}]},
+            "chaos": {"events": [{"kind": "syncer_fail", "at_merge": 4}]},
         }
     )
     summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=1.0)

@@ -626,7 +626,7 @@ def test_a_cut_off_or_damaged_resume_point_lets_the_learner_start_again(tmp_path
 
 
 def test_a_slowed_learner_idles_its_factor_outside_its_turn():
-    """chaos.slowdowns: inside the window a learner alone on its host (its turns served at once) owes
+    """A slowdown event: inside the window a learner alone on its host (its turns served at once) owes
     (factor − 1) = 0.5 of a turn per inner step and, for each whole turn owed, idles one step's
     compute time (here recorded instead of slept; not after an attempt's first step, which includes
     compiling): every second step. It logs the change of pace once, and a window that has not begun

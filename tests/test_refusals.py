@@ -268,9 +268,11 @@ def test_config_by_shipped_name_or_path():
 def test_unreachable_chaos_step_is_refused():
     tiny = load_config(ROOT / "configs" / "tiny.yaml")
     assert tiny.learner_steps == 64
-    with pytest.raises(ValidationError, match=r"chaos.failures\[0\].at_step \(100000\) cannot happen.*≤ 64"):
-        load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 100000}]})
-    load_config(ROOT / "configs" / "tiny.yaml", {"chaos.failures": [{"learner": 0, "at_step": 64}]})
+    with pytest.raises(ValidationError, match=r"chaos.events\[0\] \(fail\): at_step \(100000\) cannot happen.*≤ 64"):
+        load_config(
+            ROOT / "configs" / "tiny.yaml", {"chaos.events": [{"kind": "fail", "learner": 0, "at_step": 100000}]}
+        )
+    load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": [{"kind": "fail", "learner": 0, "at_step": 64}]})
 
 
 # -- what a fresh user found next: the same kinds, more inputs ---------------------------------
@@ -366,15 +368,20 @@ def test_duplicate_keys_and_chaos_events_are_refused(tmp_path):
     (tmp_path / "d.yaml").write_text("name: t\nname: u\n")
     with pytest.raises(yaml.YAMLError, match="'name' is given twice"):
         load_config(tmp_path / "d.yaml")
-    with pytest.raises(ValidationError, match=r"chaos.failures\[1\] repeats learner 1's failure at step 3"):
+    with pytest.raises(ValidationError, match=r"chaos.events\[1\] \(fail\) hits learner 1 at step 3 again"):
         load_config(
             ROOT / "configs" / "tiny.yaml",
-            {"chaos.failures": [{"learner": 1, "at_step": 3}, {"learner": 1, "at_step": 3}]},
+            {
+                "chaos.events": [
+                    {"kind": "fail", "learner": 1, "at_step": 3},
+                    {"kind": "fail", "learner": 1, "at_step": 3},
+                ]
+            },
         )
     # two failures of one learner: the k-th fires on its k-th attempt (tests/test_learner.py)
     load_config(
         ROOT / "configs" / "tiny.yaml",
-        {"chaos.failures": [{"learner": 1, "at_step": 30}, {"learner": 1, "at_step": 3}]},
+        {"chaos.events": [{"kind": "fail", "learner": 1, "at_step": 30}, {"kind": "fail", "learner": 1, "at_step": 3}]},
     )
 
 

@@ -1331,21 +1331,23 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     cfg["chaos"] = {"failures": []}
     _write(_layout(run).config, cfg)
     build_report(run)
-    assert "No step-scheduled failures or kills (config chaos.failures and chaos.kills are empty)" in squash(
+    assert "No step-scheduled failures or kills (config chaos.events holds no fail at a step and no kill)" in squash(
         _layout(run).report_md.read_text()
     )
 
 
 def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     """A chaos SIGKILL leaves only the event logged just before it: the report counts it as the
-    learner's failure (down until its next start), matches it to its chaos.kills entry, and shows
+    learner's failure (down until its next start), matches it to its kill event in chaos.events, and shows
     a killed syncer with the next syncer's recovery; the setup names the engine and exchange."""
     run = _make_figures_run(tmp_path)
     cfg = json.loads(_layout(run).config.read_text())
     cfg["chaos"] = {
-        "failures": [],
-        "kills": [{"learner": 1, "at_step": 5}, {"learner": 0, "at_s": 9.5}],
-        "syncer_failures": [{"at_merge": 2, "when": "before_publish", "how": "sigkill"}],
+        "events": [
+            {"kind": "kill", "learner": 1, "at_step": 5},
+            {"kind": "kill", "learner": 0, "at_s": 9.5},
+            {"kind": "syncer_fail", "at_merge": 2, "when": "before_publish", "how": "sigkill"},
+        ],
     }
     cfg["runtime"] = {"engine": "dask", "exchange": None, "exchange_url": None}
     _write(_layout(run).config, cfg)

@@ -160,7 +160,7 @@ def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, sma
     rd = tmp_path / "run"
     shutil.copytree(small_data, rd)
     layout = RunLayout(rd)
-    fails = [{"learner": m, "at_step": 1} for m in range(3)]
+    fails = [{"kind": "fail", "learner": m, "at_step": 1} for m in range(3)]
     with pytest.raises(
         FailedRun,
         match=r"pretrain-diloco trained 0 of 24,576 tokens \(0\.0 % of its budget\): "
@@ -172,7 +172,7 @@ def test_a_diloco_stage_whose_learners_all_fail_ends_failed(prefect_harness, sma
             overrides={
                 **SMALL_DATA,
                 "diloco.learner_retries": 0,
-                "chaos.failures": fails,
+                "chaos.events": fails,
                 "eval.enabled": False,
                 "finetune.enabled": False,
             },

@@ -43,7 +43,7 @@ from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 
 # check_url and check_writable are re-exported for flows/preflight.py
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401
-from diloco.faults import Corrupt, Fail, Kill, LearnerFaults, Presence, SlowDown, SyncerFaults
+from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown, SyncerFaults
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
@@ -296,7 +296,7 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
     ``RunLayout.syncer_state``; :func:`run_syncer_to_end` recovers from them first (a fresh run has
     neither and starts exactly as before). ``attempt``: the syncer task's attempt (1, 2, …), raised
     to the exchange's generation (an engine's re-run of a dead worker), which picks its scheduled
-    ``chaos.syncer_failures`` entry.
+    ``syncer_fail`` event of ``chaos.events``.
     """
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
@@ -351,25 +351,22 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
 
 
 def learner_faults(cfg: ExperimentConfig, learner: int) -> LearnerFaults:
-    """Learner ``learner``'s scheduled faults as typed events (``diloco.faults``): ``chaos.failures``
-    and step ``chaos.kills`` as :class:`Fail` at a step, timed ``chaos.kills`` as :class:`Kill`,
-    ``chaos.slowdowns``, and the drawn or replayed ``chaos.schedule``'s timed failures, slowdowns,
-    presence window and corruptions."""
-    chaos = cfg.chaos
-    events: list = [Fail(at_step=f.at_step) for f in chaos.failures if f.learner == learner]
-    for k in (k for k in chaos.kills if k.learner == learner):
-        events.append(Fail(at_step=k.at_step, how="sigkill") if k.at_step is not None else Kill(k.at_s))
-    events += [SlowDown(e.factor, e.from_s, e.to_s) for e in chaos.slowdowns if e.learner == learner]
-    sched = cfg.chaos_schedule()
-    if sched is not None:
-        events += [
-            Fail(at_s=f.at_s, how=f.how, restart_delay_s=f.restart_delay_s) for f in sched.learner_failures(learner)
-        ]
-        events += [SlowDown(*e) for e in sched.learner_slowdowns(learner)]
-        events += [Corrupt(c.at_s, c.kind) for c in sched.learner_corruptions(learner)]
-        if sched.window(learner) != (0.0, None):
-            events.append(Presence(*sched.window(learner)))
-    return LearnerFaults(tuple(events))
+    """Learner ``learner``'s scheduled faults (``cfg.fault_events()``: ``chaos.events`` and the drawn
+    or replayed ``chaos.schedule``) as ``diloco.faults`` values: ``fail`` and ``kill`` a
+    :class:`Fail` (how raise or sigkill), ``slowdown``, ``corrupt`` and ``presence`` their own."""
+    out: list = []
+    for e in cfg.fault_events():
+        if getattr(e, "learner", None) != learner:
+            continue
+        if e.kind in ("fail", "kill"):
+            out.append(Fail(at_step=e.at_step, at_s=e.at_s, how=e.how, restart_delay_s=e.restart_delay_s))
+        elif e.kind == "slowdown":
+            out.append(SlowDown(e.factor, e.from_s, e.to_s))
+        elif e.kind == "corrupt":
+            out.append(Corrupt(e.at_s, e.corruption))
+        elif e.kind == "presence":
+            out.append(Presence(e.join_s, e.leave_s))
+    return LearnerFaults(tuple(out))
 
 
 def learner_setup(
@@ -560,10 +557,10 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
 
 
 def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
-    """This syncer attempt's injected failure: the ``run.attempt``-th of ``chaos.syncer_failures``
+    """This syncer attempt's injected failure: the ``run.attempt``-th ``syncer_fail`` of ``chaos.events``
     (in merge order), with a journal only (the fsspec exchange); ``how: sigkill`` logs a
     ``syncer-kill`` event and SIGKILLs the process instead of raising. None due: no faults."""
-    failures = sorted(run.cfg.chaos.syncer_failures, key=lambda f: f.at_merge)
+    failures = sorted((e for e in run.cfg.chaos.events if e.kind == "syncer_fail"), key=lambda f: f.at_merge)
     if run.journal is None or run.attempt > len(failures):
         return SyncerFaults()
     f = failures[run.attempt - 1]
