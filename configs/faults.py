@@ -162,10 +162,12 @@ RENAMED = {
 
 
 def refuse_old_keys(data: object) -> object:
-    """Raise ``ValueError`` naming the fix when a ``chaos`` mapping uses a key of the earlier fault
-    languages (:data:`RENAMED`); else return it unchanged."""
+    """Raise ``ValueError`` naming the fix when a ``chaos`` mapping gives faults under a key of the
+    earlier fault languages (:data:`RENAMED`). Such a key left empty (``[]``: the config.json of a
+    run from before ``chaos.events``) carries nothing and is dropped, so those runs still load."""
     if isinstance(data, dict):
         for key, now in RENAMED.items():
-            if key in data:
+            if key in data and data[key] not in ([], None):
                 raise ValueError(f"chaos.{key} is now written as {now}")
+        data = {k: v for k, v in data.items() if k not in RENAMED}
     return data

@@ -96,6 +96,12 @@ def test_bad_config_names_the_field(overrides, field):
     assert field.split(".")[-1].split("[")[0] in text, text
 
 
+def test_a_run_from_before_chaos_events_still_loads():
+    """The config.json of an earlier run holds the old fault keys empty: they carry nothing and load."""
+    old = {"chaos": {"failures": [], "slowdowns": [], "kills": [], "syncer_failures": [], "against_dp": False}}
+    assert ExperimentConfig.model_validate(old).chaos.events == []
+
+
 def test_too_many_fragments_for_the_model():
     cfg = ExperimentConfig.model_validate({"diloco": {"fragments": 500}})
     with pytest.raises(ValueError, match="diloco.fragments"):
