@@ -93,7 +93,8 @@ import jax.numpy as jnp
 import numpy as np
 from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average, ours
 
-from configs.schema import PrecisionConfig, load_config_checked
+from configs.load import load_config_checked
+from configs.runtime import PrecisionConfig
 from models import build_model
 from models.spec import InputShape
 from training.mesh import backend_info, backend_line

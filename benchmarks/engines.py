@@ -37,7 +37,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from configs.schema import ExperimentConfig, load_config_checked, parse_overrides  # noqa: E402
+from configs.load import load_config_checked, parse_overrides  # noqa: E402
+from configs.schema import ExperimentConfig  # noqa: E402
 from data.text import prepare_data  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402

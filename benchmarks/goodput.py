@@ -24,7 +24,7 @@ import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from configs.schema import parse_overrides, validation_lines  # noqa: E402
+from configs.load import parse_overrides, validation_lines  # noqa: E402
 from sim import GoodputConfig, calibrate, markdown_report, run_goodput  # noqa: E402
 
 SENSITIVITY = [

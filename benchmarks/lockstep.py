@@ -37,7 +37,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax.numpy as jnp
 
-from configs.schema import load_config_checked, parse_overrides
+from configs.load import load_config_checked, parse_overrides
 from data.cursor import batch_at
 from data.store import load_sequences
 from data.text import prepare_data

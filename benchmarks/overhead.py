@@ -31,7 +31,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from configs.schema import load_config_checked, parse_overrides  # noqa: E402
+from configs.load import load_config_checked, parse_overrides  # noqa: E402
 from data.cursor import batch_at  # noqa: E402
 from data.store import load_sequences  # noqa: E402
 from data.text import prepare_data  # noqa: E402

@@ -60,7 +60,7 @@ def policy_sets(out: Path, label: str, eval_every: int, extra: list[str]) -> lis
 def refusal(config: str, out: Path, policies: list[str], eval_every: int, extra: list[str]) -> str | None:
     """Why these runs cannot start (one line naming the config, field or folder), or None: checked
     before anything is written, as ``ddiloco run`` does."""
-    from configs.schema import config_path, load_config_checked, parse_overrides
+    from configs.load import config_path, load_config_checked, parse_overrides
 
     try:
         for label in policies:

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.schema import load_config_checked
+from configs.load import load_config_checked
 from models import build_model
 from models.spec import InputShape
 from models.text.dense import flops_per_token
@@ -100,7 +100,7 @@ def torch_matmul_flops(n: int = PEAK_N, reps: int = 10) -> float:
 
 def ours(spec, tx, batch: np.ndarray, microbatches: int, precision=None) -> Callable[[int], float]:
     """``steps(n)``: n steps of our compiled step (params and state carried, donated), every output
-    ready at the end; last loss. ``precision``: a ``configs.schema.PrecisionConfig`` (None: float32)."""
+    ready at the end; last loss. ``precision``: a ``configs.runtime.PrecisionConfig`` (None: float32)."""
     trainer = Trainer(spec, tx, microbatches, precision=precision)
     params = trainer.init_params()
     state = [params, trainer.init_opt(params)]

@@ -31,16 +31,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
 
-from configs.faults import CorruptEvent, FailEvent, FaultEvent, KillEvent, PresenceEvent, SlowdownEvent
+from configs.base import _Strict, field_title
+from configs.faults import CorruptEvent, FailEvent, FaultEvent, KillEvent, PresenceEvent, SlowdownEvent, refuse_old_keys
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, strict=True, field_title_generator=field_title
+    )
 
 
 # --- the plan (config) --------------------------------------------------------------------------
@@ -347,3 +350,56 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
         presence=list(plan.scavenged),
         corruptions=list(plan.corrupt),
     )
+
+
+# --- the chaos section of the config -----------------------------------------------------------
+
+
+class ChaosConfig(_Strict):
+    """Scheduled faults of a run (chaos testing)."""
+
+    events: list[FaultEvent] = Field(
+        default_factory=list,
+        description="scheduled faults, typed events (configs.faults): fail, kill, slowdown, corrupt, presence "
+        "(a learner at a step or a time) and syncer_fail (at a merge), e.g. [{kind: fail, learner: 1, at_step: 20}]",
+    )
+    schedule: ChaosPlan | None = Field(
+        None,
+        description="a seeded chaos schedule (configs.chaos), drawn as events of chaos.events' kinds: failures "
+        "with restart delays (mtbf_s, restart_delay), straggler episodes, heterogeneity, scavenged learners, "
+        "corrupted submissions; drawn once, saved as pretrain/chaos.json and replayed on DiLoCo and on DP",
+    )
+    replay: str | None = Field(
+        None,
+        description="replay the schedule saved by an earlier run (its pretrain/chaos.json) instead of "
+        "drawing chaos.schedule",
+    )
+    reference_run: str | None = Field(
+        None,
+        description="a finished run directory of the same experiment without chaos: the report's Resilience "
+        "section puts its held-out loss at equal time and tokens beside this run's",
+    )
+    against_dp: bool = Field(
+        True,
+        description="replay the schedule's failures and slowdowns on the DP baseline too "
+        "(a failure of any replica stalls the job and rolls it back to its last checkpoint)",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_old_keys(cls, data: Any) -> Any:
+        return refuse_old_keys(data)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChaosConfig:
+        if self.schedule is not None and self.replay is not None:
+            raise ValueError(
+                "chaos.schedule and chaos.replay both give a schedule: keep one (on a config that sets "
+                "chaos.schedule, add --set chaos.schedule=null to replay)"
+            )
+        if self.reference_run is not None and not (Path(self.reference_run) / "pretrain").is_dir():
+            raise ValueError(
+                f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
+                "folder): give a finished run directory"
+            )
+        return self

@@ -19,7 +19,7 @@ replayed schedule (``chaos.replay``) yields them again (``ChaosSchedule.events``
 syncer receive all of them as ``diloco.faults`` values. The earlier keys ``chaos.failures``,
 ``chaos.kills``, ``chaos.slowdowns`` and ``chaos.syncer_failures`` are refused with this spelling.
 
-Plain pydantic; nothing of ours.
+Plain pydantic; of ours only the titles of its fields (``configs.base.field_title``).
 """
 
 from __future__ import annotations
@@ -28,9 +28,13 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
 
+from configs.base import field_title
+
 
 class _Event(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, allow_inf_nan=False, strict=True, field_title_generator=field_title
+    )
 
 
 class _LearnerFailure(_Event):

@@ -26,17 +26,17 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import Field, PositiveInt, ValidationError, model_validator
 
-from configs.schema import (
+from configs.base import _Strict
+from configs.load import (
     CONFIG_DIR,
     ConfigLoader,
-    ExperimentConfig,
-    _Strict,
     apply_overrides,
     config_path,
     read_config_file,
     shipped_or_path,
     validation_lines,
 )
+from configs.schema import ExperimentConfig
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
 # Keys a cell may not set: the sweep names and places each cell's run itself.
@@ -250,7 +250,7 @@ def expand_cells(spec: SweepSpec) -> list[Cell]:
 
 def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> ExperimentConfig:
     """The cell's resolved config: the base file's values, ``spec.overrides``, the cell's
-    overrides, and ``name`` = the cell's name (through ``configs.schema.apply_overrides``: a value that
+    overrides, and ``name`` = the cell's name (through ``configs.load.apply_overrides``: a value that
     is a mapping, e.g. an axis ``diloco: [{learners: 2}, {learners: 4}]``, merges into the section).
     ``base_raw``: the base file's mapping, if already read. Raises ``ValueError`` in one line naming
     the cell and the field."""

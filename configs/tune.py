@@ -33,15 +33,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, PositiveInt, model_validator
 
-from configs.schema import (
-    CONFIG_DIR,
-    ConfigLoader,
-    _Strict,
-    apply_overrides,
-    config_path,
-    read_config_file,
-    shipped_or_path,
-)
+from configs.base import _Strict
+from configs.load import CONFIG_DIR, ConfigLoader, apply_overrides, config_path, read_config_file, shipped_or_path
 from configs.sweep import RESERVED_KEYS, _check_key
 
 STUDY_DIR = CONFIG_DIR / "studies"

@@ -44,7 +44,7 @@ from pathlib import Path, PurePosixPath
 
 import numpy as np
 
-from configs.schema import IMAGE_SOURCES
+from configs.data import IMAGE_SOURCES
 from data.sources import DATA_DIR, MANIFEST_VERSION
 from run import atomic
 

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from configs.schema import DataConfig
+from configs.data import DataConfig
 
 log = logging.getLogger(__name__)
 

@@ -106,7 +106,9 @@ def config_reference() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated when the site is built, from the pydantic models themselves (`configs/schema.py`, "
+        "Generated when the site is built, from the pydantic models themselves (`configs/schema.py` and "
+        "its sections, one module each: `configs/data.py`, `model.py`, `methods.py`, `runtime.py`, `chaos.py`, "
+        "`faults.py`, `finetune.py`, `eval.py`; "
         "`configs/sweep.py`, `configs/tune.py`): every section and field with its type, its default and "
         "the schema's description. Set a field in a YAML file or with `--set section.field=value`; "
         "`ddiloco validate FILE` checks a config without running it.",

@@ -30,7 +30,7 @@ import lm_eval  # noqa: E402
 from lm_eval.api import metrics as lm_metrics  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from configs.schema import EvalConfig  # noqa: E402
+from configs.eval import EvalConfig  # noqa: E402
 from evals.heldout_tasks import MC_TASK, PPL_TASK, build_heldout_tasks  # noqa: E402
 from evals.lm_adapter import JaxLM  # noqa: E402
 from run import atomic  # noqa: E402

@@ -25,7 +25,7 @@ app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel 
 
 
 def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
-    from configs.schema import parse_overrides
+    from configs.load import parse_overrides
 
     try:
         return parse_overrides(sets, option, example)
@@ -36,7 +36,7 @@ def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.l
 def _invalid(header: str, exc: ValidationError, overrides: dict | None = None) -> typer.Exit:
     """Print the validation errors as one line (field path first, ``;`` between them; a field given
     with ``--set`` named as such) and return the exit to raise."""
-    from configs.schema import validation_lines
+    from configs.load import validation_lines
 
     typer.echo(f"error: {header} " + "; ".join(validation_lines(exc, overrides)), err=True)
     return typer.Exit(2)
@@ -48,7 +48,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _load(config: str, sets: list[str]):
-    from configs.schema import config_path, load_config
+    from configs.load import config_path, load_config
 
     overrides = _parse_sets(sets)
     try:
@@ -218,6 +218,9 @@ def validate(
     """Check a config (the model it builds and its corpus) without running anything."""
     cfg, _ = _checked(config, set_)
     typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    typer.echo("derived (computed once from the fields above, configs.schema.ExperimentConfig.derived):")
+    for key, value in cfg.derived().items():
+        typer.echo(f"  {key}: {value}")
     typer.echo(
         f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} {cfg.unit}; "
         f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step"
@@ -397,7 +400,7 @@ def tune(
     Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed;
     2 refused before any work; 130/143 stopped by a signal (run it again to resume).
     """
-    from configs.schema import CONFIG_DIR
+    from configs.load import CONFIG_DIR
     from configs.sweep import sweep_problem
     from configs.tune import TuneSpec, load_study
 

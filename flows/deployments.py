@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from configs.schema import CONFIG_DIR, load_config_checked
+from configs.load import CONFIG_DIR, load_config_checked
 from configs.sweep import SWEEP_DIR, load_sweep
 from configs.tune import STUDY_DIR, load_study
 

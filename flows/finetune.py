@@ -18,7 +18,8 @@ from typing import Any
 from prefect import flow, get_run_logger
 from pydantic import ValidationError
 
-from configs.schema import ExperimentConfig, apply_overrides, validation_lines
+from configs.load import apply_overrides, validation_lines
+from configs.schema import ExperimentConfig
 from flows import run_logger
 from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested

@@ -21,7 +21,8 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import FailedRun
 from prefect.states import Cancelled, Failed, State
 
-from configs.schema import ExperimentConfig, resolve_config
+from configs.load import resolve_config
+from configs.schema import ExperimentConfig
 from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
 from flows.pretrain import pretrain_diloco, pretrain_dp
@@ -305,6 +306,7 @@ def pipeline(
         from training.mesh import backend_line  # (JAX has started: the preflight asked for its devices)
 
         logger.info("backend: %s; precision: %s", backend_line(), cfg.precision.describe())
+        logger.info("derived: %s", ", ".join(f"{k} {v}" for k, v in cfg.derived().items()))
         try:
             try:
                 manifest = shard_data_task(cfg, rd)

@@ -56,7 +56,8 @@ from prefect.futures import as_completed
 from prefect.states import Cancelled, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from configs.schema import ExperimentConfig, config_path, read_config_file
+from configs.load import config_path, read_config_file
+from configs.schema import ExperimentConfig
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
 from flows import run_logger
 from flows.preflight import check_config

@@ -40,7 +40,8 @@ from prefect.futures import wait
 from prefect.states import Cancelled, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from configs.schema import ExperimentConfig, config_path, read_config_file, validation_lines
+from configs.load import config_path, read_config_file, validation_lines
+from configs.schema import ExperimentConfig
 from configs.tune import METHODS, TuneSpec, load_study
 from flows import run_logger
 from run import atomic

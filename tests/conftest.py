@@ -29,7 +29,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def small_cfg():
     """The tiny config on the committed small corpus (:data:`SMALL_DATA`): no network."""
-    from configs.schema import load_config
+    from configs.load import load_config
 
     return load_config(ROOT / "configs" / "tiny.yaml", SMALL_DATA)
 

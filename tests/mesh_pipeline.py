@@ -50,7 +50,7 @@ def main() -> None:
     t0 = time.monotonic()
     import jax
 
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.pipeline import pipeline
     from flows.preflight import preflight
     from run.layout import RunLayout

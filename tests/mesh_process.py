@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs.schema import load_config  # noqa: E402
+from configs.load import load_config  # noqa: E402
 from models import InputShape, build_model  # noqa: E402
 from training.optimizers import make_inner_tx  # noqa: E402
 from training.step import Trainer  # noqa: E402

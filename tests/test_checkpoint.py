@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs.schema import DenseLMConfig
+from configs.model import DenseLMConfig
 from models import InputShape, build_model
 from training.checkpoint import (
     INTEGRITY_FILE,

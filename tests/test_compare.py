@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from configs.schema import load_config
+from configs.load import load_config
 from flows.cli import app
 from reports.compare import build_comparison
 from reports.read import ReportInputError

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from configs.schema import ExperimentConfig, load_config, validate_against_model
+from configs.load import load_config
+from configs.schema import ExperimentConfig, validate_against_model
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,7 +190,8 @@ def test_cli_rejects_bad_config_before_work(tmp_path):
 def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
     from pydantic import ValidationError
 
-    from configs.schema import ExperimentConfig, parse_overrides, validation_lines
+    from configs.load import parse_overrides, validation_lines
+    from configs.schema import ExperimentConfig
 
     assert parse_overrides(["diloco.learners=2", "data.paths=[a.txt, b.txt]", "eval.enabled=false"]) == {
         "diloco.learners": 2,
@@ -211,14 +213,14 @@ def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
 
 
 def test_override_below_a_single_value_is_refused(tmp_path):
-    from configs.schema import load_config
+    from configs.load import load_config
 
     with pytest.raises(ValueError, match=r"diloco.learners is a single value, not a section; set it directly"):
         load_config(ROOT / "configs" / "tiny.yaml", {"diloco.learners.x": 1})
 
 
 def test_scripts_get_one_error_line_for_any_bad_config(tmp_path):
-    from configs.schema import load_config_checked
+    from configs.load import load_config_checked
 
     with pytest.raises(ValueError, match="config file not found"):
         load_config_checked(tmp_path / "missing.yaml")
@@ -252,7 +254,8 @@ def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
     ``--set`` item (the file is not to blame); a file's own values are shown as given."""
     from pydantic import ValidationError
 
-    from configs.schema import ExperimentConfig, validation_lines
+    from configs.load import validation_lines
+    from configs.schema import ExperimentConfig
 
     overrides = {"diloco.learners": 0, "nosuch.field": 1}
     data = {"diloco": {"learners": 0}, "nosuch": {"field": 1}, "train": {"token_budget": -5}}
@@ -285,7 +288,7 @@ def test_more_explicit_chaos_faults_than_retries_are_refused_without_a_schedule(
 
 
 def test_a_key_set_twice_on_one_command_line_is_refused():
-    from configs.schema import parse_overrides
+    from configs.load import parse_overrides
 
     with pytest.raises(ValueError, match=r"--set diloco.learners is given twice \(2, then 3\)"):
         parse_overrides(["diloco.learners=2", "diloco.learners=3"])
@@ -296,7 +299,7 @@ def test_a_section_valued_override_merges_into_the_section(tmp_path):
     """`--set 'diloco={learners: 4}'` changes learners only; tiny's other diloco values stay (on the old
     code the section was replaced and sync_every fell back to the schema's 32). The same for a sweep
     axis whose values are sections."""
-    from configs.schema import parse_overrides
+    from configs.load import parse_overrides
     from configs.sweep import SweepSpec, cell_config, expand_cells
 
     tiny = load_config(ROOT / "configs" / "tiny.yaml")
@@ -332,3 +335,33 @@ def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
         "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, seeds, "
         "concurrency" in line
     )
+
+
+def test_validate_prints_every_derived_value():
+    """The values derived from a config (microbatches, steps, units) are computed once, by
+    ExperimentConfig.derived, and `ddiloco validate` prints each of them."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["validate", "tiny", "--set", "train.microbatch_size=2"])
+    assert result.exit_code == 0, result.output
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {"train.microbatch_size": 2})
+    derived = cfg.derived()
+    assert derived["learner_microbatches"] == cfg.diloco.batch_size // 2 > 1
+    assert derived["dp_microbatches"] == cfg.dp.batch_size // 2
+    assert derived["learner_steps"] * cfg.diloco.learners * derived["tokens_per_learner_step"] >= cfg.train.token_budget
+    for key, value in derived.items():
+        assert f"  {key}: {value}\n" in result.output, key
+
+
+def test_every_field_has_a_readable_title_for_the_ui_form():
+    """The Prefect UI's form shows each field's JSON-schema title: spelled out, with its unit."""
+    defs = ExperimentConfig.model_json_schema()["$defs"]
+    titles = {name: {k: v.get("title") for k, v in d.get("properties", {}).items()} for name, d in defs.items()}
+    assert titles["DiLoCoConfig"]["outer_lr"] == "Outer learning rate"
+    assert titles["DiLoCoConfig"]["heartbeat_timeout_s"] == "Heartbeat timeout (s)"
+    assert titles["RuntimeConfig"]["exchange_url"] == "Exchange URL"
+    assert titles["ChaosPlan"]["mtbf_s"] == "MTBF (s)"
+    assert titles["FailEvent"]["restart_delay_s"] == "Restart delay (s)"
+    assert all(t and t[0].isupper() and "_" not in t for d in titles.values() for t in d.values()), titles

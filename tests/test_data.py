@@ -18,7 +18,9 @@ import data.cursor as C
 import data.sources as S
 import data.store as St
 import data.text as T
-from configs.schema import DataConfig, DiLoCoConfig, ExperimentConfig
+from configs.data import DataConfig
+from configs.methods import DiLoCoConfig
+from configs.schema import ExperimentConfig
 
 WORDS = [
     "the",

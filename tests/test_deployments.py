@@ -45,7 +45,7 @@ RUN_TIMEOUT_S = 240
 
 
 def test_prefect_yaml_in_sync_with_configs():
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.deployments import PREFECT_YAML, problems
 
     assert problems() == [], "prefect.yaml is out of date; run `python -m flows.deployments`"
@@ -113,7 +113,7 @@ def test_deployments_check_names_what_is_out_of_date(tmp_path, capsys):
 
 
 def _flows_and_params():
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.goodput import goodput
     from flows.pipeline import pipeline
     from flows.pretrain import pretrain_diloco, pretrain_dp
@@ -393,7 +393,7 @@ def test_prefect_yaml_deploy_all(route_env, tmp_path):
     """`prefect deploy --all` from the repository's prefect.yaml: every deployment registered, with
     its parameters and form, the nightly sweep's schedule inactive. (A process worker running a
     prefect.yaml deployment, pipeline/tiny started from the UI form: tests/test_ui_browser.py.)"""
-    from configs.schema import load_config
+    from configs.load import load_config
 
     log = tmp_path / "deploy.log"
     _run([PREFECT, "work-pool", "create", "local-proc", "--type", "process", "--overwrite"], route_env, log, 60)

@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from configs.schema import DenseLMConfig
+from configs.model import DenseLMConfig
 from diloco.exchange import Submission
 from diloco.fragments import balanced_fragments, fragment_offsets, fragments_due
 from diloco.merge import merge_rda, merge_token_weighted, rda, token_weights
@@ -187,7 +187,7 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_dp_step():
 
 
 def test_default_model_fragments_within_four_thirds_of_ideal():
-    from configs.schema import load_config
+    from configs.load import load_config
 
     cfg = load_config("configs/default.yaml")
     model = build_model(cfg.model, InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)).init(0)

@@ -24,7 +24,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.model import LM, TemplateLM
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from configs.schema import DenseLMConfig, EvalConfig
+from configs.eval import EvalConfig
+from configs.model import DenseLMConfig
 from evals.heldout_tasks import build_heldout_tasks
 from evals.lm_adapter import JaxLM
 from models import InputShape, build_model

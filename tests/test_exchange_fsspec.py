@@ -317,7 +317,7 @@ def test_url_forms_fsspec_documents_work_or_are_refused_naming_the_form(tmp_path
 def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path, monkeypatch):
     """``runtime.exchange_url`` relative or with ``~``: the run's exchange URL is made absolute once, in
     the process that resolves it (worker processes may start elsewhere)."""
-    from configs.schema import load_config
+    from configs.load import load_config
     from training.diloco import exchange_url, with_absolute_exchange
 
     monkeypatch.chdir(tmp_path)
@@ -434,7 +434,7 @@ def test_an_exchange_url_that_cannot_be_written_is_refused_before_prefect_starts
 def test_the_exchange_url_check_leaves_nothing_behind(tmp_path):
     """A writable ``runtime.exchange_url`` passes the check, which leaves no probe object and no
     folder it created (the URL may lie in a run directory that must stay empty until the run)."""
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.preflight import check_runtime
 
     root = Path(__file__).resolve().parents[1]

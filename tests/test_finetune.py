@@ -88,7 +88,7 @@ def test_the_fine_tuning_loss_is_the_cross_entropy_of_the_masked_tokens():
     import optax
     from flax import nnx
 
-    from configs.schema import DenseLMConfig
+    from configs.model import DenseLMConfig
     from models.text.dense import DecoderLM, lm_objective
 
     cfg = DenseLMConfig(d_model=16, n_layers=1, n_heads=2, d_ff=32)
@@ -175,7 +175,7 @@ def test_lora_wraps_the_named_projections_and_merges_back():
     import jax.numpy as jnp
     from flax import nnx
 
-    from configs.schema import DenseLMConfig
+    from configs.model import DenseLMConfig
     from models.layers.lora import add_lora, is_adapter, merge_lora
     from models.text.dense import DecoderLM
     from training.functional import Functional, params_of
@@ -504,7 +504,7 @@ def test_repeated_pair_ids_are_refused_naming_both_lines(tmp_path):
         F.load_jsonl_pair_files([train, test])
     from pathlib import Path
 
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.preflight import check_finetune_inputs
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.schema import DenseLMConfig
+from configs.model import DenseLMConfig
 from data import finetune as F
 from tests.conftest import jsonl_finetune_run
 
@@ -57,7 +57,7 @@ def test_four_microbatches_give_the_whole_batch_update_on_a_masked_batch():
 def test_unpadded_batches_count_every_row_alike(family):
     """Pretraining's packed text rows and the vision families' labelled images: every row holds the
     same number of targets (L tokens, 1 image), so 4 microbatches give the one-pass update too."""
-    from configs.schema import ViTConfig
+    from configs.model import ViTConfig
     from models import InputShape, build_model
     from training.step import Trainer
 
@@ -205,7 +205,7 @@ def test_lora_alpha_scales_the_forward_pass_and_the_merge():
 
 
 def test_lora_alpha_is_a_finetune_field_defaulting_to_the_rank():
-    from configs.schema import FinetuneConfig
+    from configs.finetune import FinetuneConfig
 
     assert FinetuneConfig().lora_alpha is None
     assert FinetuneConfig(lora_rank=4, lora_alpha=16).lora_alpha == 16

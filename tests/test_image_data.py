@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from configs.schema import ExperimentConfig, validation_lines
+from configs.load import validation_lines
+from configs.schema import ExperimentConfig
 from data.images import load_image_rows, load_images, prepare_images, stratified_split
 
 

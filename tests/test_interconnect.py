@@ -89,7 +89,7 @@ def test_a_same_host_network_gives_back_the_measured_figures_and_links_add_to_th
 def test_the_config_section_refuses_bad_links_naming_the_field():
     from pathlib import Path
 
-    from configs.schema import load_config
+    from configs.load import load_config
 
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     assert load_config(tiny).network.bandwidth_gbps == 1.0

@@ -19,7 +19,8 @@ import pytest
 from flax import nnx
 from pydantic import BaseModel
 
-from configs.schema import DenseLMConfig, load_config
+from configs.load import load_config
+from configs.model import DenseLMConfig
 from diloco.exchange import InMemoryExchange, Submission
 from diloco.faults import Fail, LearnerFaults, SlowDown
 from diloco.fragments import balanced_fragments

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from configs.schema import ExperimentConfig, load_config
+from configs.load import load_config
+from configs.schema import ExperimentConfig
 from training.dp import dp_devices
 from training.mesh import BATCH, batch_mesh, learner_devices
 

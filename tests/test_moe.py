@@ -8,7 +8,9 @@ import optax
 import pytest
 from flax import nnx
 
-from configs.schema import ExperimentConfig, MoELMConfig, validation_lines
+from configs.load import validation_lines
+from configs.model import MoELMConfig
+from configs.schema import ExperimentConfig
 from models import InputShape, build_model
 from models.layers.mlp import SwiGLU
 from models.layers.moe import MoE, collect_stats, expert_capacity, moe_blocks, route

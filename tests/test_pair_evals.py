@@ -18,7 +18,7 @@ import pytest
 from flax import nnx
 from lm_eval.api.instance import Instance
 
-from configs.schema import DenseLMConfig
+from configs.model import DenseLMConfig
 from data.text import train_tokenizer
 from evals.lm_adapter import JaxLM
 from evals.pair_tasks import build_pair_tasks, evaluate_pairs

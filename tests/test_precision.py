@@ -14,7 +14,9 @@ import optax
 import pytest
 
 import diloco.syncer as syncer_module
-from configs.schema import DenseLMConfig, ExperimentConfig, MoELMConfig, PrecisionConfig, ViTConfig
+from configs.model import DenseLMConfig, MoELMConfig, ViTConfig
+from configs.runtime import PrecisionConfig
+from configs.schema import ExperimentConfig
 from diloco.fragments import balanced_fragments
 from diloco.learner import run_learner
 from diloco.pacing import FairTurns

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from configs.schema import ExperimentConfig, load_config
+from configs.load import load_config
+from configs.schema import ExperimentConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -173,7 +174,7 @@ def test_hub_dataset_while_offline_is_refused_before_prefect_starts(tmp_path):
 
 # -- 3. text that is not text is refused, unless its encoding is named -------------------------
 def test_latin1_and_binary_files_are_refused_naming_file_and_offset(tmp_path):
-    from configs.schema import DataConfig
+    from configs.data import DataConfig
     from data.sources import check_corpus
 
     latin = corpus(tmp_path, ["café ".encode("latin-1") * 200 for _ in range(6)])
@@ -252,7 +253,7 @@ def test_yaml_numbers_are_numbers(tmp_path):
 
 
 def test_config_by_shipped_name_or_path():
-    from configs.schema import config_path, resolve_config
+    from configs.load import config_path, resolve_config
 
     assert config_path("tiny") == ROOT / "configs" / "tiny.yaml"
     assert config_path(str(ROOT / "configs" / "tiny.yaml")).name == "tiny.yaml"
@@ -325,7 +326,7 @@ def test_goodput_never_writes_into_a_pipeline_run(tmp_path):
 
 
 def test_more_corpus_faults_are_one_line(tmp_path):
-    from configs.schema import DataConfig
+    from configs.data import DataConfig
     from data.sources import read_local
 
     with pytest.raises(ValidationError, match="'rot13' is not a known text encoding"):
@@ -390,7 +391,7 @@ def test_third_round_inputs(tmp_path):
     a folder with only someone's config.json, odd YAML keys and scalars, seeds out of range."""
     import yaml
 
-    from configs.schema import yaml_value
+    from configs.load import yaml_value
     from run.directory import check_run_dir
 
     finished_run(tmp_path / "X")

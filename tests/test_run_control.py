@@ -194,7 +194,7 @@ def test_the_local_dask_cluster_preloads_the_sigint_shield_and_it_absorbs_ctrl_c
     preload ``run.control``, whose ``dask_setup`` makes SIGINT do nothing there (here: in this
     process, where it would otherwise raise KeyboardInterrupt); the stop reaches their learners
     through the exchange. The whole stop on Dask was measured by hand (README: 14 s, exit 130)."""
-    from configs.schema import load_config
+    from configs.load import load_config
     from flows.engines import task_runner_for
     from run import control
 

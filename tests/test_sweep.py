@@ -576,7 +576,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
 def test_the_dp_digest_follows_what_dp_depends_on():
     """DiLoCo's settings, the runtime and the network leave DP's digest alone; DP's, the model's, the
     data's, the seed and the budget change it."""
-    from configs.schema import load_config
+    from configs.load import load_config
     from configs.sweep import dp_digest
 
     tiny = load_config(ROOT / "configs" / "tiny.yaml")
@@ -609,7 +609,7 @@ def test_runs_that_share_dp_train_and_evaluate_it_once(prefect_harness, small_da
     import shutil
 
     import flows.pipeline as P
-    from configs.schema import load_config
+    from configs.load import load_config
     from run.layout import RunLayout
 
     cfg = load_config(

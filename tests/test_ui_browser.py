@@ -251,7 +251,7 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
 
             assert deploy.wait(timeout=180) == 0, f"prefect deploy failed:\n{_tail(tmp_path / 'deploy.log')}"
             # the deployment as deployed holds the shipped config (configs/tiny.yaml through configs/schema.py)
-            from configs.schema import CONFIG_DIR, load_config
+            from configs.load import CONFIG_DIR, load_config
 
             shipped = load_config(CONFIG_DIR / "tiny.yaml").model_dump(mode="json")
             deployed = _in_api(api, lambda client: client.read_deployment_by_name("pipeline/tiny")).parameters

@@ -5,7 +5,9 @@ import numpy as np
 import optax
 import pytest
 
-from configs.schema import ExperimentConfig, ViTConfig, ViTMoEConfig, validation_lines
+from configs.load import validation_lines
+from configs.model import ViTConfig, ViTMoEConfig
+from configs.schema import ExperimentConfig
 from models import InputShape, build_model
 from models.layers.moe import moe_blocks
 from models.vision.vit import patchify

@@ -258,7 +258,8 @@ def test_state_dict_round_trip_with_int4_pending_submissions():
 def test_config_names_the_wire_format():
     from pydantic import ValidationError
 
-    from configs.schema import ExperimentConfig, load_config
+    from configs.load import load_config
+    from configs.schema import ExperimentConfig
     from tests.conftest import ROOT
 
     cfg = load_config(ROOT / "configs" / "default.yaml", {"diloco.wire.dtype": "int4", "diloco.wire.block_size": 64})

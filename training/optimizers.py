@@ -8,7 +8,7 @@ import optax
 def lr_schedule(cfg, total_steps: int) -> optax.Schedule:
     """Linear warmup over ``warmup_steps`` then cosine decay to ``final_lr_frac``·lr at ``total_steps``.
 
-    ``cfg``: a ``configs.schema.InnerOptConfig``. Steps are optimizer updates (inner steps).
+    ``cfg``: a ``configs.methods.InnerOptConfig``. Steps are optimizer updates (inner steps).
     """
     warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
     return optax.warmup_cosine_decay_schedule(

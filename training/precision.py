@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from configs.schema import PrecisionConfig
+from configs.runtime import PrecisionConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -93,7 +93,7 @@ class Dtypes(NamedTuple):
 
 
 def dtypes(policy: PrecisionConfig | None) -> Dtypes | None:
-    """The dtypes of ``policy`` (a ``configs.schema.PrecisionConfig``, the config's ``precision``);
+    """The dtypes of ``policy`` (a ``configs.runtime.PrecisionConfig``, the config's ``precision``);
     None for the all-float32 policy (and for None): nothing is cast, the step is the one it always
     was (the golden losses)."""
     if policy is None or policy.params == policy.compute == policy.opt_state == "float32":

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from configs.schema import PrecisionConfig
+from configs.runtime import PrecisionConfig
 from models.spec import ModelSpec
 from training.functional import Functional
 from training.mesh import (
@@ -246,7 +246,7 @@ class Trainer:
     ``init_opt(params)`` a fresh optimizer state, both placed where the step runs (replicated over
     the devices when there are several).
 
-    ``precision`` (``configs.schema.PrecisionConfig``; None: all float32): the parameters are kept in
+    ``precision`` (``configs.runtime.PrecisionConfig``; None: all float32): the parameters are kept in
     its ``params`` dtype (initialised in float32, then cast), both steps compute in ``compute``, and
     ``tx``'s state is kept in ``opt_state`` (``self.tx`` is the wrapped optimizer).
     """

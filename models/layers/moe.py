@@ -203,7 +203,7 @@ def collect_stats(intermediates) -> list[dict[str, jax.Array]]:
     return [stats for _, stats in found]
 
 
-# -- what every MoE model kind shares (cfg: a config with the fields of configs.schema.MoEFields,
+# -- what every MoE model kind shares (cfg: a config with the fields of configs.model.MoEFields,
 #    plus d_model, d_ff and n_layers) ----------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ from models.spec import BatchLayout, InputShape, ModelSpec, count_params, regist
 class DecoderLM(nnx.Module):
     """Pre-norm decoder LM. ``__call__(ids: int32[B, L]) -> logits: float32[B, L, V]``.
 
-    ``cfg``: a ``configs.schema.DenseLMConfig`` (d_model, n_layers, n_heads, d_ff, tie_embeddings,
+    ``cfg``: a ``configs.model.DenseLMConfig`` (d_model, n_layers, n_heads, d_ff, tie_embeddings,
     rope_theta). ``make_mlp(i)`` builds block i's feed-forward layer (default: a SwiGLU of width
     d_ff; the MoE LM puts :class:`models.layers.moe.MoE` in some blocks). ``features(ids)`` is
     everything before the output projection (final-normed ``float32[B, L, D]``) and

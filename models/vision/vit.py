@@ -51,7 +51,7 @@ def patchify(images_BHWC: jax.Array, patch: int) -> jax.Array:
 class ViT(nnx.Module):
     """``__call__(images: [B, H, W, C] any numeric dtype) -> logits float32[B, K]``.
 
-    ``cfg``: ``configs.schema.ViTConfig`` (d_model, n_layers, n_heads, d_ff, patch_size, pool,
+    ``cfg``: ``configs.model.ViTConfig`` (d_model, n_layers, n_heads, d_ff, patch_size, pool,
     rope_theta). ``make_mlp(i)``: block i's feed-forward layer (default SwiGLU of width d_ff).
     Parameters: ``patch/kernel [P·P·C, D]``, ``patch/bias [D]``, ``cls [1, 1, D]`` (pool ``cls``),
     ``blocks/<i>/…``, ``final_norm/scale``, ``head/kernel [D, K]``, ``head/bias [K]``.

@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 def golden_config():
     """The tiny config on the committed corpus, DiLoCo without momentum (M=3, P=3, H=4); no play held
     out for fine-tuning (the pretraining data the losses were recorded on)."""
-    from configs.schema import load_config
+    from configs.load import load_config
 
     return load_config(
         ROOT / "configs" / "tiny.yaml",

@@ -1,0 +1,330 @@
+"""Loading a config: YAML files (YAML 1.2 scalars, no duplicate keys), shipped names or paths,
+``--set`` overrides, and validation errors rewritten as one line per field naming the fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ValidationError,
+)
+
+from configs.base import Strict as _Strict
+from configs.model import MODEL_KINDS
+from configs.schema import ExperimentConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 core-schema scalars and no duplicate keys.
+
+    PyYAML follows YAML 1.1, where ``3e-4`` is a string, ``010`` is 8 (octal), ``1:30`` is 90
+    (base 60) and ``yes``/``on`` are booleans. Here numbers are YAML 1.2 (``3e-4`` a float, ``010``
+    ten, ``1:30`` a string; ``_`` between digits is allowed, as in Python), only ``true``/``false``
+    are booleans, and a key given twice in one mapping is an error instead of the last one winning.
+    """
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain name, not {type(key).__name__}", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+ConfigLoader.yaml_implicit_resolvers = {
+    first: [
+        (tag, rx)
+        for tag, rx in resolvers
+        if tag
+        not in (
+            "tag:yaml.org,2002:bool",
+            "tag:yaml.org,2002:int",
+            "tag:yaml.org,2002:float",
+            "tag:yaml.org,2002:timestamp",
+        )
+    ]  # YAML 1.2 core has no dates: 2001-12-14 is a string
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?[0-9][0-9_]*|0o[0-7][0-7_]*|0x[0-9a-fA-F][0-9a-fA-F_]*)$"),
+    list("-+0123456789"),
+)
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*\.[0-9_]*|\.[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)?
+                |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+                |[-+]?\.(?:inf|Inf|INF)
+                |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _construct_int(loader, node):
+    text = loader.construct_scalar(node).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    text = text.lstrip("+-")
+    if text.startswith("0o"):
+        return sign * int(text[2:], 8)
+    if text.startswith("0x"):
+        return sign * int(text[2:], 16)
+    return sign * int(text, 10)  # YAML 1.2: a leading zero is still decimal
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+
+
+def yaml_value(text: str) -> Any:
+    """One YAML scalar or flow collection, parsed like a config file's values (``3e-4`` → float)."""
+    return yaml.load(text, Loader=ConfigLoader)
+
+
+def config_path(name_or_path: str | Path) -> Path:
+    """A shipped config's name (``default``, ``tiny``, ``failure``: ``configs/<name>.yaml``) or a
+    path to a YAML file. Raises ``FileNotFoundError`` naming both places looked at."""
+    return shipped_or_path(name_or_path, CONFIG_DIR, "config")
+
+
+def shipped_or_path(name_or_path: str | Path, folder: Path, what: str) -> Path:
+    """``name_or_path`` if it is a file, else ``folder/<name>.yaml`` (a shipped ``what``: config,
+    sweep). Raises ``FileNotFoundError`` naming both places looked at and the shipped names."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    shipped = folder / f"{name_or_path}.yaml"
+    if re.fullmatch(r"[A-Za-z0-9_.-]+", str(name_or_path)) and shipped.is_file():
+        return shipped
+    names = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+    raise FileNotFoundError(
+        f"{what} file not found: {name_or_path} (neither a file nor a shipped {what}; shipped: {names})"
+    )
+
+
+def apply_overrides(raw: dict, overrides: dict | None) -> dict:
+    """``raw`` with dotted keys (``{"diloco.learners": 2}``) set; returns a new dict.
+
+    A mapping given for a section merges into it, key by key at every depth (``diloco={learners: 4}``
+    sets ``diloco.learners`` and keeps the file's other ``diloco`` values, like ``diloco.learners=4``);
+    any other value (a number, a string, a list) replaces what was there.
+    Raises ``ValueError`` when a key goes below a single value (``diloco.learners.x``)."""
+    import copy
+
+    raw = copy.deepcopy(raw)
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = str(key).split(".")
+        for i, part in enumerate(parents):
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(
+                    f"--set {key}: {'.'.join(parents[: i + 1])} is a single value, not a section; "
+                    f"set it directly ({'.'.join(parents[: i + 1])}=...)"
+                )
+        node[leaf] = _merged(node.get(leaf), copy.deepcopy(value))
+    return raw
+
+
+def _merged(old, new):
+    """``new`` deep-merged into ``old`` when both are mappings (``new``'s keys win), else ``new``. A
+    mapping that names another ``kind`` (a model family) replaces the section: the old family's
+    fields would not fit the new one."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return new
+    if "kind" in new and new["kind"] != old.get("kind", new["kind"]):
+        return new
+    return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw mapping of a YAML config file (read with :class:`ConfigLoader`).
+
+    Raises ``FileNotFoundError`` for a missing file, ``yaml.YAMLError`` for malformed YAML, and
+    ``ValueError`` for an empty file (or one holding only comments: it would silently mean the
+    schema's defaults) or a top level that is not a mapping.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path} is not UTF-8 text (byte at offset {exc.start}); a config is a YAML text file"
+        ) from None
+    raw = yaml.load(text, Loader=ConfigLoader)
+    if raw is None:
+        raise ValueError(
+            f"{path} is empty (or holds only comments): an empty config would run the schema's "
+            "defaults, not what you meant; write the sections to use, e.g. start from configs/default.yaml"
+        )
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping of config sections")
+    return raw
+
+
+def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
+    """Read a YAML file into an :class:`ExperimentConfig`.
+
+    ``overrides`` are dotted keys (``{"diloco.learners": 2}``) applied before validation.
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for an empty one and
+    ``pydantic.ValidationError`` (naming the field) for bad content.
+    """
+    return ExperimentConfig.model_validate(apply_overrides(read_config_file(path), overrides))
+
+
+def resolve_config(
+    config: ExperimentConfig | dict | None = None,
+    config_file: str | None = None,
+    overrides: dict | None = None,
+) -> ExperimentConfig:
+    """The config a flow run uses: ``config_file`` (a shipped config's name or a YAML path) if
+    given, else ``config`` (field by field, as the UI form sends it), with dotted ``overrides``
+    applied last. Raises ``FileNotFoundError``/``ValueError``/``pydantic.ValidationError`` naming
+    the file or field."""
+    if config_file:
+        raw = read_config_file(config_path(config_file))
+    elif isinstance(config, ExperimentConfig):
+        if not overrides:
+            return config
+        raw = config.model_dump(mode="json")
+    else:
+        raw = dict(config or {})
+    return ExperimentConfig.model_validate(apply_overrides(raw, overrides))
+
+
+def load_config_checked(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
+    """:func:`load_config` for scripts: every input error becomes one ``ValueError`` whose message
+    names the file or field(s) and the fix (missing file, malformed YAML, schema violations)."""
+    try:
+        return load_config(path, overrides)
+    except ValidationError as exc:
+        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc, overrides))) from None
+    except (FileNotFoundError, yaml.YAMLError) as exc:
+        raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
+
+
+def parse_overrides(items: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
+    """``["diloco.learners=2", "seeds=5"]`` → ``{"diloco.learners": 2, "seeds": 5}`` (values parsed as YAML).
+
+    Raises ``ValueError`` naming the option and the item that is not ``key=value``, or the key given
+    twice (the later value would silently win; a YAML file refuses a repeated key the same way).
+    """
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"{option} expects key=value (e.g. {example}), got {item!r}")
+        try:
+            parsed = yaml_value(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{option} {item!r}: the value is not valid YAML ({' '.join(str(exc).split())})") from None
+        if key in out:
+            raise ValueError(f"{option} {key} is given twice ({out[key]!r}, then {parsed!r}); give each key once")
+        out[key] = parsed
+    return out
+
+
+# keys of earlier versions of this schema -> what replaced them (named when an old config uses them)
+RENAMED = {
+    "diloco.keep_in_flight": "replaced by diloco.receipt: keep_in_flight (or overwrite, mix)",
+}
+
+
+def validation_lines(exc: ValidationError, overrides: dict | None = None, option: str = "--set") -> list[str]:
+    """One line per validation error, the field path first (no pydantic boilerplate), with the value
+    given; an error in a field that ``overrides`` set (dotted keys, as :func:`parse_overrides`
+    returns) names it as ``option key=value``, so a refusal points at the command line, not the file."""
+    lines = []
+    for err in exc.errors():
+        parts = list(err["loc"])
+        member = None
+        if len(parts) >= 2 and parts[0] == "model" and parts[1] in MODEL_KINDS:
+            member = MODEL_KINDS[parts.pop(1)]  # pydantic puts the union member's tag in the path
+        err = {**err, "loc": tuple(parts)}
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        section_keys = _valid_keys(exc.title, err["loc"]) if err["type"] == "model_type" else []
+        if section_keys:  # a value where a section belongs, e.g. `precision: bfloat16`
+            value = err.get("input")
+            shown = ", ".join(f"{loc}.{k}" for k in section_keys[:6]) + (", …" if len(section_keys) > 6 else "")
+            msg = f"is a section, not a value (got {value!r}); set its keys: {shown}"
+        elif err["type"].endswith("_type") and "input" in err and not isinstance(err["input"], (dict, list)):
+            value = err["input"]  # strict types: say what was given, e.g. `true` where a number belongs
+            if err["type"] == "list_type":  # e.g. `seeds=3` where a list belongs
+                msg += f" (got {value!r}; write a YAML list, e.g. [{value!r}] or [0, 1, 2])"
+            else:
+                msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
+        elif (
+            err["type"] != "extra_forbidden"
+            and isinstance(err.get("input"), (str, int, float))
+            and loc not in (overrides or {})
+        ):  # (a --set value is shown below)
+            msg += f" (got {err['input']!r})"  # e.g. `float16` where float32 or bfloat16 belongs
+        if err["type"] == "model_kind":
+            given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
+            loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
+        if err["type"] == "extra_forbidden":
+            if member is not None and len(parts) == 2:
+                owners = [k for k, c in MODEL_KINDS.items() if parts[1] in c.model_fields]
+                if owners:
+                    msg += f" for kind {member.model_fields['kind'].default} (a field of kind: {', '.join(owners)})"
+            if loc in RENAMED:
+                msg += f" ({RENAMED[loc]})"
+            keys = list(member.model_fields) if member and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
+            if keys:
+                msg += f" (valid keys here: {', '.join(keys)})"
+        given = [k for k in (overrides or {}) if loc == k or loc.startswith(k + ".") or k.startswith(loc + ".")]
+        if given:
+            value = overrides[given[0]]
+            msg += f" (from {option} {given[0]}={value if isinstance(value, str) else repr(value)})"
+        if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
+            lines.append(msg)
+        else:
+            lines.append(f"{loc}: {msg}" if loc else msg)
+    return lines
+
+
+def _valid_keys(title: str, loc: tuple) -> list[str]:
+    """The field names of the config section at ``loc`` (empty when it cannot be resolved, e.g.
+    inside a list such as ``chaos.events``)."""
+
+    def is_section(x) -> bool:
+        return isinstance(x, type) and issubclass(x, BaseModel)
+
+    section = {"ExperimentConfig": ExperimentConfig}.get(title) or _strict_model(title)
+    for part in loc:
+        field = section.model_fields.get(str(part)) if is_section(section) else None
+        section = field.annotation if field else None
+    return list(section.model_fields) if is_section(section) else []
+
+
+def _strict_model(title: str) -> type[BaseModel] | None:
+    """The strict model class (a subclass of ``_Strict``, e.g. ``configs.sweep.SweepSpec``) whose
+    validation errors carry ``title``, or None."""
+    todo = list(_Strict.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if cls.__name__ == title:
+            return cls
+        todo += cls.__subclasses__()
+    return None
