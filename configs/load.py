@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from configs.base import Strict as _Strict
+from configs.data import DATA_MODALITIES, IMAGE_SOURCES, TEXT_SOURCES
 from configs.model import MODEL_KINDS
 from configs.schema import ExperimentConfig
 
@@ -257,9 +258,11 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
     lines = []
     for err in exc.errors():
         parts = list(err["loc"])
-        member = None
+        member = data_member = None
         if len(parts) >= 2 and parts[0] == "model" and parts[1] in MODEL_KINDS:
             member = MODEL_KINDS[parts.pop(1)]  # pydantic puts the union member's tag in the path
+        if len(parts) >= 2 and parts[0] == "data" and parts[1] in DATA_MODALITIES:
+            data_member = DATA_MODALITIES[parts.pop(1)]
         err = {**err, "loc": tuple(parts)}
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
@@ -283,6 +286,9 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
         if err["type"] == "model_kind":
             given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
             loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
+        if err["type"] == "data_source":
+            given = err["input"].get("source") if isinstance(err["input"], dict) else err["input"]
+            loc, msg = "data.source", f"{given!r} is unknown; choose one of {', '.join(TEXT_SOURCES + IMAGE_SOURCES)}"
         if err["type"] == "extra_forbidden":
             if member is not None and len(parts) == 2:
                 owners = [k for k, c in MODEL_KINDS.items() if parts[1] in c.model_fields]
@@ -290,7 +296,8 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
                     msg += f" for kind {member.model_fields['kind'].default} (a field of kind: {', '.join(owners)})"
             if loc in RENAMED:
                 msg += f" ({RENAMED[loc]})"
-            keys = list(member.model_fields) if member and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
+            owner = member or data_member
+            keys = list(owner.model_fields) if owner and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
         given = [k for k in (overrides or {}) if loc == k or loc.startswith(k + ".") or k.startswith(loc + ".")]

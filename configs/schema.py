@@ -18,7 +18,7 @@ from pydantic import (
 
 from configs.base import _Strict
 from configs.chaos import ChaosConfig, ChaosSchedule, draw_schedule, load_schedule
-from configs.data import DataConfig
+from configs.data import DataConfig, TextDataConfig
 from configs.eval import EvalConfig
 from configs.faults import LEARNER_FAILURES, FaultEvent, KillEvent, SyncerFailEvent
 from configs.finetune import FinetuneConfig
@@ -40,7 +40,7 @@ class ExperimentConfig(_Strict):
         "one run with `seed` (no interval)",
     )
     run_root: str = Field("runs", description="local folder holding run directories")
-    data: DataConfig = DataConfig()
+    data: DataConfig = Field(default_factory=TextDataConfig)
     model: ModelConfig = Field(default_factory=DenseLMConfig, description="the model family and its shape")
     diloco: DiLoCoConfig = DiLoCoConfig()
     dp: DPConfig = DPConfig()

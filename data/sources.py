@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from configs.data import DataConfig
+from configs.data import TextDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ Document = dict[str, str]  # {"title": str, "text": str}
 # ---------------------------------------------------------------------------------------------
 
 
-def default_cache_dir(data_cfg: DataConfig | None = None) -> Path:
+def default_cache_dir(data_cfg: TextDataConfig | None = None) -> Path:
     """Where downloaded corpora are cached.
 
     Order: ``data.cache_dir`` if set, else the environment variable ``DDILOCO_CACHE_DIR``, else
@@ -371,7 +371,7 @@ def read_hf(name: str, split: str = "train", text_field: str = "text") -> list[D
     return _rows_to_docs(ds, text_field, name, f"data.hf_name {name!r}")
 
 
-def load_documents(data_cfg: DataConfig) -> tuple[list[Document], dict]:
+def load_documents(data_cfg: TextDataConfig) -> tuple[list[Document], dict]:
     """Load the corpus named by ``data_cfg.source``.
 
     Returns ``(documents, info)`` where ``info`` holds ``source`` and, for ``shakespeare``,
@@ -426,7 +426,7 @@ def check_hf_reachable(
         ) from None
 
 
-def check_corpus(data_cfg: DataConfig) -> dict:
+def check_corpus(data_cfg: TextDataConfig) -> dict:
     """Every check of the corpus that can run before the pipeline starts; returns counts.
 
     Loads the documents (local files and the embedded corpus; a Hugging Face name is only checked

@@ -69,6 +69,15 @@ def _default(field) -> str:
         return f"`{value!r}`"
 
 
+def _member_tag(model: type[BaseModel]) -> str:
+    """How a union member is picked: its ``kind`` or ``source`` literal(s), e.g. "kind: vit"."""
+    for name in ("kind", "source"):
+        field = model.model_fields.get(name)
+        if field is not None and typing.get_origin(field.annotation) is typing.Literal:
+            return f"{name}: {' | '.join(str(v) for v in typing.get_args(field.annotation))}"
+    return ""
+
+
 def _section(model: type[BaseModel], path: str, level: int, out: list[str], kind: str = "") -> None:
     doc = inspect.getdoc(model) if model.__doc__ else ""
     if path:  # a top-level model's table sits under its page section's heading
@@ -85,12 +94,11 @@ def _section(model: type[BaseModel], path: str, level: int, out: list[str], kind
         )
         subs = _models_in(field.annotation)
         suffix, tp = "", field.annotation
-        while typing.get_origin(tp) in (list, dict):  # chaos.failures[], study space.<key>.<key>
+        while typing.get_origin(tp) in (list, dict):  # chaos.events[], study space.<key>.<key>
             suffix += "[]" if typing.get_origin(tp) is list else ".<key>"
             tp = typing.get_args(tp)[-1]
-        for sub in subs:  # a union's members are told apart by their `kind`
-            tag = sub.model_fields.get("kind")
-            nested.append((sub, key + suffix, f"kind: {tag.default}" if len(subs) > 1 and tag else ""))
+        for sub in subs:  # a union's members are told apart by their `kind` (model, chaos events) or `source` (data)
+            nested.append((sub, key + suffix, _member_tag(sub) if len(subs) > 1 else ""))
     out.append("")
     for sub, key, tag in nested:
         _section(sub, key, min(level + 1, 4), out, tag)

