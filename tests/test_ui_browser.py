@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 
+from configs.base import field_title
 from reports.artifacts import artifact_key
 from tests.test_deployments import FAST, RUN_TIMEOUT_S, _start, _stop, _tail
 
@@ -65,11 +66,10 @@ CHROMIUM_ARGS = [
 BENIGN_REQUEST_FAILURES = ("net::ERR_ABORTED",)
 # The custom-run form's fields checked against configs/tiny.yaml, as (label, dotted config key): the
 # form shows them as the deployment's parameters; the whole config is compared through the API.
-# Labels are the fields' titles; each of these differs from the schema's default in configs/tiny.yaml.
+# Labels are the fields' titles (configs.base.field_title: "Sync every", "Token budget"); each of these
+# differs from the schema's default in configs/tiny.yaml.
 FORM_FIELDS = [
-    ("Learners", "diloco.learners"),
-    ("Sync Every", "diloco.sync_every"),
-    ("Token Budget", "train.token_budget"),
+    (field_title(key.split(".")[1]), key) for key in ("diloco.learners", "diloco.sync_every", "train.token_budget")
 ]
 
 
