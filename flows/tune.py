@@ -188,6 +188,22 @@ def tune_report(record: dict, study_dir: str) -> str:
     return build_study_report(record, Path(study_dir))
 
 
+def _enqueue_once(study, params: dict) -> bool:
+    """Enqueue a trial of ``params`` unless one is already completed or waiting with them; True when
+    enqueued. (A waiting trial's ``params`` are empty until it starts: its settings are Optuna's
+    ``fixed_params`` system attribute. Reading ``params`` alone enqueued the base settings again at
+    every resume, so one study ran them three times.)"""
+    from optuna.trial import TrialState
+
+    def planned(t) -> dict:
+        return t.system_attrs.get("fixed_params", t.params)
+
+    if any(planned(t) == params for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING)):
+        return False
+    study.enqueue_trial(params)  # the shipped settings first: tuning never ends worse than them
+    return True
+
+
 def _run_trials(
     spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str, logger
 ) -> None:
@@ -207,12 +223,7 @@ def _run_trials(
                 name,
                 t.number,
             )
-    if (
-        spec.from_base
-        and (base := spec.base_params(method, raw, variant)) is not None
-        and not any(t.params == base for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING))
-    ):
-        study.enqueue_trial(base)  # the shipped settings first: tuning never ends worse than them
+    if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and _enqueue_once(study, base):
         logger.info("%s: the base config's settings %s are tried first", name, base)
     dists = _distributions(spec.space[method])
     failed = 0

@@ -149,6 +149,25 @@ def test_running_a_study_again_resumes_it(study):
         tune(spec=other)
 
 
+def test_the_base_settings_are_enqueued_once_however_often_a_study_resumes():
+    """A study stopped before its base trial ran, and resumed twice, holds one waiting base trial (on
+    the old code each resume enqueued it again: the m_ladder study ran its M = 8 base settings three
+    times); once that trial completed it is not enqueued again."""
+    import optuna
+
+    from flows.tune import _enqueue_once
+
+    study = optuna.create_study()
+    base = {"diloco.inner.lr": 0.0047, "diloco.sync_every": 8}
+    assert [_enqueue_once(study, base) for _ in range(3)] == [True, False, False]
+    assert len(study.trials) == 1
+    trial = study.ask()
+    assert trial.params == {} and trial.system_attrs["fixed_params"] == base
+    study.tell(trial, 1.0)
+    assert not _enqueue_once(study, base) and len(study.trials) == 1
+    assert _enqueue_once(study, {**base, "diloco.sync_every": 4})
+
+
 def test_the_cli_names_an_experiment_config_given_as_a_study(tmp_path):
     from tests.test_refusals import cli, one_line_refusal
 
