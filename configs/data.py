@@ -53,13 +53,10 @@ def _drop_other_modality(data: Any, other: dict, other_name: str) -> Any:
 
 
 class _DataFields(_Strict):
-    source: str  # first in a dump; each member narrows it
-    paths: list[str] = Field(
-        default_factory=list,
-        description="local files for source=local; for imagefolder the "
-        "folder of class sub-folders (optionally below train/, val/, test/), or a zip/tar of it",
-    )
-    hf_name: str | None = Field(None, description="Hugging Face dataset name (or a local dataset folder) for source=hf")
+    # the fields both members have, in dump order (each member narrows source and words the others)
+    source: str
+    paths: list[str] = Field(default_factory=list)
+    hf_name: str | None = None
     hf_split: str = Field("train", description="split of the Hugging Face dataset to read")
     cache_dir: str | None = Field(
         default=None, description="where downloaded corpora are cached; default ~/.cache/ddiloco"
@@ -76,9 +73,12 @@ class TextDataConfig(_DataFields):
 
     source: Literal["shakespeare", "local", "hf"] = Field(
         "shakespeare",
-        description="text: shakespeare (embedded default corpus), local (data.paths) or hf "
-        "(data.hf_name); images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])",
+        description="shakespeare (the embedded default corpus), local (data.paths) or hf (data.hf_name); an image "
+        "source (digits, hf_images, imagefolder) picks the image data section instead",
     )
+    paths: list[str] = Field(default_factory=list, description="source=local: .txt, .jsonl or .parquet files")
+    hf_name: str | None = Field(None, description="source=hf: a Hugging Face dataset name (or a local dataset folder)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the held-out document split")
     text_field: str = Field("text", description="column holding the text in .jsonl/.parquet files and hub datasets")
     encoding: str | None = Field(
         None,
@@ -127,12 +127,19 @@ class ImageDataConfig(_DataFields):
     """Images: ``digits`` (scikit-learn's bundled 8×8 digits, no network), ``hf_images``
     (``hf_name``: an image dataset with ``image_column`` and ``label_column``; needs the hub) or
     ``imagefolder`` (``paths[0]``: a folder of class sub-folders, optionally below ``train/``,
-    ``val/``, ``test/`` split folders, or a zip/tar archive of one; ``data/images.py``). Images
-    become ``channels`` channels."""
+    ``val/``, ``test/`` split folders, or a zip/tar archive of one; ``data/images.py``). Every image
+    is converted to ``channels`` channels."""
 
     source: Literal["digits", "hf_images", "imagefolder"] = Field(
-        description="images: digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])"
+        description="digits (embedded), hf_images (data.hf_name) or imagefolder (data.paths[0])"
     )
+    paths: list[str] = Field(
+        default_factory=list,
+        description="source=imagefolder: one folder of class sub-folders (optionally below train/, val/, test/), "
+        "or a zip/tar archive of one",
+    )
+    hf_name: str | None = Field(None, description="source=hf_images: a Hugging Face image dataset name")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the stratified validation and test split")
     image_column: str = Field("image", description="column holding the images (hf_images)")
     label_column: str = Field("label", description="column holding the integer class labels (hf_images)")
     image_size: PositiveInt | None = Field(

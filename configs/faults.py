@@ -24,9 +24,19 @@ Plain pydantic; of ours only the titles of its fields (``configs.base.field_titl
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    Tag,
+    model_validator,
+)
 
 from configs.base import field_title
 
@@ -150,9 +160,30 @@ class SyncerFailEvent(_Event):
     )
 
 
+EVENT_KINDS: dict[str, type[_Event]] = {
+    "fail": FailEvent,
+    "kill": KillEvent,
+    "slowdown": SlowdownEvent,
+    "corrupt": CorruptEvent,
+    "presence": PresenceEvent,
+    "syncer_fail": SyncerFailEvent,
+}
+
+
+def _event_kind(value: object) -> str | None:
+    """The member of the event union a value belongs to: its ``kind`` (None: unknown or missing)."""
+    kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+    return kind if kind in EVENT_KINDS else None
+
+
+# One chaos event, picked by its ``kind`` (an unknown or missing kind names the six).
 FaultEvent = Annotated[
-    FailEvent | KillEvent | SlowdownEvent | CorruptEvent | PresenceEvent | SyncerFailEvent,
-    Field(discriminator="kind"),
+    Union[tuple(Annotated[cls, Tag(kind)] for kind, cls in EVENT_KINDS.items())],  # noqa: UP007
+    Discriminator(
+        _event_kind,
+        custom_error_type="event_kind",
+        custom_error_message=f"unknown chaos event kind; choose one of {', '.join(EVENT_KINDS)}",
+    ),
 ]
 LEARNER_FAILURES = (FailEvent, KillEvent)
 

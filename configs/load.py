@@ -15,6 +15,7 @@ from pydantic import (
 
 from configs.base import Strict as _Strict
 from configs.data import DATA_MODALITIES, IMAGE_SOURCES, TEXT_SOURCES
+from configs.faults import EVENT_KINDS
 from configs.model import MODEL_KINDS
 from configs.schema import ExperimentConfig
 
@@ -258,13 +259,18 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
     lines = []
     for err in exc.errors():
         parts = list(err["loc"])
-        member = data_member = None
+        # pydantic puts a union member's tag in the path: drop it, keep the member (its fields are the
+        # valid keys) and the depth of its own fields
+        member = owner = None
+        depth = 2
         if len(parts) >= 2 and parts[0] == "model" and parts[1] in MODEL_KINDS:
-            member = MODEL_KINDS[parts.pop(1)]  # pydantic puts the union member's tag in the path
+            member = owner = MODEL_KINDS[parts.pop(1)]
         if len(parts) >= 2 and parts[0] == "data" and parts[1] in DATA_MODALITIES:
-            data_member = DATA_MODALITIES[parts.pop(1)]
+            owner = DATA_MODALITIES[parts.pop(1)]
+        if len(parts) >= 4 and parts[:2] == ["chaos", "events"] and parts[3] in EVENT_KINDS:
+            owner, depth = EVENT_KINDS[parts.pop(3)], 4
         err = {**err, "loc": tuple(parts)}
-        loc = ".".join(str(x) for x in err["loc"])
+        loc = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in parts).lstrip(".")  # chaos.events[0].kind
         msg = err["msg"].removeprefix("Value error, ")
         section_keys = _valid_keys(exc.title, err["loc"]) if err["type"] == "model_type" else []
         if section_keys:  # a value where a section belongs, e.g. `precision: bfloat16`
@@ -286,6 +292,11 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
         if err["type"] == "model_kind":
             given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
             loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
+        if err["type"] == "event_kind":
+            given = err["input"].get("kind") if isinstance(err["input"], dict) else None
+            loc = f"{loc}.kind"
+            msg = f"{given!r} is unknown" if given is not None else "is missing"
+            msg += f"; choose one of {', '.join(EVENT_KINDS)}"
         if err["type"] == "data_source":
             given = err["input"].get("source") if isinstance(err["input"], dict) else err["input"]
             loc, msg = "data.source", f"{given!r} is unknown; choose one of {', '.join(TEXT_SOURCES + IMAGE_SOURCES)}"
@@ -296,11 +307,15 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
                     msg += f" for kind {member.model_fields['kind'].default} (a field of kind: {', '.join(owners)})"
             if loc in RENAMED:
                 msg += f" ({RENAMED[loc]})"
-            owner = member or data_member
-            keys = list(owner.model_fields) if owner and len(parts) == 2 else _valid_keys(exc.title, err["loc"][:-1])
+            own = owner is not None and len(parts) == depth
+            keys = list(owner.model_fields) if own else _valid_keys(exc.title, err["loc"][:-1])
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
-        given = [k for k in (overrides or {}) if loc == k or loc.startswith(k + ".") or k.startswith(loc + ".")]
+        # a cross-field error (no loc) names its field first, e.g. "chaos.events[0] (kill): …"
+        path = re.sub(r"\[\d+\]", "", loc or (re.match(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+", msg) or [""])[0])
+        given = [
+            k for k in (overrides or {}) if path and (path == k or path.startswith(k + ".") or k.startswith(path + "."))
+        ]
         if given:
             value = overrides[given[0]]
             msg += f" (from {option} {given[0]}={value if isinstance(value, str) else repr(value)})"

@@ -157,7 +157,9 @@ class ExperimentConfig(_Strict):
             if isinstance(e, SyncerFailEvent):
                 continue
             if e.learner >= M:
-                raise ValueError(f"{at}: learner ({e.learner}) must be < diloco.learners ({M})")
+                raise ValueError(
+                    f"{at}: learner ({e.learner}) must be < diloco.learners ({M}): learners are numbered 0 to {M - 1}"
+                )
             if not isinstance(e, LEARNER_FAILURES):
                 continue
             if e.at_step is not None:

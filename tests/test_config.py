@@ -390,3 +390,29 @@ def test_text_and_image_data_are_two_members_of_one_union():
             ExperimentConfig.model_validate({"data": data, "model": {"kind": "vit"}})
         lines = validation_lines(info.value)
         assert len(lines) == 1 and lines[0].startswith(line), lines
+
+
+def test_chaos_event_refusals_name_the_event_its_field_and_the_set_that_gave_it():
+    """An unknown or missing kind names the six; a misspelt field lists the event's keys; a
+    cross-field refusal names the event and, like every other refusal, the --set item."""
+    from configs.load import validation_lines
+
+    cases = [
+        ([{"kind": "explode", "learner": 1}], "chaos.events[0].kind: 'explode' is unknown; choose one of fail, kill, "),
+        ([{"learner": 1}], "chaos.events[0].kind: is missing; choose one of fail, kill, slowdown, corrupt, presence"),
+        (
+            [{"kind": "fail", "learner": 1, "at_stp": 3}],
+            "chaos.events[0].at_stp: Extra inputs are not permitted (valid keys here: kind, learner, at_step, at_s,",
+        ),
+        (
+            [{"kind": "fail", "learner": 7, "at_step": 3}],
+            "chaos.events[0] (fail): learner (7) must be < diloco.learners (3): learners are numbered 0 to 2",
+        ),
+    ]
+    for events, start in cases:
+        overrides = {"chaos.events": events}
+        with pytest.raises(ValidationError) as info:
+            load_config(ROOT / "configs" / "tiny.yaml", overrides)
+        lines = validation_lines(info.value, overrides)
+        assert len(lines) == 1 and lines[0].startswith(start), lines
+        assert lines[0].endswith(f"(from --set chaos.events={events!r})"), lines
