@@ -3,7 +3,9 @@
 No Prefect and no model code here: the loop is handed a :class:`LearnerSetup` (the step function,
 the batches, the exchange, the receipt rule, where to save resume points), which
 ``training.diloco`` builds from plain inputs. The loop never waits on the syncer or on peers:
-newer global fragments are applied at step boundaries when present.
+newer global fragments are applied at step boundaries when present. One attempt's state is a
+:class:`Learner` whose methods are the loop's steps (:func:`run_learner` reads as the algorithm);
+scheduled faults enter through ``diloco.faults.FaultHooks`` at the step and send boundaries.
 
 Resume order for a retried learner (attempt > 1, or any attempt that finds a resume point):
 (1) pull every global fragment at its current version (the paper's rejoin); (2) restore its local
