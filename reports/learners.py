@@ -269,6 +269,15 @@ def _killed(at_step: Any, at_s: Any):
     return lambda reason: re.search(pattern, str(reason or "")) is not None
 
 
+def _idle_attempt(events: list[dict], who: Any, attempt: Any) -> bool:
+    """Did learner ``who``'s attempt ``attempt`` stop at the step it started from (it came back to a
+    run whose budget was spent)?"""
+    mine = [e for e in events if lid(e.get("learner")) == who and e.get("attempt") == attempt]
+    start = next((e for e in mine if e.get("event") == "start"), None)
+    stop = next((e for e in mine if e.get("event") == "stop"), None)
+    return start is not None and stop is not None and num(stop.get("step")) == num(start.get("step"))
+
+
 def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
     """The step-scheduled failures and the kills of config ``chaos.events`` (``fail`` at a step,
     ``kill``; ``chaos.failures`` and ``chaos.kills`` in runs configured before it) and whether each
@@ -326,6 +335,8 @@ def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) 
                 row["fired_at_s"], row["failed_attempt"] = f["failed_at_s"], f["attempt"]
                 if f.get("restart_event") == "start":
                     row["rejoined_at_s"], row["rejoin_attempt"] = f["restarted_at_s"], f["restart_attempt"]
+                    if _idle_attempt(events, who, f["restart_attempt"]):
+                        row["note"] = "it rejoined after the others had spent the budget: no step after the restart"
                 else:
                     row["note"] = "no later attempt started"
             else:

@@ -1336,6 +1336,25 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     )
 
 
+def test_a_learner_back_after_the_budget_was_spent_is_not_said_to_have_rejoined_the_training(tmp_path: Path):
+    """A scheduled failure whose retry starts when the others have spent the budget: its next attempt
+    stops at the step it started from, and the row says so (a fresh user read "rejoined" as training)."""
+    run = _make_figures_run(tmp_path)
+    path = _layout(run).metrics(PRE, "diloco", "learners")
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    start = next(r for r in rows if r["event"] == "start" and r["learner"] == 2 and r.get("attempt") == 2)
+    rows = [r for r in rows if not (r["event"] == "stop" and r["learner"] == 2 and r.get("attempt") == 2)]
+    rows.append({"event": "stop", "learner": 2, "attempt": 2, "step": start["step"], "t": start["t"] + 0.1})
+    _write_jsonl(path, rows)
+    fired = _method(build_report(run))["chaos"]["rows"][0]
+    assert fired["rejoined_at_s"] == 3.5
+    assert fired["note"] == "it rejoined after the others had spent the budget: no step after the restart"
+    assert (
+        "| learner 2 fails at local step 6 | yes | 2.5 | 3.5 | it rejoined after the others had spent the budget"
+        in (squash(_layout(run).report_md.read_text()))
+    )
+
+
 def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     """A chaos SIGKILL leaves only the event logged just before it: the report counts it as the
     learner's failure (down until its next start), matches it to its kill event in chaos.events, and shows
