@@ -95,12 +95,8 @@ def task_runner_for(config: ExperimentConfig):
     if rt.engine == "ray":
         from prefect_ray import RayTaskRunner
 
-        init = {"log_to_driver": False, "logging_level": "ERROR"}
-        if rt.address is None:  # a local instance's workers inherit this process's environment
-            init.update(num_cpus=slots, include_dashboard=False)
-        else:
-            init["runtime_env"] = {"env_vars": forwarded_env()}
-        return RayTaskRunner(address=rt.address, init_kwargs=init)
+        # a local instance is started by engine_session (start_local_ray) and only used here
+        return RayTaskRunner(address=rt.address, init_kwargs=ray_init_kwargs(config))
     import dask
     from prefect_dask import DaskTaskRunner
 
@@ -133,6 +129,63 @@ def task_runner_for(config: ExperimentConfig):
             "preload": ["run.control"],
         }
     )
+
+
+def ray_init_kwargs(config: ExperimentConfig) -> dict:
+    """``ray.init`` arguments: a local instance (no ``runtime.address``) gets one logical CPU per task
+    (:func:`engine_slots`) and no dashboard, and its workers inherit this process's environment; on an
+    existing cluster the workers get the variables of :func:`forwarded_env`."""
+    init: dict = {"log_to_driver": False, "logging_level": "ERROR"}
+    if config.runtime.address is None:
+        init.update(num_cpus=engine_slots(config), include_dashboard=False)
+    else:
+        init["runtime_env"] = {"env_vars": forwarded_env()}
+    return init
+
+
+# Ray waits a fixed 30 s for a new node's raylet to register (ray/_private/node.py, Ray 2.60), and the
+# raylet first waits for its Python agents to start: 5 s of a 12-s start on 2 idle cores here, more
+# than 30 s when the cores are busy (a CI run failed so).
+RAY_START_ATTEMPTS = 3
+_RAY_START_TIMEOUT = "timed out during startup"
+
+
+@contextlib.contextmanager
+def start_local_ray(init_kwargs: dict, attempts: int = RAY_START_ATTEMPTS) -> Iterator[None]:
+    """A local Ray instance for the duration of the block, shut down after it. A start that fails
+    because the node did not register in time (Ray's fixed wait; see ``RAY_START_ATTEMPTS``) is
+    retried up to ``attempts`` times in all, after ending every process the failed start left behind
+    (Ray cannot: its node object was never returned). Any other error, or the last time-out, is
+    raised as Ray raised it."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {p.pid for p in me.children(recursive=True)}
+        try:
+            ray.init(**init_kwargs)
+            break
+        except Exception as e:
+            if _RAY_START_TIMEOUT not in str(e) or attempt == attempts:
+                raise
+            left = [p for p in me.children(recursive=True) if p.pid not in before]
+            for p in left:
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+            psutil.wait_procs(left, timeout=10)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            logging.getLogger(__name__).warning(
+                "Ray's local node did not start within Ray's 30 s (a busy host); starting it again "
+                "(attempt %d of %d)",
+                attempt + 1,
+                attempts,
+            )
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
@@ -172,8 +225,9 @@ def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
 @contextlib.contextmanager
 def engine_session(config: ExperimentConfig) -> Iterator[None]:
     """Around a process engine's use: workers get the Prefect API URL of Prefect's temporary server
-    when no ``PREFECT_API_URL`` is set (see the module docstring). Nothing happens for the thread
-    engine."""
+    when no ``PREFECT_API_URL`` is set (see the module docstring), and Ray without ``runtime.address``
+    a local instance (:func:`start_local_ray`), shut down when the block ends. Nothing happens for
+    the thread engine."""
     if config.runtime.engine == "threads":
         yield
         return
@@ -181,7 +235,8 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if get_current_settings().api.url:
-        yield
+        with _local_cluster(config):
+            yield
         return
     from prefect.server.api.server import SubprocessASGIServer
 
@@ -190,10 +245,19 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
     before = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url  # inherited by worker processes started from here
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):  # shipped with every task
-            yield
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}), _local_cluster(config):
+            yield  # (the settings are shipped with every task)
     finally:
         if before is None:
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = before
+
+
+def _local_cluster(config: ExperimentConfig) -> contextlib.AbstractContextManager:
+    """The run's own Ray instance (:func:`start_local_ray`) when ``runtime.engine`` is ray without an
+    address, started after the Prefect API URL is set (its workers inherit the environment);
+    ``RayTaskRunner`` then uses it and leaves its shutdown to us. Nothing otherwise."""
+    if config.runtime.engine == "ray" and config.runtime.address is None:
+        return start_local_ray(ray_init_kwargs(config))
+    return contextlib.nullcontext()

@@ -201,3 +201,46 @@ def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkey
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
     share_accelerators(on("ray"))
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+
+
+@pytest.mark.process
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+def test_a_ray_start_that_times_out_on_a_busy_host_is_retried_without_leftovers(monkeypatch, caplog):
+    """Ray waits a fixed 30 s for a new node to register; on a busy host its start can take longer
+    (a CI run failed so). Here the first start never registers (its node lookup fails and Ray's clock
+    jumps past the 30 s): ``start_local_ray`` ends every process that start left, starts Ray again,
+    and the second instance runs a task; after the block nothing of either is left."""
+    import time
+    import types
+
+    import psutil
+    import ray
+    import ray._private.node as ray_node
+    import ray._private.services as services
+
+    from flows.engines import start_local_ray
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    first: list[psutil.Process] = []
+    real_get_node = services.get_node
+    offset = [0.0]
+
+    def get_node(*args, **kwargs):
+        if not first:  # the first start: remember its processes, then never register
+            first.extend(p for p in me.children(recursive=True) if p.pid not in before)
+            offset[0] = 100.0  # past Ray's 30-s wait
+            raise RuntimeError("not registered (test)")
+        return real_get_node(*args, **kwargs)
+
+    monkeypatch.setattr(services, "get_node", get_node)
+    monkeypatch.setattr(
+        ray_node, "time", types.SimpleNamespace(sleep=time.sleep, monotonic=lambda: time.monotonic() + offset[0])
+    )
+    with start_local_ray({"num_cpus": 1, "include_dashboard": False, "log_to_driver": False}):
+        assert ray.is_initialized() and ray.get(ray.remote(lambda: 6 * 7).remote()) == 42
+        assert first and not [p for p in first if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not ray.is_initialized()
+    assert "starting it again (attempt 2 of 3)" in caplog.text
+    _, alive = psutil.wait_procs([p for p in me.children(recursive=True) if p.pid not in before], timeout=30)
+    assert not alive, [p.name() for p in alive]
