@@ -177,8 +177,7 @@ def start_local_ray(init_kwargs: dict, attempts: int = RAY_START_ATTEMPTS) -> It
             with contextlib.suppress(Exception):
                 ray.shutdown()
             logging.getLogger(__name__).warning(
-                "Ray's local node did not start within Ray's 30 s (a busy host); starting it again "
-                "(attempt %d of %d)",
+                "Ray's local node did not start within Ray's 30 s (a busy host); starting it again (attempt %d of %d)",
                 attempt + 1,
                 attempts,
             )
