@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, ValidationInfo, model_validator
 
 from configs.base import _Strict, field_title
 from configs.faults import CorruptEvent, FailEvent, FaultEvent, KillEvent, PresenceEvent, SlowdownEvent, refuse_old_keys
@@ -387,17 +387,18 @@ class ChaosConfig(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _refuse_old_keys(cls, data: Any) -> Any:
-        return refuse_old_keys(data)
+    def _refuse_old_keys(cls, data: Any, info: ValidationInfo) -> Any:
+        return refuse_old_keys(data, stored=bool((info.context or {}).get("stored")))
 
     @model_validator(mode="after")
-    def _check(self) -> ChaosConfig:
+    def _check(self, info: ValidationInfo) -> ChaosConfig:
         if self.schedule is not None and self.replay is not None:
             raise ValueError(
                 "chaos.schedule and chaos.replay both give a schedule: keep one (on a config that sets "
                 "chaos.schedule, add --set chaos.schedule=null to replay)"
             )
-        if self.reference_run is not None and not (Path(self.reference_run) / "pretrain").is_dir():
+        stored = (info.context or {}).get("stored")  # a run's config.json, read where its files may not be
+        if self.reference_run is not None and not stored and not (Path(self.reference_run) / "pretrain").is_dir():
             raise ValueError(
                 f"chaos.reference_run {self.reference_run} holds no pretraining results (no pretrain/ "
                 "folder): give a finished run directory"

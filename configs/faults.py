@@ -196,13 +196,23 @@ RENAMED = {
 }
 
 
-def refuse_old_keys(data: object) -> object:
+# the event kind each earlier key's entries are (a stored config.json of a run from before chaos.events)
+_OLD_KINDS = {"failures": "fail", "kills": "kill", "slowdowns": "slowdown", "syncer_failures": "syncer_fail"}
+
+
+def refuse_old_keys(data: object, stored: bool = False) -> object:
     """Raise ``ValueError`` naming the fix when a ``chaos`` mapping gives faults under a key of the
     earlier fault languages (:data:`RENAMED`). Such a key left empty (``[]``: the config.json of a
-    run from before ``chaos.events``) carries nothing and is dropped, so those runs still load."""
+    run from before ``chaos.events``) carries nothing and is dropped, so those runs still load. A
+    ``stored`` mapping (a run's config.json, read back: ``configs.load.stored_config``) has its
+    entries turned into the events they were instead, appended to ``events``."""
     if isinstance(data, dict):
-        for key, now in RENAMED.items():
-            if key in data and data[key] not in ([], None):
-                raise ValueError(f"chaos.{key} is now written as {now}")
+        old = {k: data[k] for k in RENAMED if data.get(k) not in ([], None)}
+        if old and not stored:
+            key = next(iter(old))
+            raise ValueError(f"chaos.{key} is now written as {RENAMED[key]}")
         data = {k: v for k, v in data.items() if k not in RENAMED}
+        if old:
+            events = [{**e, "kind": _OLD_KINDS[k]} if isinstance(e, dict) else e for k, v in old.items() for e in v]
+            data["events"] = [*(data.get("events") or []), *events]
     return data

@@ -194,6 +194,17 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
     return ExperimentConfig.model_validate(apply_overrides(read_config_file(path), overrides))
 
 
+def stored_config(raw: dict) -> ExperimentConfig:
+    """A run directory's ``config.json`` (the resolved config the pipeline wrote) as the typed config,
+    for code that reads a finished run, e.g. its report. Validated as written (context
+    ``{"stored": True}``), without the checks that look at this machine's files
+    (``chaos.reference_run``'s folder): a report may be built where those files are not. A section
+    missing from an older run's file takes today's defaults; ``model_fields_set`` tells which were
+    written. Raises ``pydantic.ValidationError`` for a file this schema no longer reads (e.g. the
+    fault keys from before ``chaos.events``)."""
+    return ExperimentConfig.model_validate(raw, context={"stored": True})
+
+
 def resolve_config(
     config: ExperimentConfig | dict | None = None,
     config_file: str | None = None,

@@ -8,20 +8,19 @@ Units: tokens, seconds, payload bytes, nats/token (perplexity = exp(loss)).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 from reports.common import (
     BASELINE,
     NOT_RUN,
     flatten,
     label,
-    nested,
     num,
     per_unit,
     safe_exp,
     short_label,
     stage_label,
-    unit_of,
 )
 from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
@@ -29,6 +28,10 @@ from reports.learners import syncer_sections
 from reports.read import MethodRecords
 from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
 from run.layout import STAGES
+
+if TYPE_CHECKING:
+    from configs.runtime import RuntimeConfig
+    from configs.schema import ExperimentConfig
 
 KNOWN_KINDS = {"dp": "allreduce", "diloco": "syncer"}  # kinds: see method_kind
 # lm-eval metric names → (label, unit, format); tasks are discovered from the eval keys
@@ -325,10 +328,11 @@ def budget_figure(summary: dict | None, who: str) -> dict | None:
     return out
 
 
-def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | None) -> dict:
+def stage_figures(stage: str, records: dict[str, MethodRecords], config: ExperimentConfig | None) -> dict:
     """Every figure of one stage: ``methods`` (per method, in report order), ``comparison`` rows,
     ``loss_gaps`` (each method vs the baseline, when the stage has one), ``hyperparameters`` rows
-    and ``notes``. ``plots`` is filled in by the builder."""
+    and ``notes``. ``config``: the run's typed config (``reports.common.settings``), None without
+    one. ``plots`` is filled in by the builder."""
     notes: list[str] = []
     methods: dict[str, dict] = {}
     first = stage == STAGES[0]
@@ -368,9 +372,10 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         }
         for k in hp_keys
     ]
+    unit = config.unit if config is not None else "tokens"
     network = (
         interconnect_figures(
-            config or {},
+            config,
             *(
                 {"summary": records[m].summary, "curve": records[m].curve} if m in records else None
                 for m in ("dp", "diloco")
@@ -384,8 +389,8 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
         "label": stage_label(stage),
         "baseline": BASELINE if BASELINE in methods else None,
         "methods": methods,
-        "unit": unit_of(config),
-        "comparison": comparison(methods, rows_eval, unit_of(config)),
+        "unit": unit,
+        "comparison": comparison(methods, rows_eval, unit),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
         "hyperparameters": hyper,
         "experts": expert_figures(records),
@@ -395,70 +400,63 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: dict | 
     }
 
 
-def _exchange(engine: Any, kind: Any, url: Any) -> str | None:
-    """The exchange a run used, as ``RuntimeConfig.exchange_kind`` resolves it (None: no engine)."""
-    if engine is None:
-        return None
-    if (kind or ("fsspec" if engine != "threads" or url else "memory")) == "memory":
+def _exchange(runtime: RuntimeConfig) -> str:
+    """The exchange a run used (``RuntimeConfig.exchange_kind``), in words."""
+    if runtime.exchange_kind == "memory":
         return "memory (one process)"
+    url = runtime.exchange_url
     return f"fsspec at {url}" if url else "fsspec (pretrain/diloco/exchange in the run directory)"
 
 
-def setup(config: dict | None) -> dict:
-    """A few config values a reader needs to read the tables (M, P, H, K, budgets, model size)."""
-    if not config:
+_MODEL_SETUP = (
+    "kind",
+    "d_model",
+    "n_layers",
+    "n_heads",
+    "d_ff",
+    "patch_size",
+    "n_experts",
+    "top_k",
+    "moe_every",
+    "expert_d_ff",
+)
+
+
+def setup(config: ExperimentConfig | None) -> dict:
+    """A few config values a reader needs to read the tables (M, P, H, K, budgets, model size), from
+    the run's typed config (``reports.common.settings``); empty without one."""
+    if config is None:
         return {}
-    g = lambda *ks: nested(config, ks)  # noqa: E731
-    unit = unit_of(config)
+    d, unit = config.diloco, config.unit
     text = unit == "tokens"
+    events = Counter(e.kind for e in config.chaos.events)
     out = {
-        "learners (M)": g("diloco", "learners"),
-        "fragments (P)": g("diloco", "fragments"),
-        "sync every (H, inner steps)": g("diloco", "sync_every"),
-        "quorum (K)": g("diloco", "quorum"),
-        "grace window (s)": g("diloco", "grace_s"),
+        "learners (M)": d.learners,
+        "fragments (P)": d.fragments,
+        "sync every (H, inner steps)": d.sync_every,
+        "quorum (K)": d.quorum,
+        "grace window (s)": d.grace_s,
         "grace window rule": (
             None
-            if g("diloco", "grace") in (None, "fixed")
-            else f"adaptive, Eq. 3 (γ {g('diloco', 'grace_gamma')}, τ "
-            f"{g('diloco', 'grace_overlap_steps') or g('diloco', 'sync_every')} steps; "
-            f"{g('diloco', 'grace_s')} s until step times are measured)"
+            if d.grace == "fixed"
+            else f"adaptive, Eq. 3 (γ {d.grace_gamma}, τ {d.grace_overlap_steps or d.sync_every} steps; "
+            f"{d.grace_s} s until step times are measured)"
         ),
-        "merge rule": g("diloco", "merge"),
-        "wire format (learner→syncer; syncer→learner is float32)": wire_format(config, None)
-        if g("diloco", "wire") is not None
-        else None,
-        f"budget per method ({unit})": g("train", "token_budget"),
-        "data source": g("data", "source"),
-        "sequence length (tokens)": g("data", "seq_len") if text else None,
-        f"learner batch ({'sequences' if text else 'images'})": g("diloco", "batch_size"),
-        "model": " ".join(
-            f"{k}={v}"
-            for k in (
-                "kind",
-                "d_model",
-                "n_layers",
-                "n_heads",
-                "d_ff",
-                "patch_size",
-                "n_experts",
-                "top_k",
-                "moe_every",
-                "expert_d_ff",
-            )
-            if (v := g("model", k)) is not None
-        )
+        "merge rule": d.merge,
+        "wire format (learner→syncer; syncer→learner is float32)": wire_format(config, None),
+        f"budget per method ({unit})": config.train.token_budget,
+        "data source": config.data.source,
+        "sequence length (tokens)": config.data.seq_len if text else None,
+        f"learner batch ({'sequences' if text else 'images'})": d.batch_size,
+        "model": " ".join(f"{k}={v}" for k in _MODEL_SETUP if (v := getattr(config.model, k, None)) is not None)
         or None,
-        "DP enabled": g("dp", "enabled"),
-        "lm-eval enabled": g("eval", "enabled") if text else None,
-        "injected failures": g("chaos", "failures"),
-        "learner processes SIGKILLed": g("chaos", "kills") or None,
-        "slowed learners": g("chaos", "slowdowns") or None,
-        "injected syncer failures": g("chaos", "syncer_failures") or None,
-        "engine": g("runtime", "engine"),
-        "exchange": _exchange(g("runtime", "engine"), g("runtime", "exchange"), g("runtime", "exchange_url")),
-        "devices per learner": g("runtime", "devices_per_learner"),
-        "compute slots per host": g("diloco", "compute_slots"),
+        "DP enabled": config.dp.enabled,
+        "lm-eval enabled": config.eval.enabled if text else None,
+        "scheduled faults (chaos.events)": ", ".join(f"{n} {k}" for k, n in sorted(events.items())) or None,
+        "engine": config.runtime.engine,
+        "exchange": _exchange(config.runtime),
+        "devices per learner": config.runtime.devices_per_learner,
+        "compute slots per host": d.compute_slots,
     }
     return {k: v for k, v in out.items() if v is not None}
 

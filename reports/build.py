@@ -127,10 +127,10 @@ def _resilience(
     notes = stages["pretrain"]["notes"]
     from_config = reference is None
     if from_config:
-        reference = ((records.config or {}).get("chaos") or {}).get("reference_run")
+        reference = records.settings.chaos.reference_run if records.settings is not None else None
     ref, ref_records = _reference(reference, from_config, notes)
     res = stages["pretrain"]["resilience"] = resilience_figures(
-        records.config,
+        records.settings,
         records.chaos_schedule,
         _method_dict(pre.get("diloco"), "diloco"),
         _method_dict(dp, "dp"),
@@ -333,7 +333,7 @@ def build_report(
             "was left as it was",
         )
     config = records.config
-    stages = {s: stage_figures(s, recs, config) for s, recs in records.stages.items()}
+    stages = {s: stage_figures(s, recs, records.settings) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)
     _learner_goodput(records, stages)
     report: dict[str, Any] = {
@@ -346,7 +346,7 @@ def build_report(
             "git_commit": _git_commit(),
             "versions": _versions(),
         },
-        "setup": setup(config),
+        "setup": setup(records.settings),
         "pipeline": pipeline_status(records.status, final_stage),
         "manifest": {
             "status": "ok" if records.manifest is not None else NOT_RUN,

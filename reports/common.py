@@ -13,7 +13,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import pandas as pd
+from pydantic import ValidationError
 
+from configs.load import stored_config
+from configs.schema import ExperimentConfig
 from run.layout import METHOD_ORDER, REPORT_JSON  # noqa: F401  (re-exported to the report modules)
 
 NOT_RUN = "not run"
@@ -185,13 +188,24 @@ def json_safe(x: Any) -> Any:
     return x
 
 
-IMAGE_SOURCES = ("digits", "hf_images", "imagefolder")
+def settings(config: dict | None) -> ExperimentConfig | None:
+    """A run's ``config.json`` as the typed config (``configs.load.stored_config``): what the report
+    reads of the run's settings, and its derived values (``unit``, ``units_per_row``, …), from the
+    schema instead of from string keys. None without one, or for a file from a version whose keys
+    this schema refuses (the figures that need it then say so)."""
+    if not config:
+        return None
+    try:
+        return stored_config(config)
+    except ValidationError:
+        return None
 
 
 def unit_of(config: dict | None) -> str:
-    """What the run's budget and losses count: ``images`` for an image data source, else ``tokens``."""
-    source = ((config or {}).get("data") or {}).get("source")
-    return "images" if source in IMAGE_SOURCES else "tokens"
+    """What the run's budget and losses count (``ExperimentConfig.unit``): ``images`` for an image
+    data source, else ``tokens``."""
+    s = settings(config)
+    return s.unit if s is not None else "tokens"
 
 
 def per_unit(unit: str) -> str:

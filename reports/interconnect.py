@@ -8,8 +8,12 @@ its limits: docs/interconnect.md.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from reports.common import num
+
+if TYPE_CHECKING:
+    from configs.schema import ExperimentConfig
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 
@@ -120,25 +124,23 @@ def time_to_loss(curve: list[dict], target: float) -> float | None:
     return None
 
 
-def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> dict | None:
-    """Both methods' figures under ``config["network"]`` (a run's ``config.json``): per method
+def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloco: dict | None) -> dict | None:
+    """Both methods' figures under the run's ``network`` section (``config``: its typed config.json,
+    ``reports.common.settings``): per method
     ``compute_s`` (measured, per step), ``comm_s`` (DP: the all-reduce; DiLoCo: a fragment's round
     trip), ``extra_s`` (what the links add to each step), ``step_s``, ``keep_up_gbps``,
     ``measured_wall_s``, ``modelled_wall_s`` and ``curve`` (the held-out curve with ``modelled_s``),
     plus ``time_to_dp_final_s`` (modelled seconds to DP's final held-out loss; None: not reached) and
     the ``assumption`` line. ``dp`` / ``diloco``: ``{"summary", "curve"}`` of the method, or None.
-    Returns None without a method to model or a ``network`` section; a method without steps or wall
-    time is left out (nothing is raised)."""
-    if "network" not in config:  # a run from before the section existed
+    Returns None without a method to model or a ``network`` section (a config.json from before the
+    section existed does not set it); a method without steps or wall time is left out (nothing is
+    raised)."""
+    if config is None or "network" not in config.model_fields_set:
         return None
-    net = config.get("network") or {}
-    same_host = net.get("bandwidth_gbps") is None
-    link = (
-        None
-        if same_host
-        else Link(float(net["bandwidth_gbps"]), float(net.get("latency_ms") or 0.0), str(net.get("label") or ""))
-    )
-    overlap = float(net.get("dp_overlap") or 0.0)
+    net = config.network
+    same_host = net.bandwidth_gbps is None
+    link = None if same_host else Link(net.bandwidth_gbps, net.latency_ms, net.label)
+    overlap = net.dp_overlap
     out: dict = {
         "same_host": same_host,
         "methods": {},
@@ -156,7 +158,7 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             continue
         curve = (rec or {}).get("curve") or []
         if method == "dp":
-            workers = int((config.get("dp") or {}).get("workers") or 1)
+            workers = config.dp.workers
             train_s = wall - sum(num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
             compute = train_s / steps
             sent = num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
@@ -168,18 +170,18 @@ def interconnect_figures(config: dict, dp: dict | None, diloco: dict | None) -> 
             )
             per_step_tokens, system_steps = tokens / steps, steps
         else:
-            d = config.get("diloco") or {}
-            learners = int(d.get("learners") or 1)
+            d = config.diloco
+            learners = d.learners
             per_learner = steps / learners  # the summary's steps: all learners' steps together
             compute = (wall - (num(s.get("startup_s")) or 0.0)) / per_learner
-            tau = int(d.get("overlap_steps") or d.get("sync_every") or 1)
+            tau = d.overlap_steps or d.sync_every
             fig = (
                 diloco_step_s(
                     compute,
                     (num(s.get("bytes_to_syncer")) or 0.0) / steps,
                     (num(s.get("bytes_from_syncer")) or 0.0) / steps,
-                    int(d.get("fragments") or 1),
-                    int(d.get("sync_every") or 1),
+                    d.fragments,
+                    d.sync_every,
                     tau,
                     link,
                 )

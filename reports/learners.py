@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from reports.common import NOT_RUN, format_value, lid, nested, num, sort_key
+from reports.common import NOT_RUN, format_value, lid, num, sort_key
+
+if TYPE_CHECKING:
+    from configs.schema import ExperimentConfig
 
 INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chaos) failure
 LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "recomputed", "dropped", "pending")
@@ -278,20 +281,24 @@ def _idle_attempt(events: list[dict], who: Any, attempt: Any) -> bool:
     return start is not None and stop is not None and num(stop.get("step")) == num(start.get("step"))
 
 
-def chaos(config: dict | None, events: list[dict] | None, failures: list[dict]) -> dict:
+def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: list[dict]) -> dict:
     """The step-scheduled failures and the kills of config ``chaos.events`` (``fail`` at a step,
-    ``kill``; ``chaos.failures`` and ``chaos.kills`` in runs configured before it) and whether each
+    ``kill``; a run configured before them reads its ``chaos.failures`` and ``chaos.kills`` as
+    those events: ``configs.load.stored_config``) and whether each
     fired (docs/report.md, "Scheduled chaos events"): ``rows`` with ``fired`` (None without a learners
     log), ``fired_at_s`` and ``rejoined_at_s`` (None when it never started again), and
     ``unscheduled_failures``."""
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
-    specs = [e for e in nested(config, ("chaos", "events")) or [] if isinstance(e, dict)]
-    scheduled = [dict(e, kind="failure") for e in specs if e.get("kind") == "fail" and e.get("at_step") is not None]
-    scheduled += [dict(e) for e in specs if e.get("kind") == "kill"]
-    # runs configured before chaos.events: chaos.failures and chaos.kills
-    scheduled += [dict(e, kind="failure") for e in nested(config, ("chaos", "failures")) or [] if isinstance(e, dict)]
-    scheduled += [dict(e, kind="kill") for e in nested(config, ("chaos", "kills")) or [] if isinstance(e, dict)]
+    evs = config.chaos.events
+    scheduled = [
+        {"kind": "failure", "learner": e.learner, "at_step": e.at_step}
+        for e in evs
+        if e.kind == "fail" and e.at_step is not None
+    ]
+    scheduled += [
+        {"kind": "kill", "learner": e.learner, "at_step": e.at_step, "at_s": e.at_s} for e in evs if e.kind == "kill"
+    ]
     last_step: dict[Any, int] = {}
     for e in events or []:
         s = num(e.get("step"))
@@ -426,7 +433,7 @@ def syncer_restarts(events: list[dict]) -> list[dict]:
 
 
 def syncer_sections(
-    config: dict | None,
+    config: ExperimentConfig | None,
     summary: dict | None,
     merges: list[dict] | None,
     events: list[dict] | None,

@@ -10,12 +10,16 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from upath import UPath
 
-from reports.common import ordered_methods
+from reports.common import ordered_methods, settings
+
+if TYPE_CHECKING:
+    from configs.schema import ExperimentConfig
 from run.layout import METHOD_ORDER, STAGES, RunLayout
 
 RUN_DIR_CONTENTS = (
@@ -72,7 +76,9 @@ class RunRecords:
     """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
     stages in pipeline order and methods in report order; ``finetune`` maps method →
     :class:`FinetuneRecords` when the run holds a post-training stage (else empty);
-    ``chaos_schedule`` is ``pretrain/chaos.json`` (``configs.chaos.ChaosSchedule`` as JSON) or None."""
+    ``chaos_schedule`` is ``pretrain/chaos.json`` (``configs.chaos.ChaosSchedule`` as JSON) or None.
+    ``config`` is config.json as written; ``settings`` the same as the typed config (None without one
+    or for a file this schema refuses: ``reports.common.settings``), which the figures read."""
 
     layout: RunLayout
     config: dict | None
@@ -81,6 +87,10 @@ class RunRecords:
     stages: dict[str, dict[str, MethodRecords]]
     finetune: dict[str, FinetuneRecords] = field(default_factory=dict)
     chaos_schedule: dict | None = None
+
+    @cached_property
+    def settings(self) -> ExperimentConfig | None:
+        return settings(self.config)
 
 
 def read_json(path: Path, kind: type = dict) -> Any | None:

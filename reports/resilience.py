@@ -10,10 +10,16 @@ import math
 import re
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
+from configs.chaos import ChaosPlan
 from reports.common import lid, num
 from reports.learners import learner_failures
+
+if TYPE_CHECKING:
+    from configs.schema import ExperimentConfig
 
 STATES = ("running", "straggling", "waiting", "recomputing", "down", "absent")
 USEFUL = ("running", "straggling")
@@ -746,30 +752,38 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 # --- the goodput simulator's prediction ----------------------------------------------------------
 
 
+def _plan(config: ExperimentConfig | None, schedule: dict | None) -> ChaosPlan | None:
+    """The chaos plan the run's schedule was drawn from: ``chaos.schedule``, or for a replay the
+    plan saved with the replayed schedule (``pretrain/chaos.json``'s ``plan``); None otherwise."""
+    if config is not None and config.chaos.schedule is not None:
+        return config.chaos.schedule
+    saved = (schedule or {}).get("plan")
+    if not isinstance(saved, dict):
+        return None
+    try:
+        return ChaosPlan.model_validate(saved)
+    except ValidationError:
+        return None
+
+
 def simulator_knobs(
-    config: dict | None, dp: dict | None, dp_summary: dict | None = None, schedule: dict | None = None
+    config: ExperimentConfig | None, dp: dict | None, dp_summary: dict | None = None, schedule: dict | None = None
 ) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
     ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
     law, DP's measured step time, checkpoint interval and mean restore seconds; each knob and the
-    model's limits: docs/report.md ("The simulator's prediction")."""
-    cfg = config or {}
-    plan = (cfg.get("chaos") or {}).get("schedule")
-    if not isinstance(plan, dict):  # a replay: the plan its schedule was drawn from, saved with it
-        plan = (schedule or {}).get("plan")
-    if not isinstance(plan, dict):
-        why = (
-            "chaos.replay: a replayed schedule carries no mtbf_s"
-            if (cfg.get("chaos") or {}).get("replay")
-            else "no chaos.schedule"
-        )
+    model's limits: docs/report.md ("The simulator's prediction"). ``config``: the run's typed
+    config (``reports.common.settings``)."""
+    if config is None:
+        return {"status": "no prediction (no config.json)"}
+    plan = _plan(config, schedule)
+    if plan is None:
+        why = "chaos.replay: a replayed schedule carries no mtbf_s" if config.chaos.replay else "no chaos.schedule"
         return {"status": f"no prediction ({why})"}
-    mtbf = num(plan.get("mtbf_s"))
+    mtbf = plan.mtbf_s
     if mtbf is None:
         return {"status": "no prediction (chaos.schedule.mtbf_s unset: no failures drawn)"}
-    M = int(num((cfg.get("diloco") or {}).get("learners")) or 0)
-    if M < 1:
-        return {"status": "no prediction (diloco.learners missing from config.json)"}
+    M = config.diloco.learners
     step_s = (dp or {}).get("step_s")
     if not step_s:
         return {"status": "no prediction (no measured DP step time: DP did not run or logged < 2 steps)"}
@@ -785,8 +799,7 @@ def simulator_knobs(
     restart = sum(restores) / len(restores) if restores else 0.0
     if not restores:
         notes.append("DP restored nothing: restart_s = 0")
-    delay = plan.get("restart_delay") or {}
-    law = {"a": 2.0, "c": 1.5, "scale_s": 2.0}  # configs.chaos.RestartDelay's defaults
+    delay = plan.restart_delay
     knobs = {
         "chips": [M],
         "slice_chips": 1,
@@ -794,9 +807,9 @@ def simulator_knobs(
         "quorum": 1,
         "chip_mtbi_years": mtbf / (365.0 * 24 * 3600),
         "detect_s": 0.0,
-        "recovery_a": num(delay.get("a")) or law["a"],
-        "recovery_c": num(delay.get("c")) or law["c"],
-        "recovery_scale_s": num(delay.get("scale_s")) or law["scale_s"],
+        "recovery_a": delay.a,
+        "recovery_c": delay.c,
+        "recovery_scale_s": delay.scale_s,
         "step_s": float(step_s),
         "checkpoint_every_steps": int(ckpt),
         "restart_s": float(restart),
@@ -804,7 +817,7 @@ def simulator_knobs(
         "upscale_s": 0.0,
         "failures_per_run": SIM_FAILURES_PER_RUN,
         "seeds": SIM_SEEDS,
-        "seed": int(num(plan.get("seed")) or 0),
+        "seed": plan.seed,
         "rule_of_thumb": False,
     }
     return {"status": "ok", "knobs": knobs, "systems": ["dp", f"diloco-{M}"], "mtbf_s": mtbf, "notes": notes}
@@ -1088,7 +1101,7 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
 
 
 def resilience_figures(
-    config: dict | None,
+    config: ExperimentConfig | None,
     schedule: dict | None,
     diloco: dict | None,
     dp: dict | None,
@@ -1109,9 +1122,8 @@ def resilience_figures(
     (knobs and prediction), ``loss`` (this run's curves and the reference's, at this run's equal
     time and tokens, and the reference's own pair ``reference_pair``), ``schedule``
     (:func:`schedule_counts`) and ``summary`` (the headline figures)."""
-    cfg = config or {}
-    resume_every = num((cfg.get("diloco") or {}).get("resume_every_steps"))
-    workers = num((cfg.get("dp") or {}).get("workers"))
+    resume_every = config.diloco.resume_every_steps if config is not None else None
+    workers = config.dp.workers if config is not None else None
     d = (
         diloco_resilience(
             diloco.get("events"),
@@ -1126,7 +1138,7 @@ def resilience_figures(
     if dp and workers is None:
         workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
-    knobs = simulator_knobs(cfg, p, (dp or {}).get("summary"), schedule)
+    knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
 
     curves = {}

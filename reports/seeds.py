@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from reports.analyses import manifest_items, pipeline_status, setup
-from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, short_label
+from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, settings, short_label
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.read import open_run, read_json, read_run
 from reports.verdict import mean_interval, seed_figures, verdict, verdict_markdown
@@ -90,7 +90,7 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
             "run_id": layout.root.name,
             "seeds": config.get("seeds"),
         },
-        "setup": setup(config),
+        "setup": setup(settings(config)),
         "pipeline": pipeline_status(status, final_stage),
         "manifest": {"status": "ok", "items": manifest_items(read_json(layout.manifest))}
         if layout.manifest.exists()

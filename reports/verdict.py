@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.common import BASELINE, format_value, md_table, num
+from reports.common import BASELINE, format_value, md_table, num, settings
 
 CONFIDENCE = 0.95
 # arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
@@ -56,13 +56,13 @@ def mean_interval(values: list[float | None], confidence: float = CONFIDENCE) ->
 
 def seed_figures(report: dict) -> dict:
     """What the verdict reads of one run's ``report.json`` (one seed)."""
-    cfg = report.get("config") or {}
+    cfg = settings(report.get("config"))
     pre = (report.get("stages") or {}).get("pretrain") or {}
     methods = pre.get("methods") or {}
     net = pre.get("interconnect") or {}
     d, p = methods.get("diloco") or {}, methods.get(BASELINE) or {}
     out: dict[str, Any] = {
-        "seed": cfg.get("seed"),
+        "seed": cfg.seed if cfg is not None else None,
         "status": (report.get("pipeline") or {}).get("status"),
         "run_dir": (report.get("run") or {}).get("run_dir"),
         "unit": pre.get("unit") or "tokens",
@@ -83,7 +83,7 @@ def seed_figures(report: dict) -> dict:
         "goodput": num(d.get("goodput")),
         "uptime": num(d.get("uptime")),
         "params": num(d.get("params")),
-        "learners": (cfg.get("diloco") or {}).get("learners"),
+        "learners": cfg.diloco.learners if cfg is not None else None,
     }
     ft = report.get("finetune") or {}
     primary = ft.get("primary")

@@ -7,9 +7,12 @@ what: ``reports.common.BYTES_CONVENTION``; docs/report.md ("Bytes on the wire").
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from reports.common import NOT_RUN, nested, num
+
+if TYPE_CHECKING:
+    from configs.schema import ExperimentConfig
 
 NO_SYNCER = "n/a (no syncer)"
 
@@ -21,53 +24,52 @@ def _div(x: float | int | None, n: int | None) -> float | int | None:
     return int(x) // n if float(x).is_integer() and int(x) % n == 0 else x / n
 
 
-def _count(config: dict | None, config_keys: tuple[str, ...], summary: dict | None, hp_key: str) -> int | None:
-    """A count from config.json (``config_keys``), else the summary's hyperparameter ``hp_key``."""
-    v = num(nested(config, config_keys))
+def _count(value: int | None, summary: dict | None, hp_key: str) -> int | None:
+    """A count from the run's config (``value``), else the summary's hyperparameter ``hp_key``."""
+    v = num(value)
     if v is None:
         v = num(nested(summary, ("hyperparameters", hp_key)))
     return int(v) if v else None
 
 
-def fragments(config: dict | None, summary: dict | None) -> int | None:
-    """P, the number of fragments: ``diloco.fragments`` from config.json, else the summary."""
-    p = _count(config, ("diloco", "fragments"), summary, "fragments (P)")
+def fragments(config: ExperimentConfig | None, summary: dict | None) -> int | None:
+    """P, the number of fragments: ``diloco.fragments`` of the run's config, else the summary."""
+    p = _count(config.diloco.fragments if config else None, summary, "fragments (P)")
     if p is None and summary is not None and isinstance(summary.get("fragment_bytes"), list):
         p = len(summary["fragment_bytes"]) or None
     return p
 
 
-def wire_format(config: dict | None, summary: dict | None) -> str | None:
-    """The learners' wire format (``diloco.wire``, e.g. ``int4`` or ``int4:64``): from config.json,
-    else the summary's hyperparameter; ``float32`` for a DiLoCo config from before wire formats."""
-    wire = nested(config, ("diloco", "wire"))
-    if isinstance(wire, dict) and wire.get("dtype"):
-        return str(wire["dtype"]) + (f":{wire['block_size']}" if wire.get("block_size") else "")
+def wire_format(config: ExperimentConfig | None, summary: dict | None) -> str | None:
+    """The learners' wire format (``diloco.wire``, e.g. ``int4`` or ``int4:64``): from the run's
+    config, else the summary's hyperparameter; ``float32`` for a config from before wire formats
+    (its ``diloco`` section does not set ``wire``)."""
+    if config is not None and "wire" in config.diloco.model_fields_set:
+        return config.diloco.wire.spec
     hp = nested(summary, ("hyperparameters", "wire format (learner→syncer)"))
     if hp is not None:
         return str(hp)
-    return "float32" if nested(config, ("diloco",)) is not None else None
+    return "float32" if config is not None else None
 
 
-def dp_allreduce_per_token(config: dict | None, summary: dict | None) -> dict | None:
+def dp_allreduce_per_token(config: ExperimentConfig | None, summary: dict | None) -> dict | None:
     """What DP's per-step ring all-reduce of this model's float32 gradient sends per token: 2(W−1) × G
     bytes a step (W = ``dp.workers``; G = 4 × the summary's ``params``, else the sum of its
-    ``fragment_bytes``) over ``dp.batch_size`` × ``data.seq_len`` tokens (images: ``dp.batch_size``).
+    ``fragment_bytes``) over DP's batch × ``units_per_row`` (``data.seq_len`` tokens; images: 1).
     Returns ``{"sent_per_token", "workers", "gradient_bytes", "tokens_per_step"}``, or None."""
     params = num(nested(summary, ("params",)))
     frag = summary.get("fragment_bytes") if summary else None
     G = 4 * int(params) if params else (sum(frag) if isinstance(frag, list) and frag else None)
-    W, batch = num(nested(config, ("dp", "workers"))), num(nested(config, ("dp", "batch_size")))
-    seq = num(nested(config, ("data", "seq_len"))) if nested(config, ("model", "kind")) not in ("vit", "vit_moe") else 1
-    if not (G and W and batch and seq):
+    if not (G and config is not None):
         return None
-    per_step = 2 * (int(W) - 1) * G
-    tokens = int(batch) * int(seq)
-    return {"sent_per_token": per_step / tokens, "workers": int(W), "gradient_bytes": int(G), "tokens_per_step": tokens}
+    W = config.dp.workers
+    per_step = 2 * (W - 1) * G
+    tokens = config.dp_batch_size * config.units_per_row
+    return {"sent_per_token": per_step / tokens, "workers": W, "gradient_bytes": int(G), "tokens_per_step": tokens}
 
 
 def syncer_bytes(
-    config: dict | None,
+    config: ExperimentConfig | None,
     summary: dict | None,
     merges: list[dict] | None,
     files: dict[str, str],
@@ -81,7 +83,7 @@ def syncer_bytes(
     ``*_recorded`` in how many; without a log the summary's ``bytes_merged``); ``sent_per_token``;
     a syncer method (``kind`` "syncer", not "plain") also ``wire``, ``dp_allreduce``
     (:func:`dp_allreduce_per_token`) and ``sent_vs_dp`` (DP's sent per token ÷ this method's)."""
-    M = _count(config, ("diloco", "learners"), summary, "learners (M)")
+    M = _count(config.diloco.learners if config else None, summary, "learners (M)")
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None
     fig: dict[str, Any] = {
@@ -117,12 +119,12 @@ def syncer_bytes(
     return fig
 
 
-def allreduce_bytes(config: dict | None, summary: dict | None, notes: list[str], who: str) -> dict:
+def allreduce_bytes(config: ExperimentConfig | None, summary: dict | None, notes: list[str], who: str) -> dict:
     """A data-parallel method's byte figures (the ring all-reduce of the gradient, all workers):
     ``sent`` = summary ``bytes_to_syncer``, ``received`` = ``bytes_from_syncer``, ``total`` = their
     sum (= ``allreduce_bytes``); a summary with only ``allreduce_bytes`` is split evenly. Per worker
     = ÷ W (hyperparameter ``simulated workers``, else ``diloco.learners``)."""
-    W = num(nested(summary, ("hyperparameters", "simulated workers"))) or num(nested(config, ("diloco", "learners")))
+    W = num(nested(summary, ("hyperparameters", "simulated workers"))) or (config.diloco.learners if config else None)
     W = int(W) if W else None
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None

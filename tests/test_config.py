@@ -416,3 +416,31 @@ def test_chaos_event_refusals_name_the_event_its_field_and_the_set_that_gave_it(
         lines = validation_lines(info.value, overrides)
         assert len(lines) == 1 and lines[0].startswith(start), lines
         assert lines[0].endswith(f"(from --set chaos.events={events!r})"), lines
+
+
+def test_a_runs_stored_config_reads_back_typed_with_the_earlier_fault_keys_as_events():
+    """A run's config.json read back (configs.load.stored_config, what reports read): the fault keys of
+    the earlier languages become the events they were, a reference run need not exist on this machine,
+    and ``model_fields_set`` tells a section the file did not write (a run from before it); the same
+    mapping given as a new config is refused naming the new spelling. reports.common.settings is None
+    for no file or one this schema refuses."""
+    from configs.load import stored_config
+    from reports.common import settings
+
+    old = {
+        "diloco": {"learners": 2, "quorum": 1},
+        "runtime": {"engine": "dask"},
+        "chaos": {
+            "failures": [{"learner": 1, "at_step": 3}],
+            "kills": [{"learner": 0, "at_s": 2.0}],
+            "slowdowns": [],
+            "reference_run": "/nowhere/run",
+        },
+    }
+    cfg = stored_config(old)
+    assert [(e.kind, e.learner) for e in cfg.chaos.events] == [("fail", 1), ("kill", 0)]
+    assert cfg.chaos.reference_run == "/nowhere/run" and "network" not in cfg.model_fields_set
+    with pytest.raises(ValidationError, match="chaos.failures is now written as chaos.events"):
+        ExperimentConfig.model_validate(old)
+    assert settings(None) is None and settings({"diloco": {"learners": 0}}) is None
+    assert settings(old).chaos.events == cfg.chaos.events

@@ -19,7 +19,7 @@ ALLOWED = {  # package -> the project packages it may import
     "data": {"configs", "run"},
     "models": set(),
     "diloco": set(),
-    "reports": {"run"},
+    "reports": {"configs", "run"},
     "sim": {"reports"},
     "evals": {"configs", "run"},
     "training": {"configs", "data", "diloco", "evals", "models", "run"},

@@ -6,6 +6,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from reports.common import settings
 from reports.interconnect import Link, diloco_step_s, dp_step_s, interconnect_figures, ring_allreduce_s, time_to_loss
 from tests.test_report import PRE, _layout, _make_run
 
@@ -58,9 +59,9 @@ def _records(run):
 
 def test_a_same_host_network_gives_back_the_measured_figures_and_links_add_to_them(tmp_path):
     config, dp, dl = _records(_make_run(tmp_path))
-    assert interconnect_figures(config, dp, dl) is None  # a run from before the network section
+    assert interconnect_figures(settings(config), dp, dl) is None  # a run from before the network section
     config["network"] = {"bandwidth_gbps": None, "latency_ms": 20.0, "dp_overlap": 0.0}
-    same = interconnect_figures(config, dp, dl)
+    same = interconnect_figures(settings(config), dp, dl)
     assert same["same_host"] and "no network" in same["assumption"]
     for m, f in same["methods"].items():
         assert f["modelled_wall_s"] == f["measured_wall_s"] and f["extra_s"] == 0.0
@@ -71,18 +72,18 @@ def test_a_same_host_network_gives_back_the_measured_figures_and_links_add_to_th
         "latency_ms": 20.0,
         "dp_overlap": 0.0,
     }
-    net = interconnect_figures(config, dp, dl)
+    config["dp"]["workers"] = 1  # one worker: no traffic
+    net = interconnect_figures(settings(config), dp, dl)
     assert net["assumption"].startswith("modelled: links between datacenters, 1 Gbit/s each way, 20 ms one way")
     f = net["methods"]["dp"]
-    # W = dp.workers unset = 1 here: one worker, no traffic
     assert f["compute_s"] == pytest.approx(28.0 / 64) and f["extra_s"] == 0.0
     config["dp"]["workers"] = 2
-    f = interconnect_figures(config, dp, dl)["methods"]["dp"]
+    f = interconnect_figures(settings(config), dp, dl)["methods"]["dp"]
     grad = 63_209_472 / (2 * 1 * 64)  # bytes_to_syncer: the ring's sends (allreduce_bytes counts both ways)
     assert f["comm_s"] == pytest.approx(ring_allreduce_s(grad, 2, DC))
     assert f["modelled_wall_s"] == pytest.approx(28.0 + 64 * f["comm_s"])
     assert f["curve"][-1]["modelled_s"] == pytest.approx(f["modelled_wall_s"])
-    times = interconnect_figures(config, dp, dl)["time_to_dp_final_s"]
+    times = interconnect_figures(settings(config), dp, dl)["time_to_dp_final_s"]
     assert times["dp"] == pytest.approx(f["modelled_wall_s"]) and times["diloco"] is None  # 3.30 never reaches 3.00
 
 

@@ -86,7 +86,7 @@ def _make_run(root: Path) -> Path:
             "name": "tiny",
             "seed": 0,
             "data": {"source": "shakespeare", "seq_len": 64, "vocab_size": 512},
-            "model": {"kind": "dense", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 96},
+            "model": {"kind": "dense_lm", "d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 96},
             "diloco": {
                 "learners": 2,
                 "fragments": 2,
@@ -932,12 +932,12 @@ def _make_figures_run(root: Path) -> Path:
     """3 learners, 2 fragments of unequal size (1,000 and 1,200 bytes), hand-made byte counts that
     share no value by accident, a DP baseline of 3 simulated workers with 3,300 gradient bytes over
     10 steps (ring: 2 × 2/3 × 3,300 = 4,400 sent per worker per step), two scheduled failures of
-    which only one fires (learner 2 at local step 6; learner 0 at local step 50 never does)."""
+    which only one fires (learner 2 at local step 6; learner 0 at local step 40 never does)."""
     run = _make_run(root)
     lay = _layout(run)
     config = json.loads(lay.config.read_text())
     config["diloco"].update(learners=3, fragments=2)
-    config["chaos"] = {"failures": [{"learner": 2, "at_step": 6}, {"learner": 0, "at_step": 50}]}
+    config["chaos"] = {"failures": [{"learner": 2, "at_step": 6}, {"learner": 0, "at_step": 40}]}
     _write(lay.config, config)
     _write_jsonl(
         lay.metrics(PRE, "diloco", "merges"),
@@ -1299,11 +1299,11 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
         2.5,
         3.5,
     )
-    assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 50, False, None)
+    assert (missed["learner"], missed["at_step"], missed["fired"], missed["fired_at_s"]) == (0, 40, False, None)
     md = squash(_layout(run).report_md.read_text())
     assert "| scheduled event | fired | at t (s) | rejoined at t (s) | note |" in md
     assert "| learner 2 fails at local step 6 | yes | 2.5 | 3.5 | — |" in md
-    assert "| learner 0 fails at local step 50 | no | did not fire | — | learner 0's last logged step: 12 |" in md
+    assert "| learner 0 fails at local step 40 | no | did not fire | — | learner 0's last logged step: 12 |" in md
 
     # No failure fired at all: the report must not read as if none was scheduled.
     path = _layout(run).metrics(PRE, "diloco", "learners")
@@ -1316,7 +1316,7 @@ def test_chaos_events_fired_and_not_fired(tmp_path: Path):
     assert "No learner failures were logged, although 2 were scheduled: they did not fire" in md
     assert "No learner failures." not in md
 
-    # An injected failure at another step does not count ("at local step 5" is not step 50 or 6).
+    # An injected failure at another step does not count ("at local step 5" is not step 40 or 6).
     _write_jsonl(
         path,
         rows[:3]

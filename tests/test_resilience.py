@@ -309,10 +309,14 @@ def test_loss_at_equal_wall_time_and_tokens():
 def test_the_simulators_validators_accept_the_knobs():
     from sim.config import SECONDS_PER_YEAR, GoodputConfig
 
-    config = {
-        "diloco": {"learners": 4},
-        "chaos": {"schedule": {"seed": 3, "mtbf_s": 8.0, "restart_delay": {"a": 2.0, "c": 1.5, "scale_s": 1.0}}},
-    }
+    from configs.load import stored_config
+
+    config = stored_config(
+        {
+            "diloco": {"learners": 4, "learner_retries": 20},
+            "chaos": {"schedule": {"seed": 3, "mtbf_s": 8.0, "restart_delay": {"a": 2.0, "c": 1.5, "scale_s": 1.0}}},
+        }
+    )
     dp = {"step_s": 0.005, "restores": [{"restore_s": 0.1}, {"restore_s": 0.3}]}
     k = simulator_knobs(config, dp, {"chaos": {"checkpoint_every_steps": 50}, "steps": 192})
     assert k["status"] == "ok" and k["systems"] == ["dp", "diloco-4"]
@@ -321,7 +325,10 @@ def test_the_simulators_validators_accept_the_knobs():
     assert (cfg.restart_s, cfg.checkpoint_every_steps, cfg.slice_chips, cfg.detect_s) == (pytest.approx(0.2), 50, 1, 0)
     no_ckpt = simulator_knobs(config, dp, {"chaos": {"checkpoint_every_steps": None}, "steps": 192})
     assert GoodputConfig(**no_ckpt["knobs"]).checkpoint_every_steps == 192 and no_ckpt["notes"]
-    assert simulator_knobs({"diloco": {"learners": 4}, "chaos": {}}, dp)["status"].startswith("no prediction")
+    assert (
+        simulator_knobs(stored_config({"diloco": {"learners": 4}}), dp)["status"] == "no prediction (no chaos.schedule)"
+    )
+    assert simulator_knobs(None, dp)["status"] == "no prediction (no config.json)"
 
 
 # --- a hand-made run directory ---------------------------------------------------------------------
@@ -337,7 +344,12 @@ def _hand_made_run(root: Path, chaos: bool = True) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     lay.config.write_text(
         json.dumps(
-            {"name": "hand", "diloco": {"learners": 1, "resume_every_steps": 10}, "dp": {"workers": 2}, "chaos": {}}
+            {
+                "name": "hand",
+                "diloco": {"learners": 1, "quorum": 1, "resume_every_steps": 10},
+                "dp": {"workers": 2},
+                "chaos": {},
+            }
         )
     )
     for m in ("diloco", "dp"):
