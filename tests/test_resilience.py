@@ -307,9 +307,8 @@ def test_loss_at_equal_wall_time_and_tokens():
 
 
 def test_the_simulators_validators_accept_the_knobs():
-    from sim.config import SECONDS_PER_YEAR, GoodputConfig
-
     from configs.load import stored_config
+    from sim.config import SECONDS_PER_YEAR, GoodputConfig
 
     config = stored_config(
         {
