@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# One JAX compilation cache for the whole suite and every process it starts (xdist workers, CLI runs,
+# Ray and Dask workers inherit the variables): the same tiny programs compile once, not once per test
+# and process. tests/test_golden.py took 27.6 s of user CPU without it, 24.9 s with it cold, 14.4 s
+# warm. It lives in build/ (ignored) and is kept between runs; delete it to measure a cold run.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / "build" / "jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The committed small corpus: ten plays of the default corpus, cut short (tests/data/README.md).
 SMALL_CORPUS = ROOT / "tests" / "data" / "shakespeare_small.jsonl"
 # ``--set``/``overrides`` that put the tiny config on it (no network, seconds to prepare).
@@ -102,22 +108,24 @@ def squash(md: str) -> str:
 
 # -- pytest-xdist: ``make test`` runs 2 workers, ``--dist loadscope --no-loadscope-reorder`` ---------
 # A work unit is a whole module (its module-scoped runs are made once), except that every module
-# holding a ``process`` or ``browser`` test joins one unit, run by one worker one test at a time: two
-# of them at once (a Ray instance starting beside a Dask cluster and a Prefect server) overload 2
-# cores past Ray's fixed 30-s start-up wait. (pytest-xdist's own ``xdist_group``/``loadgroup`` does
-# not group under pytest 9.2: it renames ``item._nodeid``, which pytest no longer reads.)
-PROCESSES_UNIT = "tests/(the tests that start processes)"
+# holding a ``cluster`` test (one that starts a local Ray or Dask cluster) joins one unit, run by one
+# worker one test at a time: two clusters starting at once beside a Prefect server overload 2 cores
+# (Ray's start then needs its retries, flows.engines.start_local_ray). Other tests that start
+# processes (the CLI, a fresh learner process, the UI's server and browser) spread like any module.
+# (pytest-xdist's own ``xdist_group``/``loadgroup`` does not group under pytest 9.2: it renames
+# ``item._nodeid``, which pytest no longer reads.)
+CLUSTERS_UNIT = "tests/(the tests that start Ray or Dask clusters)"
 
 
 @functools.cache
-def _starts_processes(module: str) -> bool:
+def _starts_clusters(module: str) -> bool:
     text = (ROOT / module).read_text() if (ROOT / module).is_file() else ""
-    return re.search(r"\bmark\.(process|browser)\b", text) is not None
+    return re.search(r"\bmark\.cluster\b", text) is not None
 
 
 def _unit(nodeid: str) -> str:
     module = nodeid.split("::")[0]
-    return PROCESSES_UNIT if _starts_processes(module) else module
+    return CLUSTERS_UNIT if _starts_clusters(module) else module
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest without pytest-xdist, or with -p no:xdist, runs too)
@@ -127,11 +135,11 @@ def pytest_xdist_make_scheduler(config, log):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ProcessesApart(LoadScopeScheduling):
+    class ClustersApart(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _unit(nodeid)
 
-    return ProcessesApart(config, log)
+    return ClustersApart(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -145,10 +153,10 @@ def pytest_collection_modifyitems(config, items):
         marks = {m.name for m in item.iter_markers()}
         return 40.0 if marks & {"process", "browser"} else 15.0 if "slow" in marks else 0.3
 
-    stray = [i.nodeid for i in items if {"process", "browser"} & {m.name for m in i.iter_markers()}]
-    stray = [n for n in stray if _unit(n) != PROCESSES_UNIT]
+    stray = [i.nodeid for i in items if "cluster" in {m.name for m in i.iter_markers()}]
+    stray = [n for n in stray if _unit(n) != CLUSTERS_UNIT]
     if stray:  # (the scheduler finds those modules by the text of their marks)
-        raise pytest.UsageError(f"mark process/browser tests as @pytest.mark.process or .browser: {stray[:3]}")
+        raise pytest.UsageError(f"mark cluster tests with @pytest.mark.cluster on the test: {stray[:3]}")
     weight: dict[str, float] = {}
     for item in items:
         weight[_unit(item.nodeid)] = weight.get(_unit(item.nodeid), 0.0) + seconds(item)

@@ -50,6 +50,7 @@ def _ledger_balanced(summary) -> None:
 
 
 # `ray.init` starts its daemons with subprocess (fork, then exec at once), which JAX warns about
+@pytest.mark.cluster
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
@@ -68,6 +69,7 @@ def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_c
     assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
+@pytest.mark.cluster
 @pytest.mark.process
 @pytest.mark.slow
 def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(
@@ -203,6 +205,7 @@ def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkey
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
 
 
+@pytest.mark.cluster
 @pytest.mark.process
 @pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 def test_a_ray_start_that_times_out_on_a_busy_host_is_retried_without_leftovers(monkeypatch, caplog):

@@ -209,6 +209,7 @@ def test_the_local_dask_cluster_preloads_the_sigint_shield_and_it_absorbs_ctrl_c
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.cluster
 @pytest.mark.process
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["dask", "ray"])
