@@ -24,6 +24,11 @@ from run.layout import RunLayout, StudyLayout, SweepLayout
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
 
+def _shipped(folder: str) -> str:
+    """The names of the shipped sweeps or studies (``configs/<folder>/*.yaml``), for the help texts."""
+    return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
+
+
 def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
     from configs.load import parse_overrides
 
@@ -254,7 +259,7 @@ def report(
 @app.command()
 def sweep(
     sweep_file: str | None = typer.Argument(
-        None, help="a sweep YAML file, or a shipped sweep's name: tiny_grid, nightly, mixed_hardware (configs/sweeps/)"
+        None, help=f"a sweep YAML file, or a shipped sweep's name: {_shipped('sweeps')} (configs/sweeps/)"
     ),
     axis: list[str] = typer.Option(
         [],
@@ -377,7 +382,7 @@ def sweep(
 @app.command()
 def tune(
     study_file: str = typer.Argument(
-        "tune_tiny", help="a study YAML file, or a shipped study's name: tune_tiny, ... (configs/studies/)"
+        "tune_tiny", help=f"a study YAML file, or a shipped study's name: {_shipped('studies')} (configs/studies/)"
     ),
     trials: int | None = typer.Option(None, help="trials per method (default: the file's)"),
     set_: list[str] = typer.Option(
