@@ -329,7 +329,9 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
         ]
         if given:
             value = overrides[given[0]]
-            msg += f" (from {option} {given[0]}={value if isinstance(value, str) else repr(value)})"
+            if not isinstance(value, str):  # as YAML, the way it is written after --set
+                value = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).removesuffix("\n...\n")
+            msg += f" (from {option} {given[0]}={value.strip()})"
         if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
             lines.append(msg)
         else:

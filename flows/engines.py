@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -164,7 +165,11 @@ def start_local_ray(init_kwargs: dict, attempts: int = RAY_START_ATTEMPTS) -> It
     for attempt in range(1, attempts + 1):
         before = {p.pid for p in me.children(recursive=True)}
         try:
-            ray.init(**init_kwargs)
+            with warnings.catch_warnings():
+                # Ray starts its daemons with fork then exec at once; JAX's warning about fork in a
+                # multithreaded process (a deadlock risk in the child) does not apply (tests/test_engines.py)
+                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+                ray.init(**init_kwargs)
             break
         except Exception as e:
             if _RAY_START_TIMEOUT not in str(e) or attempt == attempts:

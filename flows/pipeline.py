@@ -159,9 +159,10 @@ def _run_problem(results: dict[str, Any]) -> str | None:
     lost = (results.get("pretrain-diloco") or {}).get("work_lost") or {}
     if lost.get("status") != "failed":
         return None
+    reasons = ", ".join(f"{r} {n:,}" for r, n in (lost.get("reasons") or {}).items()) or "none logged"
     return (
         f"the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed tokens "
-        f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {lost.get('reasons')}), "
+        f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {reasons}), "
         f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top"
     )
 

@@ -232,7 +232,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             100 * lost["dropped_fraction"],
             f"{lost['dropped_tokens']:,}",
             f"{lost['processed_tokens']:,}",
-            lost["reasons"],
+            ", ".join(f"{r} {n:,}" for r, n in (lost["reasons"] or {}).items()) or "no reason logged",
             " — above diloco.max_dropped_fraction: this run fails" if lost["status"] == "failed" else "",
         )
     if summary["interrupted"]:

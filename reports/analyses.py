@@ -462,10 +462,12 @@ def setup(config: ExperimentConfig | None) -> dict:
 
 
 def manifest_items(manifest: dict) -> list[list[str]]:
-    """The manifest flattened to (key, short text) pairs; long lists are abbreviated."""
+    """The manifest flattened to (key, short text) pairs; long lists are abbreviated, a list of
+    mappings shown by their ``name`` (shards), an unset value as ``(none)``."""
     items = []
     for k, v in flatten(manifest).items():
         if isinstance(v, list):
+            v = [x.get("name", "…") if isinstance(x, dict) else x for x in v]
             if len(v) <= 8 and all(not isinstance(x, (dict, list)) for x in v):
                 text = ", ".join(str(x) for x in v) or "(none)"
             else:
@@ -473,7 +475,7 @@ def manifest_items(manifest: dict) -> list[list[str]]:
         elif isinstance(v, int) and not isinstance(v, bool):
             text = f"{v:,}"
         else:
-            text = str(v)
+            text = "(none)" if v is None else str(v)
         items.append([k, text])
     return items
 

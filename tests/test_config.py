@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from configs.load import load_config
@@ -415,7 +416,9 @@ def test_chaos_event_refusals_name_the_event_its_field_and_the_set_that_gave_it(
             load_config(ROOT / "configs" / "tiny.yaml", overrides)
         lines = validation_lines(info.value, overrides)
         assert len(lines) == 1 and lines[0].startswith(start), lines
-        assert lines[0].endswith(f"(from --set chaos.events={events!r})"), lines
+        # the value as YAML, as it is written after --set (not Python's repr)
+        shown = yaml.safe_dump(events, default_flow_style=True, sort_keys=False).strip()
+        assert lines[0].endswith(f"(from --set chaos.events={shown})") and "'" not in shown, lines
 
 
 def test_a_runs_stored_config_reads_back_typed_with_the_earlier_fault_keys_as_events():

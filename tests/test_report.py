@@ -1645,3 +1645,17 @@ def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_t
     md = squash(lay.report_md.read_text())
     assert "| final test loss (the whole test split: nothing tuned on it) (nats/token) | 3.4100 | 3.1000 |" in md
     assert "final test loss (the whole test split) is +10.00% relative to" in md
+
+
+def test_the_data_section_shows_unset_values_and_shards_in_words():
+    """The manifest's rows (the report's Data section): an unset value reads ``(none)`` and a list of
+    shards their names, never Python's ``None`` or a dict (a fresh user found both)."""
+    from reports.analyses import manifest_items
+
+    shards = [{"name": f"shard_0{i}", "path": f"data/shard_0{i}", "tokens": 384768} for i in range(4)]
+    rows = dict(manifest_items({"config": {"data": {"hf_name": None, "paths": []}}, "shards": shards}))
+    assert rows == {
+        "config/data/hf_name": "(none)",
+        "config/data/paths": "(none)",
+        "shards": "shard_00, shard_01, shard_02, shard_03",
+    }
