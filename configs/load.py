@@ -200,8 +200,8 @@ def stored_config(raw: dict) -> ExperimentConfig:
     ``{"stored": True}``), without the checks that look at this machine's files
     (``chaos.reference_run``'s folder): a report may be built where those files are not. A section
     missing from an older run's file takes today's defaults; ``model_fields_set`` tells which were
-    written. Raises ``pydantic.ValidationError`` for a file this schema no longer reads (e.g. the
-    fault keys from before ``chaos.events``)."""
+    written; the fault keys from before ``chaos.events`` are read as the events they were. Raises
+    ``pydantic.ValidationError`` for a file this schema no longer reads."""
     return ExperimentConfig.model_validate(raw, context={"stored": True})
 
 
