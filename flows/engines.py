@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 import warnings
 from collections.abc import Iterator
 
@@ -146,50 +147,105 @@ def ray_init_kwargs(config: ExperimentConfig) -> dict:
 
 # Ray waits a fixed 30 s for a new node's raylet to register (ray/_private/node.py, Ray 2.60), and the
 # raylet first waits for its Python agents to start: 5 s of a 12-s start on 2 idle cores here, more
-# than 30 s when the cores are busy (a CI run failed so).
-RAY_START_ATTEMPTS = 3
+# than 30 s when the cores are busy (a CI run failed so; 45 s a start beside a training job). A start
+# made again takes as long, so the node that is still starting is waited for instead.
+RAY_REGISTER_WAIT_S = 180.0
 _RAY_START_TIMEOUT = "timed out during startup"
+# ray.init's arguments that also apply when connecting to a running instance
+_RAY_CONNECT_KWARGS = ("log_to_driver", "logging_level", "logging_format", "namespace", "runtime_env")
 
 
 @contextlib.contextmanager
-def start_local_ray(init_kwargs: dict, attempts: int = RAY_START_ATTEMPTS) -> Iterator[None]:
-    """A local Ray instance for the duration of the block, shut down after it. A start that fails
-    because the node did not register in time (Ray's fixed wait; see ``RAY_START_ATTEMPTS``) is
-    retried up to ``attempts`` times in all, after ending every process the failed start left behind
-    (Ray cannot: its node object was never returned). Any other error, or the last time-out, is
-    raised as Ray raised it."""
+def start_local_ray(init_kwargs: dict, wait_s: float = RAY_REGISTER_WAIT_S) -> Iterator[None]:
+    """A local Ray instance for the duration of the block, shut down after it.
+
+    When Ray gives up on its own node (its fixed 30-s wait for the raylet to register; see
+    ``RAY_REGISTER_WAIT_S``), the node's processes are still starting: this keeps them, waits up to
+    ``wait_s`` seconds more for the node to register, and connects to it (``ray.init`` with the
+    GCS address, chosen here through ``RAY_GCS_SERVER_PORT``), instead of starting Ray again, which
+    would take as long. The processes of such an instance are ended when the block ends
+    (``ray.shutdown`` only disconnects from an instance it did not start). Any other error, or a node
+    that never registers, is raised as Ray raised it, after ending every process the start left."""
     import psutil
     import ray
 
     me = psutil.Process()
-    for attempt in range(1, attempts + 1):
-        before = {p.pid for p in me.children(recursive=True)}
-        try:
-            with warnings.catch_warnings():
-                # Ray starts its daemons with fork then exec at once; JAX's warning about fork in a
-                # multithreaded process (a deadlock risk in the child) does not apply (tests/test_engines.py)
-                warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+    before = {p.pid for p in me.children(recursive=True)}
+    adopted: list[psutil.Process] = []
+
+    def leftovers() -> list[psutil.Process]:
+        return [p for p in me.children(recursive=True) if p.pid not in before]
+
+    def end(procs: list[psutil.Process]) -> None:
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(procs, timeout=10)
+
+    port = _free_port()
+    saved = os.environ.get("RAY_GCS_SERVER_PORT")
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        with warnings.catch_warnings():
+            # Ray starts its daemons with fork then exec at once; JAX's warning about fork in a
+            # multithreaded process (a deadlock risk in the child) does not apply (tests/test_engines.py)
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            try:
                 ray.init(**init_kwargs)
-            break
-        except Exception as e:
-            if _RAY_START_TIMEOUT not in str(e) or attempt == attempts:
-                raise
-            left = [p for p in me.children(recursive=True) if p.pid not in before]
-            for p in left:
-                with contextlib.suppress(psutil.Error):
-                    p.kill()
-            psutil.wait_procs(left, timeout=10)
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            logging.getLogger(__name__).warning(
-                "Ray's local node did not start within Ray's 30 s (a busy host); starting it again (attempt %d of %d)",
-                attempt + 1,
-                attempts,
-            )
+            except Exception as e:
+                if _RAY_START_TIMEOUT not in str(e):
+                    end(leftovers())
+                    raise
+                logging.getLogger(__name__).warning(
+                    "Ray's local node did not register within Ray's 30 s (a busy host); waiting up to %.0f s "
+                    "more for it",
+                    wait_s,
+                )
+                _connect_when_registered(
+                    f"{ray.util.get_node_ip_address()}:{port}",
+                    {k: v for k, v in init_kwargs.items() if k in _RAY_CONNECT_KWARGS},
+                    wait_s,
+                    on_give_up=lambda: end(leftovers()),
+                )
+                adopted = leftovers()
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_GCS_SERVER_PORT", None)
+        else:
+            os.environ["RAY_GCS_SERVER_PORT"] = saved
     try:
         yield
     finally:
         ray.shutdown()
+        end(adopted)
+
+
+def _connect_when_registered(address: str, connect_kwargs: dict, wait_s: float, on_give_up) -> None:
+    """``ray.init(address=…)`` until the node at ``address`` has registered (each try waits for it
+    itself), for at most ``wait_s`` seconds; then ``on_give_up()`` and the last error is raised."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            ray.init(address=address, **connect_kwargs)
+            return
+        except Exception:
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if time.monotonic() > deadline:
+                on_give_up()
+                raise
+            time.sleep(1.0)
+
+
+def _free_port() -> int:
+    """A TCP port free on this host now (the OS's choice)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:

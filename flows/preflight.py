@@ -235,7 +235,7 @@ def check_runtime(cfg: ExperimentConfig) -> None:
     if rt.exchange_kind == "fsspec" and rt.exchange_url:
         import fsspec
 
-        from training.diloco import check_url, check_writable  # (diloco.exchange.fsspec's)
+        from training.exchange_checks import check_url, check_writable  # no JAX
 
         try:
             check_url(rt.exchange_url)

@@ -110,7 +110,7 @@ def squash(md: str) -> str:
 # A work unit is a whole module (its module-scoped runs are made once), except that every module
 # holding a ``cluster`` test (one that starts a local Ray or Dask cluster) joins one unit, run by one
 # worker one test at a time: two clusters starting at once beside a Prefect server overload 2 cores
-# (Ray's start then needs its retries, flows.engines.start_local_ray). Other tests that start
+# (Ray's start then outlasts its own 30-s wait, flows.engines.start_local_ray). Other tests that start
 # processes (the CLI, a fresh learner process, the UI's server and browser) spread like any module.
 # (pytest-xdist's own ``xdist_group``/``loadgroup`` does not group under pytest 9.2: it renames
 # ``item._nodeid``, which pytest no longer reads.)

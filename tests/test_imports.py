@@ -5,7 +5,8 @@
   function, never a model;
 * Prefect only in ``flows/`` (with the engines' task runners, ``flows/engines.py``), ``tasks/`` and
   ``reports/artifacts.py``; no JAX or Flax in the packages that run before JAX starts or draw
-  reports, nor in ``flows/engines.py`` (the CLI uses it before JAX starts);
+  reports, nor in ``flows/engines.py`` and ``training/exchange_checks.py`` (the CLI uses them before
+  JAX starts);
 * no circular imports between modules (module-level imports).
 """
 
@@ -27,7 +28,7 @@ ALLOWED = {  # package -> the project packages it may import
     "flows": {"configs", "data", "models", "reports", "run", "sim", "tasks", "training"},
 }
 PREFECT_ALLOWED = ("flows/", "tasks/", "reports/artifacts.py")
-NO_JAX = ("configs", "run", "data", "reports", "sim", "flows/engines.py")
+NO_JAX = ("configs", "run", "data", "reports", "sim", "flows/engines.py", "training/exchange_checks.py")
 
 
 def _imports(path: Path, top_level_only: bool = False) -> set[str]:

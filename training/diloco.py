@@ -41,8 +41,7 @@ from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 
-# check_url and check_writable are re-exported for flows/preflight.py
-from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError, check_url, check_writable  # noqa: F401
+from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown, SyncerFaults
 from diloco.fragments import balanced_fragments
 from diloco.grace import GraceWindow
