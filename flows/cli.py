@@ -245,6 +245,13 @@ def report(
 ):
     """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
     run has a chaos schedule)."""
+    from run.directory import NotARunDirectory, readable_run
+
+    try:
+        readable_run(run_dir)  # before the report's libraries load (seconds)
+    except NotARunDirectory as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2)
     from reports import build_report
     from sim.study import simulate_goodput
 

@@ -20,12 +20,8 @@ from reports.common import ordered_methods, settings
 
 if TYPE_CHECKING:
     from configs.schema import ExperimentConfig
+from run.directory import NotARunDirectory, readable_run
 from run.layout import METHOD_ORDER, STAGES, RunLayout
-
-RUN_DIR_CONTENTS = (
-    "a run directory is the folder the pipeline creates: it holds config.json and, once training "
-    f"ran, <stage>/<method>/ folders ({', '.join(f'{s}/' for s in STAGES)}; also data/, eval/, report/)"
-)
 
 
 class ReportInputError(ValueError):
@@ -155,19 +151,13 @@ def open_run(run_dir: str | Path) -> RunLayout:
     """The layout of ``run_dir`` (a local path or fsspec URL) once it is known to be a run directory.
 
     Raises :class:`ReportInputError` naming the path when it does not exist, is not a directory, or
-    holds neither ``config.json`` nor a stage with a method (nothing is written then).
+    holds neither ``config.json`` nor a stage with a method (nothing is written then;
+    ``run.directory.readable_run``).
     """
-    layout = RunLayout(run_dir)
-    if not layout.root.is_dir():
-        what = "is not a directory" if layout.root.exists() else "does not exist"
-        raise ReportInputError(layout.root, f"{what}; {RUN_DIR_CONTENTS}")
-    if not layout.config.is_file() and not layout.stages():
-        stages = " or ".join(f"{s}/" for s in STAGES)
-        raise ReportInputError(
-            layout.root,
-            f"not a run directory (no config.json and no {stages} folder holding a method); {RUN_DIR_CONTENTS}",
-        )
-    return layout
+    try:
+        return readable_run(run_dir)
+    except NotARunDirectory as e:
+        raise ReportInputError(e.path, e.problem) from None
 
 
 def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 from run import atomic
-from run.layout import RESULT_ENTRIES as _RESULTS, REUSABLE_ENTRIES, RunLayout
+from run.layout import RESULT_ENTRIES as _RESULTS, REUSABLE_ENTRIES, STAGES, RunLayout
 
 # what makes a folder a run: this layout's entries, and those of runs written before it
 RESULT_ENTRIES = (*_RESULTS, "checkpoints", "metrics")
@@ -32,6 +32,41 @@ def is_run(path: str | Path) -> bool:
     before status files) ``config.json`` beside a ``pretrain/`` folder."""
     layout = RunLayout(path)
     return layout.status.is_file() or (layout.config.is_file() and (layout.root / "pretrain").is_dir())
+
+
+RUN_DIR_CONTENTS = (
+    "a run directory is the folder the pipeline creates: it holds config.json and, once training "
+    f"ran, <stage>/<method>/ folders ({', '.join(f'{s}/' for s in STAGES)}; also data/, eval/, report/)"
+)
+
+
+class NotARunDirectory(ValueError):
+    """``path`` is not a run directory a report can be read from; ``problem`` says why. The message
+    starts with the path."""
+
+    def __init__(self, path, problem: str):
+        self.path, self.problem = path, problem
+        super().__init__(f"{path}: {problem}")
+
+
+def readable_run(run_dir: str | Path) -> RunLayout:
+    """The layout of ``run_dir`` (a local path or fsspec URL) once it is known to be a run directory
+    to read (a report's input; checked before the report's libraries load).
+
+    Raises :class:`NotARunDirectory` naming the path when it does not exist, is not a directory, or
+    holds neither ``config.json`` nor a stage with a method.
+    """
+    layout = RunLayout(run_dir)
+    if not layout.root.is_dir():
+        what = "is not a directory" if layout.root.exists() else "does not exist"
+        raise NotARunDirectory(layout.root, f"{what}; {RUN_DIR_CONTENTS}")
+    if not layout.config.is_file() and not layout.stages():
+        stages = " or ".join(f"{s}/" for s in STAGES)
+        raise NotARunDirectory(
+            layout.root,
+            f"not a run directory (no config.json and no {stages} folder holding a method); {RUN_DIR_CONTENTS}",
+        )
+    return layout
 
 
 def default_run_dir(run_root: str | Path, name: str) -> Path:

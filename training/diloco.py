@@ -40,7 +40,6 @@ from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown, SyncerFaults
 from diloco.fragments import balanced_fragments
