@@ -604,6 +604,19 @@ def compare(
     typer.echo(f"Comparison: {result['paths']['markdown']}")
 
 
+def _reflow_help() -> None:
+    """Each command's help from its docstring with a paragraph's line breaks joined: typer 0.29's rich
+    help keeps them after the first paragraph, so the terminal's wrapping broke lines mid-sentence."""
+    import inspect
+
+    for info in app.registered_commands:
+        doc = info.help or inspect.getdoc(info.callback) or ""
+        info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
+
+
+_reflow_help()
+
+
 def main() -> None:
     app()
 

@@ -572,3 +572,17 @@ def test_a_corpus_too_short_for_one_sequence_is_refused_at_validate(tmp_path):
         f"data.paths=[{', '.join(paths)}]",
     )
     assert code == 0, err
+
+
+def test_command_help_keeps_each_paragraph_on_its_lines(monkeypatch):
+    """``ddiloco <command> --help``: a docstring paragraph is one paragraph of help, wrapped by the
+    terminal only (typer 0.29 kept the source's line breaks, so "2 refused" and "before any work"
+    landed on two lines)."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.setenv("COLUMNS", "200")
+    for command, phrase in [("sweep", "2 refused before any work"), ("run", "2 refused before any work")]:
+        out = CliRunner().invoke(app, [command, "--help"])
+        assert out.exit_code == 0 and phrase in out.output, out.output
