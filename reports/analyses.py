@@ -463,9 +463,16 @@ def setup(config: ExperimentConfig | None) -> dict:
 
 def manifest_items(manifest: dict) -> list[list[str]]:
     """The manifest flattened to (key, short text) pairs; long lists are abbreviated, a list of
-    mappings shown by their ``name`` (shards), an unset value as ``(none)``."""
+    mappings shown by their ``name`` (shards), an unset value as ``(none)``. A value of the recorded
+    data config (``config/…``) that the manifest also states at its top level with the same value
+    (``learners``, ``seq_len``, ``vocab_size``) is shown once, at the top level."""
     items = []
-    for k, v in flatten(manifest).items():
+    flat = flatten(manifest)
+    top = {k: v for k, v in flat.items() if "/" not in k}
+    for k, v in flat.items():
+        name = k.rsplit("/", 1)[-1]
+        if k.startswith("config/") and name in top and top[name] == v:
+            continue
         if isinstance(v, list):
             v = [x.get("name", "…") if isinstance(x, dict) else x for x in v]
             if len(v) <= 8 and all(not isinstance(x, (dict, list)) for x in v):

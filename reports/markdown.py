@@ -384,7 +384,9 @@ def _ledger_section(f: dict, who: str, L: list[str], unit: str = "tokens") -> No
         ]
 
 
-def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
+def _chaos_section(f: dict, suffix: str, L: list[str], resilience: bool = False) -> None:
+    """Scheduled chaos events of one syncer-run method; ``resilience``: the stage has a Resilience
+    section (a drawn chaos schedule), which the text then points to."""
     ch = f["chaos"]
     L += [f"### Scheduled chaos events{suffix}", ""]
     if ch["status"] != "ok":
@@ -392,8 +394,8 @@ def _chaos_section(f: dict, suffix: str, L: list[str]) -> None:
         return
     if not ch["rows"]:
         L += [
-            "No step-scheduled failures or kills (config chaos.events holds no fail at a step and no kill); a drawn "
-            "chaos schedule's events are in *Resilience*.",
+            "No step-scheduled failures or kills (config chaos.events holds no fail at a step and no kill)"
+            + ("; the drawn chaos schedule's events are in *Resilience*." if resilience else "."),
             "",
         ]
         return
@@ -930,7 +932,7 @@ def _stage(st: dict, L: list[str]) -> None:
         f, who = st["methods"][m], short_label(m)
         suffix = f" ({who})" if len(syncers) > 1 else ""
         _ledger_section(f, who, L, st.get("unit", "tokens"))
-        _chaos_section(f, suffix, L)
+        _chaos_section(f, suffix, L, resilience=bool(st.get("resilience")))
         _merges_section(f, suffix, L)
     if st.get("resilience"):
         _resilience_section(st["resilience"], st.get("plots") or {}, st.get("unit", "tokens"), L)

@@ -1649,13 +1649,20 @@ def test_the_headline_gap_is_on_the_test_split_when_both_methods_were_measured_t
 
 def test_the_data_section_shows_unset_values_and_shards_in_words():
     """The manifest's rows (the report's Data section): an unset value reads ``(none)`` and a list of
-    shards their names, never Python's ``None`` or a dict (a fresh user found both)."""
+    shards their names, never Python's ``None`` or a dict (a fresh user found both); a recorded
+    config value the manifest states at its top level too appears once."""
     from reports.analyses import manifest_items
 
     shards = [{"name": f"shard_0{i}", "path": f"data/shard_0{i}", "tokens": 384768} for i in range(4)]
-    rows = dict(manifest_items({"config": {"data": {"hf_name": None, "paths": []}}, "shards": shards}))
+    config = {"data": {"hf_name": None, "paths": [], "seq_len": 128, "vocab_size": 2048}, "learners": 4}
+    manifest = {"config": config, "seq_len": 128, "vocab_size": 1990, "learners": 4, "shards": shards}
+    rows = dict(manifest_items(manifest))
     assert rows == {
         "config/data/hf_name": "(none)",
         "config/data/paths": "(none)",
+        "config/data/vocab_size": "2,048",  # asked for 2,048, trained 1,990: both shown
+        "seq_len": "128",
+        "vocab_size": "1,990",
+        "learners": "4",
         "shards": "shard_00, shard_01, shard_02, shard_03",
     }
