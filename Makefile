@@ -60,7 +60,7 @@ test: setup browser
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests $(XDIST)
 
 # The edit loop's tier (docs/testing.md): every test but those marked slow, process, browser or
-# network; one whole tiny pipeline among them. 3.5-5 min on 2 idle cores.
+# network; one whole tiny pipeline among them. About 3.5 min on 2 idle cores.
 test-fast: setup
 	JAX_PLATFORMS=$${JAX_PLATFORMS:-cpu} $(VENV)/bin/python -m pytest tests -m "not slow and not process and not browser and not network"
 
