@@ -307,6 +307,11 @@ def sweep(
     for key, values in axes.items():
         if not isinstance(values, list):
             raise _fail(f"--axis {key}={values}: give a list of values, e.g. --axis {key}=[{values},...]")
+    if sweep_file is None and not axes:
+        raise _fail(
+            f"no sweep given: name a sweep file or a shipped sweep ({_shipped('sweeps')}), or give its grid "
+            "with --axis, e.g. ddiloco sweep --axis diloco.learners=[2,4]"
+        )
     try:
         raw: dict = load_sweep(sweep_file).model_dump(mode="json") if sweep_file else {}
     except ValidationError as exc:

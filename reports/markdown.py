@@ -94,10 +94,12 @@ def _header(report: dict, L: list[str]) -> None:
             )
     pl = report.get("pipeline")
     if pl:
-        stages = ", ".join(pl["completed_stages"]) or "none"
+        done = pl["completed_stages"] + (["report"] if pl["status"] == "completing" else [])
+        stages = ", ".join(done) or "none"
         status = {
-            "completing": "completing: every stage before this report has finished; status.json reads "
-            '"completed" once the report is written',
+            # the run's own last stage writes this report: once it is written the run has completed
+            # (status.json records "completed" right after)
+            "completing": "completed (this report is the run's last stage)",
             "running": "running, or stopped without recording an end (a killed process): status.json says running",
         }.get(pl["status"], pl["status"])
         L.append(

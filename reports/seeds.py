@@ -159,8 +159,12 @@ def render_seeds(report: dict) -> str:
         "",
         f"- run directory: `{r['run_dir']}`",
         f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
-        f"- pipeline status: {p.get('status', 'unknown')}"
-        + (" (this report is the run's last stage)" if p.get("status") == "completing" else ""),
+        "- pipeline status: "
+        + (
+            "completed (this report is the run's last stage)"
+            if p.get("status") == "completing"
+            else p.get("status", "unknown")
+        ),
         "",
     ]
     if p.get("headline"):

@@ -35,6 +35,10 @@ def test_pipeline_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     # the header says what both methods trained on and in
     assert "\n- backend: cpu: 1 × cpu (jax " in report
     assert "\n- precision: params float32 · compute float32 · optimizer state float32\n" in report
+    # written by the run's last stage, the saved report says the run completed (a fresh user read
+    # "completing" in every finished run's report)
+    assert "\n- pipeline status: completed (this report is the run's last stage) (completed stages: " in report
+    assert ", finetune, report)\n" in report
     assert layout.methods("pretrain") == ["diloco", "dp"]
     for method in ("diloco", "dp"):
         summary = json.loads(layout.summary("pretrain", method).read_text())

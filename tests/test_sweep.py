@@ -354,7 +354,11 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
 @pytest.mark.parametrize(
     "args, message",
     [
-        ([], "error: invalid sweep: grid: the sweep is empty (no grid axis and no cells); give at least one axis"),
+        ([], "error: no sweep given: name a sweep file or a shipped sweep (mixed_hardware, nightly, size_ladder, "),
+        (
+            ["--set", "diloco.learners=2"],
+            "error: no sweep given: name a sweep file or a shipped sweep (",
+        ),
         (
             ["tiny_grid", "--axis", "diloco.lerners=[2,4]"],
             "error: sweep tiny-grid, cell learners-2_quorum-1_lerners-2: "
