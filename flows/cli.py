@@ -24,6 +24,33 @@ from run.layout import RunLayout, StudyLayout, SweepLayout
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
 
+def _version(value: bool) -> None:
+    """``--version``: this package's version and those of the libraries a result depends on, read
+    from the installed distributions' metadata (nothing is imported)."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    def v(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    libs = ", ".join(f"{d} {v(d)}" for d in ("jax", "flax", "optax", "orbax-checkpoint", "prefect", "lm-eval"))
+    typer.echo(f"ddiloco {v('decoupled-diloco-pipeline')} ({libs})")
+    raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    show_version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the versions and exit"
+    ),
+) -> None:
+    """Decoupled DiLoCo vs data-parallel pretraining pipeline."""
+
+
 def _shipped(folder: str) -> str:
     """The names of the shipped sweeps or studies (``configs/<folder>/*.yaml``), for the help texts."""
     return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
@@ -219,13 +246,18 @@ def validate(
         "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
         "section; each key once)",
     ),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the last line (OK: …)"),
 ):
-    """Check a config (the model it builds and its corpus) without running anything."""
+    """Check a config (the model it builds and its corpus) without running anything: prints the
+    config with every default filled in, the values derived from it, and one OK line.
+
+    Exit status: 0 valid; 2 refused (one line naming the field or file)."""
     cfg, _ = _checked(config, set_)
-    typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
-    typer.echo("derived (computed once from the fields above, configs.schema.ExperimentConfig.derived):")
-    for key, value in cfg.derived().items():
-        typer.echo(f"  {key}: {value}")
+    if not quiet:
+        typer.echo(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        typer.echo("derived (computed once from the fields above, configs.schema.ExperimentConfig.derived):")
+        for key, value in cfg.derived().items():
+            typer.echo(f"  {key}: {value}")
     typer.echo(
         f"OK: {config}: {cfg.dp_steps} DP steps of {cfg.tokens_per_dp_step} {cfg.unit}; "
         f"{cfg.diloco.learners} learners × {cfg.tokens_per_learner_step} {cfg.unit} per step"

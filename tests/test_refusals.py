@@ -586,3 +586,25 @@ def test_command_help_keeps_each_paragraph_on_its_lines(monkeypatch):
     for command, phrase in [("sweep", "2 refused before any work"), ("run", "2 refused before any work")]:
         out = CliRunner().invoke(app, [command, "--help"])
         assert out.exit_code == 0 and phrase in out.output, out.output
+
+
+def test_version_and_a_quiet_validate():
+    """``ddiloco --version`` names this package's version and the libraries' (from their metadata);
+    ``validate --quiet`` prints the OK line alone, and a refusal is still one line with exit 2."""
+    from importlib.metadata import version
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from tests.conftest import SMALL_CORPUS
+
+    out = CliRunner().invoke(app, ["--version"])
+    assert out.exit_code == 0 and out.output.startswith(f"ddiloco {version('decoupled-diloco-pipeline')} (jax ")
+    assert f"prefect {version('prefect')}" in out.output
+    local = ["--set", "data.source=local", "--set", f"data.paths=[{SMALL_CORPUS}]"]  # offline
+    out = CliRunner().invoke(app, ["validate", "tiny", "--quiet", *local])
+    assert out.exit_code == 0 and out.output.splitlines() == [
+        "OK: tiny: 64 DP steps of 384 tokens; 3 learners × 128 tokens per step"
+    ], out.output
+    out = CliRunner().invoke(app, ["validate", "tiny", "-q", *local, "--set", "diloco.quorum=9"])
+    assert out.exit_code == 2 and "diloco.quorum" in out.output and "OK:" not in out.output
