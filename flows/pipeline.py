@@ -25,7 +25,7 @@ from configs.load import resolve_config
 from configs.schema import ExperimentConfig
 from flows.finetune import finetune_preflight, run_finetune_stage
 from flows.preflight import preflight
-from flows.pretrain import pretrain_diloco, pretrain_dp
+from flows.pretrain import dropped_reasons, pretrain_diloco, pretrain_dp
 from run import atomic
 from run.control import graceful_stop, stop_requested, stop_signal
 from run.directory import claim_run_dir, link_or_copy, write_status
@@ -159,10 +159,9 @@ def _run_problem(results: dict[str, Any]) -> str | None:
     lost = (results.get("pretrain-diloco") or {}).get("work_lost") or {}
     if lost.get("status") != "failed":
         return None
-    reasons = ", ".join(f"{r} {n:,}" for r, n in (lost.get("reasons") or {}).items()) or "none logged"
     return (
         f"the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed tokens "
-        f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {reasons}), "
+        f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; reasons: {dropped_reasons(lost)}), "
         f"above diloco.max_dropped_fraction = {lost['fail_above']}; the report is written, see its top"
     )
 

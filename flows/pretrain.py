@@ -117,6 +117,12 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
         return _pretrain_diloco(config, Path(run_dir), progress_every_s)
 
 
+def dropped_reasons(work_lost: dict) -> str:
+    """The syncer's reasons for dropped work in words, e.g. ``stale 12,288, quorum 4,096`` (tokens
+    per reason, from the summary's ``work_lost.reasons``), or ``no reason logged``."""
+    return ", ".join(f"{r} {n:,}" for r, n in (work_lost.get("reasons") or {}).items()) or "no reason logged"
+
+
 def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float) -> dict:
     logger = get_run_logger()
     # paths made absolute here, once: worker processes may start in another folder
@@ -232,7 +238,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             100 * lost["dropped_fraction"],
             f"{lost['dropped_tokens']:,}",
             f"{lost['processed_tokens']:,}",
-            ", ".join(f"{r} {n:,}" for r, n in (lost["reasons"] or {}).items()) or "no reason logged",
+            dropped_reasons(lost),
             " — above diloco.max_dropped_fraction: this run fails" if lost["status"] == "failed" else "",
         )
     if summary["interrupted"]:

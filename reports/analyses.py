@@ -487,6 +487,10 @@ def manifest_items(manifest: dict) -> list[list[str]]:
     return items
 
 
+# how a report written by the run's own last stage states the pipeline's status ("completing")
+COMPLETING_TEXT = "completed (this report is the run's last stage)"
+
+
 def pipeline_status(raw: dict | None, final_stage: bool = False) -> dict | None:
     """``status.json`` (None when absent); ``headline`` is the bold top line when the pipeline was
     interrupted or failed; ``status`` ``completing`` for a ``running`` pipeline whose last stage

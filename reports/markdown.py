@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from reports.analyses import COMPLETING_TEXT
 from reports.common import (
     BASELINE,
     BYTES_CONVENTION,
@@ -99,7 +100,7 @@ def _header(report: dict, L: list[str]) -> None:
         status = {
             # the run's own last stage writes this report: once it is written the run has completed
             # (status.json records "completed" right after)
-            "completing": "completed (this report is the run's last stage)",
+            "completing": COMPLETING_TEXT,
             "running": "running, or stopped without recording an end (a killed process): status.json says running",
         }.get(pl["status"], pl["status"])
         L.append(

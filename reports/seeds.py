@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reports.analyses import manifest_items, pipeline_status, setup
+from reports.analyses import COMPLETING_TEXT, manifest_items, pipeline_status, setup
 from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, settings, short_label
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.read import open_run, read_json, read_run
@@ -159,12 +159,7 @@ def render_seeds(report: dict) -> str:
         "",
         f"- run directory: `{r['run_dir']}`",
         f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
-        "- pipeline status: "
-        + (
-            "completed (this report is the run's last stage)"
-            if p.get("status") == "completing"
-            else p.get("status", "unknown")
-        ),
+        "- pipeline status: " + (COMPLETING_TEXT if p.get("status") == "completing" else p.get("status", "unknown")),
         "",
     ]
     if p.get("headline"):
