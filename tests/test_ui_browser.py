@@ -3,8 +3,9 @@ runs pipeline/tiny from the deployment's *Run → Custom run* form, as a user wo
 
 A real ``prefect server start`` (its own UI, a fresh sqlite database, a free loopback port), the
 ``local-proc`` process pool (through the client, as ``prefect work-pool create`` makes it),
-``prefect deploy --name tiny`` from the repository's prefect.yaml and a process worker; the server,
-deploy and worker each in its own process group and always stopped. In the browser: Deployments →
+``prefect deploy --name tiny`` from the repository's prefect.yaml and a process worker (started once
+the run is submitted: see the comment there); the server, deploy and worker each in its own process
+group and always stopped. In the browser: Deployments →
 tiny → Run → Custom run; the ``overrides`` JSON editor filled with fast offline values (those of
 tests/test_deployments.py without post-training: committed corpus, one eval interval, no lm-eval,
 no DP, no fine-tuning; ``config`` stays as deployed) and the ``run_dir`` field with a path under
@@ -125,6 +126,8 @@ def ui_server(tmp_path_factory):
         "PREFECT_HOME": str(tmp_path / "prefect-home"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{tmp_path / 'prefect.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # a 503 (a database error a client may retry) is logged with its traceback, not only answered
+        "PREFECT_API_LOG_RETRYABLE_ERRORS": "true",
         # the UI asks the server for its API URL: without this it is http://127.0.0.1:4200/api
         "PREFECT_API_URL": api,
         "PREFECT_UI_API_URL": api,
@@ -216,11 +219,9 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
         ),
     )
     with sync_playwright() as pw, ExitStack() as stack:  # the stack closes first: browser, worker, deploy
-        # deploy, the worker and the browser start side by side
+        # deploy and the browser start side by side; the worker once the run is submitted (below)
         deploy = _start([PREFECT, "--no-prompt", "deploy", "--name", "tiny"], env, tmp_path / "deploy.log")
         stack.callback(_stop, deploy)
-        worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], env, log)
-        stack.callback(_stop, worker)
         browser = pw.chromium.launch_persistent_context(
             str(tmp_path / "chromium-profile"),
             executable_path=chromium,
@@ -333,6 +334,13 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
                     if attempt == 2 or _in_api(api, runs_of_this_form):
                         expect(toast).to_be_visible()  # a run exists (or the last try): the toast must come
                         break
+            # The worker starts now, not before: each of its polls (every second here) writes to the
+            # server's SQLite database, and a write that commits while the UI's create_flow_run is
+            # between its read and its insert makes SQLite refuse the insert ("database is locked";
+            # Prefect answers 503, its Python client retries, the UI does not: the user sees an
+            # error and no run). docs/ui.md says so; a shared server should use PostgreSQL.
+            worker = _start([PREFECT, "worker", "start", "--pool", "local-proc"], env, log)
+            stack.callback(_stop, worker)
             view_run = page.get_by_role("link", name="View run")
             run_url = view_run.get_attribute("href")
             flow_run_id = run_url.rstrip("/").rsplit("/", 1)[-1]
