@@ -25,6 +25,7 @@ from configs.finetune import FinetuneConfig
 from configs.methods import DiLoCoConfig, DPConfig, NetworkConfig, TrainConfig
 from configs.model import TEXT_KINDS, VISION_KINDS, DenseLMConfig, ModelConfig
 from configs.runtime import PrecisionConfig, RuntimeConfig
+from configs.tracking import TrackingConfig
 
 
 class ExperimentConfig(_Strict):
@@ -51,6 +52,7 @@ class ExperimentConfig(_Strict):
     runtime: RuntimeConfig = RuntimeConfig()
     precision: PrecisionConfig = PrecisionConfig()
     network: NetworkConfig = NetworkConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -138,6 +138,7 @@ class LearnerSetup:
     num_learners: int = 1  # M: how many learners the start gate waits for
     start_wait_s: float = 0.0  # the start gate: wait at most this long for the other learners (attempt 1)
     log_every: int = 10
+    lr: Callable[[int], float] | None = None  # the inner learning rate of update i (the schedule), for the log
     wire: WireFormat = WireFormat()  # how submissions cross the wire (diloco.wire); float32: θ as is
     # τ (diloco.overlap_steps): a fragment sent at step s must be merged back by step s + τ, or the
     # learner waits for it (the paper's overlapped communication); None = never wait
@@ -378,6 +379,8 @@ class Learner:
         if self.step % self.s.log_every == 0:
             beat["loss"] = loss = float(self.metrics["loss"])
             metrics = {f"train/{k}": float(v) for k, v in self.metrics.items() if k != "loss"}
+            if self.s.lr is not None:
+                metrics["train/lr"] = float(self.s.lr(self.step - 1))  # the rate of this step's update
             self.s.log(
                 {
                     "event": "step",

@@ -279,6 +279,18 @@ def check_runtime(cfg: ExperimentConfig) -> None:
             ) from None
 
 
+def check_tracking(cfg: ExperimentConfig) -> None:
+    """``tracking.wandb: true`` needs the wandb package here (looked up, not imported). Raises
+    ``ValueError`` naming the field and how to install it or turn it off."""
+    import importlib.util
+
+    if cfg.tracking.wandb and importlib.util.find_spec("wandb") is None:
+        raise ValueError(
+            "tracking.wandb: true needs the wandb package, which is not installed here: "
+            "`uv sync --extra wandb` (or pip install wandb), or set tracking.wandb: false"
+        )
+
+
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
     """Check the run directory, the corpus and the model; return the run directory to use.
 
@@ -345,12 +357,14 @@ def check_devices(cfg: ExperimentConfig) -> None:
 
 
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
-    """Every check of a config that needs no run directory: local file paths, the model's tensors
-    against ``diloco.fragments``, the devices (:func:`check_devices`), the fine-tuning inputs, then
-    the corpus itself (``data.sources.check_corpus``: encodings, empty or too few documents, a
-    reachable hub dataset) unless ``check_data`` is False. Raises like :func:`preflight`."""
+    """Every check of a config that needs no run directory: local file paths, the runtime, W&B
+    when ``tracking.wandb`` (:func:`check_tracking`), the model's tensors against
+    ``diloco.fragments``, the devices (:func:`check_devices`), the fine-tuning inputs, then the corpus
+    itself (``data.sources.check_corpus``: encodings, empty or too few documents, a reachable hub
+    dataset) unless ``check_data`` is False. Raises like :func:`preflight`."""
     check_local_paths(cfg)
     check_runtime(cfg)
+    check_tracking(cfg)
     check_model(cfg)
     check_devices(cfg)
     if cfg.finetune.enabled:

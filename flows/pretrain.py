@@ -27,9 +27,11 @@ from run.atomic import write_json
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
+from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
 from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco, with_absolute_exchange
+from training.tracking import method_tracker
 
 
 def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
@@ -65,12 +67,20 @@ def _live_resilience(rd: Path, now: float) -> dict | None:
         return None
 
 
-def _publish_live_view(config: ExperimentConfig, exchange, rd: Path) -> None:
+def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
     """The ``diloco-learners-<run name>`` table artifact: the syncer's view of every learner and the totals
     (``training.diloco.live_view``), with each learner's goodput so far and the global goodput and
-    uptime (``reports.resilience``, the report's definitions), a new version at every progress line."""
+    uptime (``reports.resilience``, the report's definitions), a new version at every progress line.
+    The same figures go to ``tracker``'s ``progress`` writer (this process's, beside the syncer's) at
+    the tokens claimed so far: ``learners/alive``, ``resilience/goodput`` and ``resilience/uptime``
+    (fractions)."""
     rows, t = live_view(config, exchange, rd)
     res = _live_resilience(rd, exchange.clock())
+    live = {"learners/alive": float(t["alive"])}
+    if res is not None and res["global"]["goodput"] is not None:
+        live["resilience/goodput"] = float(res["global"]["goodput"])
+        live["resilience/uptime"] = float(res["uptime"]["uptime"] or 0.0)
+    tracker.scalars(PROGRESS_KEY, int(t["tokens claimed"]), live)
     if res is not None:
         per = {r["learner"]: r for r in res["learners"]}
         for row in rows:
@@ -156,7 +166,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         retry_delay_seconds=d.retry_delay_s,
         retry_condition_fn=retry_syncer,
     )
-    with engine_session(config), task_runner_for(config) as runner:
+    with (
+        engine_session(config),
+        task_runner_for(config) as runner,
+        method_tracker(config, rd, "pretrain", "diloco") as tracker,
+    ):
         with task_options(config, "syncer"):
             syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
         with task_options(config, "learner"):
@@ -179,7 +193,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                     next_progress = time.monotonic() + progress_every_s
                     logger.info(_progress_line(config, exchange, eval_path, budget))
                     update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
-                    _publish_live_view(config, exchange, rd)
+                    _publish_live_view(config, exchange, rd, tracker)
                 if not done.not_done:
                     break
                 if give_up_at is not None and time.monotonic() > give_up_at:
@@ -210,7 +224,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
-        _publish_live_view(config, exchange, rd)  # the final view: after the syncer's last merges
+        _publish_live_view(config, exchange, rd, tracker)  # the final view: after the syncer's last merges
     learners = exchange.learners()
     finished = any(info.get("status") == "done" for info in learners.values())
     summary["budget"] = budget_status(

@@ -9,6 +9,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         summary.json                      method ∈ diloco, dp, ...
         checkpoints/<step>/               Orbax steps (training.checkpoint)
         metrics/<name>.jsonl              eval, train, merges, learners, events (flat JSON lines)
+        tensorboard/, tensorboard/learner-<m>/   the same metrics as TensorBoard event files (run.tracking)
         learners/<m>/resume/              a DiLoCo learner's resume point (Orbax)
         resume/                           DP's rollback checkpoints under chaos (Orbax)
         exchange/                         a DiLoCo run's durable exchange (diloco.exchange.fsspec)
@@ -18,6 +19,8 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
     RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
     RUN/report/                           report.md, report.json, figures
+    RUN/tensorboard/                      the run's settings and final figures (TensorBoard HParams)
+    RUN/wandb/                            Weights & Biases runs, when tracking.wandb is on
 
 A run of several seeds (``seeds: [...]``) holds its data and its report (over seeds) at the top,
 and one whole run directory per seed, laid out as above, its ``data/`` hard links to the top's::
@@ -150,6 +153,20 @@ class RunLayout:
         failures, restores, checkpoints, slowdowns)."""
         _check_name("metrics file", name, METRICS)
         return self.method_dir(stage, method) / "metrics" / f"{name}.jsonl"
+
+    def tensorboard(self, stage: str, method: str) -> UPath:
+        """A method's TensorBoard event files (``run.tracking``); a DiLoCo learner's in ``learner-<m>/`` below."""
+        return self.method_dir(stage, method) / "tensorboard"
+
+    @property
+    def run_tensorboard(self) -> UPath:
+        """The run's settings and final figures for TensorBoard's HParams tab (``run.tracking.write_hparams``)."""
+        return self.root / "tensorboard"
+
+    @property
+    def wandb(self) -> UPath:
+        """The run's Weights & Biases folder (``wandb.init(dir=...)``: offline runs in ``wandb/offline-run-*``)."""
+        return self.root / "wandb"
 
     def resume_point(self, stage: str, method: str, learner: int) -> UPath:
         """Learner ``learner``'s resume point (an Orbax checkpoint folder)."""

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -21,10 +22,14 @@ class JsonlWriter:
     line was cut short (a process killed mid-write) loses that partial line on opening, with a
     warning, so the records appended after it stay one per line. Each line is written under an
     advisory ``flock`` (local filesystems), so several writers of one file never interleave.
+
+    ``sink``: called with each record once it is written (``run.tracking.Tracker.sink``: the same
+    record to TensorBoard and W&B); None: the file only.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, sink: Callable[[dict], None] | None = None):
         self.path = Path(path)
+        self.sink = sink
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         _drop_cut_line(self.path)
@@ -43,6 +48,8 @@ class JsonlWriter:
             finally:
                 fcntl.flock(self._fh, fcntl.LOCK_UN)
             self.count += 1
+        if self.sink is not None:
+            self.sink(record)
 
     def close(self) -> None:
         with self._lock:

@@ -37,4 +37,21 @@ def report_task(run_dir: Path, final_stage: bool = True) -> dict:
 
     report = build_report(Path(run_dir), final_stage=final_stage, predict=simulate_goodput)
     publish_report_artifacts(report, Path(run_dir))
+    _track_hparams(Path(run_dir), report)
     return report
+
+
+def _track_hparams(run_dir: Path, report: dict) -> None:
+    """The run's settings and headline figures to TensorBoard's HParams tab (``RUN/tensorboard/``),
+    when ``tracking.tensorboard``; a failure is a warning, never the report's."""
+    import json
+
+    from configs.load import stored_config
+    from run.layout import RunLayout
+    from training.tracking import report_figures, run_hparams
+
+    try:
+        cfg = stored_config(json.loads(RunLayout(run_dir).config.read_text()))
+        run_hparams(cfg, run_dir, report_figures(report))
+    except Exception as exc:  # noqa: BLE001 - tracking never fails a stage
+        get_run_logger().warning("TensorBoard HParams not written for %s: %s: %s", run_dir, type(exc).__name__, exc)

@@ -50,6 +50,7 @@ def test_pipeline_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
         assert 0.0 <= metrics["heldout_nextline/acc"] <= 1.0
         assert metrics["heldout_ppl/byte_perplexity"] > 1.0
         assert layout.checkpoints("pretrain", method).is_dir()
+    _check_tracking(small_cfg, layout)
     _check_finetune(small_cfg, layout)
     merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
     assert len(merges) >= 3
@@ -61,6 +62,44 @@ def test_pipeline_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
         assert v["processed"] == v["submitted"] + v["not_submitted"]
         assert abs(v["submitted"] - (v["merged"] + v["recomputed"] + v["dropped"] + v["pending"])) <= P
         assert v["submitted"] <= v["processed"]
+
+
+def _check_tracking(cfg, layout):
+    """TensorBoard, as its own event reader sees the run: the curves of every method and learner are
+    the JSONL files' numbers (one fan-out), the merges' scalars one point per merge, and the run's
+    settings with the report's figures in RUN/tensorboard (the HParams tab)."""
+    from tests.test_tracking import _events
+    from training.optimizers import lr_schedule
+
+    for method in ("diloco", "dp"):
+        events = _events(layout.tensorboard("pretrain", method))
+        curve = read_jsonl(layout.metrics("pretrain", method, "eval"))
+        assert events["val/loss"] == [(r["tokens"], pytest.approx(r["val/loss"], rel=1e-6)) for r in curve]
+    dp = _events(layout.tensorboard("pretrain", "dp"))
+    train = read_jsonl(layout.metrics("pretrain", "dp", "train"))
+    assert [s for s, _ in dp["train/loss"]] == [r["tokens"] for r in train]
+    assert {"train/grad_norm", "train/lr", "throughput/tokens_per_s"} <= set(dp)
+    assert all(v > 0 for _, v in dp["train/grad_norm"])
+    lr = lr_schedule(cfg.dp.inner, cfg.dp_steps)  # each logged rate is the schedule's at that step's update
+    assert [v for _, v in dp["train/lr"]] == [pytest.approx(float(lr(r["step"] - 1)), rel=1e-6) for r in train]
+    diloco = _events(layout.tensorboard("pretrain", "diloco"))
+    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
+    assert [s for s, _ in diloco["merge/quorum"]] == list(range(1, len(merges) + 1)) == [m["merge"] for m in merges]
+    # learners per merge: the minimum quorum K or more, fewer only in the flush after the learners ended
+    assert [v for _, v in diloco["merge/quorum"]] == [len(m["contributors"]) for m in merges]
+    assert max(v for _, v in diloco["merge/quorum"]) <= cfg.diloco.learners
+    assert {"merge/staleness_max", "merge/grace_s", "merge/bytes_in"} <= set(diloco)
+    progress = _events(layout.tensorboard("pretrain", "diloco") / "progress")
+    assert progress["learners/alive"][-1][1] == 0.0  # the final view: every learner done
+    assert 0 < progress["resilience/goodput"][-1][1] <= 1
+    steps = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
+    for m in range(cfg.diloco.learners):
+        mine = [r for r in steps if r.get("event") == "step" and r["learner"] == m]
+        learner = _events(layout.tensorboard("pretrain", "diloco") / f"learner-{m}")
+        assert learner["train/loss"] == [(r["tokens"], pytest.approx(r["train/loss"], rel=1e-6)) for r in mine]
+    report = json.loads(layout.report_json.read_text())["verdict"]
+    hp = _events(layout.run_tensorboard)
+    assert hp["final/test_loss/diloco"] == [(0, pytest.approx(report["loss"]["diloco"]["mean"], rel=1e-6))]
 
 
 def _check_finetune(cfg, layout):

@@ -55,13 +55,15 @@ from diloco.wire import WireFormat
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
+from run.tracking import NO_TRACKING, Tracker
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
 from training.common import ensure_fresh, model_spec, save_chaos_schedule, token_budget
 from training.evaluation import eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import nest
 from training.mesh import backend_line, learner_devices, single_default
-from training.optimizers import make_inner_tx
+from training.optimizers import lr_schedule, make_inner_tx
 from training.step import Trainer
+from training.tracking import method_tracker
 
 STAGE, METHOD = "pretrain", "diloco"
 
@@ -213,10 +215,12 @@ class DiLoCoRun:
     journal: SyncerJournal | None = None  # fsspec exchange: journal + checkpoints (a syncer that survives)
     resumed: bool = False  # an earlier syncer of this run took office before this one
     logged_merges: set[tuple[int, int]] = field(default_factory=set)  # (fragment, version) in merges.jsonl
+    tracker: Tracker = NO_TRACKING  # TensorBoard / W&B of the syncer's merges and evaluations (run.tracking)
 
     def close_logs(self) -> None:
         for log in (self.merges_log, self.learners_log, self.eval_log):
             log.close()
+        self.tracker.close()
 
 
 def grace_window(cfg: ExperimentConfig) -> GraceWindow:
@@ -319,6 +323,7 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         )
     syncer = Syncer(theta, fragments, syncer_settings(cfg), embedding_names(theta))
     merges_path = layout.metrics(STAGE, METHOD, "merges")
+    tracker = method_tracker(cfg, run_dir, STAGE, METHOD)
     logged = {(int(r["fragment"]), int(r["version"])) for r in read_jsonl(merges_path)} if resumed else set()
     return DiLoCoRun(
         cfg=cfg,
@@ -326,9 +331,10 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         exchange=exchange,
         syncer=syncer,
         trainer=trainer,
-        merges_log=JsonlWriter(merges_path),
+        merges_log=JsonlWriter(merges_path, sink=tracker.sink("merges")),
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
-        eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval")),
+        eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval"), sink=tracker.sink("eval")),
+        tracker=tracker,
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
         # a syncer whose process died is re-run by the engine without counting a Prefect retry: the
         # exchange's generation counts every syncer that took office in this run
@@ -403,6 +409,7 @@ def learner_setup(
         # threads of one process start together; processes seconds apart (the gate's docstring)
         start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
         wire=WireFormat(d.wire.dtype, d.wire.block_size),
+        lr=lr_schedule(d.inner, cfg.learner_steps),
     )
 
 
@@ -423,7 +430,15 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     previous, last_step = seen.get("attempt"), int(seen.get("step") or 0)  # of its earlier attempts
     if previous is not None:
         attempt = max(attempt, int(previous) + 1)
-    log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"))
+    tracker = method_tracker(
+        cfg,
+        run_dir,
+        STAGE,
+        METHOD,
+        flops_per_token=model_spec(cfg, run_dir).flops_per_unit,
+        devices=cfg.runtime.devices_per_learner,
+    )
+    log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"), sink=tracker.sink("learners"))
     try:
         try:
             setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
@@ -446,6 +461,7 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         return run_learner(setup)
     finally:
         log.close()
+        tracker.close()
 
 
 def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExchange:
@@ -485,7 +501,7 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
             return  # replayed from the journal, logged by the attempt that made it
         run.logged_merges.add(key)
         run.merges += 1
-        run.merges_log(rec)
+        run.merges_log({**rec, "merge": run.merges})  # its ordinal in the run, resumed syncers included
 
     def on_eval(params: dict[str, np.ndarray], tokens: int) -> None:
         t0 = time.perf_counter()

@@ -41,8 +41,9 @@ from training.common import budget_status, ensure_fresh, model_spec, save_chaos_
 from training.evaluation import EvalCadence, eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import flatten, nest
 from training.mesh import backend_line
-from training.optimizers import make_inner_tx
+from training.optimizers import lr_schedule, make_inner_tx
 from training.step import Trainer
+from training.tracking import method_tracker
 
 STAGE, METHOD = "pretrain", "dp"
 
@@ -116,8 +117,12 @@ def train_dp(
     resume_dir = layout.job_resume(STAGE, METHOD)
     seqs = load_rows(run_dir, "train")
     val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
-    eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"))
-    step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"))
+    tracker = method_tracker(
+        cfg, run_dir, STAGE, METHOD, flops_per_token=spec.flops_per_unit, devices=len(devices) if devices else 1
+    )
+    lr = lr_schedule(cfg.dp.inner, steps)
+    eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"), sink=tracker.sink("eval"))
+    step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"), sink=tracker.sink("train"))
     events = JsonlWriter(layout.metrics(STAGE, METHOD, "events")) if sched is not None or ckpt_every else None
     tps = cfg.tokens_per_dp_step
     epoch = index = 0
@@ -229,6 +234,7 @@ def train_dp(
                         "tokens": tokens,
                         "train/loss": float(metrics["loss"]),
                         **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+                        "train/lr": float(lr(step - 1)),  # the rate of this step's update
                         "t": clock(),
                     }
                 )
@@ -245,6 +251,7 @@ def train_dp(
         step_log.close()
         if events is not None:
             events.close()
+        tracker.close()
     wall = time.monotonic() - t0
     # whole val and test splits, after the clock stopped: what selection reads and the headline figure
     heldout = final_heldout(trainer.evaluate, params, run_dir, cfg.train.eval_batch_size)

@@ -50,7 +50,7 @@ from training.checkpoint import CheckpointError, load_extra, load_into_model, lo
 from training.common import model_spec
 from training.evaluation import heldout_metrics
 from training.functional import Functional, flatten, load_params, nest, params_of
-from training.optimizers import make_inner_tx
+from training.optimizers import lr_schedule, make_inner_tx
 from training.precision import cast_floating, dtypes, set_compute_dtype, wrap_optimizer
 from training.step import make_eval_step, make_train_step
 
@@ -159,6 +159,7 @@ def finetune_run(
     params = {k: v for k, v in flat.items() if k in trainable}
     frozen = {k: v for k, v in flat.items() if k not in trainable}
     tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
+    lr = lr_schedule(ft.optimizer, ft.steps)
     mb = cfg.train.microbatch_size
     step_fn = make_train_step(
         fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute, targets=spec.count_targets
@@ -204,6 +205,8 @@ def finetune_run(
                         "step": done,
                         "examples": done * ft.batch_size,
                         "train/loss": loss,
+                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+                        "train/lr": float(lr(done - skipped - 1)),  # the rate of the last update
                         "t": time.monotonic() - t0,
                     }
                 )
@@ -385,12 +388,14 @@ def finetune_method(
     from run import atomic
     from run.layout import RunLayout
     from training.common import ensure_fresh
+    from training.tracking import method_tracker
 
     layout = RunLayout(run_dir)
     ensure_fresh(run_dir, "finetune", method)
     source = Path(checkpoint) if checkpoint else Path(layout.checkpoints("pretrain", method))
-    train_log = JsonlWriter(layout.metrics("finetune", method, "train"))
-    eval_log = JsonlWriter(layout.metrics("finetune", method, "eval"))
+    tracker = method_tracker(cfg, run_dir, "finetune", method)
+    train_log = JsonlWriter(layout.metrics("finetune", method, "train"), sink=tracker.sink("train"))
+    eval_log = JsonlWriter(layout.metrics("finetune", method, "eval"), sink=tracker.sink("eval"))
     runs = []
     try:
         for i, seed in enumerate(cfg.finetune.seeds):
@@ -428,6 +433,7 @@ def finetune_method(
     finally:
         train_log.close()
         eval_log.close()
+        tracker.close()
     summary = {
         "method": method,
         "source_checkpoint": str(source),

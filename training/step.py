@@ -100,6 +100,8 @@ def make_train_step(
     over targets, are weighted by their microbatch's share of the targets). A batch with N = 0 gets
     a zero gradient (the loops refuse or skip such batches before the step: ``training.finetune``).
     B must be divisible by G (``ValueError`` at trace).
+    Returns ``(params, opt_state, metrics)``: ``metrics`` holds ``loss`` (float32), the objective's
+    metrics and ``grad_norm`` (the global L2 norm of the batch's gradient before clipping, float32).
     The parameter and optimizer-state arguments are donated: do not use them after the call.
     ``frozen`` (optional, flat): parameters the module needs that are not trained (LoRA's base
     weights, ``training.finetune``): read, never differentiated, updated or donated; ``params`` and
@@ -161,9 +163,10 @@ def make_train_step(
             loss = jnp.sum(n_G * losses_G) * inv
             metrics = jax.tree.map(lambda m: jnp.sum(n_G * m) * inv, metrics_G)
             grads = jax.tree.map(lambda g: g * inv, total)
+        grad_norm = optax.global_norm(grads)  # the whole batch's gradient, before any clipping
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        return params, opt_state, {"loss": loss, **metrics}
+        return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
 
     if mesh is None:  # one device: commit the inputs to it, the step follows (a mix of committed and
         # uncommitted inputs would compile the step again: after a resume, after each pull)
