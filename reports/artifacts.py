@@ -1,6 +1,7 @@
 """The report's Prefect artifacts, the only module of the report that imports Prefect:
-:func:`publish_report_artifacts` (a run report) and :func:`publish_comparison_artifacts` (a
-comparison across run directories) publish to the current flow or task run.
+:func:`publish_report_artifacts` (a run report), :func:`publish_live_chart` (the loss curves while
+training) and :func:`publish_comparison_artifacts` (a comparison across run directories) publish to
+the current flow or task run.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from reports.common import short_label
 from reports.compare import cell, render_comparison
+from reports.live import inline_figures, live_chart
 from reports.markdown import render_markdown, row_cell, row_label
 from run.layout import RunLayout
 
@@ -117,7 +119,8 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     ``report-``, ``verdict-`` (with a verdict), ``comparison-``, ``posttraining-`` (with a fine-tuning
     stage) and ``ledger-<slug>`` (when a method has a ledger), ``<slug>`` the run name
     (:func:`artifact_key`): repeated runs of one experiment become versions of the same keyed
-    artifacts. Images are not uploaded; the markdown lists the figures' paths instead.
+    artifacts. The report's figures are inlined as PNG data URIs (:func:`reports.live.inline_figures`:
+    the UI shows them wherever it runs; above its size cap, their paths on the worker's disk).
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext, TaskRunContext
@@ -125,10 +128,9 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     if FlowRunContext.get() is None and TaskRunContext.get() is None:
         raise RuntimeError("publish_report_artifacts must be called inside a Prefect flow or task run")
     layout = RunLayout(run_dir)
-    out_text = str(layout.report.resolve()) if isinstance(layout.report, Path) else str(layout.report)
     md_path = layout.report_md
     markdown = md_path.read_text() if md_path.is_file() else render_markdown(report)
-    markdown = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"*{m[1]}*: `{out_text}/{m[2]}`", markdown)
+    markdown = inline_figures(markdown, Path(layout.report).absolute())
     name = report["run"]["name"]
     where = f"run directory {report['run']['run_dir']}"
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
@@ -158,6 +160,22 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
         )
 
 
+def publish_live_chart(run_dir: str | Path, name: str, unit: str = "tokens") -> None:
+    """The ``live-<name>`` markdown artifact: the held-out loss of every method trained so far
+    against ``unit`` (:func:`reports.live.live_chart`), a new version at each call (the pretraining
+    stages call it at every progress line); nothing before the first evaluation. Inside a Prefect
+    flow or task run."""
+    from prefect.artifacts import create_markdown_artifact
+
+    chart = live_chart(run_dir, unit, f"{name}: held-out loss while training")
+    if chart is not None:
+        create_markdown_artifact(
+            chart,
+            key=artifact_key("live", name),
+            description=f"Held-out loss of each method while it trains (run directory {run_dir})",
+        )
+
+
 def comparison_rows(comparison: dict) -> list[dict]:
     """The comparison's table as text cells ("—" for a missing value), one dict per run, keyed by
     the column headers (by the column keys where two headers are the same)."""
@@ -169,8 +187,8 @@ def comparison_rows(comparison: dict) -> list[dict]:
 
 def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
     """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
-    dict) to the current Prefect flow or task run: ``comparison.md`` (plots replaced by their absolute
-    paths) keyed ``compare-<slug>`` and the table (text cells) keyed ``compare-table-<slug>``, the
+    dict) to the current Prefect flow or task run: ``comparison.md`` (its plots inlined as PNG data,
+    :func:`reports.live.inline_figures`) keyed ``compare-<slug>`` and the table (text cells) keyed ``compare-table-<slug>``, the
     slug from ``key_name``. Outside a flow or task run nothing is published (no Prefect server is
     contacted): a warning is logged and False returned; True when published.
     """
@@ -187,7 +205,7 @@ def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
     out_dir = comparison["paths"]["out_dir"]
     md_path = Path(comparison["paths"]["markdown"])
     markdown = md_path.read_text(encoding="utf-8") if md_path.is_file() else render_comparison(comparison)
-    markdown = re.sub(r"!\[([^\]]*)\]\(([^)]+)\)", lambda m: f"*{m[1]}*: `{out_dir}/{m[2]}`", markdown)
+    markdown = inline_figures(markdown, Path(out_dir))  # the figures themselves, as in the run report
     where = f"{len(comparison['rows'])} runs, written to {out_dir}"
     create_markdown_artifact(
         markdown, key=artifact_key("compare", key_name), description=f"{comparison['title']}: {where}"

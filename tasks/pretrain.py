@@ -56,23 +56,33 @@ def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
     exchange it must run in the flow's process), runs until the flow marks every learner done,
     then saves Θ and the outer state and returns the summary. With the fsspec exchange the flow
     gives it retries (``diloco.syncer_retries``): a retry takes office and resumes from the syncer's
-    checkpoint and journal."""
+    checkpoint and journal. After each held-out evaluation of Θ it refreshes the live chart
+    (``reports.artifacts.publish_live_chart``)."""
     from prefect.runtime import task_run
 
     attempt = int(task_run.run_count or 1)
     if attempt > 1:
         get_run_logger().warning("syncer: attempt %d, resuming from its checkpoint and journal", attempt)
     run = open_syncer(config, run_dir, attempt)
+    from reports.artifacts import publish_live_chart
+
     try:
-        return run_syncer_to_end(run)
+        # the live chart after each evaluation of Θ (in this task run: the UI opens task-run artifacts)
+        return run_syncer_to_end(run, on_evaluated=lambda: publish_live_chart(run_dir, config.name, config.unit))
     finally:
         run.close_logs()
 
 
 @task(name="dp-trainer", cache_policy=NO_CACHE)
 def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
-    """The DP baseline (``training.dp.train_dp``); writes its summary."""
+    """The DP baseline (``training.dp.train_dp``); writes its summary. At each evaluation: a progress
+    line, the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from reports.artifacts import publish_live_chart
+
     logger = get_run_logger()
+    progress_id = create_progress_artifact(0.0, key="dp-progress", description=f"DP {config.unit} (%)")
 
     def progress(tokens, total, loss, val):
         logger.info(
@@ -83,6 +93,8 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
             loss,
             val,
         )
+        update_progress_artifact(progress_id, 100.0 * tokens / total)
+        publish_live_chart(run_dir, config.name, config.unit)  # DP beside DiLoCo, as its progress lines do
 
     summary = train_dp(config, Path(run_dir), progress)
     write_json(RunLayout(run_dir).summary("pretrain", "dp"), summary)

@@ -10,7 +10,8 @@ tiny → Run → Custom run; the ``overrides`` JSON editor filled with fast offl
 tests/test_deployments.py without post-training: committed corpus, one eval interval, no lm-eval,
 no DP, no fine-tuning; ``config`` stays as deployed) and the ``run_dir`` field with a path under
 tmp_path; Submit. The flow run must complete with exactly those parameters and write that run
-directory; its page shows the task runs, and its Artifacts tab the report artifact, which opens.
+directory; its page shows the task runs, and its Artifacts tab the report artifact, which opens with
+every figure of the report drawn in it, and the live loss chart the pretraining refreshed.
 What a user sees is checked on the way: no API call of a page fails while it loads (status >= 400 or
 no answer; :data:`BENIGN_REQUEST_FAILURES` names the one exception), the Deployments list is not
 empty and holds the deployment, the deployment's parameters are configs/tiny.yaml as loaded by
@@ -378,7 +379,18 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             card.click()
             expect(page.get_by_role("heading", name="Run report: tiny")).to_be_visible()
             expect(page.get_by_text(str(run_dir)).first).to_be_visible()
-            snap("report-artifact")
+            # its figures are in the page, drawn (inline PNGs: the files live on the worker's disk)
+            figures = page.locator("img[src^='data:image/png']")
+            pngs = sorted(p.name for p in (run_dir / "report").glob("*.png"))
+            expect(figures).to_have_count(len(pngs))  # every figure of report/ (the page may still render)
+            page.wait_for_function(  # each decoded and drawn at its size
+                "n => { const i = [...document.querySelectorAll(\"img[src^='data:image/png']\")];"
+                " return i.length === n && i.every(x => x.complete && x.naturalWidth > 100); }",
+                arg=len(pngs),
+            )
+            figures.first.scroll_into_view_if_needed()
+            snap("report-artifact-figures")
+
 
             # the DiLoCo subflow run: its learner and syncer tasks
             def diloco_run(client):
@@ -396,6 +408,20 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             expect(page.get_by_role("link", name="syncer", exact=False).first).to_be_visible()
             expect(page.get_by_role("link", name="learner", exact=False)).to_have_count(3)  # tiny: M = 3
             snap("learners-and-syncer")
+            # its Artifacts tab: the live chart it refreshed while it trained, drawn
+            page.get_by_role("tab", name="Artifacts").click()
+            live = page.get_by_role("link").filter(has=page.get_by_text(artifact_key("live", "tiny"), exact=True))
+            expect(live.first).to_be_visible()  # one card per version: one per evaluation of Θ
+            live.first.click()
+            # its key's page: a timeline of its versions, newest first; open the newest
+            page.get_by_role("link", name=artifact_key("live", "tiny"), exact=True).first.click()
+            page.locator("a[href*='/artifacts/artifact/']").first.click()
+            chart = page.locator("img[src^='data:image/png']").first
+            expect(chart).to_be_visible()
+            assert chart.evaluate("i => i.complete ? i.naturalWidth : 0") > 100
+            budget = f"{UI_FAST['train.token_budget']:,} tokens"  # the last evaluation's point
+            expect(page.get_by_text(re.compile(rf"Latest held-out loss: diloco: [0-9.]+ at {budget}"))).to_be_visible()
+            snap("live-chart")
             api_calls.check("the flow run's pages")
         except BaseException:
             try:

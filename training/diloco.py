@@ -22,12 +22,13 @@ budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -65,6 +66,7 @@ from training.optimizers import lr_schedule, make_inner_tx
 from training.step import Trainer
 from training.tracking import method_tracker
 
+log = logging.getLogger(__name__)
 STAGE, METHOD = "pretrain", "diloco"
 
 
@@ -483,7 +485,7 @@ def syncer_retryable(exc: BaseException) -> bool:
     return not isinstance(exc, (StaleSyncerError, JournalMismatchError))
 
 
-def run_syncer_to_end(run: DiLoCoRun) -> dict:
+def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = None) -> dict:
     """The syncer: merge loop, held-out evaluation of Θ on the cadence, final checkpoint; returns the
     summary. Ends once the flow has marked the learners done (``exchange.mark_learners_done``) and
     everything is flushed.
@@ -493,6 +495,8 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
     ``syncer-resumed`` event (generation, checkpoint step and seq, entries replayed, merges
     republished, ``recover_s`` seconds, ``t``) to the learners log; a failing attempt writes a
     ``syncer-failure`` event (``attempt``, ``generation``, ``reason``, ``merges``, ``t``) before it re-raises.
+    ``on_evaluated()`` is called after each evaluation is logged (the flow's live chart); its errors
+    are logged as warnings, never the syncer's.
     """
 
     def on_merge(rec: dict) -> None:
@@ -519,6 +523,11 @@ def run_syncer_to_end(run: DiLoCoRun) -> dict:
                 "eval_s": time.perf_counter() - t0,
             }
         )
+        if on_evaluated is not None:
+            try:
+                on_evaluated()
+            except Exception as exc:  # noqa: BLE001 - a chart never stops the syncer
+                log.warning("syncer: after the evaluation at %d tokens: %s: %s", tokens, type(exc).__name__, exc)
 
     def on_recover(info: dict) -> None:
         if run.resumed:

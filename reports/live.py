@@ -1,0 +1,73 @@
+"""Figures inside the Prefect UI: PNGs as inline data URIs in markdown artifacts.
+
+:func:`inline_figures` turns a report's ``![alt](file.png)`` links into the images themselves, so
+the report artifact shows its figures wherever the UI runs (the files live on the worker's disk);
+:func:`live_chart` draws the held-out loss of every method trained so far against tokens, the
+``live-<run name>`` artifact the pretraining stages refresh while they train. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from pathlib import Path
+
+from reports.plots import loss_figure
+from run.layout import METHOD_ORDER, RunLayout
+from run.metrics import read_jsonl
+
+MAX_INLINE_BYTES = 4_000_000  # all of a report's PNGs together; above it the figures stay paths
+_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s]+\.png)\)")
+
+
+def data_uri(png: bytes) -> str:
+    """``data:image/png;base64,…`` of PNG bytes."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def inline_figures(markdown: str, folder: Path, max_bytes: int = MAX_INLINE_BYTES) -> str:
+    """``markdown`` with each ``![alt](name.png)`` whose file is in ``folder`` replaced by the image
+    as a data URI; a figure whose file is missing, or all of them when together they exceed
+    ``max_bytes`` (bytes of PNG), becomes ``*alt*: `folder/name.png``` (its path) instead."""
+    files = {m[2]: folder / m[2] for m in _IMAGE.finditer(markdown)}
+    sizes = {k: p.stat().st_size for k, p in files.items() if p.is_file()}
+    inline = sum(sizes.values()) <= max_bytes
+
+    def one(m: re.Match) -> str:
+        alt, name = m[1], m[2]
+        if inline and name in sizes:
+            return f"![{alt}]({data_uri(files[name].read_bytes())})"
+        return f"*{alt}*: `{folder}/{name}`"
+
+    return _IMAGE.sub(one, markdown)
+
+
+def live_chart(run_dir: str | Path, unit: str = "tokens", title: str | None = None) -> str | None:
+    """Markdown with the held-out loss of every pretraining method of ``run_dir`` against ``unit``
+    (its ``pretrain/<method>/metrics/eval.jsonl`` as they stand) as an inline PNG, and each method's
+    latest point in words; None before any method has evaluated."""
+    layout = RunLayout(run_dir)
+    curves = {}
+    folder = Path(layout.stage_dir("pretrain"))
+    found = sorted(
+        (p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file()) if folder.is_dir() else [],
+        key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m),
+    )
+    for m in found:
+        try:
+            rows = read_jsonl(layout.metrics("pretrain", m, "eval"))
+        except ValueError:  # a line being written at this instant: the next refresh has it
+            continue
+        if rows:
+            curves[m] = rows
+    one = unit.removesuffix("s")
+    fig = loss_figure(curves, "tokens", unit, title or "held-out loss while training (live)", unit=one)
+    if fig is None:
+        return None
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=72)
+    latest = "; ".join(
+        f"{m}: {rows[-1]['val/loss']:.4f} at {int(rows[-1]['tokens']):,} {unit}" for m, rows in curves.items()
+    )
+    return f"![held-out loss against {unit}, live]({data_uri(buf.getvalue())})\n\nLatest held-out loss: {latest}.\n"
