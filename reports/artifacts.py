@@ -189,8 +189,9 @@ def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
     """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
     dict) to the current Prefect flow or task run: ``comparison.md`` (its plots inlined as PNG
     data, :func:`reports.live.inline_figures`) keyed ``compare-<slug>`` and the table (text cells)
-    keyed ``compare-table-<slug>``, the slug from ``key_name``. Outside a flow or task run nothing is published (no Prefect server is
-    contacted): a warning is logged and False returned; True when published.
+    keyed ``compare-table-<slug>``, the slug from ``key_name``. Outside a flow or task run nothing
+    is published (no Prefect server is contacted): a warning is logged and False returned; True
+    when published.
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext, TaskRunContext
