@@ -391,7 +391,6 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             figures.first.scroll_into_view_if_needed()
             snap("report-artifact-figures")
 
-
             # the DiLoCo subflow run: its learner and syncer tasks
             def diloco_run(client):
                 from prefect.client.schemas.filters import FlowFilter, FlowFilterName
