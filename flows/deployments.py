@@ -57,6 +57,7 @@ FORM_NOTE = (
 OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     {
         "name": "pretrain-diloco",
+        "tags": ["pretrain", "diloco"],
         "entrypoint": "flows/pretrain.py:pretrain_diloco",
         "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
         "and no DiLoCo results yet (results are never overwritten: delete pretrain/diloco and "
@@ -65,6 +66,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     },
     {
         "name": "pretrain-dp",
+        "tags": ["pretrain", "dp"],
         "entrypoint": "flows/pretrain.py:pretrain_dp",
         "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
         "no DP results yet (results are never overwritten).",
@@ -72,6 +74,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     },
     {
         "name": "finetune",
+        "tags": ["finetune"],
         "entrypoint": "flows/finetune.py:finetune",
         "description": "Fine-tune the pretrained models of an existing run directory with one recipe (its "
         'config\'s finetune section, changed by `overrides` such as {"finetune.mode": "lora"}), '
@@ -82,6 +85,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
     },
     {
         "name": "goodput",
+        "tags": ["goodput", "simulator"],
         "entrypoint": "flows/goodput.py:goodput",
         "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "
         "Table 1 (knobs as a form).",
@@ -130,6 +134,7 @@ def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "name": path.stem,
         "entrypoint": PIPELINE_ENTRYPOINT,
         "description": " ".join(description.split()),
+        "tags": ["pipeline", path.stem],
         "work_pool": {"name": WORK_POOL},
         "parameters": {"config": cfg.model_dump(mode="json")},
     }
@@ -162,6 +167,7 @@ def sweep_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "name": path.stem,
         "entrypoint": SWEEP_ENTRYPOINT,
         "description": " ".join(description.split()),
+        "tags": ["sweep", path.stem],
         "work_pool": {"name": WORK_POOL},
         "parameters": {"spec": spec.model_dump(mode="json")},
     }
@@ -189,6 +195,7 @@ def tune_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "name": path.stem,
         "entrypoint": TUNE_ENTRYPOINT,
         "description": " ".join(description.split()),
+        "tags": ["tune", path.stem],
         "work_pool": {"name": WORK_POOL},
         "parameters": {"spec": spec.model_dump(mode="json")},
     }

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from configs.load import apply_overrides, validation_lines
 from configs.schema import ExperimentConfig
 from flows import run_logger
+from flows.naming import finetune_run_name
 from flows.preflight import check_finetune_inputs, check_lora_targets
 from run.control import graceful_stop, stop_requested
 from run.directory import link_or_copy
@@ -322,7 +323,7 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
     return out
 
 
-@flow(name="finetune", log_prints=True)
+@flow(name="finetune", flow_run_name=finetune_run_name, log_prints=True)
 def finetune(
     run_dir: str | None = None,
     methods: list[str] | None = None,

@@ -24,6 +24,7 @@ from prefect.states import Cancelled, Failed, State
 from configs.load import resolve_config
 from configs.schema import ExperimentConfig
 from flows.finetune import finetune_preflight, run_finetune_stage
+from flows.naming import pipeline_run_name, rename_flow_run
 from flows.preflight import preflight
 from flows.pretrain import dropped_reasons, pretrain_diloco, pretrain_dp
 from run import atomic
@@ -255,7 +256,7 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
     return problem
 
 
-@flow(name="pipeline", log_prints=True)
+@flow(name="pipeline", flow_run_name=pipeline_run_name, log_prints=True)
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
     config_file: str | None = None,
@@ -296,6 +297,7 @@ def pipeline(
     if len(seeds) == 1:
         cfg = cfg.for_seed(seeds[0])
     rd = preflight(cfg, run_dir)
+    rename_flow_run(rd.name)  # the run directory's name: what `ls runs/` and the report call this run
     if stop_requested():  # a signal while Prefect started: nothing was written, nothing to save
         return Cancelled(message=f"stopped before the run started: {_signal_reason()}; nothing was written")
     created = not rd.exists()

@@ -21,6 +21,7 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.engines import engine_session, task_options, task_runner_for
+from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key
 from reports.resilience import diloco_resilience
 from run.atomic import write_json
@@ -106,7 +107,7 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tr
     )
 
 
-@flow(name="pretrain-diloco", log_prints=True)
+@flow(name="pretrain-diloco", flow_run_name=pretrain_run_name("diloco"), log_prints=True)
 def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: float = 10.0) -> dict:
     """Decoupled DiLoCo: one syncer task and M learner tasks (retries) on the configured runner.
 
@@ -297,7 +298,7 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
     return out
 
 
-@flow(name="pretrain-dp", log_prints=True)
+@flow(name="pretrain-dp", flow_run_name=pretrain_run_name("dp"), log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``).
     Ends ``Failed`` (its summary written) when the job stopped short of its budget without a stop

@@ -60,6 +60,7 @@ from configs.load import config_path, read_config_file
 from configs.schema import ExperimentConfig
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
 from flows import run_logger
+from flows.naming import sweep_run_name
 from flows.preflight import check_config
 from reports.common import flatten
 from run import atomic
@@ -594,7 +595,7 @@ def _default_spec() -> SweepSpec:
     return load_sweep("tiny_grid")
 
 
-@flow(name="sweep", log_prints=True)
+@flow(name="sweep", flow_run_name=sweep_run_name, log_prints=True)
 def sweep(
     spec: SweepSpec = _default_spec(),
     sweep_file: str | None = None,

@@ -44,6 +44,7 @@ from configs.load import config_path, read_config_file, validation_lines
 from configs.schema import ExperimentConfig
 from configs.tune import METHODS, TuneSpec, load_study
 from flows import run_logger
+from flows.naming import tune_run_name
 from run import atomic
 from run.control import graceful_stop, stop_requested
 from run.directory import read_status
@@ -319,7 +320,7 @@ def _default_spec() -> TuneSpec:
     return load_study("tune_tiny")
 
 
-@flow(name="tune", log_prints=True)
+@flow(name="tune", flow_run_name=tune_run_name, log_prints=True)
 def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str | State:
     """Tune DP and DiLoCo with the same number of trials and the same budget per trial, then run
     both methods' best settings over ``seeds`` (see the module).

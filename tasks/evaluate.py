@@ -14,7 +14,7 @@ from configs.schema import ExperimentConfig
 from training.evaluate_checkpoint import evaluate_method
 
 
-@task(name="evaluate", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate-{stage}-{method}", cache_policy=NO_CACHE)
 def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str = "pretrain") -> dict:
     metrics = evaluate_method(cfg, run_dir, method, stage)
     logger = get_run_logger()
@@ -28,7 +28,7 @@ def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str 
     return metrics
 
 
-@task(name="report", cache_policy=NO_CACHE)
+@task(name="report", task_run_name="report", cache_policy=NO_CACHE)
 def report_task(run_dir: Path, final_stage: bool = True) -> dict:
     """Build the report (``final_stage``: as the pipeline's last stage, before its status is final)."""
     from reports import build_report

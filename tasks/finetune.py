@@ -14,7 +14,16 @@ from configs.schema import ExperimentConfig
 from run.layout import RunLayout
 
 
-@task(name="finetune-data", cache_policy=NO_CACHE)
+def finetune_task_name(parameters: dict) -> str:
+    """``finetune-<method>-seed<s>`` (``-seeds<s>-<t>…`` for a recipe of several seeds): Prefect's
+    ``task_run_name`` callable, given the task's parameters."""
+    p = parameters or {}
+    seeds = list(getattr(getattr(p.get("cfg"), "finetune", None), "seeds", None) or [])
+    which = f"seed{seeds[0]}" if len(seeds) == 1 else "seeds" + "-".join(map(str, seeds))
+    return f"finetune-{p.get('method', 'model')}-{which}"
+
+
+@task(name="finetune-data", task_run_name="finetune-data", cache_policy=NO_CACHE)
 def finetune_data_task(cfg: ExperimentConfig, run_dir: str) -> dict:
     from data.finetune import prepare_finetune_data
 
@@ -29,7 +38,7 @@ def finetune_data_task(cfg: ExperimentConfig, run_dir: str) -> dict:
     return task_info
 
 
-@task(name="finetune", cache_policy=NO_CACHE)
+@task(name="finetune", task_run_name=finetune_task_name, cache_policy=NO_CACHE)
 def finetune_task(
     cfg: ExperimentConfig, run_dir: str, method: str, task_info: dict, checkpoint: str | None = None
 ) -> dict:
@@ -51,7 +60,7 @@ def finetune_task(
     return summary
 
 
-@task(name="evaluate-finetune", cache_policy=NO_CACHE)
+@task(name="evaluate-finetune", task_run_name="evaluate-finetune-{method}", cache_policy=NO_CACHE)
 def evaluate_finetune_task(
     cfg: ExperimentConfig, run_dir: str, method: str, task_info: dict, checkpoint: str | None = None
 ) -> dict:

@@ -20,7 +20,7 @@ from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syn
 from training.dp import train_dp
 
 
-@task(name="learner", cache_policy=NO_CACHE, log_prints=False)
+@task(name="learner", task_run_name="learner-{learner}", cache_policy=NO_CACHE, log_prints=False)
 def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
     """Learner ``learner``: a retry resumes from its saved resume point and the current global
     fragments (``diloco.learner``)."""
@@ -50,7 +50,7 @@ def retry_syncer(task, task_run, state) -> bool:
     return False
 
 
-@task(name="syncer", cache_policy=NO_CACHE)
+@task(name="syncer", task_run_name="syncer", cache_policy=NO_CACHE)
 def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
     """The syncer: opens the run's exchange (``training.diloco.open_syncer``; with the in-process
     exchange it must run in the flow's process), runs until the flow marks every learner done,
@@ -73,7 +73,7 @@ def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
         run.close_logs()
 
 
-@task(name="dp-trainer", cache_policy=NO_CACHE)
+@task(name="dp-trainer", task_run_name="dp-trainer", cache_policy=NO_CACHE)
 def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     """The DP baseline (``training.dp.train_dp``); writes its summary. At each evaluation: a progress
     line, the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""

@@ -357,6 +357,7 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
 
             flow_run = _in_api(api, wait_final)
             assert flow_run.parameters.get("run_dir") == str(run_dir), flow_run.parameters
+            assert flow_run.name == run_dir.name  # named as its run directory, not adjective-animal
             assert flow_run.parameters.get("overrides") == UI_FAST  # typed into the form
             assert flow_run.state is not None and flow_run.state.is_completed(), (
                 f"flow run {flow_run.name}: {flow_run.state}\n{_tail(log)}"
@@ -367,7 +368,7 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             expect(page.get_by_text(flow_run.name, exact=True).first).to_be_visible()
             expect(page.get_by_text("Completed", exact=True).first).to_be_visible()
             page.get_by_role("tab", name="Task Runs").click()
-            expect(page.get_by_role("link", name="report-", exact=False).first).to_be_visible()
+            expect(page.get_by_role("link", name="report", exact=True).first).to_be_visible()
             snap("flow-run-completed")
 
             page.get_by_role("tab", name="Artifacts").click()
@@ -404,8 +405,11 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
                 )
             )
             page.get_by_role("tab", name="Task Runs").click()
-            expect(page.get_by_role("link", name="syncer", exact=False).first).to_be_visible()
+            expect(page.get_by_role("link", name="syncer", exact=True)).to_be_visible()
             expect(page.get_by_role("link", name="learner", exact=False)).to_have_count(3)  # tiny: M = 3
+            for m in range(3):
+                expect(page.get_by_role("link", name=f"learner-{m}", exact=True)).to_be_visible()
+            expect(page.get_by_text(f"pretrain-diloco-{run_dir.name}").first).to_be_visible()  # its name
             snap("learners-and-syncer")
             # its Artifacts tab: the live chart it refreshed while it trained, drawn
             page.get_by_role("tab", name="Artifacts").click()
