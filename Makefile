@@ -83,10 +83,10 @@ bench-torch: setup
 device-check: setup
 	$(VENV)/bin/python benchmarks/device_check.py $(ARGS)
 
-# The UI asks the server for its API URL, so a port other than 4200 needs it too.
+# The Prefect UI stack: server, work pool local-proc, every deployment of prefect.yaml and a worker,
+# started together; Ctrl-C stops them together (flows/ui_stack.py; logs in build/ui-stack/).
 ui: setup
-	PREFECT_SERVER_API_HOST=$(UI_HOST) PREFECT_SERVER_API_PORT=$(UI_PORT) \
-	  $(VENV)/bin/prefect server start --host $(UI_HOST) --port $(UI_PORT) --analytics-off
+	$(VENV)/bin/ddiloco ui --host $(UI_HOST) --port $(UI_PORT)
 
 # The documentation site (mkdocs.yml, docs/; the configuration reference is generated from the schema):
 # `make docs` builds it strictly into site/, `make docs-serve` serves it with live reload.

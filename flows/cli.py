@@ -557,6 +557,24 @@ def goodput(
     typer.echo(f"\nTable: {table}\nFigure: {table.with_suffix('.png')}\nData: {table.with_suffix('.json')}")
 
 
+@app.command()
+def ui(
+    host: str = typer.Option("127.0.0.1", "--host", help="the server's address (0.0.0.0: every interface)"),
+    port: int = typer.Option(4200, "--port", help="the server's port"),
+    deploy: bool = typer.Option(True, "--deploy/--no-deploy", help="create every deployment of prefect.yaml"),
+    worker: bool = typer.Option(True, "--worker/--no-worker", help="start a process worker on local-proc"),
+    log_dir: str = typer.Option("build/ui-stack", "--log-dir", help="where the server, deploy and worker logs go"),
+):
+    """The Prefect UI stack: server, work pool, every deployment and a worker, started together;
+    Ctrl-C stops them together (what `make ui` runs; docs/ui.md)."""
+    from flows.ui_stack import run_stack
+
+    if not 0 < port < 65536:
+        raise _fail(f"--port {port}: give a port between 1 and 65535")
+    say = lambda line: typer.echo(line, err=line.startswith("error"))  # noqa: E731
+    raise typer.Exit(run_stack(host, port, deploy=deploy, worker=worker, log_dir=Path(log_dir).absolute(), say=say))
+
+
 def _out_dir_problem(out: Path) -> str | None:
     """Why ``out`` cannot take a new goodput run (None if it can): checked before Prefect starts."""
     if out.exists() and not out.is_dir():
