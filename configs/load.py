@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 from pathlib import Path
 from typing import Any
@@ -320,6 +321,10 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
                 msg += f" ({RENAMED[loc]})"
             own = owner is not None and len(parts) == depth
             keys = list(owner.model_fields) if own else _valid_keys(exc.title, err["loc"][:-1])
+            close = difflib.get_close_matches(str(parts[-1]), keys, n=1, cutoff=0.6) if keys and parts else []
+            if close:  # a typo: name the key it most likely meant
+                prefix = loc.rsplit(".", 1)[0] + "." if "." in loc else ""
+                msg += f"; did you mean {prefix}{close[0]}?"
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
         # a cross-field error (no loc) names its field first, e.g. "chaos.events[0] (kill): …"

@@ -211,6 +211,7 @@ def test_overrides_parse_as_yaml_and_errors_read_as_one_line_per_field():
         ExperimentConfig.model_validate({"diloco": {"lerners": 2}})
     (line,) = validation_lines(exc.value)
     assert line.startswith("diloco.lerners: ") and "valid keys here: enabled, learners, fragments" in line
+    assert "; did you mean diloco.learners? (" in line  # the closest key, named
 
 
 def test_override_below_a_single_value_is_refused(tmp_path):
@@ -333,8 +334,8 @@ def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
         load_sweep(tmp_path / "s.yaml")
     line = sweep_problem(exc.value)
     assert (
-        "concurency: Extra inputs are not permitted (valid keys here: name, base, overrides, grid, cells, seeds, "
-        "concurrency" in line
+        "concurency: Extra inputs are not permitted; did you mean concurrency? (valid keys here: name, base, "
+        "overrides, grid, cells, seeds, concurrency" in line
     )
 
 
@@ -385,7 +386,7 @@ def test_text_and_image_data_are_two_members_of_one_union():
     for data, line in (
         ({"source": "gopher"}, "data.source: 'gopher' is unknown; choose one of shakespeare, local, hf, digits, "),
         ({"source": "local"}, "data.paths must list at least one file"),
-        ({"source": "digits", "image_colum": "x"}, "data.image_colum: Extra inputs are not permitted (valid keys here"),
+        ({"source": "digits", "image_colum": "x"}, "data.image_colum: Extra inputs are not permitted; did you mean data.image_column? (valid keys here"),
     ):
         with pytest.raises(ValidationError) as info:
             ExperimentConfig.model_validate({"data": data, "model": {"kind": "vit"}})
@@ -403,7 +404,8 @@ def test_chaos_event_refusals_name_the_event_its_field_and_the_set_that_gave_it(
         ([{"learner": 1}], "chaos.events[0].kind: is missing; choose one of fail, kill, slowdown, corrupt, presence"),
         (
             [{"kind": "fail", "learner": 1, "at_stp": 3}],
-            "chaos.events[0].at_stp: Extra inputs are not permitted (valid keys here: kind, learner, at_step, at_s,",
+            "chaos.events[0].at_stp: Extra inputs are not permitted; did you mean chaos.events[0].at_step? "
+            "(valid keys here: kind, learner, at_step, at_s,",
         ),
         (
             [{"kind": "fail", "learner": 7, "at_step": 3}],
