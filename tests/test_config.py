@@ -386,7 +386,10 @@ def test_text_and_image_data_are_two_members_of_one_union():
     for data, line in (
         ({"source": "gopher"}, "data.source: 'gopher' is unknown; choose one of shakespeare, local, hf, digits, "),
         ({"source": "local"}, "data.paths must list at least one file"),
-        ({"source": "digits", "image_colum": "x"}, "data.image_colum: Extra inputs are not permitted; did you mean data.image_column? (valid keys here"),
+        (
+            {"source": "digits", "image_colum": "x"},
+            "data.image_colum: Extra inputs are not permitted; did you mean data.image_column? (valid keys here",
+        ),
     ):
         with pytest.raises(ValidationError) as info:
             ExperimentConfig.model_validate({"data": data, "model": {"kind": "vit"}})
