@@ -19,3 +19,8 @@ class EvalConfig(_Strict):
     mc_questions: PositiveInt = Field(200, description="which-line-comes-next questions")
     mc_context_lines: PositiveInt = Field(4, description="lines of context before the answer")
     batch_size: PositiveInt = Field(32, description="sequences per lm-eval forward pass")
+    verbose: bool = Field(
+        False,
+        description="show lm-eval's own INFO lines and progress bars in the run's log (off: its warnings only; "
+        "each evaluation is one summary line)",
+    )

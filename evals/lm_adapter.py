@@ -141,9 +141,11 @@ class JaxLM(TemplateLM):
         max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         buckets: Sequence[int] | None = None,
         eot_token: str = EOT_TOKEN,
+        progress: bool = False,
     ):
         super().__init__()
         self.model = model
+        self.progress = bool(progress)  # tqdm bars (lm-eval asks for them; a run's log shows them only if asked)
         self.text_tokenizer = tokenizer
         self.batch_size = int(batch_size)
         self.max_gen_toks = int(max_gen_toks)
@@ -261,7 +263,7 @@ class JaxLM(TemplateLM):
         results: list[tuple[float, bool]] = [(0.0, True)] * len(windows)
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
         graphdef, state = nnx.split(self.model)
-        pbar = tqdm(total=len(windows), disable=disable_tqdm, desc=desc)
+        pbar = tqdm(total=len(windows), disable=disable_tqdm or not self.progress, desc=desc)
         i = 0
         while i < len(order):
             bucket = self._bucket(len(windows[order[i]][0]) - 1)
@@ -365,7 +367,8 @@ class JaxLM(TemplateLM):
         out: list[str] = [""] * len(jobs)
         graphdef, state = nnx.split(self.model)
         order = sorted(range(len(jobs)), key=lambda j: -len(jobs[j][0]))
-        for start in tqdm(range(0, len(order), self.batch_size), disable=disable_tqdm, desc="generate_until"):
+        bars_off = disable_tqdm or not self.progress
+        for start in tqdm(range(0, len(order), self.batch_size), disable=bars_off, desc="generate_until"):
             rows = order[start : start + self.batch_size]
             out_rows = self._generate_batch(graphdef, state, [jobs[j] for j in rows])
             for j, text in zip(rows, out_rows):

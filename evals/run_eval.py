@@ -95,10 +95,29 @@ def _jsonable(x):
     return repr(x)
 
 
-def run_local_tasks(lm: JaxLM, tasks: list[dict], seed: int) -> dict:
+def run_local_tasks(lm: JaxLM, tasks: list[dict], seed: int, verbose: bool = False) -> dict:
     """``lm_eval.simple_evaluate`` on our local task configs, zero-shot, every lm-eval seed set to
     ``seed``, per-item samples logged, stderrs computed (``BOOTSTRAP_ITERS`` > 0: the closed form for
-    means). Call it inside :func:`_no_multiprocessing`. Returns lm-eval's results dict."""
+    means). Call it inside :func:`_no_multiprocessing`. Returns lm-eval's results dict. lm-eval's own
+    INFO lines ("bootstrapping for stddev", task building) are held back unless ``verbose``
+    (``eval.verbose``); its warnings always show."""
+    with _lm_eval_quiet(not verbose):
+        return _simple_evaluate(lm, tasks, seed)
+
+
+@contextlib.contextmanager
+def _lm_eval_quiet(quiet: bool):
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    if quiet:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _simple_evaluate(lm: JaxLM, tasks: list[dict], seed: int) -> dict:
     return lm_eval.simple_evaluate(
         model=lm,
         tasks=tasks,
@@ -165,9 +184,9 @@ def evaluate_lm(
         mc_context_lines=eval_cfg.mc_context_lines,
         seed=seed,
     )
-    lm = JaxLM(model, tokenizer, batch_size=eval_cfg.batch_size)
+    lm = JaxLM(model, tokenizer, batch_size=eval_cfg.batch_size, progress=eval_cfg.verbose)
     with _no_multiprocessing():
-        res = run_local_tasks(lm, tasks, seed)
+        res = run_local_tasks(lm, tasks, seed, verbose=eval_cfg.verbose)
         flat: dict = {}
         for task, metrics in FLAT_METRICS.items():
             for m in metrics:

@@ -17,6 +17,7 @@ from reports.analyses import manifest_items, pipeline_status, setup, stage_figur
 from reports.common import BYTES_CONVENTION, NOT_RUN, STALE_DEFINITION, figure_file, json_safe, label
 from reports.experts import expert_load_figure
 from reports.finetune import finetune_loss_figure, post_training_figures
+from reports.live import report_html
 from reports.markdown import render_markdown
 from reports.plots import (
     confusion_figure,
@@ -384,5 +385,9 @@ def build_report(
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
-    atomic.write_text(layout.report_md, render_markdown(report))
+    markdown = render_markdown(report)
+    atomic.write_text(layout.report_md, markdown)
+    # the same report as one file to share: figures inlined (after the PNGs it inlines are written)
+    title = f"Run report: {report['run']['name']}"
+    atomic.write_text(layout.report_html, report_html(markdown, Path(layout.report), title))
     return report

@@ -14,6 +14,7 @@ from typing import Any
 from reports.analyses import COMPLETING_TEXT, manifest_items, pipeline_status, setup
 from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, settings, short_label
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
+from reports.live import report_html
 from reports.read import open_run, read_json, read_run
 from reports.verdict import mean_interval, seed_figures, verdict, verdict_markdown
 from run import atomic
@@ -108,7 +109,10 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     layout.report.mkdir(parents=True, exist_ok=True)
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
-    atomic.write_text(layout.report_md, render_seeds(report))
+    markdown = render_seeds(report)
+    atomic.write_text(layout.report_md, markdown)
+    title = f"Run report over seeds: {report['run']['name']}" if report.get("run") else "Run report over seeds"
+    atomic.write_text(layout.report_html, report_html(markdown, Path(layout.report), title))
     return report
 
 

@@ -18,7 +18,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
         adapters/<step>/, seeds/<s>/adapters/<step>/   LoRA fine-tuning: the adapters alone (Orbax)
     RUN/finetune/data/                    the fine-tuning task's items (data.finetune)
     RUN/eval/<stage>/<method>.json        evaluation of that model (+ eval/<stage>/<method>/ outputs)
-    RUN/report/                           report.md, report.json, figures
+    RUN/report/                           report.md, report.html (self-contained), report.json, figures
     RUN/tensorboard/                      the run's settings and final figures (TensorBoard HParams)
     RUN/wandb/                            Weights & Biases runs, when tracking.wandb is on
 
@@ -97,6 +97,11 @@ class RunLayout:
     @property
     def report_md(self) -> UPath:
         return self.report / "report.md"
+
+    @property
+    def report_html(self) -> UPath:
+        """The report as one self-contained HTML file (figures inlined), beside report.md."""
+        return self.report / "report.html"
 
     @property
     def report_json(self) -> UPath:

@@ -17,15 +17,32 @@ from training.evaluate_checkpoint import evaluate_method
 @task(name="evaluate", task_run_name="evaluate-{stage}-{method}", cache_policy=NO_CACHE)
 def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str = "pretrain") -> dict:
     metrics = evaluate_method(cfg, run_dir, method, stage)
-    logger = get_run_logger()
-    logger.info("eval %s %s: %s", stage, method, {k: v for k, v in metrics.items() if isinstance(v, float)})
-    if metrics.get("truncated_requests"):
-        logger.warning(
-            "eval %s: %d requests had their context cut to fit the model's window",
-            method,
-            metrics["truncated_requests"],
-        )
+    # one line (the window warning, if any, came from evals.run_eval already)
+    get_run_logger().info("eval %s %s: %s", stage, method, metrics_line(metrics))
     return metrics
+
+
+SKIPPED = ("word_perplexity", "chance", "eval_s", "checkpoint_tokens", "truncated_requests", "passages", "questions")
+
+
+def metrics_line(metrics: dict) -> str:
+    """An evaluation's figures in one line: each float metric (``word_perplexity``, which spans
+    orders of magnitude on tiny models, counts and timings left out) with ``± stderr`` when lm-eval
+    gives one, 4 significant digits, then the seconds it took; e.g. ``heldout_ppl/bits_per_byte 3.962
+    ± 0.06192, heldout_nextline/acc 0.25 ± 0.1637 (chance 0.25); 3.5 s``."""
+    parts = []
+    for k, v in metrics.items():
+        if not isinstance(v, float) or k.endswith("_stderr") or any(k.endswith(x) for x in SKIPPED):
+            continue
+        text = f"{k} {v:.4g}"
+        if isinstance(metrics.get(f"{k}_stderr"), float):
+            text += f" ± {metrics[f'{k}_stderr']:.4g}"
+        chance = metrics.get(k.rsplit("/", 1)[0] + "/chance") if k.endswith("/acc") else None
+        if isinstance(chance, float):
+            text += f" (chance {chance:.4g})"
+        parts.append(text)
+    took = metrics.get("eval_s")
+    return ", ".join(parts) + (f"; {took:.1f} s" if isinstance(took, float) else "")
 
 
 @task(name="report", task_run_name="report", cache_policy=NO_CACHE)

@@ -32,6 +32,9 @@ def test_pipeline_end_to_end(prefect_harness, small_cfg, small_data, tmp_path):
     assert out == str(run_dir)
     report = layout.report_md.read_text()
     assert "Decoupled DiLoCo" in report and "Data-parallel" in report
+    page = layout.report_html.read_text()  # the same report, one file: every figure inlined
+    pngs = list(layout.report.glob("*.png"))
+    assert pngs and page.count('src="data:image/png;base64,') == len(pngs) and "<table>" in page
     # the header says what both methods trained on and in
     assert "\n- backend: cpu: 1 × cpu (jax " in report
     assert "\n- precision: params float32 · compute float32 · optimizer state float32\n" in report

@@ -41,3 +41,14 @@ def test_the_live_chart_draws_every_method_evaluated_so_far(tmp_path):
     assert base64.b64decode(encoded).startswith(PNG_MAGIC)
     # DiLoCo first (the report's order), each at its latest point
     assert md.endswith("Latest held-out loss: diloco: 4.2000 at 2,000 tokens; dp: 4.0000 at 1,000 tokens.\n")
+
+
+def test_the_html_report_is_one_file_with_its_tables_and_figures(tmp_path):
+    from reports.live import report_html
+
+    _png(tmp_path / "loss.png")
+    md = "# Run report: x\n\n| figure | DiLoCo |\n|---|---|\n| test loss | 4.2 |\n\n![loss](loss.png)\n"
+    page = report_html(md, tmp_path, "Run report: x <tiny>")
+    assert page.startswith("<!doctype html>") and "<title>Run report: x &lt;tiny&gt;</title>" in page
+    assert "<table>" in page and "<td>4.2</td>" in page
+    assert '<img alt="loss" src="data:image/png;base64,' in page and "loss.png" not in page
