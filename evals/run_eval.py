@@ -17,6 +17,7 @@ duration of the call only), which makes lm-eval's bootstrap run in-process inste
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
 import math
 import os
@@ -107,14 +108,23 @@ def run_local_tasks(lm: JaxLM, tasks: list[dict], seed: int, verbose: bool = Fal
 
 @contextlib.contextmanager
 def _lm_eval_quiet(quiet: bool):
+    """lm-eval's INFO lines, its print()s ("bootstrapping for stddev: …"; the evaluation tasks run
+    with Prefect's log_prints off) and the datasets library's progress bars (lm-eval loading the
+    task files) held back while ``quiet``."""
+    import datasets
+
     logger = logging.getLogger("lm_eval")
-    level = logger.level
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
     if quiet:
         logger.setLevel(logging.WARNING)
+        datasets.disable_progress_bars()
     try:
-        yield
+        with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+            yield
     finally:
         logger.setLevel(level)
+        if quiet and bars:
+            datasets.enable_progress_bars()
 
 
 def _simple_evaluate(lm: JaxLM, tasks: list[dict], seed: int) -> dict:
@@ -185,7 +195,7 @@ def evaluate_lm(
         seed=seed,
     )
     lm = JaxLM(model, tokenizer, batch_size=eval_cfg.batch_size, progress=eval_cfg.verbose)
-    with _no_multiprocessing():
+    with _no_multiprocessing(), _lm_eval_quiet(not eval_cfg.verbose):
         res = run_local_tasks(lm, tasks, seed, verbose=eval_cfg.verbose)
         flat: dict = {}
         for task, metrics in FLAT_METRICS.items():

@@ -28,6 +28,9 @@ from configs.tune import STUDY_DIR, load_study
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT_YAML = ROOT / "prefect.yaml"
 WORK_POOL = "local-proc"
+# every deployment's flow runs without progress bars in its log, as `ddiloco` does (flows/cli.py)
+def _pool() -> dict[str, Any]:
+    return {"name": WORK_POOL, "job_variables": {"env": {"TQDM_DISABLE": "1"}}}  # a fresh dict: no YAML alias
 PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
 SWEEP_ENTRYPOINT = "flows/sweep.py:sweep"
 TUNE_ENTRYPOINT = "flows/tune.py:tune"
@@ -62,7 +65,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
         "description": "Decoupled DiLoCo pretraining alone, in a run directory that holds the sharded data "
         "and no DiLoCo results yet (results are never overwritten: delete pretrain/diloco and "
         "eval/pretrain/diloco.json to train it again).",
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
     },
     {
         "name": "pretrain-dp",
@@ -70,7 +73,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
         "entrypoint": "flows/pretrain.py:pretrain_dp",
         "description": "The data-parallel baseline alone, in a run directory that holds the sharded data and "
         "no DP results yet (results are never overwritten).",
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
     },
     {
         "name": "finetune",
@@ -81,7 +84,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
         "evaluate them before and after, and rebuild its report. `checkpoint` fine-tunes one Orbax "
         "checkpoint folder of ours instead (as method `name`); `replace` deletes earlier "
         "fine-tuning results of those methods first.",
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
     },
     {
         "name": "goodput",
@@ -89,7 +92,7 @@ OTHER_DEPLOYMENTS: list[dict[str, Any]] = [
         "entrypoint": "flows/goodput.py:goodput",
         "description": "Failure simulator - goodput of DP, elastic DP and Decoupled DiLoCo vs the paper's "
         "Table 1 (knobs as a form).",
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
         "parameters": {},
     },
 ]
@@ -135,7 +138,7 @@ def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "entrypoint": PIPELINE_ENTRYPOINT,
         "description": " ".join(description.split()),
         "tags": ["pipeline", path.stem],
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
         "parameters": {"config": cfg.model_dump(mode="json")},
     }
 
@@ -168,7 +171,7 @@ def sweep_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "entrypoint": SWEEP_ENTRYPOINT,
         "description": " ".join(description.split()),
         "tags": ["sweep", path.stem],
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
         "parameters": {"spec": spec.model_dump(mode="json")},
     }
     if schedules:
@@ -196,7 +199,7 @@ def tune_deployment(path: Path, names: list[str]) -> dict[str, Any]:
         "entrypoint": TUNE_ENTRYPOINT,
         "description": " ".join(description.split()),
         "tags": ["tune", path.stem],
-        "work_pool": {"name": WORK_POOL},
+        "work_pool": _pool(),
         "parameters": {"spec": spec.model_dump(mode="json")},
     }
 

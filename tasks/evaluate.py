@@ -14,7 +14,7 @@ from configs.schema import ExperimentConfig
 from training.evaluate_checkpoint import evaluate_method
 
 
-@task(name="evaluate", task_run_name="evaluate-{stage}-{method}", cache_policy=NO_CACHE)
+@task(name="evaluate", task_run_name="evaluate-{stage}-{method}", cache_policy=NO_CACHE, log_prints=False)
 def evaluate_task(cfg: ExperimentConfig, run_dir: Path, method: str, stage: str = "pretrain") -> dict:
     metrics = evaluate_method(cfg, run_dir, method, stage)
     # one line (the window warning, if any, came from evals.run_eval already)

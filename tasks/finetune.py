@@ -60,7 +60,7 @@ def finetune_task(
     return summary
 
 
-@task(name="evaluate-finetune", task_run_name="evaluate-finetune-{method}", cache_policy=NO_CACHE)
+@task(name="evaluate-finetune", task_run_name="evaluate-finetune-{method}", cache_policy=NO_CACHE, log_prints=False)
 def evaluate_finetune_task(
     cfg: ExperimentConfig, run_dir: str, method: str, task_info: dict, checkpoint: str | None = None
 ) -> dict:

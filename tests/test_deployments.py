@@ -65,7 +65,10 @@ def test_prefect_yaml_in_sync_with_configs():
         ("goodput", "flows/goodput.py:goodput"),
     ]:
         assert deps[name]["entrypoint"] == entrypoint
-    assert all(d["work_pool"] == {"name": "local-proc"} for d in deps.values())
+    # every deployment runs on the process pool, its flow runs without progress bars (as ddiloco's)
+    pool = {"name": "local-proc", "job_variables": {"env": {"TQDM_DISABLE": "1"}}}
+    assert all(d["work_pool"] == pool for d in deps.values())
+    assert {"pipeline", "tiny"} <= set(deps["tiny"]["tags"]) and "sweep" in deps["nightly"]["tags"]
     # one sweep deployment per shipped sweep, its form pre-filled with the file's spec; the nightly
     # one carries a schedule, inactive as shipped
     from configs.sweep import load_sweep, shipped_sweeps

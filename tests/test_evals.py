@@ -455,7 +455,7 @@ def test_lm_eval_bootstrap_runs_in_process(monkeypatch):
     assert se > 0 and "DISABLE_MULTIPROC" not in os.environ
 
 
-def test_evaluate_lm_end_to_end(tmp_path, model, tok, monkeypatch):
+def test_evaluate_lm_end_to_end(tmp_path, model, tok, monkeypatch, capfd):
     import multiprocessing
 
     from evals.run_eval import evaluate_lm
@@ -467,7 +467,13 @@ def test_evaluate_lm_end_to_end(tmp_path, model, tok, monkeypatch):
     monkeypatch.setattr(os, "fork", no_fork)
     monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
     cfg = EvalConfig(ppl_docs=3, ppl_chars=300, mc_questions=12, mc_context_lines=3, batch_size=8)
+    capfd.readouterr()
     flat = evaluate_lm(model, tok, DOCS, tmp_path, cfg, seed=0, name="tiny")
+    # quiet unless eval.verbose: none of our bars, the datasets library's or lm-eval's prints (lm-eval's
+    # own request bars follow TQDM_DISABLE, which ddiloco and the deployments' environment set)
+    out, err = capfd.readouterr()
+    for noise in ("loglikelihood:", "generate_until:", "Generating test split", "bootstrapping for stddev"):
+        assert noise not in out + err, (out + err)[-2000:]
     for k in (
         "heldout_ppl/word_perplexity",
         "heldout_ppl/byte_perplexity",
