@@ -28,9 +28,13 @@ from configs.tune import STUDY_DIR, load_study
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT_YAML = ROOT / "prefect.yaml"
 WORK_POOL = "local-proc"
+
+
 # every deployment's flow runs without progress bars in its log, as `ddiloco` does (flows/cli.py)
 def _pool() -> dict[str, Any]:
     return {"name": WORK_POOL, "job_variables": {"env": {"TQDM_DISABLE": "1"}}}  # a fresh dict: no YAML alias
+
+
 PIPELINE_ENTRYPOINT = "flows/pipeline.py:pipeline"
 SWEEP_ENTRYPOINT = "flows/sweep.py:sweep"
 TUNE_ENTRYPOINT = "flows/tune.py:tune"
