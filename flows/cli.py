@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -164,7 +165,12 @@ def run(
         typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
         raise typer.Exit(1)
     _print_verdict(Path(out))
-    typer.echo(f"\nReport: {Path(out) / 'report' / 'report.md'}")
+    report = Path(out) / "report"
+    typer.echo(f"\nReport: {report / 'report.md'} (as one file to share: {report / 'report.html'})")
+    if cfg.tracking.tensorboard:
+        typer.echo(f"Curves: .venv/bin/tensorboard --logdir {out}")
+    # the last lines stay the results: Prefect's temporary server stops at exit without a log line
+    logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 def _print_verdict(rd: Path) -> None:
