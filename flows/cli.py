@@ -149,12 +149,14 @@ def run(
 
     from flows.pipeline import pipeline
     from flows.server import start_temporary_server
+    from flows.terminal import progress_display
     from run.control import graceful_stop, stop_signal
 
     try:
         with graceful_stop():  # also while Prefect's temporary server starts and stops
             start_temporary_server()
-            out = pipeline(config=cfg, run_dir=str(rd))
+            with progress_display():  # a bar per method, in a terminal only
+                out = pipeline(config=cfg, run_dir=str(rd))
     except CancelledRun as exc:
         typer.echo(f"\ninterrupted: {exc}", err=True)
         raise typer.Exit(128 + (stop_signal() or 15))

@@ -28,6 +28,7 @@ from run.atomic import write_json
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
+from run.progress import Progress, report as report_progress
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
@@ -36,17 +37,31 @@ from training.tracking import method_tracker
 
 
 def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
+    """The progress line of the log; the same figures go to ``run.progress`` (the terminal's bars)."""
     info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
-    loss = f"{sum(losses) / len(losses):.3f}" if losses else "n/a"
+    mean_loss = sum(losses) / len(losses) if losses else None
     tokens = exchange.claimed_tokens
     evals = read_jsonl(eval_path)
-    val = f"{evals[-1]['val/loss']:.3f}" if evals else "n/a"
+    val = evals[-1]["val/loss"] if evals else None
     versions = exchange.versions()
+    report_progress(
+        Progress(
+            "diloco",
+            int(tokens),
+            int(budget),
+            config.unit,
+            train_loss=mean_loss,
+            heldout_loss=val,
+            learners=(up, config.diloco.learners),
+        )
+    )
+    loss_text = f"{mean_loss:.3f}" if mean_loss is not None else "n/a"
+    val_text = f"{val:.3f}" if val is not None else "n/a"
     return (
         f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
-        f"train loss {loss}  held-out loss {val}  merges {sum(versions)}  "
+        f"train loss {loss_text}  held-out loss {val_text}  merges {sum(versions)}  "
         f"learners up {up}/{config.diloco.learners}  versions {versions}"
     )
 

@@ -80,6 +80,7 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from reports.artifacts import publish_live_chart
+    from run.progress import Progress, report as report_progress
 
     logger = get_run_logger()
     progress_id = create_progress_artifact(0.0, key="dp-progress", description=f"DP {config.unit} (%)")
@@ -94,6 +95,7 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
             val,
         )
         update_progress_artifact(progress_id, 100.0 * tokens / total)
+        report_progress(Progress("dp", int(tokens), int(total), config.unit, train_loss=loss, heldout_loss=val))
         publish_live_chart(run_dir, config.name, config.unit)  # DP beside DiLoCo, as its progress lines do
 
     summary = train_dp(config, Path(run_dir), progress)

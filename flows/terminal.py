@@ -1,0 +1,84 @@
+"""``ddiloco run``'s progress display in a terminal: one rich progress bar per pretraining method.
+
+Each bar shows the units trained of the budget, units per second, the time left (ETA), the latest
+training and held-out loss and, for DiLoCo, the learners up. The bars share Prefect's own console
+(its log lines print above them, not through them); they are drawn only when stderr is a terminal,
+so a piped or logged run is plain lines as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+from run.progress import Progress, subscribe
+
+NAMES = {"diloco": "DiLoCo", "dp": "DP"}
+
+
+def _prefect_console():
+    """The rich Console of Prefect's console log handler, if one is installed."""
+    for logger in (logging.getLogger("prefect"), logging.getLogger()):
+        for h in logger.handlers:
+            console = getattr(h, "console", None)
+            if console is not None:
+                return console
+    return None
+
+
+@contextlib.contextmanager
+def progress_display(enabled: bool | None = None, console=None) -> Iterator[None]:
+    """While open, draw every :func:`run.progress.report` as a bar (``enabled``: default, when
+    stderr is a terminal) on ``console`` (default: Prefect's, else a rich console on stderr)."""
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        yield
+        return
+    from rich.console import Console
+    from rich.default_styles import DEFAULT_STYLES
+    from rich.progress import BarColumn, Progress as Bars, TextColumn, TimeRemainingColumn
+    from rich.theme import Theme
+
+    console = console or _prefect_console()
+    if console is None:
+        console = Console(stderr=True)
+    else:  # Prefect's console theme has no styles for bars: add rich's own (bar.*, progress.*)
+        console.push_theme(Theme({k: v for k, v in DEFAULT_STYLES.items() if k.startswith(("bar.", "progress."))}))
+
+    bars = Bars(
+        TextColumn("[bold]{task.description:>6}"),
+        BarColumn(bar_width=24),
+        TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
+        TextColumn("{task.fields[rate]}"),
+        TimeRemainingColumn(compact=True, elapsed_when_finished=True),
+        TextColumn("{task.fields[figures]}"),
+        console=console,
+        refresh_per_second=2,
+    )
+    ids: dict[str, int] = {}
+
+    def show(p: Progress) -> None:
+        figures = []
+        if p.train_loss is not None:
+            figures.append(f"train {p.train_loss:.3f}")
+        if p.heldout_loss is not None:
+            figures.append(f"held-out {p.heldout_loss:.3f}")
+        if p.learners is not None:
+            figures.append(f"learners up {p.learners[0]}/{p.learners[1]}")
+        if p.method not in ids:
+            ids[p.method] = bars.add_task(NAMES.get(p.method, p.method), total=p.total, unit="", rate="", figures="")
+        task = ids[p.method]
+        bars.update(task, completed=p.done, total=p.total, unit=p.unit, figures="  ".join(figures))
+        speed = bars.tasks[[t.id for t in bars.tasks].index(task)].speed
+        bars.update(task, rate=f"{speed:,.0f} {p.unit}/s" if speed else "")
+
+    unsubscribe = subscribe(show)
+    bars.start()
+    try:
+        yield
+    finally:
+        unsubscribe()
+        bars.stop()
