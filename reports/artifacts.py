@@ -130,7 +130,8 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     layout = RunLayout(run_dir)
     md_path = layout.report_md
     markdown = md_path.read_text() if md_path.is_file() else render_markdown(report)
-    markdown = inline_figures(markdown, Path(layout.report).absolute())
+    folder = layout.report.absolute() if isinstance(layout.report, Path) else layout.report  # or an fsspec UPath
+    markdown = inline_figures(markdown, folder)
     name = report["run"]["name"]
     where = f"run directory {report['run']['run_dir']}"
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")

@@ -389,5 +389,5 @@ def build_report(
     atomic.write_text(layout.report_md, markdown)
     # the same report as one file to share: figures inlined (after the PNGs it inlines are written)
     title = f"Run report: {report['run']['name']}"
-    atomic.write_text(layout.report_html, report_html(markdown, Path(layout.report), title))
+    atomic.write_text(layout.report_html, report_html(markdown, layout.report, title))
     return report

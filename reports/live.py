@@ -27,7 +27,8 @@ def data_uri(png: bytes) -> str:
 
 
 def inline_figures(markdown: str, folder: Path, max_bytes: int = MAX_INLINE_BYTES) -> str:
-    """``markdown`` with each ``![alt](name.png)`` whose file is in ``folder`` replaced by the image
+    """``markdown`` with each ``![alt](name.png)`` whose file is in ``folder`` (a local path or an
+    fsspec ``UPath``) replaced by the image
     as a data URI; a figure whose file is missing, or all of them when together they exceed
     ``max_bytes`` (bytes of PNG), becomes ``*alt*: `folder/name.png``` (its path) instead."""
     files = {m[2]: folder / m[2] for m in _IMAGE.finditer(markdown)}

@@ -112,7 +112,7 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     markdown = render_seeds(report)
     atomic.write_text(layout.report_md, markdown)
     title = f"Run report over seeds: {report['run']['name']}" if report.get("run") else "Run report over seeds"
-    atomic.write_text(layout.report_html, report_html(markdown, Path(layout.report), title))
+    atomic.write_text(layout.report_html, report_html(markdown, layout.report, title))
     return report
 
 

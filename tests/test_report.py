@@ -643,7 +643,7 @@ def test_empty_run_dir_does_not_crash(tmp_path: Path):
     _write(lay.config, {"name": "empty"})  # a run that stopped right after it started
     report = build_report(tmp_path)
     assert report["stages"] == {}  # no stage holds a method: no section, no figure
-    assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
+    assert sorted(p.name for p in lay.report.iterdir()) == ["report.html", "report.json", "report.md"]
     assert "- training: **not run**" in squash(lay.report_md.read_text())
     # A stage whose DiLoCo summary exists but nothing else: every other part reads "not run".
     _write(lay.summary(PRE, "diloco"), {"method": "diloco"})
@@ -653,7 +653,7 @@ def test_empty_run_dir_does_not_crash(tmp_path: Path):
     assert _method(report)["plots"] == {"merges_over_time": None}
     assert _method(report)["ledger"]["status"] == "not recorded" and _method(report)["failures"] == []
     assert _method(report)["merges"]["status"] == NOT_RUN
-    assert sorted(p.name for p in lay.report.iterdir()) == ["report.json", "report.md"]
+    assert sorted(p.name for p in lay.report.iterdir()) == ["report.html", "report.json", "report.md"]
     assert "*merge log: not run.*" in squash(lay.report_md.read_text())
 
 
