@@ -76,23 +76,30 @@ class Stack:
     def stop(self) -> None:
         for name, proc, _ in reversed(self.children):
             running = proc.poll() is None
-            for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 5.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            try:  # the leader is gone: its group's stragglers (a flow-run process) too
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            stop_group(proc, term_wait_s=20.0)
             if running:
                 self.say(f"stopped the {name}")
         self.children.clear()
+
+
+def stop_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
+    """End ``proc``'s process group (it was started in a session of its own): SIGTERM, SIGKILL
+    after ``term_wait_s`` seconds, then SIGKILL to whatever of the group outlived its leader (a
+    flow-run process)."""
+    for sig, wait_s in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def tail(log: Path, n: int = 3000) -> str:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import pickle
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import cloudpickle
 import pytest
 import yaml
 
+from flows.ui_stack import stop_group
 from run.layout import RunLayout
 from tests.conftest import SMALL_DATA
 
@@ -254,21 +254,8 @@ def _start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the child's process group, then SIGKILL what is left after 15 s."""
-    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # the leader is gone; end stragglers of its group (a flow-run process)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
+    """SIGTERM the child's process group, then SIGKILL what is left after 15 s (``make ui``'s own stop)."""
+    stop_group(proc, term_wait_s=15.0)
 
 
 def _wait_children_gone(proc: subprocess.Popen, timeout_s: float) -> None:
