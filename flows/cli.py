@@ -579,6 +579,14 @@ def ui(
 
     if not 0 < port < 65536:
         raise _fail(f"--port {port}: give a port between 1 and 65535")
+    if Path(log_dir).exists() and not Path(log_dir).is_dir():
+        raise _fail(f"--log-dir {log_dir}: is a file, not a folder; give a folder for the logs")
+    import socket
+
+    try:
+        socket.getaddrinfo(host, port)
+    except OSError as exc:
+        raise _fail(f"--host {host}: not an address of this machine ({exc}); e.g. 127.0.0.1 or 0.0.0.0")
     say = lambda line: typer.echo(line, err=line.startswith("error"))  # noqa: E731
     raise typer.Exit(run_stack(host, port, deploy=deploy, worker=worker, log_dir=Path(log_dir).absolute(), say=say))
 

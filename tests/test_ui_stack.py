@@ -38,6 +38,18 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "logs").exists()  # nothing started, nothing written
 
 
+def test_a_bad_host_port_or_log_folder_is_refused_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    for args, phrase in (
+        (["--port", "70000"], "--port 70000: give a port between 1 and 65535"),
+        (["--host", "no-such-host.invalid"], "--host no-such-host.invalid: not an address"),
+        (["--log-dir", str(tmp_path / "a-file")], "is a file, not a folder"),
+    ):
+        out = subprocess.run([DDILOCO, "ui", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and phrase in out.stderr and "Traceback" not in out.stderr, (args, out)
+    assert (tmp_path / "a-file").read_text() == "not a folder"
+
+
 def _ours(home: Path) -> list:
     """Processes whose environment has this test's PREFECT_HOME: the stack's children."""
     import psutil
