@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -171,8 +170,6 @@ def run(
     typer.echo(f"\nReport: {report / 'report.md'} (as one file to share: {report / 'report.html'})")
     if cfg.tracking.tensorboard:
         typer.echo(f"Curves: .venv/bin/tensorboard --logdir {out}")
-    # the last lines stay the results: Prefect's temporary server stops at exit without a log line
-    logging.getLogger("prefect").setLevel(logging.WARNING)
 
 
 def _print_verdict(rd: Path) -> None:

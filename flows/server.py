@@ -33,6 +33,7 @@ and the process engines' workers (:func:`flows.engines.engine_session`), use it.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import shutil
 import subprocess
@@ -40,6 +41,7 @@ import sys
 import threading
 from unittest import mock
 
+from prefect.server.api import server as prefect_server
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
 
@@ -107,6 +109,17 @@ class _OwnSessionServer(SubprocessASGIServer):
         # Prefect's own command, arguments and environment; only how the child is started changes.
         with mock.patch.object(subprocess, "Popen", start_server_process):
             return super()._run_uvicorn_command()
+
+    def stop(self) -> None:
+        """Stop as Prefect does, without its "Stopping temporary server" log line, so that the last
+        lines of a command-line run stay its own (results, or the reason it failed or stopped)."""
+        log = prefect_server.subprocess_server_logger  # Prefect's "prefect" logger
+        level = log.level
+        log.setLevel(logging.WARNING)
+        try:
+            super().stop()
+        finally:
+            log.setLevel(level)
 
 
 # The reaper's program (``python -c REAPER <parent pid>``): every second it notes the parent's

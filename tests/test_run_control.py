@@ -145,6 +145,8 @@ def test_ctrl_c_stops_a_run_cleanly(tmp_path):
     assert "SIGINT received: stopping at the next step boundary" in text
     assert "Traceback" not in text, text[-3000:]
     assert "os.fork() was called" not in text  # (JAX's warning: the server must not be forked with a hook)
+    assert "Stopping temporary server" not in text  # the last line is ours: why the run stopped
+    assert text.strip().splitlines()[-1].startswith("interrupted: "), text[-1000:]
     layout = RunLayout(rd)
     status = json.loads(layout.status.read_text())
     assert status["status"] == "interrupted" and status["reason"] == "SIGINT received"
