@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,6 +111,78 @@ class DecoderLM(nn.Module):
             x_BLD = block(x_BLD)
         x_BLD = self.final_norm(x_BLD)
         return F.linear(x_BLD, self.embed.weight) if self.head is None else self.head(x_BLD)
+
+
+def load_flax_params(model: DecoderLM, params: dict) -> None:
+    """Copy a :class:`models.text.dense.DecoderLM`'s parameters (``nnx.to_pure_dict(nnx.state(m))``,
+    numpy arrays) into ``model``: kernels ``[in, out]`` become ``nn.Linear`` weights ``[out, in]``;
+    the fused QKV keeps its (3, N, C) output layout. Raises ``KeyError`` on a missing parameter."""
+
+    def put(param: torch.Tensor, value) -> None:
+        value = torch.from_numpy(np.array(value, np.float32))  # a writable copy
+        if param.shape != value.shape:
+            raise ValueError(f"shape {tuple(value.shape)} for a parameter of shape {tuple(param.shape)}")
+        param.data.copy_(value)
+
+    put(model.embed.weight, params["embed"]["embedding"])
+    for i, block in enumerate(model.blocks):
+        ours = params["blocks"][i]
+        put(block.attn_norm.weight, ours["attn_norm"]["scale"])
+        put(block.attn.qkv.weight, np.asarray(ours["attn"]["qkv"]["kernel"]).T)
+        put(block.attn.out.weight, np.asarray(ours["attn"]["out"]["kernel"]).T)
+        put(block.mlp_norm.weight, ours["mlp_norm"]["scale"])
+        for name in ("gate", "up", "down"):
+            put(getattr(block.mlp, name).weight, np.asarray(ours["mlp"][name]["kernel"]).T)
+    put(model.final_norm.weight, params["final_norm"]["scale"])
+    if model.head is not None:
+        put(model.head.weight, np.asarray(params["head"]["kernel"]).T)
+
+
+@torch.no_grad()
+def greedy_generate(model: DecoderLM, ids_BP: torch.Tensor, new: int) -> torch.Tensor:
+    """``new`` greedy tokens after each prompt (``int64[B, P]``, all of length P) with a KV cache:
+    one prompt pass, then ``new - 1`` single-token steps whose keys and values are written into
+    preallocated ``[B, N, P + new - 1, C]`` buffers per block (the decode loop of a KV-cached
+    PyTorch LM in eager mode). No EOT or stop string ends a row. Returns ``int64[B, new]``."""
+    B, P = ids_BP.shape
+    S = P + new - 1
+    caches = []
+    x_BLD = model.embed(ids_BP)
+    for block in model.blocks:
+        a = block.attn
+        N, C = a.n_heads, a.head_dim
+        h_BLD = block.attn_norm(x_BLD)
+        qkv = a.qkv(h_BLD).view(B, P, 3, N, C).permute(2, 0, 3, 1, 4)
+        cos, sin = a.cos[:P], a.sin[:P]
+        q_BNLC, k_BNLC = apply_rope(qkv[0], cos, sin), apply_rope(qkv[1], cos, sin)
+        k_cache, v_cache = torch.empty(B, N, S, C), torch.empty(B, N, S, C)
+        k_cache[:, :, :P], v_cache[:, :, :P] = k_BNLC, qkv[2]
+        caches.append((k_cache, v_cache))
+        y_BNLC = F.scaled_dot_product_attention(q_BNLC, k_BNLC, qkv[2], is_causal=True)
+        x_BLD = x_BLD + a.out(y_BNLC.transpose(1, 2).reshape(B, P, -1))
+        x_BLD = x_BLD + block.mlp(block.mlp_norm(x_BLD))
+    out = torch.empty(B, new, dtype=torch.int64)
+    out[:, 0] = _head(model, x_BLD[:, -1]).argmax(-1)
+    for t in range(1, new):
+        pos = P + t - 1
+        x_B1D = model.embed(out[:, t - 1 : t])
+        for block, (k_cache, v_cache) in zip(model.blocks, caches):
+            a = block.attn
+            N, C = a.n_heads, a.head_dim
+            qkv = a.qkv(block.attn_norm(x_B1D)).view(B, 1, 3, N, C).permute(2, 0, 3, 1, 4)
+            cos, sin = a.cos[pos : pos + 1], a.sin[pos : pos + 1]
+            q_BN1C = apply_rope(qkv[0], cos, sin)
+            k_cache[:, :, pos : pos + 1], v_cache[:, :, pos : pos + 1] = apply_rope(qkv[1], cos, sin), qkv[2]
+            y_BN1C = F.scaled_dot_product_attention(q_BN1C, k_cache[:, :, : pos + 1], v_cache[:, :, : pos + 1])
+            x_B1D = x_B1D + a.out(y_BN1C.transpose(1, 2).reshape(B, 1, -1))
+            x_B1D = x_B1D + block.mlp(block.mlp_norm(x_B1D))
+        out[:, t] = _head(model, x_B1D[:, 0]).argmax(-1)
+    return out
+
+
+def _head(model: DecoderLM, x_BD: torch.Tensor) -> torch.Tensor:
+    x_BD = model.final_norm(x_BD)
+    return F.linear(x_BD, model.embed.weight) if model.head is None else model.head(x_BD)
 
 
 def count_params(model: nn.Module) -> int:

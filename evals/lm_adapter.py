@@ -29,10 +29,13 @@ Scoring semantics (the parts adapters in the field get wrong, and what this one 
 * **Rolling loglikelihood** (perplexity) uses ``lm_eval.utils.get_rolling_token_windows`` with
   ``context_len=1`` and ``make_disjoint_window``, exactly like lm-eval's HF backend: disjoint windows
   of up to ``max_len`` predicted tokens, the first conditioned on EOT.
-* **Generation** is greedy, without a KV cache (one full forward per new token, sliding the last
-  ``max_len`` tokens when the sequence outgrows the window); it stops at EOT, at ``max_gen_toks``
-  new tokens, or when the decoded continuation contains any of ``until`` (the text is cut before
-  the earliest stop sequence).
+* **Generation** is greedy with a KV cache (:mod:`models.text.generate`: one prompt pass, then a
+  decode loop inside XLA, a chunk of up to ``DECODE_STEPS`` tokens per call); it stops at EOT, at
+  ``max_gen_toks`` new tokens, or when the decoded continuation contains any of ``until`` (the text
+  is cut before the earliest stop sequence). A sequence that outgrows ``max_len`` goes on with one
+  full forward pass per new token over the last ``max_len`` tokens (the window slides), which is
+  also the whole path with ``kv_cache=False``: the reference the cached path reproduces token for
+  token.
 
 All forward passes go through one jitted function, :func:`logprobs`, at shapes
 ``[batch_size, bucket + 1]``; sequences are right-padded (causal attention: padding never affects
@@ -54,8 +57,11 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from tqdm import tqdm
 
+from models.text import generate
+
 EOT_TOKEN = "<|endoftext|>"
 DEFAULT_MAX_GEN_TOKS = 256
+DECODE_STEPS = 32  # the most tokens per row one call of the KV-cached decoder's loop emits
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -122,6 +128,9 @@ class JaxLM(TemplateLM):
       max_gen_toks: default cap on generated tokens when a request does not set ``max_gen_toks``.
       buckets: padded input lengths; default :func:`default_buckets`. Must end at ``max_len``.
       eot_token: the EOT token's text.
+      progress: tqdm bars for lm-eval's requests.
+      kv_cache: greedy generation with a KV cache (default); False: one full forward pass per new
+        token (the reference path, for tests and benchmarks).
 
     Attributes:
       truncated_requests: number of loglikelihood requests scored so far whose context +
@@ -142,6 +151,7 @@ class JaxLM(TemplateLM):
         buckets: Sequence[int] | None = None,
         eot_token: str = EOT_TOKEN,
         progress: bool = False,
+        kv_cache: bool = True,
     ):
         super().__init__()
         self.model = model
@@ -160,6 +170,9 @@ class JaxLM(TemplateLM):
         self.eot_text = eot_token
         self._token_bytes = self._build_token_bytes(tokenizer)
         self.truncated_requests = 0
+        self.kv_cache = bool(kv_cache)
+        self._token_texts: list[str] | None = None
+        self._stop_tables: dict[tuple[str, ...], np.ndarray] = {}
 
     # ---- tokenization -------------------------------------------------------------------------
 
@@ -376,10 +389,91 @@ class JaxLM(TemplateLM):
         return out
 
     def _generate_batch(self, graphdef, state, jobs) -> list[str]:
-        seqs = [list(ids) for ids, _, _ in jobs]
+        """Greedy texts of up to ``batch_size`` jobs ``(prompt ids, until, max_new)``: KV-cached
+        (:mod:`models.text.generate`) unless ``kv_cache`` is off; a row whose sequence outgrows
+        ``max_len`` finishes on the full-forward path (:meth:`_generate_full`), which slides the
+        window."""
+        if not self.kv_cache:
+            return self._generate_full(graphdef, state, jobs)
+        n, B = len(jobs), self.batch_size
+        prompts = [list(ids)[-self._max_len :] for ids, _, _ in jobs]  # the first window, as the full path's
         gen: list[list[int]] = [[] for _ in jobs]
-        texts = [""] * len(jobs)
+        texts = [""] * n
         done = [max_new <= 0 for _, _, max_new in jobs]
+        if all(done):
+            return texts
+
+        def take(r: int, tok: int) -> None:  # one new token, by the rules of the full path
+            _, until, max_new = jobs[r]
+            if tok == self._eot:
+                done[r] = True
+                return
+            gen[r].append(tok)
+            text = self.tok_decode(gen[r])
+            cuts = [text.find(u) for u in until if u in text]
+            if cuts:
+                texts[r], done[r] = text[: min(cuts)], True
+            else:
+                texts[r], done[r] = text, len(gen[r]) >= max_new
+
+        P = self._bucket(max(len(p) for p in prompts))
+        S = self._bucket(min(self._max_len, P + max(m for _, _, m in jobs) - 1))  # the positions a row can need
+        ids_BP = np.full((B, P), self._eot, np.int32)
+        n_B = np.zeros(B, np.int32)  # padding rows: no real token
+        for r, p in enumerate(prompts):
+            ids_BP[r, : len(p)] = p
+            n_B[r] = len(p)
+        first_B, cache = generate.prefill(graphdef, state, jnp.asarray(ids_BP), jnp.asarray(n_B), S)
+        for r, tok in enumerate(np.asarray(first_B)[:n]):
+            if not done[r]:
+                take(r, int(tok))
+        stop_BV = np.zeros((B, len(self._token_bytes)), bool)
+        for r, (_, until, _) in enumerate(jobs):
+            stop_BV[r] = self._stop_table(tuple(until))
+        stop_BV = jnp.asarray(stop_BV)
+        while True:
+            pos = [len(prompts[r]) + len(gen[r]) - 1 for r in range(n)]  # each row's last token, not yet cached
+            live = [r for r in range(n) if not done[r] and pos[r] < S]
+            if not live:
+                break
+            tok_B, pos_B, left_B = np.zeros(B, np.int32), np.zeros(B, np.int32), np.zeros(B, np.int32)
+            for r in live:
+                tok_B[r], pos_B[r], left_B[r] = gen[r][-1], pos[r], jobs[r][2] - len(gen[r])
+            cache, out_BT = generate.decode(
+                graphdef, state, cache, *map(jnp.asarray, (tok_B, pos_B, left_B)), stop_BV, self._eot, DECODE_STEPS
+            )
+            out_BT = np.asarray(out_BT)
+            for r in live:
+                for tok in out_BT[r]:
+                    if tok < 0 or done[r]:
+                        break
+                    take(r, int(tok))
+        rest = [r for r in range(n) if not done[r]]  # outgrew the window: slide it, a full pass per token
+        if rest:
+            for r, text in zip(
+                rest, self._generate_full(graphdef, state, [jobs[r] for r in rest], [gen[r] for r in rest])
+            ):
+                texts[r] = text
+        return texts
+
+    def _stop_table(self, until: tuple[str, ...]) -> np.ndarray:
+        """bool ``[V]``: the tokens whose own text contains one of ``until`` (the EOT token aside):
+        the decoder ends a row's loop there; the decoded text decides (:meth:`_generate_batch`)."""
+        if until not in self._stop_tables:
+            if self._token_texts is None:
+                self._token_texts = [self.tok_decode([i]) for i in range(len(self._token_bytes))]
+            stops = [u for u in until if u and u != self.eot_text]
+            self._stop_tables[until] = np.array([any(u in t for u in stops) for t in self._token_texts], bool)
+        return self._stop_tables[until]
+
+    def _generate_full(self, graphdef, state, jobs, gen: list[list[int]] | None = None) -> list[str]:
+        """Greedy texts by one full forward pass per new token over the last ``max_len`` tokens
+        (the reference the KV-cached path reproduces). ``gen``: tokens each row has already
+        generated (the cached path hands over rows that outgrew the window)."""
+        seqs = [list(ids) for ids, _, _ in jobs]
+        gen = [list(g) for g in gen] if gen is not None else [[] for _ in jobs]
+        texts = [self.tok_decode(g) if g else "" for g in gen]
+        done = [len(g) >= max_new for g, (_, _, max_new) in zip(gen, jobs)]
         while not all(done):
             live = [r for r in range(len(jobs)) if not done[r]]
             inputs = {r: (seqs[r] + gen[r])[-self._max_len :] for r in live}

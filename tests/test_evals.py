@@ -25,7 +25,7 @@ from lm_eval.api.model import LM, TemplateLM
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from configs.eval import EvalConfig
-from configs.model import DenseLMConfig
+from configs.model import DenseLMConfig, MoELMConfig
 from evals.heldout_tasks import build_heldout_tasks
 from evals.lm_adapter import JaxLM
 from models import InputShape, build_model
@@ -328,6 +328,49 @@ def test_generate_until(sharp_model, tok):
     assert outs[1] == tok.decode(_hand_greedy(model, tok.encode(long_ctx).ids, 5)).split("\n")[0]
     with pytest.raises(ValueError, match="greedy"):
         gen({"do_sample": True, "temperature": 1.0})
+
+
+def _sharp(model: nnx.Module) -> nnx.Module:
+    nnx.update(model, jax.tree.map(lambda x: 10.0 * x, nnx.state(model)))
+    return model
+
+
+@pytest.mark.parametrize("family", ["dense", "moe"])
+def test_kv_cached_generation_is_the_full_forward_paths_token_for_token(family, tok):
+    """The KV-cached decoder (models/text/generate.py) against one full forward pass per new token,
+    on fixed prompts in one call: ragged prompt lengths in a batch, an empty context, a context
+    longer than the window, sequences that outgrow the window while generating (handed over to
+    the sliding path), stops in one token and across tokens, EOT, and max_gen_toks 0. The MoE LM
+    routes dropless (each decoded token routes alone in the cached path; see the module)."""
+    if family == "dense":
+        model = _sharp(
+            build_model(DenseLMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64), InputShape(300, MAX_LEN)).init(1)
+        )
+    else:
+        cfg = MoELMConfig(
+            d_model=32, n_layers=2, n_heads=2, d_ff=64, n_experts=4, top_k=2, moe_every=2, capacity_factor=None
+        )
+        model = _sharp(build_model(cfg, InputShape(300, MAX_LEN)).init(1))
+    words = " ".join(WORDS)
+    contexts = ["the king is dead", "", words, words[:60], words[:90], "hello", "to be or not", words[20:50], "a"]
+    free = JaxLM(model, tok, batch_size=4, kv_cache=False).generate_until(
+        [_req("generate_until", c, {"until": [], "max_gen_toks": 24}) for c in contexts]
+    )
+    assert len({f for f in free if f}) >= 5, free  # context-dependent, not one repeated token
+    stops = [f[3:5] if len(f) > 5 else "zz" for f in free]  # stops that do occur, some across tokens
+    kwargs = [
+        {"until": [], "max_gen_toks": 24},
+        {"until": ["\n"], "max_gen_toks": 7},
+        {"until": [stops[0]], "max_gen_toks": 24},
+        {"until": [stops[3]], "max_gen_toks": 40},  # outgrows the 32-token window
+        {"until": ["never"], "max_gen_toks": 0},
+    ]
+    reqs = [_req("generate_until", c, kw) for kw in kwargs for c in contexts]
+    want = JaxLM(model, tok, batch_size=4, kv_cache=False).generate_until(reqs)
+    got = JaxLM(model, tok, batch_size=4).generate_until(reqs)
+    assert got == want
+    assert got[: len(contexts)] == free and got[-len(contexts) :] == [""] * len(contexts)
+    assert any(s in f and len(g) < len(f) for s, f, g in zip(stops, free, got[2 * len(contexts) :]))
 
 
 def test_heldout_tasks_deterministic_and_valid(tmp_path):

@@ -32,7 +32,27 @@ class Block(nnx.Module):
 
     def __call__(self, x_BLD: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD))
+        return self._mlp_residual(x_BLD, mask)
+
+    def _mlp_residual(self, x_BLD: jax.Array, mask: jax.Array | None) -> jax.Array:
         h_BLD = self.mlp_norm(x_BLD)
         if mask is not None and isinstance(self.mlp, MoE):
             return x_BLD + self.mlp(h_BLD, mask)
         return x_BLD + self.mlp(h_BLD)
+
+    def prefill(self, x_BLD: jax.Array, mask: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """``__call__`` of a causal block, also returning its attention's keys and values
+        ``([B, N, L, C], [B, N, L, C])`` (:meth:`models.layers.attention.SelfAttention.prefill`)."""
+        a_BLD, k_BNLC, v_BNLC = self.attn.prefill(self.attn_norm(x_BLD))
+        return self._mlp_residual(x_BLD + a_BLD, mask), (k_BNLC, v_BNLC)
+
+    def decode(
+        self, x_BD: jax.Array, kv: tuple[jax.Array, jax.Array], pos_B: jax.Array, live_B: jax.Array
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """One new token per row (``x: [B, D]`` at positions ``pos_B``) through a causal block with
+        its KV cache ``kv`` (``[B, N, S, C]`` each), updated and returned. ``live_B`` (float ``[B]``,
+        0 for a row that is done or padding) is the MoE router's mask: each row's token is a group of
+        its own, so its k choices always find room (see :class:`models.layers.moe.MoE`)."""
+        a_BD, k_BNSC, v_BNSC = self.attn.decode(self.attn_norm(x_BD), *kv, pos_B)
+        x_B1D = (x_BD + a_BD)[:, None, :]
+        return self._mlp_residual(x_B1D, live_B[:, None])[:, 0], (k_BNSC, v_BNSC)

@@ -62,6 +62,14 @@ def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, ja
     return jnp.cos(angles_LC), jnp.sin(angles_LC)
 
 
+def rope_at(pos_B: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """:func:`rope_tables`' rows at positions ``pos_B`` (int ``[B]``): cos and sin, float32
+    ``[B, C/2]``, the same numbers as ``rope_tables(L, ...)[pos_B]`` (one decoded token per row)."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles_BC = pos_B.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles_BC), jnp.sin(angles_BC)
+
+
 def rope(x_LC: jax.Array, cos_LC: jax.Array, sin_LC: jax.Array) -> jax.Array:
     """Rotate pairs ``(x[..., :C/2], x[..., C/2:])`` by the position angle (the "rotate half" form).
 
@@ -117,6 +125,21 @@ def _attention_bwd(res, do_BNLC):
 
 
 causal_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def cached_attention(q_BNC: jax.Array, k_BNSC: jax.Array, v_BNSC: jax.Array, pos_B: jax.Array) -> jax.Array:
+    """One query per row against S cached positions: ``softmax(q kᵀ / sqrt(C)) v`` over positions
+    ``0..pos_B`` (int ``[B]``), the rest masked as :func:`causal_attention` masks the future.
+    ``q: [B, N, C]``, ``k``/``v: [B, N, S, C]`` → ``[B, N, C]``; scores and softmax in float32, the
+    output in ``v``'s dtype (the KV-cached decoder's attention, no gradient)."""
+    s_BNS = jnp.einsum("bnc,bnsc->bns", q_BNC, k_BNSC, preferred_element_type=jnp.float32) * (
+        1.0 / math.sqrt(q_BNC.shape[-1])
+    )
+    col = jax.lax.broadcasted_iota(jnp.int32, s_BNS.shape, 2)
+    s_BNS = jnp.where(col <= pos_B[:, None, None], s_BNS, jnp.finfo(s_BNS.dtype).min)
+    e_BNS = jnp.exp(s_BNS - s_BNS.max(-1, keepdims=True))
+    p_BNS = (e_BNS / e_BNS.sum(-1, keepdims=True)).astype(v_BNSC.dtype)
+    return jnp.einsum("bns,bnsc->bnc", p_BNS, v_BNSC)
 
 
 HEAD_ROWS = 256  # rows of the head computed together in the training pass (a [256, V] block stays in cache)

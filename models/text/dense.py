@@ -72,6 +72,28 @@ class DecoderLM(nnx.Module):
     def __call__(self, ids_BL: jax.Array, mask_BL: jax.Array | None = None) -> jax.Array:
         return self.features(ids_BL, mask_BL) @ self.head_kernel()
 
+    def prefill(self, ids_BL: jax.Array, mask_BL: jax.Array | None = None) -> tuple[jax.Array, list]:
+        """:meth:`features` ``float32[B, L, D]`` (the logits are ``features @ head_kernel()``; a
+        decoder needs only the last real position's) and the KV cache of every block: a list of
+        ``(k, v)``, each ``[B, N, L, C]`` (keys after RoPE). The prompt pass of
+        :mod:`models.text.generate`."""
+        x_BLD, cache = self.embed(ids_BL), []
+        for block in self.blocks:
+            x_BLD, kv = block.prefill(x_BLD, mask_BL)
+            cache.append(kv)
+        return self.final_norm(x_BLD), cache
+
+    def decode(self, ids_B: jax.Array, cache: list, pos_B: jax.Array, live_B: jax.Array) -> tuple[jax.Array, list]:
+        """Logits ``float32[B, V]`` of one new token per row (``ids_B`` int32 at positions ``pos_B``)
+        from the KV cache of :meth:`prefill` (padded to S positions), and the cache with the new
+        keys and values written. ``live_B``: float ``[B]``, 0 for rows whose output is not used
+        (the MoE routers skip them)."""
+        x_BD, out = self.embed(ids_B), []
+        for block, kv in zip(self.blocks, cache, strict=True):
+            x_BD, kv = block.decode(x_BD, kv, pos_B, live_B)
+            out.append(kv)
+        return self.final_norm(x_BD) @ self.head_kernel(), out
+
 
 def lm_inputs(batch) -> jax.Array:
     """The input tokens ``int32[B, L]`` of a text batch: a packed ``int32[B, L+1]`` array, or a
