@@ -1,7 +1,16 @@
-"""What share of the raw learner step speed a whole Decoupled DiLoCo run keeps.
+"""What share of the raw learner step speed a whole Decoupled DiLoCo run keeps; with ``--versus-dp``,
+whole DiLoCo and DP runs side by side, each with tracking on and off.
 
     python benchmarks/overhead.py [--config configs/default.yaml] [--tokens 600000] [--data RUN_DIR]
                                   [--set key=value ...]
+    python benchmarks/overhead.py --versus-dp [--rounds 2] [...]
+
+``--versus-dp``: whole runs of both methods on the same data, token budget and cores (DiLoCo as
+above; DP: ``training.dp.train_dp``, its evaluations and checkpoints included), each with the config's
+``tracking`` (TensorBoard event files fed from the metric writers) and with every tracker off; the
+four arms take turns within each of ``--rounds`` rounds (a load that comes and goes falls on all of
+them), after one untimed short run of each method (compilation). Figures: tokens/s per arm (median
+over rounds), DiLoCo ÷ DP with and without tracking, and tracking's cost per method (1 − on ÷ off).
 
 Raw speed: the learners' compiled step alone, back to back on the same batches (tokens/s, median of
 repeated timings). Run speed: a real run of the same config (``training.diloco``: M learner threads
@@ -96,6 +105,59 @@ def run_tokens_per_s(cfg, run_dir: Path) -> dict:
     }
 
 
+def dp_tokens_per_s(cfg, run_dir: Path) -> dict:
+    from training.dp import train_dp
+
+    t0 = time.perf_counter()
+    summary = train_dp(cfg, run_dir)
+    wall = time.perf_counter() - t0
+    return {"tokens": summary["tokens"], "wall_s": wall, "tokens_per_s": summary["tokens"] / wall}
+
+
+def versus_dp(config: str, overrides: dict, data_dir: Path, base: Path, rounds: int) -> None:
+    """Whole DiLoCo and DP runs, tracking on and off, in turns (see the module docstring)."""
+    cfg = load_config_checked(config, overrides)
+    untracked = load_config_checked(config, {**overrides, "tracking.tensorboard": False, "tracking.wandb": False})
+    short = load_config_checked(config, {**overrides, "train.token_budget": cfg.train.token_budget // 8})
+    arms = {
+        "diloco": (cfg, run_tokens_per_s),
+        "dp": (cfg, dp_tokens_per_s),
+        "diloco, no tracking": (untracked, run_tokens_per_s),
+        "dp, no tracking": (untracked, dp_tokens_per_s),
+    }
+    n = 0
+
+    def fresh_dir() -> Path:
+        nonlocal n
+        n += 1
+        rd = base / f"run-{n}"
+        rd.mkdir()
+        os.symlink((Path(data_dir) / "data").absolute(), rd / "data")
+        return rd
+
+    run_tokens_per_s(short, fresh_dir())  # compile both methods' steps first
+    dp_tokens_per_s(short, fresh_dir())
+    rates: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, (c, fn) in arms.items():
+            got = fn(c, fresh_dir())
+            rates[name].append(got["tokens_per_s"])
+            print(
+                f"  round {r + 1} {name:<20} {got['tokens']:,} tokens in {got['wall_s']:.1f} s "
+                f"= {got['tokens_per_s']:,.0f} tokens/s"
+            )
+    med = {name: statistics.median(v) for name, v in rates.items()}
+    print(f"tokens/s, median of {rounds} rounds: " + ", ".join(f"{k} {v:,.0f}" for k, v in med.items()))
+    print(
+        f"DiLoCo / DP: {med['diloco'] / med['dp']:.1%} with tracking, "
+        f"{med['diloco, no tracking'] / med['dp, no tracking']:.1%} without"
+    )
+    print(
+        f"tracking's cost (1 - on / off): DiLoCo {1 - med['diloco'] / med['diloco, no tracking']:+.1%}, "
+        f"DP {1 - med['dp'] / med['dp, no tracking']:+.1%}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", default="configs/default.yaml")
@@ -103,6 +165,8 @@ def main() -> None:
     ap.add_argument("--data", type=Path, help="run directory whose data/ is prepared for this data config")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    ap.add_argument("--versus-dp", action="store_true", help="whole DiLoCo and DP runs, tracking on and off")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds of the --versus-dp arms")
     args = ap.parse_args()
     overrides = {"train.token_budget": args.tokens, **parse_overrides(args.set)}
     try:
@@ -113,6 +177,15 @@ def main() -> None:
     data_dir = args.data or base / "data-run"
     if args.data is None:
         prepare_data(cfg, data_dir)
+    if args.versus_dp:
+        d = cfg.diloco
+        print(
+            f"config {args.config}: M={d.learners} P={d.fragments} H={d.sync_every} K={d.quorum}, "
+            f"{cfg.train.token_budget:,} tokens, DP batch {cfg.dp.batch_size}, "
+            f"tracking: TensorBoard {'on' if cfg.tracking.tensorboard else 'off'}"
+        )
+        versus_dp(args.config, overrides, Path(data_dir), base, args.rounds)
+        return
     run_dir = base / "run"
     run_dir.mkdir()
     os.symlink((Path(data_dir) / "data").absolute(), run_dir / "data")
