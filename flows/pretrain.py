@@ -22,7 +22,7 @@ from prefect.states import Failed
 from configs.schema import ExperimentConfig
 from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
-from reports.artifacts import artifact_key
+from reports.artifacts import artifact_key, run_slug
 from reports.resilience import diloco_resilience
 from run.atomic import write_json
 from run.control import STOP, graceful_stop
@@ -84,9 +84,10 @@ def _live_resilience(rd: Path, now: float) -> dict | None:
 
 
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
-    """The ``diloco-learners-<run name>`` table artifact: the syncer's view of every learner and the totals
-    (``training.diloco.live_view``), with each learner's goodput so far and the global goodput and
-    uptime (``reports.resilience``, the report's definitions), a new version at every progress line.
+    """The ``diloco-learners-<run>`` table artifact (``<run>``: the run directory's name): the
+    syncer's view of every learner and the totals (``training.diloco.live_view``), with each
+    learner's goodput so far and the global goodput and uptime (``reports.resilience``, the report's
+    definitions), a new version at every progress line.
     The same figures go to ``tracker``'s ``progress`` writer (this process's, beside the syncer's) at
     the tokens claimed so far: ``learners/alive``, ``resilience/goodput`` and ``resilience/uptime``
     (fractions)."""
@@ -110,7 +111,7 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tr
     )
     u = config.unit
     create_table_artifact(
-        key=artifact_key("diloco-learners", config.name),
+        key=artifact_key("diloco-learners", run_slug(rd)),
         table=rows,
         description=(
             f"**DiLoCo, live**: {t['alive']}/{t['learners']} learners alive; {t['merges']} merges, "
@@ -174,7 +175,9 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         config.precision.describe(),
     )
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
-    progress_id = create_progress_artifact(0.0, key="diloco-progress", description=f"DiLoCo {config.unit} (%)")
+    progress_id = create_progress_artifact(
+        0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {config.unit} (%)"
+    )
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
     syncer = syncer_task.with_options(

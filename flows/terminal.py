@@ -1,7 +1,8 @@
 """``ddiloco run``'s progress display in a terminal: one rich progress bar per pretraining method.
 
 Each bar shows the units trained of the budget, units per second, the time left (ETA), the latest
-training and held-out loss and, for DiLoCo, the learners up. The bars share Prefect's own console
+training and held-out loss and, for DiLoCo, the learners up; below 120 columns a shorter bar and the
+held-out loss and learners only, so that a line fits 80 columns. The bars share Prefect's own console
 (its log lines print above them, not through them); they are drawn only when stderr is a terminal,
 so a piped or logged run is plain lines as before.
 """
@@ -16,6 +17,15 @@ from collections.abc import Iterator
 from run.progress import Progress, subscribe
 
 NAMES = {"diloco": "DiLoCo", "dp": "DP"}
+WIDE = 120  # columns from which the bars show every figure at full length
+
+
+def compact(x: float) -> str:
+    """``1,234`` → ``1,234``; ``12,345`` → ``12.3k``; ``2,002,944`` → ``2.00M`` (units or units/s)."""
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e4, "k")):
+        if abs(x) >= scale:
+            return f"{x / (scale if suffix != 'k' else 1e3):.{2 if suffix != 'k' else 1}f}{suffix}"
+    return f"{x:,.0f}"
 
 
 def _prefect_console():
@@ -48,10 +58,11 @@ def progress_display(enabled: bool | None = None, console=None) -> Iterator[None
     else:  # Prefect's console theme has no styles for bars: add rich's own (bar.*, progress.*)
         console.push_theme(Theme({k: v for k, v in DEFAULT_STYLES.items() if k.startswith(("bar.", "progress."))}))
 
+    wide = console.width >= WIDE  # an 80-column terminal gets a shorter bar and fewer figures
     bars = Bars(
         TextColumn("[bold]{task.description:>6}"),
-        BarColumn(bar_width=24),
-        TextColumn("{task.completed:,.0f}/{task.total:,.0f} {task.fields[unit]}"),
+        BarColumn(bar_width=24 if wide else 12),
+        TextColumn("{task.fields[count]}"),
         TextColumn("{task.fields[rate]}"),
         TimeRemainingColumn(compact=True, elapsed_when_finished=True),
         TextColumn("{task.fields[figures]}"),
@@ -62,18 +73,21 @@ def progress_display(enabled: bool | None = None, console=None) -> Iterator[None
 
     def show(p: Progress) -> None:
         figures = []
-        if p.train_loss is not None:
+        if p.train_loss is not None and wide:
             figures.append(f"train {p.train_loss:.3f}")
         if p.heldout_loss is not None:
             figures.append(f"held-out {p.heldout_loss:.3f}")
         if p.learners is not None:
-            figures.append(f"learners up {p.learners[0]}/{p.learners[1]}")
+            up, of = p.learners
+            finished = p.done >= p.total and up == 0
+            figures.append(f"learners {'done' if finished else f'up {up}/{of}'}" if wide else f"up {up}/{of}")
         if p.method not in ids:
-            ids[p.method] = bars.add_task(NAMES.get(p.method, p.method), total=p.total, unit="", rate="", figures="")
+            ids[p.method] = bars.add_task(NAMES.get(p.method, p.method), total=p.total, count="", rate="", figures="")
         task = ids[p.method]
-        bars.update(task, completed=p.done, total=p.total, unit=p.unit, figures="  ".join(figures))
+        count = f"{compact(p.done)}/{compact(p.total)} {p.unit}"
+        bars.update(task, completed=p.done, total=p.total, count=count, figures="  ".join(figures))
         speed = bars.tasks[[t.id for t in bars.tasks].index(task)].speed
-        bars.update(task, rate=f"{speed:,.0f} {p.unit}/s" if speed else "")
+        bars.update(task, rate=f"{compact(speed)} {p.unit}/s" if speed else "")
 
     unsubscribe = subscribe(show)
     bars.start()

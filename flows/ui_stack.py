@@ -147,7 +147,11 @@ def run_stack(
     each part's log goes (default ``build/ui-stack/``). Returns the exit status (see the module).
     """
     if port_taken(host, port):
-        say(f"error: {host}:{port} is taken (another Prefect server?); stop it or pick a port: make ui UI_PORT=4300")
+        free = "4300" if port != 4300 else "4301"
+        say(
+            f"error: {host}:{port} is taken (another Prefect server?); stop it or pick another port: "
+            f"ddiloco ui --port {free} (make ui UI_PORT={free})"
+        )
         return 2
     log_dir = log_dir or ROOT / "build" / "ui-stack"
     log_dir.mkdir(parents=True, exist_ok=True)

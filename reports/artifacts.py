@@ -161,18 +161,25 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
         )
 
 
+def run_slug(run_dir: str | Path) -> str:
+    """The run directory's own name (a local path or an fsspec URL): the pipeline's flow run is
+    named after it (``flows.naming``), and a run's own artifacts (live chart, progress) carry it."""
+    return str(run_dir).rstrip("/").rsplit("/", 1)[-1]
+
+
 def publish_live_chart(run_dir: str | Path, name: str, unit: str = "tokens") -> None:
-    """The ``live-<name>`` markdown artifact: the held-out loss of every method trained so far
-    against ``unit`` (:func:`reports.live.live_chart`), a new version at each call (the pretraining
-    stages call it at every progress line); nothing before the first evaluation. Inside a Prefect
-    flow or task run."""
+    """The ``live-<run>`` markdown artifact (``<run>`` the run directory's name, :func:`run_slug`:
+    one key per run, unlike the report's, which versions the runs of one config): the held-out loss
+    of every method trained so far against ``unit`` (:func:`reports.live.live_chart`), a new version
+    at each call (after each evaluation); nothing before the first evaluation. ``name``: the
+    config's, in the chart's title. Inside a Prefect flow or task run."""
     from prefect.artifacts import create_markdown_artifact
 
     chart = live_chart(run_dir, unit, f"{name}: held-out loss while training")
     if chart is not None:
         create_markdown_artifact(
             chart,
-            key=artifact_key("live", name),
+            key=artifact_key("live", run_slug(run_dir)),
             description=f"Held-out loss of each method while it trains (run directory {run_dir})",
         )
 

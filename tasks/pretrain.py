@@ -79,11 +79,13 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     line, the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    from reports.artifacts import publish_live_chart
+    from reports.artifacts import artifact_key, publish_live_chart, run_slug
     from run.progress import Progress, report as report_progress
 
     logger = get_run_logger()
-    progress_id = create_progress_artifact(0.0, key="dp-progress", description=f"DP {config.unit} (%)")
+    progress_id = create_progress_artifact(
+        0.0, key=artifact_key("dp-progress", run_slug(run_dir)), description=f"DP {config.unit} (%)"
+    )
 
     def progress(tokens, total, loss, val):
         logger.info(

@@ -2,6 +2,7 @@
 one-line evaluation summary (tasks/evaluate.py)."""
 
 import io
+import re
 
 from rich.console import Console
 
@@ -10,17 +11,31 @@ from run.progress import Progress, report, subscribe
 from tasks.evaluate import metrics_line
 
 
-def test_each_method_gets_a_bar_with_its_tokens_speed_losses_and_learners():
+def _draw(width: int) -> str:
     out = io.StringIO()
-    console = Console(file=out, force_terminal=True, width=160, color_system=None)
+    console = Console(file=out, force_terminal=True, width=width, color_system=None)
     with progress_display(enabled=True, console=console):
-        report(Progress("diloco", 12_288, 24_576, "tokens", train_loss=5.4, heldout_loss=5.5, learners=(3, 4)))
-        report(Progress("diloco", 24_576, 24_576, "tokens", train_loss=5.3, heldout_loss=5.35, learners=(0, 4)))
-        report(Progress("dp", 24_576, 24_576, "tokens", train_loss=5.1, heldout_loss=5.15))
-    text = out.getvalue()
+        report(Progress("diloco", 1_000_000, 2_002_944, "tokens", train_loss=5.4, heldout_loss=5.5, learners=(3, 4)))
+        report(Progress("diloco", 2_002_944, 2_002_944, "tokens", train_loss=5.3, heldout_loss=5.35, learners=(0, 4)))
+        report(Progress("dp", 2_002_944, 2_002_944, "tokens", train_loss=5.1, heldout_loss=5.15))
+    return out.getvalue()
+
+
+def test_each_method_gets_a_bar_with_its_tokens_speed_losses_and_learners():
+    text = _draw(160)
     assert "DiLoCo" in text and "DP" in text
-    assert "24,576/24,576 tokens" in text and "learners up 0/4" in text and "held-out 5.150" in text
+    assert "2.00M/2.00M tokens" in text and "train 5.300" in text and "held-out 5.150" in text
+    assert "learners done" in text and "up 0/4" not in text  # all learners finished
     report(Progress("dp", 1, 2))  # closed: nobody listens, nothing breaks
+
+
+def test_the_bars_fit_an_80_column_terminal():
+    """At 80 columns (a terminal's default, and what ``script`` or a pipe-to-terminal gets) every
+    field stays whole: no cut with an ellipsis, the held-out loss and learners still shown."""
+    text = _draw(80)
+    lines = [ln for ln in re.split(r"\x1b\[[0-9;]*[A-Za-z]|\r|\n", text) if "DiLoCo" in ln or "DP" in ln]
+    assert lines and all(len(ln.rstrip()) <= 80 for ln in lines), lines
+    assert "…" not in text and "2.00M/2.00M tokens" in text and "held-out 5.350" in text and "up 0/4" in text
 
 
 def test_a_failing_display_never_reaches_the_training():

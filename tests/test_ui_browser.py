@@ -413,11 +413,11 @@ def test_custom_run_from_the_ui(chromium, ui_server, tmp_path, capsys):
             snap("learners-and-syncer")
             # its Artifacts tab: the live chart it refreshed while it trained, drawn
             page.get_by_role("tab", name="Artifacts").click()
-            live = page.get_by_role("link").filter(has=page.get_by_text(artifact_key("live", "tiny"), exact=True))
+            live = page.get_by_role("link").filter(has=page.get_by_text(artifact_key("live", run_dir.name), exact=True))
             expect(live.first).to_be_visible()  # one card per version: one per evaluation of Θ
             live.first.click()
             # its key's page: a timeline of its versions, newest first; open the newest
-            page.get_by_role("link", name=artifact_key("live", "tiny"), exact=True).first.click()
+            page.get_by_role("link", name=artifact_key("live", run_dir.name), exact=True).first.click()
             page.locator("a[href*='/artifacts/artifact/']").first.click()
             chart = page.locator("img[src^='data:image/png']").first
             expect(chart).to_be_visible()
