@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from diloco.exchange.fsspec import FsspecExchange
+from reports.artifacts import artifact_key, run_slug
 from run.layout import RunLayout
 from run.metrics import read_jsonl
 
@@ -229,7 +230,9 @@ def test_injected_failure_learner_rejoins(prefect_harness, small_cfg, small_data
 
     with get_client(sync_client=True) as client:  # the live view's last version: every learner done
         (art,) = client.read_latest_artifacts(
-            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[f"diloco-learners-{cfg.name}"]))
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[artifact_key("diloco-learners", run_slug(run_dir))])
+            )
         )
     rows = json.loads(art.data) if isinstance(art.data, str) else art.data
     assert [r["learner"] for r in rows] == [0, 1, 2] and {r["state"] for r in rows} == {"done"}

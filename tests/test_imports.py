@@ -22,7 +22,7 @@ ALLOWED = {  # package -> the project packages it may import
     "diloco": set(),
     "reports": {"configs", "run"},
     "sim": {"reports"},
-    "evals": {"configs", "run"},
+    "evals": {"configs", "models", "run"},  # the adapter decodes through models.text.generate
     "training": {"configs", "data", "diloco", "evals", "models", "run"},
     "tasks": {"configs", "data", "reports", "run", "sim", "training"},
     "flows": {"configs", "data", "models", "reports", "run", "sim", "tasks", "training"},
