@@ -403,18 +403,8 @@ class JaxLM(TemplateLM):
         if all(done):
             return texts
 
-        def take(r: int, tok: int) -> None:  # one new token, by the rules of the full path
-            _, until, max_new = jobs[r]
-            if tok == self._eot:
-                done[r] = True
-                return
-            gen[r].append(tok)
-            text = self.tok_decode(gen[r])
-            cuts = [text.find(u) for u in until if u in text]
-            if cuts:
-                texts[r], done[r] = text[: min(cuts)], True
-            else:
-                texts[r], done[r] = text, len(gen[r]) >= max_new
+        def take(r: int, tok: int) -> None:
+            texts[r], done[r] = self._take(jobs[r], gen[r], tok, texts[r])
 
         P = self._bucket(max(len(p) for p in prompts))
         S = self._bucket(min(self._max_len, P + max(m for _, _, m in jobs) - 1))  # the positions a row can need
@@ -485,20 +475,22 @@ class JaxLM(TemplateLM):
                 n_inputs_B[k] = len(inputs[r])
             _, argmax_BL = jax.device_get(logprobs(graphdef, state, jnp.asarray(ids_BT), jnp.asarray(n_inputs_B)))
             for k, r in enumerate(live):
-                nxt = int(argmax_BL[k, len(inputs[r]) - 1])
-                _, until, max_new = jobs[r]
-                if nxt == self._eot:
-                    done[r] = True
-                    continue
-                gen[r].append(nxt)
-                text = self.tok_decode(gen[r])
-                cuts = [text.find(u) for u in until if u in text]
-                if cuts:
-                    texts[r], done[r] = text[: min(cuts)], True
-                else:
-                    texts[r] = text
-                    done[r] = len(gen[r]) >= max_new
+                texts[r], done[r] = self._take(jobs[r], gen[r], int(argmax_BL[k, len(inputs[r]) - 1]), texts[r])
         return texts
+
+    def _take(self, job, gen: list[int], tok: int, text: str) -> tuple[str, bool]:
+        """One greedy token for a row: ``(its text so far, done)``. EOT ends the row unappended;
+        otherwise ``tok`` joins ``gen`` (in place), and the decoded text is cut before the earliest
+        stop string (done) or kept whole (done at ``max_new`` tokens). Both decoding paths use it."""
+        _, until, max_new = job
+        if tok == self._eot:
+            return text, True
+        gen.append(tok)
+        text = self.tok_decode(gen)
+        cuts = [text.find(u) for u in until if u in text]
+        if cuts:
+            return text[: min(cuts)], True
+        return text, len(gen) >= max_new
 
     def get_model_info(self) -> dict:
         return {"model": type(self.model).__name__, "max_len": self._max_len, "batch_size": self.batch_size}
