@@ -55,18 +55,21 @@ def _linear_bwd(res, g_TO):
 linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+def _inv_freq(head_dim: int, theta: float) -> jax.Array:
+    """RoPE's frequencies θ^(−2i/C), i < C/2, float32 ``[C/2]`` (RoFormer, Eq. 15)."""
+    return 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+
+
 def rope_tables(length: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """Rotary position tables (Su et al., RoFormer, Eq. 34): cos and sin, float32 ``[L, C/2]``."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_LC = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles_LC = jnp.arange(length, dtype=jnp.float32)[:, None] * _inv_freq(head_dim, theta)[None, :]
     return jnp.cos(angles_LC), jnp.sin(angles_LC)
 
 
 def rope_at(pos_B: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
     """:func:`rope_tables`' rows at positions ``pos_B`` (int ``[B]``): cos and sin, float32
     ``[B, C/2]``, the same numbers as ``rope_tables(L, ...)[pos_B]`` (one decoded token per row)."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_BC = pos_B.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    angles_BC = pos_B.astype(jnp.float32)[:, None] * _inv_freq(head_dim, theta)[None, :]
     return jnp.cos(angles_BC), jnp.sin(angles_BC)
 
 

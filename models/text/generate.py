@@ -97,16 +97,16 @@ def decode(
     graphdef, state = nnx.split(model)
     out_BT = jnp.full((B, steps), -1, jnp.int32)
 
-    def active(tok, pos, left):
+    def active(pos, left):
         return (left > 0) & (pos < S)
 
     def cond(carry):
-        i, _, tok, pos, left, _ = carry
-        return (i < steps) & jnp.any(active(tok, pos, left))
+        i, _, _, pos, left, _ = carry
+        return (i < steps) & jnp.any(active(pos, left))
 
     def body(carry):
         i, cache, tok, pos, left, out = carry
-        live = active(tok, pos, left)
+        live = active(pos, left)
         model = nnx.merge(graphdef, state)
         logits_BV, cache = model.decode(tok, cache, jnp.minimum(pos, S - 1), live.astype(jnp.float32))
         nxt = jnp.argmax(logits_BV.astype(jnp.float32), axis=-1).astype(jnp.int32)
