@@ -9,14 +9,18 @@ engine, side by side in one process, on data prepared once:
 * ``threads``: learner threads and the syncer in this process, the in-memory exchange (the default);
 * ``fsspec``: the same threads, fragments through the durable fsspec exchange in the run directory;
 * ``ray`` / ``dask``: every learner and the syncer in a worker process of its own (a local cluster
-  started for the run), fragments through the fsspec exchange.
+  started for the run), fragments through the fsspec exchange; the flow compiles the learner step
+  and the evaluation into the run's compilation cache while the workers start
+  (``runtime.compilation_cache``);
+* ``ray-uncached`` / ``dask-uncached``: the same with the cache off (every process compiles its own).
 
 Per engine it prints: start-up (seconds from the run's set-up, when the exchange is created, to the
 first learner step: the engine's cluster, worker processes importing JAX and compiling), training seconds (first learner
 step to the last learner's end) and tokens/s over them, merges, the syncer's seconds in exchange
 calls per merge (storage calls, encoding and checksums: draining submissions, publishing, collecting,
 granting, the journal), the learners' seconds in exchange calls, bytes moved
-per merge (submissions in + the fragment out to every learner), the held-out loss, and the ratio of
+per merge (submissions in + the fragment out to every learner), the held-out loss, the start-up's
+parts (``startup_timeline``: process start, imports, building and compiling, the start gate), and the ratio of
 tokens/s to the thread engine's. Prints figures; asserts nothing.
 """
 
@@ -48,6 +52,9 @@ ENGINES = {
     "fsspec": {"engine": "threads", "exchange": "fsspec"},
     "ray": {"engine": "ray"},
     "dask": {"engine": "dask"},
+    # the same without the run's compilation cache: every worker process compiles its own steps
+    "ray-uncached": {"engine": "ray", "compilation_cache": None},
+    "dask-uncached": {"engine": "dask", "compilation_cache": None},
 }
 
 
@@ -76,6 +83,24 @@ def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
         "bytes_per_merge": statistics.fmean(m["bytes_in"] + m["bytes_out"] for m in merges) if merges else 0.0,
         "val_loss": summary["final_val_loss"],
         "pids": len({e.get("pid") for e in events if e.get("event") == "start"}),
+        **startup_timeline([e for e in events if e.get("event") == "start" and e.get("attempt") == 1]),
+    }
+
+
+def startup_timeline(starts: list[dict]) -> dict:
+    """Where the start-up went, from the learners' first ``start`` events (run clock, seconds; median
+    over learners): ``process`` their process started (threads: the flow's, before the run),
+    ``imports`` from then to the task's start (importing Prefect, JAX and the project; Prefect's
+    task engine), ``build`` from the task's start to a ready model, step and state (compiling or
+    loading from the compilation cache), ``gate`` waiting for the other learners."""
+    if not starts or "task_t" not in starts[0]:
+        return {}
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    return {
+        "process_t": med([max(e["process_t"], 0.0) for e in starts]),
+        "imports_s": med([max(e["task_t"] - max(e["process_t"], 0.0), 0.0) for e in starts]),
+        "build_s": med([e["ready_t"] - e["task_t"] for e in starts]),
+        "gate_s": med([e["gate_s"] for e in starts]),
     }
 
 
@@ -146,6 +171,17 @@ def main() -> None:
             f"{r['bytes_per_merge'] / 1024:9.1f} "
             f"{r['val_loss']:8.4f} {r['pids']:5d}"
         )
+    print(
+        "start-up, median over learners (run clock, s): process = its process started (0: before the "
+        "run), imports = to the task's start, build = model, step and state ready, gate = waiting for the others"
+    )
+    print(f"{'engine':8} {'process':>8} {'imports':>8} {'build':>8} {'gate':>8} {'first step':>10}")
+    for name, r in rows.items():
+        if "build_s" in r:
+            print(
+                f"{name:8} {r['process_t']:8.1f} {r['imports_s']:8.1f} {r['build_s']:8.1f} {r['gate_s']:8.1f} "
+                f"{r['startup_s']:10.1f}"
+            )
 
 
 if __name__ == "__main__":

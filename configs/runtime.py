@@ -9,6 +9,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
+    field_validator,
     model_validator,
 )
 
@@ -54,6 +55,14 @@ class RuntimeConfig(_Strict):
         "0 = no wait. "
         "Once training has started no learner waits for another",
     )
+    compilation_cache: str | None = Field(
+        "run",
+        description="JAX's persistent compilation cache, so that each step is compiled once for every "
+        "process of the run (Ray and Dask learner processes, retried learners, fine-tuning seeds, "
+        "evaluations): run = cache/xla inside the run directory (or JAX_COMPILATION_CACHE_DIR when the "
+        "environment sets it); a local folder (~ expanded) shares "
+        "compiled steps across runs too; null (or off) = off: every process compiles its own",
+    )
     max_workers: PositiveInt | None = Field(
         None,
         description="threads of the task runner; unset = learners + 2 (every learner, the "
@@ -74,6 +83,18 @@ class RuntimeConfig(_Strict):
         "learners × d; must divide the device count and diloco.batch_size (and "
         "train.microbatch_size). The DP baseline uses every device of the process.",
     )
+
+    @field_validator("compilation_cache", mode="before")
+    @classmethod
+    def _cache_folder(cls, v):
+        if v is False or (isinstance(v, str) and v.strip().lower() in ("off", "false", "none", "null")):
+            return None  # YAML reads a bare `off` as False; --set passes "off" as text
+        if isinstance(v, str) and (not v.strip() or "://" in v):
+            raise ValueError(
+                f"{v!r} is not a local folder: write run (the run directory's cache/xla), a local "
+                "folder such as ~/.cache/ddiloco-xla, or null (off)"
+            )
+        return v
 
     @property
     def exchange_kind(self) -> str:

@@ -145,6 +145,16 @@ class LearnerSetup:
     overlap_steps: int | None = None
     wait_timeout_s: float = 10.0  # give up one wait after this long (diloco.heartbeat_timeout_s)
     sleep: Callable[[float], None] = time.sleep
+    # the run clock when this attempt's task began (before its model and step were built), for the
+    # start-up timeline of the ``start`` event; None = when the Learner was made
+    began_at: float | None = None
+
+
+def _process_started() -> float:
+    """This process's start (Unix time, seconds)."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def tree_digest(tree: Any) -> str:
@@ -197,6 +207,9 @@ class Learner:
         self.resumed = False
         self.origin = 0.0
         self.metrics: dict | None = None
+        # start-up timeline on the run clock (the ``start`` event): process, task, built, gate
+        self.began_at = self.ex.clock() if s.began_at is None else s.began_at
+        self.ready_at, self.gate_s = self.began_at, 0.0
 
     def clock(self) -> float:
         """The training clock: seconds since this learner's first attempt started."""
@@ -225,8 +238,9 @@ class Learner:
         if point is not None:
             self.step, (self.epoch, self.index), self.opt_state = point.step, tuple(point.cursor), point.opt_state
             self.resumed = True
+        self.ready_at = self.ex.clock()
         if self.attempt == 1 and s.start_wait_s > 0:
-            _start_gate(self.ex, self.m, s.num_learners, s.start_wait_s, s.stop)
+            self.gate_s = _start_gate(self.ex, self.m, s.num_learners, s.start_wait_s, s.stop)
         self.origin = float(self.info["origin"]) if "origin" in self.info else self.ex.clock()
         self.ex.heartbeat(self.m, origin=self.origin)
 
@@ -250,6 +264,13 @@ class Learner:
             pid=os.getpid(),
             resumed=self.resumed,
             opt_state_digest=tree_digest(self.opt_state),
+            # start-up, on the run clock: its process started (imports follow), the task began, the
+            # model, step and state were ready (compiled or loaded from the compilation cache), and
+            # the seconds it then waited at the start gate for the other learners
+            process_t=round(self.ex.clock() - (time.time() - _process_started()), 3),
+            task_t=round(self.began_at, 3),
+            ready_t=round(self.ready_at, 3),
+            gate_s=round(self.gate_s, 3),
         )
 
     # -- fragments in and out ---------------------------------------------------------------------

@@ -32,7 +32,14 @@ from run.progress import Progress, report as report_progress
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
-from training.diloco import host_turns_dir, learners_gone, live_view, prepare_diloco, with_absolute_exchange
+from training.diloco import (
+    host_turns_dir,
+    learners_gone,
+    live_view,
+    prepare_diloco,
+    warm_compilation_cache,
+    with_absolute_exchange,
+)
 from training.tracking import method_tracker
 
 
@@ -197,6 +204,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                 runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
             ]
         t_submit = time.monotonic()
+        if rt.engine != "threads":
+            # while the worker processes import, compile their steps once into the run's cache
+            warm_s = warm_compilation_cache(config, rd)
+            if warm_s:
+                logger.info("compiled the learner step and evaluation into the run's cache in %.1fs", warm_s)
         try:
             next_progress = time.monotonic() + progress_every_s
             # process engines: a worker that cannot even start the learner task (an import error, a

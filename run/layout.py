@@ -21,6 +21,7 @@ A run directory holds one pipeline run (``docs/contracts.md``)::
     RUN/report/                           report.md, report.html (self-contained), report.json, figures
     RUN/tensorboard/                      the run's settings and final figures (TensorBoard HParams)
     RUN/wandb/                            Weights & Biases runs, when tracking.wandb is on
+    RUN/cache/xla/                        JAX's persistent compilation cache (runtime.compilation_cache)
 
 A run of several seeds (``seeds: [...]``) holds its data and its report (over seeds) at the top,
 and one whole run directory per seed, laid out as above, its ``data/`` hard links to the top's::
@@ -172,6 +173,15 @@ class RunLayout:
     def wandb(self) -> UPath:
         """The run's Weights & Biases folder (``wandb.init(dir=...)``: offline runs in ``wandb/offline-run-*``)."""
         return self.root / "wandb"
+
+    @property
+    def compile_cache(self) -> UPath:
+        """JAX's persistent compilation cache of the run (``runtime.compilation_cache: run``); a seed's
+        run (``RUN/seeds/seed-<s>``) shares its parent run's, since every seed compiles the same steps."""
+        root = self.root
+        if root.parent.name == "seeds" and root.name.startswith("seed-"):
+            root = root.parent.parent
+        return root / "cache" / "xla"
 
     def resume_point(self, stage: str, method: str, learner: int) -> UPath:
         """Learner ``learner``'s resume point (an Orbax checkpoint folder)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -10,6 +11,7 @@ from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
 from run.atomic import write_json
 from run.layout import RunLayout
+from training.xla import use_compilation_cache
 
 
 def token_budget(cfg: ExperimentConfig) -> int:
@@ -77,14 +79,32 @@ def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
     shape, classes and pixel range).
 
     Built once per process for each model config and data shape (learner threads share it).
-    ``cfg.model`` may be any registered kind's config object (``models.spec.register``).
+    ``cfg.model`` may be any registered kind's config object (``models.spec.register``). Every
+    path that compiles a model's steps asks for its spec here, so this also points the process's
+    JAX compilation cache at the run's (``runtime.compilation_cache``, :func:`compilation_cache_dir`).
     """
+    use_compilation_cache(compilation_cache_dir(cfg, run_dir))
     shape = input_shape(cfg, load_manifest(run_dir))
     key = (repr(cfg.model), shape)
     with _SPECS_LOCK:
         if key not in _SPECS:
             _SPECS[key] = build_model(cfg.model, shape)
         return _SPECS[key]
+
+
+def compilation_cache_dir(cfg: ExperimentConfig, run_dir: str | Path) -> Path | None:
+    """The folder of ``runtime.compilation_cache``: ``run`` = the folder of the environment's
+    ``JAX_COMPILATION_CACHE_DIR`` when set (a cache the user or the test suite keeps), else the run's
+    ``cache/xla`` (:attr:`run.layout.RunLayout.compile_cache`), or None when the run directory is
+    not a local path (object storage: JAX's cache wants a file lock); a folder; None when off."""
+    setting = cfg.runtime.compilation_cache
+    if setting is None:
+        return None
+    if setting == "run":
+        if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+            return Path(os.environ["JAX_COMPILATION_CACHE_DIR"]).expanduser()
+        return Path(RunLayout(run_dir).compile_cache) if "://" not in str(run_dir) else None
+    return Path(setting).expanduser()
 
 
 def ensure_fresh(run_dir: str | Path, stage: str, method: str) -> None:

@@ -58,7 +58,7 @@ from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from run.tracking import NO_TRACKING, Tracker
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
-from training.common import ensure_fresh, model_spec, save_chaos_schedule, token_budget
+from training.common import compilation_cache_dir, ensure_fresh, model_spec, save_chaos_schedule, token_budget
 from training.evaluation import eval_record, final_heldout, heldout_metrics, val_batches
 from training.functional import nest
 from training.mesh import backend_line, learner_devices, single_default
@@ -415,6 +415,29 @@ def learner_setup(
     )
 
 
+def warm_compilation_cache(cfg: ExperimentConfig, run_dir: str | Path) -> float:
+    """Compile the learner step and the held-out evaluation here, into the run's compilation cache
+    (``runtime.compilation_cache``), so that the learner and syncer processes of a process engine
+    load them instead of each compiling them at once: the flow calls it right after submitting
+    their tasks, while the workers still import. Runs one step on learner 0's first batch and one
+    evaluation batch on throw-away copies of Θ₀ (nothing is logged or kept). Returns the seconds
+    it took; 0.0 when the cache is off.
+
+    Measured in ``benchmarks/engines.py`` (the start-up's ``build`` and the first steps)."""
+    if compilation_cache_dir(cfg, run_dir) is None:
+        return 0.0
+    t0 = time.perf_counter()
+    trainer = learner_trainer(cfg, run_dir)
+    params = trainer.init_params()
+    opt = trainer.init_opt(params)
+    batch, _, _ = batch_at(load_rows(run_dir, "shard_00"), 0, 0, batch_size=cfg.diloco.batch_size, seed=cfg.seed)
+    val = val_batches(load_rows(run_dir, "val"), 1, cfg.train.eval_batch_size)
+    heldout_metrics(trainer.evaluate, params, val)
+    _, _, metrics = trainer.step(params, opt, jax.tree.map(jnp.asarray, batch))
+    jax.block_until_ready(metrics["loss"])
+    return time.perf_counter() - t0
+
+
 def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, exchange=None) -> dict:
     """Run one attempt of learner ``learner`` (``diloco.learner.run_learner``) from plain inputs.
 
@@ -428,6 +451,7 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     its earlier attempts reached (0 on a first attempt).
     """
     exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
+    began_at = exchange.clock()
     seen = exchange.learners().get(learner, {})
     previous, last_step = seen.get("attempt"), int(seen.get("step") or 0)  # of its earlier attempts
     if previous is not None:
@@ -444,6 +468,7 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     try:
         try:
             setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
+            setup.began_at = began_at
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
             exchange.heartbeat(
                 learner, status="down", attempt=attempt, step=last_step, reason=repr(exc), pid=os.getpid()
