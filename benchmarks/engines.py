@@ -160,13 +160,13 @@ def main() -> None:
     )
     ref = rows.get("threads", {}).get("tokens_per_s")
     print(
-        f"{'engine':8} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
+        f"{'engine':13} {'start-up s':>10} {'train s':>8} {'tokens/s':>9} {'× threads':>9} {'merges':>6} "
         f"{'exch ms/merge':>13} {'learner exch s':>14} {'KiB/merge':>9} {'held-out':>8} {'procs':>5}"
     )
     for name, r in rows.items():
         ratio = f"{r['tokens_per_s'] / ref:.2f}" if ref else "n/a"
         print(
-            f"{name:8} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
+            f"{name:13} {r['startup_s']:10.1f} {r['train_s']:8.1f} {r['tokens_per_s']:9.0f} {ratio:>9} "
             f"{r['merges']:6d} {1e3 * r['exchange_s_per_merge']:13.2f} {r['learner_exchange_s']:14.2f} "
             f"{r['bytes_per_merge'] / 1024:9.1f} "
             f"{r['val_loss']:8.4f} {r['pids']:5d}"
@@ -175,11 +175,11 @@ def main() -> None:
         "start-up, median over learners (run clock, s): process = its process started (0: before the "
         "run), imports = to the task's start, build = model, step and state ready, gate = waiting for the others"
     )
-    print(f"{'engine':8} {'process':>8} {'imports':>8} {'build':>8} {'gate':>8} {'first step':>10}")
+    print(f"{'engine':13} {'process':>8} {'imports':>8} {'build':>8} {'gate':>8} {'first step':>10}")
     for name, r in rows.items():
         if "build_s" in r:
             print(
-                f"{name:8} {r['process_t']:8.1f} {r['imports_s']:8.1f} {r['build_s']:8.1f} {r['gate_s']:8.1f} "
+                f"{name:13} {r['process_t']:8.1f} {r['imports_s']:8.1f} {r['build_s']:8.1f} {r['gate_s']:8.1f} "
                 f"{r['startup_s']:10.1f}"
             )
 

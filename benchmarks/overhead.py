@@ -4,6 +4,7 @@ whole DiLoCo and DP runs side by side, each with tracking on and off.
     python benchmarks/overhead.py [--config configs/default.yaml] [--tokens 600000] [--data RUN_DIR]
                                   [--set key=value ...]
     python benchmarks/overhead.py --versus-dp [--rounds 2] [...]
+    python benchmarks/overhead.py --breakdown [...]
 
 ``--versus-dp``: whole runs of both methods on the same data, token budget and cores (DiLoCo as
 above; DP: ``training.dp.train_dp``, its evaluations and checkpoints included), each with the config's
@@ -11,6 +12,9 @@ above; DP: ``training.dp.train_dp``, its evaluations and checkpoints included), 
 four arms take turns within each of ``--rounds`` rounds (a load that comes and goes falls on all of
 them), after one untimed short run of each method (compilation). Figures: tokens/s per arm (median
 over rounds), DiLoCo ÷ DP with and without tracking, and tracking's cost per method (1 − on ÷ off).
+
+``--breakdown``: the run's wall time split by its compute turns (``diloco.pacing.FairTurns``'s
+``observer``; :func:`print_breakdown`) and its CPU seconds by thread (Linux ``/proc``).
 
 Raw speed: the learners' compiled step alone, back to back on the same batches (tokens/s, median of
 repeated timings). Run speed: a real run of the same config (``training.diloco``: M learner threads
@@ -44,9 +48,16 @@ from configs.load import load_config_checked, parse_overrides  # noqa: E402
 from data.cursor import batch_at  # noqa: E402
 from data.store import load_sequences  # noqa: E402
 from data.text import prepare_data  # noqa: E402
+from diloco.pacing import FairTurns  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402
-from training.diloco import learner_attempt, learner_trainer, run_syncer_to_end, setup_diloco  # noqa: E402
+from training.diloco import (  # noqa: E402
+    learner_attempt,
+    learner_trainer,
+    learner_turns,
+    run_syncer_to_end,
+    setup_diloco,
+)
 from training.evaluation import heldout_loss, val_batches  # noqa: E402
 
 
@@ -73,9 +84,32 @@ def raw_tokens_per_s(cfg, run_dir: Path, repeats: int) -> tuple[float, float]:
     return cfg.tokens_per_learner_step / (ms / 1e3), ms
 
 
-def run_tokens_per_s(cfg, run_dir: Path) -> dict:
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far per thread of this process, by thread id: ``{tid: (name, seconds)}``
+    (Linux ``/proc/self/task``; {} elsewhere). XLA:CPU's compute threads are named ``tf_XLAEigen``,
+    every Python thread ``python``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = (name, (int(fields[11]) + int(fields[12])) / tick)  # utime + stime
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def run_tokens_per_s(cfg, run_dir: Path, breakdown: bool = False) -> dict:
     run = setup_diloco(cfg, run_dir)
     out: dict = {}
+    turns_log: list[tuple[float, float, float]] = []
+    if breakdown:
+        turns = learner_turns(cfg, run_dir)
+        if not isinstance(turns, FairTurns):
+            raise SystemExit("--breakdown needs the thread engine's turns (diloco.compute_slots ≥ 1)")
+        turns.observer = lambda asked, got, released: turns_log.append((asked, got, released))
+        cpu0 = thread_cpu()
     t0 = time.perf_counter()
     learners = [
         threading.Thread(target=lambda m=m: out.setdefault(m, learner_attempt(cfg, run_dir, m, 1)))
@@ -89,7 +123,8 @@ def run_tokens_per_s(cfg, run_dir: Path) -> dict:
         t.join()
     run.exchange.mark_learners_done()
     syncer.join()
-    wall = time.perf_counter() - t0
+    t_end = time.perf_counter()
+    wall = t_end - t0
     run.close_logs()
     summary = out["syncer"]
     layout = RunLayout(run_dir)
@@ -102,7 +137,60 @@ def run_tokens_per_s(cfg, run_dir: Path) -> dict:
         "evals": len(evals),
         "eval_s": sum(e.get("eval_s", 0.0) for e in evals),
         "val_loss": summary["final_val_loss"],
+        **({"turns": sorted(turns_log, key=lambda t: t[1]), "t0": t0, "t_end": t_end} if breakdown else {}),
+        **({"cpu": cpu_since(cpu0)} if breakdown else {}),
     }
+
+
+def cpu_since(before: dict) -> dict[str, float]:
+    """CPU seconds per thread name since ``before`` (:func:`thread_cpu`)."""
+    by_name: dict[str, float] = {}
+    for tid, (name, sec) in thread_cpu().items():
+        by_name[name] = by_name.get(name, 0.0) + sec - before.get(tid, (name, 0.0))[1]
+    return by_name
+
+
+def print_breakdown(got: dict, raw_ms: float) -> None:
+    """Where a run's wall time went, from its turns (``FairTurns.observer``): with one compute slot the
+    learners' steps run one at a time, so the wall time is the turns held, the idle hand-overs
+    between them, and the time before the first turn and after the last. Each turn is split into
+    the raw step (``raw_ms``), the first turn's extra (compiling the step in this run), the median
+    turn's extra over the raw step (blocking on every step for the turns, the Python threads'
+    work and the other learners' state on the same cores), and the tail (turns longer than the
+    median: those overlapping the syncer's evaluations of Θ, resume points, merges)."""
+    turns, wall = got["turns"], got["wall_s"]
+    held = [r - g for _, g, r in turns]
+    n, raw = len(held), raw_ms / 1e3
+    med = statistics.median(held[1:])
+    gaps = sum(max(turns[k + 1][1] - turns[k][2], 0.0) for k in range(n - 1))
+    outside = (turns[0][1] - got["t0"]) + (got["t_end"] - turns[-1][2])
+    parts = [
+        (f"raw step × {n:,} steps", n * raw),
+        ("first turn's extra (compiling the step)", held[0] - raw),
+        (f"median turn's extra over the raw step ({1e3 * med:.1f} ms vs {raw_ms:.1f})", (n - 1) * (med - raw)),
+        ("turns beyond the median (evaluations of Θ, resume points, merges)", sum(held[1:]) - (n - 1) * med),
+        ("hand-overs between learners", gaps),
+        ("before the first turn and after the last", outside),
+    ]
+    print(f"where the wall time went ({wall:.1f} s; turns held {sum(held):.1f} s):")
+    for label, sec in parts:
+        print(f"  {label:<72} {sec:7.2f} s {sec / wall:6.1%}")
+    print(f"  {'(sum)':<72} {sum(s for _, s in parts):7.2f} s")
+    pct = statistics.quantiles(held[1:], n=100)
+    print(
+        "  turn ms, percentiles 50/90/99: "
+        f"{1e3 * med:.1f} / {1e3 * pct[89]:.1f} / {1e3 * pct[98]:.1f}; first {1e3 * held[0]:.0f}, "
+        f"longest after it {1e3 * max(held[1:]):.0f}"
+    )
+    cpu = got["cpu"]
+    xla = sum(v for k, v in cpu.items() if k.startswith("tf_"))
+    py = cpu.get("python", 0.0)
+    other = sum(cpu.values()) - xla - py
+    cores = os.cpu_count() or 1
+    print(
+        f"CPU seconds over the run: XLA compute threads {xla:.1f}, Python threads {py:.1f}, other {other:.1f}; "
+        f"{sum(cpu.values()) / (wall * cores):.0%} of {cores} cores × {wall:.1f} s"
+    )
 
 
 def dp_tokens_per_s(cfg, run_dir: Path) -> dict:
@@ -167,6 +255,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     ap.add_argument("--versus-dp", action="store_true", help="whole DiLoCo and DP runs, tracking on and off")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the --versus-dp arms")
+    ap.add_argument(
+        "--breakdown", action="store_true", help="where the run's wall time went: its turns, hand-overs, CPU by thread"
+    )
     args = ap.parse_args()
     overrides = {"train.token_budget": args.tokens, **parse_overrides(args.set)}
     try:
@@ -190,7 +281,7 @@ def main() -> None:
     run_dir.mkdir()
     os.symlink((Path(data_dir) / "data").absolute(), run_dir / "data")
     raw, ms = raw_tokens_per_s(cfg, run_dir, args.repeats)
-    got = run_tokens_per_s(cfg, run_dir)
+    got = run_tokens_per_s(cfg, run_dir, breakdown=args.breakdown)
     raw_after, _ = raw_tokens_per_s(cfg, run_dir, args.repeats)  # the machine may have changed meanwhile
     raw_mean = (raw + raw_after) / 2
     d = cfg.diloco
@@ -216,6 +307,8 @@ def main() -> None:
         f"of the wall time); without them: {got['tokens'] / train_s / raw_mean:.1%} kept "
         f"(overhead {1 - got['tokens'] / train_s / raw_mean:.1%}: merges, resume points, Python between steps)"
     )
+    if args.breakdown:
+        print_breakdown(got, ms)
 
 
 if __name__ == "__main__":

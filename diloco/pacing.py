@@ -12,6 +12,8 @@ import os
 import pathlib
 import select
 import threading
+import time
+from collections.abc import Callable
 
 
 class FairTurns:
@@ -26,6 +28,10 @@ class FairTurns:
     would. Nothing else is shared: a learner that fails or stops simply stops queueing, so no
     learner ever waits for another's progress, only for a free slot.
 
+    ``observer``: called after each turn with ``(asked, got, released)``, ``time.perf_counter()``
+    seconds (when the turn was asked for, granted and handed back), in the learner's thread; for
+    profiles (``benchmarks/overhead.py --breakdown``), None in runs.
+
     Raises ``ValueError`` if ``slots`` < 1.
     """
 
@@ -35,15 +41,23 @@ class FairTurns:
         self._guard = threading.Lock()
         self._queue: collections.deque[threading.Event] = collections.deque()
         self._free = slots
+        self.observer: Callable[[float, float, float], None] | None = None
+        self._asked = threading.local()
 
     def __enter__(self) -> FairTurns:
+        if self.observer is not None:
+            self._asked.at = time.perf_counter()
         with self._guard:
             if self._free > 0 and not self._queue:
                 self._free -= 1
-                return self
-            ticket = threading.Event()
-            self._queue.append(ticket)
-        ticket.wait()  # __exit__ hands its slot straight to the first ticket in the queue
+                ticket = None
+            else:
+                ticket = threading.Event()
+                self._queue.append(ticket)
+        if ticket is not None:
+            ticket.wait()  # __exit__ hands its slot straight to the first ticket in the queue
+        if self.observer is not None:
+            self._asked.got = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -52,6 +66,9 @@ class FairTurns:
                 self._queue.popleft().set()
             else:
                 self._free += 1
+        observer = self.observer
+        if observer is not None and hasattr(self._asked, "got"):
+            observer(self._asked.at, self._asked.got, time.perf_counter())
 
 
 class HostTurns:

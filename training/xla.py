@@ -67,13 +67,14 @@ def _keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, _KEEP_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, _KEEP_BYTES))
 
 
-# Unless the environment sets them (JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS,
-# JAX_COMPILATION_CACHE_MAX_SIZE): compiles shorter than this are not written (eager ops' kernels
-# and the like, cheaper to compile again than to read back; the default model's steps take 1-3 s).
+# For a run's own cache folder (the environment's JAX_COMPILATION_CACHE_DIR keeps the environment's
+# settings): compiles shorter than this are not written (eager ops' kernels and the like, cheaper
+# to compile again than to read back; the default model's steps take 1-3 s).
 CACHE_MIN_COMPILE_S = 0.1
 # Bounded, so that a shared folder cannot grow without end; a bound also makes JAX take a file lock
 # around every read and write of the folder (jax/_src/lru_cache.py), so processes writing the same
-# entry at once never read half a file.
+# entry at once never read half a file. Every process using the folder must then be bounded too
+# (JAX's eviction expects each entry's access-time file), which these runs' processes are.
 CACHE_MAX_BYTES = 2 << 30
 _UNSET = object()
 _cache_dir: object = _UNSET  # the folder this process set (str), None (off), or not yet set
@@ -102,11 +103,17 @@ def use_compilation_cache(path: str | os.PathLike | None) -> str | None:
         compilation_cache.reset_cache()
         if want is not None:
             Path(want).mkdir(parents=True, exist_ok=True)
-            # the environment's own settings win (JAX reads them at import)
-            if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-                jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_MIN_COMPILE_S)
-            if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
-                jax.config.update("jax_compilation_cache_max_size", CACHE_MAX_BYTES)
+            env_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+            if env_dir and str(Path(env_dir).expanduser().absolute()) == want:
+                # the environment's cache: its settings as the environment gives them (JAX's own
+                # defaults otherwise), like any other process that uses that folder; a folder
+                # written with and without a size bound at once breaks JAX's eviction
+                min_s = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0))
+                max_bytes = int(os.environ.get("JAX_COMPILATION_CACHE_MAX_SIZE", -1))
+            else:
+                min_s, max_bytes = CACHE_MIN_COMPILE_S, CACHE_MAX_BYTES
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", min_s)
+            jax.config.update("jax_compilation_cache_max_size", max_bytes)
         jax.config.update("jax_compilation_cache_dir", want)
         jax.config.update("jax_enable_compilation_cache", want is not None)
         _cache_dir = want
