@@ -88,7 +88,11 @@ def test_a_learner_process_loads_the_steps_the_flow_compiled(small_cfg, small_da
     learner = _compile_in_a_process(inputs, "learner")
     assert learner["dir"] == str(cache)
     assert learner["events"].get("cache_hits", 0) >= 2, learner  # the step and the evaluation, loaded
-    assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache")) == written  # nothing new
+    # no step or evaluation compiled again (an eager op's kernel may be: > 0.1 s to compile under load)
+    steps = [n for n in written if n.startswith(("jit_step-", "jit_evaluate-")) and n.endswith("-cache")]
+    assert len(steps) == 2, written
+    after = sorted(p.name for p in cache.iterdir() if p.name.endswith("-cache"))
+    assert [n for n in after if n.startswith(("jit_step-", "jit_evaluate-"))] == steps, after
 
     off = tmp_path / "off.pkl"
     off.write_bytes(
