@@ -104,6 +104,12 @@ from safetensors.numpy import load as st_load, save as st_save
 from diloco.exchange.base import Submission
 
 FORMAT = 1
+# A heartbeat that only updates counters is written at most this often (or every ``poll_s``, if
+# longer): every step's claim rewrites the same file with the counters as of the step before, so a
+# second write per step (learner steps of 30-35 ms on the default config) bought nothing but a file
+# created and renamed; liveness (``diloco.heartbeat_timeout_s``, 1 s or more) still sees a write at
+# least every loop iteration longer than this.
+BEAT_EVERY_S = 0.25
 
 
 class StaleSyncerError(RuntimeError):
@@ -700,13 +706,15 @@ class FsspecExchange:
 
     def heartbeat(self, learner: int, **info) -> None:
         """Merge ``info`` into learner ``learner``'s heartbeat (and ``last_seen``, Unix s) and rewrite
-        it; a beat that only updates counters (no ``status``) is written at most every ``poll_s``
-        seconds: the next claim (written every step, :meth:`claim_tokens`) carries it anyway."""
+        it; a beat that only updates counters (no ``status``) is written at most every
+        ``max(poll_s, BEAT_EVERY_S)`` seconds after the learner's last write: the next claim
+        (written every step, :meth:`claim_tokens`) carries it anyway."""
         with self._lock:
             beat = self._beat_of(learner)
             beat.update(info)
             now = time.monotonic()
-            if "status" not in info and now - self._beat_written.get(learner, -1e18) < self.poll_s:
+            quiet = max(self.poll_s, BEAT_EVERY_S)
+            if "status" not in info and now - self._beat_written.get(learner, -1e18) < quiet:
                 return
             self._write_beat(learner, beat, now)
 
