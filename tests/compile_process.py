@@ -46,4 +46,5 @@ if __name__ == "__main__":
         batch, _, _ = batch_at(load_rows(run_dir, "shard_01"), 0, 0, batch_size=cfg.diloco.batch_size, seed=7)
         jax.block_until_ready(trainer.step(params, opt, jax.tree.map(jnp.asarray, batch))[2]["loss"])
     cache = {k.rsplit("/", 1)[-1]: v for k, v in EVENTS.items() if k.startswith("/jax/compilation_cache/")}
-    print(json.dumps({"dir": xla._cache_dir, "events": cache}))
+    folder = xla._cache_dir if isinstance(xla._cache_dir, str) else None  # None: off, or never set
+    print(json.dumps({"dir": folder, "events": cache}))
