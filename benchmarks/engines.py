@@ -89,10 +89,12 @@ def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
 
 def startup_timeline(starts: list[dict]) -> dict:
     """Where the start-up went, from the learners' first ``start`` events (run clock, seconds; median
-    over learners): ``process`` their process started (threads: the flow's, before the run),
-    ``imports`` from then to the task's start (importing Prefect, JAX and the project; Prefect's
-    task engine), ``build`` from the task's start to a ready model, step and state (compiling or
-    loading from the compilation cache), ``gate`` waiting for the other learners."""
+    over learners): ``process`` their process started (shown as 0 when before the run: the flow's
+    own process, or a worker started in advance), ``imports`` from then to the task's start
+    (importing Prefect, JAX and the project; Prefect's task engine), ``build`` from the task's
+    start to a ready model, initial parameters and optimizer state, ``gate`` waiting for the other
+    learners. The learner step itself compiles (or loads from the compilation cache) at the first
+    step, after the gate: that lands in the training seconds."""
     if not starts or "task_t" not in starts[0]:
         return {}
     med = lambda xs: statistics.median(xs)  # noqa: E731
@@ -173,7 +175,8 @@ def main() -> None:
         )
     print(
         "start-up, median over learners (run clock, s): process = its process started (0: before the "
-        "run), imports = to the task's start, build = model, step and state ready, gate = waiting for the others"
+        "run), imports = to the task's start, build = model, parameters and optimizer state ready (the step "
+        "compiles or loads at the first step, in train s), gate = waiting for the others"
     )
     print(f"{'engine':13} {'process':>8} {'imports':>8} {'build':>8} {'gate':>8} {'first step':>10}")
     for name, r in rows.items():

@@ -166,16 +166,19 @@ def print_breakdown(got: dict, raw_ms: float) -> None:
     outside = (turns[0][1] - got["t0"]) + (got["t_end"] - turns[-1][2])
     parts = [
         (f"raw step × {n:,} steps", n * raw),
-        ("first turn's extra (compiling the step)", held[0] - raw),
+        ("first turn's extra over the raw step (compiling it, unless compiled before)", held[0] - raw),
         (f"median turn's extra over the raw step ({1e3 * med:.1f} ms vs {raw_ms:.1f})", (n - 1) * (med - raw)),
-        ("turns beyond the median (evaluations of Θ, resume points, merges)", sum(held[1:]) - (n - 1) * med),
+        ("turns beyond the median (beside evaluations of Θ, resume points, merges)", sum(held[1:]) - (n - 1) * med),
         ("hand-overs between learners", gaps),
-        ("before the first turn and after the last", outside),
+        ("before the first turn and after the last (set-up; final evaluation, checkpoint)", outside),
     ]
-    print(f"where the wall time went ({wall:.1f} s; turns held {sum(held):.1f} s):")
+    print(
+        f"where the wall time went ({wall:.1f} s; turns held {sum(held):.1f} s; the evaluations of Θ during "
+        "training lengthen the turns beside them, the final one falls after the last turn):"
+    )
     for label, sec in parts:
-        print(f"  {label:<72} {sec:7.2f} s {sec / wall:6.1%}")
-    print(f"  {'(sum)':<72} {sum(s for _, s in parts):7.2f} s")
+        print(f"  {label:<82} {sec:7.2f} s {sec / wall:6.1%}")
+    print(f"  {'(sum)':<82} {sum(s for _, s in parts):7.2f} s")
     pct = statistics.quantiles(held[1:], n=100)
     print(
         "  turn ms, percentiles 50/90/99: "

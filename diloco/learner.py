@@ -264,9 +264,10 @@ class Learner:
             pid=os.getpid(),
             resumed=self.resumed,
             opt_state_digest=tree_digest(self.opt_state),
-            # start-up, on the run clock: its process started (imports follow), the task began, the
-            # model, step and state were ready (compiled or loaded from the compilation cache), and
-            # the seconds it then waited at the start gate for the other learners
+            # start-up, on the run clock: its process started (negative: before the run's clock, e.g.
+            # a worker started in advance; imports follow), the task began, the model, initial
+            # parameters and optimizer state were ready, and the seconds it then waited at the start
+            # gate (the step compiles, or loads from the compilation cache, at the first step)
             process_t=round(self.ex.clock() - (time.time() - _process_started()), 3),
             task_t=round(self.began_at, 3),
             ready_t=round(self.ready_at, 3),
