@@ -222,6 +222,35 @@ def test_claims_stay_within_grants_and_grants_within_the_budget(url):
     assert sum(int(g) for g in grants.values()) == 1000
 
 
+def test_a_counters_only_heartbeat_waits_out_the_quiet_period_a_status_or_claim_never_does(url, monkeypatch):
+    """Counters alone are written at most every BEAT_EVERY_S after the learner's last write (each
+    claim writes the same file, with them); a status change and a claim are written at once."""
+    import diloco.exchange.fsspec as fx
+
+    make(url)
+    a, reader = FsspecExchange.open(url), FsspecExchange.open(url)
+    writes = []
+    real = a._write_beat
+    monkeypatch.setattr(a, "_write_beat", lambda m, beat, now: (writes.append(dict(beat)), real(m, beat, now)))
+    clock = [100.0]
+    monkeypatch.setattr(fx.time, "monotonic", lambda: clock[0])
+    a.heartbeat(0, status="running", step=0)
+    a.heartbeat(0, step=1)  # counters only, at once: not written
+    clock[0] += fx.BEAT_EVERY_S / 2
+    a.heartbeat(0, step=2)  # still inside the quiet period (poll_s is 1 ms here)
+    assert [w["step"] for w in writes] == [0]
+    assert a.claim_tokens(10, learner=0)  # a claim is written whatever the period, with the counters
+    assert [w["step"] for w in writes] == [0, 2] and writes[-1]["claimed"] == 10
+    clock[0] += fx.BEAT_EVERY_S / 2
+    a.heartbeat(0, step=3)  # the claim restarted the quiet period
+    clock[0] += fx.BEAT_EVERY_S
+    a.heartbeat(0, step=4)
+    a.heartbeat(0, status="done", step=5)  # a status is written at once
+    assert [w["step"] for w in writes] == [0, 2, 4, 5]
+    reader._others_at = -1e18
+    assert reader.learners()[0]["step"] == 5 and reader.learners()[0]["status"] == "done"
+
+
 def test_a_claim_without_a_learner_is_refused(url):
     make(url)
     with pytest.raises(TypeError, match="learner=m"):

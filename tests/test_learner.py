@@ -496,6 +496,8 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
         second.wait(30)
     starts = [e for e in read_jsonl(layout.metrics("pretrain", "diloco", "learners")) if e["event"] == "start"]
     assert [e["attempt"] for e in starts] == [1, 2]
+    for e in starts:  # the start-up timeline (run clock): process, task, built, first step; no gate on threads
+        assert e["process_t"] < e["task_t"] < e["ready_t"] <= e["t"] and e["gate_s"] == 0.0, e
     assert starts[0]["step"] == 0 and not starts[0]["resumed"]
     assert starts[1]["resumed"] and starts[1]["step"] == saved.step
     assert starts[1]["opt_state_digest"] == tree_digest(saved.opt_state)

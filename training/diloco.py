@@ -423,7 +423,8 @@ def warm_compilation_cache(cfg: ExperimentConfig, run_dir: str | Path) -> float:
     evaluation batch on throw-away copies of Θ₀ (nothing is logged or kept). Returns the seconds
     it took; 0.0 when the cache is off.
 
-    Measured in ``benchmarks/engines.py`` (the start-up's ``build`` and the first steps)."""
+    Measured in ``benchmarks/engines.py`` (its ``-uncached`` arms): the saving shows in the training
+    seconds, since a learner compiles its step at its first step."""
     if compilation_cache_dir(cfg, run_dir) is None:
         return 0.0
     t0 = time.perf_counter()
