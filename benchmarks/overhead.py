@@ -267,6 +267,11 @@ def main() -> None:
         cfg = load_config_checked(args.config, overrides)
     except ValueError as exc:
         ap.error(str(exc))
+    if args.breakdown and (args.versus_dp or cfg.runtime.engine != "threads" or not cfg.diloco.compute_slots):
+        ap.error(
+            "--breakdown times the thread engine's compute turns: use it without --versus-dp, with "
+            "runtime.engine threads and diloco.compute_slots ≥ 1"
+        )
     base = Path(tempfile.mkdtemp(prefix="overhead-"))
     data_dir = args.data or base / "data-run"
     if args.data is None:

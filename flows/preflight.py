@@ -227,10 +227,12 @@ def check_runtime(cfg: ExperimentConfig) -> None:
     exchange can use (no chained URL), its protocol has an implementation installed here, its root
     can be created and a probe object written, read and deleted there
     (``diloco.exchange.fsspec.check_writable``: folders it created are removed again), and an
-    existing cluster's address answers (a TCP connect, 5 s).
+    existing cluster's address answers (a TCP connect, 5 s); a ``runtime.compilation_cache`` folder
+    can be created and written the same way.
 
     Raises ``ValueError`` (naming ``runtime.exchange_url``: the form, the package to install, or
-    what failed when writing) or ``ConnectionError`` (naming ``runtime.address``)."""
+    what failed when writing; or ``runtime.compilation_cache``) or ``ConnectionError`` (naming
+    ``runtime.address``)."""
     rt = cfg.runtime
     if rt.exchange_kind == "fsspec" and rt.exchange_url:
         import fsspec
@@ -259,6 +261,19 @@ def check_runtime(cfg: ExperimentConfig) -> None:
                 f"({type(exc).__name__}: {first}); give a folder or bucket prefix this user can "
                 "write and every worker can reach, or unset it (the exchange then lives in the run "
                 "directory)"
+            ) from None
+    if rt.compilation_cache not in (None, "run"):
+        from training.exchange_checks import check_writable  # no JAX
+
+        folder = str(Path(rt.compilation_cache).expanduser().absolute())
+        try:
+            check_writable(folder)
+        except Exception as exc:  # whatever the filesystem raises
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(
+                f"runtime.compilation_cache {rt.compilation_cache}: cannot be created or written here "
+                f"({type(exc).__name__}: {first}); give a folder this user can write, or run (the run "
+                "directory's cache/xla), or off"
             ) from None
     if rt.address and rt.address != "auto":
         import socket

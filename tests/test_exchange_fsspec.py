@@ -492,3 +492,23 @@ def test_the_writability_check_removes_only_its_own_empty_folders(tmp_path, monk
     check_writable(str(tmp_path / "a" / "b" / "c"))
     assert (tmp_path / "a" / "b" / "other" / "meta.json").read_text() == "{}"
     assert not (tmp_path / "a" / "b" / "c").exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_is_refused_before_work_naming_the_field(tmp_path):
+    from configs.load import load_config_checked
+    from flows.preflight import check_runtime
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    cfg = load_config_checked(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+        {"runtime.compilation_cache": str(blocker / "xla")},
+    )
+    with pytest.raises(ValueError, match=r"runtime\.compilation_cache .*: cannot be created or written here"):
+        check_runtime(cfg)
+    fine = load_config_checked(
+        Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
+        {"runtime.compilation_cache": str(tmp_path / "new" / "xla")},
+    )
+    check_runtime(fine)
+    assert not (tmp_path / "new").exists()  # the check leaves nothing of its own
