@@ -222,6 +222,14 @@ def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
         )
 
 
+# Where an s3:// exchange's credentials come from: the environment of every process (never a config,
+# a log or a report), as botocore reads them.
+S3_CREDENTIALS = (
+    "the credentials in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; "
+    "AWS_ENDPOINT_URL_S3 for an S3-compatible server)"
+)
+
+
 def check_runtime(cfg: ExperimentConfig) -> None:
     """The engine and the exchange, before anything starts: the fsspec exchange URL is of a form the
     exchange can use (no chained URL), its protocol has an implementation installed here, its root
@@ -249,18 +257,22 @@ def check_runtime(cfg: ExperimentConfig) -> None:
         except (ImportError, ValueError) as exc:
             raise ValueError(
                 f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
-                f"here ({str(exc).splitlines()[0]}); install it (s3fs for s3://, gcsfs for gs://) "
-                "or use a shared folder"
+                f"here ({str(exc).splitlines()[0]}); install it (`uv sync --extra s3` for s3://, gcsfs for "
+                "gs://) or use a shared folder"
             ) from None
         try:
             check_writable(rt.exchange_url)
         except Exception as exc:  # whatever the filesystem raises (OSError, NotImplementedError, its own)
             first = (str(exc).strip().splitlines() or [""])[0]
+            where = (
+                f"give a prefix of an existing bucket that {S3_CREDENTIALS} can write"
+                if protocol in ("s3", "s3a")
+                else "give a folder or bucket prefix this user can write and every worker can reach"
+            )
             raise ValueError(
                 f"runtime.exchange_url {rt.exchange_url}: cannot be created or written here "
-                f"({type(exc).__name__}: {first}); give a folder or bucket prefix this user can "
-                "write and every worker can reach, or unset it (the exchange then lives in the run "
-                "directory)"
+                f"({type(exc).__name__}: {first}); {where}, or unset it (the exchange then lives in the "
+                "run directory)"
             ) from None
     if rt.compilation_cache not in (None, "run"):
         from training.exchange_checks import check_writable  # no JAX

@@ -161,3 +161,28 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         weight[_unit(item.nodeid)] = weight.get(_unit(item.nodeid), 0.0) + seconds(item)
     items.sort(key=lambda i: -weight[_unit(i.nodeid)])  # (a stable sort)
+
+
+# -- a local S3-compatible endpoint (moto's server mode, as s3fs's own tests use) -----------------------
+S3_BUCKET = "ddiloco-test"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """A moto S3 server on a free loopback port for this worker's session, with :data:`S3_BUCKET`
+    created; yields the environment a client needs (credentials and endpoint: the exchange reads
+    them from the environment, as on a cluster). The server dies with the test process (SIGKILL
+    via PR_SET_PDEATHSIG), so a failed or killed session leaves nothing running."""
+    from tests.s3_endpoint import MotoServer
+
+    with MotoServer(log=tmp_path_factory.mktemp("moto") / "moto.log") as server:
+        server.create_bucket(S3_BUCKET)
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """:func:`s3_server`'s credentials and endpoint in this test's environment (restored after)."""
+    for k, v in s3_server.env.items():
+        monkeypatch.setenv(k, v)
+    return s3_server.env

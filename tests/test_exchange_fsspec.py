@@ -1,6 +1,7 @@
-"""The durable fsspec exchange on ``memory://`` and a local folder: atomic visibility, the token
-budget under racing claims (threads and processes), manifests and checksums (corrupted or truncated
-objects quarantined, never merged), fencing of a stale syncer, garbage collection."""
+"""The durable fsspec exchange on ``memory://``, a local folder and an S3 endpoint (moto's server, with
+its credentials in the environment): atomic visibility, the token budget under racing claims (threads
+and processes), manifests and checksums (corrupted or truncated objects quarantined, never merged),
+fencing of a stale syncer, garbage collection, and credentials refused before work."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from diloco.exchange.base import Submission
 from diloco.exchange.fsspec import CorruptObjectError, FsspecExchange, StaleSyncerError, decode, encode
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_loop import SyncerHooks, run_syncer
+from tests.conftest import S3_BUCKET
 from tests.exchange_claimer import claim_until_refused
 
 
-@pytest.fixture(params=["memory", "local"])
+@pytest.fixture(params=["memory", "local", "s3"])
 def url(request, tmp_path):
     if request.param == "memory":
         return f"memory://ex-{uuid.uuid4().hex}"
+    if request.param == "s3":  # a local S3-compatible server (moto), credentials from the environment
+        request.getfixturevalue("s3_env")
+        return f"s3://{S3_BUCKET}/ex-{uuid.uuid4().hex}"
     return str(tmp_path / "exchange")
 
 
@@ -257,10 +262,16 @@ def test_a_claim_without_a_learner_is_refused(url):
         FsspecExchange.open(url).claim_tokens(10)
 
 
-def test_racing_processes_never_over_spend_even_when_one_dies_mid_claim(tmp_path):
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_racing_processes_never_over_spend_even_when_one_dies_mid_claim(store, tmp_path, request):
     """Three learner processes claim 8 tokens at a time while this process grants; learner 2 is
-    SIGKILLed after 40 tokens and a new process of it carries on from its durable claims."""
-    url = str(tmp_path / "exchange")
+    SIGKILLed after 40 tokens and a new process of it carries on from its durable claims (on a local
+    folder, and on an S3 endpoint whose credentials the spawned processes take from the environment)."""
+    if store == "s3":
+        request.getfixturevalue("s3_env")
+        url = f"s3://{S3_BUCKET}/ex-{uuid.uuid4().hex}"
+    else:
+        url = str(tmp_path / "exchange")
     make(url, learners=3, budget=2000, grant=64)
     syncer = FsspecExchange.open(url, poll_s=0.001)
     syncer.take_office()
@@ -512,3 +523,42 @@ def test_a_cache_folder_that_cannot_be_written_is_refused_before_work_naming_the
     )
     check_runtime(fine)
     assert not (tmp_path / "new").exists()  # the check leaves nothing of its own
+
+
+# -- an S3 endpoint's credentials (issue 30) ------------------------------------------------------
+def test_an_s3_exchange_with_missing_or_wrong_credentials_is_one_line_before_work(s3_env, monkeypatch):
+    """Credentials come from the environment only: none, a wrong secret, an unknown key or a bucket
+    that does not exist each give one line naming ``runtime.exchange_url``, where credentials come
+    from and the fix; no secret appears in it, and no bucket is created."""
+    import s3fs
+
+    from configs.load import load_config
+    from flows.preflight import check_runtime
+
+    root = Path(__file__).resolve().parents[1]
+
+    def refusal(url: str) -> str:
+        with pytest.raises(ValueError) as info:
+            check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": url}))
+        msg = str(info.value)
+        assert "\n" not in msg and msg.startswith(f"runtime.exchange_url {url}: ")
+        assert s3_env["AWS_SECRET_ACCESS_KEY"] not in msg and "wrong-secret" not in msg
+        return msg
+
+    good = f"s3://{S3_BUCKET}/ex-{uuid.uuid4().hex}"
+    check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": good}))  # passes
+    assert "bucket does not exist" in refusal("s3://no-such-bucket/ex").lower()
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    assert not fs.exists("no-such-bucket")  # the check never creates a bucket
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret")
+    msg = refusal(good)
+    assert "signature" in msg and "AWS_SECRET_ACCESS_KEY" in msg
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIANOSUCHKEY0000000")
+    assert "Access Key Id" in refusal(good)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # (no instance metadata to ask here)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    assert "Unable to locate credentials" in refusal(good)

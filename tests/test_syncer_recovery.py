@@ -26,17 +26,25 @@ from diloco.learner import InjectedFailure
 from diloco.syncer import Syncer, SyncerSettings
 from diloco.syncer_journal import SyncerJournal, journal_chain
 from diloco.syncer_loop import SyncerHooks, run_syncer
+from tests.conftest import S3_BUCKET
 from training.checkpoint import OrbaxSyncerStore
 
 M, ROUNDS = 2, 5
 SETTINGS = SyncerSettings(num_learners=M, quorum=M, grace_s=0.0, outer_lr=0.7, outer_momentum=0.9)
 
 
-@pytest.fixture(params=["memory", "local"])
-def url(request, tmp_path):
-    if request.param == "memory":
+def exchange_url_on(store: str, request, tmp_path) -> str:
+    if store == "memory":
         return f"memory://syncer-{uuid.uuid4().hex}"
+    if store == "s3":  # a local S3-compatible server (moto), credentials from the environment
+        request.getfixturevalue("s3_env")
+        return f"s3://{S3_BUCKET}/syncer-{uuid.uuid4().hex}"
     return str(tmp_path / "exchange")
+
+
+@pytest.fixture(params=["memory", "local", "s3"])
+def url(request, tmp_path):
+    return exchange_url_on(request.param, request, tmp_path)
 
 
 def theta0():
@@ -191,13 +199,20 @@ def reference_run(url, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "when, damaged", [("before_publish", False), ("after_publish", False), ("before_publish", True)]
+    "store, when, damaged",
+    [
+        (store, when, damaged)
+        for store in ("memory", "local")
+        for when, damaged in (("before_publish", False), ("after_publish", False), ("before_publish", True))
+    ]
+    + [("s3", "after_publish", False)],  # (moto's server takes ~6 s a case: one case on S3)
 )
-def test_a_killed_syncer_resumes_without_losing_or_repeating_a_merge(url, tmp_path, when, damaged):
+def test_a_killed_syncer_resumes_without_losing_or_repeating_a_merge(store, request, tmp_path, when, damaged):
     """Killed right after merge 6's journal entry (before or after its publish); with ``damaged``
     the newest checkpoint also loses bytes of a file, so the restart falls back to the older one
     and replays a longer journal (what the two-checkpoint garbage collection keeps possible)."""
-    ref = reference_run(url + "-ref" if url.startswith("memory") else str(tmp_path / "ref-exchange"), tmp_path)
+    url = exchange_url_on(store, request, tmp_path)
+    ref = reference_run(url + "-ref" if "://" in url else str(tmp_path / "ref-exchange"), tmp_path)
 
     make_exchange(url)
     fake = {"t": 0.0}  # the checkpoint cadence's clock: the driver moves it at rounds 2 and 3

@@ -187,14 +187,16 @@ def check_url(url: str) -> None:
 
 def check_writable(url: str, storage_options: dict | None = None) -> None:
     """Check that an exchange can live under ``url``: :func:`check_url`, then create the root, write,
-    read back and delete a probe object. Folders the check created on a local filesystem are removed
+    read back and delete a probe object (on an object store the bucket must exist: none is created).
+    Folders the check created on a local filesystem are removed
     again, deepest first and only while empty (another run may have started writing in them
     meanwhile: nothing of its is touched), so a passed check leaves nothing of its own. Raises
     ``ValueError`` for a refused form and whatever the filesystem raises (``OSError``,
     ``PermissionError``, ``NotImplementedError``, …) when the root cannot be created, written or
     read."""
     check_url(url)
-    fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
+    # a new instance: a cached one keeps the credentials it was made with, and the check is of now's
+    fs, root = fsspec.url_to_fs(str(url), skip_instance_cache=True, **(storage_options or {}))
     root = root.rstrip("/") or "/"
     local = "file" in fs.protocol or "local" in fs.protocol
     created: list[str] = []  # the folders this check makes, outermost first
@@ -204,7 +206,8 @@ def check_writable(url: str, storage_options: dict | None = None) -> None:
             created.insert(0, top)
             top = top.rsplit("/", 1)[0] or "/"
     try:
-        fs.makedirs(root, exist_ok=True)
+        if local:  # (on an object store a prefix needs no creating, and a bucket is never created here)
+            fs.makedirs(root, exist_ok=True)
         probe = f"{root.rstrip('/')}/.exchange-probe-{uuid.uuid4().hex}"
         fs.pipe_file(probe, b"probe")
         try:
@@ -340,9 +343,11 @@ class FsspecExchange:
         check_url(url)
         fs, root = fsspec.url_to_fs(str(url), **(storage_options or {}))
         root = root.rstrip("/")
+        fs.invalidate_cache(root)  # (an object store's cached listing may predate another process's exchange)
         if fs.exists(f"{root}/meta.json"):
             raise FileExistsError(f"an exchange already exists at {url}")
-        fs.makedirs(root, exist_ok=True)
+        if "file" in fs.protocol or "local" in fs.protocol:  # (an object store's prefix needs no folder)
+            fs.makedirs(root, exist_ok=True)
         meta = {
             "format": FORMAT,
             "num_fragments": int(num_fragments),
@@ -413,11 +418,22 @@ class FsspecExchange:
     def _get(self, path: str) -> bytes:
         return self._io(self.fs.cat_file, path)
 
+    def _fresh(self, path: str) -> str:
+        """``path``, with this process's cached listings of it and its parents dropped: object-store
+        filesystems (s3fs, gcsfs) cache listings per instance and never learn of objects another
+        process wrote, so a syncer would never see a new submission or heartbeat."""
+        if not self._local:
+            self.fs.invalidate_cache(path)
+        return path
+
     def _ls(self, path: str) -> list[str]:
         try:
-            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._io(self.fs.ls, path, detail=False)]
+            return [p.rstrip("/").rsplit("/", 1)[-1] for p in self._io(self.fs.ls, self._fresh(path), detail=False)]
         except FileNotFoundError:
             return []
+
+    def _exists(self, path: str) -> bool:
+        return self._io(self.fs.exists, self._fresh(path))
 
     # -- the syncer's pointer (state.json) ------------------------------------------------------
     def _read_state(self, fresh: bool = False) -> dict:
@@ -827,7 +843,7 @@ class FsspecExchange:
         self._put(self._p("learners_done"), b"1")
 
     def learners_done(self) -> bool:
-        return self._io(self.fs.exists, self._p("learners_done"))
+        return self._exists(self._p("learners_done"))
 
     def request_stop(self) -> None:
         """Written by the flow when a stop signal reached it: learners stop at their next step boundary."""
@@ -838,7 +854,7 @@ class FsspecExchange:
         with self._lock:
             now = time.monotonic()
             if not self._stop_seen and now - self._stop_at > self.poll_s:
-                self._stop_seen, self._stop_at = self._io(self.fs.exists, self._p("stop")), now
+                self._stop_seen, self._stop_at = self._exists(self._p("stop")), now
             return self._stop_seen
 
 
