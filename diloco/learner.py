@@ -157,6 +157,20 @@ def _process_started() -> float:
     return psutil.Process().create_time()
 
 
+def cluster_node() -> str | None:
+    """The Ray node this process runs on (its node id), when it is a Ray worker; None elsewhere
+    (threads, Dask: the heartbeat's and the event's ``host`` tells the machine)."""
+    import sys
+
+    ray = sys.modules.get("ray")  # (never imported here: only a Ray worker has it)
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - a driver-side or shut-down context: no node to name
+        return None
+
+
 def tree_digest(tree: Any) -> str:
     """sha256 of a pytree's array leaves (bytes, in leaf order): equal digests, equal states."""
     h = hashlib.sha256()
@@ -262,6 +276,8 @@ class Learner:
             step=self.step,
             origin=self.origin,
             pid=os.getpid(),
+            host=socket.gethostname(),
+            node=cluster_node(),  # the Ray node, on Ray: where each attempt ran
             resumed=self.resumed,
             opt_state_digest=tree_digest(self.opt_state),
             # start-up, on the run clock: its process started (negative: before the run's clock, e.g.

@@ -269,8 +269,8 @@ def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
 def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
     """Per-task engine options for ``role`` (learner or syncer) around ``runner.submit``: on Ray one
     logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
-    (:func:`learner_gpus`; Ray then gives each learner disjoint devices); nothing on the other
-    engines. Enter it inside the runner (Ray is started by then)."""
+    (:func:`learner_gpus`; Ray then gives each learner disjoint devices) and Ray's ``SPREAD``
+    placement (learners on as many nodes as there are); nothing on the other engines. Enter it inside the runner (Ray is started by then)."""
     if config.runtime.engine != "ray":
         yield
         return
@@ -278,7 +278,11 @@ def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
     from prefect_ray.context import remote_options
 
     gpus = learner_gpus(config, ray.cluster_resources().get("GPU", 0)) if role == "learner" else 0
-    with remote_options(num_cpus=1, num_gpus=gpus, max_retries=crash_retries(config, role)):
+    # learners spread over the cluster's nodes (Ray's SPREAD: best effort, any node when one is full
+    # or gone): a lost node takes as few learners as it can, and learners on one host share its
+    # compute (diloco.compute_slots) only when there are more learners than nodes
+    spread = {"scheduling_strategy": "SPREAD"} if role == "learner" else {}
+    with remote_options(num_cpus=1, num_gpus=gpus, max_retries=crash_retries(config, role), **spread):
         yield
 
 

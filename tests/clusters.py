@@ -5,8 +5,8 @@ and a second node (``ray start --address …``), all on loopback. Used by tests/
 The commands are the documented ones (:data:`DASK_STEPS`, :data:`RAY_STEPS`, with the placeholders
 filled in); tests/test_clusters.py checks that the docs still show them as written. Nothing outlives
 a test: Dask's processes get SIGKILL when the test process dies (``PR_SET_PDEATHSIG``) and are ended
-when the block ends; Ray's daemons detach from ``ray start``, so its nodes are ended by ``ray stop``
-with the test's own temporary folder, and any process left in their session is killed.
+when the block ends; Ray's daemons detach from ``ray start``, so the nodes' processes are found by
+the cluster's own session folder and killed when the block ends.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,9 +36,8 @@ DASK_STEPS = {
     "worker": "dask worker tcp://{host}:{port} --nthreads 1 --memory-limit 0 --no-dashboard",
 }
 RAY_STEPS = {
-    "head": "ray start --head --node-ip-address {host} --port {port} --num-cpus {cpus} --include-dashboard false",
-    "node": "ray start --address {host}:{port} --node-ip-address {host} --num-cpus {cpus}",
-    "stop": "ray stop",
+    "head": "ray start --head --port {port} --num-cpus {cpus} --include-dashboard false",
+    "node": "ray start --address {host}:{port} --num-cpus {cpus}",
 }
 
 
@@ -91,45 +92,88 @@ def _ray_processes(temp_dir: Path) -> list[psutil.Process]:
     return found
 
 
-@contextlib.contextmanager
-def ray_cluster(cpus: tuple[int, int], env: dict[str, str], temp_dir: Path, log_dir: Path) -> Iterator[dict]:
-    """A Ray head (``cpus[0]`` logical CPUs) and a second node (``cpus[1]``) on loopback, started
-    with ``ray start`` apart from the run; yields ``{"address": "127.0.0.1:<port>", "node": <node id
-    of the second node>}``. Ended with ``ray stop`` and, for anything left, SIGKILL."""
-    host, port = "127.0.0.1", free_port()
-    penv = {**os.environ, **env, "RAY_TMPDIR": str(temp_dir)}
-    extra = ["--temp-dir", str(temp_dir), "--disable-usage-stats"]
+# start_reaper's process: sleeps until the process that started it dies (PR_SET_PDEATHSIG: SIGTERM),
+# then kills every process whose command line contains the marker (a Ray cluster's session folder).
+_RAY_REAPER = """
+import ctypes, os, signal, sys, time, psutil
+signal.signal(signal.SIGTERM, lambda *a: None)
+ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+if os.getppid() == int(sys.argv[2]):
+    signal.pause()
+for p in psutil.process_iter(["cmdline"]):
+    try:
+        if p.pid != os.getpid() and any(sys.argv[1] in a for a in p.info["cmdline"] or ()):
+            p.kill()
+    except psutil.Error:
+        pass
+"""
 
-    def ray(step: str, name: str, **values) -> None:
+
+def start_reaper(marker: str) -> subprocess.Popen:
+    """A process that waits for this one to die (however it dies: SIGKILL included), then kills every
+    process whose command line contains ``marker``. Kill it once those processes are ended."""
+    return subprocess.Popen([sys.executable, "-c", _RAY_REAPER, marker, str(os.getpid())])
+
+
+def processes_named(marker: str) -> list[psutil.Process]:
+    """The processes whose command line contains ``marker`` (e.g. a Ray session folder)."""
+    return _ray_processes(Path(marker))
+
+
+@contextlib.contextmanager
+def ray_cluster(cpus: tuple[int, int], env: dict[str, str], log_dir: Path) -> Iterator[dict]:
+    """A Ray head (``cpus[0]`` logical CPUs) and a second node (``cpus[1]``) on this host, started with
+    the documented ``ray start`` commands apart from the run, ``env`` added to their environment (a
+    token for Ray's token authentication among it); yields ``{"address": "<host>:<port>", "head":
+    <node id>, "node": <node id of the second node>, "raylet": <pid of the second node's raylet>}``.
+    Every process of the two nodes (found by their session folder, a temporary folder of this
+    cluster's own) gets SIGKILL when the block ends; nothing else on the host is touched (``ray stop``
+    would end every Ray process here)."""
+    host, port = "127.0.0.1", free_port()
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # (short: Unix socket paths ≤ 107 bytes)
+    penv = {**os.environ, **env}
+    reaper = start_reaper(str(temp_dir))  # (for a death of this process that skips the block's end)
+
+    def ray(step: str, name: str, extra: list[str]) -> None:
         with open(log_dir / f"ray-{name}.log", "ab") as out:
             subprocess.run(
-                [*argv(step, host=host, port=port, **values), *(extra if name == "head" else ["--disable-usage-stats"])],
+                [*argv(step, host=host, port=port, cpus=cpus[name == "node"]), *extra, "--disable-usage-stats"],
                 cwd=ROOT, env=penv, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=240,
             )  # fmt: skip
 
     try:
-        ray("head", "head", cpus=cpus[0])
-        before = {n for n in _node_ids(f"{host}:{port}")}
-        ray("node", "node", cpus=cpus[1], dashboard_agent_port=free_port())
+        # (on one host: the head's session folder is this cluster's own, and the second node's agent
+        # listens on a port of its own)
+        ray(RAY_STEPS["head"], "head", ["--temp-dir", str(temp_dir), "--node-ip-address", host])
+        head = _node_ids(f"{host}:{port}", penv)
+        ray(RAY_STEPS["node"], "node", ["--node-ip-address", host, "--dashboard-agent-listen-port", str(free_port())])
         deadline = time.monotonic() + 120
-        while not (new := _node_ids(f"{host}:{port}") - before) and time.monotonic() < deadline:
+        while not (new := _node_ids(f"{host}:{port}", penv) - head) and time.monotonic() < deadline:
             time.sleep(1)
-        if not new:
-            raise RuntimeError(f"the second Ray node never registered (logs in {log_dir})")
-        yield {"address": f"{host}:{port}", "node": new.pop()}
+        if len(head) != 1 or not new:
+            raise RuntimeError(f"the Ray nodes did not register (logs in {log_dir})")
+        node = new.pop()
+        raylet = next(p.pid for p in _ray_processes(temp_dir) if f"--node_id={node}" in " ".join(p.info["cmdline"]))
+        yield {"address": f"{host}:{port}", "head": head.pop(), "node": node, "raylet": raylet, "marker": str(temp_dir)}
     finally:
-        with contextlib.suppress(Exception):
-            subprocess.run([str(BIN / "ray"), "stop", "--force"], env=penv, capture_output=True, timeout=60)
-        for p in _ray_processes(temp_dir):
+        procs = _ray_processes(temp_dir)
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                procs += p.children(recursive=True)
+        for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.send_signal(signal.SIGKILL)
+        psutil.wait_procs(procs, timeout=10)
+        reaper.kill()
+        reaper.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _node_ids(address: str) -> set[str]:
+def _node_ids(address: str, env: dict[str, str]) -> set[str]:
     """The ids of the alive nodes of the Ray cluster at ``address`` (its GCS), read in a fresh process."""
     code = (
         "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
         "print(' '.join(n['NodeID'] for n in ray.nodes() if n['Alive']))"
     )
-    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=120, env=env)
     return set(out.stdout.split())

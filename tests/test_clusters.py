@@ -17,7 +17,7 @@ import pytest
 
 from run.layout import RunLayout
 from run.metrics import read_jsonl
-from tests.clusters import DASK_STEPS, RAY_STEPS, dask_cluster, ray_cluster
+from tests.clusters import DASK_STEPS, RAY_STEPS, dask_cluster, processes_named, ray_cluster, start_reaper
 from tests.conftest import S3_BUCKET
 from training.common import token_budget
 
@@ -70,8 +70,32 @@ def test_the_docs_show_the_cluster_steps_the_tests_run():
     """Every command the cluster tests start is in docs/scale-out.md as written there."""
     page = " ".join((ROOT / "docs" / "scale-out.md").read_text().split())
     for step in (*DASK_STEPS.values(), *RAY_STEPS.values()):
-        shown = re.sub(r"\{(\w+)\}", lambda m: {"host": "HOST"}.get(m[1], m[1].upper()), step)
+        shown = re.sub(r"\{(\w+)\}", lambda m: m[1].upper(), step)  # {host} → HOST, {port} → PORT, …
         assert shown in page, f"docs/scale-out.md lacks: {shown}"
+
+
+def test_what_a_cluster_test_started_is_killed_when_the_test_process_dies_however_it_dies(tmp_path):
+    """Ray's daemons detach from ``ray start``: a test process SIGKILLed mid-test leaves them to the
+    reaper, which kills every process naming the cluster's folder once the test process is gone."""
+    import subprocess
+    import sys
+    import time
+
+    marker = str(tmp_path / f"cluster-{uuid.uuid4().hex}")
+    code = (
+        "import subprocess, sys, time; from tests.clusters import start_reaper; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], start_new_session=True); "
+        "start_reaper(sys.argv[1]); print('ready', flush=True); time.sleep(600)"
+    )
+    test = subprocess.Popen([sys.executable, "-c", code, marker], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert test.stdout.readline().strip() == "ready"
+    assert len(processes_named(marker)) == 3  # the test, its detached "daemon" and the reaper name it
+    test.kill()  # SIGKILL: no finally block runs
+    test.wait()
+    deadline = time.monotonic() + 30
+    while processes_named(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_named(marker)
 
 
 @pytest.mark.cluster
@@ -105,6 +129,79 @@ def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_reco
     restart = [s for s in starts if s["learner"] == 1][1]
     assert restart["resumed"] and restart["pid"] != starts[0]["pid"]
     assert summary["tokens"] == token_budget(cfg) and summary["ledger"]["1"]["attempts"] == 2
+    _ledger_balanced(summary)
+    assert np.isfinite(summary["final_val_loss"])
+    _s3_exchange_checked(url, run_dir)
+
+
+def _kill_when_trained(path: Path, cluster: dict, steps: int, timeout_s: float, out: dict) -> None:
+    """Watch the run's ``learners.jsonl``: once a learner whose first attempt runs on the second Ray
+    node has saved a resume point at ``steps`` or later, SIGKILL that node's raylet (the node is
+    lost: its worker processes end with it). Records ``learner`` and ``t`` (the kill, Unix time) in
+    ``out``."""
+    import os
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        events = read_jsonl(path) if path.exists() else []
+        on_node = {e["learner"] for e in events if e["event"] == "start" and e.get("node") == cluster["node"]}
+        saved = [e for e in events if e["event"] == "resume_point" and e["learner"] in on_node and e["step"] >= steps]
+        if saved:
+            out.update(learner=saved[0]["learner"], t=time.time())
+            os.kill(cluster["raylet"], signal.SIGKILL)
+            return
+        time.sleep(0.2)
+
+
+@pytest.mark.cluster
+@pytest.mark.process
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+def test_a_two_node_ray_cluster_started_apart_loses_a_node_and_the_run_completes(
+    prefect_harness, s3_env, small_cfg, small_data, tmp_path, monkeypatch
+):
+    """A Ray head and a second node started with ``ray start`` (token authentication on, as Ray
+    starts it), the exchange on S3, the run through ``runtime.address``: the learners are placed on
+    both nodes; the second node is lost mid-run (its raylet SIGKILLed) and its learner runs again on
+    the head, resuming at its last resume point; the run spends the whole budget and the ledger
+    balances."""
+    import secrets
+    import threading
+
+    from prefect.settings import get_current_settings
+
+    from flows.pretrain import pretrain_diloco
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(small_data, run_dir)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    for k, v in token.items():  # (the driver: this process)
+        monkeypatch.setenv(k, v)
+    env = {**s3_env, **token, "PREFECT_API_URL": get_current_settings().api.url}
+    url = f"s3://{S3_BUCKET}/ray-{uuid.uuid4().hex}"
+    killed: dict = {}
+    # head: the syncer, a learner and room for the lost node's learner; the second node: a learner
+    with ray_cluster((3, 2), env, logs) as cluster:
+        cfg = _cfg(small_cfg, "ray", cluster["address"], url)
+        path = RunLayout(run_dir).metrics("pretrain", "diloco", "learners")
+        watcher = threading.Thread(target=_kill_when_trained, args=(path, cluster, 15, 300, killed), daemon=True)
+        watcher.start()
+        summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
+        watcher.join(1)
+    assert not processes_named(cluster["marker"])  # both nodes' processes are gone
+    events = read_jsonl(path)
+    starts = [e for e in events if e["event"] == "start"]
+    first = {e["learner"]: e["node"] for e in starts if e["attempt"] == 1}
+    assert set(first.values()) == {cluster["head"], cluster["node"]}, first  # one learner on each node
+    assert killed, "the second node was never lost (no learner of it reached a resume point at step 15)"
+    again = [e for e in starts if e["learner"] == killed["learner"]]
+    assert [e["attempt"] for e in again] == [1, 2] and again[1]["node"] == cluster["head"]
+    assert again[1]["resumed"] and again[1]["step"] >= 15
+    assert summary["tokens"] == token_budget(cfg) and summary["ledger"][str(killed["learner"])]["attempts"] == 2
     _ledger_balanced(summary)
     assert np.isfinite(summary["final_val_loss"])
     _s3_exchange_checked(url, run_dir)
