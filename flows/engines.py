@@ -270,7 +270,8 @@ def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
     """Per-task engine options for ``role`` (learner or syncer) around ``runner.submit``: on Ray one
     logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
     (:func:`learner_gpus`; Ray then gives each learner disjoint devices) and Ray's ``SPREAD``
-    placement (learners on as many nodes as there are); nothing on the other engines. Enter it inside the runner (Ray is started by then)."""
+    placement (learners on as many nodes as there are); nothing on the other engines. Enter it
+    inside the runner (Ray is started by then)."""
     if config.runtime.engine != "ray":
         yield
         return

@@ -7,6 +7,7 @@ completes and the ledger balances. The cluster commands are the ones docs/scale-
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import uuid
@@ -17,8 +18,8 @@ import pytest
 
 from run.layout import RunLayout
 from run.metrics import read_jsonl
-from tests.clusters import DASK_STEPS, RAY_STEPS, dask_cluster, processes_named, ray_cluster, start_reaper
-from tests.conftest import S3_BUCKET
+from tests.clusters import DASK_STEPS, RAY_STEPS, dask_cluster, processes_named, ray_cluster
+from tests.conftest import S3_BUCKET, SMALL_DATA
 from training.common import token_budget
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,8 @@ def test_what_a_cluster_test_started_is_killed_when_the_test_process_dies_howeve
     marker = str(tmp_path / f"cluster-{uuid.uuid4().hex}")
     code = (
         "import subprocess, sys, time; from tests.clusters import start_reaper; "
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], start_new_session=True); "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', sys.argv[1]], "
+        "start_new_session=True); "
         "start_reaper(sys.argv[1]); print('ready', flush=True); time.sleep(600)"
     )
     test = subprocess.Popen([sys.executable, "-c", code, marker], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -101,37 +103,59 @@ def test_what_a_cluster_test_started_is_killed_when_the_test_process_dies_howeve
 @pytest.mark.cluster
 @pytest.mark.process
 @pytest.mark.slow
-def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_recovers(
-    prefect_harness, s3_env, small_cfg, small_data, tmp_path
-):
-    """``dask scheduler`` and three ``dask worker`` processes (the documented commands), the exchange
-    on S3: learner 1's worker process is SIGKILLed at local step 30; its nanny starts a new one and
-    the scheduler runs the task again, which resumes at its last resume point; the run completes
-    with the whole token budget and a balanced ledger."""
+def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_recovers(prefect_harness, s3_env, tmp_path):
+    """The documented steps as a user takes them: ``dask scheduler`` and three ``dask worker``
+    processes, then ``ddiloco run`` (the whole pipeline, tiny config) with ``runtime.address`` and the
+    exchange on S3, ``PREFECT_API_URL`` and the credentials in every process's environment. Learner
+    1's worker process is SIGKILLed at local step 30: its nanny starts a new one and the scheduler runs
+    the task again, which resumes at its last resume point; the run spends the whole budget with a
+    balanced ledger and writes its report."""
+    import subprocess
+    import sys
+
+    import psutil
     from prefect.settings import get_current_settings
 
-    from flows.pretrain import pretrain_diloco
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(small_data, run_dir)
     logs = tmp_path / "logs"
     logs.mkdir()
+    run_dir = tmp_path / "run"
     env = {**s3_env, "PREFECT_API_URL": get_current_settings().api.url}
     url = f"s3://{S3_BUCKET}/dask-{uuid.uuid4().hex}"
     with dask_cluster(3, env, logs) as cluster:
-        cfg = _cfg(small_cfg, "dask", cluster["address"], url, events=[{"kind": "kill", "learner": 1, "at_step": 30}])
-        summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
-        worker_pids = {c.pid for w in cluster["workers"] for c in __import__("psutil").Process(w.pid).children(True)}
-    events = read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "learners"))
+        sets = {
+            **SMALL_DATA,
+            "diloco.learners": 2, "diloco.quorum": 1, "diloco.fragments": 2, "diloco.grace_s": 0.05,
+            "diloco.resume_every_steps": 5, "diloco.learner_retries": 2, "train.token_budget": 32768,
+            "runtime.engine": "dask", "runtime.address": cluster["address"], "runtime.exchange_url": url,
+            "chaos.events": "[{kind: kill, learner: 1, at_step: 30}]",
+        }  # fmt: skip
+        args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+        cmd = [sys.executable, "-m", "flows.cli", "run", "configs/tiny.yaml", "--run-dir", str(run_dir), *args]
+        done = subprocess.run(
+            cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+        )  # fmt: skip
+        worker_pids = {c.pid for w in cluster["workers"] for c in psutil.Process(w.pid).children(True)}
+    assert done.returncode == 0, done.stderr[-3000:]
+    layout = RunLayout(run_dir)
+    summary = json.loads((layout.root / "pretrain" / "diloco" / "summary.json").read_text())
+    events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     starts = [e for e in events if e["event"] == "start"]
     assert {e["pid"] for e in starts} & worker_pids  # the learners ran in the cluster's worker processes
     assert [s["attempt"] for s in starts if s["learner"] == 1] == [1, 2]
     restart = [s for s in starts if s["learner"] == 1][1]
     assert restart["resumed"] and restart["pid"] != starts[0]["pid"]
+    from configs.schema import ExperimentConfig
+
+    cfg = ExperimentConfig.model_validate(json.loads((run_dir / "config.json").read_text()))
     assert summary["tokens"] == token_budget(cfg) and summary["ledger"]["1"]["attempts"] == 2
     _ledger_balanced(summary)
     assert np.isfinite(summary["final_val_loss"])
+    assert (layout.root / "report" / "report.md").is_file()
     _s3_exchange_checked(url, run_dir)
+    assert s3_env["AWS_SECRET_ACCESS_KEY"] not in done.stdout + done.stderr  # credentials never logged
+    for f in run_dir.rglob("*"):
+        if f.is_file() and f.suffix in (".json", ".jsonl", ".md", ".html", ".yaml", ".log", ".txt"):
+            assert s3_env["AWS_SECRET_ACCESS_KEY"] not in f.read_text(errors="replace"), f
 
 
 def _kill_when_trained(path: Path, cluster: dict, steps: int, timeout_s: float, out: dict) -> None:
