@@ -1,7 +1,7 @@
 """What each engine costs: start-up, exchange seconds and bytes per merge, tokens/s of the whole run.
 
     python benchmarks/engines.py [--config configs/tiny.yaml] [--engines threads,fsspec,ray,dask]
-                                 [--tokens 196608] [--set key=value ...]
+                                 [--tokens 196608] [--set key=value ...] [--s3 s3://bucket/prefix]
 
 Runs the same Decoupled DiLoCo pretraining (the ``pretrain-diloco`` flow, real Prefect tasks) once per
 engine, side by side in one process, on data prepared once:
@@ -12,7 +12,18 @@ engine, side by side in one process, on data prepared once:
   started for the run), fragments through the fsspec exchange; the flow compiles the learner step
   and the evaluation into the run's compilation cache while the workers start
   (``runtime.compilation_cache``);
-* ``ray-uncached`` / ``dask-uncached``: the same with the cache off (every process compiles its own).
+* ``ray-uncached`` / ``dask-uncached``: the same with the cache off (every process compiles its own);
+* ``fsspec-s3`` / ``dask-s3``: ``fsspec`` and ``dask`` with the exchange on S3 (``runtime.exchange_url``);
+* ``dask-apart`` / ``ray-apart``: clusters started apart from the run as docs/scale-out.md shows (``dask
+  scheduler`` and M + 1 ``dask worker`` processes; a ``ray start`` head and a second node), reached
+  through ``runtime.address``, the exchange on S3 (tests/clusters.py starts them).
+
+S3 is ``--s3 s3://bucket/prefix`` with the credentials in the environment, or by default a local moto
+server (tests/s3_endpoint.py: a Python process on loopback, so its latency is the protocol's and
+s3fs's, not a remote store's network). With any S3 arm the store's own latency is measured first,
+side by side against a local folder: milliseconds per submission written, per submission drained
+(listed and read), per fragment published and per fragment read by a learner, with the config's
+fragments (``--ops`` times each).
 
 Per engine it prints: start-up (seconds from the run's set-up, when the exchange is created, to the
 first learner step: the engine's cluster, worker processes importing JAX and compiling), training seconds (first learner
@@ -27,7 +38,7 @@ tokens/s to the thread engine's. Prints figures; asserts nothing.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import shutil
 import statistics
@@ -55,7 +66,47 @@ ENGINES = {
     # the same without the run's compilation cache: every worker process compiles its own steps
     "ray-uncached": {"engine": "ray", "compilation_cache": None},
     "dask-uncached": {"engine": "dask", "compilation_cache": None},
+    # the exchange on S3 (--s3, or a local moto server)
+    "fsspec-s3": {"engine": "threads", "exchange": "fsspec", "s3": True},
+    "dask-s3": {"engine": "dask", "s3": True},
+    # clusters started apart from the run (tests/clusters.py: the documented commands), exchange on S3
+    "dask-apart": {"engine": "dask", "s3": True, "cluster": "dask"},
+    "ray-apart": {"engine": "ray", "s3": True, "cluster": "ray"},
 }
+
+
+def store_latency(url: str, initial: list[dict], ops: int) -> dict:
+    """Milliseconds per exchange operation at ``url`` (median over ``ops`` of each), with the run's
+    fragments ``initial`` (Θ₀ split into P name → float32 array mappings): ``submit`` (a learner's
+    submission written), ``drain`` (the syncer lists the inbox and reads one new submission),
+    ``publish`` (a new version of a fragment and the pointer), ``latest`` (a learner reads the newest
+    version of a fragment); and ``bytes`` of one fragment (the mean)."""
+    from diloco.exchange.base import Submission
+    from diloco.exchange.fsspec import FsspecExchange
+
+    P = len(initial)
+    ex = FsspecExchange.create(url, initial=initial, num_learners=1, token_budget=10**9, grant_tokens=10**6)
+    learner, syncer = FsspecExchange.open(url), FsspecExchange.open(url)
+    syncer.take_office()
+    times: dict[str, list[float]] = {"submit": [], "drain": [], "publish": [], "latest": []}
+    for i in range(ops):
+        p = i % P
+        sub = Submission(learner=0, fragment=p, params=initial[p], tokens=1, steps=1, base_version=i // P,
+                         local_step=i + 1, attempt=1)  # fmt: skip
+        drained: list = []
+        for name, call in (
+            ("submit", lambda: learner.submit(sub)),  # noqa: B023 - called at once
+            ("drain", lambda: drained.extend(syncer.drain())),  # noqa: B023
+            ("publish", lambda: syncer.publish(p, i // P + 1, initial[p])),  # noqa: B023
+            ("latest", lambda: (learner.refresh(), learner.latest(p))),  # noqa: B023 - the pointer re-read
+        ):
+            t0 = time.perf_counter()
+            call()
+            times[name].append(time.perf_counter() - t0)
+        syncer.discard([d.key for d in drained])  # (as the syncer collects merged submissions)
+    del ex
+    nbytes = statistics.fmean(sum(a.nbytes for a in f.values()) for f in initial)
+    return {**{k: 1e3 * statistics.median(v) for k, v in times.items()}, "bytes": nbytes}
 
 
 def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
@@ -118,11 +169,15 @@ def main() -> None:
     ap.add_argument("--engines", default="threads,fsspec,ray,dask")
     ap.add_argument("--tokens", type=int, default=196_608, help="token budget per run")
     ap.add_argument("--set", dest="sets", action="append", default=[], help="override, e.g. diloco.learners=2")
+    ap.add_argument("--s3", default=None, help="s3://bucket/prefix for the S3 arms (default: a local moto server)")
+    ap.add_argument("--ops", type=int, default=60, help="operations timed per kind in the store latency table")
     args = ap.parse_args()
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in names if e not in ENGINES]
     if unknown:
         refuse(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    if args.s3 is not None and not args.s3.startswith("s3://"):
+        refuse(f"--s3 {args.s3}: give s3://bucket/prefix (credentials in the environment)")
     try:
         given = parse_overrides(args.sets)
     except ValueError as exc:
@@ -138,21 +193,32 @@ def main() -> None:
     }
     base = load_config_checked(args.config, overrides)
     root = Path(tempfile.mkdtemp(prefix="engines-bench-"))
+    rows, latency = {}, {}
     try:
-        data_dir = root / "data-run"
-        prepare_data(base, data_dir)
-        rows = {}
-        for name in names:
-            cfg = ExperimentConfig.model_validate(
-                {**base.model_dump(), "runtime": {**base.runtime.model_dump(exclude={"exchange"}), **ENGINES[name]}}
-            )
-            run_dir = root / name
-            shutil.copytree(data_dir, run_dir)
-            rows[name] = measure(cfg, run_dir)
-            print(
-                f"{name}: {json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rows[name].items()})}",
-                flush=True,
-            )
+        with contextlib.ExitStack() as stack:
+            s3 = stack.enter_context(s3_root(args.s3, root)) if any(ENGINES[n].get("s3") for n in names) else None
+            if any(ENGINES[n].get("cluster") for n in names):
+                stack.enter_context(prefect_api())
+            data_dir = root / "data-run"
+            prepare_data(base, data_dir)
+            if s3 is not None:
+                initial = run_fragments_of(base, data_dir)
+                for store, url in (("local folder", str(root / "latency-local")), ("s3", f"{s3}/latency")):
+                    latency[store] = store_latency(url, initial, args.ops)
+            for name in names:
+                arm = dict(ENGINES[name])
+                use_s3, cluster = arm.pop("s3", False), arm.pop("cluster", None)
+                runtime = {**base.runtime.model_dump(exclude={"exchange"}), **arm}
+                if use_s3:
+                    runtime["exchange_url"] = f"{s3}/{name}"
+                run_dir = root / name
+                shutil.copytree(data_dir, run_dir)
+                with started_cluster(cluster, base, root / f"{name}-logs") as address:
+                    if address:
+                        runtime["address"] = address
+                    cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": runtime})
+                    rows[name] = measure(cfg, run_dir)
+                print(f"{name}: done ({rows[name]['wall_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     d = base.diloco
@@ -185,6 +251,103 @@ def main() -> None:
                 f"{name:13} {r['process_t']:8.1f} {r['imports_s']:8.1f} {r['build_s']:8.1f} {r['gate_s']:8.1f} "
                 f"{r['startup_s']:10.1f}"
             )
+    if latency:
+        where = args.s3 or "a local moto server (loopback)"
+        local = latency["local folder"]
+        print(
+            f"\nexchange store latency, ms per operation (median of {args.ops}; fragments of "
+            f"{local['bytes'] / 1024:.1f} KiB; S3 = {where})"
+        )
+        print(f"{'store':13} {'submit':>8} {'drain':>8} {'publish':>8} {'latest':>8}")
+        for store, r in latency.items():
+            print(f"{store:13} " + " ".join(f"{r[k]:8.2f}" for k in ("submit", "drain", "publish", "latest")))
+        s3r = latency["s3"]
+        print(
+            f"{'s3 ÷ local':13} "
+            + " ".join(f"{s3r[k] / local[k]:7.1f}×" for k in ("submit", "drain", "publish", "latest"))
+        )
+
+
+def run_fragments_of(cfg: ExperimentConfig, run_dir: Path) -> list[dict]:
+    """Θ₀ of the config's model split into its fragments (name → float32 array per fragment)."""
+    from diloco.tensors import to_numpy
+    from training.diloco import learner_trainer, run_fragments
+
+    trainer = learner_trainer(cfg, run_dir)
+    theta0 = to_numpy(trainer.init_params())
+    return [{k: theta0[k] for k in names} for names in run_fragments(cfg, trainer)]
+
+
+@contextlib.contextmanager
+def s3_root(url: str | None, root: Path):
+    """The S3 prefix of the S3 arms: ``url`` (checked: one line and exit 2 if it cannot be written),
+    or a local moto server's bucket (its credentials and endpoint put in this process's environment,
+    which the engines' worker processes inherit) for the block."""
+    from diloco.exchange.fsspec import check_writable
+
+    if url is not None:
+        try:
+            check_writable(url)
+        except Exception as exc:  # noqa: BLE001 - whatever the store raises
+            refuse(f"--s3 {url}: cannot be written ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        yield url.rstrip("/") + f"/engines-{os.getpid()}"
+        return
+    from tests.s3_endpoint import MotoServer
+
+    with MotoServer(log=root / "moto.log") as server:
+        os.environ.update(server.env)
+        server.create_bucket("engines-bench")
+        yield "s3://engines-bench/run"
+
+
+@contextlib.contextmanager
+def prefect_api():
+    """A Prefect server for the block that processes started apart from the run can reach (the
+    clusters' workers get its URL in their environment)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.server import start_temporary_server
+
+    url = start_temporary_server()
+    if url is None:  # PREFECT_API_URL is set: its server
+        yield
+        return
+    os.environ["PREFECT_API_URL"] = url
+    with temporary_settings(updates={PREFECT_API_URL: url}):
+        yield
+
+
+@contextlib.contextmanager
+def started_cluster(kind: str | None, cfg: ExperimentConfig, logs: Path):
+    """``kind`` dask or ray: a cluster started apart from the run (tests/clusters.py, the documented
+    commands) for the block, yielding its address; None: nothing, yielding None."""
+    if kind is None:
+        yield None
+        return
+    from tests import clusters
+
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "PREFECT_API_URL"))}
+    m = cfg.diloco.learners
+    if kind == "dask":
+        with clusters.dask_cluster(m + 1, env, logs) as c:
+            yield c["address"]
+        return
+    import secrets
+
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    saved = {k: os.environ.get(k) for k in token}
+    os.environ.update(token)
+    try:
+        # the head: the syncer and up to all learners; the second node: the learners SPREAD puts there
+        with clusters.ray_cluster((m + 1, m), {**env, **token}, logs) as c:
+            yield c["address"]
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 if __name__ == "__main__":

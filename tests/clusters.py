@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -82,42 +81,38 @@ def dask_cluster(workers: int, env: dict[str, str], log_dir: Path) -> Iterator[d
             p.wait()
 
 
-def _ray_processes(temp_dir: Path) -> list[psutil.Process]:
-    """The processes of Ray nodes whose session lives under ``temp_dir``."""
+def processes_named(*markers: str) -> list[psutil.Process]:
+    """The processes (other than this one) with an argument that contains one of ``markers`` (a Ray
+    cluster's session folder; ``:<GCS port>``, which its Ray Client server names instead)."""
     found = []
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if any(str(temp_dir) in a for a in p.info["cmdline"] or ()):
+            if p.pid != os.getpid() and any(m in a for a in p.info["cmdline"] or () for m in markers):
                 found.append(p)
     return found
 
 
 # start_reaper's process: sleeps until the process that started it dies (PR_SET_PDEATHSIG: SIGTERM),
-# then kills every process whose command line contains the marker (a Ray cluster's session folder).
-_RAY_REAPER = """
-import ctypes, os, signal, sys, time, psutil
+# then kills every process processes_named(*markers) finds.
+_REAPER = """
+import ctypes, os, signal, sys
 signal.signal(signal.SIGTERM, lambda *a: None)
 ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-if os.getppid() == int(sys.argv[2]):
+if os.getppid() == int(sys.argv[1]):
     signal.pause()
-for p in psutil.process_iter(["cmdline"]):
+from tests.clusters import processes_named
+for p in processes_named(*sys.argv[2:]):
     try:
-        if p.pid != os.getpid() and any(sys.argv[1] in a for a in p.info["cmdline"] or ()):
-            p.kill()
-    except psutil.Error:
+        p.kill()
+    except Exception:
         pass
 """
 
 
-def start_reaper(marker: str) -> subprocess.Popen:
+def start_reaper(*markers: str) -> subprocess.Popen:
     """A process that waits for this one to die (however it dies: SIGKILL included), then kills every
-    process whose command line contains ``marker``. Kill it once those processes are ended."""
-    return subprocess.Popen([sys.executable, "-c", _RAY_REAPER, marker, str(os.getpid())])
-
-
-def processes_named(marker: str) -> list[psutil.Process]:
-    """The processes whose command line contains ``marker`` (e.g. a Ray session folder)."""
-    return _ray_processes(Path(marker))
+    process :func:`processes_named` finds for ``markers``. Kill it once those processes are ended."""
+    return subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), *markers], cwd=ROOT)
 
 
 @contextlib.contextmanager
@@ -132,7 +127,8 @@ def ray_cluster(cpus: tuple[int, int], env: dict[str, str], log_dir: Path) -> It
     host, port = "127.0.0.1", free_port()
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # (short: Unix socket paths ≤ 107 bytes)
     penv = {**os.environ, **env}
-    reaper = start_reaper(str(temp_dir))  # (for a death of this process that skips the block's end)
+    markers = (str(temp_dir), f":{port}")
+    reaper = start_reaper(*markers)  # (for a death of this process that skips the block's end)
 
     def ray(step: str, name: str, extra: list[str]) -> None:
         with open(log_dir / f"ray-{name}.log", "ab") as out:
@@ -145,18 +141,14 @@ def ray_cluster(cpus: tuple[int, int], env: dict[str, str], log_dir: Path) -> It
         # (on one host: the head's session folder is this cluster's own, and the second node's agent
         # listens on a port of its own)
         ray(RAY_STEPS["head"], "head", ["--temp-dir", str(temp_dir), "--node-ip-address", host])
-        head = _node_ids(f"{host}:{port}", penv)
+        (head,) = _raylets(temp_dir)  # (``ray start`` returns once its node has registered)
         ray(RAY_STEPS["node"], "node", ["--node-ip-address", host, "--dashboard-agent-listen-port", str(free_port())])
-        deadline = time.monotonic() + 120
-        while not (new := _node_ids(f"{host}:{port}", penv) - head) and time.monotonic() < deadline:
-            time.sleep(1)
-        if len(head) != 1 or not new:
-            raise RuntimeError(f"the Ray nodes did not register (logs in {log_dir})")
-        node = new.pop()
-        raylet = next(p.pid for p in _ray_processes(temp_dir) if f"--node_id={node}" in " ".join(p.info["cmdline"]))
-        yield {"address": f"{host}:{port}", "head": head.pop(), "node": node, "raylet": raylet, "marker": str(temp_dir)}
+        raylets = _raylets(temp_dir)
+        (node,) = set(raylets) - {head}
+        raylet = raylets[node]
+        yield {"address": f"{host}:{port}", "head": head, "node": node, "raylet": raylet, "markers": markers}
     finally:
-        procs = _ray_processes(temp_dir)
+        procs = processes_named(*markers)
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 procs += p.children(recursive=True)
@@ -169,11 +161,12 @@ def ray_cluster(cpus: tuple[int, int], env: dict[str, str], log_dir: Path) -> It
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
-def _node_ids(address: str, env: dict[str, str]) -> set[str]:
-    """The ids of the alive nodes of the Ray cluster at ``address`` (its GCS), read in a fresh process."""
-    code = (
-        "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False); "
-        "print(' '.join(n['NodeID'] for n in ray.nodes() if n['Alive']))"
-    )
-    out = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=120, env=env)
-    return set(out.stdout.split())
+def _raylets(temp_dir: Path) -> dict[str, int]:
+    """The raylets of the Ray nodes whose session lives under ``temp_dir``: node id → PID."""
+    found = {}
+    for p in processes_named(str(temp_dir)):
+        with contextlib.suppress(psutil.Error):
+            args = p.cmdline()
+            if Path(args[0]).name == "raylet":
+                found[next(a.split("=", 1)[1] for a in args if a.startswith("--node_id="))] = p.pid
+    return found
