@@ -28,8 +28,9 @@ class RuntimeConfig(_Strict):
     )
     address: str | None = Field(
         None,
-        description="an existing cluster to run on: a Ray address (ray://host:10001, or auto) "
-        "or a Dask scheduler (tcp://host:8786); unset = a local cluster started for the run",
+        description="an existing cluster to run on: a Ray head's GCS address (host:6379, the run on a "
+        "node of the cluster; ray://host:10001 through Ray Client; or auto) or a Dask scheduler "
+        "(tcp://host:8786); unset = a local cluster started for the run",
     )
     exchange: Literal["memory", "fsspec"] | None = Field(
         None,
@@ -40,7 +41,8 @@ class RuntimeConfig(_Strict):
     exchange_url: str | None = Field(
         None,
         description="fsspec URL of the exchange (a shared folder, s3://bucket/prefix, "
-        "gs://bucket/prefix); unset = pretrain/diloco/exchange inside the run directory",
+        "gs://bucket/prefix; an object store's credentials come from the environment, never from "
+        "here); unset = pretrain/diloco/exchange inside the run directory",
     )
     exchange_poll_s: PositiveFloat = Field(
         0.02,

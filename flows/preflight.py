@@ -295,7 +295,7 @@ def check_runtime(cfg: ExperimentConfig) -> None:
         if not url.hostname or not url.port:
             raise ValueError(
                 f"runtime.address {rt.address}: give host and port, e.g. "
-                f"{'ray://head:10001' if rt.engine == 'ray' else 'tcp://scheduler:8786'}"
+                f"{'head:6379' if rt.engine == 'ray' else 'tcp://scheduler:8786'}"
             )
         try:
             socket.create_connection((url.hostname, url.port), timeout=5).close()
