@@ -176,6 +176,11 @@ def main() -> None:
     unknown = [e for e in names if e not in ENGINES]
     if unknown:
         refuse(f"--engines: unknown {unknown}; choose from {', '.join(ENGINES)}")
+    if "ray-apart" in names and {"ray", "ray-uncached"} & set(names):
+        refuse(
+            "--engines: ray-apart cannot share a run with ray or ray-uncached (Ray keeps its token-"
+            "authentication settings for the whole process); run them in two runs, each beside threads"
+        )
     if args.s3 is not None and not args.s3.startswith("s3://"):
         refuse(f"--s3 {args.s3}: give s3://bucket/prefix (credentials in the environment)")
     try:
@@ -213,11 +218,15 @@ def main() -> None:
                     runtime["exchange_url"] = f"{s3}/{name}"
                 run_dir = root / name
                 shutil.copytree(data_dir, run_dir)
-                with started_cluster(cluster, base, root / f"{name}-logs") as address:
-                    if address:
-                        runtime["address"] = address
-                    cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": runtime})
-                    rows[name] = measure(cfg, run_dir)
+                try:
+                    with started_cluster(cluster, base, root / f"{name}-logs") as address:
+                        if address:
+                            runtime["address"] = address
+                        cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": runtime})
+                        rows[name] = measure(cfg, run_dir)
+                except Exception as exc:  # noqa: BLE001 - one arm failing leaves the others' figures
+                    print(f"{name}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", flush=True)
+                    continue
                 print(f"{name}: done ({rows[name]['wall_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
