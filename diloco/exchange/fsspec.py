@@ -16,7 +16,9 @@ a half-written object; one that is truncated or corrupted anyway (a bad disk, a 
 its checksum and is quarantined, never merged. A local write that fails (a full disk) deletes its
 temporary object before it raises; one whose process was killed mid-write leaves it, named
 ``tmp/<host>-<pid>-<id>.part``, and the next process that opens the exchange on that host deletes
-the temporary objects of writers that are gone.
+the temporary objects of writers that are gone. On an object store (s3fs, gcsfs) every listing and
+existence check is read from the store afresh: those filesystems cache listings per instance, and a
+cached one never shows what another process wrote. No bucket is ever created: it must exist.
 
 Layout under the exchange root::
 
