@@ -7,6 +7,7 @@ directory is created only after every check has passed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from configs.schema import ExperimentConfig, validate_against_model
@@ -304,6 +305,38 @@ def check_runtime(cfg: ExperimentConfig) -> None:
                 f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
                 f"{rt.engine} cluster first or unset runtime.address for a local one"
             ) from None
+        if rt.engine == "ray" and "://" not in rt.address:
+            check_ray_authentication(rt.address)
+
+
+def check_ray_authentication(address: str) -> None:
+    """A Ray cluster's GCS at ``address`` (host:port) accepts this process's authentication: Ray 2.60's
+    ``ray start`` turns token authentication on, and a run without the cluster's token in its
+    environment would otherwise fail only when it connects, after ~50 s of retries and after its run
+    directory was set up. One connection of Ray's GCS client (no driver is started; about a second,
+    most of it importing Ray). Raises ``ConnectionError`` naming ``runtime.address`` and the variables
+    to set when the cluster refuses the token (or its absence); anything else is left to the run."""
+    import ray._raylet
+    from ray.exceptions import AuthenticationError
+
+    saved = os.dup(2)  # (Ray's C++ client logs each refused attempt on fd 2 itself: the refusal is ours)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+            ray._raylet.GcsClient(address=address)
+    except AuthenticationError:
+        mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+        raise ConnectionError(
+            f"runtime.address {address}: the Ray cluster refused this process's authentication "
+            f"(RAY_AUTH_MODE {mode}, RAY_AUTH_TOKEN {'set' if os.environ.get('RAY_AUTH_TOKEN') else 'unset'}); "
+            "set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's token in this environment "
+            "(docs/scale-out.md, On a cluster you start)"
+        ) from None
+    except Exception:  # noqa: BLE001 - a slow or odd GCS: ray.init reports it in the run
+        return
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def check_tracking(cfg: ExperimentConfig) -> None:

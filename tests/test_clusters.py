@@ -197,6 +197,14 @@ def test_a_two_node_ray_cluster_started_apart_loses_a_node_and_the_run_completes
     killed: dict = {}
     # head: the syncer, a learner and room for the lost node's learner; the second node: a learner
     with ray_cluster((3, 2), env, logs) as cluster:
+        # without the cluster's token: one line before any work (Ray itself fails ~50 s into the run)
+        tokenless = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
+        refused = ddiloco_run(tmp_path / "no-token", {"runtime.engine": "ray", "runtime.address": cluster["address"]},
+                              tokenless)  # fmt: skip
+        assert refused.wait(120) == 2
+        said = (tmp_path / "ddiloco.log").read_text().strip().splitlines()
+        assert len(said) == 1 and "RAY_AUTH_TOKEN" in said[0] and "runtime.address" in said[0], said
+        assert not (tmp_path / "no-token").exists()
         run = ddiloco_run(run_dir, {"runtime.engine": "ray", "runtime.address": cluster["address"],
                                     "runtime.exchange_url": url}, env)  # fmt: skip
         path = RunLayout(run_dir).metrics("pretrain", "diloco", "learners")
