@@ -46,6 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -203,7 +204,9 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             s3 = stack.enter_context(s3_root(args.s3, root)) if any(ENGINES[n].get("s3") for n in names) else None
             if any(ENGINES[n].get("cluster") for n in names):
-                stack.enter_context(prefect_api())
+                from flows.server import temporary_server_for_workers
+
+                stack.enter_context(temporary_server_for_workers())
             data_dir = root / "data-run"
             prepare_data(base, data_dir)
             if s3 is not None:
@@ -310,23 +313,6 @@ def s3_root(url: str | None, root: Path):
 
 
 @contextlib.contextmanager
-def prefect_api():
-    """A Prefect server for the block that processes started apart from the run can reach (the
-    clusters' workers get its URL in their environment)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.server import start_temporary_server
-
-    url = start_temporary_server()
-    if url is None:  # PREFECT_API_URL is set: its server
-        yield
-        return
-    os.environ["PREFECT_API_URL"] = url
-    with temporary_settings(updates={PREFECT_API_URL: url}):
-        yield
-
-
-@contextlib.contextmanager
 def started_cluster(kind: str | None, cfg: ExperimentConfig, logs: Path):
     """``kind`` dask or ray: a cluster started apart from the run (tests/clusters.py, the documented
     commands) for the block, yielding its address; None: nothing, yielding None."""
@@ -345,18 +331,9 @@ def started_cluster(kind: str | None, cfg: ExperimentConfig, logs: Path):
     import secrets
 
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    saved = {k: os.environ.get(k) for k in token}
-    os.environ.update(token)
-    try:
-        # the head: the syncer and up to all learners; the second node: the learners SPREAD puts there
-        with clusters.ray_cluster((m + 1, m), {**env, **token}, logs) as c:
-            yield c["address"]
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    # the head: the syncer and up to all learners; the second node: the learners SPREAD puts there
+    with mock.patch.dict(os.environ, token), clusters.ray_cluster((m + 1, m), {**env, **token}, logs) as c:
+        yield c["address"]
 
 
 if __name__ == "__main__":

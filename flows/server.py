@@ -32,6 +32,7 @@ and the process engines' workers (:func:`flows.engines.engine_session`), use it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -39,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from unittest import mock
 
 from prefect.server.api import server as prefect_server
@@ -180,3 +182,19 @@ def start_temporary_server() -> str | None:
         return server.api_url if server.running else None
     server.start()
     return server.api_url
+
+
+@contextlib.contextmanager
+def temporary_server_for_workers() -> Iterator[None]:
+    """For the block, a Prefect API that processes started apart from this one (a Dask or Ray
+    cluster's workers) can be handed: the one ``PREFECT_API_URL`` names, or Prefect's temporary
+    server (:func:`start_temporary_server`), whose URL is then put in this process's environment and
+    settings (benchmarks/engines.py's clusters give it to their workers)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    url = start_temporary_server()
+    if url is None:  # PREFECT_API_URL is set: its server
+        yield
+        return
+    with mock.patch.dict(os.environ, {"PREFECT_API_URL": url}), temporary_settings(updates={PREFECT_API_URL: url}):
+        yield

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from unittest import mock
 
 # Exec'd by a fresh interpreter that first asks the kernel for SIGKILL when its parent dies (a
 # ``preexec_fn`` would run Python between fork and exec in a process that holds JAX's threads).
@@ -110,15 +111,7 @@ class MotoServer:
         """Create ``bucket`` through s3fs with :attr:`env` (an existing one is kept)."""
         import s3fs
 
-        saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-        try:
+        with mock.patch.dict(os.environ, self.env):
             fs = s3fs.S3FileSystem(skip_instance_cache=True)
             if not fs.exists(bucket):
                 fs.mkdir(bucket)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
