@@ -132,7 +132,10 @@ def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_reco
     processes, then ``ddiloco run`` with ``runtime.address`` and the exchange on S3, ``PREFECT_API_URL``
     and the credentials in every process's environment. Learner 1's worker process is SIGKILLed at
     local step 30: its nanny starts a new one and the scheduler runs the task again, which resumes at
-    its last resume point; the run spends the whole budget with a balanced ledger."""
+    its last resume point; the run spends the whole budget with a balanced ledger. The syncer's
+    process is SIGKILLed too, after its 6th merge is journaled and before it is published: the task
+    runs again in a new process, which takes office (generation 2), replays the journal and goes on.
+    (The merge accounting of both kills: :func:`_kills_accounted`.)"""
     import psutil
     from prefect.settings import get_current_settings
 
@@ -142,17 +145,71 @@ def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_reco
     url = f"s3://{S3_BUCKET}/dask-{uuid.uuid4().hex}"
     with dask_cluster(3, env, logs) as cluster:
         sets = {"runtime.engine": "dask", "runtime.address": cluster["address"], "runtime.exchange_url": url,
-                "chaos.events": "[{kind: kill, learner: 1, at_step: 30}]"}  # fmt: skip
+                "chaos.events": "[{kind: kill, learner: 1, at_step: 30}, "
+                                "{kind: syncer_fail, at_merge: 6, how: sigkill}]"}  # fmt: skip
         run = ddiloco_run(run_dir, sets, env)
         summary, events = finished(run, run_dir, s3_env["AWS_SECRET_ACCESS_KEY"])
         worker_pids = {c.pid for w in cluster["workers"] for c in psutil.Process(w.pid).children(True)}
     starts = [e for e in events if e["event"] == "start"]
     assert {e["pid"] for e in starts} & worker_pids  # the learners ran in the cluster's worker processes
-    assert [s["attempt"] for s in starts if s["learner"] == 1] == [1, 2]
-    restart = [s for s in starts if s["learner"] == 1][1]
-    assert restart["resumed"] and restart["pid"] != starts[0]["pid"]
-    assert summary["ledger"]["1"]["attempts"] == 2
+    _kills_accounted(summary, events, read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "merges")))
     _s3_exchange_checked(url, run_dir)
+
+
+def _kills_accounted(summary: dict, events: list[dict], merges: list[dict]) -> None:
+    """Learner 1 killed at local step 30 and the syncer after its 6th journaled merge, as the Dask
+    test runs them. The learner: a new process resumes at its last resume point (or the one before,
+    if the kill cut that write off); merges go on while it is down; the steps it trains again (from
+    its resume point to the kill: with H = 4 and P = 2 it had sent fragment 1 at step 26 and
+    fragment 0 at 28) are not merged a second time: no (learner, fragment, local step) appears twice
+    in merges.jsonl, and the ledger counts the re-trained tokens as recomputed (goodput counts their
+    seconds as lost work). The syncer: its new process takes office (generation 2) and publishes the
+    journaled, unpublished merge; every fragment's versions run 1, 2, … with no gap and no repeat."""
+    starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]
+    kill = next(e for e in events if e["event"] == "kill")
+    assert kill["learner"] == 1 and kill["step"] == 29 and "SIGKILL" in kill["reason"]
+    assert [s["attempt"] for s in starts] == [1, 2]
+    restart = starts[1]
+    assert restart["pid"] != starts[0]["pid"]  # a new process
+    # (a point is skipped while the previous one is still being written: see the learner's log)
+    saved = [
+        e["step"]
+        for e in events
+        if e["event"] == "resume_point" and e["learner"] == 1 and e["attempt"] == 1 and e["saved"]
+    ]
+    assert saved and restart["resumed"] and restart["step"] in saved[-2:]
+    assert not any(e["event"] == "failure" and e["learner"] == 1 for e in events)  # a crash: nothing recorded
+    assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
+    merged = [
+        (c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"], m["attempts"])
+    ]
+    assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
+    high = {p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(2)}
+    redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
+    assert sum(redone.values()) > 0, (high, restart["step"])  # attempt 1 had merged sends past the resume point
+    assert not any(c == 1 and a == 2 and s <= high[p] for c, p, s, a in merged)
+    # merged again, unless the budget ran out before the new process trained a sync period past the
+    # steps already merged (on a loaded machine its start can outlast the rest of the budget)
+    rejoined = any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges)
+    last = max(e["step"] for e in events if e["event"] == "stop" and e["learner"] == 1 and e["attempt"] == 2)
+    assert rejoined or last < max(high.values()) + 4, ("merged again", last, high)  # H = 4
+    tps, fragments = 128, 2  # tokens per learner step of the tiny config; P
+    assert 0 < summary["ledger"]["1"]["recomputed"] <= sum(redone.values()) * tps / fragments + fragments
+    assert summary["ledger"]["0"]["recomputed"] == 0 and summary["ledger"]["1"]["attempts"] == 2
+    from reports.resilience import diloco_resilience
+
+    row = next(r for r in diloco_resilience(events, merges)["learners"] if r["learner"] == 1)
+    assert [x["lost_steps"] for x in row["lost"]] == [kill["step"] - restart["step"]] and row["lost_work_s"] > 0
+
+    syncer_kill = next(e for e in events if e["event"] == "syncer-kill")
+    resumed = next(e for e in events if e["event"] == "syncer-resumed")
+    assert syncer_kill["merges"] == 6 and syncer_kill["generation"] == 1 and "SIGKILL" in syncer_kill["reason"]
+    assert resumed["generation"] == 2 and resumed["attempt"] == 2 and resumed["pid"] != syncer_kill["pid"]
+    assert resumed["republished"] == 1 and resumed["merges"] >= 6  # the journaled, unpublished merge
+    assert not any(e["event"] == "syncer-failure" for e in events)  # a crash: nothing recorded
+    versions = [[m["version"] for m in merges if m["fragment"] == p] for p in range(fragments)]
+    assert all(sorted(v) == list(range(1, len(v) + 1)) for v in versions), versions  # contiguous, none twice
+    assert summary["merges"] == len(merges) == sum(map(len, versions))
 
 
 def _kill_when_trained(path: Path, cluster: dict, steps: int, timeout_s: float, out: dict) -> None:
@@ -197,16 +254,18 @@ def test_a_two_node_ray_cluster_started_apart_loses_a_node_and_the_run_completes
     killed: dict = {}
     # head: the syncer, a learner and room for the lost node's learner; the second node: a learner
     with ray_cluster((3, 2), env, logs) as cluster:
-        # without the cluster's token: one line before any work (Ray itself fails ~50 s into the run)
-        tokenless = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
-        refused = ddiloco_run(tmp_path / "no-token", {"runtime.engine": "ray", "runtime.address": cluster["address"]},
-                              tokenless)  # fmt: skip
-        assert refused.wait(120) == 2
-        said = (tmp_path / "ddiloco.log").read_text().strip().splitlines()
-        assert len(said) == 1 and "RAY_AUTH_TOKEN" in said[0] and "runtime.address" in said[0], said
-        assert not (tmp_path / "no-token").exists()
         run = ddiloco_run(run_dir, {"runtime.engine": "ray", "runtime.address": cluster["address"],
-                                    "runtime.exchange_url": url}, env)  # fmt: skip
+                                    "runtime.exchange_url": url, "train.token_budget": 24576}, env)  # fmt: skip
+        # beside it, a run without the cluster's token: one line before any work (Ray itself fails
+        # ~50 s into the run)
+        tokenless = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH_")}
+        (tmp_path / "refused").mkdir()
+        refused = ddiloco_run(tmp_path / "refused" / "run",
+                              {"runtime.engine": "ray", "runtime.address": cluster["address"]}, tokenless)  # fmt: skip
+        assert refused.wait(120) == 2
+        said = (tmp_path / "refused" / "ddiloco.log").read_text().strip().splitlines()
+        assert len(said) == 1 and "RAY_AUTH_TOKEN" in said[0] and "runtime.address" in said[0], said
+        assert not (tmp_path / "refused" / "run").exists()
         path = RunLayout(run_dir).metrics("pretrain", "diloco", "learners")
         watcher = threading.Thread(target=_kill_when_trained, args=(path, cluster, 15, 300, killed), daemon=True)
         watcher.start()

@@ -1,6 +1,7 @@
-"""Learners and the syncer as separate processes on Ray and Dask (prefect-ray, prefect-dask), through
-the fsspec exchange in the run directory; a learner's process killed with SIGKILL is run again by
-the engine in a new process, resumes at its saved step and is merged again."""
+"""Learners and the syncer as separate processes of a local Ray instance (prefect-ray), through the
+fsspec exchange in the run directory; the engines' settings. (Learner and syncer processes killed
+with SIGKILL on Dask, run again in new processes and merged again: tests/test_clusters.py, on a
+cluster started apart; a local cluster's start and hard stop: tests/test_run_control.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import numpy as np
 import pytest
 
 from run.layout import RunLayout
-from run.metrics import read_jsonl
 from training.common import token_budget
 
 
@@ -69,92 +69,30 @@ def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_c
     assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
-@pytest.mark.cluster
-@pytest.mark.process
-@pytest.mark.slow
-def test_dask_learner_and_syncer_killed_with_sigkill_rejoin_in_new_processes(
-    prefect_harness, small_cfg, small_data, tmp_path
-):
-    """Learner 1's process is SIGKILLed at local step 30: Dask runs the task again in a new worker
-    process, which resumes at the last resume point (every 5 steps) and is merged again; merges go
-    on while it is down, and the ledger balances. The steps it trains again (from its resume point
-    to the kill: with H = 4 and P = 2 it had sent fragment 1 at step 26 and fragment 0 at 28, both
-    merged) are not merged a second time: no (learner, fragment, local step) appears twice in
-    merges.jsonl, and the ledger counts the re-trained tokens as recomputed (goodput counts their
-    seconds as lost work). The syncer's process is SIGKILLed too, after its
-    6th merge is journaled and before it is published: Dask runs it again in a new process, which
-    takes office (generation 2), replays the journal and goes on; every fragment's versions run
-    1, 2, … with no gap and no repeat."""
-    from flows.pretrain import pretrain_diloco
+def test_a_local_dask_cluster_reruns_a_task_whose_process_died(small_cfg):
+    """The settings that make a SIGKILLed learner or syncer run again on the local Dask cluster (the
+    kill itself is exercised on a cluster started apart: tests/test_clusters.py): the scheduler
+    re-runs a task whose worker died up to the larger of the learners' and the syncer's retries, one
+    single-threaded worker process per task, no memory limit (no nanny restart on JAX's buffers)
+    and glibc's trim threshold left alone in the workers."""
+    import dask
 
-    run_dir = _copy(small_data, tmp_path)
-    layout = RunLayout(run_dir)
-    cfg = _cfg(
-        small_cfg,
-        "dask",
-        events=[
-            {"kind": "kill", "learner": 1, "at_step": 30},
-            {"kind": "syncer_fail", "at_merge": 6, "how": "sigkill"},
-        ],
-        train={"token_budget": 32768, "eval_every_tokens": 32768},
+    from configs.schema import ExperimentConfig
+    from flows.engines import task_runner_for
+
+    cfg = ExperimentConfig.model_validate(
+        {
+            **small_cfg.model_dump(),
+            "diloco": {**small_cfg.diloco.model_dump(), "learners": 2, "learner_retries": 2, "syncer_retries": 5},
+            "runtime": {"engine": "dask"},
+        }
     )
-    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
-    events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
-    starts = [e for e in events if e["event"] == "start" and e["learner"] == 1]
-    kill = next(e for e in events if e["event"] == "kill")
-    assert kill["learner"] == 1 and kill["step"] == 29 and "SIGKILL" in kill["reason"]
-    assert [s["attempt"] for s in starts] == [1, 2]
-    restart = starts[1]
-    assert restart["pid"] != starts[0]["pid"]  # a new process
-    # The last resume point written before the kill, or the one before it if the kill cut that
-    # write off. (A point is skipped while the previous one is still being written: see the log.)
-    saved = [
-        e["step"]
-        for e in events
-        if e["event"] == "resume_point" and e["learner"] == 1 and e["attempt"] == 1 and e["saved"]
-    ]
-    assert saved and restart["resumed"] and restart["step"] in saved[-2:]
-    assert not any(e["event"] == "failure" and e["learner"] == 1 for e in events)  # a crash: nothing recorded
-    merges = read_jsonl(layout.metrics("pretrain", "diloco", "merges"))
-    assert any(kill["t"] < m["merged_at_s"] < restart["t"] for m in merges), "merges go on while it is down"
-    rejoined = any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges)
-    merged = [
-        (c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"], m["attempts"])
-    ]
-    assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
-    high = {p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(2)}
-    redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
-    assert sum(redone.values()) > 0, (high, restart["step"])  # attempt 1 had merged sends past the resume point
-    assert not any(c == 1 and a == 2 and s <= high[p] for c, p, s, a in merged)
-    # merged again, unless the budget ran out before the new process trained a sync period past the steps
-    # already merged (on a loaded machine its start can outlast the rest of the budget: learner 0 spends it)
-    last = max(e["step"] for e in events if e["event"] == "stop" and e["learner"] == 1 and e["attempt"] == 2)
-    assert rejoined or last < max(high.values()) + cfg.diloco.sync_every, ("merged again", last, high)
-    tps, P = cfg.tokens_per_learner_step, cfg.diloco.fragments
-    assert 0 < summary["ledger"]["1"]["recomputed"] <= sum(redone.values()) * tps / P + P
-    assert summary["ledger"]["0"]["recomputed"] == 0
-    from reports.resilience import diloco_resilience
-
-    row = next(r for r in diloco_resilience(events, merges)["learners"] if r["learner"] == 1)
-    assert [x["lost_steps"] for x in row["lost"]] == [kill["step"] - restart["step"]] and row["lost_work_s"] > 0
-    beat = __import__("json").loads((layout.exchange("pretrain", "diloco") / "learners" / "l001.json").read_text())
-    assert beat["attempt"] == 2 and beat["status"] == "done"
-    assert summary["ledger"]["1"]["attempts"] == 2 and summary["tokens"] == token_budget(cfg)
-    _ledger_balanced(summary)
-    assert np.isfinite(summary["final_val_loss"])
-
-    syncer_kill = next(e for e in events if e["event"] == "syncer-kill")
-    resumed = next(e for e in events if e["event"] == "syncer-resumed")
-    assert syncer_kill["merges"] == 6 and syncer_kill["generation"] == 1 and "SIGKILL" in syncer_kill["reason"]
-    assert resumed["generation"] == 2 and resumed["attempt"] == 2 and resumed["pid"] != syncer_kill["pid"]
-    assert resumed["republished"] == 1 and resumed["merges"] >= 6  # the journaled, unpublished merge
-    assert not any(e["event"] == "syncer-failure" for e in events)  # a crash: nothing recorded
-    versions = []
-    for p in range(cfg.diloco.fragments):
-        logged = [m["version"] for m in merges if m["fragment"] == p]
-        assert sorted(logged) == list(range(1, len(logged) + 1))  # contiguous, none twice
-        versions.append(len(logged))
-    assert summary["merges"] == len(merges) == sum(versions)
+    with dask.config.set({}):  # (task_runner_for sets Dask's global config: restored after)
+        runner = task_runner_for(cfg)
+        assert dask.config.get("distributed.scheduler.allowed-failures") == 5
+        assert dask.config.get("distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_") is None
+    kw = runner.cluster_kwargs
+    assert (kw["n_workers"], kw["threads_per_worker"], kw["processes"], kw["memory_limit"]) == (3, 1, True, 0)
 
 
 def test_ray_learner_gpu_requests(small_cfg):
