@@ -1,72 +1,13 @@
-"""Learners and the syncer as separate processes of a local Ray instance (prefect-ray), through the
-fsspec exchange in the run directory; the engines' settings. (Learner and syncer processes killed
-with SIGKILL on Dask, run again in new processes and merged again: tests/test_clusters.py, on a
-cluster started apart; a local cluster's start and hard stop: tests/test_run_control.py.)"""
+"""The process engines' settings, and a local Ray instance's start on a busy host. (Runs on Ray and
+Dask: tests/test_clusters.py, on clusters started apart: learners on two Ray nodes, one node lost;
+learner and syncer processes SIGKILLed on Dask, run again in new processes and merged again; a
+local cluster's start, training and hard stop: tests/test_run_control.py.)"""
 
 from __future__ import annotations
 
 import os
-import shutil
 
-import numpy as np
 import pytest
-
-from run.layout import RunLayout
-from training.common import token_budget
-
-
-def _copy(src, tmp_path):
-    dst = tmp_path / "run"
-    shutil.copytree(src, dst)
-    return dst
-
-
-def _cfg(small_cfg, engine: str, **chaos):
-    from configs.schema import ExperimentConfig
-
-    return ExperimentConfig.model_validate(
-        {
-            **small_cfg.model_dump(),
-            "diloco": {
-                **small_cfg.diloco.model_dump(),
-                "learners": 2,
-                "quorum": 1,
-                "fragments": 2,
-                "grace_s": 0.05,
-                "resume_every_steps": 5,
-                "learner_retries": 2,
-            },
-            "train": {**small_cfg.train.model_dump(), **chaos.pop("train", {})},
-            "runtime": {"engine": engine},
-            "chaos": chaos,
-        }
-    )
-
-
-def _ledger_balanced(summary) -> None:
-    for m, row in summary["ledger"].items():
-        assert row["processed"] == row["not_submitted"] + row["submitted"], m
-        assert row["submitted"] == row["merged"] + row["recomputed"] + row["dropped"] + row["pending"], m
-
-
-# `ray.init` starts its daemons with subprocess (fork, then exec at once), which JAX warns about
-@pytest.mark.cluster
-@pytest.mark.process
-@pytest.mark.slow
-@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
-def test_ray_learners_and_syncer_in_their_own_processes(prefect_harness, small_cfg, small_data, tmp_path):
-    from flows.pretrain import pretrain_diloco
-
-    run_dir = _copy(small_data, tmp_path)
-    layout = RunLayout(run_dir)
-    cfg = _cfg(small_cfg, "ray", train={"token_budget": 16384, "eval_every_tokens": 16384})
-    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=2.0)
-    assert summary["tokens"] == token_budget(cfg) and summary["merges"] > 0 and np.isfinite(summary["final_val_loss"])
-    beats = [layout.exchange("pretrain", "diloco") / "learners" / f"l{m:03d}.json" for m in range(2)]
-    pids = {__import__("json").loads(b.read_text())["pid"] for b in beats}
-    assert len(pids) == 2 and os.getpid() not in pids  # each learner in a process of its own
-    _ledger_balanced(summary)
-    assert not list((layout.exchange("pretrain", "diloco") / "inbox").iterdir())  # all merged, collected
 
 
 def test_a_local_dask_cluster_reruns_a_task_whose_process_died(small_cfg):
