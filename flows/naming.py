@@ -36,9 +36,13 @@ def _stamp() -> str:
 
 
 def pipeline_run_name() -> str:
-    """``<config name>-<UTC time>``: the name from ``overrides``, ``config_file`` (its stem: a shipped
-    config is named after its file) or ``config``; the run directory's form."""
+    """The run directory's name when ``run_dir`` is given (``ddiloco run`` always gives it: its log
+    lines then carry the directory's name from the first); else ``<config name>-<UTC time>``, the
+    name from ``overrides``, ``config_file`` (its stem: a shipped config is named after its file) or
+    ``config``: the run directory's form (renamed to the directory's name once it is chosen)."""
     p = _params()
+    if given := _run_dir_name(p):
+        return given
     name = (p.get("overrides") or {}).get("name")
     if not name and p.get("config_file"):
         name = Path(str(p["config_file"])).stem

@@ -33,6 +33,7 @@ def test_flow_runs_are_named_after_what_they_run(params):
     params.update(config=tiny.model_dump(mode="json"), run_dir="runs/tiny-20261203-120000")
     assert naming.pretrain_run_name("dp")() == "pretrain-dp-tiny-20261203-120000"
     assert naming.finetune_run_name() == "finetune-tiny-20261203-120000"
+    assert naming.pipeline_run_name() == "tiny-20261203-120000"  # (ddiloco run gives its directory)
     params.clear()
     params.update(spec={"name": "size-ladder"})
     assert naming.sweep_run_name() == "sweep-size-ladder" and naming.tune_run_name() == "tune-size-ladder"
