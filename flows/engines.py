@@ -297,7 +297,7 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
         yield
         return
     share_accelerators(config)  # (the workers start from here)
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:
         with _local_cluster(config):
@@ -305,18 +305,12 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
+    from flows.server import api_for_workers
+
     server = SubprocessASGIServer()  # the process's temporary server (a singleton), started if need be
     server.start()
-    before = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by worker processes started from here
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}), _local_cluster(config):
-            yield  # (the settings are shipped with every task)
-    finally:
-        if before is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = before
+    with api_for_workers(server.api_url), _local_cluster(config):
+        yield
 
 
 def _local_cluster(config: ExperimentConfig) -> contextlib.AbstractContextManager:

@@ -190,11 +190,20 @@ def temporary_server_for_workers() -> Iterator[None]:
     cluster's workers) can be handed: the one ``PREFECT_API_URL`` names, or Prefect's temporary
     server (:func:`start_temporary_server`), whose URL is then put in this process's environment and
     settings (benchmarks/engines.py's clusters give it to their workers)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     url = start_temporary_server()
     if url is None:  # PREFECT_API_URL is set: its server
         yield
         return
+    with api_for_workers(url):
+        yield
+
+
+@contextlib.contextmanager
+def api_for_workers(url: str) -> Iterator[None]:
+    """For the block, ``PREFECT_API_URL`` is ``url`` in this process's environment (which worker
+    processes started in the block inherit) and in Prefect's settings (shipped with every task);
+    both restored after."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     with mock.patch.dict(os.environ, {"PREFECT_API_URL": url}), temporary_settings(updates={PREFECT_API_URL: url}):
         yield
