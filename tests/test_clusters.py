@@ -63,13 +63,18 @@ def finished(proc, run_dir: Path, secret: str, timeout_s: float = 600) -> tuple[
             assert secret not in f.read_text(errors="replace"), f
     layout = RunLayout(run_dir)
     summary = json.loads((layout.root / "pretrain" / "diloco" / "summary.json").read_text())
-    from configs.schema import ExperimentConfig
-
-    cfg = ExperimentConfig.model_validate(json.loads((run_dir / "config.json").read_text()))
+    cfg = _config(run_dir)
     assert summary["tokens"] == token_budget(cfg)  # the whole budget
     _ledger_balanced(summary)
     assert np.isfinite(summary["final_val_loss"])
     return summary, read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
+
+
+def _config(run_dir: Path):
+    """The run's config as it ran (``config.json`` in its run directory)."""
+    from configs.schema import ExperimentConfig
+
+    return ExperimentConfig.model_validate(json.loads((run_dir / "config.json").read_text()))
 
 
 def _ledger_balanced(summary) -> None:
@@ -153,11 +158,12 @@ def test_a_dask_cluster_started_apart_runs_the_learners_and_a_killed_worker_reco
         worker_pids = {c.pid for w in cluster["workers"] for c in psutil.Process(w.pid).children(True)}
     starts = [e for e in events if e["event"] == "start"]
     assert {e["pid"] for e in starts} & worker_pids  # the learners ran in the cluster's worker processes
-    _kills_accounted(summary, events, read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "merges")))
+    merges = read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "merges"))
+    _kills_accounted(_config(run_dir), summary, events, merges)
     _s3_exchange_checked(url, run_dir)
 
 
-def _kills_accounted(summary: dict, events: list[dict], merges: list[dict]) -> None:
+def _kills_accounted(cfg, summary: dict, events: list[dict], merges: list[dict]) -> None:
     """Learner 1 killed at local step 30 and the syncer after its 6th journaled merge, as the Dask
     test runs them. The learner: a new process resumes at its last resume point (or the one before,
     if the kill cut that write off); merges go on while it is down; the steps it trains again (from
@@ -185,7 +191,9 @@ def _kills_accounted(summary: dict, events: list[dict], merges: list[dict]) -> N
         (c, m["fragment"], s, a) for m in merges for c, s, a in zip(m["contributors"], m["local_steps"], m["attempts"])
     ]
     assert len({x[:3] for x in merged}) == len(merged), "a (learner, fragment, local step) merged twice"
-    high = {p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(2)}
+    high = {
+        p: max((s for c, q, s, a in merged if (c, q, a) == (1, p, 1)), default=0) for p in range(cfg.diloco.fragments)
+    }
     redone = {p: max(h - restart["step"], 0) for p, h in high.items()}  # steps trained again after their merge
     assert sum(redone.values()) > 0, (high, restart["step"])  # attempt 1 had merged sends past the resume point
     assert not any(c == 1 and a == 2 and s <= high[p] for c, p, s, a in merged)
@@ -193,8 +201,8 @@ def _kills_accounted(summary: dict, events: list[dict], merges: list[dict]) -> N
     # steps already merged (on a loaded machine its start can outlast the rest of the budget)
     rejoined = any(m["merged_at_s"] > restart["t"] and 1 in m["contributors"] for m in merges)
     last = max(e["step"] for e in events if e["event"] == "stop" and e["learner"] == 1 and e["attempt"] == 2)
-    assert rejoined or last < max(high.values()) + 4, ("merged again", last, high)  # H = 4
-    tps, fragments = 128, 2  # tokens per learner step of the tiny config; P
+    assert rejoined or last < max(high.values()) + cfg.diloco.sync_every, ("merged again", last, high)
+    tps, fragments = cfg.tokens_per_learner_step, cfg.diloco.fragments
     assert 0 < summary["ledger"]["1"]["recomputed"] <= sum(redone.values()) * tps / fragments + fragments
     assert summary["ledger"]["0"]["recomputed"] == 0 and summary["ledger"]["1"]["attempts"] == 2
     from reports.resilience import diloco_resilience
