@@ -13,6 +13,7 @@ merge (``at_merge``, counted over the run)::
         - {kind: corrupt, learner: 1, at_s: 5.0, corruption: nan}    # its next submission damaged
         - {kind: presence, learner: 3, join_s: 10.0, leave_s: 60.0}  # a scavenged learner
         - {kind: syncer_fail, at_merge: 6, when: before_publish}     # runtime.exchange fsspec
+        - {kind: dp_fail, host: 1, at_step: 40}                      # a DP host dies: the job restarts
 
 The seeded generator (``chaos.schedule``, :mod:`configs.chaos`) draws events of the same kinds and a
 replayed schedule (``chaos.replay``) yields them again (``ChaosSchedule.events``); the learner and the
@@ -160,6 +161,28 @@ class SyncerFailEvent(_Event):
     )
 
 
+class DPFailEvent(_Event):
+    """DP host ``host`` fails at DP step ``at_step`` or after ``at_s`` seconds of the job's clock: with
+    several hosts its process is SIGKILLed (``how`` auto or sigkill; ``raise``: it exits with an
+    exception) and the whole SPMD job goes down with it; in one process (``dp.hosts`` 1) the job raises.
+    Either way the job restarts every host from its last checkpoint after ``restart_delay_s``."""
+
+    kind: Literal["dp_fail"] = Field(description="dp_fail: a DP host dies and takes the job down")
+    host: int = Field(0, ge=0, description="DP host index (< dp.hosts)")
+    at_step: PositiveInt | None = Field(None, description="DP step at which it fails (before taking it)")
+    at_s: NonNegativeFloat | None = Field(None, description="seconds of the job's clock after which it fails")
+    restart_delay_s: NonNegativeFloat = Field(0.0, description="seconds the job stays down before it restarts")
+    how: Literal["auto", "raise", "sigkill"] = Field(
+        "auto", description="sigkill (the host's process), raise (an exception) or auto (sigkill with dp.hosts > 1)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.at_step is None) == (self.at_s is None):
+            raise ValueError("a dp_fail event needs exactly one of at_step and at_s")
+        return self
+
+
 EVENT_KINDS: dict[str, type[_Event]] = {
     "fail": FailEvent,
     "kill": KillEvent,
@@ -167,6 +190,7 @@ EVENT_KINDS: dict[str, type[_Event]] = {
     "corrupt": CorruptEvent,
     "presence": PresenceEvent,
     "syncer_fail": SyncerFailEvent,
+    "dp_fail": DPFailEvent,
 }
 
 
@@ -176,7 +200,7 @@ def _event_kind(value: object) -> str | None:
     return kind if kind in EVENT_KINDS else None
 
 
-# One chaos event, picked by its ``kind`` (an unknown or missing kind names the six).
+# One chaos event, picked by its ``kind`` (an unknown or missing kind names them all).
 FaultEvent = Annotated[
     Union[tuple(Annotated[cls, Tag(kind)] for kind, cls in EVENT_KINDS.items())],  # noqa: UP007
     Discriminator(

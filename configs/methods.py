@@ -197,22 +197,53 @@ class DiLoCoConfig(_Strict):
 
 
 class DPConfig(_Strict):
-    """The data-parallel baseline: one synchronous job over ``workers`` simulated replicas."""
+    """The data-parallel baseline: one synchronous (SPMD) job, in the flow's process (``hosts`` 1: its
+    ``workers`` replicas are counted, not run) or as ``hosts`` JAX processes joined by ``jax.distributed``
+    (``training.dp_job``: each host a replica, the gradients all-reduced by XLA's collectives)."""
 
     inner: InnerOptConfig = InnerOptConfig()
     batch_size: PositiveInt = Field(32, description="global batch: sequences per DP step (all replicas together)")
     workers: PositiveInt = Field(
         4,
         description="data-parallel replicas the global batch is split over; sets the all-reduce "
-        "bytes the report counts (a ring all-reduce per step)",
+        "bytes the report counts (a ring all-reduce per step); with dp.hosts > 1 the hosts are the "
+        "replicas and this must equal dp.hosts",
+    )
+    hosts: PositiveInt = Field(
+        1,
+        description="JAX processes the job runs as, one per host, joined by jax.distributed (gradients "
+        "all-reduced by XLA's collectives: gloo on CPU, NCCL on GPU), each taking dp.batch_size / hosts rows "
+        "of every step; started as tasks on runtime.engine (local processes on threads). 1 = one process, "
+        "the flow's",
+    )
+    restarts: int | None = Field(
+        3,
+        ge=0,
+        description="times the job restarts every host from its last checkpoint after a host dies unscheduled "
+        "(a crash, a kill by hand, a lost node: an elastic launcher's max restarts); one more such death fails "
+        "the stage; scheduled failures (dp_fail events, the chaos schedule) always restart it; unset = no limit",
     )
     enabled: bool = Field(True, description="train the DP baseline (false: DiLoCo only)")
     checkpoint_every_steps: PositiveInt | None = Field(
         None,
         description="DP saves a checkpoint (Orbax: parameters, optimizer state, data cursor) every this many "
-        "steps; a chaos failure rolls the job back to the last one; unset = every 50 steps when the chaos "
-        "schedule fails DP, else never",
+        "steps; a restarted job resumes from the last one; unset = every 50 steps when the chaos "
+        "schedule or a dp_fail event fails DP or dp.hosts > 1, else never",
     )
+
+    @model_validator(mode="after")
+    def _check_hosts(self) -> DPConfig:
+        if self.hosts > 1 and self.workers != self.hosts:
+            raise ValueError(
+                f"dp.workers ({self.workers}) must equal dp.hosts ({self.hosts}): with several hosts each "
+                f"host is a replica; set dp.workers {self.hosts}"
+            )
+        if self.batch_size % self.hosts:
+            raise ValueError(
+                f"dp.batch_size ({self.batch_size}) must be divisible by dp.hosts ({self.hosts}): every "
+                f"host takes an equal share of each step's rows; pick a multiple of {self.hosts}"
+            )
+        return self
 
 
 class TrainConfig(_Strict):

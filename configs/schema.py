@@ -20,7 +20,7 @@ from configs.base import _Strict
 from configs.chaos import ChaosConfig, ChaosSchedule, draw_schedule, load_schedule
 from configs.data import DataConfig, TextDataConfig
 from configs.eval import EvalConfig
-from configs.faults import LEARNER_FAILURES, FaultEvent, KillEvent, SyncerFailEvent
+from configs.faults import LEARNER_FAILURES, DPFailEvent, FaultEvent, KillEvent, SyncerFailEvent
 from configs.finetune import FinetuneConfig
 from configs.methods import DiLoCoConfig, DPConfig, NetworkConfig, TrainConfig
 from configs.model import TEXT_KINDS, VISION_KINDS, DenseLMConfig, ModelConfig
@@ -156,7 +156,7 @@ class ExperimentConfig(_Strict):
         steps: set[tuple[int, int]] = set()
         for i, e in enumerate(self.chaos.events):
             at = f"chaos.events[{i}] ({e.kind})"
-            if isinstance(e, SyncerFailEvent):
+            if isinstance(e, SyncerFailEvent | DPFailEvent):
                 continue
             if e.learner >= M:
                 raise ValueError(
@@ -182,6 +182,7 @@ class ExperimentConfig(_Strict):
                     f"{at}: a kill needs learners in their own processes (SIGKILL on the thread engine would "
                     "kill the whole run): set runtime.engine ray or dask, or use kind: fail"
                 )
+        self._check_dp_failures()
         syncer = [e for e in self.chaos.events if isinstance(e, SyncerFailEvent)]
         merges = [e.at_merge for e in syncer]
         if any(e.how == "sigkill" for e in syncer) and engine == "threads":
@@ -204,6 +205,34 @@ class ExperimentConfig(_Strict):
                 f"chaos.events schedules {len(merges)} syncer failures but diloco.syncer_retries "
                 f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
                 f"≥ {len(merges)} or drop failures"
+            )
+
+    def _check_dp_failures(self) -> None:
+        """``dp_fail`` events fit the DP job: their hosts exist, a SIGKILL has a host process of its
+        own to kill, and there is a DP to fail."""
+        dp = self.dp
+        fails = [(i, e) for i, e in enumerate(self.chaos.events) if isinstance(e, DPFailEvent)]
+        for i, e in fails:
+            at = f"chaos.events[{i}] (dp_fail)"
+            if not dp.enabled:
+                raise ValueError(f"{at} fails the DP job, but dp.enabled is false: remove it or enable DP")
+            if e.host >= dp.hosts:
+                raise ValueError(f"{at}: host ({e.host}) must be < dp.hosts ({dp.hosts}): hosts are numbered from 0")
+            if e.how == "sigkill" and dp.hosts == 1:
+                raise ValueError(
+                    f"{at}: how sigkill with dp.hosts 1 would kill the whole run (the job runs in the flow's "
+                    "process): set dp.hosts 2 or more, or how raise (or auto)"
+                )
+            if e.at_step is not None and e.at_step > self.dp_steps:
+                raise ValueError(
+                    f"{at}: at_step ({e.at_step}) cannot happen: DP takes {self.dp_steps} steps of this budget; "
+                    f"pick a step ≤ {self.dp_steps}"
+                )
+        mb = self.train.microbatch_size
+        if dp.hosts > 1 and mb is not None and mb % dp.hosts:
+            raise ValueError(
+                f"train.microbatch_size ({mb}) must be divisible by dp.hosts ({dp.hosts}): each microbatch of a "
+                f"DP step is split over the hosts; pick a multiple of {dp.hosts} or unset it"
             )
 
     def fault_events(self) -> list[FaultEvent]:
@@ -285,12 +314,13 @@ class ExperimentConfig(_Strict):
 
     @property
     def dp_checkpoint_every(self) -> int | None:
-        """DP's checkpoint interval in steps (``dp.checkpoint_every_steps``; 50 under a schedule that
-        fails DP), or None: no checkpoints."""
+        """DP's checkpoint interval in steps (``dp.checkpoint_every_steps``; 50 under a schedule or a
+        ``dp_fail`` event that fails DP, or with several hosts, which may die), or None: no checkpoints."""
         if self.dp.checkpoint_every_steps is not None:
             return self.dp.checkpoint_every_steps
         sched = self.chaos_schedule() if self.chaos.against_dp else None
-        return 50 if sched is not None and sched.failures else None
+        fails = (sched is not None and sched.failures) or any(isinstance(e, DPFailEvent) for e in self.chaos.events)
+        return 50 if fails or self.dp.hosts > 1 else None
 
     # Derived values, computed once (style.md §3).
     @property

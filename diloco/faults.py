@@ -22,7 +22,9 @@ event               what happens to learner m
 ==================  ===============================================================================
 
 The syncer's faults (``syncer_fail`` events) enter its loop (``diloco.syncer_loop``) the same
-way, through :class:`SyncerFaults` at merge boundaries.
+way, through :class:`SyncerFaults` at merge boundaries, and a DP host's (``dp_fail`` events, and the
+schedule's failures and slowdowns of replica m on host m mod ``dp.hosts``) through :class:`HostHooks`
+at the DP job's step boundaries (``training.dp``).
 
 The training clock is seconds since the learner's first attempt started (kept by the exchange
 over attempts); the run clock is the exchange's ``clock()``.
@@ -45,7 +47,12 @@ if TYPE_CHECKING:
 
 
 class InjectedFailure(RuntimeError):
-    """Raised by a learner (or the syncer) at a scheduled fault; the task runner retries it."""
+    """Raised by a learner (or the syncer, or a DP host) at a scheduled fault; the task runner retries
+    it. ``record``: what a DP host's failure tells its job (:class:`HostHooks`), else None."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record
 
 
 @dataclass(frozen=True)
@@ -333,3 +340,88 @@ class FaultHooks:
                 train_t=lrn.clock(),
             )
         return payload
+
+
+@dataclass(frozen=True)
+class JobFault:
+    """A failure of a synchronous job's host: host ``host`` fails by ``fail``. ``index`` names it over
+    the job's restarts (a fault fires once); ``replica``: the chaos schedule's learner it came from (the
+    report's row), else the host."""
+
+    index: int
+    host: int
+    fail: Fail
+    replica: int | None = None
+
+
+class HostHooks:
+    """Fires one DP host's scheduled faults at the job loop's step boundaries (``training.dp``), as
+    :class:`FaultHooks` does a learner's.
+
+    ``failures``: the job's (every host's; only ``host``'s fire here) that are not ``spent`` (indices
+    already fired, or passed while the job was down). A step failure fires before the host takes step
+    ``at_step``; a timed one at the first step boundary after ``at_s`` of the job's ``clock``, if after
+    ``since_s`` (this start of the job). ``slowdowns``: this host's; while one is on, the host idles
+    (factor − 1) × each step's compute (``sleep``), and the hosts it all-reduces with wait for it.
+    ``note(record)`` is called with the failure's record (host, replica, index, step, t, at_s,
+    restart_delay_s, reason) before the host raises :class:`InjectedFailure` (carrying it) or SIGKILLs
+    its process; ``event(record)`` logs a change of pace."""
+
+    def __init__(
+        self,
+        host: int,
+        failures: tuple[JobFault, ...],
+        slowdowns: tuple[SlowDown, ...],
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        note: Callable[[dict], None],
+        event: Callable[[dict], None],
+        spent: tuple[int, ...] = (),
+        since_s: float = 0.0,
+    ) -> None:
+        self.host, self.clock, self.sleep, self.note, self.event = host, clock, sleep, note, event
+        self.failures = [f for f in failures if f.host == host and f.index not in spent]
+        self.slowdowns, self.since_s = slowdowns, since_s
+        self.slowed, self.steps = 1.0, 0  # the current factor; steps taken since this start
+
+    def before_step(self, step: int) -> None:
+        """Before the host takes step ``step`` + 1: fail when a failure is due."""
+        if not self.failures:
+            return
+        now = self.clock()
+        for f in self.failures:
+            timed = f.fail.at_s is not None and self.since_s < f.fail.at_s <= now
+            if timed or f.fail.at_step == step + 1:
+                when = f"at {f.fail.at_s:g} s of training" if timed else f"at step {step + 1}"
+                reason = f"chaos: host {self.host} {'killed' if f.fail.how == 'sigkill' else 'failed'} {when}"
+                record = {
+                    "host": self.host,
+                    "replica": self.host if f.replica is None else f.replica,
+                    "index": f.index,
+                    "step": step,
+                    "t": now,
+                    "at_s": f.fail.at_s,
+                    "restart_delay_s": f.fail.restart_delay_s,
+                    "how": f.fail.how,
+                    "reason": reason,
+                }
+                self.note(record)
+                if f.fail.how == "sigkill":
+                    kill_self()
+                raise InjectedFailure(reason, record)
+
+    def after_step(self, step: int, computed: float) -> None:
+        """After step ``step`` took ``computed`` seconds: idle while a slowdown is on (logging each change
+        of pace once; the first step of a start, which compiles, is not slowed)."""
+        self.steps += 1
+        if not self.slowdowns:
+            return
+        now = self.clock()
+        factor = max(
+            (e.factor for e in self.slowdowns if e.from_s <= now and (e.to_s is None or now < e.to_s)), default=1.0
+        )
+        if factor != self.slowed:
+            self.event({"event": "slowdown", "factor": factor, "host": self.host, "step": step, "t": now})
+            self.slowed = factor
+        if factor > 1.0 and self.steps > 1:
+            self.sleep((factor - 1.0) * computed)

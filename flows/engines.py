@@ -72,8 +72,8 @@ def share_accelerators(config: ExperimentConfig) -> None:
 
 
 def engine_slots(config: ExperimentConfig) -> int:
-    """Tasks that run at once: every learner and the syncer."""
-    return config.diloco.learners + 1
+    """Tasks that run at once: every learner and the syncer, or every DP host when there are more."""
+    return max(config.diloco.learners + 1, config.dp.hosts if config.dp.enabled else 0)
 
 
 def crash_retries(config: ExperimentConfig, role: str | None = None) -> int:
@@ -92,7 +92,7 @@ def task_runner_for(config: ExperimentConfig):
     integration is missing."""
     rt = config.runtime
     if rt.engine == "threads":
-        return ThreadPoolTaskRunner(max_workers=rt.max_workers or config.diloco.learners + 2)
+        return ThreadPoolTaskRunner(max_workers=rt.max_workers or engine_slots(config) + 1)
     slots = engine_slots(config)
     if rt.engine == "ray":
         from prefect_ray import RayTaskRunner
@@ -267,7 +267,7 @@ def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
 
 @contextlib.contextmanager
 def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
-    """Per-task engine options for ``role`` (learner or syncer) around ``runner.submit``: on Ray one
+    """Per-task engine options for ``role`` (learner, syncer or dp-host) around ``runner.submit``: on Ray one
     logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
     (:func:`learner_gpus`; Ray then gives each learner disjoint devices) and Ray's ``SPREAD``
     placement (learners on as many nodes as there are); nothing on the other engines. Enter it
@@ -282,8 +282,10 @@ def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
     # learners spread over the cluster's nodes (Ray's SPREAD: best effort, any node when one is full
     # or gone): a lost node takes as few learners as it can, and learners on one host share its
     # compute (diloco.compute_slots) only when there are more learners than nodes
-    spread = {"scheduling_strategy": "SPREAD"} if role == "learner" else {}
-    with remote_options(num_cpus=1, num_gpus=gpus, max_retries=crash_retries(config, role), **spread):
+    spread = {"scheduling_strategy": "SPREAD"} if role in ("learner", "dp-host") else {}
+    # a DP host's task is never re-run by Ray: its job restarts every host (flows.dp_hosts)
+    retries = 0 if role == "dp-host" else crash_retries(config, role)
+    with remote_options(num_cpus=1, num_gpus=gpus, max_retries=retries, **spread):
         yield
 
 

@@ -402,7 +402,7 @@ def check_devices(cfg: ExperimentConfig) -> None:
     """``runtime.devices_per_learner`` against the devices each learner's process will have, where
     known before the run (:func:`learner_device_pool`: the thread engine's, a local Dask or Ray
     cluster's; not an existing cluster's), and (DP enabled) the DP batch and microbatch against this
-    process's devices (``training.mesh.learner_devices``, ``training.dp.dp_devices``). Asks JAX for
+    process's devices, times ``dp.hosts`` (``training.mesh.learner_devices``, ``training.dp.dp_devices``). Asks JAX for
     its devices, which starts its backend. Raises ``ValueError`` naming the field
     (``runtime.devices_per_learner``, ``runtime.learner_gpus``, ``dp.batch_size``), the device count
     and the fix."""
@@ -413,7 +413,9 @@ def check_devices(cfg: ExperimentConfig) -> None:
     if known is not None:
         learner_devices(0, cfg.runtime.devices_per_learner, known[0], where=known[1])
     if cfg.dp.enabled:
-        dp_devices(cfg)
+        import jax
+
+        dp_devices(cfg, jax.devices() * cfg.dp.hosts)  # each host process as many devices as this one
 
 
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:

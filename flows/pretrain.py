@@ -330,11 +330,13 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
 
 @flow(name="pretrain-dp", flow_run_name=pretrain_run_name("dp"), log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
-    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``).
-    Ends ``Failed`` (its summary written) when the job stopped short of its budget without a stop
-    signal (summary ``budget``: ``training.common.budget_status``)."""
+    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``):
+    in this flow's process, or with ``dp.hosts`` > 1 as that many host processes on ``runtime.engine``
+    (``flows.dp_hosts``), restarted from the last checkpoint when one dies. Ends ``Failed`` (its summary
+    written) when the job stopped short of its budget without a stop signal (summary ``budget``:
+    ``training.common.budget_status``)."""
     with graceful_stop():
-        summary = dp_task(config, run_dir)
+        summary = dp_task(config, run_dir) if config.dp.hosts == 1 else _dp_hosts(config, Path(run_dir).absolute())
     u = config.unit
     get_run_logger().info(
         f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
@@ -347,4 +349,33 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
         message = f"pretrain-dp {summary['budget']['line']}"
         get_run_logger().error(message)
         return Failed(message=message)
+    return summary
+
+
+def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
+    """The DP job as ``dp.hosts`` processes (``flows.dp_hosts``); writes and returns its summary."""
+    from flows.dp_hosts import launcher
+    from run.clock import EpochClock
+    from tasks.pretrain import dp_progress
+    from training.common import ensure_fresh, save_chaos_schedule
+    from training.dp import run_job
+    from training.dp_job import prepare_job
+
+    ensure_fresh(rd, "pretrain", "dp")
+    if config.chaos.against_dp:
+        save_chaos_schedule(config, rd)
+    prepare_job(config.model_dump_json(), rd)
+    origin = time.time()
+    clock = EpochClock(origin)
+    get_run_logger().info(
+        "dp: %d hosts on runtime.engine %s, %d rows each of a %d-row global batch",
+        config.dp.hosts,
+        config.runtime.engine,
+        config.dp_batch_size // config.dp.hosts,
+        config.dp_batch_size,
+    )
+    with engine_session(config), task_runner_for(config) as runner:
+        launch = launcher(config, rd, runner, clock, dp_progress(config, str(rd)))
+        summary = run_job(config, rd, launch, clock, origin)
+    write_json(RunLayout(rd).summary("pretrain", "dp"), summary)
     return summary

@@ -33,10 +33,8 @@ and the process engines' workers (:func:`flows.engines.engine_session`), use it.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -46,6 +44,8 @@ from unittest import mock
 from prefect.server.api import server as prefect_server
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import get_current_settings
+
+from run.control import setpriv
 
 # Runs first in the server's process, then hands over to uvicorn's command line (what ``python -m
 # uvicorn`` runs). Polls twice a second; a parent that is gone leaves the process to a reaper.
@@ -62,20 +62,6 @@ sys.argv[0] = "uvicorn"
 import uvicorn
 uvicorn.main()
 """
-
-
-@functools.cache
-def setpriv() -> str | None:
-    """util-linux's ``setpriv`` if it is installed and has ``--pdeathsig`` (util-linux ≥ 2.33, Linux
-    only), else None."""
-    path = shutil.which("setpriv") if sys.platform.startswith("linux") else None
-    if path is None:
-        return None
-    try:
-        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return path if "--pdeathsig" in usage else None
 
 
 def server_command(args: list[str]) -> list[str]:

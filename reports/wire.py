@@ -123,8 +123,11 @@ def allreduce_bytes(config: ExperimentConfig | None, summary: dict | None, notes
     """A data-parallel method's byte figures (the ring all-reduce of the gradient, all workers):
     ``sent`` = summary ``bytes_to_syncer``, ``received`` = ``bytes_from_syncer``, ``total`` = their
     sum (= ``allreduce_bytes``); a summary with only ``allreduce_bytes`` is split evenly. Per worker
-    = ÷ W (hyperparameter ``simulated workers``, else ``diloco.learners``)."""
-    W = num(nested(summary, ("hyperparameters", "simulated workers"))) or (config.diloco.learners if config else None)
+    = ÷ W (hyperparameter ``simulated workers``, or ``hosts`` for a job of several hosts, else
+    ``diloco.learners``)."""
+    hp = ("hyperparameters",)
+    W = num(nested(summary, (*hp, "simulated workers"))) or num(nested(summary, (*hp, "hosts")))
+    W = W or (config.diloco.learners if config else None)
     W = int(W) if W else None
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None

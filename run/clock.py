@@ -1,6 +1,7 @@
 """The training clock that chaos schedules are read against (seconds since a run's stage started).
 
-A run uses :class:`WallClock` (``time.monotonic`` and real sleeps). Tests and dry runs use
+A run uses :class:`WallClock` (``time.monotonic`` and real sleeps), or :class:`EpochClock` where
+several processes read one clock (the DP job's hosts). Tests and dry runs use
 :class:`SimulatedClock`, which never waits: each reading advances it by a fixed tick and each sleep
 by its length, so a schedule's events land at the same steps however loaded the machine is.
 """
@@ -27,6 +28,21 @@ class WallClock:
 
     def __call__(self) -> float:
         return time.monotonic() - self.origin
+
+    def sleep(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class EpochClock:
+    """Wall seconds since ``origin``, an epoch time (``time.time()``; default: construction): one clock
+    that every process of a job reads alike, on this host or (with synchronised clocks) another."""
+
+    def __init__(self, origin: float | None = None):
+        self.origin = time.time() if origin is None else origin
+
+    def __call__(self) -> float:
+        return time.time() - self.origin
 
     def sleep(self, seconds: float) -> None:
         if seconds > 0:

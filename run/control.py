@@ -15,8 +15,12 @@ second for the shipped configs) plus the final hand-in and checkpoint.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -106,3 +110,17 @@ def dask_setup(worker) -> None:
 
 def _do_nothing(signum, frame) -> None:
     """A signal handler that does nothing."""
+
+
+@functools.cache
+def setpriv() -> str | None:
+    """util-linux's ``setpriv`` if it is installed and has ``--pdeathsig`` (util-linux ≥ 2.33, Linux
+    only), else None."""
+    path = shutil.which("setpriv") if sys.platform.startswith("linux") else None
+    if path is None:
+        return None
+    try:
+        usage = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return path if "--pdeathsig" in usage else None

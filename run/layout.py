@@ -193,6 +193,12 @@ class RunLayout:
         """A synchronous job's (DP's) rollback checkpoints (Orbax: parameters, optimizer state, cursor)."""
         return self.method_dir(stage, method) / "resume"
 
+    def job_hosts(self, stage: str, method: str) -> UPath:
+        """A job of several host processes' shared files (DP with ``dp.hosts`` > 1: its config, each
+        generation's plan, coordinator address, stop and abort markers and host logs;
+        ``training.dp_job.HostFiles``)."""
+        return self.method_dir(stage, method) / "hosts"
+
     def syncer_state(self, stage: str, method: str) -> UPath:
         """A DiLoCo syncer's checkpoints (Orbax steps of its state, ``training.checkpoint.OrbaxSyncerStore``)."""
         return self.method_dir(stage, method) / "syncer" / "state"

@@ -18,6 +18,7 @@ from run.atomic import write_json
 from run.layout import RunLayout
 from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syncer_retryable
 from training.dp import train_dp
+from training.dp_job import run_agent
 
 
 @task(name="learner", task_run_name="learner-{learner}", cache_policy=NO_CACHE, log_prints=False)
@@ -73,10 +74,9 @@ def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
         run.close_logs()
 
 
-@task(name="dp-trainer", task_run_name="dp-trainer", cache_policy=NO_CACHE)
-def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
-    """The DP baseline (``training.dp.train_dp``); writes its summary. At each evaluation: a progress
-    line, the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""
+def dp_progress(config: ExperimentConfig, run_dir: str):
+    """The DP job's reporter, ``progress(tokens, total, train_loss, heldout_loss)``: a progress line,
+    the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from reports.artifacts import artifact_key, publish_live_chart, run_slug
@@ -100,6 +100,21 @@ def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
         report_progress(Progress("dp", int(tokens), int(total), config.unit, train_loss=loss, heldout_loss=val))
         publish_live_chart(run_dir, config.name, config.unit)  # DP beside DiLoCo, as its progress lines do
 
-    summary = train_dp(config, Path(run_dir), progress)
+    return progress
+
+
+@task(name="dp-trainer", task_run_name="dp-trainer", cache_policy=NO_CACHE)
+def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
+    """The DP baseline in this process (``training.dp.train_dp``, ``dp.hosts`` 1); writes its summary.
+    At each evaluation, :func:`dp_progress`."""
+    summary = train_dp(config, Path(run_dir), dp_progress(config, run_dir))
     write_json(RunLayout(run_dir).summary("pretrain", "dp"), summary)
     return summary
+
+
+@task(name="dp-host", task_run_name="dp-host-{rank}-gen-{generation}", cache_policy=NO_CACHE)
+def dp_host_task(run_dir: str, rank: int, generation: int) -> dict:
+    """Host ``rank`` of generation ``generation`` of a DP job of several hosts: its process, started and
+    watched where this task runs (``training.dp_job.run_agent``); reports how it ended, never raises
+    for it (the job's launcher decides: ``flows.dp_hosts``)."""
+    return run_agent(run_dir, rank, generation)

@@ -322,7 +322,8 @@ def test_a_wait_gives_up_when_the_merge_never_comes():
 @pytest.mark.slow
 def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_failures(small_cfg, small_data, tmp_path):
     """A failure at 3 s of training (and a second replica's at 3.2 s, while the job is down): the whole
-    job stops until both are back (3.8 s), restores its
+    job (here in one process: it raises, and the job restarts in the process) stops until both are
+    back (3.8 s), restores its
     last checkpoint (every 5 steps; none yet: the initial state) and recomputes the steps since on
     the same batches, so its held-out curve over tokens is the failure-free one to the last bit; a
     30× slowdown of one replica for the first 5 s slows every step after the compiling first. The
@@ -369,7 +370,20 @@ def test_dp_stalls_rolls_back_and_ends_with_the_very_model_of_the_run_without_fa
         "lost_steps": restore["lost_steps"],
         "checkpoint_every_steps": 5,
     }
-    assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0, 1.0]
+    # the pace as each start of the job met it: slowed (again after the restart), then back to full speed
+    assert [e["factor"] for e in events if e["event"] == "slowdown"] == [30.0, 30.0, 1.0]
+    (back,) = (e for e in events if e["event"] == "recovered")  # the recomputation, measured
+    assert back["step"] == fail["step"] and back["t"] > restore["t"]
+    assert hit["restarts"] == [
+        {
+            "generation": 1,
+            "failed_at_s": pytest.approx(fail["t"]),
+            "restored_step": restore["step"],
+            "lost_steps": restore["lost_steps"],
+            "down_s": restore["down_s"],
+            "recompute_s": back["recompute_s"],
+        }
+    ]
     assert json.loads(layout.chaos_schedule.read_text()) == json.loads(sched.dumps())  # saved for the record
     curve = [(r["tokens"], r["val/loss"]) for r in read_jsonl(layout.metrics("pretrain", "dp", "eval"))]
     assert curve == [(r["tokens"], r["val/loss"]) for r in read_jsonl(calm_layout.metrics("pretrain", "dp", "eval"))]

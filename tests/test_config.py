@@ -89,6 +89,22 @@ def test_default_config_meets_the_brief():
             },
             "chaos.events.0.syncer_fail.when",
         ),
+        # a DP job of several hosts: each host a replica, an equal share of every step's rows
+        ({"dp": {"hosts": 2, "workers": 4}}, "dp.workers (4) must equal dp.hosts (2)"),
+        ({"dp": {"hosts": 3, "workers": 3, "batch_size": 32}}, "dp.batch_size (32) must be divisible by dp.hosts"),
+        ({"dp": {"hosts": 2, "workers": 2}, "train": {"microbatch_size": 3}}, "train.microbatch_size"),
+        ({"dp": {"hosts": 0}}, "dp.hosts"),
+        # a DP host's failure: an existing host, a SIGKILL only where hosts are processes of their own
+        ({"chaos": {"events": [{"kind": "dp_fail", "host": 1, "at_step": 3}]}}, "host (1) must be < dp.hosts (1)"),
+        (
+            {"chaos": {"events": [{"kind": "dp_fail", "at_step": 3, "how": "sigkill"}]}},
+            "how sigkill with dp.hosts 1 would kill the whole run",
+        ),
+        ({"chaos": {"events": [{"kind": "dp_fail", "at_step": 3, "at_s": 1.0}]}}, "exactly one of at_step and at_s"),
+        (
+            {"dp": {"enabled": False}, "chaos": {"events": [{"kind": "dp_fail", "at_step": 3}]}},
+            "dp.enabled is false",
+        ),
     ],
 )
 def test_bad_config_names_the_field(overrides, field):
@@ -96,6 +112,7 @@ def test_bad_config_names_the_field(overrides, field):
         ExperimentConfig.model_validate(overrides)
     text = str(info.value)
     assert field.split(".")[-1].split("[")[0] in text, text
+    assert field in text or " " not in field, text  # a phrase of the message is there as written
 
 
 def test_a_run_from_before_chaos_events_still_loads():

@@ -92,8 +92,27 @@ class CheckpointDamaged(CheckpointError):
 # ----------------------------------------------------------------------------------------- helpers
 
 
+def _manager(path: Path, **options) -> ocp.CheckpointManager:
+    """An Orbax checkpoint manager of ``path`` (created if missing) with ``options``
+    (``ocp.CheckpointManagerOptions`` fields).
+
+    In a multi-process JAX job (``jax.distributed``: a DP host of ``training.dp_job``) every manager
+    is this process's alone (Orbax's ``active_processes`` = {this process}): the arrays saved and
+    restored here are host copies, so one process writes (the DP job's primary host) and each
+    reads by itself, with none of Orbax's cross-process barriers (which would wait for the hosts
+    that do not save). Orbax then does not create the folder itself; it is made here."""
+    if jax.process_count() > 1:
+        me = jax.process_index()
+        path.mkdir(parents=True, exist_ok=True)
+        options.update(
+            create=False,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}),
+        )
+    return ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(**options))
+
+
 def _abstract(tree):
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cpu), tree)
 
 
@@ -355,7 +374,7 @@ def _restore_verified(ckpt_dir: str | Path, step: int | None, items: dict[str, A
     """Verify and restore ``items`` (name -> ``ocp.args`` restore args) of ``step`` or the newest
     intact step; returns ``(step, restored)``. Raises as documented on the public loaders."""
     ckpt_dir = _ckpt_root(ckpt_dir)
-    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir) as mngr:
+    with _ORBAX_LOCK, _manager(ckpt_dir) as mngr:
         steps = sorted(mngr.all_steps(), reverse=True)
         if step is not None:
             if step not in steps:
@@ -433,7 +452,7 @@ def save_checkpoint(
         items[name] = ocp.args.StandardSave(tree)
     with (
         _ORBAX_LOCK,
-        ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep)) as mngr,
+        _manager(ckpt_dir, max_to_keep=max_to_keep) as mngr,
     ):
         mngr.save(step, args=ocp.args.Composite(**items))
         mngr.wait_until_finished()
@@ -469,7 +488,7 @@ def latest_step(ckpt_dir: str | Path) -> int:
     :class:`CheckpointDamaged` (naming the newest step and its damaged file) if every step is damaged.
     """
     ckpt_dir = _ckpt_root(ckpt_dir)
-    with _ORBAX_LOCK, ocp.CheckpointManager(ckpt_dir) as mngr:
+    with _ORBAX_LOCK, _manager(ckpt_dir) as mngr:
         steps = sorted(mngr.all_steps(), reverse=True)
     if not steps:
         raise _no_complete(ckpt_dir)
@@ -629,7 +648,7 @@ class OrbaxSyncerStore:
         which is not listed); none when the folder does not exist."""
         if not self.path.is_dir():
             return []
-        with _ORBAX_LOCK, ocp.CheckpointManager(self.path) as mngr:
+        with _ORBAX_LOCK, _manager(self.path) as mngr:
             return sorted(mngr.all_steps())
 
     def save(self, step: int, arrays: dict, meta: dict) -> None:
@@ -659,6 +678,6 @@ class OrbaxSyncerStore:
 
     def delete(self, step: int) -> None:
         """Remove step ``step`` (a damaged or superseded one) and its record."""
-        with _ORBAX_LOCK, ocp.CheckpointManager(self.path) as mngr:
+        with _ORBAX_LOCK, _manager(self.path) as mngr:
             if step in mngr.all_steps():
                 mngr.delete(step)

@@ -1,38 +1,46 @@
-"""The data-parallel baseline as one synchronous job (the step of ``training.step``, no syncer).
+"""The data-parallel baseline: one synchronous (SPMD) job, the step of ``training.step`` (no syncer).
 
-Same model initialisation, data (every training sequence), token budget and validation batches as
-Decoupled DiLoCo; the global batch is ``dp.batch_size`` sequences, notionally split over
-``dp.workers`` replicas that all-reduce their gradients every step (the report's byte count).
-With more than one device in the process the step really is data-parallel over all of them
-(``training.mesh``: a mesh over ``jax.devices()``, the batch split by rows, the gradient averaged
-by XLA); with one, it runs there as a plain jitted step. No Prefect here.
+Same model initialisation, data (every training sequence, in the same order), token budget and
+validation batches as Decoupled DiLoCo; the global batch is ``dp.batch_size`` sequences a step.
 
-Under a chaos schedule (``chaos.schedule`` or ``chaos.replay``, ``chaos.against_dp``) the job meets
-the same hardware events as DiLoCo's learners, on its own training clock (seconds since it started,
-its first evaluation and compile included, the clock of its train log): a failure of any replica
-stalls the whole job for the failure's restart delay from the step boundary it meets it at (a
-replica failing meanwhile extends the stall to its own return; it costs no second rollback), after which
-it restores its last checkpoint (Orbax, every ``dp.checkpoint_every_steps``; none yet: step 0) and
-recomputes the steps since (lock-step SPMD has no other way back); while any replica is slowed,
-every step is (the all-reduce waits for the slowest replica). Events go to
-``pretrain/dp/metrics/events.jsonl``. The rolled-back steps see the same batches again, so the
-final model and its per-token curve equal the run without failures; only time is lost.
+* ``dp.hosts`` 1: the job runs in this process. With one device, as a plain jitted step; with
+  several, data-parallel over all of them (``training.mesh``: the batch split by rows, the gradient
+  averaged by XLA). Its ``dp.workers`` replicas are counted (the report's ring all-reduce bytes), not run.
+* ``dp.hosts`` N > 1: N JAX processes, one per host, joined by ``jax.distributed``
+  (``training.dp_job`` starts them): the step is data-parallel over every process's devices, each
+  host feeding its rows of every global batch, XLA all-reducing the gradients across processes
+  (gloo on CPU, NCCL on GPU). Host 0 (the primary) writes the logs, checkpoints and summary; every
+  host evaluates (a collective too).
+
+The job (:func:`run_job`, an elastic launcher's loop) starts every host, and when one dies (a
+SIGKILL, a lost node, a scheduled ``dp_fail`` or a chaos schedule's failure of a replica) the whole
+SPMD job is down: it waits out the failure's restart delay, then starts every host again from the
+last Orbax checkpoint (``dp.checkpoint_every_steps``), which recomputes the steps since on the same
+batches: the final model equals the run without failures, and the time lost is measured (events
+``failure``, ``restore`` and ``recovered`` in ``pretrain/dp/metrics/events.jsonl``). Scheduled faults
+reach the hosts through ``diloco.faults.HostHooks``, as a learner's through its hooks. No Prefect here.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from configs.faults import DPFailEvent
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
+from diloco.faults import Fail, HostHooks, InjectedFailure, JobFault, SlowDown
 from diloco.tensors import tensor_bytes, to_numpy
-from run.clock import TrainingClock, WallClock
+from run.clock import EpochClock, TrainingClock
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter
@@ -49,8 +57,9 @@ STAGE, METHOD = "pretrain", "dp"
 
 
 def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = None) -> list[jax.Device] | None:
-    """The devices the DP step runs on: all of ``devices`` (default ``jax.devices()``) when there is
-    more than one, else None (the default device, a plain jitted step).
+    """The devices the DP step runs on: all of ``devices`` (default ``jax.devices()``: with
+    ``jax.distributed``, every process's) when there is more than one, else None (the default
+    device, a plain jitted step).
 
     Raises ``ValueError`` naming ``dp.batch_size`` (or ``train.microbatch_size``) and the device
     count when the count does not divide the global batch (or each microbatch): every device takes
@@ -74,6 +83,396 @@ def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = Non
     return devices
 
 
+def dp_faults(cfg: ExperimentConfig) -> tuple[tuple[JobFault, ...], dict[int, tuple[SlowDown, ...]]]:
+    """The job's scheduled faults: every ``dp_fail`` event of ``chaos.events``, then (with
+    ``chaos.against_dp``) the chaos schedule's failures, replica m's on host m mod ``dp.hosts``
+    (SIGKILLed with several hosts, raised in one process); and each host's slowdowns (the schedule's
+    of the replicas it holds). Returns ``(failures, {host: slowdowns})``."""
+    hosts = cfg.dp.hosts
+    how = "sigkill" if hosts > 1 else "raise"
+    fails: list[JobFault] = []
+    for e in cfg.chaos.events:
+        if isinstance(e, DPFailEvent):
+            fail = Fail(
+                at_step=e.at_step,
+                at_s=e.at_s,
+                how=how if e.how == "auto" else e.how,
+                restart_delay_s=e.restart_delay_s,
+            )
+            fails.append(JobFault(len(fails), e.host, fail))
+    slow: dict[int, list[SlowDown]] = {h: [] for h in range(hosts)}
+    sched = cfg.chaos_schedule() if cfg.chaos.against_dp else None
+    if sched is not None:
+        for f in sorted(sched.failures, key=lambda f: f.at_s):
+            fail = Fail(at_s=f.at_s, how=how, restart_delay_s=f.restart_delay_s)
+            fails.append(JobFault(len(fails), f.learner % hosts, fail, replica=f.learner))
+        for e in sched.slowdowns:
+            slow[e.learner % hosts].append(SlowDown(e.factor, e.from_s, e.to_s))
+    return tuple(fails), {h: tuple(v) for h, v in slow.items()}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One start of every host of the job: ``number`` (0 the first, n the n-th restart), ``origin``
+    (epoch seconds of the job clock's zero), ``started_s`` (the job clock when it was started: timed
+    faults before it are spent), ``spent`` (indices of the job's faults already fired), and for a
+    restart ``failed_s`` (the job clock of the failure it recovers from) and ``high`` (the most steps
+    any earlier start completed: steps up to it are recomputed)."""
+
+    number: int = 0
+    origin: float = field(default_factory=time.time)
+    started_s: float = 0.0
+    spent: tuple[int, ...] = ()
+    failed_s: float | None = None
+    high: int = 0
+
+
+class DPHost:
+    """One host's share of the DP job (all of it with one host): the model, optimizer state, data
+    cursor, logs (host 0's) and the job's clock. :meth:`start` restores the newest checkpoint on a
+    restart; :meth:`train_step`, :meth:`after_step` and :meth:`finish` are the loop's parts."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        run_dir: str | Path,
+        clock: TrainingClock,
+        rank: int = 0,
+        progress: Callable[[int, int, float, float], None] | None = None,
+        on_step: Callable[[int, dict], None] | None = None,
+    ):
+        self.cfg, self.run_dir, self.clock, self.rank = cfg, Path(run_dir), clock, rank
+        self.primary, self.progress, self.on_step = rank == 0, progress, on_step
+        self.layout = RunLayout(run_dir)
+        self.devices = dp_devices(cfg)
+        spec = self.spec = model_spec(cfg, run_dir)
+        self.steps, self.tps = cfg.dp_steps, cfg.tokens_per_dp_step
+        self.trainer = Trainer(
+            spec,
+            make_inner_tx(cfg.dp.inner, self.steps),
+            cfg.dp_microbatches,
+            seed=cfg.seed,
+            devices=self.devices,
+            precision=cfg.precision,
+        )
+        self.params = self.trainer.init_params()
+        validate_against_model(cfg, len(self.params))
+        self.opt_state = self.trainer.init_opt(self.params)
+        self.seqs = load_rows(run_dir, "train")
+        self.val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
+        self.lr = lr_schedule(cfg.dp.inner, self.steps)
+        self.step, self.cursor, self.high, self.restored_t = 0, (0, 0), 0, None
+        self.last = float("nan")
+        self.cadence = EvalCadence(cfg.train.eval_every_tokens)
+        devices = len(self.devices) if self.devices else 1
+        self.tracker = method_tracker(cfg, run_dir, STAGE, METHOD, flops_per_token=spec.flops_per_unit, devices=devices)
+        self.eval_log = self._writer("eval", self.tracker.sink("eval"))
+        self.step_log = self._writer("train", self.tracker.sink("train"))
+        self.events = self._writer("events")
+
+    def _writer(self, name: str, sink=None) -> Callable[[dict], None]:
+        if not self.primary:
+            return lambda record: None
+        return JsonlWriter(self.layout.metrics(STAGE, METHOD, name), sink=sink)
+
+    def measure(self) -> None:
+        """The held-out loss on the fixed validation batches, logged at the tokens trained so far."""
+        t = time.monotonic()
+        fields = eval_record(heldout_metrics(self.trainer.evaluate, self.params, self.val))
+        self.last = fields["val/loss"]
+        record = {"method": METHOD, "tokens": self.step * self.tps, "wall_s": self.clock(), "step": self.step}
+        self.eval_log({**record, **fields, "eval_s": time.monotonic() - t})
+
+    def start(self, gen: Generation) -> None:
+        """Begin ``gen``: a first start measures the initial model; a restart restores the newest
+        checkpoint (or, with none yet, the initial state at step 0) and logs a ``restore`` event with
+        the steps it lost and the seconds the job was down."""
+        self.high = gen.high
+        self.cadence.due(gen.high * self.tps)  # the measurements up to it were made before the failure
+        if gen.number == 0:
+            self.measure()
+            return
+        t = time.monotonic()
+        self.params, self.opt_state, self.cursor, self.step = self._restore()
+        self.restored_t = now = self.clock()
+        self.events(
+            {
+                "event": "restore",
+                "generation": gen.number,
+                "step": self.step,
+                "lost_steps": gen.high - self.step,
+                "t": now,
+                "restore_s": time.monotonic() - t,
+                "down_s": now - gen.failed_s if gen.failed_s is not None else None,
+            }
+        )
+
+    def _restore(self):
+        resume_dir = self.layout.job_resume(STAGE, METHOD)
+        try:
+            step = latest_step(resume_dir)
+        except Exception:  # noqa: BLE001 - nothing saved yet (or only a cut-off save): start again
+            fresh = self.trainer.init_params()
+            return fresh, self.trainer.init_opt(fresh), (0, 0), 0
+        meta = load_meta(resume_dir, step)
+        # host copies: the step places them on its devices (with several hosts, every process's: a
+        # restored array committed to this process's device would be a cross-host transfer to JAX)
+        like = nest(self.params)
+        params = {k: np.asarray(v) for k, v in flatten(load_extra(resume_dir, "params", like, step)).items()}
+        opt = jax.tree.map(
+            np.asarray, load_extra(resume_dir, "opt_state", jax.tree.map(np.asarray, self.opt_state), step)
+        )
+        epoch, index = meta["cursor"]
+        return params, opt, (int(epoch), int(index)), int(meta["step"])
+
+    def train_step(self, timed: bool = False) -> float:
+        """One step on the next global batch (this host's rows of it); returns its seconds, waited for
+        when ``timed`` (else the step may still run: XLA dispatches asynchronously)."""
+        t = time.perf_counter()
+        batch, *self.cursor = batch_at(self.seqs, *self.cursor, self.cfg.dp_batch_size, self.cfg.seed)
+        self.params, self.opt_state, self.metrics = self.trainer.step(
+            self.params, self.opt_state, jax.tree.map(jnp.asarray, batch)
+        )
+        self.step += 1
+        if self.on_step is not None:
+            self.on_step(self.step, self.metrics)
+        if timed:
+            jax.block_until_ready(self.metrics["loss"])
+        return time.perf_counter() - t
+
+    def after_step(self) -> None:
+        """Checkpoint, log and evaluate when due; steps a restart recomputes (up to the high-water
+        mark) were logged and measured the first time round, and are not saved again."""
+        step, cfg = self.step, self.cfg
+        if step <= self.high:
+            if step == self.high and self.restored_t is not None:  # back where the job was when it died
+                now = self.clock()
+                self.events({"event": "recovered", "step": step, "t": now, "recompute_s": now - self.restored_t})
+            return
+        every = cfg.dp_checkpoint_every
+        if every and step % every == 0:
+            self.checkpoint()
+        if step % 10 == 0 or step == self.steps:
+            m = self.metrics
+            self.step_log(
+                {
+                    "step": step,
+                    "tokens": step * self.tps,
+                    "train/loss": float(m["loss"]),
+                    **{f"train/{k}": float(v) for k, v in m.items() if k != "loss"},
+                    "train/lr": float(self.lr(step - 1)),  # the rate of this step's update
+                    "t": self.clock(),
+                }
+            )
+        if self.cadence.due(step * self.tps) or step == self.steps:
+            self.measure()
+            if self.progress and self.primary:
+                self.progress(step * self.tps, self.steps * self.tps, float(self.metrics["loss"]), self.last)
+
+    def checkpoint(self) -> None:
+        """Host 0 saves the job's state (parameters, optimizer state, cursor; Orbax) at this step."""
+        if not self.primary:
+            return
+        t = time.perf_counter()
+        host = jax.tree.map(np.asarray, {"params": nest(self.params), "opt_state": self.opt_state})
+        meta = {"step": self.step, "cursor": [int(c) for c in self.cursor]}
+        save_checkpoint(self.layout.job_resume(STAGE, METHOD), self.step, None, meta, extra=host)
+        self.events({"event": "checkpoint", "step": self.step, "t": self.clock(), "save_s": time.perf_counter() - t})
+
+    def finish(self, stopped: bool) -> dict | None:
+        """After the loop: measure where a stop left it, then (every host) the whole held-out splits,
+        and host 0 saves the final model and returns the summary; other hosts return None."""
+        if self.step < self.steps:
+            self.measure()
+        wall = self.clock()
+        # whole val and test splits, after the clock stopped: what selection reads and the headline figure
+        heldout = final_heldout(self.trainer.evaluate, self.params, self.run_dir, self.cfg.train.eval_batch_size)
+        if not self.primary:
+            return None
+        done, tps, cfg = self.step, self.tps, self.cfg
+        meta = {"method": METHOD, "steps": done, "tokens": done * tps}
+        # float32 whatever the policy (training.precision): evaluation and fine-tuning read one layout
+        save_checkpoint(self.layout.checkpoints(STAGE, METHOD), done * tps, nest(to_numpy(self.params)), meta)
+        param_bytes = sum(tensor_bytes(self.params).values())
+        W = cfg.dp.workers
+        # Ring all-reduce: each of W workers sends (and receives) 2(W−1)/W of the gradient bytes per step.
+        allreduce_bytes = int(2 * (W - 1) / W * param_bytes * W * done)  # sent by all workers, in total
+        i, text = cfg.dp.inner, cfg.unit == "tokens"
+        rows = "seqs" if text else "images"
+        return {
+            "method": METHOD,
+            "interrupted": stopped,
+            # trained vs budget (``training.common.budget_status``): the pipeline fails a short stage
+            "budget": budget_status(
+                done * tps,
+                self.steps * tps,
+                cfg.unit,
+                interrupted=stopped,
+                finished=done >= self.steps,
+                why=f"the job stopped at step {done:,} of {self.steps:,}",
+            ),
+            "hyperparameters": {
+                "backend": backend_line(),
+                "precision": cfg.precision.describe(),
+                f"global batch ({rows})": cfg.dp_batch_size,
+                **({"seq len": cfg.data.seq_len} if text else {}),
+                "inner optimizer": i.name,
+                "lr": i.lr,
+                "warmup steps": i.warmup_steps,
+                "weight decay": i.weight_decay,
+                "grad clip": i.grad_clip,
+                f"{cfg.unit}/step": tps,
+                **({"hosts": cfg.dp.hosts} if cfg.dp.hosts > 1 else {"simulated workers": W}),
+                "devices": len(self.devices) if self.devices else 1,
+                f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
+            },
+            "tokens": done * tps,
+            "steps": done,
+            "wall_s": wall,
+            "tokens_per_s": done * tps / wall,
+            "final_val_loss": self.last,
+            "heldout": heldout,
+            "merges": None,
+            # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
+            # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
+            # are each half of it.
+            "bytes_to_syncer": allreduce_bytes,
+            "bytes_from_syncer": allreduce_bytes,
+            "allreduce_bytes": 2 * allreduce_bytes,
+            "params": self.spec.params,
+            "active_params": int(self.spec.extras.get("active_params", self.spec.params)),
+            "flops_per_token": self.spec.flops_per_unit,
+        }
+
+    def close(self) -> None:
+        for w in (self.eval_log, self.step_log, self.events):
+            if isinstance(w, JsonlWriter):
+                w.close()
+        self.tracker.close()
+
+
+def run_host(
+    host: DPHost, gen: Generation, stop: Callable[[int], bool], note: Callable[[dict], None] = lambda r: None
+) -> dict | None:
+    """Run ``host`` through generation ``gen`` of the job until the budget is spent or ``stop(step)``
+    (every host must stop at the same step); returns host 0's summary (None on other hosts). Its
+    scheduled faults (:func:`dp_faults`) fire through ``diloco.faults.HostHooks``: ``note`` receives a
+    failure's record, then the host raises ``InjectedFailure`` or SIGKILLs its process."""
+    failures, slowdowns = dp_faults(host.cfg)
+    hooks = HostHooks(
+        host.rank,
+        failures,
+        slowdowns[host.rank],
+        host.clock,
+        host.clock.sleep,
+        note,
+        host.events,
+        gen.spent,
+        gen.started_s,
+    )
+    host.start(gen)
+    while host.step < host.steps and not stop(host.step):
+        hooks.before_step(host.step)  # raises, or SIGKILLs this process, at a scheduled failure
+        hooks.after_step(host.step, host.train_step(timed=bool(hooks.slowdowns)))
+        host.after_step()
+    return host.finish(stopped=host.step < host.steps)
+
+
+@dataclass
+class Outcome:
+    """How one generation ended: ``summary`` (host 0's, when the job finished or stopped) or the
+    ``failure`` record of the host that died (host, step, t, restart delay, reason)."""
+
+    summary: dict | None = None
+    failure: dict | None = None
+
+
+def run_job(
+    cfg: ExperimentConfig,
+    run_dir: str | Path,
+    launch: Callable[[Generation], Outcome],
+    clock: TrainingClock,
+    origin: float,
+) -> dict:
+    """The DP job as an elastic launcher runs it: ``launch(generation)`` starts every host and returns
+    how they ended; after a failure the job stays down for its restart delay (a scheduled failure of
+    another replica meanwhile extends it to that one's return), then starts a new generation from the
+    last checkpoint: after every scheduled failure, and after at most ``dp.restarts`` unscheduled
+    deaths (a crash, a kill by hand, a lost node). Logs ``failure`` events (the restore and recovery
+    are logged by host 0 of the next generation); returns host 0's summary with ``chaos`` (failures,
+    steps recomputed, seconds down) and ``restarts`` (one record per restart: measured ``down_s``,
+    ``lost_steps``, ``recompute_s``). Raises ``RuntimeError`` when the restarts are used up."""
+    failures, _ = dp_faults(cfg)
+    events = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "events"))
+    gen, unscheduled = Generation(origin=origin), 0
+    try:
+        while True:
+            out = launch(gen)
+            if out.failure is None:
+                break
+            f = out.failure
+            spent = {*gen.spent, *([f["index"]] if f.get("index") is not None else [])}
+            high = max(gen.high, int(f.get("step") or 0))
+            events({"event": "failure", "generation": gen.number, **f, "step": high})
+            unscheduled += f.get("index") is None
+            if cfg.dp.restarts is not None and unscheduled > cfg.dp.restarts:
+                raise RuntimeError(
+                    f"DP host {f.get('host')} died ({f.get('reason')}) and the job has used its {cfg.dp.restarts} "
+                    "restarts after unscheduled deaths (dp.restarts); see the host's log, or raise dp.restarts"
+                )
+            back = f["t"] + float(f.get("restart_delay_s") or 0.0)
+            for g in failures:  # other replicas failing while the job is down: back once they are too
+                if g.fail.at_s is not None and g.index not in spent and g.fail.at_s <= back:
+                    spent.add(g.index)
+                    while_down = {"replica": g.replica, "host": g.host, "index": g.index, "t": g.fail.at_s}
+                    events({"event": "failure", **while_down, "step": high, "while_down": True, "reason": "chaos"})
+                    back = max(back, g.fail.at_s + g.fail.restart_delay_s)
+            while clock() < back and not STOP.is_set():  # (a stop: the hosts restore, then stop at once)
+                clock.sleep(min(0.05, back - clock()))
+            gen = Generation(gen.number + 1, origin, clock(), tuple(sorted(spent)), f["t"], high)
+    finally:
+        events.close()
+    return {**out.summary, **job_record(run_dir, cfg)}
+
+
+def job_record(run_dir: str | Path, cfg: ExperimentConfig) -> dict:
+    """The job's failures and restarts from its events (measured): ``chaos`` (failures, lost_steps,
+    stall_s: seconds from each failure to its restore, checkpoint_every_steps; None when the job met
+    no scheduled fault and none died) and ``restarts`` (per restart: generation, failed_at_s,
+    restored_step, lost_steps, down_s, recompute_s)."""
+    from run.metrics import read_jsonl
+
+    events = read_jsonl(RunLayout(run_dir).metrics(STAGE, METHOD, "events"))
+    fails = [e for e in events if e.get("event") == "failure"]
+    restores = [e for e in events if e.get("event") == "restore"]
+    recovered = {e.get("step"): e for e in events if e.get("event") == "recovered"}
+    scheduled = bool(dp_faults(cfg)[0]) or any(e.get("event") == "slowdown" for e in events)
+    restarts = [
+        {
+            "generation": r.get("generation"),
+            "failed_at_s": (r["t"] - r["down_s"]) if r.get("down_s") is not None else None,
+            "restored_step": r["step"],
+            "lost_steps": r["lost_steps"],
+            "down_s": r.get("down_s"),
+            "recompute_s": (recovered.get(r["step"] + r["lost_steps"]) or {}).get("recompute_s")
+            if r["lost_steps"]
+            else 0.0,
+        }
+        for r in restores
+    ]
+    chaos = (
+        {
+            "failures": len(fails),
+            "lost_steps": sum(r["lost_steps"] for r in restores),
+            "stall_s": sum(r.get("down_s") or 0.0 for r in restores),
+            "checkpoint_every_steps": cfg.dp_checkpoint_every,
+        }
+        if fails or scheduled
+        else None
+    )
+    return {"chaos": chaos, "restarts": restarts}
+
+
 def train_dp(
     cfg: ExperimentConfig,
     run_dir: str | Path,
@@ -81,250 +480,46 @@ def train_dp(
     on_step: Callable[[int, dict], None] | None = None,
     clock: TrainingClock | None = None,
 ) -> dict:
-    """Train the DP baseline for ``cfg.dp_steps`` steps; returns the summary dict.
+    """Train the DP baseline in this process (``dp.hosts`` 1) for ``cfg.dp_steps`` steps; returns the summary.
 
-    Writes ``pretrain/dp/metrics/{eval,train}.jsonl`` and ``pretrain/dp/checkpoints`` (step = tokens).
-    ``progress(tokens, total_tokens, train_loss, heldout_loss)`` is called at each evaluation;
-    ``on_step(step, metrics)`` after every step (metrics as device scalars). ``clock`` is the
-    training clock the chaos schedule and the train log's ``t`` are read on (seconds; default: wall
-    seconds since the call, :class:`run.clock.WallClock`; tests pass a
-    :class:`run.clock.SimulatedClock`). Stops at the next step
+    Writes ``pretrain/dp/metrics/{eval,train,events}.jsonl``, ``pretrain/dp/checkpoints`` (step =
+    tokens) and, with checkpoints on, ``pretrain/dp/resume``. ``progress(tokens, total_tokens,
+    train_loss, heldout_loss)`` is called at each evaluation; ``on_step(step, metrics)`` after every
+    step (metrics as device scalars). ``clock``: the job's clock, which the chaos schedule, the train
+    log's ``t`` and the eval log's ``wall_s`` are read on (seconds; default: wall seconds since the
+    call; tests pass a :class:`run.clock.SimulatedClock`). A scheduled failure raises here and the job
+    restarts in this process from its last checkpoint (:func:`run_job`). Stops at the next step
     boundary when ``run.control.STOP`` is set, then evaluates and saves where it stopped. Raises
-    ``FileExistsError`` if ``run_dir`` already holds DP results, and ``ValueError`` (before any
-    work) if the process has several devices and they do not divide the global batch or each
-    microbatch (:func:`dp_devices`).
+    ``FileExistsError`` if ``run_dir`` already holds DP results, and ``ValueError`` (before any work)
+    if the process has several devices and they do not divide the global batch or each microbatch
+    (:func:`dp_devices`).
     """
-    run_dir = Path(run_dir)
-    devices = dp_devices(cfg)
+    own = clock is None
+    clock = EpochClock() if own else clock
+    dp_devices(cfg)
     ensure_fresh(run_dir, STAGE, METHOD)
-    layout = RunLayout(run_dir)
-    spec = model_spec(cfg, run_dir)
-    steps = cfg.dp_steps
-    trainer = Trainer(
-        spec,
-        make_inner_tx(cfg.dp.inner, steps),
-        cfg.dp_microbatches,
-        seed=cfg.seed,
-        devices=devices,
-        precision=cfg.precision,
-    )
-    params = trainer.init_params()
-    validate_against_model(cfg, len(params))
-    opt_state = trainer.init_opt(params)
-    sched = save_chaos_schedule(cfg, run_dir) if cfg.chaos.against_dp else None
-    failures = sorted(sched.failures, key=lambda f: f.at_s) if sched is not None else []
-    ckpt_every = cfg.dp_checkpoint_every
-    resume_dir = layout.job_resume(STAGE, METHOD)
-    seqs = load_rows(run_dir, "train")
-    val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
-    tracker = method_tracker(
-        cfg, run_dir, STAGE, METHOD, flops_per_token=spec.flops_per_unit, devices=len(devices) if devices else 1
-    )
-    lr = lr_schedule(cfg.dp.inner, steps)
-    eval_log = JsonlWriter(layout.metrics(STAGE, METHOD, "eval"), sink=tracker.sink("eval"))
-    step_log = JsonlWriter(layout.metrics(STAGE, METHOD, "train"), sink=tracker.sink("train"))
-    events = JsonlWriter(layout.metrics(STAGE, METHOD, "events")) if sched is not None or ckpt_every else None
-    tps = cfg.tokens_per_dp_step
-    epoch = index = 0
-    t0 = time.monotonic()
+    if cfg.chaos.against_dp:
+        save_chaos_schedule(cfg, run_dir)
+    host = DPHost(cfg, run_dir, clock, 0, progress, on_step)
+    origin = time.time()
+    if own:  # the job's clock starts with its first measurement, the model and data built
+        clock.origin = origin
 
-    def measure() -> tuple[float, dict]:
-        """(held-out loss, the eval-log fields: val/loss, the model's val/ metrics, eval_s)"""
-        t = time.monotonic()
-        fields = eval_record(heldout_metrics(trainer.evaluate, params, val))
-        return fields["val/loss"], {**fields, "eval_s": time.monotonic() - t}
+    def launch(gen: Generation) -> Outcome:
+        try:
+            return Outcome(summary=run_host(host, gen, lambda step: STOP.is_set()))
+        except InjectedFailure as exc:
+            return Outcome(failure=exc.record)
 
-    last, fields = measure()
-    eval_log({"method": METHOD, "tokens": 0, "wall_s": 0.0, "step": 0, **fields})
-    cadence = EvalCadence(cfg.train.eval_every_tokens)
-    done = high = 0  # steps the model holds now; the most it ever held (a rollback recomputes up to it)
-    clock = WallClock(t0) if clock is None else clock  # the chaos schedule's clock: the train log's t
-    slowed, lost_steps, stall_s, met = 1.0, 0, 0.0, 0  # met: failures the job met
     try:
-        while done < steps:
-            if STOP.is_set():  # SIGTERM/SIGINT: stop at this step boundary, evaluate and save below
-                break
-            if failures and failures[0].at_s <= clock():
-                f = failures.pop(0)
-                met += 1
-                t_fail = clock()
-                events(
-                    {
-                        "event": "failure",
-                        "replica": f.learner,
-                        "step": done,
-                        "t": t_fail,
-                        "at_s": f.at_s,
-                        "restart_delay_s": f.restart_delay_s,
-                        "reason": f"chaos: replica {f.learner} failed",
-                    }
-                )
-                back_at = t_fail + f.restart_delay_s  # down for the restart delay from the failure
-                while clock() < back_at and not STOP.is_set():  # the whole job is down
-                    clock.sleep(min(0.05, back_at - clock()))
-                    while failures and failures[0].at_s <= clock():  # another replica failed meanwhile:
-                        g = failures.pop(0)  # the job restarts once both are back
-                        met += 1
-                        events(
-                            {
-                                "event": "failure",
-                                "replica": g.learner,
-                                "step": done,
-                                "t": clock(),
-                                "at_s": g.at_s,
-                                "restart_delay_s": g.restart_delay_s,
-                                "reason": f"chaos: replica {g.learner} failed while the job was down",
-                                "while_down": True,
-                            }
-                        )
-                        back_at = max(back_at, clock() + g.restart_delay_s)
-                t_restore = clock()
-                params, opt_state, (epoch, index), back = _restore(trainer, resume_dir, params, opt_state)
-                lost_steps += done - back
-                now = clock()
-                events(
-                    {
-                        "event": "restore",
-                        "step": back,
-                        "lost_steps": done - back,
-                        "t": now,
-                        "restore_s": now - t_restore,
-                        "down_s": now - t_fail,
-                    }
-                )
-                stall_s += now - t_fail
-                done = back
-                continue
-            step = done + 1
-            batch, epoch, index = batch_at(seqs, epoch, index, cfg.dp_batch_size, cfg.seed)
-            computing = clock()
-            params, opt_state, metrics = trainer.step(params, opt_state, jax.tree.map(jnp.asarray, batch))
-            if sched is not None:
-                jax.block_until_ready(metrics["loss"])
-                now = clock()
-                factor = sched.dp_factor(now)
-                if factor != slowed:
-                    events({"event": "slowdown", "factor": factor, "step": step, "t": now})
-                    slowed = factor
-                if factor > 1.0 and step > 1:  # every replica waits for the slowest at the all-reduce
-                    # (step 1 includes compiling)
-                    clock.sleep((factor - 1.0) * (now - computing))
-            if on_step is not None:
-                on_step(step, metrics)
-            tokens = step * tps
-            done = step
-            if ckpt_every and step % ckpt_every == 0 and step > high:
-                t_save = time.perf_counter()
-                save_checkpoint(
-                    resume_dir,
-                    step,
-                    None,
-                    {"step": step, "cursor": [int(epoch), int(index)]},
-                    extra={"params": nest(params), "opt_state": opt_state},
-                )
-                events({"event": "checkpoint", "step": step, "t": clock(), "save_s": time.perf_counter() - t_save})
-            recomputed = step <= high
-            high = max(high, step)
-            if recomputed:
-                continue  # logged and measured the first time round
-            if step % 10 == 0 or step == steps:
-                step_log(
-                    {
-                        "step": step,
-                        "tokens": tokens,
-                        "train/loss": float(metrics["loss"]),
-                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                        "train/lr": float(lr(step - 1)),  # the rate of this step's update
-                        "t": clock(),
-                    }
-                )
-            if cadence.due(tokens) or step == steps:
-                last, fields = measure()
-                eval_log({"method": METHOD, "tokens": tokens, "wall_s": time.monotonic() - t0, "step": step, **fields})
-                if progress:
-                    progress(tokens, steps * tps, float(metrics["loss"]), last)
-        if done < steps:  # stopped early: measure where it stopped
-            last, fields = measure()
-            eval_log({"method": METHOD, "tokens": done * tps, "wall_s": time.monotonic() - t0, "step": done, **fields})
+        return run_job(cfg, run_dir, launch, clock, origin)
     finally:
-        eval_log.close()
-        step_log.close()
-        if events is not None:
-            events.close()
-        tracker.close()
-    wall = time.monotonic() - t0
-    # whole val and test splits, after the clock stopped: what selection reads and the headline figure
-    heldout = final_heldout(trainer.evaluate, params, run_dir, cfg.train.eval_batch_size)
-    param_bytes = sum(tensor_bytes(params).values())
-    W = cfg.dp.workers
-    # Ring all-reduce: each of W workers sends (and receives) 2(W−1)/W of the gradient bytes per step.
-    allreduce_bytes = int(2 * (W - 1) / W * param_bytes * W * done)  # sent by all workers, in total
-    meta = {"method": METHOD, "steps": done, "tokens": done * tps}
-    # float32 whatever the policy (training.precision): evaluation and fine-tuning read one layout
-    save_checkpoint(layout.checkpoints(STAGE, METHOD), done * tps, nest(to_numpy(params)), meta)
-    i = cfg.dp.inner
-    text = cfg.unit == "tokens"
-    rows = "seqs" if text else "images"
-    return {
-        "method": METHOD,
-        "interrupted": STOP.is_set(),
-        # trained vs budget (``training.common.budget_status``): the pipeline fails a short stage
-        "budget": budget_status(
-            done * tps,
-            steps * tps,
-            cfg.unit,
-            interrupted=STOP.is_set(),
-            finished=done >= steps,
-            why=f"the job stopped at step {done:,} of {steps:,}",
-        ),
-        "hyperparameters": {
-            "backend": backend_line(),
-            "precision": cfg.precision.describe(),
-            f"global batch ({rows})": cfg.dp_batch_size,
-            **({"seq len": cfg.data.seq_len} if text else {}),
-            "inner optimizer": i.name,
-            "lr": i.lr,
-            "warmup steps": i.warmup_steps,
-            "weight decay": i.weight_decay,
-            "grad clip": i.grad_clip,
-            f"{cfg.unit}/step": tps,
-            "simulated workers": W,
-            "devices": len(devices) if devices else 1,
-            f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
-        },
-        "tokens": done * tps,
-        "steps": done,
-        "wall_s": wall,
-        "tokens_per_s": done * tps / wall,
-        # chaos: steps recomputed after rollbacks, seconds stalled (failure → restored), failures met
-        "chaos": None
-        if sched is None
-        else {"failures": met, "lost_steps": lost_steps, "stall_s": stall_s, "checkpoint_every_steps": ckpt_every},
-        "final_val_loss": last,
-        "heldout": heldout,
-        "merges": None,
-        # No syncer: the ring all-reduce bytes, all workers, split evenly. ``allreduce_bytes`` counts
-        # both directions (sent + received); bytes_to_syncer (sent) and bytes_from_syncer (received)
-        # are each half of it.
-        "bytes_to_syncer": allreduce_bytes,
-        "bytes_from_syncer": allreduce_bytes,
-        "allreduce_bytes": 2 * allreduce_bytes,
-        "params": spec.params,
-        "active_params": int(spec.extras.get("active_params", spec.params)),
-        "flops_per_token": spec.flops_per_unit,
-    }
+        host.close()
 
 
-def _restore(trainer: Trainer, resume_dir: Path, params, opt_state):
-    """The job's last checkpoint in ``resume_dir`` (params, optimizer state, cursor, step), or, with
-    none written yet, a fresh start: the initial parameters and optimizer state at step 0."""
-    try:
-        step = latest_step(resume_dir)
-    except Exception:  # noqa: BLE001 - nothing saved yet (or only a cut-off save): start again
-        fresh = trainer.init_params()
-        return fresh, trainer.init_opt(fresh), (0, 0), 0
-    meta = load_meta(resume_dir, step)
-    restored = {k: jnp.asarray(v) for k, v in flatten(load_extra(resume_dir, "params", nest(params), step)).items()}
-    opt = load_extra(resume_dir, "opt_state", opt_state, step)
-    epoch, index = meta["cursor"]
-    return restored, opt, (int(epoch), int(index)), int(meta["step"])
+def write_progress(path: Path, step: int, t: float) -> None:
+    """Host 0's last completed step (and the job clock then) for its launcher: replaced every step, no
+    fsync (a lost write costs the launcher one step of its high-water mark)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"step": step, "t": t}))
+    os.replace(tmp, path)
