@@ -265,9 +265,10 @@ class TrainConfig(_Strict):
 
 
 class NetworkConfig(_Strict):
-    """The network between workers that the report models time under (``reports/interconnect.py``):
-    each DP replica and each DiLoCo learner on its own host, one full-duplex link each. The runs
-    themselves are unchanged (every worker shares this host); only the report's modelled times use it."""
+    """The network between workers: each DP replica and each DiLoCo learner on its own host, one
+    full-duplex link each. The report models time under it (``reports/interconnect.py``); with
+    ``emulate`` the runs also train across such links on this machine (``run.netem``) and their times
+    and bytes are measured."""
 
     label: str = Field(
         "links between datacenters", max_length=80, description="what the links model, named in every modelled figure"
@@ -278,6 +279,14 @@ class NetworkConfig(_Strict):
         "network: the modelled figures are the measured ones)",
     )
     latency_ms: float = Field(20.0, ge=0.0, description="one-way latency of each message, milliseconds")
+    emulate: bool = Field(
+        False,
+        description="train across emulated datacenters: each DiLoCo learner and each DP host runs as a "
+        "process in a network namespace of its own, the syncer and the exchange's store (moto's S3 server) in "
+        "this host's, joined by veth links shaped with tc to bandwidth_gbps each way (null: unshaped); "
+        "latency is not emulated (no netem in this kernel). Needs root, iproute2 and util-linux, "
+        "runtime.engine threads and, with DP, dp.hosts > 1",
+    )
     dp_overlap: float = Field(
         0.0,
         ge=0.0,

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import (
     Field,
+    ValidationInfo,
     model_validator,
 )
 
@@ -177,7 +178,7 @@ class ExperimentConfig(_Strict):
                         f"{self.learner_steps} inner steps of this budget (train.token_budget / (learners × "
                         f"batch_size × seq_len)); pick a step ≤ {self.learner_steps}"
                     )
-            if isinstance(e, KillEvent) and engine == "threads":
+            if isinstance(e, KillEvent) and engine == "threads" and not self.network.emulate:
                 raise ValueError(
                     f"{at}: a kill needs learners in their own processes (SIGKILL on the thread engine would "
                     "kill the whole run): set runtime.engine ray or dask, or use kind: fail"
@@ -206,6 +207,31 @@ class ExperimentConfig(_Strict):
                 f"is {self.diloco.syncer_retries}: the run would fail; raise diloco.syncer_retries to "
                 f"≥ {len(merges)} or drop failures"
             )
+
+    @model_validator(mode="after")
+    def _check_emulation(self, info: ValidationInfo) -> ExperimentConfig:
+        """``network.emulate`` runs every learner and DP host as a process of this machine in a
+        datacenter of its own: the thread engine starts them, DP needs hosts to put there, and the
+        exchange is the hub's own S3 server (a stored stage config names it: ``flows.datacenters``)."""
+        if not self.network.emulate:
+            return self
+        if self.runtime.engine != "threads":
+            raise ValueError(
+                f"network.emulate starts each learner and DP host as a process of this machine in its own "
+                f"network namespace, from the thread engine: set runtime.engine threads (not {self.runtime.engine})"
+            )
+        if self.dp.enabled and self.dp.hosts == 1:
+            raise ValueError(
+                "network.emulate measures DP across its links with one process per host: set dp.hosts to "
+                f"dp.workers ({self.dp.workers}), or dp.enabled false"
+            )
+        stored = (info.context or {}).get("stored")
+        if not stored and (self.runtime.exchange_url is not None or self.runtime.exchange == "memory"):
+            raise ValueError(
+                "network.emulate puts the exchange on its own S3 server in the hub's namespace: unset "
+                "runtime.exchange_url and runtime.exchange"
+            )
+        return self
 
     def _check_dp_failures(self) -> None:
         """``dp_fail`` events fit the DP job: their hosts exist, a SIGKILL has a host process of its
@@ -289,7 +315,11 @@ class ExperimentConfig(_Strict):
             )
         if sched is None:
             return
-        if any(f.how == "sigkill" for f in sched.failures) and self.runtime.engine == "threads":
+        if (
+            any(f.how == "sigkill" for f in sched.failures)
+            and self.runtime.engine == "threads"
+            and not self.network.emulate
+        ):
             raise ValueError(
                 f"{src} SIGKILLs learners, which on runtime.engine threads kills the whole run: set "
                 "chaos.schedule.how raise (or auto), or runtime.engine ray or dask"
@@ -311,6 +341,12 @@ class ExperimentConfig(_Strict):
         if self.chaos.schedule is None:
             return None
         return draw_schedule(self.chaos.schedule, self.diloco.learners, self.runtime.engine)
+
+    @property
+    def learner_processes(self) -> bool:
+        """Each learner runs in a process of its own: on ``runtime.engine`` ray or dask, or with
+        ``network.emulate`` (in its datacenter); else the learners are threads of the flow's process."""
+        return self.runtime.engine != "threads" or self.network.emulate
 
     @property
     def dp_checkpoint_every(self) -> int | None:

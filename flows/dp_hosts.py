@@ -25,9 +25,10 @@ from flows.engines import task_options
 from run.clock import TrainingClock
 from run.control import STOP
 from run.layout import RunLayout
+from run.processes import exit_reason
 from tasks.pretrain import dp_host_task
 from training.dp import Generation, Outcome
-from training.dp_job import INJECTED_EXIT, HostFiles, write_plan
+from training.dp_job import HostFiles, write_plan
 
 
 def launcher(config: ExperimentConfig, run_dir: Path, runner, clock: TrainingClock, progress=None, every_s=10.0):
@@ -127,14 +128,11 @@ def _first_death(done: list, files: HostFiles, clock: TrainingClock) -> dict | N
     killed = [o for o in bad if (o.get("returncode") or 0) < 0]
     out = (killed or bad)[0]
     rc, rank = out.get("returncode"), out.get("rank")
-    if rc is not None and rc < 0:
-        why = f"its process was killed by signal {-rc}"
-    elif rc == INJECTED_EXIT:
-        why = "a scheduled failure"
-    elif rc is not None:
-        why = f"its process exited with code {rc} (see {files.log(rank)})"
-    else:
-        why = f"its task ended {out.get('state', 'without a report')} (a lost worker or node)"
+    why = (
+        exit_reason(rc, files.log(rank))
+        if rc is not None
+        else (f"its task ended {out.get('state', 'without a report')} (a lost worker or node)")
+    )
     return {
         "host": rank,
         "replica": rank,

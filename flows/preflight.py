@@ -309,6 +309,26 @@ def check_runtime(cfg: ExperimentConfig) -> None:
             check_ray_authentication(rt.address)
 
 
+def check_network(cfg: ExperimentConfig) -> None:
+    """``network.emulate`` can run here: root, iproute2 and util-linux, network namespaces allowed
+    (``run.netem.emulation_problem``), and moto's S3 server installed for DiLoCo's exchange. Raises
+    ``ValueError`` naming ``network.emulate`` and the fix."""
+    if not cfg.network.emulate:
+        return
+    import sys
+
+    from run.netem import emulation_problem
+
+    problem = emulation_problem()
+    if problem:
+        raise ValueError(problem)
+    if cfg.diloco.enabled and not (Path(sys.executable).parent / "moto_server").exists():
+        raise ValueError(
+            "network.emulate puts DiLoCo's exchange on moto's S3 server, which is not installed here: "
+            "uv sync --extra emulate (make setup installs it)"
+        )
+
+
 def check_ray_authentication(address: str) -> None:
     """A Ray cluster's GCS at ``address`` (host:port) accepts this process's authentication: Ray 2.60's
     ``ray start`` turns token authentication on, and a run without the cluster's token in its
@@ -426,6 +446,7 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
     dataset) unless ``check_data`` is False. Raises like :func:`preflight`."""
     check_local_paths(cfg)
     check_runtime(cfg)
+    check_network(cfg)
     check_tracking(cfg)
     check_model(cfg)
     check_devices(cfg)

@@ -20,6 +20,7 @@ from prefect.futures import wait
 from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
+from flows.datacenters import emulated
 from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
@@ -147,8 +148,8 @@ def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: fl
     a learner task that never reported to the exchange is logged as a failure at step 0); its summary
     and Θ as it stands are written all the same.
     """
-    with graceful_stop():
-        return _pretrain_diloco(config, Path(run_dir), progress_every_s)
+    with graceful_stop(), emulated(config, Path(run_dir).absolute(), "diloco") as stage:
+        return _pretrain_diloco(stage, Path(run_dir), progress_every_s)
 
 
 def dropped_reasons(work_lost: dict) -> str:
@@ -204,7 +205,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
                 runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
             ]
         t_submit = time.monotonic()
-        if rt.engine != "threads":
+        if config.learner_processes:
             # while the worker processes import, compile their steps once into the run's cache
             warm_s = warm_compilation_cache(config, rd)
             if warm_s:
@@ -214,7 +215,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             # process engines: a worker that cannot even start the learner task (an import error, a
             # missing package on a node) may be re-run by the engine for ever; no learner up at all
             # after this long fails the run instead of waiting
-            give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if rt.engine != "threads" else None
+            give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
             while True:
                 # short waits: a stop signal reaches learners in other processes within a second
                 done = wait(futures, timeout=min(1.0, progress_every_s))
@@ -335,8 +336,8 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     (``flows.dp_hosts``), restarted from the last checkpoint when one dies. Ends ``Failed`` (its summary
     written) when the job stopped short of its budget without a stop signal (summary ``budget``:
     ``training.common.budget_status``)."""
-    with graceful_stop():
-        summary = dp_task(config, run_dir) if config.dp.hosts == 1 else _dp_hosts(config, Path(run_dir).absolute())
+    with graceful_stop(), emulated(config, Path(run_dir).absolute(), "dp") as stage:
+        summary = dp_task(stage, run_dir) if stage.dp.hosts == 1 else _dp_hosts(stage, Path(run_dir).absolute())
     u = config.unit
     get_run_logger().info(
         f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",

@@ -118,12 +118,13 @@ def _resilience(
     records: RunRecords, stages: dict, reference: str | Path | None, predict: Callable | None
 ) -> RunRecords | None:
     """The Resilience figures into ``stages["pretrain"]["resilience"]`` when the run has a chaos
-    schedule (``pretrain/chaos.json``) or DP chaos events; returns the reference run's records."""
+    schedule (``pretrain/chaos.json``) or DP met a failure or a slowdown; returns the reference run's records."""
     pre = records.stages.get("pretrain")
     if not pre or "pretrain" not in stages:
         return None
     dp = pre.get("dp")
-    if records.chaos_schedule is None and not (dp is not None and dp.chaos_events):
+    met = dp is not None and any(e.get("event") in ("failure", "slowdown") for e in dp.chaos_events or [])
+    if records.chaos_schedule is None and not met:  # (every DP run logs its start and checkpoints)
         return None
     notes = stages["pretrain"]["notes"]
     from_config = reference is None
@@ -257,7 +258,7 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
         figure_file(name, "loss_vs_time"),
     )
     net = stage.get("interconnect")
-    if net and not net["same_host"]:
+    if net and not net["same_host"] and net.get("kind") != "measured":
         stage["plots"]["loss_vs_modelled_time"] = _draw(
             loss_figure(
                 {m: f["curve"] for m, f in net["methods"].items()},

@@ -138,19 +138,26 @@ def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloc
     if config is None or "network" not in config.model_fields_set:
         return None
     net = config.network
-    same_host = net.bandwidth_gbps is None
-    link = None if same_host else Link(net.bandwidth_gbps, net.latency_ms, net.label)
+    same_host = net.bandwidth_gbps is None and not net.emulate
+    # emulated datacenters (network.emulate): the run trained across the links, its times are measured
+    link = None if same_host or net.emulate else Link(net.bandwidth_gbps, net.latency_ms, net.label)
     overlap = net.dp_overlap
     out: dict = {
         "same_host": same_host,
+        "kind": "measured" if net.emulate else "modelled",
         "methods": {},
-        "short": "this host" if same_host else f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links",
-        "assumption": (
-            "modelled: every worker on this host (no network); the measured figures"
-            if same_host
-            else assumption(link, overlap)
-        ),
+        "short": f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links" if link else "this host",
+        "assumption": assumption(link, overlap)
+        if link
+        else "modelled: every worker on this host (no network); the measured figures",
     }
+    if net.emulate:
+        rate = "unshaped links" if net.bandwidth_gbps is None else f"{net.bandwidth_gbps:g} Gbit/s links"
+        out["short"] = f"emulated datacenters, {rate}, latency not emulated"
+        out["assumption"] = (
+            f"measured: each learner and DP host trained in an emulated datacenter ({rate} each way, tc tbf; "
+            "latency not emulated: no netem in this kernel), the syncer and its store in the hub; this run's own times"
+        )
     for method, rec in (("dp", dp), ("diloco", diloco)):
         s = (rec or {}).get("summary") or {}
         steps, wall, tokens = num(s.get("steps")), num(s.get("wall_s")), num(s.get("tokens"))

@@ -532,6 +532,8 @@ def dp_resilience(
         )
         for x in restores
     ]
+    # the hosts' start-up (processes, jax.distributed, the model built): from the job's launch to its start
+    up_at = min((_t(e) for e in events if e.get("event") == "start" and _t(e) is not None), default=0.0)
     recomputes = [
         (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
     ]
@@ -541,6 +543,7 @@ def dp_resilience(
         | {t for t, _ in factors}
         | {t for a, b, _ in stalls for t in (a, b)}
         | {t for a, b in recomputes for t in (a, b)}
+        | {up_at}
     )
     for e in (schedule or {}).get("slowdowns") or []:
         cuts |= {t for t in (num(e.get("from_s")), num(e.get("to_s"))) if t is not None}
@@ -549,6 +552,10 @@ def dp_resilience(
     unattributed = 0.0
     for a, b in zip(cuts, cuts[1:]):
         mid = (a + b) / 2
+        if mid < up_at:  # every host still starting
+            for r in rows:
+                rows[r].append(_iv("down", a, b, "start-up"))
+            continue
         stall = next((x for x in stalls if x[0] <= mid < x[1]), None)
         if stall is not None:  # the whole job is down: the failed replica down, the others waiting
             for r in rows:

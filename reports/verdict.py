@@ -77,6 +77,7 @@ def seed_figures(report: dict) -> dict:
             BASELINE: num((p.get("bytes") or {}).get("sent_per_token")),
         },
         "network": net.get("short"),
+        "network_kind": net.get("kind", "modelled"),
         "assumption": net.get("assumption"),
         "modelled_wall_s": {m: num(f.get("modelled_wall_s")) for m, f in (net.get("methods") or {}).items()},
         "time_to_dp_final_s": {m: num(v) for m, v in (net.get("time_to_dp_final_s") or {}).items()},
@@ -177,7 +178,7 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
         missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
         rows += [
             row(
-                f"modelled wall time, s ({first['network']})",
+                f"{first.get('network_kind', 'modelled')} wall time, s ({first['network']})",
                 whole(wall["diloco"]),
                 whole(wall[BASELINE]),
                 ratio(wall["diloco"], wall[BASELINE]),
@@ -191,7 +192,7 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
         ]
     rows.append(
         row(
-            "goodput / uptime of the learners (fraction of time)",
+            "goodput / uptime of the learners (measured; fraction of time)",
             f"{format_value(good, '{:.3f}')} / {format_value(up, '{:.3f}')}",
             "",
             "",
@@ -264,7 +265,8 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=Fal
         parts.append(f"DiLoCo sends {bpt['diloco'] / bpt[BASELINE]:.2f}× DP's bytes per token.")
     if first.get("network") and wall["diloco"] and wall[BASELINE]:
         t = (
-            f"Under the modelled network ({first['network']}) it finishes in {wall['diloco'] / wall[BASELINE]:.2f}× "
+            f"Under the {first.get('network_kind', 'modelled')} network ({first['network']}) it finishes in "
+            f"{wall['diloco'] / wall[BASELINE]:.2f}× "
             f"DP's time"
         )
         t += (

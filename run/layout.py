@@ -199,6 +199,12 @@ class RunLayout:
         ``training.dp_job.HostFiles``)."""
         return self.method_dir(stage, method) / "hosts"
 
+    def network(self, stage: str, method: str) -> UPath:
+        """A stage's emulated datacenters (``network.emulate``, ``flows.datacenters``): ``network.json``
+        (what was emulated and the bytes each link carried), the stage's config and the processes' logs."""
+        _check_name("method", method)
+        return self.stage_dir(stage) / "network" / method  # (made before the method's own folder)
+
     def syncer_state(self, stage: str, method: str) -> UPath:
         """A DiLoCo syncer's checkpoints (Orbax steps of its state, ``training.checkpoint.OrbaxSyncerStore``)."""
         return self.method_dir(stage, method) / "syncer" / "state"

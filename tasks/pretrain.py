@@ -19,12 +19,14 @@ from run.layout import RunLayout
 from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syncer_retryable
 from training.dp import train_dp
 from training.dp_job import run_agent
+from training.learner_process import learner_in_datacenter
 
 
 @task(name="learner", task_run_name="learner-{learner}", cache_policy=NO_CACHE, log_prints=False)
 def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
     """Learner ``learner``: a retry resumes from its saved resume point and the current global
-    fragments (``diloco.learner``)."""
+    fragments (``diloco.learner``). Under ``network.emulate`` it runs as a process in its datacenter,
+    which this task starts and waits for."""
     from prefect.runtime import task_run
 
     attempt = int(task_run.run_count or 1)
@@ -35,7 +37,10 @@ def learner_task(config: ExperimentConfig, run_dir: str, learner: int) -> dict:
             learner,
             attempt,
         )
-    out = learner_attempt(config, run_dir, learner, attempt)
+    if config.network.emulate:  # a process in its datacenter (training.learner_process)
+        out = learner_in_datacenter(run_dir, learner, attempt)
+    else:
+        out = learner_attempt(config, run_dir, learner, attempt)
     logger.info("learner %d done: %d steps, %d tokens", learner, out["steps"], out["tokens"])
     return out
 

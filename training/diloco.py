@@ -164,14 +164,14 @@ def learner_turns(
 ) -> FairTurns | HostTurns | None:
     """The turns learner steps take on this host (``diloco.compute_slots``; None when 0): between
     the threads of this process on the thread engine, between the learner processes of this host
-    on Ray and Dask (none for a Ray learner with GPUs of its own).
+    on Ray and Dask and in emulated datacenters (none for a Ray learner with GPUs of its own).
 
     Threads: ``devices`` is the learner's slice (``training.mesh.learner_devices``). On accelerators
     the learners of one slice take turns and those of different slices never wait for each other
     (learner m on GPU m computes while learner m' computes on GPU m'); on CPU every learner takes
     turns with every other (CPU devices, even several, are the same cores)."""
     slots = cfg.diloco.compute_slots
-    if cfg.runtime.engine == "threads" or not slots:
+    if not cfg.learner_processes or not slots:
         own = None
         if devices is not None and any(d.platform != "cpu" for d in devices):
             own = tuple((d.platform, d.id) for d in devices)
@@ -264,7 +264,7 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
     run_dir = Path(run_dir)
     ensure_fresh(run_dir, STAGE, METHOD)
     save_chaos_schedule(cfg, run_dir)
-    if cfg.runtime.engine == "threads":  # the learners run in this process: refused before any starts
+    if not cfg.learner_processes:  # the learners run in this process: refused before any starts
         learner_devices(0, cfg.runtime.devices_per_learner)
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())
@@ -409,7 +409,7 @@ def learner_setup(
         wait_timeout_s=d.heartbeat_timeout_s,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
-        start_wait_s=cfg.runtime.start_wait_s if cfg.runtime.engine != "threads" else 0.0,
+        start_wait_s=cfg.runtime.start_wait_s if cfg.learner_processes else 0.0,
         wire=WireFormat(d.wire.dtype, d.wire.block_size),
         lr=lr_schedule(d.inner, cfg.learner_steps),
     )

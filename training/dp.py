@@ -189,7 +189,8 @@ class DPHost:
         the steps it lost and the seconds the job was down."""
         self.high = gen.high
         self.cadence.due(gen.high * self.tps)  # the measurements up to it were made before the failure
-        if gen.number == 0:
+        if gen.number == 0:  # up: the job's clock since its launch, the hosts' start-up before it
+            self.events({"event": "start", "generation": 0, "t": self.clock()})
             self.measure()
             return
         t = time.monotonic()

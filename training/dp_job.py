@@ -24,11 +24,11 @@ host's scheduled failure), ``summary.json`` (host 0's) and ``host-<r>.log`` (a h
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -36,9 +36,8 @@ from pathlib import Path
 
 from run.atomic import write_json
 from run.layout import RunLayout
+from run.processes import INJECTED_EXIT, python_module, run_watched
 
-ROOT = Path(__file__).resolve().parents[1]  # the project (the host process imports it)
-INJECTED_EXIT = 3  # a host that raised a scheduled failure exits with this code
 COORDINATOR_WAIT_S = 300.0  # how long hosts 1.. wait for host 0's address (and jax.distributed for all)
 
 
@@ -171,51 +170,28 @@ def host_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def host_command(run_dir: str | Path, rank: int, generation: int) -> list[str]:
-    """The command of one host process, with the parent-death signal in front where util-linux has
-    it (the host dies with the agent that started it, however that one dies)."""
-    from run.control import setpriv
-
-    cmd = [sys.executable, "-m", "training.dp_job", str(run_dir), "--rank", str(rank), "--generation", str(generation)]
-    return [setpriv(), "--pdeathsig", "KILL", "--", *cmd] if setpriv() else cmd
-
-
 def run_agent(run_dir: str | Path, rank: int, generation: int, poll_s: float = 0.1) -> dict:
-    """Start host ``rank`` of ``generation`` as a process of this machine and wait for it, SIGKILLing
-    it when the launcher aborts the generation. Returns ``{"rank", "returncode" (None: aborted before
-    it ended), "failure" (its scheduled failure's note, or None), "summary" (host 0's, when it
+    """Start host ``rank`` of ``generation`` as a process of this machine (in its datacenter under
+    ``network.emulate``: ``RUN/pretrain/dp/network/datacenters.json``) and wait for it, SIGKILLing it
+    when the launcher aborts the generation. Returns ``{"rank", "returncode" (None: aborted before it
+    ended), "failure" (its scheduled failure's note, or None), "summary" (host 0's, when it
     finished)}``; never raises for the host's own end (the launcher decides)."""
     files = HostFiles(run_dir, generation)
     out: dict = {"rank": rank, "returncode": None, "failure": None, "summary": None}
     if files.abort.exists():  # an engine re-ran this agent after the generation ended
         return out
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    files.gen.mkdir(parents=True, exist_ok=True)
-    with open(files.log(rank), "ab") as log:
-        proc = subprocess.Popen(
-            host_command(Path(run_dir).absolute(), rank, generation),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a terminal's Ctrl-C reaches the run, which stops the hosts in step
-            cwd=ROOT,
-            env=env,
-        )
-        try:
-            while proc.poll() is None:
-                if files.abort.exists():
-                    proc.kill()
-                    proc.wait()
-                    return out
-                time.sleep(poll_s)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    out["returncode"] = proc.returncode
+    dcs = Path(RunLayout(run_dir).network("pretrain", "dp")) / "datacenters.json"
+    wrap = None
+    if dcs.exists():
+        from run.netem import Datacenters
+
+        wrap = functools.partial(Datacenters.load(dcs).wrap, rank)
+    args = [Path(run_dir).absolute(), "--rank", rank, "--generation", generation]
+    argv = python_module("training.dp_job", args, wrap)
+    out["returncode"] = run_watched(argv, files.log(rank), files.abort.exists, poll_s)
     if files.failed(rank).exists():
         out["failure"] = json.loads(files.failed(rank).read_text())
-    if rank == 0 and proc.returncode == 0 and files.summary.exists():
+    if rank == 0 and out["returncode"] == 0 and files.summary.exists():
         out["summary"] = json.loads(files.summary.read_text())
     return out
 
