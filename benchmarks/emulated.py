@@ -108,6 +108,7 @@ def predicted_wall(base: dict, bw: float | None) -> dict[str, float | None]:
         return {m: base[m]["summary"]["wall_s"] for m in ("diloco", "dp")}
     raw = base["config"].model_dump(mode="json")
     raw["network"] = {**raw["network"], "emulate": False, "bandwidth_gbps": bw, "latency_ms": 0.0}
+    raw["chaos"] = {**raw["chaos"], "events": []}  # (the model reads the network section alone)
     cfg = stored_config(raw)
     figs = interconnect_figures(cfg, base["dp"], base["diloco"]) or {"methods": {}}
     return {m: (figs["methods"].get(m) or {}).get("modelled_wall_s") for m in ("diloco", "dp")}

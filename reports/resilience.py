@@ -402,14 +402,16 @@ def dp_step_time(train: list[dict] | None, events: list[dict] | None = None) -> 
 
 
 def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | None = None) -> dict | None:
-    """DP's training span on its own clock: from 0 to ``now``, else to its last ``train.jsonl`` row
-    or event (whichever is later); None with neither."""
+    """DP's training span on its own clock: from its job's ``start`` event (the hosts up: as a
+    DiLoCo span starts at its first learner's start; else 0) to ``now``, else to its last
+    ``train.jsonl`` row or event (whichever is later); None with neither."""
     ts = [num(r.get("t")) for r in train or []] + [_t(e) for e in events or []]
     ts = [t for t in ts if t is not None]
     if now is None and not ts:
         return None
+    start = min((_t(e) for e in events or [] if e.get("event") == "start" and _t(e) is not None), default=0.0)
     end = float(now) if now is not None else max(ts)
-    return {"start_s": 0.0, "end_s": end, "length_s": end, "clock": "DP clock (s)"}
+    return {"start_s": start, "end_s": end, "length_s": end - start, "clock": "DP clock (s)"}
 
 
 def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
@@ -532,8 +534,7 @@ def dp_resilience(
         )
         for x in restores
     ]
-    # the hosts' start-up (processes, jax.distributed, the model built): from the job's launch to its start
-    up_at = min((_t(e) for e in events if e.get("event") == "start" and _t(e) is not None), default=0.0)
+
     recomputes = [
         (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
     ]
@@ -543,19 +544,15 @@ def dp_resilience(
         | {t for t, _ in factors}
         | {t for a, b, _ in stalls for t in (a, b)}
         | {t for a, b in recomputes for t in (a, b)}
-        | {up_at}
+        | {span["start_s"]}
     )
     for e in (schedule or {}).get("slowdowns") or []:
         cuts |= {t for t in (num(e.get("from_s")), num(e.get("to_s"))) if t is not None}
-    cuts = sorted(t for t in cuts if 0.0 <= t <= end)
+    cuts = sorted(t for t in cuts if span["start_s"] <= t <= end)
     rows: dict[int, list[Interval]] = {r: [] for r in range(W)}
     unattributed = 0.0
     for a, b in zip(cuts, cuts[1:]):
         mid = (a + b) / 2
-        if mid < up_at:  # every host still starting
-            for r in rows:
-                rows[r].append(_iv("down", a, b, "start-up"))
-            continue
         stall = next((x for x in stalls if x[0] <= mid < x[1]), None)
         if stall is not None:  # the whole job is down: the failed replica down, the others waiting
             for r in rows:
@@ -629,10 +626,14 @@ def dp_resilience(
         # up while the job computes new steps: a replica running or straggling (a stall leaves none, and
         # recomputing is not up); a slowdown's waiting replicas do not matter, the slowed one computes
         "uptime": {
-            **state_uptime({str(r): ivs for r, ivs in rows.items()}, span["length_s"]),
-            "cadence": uptime(advances, 0.0, span["length_s"]),
+            **state_uptime({str(r): _since(ivs, span["start_s"]) for r, ivs in rows.items()}, span["length_s"]),
+            "cadence": uptime(advances, span["start_s"], span["end_s"]),
         },
     }
+
+
+def _since(intervals: list[Interval], t0: float) -> list[Interval]:
+    return [{**iv, "start": iv["start"] - t0, "end": iv["end"] - t0} for iv in intervals]
 
 
 # --- uptime --------------------------------------------------------------------------------------
