@@ -50,9 +50,9 @@ def _kill_by_hand(run_dir, generation: int, past_step: int) -> threading.Thread:
 def test_two_hosts_train_the_one_process_model_through_a_scheduled_kill_and_a_kill_by_hand(
     small_cfg, small_data, tmp_path, prefect_harness
 ):
-    """The tiny DP job on one process, then on 2 host processes (6 of the 12 rows of every step
-    each): host 1 is SIGKILLed by the chaos schedule before step 35 and the restarted job's host 0
-    by hand past step 45. Each death takes the whole job down; every host restarts from the last
+    """The tiny DP job (32 steps) on one process, then on 2 host processes (6 of the 12 rows of every
+    step each): host 1 is SIGKILLed by a scheduled dp_fail before step 17 and the restarted job's
+    host 0 by hand past step 22. Each death takes the whole job down; every host restarts from the last
     checkpoint (every 10 steps), recomputes the steps since on the same batches, and the held-out
     curve and final model are the one-process run's within float32 summation order. The lost time
     is measured: down from each death to its restore, then the recomputation until the job is back
@@ -60,20 +60,21 @@ def test_two_hosts_train_the_one_process_model_through_a_scheduled_kill_and_a_ki
     from flows.pretrain import pretrain_dp
     from training.dp import train_dp
 
-    base = {**small_cfg.model_dump(), "diloco": {**small_cfg.diloco.model_dump(), "enabled": False}}
+    train = {**small_cfg.train.model_dump(), "token_budget": 12288, "eval_every_tokens": 3072}  # 32 steps
+    base = {**small_cfg.model_dump(), "diloco": {**small_cfg.diloco.model_dump(), "enabled": False}, "train": train}
     one = ExperimentConfig.model_validate({**base, "dp": {**small_cfg.dp.model_dump(), "workers": 2}})
     two = ExperimentConfig.model_validate(
         {
             **base,
             "dp": {**small_cfg.dp.model_dump(), "workers": 2, "hosts": 2, "checkpoint_every_steps": 10},
-            "chaos": {"events": [{"kind": "dp_fail", "host": 1, "at_step": 35, "restart_delay_s": 0.5}]},
+            "chaos": {"events": [{"kind": "dp_fail", "host": 1, "at_step": 17, "restart_delay_s": 0.5}]},
         }
     )
     runs = {name: tmp_path / name for name in ("one", "two")}
     for rd in runs.values():
         shutil.copytree(small_data, rd)
     alone = train_dp(one, runs["one"])
-    by_hand = _kill_by_hand(runs["two"], generation=1, past_step=45)
+    by_hand = _kill_by_hand(runs["two"], generation=1, past_step=22)
     summary = pretrain_dp(two, str(runs["two"]))
     by_hand.join(timeout=5)
 
@@ -88,10 +89,10 @@ def test_two_hosts_train_the_one_process_model_through_a_scheduled_kill_and_a_ki
     fails = [e for e in events if e["event"] == "failure"]
     restores = [e for e in events if e["event"] == "restore"]
     # the scheduled kill: host 1's own note (SIGKILLed at once after writing it); then the hand's
-    assert fails[0] == {**fails[0], "host": 1, "index": 0, "how": "sigkill", "step": 34, "generation": 0}
+    assert fails[0] == {**fails[0], "host": 1, "index": 0, "how": "sigkill", "step": 16, "generation": 0}
     assert fails[1]["host"] == 0 and fails[1]["index"] is None and "killed by signal 9" in fails[1]["reason"]
-    assert fails[1]["generation"] == 1 and fails[1]["step"] > 45
-    assert [(r["generation"], r["step"]) for r in restores] == [(1, 30), (2, fails[1]["step"] // 10 * 10)]
+    assert fails[1]["generation"] == 1 and fails[1]["step"] > 22
+    assert [(r["generation"], r["step"]) for r in restores] == [(1, 10), (2, fails[1]["step"] // 10 * 10)]
     for f, r in zip(fails, restores, strict=True):
         assert r["lost_steps"] == f["step"] - r["step"] and r["down_s"] == pytest.approx(r["t"] - f["t"])
     assert restores[0]["down_s"] >= 0.5  # at least the scheduled restart delay, plus the hosts' start

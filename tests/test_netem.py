@@ -82,10 +82,10 @@ def test_emulation_without_root_is_refused_in_one_line_before_work(tmp_path):
     assert "Traceback" not in out.stdout + out.stderr and not rd.exists()
 
 
-def _cli(rd: Path, *sets: str) -> list[str]:
+def _cli(rd: Path, *sets: str, budget: int = 12288) -> list[str]:
     base = ["data.source=local", f"data.paths=[{SMALL_CORPUS}]", "network.emulate=true", "network.bandwidth_gbps=0.2"]
     base += ["diloco.learners=2", "diloco.quorum=1", "dp.hosts=2", "dp.workers=2", "eval.enabled=false"]
-    base += ["finetune.enabled=false", *sets]
+    base += ["finetune.enabled=false", f"train.token_budget={budget}", "train.eval_every_tokens=6144", *sets]
     return [
         sys.executable,
         "-m",
@@ -138,7 +138,7 @@ def test_a_sigkilled_emulated_run_leaves_no_namespace_link_or_process(tmp_path):
     log = tmp_path / "out.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            _cli(rd, "train.token_budget=393216"),
+            _cli(rd, budget=393216),
             cwd=ROOT,
             stdout=out,
             stderr=subprocess.STDOUT,
