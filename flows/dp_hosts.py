@@ -72,7 +72,7 @@ def launcher(config: ExperimentConfig, run_dir: Path, runner, clock: TrainingClo
         report()
         if failure is not None:
             get_run_logger().warning(
-                "dp: %s at step %s; every host of the job restarts from its last checkpoint",
+                "dp: %s (%s steps done); every host of the job restarts from its last checkpoint",
                 failure.get("reason"),
                 failure.get("step"),
             )
