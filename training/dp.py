@@ -169,6 +169,8 @@ class DPHost:
         self.eval_log = self._writer("eval", self.tracker.sink("eval"))
         self.step_log = self._writer("train", self.tracker.sink("train"))
         self.events = self._writer("events")
+        # a host's own events (a slowdown: its hooks) from every host; the job's (start, restore, …) from host 0
+        self.host_events = self.events if self.primary else JsonlWriter(self.layout.metrics(STAGE, METHOD, "events"))
 
     def _writer(self, name: str, sink=None) -> Callable[[dict], None]:
         if not self.primary:
@@ -346,7 +348,7 @@ class DPHost:
         }
 
     def close(self) -> None:
-        for w in (self.eval_log, self.step_log, self.events):
+        for w in {id(w): w for w in (self.eval_log, self.step_log, self.events, self.host_events)}.values():
             if isinstance(w, JsonlWriter):
                 w.close()
         self.tracker.close()
@@ -367,7 +369,7 @@ def run_host(
         host.clock,
         host.clock.sleep,
         note,
-        host.events,
+        host.host_events,
         gen.spent,
         gen.started_s,
     )
