@@ -76,7 +76,14 @@ def collectives(trainer: Trainer, batch: np.ndarray) -> dict[str, int]:
     params = trainer.init_params()
     text = trainer.step.jitted.lower(params, trainer.init_opt(params), batch, {}).compile().as_text()
     ops = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
-    return {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ops}
+    out = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in ops}
+    # all-reduces inside a loop's body (the microbatch scan): once per microbatch instead of per step
+    bodies = set(re.findall(r"\bbody=%?([\w.\-]+)", text))
+    blocks = re.split(r"\n(?=\S)", text)  # one computation per block: "name (…) -> … {" … "}"
+    out["all-reduce in loops"] = sum(
+        len(re.findall(r"\ball-reduce(?:-start)?\(", b)) for b in blocks if b.split(" ", 1)[0].lstrip("%") in bodies
+    )
+    return out
 
 
 def main() -> None:

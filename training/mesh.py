@@ -81,12 +81,6 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(BATCH))
 
 
-def microbatch_sharding(mesh: Mesh) -> NamedSharding:
-    """Microbatches stacked ``[G, B/G, ...]``: the second axis split over the mesh (every microbatch
-    spread over every device), the first (G) not split."""
-    return NamedSharding(mesh, PartitionSpec(None, BATCH))
-
-
 def single_default(devices: Sequence[jax.Device] | None) -> bool:
     """True for no devices or just the process's default device (``jax.devices()[0]``, where
     uncommitted arrays live): the step then runs as it always has, with no placement."""

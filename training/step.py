@@ -16,7 +16,7 @@ jitted step declares those input and output shardings); host numpy, uncommitted 
 committed elsewhere are placed (copied) onto the mesh before the call.
 
 Shape legend: B rows per step, G microbatches (gradient accumulation), B/G rows per microbatch,
-D devices (B/D rows of each batch per device, B/(G·D) of each microbatch).
+D devices (B/D rows of each batch per device, in G microbatches of B/(G·D) rows).
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import PartitionSpec
 
 from configs.runtime import PrecisionConfig
 from models.spec import ModelSpec
 from training.functional import Functional
 from training.mesh import (
+    BATCH,
     batch_mesh,
     batch_sharding,
     device_sharding,
-    microbatch_sharding,
     place,
     replicated,
     single_default,
@@ -59,17 +60,10 @@ def _loss_and_grad(fn: Functional, objective, compute_dtype=None):
     return jax.value_and_grad(loss_of, has_aux=True)
 
 
-def _split_microbatches(a: jax.Array, G: int, D: int) -> jax.Array:
-    """One batch leaf ``[B, ...]`` → ``[G, B/G, ...]`` (traced; B divisible by G·D).
-
-    D = 1: microbatch g is rows ``[g·B/G, (g+1)·B/G)``. D > 1 (rows split over D devices in
-    contiguous blocks of B/D): microbatch g is the g-th run of B/(G·D) rows of every device's block,
-    so each microbatch is itself spread over all D devices and no row moves between devices.
-    """
-    B, rest = a.shape[0], a.shape[1:]
-    if D == 1:
-        return a.reshape(G, B // G, *rest)
-    return a.reshape(D, G, B // (G * D), *rest).swapaxes(0, 1).reshape(G, B // G, *rest)
+def _microbatches(a: jax.Array, G: int) -> jax.Array:
+    """One batch leaf ``[B, ...]`` (or a device's rows of it) → ``[G, B/G, ...]``: microbatch g is
+    rows ``[g·B/G, (g+1)·B/G)`` (traced; B divisible by G)."""
+    return a.reshape(G, a.shape[0] // G, *a.shape[1:])
 
 
 def _leading_rows(tree) -> int:
@@ -112,10 +106,12 @@ def make_train_step(
     parallel over ``training.mesh.batch_mesh(devices)``, jitted with input and output shardings
     (params, opt state, frozen and metrics replicated, the batch split by rows); every output is
     replicated on the D devices. B must then be divisible by D (``ValueError`` before the call), and
-    with microbatches by G·D (each microbatch of B/G rows is split over the D devices too;
-    ``ValueError`` at trace). The result equals the one-device step's up to float32 summation order;
-    the compiled step's only collectives are the all-reduces of the gradients and metrics (the
-    attribute ``jitted`` of the returned function is the jitted step, to inspect).
+    with microbatches by G·D (``ValueError`` at trace): each device takes its B/D rows in G
+    microbatches of B/(G·D) rows (``jax.shard_map``) and sums their gradients, losses and metrics,
+    and the sums are all-reduced once a step (an all-reduce per microbatch would move G times the
+    gradient's bytes: across hosts, ``training.dp_job``, that is what the links carry). The result
+    equals the one-device step's up to float32 summation order; the compiled step's only collective
+    is that all-reduce (the attribute ``jitted`` of the returned function is the jitted step, to inspect).
 
     ``compute_dtype`` (``training.precision``; None: the parameters' own): the parameters are cast
     to it inside the differentiated function, so the forward and backward passes run in it and the
@@ -132,6 +128,25 @@ def make_train_step(
     mesh = batch_mesh(devices) if devices is not None and len(devices) > 1 else None
     D = mesh.size if mesh is not None else 1
 
+    def sums(params, frozen, slices_GB):
+        """Over microbatches ``[G, b, ...]``: Σ n·∇loss (float32), Σ n·loss, Σ n·metric and Σ n."""
+
+        def body(acc, mb):
+            (loss, metrics), grads = grad_fn(params, frozen, mb)
+            n = jnp.float32(1.0) if targets is None else jnp.asarray(targets(mb), jnp.float32)
+            # the microbatch's summed gradient n·∇loss (loss is its mean over its n targets)
+            return jax.tree.map(lambda a, g: a + n * g.astype(a.dtype), acc, grads), (loss, metrics, n)
+
+        # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+        total, (losses_G, metrics_G, n_G) = jax.lax.scan(body, zeros, slices_GB)
+        return total, jnp.sum(n_G * losses_G), jax.tree.map(lambda m: jnp.sum(n_G * m), metrics_G), n_G.sum()
+
+    def device_sums(params, frozen, rows):
+        """This device's rows in G microbatches, summed over every device: one all-reduce a step."""
+        local = jax.tree.map(lambda a: _microbatches(a, microbatches), rows)
+        return jax.lax.psum(sums(params, frozen, local), BATCH)
+
     def step(params: Params, opt_state, batch, frozen: Params | None = None):
         frozen = frozen or {}
         if microbatches == 1:
@@ -145,23 +160,18 @@ def make_train_step(
                     f"batch of {B} rows is not divisible into {microbatches} microbatches of "
                     f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})"
                 )
-            slices_GB = jax.tree.map(lambda a: _split_microbatches(a, microbatches, D), batch)
-            if mesh is not None:
-                slices_GB = jax.lax.with_sharding_constraint(slices_GB, microbatch_sharding(mesh))
-
-            def body(acc, mb):
-                (loss, metrics), grads = grad_fn(params, frozen, mb)
-                n = jnp.float32(1.0) if targets is None else jnp.asarray(targets(mb), jnp.float32)
-                # the microbatch's summed gradient n·∇loss (loss is its mean over its n targets)
-                return jax.tree.map(lambda a, g: a + n * g.astype(a.dtype), acc, grads), (loss, metrics, n)
-
-            # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-            total, (losses_G, metrics_G, n_G) = jax.lax.scan(body, zeros, slices_GB)
-            N = n_G.sum()
+            if mesh is None:
+                out = sums(params, frozen, jax.tree.map(lambda a: _microbatches(a, microbatches), batch))
+            else:  # each device accumulates its own rows' microbatches; the sums are all-reduced once
+                spec = (PartitionSpec(), PartitionSpec(), PartitionSpec(BATCH))
+                # (check_vma off: the model's custom VJPs do not carry varying-axis types)
+                out = jax.shard_map(device_sums, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)(
+                    params, frozen, batch
+                )
+            total, loss_sum, metric_sums, N = out
             inv = jnp.where(N > 0, 1.0 / jnp.maximum(N, 1e-30), 0.0)  # divided once by every target
-            loss = jnp.sum(n_G * losses_G) * inv
-            metrics = jax.tree.map(lambda m: jnp.sum(n_G * m) * inv, metrics_G)
+            loss = loss_sum * inv
+            metrics = jax.tree.map(lambda m: m * inv, metric_sums)
             grads = jax.tree.map(lambda g: g * inv, total)
         grad_norm = optax.global_norm(grads)  # the whole batch's gradient, before any clipping
         updates, opt_state = tx.update(grads, opt_state, params)
