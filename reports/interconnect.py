@@ -1,8 +1,8 @@
 """Wall time under a stated interconnect: what each method's run would take if its workers sat on
 separate hosts joined by the links of ``network`` (the config section), from the compute time this
 host measured and the bytes the run counted. Plain arithmetic, no Prefect, no JAX. The model (DP's
-ring all-reduce, Patarasuk & Yuan 2009; DiLoCo's round trip hidden behind τ steps, paper §3) and
-its limits: docs/interconnect.md.
+ring all-reduce, Patarasuk & Yuan 2009; DiLoCo's transfers in line with its steps, the merge due back within τ
+steps, paper §3) and its limits: docs/interconnect.md.
 """
 
 from __future__ import annotations
@@ -80,21 +80,29 @@ def diloco_step_s(
     down_bytes_per_step: float,
     fragments: int,
     sync_every: int,
-    overlap_steps: int,
     link: Link,
 ) -> dict:
-    """One learner step: ``{"compute_s", "comm_s" (a fragment's round trip), "exposed_s" (per step,
-    beyond τ steps of compute), "step_s", "keep_up_gbps"}``; bytes per learner step, each direction."""
+    """One learner step: ``{"compute_s", "comm_s" (a fragment's round trip), "transfer_s" (per step, on
+    the learner's clock), "step_s", "keep_up_gbps"}``; bytes per learner step, each direction.
+
+    The learner moves its bytes in line with its steps (``diloco.learner.run_learner``: the store's
+    put in ``Learner.send``, its gets in ``Learner.refresh``), so they add to each step rather than
+    hide behind compute: ``transfer_s = (up + down)/B + 2·latency·(3 + 2/s)`` with s = H/P steps
+    between two sends: each step two reads of the store's state (the token claim, the refresh) and
+    the claim's write, and every s steps one fragment sent and one fetched, each request a round trip
+    (measured on emulated links, latency 0: benchmarks/results/emulated_default_cpu-2core_2026-12-05.md).
+    Once sent, the merge is due back within τ ≥ 1 steps (paper §3): what is left of its round trip
+    after the upload, the syncer's notice (2·latency; its merge is outside this model), is shorter
+    than one step's six latencies, so it never waits."""
     per_sync = sync_every / fragments  # learner steps between two of its sends
     up, down = up_bytes_per_step * per_sync, down_bytes_per_step * per_sync  # one fragment, each way
     round_trip = 2 * link.latency_s + (up + down) / link.bytes_per_s
-    busy = max(compute_s, max(up_bytes_per_step, down_bytes_per_step) / link.bytes_per_s)
-    exposed = max(0.0, round_trip - overlap_steps * busy) / per_sync
+    transfer = (up_bytes_per_step + down_bytes_per_step) / link.bytes_per_s + 2 * link.latency_s * (3 + 2 / per_sync)
     return {
         "compute_s": compute_s,
         "comm_s": round_trip,
-        "exposed_s": exposed,
-        "step_s": busy + exposed,
+        "transfer_s": transfer,
+        "step_s": compute_s + transfer,
         "keep_up_gbps": max(up_bytes_per_step, down_bytes_per_step) / compute_s / GBIT if compute_s > 0 else None,
     }
 
@@ -181,7 +189,6 @@ def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloc
             learners = d.learners
             per_learner = steps / learners  # the summary's steps: all learners' steps together
             compute = (wall - (num(s.get("startup_s")) or 0.0)) / per_learner
-            tau = d.overlap_steps or d.sync_every
             fig = (
                 diloco_step_s(
                     compute,
@@ -189,11 +196,10 @@ def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloc
                     (num(s.get("bytes_from_syncer")) or 0.0) / steps,
                     d.fragments,
                     d.sync_every,
-                    tau,
                     link,
                 )
                 if link
-                else {"compute_s": compute, "comm_s": 0.0, "exposed_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+                else {"compute_s": compute, "comm_s": 0.0, "transfer_s": 0.0, "step_s": compute, "keep_up_gbps": None}
             )
             per_step_tokens, system_steps = tokens / per_learner, per_learner  # M learners step side by side
         extra = fig["step_s"] - fig["compute_s"]

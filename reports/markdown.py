@@ -314,8 +314,9 @@ def _interconnect(net: dict | None, plot: str | None, L: list[str]) -> None:
         "",
     ]
     L += [
-        "Communication: DP's ring all-reduce per step; DiLoCo's fragment round trip, hidden behind τ inner "
-        "steps. \"Gbit/s to keep up\": each step's traffic, per direction, moved within one step's compute "
+        "Communication: DP's ring all-reduce per step; DiLoCo's fragment round trip (a learner moves its "
+        'fragments and store requests in line with its steps: its added seconds). "Gbit/s to keep up": '
+        "each step's traffic, per direction, moved within one step's compute "
         "(the paper's framing: DP 198 Gbit/s against 0.84 Gbit/s for Decoupled DiLoCo across eight datacenters). "
         "A method that never reached DP's final loss shows —.",
         "",

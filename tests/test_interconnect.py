@@ -23,16 +23,15 @@ def test_the_ring_all_reduce_and_dp_overlap_by_hand():
     assert dp_step_s(0.2, 4e6, 4, DC)["step_s"] == pytest.approx(0.368)
 
 
-def test_a_fragment_round_trip_costs_only_beyond_tau_steps_and_the_link_bounds_the_step():
+def test_a_learner_pays_its_transfers_and_request_round_trips_in_line():
     slow = Link(0.1, 20.0)  # 1.25e7 bytes/s
     # P = 2, H = 8: a send every 4 steps of 4e6 bytes up, 8e6 down: round trip 0.04 + 12e6/1.25e7 = 1.0 s
-    hidden = diloco_step_s(1.0, 1e6, 2e6, fragments=2, sync_every=8, overlap_steps=1, link=slow)
-    assert hidden["comm_s"] == pytest.approx(1.0) and hidden["exposed_s"] == pytest.approx(0.0)
-    assert hidden["step_s"] == pytest.approx(1.0)
-    late = diloco_step_s(1.0, 1e6, 2e6, 2, 8, 1, Link(0.1, 50.0))  # 0.06 s beyond τ = 1 step, once per 4 steps
-    assert late["exposed_s"] == pytest.approx(0.015) and late["step_s"] == pytest.approx(1.015)
-    thin = diloco_step_s(1.0, 1e6, 2e6, 2, 8, 8, Link(0.01, 0.0))  # 2e6 bytes down per step at 1.25e6 B/s
-    assert thin["step_s"] == pytest.approx(1.6) and thin["keep_up_gbps"] == pytest.approx(2e6 / 1.25e8)
+    step = diloco_step_s(1.0, 1e6, 2e6, fragments=2, sync_every=8, link=slow)
+    assert step["comm_s"] == pytest.approx(1.0)
+    # (1e6 + 2e6)/1.25e7 = 0.24 s of bytes a step, and 3 + 2/4 round trips of 0.04 s
+    assert step["transfer_s"] == pytest.approx(0.24 + 0.14) and step["step_s"] == pytest.approx(1.38)
+    thin = diloco_step_s(1.0, 1e6, 2e6, 2, 8, Link(0.01, 0.0))  # 1.25e6 B/s, no latency
+    assert thin["step_s"] == pytest.approx(3.4) and thin["keep_up_gbps"] == pytest.approx(2e6 / 1.25e8)
     with pytest.raises(ValueError, match="network.bandwidth_gbps must be > 0"):
         Link(0.0, 1.0)
 
