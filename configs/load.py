@@ -328,15 +328,24 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
             if keys:
                 msg += f" (valid keys here: {', '.join(keys)})"
         # a cross-field error (no loc) names its field first, e.g. "chaos.events[0] (kill): …"
-        path = re.sub(r"\[\d+\]", "", loc or (re.match(r"[a-z_]+(?:\.[a-z_]+|\[\d+\])+", msg) or [""])[0])
+        if err["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+            field = _field(exc.title, err["loc"])  # a range: say what the number means (and if null is the way out)
+            if field is not None and field.description:
+                msg += f" ({field.description})"
+        # a cross-field error is traced to every field it names, e.g. network.emulate and runtime.engine
+        named = [loc] if loc else re.findall(r"\b[a-z_]+(?:\.[a-z_]+|\[\d+\])+", msg)
+        paths = {re.sub(r"\[\d+\]", "", p) for p in named}
         given = [
-            k for k in (overrides or {}) if path and (path == k or path.startswith(k + ".") or k.startswith(path + "."))
+            k for k in (overrides or {}) if any(p == k or p.startswith(k + ".") or k.startswith(p + ".") for p in paths)
         ]
         if given:
-            value = overrides[given[0]]
-            if not isinstance(value, str):  # as YAML, the way it is written after --set
-                value = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).removesuffix("\n...\n")
-            msg += f" (from {option} {given[0]}={value.strip()})"
+            shown = []
+            for key in given:
+                value = overrides[key]
+                if not isinstance(value, str):  # as YAML, the way it is written after --set
+                    value = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).removesuffix("\n...\n")
+                shown.append(f"{option} {key}={value.strip()}")
+            msg += f" (from {', '.join(shown)})"
         if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
             lines.append(msg)
         else:
@@ -344,18 +353,29 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
     return lines
 
 
+def _is_section(x) -> bool:
+    return isinstance(x, type) and issubclass(x, BaseModel)
+
+
+def _field(title: str, loc: tuple):
+    """The pydantic ``FieldInfo`` at ``loc`` of the model titled ``title`` (None when it cannot be
+    resolved, e.g. inside a list such as ``chaos.events``)."""
+    section, field = {"ExperimentConfig": ExperimentConfig}.get(title) or _strict_model(title), None
+    for part in loc:
+        field = section.model_fields.get(str(part)) if _is_section(section) else None
+        section = field.annotation if field else None
+    return field
+
+
 def _valid_keys(title: str, loc: tuple) -> list[str]:
     """The field names of the config section at ``loc`` (empty when it cannot be resolved, e.g.
     inside a list such as ``chaos.events``)."""
-
-    def is_section(x) -> bool:
-        return isinstance(x, type) and issubclass(x, BaseModel)
-
-    section = {"ExperimentConfig": ExperimentConfig}.get(title) or _strict_model(title)
-    for part in loc:
-        field = section.model_fields.get(str(part)) if is_section(section) else None
+    if loc:
+        field = _field(title, loc)
         section = field.annotation if field else None
-    return list(section.model_fields) if is_section(section) else []
+    else:
+        section = {"ExperimentConfig": ExperimentConfig}.get(title) or _strict_model(title)
+    return list(section.model_fields) if _is_section(section) else []
 
 
 def _strict_model(title: str) -> type[BaseModel] | None:

@@ -281,10 +281,33 @@ def test_validation_lines_show_the_value_and_name_the_set_that_gave_it():
     with pytest.raises(ValidationError) as info:
         ExperimentConfig.model_validate(data)
     lines = sorted(validation_lines(info.value, overrides))
-    assert lines[0] == "diloco.learners: Input should be greater than 0 (from --set diloco.learners=0)"
+    # a range error says what the number means, from the field's description
+    assert lines[0].startswith("diloco.learners: Input should be greater than 0 (")
+    assert lines[0].endswith(") (from --set diloco.learners=0)")
     assert lines[1].startswith("nosuch: Extra inputs are not permitted (valid keys here: name, seed")
     assert lines[1].endswith("(from --set nosuch.field=1)")
-    assert lines[2] == "train.token_budget: Input should be greater than 0 (got -5)"
+    assert lines[2].startswith("train.token_budget: Input should be greater than 0 (got -5) (")
+
+
+def test_a_refusal_names_the_way_out_and_every_set_that_led_to_it():
+    """A bandwidth of 0 is refused with what null means (no network), and a cross-field refusal is
+    traced to each ``--set`` whose field it names, not only the first."""
+    from pydantic import ValidationError
+
+    from configs.load import load_config, validation_lines
+
+    overrides = {"network.bandwidth_gbps": 0}
+    with pytest.raises(ValidationError) as info:
+        load_config("configs/tiny.yaml", overrides)
+    (line,) = validation_lines(info.value, overrides)
+    assert line.startswith("network.bandwidth_gbps: Input should be greater than 0 (")
+    assert "null = every worker on this host" in line and line.endswith("(from --set network.bandwidth_gbps=0)")
+    overrides = {"network.emulate": True, "runtime.engine": "dask", "dp.hosts": 3}
+    with pytest.raises(ValidationError) as info:
+        load_config("configs/tiny.yaml", overrides)
+    (line,) = validation_lines(info.value, overrides)
+    assert line.startswith("network.emulate starts each learner") and "set runtime.engine threads" in line
+    assert line.endswith("(from --set network.emulate=true, --set runtime.engine=dask)")
 
 
 # -- issue 25, new-user round: overrides, retries, sweeps ---------------------------------------

@@ -367,7 +367,7 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
         (
             ["tiny_grid", "--concurrency", "0"],
-            "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) (from --concurrency 0)",
+            "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) (cells running at once, ",
         ),
         (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
         (

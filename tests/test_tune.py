@@ -179,5 +179,6 @@ def test_the_cli_names_an_experiment_config_given_as_a_study(tmp_path):
     line = one_line_refusal(*cli("run", "tiny", "--set", "seeds=3"))
     assert "seeds: Input should be a valid list (got 3; write a YAML list, e.g. [3] or [0, 1, 2])" in line
     line = one_line_refusal(*cli("tune", "tune_tiny", "--trials", "0", "--study-root", tmp_path))
-    assert line.endswith("trials: Input should be greater than 0 (got 0) (from --trials 0)")
+    assert "trials: Input should be greater than 0 (got 0) (trials per method" in line
+    assert line.endswith(") (from --trials 0)")
     assert not any(tmp_path.iterdir())
