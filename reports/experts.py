@@ -10,7 +10,7 @@ import re
 
 from matplotlib.figure import Figure
 
-from reports.common import label, md_table, num
+from reports.common import label, num
 from reports.plots import finish_axes, new_figure
 from reports.read import MethodRecords
 
@@ -79,42 +79,3 @@ def expert_load_figure(records: dict[str, MethodRecords], unit: str = "tokens") 
         finish_axes(ax, f"training {unit}", "share of routing choices", f"{label(m)}: block {block + 1}", title_size=9)
     axes[0][-1].legend(fontsize=7, ncol=2)
     return fig
-
-
-def markdown_section(experts: dict | None, unit: str = "tokens") -> list[str]:
-    """The report's "Experts" section (empty without MoE metrics)."""
-    if not experts:
-        return []
-    L = [
-        "### Experts (mixture of experts)",
-        "",
-        "Routing on the held-out batches at the last evaluation: each MoE layer's busiest expert's share "
-        "of routing choices over the mean share (1.00 = perfectly even; the capacity limit drops "
-        "choices beyond it), the dropped fraction, and the load-balancing loss E·Σ f·P "
-        "(Switch Transformer Eq. 4; 1 for a uniform router) over training.",
-        "",
-        md_table(
-            ["method", "block", "busiest / mean", "dropped", "expert shares"],
-            [
-                [
-                    label(m),
-                    int(block) + 1,
-                    f"{lay['busiest']:.2f}×",
-                    "—" if lay["dropped"] is None else f"{lay['dropped']:.2%}",
-                    " ".join(f"{x:.3f}" for x in lay["loads"]),
-                ]
-                for m, f in experts.items()
-                for block, lay in f["layers"].items()
-            ],
-        ),
-        "",
-    ]
-    for m, f in experts.items():
-        if f["aux"]:
-            a = f["aux"]
-            L.append(
-                f"- {label(m)}: load-balancing loss {a['first']:.4f} at the start, peak {a['peak']:.4f}, "
-                f"{a['last']:.4f} at the end."
-            )
-    L.append("")
-    return L

@@ -1562,7 +1562,7 @@ def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
     their own ledger column, after merged; the balance check counts them: submitted = merged +
     recomputed + dropped + pending. A row that does not balance is still caught."""
     from reports.learners import ledger
-    from reports.markdown import _ledger_section
+    from reports.markdown import render
 
     summary = {
         "ledger": {
@@ -1606,8 +1606,7 @@ def test_ledger_with_recomputed_tokens_balances_and_says_what_they_are():
     assert led["identity_violations"] == [
         {"learner": 1, "identity": "submitted = merged + recomputed + dropped + pending", "difference": 80}
     ]
-    lines: list[str] = []
-    _ledger_section({"ledger": led}, "DiLoCo", lines)
+    lines = render("ledger.md.j2", f={"ledger": led}, who="DiLoCo", unit="tokens").splitlines()
     (sentence,) = [line for line in lines if line.startswith("Tokens per learner:")]
     assert "recomputed = " in sentence and "submitted = merged + recomputed + dropped + pending hold" in sentence
     assert "| 0 | 1,000 | 900 | 100 | 700 | 150 | 50 | 0 | 2 | stale: 50 | 70.0 |" in squash("\n".join(lines))
