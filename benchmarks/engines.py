@@ -283,7 +283,7 @@ def main() -> None:
 def run_fragments_of(cfg: ExperimentConfig, run_dir: Path) -> list[dict]:
     """Θ₀ of the config's model split into its fragments (name → float32 array per fragment)."""
     from diloco.tensors import to_numpy
-    from training.diloco import learner_trainer, run_fragments
+    from training.decoupled.setup import learner_trainer, run_fragments
 
     trainer = learner_trainer(cfg, run_dir)
     theta0 = to_numpy(trainer.init_params())

@@ -68,7 +68,7 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
 def test_drawn_replayed_and_written_schedules_speak_the_one_fault_language(tmp_path):
     """chaos.schedule, its replay and the same events written by hand in chaos.events give every
     learner the same typed faults (diloco.faults values); a config may mix both."""
-    from training.diloco import learner_faults
+    from training.decoupled.setup import learner_faults
 
     base = {"diloco": {"learners": 4, "quorum": 3, "learner_retries": 9}}
     drawn = ExperimentConfig.model_validate({**base, "chaos": {"schedule": PLAN}})

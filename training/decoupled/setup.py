@@ -1,73 +1,59 @@
-"""A Decoupled DiLoCo run, set up from plain inputs: the exchange, the syncer side and each learner's attempt.
+"""Setting a Decoupled DiLoCo run up from plain inputs: the exchange, the syncer side and each learner's attempt.
 
 ``prepare_diloco(cfg, run_dir)`` (the process that runs the flow) builds Θ₀ and the fragments and
 creates the run's exchange holding version 0 of every fragment: in process memory, registered under
 the run directory (``runtime.exchange`` memory), or as durable objects at an fsspec URL (fsspec).
 ``open_syncer(cfg, run_dir, attempt)`` (the syncer task's process, which may be another one) opens
 that exchange, takes office as its syncer (fencing out any earlier one) and builds the syncer from
-Θ₀; with the fsspec exchange a restarted syncer then resumes from its checkpoint and journal
-(``diloco.syncer_journal``) when ``run_syncer_to_end`` starts the loop.
+Θ₀ (``training.decoupled.syncer`` runs it); with the fsspec exchange a restarted syncer then resumes
+from its checkpoint and journal (``diloco.syncer_journal``).
 ``learner_attempt(cfg, run_dir, m, attempt)`` takes only plain, serialisable inputs and rebuilds
 everything a learner needs from them, in any process: the model spec and compiled step (shared by
 the learners of one process on the same devices: ``runtime.devices_per_learner`` of them,
 ``training.mesh.learner_devices``), its shard and data cursor, its resume point and the exchange
-handle.
-``run_syncer_to_end(run)`` drives the syncer, evaluates Θ on the cadence and saves the checkpoint
-and summary. ``setup_diloco`` = prepare + open in one process. No Prefect here.
-
-Both methods see the same data (the DP job reads the union of the learner shards), the same token
-budget (``cfg.dp_steps × tokens per DP step``) and the same validation batches.
+handle. ``setup_diloco`` = prepare + open in one process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
-import signal
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
-from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
-from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown, SyncerFaults
+from diloco.exchange.fsspec import FsspecExchange
+from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown
 from diloco.fragments import balanced_fragments
-from diloco.grace import GraceWindow
 from diloco.learner import LearnerSetup, run_learner
 from diloco.pacing import FairTurns, HostTurns
 from diloco.receipt import receipt_rule
-from diloco.syncer import Syncer, SyncerSettings
-from diloco.syncer_journal import JournalMismatchError, SyncerJournal
-from diloco.syncer_loop import SyncerHooks, liveness, run_syncer
+from diloco.syncer import Syncer
+from diloco.syncer_journal import SyncerJournal
 from diloco.tensors import embedding_names, tensor_bytes, to_numpy
 from diloco.wire import WireFormat
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
-from run.tracking import NO_TRACKING, Tracker
-from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore, save_checkpoint
+from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore
 from training.common import compilation_cache_dir, ensure_fresh, model_spec, save_chaos_schedule, token_budget
-from training.evaluation import eval_record, final_heldout, heldout_metrics, val_batches
-from training.functional import nest
-from training.mesh import backend_line, learner_devices, single_default
+from training.decoupled import METHOD, STAGE
+from training.decoupled.syncer import DiLoCoRun, syncer_settings
+from training.evaluation import heldout_metrics, val_batches
+from training.mesh import learner_devices, single_default
 from training.optimizers import lr_schedule, make_inner_tx
 from training.step import Trainer
 from training.tracking import method_tracker
-
-log = logging.getLogger(__name__)
-STAGE, METHOD = "pretrain", "diloco"
 
 
 def _key(run_dir: str | Path) -> str:
@@ -194,62 +180,6 @@ def run_fragments(cfg: ExperimentConfig, trainer: Trainer) -> list[list[str]]:
     """The run's P fragments: derived from the parameter sizes alone, so the syncer and every learner
     attempt, in any process, get the same partition without exchanging it."""
     return balanced_fragments(tensor_bytes(trainer.param_shapes), cfg.diloco.fragments)
-
-
-@dataclass
-class DiLoCoRun:
-    """The syncer side of one run (lives in the syncer task's process)."""
-
-    cfg: ExperimentConfig
-    run_dir: Path
-    exchange: InMemoryExchange | FsspecExchange
-    syncer: Syncer
-    trainer: Trainer
-    merges_log: JsonlWriter
-    learners_log: JsonlWriter
-    eval_log: JsonlWriter
-    val: list[np.ndarray]
-    budget: int
-    generation: int = 1
-    last_val_loss: float | None = None
-    merges: int = 0
-    attempt: int = 1
-    journal: SyncerJournal | None = None  # fsspec exchange: journal + checkpoints (a syncer that survives)
-    resumed: bool = False  # an earlier syncer of this run took office before this one
-    logged_merges: set[tuple[int, int]] = field(default_factory=set)  # (fragment, version) in merges.jsonl
-    tracker: Tracker = NO_TRACKING  # TensorBoard / W&B of the syncer's merges and evaluations (run.tracking)
-
-    def close_logs(self) -> None:
-        for log in (self.merges_log, self.learners_log, self.eval_log):
-            log.close()
-        self.tracker.close()
-
-
-def grace_window(cfg: ExperimentConfig) -> GraceWindow:
-    """The syncer loop's grace window from ``diloco.grace*`` (τ defaults to H)."""
-    d = cfg.diloco
-    return GraceWindow(
-        mode=d.grace,
-        fixed_s=d.grace_s,
-        gamma=d.grace_gamma,
-        overlap_steps=d.grace_overlap_steps or d.overlap_steps or d.sync_every,
-        cap_s=d.grace_cap_s,
-    )
-
-
-def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
-    d = cfg.diloco
-    return SyncerSettings(
-        num_learners=d.learners,
-        quorum=d.quorum,
-        grace_s=d.grace_s,
-        merge=d.merge,
-        outer_lr=d.outer_lr,
-        outer_momentum=d.outer_momentum,
-        outer_nesterov=d.outer_nesterov,
-        max_staleness=d.max_staleness,
-        wire=d.wire.spec,
-    )
 
 
 def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
@@ -502,352 +432,3 @@ def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExch
     for p, names in enumerate(fragments):
         exchange.publish(p, 0, {k: theta0[k] for k in names})
     return exchange
-
-
-def syncer_retryable(exc: BaseException) -> bool:
-    """Whether a failed syncer attempt is worth a retry: not when another syncer took office
-    (``StaleSyncerError``: a retry would fight it) or the journal does not replay
-    (``JournalMismatchError``: a retry would replay it the same way)."""
-    return not isinstance(exc, (StaleSyncerError, JournalMismatchError))
-
-
-def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = None) -> dict:
-    """The syncer: merge loop, held-out evaluation of Θ on the cadence, final checkpoint; returns the
-    summary. Ends once the flow has marked the learners done (``exchange.mark_learners_done``) and
-    everything is flushed.
-
-    A resumed syncer (fsspec exchange, an earlier attempt took office) skips the evaluation at 0
-    tokens, logs a merge replayed from the journal only if ``merges.jsonl`` lacks it, and writes a
-    ``syncer-resumed`` event (generation, checkpoint step and seq, entries replayed, merges
-    republished, ``recover_s`` seconds, ``t``) to the learners log; a failing attempt writes a
-    ``syncer-failure`` event (``attempt``, ``generation``, ``reason``, ``merges``, ``t``) before it re-raises.
-    ``on_evaluated()`` is called after each evaluation is logged (the flow's live chart); its errors
-    are logged as warnings, never the syncer's.
-    """
-
-    def on_merge(rec: dict) -> None:
-        key = (int(rec["fragment"]), int(rec["version"]))
-        if key in run.logged_merges:
-            return  # replayed from the journal, logged by the attempt that made it
-        run.logged_merges.add(key)
-        run.merges += 1
-        run.merges_log({**rec, "merge": run.merges})  # its ordinal in the run, resumed syncers included
-
-    def on_eval(params: dict[str, np.ndarray], tokens: int) -> None:
-        t0 = time.perf_counter()
-        fields = eval_record(
-            heldout_metrics(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()}, run.val)
-        )
-        run.last_val_loss = fields["val/loss"]
-        run.eval_log(
-            {
-                "method": METHOD,
-                "tokens": tokens,
-                "wall_s": run.exchange.clock(),
-                "merges": run.merges,
-                **fields,
-                "eval_s": time.perf_counter() - t0,
-            }
-        )
-        if on_evaluated is not None:
-            try:
-                on_evaluated()
-            except Exception as exc:  # noqa: BLE001 - a chart never stops the syncer
-                log.warning("syncer: after the evaluation at %d tokens: %s: %s", tokens, type(exc).__name__, exc)
-
-    def on_recover(info: dict) -> None:
-        if run.resumed:
-            run.learners_log(
-                {
-                    "event": "syncer-resumed",
-                    "role": "syncer",
-                    "attempt": run.attempt,
-                    "pid": os.getpid(),
-                    **info,
-                    "merges": run.syncer.num_merges,
-                    "t": run.exchange.clock(),
-                }
-            )
-
-    def on_event(ev: dict) -> None:
-        run.learners_log({"source": "exchange", **ev})
-
-    if not run.resumed:
-        on_eval(run.syncer.params(), 0)
-    poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
-    try:
-        result = run_syncer(
-            run.syncer,
-            run.exchange,
-            SyncerHooks(on_merge=on_merge, on_eval=on_eval, on_event=on_event, on_recover=on_recover),
-            eval_every_tokens=run.cfg.train.eval_every_tokens,
-            heartbeat_timeout_s=run.cfg.diloco.heartbeat_timeout_s,
-            poll_s=poll_s,
-            journal=run.journal,
-            grace=grace_window(run.cfg),
-            faults=syncer_faults(run),
-        )
-    except BaseException as exc:
-        run.learners_log(
-            {
-                "event": "syncer-failure",
-                "role": "syncer",
-                "attempt": run.attempt,
-                "generation": run.generation,
-                "reason": f"{type(exc).__name__}: {exc}",
-                "merges": run.syncer.num_merges,
-                "t": run.exchange.clock(),
-            }
-        )
-        raise
-    for ev in result.events:
-        run.learners_log({**ev, "source": "syncer"})
-    return save_diloco(run, result.wall_s)
-
-
-def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
-    """This syncer attempt's injected failure: the ``run.attempt``-th ``syncer_fail`` of ``chaos.events``
-    (in merge order), with a journal only (the fsspec exchange); ``how: sigkill`` logs a
-    ``syncer-kill`` event and SIGKILLs the process instead of raising. None due: no faults."""
-    failures = sorted((e for e in run.cfg.chaos.events if e.kind == "syncer_fail"), key=lambda f: f.at_merge)
-    if run.journal is None or run.attempt > len(failures):
-        return SyncerFaults()
-    f = failures[run.attempt - 1]
-    if f.how != "sigkill":
-        return SyncerFaults(fail_at=(f.at_merge, f.when))
-
-    def on_fail(reason: str) -> None:
-        run.learners_log(
-            {
-                "event": "syncer-kill",
-                "role": "syncer",
-                "attempt": run.attempt,
-                "generation": run.generation,
-                "reason": f"chaos: SIGKILL ({reason})",
-                "merges": run.syncer.num_merges,
-                "pid": os.getpid(),
-                "t": run.exchange.clock(),
-            }
-        )
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    return SyncerFaults(fail_at=(f.at_merge, f.when), on_fail=on_fail)
-
-
-def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
-    """Checkpoint Θ and the outer state (step = tokens claimed); return the summary dict."""
-    cfg, s = run.cfg, run.syncer
-    P = s.num_fragments
-    outer = {
-        f"fragment_{p}": {f"{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st))}
-        for p, st in enumerate(s.opt_states)
-    }
-    learners = run.exchange.learners()
-    pending = s.pending_tokens()
-    ledger = {}
-    for m, entry in s.ledger.items():
-        processed = int(learners.get(m, {}).get("processed", 0))
-        # The syncer counts per fragment; averaging over the P fragments gives model-level tokens.
-        ledger[str(m)] = {
-            "processed": processed,
-            "submitted": round(entry.submitted / P),
-            "not_submitted": processed - round(entry.submitted / P),
-            "merged": round(entry.merged / P),
-            "recomputed": round(entry.recomputed / P),
-            "dropped": round(entry.dropped / P),
-            "pending": round(pending[m] / P),
-            "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
-            "attempts": int(learners.get(m, {}).get("attempt", 1)),
-        }
-    tokens = run.exchange.claimed_tokens
-    meta = {
-        "method": METHOD,
-        "versions": s.versions,
-        "merges": s.num_merges,
-        "tokens": tokens,
-        "fragments": s.fragments,
-        "ledger": ledger,
-    }
-    theta = s.params()
-    # whole val and test splits (the curve's fixed sample is for the cadence): selection reads val,
-    # the headline figure is test
-    heldout = final_heldout(
-        run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir, cfg.train.eval_batch_size
-    )
-    layout = RunLayout(run.run_dir)
-    save_checkpoint(layout.checkpoints(STAGE, METHOD), tokens, nest(theta), meta, extra={"outer_state": outer})
-    merges_bytes_in = sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))
-    d = cfg.diloco
-    spec = run.trainer.spec
-    text = cfg.unit == "tokens"
-    rows = "seqs" if text else "images"
-    return {
-        "method": METHOD,
-        "interrupted": STOP.is_set() or run.exchange.stop_requested(),
-        "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
-        "hyperparameters": {
-            "backend": backend_line(),
-            "precision": cfg.precision.describe(),
-            "learners (M)": d.learners,
-            "fragments (P)": d.fragments,
-            "sync every (H)": d.sync_every,
-            "quorum (K)": d.quorum,
-            "grace window (s)": d.grace_s,
-            "grace": d.grace
-            if d.grace == "fixed"
-            else f"adaptive (γ {d.grace_gamma:g}, "
-            f"τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "
-            f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})",
-            "merge": d.merge,
-            "outer lr": d.outer_lr,
-            "outer momentum": d.outer_momentum,
-            "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
-            f"batch ({rows}/learner step)": d.batch_size,
-            **({"seq len": cfg.data.seq_len} if text else {}),
-            "inner optimizer": d.inner.name,
-            "inner lr": d.inner.lr,
-            "warmup steps": d.inner.warmup_steps,
-            "weight decay": d.inner.weight_decay,
-            "grad clip": d.inner.grad_clip,
-            f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
-            "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
-            "compute slots": d.compute_slots or "unpaced",
-            "devices per learner": cfg.runtime.devices_per_learner,
-            f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
-            "resume point every (steps)": d.resume_every_steps or "never",
-            "wire format (learner→syncer)": d.wire.spec,
-            "overlap τ (steps; a learner waits past it)": d.overlap_steps or "never waits",
-        },
-        "tokens": tokens,
-        "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),
-        "wall_s": wall_s,
-        "tokens_per_s": tokens / max(wall_s, 1e-9),
-        "final_val_loss": run.last_val_loss,
-        "heldout": heldout,
-        "merges": s.num_merges,
-        # learner→syncer submission payload bytes (every submission: merged, dropped or pending) and
-        # syncer→learner pulled bytes, counted by the learners, summed over learners and attempts;
-        # bytes_merged = the merge log's bytes_in total (submission bytes that went into merges).
-        "bytes_to_syncer": int(sum(int(v.get("bytes_to_syncer", 0)) for v in learners.values())),
-        "bytes_merged": int(merges_bytes_in),
-        "bytes_from_syncer": int(sum(int(v.get("bytes_from_syncer", 0)) for v in learners.values())),
-        # seconds in exchange storage calls, encoding and checksums (0 in process memory): the
-        # syncer's, and the learners' summed over their processes (threads of one process share one)
-        "exchange_s": float(getattr(run.exchange, "io_s", 0.0)),
-        "learner_exchange_s": _per_process_total(learners.values(), "exchange_s"),
-        # run clock (seconds since set-up) of the first learner step: engine start, imports, compiles
-        "startup_s": min((e["t"] for e in read_jsonl(run.learners_log.path) if e.get("event") == "start"), default=0.0),
-        "ledger": ledger,
-        "params": spec.params,
-        "active_params": int(spec.extras.get("active_params", spec.params)),  # per token (MoE: k of E experts)
-        "flops_per_token": spec.flops_per_unit,
-        "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
-    }
-
-
-def live_view(cfg: ExperimentConfig, exchange, run_dir: str | Path) -> tuple[list[dict], dict]:
-    """The syncer's-eye view of a running DiLoCo run, for a live artifact: one row per learner
-    (alive as the syncer judges it from heartbeats, ``diloco.syncer_loop.liveness``; status,
-    attempt, inner step, tokens processed, bytes sent and received, seconds since its last
-    heartbeat, process id) and the totals: global versions, merges, tokens claimed, tokens merged
-    (Σ over the merge log of the contributors' token counters ÷ P, the model-level tokens in Θ).
-    Reads the exchange and ``metrics/merges.jsonl``; writes nothing."""
-    live, down = liveness(exchange, cfg.diloco.heartbeat_timeout_s)
-    now = time.monotonic()
-    rows = []
-    beats = exchange.learners()
-    for m in range(cfg.diloco.learners):
-        b = beats.get(m, {})
-        state = "alive" if m in live else down.get(m, b.get("status", "not started"))
-        rows.append(
-            {
-                "learner": m,
-                "state": state,
-                "attempt": b.get("attempt", 1 if b else None),
-                "step": b.get("step"),
-                "tokens": b.get("processed"),
-                "bytes sent": b.get("bytes_to_syncer"),
-                "bytes received": b.get("bytes_from_syncer"),
-                "heartbeat age (s)": round(now - b["last_seen"], 1) if "last_seen" in b else None,
-                "pid": b.get("pid"),
-            }
-        )
-    merges = read_jsonl(RunLayout(run_dir).metrics(STAGE, METHOD, "merges"))
-    versions = exchange.versions()
-    totals = {
-        "alive": len(live),
-        "learners": cfg.diloco.learners,
-        "versions": versions,
-        "merges": sum(versions),
-        "tokens claimed": exchange.claimed_tokens,
-        "tokens merged": round(sum(sum(r.get("tokens") or []) for r in merges) / max(len(versions), 1)),
-        "bytes merged": int(sum(r.get("bytes_in") or 0 for r in merges)),
-    }
-    return rows, totals
-
-
-def _per_process_total(beats, key: str) -> float:
-    """Sum of a process-wide counter over processes: heartbeats of one ``pid`` report the same
-    counter at different times, so the largest of each process is taken."""
-    most: dict = {}
-    for b in beats:
-        most[b.get("pid")] = max(most.get(b.get("pid"), 0.0), float(b.get(key, 0.0)))
-    return float(sum(most.values()))
-
-
-def work_lost(ledger: dict[str, dict], warn_above: float, fail_above: float) -> dict:
-    """How much of the learners' work the syncer dropped, and whether that is acceptable.
-
-    ``ledger``: learner → token counts (``save_diloco``). Returns ``processed_tokens``,
-    ``dropped_tokens``, ``dropped_fraction`` (dropped / processed; 0 when nothing was processed),
-    ``reasons`` (reason → tokens), the two thresholds (``diloco.warn_dropped_fraction``,
-    ``diloco.max_dropped_fraction``) and ``status``: ``ok``, ``warning`` (above ``warn_above``) or
-    ``failed`` (above ``fail_above``: the pipeline exits non-zero after writing the report).
-    """
-    processed = sum(int(v["processed"]) for v in ledger.values())
-    dropped = sum(int(v["dropped"]) for v in ledger.values())
-    reasons: dict[str, int] = {}
-    for v in ledger.values():
-        for k, n in v.get("drop_reasons", {}).items():
-            reasons[k] = reasons.get(k, 0) + int(n)
-    frac = dropped / processed if processed else 0.0
-    status = "failed" if frac > fail_above else "warning" if frac > warn_above else "ok"
-    return {
-        "processed_tokens": processed,
-        "dropped_tokens": dropped,
-        "dropped_fraction": frac,
-        "reasons": reasons,
-        "warn_above": warn_above,
-        "fail_above": fail_above,
-        "status": status,
-    }
-
-
-def learners_gone(
-    learners: dict[int, dict], num_learners: int, errors: dict[int, str] | None = None, retries: int | None = None
-) -> str:
-    """Why a DiLoCo stage's learners stopped before its budget was spent, in one phrase (for
-    ``training.common.budget_status``): how each learner ended, from its last heartbeat
-    (``learners``: the exchange's view, learner → status, attempt, step, reason) or, for a learner
-    that never reported to the exchange (its worker could not even start the task), from
-    ``errors`` (learner → the task's error). ``retries``: ``diloco.learner_retries``, named in the
-    phrase. Learner order; no Prefect, no I/O."""
-    errors = errors or {}
-    parts = []
-    for m in range(num_learners):
-        info = learners.get(m)
-        if info is None:
-            parts.append(
-                f"learner {m} failed before its first step, never reporting to the exchange "
-                f"({errors.get(m, 'no reason recorded')})"
-            )
-            continue
-        status = info.get("status")
-        verb = "failed" if status == "down" else f"ended {status or 'without a status'}"
-        step = int(info.get("step") or 0)
-        at = f"at local step {step}" if step else "before its first step"
-        n = int(info.get("attempt") or 1)
-        reason = info.get("reason") or errors.get(m) or "no reason recorded"
-        parts.append(f"learner {m} {verb} {at} after {n} attempt{'' if n == 1 else 's'} ({reason})")
-    retried = "" if retries is None else f" (diloco.learner_retries {retries})"
-    return f"every learner ended before the budget was spent{retried}: " + "; ".join(parts)
