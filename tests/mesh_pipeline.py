@@ -75,7 +75,7 @@ def main() -> None:
             "steps": summary["steps"],
             "hyperparameters": summary["hyperparameters"],
         }
-    out["learner_slices"] = sorted(key[2] for key in setup._TRAINERS if key[2] is not None)
+    out["learner_slices"] = sorted(key[2] for key in setup.CACHE.trainers if key[2] is not None)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     out["learner_1_restart"] = [
         {k: e.get(k) for k in ("event", "attempt", "step", "resumed")}

@@ -11,7 +11,8 @@ from its checkpoint and journal (``diloco.syncer_journal``).
 everything a learner needs from them, in any process: the model spec and compiled step (shared by
 the learners of one process on the same devices: ``runtime.devices_per_learner`` of them,
 ``training.mesh.learner_devices``), its shard and data cursor, its resume point and the exchange
-handle. ``setup_diloco`` = prepare + open in one process.
+handle. ``setup_diloco`` = prepare + open in one process. What this process keeps between calls
+(compiled steps, turns, exchange handles) is one :class:`ProcessCache`, ``CACHE``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,14 +58,42 @@ from training.step import Trainer
 from training.tracking import method_tracker
 
 
-def _key(run_dir: str | Path) -> str:
+def run_key(run_dir: str | Path) -> str:
+    """A run directory as this process keys it: absolute."""
     return str(Path(run_dir).absolute())
 
 
-_TRAINERS: dict[tuple, Trainer] = {}
-_TURNS: dict[tuple, FairTurns | None] = {}
-_EXCHANGES: dict[str, FsspecExchange] = {}
-_LOCK = threading.Lock()
+class ProcessCache:
+    """What this process keeps for the DiLoCo runs it serves, shared by its threads (the flow, the
+    syncer, the learners) under one lock; each entry is made once, threads asking at once wait for it:
+
+    * ``trainers``: the compiled learner step (:func:`learner_trainer`), by (``repr(cfg)``, run
+      directory, device slice as ``(platform, id)`` pairs or None for the default device);
+    * ``turns``: the first-come turns of the run's learner threads (:func:`learner_turns`; None:
+      unpaced), by (run directory, accelerator slice or None: every CPU learner shares one set);
+    * ``exchanges``: the handle on a run's fsspec exchange that its learners in this process share
+      (:func:`open_run_exchange`; the syncer opens its own), by URL.
+
+    Run directories are keyed absolute (:func:`run_key`). Nothing is ever cleared: an entry lives as
+    long as the process, which serves one run (a test or benchmark process may serve several, one
+    entry each). The in-process exchange is registered apart, in ``diloco.exchange``, by :func:`run_key`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.trainers: dict[tuple, Trainer] = {}
+        self.turns: dict[tuple, FairTurns | None] = {}
+        self.exchanges: dict[str, FsspecExchange] = {}
+
+    def get(self, table: dict, key: Hashable, make: Callable[[], Any]) -> Any:
+        """``table[key]`` (``table``: one of the three above), made by ``make()`` the first time."""
+        with self.lock:
+            if key not in table:
+                table[key] = make()
+            return table[key]
+
+
+CACHE = ProcessCache()
 
 
 def _absolute(url: str) -> str:
@@ -100,12 +130,9 @@ def open_run_exchange(cfg: ExperimentConfig, run_dir: str | Path):
     Raises ``LookupError`` (memory: the run was set up in another process) or ``FileNotFoundError``
     (fsspec: nothing created at the URL yet)."""
     if cfg.runtime.exchange_kind == "memory":
-        return open_exchange(_key(run_dir))
+        return open_exchange(run_key(run_dir))
     url = exchange_url(cfg, run_dir)
-    with _LOCK:
-        if url not in _EXCHANGES:
-            _EXCHANGES[url] = FsspecExchange.open(url, poll_s=cfg.runtime.exchange_poll_s)
-        return _EXCHANGES[url]
+    return CACHE.get(CACHE.exchanges, url, lambda: FsspecExchange.open(url, poll_s=cfg.runtime.exchange_poll_s))
 
 
 def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequence[jax.Device] | None = None) -> Trainer:
@@ -115,33 +142,21 @@ def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequenc
     ``devices``: the slice (``training.mesh.learner_devices``); None, or just the default device,
     is the default device (the syncer's side: Θ₀, fragments, held-out evaluation)."""
     placed = None if single_default(devices) else tuple(devices)
-    key = (repr(cfg), _key(run_dir), None if placed is None else tuple((d.platform, d.id) for d in placed))
-    with _LOCK:
-        if key not in _TRAINERS:
-            tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-            _TRAINERS[key] = Trainer(
-                model_spec(cfg, run_dir),
-                tx,
-                cfg.learner_microbatches,
-                seed=cfg.seed,
-                devices=placed,
-                precision=cfg.precision,
-            )
-        return _TRAINERS[key]
+    key = (repr(cfg), run_key(run_dir), None if placed is None else tuple((d.platform, d.id) for d in placed))
 
+    def make() -> Trainer:
+        tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
+        spec = model_spec(cfg, run_dir)
+        return Trainer(spec, tx, cfg.learner_microbatches, seed=cfg.seed, devices=placed, precision=cfg.precision)
 
-def _turns(run_dir: str | Path, slots: int, accelerators: tuple | None = None) -> FairTurns | None:
-    """The first-come turns shared by the learners of one run in this process (None: unpaced):
-    one set per accelerator slice (``accelerators``: its devices), one for all when None (CPU)."""
-    with _LOCK:
-        return _TURNS.setdefault((_key(run_dir), accelerators), FairTurns(slots) if slots else None)
+    return CACHE.get(CACHE.trainers, key, make)
 
 
 def host_turns_dir(run_dir: str | Path) -> Path:
     """The folder in which the learner processes of one run on this host take turns
     (:class:`~diloco.pacing.HostTurns`): under the host's temporary folder, so learners on other
     hosts never pace against these."""
-    digest = hashlib.sha1(_key(run_dir).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(run_key(run_dir).encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / "ddiloco-turns" / digest
 
 
@@ -161,7 +176,7 @@ def learner_turns(
         own = None
         if devices is not None and any(d.platform != "cpu" for d in devices):
             own = tuple((d.platform, d.id) for d in devices)
-        return _turns(run_dir, slots, own)
+        return CACHE.get(CACHE.turns, (run_key(run_dir), own), lambda: FairTurns(slots) if slots else None)
     if cfg.runtime.engine == "ray" and _ray_gpu_ids():
         return None  # GPUs of its own (runtime.learner_gpus): nothing on this host to take turns on
     return HostTurns(host_turns_dir(run_dir), slots)
@@ -206,7 +221,7 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
         exchange = InMemoryExchange(len(fragments), budget)
         for p, params in enumerate(initial):
             exchange.publish(p, 0, params)
-        register_exchange(_key(run_dir), exchange)
+        register_exchange(run_key(run_dir), exchange)
         return exchange
     # every learner starts with, and is topped up by, one sync period of inner steps' tokens
     grant = cfg.diloco.sync_every * cfg.tokens_per_learner_step
