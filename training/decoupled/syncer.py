@@ -167,6 +167,7 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
     if not run.resumed:
         on_eval(run.syncer.params(), 0)
     poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
+    grace = grace_window(run.cfg)
     try:
         result = run_syncer(
             run.syncer,
@@ -176,7 +177,7 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
             heartbeat_timeout_s=run.cfg.diloco.heartbeat_timeout_s,
             poll_s=poll_s,
             journal=run.journal,
-            grace=grace_window(run.cfg),
+            grace=grace,
             faults=syncer_faults(run),
         )
     except BaseException as exc:
@@ -194,7 +195,7 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
         raise
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
-    return save_diloco(run, result.wall_s)
+    return save_diloco(run, result.wall_s, grace)
 
 
 def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
@@ -226,32 +227,13 @@ def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
     return SyncerFaults(fail_at=(f.at_merge, f.when), on_fail=on_fail)
 
 
-def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
-    """Checkpoint Θ and the outer state (step = tokens claimed); return the summary dict."""
-    cfg, s = run.cfg, run.syncer
-    P = s.num_fragments
-    outer = {
-        f"fragment_{p}": {f"{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st))}
-        for p, st in enumerate(s.opt_states)
-    }
+def save_diloco(run: DiLoCoRun, wall_s: float, grace: GraceWindow) -> dict:
+    """Checkpoint Θ and the outer state (step = tokens claimed); return the summary dict
+    (docs/contracts.md, *Summaries*; the flow adds ``budget`` and writes it). ``grace``: the syncer
+    loop's window, as the hyperparameters name it."""
+    cfg, s, tokens = run.cfg, run.syncer, run.exchange.claimed_tokens
     learners = run.exchange.learners()
-    pending = s.pending_tokens()
-    ledger = {}
-    for m, entry in s.ledger.items():
-        processed = int(learners.get(m, {}).get("processed", 0))
-        # The syncer counts per fragment; averaging over the P fragments gives model-level tokens.
-        ledger[str(m)] = {
-            "processed": processed,
-            "submitted": round(entry.submitted / P),
-            "not_submitted": processed - round(entry.submitted / P),
-            "merged": round(entry.merged / P),
-            "recomputed": round(entry.recomputed / P),
-            "dropped": round(entry.dropped / P),
-            "pending": round(pending[m] / P),
-            "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
-            "attempts": int(learners.get(m, {}).get("attempt", 1)),
-        }
-    tokens = run.exchange.claimed_tokens
+    ledger = _ledger(s, learners)
     meta = {
         "method": METHOD,
         "versions": s.versions,
@@ -266,50 +248,14 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
     heldout = final_heldout(
         run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir, cfg.train.eval_batch_size
     )
-    layout = RunLayout(run.run_dir)
-    save_checkpoint(layout.checkpoints(STAGE, METHOD), tokens, nest(theta), meta, extra={"outer_state": outer})
-    merges_bytes_in = sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))
-    d = cfg.diloco
-    spec = run.trainer.spec
-    text = cfg.unit == "tokens"
-    rows = "seqs" if text else "images"
+    checkpoints = RunLayout(run.run_dir).checkpoints(STAGE, METHOD)
+    save_checkpoint(checkpoints, tokens, nest(theta), meta, extra={"outer_state": _outer_state(s)})
+    d, spec = cfg.diloco, run.trainer.spec
     return {
         "method": METHOD,
         "interrupted": STOP.is_set() or run.exchange.stop_requested(),
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
-        "hyperparameters": {
-            "backend": backend_line(),
-            "precision": cfg.precision.describe(),
-            "learners (M)": d.learners,
-            "fragments (P)": d.fragments,
-            "sync every (H)": d.sync_every,
-            "quorum (K)": d.quorum,
-            "grace window (s)": d.grace_s,
-            "grace": d.grace
-            if d.grace == "fixed"
-            else f"adaptive (γ {d.grace_gamma:g}, "
-            f"τ {d.grace_overlap_steps or d.overlap_steps or d.sync_every} steps, cap "
-            f"{'one step' if d.grace_cap_s is None else f'{d.grace_cap_s:g} s'})",
-            "merge": d.merge,
-            "outer lr": d.outer_lr,
-            "outer momentum": d.outer_momentum,
-            "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
-            f"batch ({rows}/learner step)": d.batch_size,
-            **({"seq len": cfg.data.seq_len} if text else {}),
-            "inner optimizer": d.inner.name,
-            "inner lr": d.inner.lr,
-            "warmup steps": d.inner.warmup_steps,
-            "weight decay": d.inner.weight_decay,
-            "grad clip": d.inner.grad_clip,
-            f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
-            "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
-            "compute slots": d.compute_slots or "unpaced",
-            "devices per learner": cfg.runtime.devices_per_learner,
-            f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
-            "resume point every (steps)": d.resume_every_steps or "never",
-            "wire format (learner→syncer)": d.wire.spec,
-            "overlap τ (steps; a learner waits past it)": d.overlap_steps or "never waits",
-        },
+        "hyperparameters": _hyperparameters(cfg, grace),
         "tokens": tokens,
         "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),
         "wall_s": wall_s,
@@ -321,7 +267,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         # syncer→learner pulled bytes, counted by the learners, summed over learners and attempts;
         # bytes_merged = the merge log's bytes_in total (submission bytes that went into merges).
         "bytes_to_syncer": int(sum(int(v.get("bytes_to_syncer", 0)) for v in learners.values())),
-        "bytes_merged": int(merges_bytes_in),
+        "bytes_merged": int(sum(r.get("bytes_in", 0) for r in read_jsonl(run.merges_log.path))),
         "bytes_from_syncer": int(sum(int(v.get("bytes_from_syncer", 0)) for v in learners.values())),
         # seconds in exchange storage calls, encoding and checksums (0 in process memory): the
         # syncer's, and the learners' summed over their processes (threads of one process share one)
@@ -334,6 +280,73 @@ def save_diloco(run: DiLoCoRun, wall_s: float) -> dict:
         "active_params": int(spec.extras.get("active_params", spec.params)),  # per token (MoE: k of E experts)
         "flops_per_token": spec.flops_per_unit,
         "fragment_bytes": [int(sum(tensor_bytes(g).values())) for g in s.global_params],
+    }
+
+
+def _outer_state(s: Syncer) -> dict[str, dict[str, np.ndarray]]:
+    """The checkpoint's ``outer_state``: per fragment (``fragment_<p>``), its outer optimizer state's
+    leaves in order (``0000``, ``0001``, …)."""
+    return {
+        f"fragment_{p}": {f"{i:04d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(st))}
+        for p, st in enumerate(s.opt_states)
+    }
+
+
+def _ledger(s: Syncer, learners: dict[int, dict]) -> dict[str, dict]:
+    """The token ledger, learner → counts in tokens: ``processed`` and ``attempts`` from its last
+    heartbeat (``learners``), the rest from the syncer, which counts per fragment: averaged over the
+    P fragments, model-level tokens."""
+    P, pending, ledger = s.num_fragments, s.pending_tokens(), {}
+    for m, entry in s.ledger.items():
+        processed = int(learners.get(m, {}).get("processed", 0))
+        ledger[str(m)] = {
+            "processed": processed,
+            "submitted": round(entry.submitted / P),
+            "not_submitted": processed - round(entry.submitted / P),
+            "merged": round(entry.merged / P),
+            "recomputed": round(entry.recomputed / P),
+            "dropped": round(entry.dropped / P),
+            "pending": round(pending[m] / P),
+            "drop_reasons": {k: round(v / P) for k, v in entry.drop_reasons.items()},
+            "attempts": int(learners.get(m, {}).get("attempt", 1)),
+        }
+    return ledger
+
+
+def _hyperparameters(cfg: ExperimentConfig, grace: GraceWindow) -> dict:
+    """The summary's ``hyperparameters``: the run's DiLoCo settings, named as the report shows them."""
+    d, text = cfg.diloco, cfg.unit == "tokens"
+    rows = "seqs" if text else "images"
+    cap = "one step" if grace.cap_s is None else f"{grace.cap_s:g} s"
+    adaptive = f"adaptive (γ {grace.gamma:g}, τ {grace.overlap_steps} steps, cap {cap})"
+    return {
+        "backend": backend_line(),
+        "precision": cfg.precision.describe(),
+        "learners (M)": d.learners,
+        "fragments (P)": d.fragments,
+        "sync every (H)": d.sync_every,
+        "quorum (K)": d.quorum,
+        "grace window (s)": d.grace_s,
+        "grace": d.grace if d.grace == "fixed" else adaptive,
+        "merge": d.merge,
+        "outer lr": d.outer_lr,
+        "outer momentum": d.outer_momentum,
+        "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
+        f"batch ({rows}/learner step)": d.batch_size,
+        **({"seq len": cfg.data.seq_len} if text else {}),
+        "inner optimizer": d.inner.name,
+        "inner lr": d.inner.lr,
+        "warmup steps": d.inner.warmup_steps,
+        "weight decay": d.inner.weight_decay,
+        "grad clip": d.inner.grad_clip,
+        f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
+        "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
+        "compute slots": d.compute_slots or "unpaced",
+        "devices per learner": cfg.runtime.devices_per_learner,
+        f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
+        "resume point every (steps)": d.resume_every_steps or "never",
+        "wire format (learner→syncer)": d.wire.spec,
+        "overlap τ (steps; a learner waits past it)": d.overlap_steps or "never waits",
     }
 
 
