@@ -29,6 +29,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
@@ -191,10 +192,20 @@ def _ray_gpu_ids() -> list:
     return list(ray.get_gpu_ids()) if ray.is_initialized() else []
 
 
-def run_fragments(cfg: ExperimentConfig, trainer: Trainer) -> list[list[str]]:
-    """The run's P fragments: derived from the parameter sizes alone, so the syncer and every learner
-    attempt, in any process, get the same partition without exchanging it."""
-    return balanced_fragments(tensor_bytes(trainer.param_shapes), cfg.diloco.fragments)
+def run_fragments(trainer: Trainer, parts: int) -> list[list[str]]:
+    """The run's P = ``parts`` fragments (``diloco.fragments``): derived from the parameter sizes
+    alone, so the syncer and every learner attempt, in any process, get the same partition without
+    exchanging it."""
+    return balanced_fragments(tensor_bytes(trainer.param_shapes), parts)
+
+
+def initial_fragments(cfg: ExperimentConfig, run_dir: str | Path) -> list[dict[str, np.ndarray]]:
+    """Θ₀ split into the run's fragments: per fragment, parameter name → float32 array. Raises
+    ``ValueError`` if P exceeds the model's tensors."""
+    trainer = learner_trainer(cfg, run_dir)
+    theta0 = to_numpy(trainer.init_params())
+    validate_against_model(cfg, len(theta0))
+    return [{k: theta0[k] for k in names} for names in run_fragments(trainer, cfg.diloco.fragments)]
 
 
 def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
@@ -211,26 +222,17 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
     save_chaos_schedule(cfg, run_dir)
     if not cfg.learner_processes:  # the learners run in this process: refused before any starts
         learner_devices(0, cfg.runtime.devices_per_learner)
-    trainer = learner_trainer(cfg, run_dir)
-    theta0 = to_numpy(trainer.init_params())
-    validate_against_model(cfg, len(theta0))
-    fragments = run_fragments(cfg, trainer)
-    initial = [{k: theta0[k] for k in names} for names in fragments]
-    budget = token_budget(cfg)
     if cfg.runtime.exchange_kind == "memory":
-        exchange = InMemoryExchange(len(fragments), budget)
-        for p, params in enumerate(initial):
-            exchange.publish(p, 0, params)
+        exchange = initial_exchange(cfg, run_dir)
         register_exchange(run_key(run_dir), exchange)
         return exchange
-    # every learner starts with, and is topped up by, one sync period of inner steps' tokens
-    grant = cfg.diloco.sync_every * cfg.tokens_per_learner_step
     return FsspecExchange.create(
         exchange_url(cfg, run_dir),
-        initial=initial,
+        initial=initial_fragments(cfg, run_dir),
         num_learners=cfg.diloco.learners,
-        token_budget=budget,
-        grant_tokens=grant,
+        token_budget=token_budget(cfg),
+        # every learner starts with, and is topped up by, one sync period of inner steps' tokens
+        grant_tokens=cfg.diloco.sync_every * cfg.tokens_per_learner_step,
         poll_s=cfg.runtime.exchange_poll_s,
     )
 
@@ -250,7 +252,7 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
     run_dir = Path(run_dir)
     layout = RunLayout(run_dir)
     trainer = learner_trainer(cfg, run_dir)
-    fragments = run_fragments(cfg, trainer)
+    fragments = run_fragments(trainer, cfg.diloco.fragments)
     journal, resumed = None, False
     if cfg.runtime.exchange_kind == "memory":
         exchange = open_run_exchange(cfg, run_dir)
@@ -283,10 +285,9 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval"), sink=tracker.sink("eval")),
         tracker=tracker,
         val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
+        generation=generation,
         # a syncer whose process died is re-run by the engine without counting a Prefect retry: the
         # exchange's generation counts every syncer that took office in this run
-        budget=token_budget(cfg),
-        generation=generation,
         attempt=max(attempt, generation),
         journal=journal,
         resumed=resumed,
@@ -301,12 +302,12 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     return open_syncer(cfg, run_dir)
 
 
-def learner_faults(cfg: ExperimentConfig, learner: int) -> LearnerFaults:
-    """Learner ``learner``'s scheduled faults (``cfg.fault_events()``: ``chaos.events`` and the drawn
-    or replayed ``chaos.schedule``) as ``diloco.faults`` values: ``fail`` and ``kill`` a
+def learner_faults(events: Sequence, learner: int) -> LearnerFaults:
+    """Learner ``learner``'s scheduled faults among ``events`` (``cfg.fault_events()``: ``chaos.events``
+    and the drawn or replayed ``chaos.schedule``) as ``diloco.faults`` values: ``fail`` and ``kill`` a
     :class:`Fail` (how raise or sigkill), ``slowdown``, ``corrupt`` and ``presence`` their own."""
     out: list = []
-    for e in cfg.fault_events():
+    for e in events:
         if getattr(e, "learner", None) != learner:
             continue
         if e.kind in ("fail", "kill"):
@@ -321,17 +322,15 @@ def learner_faults(cfg: ExperimentConfig, learner: int) -> LearnerFaults:
 
 
 def learner_setup(
-    cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange=None
+    cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange
 ) -> LearnerSetup:
-    """Learner ``learner``'s setup for ``attempt``, from plain inputs (and the process's exchange
-    registered for ``run_dir`` unless ``exchange`` is given). Its step runs on
+    """Learner ``learner``'s setup for ``attempt`` on ``exchange`` (:func:`learner_attempt` opens it),
+    from plain inputs. Its step runs on
     ``learner_devices(learner, runtime.devices_per_learner)`` (``ValueError`` if those do not fit)."""
     d = cfg.diloco
     devices = learner_devices(learner, cfg.runtime.devices_per_learner)
     trainer = learner_trainer(cfg, run_dir, devices)
-    exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
-    faults = learner_faults(cfg, learner)
     return LearnerSetup(
         learner=learner,
         attempt=attempt,
@@ -339,7 +338,7 @@ def learner_setup(
         init_params=trainer.init_params,
         init_opt=trainer.init_opt,
         next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (learner + 1)),
-        fragments=run_fragments(cfg, trainer),
+        fragments=run_fragments(trainer, d.fragments),
         period=d.sync_every,
         tokens_per_step=cfg.tokens_per_learner_step,
         receipt=receipt_rule(d.receipt, d.mix_alpha),
@@ -348,7 +347,7 @@ def learner_setup(
         stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
-        faults=faults,
+        faults=learner_faults(cfg.fault_events(), learner),
         turns=learner_turns(cfg, run_dir, devices),
         overlap_steps=d.overlap_steps,
         wait_timeout_s=d.heartbeat_timeout_s,
@@ -440,10 +439,8 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
 def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExchange:
     """An exchange holding version 0 of every global fragment (Θ₀) and the run's token budget,
     with no syncer behind it: for a learner run on its own (a check of one learner, a test)."""
-    trainer = learner_trainer(cfg, run_dir)
-    theta0 = to_numpy(trainer.init_params())
-    fragments = run_fragments(cfg, trainer)
-    exchange = InMemoryExchange(len(fragments), token_budget(cfg))
-    for p, names in enumerate(fragments):
-        exchange.publish(p, 0, {k: theta0[k] for k in names})
+    initial = initial_fragments(cfg, run_dir)
+    exchange = InMemoryExchange(len(initial), token_budget(cfg))
+    for p, params in enumerate(initial):
+        exchange.publish(p, 0, params)
     return exchange

@@ -53,7 +53,6 @@ class DiLoCoRun:
     learners_log: JsonlWriter
     eval_log: JsonlWriter
     val: list[np.ndarray]
-    budget: int
     generation: int = 1
     last_val_loss: float | None = None
     merges: int = 0
