@@ -257,16 +257,12 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
     if cfg.runtime.exchange_kind == "memory":
         exchange = open_run_exchange(cfg, run_dir)
         generation = exchange.take_office()
-        theta = {}
-        for p in range(len(fragments)):
-            theta.update(exchange.latest(p)[1])
+        theta = {k: v for p in range(len(fragments)) for k, v in exchange.latest(p)[1].items()}
     else:
         exchange = FsspecExchange.open(exchange_url(cfg, run_dir), poll_s=cfg.runtime.exchange_poll_s)
         resumed = exchange.generation() > 0
         generation = exchange.take_office()
-        theta = {}
-        for p in range(len(fragments)):
-            theta.update(exchange.origin(p))
+        theta = {k: v for p in range(len(fragments)) for k, v in exchange.origin(p).items()}
         journal = SyncerJournal(
             exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)), cfg.diloco.syncer_checkpoint_every_s
         )
@@ -401,34 +397,17 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     previous, last_step = seen.get("attempt"), int(seen.get("step") or 0)  # of its earlier attempts
     if previous is not None:
         attempt = max(attempt, int(previous) + 1)
-    tracker = method_tracker(
-        cfg,
-        run_dir,
-        STAGE,
-        METHOD,
-        flops_per_token=model_spec(cfg, run_dir).flops_per_unit,
-        devices=cfg.runtime.devices_per_learner,
-    )
+    flops, devices = model_spec(cfg, run_dir).flops_per_unit, cfg.runtime.devices_per_learner
+    tracker = method_tracker(cfg, run_dir, STAGE, METHOD, flops_per_token=flops, devices=devices)
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"), sink=tracker.sink("learners"))
     try:
         try:
             setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
             setup.began_at = began_at
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
-            exchange.heartbeat(
-                learner, status="down", attempt=attempt, step=last_step, reason=repr(exc), pid=os.getpid()
-            )
-            log(
-                {
-                    "event": "failure",
-                    "learner": learner,
-                    "attempt": attempt,
-                    "reason": repr(exc),
-                    "step": last_step,
-                    "t": exchange.clock(),
-                    "before_start": True,
-                }
-            )
+            why = {"attempt": attempt, "reason": repr(exc), "step": last_step}
+            exchange.heartbeat(learner, status="down", **why, pid=os.getpid())
+            log({"event": "failure", "learner": learner, **why, "t": exchange.clock(), "before_start": True})
             raise
         return run_learner(setup)
     finally:

@@ -62,6 +62,12 @@ class DiLoCoRun:
     logged_merges: set[tuple[int, int]] = field(default_factory=set)  # (fragment, version) in merges.jsonl
     tracker: Tracker = NO_TRACKING  # TensorBoard / W&B of the syncer's merges and evaluations (run.tracking)
 
+    def log_event(self, event: str, **fields) -> None:
+        """A syncer event in the learners log: ``role`` syncer, its ``attempt``, ``fields``, the merges so
+        far and ``t`` (the run clock)."""
+        head = {"event": event, "role": "syncer", "attempt": self.attempt}
+        self.learners_log({**head, **fields, "merges": self.syncer.num_merges, "t": self.exchange.clock()})
+
     def close_logs(self) -> None:
         for log in (self.merges_log, self.learners_log, self.eval_log):
             log.close()
@@ -130,16 +136,8 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
             heldout_metrics(run.trainer.evaluate, {k: jnp.asarray(v) for k, v in params.items()}, run.val)
         )
         run.last_val_loss = fields["val/loss"]
-        run.eval_log(
-            {
-                "method": METHOD,
-                "tokens": tokens,
-                "wall_s": run.exchange.clock(),
-                "merges": run.merges,
-                **fields,
-                "eval_s": time.perf_counter() - t0,
-            }
-        )
+        point = {"method": METHOD, "tokens": tokens, "wall_s": run.exchange.clock(), "merges": run.merges}
+        run.eval_log({**point, **fields, "eval_s": time.perf_counter() - t0})
         if on_evaluated is not None:
             try:
                 on_evaluated()
@@ -148,17 +146,7 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
 
     def on_recover(info: dict) -> None:
         if run.resumed:
-            run.learners_log(
-                {
-                    "event": "syncer-resumed",
-                    "role": "syncer",
-                    "attempt": run.attempt,
-                    "pid": os.getpid(),
-                    **info,
-                    "merges": run.syncer.num_merges,
-                    "t": run.exchange.clock(),
-                }
-            )
+            run.log_event("syncer-resumed", pid=os.getpid(), **info)
 
     def on_event(ev: dict) -> None:
         run.learners_log({"source": "exchange", **ev})
@@ -180,17 +168,7 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
             faults=syncer_faults(run),
         )
     except BaseException as exc:
-        run.learners_log(
-            {
-                "event": "syncer-failure",
-                "role": "syncer",
-                "attempt": run.attempt,
-                "generation": run.generation,
-                "reason": f"{type(exc).__name__}: {exc}",
-                "merges": run.syncer.num_merges,
-                "t": run.exchange.clock(),
-            }
-        )
+        run.log_event("syncer-failure", generation=run.generation, reason=f"{type(exc).__name__}: {exc}")
         raise
     for ev in result.events:
         run.learners_log({**ev, "source": "syncer"})
@@ -209,18 +187,7 @@ def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
         return SyncerFaults(fail_at=(f.at_merge, f.when))
 
     def on_fail(reason: str) -> None:
-        run.learners_log(
-            {
-                "event": "syncer-kill",
-                "role": "syncer",
-                "attempt": run.attempt,
-                "generation": run.generation,
-                "reason": f"chaos: SIGKILL ({reason})",
-                "merges": run.syncer.num_merges,
-                "pid": os.getpid(),
-                "t": run.exchange.clock(),
-            }
-        )
+        run.log_event("syncer-kill", generation=run.generation, reason=f"chaos: SIGKILL ({reason})", pid=os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
 
     return SyncerFaults(fail_at=(f.at_merge, f.when), on_fail=on_fail)
