@@ -282,12 +282,9 @@ def main() -> None:
 
 def run_fragments_of(cfg: ExperimentConfig, run_dir: Path) -> list[dict]:
     """Θ₀ of the config's model split into its fragments (name → float32 array per fragment)."""
-    from diloco.tensors import to_numpy
-    from training.diloco import learner_trainer, run_fragments
+    from training.decoupled.setup import initial_fragments
 
-    trainer = learner_trainer(cfg, run_dir)
-    theta0 = to_numpy(trainer.init_params())
-    return [{k: theta0[k] for k in names} for names in run_fragments(cfg, trainer)]
+    return initial_fragments(cfg, run_dir)
 
 
 @contextlib.contextmanager

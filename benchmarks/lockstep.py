@@ -45,7 +45,7 @@ from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
 from diloco.tensors import embedding_names, to_numpy
 from diloco.wire import WireFormat
-from training.diloco import learner_trainer
+from training.decoupled.setup import learner_trainer
 from training.evaluation import heldout_loss, val_batches
 
 
@@ -83,7 +83,7 @@ def main() -> None:
         run_dir = Path(tempfile.mkdtemp(prefix="lockstep-"))
         prepare_data(cfg, run_dir)
     # The learners' own compiled step: model spec of this data, inner optimizer and its schedule,
-    # microbatches (training.diloco); one Trainer shared by the M learners, as in the pipeline.
+    # microbatches (training.decoupled.setup); one Trainer shared by the M learners, as in the pipeline.
     trainer = learner_trainer(cfg, run_dir)
     theta = to_numpy(trainer.init_params())
     params = [trainer.init_params() for _ in range(M)]  # every learner starts at Θ₀

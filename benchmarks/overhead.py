@@ -17,7 +17,7 @@ over rounds), DiLoCo ÷ DP with and without tracking, and tracking's cost per me
 ``observer``; :func:`print_breakdown`) and its CPU seconds by thread (Linux ``/proc``).
 
 Raw speed: the learners' compiled step alone, back to back on the same batches (tokens/s, median of
-repeated timings). Run speed: a real run of the same config (``training.diloco``: M learner threads
+repeated timings). Run speed: a real run of the same config (``training.decoupled``: M learner threads
 in first-come turns, the syncer thread merging, publishing and evaluating Θ on the cadence, resume
 points saved) over ``--tokens`` tokens, wall time from the learners' start to the syncer's end,
 compiled code warmed up first. With ``diloco.compute_slots: 1`` the learners take turns on the CPU,
@@ -51,13 +51,8 @@ from data.text import prepare_data  # noqa: E402
 from diloco.pacing import FairTurns  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402
-from training.diloco import (  # noqa: E402
-    learner_attempt,
-    learner_trainer,
-    learner_turns,
-    run_syncer_to_end,
-    setup_diloco,
-)
+from training.decoupled.setup import learner_attempt, learner_trainer, learner_turns, setup_diloco  # noqa: E402
+from training.decoupled.syncer import run_syncer_to_end  # noqa: E402
 from training.evaluation import heldout_loss, val_batches  # noqa: E402
 
 

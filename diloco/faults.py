@@ -3,7 +3,7 @@
 The learner loop (``diloco.learner``) knows nothing of chaos: it calls a :class:`FaultHooks` at its
 boundaries (before its first step, before and after each inner step, on each send) and the hooks
 fail it, kill it, slow it down, hold it out of the run or damage a submission in flight. The events
-are plain frozen values, built by ``training.diloco.learner_faults`` from the config's events
+are plain frozen values, built by ``training.decoupled.setup.learner_faults`` from the config's events
 (``chaos.events`` and the drawn or replayed ``chaos.schedule``: ``configs.faults``, ``configs.chaos``):
 
 ==================  ===============================================================================

@@ -2,7 +2,7 @@
 
 No Prefect and no model code here: the loop is handed a :class:`LearnerSetup` (the step function,
 the batches, the exchange, the receipt rule, where to save resume points), which
-``training.diloco`` builds from plain inputs. The loop never waits on the syncer or on peers:
+``training.decoupled.setup`` builds from plain inputs. The loop never waits on the syncer or on peers:
 newer global fragments are applied at step boundaries when present. One attempt's state is a
 :class:`Learner` whose methods are the loop's steps (:func:`run_learner` reads as the algorithm);
 scheduled faults enter through ``diloco.faults.FaultHooks`` at the step and send boundaries.
@@ -116,7 +116,7 @@ class FragmentState:
 
 @dataclass
 class LearnerSetup:
-    """Everything learner ``learner`` needs for one attempt (built by ``training.diloco``)."""
+    """Everything learner ``learner`` needs for one attempt (built by ``training.decoupled.setup``)."""
 
     learner: int
     attempt: int

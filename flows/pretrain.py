@@ -33,14 +33,8 @@ from run.progress import Progress, report as report_progress
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status, token_budget
-from training.diloco import (
-    host_turns_dir,
-    learners_gone,
-    live_view,
-    prepare_diloco,
-    warm_compilation_cache,
-    with_absolute_exchange,
-)
+from training.decoupled.monitor import learners_gone, live_view
+from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compilation_cache, with_absolute_exchange
 from training.tracking import method_tracker
 
 
@@ -93,7 +87,7 @@ def _live_resilience(rd: Path, now: float) -> dict | None:
 
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
     """The ``diloco-learners-<run>`` table artifact (``<run>``: the run directory's name): the
-    syncer's view of every learner and the totals (``training.diloco.live_view``), with each
+    syncer's view of every learner and the totals (``training.decoupled.monitor.live_view``), with each
     learner's goodput so far and the global goodput and uptime (``reports.resilience``, the report's
     definitions), a new version at every progress line.
     The same figures go to ``tracker``'s ``progress`` writer (this process's, beside the syncer's) at

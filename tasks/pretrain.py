@@ -1,6 +1,6 @@
 """Pretraining as Prefect tasks: M retryable learner tasks, one syncer task, the DP trainer.
 
-Thin wrappers: the plain code is ``training.diloco`` and ``training.dp``. A learner task takes only
+Thin wrappers: the plain code is ``training.decoupled`` and ``training.dp``. A learner task takes only
 plain, serialisable inputs (the config, the run directory, the learner index); its attempt number
 comes from Prefect. Retries are set from the config (``diloco.learner_retries``, ``retry_delay_s``;
 the syncer's ``diloco.syncer_retries`` with the fsspec exchange) by the flow with ``with_options``.
@@ -16,7 +16,8 @@ from prefect.cache_policies import NO_CACHE
 from configs.schema import ExperimentConfig
 from run.atomic import write_json
 from run.layout import RunLayout
-from training.diloco import learner_attempt, open_syncer, run_syncer_to_end, syncer_retryable
+from training.decoupled.setup import learner_attempt, open_syncer
+from training.decoupled.syncer import run_syncer_to_end, syncer_retryable
 from training.dp import train_dp
 from training.dp_job import run_agent
 from training.learner_process import learner_in_datacenter
@@ -58,7 +59,7 @@ def retry_syncer(task, task_run, state) -> bool:
 
 @task(name="syncer", task_run_name="syncer", cache_policy=NO_CACHE)
 def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
-    """The syncer: opens the run's exchange (``training.diloco.open_syncer``; with the in-process
+    """The syncer: opens the run's exchange (``training.decoupled.setup.open_syncer``; with the in-process
     exchange it must run in the flow's process), runs until the flow marks every learner done,
     then saves Θ and the outer state and returns the summary. With the fsspec exchange the flow
     gives it retries (``diloco.syncer_retries``): a retry takes office and resumes from the syncer's

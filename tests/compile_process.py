@@ -4,7 +4,7 @@
     python tests/compile_process.py INPUTS.pkl warm|learner
 
 INPUTS.pkl holds ``{"config": ExperimentConfig, "run_dir": str}``. ``warm``: the flow's
-``training.diloco.warm_compilation_cache``; ``learner``: what a learner process compiles (its
+``training.decoupled.setup.warm_compilation_cache``; ``learner``: what a learner process compiles (its
 trainer on its own device slice, one step, one evaluation batch). Prints one JSON line: the cache
 folder in use and the counts of JAX's ``/jax/compilation_cache/*`` monitoring events.
 """
@@ -28,7 +28,7 @@ jax.monitoring.register_event_listener(lambda name, **kw: EVENTS.update([name]))
 from data.cursor import batch_at  # noqa: E402
 from data.prepare import load_rows  # noqa: E402
 from training import xla  # noqa: E402
-from training.diloco import learner_trainer, warm_compilation_cache  # noqa: E402
+from training.decoupled.setup import learner_trainer, warm_compilation_cache  # noqa: E402
 from training.evaluation import heldout_metrics, val_batches  # noqa: E402
 from training.mesh import learner_devices  # noqa: E402
 

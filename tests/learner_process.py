@@ -4,7 +4,7 @@
 
 INPUTS.pkl holds the learner task's inputs exactly as Prefect would pass them: a dict with
 ``config`` (ExperimentConfig), ``run_dir`` (str) and ``learner`` (int). The learner runs alone,
-against an exchange holding Θ₀ (``training.diloco.initial_exchange``), and saves its resume points
+against an exchange holding Θ₀ (``training.decoupled.setup.initial_exchange``), and saves its resume points
 in the run directory.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from training.diloco import initial_exchange, learner_attempt  # noqa: E402
+from training.decoupled.setup import initial_exchange, learner_attempt  # noqa: E402
 
 if __name__ == "__main__":
     with open(sys.argv[1], "rb") as f:

@@ -55,7 +55,7 @@ def main() -> None:
     from flows.preflight import preflight
     from run.layout import RunLayout
     from run.metrics import read_jsonl
-    from training import diloco
+    from training.decoupled import setup
 
     assert len(jax.devices()) == 4, jax.devices()
     cfg = load_config(ROOT / "configs" / "tiny.yaml", OVERRIDES)
@@ -75,7 +75,7 @@ def main() -> None:
             "steps": summary["steps"],
             "hyperparameters": summary["hyperparameters"],
         }
-    out["learner_slices"] = sorted(key[2] for key in diloco._TRAINERS if key[2] is not None)
+    out["learner_slices"] = sorted(key[2] for key in setup.CACHE.trainers if key[2] is not None)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     out["learner_1_restart"] = [
         {k: e.get(k) for k in ("event", "attempt", "step", "resumed")}

@@ -68,7 +68,7 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
 def test_drawn_replayed_and_written_schedules_speak_the_one_fault_language(tmp_path):
     """chaos.schedule, its replay and the same events written by hand in chaos.events give every
     learner the same typed faults (diloco.faults values); a config may mix both."""
-    from training.diloco import learner_faults
+    from training.decoupled.setup import learner_faults
 
     base = {"diloco": {"learners": 4, "quorum": 3, "learner_retries": 9}}
     drawn = ExperimentConfig.model_validate({**base, "chaos": {"schedule": PLAN}})
@@ -80,11 +80,11 @@ def test_drawn_replayed_and_written_schedules_speak_the_one_fault_language(tmp_p
     kinds = {e["kind"] for e in events}
     assert kinds == {"fail", "slowdown", "corrupt", "presence"}, kinds  # (how auto on threads: raise)
     for m in range(4):
-        faults = learner_faults(drawn, m)
-        assert faults == learner_faults(replayed, m) == learner_faults(written, m)
-    three = learner_faults(drawn, 3)
+        faults = learner_faults(drawn.fault_events(), m)
+        assert faults == learner_faults(replayed.fault_events(), m) == learner_faults(written.fault_events(), m)
+    three = learner_faults(drawn.fault_events(), 3)
     assert (three.presence.join_s, three.presence.leave_s) == (10.0, 60.0)
-    assert [c.at_s for c in learner_faults(drawn, 1).corruptions] == [5.0]
+    assert [c.at_s for c in learner_faults(drawn.fault_events(), 1).corruptions] == [5.0]
     assert all(f.restart_delay_s > 0 and f.at_s is not None for f in three.timed_failures)
 
 

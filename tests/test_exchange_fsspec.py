@@ -358,7 +358,7 @@ def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path
     """``runtime.exchange_url`` relative or with ``~``: the run's exchange URL is made absolute once, in
     the process that resolves it (worker processes may start elsewhere)."""
     from configs.load import load_config
-    from training.diloco import exchange_url, with_absolute_exchange
+    from training.decoupled.setup import exchange_url, with_absolute_exchange
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))

@@ -440,7 +440,7 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
     (SIGKILL) part-way; the retry, in another fresh process, resumes at the last saved step with
     exactly the saved optimizer state (moments and counts), not a fresh one."""
     from training.checkpoint import OrbaxResumeStore, latest_step
-    from training.diloco import learner_trainer
+    from training.decoupled.setup import learner_trainer
 
     cfg, run_dir = small_run
     inputs = {"config": cfg, "run_dir": str(run_dir), "learner": 0}
@@ -537,7 +537,8 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     from data.text import prepare_data
     from run.atomic import write_json
     from training.common import token_budget
-    from training.diloco import learner_attempt, run_syncer_to_end, setup_diloco
+    from training.decoupled.setup import learner_attempt, setup_diloco
+    from training.decoupled.syncer import run_syncer_to_end
     from training.dp import train_dp
 
     @register("mlp_lm")

@@ -201,7 +201,7 @@ def test_thread_learners_take_turns_per_accelerator_slice_but_all_together_on_cp
     round onto one GPU share its turns; CPU devices are the same cores: one set of turns for all."""
     from types import SimpleNamespace
 
-    from training.diloco import learner_turns
+    from training.decoupled.setup import learner_turns
 
     gpu = [SimpleNamespace(platform="gpu", id=i) for i in range(2)]
     cpu = [SimpleNamespace(platform="cpu", id=i) for i in range(2)]

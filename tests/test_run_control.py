@@ -16,7 +16,7 @@ import pytest
 
 from run.layout import RunLayout
 from tests.conftest import SMALL_CORPUS, SMALL_DATA
-from training.diloco import work_lost
+from training.decoupled.syncer import work_lost
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,7 +34,7 @@ def test_budget_status_from_trained_tokens_and_workers():
 
 
 def test_learners_gone_says_how_each_learner_ended():
-    from training.diloco import learners_gone
+    from training.decoupled.monitor import learners_gone
 
     info = {
         0: {"status": "down", "attempt": 3, "step": 12, "reason": "InjectedFailure('learner 0: at step 13')"},
@@ -82,7 +82,7 @@ def test_a_learner_that_fails_before_its_first_step_is_a_failure(small_cfg, smal
 
     from configs.schema import ExperimentConfig
     from reports.learners import learner_failures, learner_table
-    from training.diloco import initial_exchange, learner_attempt
+    from training.decoupled.setup import initial_exchange, learner_attempt
 
     run_dir = tmp_path / "run"
     shutil.copytree(small_data, run_dir)

@@ -350,7 +350,7 @@ def test_journal_chain_ignores_what_a_stale_syncer_slipped_in():
 
 def test_a_lost_office_or_a_journal_that_does_not_replay_is_not_retried():
     from diloco.syncer_journal import JournalMismatchError
-    from training.diloco import syncer_retryable
+    from training.decoupled.syncer import syncer_retryable
 
     assert syncer_retryable(InjectedFailure("syncer: injected failure at merge 4 (before publish)"))
     assert syncer_retryable(OSError("disk full"))

@@ -3,7 +3,7 @@
 The learner task (``tasks.pretrain.learner_task``, a thread of the flow's process) starts
 ``python -m training.learner_process RUN --learner M --attempt A`` in datacenter M's namespace
 (:func:`learner_in_datacenter`) and waits for it: the process runs one attempt
-(``training.diloco.learner_attempt``) against the run's exchange, the hub's S3 server, so that every
+(``training.decoupled.setup.learner_attempt``) against the run's exchange, the hub's S3 server, so that every
 fragment, heartbeat and published Θ crosses its datacenter's link. A scheduled failure ends it with
 exit code 3 and a SIGKILL kills it; either way the task raises and Prefect's retries
 (``diloco.learner_retries``) start a new process, which resumes from the learner's resume point.
@@ -42,7 +42,7 @@ def learner_main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a stop reaches the learner through the exchange
     from configs.load import stored_config
     from diloco.faults import InjectedFailure
-    from training.diloco import learner_attempt
+    from training.decoupled.setup import learner_attempt
 
     folder = _folder(args.run_dir)
     cfg = stored_config(json.loads((folder / "config.json").read_text()))

@@ -75,7 +75,7 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
     from diloco.receipt import receipt_rule
     from diloco.syncer import Syncer, SyncerSettings
     from diloco.tensors import embedding_names, tensor_bytes, to_numpy
-    from training.diloco import learner_trainer
+    from training.decoupled.setup import learner_trainer
     from training.evaluation import heldout_loss, val_batches
 
     d = cfg.diloco
