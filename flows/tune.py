@@ -339,7 +339,7 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    from flows.sweep import set_concurrency_limit
+    from flows.slots import set_concurrency_limit
 
     logger = run_logger()
     spec = resolve_study(spec, study_file)

@@ -454,14 +454,14 @@ def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_p
 
 
 # A process that holds one slot of a sweep's concurrency limit the way a sweep cell does
-# (flows.sweep._slot), with short heartbeat timings so the test takes seconds: it prints
+# (flows.slots.slot), with short heartbeat timings so the test takes seconds: it prints
 # "waiting", then "held" once it has the slot, and keeps it until its stdin closes.
 SLOT_HOLDER = """
 import sys
-import flows.sweep as sweep
-sweep.SLOT_HEARTBEAT_S, sweep.SLOT_STALE_S = 0.5, 8.0
+import flows.slots as slots
+slots.SLOT_HEARTBEAT_S, slots.SLOT_STALE_S = 0.5, 8.0
 print("waiting", flush=True)
-with sweep._slot(sys.argv[1], poll_s=0.5) as held:
+with slots.slot(sys.argv[1], poll_s=0.5) as held:
     print("held" if held else "stopped", flush=True)
     sys.stdin.read()
 print("released", flush=True)
@@ -535,7 +535,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
     its slot (its heartbeat and Prefect lease are renewed) until it releases it."""
     import signal
 
-    from flows.sweep import set_concurrency_limit
+    from flows.slots import set_concurrency_limit
 
     limit = "sweep-slot-test"
     set_concurrency_limit(limit, 1)
@@ -568,7 +568,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
         assert _active_slots(limit) == 0
         from prefect.client.orchestration import get_client
 
-        from flows.sweep import _heartbeats
+        from flows.slots import _heartbeats
 
         with get_client(sync_client=True) as client:
             assert _heartbeats(client, limit) == {}  # no holder's record is left behind
