@@ -34,6 +34,7 @@ from configs.load import (
     config_path,
     read_config_file,
     shipped_or_path,
+    validated,
     validation_lines,
 )
 from configs.schema import ExperimentConfig
@@ -255,16 +256,15 @@ def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> Ex
     ``base_raw``: the base file's mapping, if already read. Raises ``ValueError`` in one line naming
     the cell and the field."""
     raw = base_raw if base_raw is not None else read_config_file(config_path(spec.base))
+    where = f"sweep {spec.name}, cell {cell.name}"
     try:
         merged = apply_overrides(apply_overrides(raw, spec.overrides), cell.overrides)
-        merged["name"] = cell.name
-        if spec.seeds is not None:
-            merged["seeds"] = list(spec.seeds)
-        return ExperimentConfig.model_validate(merged)
-    except ValidationError as exc:
-        raise ValueError(f"sweep {spec.name}, cell {cell.name}: " + "; ".join(validation_lines(exc))) from None
     except ValueError as exc:
-        raise ValueError(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
+    merged["name"] = cell.name
+    if spec.seeds is not None:
+        merged["seeds"] = list(spec.seeds)
+    return validated(merged, where)
 
 
 def config_digest(cfg: ExperimentConfig | dict) -> str:
