@@ -216,37 +216,6 @@ def stored_config(raw: dict) -> ExperimentConfig:
     return ExperimentConfig.model_validate(raw, context={"stored": True})
 
 
-def resolve_config(
-    config: ExperimentConfig | dict | None = None,
-    config_file: str | None = None,
-    overrides: dict | None = None,
-) -> ExperimentConfig:
-    """The config a flow run uses: ``config_file`` (a shipped config's name or a YAML path) if
-    given, else ``config`` (field by field, as the UI form sends it), with dotted ``overrides``
-    applied last. Raises ``FileNotFoundError``/``ValueError``/``pydantic.ValidationError`` naming
-    the file or field."""
-    if config_file:
-        raw = read_config_file(config_path(config_file))
-    elif isinstance(config, ExperimentConfig):
-        if not overrides:
-            return config
-        raw = config.model_dump(mode="json")
-    else:
-        raw = dict(config or {})
-    return ExperimentConfig.model_validate(apply_overrides(raw, overrides))
-
-
-def load_config_checked(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
-    """:func:`load_config` for scripts: every input error becomes one ``ValueError`` whose message
-    names the file or field(s) and the fix (missing file, malformed YAML, schema violations)."""
-    try:
-        return load_config(path, overrides)
-    except ValidationError as exc:
-        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc, overrides))) from None
-    except (FileNotFoundError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
-
-
 def validated(raw: dict, where: str, given: dict[str, str] | None = None, model: type[BaseModel] = ExperimentConfig):
     """``raw`` validated as ``model`` (the config by default). A validation error is raised as one
     ``ValueError`` line: ``where``, then each field's problem (:func:`validation_lines`; a field in
