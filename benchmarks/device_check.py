@@ -93,8 +93,8 @@ import jax.numpy as jnp
 import numpy as np
 from throughput import FAMILY_CONFIGS, PEAK_N, STEPS, family_batch, jax_matmul_flops, load_average, ours
 
-from configs.load import load_config_checked
 from configs.runtime import PrecisionConfig
+from configs.specs import load_spec
 from models import build_model
 from models.spec import InputShape
 from training.mesh import backend_info, backend_line
@@ -249,14 +249,14 @@ def input_shape(cfg) -> InputShape:
 def family_config(name: str, scale: int):
     """``configs/<name>.yaml``, with d_model, d_ff (and the MoE experts' d_ff) × ``scale``."""
     path = ROOT / "configs" / f"{name}.yaml"
-    cfg = load_config_checked(path)
+    cfg = load_spec("config", path)
     if scale == 1:
         return cfg
     m = cfg.model
     overrides = {"model.d_model": m.d_model * scale, "model.d_ff": m.d_ff * scale}
     if getattr(m, "expert_d_ff", None):
         overrides["model.expert_d_ff"] = m.expert_d_ff * scale
-    return load_config_checked(path, overrides)
+    return load_spec("config", path, overrides)
 
 
 def steps_table(

@@ -53,8 +53,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
-from configs.load import load_config_checked, parse_overrides  # noqa: E402
+from configs.load import parse_overrides  # noqa: E402
 from configs.schema import ExperimentConfig  # noqa: E402
+from configs.specs import load_spec  # noqa: E402
 from data.text import prepare_data  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402
@@ -197,7 +198,7 @@ def main() -> None:
         **given,
         "train.token_budget": args.tokens,
     }
-    base = load_config_checked(args.config, overrides)
+    base = load_spec("config", args.config, overrides)
     root = Path(tempfile.mkdtemp(prefix="engines-bench-"))
     rows, latency = {}, {}
     try:

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs.load import load_config_checked
+from configs.specs import load_spec
 from evals.lm_adapter import JaxLM, default_buckets, logprobs
 from models import build_model
 from models.spec import InputShape
@@ -157,7 +157,7 @@ def main() -> None:
             "--batch and --prompt must be ≥ 1 and every --new ≥ 2 (one token from the prompt pass, the rest decoded)"
         )
     try:
-        cfg = load_config_checked(args.config if args.config.endswith(".yaml") else f"configs/{args.config}.yaml")
+        cfg = load_spec("config", args.config if args.config.endswith(".yaml") else f"configs/{args.config}.yaml")
     except (ValueError, FileNotFoundError) as exc:
         ap.error(f"--config: {exc}")
     if cfg.data.modality != "text":

@@ -37,7 +37,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import jax.numpy as jnp
 
-from configs.load import load_config_checked, parse_overrides
+from configs.load import parse_overrides
+from configs.specs import load_spec
 from data.cursor import batch_at
 from data.store import load_sequences
 from data.text import prepare_data
@@ -61,7 +62,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = ap.parse_args()
     try:
-        cfg = load_config_checked(args.config, parse_overrides(args.set))
+        cfg = load_spec("config", args.config, parse_overrides(args.set))
     except ValueError as exc:
         ap.error(str(exc))
     if args.H is not None and args.H < 1:

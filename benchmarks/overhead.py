@@ -44,7 +44,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from configs.load import load_config_checked, parse_overrides  # noqa: E402
+from configs.load import parse_overrides  # noqa: E402
+from configs.specs import load_spec  # noqa: E402
 from data.cursor import batch_at  # noqa: E402
 from data.store import load_sequences  # noqa: E402
 from data.text import prepare_data  # noqa: E402
@@ -202,9 +203,9 @@ def dp_tokens_per_s(cfg, run_dir: Path) -> dict:
 
 def versus_dp(config: str, overrides: dict, data_dir: Path, base: Path, rounds: int) -> None:
     """Whole DiLoCo and DP runs, tracking on and off, in turns (see the module docstring)."""
-    cfg = load_config_checked(config, overrides)
-    untracked = load_config_checked(config, {**overrides, "tracking.tensorboard": False, "tracking.wandb": False})
-    short = load_config_checked(config, {**overrides, "train.token_budget": cfg.train.token_budget // 8})
+    cfg = load_spec("config", config, overrides)
+    untracked = load_spec("config", config, {**overrides, "tracking.tensorboard": False, "tracking.wandb": False})
+    short = load_spec("config", config, {**overrides, "train.token_budget": cfg.train.token_budget // 8})
     arms = {
         "diloco": (cfg, run_tokens_per_s),
         "dp": (cfg, dp_tokens_per_s),
@@ -259,7 +260,7 @@ def main() -> None:
     args = ap.parse_args()
     overrides = {"train.token_budget": args.tokens, **parse_overrides(args.set)}
     try:
-        cfg = load_config_checked(args.config, overrides)
+        cfg = load_spec("config", args.config, overrides)
     except ValueError as exc:
         ap.error(str(exc))
     if args.breakdown and (args.versus_dp or cfg.runtime.engine != "threads" or not cfg.diloco.compute_slots):

@@ -60,11 +60,12 @@ def policy_sets(out: Path, label: str, eval_every: int, extra: list[str]) -> lis
 def refusal(config: str, out: Path, policies: list[str], eval_every: int, extra: list[str]) -> str | None:
     """Why these runs cannot start (one line naming the config, field or folder), or None: checked
     before anything is written, as ``ddiloco run`` does."""
-    from configs.load import config_path, load_config_checked, parse_overrides
+    from configs.load import config_path, parse_overrides
+    from configs.specs import load_spec
 
     try:
         for label in policies:
-            load_config_checked(config_path(config), parse_overrides(policy_sets(out, label, eval_every, extra)))
+            load_spec("config", config_path(config), parse_overrides(policy_sets(out, label, eval_every, extra)))
     except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     if out.exists() and not out.is_dir():

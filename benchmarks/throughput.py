@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.load import load_config_checked
+from configs.specs import load_spec
 from models import build_model
 from models.spec import InputShape
 from models.text.dense import flops_per_token
@@ -152,7 +152,7 @@ def families(repeats: int) -> None:
     rng = np.random.default_rng(0)
     runners, meta = {}, {}
     for name in FAMILY_CONFIGS:
-        cfg = load_config_checked(ROOT / "configs" / f"{name}.yaml")
+        cfg = load_spec("config", ROOT / "configs" / f"{name}.yaml")
         shape = (
             InputShape(image_shape=(8, 8, 1), num_classes=10, pixel_max=16)
             if cfg.data.modality == "image"
@@ -203,7 +203,7 @@ def main() -> None:
         families(args.repeats)
         return
     try:
-        cfg = load_config_checked(args.config)
+        cfg = load_spec("config", args.config)
     except ValueError as exc:
         ap.error(str(exc))
     host = configure_host()

@@ -1,5 +1,8 @@
-"""Loading a config: YAML files (YAML 1.2 scalars, no duplicate keys), shipped names or paths,
-``--set`` overrides, and validation errors rewritten as one line per field naming the fix."""
+"""Reading a config: YAML files (YAML 1.2 scalars, no duplicate keys), shipped names or paths,
+``--set`` overrides, and validation errors rewritten as one line per field naming the fix.
+
+These are the pieces; :func:`configs.specs.load_spec` puts them together for every command (a
+config, a sweep or a study, refused in one line)."""
 
 from __future__ import annotations
 
@@ -158,30 +161,36 @@ def _merged(old, new):
     return {**old, **{k: _merged(old.get(k), v) for k, v in new.items()}}
 
 
-def read_config_file(path: str | Path) -> dict:
-    """The raw mapping of a YAML config file (read with :class:`ConfigLoader`).
+EMPTY_CONFIG = (
+    "an empty config would run the schema's defaults, not what you meant; write the sections to use, e.g. "
+    "start from configs/default.yaml"
+)
+
+
+def read_config_file(
+    path: str | Path, what: str = "config", empty: str = EMPTY_CONFIG, keys: str = "config sections"
+) -> dict:
+    """The raw mapping of a YAML file (read with :class:`ConfigLoader`): a config, or a sweep or
+    study file (``what``; ``empty``: why an empty one is refused, ``keys``: what its top level holds).
 
     Raises ``FileNotFoundError`` for a missing file, ``yaml.YAMLError`` for malformed YAML, and
-    ``ValueError`` for an empty file (or one holding only comments: it would silently mean the
-    schema's defaults) or a top level that is not a mapping.
+    ``ValueError`` for a file that is not UTF-8, an empty file (or one holding only comments: it
+    would silently mean the schema's defaults) or a top level that is not a mapping.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file not found: {path}")
+        raise FileNotFoundError(f"{what} file not found: {path}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(
-            f"{path} is not UTF-8 text (byte at offset {exc.start}); a config is a YAML text file"
+            f"{path} is not UTF-8 text (byte at offset {exc.start}); a {what} is a YAML text file"
         ) from None
     raw = yaml.load(text, Loader=ConfigLoader)
     if raw is None:
-        raise ValueError(
-            f"{path} is empty (or holds only comments): an empty config would run the schema's "
-            "defaults, not what you meant; write the sections to use, e.g. start from configs/default.yaml"
-        )
+        raise ValueError(f"{path} is empty (or holds only comments): {empty}")
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping of config sections")
+        raise ValueError(f"{path}: the top level must be a mapping ({keys})")
     return raw
 
 
@@ -190,7 +199,8 @@ def load_config(path: str | Path, overrides: dict | None = None) -> ExperimentCo
 
     ``overrides`` are dotted keys (``{"diloco.learners": 2}``) applied before validation.
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for an empty one and
-    ``pydantic.ValidationError`` (naming the field) for bad content.
+    ``pydantic.ValidationError`` (naming the field) for bad content. (The commands load through
+    :func:`configs.specs.load_spec`, which refuses in one line.)
     """
     return ExperimentConfig.model_validate(apply_overrides(read_config_file(path), overrides))
 
@@ -206,35 +216,22 @@ def stored_config(raw: dict) -> ExperimentConfig:
     return ExperimentConfig.model_validate(raw, context={"stored": True})
 
 
-def resolve_config(
-    config: ExperimentConfig | dict | None = None,
-    config_file: str | None = None,
-    overrides: dict | None = None,
-) -> ExperimentConfig:
-    """The config a flow run uses: ``config_file`` (a shipped config's name or a YAML path) if
-    given, else ``config`` (field by field, as the UI form sends it), with dotted ``overrides``
-    applied last. Raises ``FileNotFoundError``/``ValueError``/``pydantic.ValidationError`` naming
-    the file or field."""
-    if config_file:
-        raw = read_config_file(config_path(config_file))
-    elif isinstance(config, ExperimentConfig):
-        if not overrides:
-            return config
-        raw = config.model_dump(mode="json")
-    else:
-        raw = dict(config or {})
-    return ExperimentConfig.model_validate(apply_overrides(raw, overrides))
-
-
-def load_config_checked(path: str | Path, overrides: dict | None = None) -> ExperimentConfig:
-    """:func:`load_config` for scripts: every input error becomes one ``ValueError`` whose message
-    names the file or field(s) and the fix (missing file, malformed YAML, schema violations)."""
+def validated(raw: dict, where: str, given: dict[str, str] | None = None, model: type[BaseModel] = ExperimentConfig):
+    """``raw`` validated as ``model`` (the config by default). A validation error is raised as one
+    ``ValueError`` line: ``where``, then each field's problem (:func:`validation_lines`; a field in
+    ``given``, dotted path -> the command-line option that set it, names that option)."""
     try:
-        return load_config(path, overrides)
+        return model.model_validate(raw)
     except ValidationError as exc:
-        raise ValueError(f"invalid config {path}: " + "; ".join(validation_lines(exc, overrides))) from None
-    except (FileNotFoundError, yaml.YAMLError) as exc:
-        raise ValueError(f"{path}: {exc}" if isinstance(exc, yaml.YAMLError) else str(exc)) from None
+        raise ValueError(f"{where}: " + "; ".join(validation_lines(exc, given=given))) from None
+
+
+def option_text(option: str, key: str, value: Any) -> str:
+    """How ``key=value`` reads on the command line after ``option``: ``--set chaos.events=[{kind: fail}]``
+    (the value as YAML, the way it is written there, not Python's repr)."""
+    if not isinstance(value, str):
+        value = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).removesuffix("\n...\n")
+    return f"{option} {key}={value.strip()}"
 
 
 def parse_overrides(items: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
@@ -264,10 +261,15 @@ RENAMED = {
 }
 
 
-def validation_lines(exc: ValidationError, overrides: dict | None = None, option: str = "--set") -> list[str]:
+def validation_lines(
+    exc: ValidationError, overrides: dict | None = None, option: str = "--set", given: dict[str, str] | None = None
+) -> list[str]:
     """One line per validation error, the field path first (no pydantic boilerplate), with the value
     given; an error in a field that ``overrides`` set (dotted keys, as :func:`parse_overrides`
-    returns) names it as ``option key=value``, so a refusal points at the command line, not the file."""
+    returns) names it as ``option key=value``, so a refusal points at the command line, not the file.
+    ``given``: more fields and how the command line gave them (dotted path -> text, e.g.
+    ``{"concurrency": "--concurrency 0"}``)."""
+    from_cli = {**{k: option_text(option, k, v) for k, v in (overrides or {}).items()}, **(given or {})}
     lines = []
     for err in exc.errors():
         parts = list(err["loc"])
@@ -296,22 +298,20 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
             else:
                 msg += f" (got {value!r}, a {type(value).__name__}; write it as a plain YAML value of that type)"
         elif (
-            err["type"] != "extra_forbidden"
-            and isinstance(err.get("input"), (str, int, float))
-            and loc not in (overrides or {})
-        ):  # (a --set value is shown below)
+            err["type"] != "extra_forbidden" and isinstance(err.get("input"), (str, int, float)) and loc not in from_cli
+        ):  # (a value given on the command line is shown below)
             msg += f" (got {err['input']!r})"  # e.g. `float16` where float32 or bfloat16 belongs
         if err["type"] == "model_kind":
-            given = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
-            loc, msg = "model.kind", f"{given!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
+            got = err["input"].get("kind") if isinstance(err["input"], dict) else err["input"]
+            loc, msg = "model.kind", f"{got!r} is unknown; choose one of {', '.join(MODEL_KINDS)}"
         if err["type"] == "event_kind":
-            given = err["input"].get("kind") if isinstance(err["input"], dict) else None
+            got = err["input"].get("kind") if isinstance(err["input"], dict) else None
             loc = f"{loc}.kind"
-            msg = f"{given!r} is unknown" if given is not None else "is missing"
+            msg = f"{got!r} is unknown" if got is not None else "is missing"
             msg += f"; choose one of {', '.join(EVENT_KINDS)}"
         if err["type"] == "data_source":
-            given = err["input"].get("source") if isinstance(err["input"], dict) else err["input"]
-            loc, msg = "data.source", f"{given!r} is unknown; choose one of {', '.join(TEXT_SOURCES + IMAGE_SOURCES)}"
+            got = err["input"].get("source") if isinstance(err["input"], dict) else err["input"]
+            loc, msg = "data.source", f"{got!r} is unknown; choose one of {', '.join(TEXT_SOURCES + IMAGE_SOURCES)}"
         if err["type"] == "extra_forbidden":
             if member is not None and len(parts) == 2:
                 owners = [k for k, c in MODEL_KINDS.items() if parts[1] in c.model_fields]
@@ -335,16 +335,12 @@ def validation_lines(exc: ValidationError, overrides: dict | None = None, option
         # a cross-field error is traced to every field it names, e.g. network.emulate and runtime.engine
         named = [loc] if loc else re.findall(r"\b[a-z_]+(?:\.[a-z_]+|\[\d+\])+", msg)
         paths = {re.sub(r"\[\d+\]", "", p) for p in named}
-        given = [
-            k for k in (overrides or {}) if any(p == k or p.startswith(k + ".") or k.startswith(p + ".") for p in paths)
+        shown = [
+            text
+            for k, text in from_cli.items()
+            if any(p == k or p.startswith(k + ".") or k.startswith(p + ".") for p in paths)
         ]
-        if given:
-            shown = []
-            for key in given:
-                value = overrides[key]
-                if not isinstance(value, str):  # as YAML, the way it is written after --set
-                    value = yaml.safe_dump(value, default_flow_style=True, sort_keys=False).removesuffix("\n...\n")
-                shown.append(f"{option} {key}={value.strip()}")
+        if shown:
             msg += f" (from {', '.join(shown)})"
         if loc and msg.startswith(loc.split(".")[0] + "."):  # cross-field errors already name it
             lines.append(msg)

@@ -1,6 +1,7 @@
 """An experiment sweep: a base config and a grid (or a list) of overrides, one pipeline run per cell.
 
-A sweep file (``configs/sweeps/<name>.yaml``, or any YAML path) loads into :class:`SweepSpec`::
+A sweep file (``configs/sweeps/<name>.yaml``, or any YAML path) loads into :class:`SweepSpec`
+(``configs.specs.load_spec("sweep", ...)``)::
 
     name: tiny-grid
     base: tiny                       # a shipped config's name or a YAML path
@@ -23,19 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import Field, PositiveInt, ValidationError, model_validator
+from pydantic import Field, PositiveInt, model_validator
 
 from configs.base import _Strict
-from configs.load import (
-    CONFIG_DIR,
-    ConfigLoader,
-    apply_overrides,
-    config_path,
-    read_config_file,
-    shipped_or_path,
-    validation_lines,
-)
+from configs.load import CONFIG_DIR, apply_overrides, config_path, read_config_file, validated
 from configs.schema import ExperimentConfig
 
 SWEEP_DIR = CONFIG_DIR / "sweeps"
@@ -255,16 +247,15 @@ def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> Ex
     ``base_raw``: the base file's mapping, if already read. Raises ``ValueError`` in one line naming
     the cell and the field."""
     raw = base_raw if base_raw is not None else read_config_file(config_path(spec.base))
+    where = f"sweep {spec.name}, cell {cell.name}"
     try:
         merged = apply_overrides(apply_overrides(raw, spec.overrides), cell.overrides)
-        merged["name"] = cell.name
-        if spec.seeds is not None:
-            merged["seeds"] = list(spec.seeds)
-        return ExperimentConfig.model_validate(merged)
-    except ValidationError as exc:
-        raise ValueError(f"sweep {spec.name}, cell {cell.name}: " + "; ".join(validation_lines(exc))) from None
     except ValueError as exc:
-        raise ValueError(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
+        raise ValueError(f"{where}: {exc}") from None
+    merged["name"] = cell.name
+    if spec.seeds is not None:
+        merged["seeds"] = list(spec.seeds)
+    return validated(merged, where)
 
 
 def config_digest(cfg: ExperimentConfig | dict) -> str:
@@ -298,52 +289,5 @@ def dp_eval_digest(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def sweep_path(name_or_path: str | Path) -> Path:
-    """A shipped sweep's name (``configs/sweeps/<name>.yaml``) or a path to a sweep YAML file.
-    Raises ``FileNotFoundError`` naming both places looked at."""
-    return shipped_or_path(name_or_path, SWEEP_DIR, "sweep")
-
-
 def shipped_sweeps() -> list[Path]:
     return sorted(SWEEP_DIR.glob("*.yaml"))
-
-
-def load_sweep(name_or_path: str | Path, overrides: dict | None = None) -> SweepSpec:
-    """Read a sweep file into a :class:`SweepSpec`; ``overrides`` replace its top-level fields
-    (``{"concurrency": 2}``) before validation.
-
-    Raises ``FileNotFoundError``, ``yaml.YAMLError``, ``ValueError`` (an empty file, a top level
-    that is not a mapping) or :class:`pydantic.ValidationError` naming the field.
-    """
-    path = sweep_path(name_or_path)
-    raw = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader)
-    if raw is None:
-        raise ValueError(f"{path} is empty; a sweep file holds at least base and grid (see configs/sweeps/)")
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: the top level must be a mapping (name, base, overrides, grid, cells, ...)")
-    return SweepSpec.model_validate({**raw, **(overrides or {})})
-
-
-def resolve_sweep(
-    spec: SweepSpec | dict | None = None, sweep_file: str | None = None, overrides: dict | None = None
-) -> SweepSpec:
-    """The spec a sweep flow run uses: ``sweep_file`` if given (a shipped sweep's name or a path),
-    else ``spec`` (field by field, as the UI form sends it), with top-level ``overrides``."""
-    if sweep_file:
-        return load_sweep(sweep_file, overrides)
-    if isinstance(spec, SweepSpec):
-        if not overrides:
-            return spec
-        spec = spec.model_dump(mode="json")
-    return SweepSpec.model_validate({**dict(spec or {}), **(overrides or {})})
-
-
-def sweep_problem(exc: ValidationError, where: str = "sweep", options: dict | None = None) -> str:
-    """A sweep spec's validation errors as one line; an error in a field given as a command-line
-    option (``options``: field -> value, e.g. ``{"trials": 0}``) names that option (``--trials 0``)."""
-    lines = validation_lines(exc)
-    for key, value in (options or {}).items():
-        lines = [
-            f"{line} (from --{key.replace('_', '-')} {value})" if line.startswith(f"{key}:") else line for line in lines
-        ]
-    return f"invalid {where}: " + "; ".join(lines)

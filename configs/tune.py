@@ -1,6 +1,7 @@
 """A tuning study: the same number of trials and the same budget per trial for DP and for DiLoCo.
 
-A study file (``configs/studies/<name>.yaml``, or any YAML path) loads into :class:`TuneSpec`::
+A study file (``configs/studies/<name>.yaml``, or any YAML path) loads into :class:`TuneSpec`
+(``configs.specs.load_spec("study", ...)``)::
 
     name: tune-tiny
     base: tiny                              # a shipped config's name or a YAML path
@@ -30,11 +31,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, PositiveInt, model_validator
 
 from configs.base import _Strict
-from configs.load import CONFIG_DIR, ConfigLoader, apply_overrides, config_path, read_config_file, shipped_or_path
+from configs.load import CONFIG_DIR, apply_overrides, config_path, read_config_file
 from configs.sweep import RESERVED_KEYS, _check_key
 
 STUDY_DIR = CONFIG_DIR / "studies"
@@ -254,19 +254,3 @@ class TuneSpec(_Strict):
         merged = apply_overrides(apply_overrides(raw, self.overrides), variant or {})
         merged = apply_overrides(apply_overrides(merged, best_dp), best_diloco)
         return apply_overrides(merged, {"seeds": list(self.seeds), "name": f"{self.name}-tuned-{arm}"})
-
-
-def study_path(name_or_path: str | Path) -> Path:
-    """A shipped study's name (``configs/studies/<name>.yaml``) or a path to a study YAML file."""
-    return shipped_or_path(name_or_path, STUDY_DIR, "study")
-
-
-def load_study(name_or_path: str | Path, overrides: dict | None = None) -> TuneSpec:
-    """Read a study file into a :class:`TuneSpec`; ``overrides`` replace its top-level fields.
-    Raises ``FileNotFoundError``, ``yaml.YAMLError``, ``ValueError`` (an empty file, a top level
-    that is not a mapping) or :class:`pydantic.ValidationError` naming the field."""
-    path = study_path(name_or_path)
-    raw = yaml.load(path.read_text(encoding="utf-8"), Loader=ConfigLoader)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: a study file is a mapping (name, base, trials, space, ...); see configs/studies/")
-    return TuneSpec.model_validate({**raw, **(overrides or {})})

@@ -15,7 +15,6 @@ import json
 from pathlib import Path
 
 import typer
-import yaml
 from pydantic import ValidationError
 
 from run.directory import is_run
@@ -56,41 +55,27 @@ def _shipped(folder: str) -> str:
     return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
 
 
-def _parse_sets(sets: list[str], option: str = "--set", example: str = "diloco.learners=2") -> dict:
-    from configs.load import parse_overrides
-
-    try:
-        return parse_overrides(sets, option, example)
-    except ValueError as exc:
-        raise _fail(str(exc))
-
-
-def _invalid(header: str, exc: ValidationError, overrides: dict | None = None) -> typer.Exit:
-    """Print the validation errors as one line (field path first, ``;`` between them; a field given
-    with ``--set`` named as such) and return the exit to raise."""
-    from configs.load import validation_lines
-
-    typer.echo(f"error: {header} " + "; ".join(validation_lines(exc, overrides)), err=True)
-    return typer.Exit(2)
-
-
 def _fail(message: str, code: int = 2) -> typer.Exit:
     typer.echo(f"error: {message}", err=True)
     return typer.Exit(code)
 
 
-def _load(config: str, sets: list[str]):
-    from configs.load import config_path, load_config
-
-    overrides = _parse_sets(sets)
+def _refused(check, *args, where: str = "", **kwargs):
+    """``check(*args, **kwargs)``: loading a spec (``configs.specs``) or a preflight
+    (``flows.preflight``). Their refusal, a ``ValueError`` or ``OSError`` whose message is one line
+    naming the field and the fix, is printed as ``error: <where><message>`` and exits 2."""
     try:
-        return load_config(config_path(config), overrides)
-    except ValidationError as exc:
-        raise _invalid(f"invalid config {config}:", exc, overrides)
-    except yaml.YAMLError as exc:
-        raise _fail(f"{config} is not valid YAML: {' '.join(str(exc).split())}")
-    except (FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc))
+        return check(*args, **kwargs)
+    except (ValueError, OSError) as exc:
+        raise _fail(f"{where}{exc}")
+
+
+def _load(kind: str, source: str | None, **given):
+    """The ``kind`` (config, sweep, study) from ``source`` and the command line's ``--set``,
+    ``--axis`` and options: :func:`configs.specs.load_spec`, refused in one line."""
+    from configs.specs import load_spec
+
+    return _refused(load_spec, kind, source, **given)
 
 
 def _prefect_logging() -> None:
@@ -103,22 +88,41 @@ def _prefect_logging() -> None:
 
 
 def _checked(config: str, sets: list[str], run_dir: str | None = None):
-    """Schema validation, then every check of ``flows.preflight`` (run directory, corpus, model),
-    all before Prefect starts; exit 2 with one line on the first error. Returns (cfg, run dir)."""
-    cfg = _load(config, sets)
+    """The config with its ``--set`` items, then every check of a run (``flows.preflight.preflight``:
+    run directory, corpus, model, devices), all before Prefect starts; exit 2 with one line on the
+    first refusal. Returns (cfg, run dir)."""
+    cfg = _load("config", config, sets=sets)
     _prefect_logging()
     from flows.engines import share_accelerators
     from flows.preflight import preflight
 
     share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
+    return cfg, _refused(preflight, cfg, run_dir, where=f"{config}: ")
+
+
+def _run_flow(start, report: Path | None = None, label: str = "Report"):
+    """Start Prefect's temporary server and return ``start()`` (a flow's call), SIGINT and SIGTERM
+    stopping it gracefully: a stopped flow exits 128 + the signal, a failed one 1 (naming ``report``
+    when it was written), an error escaping it 1 (Prefect logged its traceback above)."""
+    from prefect.exceptions import CancelledRun, FailedRun
+
+    from flows.server import start_temporary_server
+    from run.control import graceful_stop, stop_signal
 
     try:
-        rd = preflight(cfg, run_dir)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
-        raise _fail(f"{config}: {exc}")
-    except OSError as exc:  # e.g. a permission problem on the corpus cache
-        raise _fail(f"{config}: {exc}")
-    return cfg, rd
+        with graceful_stop():  # also while Prefect's temporary server starts and stops
+            start_temporary_server()
+            return start()
+    except CancelledRun as exc:
+        typer.echo(f"\ninterrupted: {exc}", err=True)
+        raise typer.Exit(128 + (stop_signal() or 15))
+    except FailedRun as exc:
+        shown = f"\n{label}: {report}" if report is not None and report.is_file() else ""
+        typer.echo(f"\nfailed: {exc}{shown}", err=True)
+        raise typer.Exit(1)
+    except (OSError, ValueError, RuntimeError) as exc:
+        typer.echo(f"\nerror: {exc}", err=True)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -144,27 +148,14 @@ def run(
     work; 130/143 stopped by SIGINT/SIGTERM (the run directory's status.json says what completed).
     """
     cfg, rd = _checked(config, set_, run_dir)
-    from prefect.exceptions import CancelledRun, FailedRun
-
     from flows.pipeline import pipeline
-    from flows.server import start_temporary_server
     from flows.terminal import progress_display
-    from run.control import graceful_stop, stop_signal
 
-    try:
-        with graceful_stop():  # also while Prefect's temporary server starts and stops
-            start_temporary_server()
-            with progress_display():  # a bar per method, in a terminal only
-                out = pipeline(config=cfg, run_dir=str(rd))
-    except CancelledRun as exc:
-        typer.echo(f"\ninterrupted: {exc}", err=True)
-        raise typer.Exit(128 + (stop_signal() or 15))
-    except FailedRun as exc:
-        typer.echo(f"\nfailed: {exc}\nReport: {RunLayout(rd).report_md}", err=True)
-        raise typer.Exit(1)
-    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
-        typer.echo(f"\nerror: {exc}", err=True)  # Prefect logged the traceback above
-        raise typer.Exit(1)
+    def start() -> str:
+        with progress_display():  # a bar per method, in a terminal only
+            return pipeline(config=cfg, run_dir=str(rd))
+
+    out = _run_flow(start, RunLayout(rd).report_md)
     _print_verdict(Path(out))
     report = Path(out) / "report"
     typer.echo(f"\nReport: {report / 'report.md'} (as one file to share: {report / 'report.html'})")
@@ -206,38 +197,27 @@ def finetune(
 
     Exit status: 0 done; 1 failed; 2 refused before any work; 130/143 stopped by a signal.
     """
-    overrides = _parse_sets(set_)
-    _prefect_logging()
-    from flows.finetune import finetune_preflight
+    from configs.load import parse_overrides
 
+    overrides = _refused(parse_overrides, set_)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
-    try:
-        plan = finetune_preflight(run_dir, chosen, checkpoint, name, overrides, replace)
-    except (ValueError, FileNotFoundError, FileExistsError, ConnectionError) as exc:
-        raise _fail(str(exc))
-    from prefect.exceptions import CancelledRun
+    _prefect_logging()
+    from flows.preflight import finetune_preflight
 
+    plan = _refused(finetune_preflight, run_dir, chosen, checkpoint, name, overrides, replace)
     from flows.finetune import finetune as finetune_flow
-    from flows.server import start_temporary_server
-    from run.control import graceful_stop, stop_signal
 
-    try:
-        with graceful_stop():
-            start_temporary_server()
-            out = finetune_flow(
-                run_dir=str(plan["run_dir"]),
-                methods=chosen,
-                checkpoint=checkpoint,
-                name=name,
-                overrides=overrides,
-                replace=replace,
-            )
-    except CancelledRun as exc:
-        typer.echo(f"\ninterrupted: {exc}", err=True)
-        raise typer.Exit(128 + (stop_signal() or 15))
-    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
-        typer.echo(f"\nerror: {exc}", err=True)
-        raise typer.Exit(1)
+    out = _run_flow(
+        lambda: finetune_flow(
+            run_dir=str(plan["run_dir"]),
+            methods=chosen,
+            checkpoint=checkpoint,
+            name=name,
+            overrides=overrides,
+            replace=replace,
+        ),
+        RunLayout(plan["run_dir"]).report_md,
+    )
     typer.echo(f"\nReport: {RunLayout(out).report_md}")
 
 
@@ -337,94 +317,18 @@ def sweep(
     Exit status: 0 every cell completed; 1 a cell failed (the report covers the others); 2 refused
     before any work; 130/143 stopped by a signal (re-run to resume).
     """
-    from configs.sweep import SweepSpec, load_sweep, sweep_path, sweep_problem
-
-    sets = _parse_sets(set_)
-    axes = _parse_sets(axis, "--axis", "diloco.learners=[2,4]")
-    for key, values in axes.items():
-        if not isinstance(values, list):
-            raise _fail(f"--axis {key}={values}: give a list of values, e.g. --axis {key}=[{values},...]")
-    if sweep_file is None and not axes:
-        raise _fail(
-            f"no sweep given: name a sweep file or a shipped sweep ({_shipped('sweeps')}), or give its grid "
-            "with --axis, e.g. ddiloco sweep --axis diloco.learners=[2,4]"
-        )
-    try:
-        raw: dict = load_sweep(sweep_file).model_dump(mode="json") if sweep_file else {}
-    except ValidationError as exc:
-        path = sweep_path(sweep_file)
-        if {"data", "model", "diloco", "train"} & {str(e["loc"][0]) for e in exc.errors() if e["loc"]}:
-            raise _fail(
-                f"{path} is an experiment config, not a sweep file; sweep over it with --base {path} and "
-                "--axis key=[values] (a sweep file holds base, grid, ...: see configs/sweeps/)"
-            )
-        raise _fail(f"{path}: {sweep_problem(exc, 'sweep')}")
-    except yaml.YAMLError as exc:
-        raise _fail(f"{sweep_file} is not valid YAML: {' '.join(str(exc).split())}")
-    except (FileNotFoundError, ValueError) as exc:
-        raise _fail(str(exc))
-    raw["grid"] = {**raw.get("grid", {}), **axes}
-    raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    options = {
-        key: value
-        for key, value in [
-            ("base", base),
-            ("name", name),
-            ("concurrency", concurrency),
-            ("launch", launch),
-            ("deployment", deployment),
-        ]
-        if value is not None
-    }
-    raw.update(options)
-    try:
-        spec = SweepSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise _fail(sweep_problem(exc, "sweep", options))
-    if spec.launch == "deployment":
-        from prefect.settings import PREFECT_API_URL
-
-        if not PREFECT_API_URL.value():
-            raise _fail(
-                f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, "
-                "which needs a Prefect server: set PREFECT_API_URL (see the README's UI section) or use "
-                "--launch subflow"
-            )
-        from flows.sweep import check_deployment
-
-        try:
-            warning = check_deployment(spec)
-        except ValueError as exc:
-            raise _fail(str(exc))
-        if warning:
-            typer.echo(f"warning: {warning}", err=True)
+    options = {"base": base, "name": name, "concurrency": concurrency, "launch": launch, "deployment": deployment}
+    spec = _load("sweep", sweep_file, sets=set_, axes=axis, fields=options)
     _prefect_logging()
-    from flows.sweep import sweep_preflight
+    from flows.preflight import sweep_preflight
 
-    try:
-        plan = sweep_preflight(spec, sweep_dir)
-    except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
-        raise _fail(str(exc))
-    from prefect.exceptions import CancelledRun, FailedRun
-
-    from flows.server import start_temporary_server
+    plan = _refused(sweep_preflight, spec, sweep_dir)
+    for warning in plan.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     from flows.sweep import sweep as sweep_flow
-    from run.control import graceful_stop, stop_signal
 
-    report_md = SweepLayout(plan.sweep_dir).comparison_md
-    try:
-        with graceful_stop():
-            start_temporary_server()
-            out = sweep_flow(spec=spec, sweep_dir=str(plan.sweep_dir))
-    except CancelledRun as exc:
-        typer.echo(f"\ninterrupted: {exc}", err=True)
-        raise typer.Exit(128 + (stop_signal() or 15))
-    except FailedRun as exc:
-        typer.echo(f"\nfailed: {exc}" + (f"\nSweep report: {report_md}" if report_md.is_file() else ""), err=True)
-        raise typer.Exit(1)
-    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
-        typer.echo(f"\nerror: {exc}", err=True)
-        raise typer.Exit(1)
+    report = SweepLayout(plan.sweep_dir).comparison_md
+    out = _run_flow(lambda: sweep_flow(spec=spec, sweep_dir=str(plan.sweep_dir)), report, "Sweep report")
     typer.echo(f"\nSweep report: {Path(out) / 'report' / 'comparison.md'}")
 
 
@@ -454,71 +358,16 @@ def tune(
     Exit status: 0 done; 1 a method had no completed trial or the tuned comparison failed;
     2 refused before any work; 130/143 stopped by a signal (run it again to resume).
     """
-    from configs.load import CONFIG_DIR
-    from configs.sweep import sweep_problem
-    from configs.tune import TuneSpec, load_study
-
-    sets = _parse_sets(set_)
-    experiment = (
-        f"{study_file} is an experiment config, not a study file: run it with `ddiloco run {study_file}`, "
-        "or name it as a study's base (a study file holds base, trials, space: see configs/studies/)"
-    )
-    try:
-        raw = load_study(study_file).model_dump(mode="json")
-    except ValidationError as exc:
-        if {"data", "model", "diloco", "dp", "train"} & {str(e["loc"][0]) for e in exc.errors() if e["loc"]}:
-            raise _fail(experiment)
-        raise _fail(f"{study_file}: {sweep_problem(exc, 'study')}")
-    except yaml.YAMLError as exc:
-        raise _fail(f"{study_file} is not valid YAML: {' '.join(str(exc).split())}")
-    except FileNotFoundError as exc:
-        raise _fail(experiment if (CONFIG_DIR / f"{study_file}.yaml").is_file() else str(exc))
-    except ValueError as exc:
-        raise _fail(str(exc))
-    raw["overrides"] = {**raw.get("overrides", {}), **sets}
-    options = {
-        key: value
-        for key, value in [
-            ("trials", trials),
-            ("name", name),
-            ("study_root", study_root),
-            ("concurrency", concurrency),
-            ("compare", compare),
-        ]
-        if value is not None
-    }
-    raw.update(options)
-    try:
-        spec = TuneSpec.model_validate(raw)
-    except ValidationError as exc:
-        raise _fail(sweep_problem(exc, "study", options))
+    options = {"trials": trials, "name": name, "study_root": study_root, "concurrency": concurrency, "compare": compare}
+    spec = _load("study", study_file, sets=set_, fields=options)
     _prefect_logging()
-    from flows.tune import tune_preflight
+    from flows.preflight import tune_preflight
 
-    try:
-        study_dir, _ = tune_preflight(spec)
-    except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
-        raise _fail(str(exc))
-    from prefect.exceptions import CancelledRun, FailedRun
-
-    from flows.server import start_temporary_server
+    plan = _refused(tune_preflight, spec)
     from flows.tune import tune as tune_flow
-    from run.control import graceful_stop, stop_signal
 
-    report_md = StudyLayout(study_dir).study_md
-    try:
-        with graceful_stop():
-            start_temporary_server()
-            out = tune_flow(spec=spec)
-    except CancelledRun as exc:
-        typer.echo(f"\ninterrupted: {exc}", err=True)
-        raise typer.Exit(128 + (stop_signal() or 15))
-    except FailedRun as exc:
-        typer.echo(f"\nfailed: {exc}" + (f"\nStudy report: {report_md}" if report_md.is_file() else ""), err=True)
-        raise typer.Exit(1)
-    except (OSError, ConnectionError, ValueError, RuntimeError) as exc:
-        typer.echo(f"\nerror: {exc}", err=True)
-        raise typer.Exit(1)
+    report_md = StudyLayout(plan.study_dir).study_md
+    out = _run_flow(lambda: tune_flow(spec=spec), report_md, "Study report")
     for tuned in StudyLayout(Path(out)).tuned_runs:
         typer.echo(f"\nTuned comparison {tuned.name}:")
         _print_verdict(tuned)
@@ -536,13 +385,14 @@ def goodput(
     ),
 ):
     """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
+    from configs.load import parse_overrides, validation_lines
     from sim import GoodputConfig
 
-    knobs = _parse_sets(set_, example="chip_mtbi_years=0.5")
+    knobs = _refused(parse_overrides, set_, example="chip_mtbi_years=0.5")
     try:
         cfg = GoodputConfig.model_validate(knobs)
     except ValidationError as exc:
-        raise _invalid("invalid goodput settings:", exc, knobs)
+        raise _fail("invalid goodput settings: " + "; ".join(validation_lines(exc, knobs)))
     if out is not None:
         problem = _out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name"
         if problem:

@@ -21,9 +21,10 @@ from typing import Any
 
 import yaml
 
-from configs.load import CONFIG_DIR, load_config_checked
-from configs.sweep import SWEEP_DIR, load_sweep
-from configs.tune import STUDY_DIR, load_study
+from configs.load import CONFIG_DIR
+from configs.specs import load_spec
+from configs.sweep import SWEEP_DIR
+from configs.tune import STUDY_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFECT_YAML = ROOT / "prefect.yaml"
@@ -127,7 +128,7 @@ def _expectation(path: Path) -> str:
 def pipeline_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     """The ``pipeline/<stem>`` deployment of one config file."""
     rel = f"configs/{path.name}"
-    cfg = load_config_checked(path)
+    cfg = load_spec("config", path)
     stages = (
         "shard → pretrain → evaluate → fine-tune → report"
         if cfg.finetune.enabled
@@ -158,7 +159,7 @@ SWEEP_NOTE = (
 
 def sweep_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     """The ``sweep/<stem>`` deployment of one sweep file (with its schedule, if any)."""
-    spec = load_sweep(path)
+    spec = load_spec("sweep", path)
     expect = _expectation(path).rstrip(".")
     what = f"A sweep of pipeline runs from `configs/sweeps/{path.name}` (`ddiloco sweep {path.stem}`)."
     schedules = SWEEP_SCHEDULES.get(path.stem)
@@ -194,7 +195,7 @@ TUNE_NOTE = (
 
 def tune_deployment(path: Path, names: list[str]) -> dict[str, Any]:
     """The ``tune/<stem>`` deployment of one study file."""
-    spec = load_study(path)
+    spec = load_spec("study", path)
     expect = _expectation(path).rstrip(".")
     what = f"A tuning study from `configs/studies/{path.name}` (`ddiloco tune {path.stem}`)."
     description = " ".join([what, f"Expect: {expect}." if expect else "", TUNE_NOTE.format(names=", ".join(names))])
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return _main(args)
-    except ValueError as exc:  # a shipped config that does not load (load_config_checked's one line)
+    except ValueError as exc:  # a shipped config that does not load (load_spec's one line)
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

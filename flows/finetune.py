@@ -2,201 +2,29 @@
 directory, evaluated before and after, then the report rebuilt.
 
 Also the pipeline's ``finetune`` stage (as a subflow). Every check runs before anything is written
-(:func:`finetune_preflight`): the run directory, its config with ``finetune.*`` overrides, the
-pretrained checkpoints, existing fine-tuning results and the task's inputs.
+(:func:`flows.preflight.finetune_preflight`): the run directory, its config with ``finetune.*``
+overrides, the pretrained checkpoints, existing fine-tuning results and the task's inputs.
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
 # (see flows/pipeline.py).
 
-import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from pydantic import ValidationError
 
-from configs.load import apply_overrides, validation_lines
-from configs.schema import ExperimentConfig
 from flows import run_logger
 from flows.naming import finetune_run_name
-from flows.preflight import check_finetune_inputs, check_lora_targets
+from flows.preflight import FinetunePlan, finetune_preflight
 from run.control import graceful_stop, stop_requested
 from run.directory import link_or_copy
-from run.layout import METHOD_ORDER, RunLayout
+from run.layout import RunLayout
 from tasks.finetune import evaluate_finetune_task, finetune_data_task, finetune_task
-from training.ckpt_steps import LOADED_ITEMS, complete_steps, step_folders
-from training.finetune import finetune_record
 
-__all__ = ["finetune", "finetune_preflight", "FinetunePlan"]
-
-
-class FinetunePlan(dict):
-    """What a fine-tuning run will do: ``cfg``, ``run_dir``, ``methods`` ({name: checkpoint or None})."""
-
-
-def _run_root_of(checkpoint: Path) -> Path:
-    for p in [checkpoint, *checkpoint.parents]:
-        if RunLayout(p).config.is_file() and RunLayout(p).manifest.is_file():
-            return p
-    raise ValueError(
-        f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
-        "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints"
-    )
-
-
-def finetune_preflight(
-    run_dir: str | None,
-    methods: list[str] | None = None,
-    checkpoint: str | None = None,
-    name: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    replace: bool = False,
-) -> FinetunePlan:
-    """Check everything a fine-tuning run needs, write nothing; return the plan.
-
-    ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
-    the pretrained methods to fine-tune (default every method with a pretrained checkpoint).
-    ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
-    (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys. ``replace``: delete this
-    run's earlier fine-tuning results first (after every check passed).
-
-    Every checkpoint to fine-tune must hold a complete step (:func:`training.ckpt_steps.complete_steps`:
-    what the loaders would refuse later is refused here). ``name`` may not be a pretraining method's
-    (this run's, or ``diloco``/``dp``) unless ``checkpoint`` is that method's own folder: the report
-    shows a method's fine-tuned figures beside its pretraining.
-
-    Raises ``ValueError`` / ``FileNotFoundError`` with one line naming the argument or field and the fix.
-    """
-    bad = [k for k in (overrides or {}) if not str(k).startswith("finetune.")]
-    if bad:
-        raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
-    if "finetune.enabled" in (overrides or {}):
-        raise ValueError(
-            "--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
-            "pipeline's stage (ddiloco run)"
-        )
-    if name and not checkpoint:
-        raise ValueError("--name names the results of --checkpoint; give both, or neither")
-    ckpt = Path(checkpoint).expanduser().resolve() if checkpoint else None
-    if ckpt is not None:
-        if not ckpt.is_dir():
-            raise FileNotFoundError(
-                f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
-                "(e.g. RUN/pretrain/dp/checkpoints)"
-            )
-        if (
-            ckpt.name.isdigit()
-            and (ckpt / "_CHECKPOINT_METADATA").exists()
-            or ckpt.name.isdigit()
-            and (ckpt / "params").is_dir()
-        ):
-            raise ValueError(
-                f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
-                f"holds the steps: {ckpt.parent}"
-            )
-        if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
-            raise FileNotFoundError(
-                f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
-                "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints"
-            )
-        if not complete_steps(ckpt):
-            raise FileNotFoundError(
-                f"--checkpoint {checkpoint} holds no complete checkpoint step (its step folders "
-                f"{', '.join(step_folders(ckpt)[:3])} lack {' or '.join(i + '/' for i in LOADED_ITEMS)}: an "
-                "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method"
-            )
-        root = _run_root_of(ckpt)
-        if run_dir and Path(run_dir).resolve() != root:
-            raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
-        run_dir = str(root)
-    if not run_dir:
-        raise ValueError("give a run directory (or --checkpoint)")
-    rd = Path(run_dir)
-    layout = RunLayout(rd)
-    if not layout.config.is_file() or not layout.manifest.is_file():
-        raise FileNotFoundError(
-            f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
-            "give a directory made by `ddiloco run`"
-        )
-    raw = json.loads(layout.config.read_text())
-    try:
-        cfg = ExperimentConfig.model_validate(apply_overrides(raw, {"finetune.enabled": True, **(overrides or {})}))
-    except ValidationError as exc:
-        raise ValueError("invalid fine-tuning settings: " + "; ".join(validation_lines(exc))) from None
-    if ckpt is not None:
-        if methods:
-            raise ValueError("give --checkpoint or --methods, not both")
-        method = name or f"{ckpt.parent.name}-ckpt"
-        pretrained = layout.methods("pretrain")
-        if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
-            # the report shows a method's fine-tuned figures beside its pretraining: another model's
-            # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
-            if name in pretrained:
-                raise ValueError(
-                    f"--name {name} is this run's pretrained method (its checkpoint is "
-                    f"{layout.checkpoints('pretrain', name)}); pick another name"
-                )
-            raise ValueError(
-                f"--name {name} is a pretraining method's name (the report would show this checkpoint "
-                "as that method); pick another name"
-            )
-        plan_methods = {method: str(ckpt)}
-    else:
-        have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
-        chosen = methods or have
-        missing = [m for m in chosen if m not in have]
-        if missing:
-            raise FileNotFoundError(
-                f"{rd} has no pretrained checkpoint of {missing[0]} (has: {', '.join(have) or 'none'}); pick from those"
-            )
-        if not chosen:
-            raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
-        usable = [m for m in chosen if complete_steps(layout.checkpoints("pretrain", m))]
-        for m in chosen:
-            if m not in usable:  # the loader would refuse it only after the data step and the server
-                found = step_folders(layout.checkpoints("pretrain", m))
-                raise FileNotFoundError(
-                    f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) holds no complete "
-                    "checkpoint step ("
-                    + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
-                    + f"); re-run pretraining of {m}"
-                    + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else "")
-                )
-        plan_methods = {m: None for m in chosen}
-    for m in plan_methods:
-        RunLayout(rd).method_dir("finetune", m)  # a valid method name
-        if layout.holds_results("finetune", m) and not replace:
-            raise FileExistsError(
-                f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
-                "again (its earlier results are deleted once the new ones are written)"
-                + (", or another --name" if ckpt is not None else "")
-            )
-    recipe = finetune_record(cfg)
-    for m in layout.methods("finetune"):
-        if m in plan_methods or not layout.summary("finetune", m).is_file():
-            continue
-        other = json.loads(layout.summary("finetune", m).read_text()).get("finetune_config")
-        if other is not None and other != recipe:
-            diff = sorted(k for k in {*other, *recipe} if other.get(k) != recipe.get(k))
-            raise ValueError(
-                f"{rd}: {m} was fine-tuned with another recipe ({', '.join(diff[:4])} differ); a run "
-                "directory compares its methods under one recipe: fine-tune every method again "
-                "(no --methods) with --replace, or keep the recipe"
-            )
-    from data.store import load_manifest
-    from training.common import input_shape
-
-    check_lora_targets(cfg, input_shape(cfg, load_manifest(rd)))
-    if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
-        raise ValueError(
-            f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
-            "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs"
-        )
-    check_finetune_inputs(cfg)
-    return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan_methods, replace=replace)
+__all__ = ["finetune", "run_finetune_stage"]
 
 
 def _results(layout: RunLayout, method: str) -> list[Path]:
@@ -348,7 +176,7 @@ def finetune(
         build_report: rebuild ``report/`` at the end (the pipeline builds it itself).
 
     Returns the run directory. Raises ``ValueError``/``FileNotFoundError``/``FileExistsError`` from
-    :func:`finetune_preflight` before anything is written.
+    :func:`flows.preflight.finetune_preflight` before anything is written.
     """
     plan = finetune_preflight(run_dir, methods, checkpoint, name, overrides, replace)
     logger = get_run_logger()

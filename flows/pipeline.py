@@ -21,11 +21,11 @@ from prefect import flow, get_run_logger
 from prefect.exceptions import FailedRun
 from prefect.states import Cancelled, Failed, State
 
-from configs.load import resolve_config
 from configs.schema import ExperimentConfig
-from flows.finetune import finetune_preflight, run_finetune_stage
+from configs.specs import load_spec
+from flows.finetune import run_finetune_stage
 from flows.naming import pipeline_run_name, rename_flow_run
-from flows.preflight import preflight
+from flows.preflight import finetune_preflight, preflight
 from flows.pretrain import dropped_reasons, pretrain_diloco, pretrain_dp
 from run import atomic
 from run.control import graceful_stop, stop_requested, stop_signal
@@ -292,7 +292,7 @@ def pipeline(
     one-line reason; the report is written either way.
     """
     logger = get_run_logger()
-    cfg = resolve_config(config, config_file, overrides)
+    cfg = load_spec("config", config_file, overrides, value=config)
     seeds = cfg.run_seeds
     if len(seeds) == 1:
         cfg = cfg.for_seed(seeds[0])

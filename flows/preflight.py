@@ -1,18 +1,43 @@
-"""Every check that can run before Prefect and JAX start, in one place.
+"""Every check before any work, in one place: the preflights of a run, a sweep, a study and a
+fine-tuning run.
 
-``ddiloco run`` calls :func:`preflight` before it starts Prefect; the pipeline flow calls it again
-first thing (a run started from the UI never went through the CLI). It writes nothing: the run
-directory is created only after every check has passed.
+They have one shape. Each takes what its command or flow was given (a validated config or spec from
+``configs.specs.load_spec``, and folders), checks everything that can be checked before work starts
+(folders, corpus, model, devices, earlier results, a Prefect server where one is needed), writes
+nothing, and returns the plan its flow carries out:
+
+======================================  ==========================================================
+:func:`preflight` (``ddiloco run``)     the run directory to create
+:func:`sweep_preflight`                 a :class:`SweepPlan`: the sweep folder, each cell's config,
+                                        run directory and action (run, skip, rerun)
+:func:`tune_preflight`                  a :class:`StudyPlan`: the study folder and base config
+:func:`finetune_preflight`              a :class:`FinetunePlan`: the config with the recipe, the run
+                                        directory, the methods and their checkpoints
+======================================  ==========================================================
+
+A refusal is a ``ValueError`` or an ``OSError`` (``FileNotFoundError``, ``FileExistsError``,
+``ConnectionError``) whose message is one line naming the field, option or path and the fix: the
+CLI prints it and exits 2 before Prefect starts. The flows call their preflight again first thing
+(a run started from the UI never went through the CLI), so nothing is written to a run, sweep or
+study folder before every check has passed.
 """
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from configs.load import apply_overrides
 from configs.schema import ExperimentConfig, validate_against_model
-from run.directory import check_run_dir, default_run_dir
-from run.layout import RunLayout
+from configs.specs import load_spec, read_base
+from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells
+from configs.tune import METHODS, TuneSpec
+from run.directory import check_run_dir, default_run_dir, is_run, read_status
+from run.layout import METHOD_ORDER, SWEEP_RECORD, RunLayout, StudyLayout, SweepLayout
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 
@@ -371,22 +396,6 @@ def check_tracking(cfg: ExperimentConfig) -> None:
         )
 
 
-def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
-    """Check the run directory, the corpus and the model; return the run directory to use.
-
-    Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
-    ``run_dir`` is None), then :func:`check_config`. Nothing is written anywhere but the corpus
-    download cache.
-
-    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` with one line naming the
-    field or path and the fix.
-    """
-    path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
-    check_reusable_data(cfg, path)
-    check_config(cfg, check_data)
-    return path
-
-
 def learner_device_pool(cfg: ExperimentConfig) -> tuple[list, str] | None:
     """The devices each learner's process will see, where that is known before the run starts, and
     how to name their owner: this process's (thread engine); a local Dask cluster's workers inherit
@@ -459,3 +468,489 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
         from data.sources import check_corpus
 
         check_corpus(cfg.data)
+
+
+# -- the entry points: one per command (see the module) ----------------------------------------
+def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
+    """Check the run directory, the corpus and the model; return the run directory to use.
+
+    Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
+    ``run_dir`` is None), data an earlier run left there (:func:`check_reusable_data`), then
+    :func:`check_config`. Nothing is written anywhere but the corpus download cache.
+
+    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` with one line naming the
+    field or path and the fix.
+    """
+    path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
+    check_reusable_data(cfg, path)
+    check_config(cfg, check_data)
+    return path
+
+
+def _within(where: str, exc: Exception) -> Exception:
+    """``exc`` of the same kind, its message prefixed with ``where`` (a sweep's cell, a study's arm)."""
+    try:
+        return type(exc)(f"{where}: {exc}")
+    except TypeError:  # an exception class that takes more than a message
+        return ValueError(f"{where}: {exc}")
+
+
+# -- a sweep -------------------------------------------------------------------------------------
+@dataclass
+class PlannedCell:
+    """A cell as the sweep will treat it: ``action`` is ``run`` (new), ``skip`` (completed with
+    this config) or ``rerun`` (an earlier attempt that did not complete; ``previous`` its status)."""
+
+    cell: Cell
+    cfg: ExperimentConfig
+    run_dir: Path
+    digest: str
+    action: str
+    previous: str | None = None
+
+
+@dataclass
+class SweepPlan:
+    """What a sweep will do: its folder, each cell's plan, and warnings to show (no worker yet)."""
+
+    spec: SweepSpec
+    sweep_dir: Path
+    cells: list[PlannedCell]
+    warnings: list[str] = field(default_factory=list)
+
+    def record(self, results: dict[str, dict] | None = None) -> dict:
+        """What ``sweep.json`` holds: the spec and one entry per cell."""
+        results = results or {}
+        return {
+            "sweep": self.spec.model_dump(mode="json"),
+            "sweep_dir": str(self.sweep_dir),
+            "updated_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+            "cells": [
+                {
+                    "name": pc.cell.name,
+                    "overrides": pc.cell.overrides,
+                    "config_sha256": pc.digest,
+                    "run_dir": str(pc.run_dir),
+                    "action": pc.action,
+                    "previous": pc.previous,
+                    **results.get(pc.cell.name, {}),
+                }
+                for pc in self.cells
+            ],
+        }
+
+
+def default_sweep_dir(spec: SweepSpec) -> Path:
+    root = Path(spec.sweep_root).expanduser()
+    if spec.resume:
+        return (root / spec.name).absolute()
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    return (root / f"{spec.name}-{stamp}").absolute()
+
+
+def _check_sweep_dir(path: Path) -> Path:
+    if "://" in str(path):
+        raise ValueError(f"sweep folder {path} is a URL; sweeps are written to a local folder: give a local path")
+    path = Path(os.path.normpath(path.expanduser().absolute()))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
+    for above in [path, *path.parents]:
+        if is_run(above):
+            raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
+    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
+        raise ValueError(
+            f"sweep folder {path} is not empty and holds no {SWEEP_RECORD} (not a sweep); choose a new "
+            "--sweep-dir or sweep name"
+        )
+    return path
+
+
+def check_deployment(spec: SweepSpec) -> str | None:
+    """With ``launch: deployment``: a Prefect server is configured and answers, and the pipeline
+    deployment exists on it; raises ``ValueError`` in one line naming the server or ``deployment``
+    otherwise. Returns a warning when no worker polls the deployment's work pool (its cells would
+    wait for one), else None."""
+    if spec.launch != "deployment":
+        return None
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        raise ValueError(
+            f"sweep {spec.name}: launch: deployment runs each cell through a deployment's worker, which needs "
+            "a Prefect server: set PREFECT_API_URL (see the README's UI section) or use --launch subflow"
+        )
+    with get_client(sync_client=True) as client:
+        try:
+            dep = client.read_deployment_by_name(spec.deployment)
+            pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
+        except ObjectNotFound:
+            raise ValueError(
+                f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on the Prefect server "
+                f"{client.api_url}; deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
+                "or use launch: subflow"
+            ) from None
+        except Exception as exc:  # the server does not answer (connection refused, timeout, ...)
+            raise ValueError(
+                f"sweep {spec.name}: launch: deployment: the Prefect server {client.api_url} "
+                f"(PREFECT_API_URL) does not answer ({type(exc).__name__}); start it or use launch: "
+                "subflow"
+            ) from None
+    if pool is not None and str(getattr(pool.status, "value", pool.status)).upper() != "READY":
+        return (
+            f"no worker polls the work pool {pool.name} of {spec.deployment}: the cells wait until one starts "
+            f"(`prefect worker start --pool {pool.name}`)"
+        )
+    return None
+
+
+def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
+    """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
+    relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
+    method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
+    :class:`run.layout.RunLayout`."""
+    layout = RunLayout(run_dir)
+    needed = [layout.report_json]
+    seeds = cfg.run_seeds
+    for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
+        needed += [
+            sub.summary("pretrain", m)
+            for m in (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
+        ]
+    return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
+
+
+def _first_difference(old: dict, new: dict) -> str:
+    """The first dotted config key whose value differs, with both values ('' if none)."""
+    from reports.common import flatten
+
+    a, b = flatten(old, sep="."), flatten(new, sep=".")
+    for key in list(a) + [k for k in b if k not in a]:
+        if key not in a or key not in b:
+            return key
+        if a[key] != b[key]:
+            return f"{key}: {a[key]!r} there, {b[key]!r} now"
+    return ""
+
+
+def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path) -> PlannedCell:
+    """A cell's action: ``run`` in a new folder, ``skip`` a completed run of this config with its
+    results, ``rerun`` anything else; a completed run of another config is refused."""
+    digest = config_digest(cfg)
+    if not run_dir.exists():
+        check_run_dir(run_dir)
+        return PlannedCell(cell, cfg, run_dir, digest, "run")
+    status = read_status(run_dir).get("status")
+    if status != "completed":
+        return PlannedCell(cell, cfg, run_dir, digest, "rerun", status or "no status")
+    try:
+        old = json.loads(RunLayout(run_dir).config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        old = None
+    new = cfg.model_dump(mode="json")
+    if old != new:
+        what = _first_difference(old, new) if isinstance(old, dict) else "config.json is missing or unreadable"
+        raise ValueError(
+            f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
+            "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again"
+        )
+    missing = missing_results(run_dir, cfg)
+    if missing:  # status.json vouches for results that are not there: run it again
+        return PlannedCell(
+            cell, cfg, run_dir, digest, "rerun", f"completed without its results (missing {', '.join(missing)})"
+        )
+    return PlannedCell(cell, cfg, run_dir, digest, "skip", status)
+
+
+def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
+    """Every check of a sweep: with ``launch: deployment`` the Prefect server and the deployment
+    (:func:`check_deployment`), the sweep folder, the base config, each cell's config (schema,
+    model, corpus: :func:`check_config`; the corpus once per distinct data section) and each cell's
+    run directory (:func:`_plan_cell`: new, completed with the same config and its results, or an
+    attempt to redo). A cell is skipped only when its run's ``status.json`` says ``completed``, its
+    ``config.json`` equals the cell's resolved config and it holds its results
+    (:func:`missing_results`). Writes nothing.
+
+    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line naming the sweep,
+    the cell and the field (or the folder) and the fix.
+    """
+    warning = check_deployment(spec)
+    path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
+    base_raw = read_base(spec.base, f"sweep {spec.name}")
+    planned: list[PlannedCell] = []
+    checked_data: set[str] = set()
+    for cell in expand_cells(spec):
+        cfg = cell_config(spec, cell, base_raw)
+        data_key = json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True)
+        try:
+            check_config(cfg, check_data=data_key not in checked_data)
+        except (ValueError, OSError) as exc:
+            raise _within(f"sweep {spec.name}, cell {cell.name}", exc) from None
+        checked_data.add(data_key)
+        planned.append(_plan_cell(spec, cell, cfg, SweepLayout(path).cell(cell.name)))
+    return SweepPlan(spec, path, planned, [warning] if warning else [])
+
+
+# -- a tuning study ------------------------------------------------------------------------------
+# The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
+# whether its next trial tries the base config's settings (an extra trial, never a different objective),
+# and where the study folder lies (a moved folder resumes).
+MAY_CHANGE = ("trials", "compare", "concurrency", "from_base", "study_root")
+
+
+@dataclass
+class StudyPlan:
+    """What a study will do: its folder and the base config's mapping (every trial starts from it)."""
+
+    spec: TuneSpec
+    study_dir: Path
+    base: dict[str, Any]
+
+
+def _check_study_dir(spec: TuneSpec, study_dir: Path) -> None:
+    """A study folder is new, empty, or holds a study of this spec (up to :data:`MAY_CHANGE`)."""
+    record = StudyLayout(study_dir).record
+    if record.exists():
+        old = json.loads(record.read_text()).get("spec") or {}
+        new = spec.model_dump(mode="json")
+        differs = sorted(k for k in {*old, *new} if k not in MAY_CHANGE and old.get(k) != new.get(k))
+        if differs:
+            raise ValueError(
+                f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
+                "differ); give the study a new name or study_root, or delete that folder"
+            )
+    elif study_dir.exists() and any(study_dir.iterdir()):
+        raise ValueError(
+            f"study {spec.name}: {study_dir} exists and is not a study folder (no {record.name}); give "
+            "the study a new name or study_root"
+        )
+
+
+def tune_preflight(spec: TuneSpec) -> StudyPlan:
+    """Every check of a study: each searched value in a trial config of its method (the others at
+    their first value), the tuned comparison's config, the corpus and devices
+    (:func:`check_config`), and the study folder (one of another spec is refused). Writes nothing.
+    Raises ``ValueError`` in one line naming the study, the key and the value, or
+    ``FileNotFoundError`` for a missing base config."""
+    where = f"study {spec.name}"
+    raw = read_base(spec.base, where)
+    first = {m: {k: r.values()[0] for k, r in spec.space[m].items()} for m in METHODS}
+    for name, m, variant in spec.arms():
+        for key, rng in spec.space[m].items():
+            for value in rng.values():
+                load_spec(
+                    "config",
+                    value=spec.trial_config(m, {**first[m], key: value}, raw, variant),
+                    where=f"{where}, {name}: space.{m}.{key} = {value!r}",
+                )
+        trial = f"{where}, a {name} trial"
+        cfg = load_spec("config", value=spec.trial_config(m, first[m], raw, variant), where=trial)
+        try:
+            check_config(cfg, check_data=name == "dp")
+        except (ValueError, OSError) as exc:
+            raise _within(trial, exc) from None
+        if m == "diloco":
+            load_spec(
+                "config",
+                value=spec.final_config(first["dp"], first["diloco"], raw, variant, name),
+                where=f"{where}, the tuned comparison of {name}",
+            )
+    _check_study_dir(spec, spec.study_dir())
+    return StudyPlan(spec, spec.study_dir(), raw)
+
+
+# -- fine-tuning a run's models ------------------------------------------------------------------
+class FinetunePlan(dict):
+    """What a fine-tuning run will do: ``cfg``, ``run_dir``, ``methods`` ({name: checkpoint or
+    None}), ``replace``."""
+
+
+def _check_finetune_options(overrides: dict[str, Any], checkpoint: str | None, name: str | None) -> None:
+    bad = [k for k in overrides if not str(k).startswith("finetune.")]
+    if bad:
+        raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
+    if "finetune.enabled" in overrides:
+        raise ValueError(
+            "--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
+            "pipeline's stage (ddiloco run)"
+        )
+    if name and not checkpoint:
+        raise ValueError("--name names the results of --checkpoint; give both, or neither")
+
+
+def _run_root_of(checkpoint: Path) -> Path:
+    for p in [checkpoint, *checkpoint.parents]:
+        if RunLayout(p).config.is_file() and RunLayout(p).manifest.is_file():
+            return p
+    raise ValueError(
+        f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
+        "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints"
+    )
+
+
+def _check_checkpoint(checkpoint: str, run_dir: str | None) -> tuple[Path, str]:
+    """``--checkpoint``: an Orbax checkpoint folder of ours (not one step of it) with a complete step,
+    inside a run directory (``run_dir``'s, when given). Returns (the folder, its run directory)."""
+    from training.ckpt_steps import LOADED_ITEMS, complete_steps, step_folders
+
+    ckpt = Path(checkpoint).expanduser().resolve()
+    if not ckpt.is_dir():
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint} is not a folder; give an Orbax checkpoint folder "
+            "(e.g. RUN/pretrain/dp/checkpoints)"
+        )
+    if ckpt.name.isdigit() and ((ckpt / "_CHECKPOINT_METADATA").exists() or (ckpt / "params").is_dir()):
+        raise ValueError(
+            f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
+            f"holds the steps: {ckpt.parent}"
+        )
+    if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
+            "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints"
+        )
+    if not complete_steps(ckpt):
+        raise FileNotFoundError(
+            f"--checkpoint {checkpoint} holds no complete checkpoint step (its step folders "
+            f"{', '.join(step_folders(ckpt)[:3])} lack {' or '.join(i + '/' for i in LOADED_ITEMS)}: an "
+            "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method"
+        )
+    root = _run_root_of(ckpt)
+    if run_dir and Path(run_dir).resolve() != root:
+        raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
+    return ckpt, str(root)
+
+
+def _checkpoint_method(layout: RunLayout, ckpt: Path, name: str | None, methods: list[str] | None) -> dict:
+    """``{method: checkpoint}`` for ``--checkpoint``: ``name`` (default ``<method>-ckpt``) may not be a
+    pretraining method's unless the checkpoint is that method's own folder."""
+    if methods:
+        raise ValueError("give --checkpoint or --methods, not both")
+    pretrained = layout.methods("pretrain")
+    if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
+        # the report shows a method's fine-tuned figures beside its pretraining: another model's
+        # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
+        if name in pretrained:
+            raise ValueError(
+                f"--name {name} is this run's pretrained method (its checkpoint is "
+                f"{layout.checkpoints('pretrain', name)}); pick another name"
+            )
+        raise ValueError(
+            f"--name {name} is a pretraining method's name (the report would show this checkpoint "
+            "as that method); pick another name"
+        )
+    return {name or f"{ckpt.parent.name}-ckpt": str(ckpt)}
+
+
+def _pretrained_methods(rd: Path, methods: list[str] | None) -> dict:
+    """``{method: None}``: ``methods`` (default every pretrained method with a checkpoint), each with
+    a complete checkpoint step (what the loaders would refuse later is refused here)."""
+    from training.ckpt_steps import complete_steps, step_folders
+
+    layout = RunLayout(rd)
+    have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
+    chosen = methods or have
+    missing = [m for m in chosen if m not in have]
+    if missing:
+        raise FileNotFoundError(
+            f"{rd} has no pretrained checkpoint of {missing[0]} (has: {', '.join(have) or 'none'}); pick from those"
+        )
+    if not chosen:
+        raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
+    usable = [m for m in chosen if complete_steps(layout.checkpoints("pretrain", m))]
+    for m in chosen:
+        if m not in usable:  # the loader would refuse it only after the data step and the server
+            found = step_folders(layout.checkpoints("pretrain", m))
+            raise FileNotFoundError(
+                f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) holds no complete "
+                "checkpoint step ("
+                + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
+                + f"); re-run pretraining of {m}"
+                + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else "")
+            )
+    return {m: None for m in chosen}
+
+
+def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace: bool, named: bool) -> None:
+    """No planned method holds fine-tuning results unless ``replace``; every other method of the run
+    was fine-tuned with this recipe (a run directory compares its methods under one)."""
+    from training.finetune import finetune_record
+
+    layout = RunLayout(rd)
+    for m in plan:
+        layout.method_dir("finetune", m)  # a valid method name
+        if layout.holds_results("finetune", m) and not replace:
+            raise FileExistsError(
+                f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
+                "again (its earlier results are deleted once the new ones are written)"
+                + (", or another --name" if named else "")
+            )
+    recipe = finetune_record(cfg)
+    for m in layout.methods("finetune"):
+        if m in plan or not layout.summary("finetune", m).is_file():
+            continue
+        other = json.loads(layout.summary("finetune", m).read_text()).get("finetune_config")
+        if other is not None and other != recipe:
+            diff = sorted(k for k in {*other, *recipe} if other.get(k) != recipe.get(k))
+            raise ValueError(
+                f"{rd}: {m} was fine-tuned with another recipe ({', '.join(diff[:4])} differ); a run "
+                "directory compares its methods under one recipe: fine-tune every method again "
+                "(no --methods) with --replace, or keep the recipe"
+            )
+
+
+def finetune_preflight(
+    run_dir: str | None,
+    methods: list[str] | None = None,
+    checkpoint: str | None = None,
+    name: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    replace: bool = False,
+) -> FinetunePlan:
+    """Check everything a fine-tuning run needs, write nothing; return the plan.
+
+    ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
+    the pretrained methods to fine-tune (default every method with a pretrained checkpoint).
+    ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
+    (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
+    ``config.json`` (``configs.specs.load_spec``). ``replace``: delete this run's earlier
+    fine-tuning results first (after every check passed).
+
+    Every checkpoint to fine-tune must hold a complete step (:func:`training.ckpt_steps.complete_steps`:
+    what the loaders would refuse later is refused here). ``name`` may not be a pretraining method's
+    (this run's, or ``diloco``/``dp``) unless ``checkpoint`` is that method's own folder: the report
+    shows a method's fine-tuned figures beside its pretraining.
+
+    Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` with one line naming the
+    argument or field and the fix.
+    """
+    overrides = dict(overrides or {})
+    _check_finetune_options(overrides, checkpoint, name)
+    ckpt = None
+    if checkpoint:
+        ckpt, run_dir = _check_checkpoint(checkpoint, run_dir)
+    if not run_dir:
+        raise ValueError("give a run directory (or --checkpoint)")
+    rd = Path(run_dir)
+    layout = RunLayout(rd)
+    if not layout.config.is_file() or not layout.manifest.is_file():
+        raise FileNotFoundError(
+            f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
+            "give a directory made by `ddiloco run`"
+        )
+    raw = apply_overrides(json.loads(layout.config.read_text()), {"finetune.enabled": True})
+    cfg = load_spec("config", value=raw, sets=overrides, where="invalid fine-tuning settings")
+    plan = _checkpoint_method(layout, ckpt, name, methods) if ckpt else _pretrained_methods(rd, methods)
+    _check_earlier_results(rd, cfg, plan, replace, named=ckpt is not None)
+    from data.store import load_manifest
+    from training.common import input_shape
+
+    check_lora_targets(cfg, input_shape(cfg, load_manifest(rd)))
+    if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
+        raise ValueError(
+            f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
+            "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs"
+        )
+    check_finetune_inputs(cfg)
+    return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan, replace=replace)

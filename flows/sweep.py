@@ -23,13 +23,13 @@ Prefect global concurrency limit ``sweep-<name>`` (created, or updated to ``conc
 sweep starts) while its cell runs, so sweeps of one name share the limit, wherever they run. A
 slot whose holder died (a process killed, a machine gone) comes back well within a minute, on a
 persistent server too: the holder renews its lease and a heartbeat record every few seconds, and
-a cell waiting for a slot releases the leases whose heartbeat stopped (:func:`_slot`).
+a cell waiting for a slot releases the leases whose heartbeat stopped (:mod:`flows.slots`).
 
 **Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
 the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
 results it vouches for, survives a new Prefect server or database, and cannot point at results
 that were deleted. A cell whose run directory holds a ``completed`` run of the same config, with its results
-(:func:`missing_results`), is not run again; one whose run stopped (failed, interrupted, or killed
+(:func:`flows.preflight.missing_results`), is not run again; one whose run stopped (failed, interrupted, or killed
 while ``running``), or that says ``completed`` but lacks its report or a method's summary, is moved
 aside to ``attempts/`` and run anew; one that completed with another config is refused before anything
 starts (the sweep's spec changed under the same name).
@@ -38,201 +38,37 @@ starts (the sweep's spec changed under the same name).
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
 # (see flows/pipeline.py).
 
-import contextlib
 import datetime as dt
 import json
 import os
 import shutil
-import socket
-import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.states import Cancelled, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from configs.load import config_path, read_config_file
 from configs.schema import ExperimentConfig
-from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells, load_sweep, resolve_sweep
+from configs.specs import load_spec
+from configs.sweep import SweepSpec
 from flows import run_logger
 from flows.naming import sweep_run_name
-from flows.preflight import check_config
-from reports.common import flatten
+from flows.preflight import PlannedCell, SweepPlan, sweep_preflight
+from flows.slots import set_concurrency_limit, slot
 from run import atomic
 from run.control import graceful_stop, stop_requested
-from run.directory import check_run_dir, is_run, read_status
+from run.directory import read_status
 from run.layout import SWEEP_RECORD as SWEEP_JSON, RunLayout, SweepLayout
 
-__all__ = ["sweep", "sweep_preflight", "SweepPlan", "PlannedCell", "limit_name"]
-
-
-@dataclass
-class PlannedCell:
-    """A cell as the sweep will treat it: ``action`` is ``run`` (new), ``skip`` (completed with
-    this config) or ``rerun`` (an earlier attempt that did not complete; ``previous`` its status)."""
-
-    cell: Cell
-    cfg: ExperimentConfig
-    run_dir: Path
-    digest: str
-    action: str
-    previous: str | None = None
-
-
-@dataclass
-class SweepPlan:
-    spec: SweepSpec
-    sweep_dir: Path
-    cells: list[PlannedCell]
-
-    def record(self, results: dict[str, dict] | None = None) -> dict:
-        """What ``sweep.json`` holds: the spec and one entry per cell."""
-        results = results or {}
-        return {
-            "sweep": self.spec.model_dump(mode="json"),
-            "sweep_dir": str(self.sweep_dir),
-            "updated_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "cells": [
-                {
-                    "name": pc.cell.name,
-                    "overrides": pc.cell.overrides,
-                    "config_sha256": pc.digest,
-                    "run_dir": str(pc.run_dir),
-                    "action": pc.action,
-                    "previous": pc.previous,
-                    **results.get(pc.cell.name, {}),
-                }
-                for pc in self.cells
-            ],
-        }
+__all__ = ["sweep", "sweep_cell", "limit_name"]
 
 
 def limit_name(spec: SweepSpec) -> str:
     """The Prefect global concurrency limit of a sweep: ``sweep-<name>``."""
     return f"sweep-{spec.name}"
-
-
-def default_sweep_dir(spec: SweepSpec) -> Path:
-    root = Path(spec.sweep_root).expanduser()
-    if spec.resume:
-        return (root / spec.name).absolute()
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return (root / f"{spec.name}-{stamp}").absolute()
-
-
-def _check_sweep_dir(path: Path) -> Path:
-    if "://" in str(path):
-        raise ValueError(f"sweep folder {path} is a URL; sweeps are written to a local folder: give a local path")
-    path = Path(os.path.normpath(path.expanduser().absolute()))
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
-    for above in [path, *path.parents]:
-        if is_run(above):
-            raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
-    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
-        raise ValueError(
-            f"sweep folder {path} is not empty and holds no {SWEEP_JSON} (not a sweep); choose a new "
-            "--sweep-dir or sweep name"
-        )
-    return path
-
-
-def _first_difference(old: dict, new: dict) -> str:
-    """The first dotted config key whose value differs, with both values ('' if none)."""
-    a, b = flatten(old, sep="."), flatten(new, sep=".")
-    for key in list(a) + [k for k in b if k not in a]:
-        if key not in a or key not in b:
-            return key
-        if a[key] != b[key]:
-            return f"{key}: {a[key]!r} there, {b[key]!r} now"
-    return ""
-
-
-def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
-    """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
-    relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
-    method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
-    :class:`run.layout.RunLayout`."""
-    layout = RunLayout(run_dir)
-    needed = [layout.report_json]
-    seeds = cfg.run_seeds
-    for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
-        needed += [
-            sub.summary("pretrain", m)
-            for m in (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
-        ]
-    return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
-
-
-def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
-    """Every check of a sweep before anything is written: the sweep folder, each cell's config
-    (schema, model, corpus: :func:`flows.preflight.check_config`; the corpus once per distinct data
-    section) and each cell's run directory (new, completed with the same config, or an attempt to
-    redo). Writes nothing.
-
-    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line naming the sweep,
-    the cell and the field (or the folder) and the fix.
-    """
-    path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
-    try:
-        base_raw = read_config_file(config_path(spec.base))
-    except (FileNotFoundError, ValueError) as exc:
-        raise type(exc)(f"sweep {spec.name}, base: {exc}") from None
-    except yaml.YAMLError as exc:
-        raise ValueError(
-            f"sweep {spec.name}, base: {spec.base} is not valid YAML: {' '.join(str(exc).split())}"
-        ) from None
-    cells = expand_cells(spec)
-    planned: list[PlannedCell] = []
-    checked_data: set[str] = set()
-    for cell in cells:
-        cfg = cell_config(spec, cell, base_raw)
-        data_key = json.dumps(cfg.data.model_dump(mode="json"), sort_keys=True)
-        try:
-            check_config(cfg, check_data=data_key not in checked_data)
-        except (ValueError, FileNotFoundError, ConnectionError, OSError) as exc:
-            raise type(exc)(f"sweep {spec.name}, cell {cell.name}: {exc}") from None
-        checked_data.add(data_key)
-        run_dir = SweepLayout(path).cell(cell.name)
-        digest = config_digest(cfg)
-        status = read_status(run_dir).get("status") if run_dir.exists() else None
-        if not run_dir.exists():
-            check_run_dir(run_dir)
-            planned.append(PlannedCell(cell, cfg, run_dir, digest, "run"))
-        elif status == "completed":
-            try:
-                old = json.loads(RunLayout(run_dir).config.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                old = None
-            new = cfg.model_dump(mode="json")
-            if old != new:
-                what = _first_difference(old, new) if isinstance(old, dict) else "config.json is missing or unreadable"
-                raise ValueError(
-                    f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
-                    "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again"
-                )
-            missing = missing_results(run_dir, cfg)
-            if missing:  # status.json vouches for results that are not there: run it again
-                planned.append(
-                    PlannedCell(
-                        cell,
-                        cfg,
-                        run_dir,
-                        digest,
-                        "rerun",
-                        f"completed without its results (missing {', '.join(missing)})",
-                    )
-                )
-            else:
-                planned.append(PlannedCell(cell, cfg, run_dir, digest, "skip", status))
-        else:
-            planned.append(PlannedCell(cell, cfg, run_dir, digest, "rerun", status or "no status"))
-    return SweepPlan(spec, path, planned)
 
 
 def _write_record(plan: SweepPlan, results: dict[str, dict]) -> None:
@@ -248,217 +84,6 @@ def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
     target = attempts / f"{pc.cell.name}-{n}"
     shutil.move(str(pc.run_dir), str(target))
     return target
-
-
-def set_concurrency_limit(name: str, limit: int) -> None:
-    """Create the Prefect global concurrency limit ``name``, or set it to ``limit`` slots."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name, limit)
-
-
-def check_deployment(spec: SweepSpec) -> str | None:
-    """With ``launch: deployment``: the Prefect server answers and the pipeline deployment exists on
-    it; raises ``ValueError`` in one line naming the server or ``deployment`` otherwise. Returns a
-    warning when no worker polls the deployment's work pool (its cells would wait for one), else None."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
-    with get_client(sync_client=True) as client:
-        try:
-            dep = client.read_deployment_by_name(spec.deployment)
-            pool = client.read_work_pool(dep.work_pool_name) if dep.work_pool_name else None
-        except ObjectNotFound:
-            raise ValueError(
-                f"sweep {spec.name}: deployment: {spec.deployment} is not deployed on the Prefect server "
-                f"{client.api_url}; deploy it (`prefect --no-prompt deploy --all`) and start a worker, "
-                "or use launch: subflow"
-            ) from None
-        except Exception as exc:  # the server does not answer (connection refused, timeout, ...)
-            raise ValueError(
-                f"sweep {spec.name}: launch: deployment: the Prefect server {client.api_url} "
-                f"(PREFECT_API_URL) does not answer ({type(exc).__name__}); start it or use launch: "
-                "subflow"
-            ) from None
-    if pool is not None and str(getattr(pool.status, "value", pool.status)).upper() != "READY":
-        return (
-            f"no worker polls the work pool {pool.name} of {spec.deployment}: the cells wait until one starts "
-            f"(`prefect worker start --pool {pool.name}`)"
-        )
-    return None
-
-
-# How a sweep cell holds a slot of its limit (:func:`_slot`). Prefect's own lease alone cannot bring a
-# dead holder's slot back within a minute: its server refuses leases under 60 s and revokes expired
-# ones on a 15 s loop (PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS), and `concurrency()`'s
-# default lease is 300 s. So each holder also beats a heartbeat record on the server, and a cell
-# waiting for a slot releases the lease of any holder whose heartbeat stopped.
-SLOT_LEASE_S = 60.0
-"""Prefect's lease on a held slot [s]: the shortest its server accepts. It is renewed at every
-heartbeat; it frees a dead holder's slot on its own (within about 75 s) when no cell waits."""
-SLOT_HEARTBEAT_S = 5.0
-"""A holder renews its lease and its heartbeat record this often [s]."""
-SLOT_STALE_S = 30.0
-"""A waiting cell takes a holder for dead once its heartbeat has not changed for this long [s] (on
-the waiter's own clock: no clocks of two machines are compared). So a slot whose holder died comes
-back within SLOT_STALE_S plus the wait's poll interval (2 s) while a cell waits for it."""
-_HOLDER_TAG = "ddiloco-slot-holder"
-
-
-def _holder_record(lease_id) -> str:
-    """The Prefect variable that carries the heartbeat of the holder of lease ``lease_id``."""
-    return f"ddiloco-slot-{lease_id}"
-
-
-def _heartbeats(client, limit: str) -> dict[str, object]:
-    """Lease id -> latest heartbeat of every recorded holder of ``limit`` (the Prefect variables tagged
-    ``ddiloco-slot-holder:<limit>``)."""
-    from prefect.client.schemas.objects import Variable
-
-    response = client.request(
-        "POST", "/variables/filter", json={"variables": {"tags": {"all_": [f"{_HOLDER_TAG}:{limit}"]}}}
-    )
-    records = Variable.model_validate_list(response.json())
-    return {
-        r.value["lease_id"]: r.value.get("beat")
-        for r in records
-        if isinstance(r.value, dict) and r.value.get("limit") == limit and "lease_id" in r.value
-    }
-
-
-class _HolderWatch:
-    """What a cell waiting for a slot of ``limit`` has seen of the holders' heartbeats: a holder
-    whose heartbeat has not changed for ``stale_s`` seconds of this process's clock is dead; its
-    lease is released (its slot comes back) and its record deleted."""
-
-    def __init__(self, limit: str, stale_s: float) -> None:
-        self.limit, self.stale_s = limit, stale_s
-        self.seen: dict[str, tuple[object, float]] = {}  # lease id -> (heartbeat, when it was first seen)
-
-    def reap(self, client) -> list[str]:
-        """Release the leases of the holders found dead; returns their lease ids."""
-        from uuid import UUID
-
-        from prefect.exceptions import ObjectNotFound
-
-        now = time.monotonic()
-        beats = _heartbeats(client, self.limit)
-        self.seen = {k: v for k, v in self.seen.items() if k in beats}
-        dead = []
-        for lease_id, beat in beats.items():
-            last = self.seen.get(lease_id)
-            if last is None or last[0] != beat:
-                self.seen[lease_id] = (beat, now)
-            elif now - last[1] >= self.stale_s:
-                client.release_concurrency_slots_with_lease(UUID(lease_id))  # a no-op once released
-                with contextlib.suppress(ObjectNotFound):  # another waiter was first
-                    client.delete_variable_by_name(_holder_record(lease_id))
-                del self.seen[lease_id]
-                dead.append(lease_id)
-        return dead
-
-
-def _try_acquire(client, limit: str):
-    """One slot of ``limit`` under a lease of SLOT_LEASE_S; returns the lease id, or None when every
-    slot is taken. Raises ``ValueError`` when the limit does not exist."""
-    from uuid import UUID
-
-    import httpx
-
-    try:
-        response = client.increment_concurrency_slots_with_lease(
-            names=[limit], slots=1, mode="concurrency", lease_duration=SLOT_LEASE_S
-        )
-    except httpx.HTTPStatusError as exc:
-        if exc.response.status_code == 423:  # locked: no free slot
-            return None
-        raise
-    body = response.json()
-    if not body.get("limits"):
-        raise ValueError(f"the Prefect global concurrency limit {limit} does not exist (the sweep creates it)")
-    return UUID(body["lease_id"])
-
-
-def _beat(lease_id, limit: str, every_s: float, stop: threading.Event) -> None:
-    """Every ``every_s`` seconds until ``stop``: renew the lease and move the heartbeat record on. A
-    failure is logged and retried at the next beat (the cell goes on; if its lease was taken for dead
-    meanwhile, the limit may briefly admit one cell more)."""
-    import logging
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import VariableUpdate
-
-    log = logging.getLogger(__name__)
-    beat = 0
-    with get_client(sync_client=True) as client:
-        while not stop.wait(every_s):
-            beat += 1
-            try:
-                client.renew_concurrency_lease(lease_id, SLOT_LEASE_S)
-                client.update_variable(
-                    VariableUpdate(name=_holder_record(lease_id), value=_heartbeat(lease_id, limit, beat))
-                )
-            except Exception as exc:
-                log.warning(
-                    "sweep slot %s of %s: heartbeat %d failed (%s: %s)", lease_id, limit, beat, type(exc).__name__, exc
-                )
-
-
-def _heartbeat(lease_id, limit: str, beat: int) -> dict:
-    return {"lease_id": str(lease_id), "limit": limit, "beat": beat, "host": socket.gethostname(), "pid": os.getpid()}
-
-
-@contextlib.contextmanager
-def _slot(limit: str, poll_s: float = 2.0):
-    """Hold one slot of the global concurrency limit ``limit`` while the block runs; yields False
-    (holding nothing) when a stop signal came while waiting for it (checked every ``poll_s`` s).
-
-    The slot is a Prefect lease of SLOT_LEASE_S, renewed every SLOT_HEARTBEAT_S together with a
-    heartbeat record (a Prefect variable tagged ``ddiloco-slot-holder:<limit>``). While it waits, a
-    cell releases the slots of holders whose heartbeat has stopped for SLOT_STALE_S (a process
-    killed, a machine gone), so a dead cell's slot comes back well within a minute, on a
-    persistent server too. Raises ``ValueError`` if the limit does not exist.
-    """
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import VariableCreate
-    from prefect.exceptions import ObjectNotFound
-
-    from run.control import STOP
-
-    lease_id = None
-    watch = _HolderWatch(limit, SLOT_STALE_S)
-    with get_client(sync_client=True) as client:
-        while not stop_requested():
-            lease_id = _try_acquire(client, limit)
-            if lease_id is not None:
-                client.create_variable(
-                    VariableCreate(
-                        name=_holder_record(lease_id),
-                        value=_heartbeat(lease_id, limit, 0),
-                        tags=[_HOLDER_TAG, f"{_HOLDER_TAG}:{limit}"],
-                    )
-                )
-                break
-            watch.reap(client)
-            STOP.wait(poll_s)
-    if lease_id is None:
-        yield False
-        return
-    stop = threading.Event()
-    beater = threading.Thread(
-        target=_beat, args=(lease_id, limit, SLOT_HEARTBEAT_S, stop), daemon=True, name=f"sweep-slot-{lease_id}"
-    )
-    beater.start()
-    try:
-        yield True
-    finally:
-        stop.set()
-        beater.join(timeout=30)
-        with get_client(sync_client=True) as client:
-            client.release_concurrency_slots_with_lease(lease_id)
-            with contextlib.suppress(ObjectNotFound):
-                client.delete_variable_by_name(_holder_record(lease_id))
 
 
 def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2.0):
@@ -503,7 +128,7 @@ def sweep_cell(
     go on.
     """
     logger = run_logger()
-    with _slot(limit) as held:
+    with slot(limit) as held:
         if not held:
             return {"state": "NOT_STARTED", "status": None, "reason": "the sweep was stopped first"}
         t0 = time.perf_counter()
@@ -591,8 +216,47 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     return comparison
 
 
+def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict]) -> None:
+    """Run the cells ``todo``, ``concurrency`` threads taking them in grid order, each holding a slot of
+    the sweep's global limit (which holds them to ``concurrency`` at once across every sweep of this
+    name); each cell's result goes into ``results`` and ``sweep.json`` as it finishes."""
+    spec = plan.spec
+    limit = limit_name(spec)
+    set_concurrency_limit(limit, spec.concurrency)
+    progress = _Progress(spec, len(plan.cells), len(plan.cells) - len(todo))
+    with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
+        futures = {
+            runner.submit(
+                sweep_cell,
+                {
+                    "name": pc.cell.name,
+                    "config": pc.cfg,
+                    "run_dir": str(pc.run_dir),
+                    "launch": spec.launch,
+                    "deployment": spec.deployment,
+                    "limit": limit,
+                    "dp_cache": str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None,
+                },
+            ): pc.cell.name
+            for pc in todo
+        }
+        for future in as_completed(list(futures)):
+            name = futures[future]
+            try:
+                results[name] = {**future.result(), "skipped": False}
+            except Exception as exc:  # the cell's own failure is recorded; the others go on
+                results[name] = {
+                    "state": "FAILED",
+                    "reason": f"{type(exc).__name__}: {exc}",
+                    "skipped": False,
+                    "status": read_status(SweepLayout(plan.sweep_dir).cell(name)).get("status"),
+                }
+            _write_record(plan, results)
+            progress.advance()
+
+
 def _default_spec() -> SweepSpec:
-    return load_sweep("tiny_grid")
+    return load_spec("sweep", "tiny_grid")
 
 
 @flow(name="sweep", flow_run_name=sweep_run_name, log_prints=True)
@@ -617,12 +281,10 @@ def sweep(
     that have one) and ``Cancelled`` after a stop signal.
     """
     logger = run_logger()
-    spec = resolve_sweep(spec, sweep_file)
+    spec = load_spec("sweep", sweep_file, value=spec)
     plan = sweep_preflight(spec, sweep_dir)
-    if spec.launch == "deployment":
-        warning = check_deployment(spec)
-        if warning:
-            logger.warning(warning)
+    for warning in plan.warnings:
+        logger.warning(warning)
     if stop_requested():
         return Cancelled(message="stopped before the sweep started; nothing was written")
     todo = [pc for pc in plan.cells if pc.action != "skip"]
@@ -636,16 +298,12 @@ def sweep(
         spec.concurrency,
         spec.launch,
     )
-    results: dict[str, dict] = {}
     prior = _prior_results(plan.sweep_dir, logger)
-    for pc in plan.cells:
-        if pc.action == "skip":
-            results[pc.cell.name] = {
-                **prior.get(pc.cell.name, {}),
-                "status": "completed",
-                "state": "COMPLETED",
-                "skipped": True,
-            }
+    results: dict[str, dict] = {
+        pc.cell.name: {**prior.get(pc.cell.name, {}), "status": "completed", "state": "COMPLETED", "skipped": True}
+        for pc in plan.cells
+        if pc.action == "skip"
+    }
     with graceful_stop():
         plan.sweep_dir.mkdir(parents=True, exist_ok=True)
         for pc in todo:
@@ -653,40 +311,7 @@ def sweep(
                 moved = _move_aside(pc, plan.sweep_dir)
                 logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
         _write_record(plan, results)
-        limit = limit_name(spec)
-        set_concurrency_limit(limit, spec.concurrency)
-        progress = _Progress(spec, len(plan.cells), len(plan.cells) - len(todo))
-        # `concurrency` threads take the cells in grid order; the global limit holds them to
-        # `concurrency` at once across every sweep of this name
-        with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
-            futures = {
-                runner.submit(
-                    sweep_cell,
-                    {
-                        "name": pc.cell.name,
-                        "config": pc.cfg,
-                        "run_dir": str(pc.run_dir),
-                        "launch": spec.launch,
-                        "deployment": spec.deployment,
-                        "limit": limit,
-                        "dp_cache": str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None,
-                    },
-                ): pc.cell.name
-                for pc in todo
-            }
-            for future in as_completed(list(futures)):
-                name = futures[future]
-                try:
-                    results[name] = {**future.result(), "skipped": False}
-                except Exception as exc:  # the cell's own failure is recorded; the others go on
-                    results[name] = {
-                        "state": "FAILED",
-                        "reason": f"{type(exc).__name__}: {exc}",
-                        "skipped": False,
-                        "status": read_status(SweepLayout(plan.sweep_dir).cell(name)).get("status"),
-                    }
-                _write_record(plan, results)
-                progress.advance()
+        _run_cells(plan, todo, results)
         comparison = sweep_report(plan, results)
     report = SweepLayout(plan.sweep_dir).comparison_md
     failed = [n for n, r in results.items() if r.get("status") != "completed" and r.get("state") != "NOT_STARTED"]

@@ -13,7 +13,7 @@ Layout of a study folder (``<study_root>/<name>``)::
     report/               study.md, study.json, study_history.png (``reports.study``)
 
 A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`: a slot of
-the Prefect global concurrency limit ``tune-<name>`` while it runs, ``concurrency`` trials at
+the Prefect global concurrency limit ``tune-<name>`` while it runs (:mod:`flows.slots`), ``concurrency`` trials at
 once) and is scored by its method's loss on the whole validation split (``heldout.val`` of its
 summary): selection never reads the test split, which only the tuned comparison reports. Both
 methods get ``trials`` completed trials from a TPE sampler of the same seed; a failed trial is
@@ -23,7 +23,8 @@ recorded as failed in the study and another is asked, at most ``trials`` more.
 trials a stopped study left running are marked failed and their settings are asked again first
 (``Study.enqueue_trial``), completed trials count, and the tuned
 comparison is skipped when ``tuned/`` holds a completed run of the same config (else moved to
-``attempts/``). A study folder of another spec (other base, space, overrides or seeds) is refused.
+``attempts/``). A study folder of another spec (other base, space, overrides or seeds) is refused
+(:func:`flows.preflight.tune_preflight`, before anything is written).
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
@@ -40,83 +41,19 @@ from prefect.futures import wait
 from prefect.states import Cancelled, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from configs.load import config_path, read_config_file, validation_lines
-from configs.schema import ExperimentConfig
-from configs.tune import METHODS, TuneSpec, load_study
+from configs.specs import load_spec
+from configs.tune import TuneSpec
 from flows import run_logger
 from flows.naming import tune_run_name
+from flows.preflight import missing_results, tune_preflight
+from flows.slots import set_concurrency_limit
+from flows.sweep import sweep_cell
 from run import atomic
 from run.control import graceful_stop, stop_requested
 from run.directory import read_status
-from run.layout import STUDY_RECORD as TUNE_JSON, RunLayout, StudyLayout
+from run.layout import RunLayout, StudyLayout
 
-__all__ = ["tune", "tune_preflight", "resolve_study"]
-
-# The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
-# whether its next trial tries the base config's settings (an extra trial, never a different objective),
-# and where the study folder lies (a moved folder resumes).
-_MAY_CHANGE = ("trials", "compare", "concurrency", "from_base", "study_root")
-
-
-def resolve_study(spec: Any = None, study_file: str | None = None) -> TuneSpec:
-    """The spec a tune flow run uses: ``study_file`` (a shipped study's name or a path), else ``spec``."""
-    if study_file:
-        return load_study(study_file)
-    return spec if isinstance(spec, TuneSpec) else TuneSpec.model_validate(dict(spec or {}))
-
-
-def _config(raw: dict, where: str) -> ExperimentConfig:
-    from pydantic import ValidationError
-
-    try:
-        return ExperimentConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ValueError(f"{where}: " + "; ".join(validation_lines(exc))) from None
-
-
-def tune_preflight(spec: TuneSpec) -> tuple[Path, dict]:
-    """Every check before anything is written: each searched value in a trial config of its method
-    (the others at their first value), the tuned comparison's config, the corpus and devices
-    (:func:`flows.preflight.check_config`), and the study folder (one of another spec is refused).
-    Returns (study folder, the base config's mapping). Raises ``ValueError`` in one line naming
-    the study, the key and the value, or ``FileNotFoundError`` for a missing base config."""
-    from flows.preflight import check_config
-
-    raw = read_config_file(config_path(spec.base))
-    first = {m: {k: r.values()[0] for k, r in spec.space[m].items()} for m in METHODS}
-    for name, m, variant in spec.arms():
-        for key, rng in spec.space[m].items():
-            for value in rng.values():
-                _config(
-                    spec.trial_config(m, {**first[m], key: value}, raw, variant),
-                    f"study {spec.name}, {name}: space.{m}.{key} = {value!r}",
-                )
-        check_config(
-            _config(spec.trial_config(m, first[m], raw, variant), f"study {spec.name}, a {name} trial"),
-            check_data=name == "dp",
-        )
-        if m == "diloco":
-            _config(
-                spec.final_config(first["dp"], first["diloco"], raw, variant, name),
-                f"study {spec.name}, the tuned comparison of {name}",
-            )
-    study_dir = spec.study_dir()
-    record = StudyLayout(study_dir).record
-    if record.exists():
-        old = json.loads(record.read_text()).get("spec") or {}
-        new = spec.model_dump(mode="json")
-        differs = sorted(k for k in {*old, *new} if k not in _MAY_CHANGE and old.get(k) != new.get(k))
-        if differs:
-            raise ValueError(
-                f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
-                "differ); give the study a new name or study_root, or delete that folder"
-            )
-    elif study_dir.exists() and any(study_dir.iterdir()):
-        raise ValueError(
-            f"study {spec.name}: {study_dir} exists and is not a study folder (no {TUNE_JSON}); give "
-            "the study a new name or study_root"
-        )
-    return study_dir, raw
+__all__ = ["tune", "trial_value"]
 
 
 def _distributions(space: dict) -> dict:
@@ -212,8 +149,6 @@ def _run_trials(
     ``trials`` failures more), ``concurrency`` at a time."""
     from optuna.trial import TrialState
 
-    from flows.sweep import sweep_cell
-
     name, method, variant = arm
     for t in study.trials:  # left running by a stopped study: failed, and its settings asked again first
         if t.state == TrialState.RUNNING:
@@ -238,7 +173,11 @@ def _run_trials(
             for trial in batch:
                 rd = StudyLayout(study_dir).trial(name, trial.number)
                 trial.set_user_attr("run_dir", str(rd))
-                cfg = _config(spec.trial_config(method, trial.params, raw, variant), f"study {spec.name}, {name} trial")
+                cfg = load_spec(
+                    "config",
+                    value=spec.trial_config(method, trial.params, raw, variant),
+                    where=f"study {spec.name}, {name} trial",
+                )
                 logger.info("%s trial %d: %s", name, trial.number, trial.params)
                 futures.append(
                     (
@@ -278,12 +217,11 @@ def _tuned_comparison(
     """The tuned comparison of one DiLoCo study against the tuned DP, over ``seeds``, in
     ``tuned/<study>/`` (DP's seeds shared through ``<study folder>/dp``): skipped when that folder
     holds a completed run of the same config, else an earlier attempt is moved to ``attempts/``."""
-    from flows.sweep import missing_results, sweep_cell
-
     name, _, variant = arm
-    cfg = _config(
-        spec.final_config(best["dp"], best[name], raw, variant, name),
-        f"study {spec.name}, the tuned comparison of {name}",
+    cfg = load_spec(
+        "config",
+        value=spec.final_config(best["dp"], best[name], raw, variant, name),
+        where=f"study {spec.name}, the tuned comparison of {name}",
     )
     layout = StudyLayout(study_dir)
     rd = layout.tuned(name)
@@ -317,7 +255,7 @@ def _tuned_comparison(
 
 
 def _default_spec() -> TuneSpec:
-    return load_study("tune_tiny")
+    return load_spec("study", "tune_tiny")
 
 
 @flow(name="tune", flow_run_name=tune_run_name, log_prints=True)
@@ -339,11 +277,10 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend
 
-    from flows.sweep import set_concurrency_limit
-
     logger = run_logger()
-    spec = resolve_study(spec, study_file)
-    study_dir, raw = tune_preflight(spec)
+    spec = load_spec("study", study_file, value=spec)
+    plan = tune_preflight(spec)
+    study_dir, raw = plan.study_dir, plan.base
     if stop_requested():
         return Cancelled(message="stopped before the study started; nothing was written")
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from configs.load import load_config_checked
+from configs.specs import load_spec
 from run.layout import RunLayout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,27 +21,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("value", [None, False, "off", "OFF", "null"])
 def test_the_cache_turns_off(value):
-    cfg = load_config_checked(ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": value})
+    cfg = load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": value})
     assert cfg.runtime.compilation_cache is None
 
 
 @pytest.mark.parametrize("value", ["", "  ", "s3://bucket/xla", "gs://b/x"])
 def test_a_cache_that_is_not_a_local_folder_is_refused_naming_the_field(value):
     with pytest.raises(ValueError, match=r"runtime\.compilation_cache: .* is not a local folder: write run"):
-        load_config_checked(ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": value})
+        load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": value})
 
 
 def test_where_the_cache_lives(tmp_path, monkeypatch):
     from training.common import compilation_cache_dir
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
-    cfg = load_config_checked(ROOT / "configs" / "tiny.yaml", {})
+    cfg = load_spec("config", ROOT / "configs" / "tiny.yaml", {})
     assert compilation_cache_dir(cfg, tmp_path) == tmp_path / "cache" / "xla"
     # the seeds of a run of several share the run's cache: they compile the same steps
     assert RunLayout(tmp_path / "seeds" / "seed-1").compile_cache == tmp_path / "cache" / "xla"
-    shared = load_config_checked(ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": "~/xla-cache"})
+    shared = load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": "~/xla-cache"})
     assert compilation_cache_dir(shared, tmp_path) == Path("~/xla-cache").expanduser()
-    off = load_config_checked(ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": None})
+    off = load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": None})
     assert compilation_cache_dir(off, tmp_path) is None
     # a cache the environment names (the user's, or the test suite's) is the one "run" uses
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))

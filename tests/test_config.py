@@ -239,17 +239,17 @@ def test_override_below_a_single_value_is_refused(tmp_path):
 
 
 def test_scripts_get_one_error_line_for_any_bad_config(tmp_path):
-    from configs.load import load_config_checked
+    from configs.specs import load_spec
 
     with pytest.raises(ValueError, match="config file not found"):
-        load_config_checked(tmp_path / "missing.yaml")
+        load_spec("config", tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: {microbatch_size: 3}\n")
     with pytest.raises(ValueError, match=r"invalid config .*train.microbatch_size \(3\) must divide"):
-        load_config_checked(bad)
+        load_spec("config", bad)
     bad.write_text("train: [\n")
     with pytest.raises(ValueError, match="bad.yaml"):
-        load_config_checked(bad)
+        load_spec("config", bad)
 
 
 def test_slowdowns_are_checked():
@@ -366,13 +366,58 @@ def test_a_section_valued_override_merges_into_the_section(tmp_path):
     assert same.model.n_experts == 2 and same.model.d_model == load_config(ROOT / "configs" / "moe.yaml").model.d_model
 
 
+def test_one_loader_for_configs_sweeps_and_studies(tmp_path):
+    """configs.specs.load_spec, what every command loads through: a file or a shipped name, then what
+    the command line adds, validated once; a refusal (a missing file too) is one ValueError line that
+    names the option which gave the field."""
+    from configs.specs import load_spec, read_base
+    from configs.tune import TuneSpec
+
+    cfg = load_spec("config", "tiny", ["diloco.learners=2", "diloco.quorum=1"])
+    assert (cfg.name, cfg.diloco.learners) == ("tiny", 2)
+    with pytest.raises(ValueError, match=r"^config file not found: nope \(neither a file nor a shipped config"):
+        load_spec("config", "nope")
+    with pytest.raises(
+        ValueError, match=r"^invalid config tiny: diloco.learners: .* \(from --set diloco.learners=0\)$"
+    ):
+        load_spec("config", "tiny", {"diloco.learners": 0})
+    # a sweep file without a grid takes it from --axis: the file and the additions are validated together
+    (tmp_path / "s.yaml").write_text("base: tiny\noverrides: {finetune.enabled: false}\n")
+    s = load_spec(
+        "sweep",
+        tmp_path / "s.yaml",
+        ["train.token_budget=12288"],
+        axes=["diloco.learners=[2,3]"],
+        fields={"name": None},
+    )
+    assert s.grid == {"diloco.learners": [2, 3]} and s.overrides == {
+        "finetune.enabled": False,
+        "train.token_budget": 12288,
+    }
+    with pytest.raises(ValueError, match=r"^invalid sweep .*s.yaml: concurrency: .* \(from --concurrency 0\)$"):
+        load_spec("sweep", tmp_path / "s.yaml", axes=["diloco.learners=[2]"], fields={"concurrency": 0})
+    with pytest.raises(
+        ValueError, match=r"^tiny is an experiment config, not a sweep file; sweep over it with --base tiny"
+    ):
+        load_spec("sweep", "tiny")
+    with pytest.raises(ValueError, match="configs/tiny.yaml is an experiment config, not a study file"):
+        load_spec("study", "configs/tiny.yaml")
+    study = load_spec("study", "tune_tiny", fields={"compare": False, "trials": 3})
+    assert isinstance(study, TuneSpec) and (study.trials, study.compare) == (3, False)
+    assert load_spec("study", value=study) is study  # a flow's validated spec passes as it is
+    (tmp_path / "bad.yaml").write_text("data: [1\n")  # a study's base: refused in one line, not a traceback
+    with pytest.raises(ValueError, match=r"^study x, base: .*bad.yaml is not valid YAML: "):
+        read_base(str(tmp_path / "bad.yaml"), "study x")
+
+
 def test_an_unknown_sweep_key_lists_the_valid_keys(tmp_path):
-    from configs.sweep import load_sweep, sweep_problem
+    from configs.specs import load_spec
 
     (tmp_path / "s.yaml").write_text("base: tiny\nconcurency: 2\ngrid: {diloco.learners: [2, 3]}\n")
-    with pytest.raises(ValidationError) as exc:
-        load_sweep(tmp_path / "s.yaml")
-    line = sweep_problem(exc.value)
+    with pytest.raises(ValueError) as exc:  # one line, as the CLI prints it
+        load_spec("sweep", tmp_path / "s.yaml")
+    line = str(exc.value)
+    assert line.startswith(f"invalid sweep {tmp_path / 's.yaml'}: concurency: ")
     assert (
         "concurency: Extra inputs are not permitted; did you mean concurrency? (valid keys here: name, base, "
         "overrides, grid, cells, seeds, concurrency" in line

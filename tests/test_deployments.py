@@ -71,23 +71,25 @@ def test_prefect_yaml_in_sync_with_configs():
     assert {"pipeline", "tiny"} <= set(deps["tiny"]["tags"]) and "sweep" in deps["nightly"]["tags"]
     # one sweep deployment per shipped sweep, its form pre-filled with the file's spec; the nightly
     # one carries a schedule, inactive as shipped
-    from configs.sweep import load_sweep, shipped_sweeps
+    from configs.specs import load_spec
+    from configs.sweep import shipped_sweeps
 
     for path in shipped_sweeps():
         dep = deps[path.stem]
         assert dep["entrypoint"] == "flows/sweep.py:sweep"
-        assert dep["parameters"] == {"spec": load_sweep(path).model_dump(mode="json")}, path.name
+        assert dep["parameters"] == {"spec": load_spec("sweep", path).model_dump(mode="json")}, path.name
     assert deps["nightly"]["schedules"] == [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
     assert "schedules" not in deps["tiny_grid"]
     # one tune deployment per shipped study, its form pre-filled with the file's spec
-    from configs.tune import STUDY_DIR, load_study
+    from configs.specs import load_spec
+    from configs.tune import STUDY_DIR
 
     studies = sorted(STUDY_DIR.glob("*.yaml"))
     assert studies
     for path in studies:
         dep = deps[path.stem]
         assert dep["entrypoint"] == "flows/tune.py:tune"
-        assert dep["parameters"] == {"spec": load_study(path).model_dump(mode="json")}, path.name
+        assert dep["parameters"] == {"spec": load_spec("study", path).model_dump(mode="json")}, path.name
 
 
 def test_deployments_check_names_what_is_out_of_date(tmp_path, capsys):
@@ -151,14 +153,15 @@ def test_sweep_form_shows_every_spec_field_with_default_and_description():
     from prefect.utilities.callables import parameter_schema
     from pydantic_core import PydanticUndefined
 
-    from configs.sweep import SweepSpec, load_sweep
+    from configs.specs import load_spec
+    from configs.sweep import SweepSpec
     from flows.sweep import sweep
 
     schema = parameter_schema(sweep).model_dump_for_openapi()
     props, defs = schema["properties"], schema["definitions"]
     assert list(props) == ["spec", "sweep_file", "sweep_dir"]
     assert all(props[name].get("description") for name in props)
-    assert props["spec"]["default"] == load_sweep("tiny_grid").model_dump(mode="json")
+    assert props["spec"]["default"] == load_spec("sweep", "tiny_grid").model_dump(mode="json")
     shown = defs["SweepSpec"]["properties"]
     for name, field in SweepSpec.model_fields.items():
         assert shown[name].get("description") == field.description, name
@@ -169,14 +172,15 @@ def test_sweep_form_shows_every_spec_field_with_default_and_description():
 def test_tune_form_shows_every_study_field_with_its_description():
     from prefect.utilities.callables import parameter_schema
 
-    from configs.tune import TuneSpec, load_study
+    from configs.specs import load_spec
+    from configs.tune import TuneSpec
     from flows.tune import tune
 
     schema = parameter_schema(tune).model_dump_for_openapi()
     props, defs = schema["properties"], schema["definitions"]
     assert list(props) == ["spec", "study_file"]
     assert all(props[name].get("description") for name in props)
-    assert props["spec"]["default"] == load_study("tune_tiny").model_dump(mode="json")
+    assert props["spec"]["default"] == load_spec("study", "tune_tiny").model_dump(mode="json")
     shown = defs["TuneSpec"]["properties"]
     for name, field in TuneSpec.model_fields.items():
         assert shown[name].get("description") == field.description, name

@@ -506,18 +506,20 @@ def test_the_writability_check_removes_only_its_own_empty_folders(tmp_path, monk
 
 
 def test_a_cache_folder_that_cannot_be_written_is_refused_before_work_naming_the_field(tmp_path):
-    from configs.load import load_config_checked
+    from configs.specs import load_spec
     from flows.preflight import check_runtime
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    cfg = load_config_checked(
+    cfg = load_spec(
+        "config",
         Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
         {"runtime.compilation_cache": str(blocker / "xla")},
     )
     with pytest.raises(ValueError, match=r"runtime\.compilation_cache .*: cannot be created or written here"):
         check_runtime(cfg)
-    fine = load_config_checked(
+    fine = load_spec(
+        "config",
         Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
         {"runtime.compilation_cache": str(tmp_path / "new" / "xla")},
     )

@@ -283,7 +283,7 @@ def _fake_run(small_cfg, small_data, tmp_path):
 
 
 def test_one_run_directory_compares_its_methods_under_one_recipe(small_cfg, small_data, tmp_path):
-    from flows.finetune import finetune_preflight
+    from flows.preflight import finetune_preflight
 
     rd, _ = _fake_run(small_cfg, small_data, tmp_path)
     with pytest.raises(FileExistsError, match="--replace"):
@@ -300,10 +300,11 @@ def test_one_run_directory_compares_its_methods_under_one_recipe(small_cfg, smal
 
 def test_a_failed_replace_restores_the_earlier_results(small_cfg, small_data, tmp_path, monkeypatch):
     import flows.finetune as FF
+    from flows.preflight import finetune_preflight
 
     rd, layout = _fake_run(small_cfg, small_data, tmp_path)
     before = sorted(str(p.relative_to(rd)) for p in rd.rglob("*"))
-    plan = FF.finetune_preflight(str(rd), ["dp"], replace=True)
+    plan = finetune_preflight(str(rd), ["dp"], replace=True)
 
     def fail(cfg, run_dir, method, task, ckpt):  # dies after writing part of its results
         layout.metrics("finetune", method, "train").parent.mkdir(parents=True)
@@ -356,10 +357,11 @@ def test_a_failed_replace_with_another_recipe_restores_the_task_data(small_cfg, 
     stage then fails, the earlier results come back with the data they were made from."""
     import flows.finetune as FF
     from data.finetune import prepare_finetune_data
+    from flows.preflight import finetune_preflight
 
     rd, layout = _fake_run(small_cfg, small_data, tmp_path)
     before = _tree(rd)
-    plan = FF.finetune_preflight(str(rd), overrides={"finetune.max_test_items": 7}, replace=True)
+    plan = finetune_preflight(str(rd), overrides={"finetune.max_test_items": 7}, replace=True)
     seen = {}
 
     def data_task(cfg, run_dir):  # the real data step (the task without Prefect's wrapper)
@@ -388,7 +390,7 @@ def test_a_checkpoint_is_never_named_after_another_pretrained_method(small_cfg, 
     """--name diloco on DP's checkpoint would put DP's fine-tuned figures under DiLoCo in the report."""
     import shutil
 
-    from flows.finetune import finetune_preflight
+    from flows.preflight import finetune_preflight
     from tests.test_refusals import cli, one_line_refusal
 
     rd, layout = _pretrained_run(small_cfg, small_data, tmp_path)
@@ -416,7 +418,7 @@ def test_a_checkpoint_is_never_named_after_another_pretrained_method(small_cfg, 
 def test_checkpoint_folders_without_a_complete_step_are_refused(small_cfg, small_data, tmp_path):
     """Empty checkpoint folders, or only partial steps (an interrupted save's temporary folder, a step
     without its items), are refused before any work, naming the method; not after minutes of it."""
-    from flows.finetune import finetune_preflight
+    from flows.preflight import finetune_preflight
     from tests.test_refusals import cli, one_line_refusal
 
     rd, layout = _pretrained_run(small_cfg, small_data, tmp_path, complete=False)

@@ -255,16 +255,18 @@ def test_yaml_numbers_are_numbers(tmp_path):
 
 
 def test_config_by_shipped_name_or_path():
-    from configs.load import config_path, resolve_config
+    from configs.load import config_path
+    from configs.specs import load_spec
 
     assert config_path("tiny") == ROOT / "configs" / "tiny.yaml"
     assert config_path(str(ROOT / "configs" / "tiny.yaml")).name == "tiny.yaml"
     shipped = ", ".join(sorted(p.stem for p in (ROOT / "configs").glob("*.yaml")))
     with pytest.raises(FileNotFoundError, match=f"shipped: {shipped}"):
         config_path("nope")
-    cfg = resolve_config(ExperimentConfig(), "tiny", {"diloco.learners": 2, "diloco.quorum": 1})
+    # a flow's way in: a file or shipped name wins over the form's value, overrides are applied last
+    cfg = load_spec("config", "tiny", {"diloco.learners": 2, "diloco.quorum": 1}, value=ExperimentConfig())
     assert cfg.name == "tiny" and cfg.diloco.learners == 2
-    assert resolve_config(cfg) is cfg
+    assert load_spec("config", value=cfg) is cfg
 
 
 # -- 5. chaos that cannot happen is refused ------------------------------------------------------

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from configs.sweep import SweepSpec, cell_config, config_digest, expand_cells, load_sweep, shipped_sweeps
+from configs.specs import load_spec
+from configs.sweep import SweepSpec, cell_config, config_digest, expand_cells, shipped_sweeps
 from tests.conftest import ROOT, SMALL_DATA, squash
 
 REPO = Path(__file__).resolve().parent.parent
@@ -86,15 +87,15 @@ def test_shipped_sweeps_load_and_their_cells_validate():
     names = {p.stem for p in shipped_sweeps()}
     assert {"tiny_grid", "nightly"} <= names
     for name in names:
-        s = load_sweep(name)
+        s = load_spec("sweep", name)
         assert [cell_config(s, c).name for c in expand_cells(s)]
-    tiny = load_sweep("tiny_grid")
+    tiny = load_spec("sweep", "tiny_grid")
     assert len(expand_cells(tiny)) == 4 and tiny.base == "tiny" and tiny.resume
-    assert not load_sweep("nightly").resume  # a new folder each night
+    assert not load_spec("sweep", "nightly").resume  # a new folder each night
 
 
 def test_preflight_plans_new_completed_and_stopped_cells(tmp_path):
-    from flows.sweep import sweep_preflight
+    from flows.preflight import sweep_preflight
 
     s = spec(grid={"diloco.learners": [2, 3]}, overrides=SMALL_DATA)
     plan = sweep_preflight(s, tmp_path / "sw")
@@ -169,7 +170,7 @@ def _completed_cell(pc, results: bool, methods=("diloco", "dp")) -> None:
 def test_a_completed_cell_without_its_results_is_run_again(tmp_path):
     """status.json says completed, but the report or a method's summary is gone (a damaged or
     half-copied sweep): the cell is planned as a rerun naming what is missing, never skipped."""
-    from flows.sweep import sweep_preflight
+    from flows.preflight import sweep_preflight
 
     s = spec(grid={"diloco.learners": [2, 3, 4]}, overrides=SMALL_DATA)
     plan = sweep_preflight(s, tmp_path / "sw")
@@ -193,7 +194,8 @@ def test_a_completed_cell_without_its_results_is_run_again(tmp_path):
 
 
 def test_the_sweep_comparison_lists_every_cell_and_says_which_have_no_results(tmp_path):
-    from flows.sweep import sweep_preflight, sweep_report
+    from flows.preflight import sweep_preflight
+    from flows.sweep import sweep_report
 
     s = spec(grid={"diloco.learners": [2, 3, 4]}, overrides=SMALL_DATA)
     plan = sweep_preflight(s, tmp_path / "sw")
@@ -367,7 +369,7 @@ def test_a_2x2_sweep_runs_every_cell_at_most_two_at_once_and_a_rerun_starts_none
         (["tiny_grid", "--axis", "diloco.learners=4"], "error: --axis diloco.learners=4: give a list of values"),
         (
             ["tiny_grid", "--concurrency", "0"],
-            "error: invalid sweep: concurrency: Input should be greater than 0 (got 0) (cells running at once, ",
+            "error: invalid sweep tiny_grid: concurrency: Input should be greater than 0 (cells running at once, ",
         ),
         (["nosuch"], "error: sweep file not found: nosuch (neither a file nor a shipped sweep; shipped: "),
         (
@@ -454,14 +456,14 @@ def test_sweep_cli_refuses_a_deployment_that_is_not_there(prefect_harness, tmp_p
 
 
 # A process that holds one slot of a sweep's concurrency limit the way a sweep cell does
-# (flows.sweep._slot), with short heartbeat timings so the test takes seconds: it prints
+# (flows.slots.slot), with short heartbeat timings so the test takes seconds: it prints
 # "waiting", then "held" once it has the slot, and keeps it until its stdin closes.
 SLOT_HOLDER = """
 import sys
-import flows.sweep as sweep
-sweep.SLOT_HEARTBEAT_S, sweep.SLOT_STALE_S = 0.5, 8.0
+import flows.slots as slots
+slots.SLOT_HEARTBEAT_S, slots.SLOT_STALE_S = 0.5, 8.0
 print("waiting", flush=True)
-with sweep._slot(sys.argv[1], poll_s=0.5) as held:
+with slots.slot(sys.argv[1], poll_s=0.5) as held:
     print("held" if held else "stopped", flush=True)
     sys.stdin.read()
 print("released", flush=True)
@@ -535,7 +537,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
     its slot (its heartbeat and Prefect lease are renewed) until it releases it."""
     import signal
 
-    from flows.sweep import set_concurrency_limit
+    from flows.slots import set_concurrency_limit
 
     limit = "sweep-slot-test"
     set_concurrency_limit(limit, 1)
@@ -568,7 +570,7 @@ def test_a_dead_cells_slot_comes_back_and_a_living_one_keeps_it(prefect_harness)
         assert _active_slots(limit) == 0
         from prefect.client.orchestration import get_client
 
-        from flows.sweep import _heartbeats
+        from flows.slots import _heartbeats
 
         with get_client(sync_client=True) as client:
             assert _heartbeats(client, limit) == {}  # no holder's record is left behind

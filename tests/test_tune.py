@@ -34,7 +34,7 @@ def test_a_study_spec_refuses_unequal_or_unsafe_searches():
 
 def test_variants_get_a_diloco_study_each_and_one_dp(tmp_path):
     from configs.tune import TuneSpec
-    from flows.tune import tune_preflight
+    from flows.preflight import tune_preflight
 
     spec = TuneSpec(space=SPACE, variants=[{"diloco.learners": 2, "diloco.quorum": 1}, {"diloco.learners": 3}])
     assert [a[0] for a in spec.arms()] == ["dp", "diloco-learners-2_quorum-1", "diloco-learners-3"]
@@ -57,7 +57,7 @@ def test_variants_get_a_diloco_study_each_and_one_dp(tmp_path):
 
 def test_preflight_names_the_searched_value_that_cannot_run(tmp_path):
     from configs.tune import TuneSpec
-    from flows.tune import tune_preflight
+    from flows.preflight import tune_preflight
 
     spec = TuneSpec(
         base="tiny",
@@ -179,6 +179,6 @@ def test_the_cli_names_an_experiment_config_given_as_a_study(tmp_path):
     line = one_line_refusal(*cli("run", "tiny", "--set", "seeds=3"))
     assert "seeds: Input should be a valid list (got 3; write a YAML list, e.g. [3] or [0, 1, 2])" in line
     line = one_line_refusal(*cli("tune", "tune_tiny", "--trials", "0", "--study-root", tmp_path))
-    assert "trials: Input should be greater than 0 (got 0) (trials per method" in line
+    assert "invalid study tune_tiny: trials: Input should be greater than 0 (trials per method" in line
     assert line.endswith(") (from --trials 0)")
     assert not any(tmp_path.iterdir())

@@ -449,10 +449,10 @@ def test_an_activated_schedule_creates_flow_runs(ui_server):
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
     from prefect.client.schemas.schedules import IntervalSchedule
 
-    from configs.sweep import load_sweep
+    from configs.specs import load_spec
 
     _, api, env = ui_server
-    spec = load_sweep("tiny_grid").model_dump(mode="json")
+    spec = load_spec("sweep", "tiny_grid").model_dump(mode="json")
 
     def create(client):
         flow_id = client.create_flow_from_name("sweep")
