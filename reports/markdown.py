@@ -9,6 +9,7 @@ Layout: docs/report.md.
 
 from __future__ import annotations
 
+import json
 import re
 from functools import cache
 from pathlib import Path
@@ -216,6 +217,7 @@ def environment() -> jinja2.Environment:
             "completing": COMPLETING_TEXT,
             "running": "running, or stopped without recording an end (a killed process): status.json says running",
         },
+        COMPLETING_TEXT=COMPLETING_TEXT,
         STALE_DEFINITION=STALE_DEFINITION,
         bytes_or_missing=bytes_or_missing,
         ci=_ci,
@@ -238,7 +240,9 @@ def environment() -> jinja2.Environment:
     env.filters.update(
         before_after=_before_after,
         f=lambda x, fmt: fmt.format(x),
+        completed=lambda mr: f"{short_label(mr[0])} {mr[1]['completed']}",
         join_kv=_join_kv,
+        json=json.dumps,
         join_pct=lambda kv: f"{kv[0]} {_pct(kv[1])}",
         label=label,
         ledger_cell=_ledger_cell,

@@ -11,12 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from reports.analyses import COMPLETING_TEXT, manifest_items, pipeline_status, setup
-from reports.common import BASELINE, NOT_RUN, json_safe, label, md_table, settings, short_label
+from reports.analyses import manifest_items, pipeline_status, setup
+from reports.common import BASELINE, NOT_RUN, json_safe, settings
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.live import report_html
+from reports.markdown import render
 from reports.read import open_run, read_json, read_run
-from reports.verdict import mean_interval, seed_figures, verdict, verdict_markdown
+from reports.verdict import mean_interval, seed_figures, verdict
 from run import atomic
 from run.layout import RunLayout
 
@@ -156,43 +157,5 @@ def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> d
 
 
 def render_seeds(report: dict) -> str:
-    """``report.md`` of a run of several seeds (pure)."""
-    r, p = report["run"], report.get("pipeline") or {}
-    L = [
-        f"# Run report: {r['name']} ({len(r.get('seeds') or [])} seeds)",
-        "",
-        f"- run directory: `{r['run_dir']}`",
-        f"- seeds: {', '.join(map(str, r.get('seeds') or []))}",
-        "- pipeline status: " + (COMPLETING_TEXT if p.get("status") == "completing" else p.get("status", "unknown")),
-        "",
-    ]
-    if p.get("headline"):
-        L += [p["headline"], ""]
-    if report.get("verdict"):
-        L += verdict_markdown(report["verdict"])
-    rows = []
-    for s in report["seed_runs"]:
-        loss = s.get("loss") or {}
-        rows.append(
-            {
-                "seed": s["seed"],
-                "status": s["status"],
-                f"{label('diloco')} loss": "—" if loss.get("diloco") is None else f"{loss['diloco']:.4f}",
-                f"{label(BASELINE)} loss": "—" if loss.get(BASELINE) is None else f"{loss[BASELINE]:.4f}",
-                f"{short_label('diloco')} − {short_label(BASELINE)}": "—"
-                if s.get("gap_pct") is None
-                else f"{s['gap_pct']:+.2f} %",
-                "report": f"[report]({s['report']})" if s.get("report") else "—",
-            }
-        )
-    L += [
-        "## Each seed",
-        "",
-        "Each seed's run is a whole run directory under `seeds/`, with its own report "
-        "(curves, bytes, evaluations, post-training).",
-        "",
-        md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no seed has run*",
-        "",
-    ]
-    L += ["## Setup", "", md_table(["setting", "value"], list((report.get("setup") or {}).items())), ""]
-    return "\n".join(L)
+    """``report.md`` of a run of several seeds (pure): ``reports/templates/seeds.md.j2``."""
+    return render("seeds.md.j2", report=report)

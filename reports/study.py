@@ -10,8 +10,8 @@ from pathlib import Path
 import pandas as pd
 
 from reports.common import md_table, short_label
+from reports.markdown import render
 from reports.plots import save_png
-from reports.verdict import verdict_markdown
 from run import atomic
 from run.layout import RunLayout, StudyLayout
 
@@ -62,59 +62,22 @@ def build_study_report(record: dict, study_dir: Path) -> str:
     """Write the study's report from its ``tune.json`` record; returns the path of ``study.md``."""
     out = StudyLayout(study_dir).report
     out.mkdir(parents=True, exist_ok=True)
-    spec = record["spec"]
-    done = ", ".join(f"{short_label(m)} {r['completed']}" for m, r in record["methods"].items())
-    L = [
-        f"# Tuning study: {spec['name']}",
-        "",
-        f"- study folder: `{study_dir}`",
-        f"- base config: {spec['base']}; trials asked per study: {spec['trials']} (completed: {done}; TPE "
-        f"sampler, seed {spec['sampler_seed']})",
-        f"- every run: `{json.dumps(spec['overrides'])}`; the trials only (one trial's budget, the same for "
-        f"each study): `{json.dumps(spec['trial_overrides'])}`",
-        "- selection: each trial's loss on the whole validation split; the tuned comparisons below report the "
-        "test split, which no trial read",
-        "",
-    ]
     tuned = record.get("tuned") or {}
-    for arm in [a for a in record["methods"] if a != "dp"]:
-        t = tuned.get(arm) or {}
+    verdicts = {}
+    for arm, t in tuned.items():
         path = RunLayout(t["run_dir"]).report_json if t.get("run_dir") else None
-        verdict = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
-        title = "Verdict" if arm == "diloco" else f"Verdict: {arm}"
-        if verdict:
-            L += [
-                f"## {title}",
-                "",
-                *verdict_markdown(verdict)[2:],
-                f"Tuned comparison: [its report](../tuned/{arm}/report/report.md) (seeds "
-                f"{', '.join(map(str, spec['seeds']))}).",
-                "",
-            ]
-        elif spec.get("compare", True):
-            L += [f"## {title}", "", f"*The tuned comparison has not completed ({t.get('status') or 'not run'}).*", ""]
-    best = [
-        [
-            short_label(m),
-            (r["best"] or {}).get("number", "—"),
-            "—" if not r["best"] else f"{r['best']['value']:.4f}",
-            r["completed"],
-            "—" if not r["best"] else json.dumps(r["best"]["params"]),
-        ]
-        for m, r in record["methods"].items()
-    ]
-    L += [
-        "## Best settings",
-        "",
-        md_table(["study", "best trial", "validation loss", "completed trials", "settings"], best),
-        "",
-    ]
+        verdicts[arm] = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
     fig = history_figure(record)
     if fig is not None:
         save_png(fig, out / "study_history.png")
-        L += ["![validation loss per trial](study_history.png)", ""]
-    for m, r in record["methods"].items():
-        L += [f"## {short_label(m)} trials", "", _trials_table(r), ""]
+    text = render(
+        "study.md.j2",
+        record=record,
+        verdicts=verdicts,
+        study_dir=study_dir,
+        history=fig is not None,
+        trials_table=_trials_table,
+    )
     atomic.write_json(out / "study.json", record, newline=True, default=None)
-    atomic.write_text(out / "study.md", "\n".join(L))
+    atomic.write_text(out / "study.md", text)
     return str(out / "study.md")

@@ -298,8 +298,3 @@ def verdict_table(v: dict, fmt: str = "github") -> str:
     return pd.DataFrame(v["rows"]).to_markdown(
         index=False, tablefmt=fmt, disable_numparse=True, maxcolwidths=[44, None, None, None]
     )  # the labels wrap
-
-
-def verdict_markdown(v: dict) -> list[str]:
-    """The report's opening section: the verdict in words, then its table."""
-    return ["## Verdict", "", v["words"], "", verdict_table(v), ""]
