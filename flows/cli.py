@@ -18,7 +18,7 @@ import typer
 from pydantic import ValidationError
 
 from run.directory import is_run
-from run.layout import RunLayout, StudyLayout, SweepLayout
+from run.layout import GoodputLayout, RunLayout, StudyLayout, SweepLayout
 
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
@@ -442,7 +442,7 @@ def _out_dir_problem(out: Path) -> str | None:
     """Why ``out`` cannot take a new goodput run (None if it can): checked before Prefect starts."""
     if out.exists() and not out.is_dir():
         return "exists and is not a directory; choose a new directory"
-    if (out / "goodput.json").exists():
+    if GoodputLayout(out).result.exists():
         return "already holds a goodput run (goodput.json); choose another directory"
     if RunLayout(out).status.exists() or (out / "pretrain").exists():
         return "holds a pipeline run, which is never written into; choose another directory"

@@ -18,6 +18,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from run import atomic
+from run.layout import GoodputLayout
 from sim import GoodputConfig, n_slices
 from tasks.goodput import simulate_task, write_task
 
@@ -36,10 +37,11 @@ def goodput(config: GoodputConfig = GoodputConfig(), out_dir: str | None = None)
     against the paper's Table 1; returns the path of ``goodput.md``."""
     logger = get_run_logger()
     out = goodput_run_dir(out_dir)
-    if (out / "goodput.json").exists():
-        raise FileExistsError(f"{out / 'goodput.json'} exists; choose another out_dir")
+    lay = GoodputLayout(out)
+    if lay.result.exists():
+        raise FileExistsError(f"{lay.result} exists; choose another out_dir")
     out.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out / "config.json", config.model_dump(mode="json"))
+    atomic.write_json(lay.config, config.model_dump(mode="json"))
     logger.info(
         "goodput: %d systems × %d sizes × %d seeds, %d expected interruptions per run; "
         "slices per size %s; constants %s%s",

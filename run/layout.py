@@ -375,3 +375,32 @@ class StudyLayout(_FolderOfRuns):
     @property
     def study_md(self) -> Path:
         return self.report / "study.md"
+
+
+@dataclass(frozen=True)
+class GoodputLayout:
+    """Paths of a goodput study's folder (``flows.goodput``, ``sim.outputs``)::
+
+    OUT/config.json                  the study's GoodputConfig
+    OUT/goodput.json                 everything (its presence: the folder holds a goodput run)
+    OUT/goodput.md                   the tables against the paper's Table 1
+    OUT/goodput.png                  goodput against chips
+    """
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        return Path(self.root) / "config.json"
+
+    @property
+    def result(self) -> Path:
+        return Path(self.root) / "goodput.json"
+
+    @property
+    def markdown(self) -> Path:
+        return Path(self.root) / "goodput.md"
+
+    @property
+    def figure(self) -> Path:
+        return Path(self.root) / "goodput.png"

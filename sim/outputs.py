@@ -10,10 +10,9 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png
+from run.layout import GoodputLayout
 from sim.config import PAPER_TABLE1, GoodputConfig, system_label
 from sim.markdown import chips_label, markdown_report
-
-OUTPUTS = ("goodput.json", "goodput.md", "goodput.png")
 
 
 def goodput_figure(result: dict) -> Figure:
@@ -70,12 +69,11 @@ def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
 
     Refuses (``FileExistsError``) to overwrite a directory that already holds a goodput.json.
     """
-    out = Path(out_dir)
-    if (out / "goodput.json").exists():
-        raise FileExistsError(f"{out / 'goodput.json'} exists; choose another --out directory")
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {name: out / name for name in OUTPUTS}
-    paths["goodput.json"].write_text(json.dumps(result, indent=2))
-    paths["goodput.md"].write_text(markdown_report(result))
-    plot_goodput(result, paths["goodput.png"])
-    return paths
+    lay = GoodputLayout(Path(out_dir))
+    if lay.result.exists():
+        raise FileExistsError(f"{lay.result} exists; choose another --out directory")
+    lay.root.mkdir(parents=True, exist_ok=True)
+    lay.result.write_text(json.dumps(result, indent=2))
+    lay.markdown.write_text(markdown_report(result))
+    plot_goodput(result, lay.figure)
+    return {p.name: p for p in (lay.result, lay.markdown, lay.figure)}

@@ -21,7 +21,7 @@ ALLOWED = {  # package -> the project packages it may import
     "models": set(),
     "diloco": set(),
     "reports": {"configs", "run"},
-    "sim": {"reports"},
+    "sim": {"reports", "run"},
     "evals": {"configs", "models", "run"},  # the adapter decodes through models.text.generate
     "training": {"configs", "data", "diloco", "evals", "models", "run"},
     "tasks": {"configs", "data", "reports", "run", "sim", "training"},
