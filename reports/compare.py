@@ -38,6 +38,7 @@ from reports.common import (
     short_label,
     unit_of,
 )
+from reports.markdown import render
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
 from run import atomic
@@ -586,92 +587,9 @@ def not_completed(comparison: dict) -> list[str]:
 
 
 def render_comparison(comparison: dict) -> str:
-    """comparison.md from the dict :func:`build_comparison` returns (computes no figure of its own)."""
-    c = comparison
-    nr = c.get("no_results") or []
-    of = f" (of {len(c['runs']) + len(nr)}; {len(nr)} with no results)" if nr else ""
-    L = [
-        f"# {c['title']}",
-        "",
-        f"{len(c['runs'])} run directories compared{of}, generated {c['generated_at']} "
-        f"by {c.get('source', '`ddiloco compare`')}. "
-        f"Stage: {c['stage']}; every gap and difference is against {short_label(c['baseline'])}.",
-        "",
-    ]
-    L += [
-        "## Runs",
-        "",
-        md_table(
-            ["run", "status", "config name", "path"],
-            [[r["label"], r["status"] or MISSING, r["name"] or MISSING, f"`{r['run_dir']}`"] for r in c["runs"]]
-            + [
-                [
-                    r["label"],
-                    f"no results ({r['status'] or 'no status.json'}{': ' + r['reason'] if r.get('reason') else ''})",
-                    MISSING,
-                    f"`{r['run_dir']}`",
-                ]
-                for r in nr
-            ],
-        ),
-    ]
-    L += ["", "## Axes", ""]
-    how = "detected: the config keys whose values differ between the runs" if c["axes_detected"] else "given"
-    L.append(
-        f"Compared along {', '.join(f'`{a}`' for a in c['axes'])} ({how})."
-        if c["axes"]
-        else "No axis: no config key present in every run differs between them; the plots show each run."
-        if c["axes_detected"]
-        else "No axis given; the plots show each run."
-    )
-    if c["axes"] and c["plot_axis"] is None:
-        L.append("The plots show each run: no axis varies while the others stay fixed.")
-    if c["axes_detected"]:
-        L.append(
-            f"Never detected as axes (they only name or place a run): {', '.join(f'`{k}`' for k in c['ignored_keys'])}."
-        )
-    if c["partial_keys"]:
-        L += [
-            "",
-            "Config keys present in some runs only (an older schema, or another model family; not axes): "
-            + "; ".join(c["partial_keys"])
-            + ".",
-        ]
-    if c["notes"]:
-        L += ["", "## Not completed", ""] + [f"- {n}" for n in c["notes"]]
-    groups = {g: [col for col in c["columns"] if col["group"] == g] for g in ("run", "axis", "loss", "cost", "post")}
-    first = [col for col in c["columns"] if col["key"] == "label"] + groups["axis"]
-    L += [
-        "",
-        "## Held-out loss",
-        "",
-        _md_table(first + [k for k in groups["run"] if k["key"] != "label"] + groups["loss"], c["rows"]),
-        "",
-    ]
-    for name in ("loss", "gap"):
-        if c["plots"].get(name):
-            L += [f"![{name}]({c['plots'][name]})", ""]
-    L += [
-        "## Cost",
-        "",
-        _md_table(first + groups["cost"], c["rows"]),
-        "",
-        "Wall time in seconds from the method's training start to its end; bytes are payload bytes summed over "
-        "all learners (DiLoCo: sent to and pulled from the syncer) or workers (DP: the modelled ring all-reduce).",
-        "",
-    ]
-    if groups["post"]:
-        L += [
-            "## Post-training",
-            "",
-            _md_table(first + groups["post"], c["rows"]),
-            "",
-            "Each method's fine-tuned score on the task's primary metric (mean over seeds), and the paired "
-            "difference to DP with its 95 % bootstrap interval over test items and seeds.",
-            "",
-        ]
-    L += ["Files: `comparison.json` (everything above), `comparison.csv` (the table).", ""]
-    return "\n".join(L)
+    """comparison.md from the dict :func:`build_comparison` returns (computes no figure of its own):
+    ``reports/templates/compare.md.j2``."""
+    return render("compare.md.j2", c=comparison, MISSING=MISSING, columns_table=_md_table)
 
 
 # -- the whole -----------------------------------------------------------------------------------

@@ -223,7 +223,13 @@ def test_the_sweep_comparison_lists_every_cell_and_says_which_have_no_results(tm
     assert "- learners-3: no results (no report/report.json); status failed (OOM)" in md
 
 
-def test_a_corrupt_sweep_record_is_kept_aside_with_a_warning(tmp_path, caplog):
+@pytest.fixture
+def prefect_imported():
+    """Prefect configures logging on its first import, which drops caplog's handler: import it first."""
+    import flows.sweep  # noqa: F401
+
+
+def test_a_corrupt_sweep_record_is_kept_aside_with_a_warning(tmp_path, prefect_imported, caplog):
     from flows.sweep import _prior_results
 
     sw = tmp_path / "sw"
