@@ -324,38 +324,10 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
     suffixes = _image_suffixes()
     archive, prefix = None, ""
     if root.is_dir():
-        rels = []
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if not _hidden([d]))
-            for name in filenames:
-                if _hidden([name]):
-                    continue
-                rel = (Path(dirpath) / name).relative_to(root).as_posix()
-                if _is_archive(name):
-                    raise ValueError(
-                        f"{where}/{rel} is an archive inside the folder; extract it there, or give the "
-                        "archive itself as data.paths[0] (zip and tar archives of an image folder are read)"
-                    )
-                rels.append(rel)
+        rels = _list_folder(root, where)
     elif root.is_file():
-        if not _is_archive(root.name):
-            raise ValueError(
-                f"{where} is a file, not a folder or a {'/'.join(ARCHIVE_SUFFIXES)} archive; give a folder "
-                "of class sub-folders"
-            )
         archive = root
-        rels = [r for r in _list_archive(root) if not _hidden(PurePosixPath(r).parts)]
-        inner = [r for r in rels if _is_archive(r)]
-        if inner:
-            raise ValueError(
-                f"{where} holds another archive ({inner[0]}); extract it into the archive's folders "
-                "(archives inside archives are not read)"
-            )
-        pics = [r for r in rels if PurePosixPath(r).suffix.lower() in suffixes]
-        tops = {PurePosixPath(r).parts[0] for r in pics}
-        if len(tops) == 1 and all(len(PurePosixPath(r).parts) >= 3 for r in pics):  # one wrapper folder
-            prefix = f"{tops.pop()}/"  # (files beside it, e.g. pets/../README.md, are no images: skipped)
-            rels = [r[len(prefix) :] for r in rels if r.startswith(prefix)]
+        rels, prefix = _list_archive_folder(root, where, suffixes)
     else:
         raise FileNotFoundError(
             f"{where} does not exist (an imagefolder is a folder of class sub-folders, or a zip/tar archive of one)"
@@ -366,7 +338,61 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
         log.info("%s: %d file(s) that are not images skipped", path, skipped)
     parts = [PurePosixPath(r).parts for r in images]
     names = _split_names()
-    tops = sorted({p[0] for p in parts if len(p) > 1})
+    _check_folders_hold_images(rels, parts, names, where)
+    fix = "put the images in one sub-folder per class (cat/, dog/, …), optionally below train/, val/ and test/"
+    split_dirs, groups, prefixes = _split_groups(parts, names, where, fix)
+    classes = _folder_classes(groups, prefixes, bool(split_dirs), where, fix)
+    index = {c: i for i, c in enumerate(classes)}
+    files = {s: [(prefixes[s] + "/".join(p), index[p[0]]) for p in ps] for s, ps in groups.items()}
+    return ImageFolder(str(root), classes, files, archive, prefix)
+
+
+def _list_folder(root: Path, where: str) -> list[str]:
+    """The files below the folder ``root`` (POSIX paths relative to it), hidden ones skipped;
+    ``ValueError`` for an archive among them."""
+    rels = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not _hidden([d]))
+        for name in filenames:
+            if _hidden([name]):
+                continue
+            rel = (Path(dirpath) / name).relative_to(root).as_posix()
+            if _is_archive(name):
+                raise ValueError(
+                    f"{where}/{rel} is an archive inside the folder; extract it there, or give the "
+                    "archive itself as data.paths[0] (zip and tar archives of an image folder are read)"
+                )
+            rels.append(rel)
+    return rels
+
+
+def _list_archive_folder(root: Path, where: str, suffixes) -> tuple[list[str], str]:
+    """The files of the archive ``root`` (hidden ones skipped) relative to its one top folder if all
+    its images lie below one, and that folder's prefix (``"pets/"``, or ``""``). ``ValueError`` for
+    a file that is not an archive, or an archive inside it."""
+    if not _is_archive(root.name):
+        raise ValueError(
+            f"{where} is a file, not a folder or a {'/'.join(ARCHIVE_SUFFIXES)} archive; give a folder "
+            "of class sub-folders"
+        )
+    rels = [r for r in _list_archive(root) if not _hidden(PurePosixPath(r).parts)]
+    inner = [r for r in rels if _is_archive(r)]
+    if inner:
+        raise ValueError(
+            f"{where} holds another archive ({inner[0]}); extract it into the archive's folders "
+            "(archives inside archives are not read)"
+        )
+    prefix = ""
+    pics = [r for r in rels if PurePosixPath(r).suffix.lower() in suffixes]
+    tops = {PurePosixPath(r).parts[0] for r in pics}
+    if len(tops) == 1 and all(len(PurePosixPath(r).parts) >= 3 for r in pics):  # one wrapper folder
+        prefix = f"{tops.pop()}/"  # (files beside it, e.g. pets/../README.md, are no images: skipped)
+        rels = [r[len(prefix) :] for r in rels if r.startswith(prefix)]
+    return rels, prefix
+
+
+def _check_folders_hold_images(rels: list[str], parts: list[tuple], names: dict, where: str) -> None:
+    """``ValueError`` for a class (or split) folder none of whose files is an image."""
     dirs = {p[:k] for p in map(lambda r: PurePosixPath(r).parts, rels) for k in (1, 2) if len(p) > k}
     with_images = {p[:k] for p in parts for k in (1, 2) if len(p) > k}
     for d in sorted(dirs - with_images, key=len):  # a class (or split) folder whose files are no images
@@ -376,8 +402,14 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
                 f"{where}/{'/'.join(d)} holds no image that Pillow reads ({example}); convert the files "
                 "(e.g. to PNG) or remove the folder"
             )
+
+
+def _split_groups(parts: list[tuple], names: dict, where: str, fix: str) -> tuple[list[str], dict, dict]:
+    """The split folders, the image paths of each split (below its folder) and each split's folder
+    prefix; one group ``all`` without split folders. ``ValueError`` for split folders mixed with
+    others, two folders of one split, no ``train/``, or images beside the split folders."""
+    tops = sorted({p[0] for p in parts if len(p) > 1})
     split_dirs = [t for t in tops if t.lower() in names]
-    fix = "put the images in one sub-folder per class (cat/, dog/, …), optionally below train/, val/ and test/"
     if not split_dirs:
         groups = {"all": parts}
         prefixes = {"all": ""}
@@ -406,6 +438,12 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
     loose = [p for p in parts if len(p) == 1]
     if loose and split_dirs:
         raise ValueError(f"{where} holds images beside its split folders ({loose[0][0]}); {fix}")
+    return split_dirs, groups, prefixes
+
+
+def _folder_classes(groups: dict, prefixes: dict, has_splits: bool, where: str, fix: str) -> list[str]:
+    """The classes (train/'s, or the folder's), sorted. ``ValueError`` for a split without class
+    folders or with images beside them, a class that train/ lacks, or fewer than 2 classes."""
     classes_by: dict[str, list[str]] = {}
     for s, ps in groups.items():
         sub = f"{where}/{prefixes[s].rstrip('/')}" if prefixes[s] else where
@@ -413,7 +451,7 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
         stray = [p[0] for p in ps if len(p) == 1]
         if not cls:
             what = "holds images but no class sub-folders" if stray else "holds no images"
-            if not split_dirs:
+            if not has_splits:
                 what = "holds no class sub-folders" + (
                     f" ({len(stray)} images lie in it directly)" if stray else " and no images"
                 )
@@ -424,7 +462,7 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
                 "class folder or remove them"
             )
         classes_by[s] = cls
-    classes = classes_by["train" if split_dirs else "all"]
+    classes = classes_by["train" if has_splits else "all"]
     for s, cls in classes_by.items():
         extra = sorted(set(cls) - set(classes))
         if extra:
@@ -437,9 +475,7 @@ def scan_image_folder(path: str | Path) -> ImageFolder:
             f"{where} holds {len(classes)} class sub-folder ({', '.join(classes)}); an imagefolder needs "
             "≥ 2, one per class, images inside"
         )
-    index = {c: i for i, c in enumerate(classes)}
-    files = {s: [(prefixes[s] + "/".join(p), index[p[0]]) for p in ps] for s, ps in groups.items()}
-    return ImageFolder(str(root), classes, files, archive, prefix)
+    return classes
 
 
 def _open_image(f, name: str):

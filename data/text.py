@@ -209,7 +209,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     """
     t0 = time.perf_counter()
     import datasets
-    import tokenizers
+    import tokenizers  # noqa: F401  (timed in the "import" stage; read in _data_manifest)
 
     stages: dict[str, float] = {}
     lap = [t0]
@@ -222,19 +222,9 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     run_dir = Path(run_dir)
     final = run_dir / DATA_DIR
     record = config_record(cfg)
-    if final.exists():
-        try:
-            old = load_manifest(run_dir)
-        except (FileNotFoundError, ValueError):
-            old = None
-        if not overwrite:
-            if old is not None and old.get("config") == record:
-                log.info("reusing %s (built from the same data config)", final)
-                return old
-            raise FileExistsError(
-                f"{final} already exists and was built from a different (or no) data config; "
-                "pass overwrite=True or use a new run directory"
-            )
+    old = _reusable_manifest(run_dir, record, overwrite)
+    if old is not None:
+        return old
 
     dcfg = cfg.data
     M = cfg.diloco.learners
@@ -254,96 +244,15 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     with atomic.folder(final) as tmp:  # the old folder goes only once the new one is in
         tok = train_tokenizer([d["text"] for d in splits["train"]], dcfg.vocab_size)
         tok.save(str(tmp / "tokenizer.json"))
-        eot_id = tok.token_to_id(EOT)
         _lap("train_tokenizer")
 
-        split_info: dict[str, dict] = {}
-        packed: dict[str, np.ndarray] = {}
-        for s in SPLITS:
-            texts = [d["text"] for d in splits[s]]
-            stream = tokenize_documents(tok, texts)
-            split_info[s] = {
-                "documents": len(texts),
-                "titles": [d["title"] for d in splits[s]],
-                "characters": int(sum(len(t) for t in texts)),
-                "tokens": int(len(stream)),
-            }
-            if s == "test":  # the headline figures' split (training.evaluation.final_heldout)
-                seqs = pack_sequences(stream, T)
-                if len(seqs):
-                    packed[s] = seqs
-                    split_info[s]["sequences"] = int(len(seqs))
-            if s in ("train", "val"):
-                seqs = pack_sequences(stream, T)
-                if len(seqs) == 0:
-                    raise ValueError(
-                        f"the {s} split has {len(stream)} tokens, fewer than one sequence of "
-                        f"data.seq_len + 1 = {T + 1}; lower data.seq_len or hold out longer "
-                        f"documents (data.seed, data.val_docs)"
-                    )
-                packed[s] = seqs
-                split_info[s]["sequences"] = int(len(seqs))
-                split_info[s]["predicted_tokens"] = int(len(seqs) * T)
-
+        split_info, packed = _encode_splits(tok, splits, T)
         _lap("encode")
-        train_ds = _sequences_dataset(packed["train"])
-        train_ds.save_to_disk(str(tmp / "train"))
-        _sequences_dataset(packed["val"]).save_to_disk(str(tmp / "val"))
-        if "test" in packed:
-            _sequences_dataset(packed["test"]).save_to_disk(str(tmp / "test"))
-        shards = []
-        for m in range(M):
-            sh = train_ds.shard(num_shards=M, index=m, contiguous=False)
-            sh.save_to_disk(str(tmp / shard_name(m)))
-            shards.append(
-                {
-                    "name": shard_name(m),
-                    "path": f"{DATA_DIR}/{shard_name(m)}",
-                    "sequences": int(len(sh)),
-                    "tokens": int(len(sh) * T),
-                }
-            )
-        if any(sh["sequences"] == 0 for sh in shards):
-            raise ValueError(
-                f"{packed['train'].shape[0]} training sequences cannot fill "
-                f"diloco.learners = {M} shards; lower diloco.learners or data.seq_len"
-            )
-
+        shards = _save_sequences(tmp, packed, M, T)
         _lap("save")
-        _write_jsonl(tmp / "heldout_val.jsonl", splits["val"])
-        _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
-        if splits["finetune"]:
-            _write_jsonl(tmp / "heldout_finetune.jsonl", splits["finetune"])
-            split_info["finetune"] = {
-                "documents": len(splits["finetune"]),
-                "titles": [d["title"] for d in splits["finetune"]],
-                "characters": int(sum(len(d["text"]) for d in splits["finetune"])),
-            }
+        _save_heldout(tmp, splits, split_info)
 
-        want = cfg.train.eval_batches * cfg.train.eval_batch_size
-        if split_info["val"]["sequences"] < want:
-            log.warning(
-                "val has %d sequences, fewer than train.eval_batches × train.eval_batch_size = %d",
-                split_info["val"]["sequences"], want,
-            )  # fmt: skip
-
-        manifest = {
-            "manifest_version": MANIFEST_VERSION,
-            **info,
-            "config": record,
-            "vocab_size": int(tok.get_vocab_size()),
-            "vocab_size_requested": dcfg.vocab_size,
-            "eot_token": EOT,
-            "eot_id": int(eot_id),
-            "seq_len": T,
-            "learners": M,
-            "tokenizer": f"{DATA_DIR}/tokenizer.json",
-            "splits": split_info,
-            "shards": shards,
-            "versions": {"datasets": datasets.__version__, "tokenizers": tokenizers.__version__},
-            "elapsed_s": None,
-            "stages_s": stages,
-        }
+        manifest = _data_manifest(cfg, info, record, tok, split_info, shards, stages)
         manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
 
@@ -353,6 +262,132 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         manifest["vocab_size"],
     )  # fmt: skip
     return manifest
+
+
+def _data_manifest(cfg, info: dict, record: dict, tok, split_info: dict, shards: list, stages: dict) -> dict:
+    """The manifest of :func:`prepare_data` (``elapsed_s`` left None); warns when val holds fewer
+    sequences than one evaluation reads."""
+    import datasets
+    import tokenizers
+
+    want = cfg.train.eval_batches * cfg.train.eval_batch_size
+    if split_info["val"]["sequences"] < want:
+        log.warning(
+            "val has %d sequences, fewer than train.eval_batches × train.eval_batch_size = %d",
+            split_info["val"]["sequences"], want,
+        )  # fmt: skip
+    return {
+        "manifest_version": MANIFEST_VERSION,
+        **info,
+        "config": record,
+        "vocab_size": int(tok.get_vocab_size()),
+        "vocab_size_requested": cfg.data.vocab_size,
+        "eot_token": EOT,
+        "eot_id": int(tok.token_to_id(EOT)),
+        "seq_len": cfg.data.seq_len,
+        "learners": cfg.diloco.learners,
+        "tokenizer": f"{DATA_DIR}/tokenizer.json",
+        "splits": split_info,
+        "shards": shards,
+        "versions": {"datasets": datasets.__version__, "tokenizers": tokenizers.__version__},
+        "elapsed_s": None,
+        "stages_s": stages,
+    }
+
+
+def _reusable_manifest(run_dir: Path, record: dict, overwrite: bool) -> dict | None:
+    """The manifest of an existing ``RUN/data`` built from ``record``, to reuse; None when there is
+    none or ``overwrite``; ``FileExistsError`` for a different or incomplete one without ``overwrite``."""
+    final = run_dir / DATA_DIR
+    if not final.exists():
+        return None
+    try:
+        old = load_manifest(run_dir)
+    except (FileNotFoundError, ValueError):
+        old = None
+    if overwrite:
+        return None
+    if old is not None and old.get("config") == record:
+        log.info("reusing %s (built from the same data config)", final)
+        return old
+    raise FileExistsError(
+        f"{final} already exists and was built from a different (or no) data config; "
+        "pass overwrite=True or use a new run directory"
+    )
+
+
+def _encode_splits(tok, splits: dict, T: int) -> tuple[dict[str, dict], dict[str, np.ndarray]]:
+    """Tokenize each split and pack train/val/test into ``[N, T+1]`` rows: (split info, packed rows).
+    ``ValueError`` when train or val is too short for one sequence."""
+    split_info: dict[str, dict] = {}
+    packed: dict[str, np.ndarray] = {}
+    for s in SPLITS:
+        texts = [d["text"] for d in splits[s]]
+        stream = tokenize_documents(tok, texts)
+        split_info[s] = {
+            "documents": len(texts),
+            "titles": [d["title"] for d in splits[s]],
+            "characters": int(sum(len(t) for t in texts)),
+            "tokens": int(len(stream)),
+        }
+        if s == "test":  # the headline figures' split (training.evaluation.final_heldout)
+            seqs = pack_sequences(stream, T)
+            if len(seqs):
+                packed[s] = seqs
+                split_info[s]["sequences"] = int(len(seqs))
+        if s in ("train", "val"):
+            seqs = pack_sequences(stream, T)
+            if len(seqs) == 0:
+                raise ValueError(
+                    f"the {s} split has {len(stream)} tokens, fewer than one sequence of "
+                    f"data.seq_len + 1 = {T + 1}; lower data.seq_len or hold out longer "
+                    f"documents (data.seed, data.val_docs)"
+                )
+            packed[s] = seqs
+            split_info[s]["sequences"] = int(len(seqs))
+            split_info[s]["predicted_tokens"] = int(len(seqs) * T)
+    return split_info, packed
+
+
+def _save_sequences(tmp: Path, packed: dict[str, np.ndarray], M: int, T: int) -> list[dict]:
+    """Save the packed splits and the M round-robin training shards under ``tmp``; the shard
+    records. ``ValueError`` when a shard would be empty."""
+    train_ds = _sequences_dataset(packed["train"])
+    train_ds.save_to_disk(str(tmp / "train"))
+    _sequences_dataset(packed["val"]).save_to_disk(str(tmp / "val"))
+    if "test" in packed:
+        _sequences_dataset(packed["test"]).save_to_disk(str(tmp / "test"))
+    shards = []
+    for m in range(M):
+        sh = train_ds.shard(num_shards=M, index=m, contiguous=False)
+        sh.save_to_disk(str(tmp / shard_name(m)))
+        shards.append(
+            {
+                "name": shard_name(m),
+                "path": f"{DATA_DIR}/{shard_name(m)}",
+                "sequences": int(len(sh)),
+                "tokens": int(len(sh) * T),
+            }
+        )
+    if any(sh["sequences"] == 0 for sh in shards):
+        raise ValueError(
+            f"{packed['train'].shape[0]} training sequences cannot fill "
+            f"diloco.learners = {M} shards; lower diloco.learners or data.seq_len"
+        )
+    return shards
+
+
+def _save_heldout(tmp: Path, splits: dict, split_info: dict[str, dict]) -> None:
+    """Write the held-out documents as JSONL; record the fine-tuning split in ``split_info``."""
+    _write_jsonl(tmp / "heldout_val.jsonl", splits["val"])
+    _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
+    if splits["finetune"]:
+        _write_jsonl(tmp / "heldout_finetune.jsonl", splits["finetune"])
+        split_info["finetune"] = {
+            "documents": len(splits["finetune"]),
+            "titles": [d["title"] for d in splits["finetune"]],
+            "characters": int(sum(len(d["text"]) for d in splits["finetune"])),
+        }
 
 
 # ---------------------------------------------------------------------------------------------

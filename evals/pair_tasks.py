@@ -260,6 +260,41 @@ def evaluate_pairs(
     gen = _by_id(samples.get(GEN_TASK, []), GEN_TASK, ids, GEN_FILTER)
     ll = _by_id(samples.get(LL_TASK, []), LL_TASK, ids, "none")
 
+    em, nll, generated = _per_item(rows, gen, ll, lm)
+    gen_res, ll_res = res["results"][GEN_TASK], res["results"][LL_TASK]
+    n = len(rows)
+    metrics = {
+        "exact_match": float(gen_res[f"exact_match,{GEN_FILTER}"]),
+        "exact_match_stderr": _stderr(gen_res.get(f"exact_match_stderr,{GEN_FILTER}")),
+        "response_nll": sum(nll) / n,
+        "response_greedy": float(ll_res["acc,none"]),
+        "items": n,
+        "eval_s": time.perf_counter() - t0,
+    }
+    _log_pair_eval(metrics, lm)
+    out = {"metrics": metrics, "per_item": {"exact_match": em, "response_nll": nll, "generated": generated}}
+    _write_results(out_dir, res, metrics, rows, out["per_item"], int(lm.truncated_requests), info)
+    return out
+
+
+def _write_results(out_dir: Path, res: dict, metrics: dict, rows, per_item: dict, truncated: int, info) -> None:
+    """Write ``out_dir/pair_eval.json``: lm-eval's results (samples left out), the metrics, the
+    per-item values with ids, the truncated requests and the task file info."""
+    payload = _jsonable({k: v for k, v in res.items() if k != "samples"})
+    payload["metrics"] = _jsonable(metrics)
+    payload["items"] = [
+        {"id": r["id"], "response": r["response"], "generated": g_, "exact_match": e, "response_nll": x}
+        for r, g_, e, x in zip(rows, per_item["generated"], per_item["exact_match"], per_item["response_nll"])
+    ]
+    payload["truncated_requests"] = truncated
+    payload["task_files"] = info
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic.write_json(out_dir / RESULTS_FILE, _jsonable(payload), default=None, ensure_ascii=False)
+
+
+def _per_item(rows: list[dict], gen: dict, ll: dict, lm) -> tuple[list[float], list[float], list[str]]:
+    """Per pair, in order: exact match (0.0/1.0), response NLL (nats per token) and the generation.
+    ``RuntimeError`` when lm-eval's requests are not the pair's (prompt, response) verbatim."""
     em, nll, generated = [], [], []
     for r in rows:
         g, s = gen[r["id"]], ll[r["id"]]
@@ -274,17 +309,12 @@ def evaluate_pairs(
         generated.append(str(g["resps"][0][0]))
         n_tok = len(lm.split_pair(r["prompt"], r["response"])[1])
         nll.append(-float(s["perplexity"]) / n_tok)  # lm-eval logs the item's total log-likelihood here
+    return em, nll, generated
 
-    gen_res, ll_res = res["results"][GEN_TASK], res["results"][LL_TASK]
-    n = len(rows)
-    metrics = {
-        "exact_match": float(gen_res[f"exact_match,{GEN_FILTER}"]),
-        "exact_match_stderr": _stderr(gen_res.get(f"exact_match_stderr,{GEN_FILTER}")),
-        "response_nll": sum(nll) / n,
-        "response_greedy": float(ll_res["acc,none"]),
-        "items": n,
-        "eval_s": time.perf_counter() - t0,
-    }
+
+def _log_pair_eval(metrics: dict, lm) -> None:
+    """Log the pair eval's metrics, and its truncated requests (a warning at ≥ 5 % of the items)."""
+    n = metrics["items"]
     if lm.truncated_requests:  # a warning when it changes the picture (≥ 5 % of the items), else a note
         (log.warning if lm.truncated_requests >= 0.05 * n else log.info)(
             "pair eval: %d of %d responses scored with their prompt cut from the left (%d-token window)",
@@ -300,16 +330,3 @@ def evaluate_pairs(
         metrics["response_greedy"],
         metrics["eval_s"],
     )
-
-    out = {"metrics": metrics, "per_item": {"exact_match": em, "response_nll": nll, "generated": generated}}
-    payload = _jsonable({k: v for k, v in res.items() if k != "samples"})
-    payload["metrics"] = _jsonable(metrics)
-    payload["items"] = [
-        {"id": r["id"], "response": r["response"], "generated": g_, "exact_match": e, "response_nll": x}
-        for r, g_, e, x in zip(rows, generated, em, nll)
-    ]
-    payload["truncated_requests"] = int(lm.truncated_requests)
-    payload["task_files"] = info
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic.write_json(out_dir / RESULTS_FILE, _jsonable(payload), default=None, ensure_ascii=False)
-    return out

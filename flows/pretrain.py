@@ -158,32 +158,15 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     config, rd = with_absolute_exchange(config), rd.absolute()
     exchange = prepare_diloco(config, rd)
     budget = token_budget(config)
-    d, rt = config.diloco, config.runtime
-    logger.info(
-        "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
-        "(%s per learner step); engine %s, exchange %s%s; precision: %s",
-        d.learners,
-        d.fragments,
-        d.sync_every,
-        d.quorum,
-        d.grace_s,
-        d.merge,
-        f"{budget:,}",
-        config.unit,
-        f"{config.tokens_per_learner_step:,}",
-        rt.engine,
-        rt.exchange_kind,
-        f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "",
-        config.precision.describe(),
-    )
-    eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
+    d = config.diloco
+    _log_diloco_start(logger, config, exchange, budget)
     progress_id = create_progress_artifact(
         0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {config.unit} (%)"
     )
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
     syncer = syncer_task.with_options(
-        retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
+        retries=d.syncer_retries if config.runtime.exchange_kind == "fsspec" else 0,
         retry_delay_seconds=d.retry_delay_s,
         retry_condition_fn=retry_syncer,
     )
@@ -205,48 +188,23 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             if warm_s:
                 logger.info("compiled the learner step and evaluation into the run's cache in %.1fs", warm_s)
         try:
-            next_progress = time.monotonic() + progress_every_s
-            # process engines: a worker that cannot even start the learner task (an import error, a
-            # missing package on a node) may be re-run by the engine for ever; no learner up at all
-            # after this long fails the run instead of waiting
-            give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
-            while True:
-                # short waits: a stop signal reaches learners in other processes within a second
-                done = wait(futures, timeout=min(1.0, progress_every_s))
-                if STOP.is_set() and not exchange.stop_requested():
-                    exchange.request_stop()
-                if not done.not_done or time.monotonic() >= next_progress:
-                    next_progress = time.monotonic() + progress_every_s
-                    logger.info(_progress_line(config, exchange, eval_path, budget))
-                    update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
-                    _publish_live_view(config, exchange, rd, tracker)
-                if not done.not_done:
-                    break
-                if give_up_at is not None and time.monotonic() > give_up_at:
-                    if not exchange.learners():
-                        exchange.request_stop()
-                        raise RuntimeError(
-                            f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s "
-                            "on runtime.engine "
-                            f"{rt.engine}: the worker processes could not start the learner task (see the worker "
-                            "errors above: imports, packages, the run directory on every node)"
-                        )
-                    give_up_at = None
-                if syncer_future.state.is_final():
-                    exchange.close()
-                    raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
+            _wait_for_learners(
+                logger,
+                config,
+                rd,
+                exchange,
+                futures,
+                syncer_future,
+                t_submit,
+                progress_every_s,
+                budget,
+                progress_id,
+                tracker,
+            )
         finally:
             exchange.mark_learners_done()
             shutil.rmtree(host_turns_dir(rd), ignore_errors=True)  # this host's learner turns, if any
-        # The exchange knows how each learner ended (Prefect's future state can lag behind).
-        for m, info in sorted(exchange.learners().items()):
-            if info.get("status") != "done":
-                logger.error(
-                    "learner %d ended %s after its retries (%s); the others spent its share of the budget",
-                    m,
-                    info.get("status"),
-                    info.get("reason", "no reason recorded"),
-                )
+        _log_failed_learners(logger, exchange)
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
@@ -262,7 +220,101 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         why=None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries),
     )
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
-    u = config.unit
+    _log_diloco_end(logger, summary, budget, config.unit)
+    if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
+        message = f"pretrain-diloco {summary['budget']['line']}"
+        logger.error("%s; Θ as it stands is saved and the report can be built", message)
+        return Failed(message=message)
+    return summary
+
+
+def _log_diloco_start(logger, config: ExperimentConfig, exchange, budget: int) -> None:
+    """Log the DiLoCo run's settings: M, P, H, K, grace, merge, budget, engine, exchange, precision."""
+    d, rt = config.diloco, config.runtime
+    logger.info(
+        "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
+        "(%s per learner step); engine %s, exchange %s%s; precision: %s",
+        d.learners,
+        d.fragments,
+        d.sync_every,
+        d.quorum,
+        d.grace_s,
+        d.merge,
+        f"{budget:,}",
+        config.unit,
+        f"{config.tokens_per_learner_step:,}",
+        rt.engine,
+        rt.exchange_kind,
+        f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "",
+        config.precision.describe(),
+    )
+
+
+def _wait_for_learners(
+    logger,
+    config: ExperimentConfig,
+    rd: Path,
+    exchange,
+    futures,
+    syncer_future,
+    t_submit: float,
+    progress_every_s: float,
+    budget: int,
+    progress_id,
+    tracker,
+) -> None:
+    """Wait for the learner futures, passing a stop signal to the exchange and reporting progress
+    every ``progress_every_s``. ``RuntimeError`` when the syncer ends first, or (process engines) when
+    no learner reports to the exchange in time."""
+    rt = config.runtime
+    eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
+    next_progress = time.monotonic() + progress_every_s
+    # process engines: a worker that cannot even start the learner task (an import error, a
+    # missing package on a node) may be re-run by the engine for ever; no learner up at all
+    # after this long fails the run instead of waiting
+    give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
+    while True:
+        # short waits: a stop signal reaches learners in other processes within a second
+        done = wait(futures, timeout=min(1.0, progress_every_s))
+        if STOP.is_set() and not exchange.stop_requested():
+            exchange.request_stop()
+        if not done.not_done or time.monotonic() >= next_progress:
+            next_progress = time.monotonic() + progress_every_s
+            logger.info(_progress_line(config, exchange, eval_path, budget))
+            update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
+            _publish_live_view(config, exchange, rd, tracker)
+        if not done.not_done:
+            break
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            if not exchange.learners():
+                exchange.request_stop()
+                raise RuntimeError(
+                    f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s "
+                    "on runtime.engine "
+                    f"{rt.engine}: the worker processes could not start the learner task (see the worker "
+                    "errors above: imports, packages, the run directory on every node)"
+                )
+            give_up_at = None
+        if syncer_future.state.is_final():
+            exchange.close()
+            raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
+
+
+def _log_failed_learners(logger, exchange) -> None:
+    """Log each learner that did not end ``done``. The exchange knows how each learner ended
+    (Prefect's future state can lag behind)."""
+    for m, info in sorted(exchange.learners().items()):
+        if info.get("status") != "done":
+            logger.error(
+                "learner %d ended %s after its retries (%s); the others spent its share of the budget",
+                m,
+                info.get("status"),
+                info.get("reason", "no reason recorded"),
+            )
+
+
+def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
+    """Log the finished run (``u``: the budget's unit), the work the syncer dropped and an early stop."""
     logger.info(
         f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
         f"{summary['tokens']:,}",
@@ -285,11 +337,6 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         logger.warning(
             f"diloco: stopped early by a signal at %s of %s {u}; state saved", f"{summary['tokens']:,}", f"{budget:,}"
         )
-    if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
-        message = f"pretrain-diloco {summary['budget']['line']}"
-        logger.error("%s; Θ as it stands is saved and the report can be built", message)
-        return Failed(message=message)
-    return summary
 
 
 def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:

@@ -41,30 +41,14 @@ def markdown_report(result: dict) -> str:
         head,
         rule,
     ]
-    fields = GoodputConfig.model_fields
-    changed = [
-        k
-        for k in (*result["constants"], "quorum")
-        if k in fields
-        and k not in (CALIBRATED_FIELDS if result.get("calibration") else ())
-        and getattr(cfg, k) != fields[k].default
-    ]
+    changed = _changed_from_defaults(cfg, result)
     if changed:
         lines[-3:-3] = [
             "",
             f"This run changes {', '.join(f'`{k}`' for k in changed)} from the defaults, so the "
             "differences from the paper show the effect of that change, not the model's error.",
         ]
-    for s in cfg.systems:
-        row = []
-        for n in chips:
-            c = cell[(s, n)]
-            txt = _pm(c["goodput"], c["goodput_ci"])
-            if c["paper"] is not None:
-                txt += f" ({c['paper']}, {c['diff']:+.1f})"
-            row.append(txt)
-        role = "calibration" if s in CALIBRATION_ROWS else "prediction"
-        lines.append(f"| {system_label(s)} | {role} | " + " | ".join(row) + " |")
+    lines += _goodput_rows(cfg, chips, cell)
     w = result.get("worst")
     lines.append("")
     if w:
@@ -86,21 +70,62 @@ def markdown_report(result: dict) -> str:
     for s in cfg.systems:
         row = [_pm(cell[(s, n)]["uptime"], cell[(s, n)]["uptime_ci"]) for n in chips]
         lines.append(f"| {system_label(s)} | | " + " | ".join(row) + " |")
-    if result.get("rule_of_thumb"):
-        lines += [
-            "",
-            "## Rule of thumb: M learners at N chips ≈ one elastic job at N/M chips",
-            "",
-            "| M | N | Decoupled DiLoCo at N | elastic DP at N/M | difference |",
-            "|---|---|---|---|---|",
-        ]
-        for r in result["rule_of_thumb"]:
-            lines.append(
-                f"| {r['learners']} | {chips_label(r['chips'])} | {_pm(r['diloco'], r['diloco_ci'])} | "
-                f"{_pm(r['elastic'], r['elastic_ci'])} ({chips_label(r['elastic_chips'])}) | "
-                f"{r['diff']:+.1f} |"
-            )
-    lines += ["", "## Constants", "", "| constant | value | source |", "|---|---|---|"]
+    lines += _rule_of_thumb_lines(result) + _constants_lines(result)
+    return "\n".join(lines) + "\n"
+
+
+def _changed_from_defaults(cfg: GoodputConfig, result: dict) -> list[str]:
+    """The constants (and ``quorum``) this run sets away from their defaults, calibrated ones aside."""
+    fields = GoodputConfig.model_fields
+    return [
+        k
+        for k in (*result["constants"], "quorum")
+        if k in fields
+        and k not in (CALIBRATED_FIELDS if result.get("calibration") else ())
+        and getattr(cfg, k) != fields[k].default
+    ]
+
+
+def _goodput_rows(cfg: GoodputConfig, chips: list, cell: dict) -> list[str]:
+    """The goodput table's rows: per system, predicted ± CI (paper, difference) at each chip count."""
+    lines = []
+    for s in cfg.systems:
+        row = []
+        for n in chips:
+            c = cell[(s, n)]
+            txt = _pm(c["goodput"], c["goodput_ci"])
+            if c["paper"] is not None:
+                txt += f" ({c['paper']}, {c['diff']:+.1f})"
+            row.append(txt)
+        role = "calibration" if s in CALIBRATION_ROWS else "prediction"
+        lines.append(f"| {system_label(s)} | {role} | " + " | ".join(row) + " |")
+    return lines
+
+
+def _rule_of_thumb_lines(result: dict) -> list[str]:
+    """The rule-of-thumb section (none without ``rule_of_thumb`` rows)."""
+    if not result.get("rule_of_thumb"):
+        return []
+    lines = [
+        "",
+        "## Rule of thumb: M learners at N chips ≈ one elastic job at N/M chips",
+        "",
+        "| M | N | Decoupled DiLoCo at N | elastic DP at N/M | difference |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rule_of_thumb"]:
+        lines.append(
+            f"| {r['learners']} | {chips_label(r['chips'])} | {_pm(r['diloco'], r['diloco_ci'])} | "
+            f"{_pm(r['elastic'], r['elastic_ci'])} ({chips_label(r['elastic_chips'])}) | "
+            f"{r['diff']:+.1f} |"
+        )
+    return lines
+
+
+def _constants_lines(result: dict) -> list[str]:
+    """The constants section: each constant's value and source, then the calibration run if any."""
+    fields = GoodputConfig.model_fields
+    lines = ["", "## Constants", "", "| constant | value | source |", "|---|---|---|"]
     calibrated = set(result.get("calibrated", ()))
     for k, v in result["constants"].items():
         if k == "mean_recovery_s":
@@ -122,4 +147,4 @@ def markdown_report(result: dict) -> str:
             f"{cal['failures_per_run']} interruptions): RMS {cal['rmse']['dp']:.2f} (DP) and "
             f"{cal['rmse']['elastic']:.2f} (elastic) points.",
         ]
-    return "\n".join(lines) + "\n"
+    return lines

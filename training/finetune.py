@@ -144,20 +144,7 @@ def finetune_run(
     """
     ft = cfg.finetune
     spec = finetune_spec(cfg, run_dir, task)
-    model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
-    adapted = (
-        add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha) if ft.mode == "lora" else []
-    )
-    alpha = float(ft.lora_alpha or ft.lora_rank)
-    policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
-    compute = None if policy is None else policy.compute
-    set_compute_dtype(model, compute)
-    fn, flat = Functional.of(model)
-    if policy is not None:
-        flat = cast_floating(flat, policy.params)
-    trainable = {k for k in flat if ft.mode == "full" or is_adapter(k) or k in fresh}
-    params = {k: v for k, v in flat.items() if k in trainable}
-    frozen = {k: v for k, v in flat.items() if k not in trainable}
+    fn, params, frozen, fresh, adapted, compute = _finetune_model(cfg, run_dir, checkpoint, spec, seed)
     tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
     lr = lr_schedule(ft.optimizer, ft.steps)
     mb = cfg.train.microbatch_size
@@ -166,15 +153,7 @@ def finetune_run(
     )
     evaluate = make_eval_step(fn, spec.objective, spec.heldout, compute_dtype=compute, targets=spec.count_targets)
     opt_state = tx.init(params)
-    rows = load_finetune_rows(data_dir, "train")
-    if float(spec.count_targets(rows)) == 0:
-        raise ValueError(
-            f"the fine-tuning rows in {data_dir} hold no target token (every response mask is 0): "
-            "nothing to learn; prepare the fine-tuning data again (finetune.source, finetune.seq_len)"
-        )
-    test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
-    n_rows = len(next(iter(rows.values())))
-    order = batch_order(n_rows, ft.batch_size, ft.steps, seed)
+    rows, test, order = _finetune_data(data_dir, spec, ft, seed)
 
     def val_loss() -> float:
         return heldout_metrics(lambda p, b: evaluate(p, b, frozen), params, test)["loss"]
@@ -199,17 +178,7 @@ def finetune_run(
         if (done % LOG_EVERY == 0 or done == ft.steps) and metrics is not None:
             loss = float(metrics["loss"])
             if train_log:
-                train_log(
-                    {
-                        "seed": seed,
-                        "step": done,
-                        "examples": done * ft.batch_size,
-                        "train/loss": loss,
-                        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
-                        "train/lr": float(lr(done - skipped - 1)),  # the rate of the last update
-                        "t": time.monotonic() - t0,
-                    }
-                )
+                train_log(_train_row(seed, done, ft.batch_size, loss, metrics, float(lr(done - skipped - 1)), t0))
         if done % ft.eval_every_steps == 0 or done == ft.steps:
             last_val = val_loss()
             if eval_log:
@@ -225,6 +194,67 @@ def finetune_run(
         "final_train_loss": loss,
         "final_val_loss": last_val,
         "order_sha256": order_digest(order[:done]),
+        **_parameter_record(ft, trained, frozen, fresh, adapted, skipped),
+    }
+    if keep_params:
+        record["state"] = trained
+        record["frozen"] = {k: np.asarray(v, dtype=np.float32) for k, v in frozen.items()}
+    return record
+
+
+def _finetune_data(data_dir, spec, ft, seed: int):
+    """The train rows, the test batches and the seed's batch order; ``ValueError`` when no train row
+    holds a target token."""
+    rows = load_finetune_rows(data_dir, "train")
+    if float(spec.count_targets(rows)) == 0:
+        raise ValueError(
+            f"the fine-tuning rows in {data_dir} hold no target token (every response mask is 0): "
+            "nothing to learn; prepare the fine-tuning data again (finetune.source, finetune.seq_len)"
+        )
+    test = _batches(load_finetune_rows(data_dir, "test"), ft.batch_size)
+    n_rows = len(next(iter(rows.values())))
+    order = batch_order(n_rows, ft.batch_size, ft.steps, seed)
+    return rows, test, order
+
+
+def _finetune_model(cfg: ExperimentConfig, run_dir, checkpoint, spec, seed: int):
+    """The pretrained model for fine-tuning (LoRA added in ``lora`` mode, the precision policy
+    applied): ``(fn, params, frozen, fresh, adapted, compute_dtype)``, params the trainable flat
+    parameters and frozen the rest."""
+    ft = cfg.finetune
+    model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
+    adapted = (
+        add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha) if ft.mode == "lora" else []
+    )
+    policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
+    compute = None if policy is None else policy.compute
+    set_compute_dtype(model, compute)
+    fn, flat = Functional.of(model)
+    if policy is not None:
+        flat = cast_floating(flat, policy.params)
+    trainable = {k for k in flat if ft.mode == "full" or is_adapter(k) or k in fresh}
+    params = {k: v for k, v in flat.items() if k in trainable}
+    frozen = {k: v for k, v in flat.items() if k not in trainable}
+    return fn, params, frozen, fresh, adapted, compute
+
+
+def _train_row(seed: int, done: int, batch_size: int, loss: float, metrics: Mapping, lr: float, t0: float) -> dict:
+    """The ``train_log`` row after ``done`` steps of ``batch_size`` rows (``lr``: the last update's rate)."""
+    return {
+        "seed": seed,
+        "step": done,
+        "examples": done * batch_size,
+        "train/loss": loss,
+        **{f"train/{k}": float(v) for k, v in metrics.items() if k != "loss"},
+        "train/lr": lr,
+        "t": time.monotonic() - t0,
+    }
+
+
+def _parameter_record(ft, trained: dict, frozen: dict, fresh, adapted, skipped: int) -> dict:
+    """The parameter part of :func:`finetune_run`'s record: counts, LoRA layers and the merged ``params``."""
+    alpha = float(ft.lora_alpha or ft.lora_rank)
+    return {
         "trainable_params": int(sum(v.size for v in trained.values())),
         "frozen_params": int(sum(np.size(v) for v in frozen.values())),
         "fresh": fresh,
@@ -237,10 +267,6 @@ def finetune_run(
         },
         "trained": trained,
     }
-    if keep_params:
-        record["state"] = trained
-        record["frozen"] = {k: np.asarray(v, dtype=np.float32) for k, v in frozen.items()}
-    return record
 
 
 def save_finetuned(ckpt_dir: str | Path, record: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:

@@ -128,56 +128,72 @@ def make_train_step(
     mesh = batch_mesh(devices) if devices is not None and len(devices) > 1 else None
     D = mesh.size if mesh is not None else 1
 
-    def sums(params, frozen, slices_GB):
-        """Over microbatches ``[G, b, ...]``: Σ n·∇loss (float32), Σ n·loss, Σ n·metric and Σ n."""
-
-        def body(acc, mb):
-            (loss, metrics), grads = grad_fn(params, frozen, mb)
-            n = jnp.float32(1.0) if targets is None else jnp.asarray(targets(mb), jnp.float32)
-            # the microbatch's summed gradient n·∇loss (loss is its mean over its n targets)
-            return jax.tree.map(lambda a, g: a + n * g.astype(a.dtype), acc, grads), (loss, metrics, n)
-
-        # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-        total, (losses_G, metrics_G, n_G) = jax.lax.scan(body, zeros, slices_GB)
-        return total, jnp.sum(n_G * losses_G), jax.tree.map(lambda m: jnp.sum(n_G * m), metrics_G), n_G.sum()
-
     def device_sums(params, frozen, rows):
         """This device's rows in G microbatches, summed over every device: one all-reduce a step."""
         local = jax.tree.map(lambda a: _microbatches(a, microbatches), rows)
-        return jax.lax.psum(sums(params, frozen, local), BATCH)
+        return jax.lax.psum(_microbatch_sums(grad_fn, targets, params, frozen, local), BATCH)
 
     def step(params: Params, opt_state, batch, frozen: Params | None = None):
         frozen = frozen or {}
         if microbatches == 1:
             (loss, metrics), grads = grad_fn(params, frozen, batch)
         else:
-            B = jax.tree.leaves(batch)[0].shape[0]
-            if B % microbatches:
-                raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches")
-            if B % (microbatches * D):
-                raise ValueError(
-                    f"batch of {B} rows is not divisible into {microbatches} microbatches of "
-                    f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})"
-                )
+            _check_microbatch_rows(jax.tree.leaves(batch)[0].shape[0], microbatches, D)
             if mesh is None:
-                out = sums(params, frozen, jax.tree.map(lambda a: _microbatches(a, microbatches), batch))
+                local = jax.tree.map(lambda a: _microbatches(a, microbatches), batch)
+                out = _microbatch_sums(grad_fn, targets, params, frozen, local)
             else:  # each device accumulates its own rows' microbatches; the sums are all-reduced once
                 spec = (PartitionSpec(), PartitionSpec(), PartitionSpec(BATCH))
                 # (check_vma off: the model's custom VJPs do not carry varying-axis types)
                 out = jax.shard_map(device_sums, mesh=mesh, in_specs=spec, out_specs=PartitionSpec(), check_vma=False)(
                     params, frozen, batch
                 )
-            total, loss_sum, metric_sums, N = out
-            inv = jnp.where(N > 0, 1.0 / jnp.maximum(N, 1e-30), 0.0)  # divided once by every target
-            loss = loss_sum * inv
-            metrics = jax.tree.map(lambda m: m * inv, metric_sums)
-            grads = jax.tree.map(lambda g: g * inv, total)
+            loss, metrics, grads = _target_means(*out)
         grad_norm = optax.global_norm(grads)  # the whole batch's gradient, before any clipping
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, opt_state, {"loss": loss, **metrics, "grad_norm": grad_norm}
 
+    return _jit_step(step, mesh, devices)
+
+
+def _microbatch_sums(grad_fn, targets, params, frozen, slices_GB):
+    """Over microbatches ``[G, b, ...]``: Σ n·∇loss (float32), Σ n·loss, Σ n·metric and Σ n."""
+
+    def body(acc, mb):
+        (loss, metrics), grads = grad_fn(params, frozen, mb)
+        n = jnp.float32(1.0) if targets is None else jnp.asarray(targets(mb), jnp.float32)
+        # the microbatch's summed gradient n·∇loss (loss is its mean over its n targets)
+        return jax.tree.map(lambda a, g: a + n * g.astype(a.dtype), acc, grads), (loss, metrics, n)
+
+    # float32 sums (bfloat16 parameters would otherwise accumulate in bfloat16)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    total, (losses_G, metrics_G, n_G) = jax.lax.scan(body, zeros, slices_GB)
+    return total, jnp.sum(n_G * losses_G), jax.tree.map(lambda m: jnp.sum(n_G * m), metrics_G), n_G.sum()
+
+
+def _check_microbatch_rows(B: int, microbatches: int, D: int) -> None:
+    """``ValueError`` (at trace) unless B rows split into G microbatches of equal rows on each of D devices."""
+    if B % microbatches:
+        raise ValueError(f"batch of {B} rows is not divisible into {microbatches} microbatches")
+    if B % (microbatches * D):
+        raise ValueError(
+            f"batch of {B} rows is not divisible into {microbatches} microbatches of "
+            f"equal rows on each of {D} devices (B must be a multiple of {microbatches * D})"
+        )
+
+
+def _target_means(total, loss_sum, metric_sums, N):
+    """The summed loss, metrics and gradient divided once by every target N (zero where N = 0)."""
+    inv = jnp.where(N > 0, 1.0 / jnp.maximum(N, 1e-30), 0.0)  # divided once by every target
+    loss = loss_sum * inv
+    metrics = jax.tree.map(lambda m: m * inv, metric_sums)
+    grads = jax.tree.map(lambda g: g * inv, total)
+    return loss, metrics, grads
+
+
+def _jit_step(step, mesh, devices) -> StepFn:
+    """``step`` jitted (params and opt state donated): on one device, or data parallel over ``mesh``."""
     if mesh is None:  # one device: commit the inputs to it, the step follows (a mix of committed and
         # uncommitted inputs would compile the step again: after a resume, after each pull)
         jitted = jax.jit(step, donate_argnums=(0, 1))
@@ -188,6 +204,7 @@ def make_train_step(
 
         return on_device
 
+    D = mesh.size
     rep, rows = replicated(mesh), batch_sharding(mesh)
     jitted = jax.jit(step, in_shardings=(rep, rep, rows, rep), out_shardings=(rep, rep, rep), donate_argnums=(0, 1))
 
