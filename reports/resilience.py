@@ -1010,8 +1010,16 @@ def schedule_counts(
         },
     }
     out["scavenged"] = [_scavenged(p, own, t0) for p in sch.get("presence") or []]
+    out["corruptions"] = _corruptions(sch, own, events, merges, t0)
+    return out
+
+
+def _corruptions(
+    sch: dict, own: list[dict], events: list[dict] | None, merges: list[dict] | None, t0: float | None
+) -> list[dict]:
+    """Per scheduled corruption (by time): whether it was sent and what became of it."""
     dropped = [e for e in events or [] if e.get("event") == "dropped"]
-    out["corruptions"], used = [], set()
+    out, used = [], set()
     scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
     for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
         m = lid(c.get("learner"))
@@ -1032,7 +1040,7 @@ def schedule_counts(
         if ev is not None:
             used.add(own.index(ev))
             row.update(_corruption_fate(ev, m, own, dropped, merges, t0))
-        out["corruptions"].append(row)
+        out.append(row)
     return out
 
 
