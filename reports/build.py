@@ -290,6 +290,18 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
             }
 
 
+def _run_meta(layout: RunLayout, config: dict | None) -> dict:
+    """report.json's ``run``: name, directory, id, when and from which commit it was built."""
+    return {
+        "name": (config or {}).get("name") or layout.root.name,
+        "run_dir": _run_dir_text(layout),
+        "run_id": layout.root.name,
+        "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "git_commit": _git_commit(),
+        "versions": _versions(),
+    }
+
+
 def _refuse_missing(layout: RunLayout, records: RunRecords) -> None:
     """Raise :class:`ReportInputError` when a result the run's record says exists is gone."""
     missing = missing_results(layout, records.status)
@@ -362,14 +374,7 @@ def build_report(
     _learner_goodput(records, stages)
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "run": {
-            "name": (config or {}).get("name") or layout.root.name,
-            "run_dir": _run_dir_text(layout),
-            "run_id": layout.root.name,
-            "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "git_commit": _git_commit(),
-            "versions": _versions(),
-        },
+        "run": _run_meta(layout, config),
         "setup": setup(records.settings),
         "pipeline": pipeline_status(records.status, final_stage),
         "manifest": {

@@ -725,13 +725,7 @@ def build_comparison(
     detected, partial = detect_axes(leaves)
     chosen = detected if axes is None else _check_axes(axes, leaves)
     out = _out_dir(out_dir, runs)
-    methods_all = ordered_methods(
-        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
-    )
-    rows = [_row(r, chosen, methods_all) for r in runs]
-    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
-    columns = _columns(rows, chosen, methods)
-    rows = [{c["key"]: row.get(c["key"]) for c in columns} for row in rows]
+    rows, methods, columns = _table(runs, chosen)
     units = list(dict.fromkeys(row["unit"] for row in rows))
     per = " or ".join(per_unit(u) for u in units)
 
@@ -766,6 +760,18 @@ def build_comparison(
     }
     comparison["notes"] = not_completed(comparison)
     return _write_comparison(comparison, out, per)
+
+
+def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
+    """The table's rows (one per run, in column order), its methods (those with a final held-out
+    loss in some run, else every method) and its columns."""
+    methods_all = ordered_methods(
+        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
+    )
+    rows = [_row(r, chosen, methods_all) for r in runs]
+    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
+    columns = _columns(rows, chosen, methods)
+    return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
 
 
 def _read_runs(given: list[str | Path], labels: list[str] | None) -> list[_Run]:
