@@ -376,6 +376,17 @@ def _gap_title(methods: list[str]) -> str:
     return f"Held-out loss gap to {short_label(BASELINE)} (%)"
 
 
+def _loss_and_gap(draw, methods: list[str], per: str, loss_title: str, where: str) -> tuple:
+    """``draw(key_of, ylabel, title, which, fmt)`` of the final held-out loss and, with a method
+    besides the baseline, of the loss gap to it (else None); the gap's title ends in ``where``."""
+    loss = draw(lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})", loss_title, methods, "{:.4f}")
+    gaps = [m for m in methods if m != BASELINE]
+    if not gaps:
+        return loss, None
+    ylabel, title = f"loss gap to {short_label(BASELINE)} (%)", f"{_gap_title(gaps)} {where}"
+    return loss, draw(lambda m: f"{m}/loss_gap_pct", ylabel, title, gaps, "{:+.2f} %")
+
+
 def _axis_line(ax, pts: list, done: list[bool], color, ls: str, marker: str, fmt: str | None, below: bool) -> bool:
     """One line through the mean of the points ``pts`` ((x, y) per run) at each x, every run a small
     marker where several share an x and a hollow one where it did not complete (``done`` False), the
@@ -492,25 +503,7 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
         ax.legend(handles=handles, fontsize=8)
         return fig, ax
 
-    loss = draw(
-        lambda m: f"{m}/final_val_loss",
-        f"final held-out loss (nats/{per})",
-        f"Held-out loss vs {axis}",
-        methods,
-        "{:.4f}",
-    )
-    gap_methods = [m for m in methods if m != BASELINE]
-    gap = (
-        draw(
-            lambda m: f"{m}/loss_gap_pct",
-            f"loss gap to {short_label(BASELINE)} (%)",
-            f"{_gap_title(gap_methods)} vs {axis}",
-            gap_methods,
-            "{:+.2f} %",
-        )
-        if gap_methods
-        else None
-    )
+    loss, gap = _loss_and_gap(draw, methods, per, f"Held-out loss vs {axis}", f"vs {axis}")
     if gap is not None:
         gap[1].axhline(0.0, color="0.5", lw=0.8)
     return (loss[0] if loss else None), (gap[0] if gap else None)
@@ -523,7 +516,7 @@ def _bar_figures(rows: list[dict], methods: list[str], per: str):
     width = max(6.0, 1.0 + 1.1 * len(rows))
     rotate = len(rows) > 3 or max(len(x) for x in labels) > 14
 
-    def bars(which: list[str], key_of, ylabel: str, title: str, fmt: str):
+    def bars(key_of, ylabel: str, title: str, which: list[str], fmt: str):
         have = [m for m in which if any(_is_number(r.get(key_of(m))) for r in rows)]
         if not have:
             return None
@@ -558,22 +551,7 @@ def _bar_figures(rows: list[dict], methods: list[str], per: str):
         )  # below the axes, clear of the bars' labels
         return fig
 
-    loss = bars(
-        methods,
-        lambda m: f"{m}/final_val_loss",
-        f"final held-out loss (nats/{per})",
-        "Final held-out loss per run",
-        "{:.4f}",
-    )
-    gaps = [m for m in methods if m != BASELINE]
-    gap = bars(
-        gaps,
-        lambda m: f"{m}/loss_gap_pct",
-        f"loss gap to {short_label(BASELINE)} (%)",
-        f"{_gap_title(gaps)} per run",
-        "{:+.2f} %",
-    )
-    return loss, gap
+    return _loss_and_gap(bars, methods, per, "Final held-out loss per run", "per run")
 
 
 # -- markdown ------------------------------------------------------------------------------------
