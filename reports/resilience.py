@@ -989,25 +989,21 @@ def schedule_counts(
 
     fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
     slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
-    fired_d = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+
+    def counts(drawn: list[dict], at: str, fired_d: int, fired_p: int) -> dict:
+        return {
+            "drawn": len(drawn),
+            "diloco_in_span": sum(1 for x in drawn if in_diloco(x.get("learner"), num(x.get(at)))),
+            "diloco_fired": fired_d if events is not None else None,
+            "dp_in_span": sum(1 for x in drawn if in_dp(num(x.get(at)))) if dp else None,
+            "dp_fired": fired_p if dp else None,
+        }
+
+    fired = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+    kinds = {k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")}
     out = {
-        "failures": {
-            "drawn": len(fails),
-            "diloco_in_span": sum(1 for f in fails if in_diloco(f.get("learner"), num(f.get("at_s")))),
-            "diloco_fired": len(fired_d) if events is not None else None,
-            "dp_in_span": sum(1 for f in fails if in_dp(num(f.get("at_s")))) if dp else None,
-            "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "failure") if dp else None,
-        },
-        "slowdowns": {
-            "drawn": len(slows),
-            "diloco_in_span": sum(1 for s in slows if in_diloco(s.get("learner"), num(s.get("from_s")))),
-            "diloco_fired": _slowed(own) if events is not None else None,
-            "dp_in_span": sum(1 for s in slows if in_dp(num(s.get("from_s")))) if dp else None,
-            "dp_fired": _slowed(dp_events or []) if dp else None,
-            "by_kind": {
-                k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")
-            },
-        },
+        "failures": counts(fails, "at_s", len(fired), sum(1 for e in dp_events or [] if e.get("event") == "failure")),
+        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_events or [])), "by_kind": kinds},
     }
     out["scavenged"] = [_scavenged(p, own, t0) for p in sch.get("presence") or []]
     out["corruptions"] = _corruptions(sch, own, events, merges, t0)
