@@ -290,6 +290,49 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
             }
 
 
+def _run_meta(layout: RunLayout, config: dict | None) -> dict:
+    """report.json's ``run``: name, directory, id, when and from which commit it was built."""
+    return {
+        "name": (config or {}).get("name") or layout.root.name,
+        "run_dir": _run_dir_text(layout),
+        "run_id": layout.root.name,
+        "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "git_commit": _git_commit(),
+        "versions": _versions(),
+    }
+
+
+def _refuse_missing(layout: RunLayout, records: RunRecords) -> None:
+    """Raise :class:`ReportInputError` when a result the run's record says exists is gone."""
+    missing = missing_results(layout, records.status)
+    if missing:  # "not run" would be wrong: refuse before report/ is touched
+        file, why = missing[0]
+        more = f" (and {len(missing) - 1} more: {', '.join(f for f, _ in missing[1:3])})" if len(missing) > 1 else ""
+        raise ReportInputError(
+            layout.root / file,
+            f"results missing: {why}, but the file is gone{more}; restore it "
+            "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
+            "was left as it was",
+        )
+
+
+def _draw_figures(report: dict, records: RunRecords, ref_records: RunRecords | None, out_dir: Path) -> None:
+    """Every figure of ``report`` into ``out_dir`` (stale ones of an earlier build removed first)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stage in STAGES:  # never leave a stale figure from an earlier build
+        for old in out_dir.glob(figure_file(stage, "*")):
+            old.unlink()
+    for s, st in report["stages"].items():
+        _draw_stage(st, records.stages[s], out_dir)
+        _draw_resilience(st, records.stages[s], ref_records, out_dir)
+    if report["finetune"] is not None:
+        report["finetune"]["plots"]["loss"] = _draw(
+            finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")),
+            out_dir,
+            figure_file("finetune", "loss"),
+        )
+
+
 def build_report(
     run_dir: str | Path,
     final_stage: bool = False,
@@ -324,30 +367,14 @@ def build_report(
 
         return build_seeds_report(run_dir, seeded, final_stage)
     records = read_run(layout)
-    missing = missing_results(layout, records.status)
-    if missing:  # "not run" would be wrong: refuse before report/ is touched
-        file, why = missing[0]
-        more = f" (and {len(missing) - 1} more: {', '.join(f for f, _ in missing[1:3])})" if len(missing) > 1 else ""
-        raise ReportInputError(
-            layout.root / file,
-            f"results missing: {why}, but the file is gone{more}; restore it "
-            "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
-            "was left as it was",
-        )
+    _refuse_missing(layout, records)
     config = records.config
     stages = {s: stage_figures(s, recs, records.settings) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)
     _learner_goodput(records, stages)
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "run": {
-            "name": (config or {}).get("name") or layout.root.name,
-            "run_dir": _run_dir_text(layout),
-            "run_id": layout.root.name,
-            "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
-            "git_commit": _git_commit(),
-            "versions": _versions(),
-        },
+        "run": _run_meta(layout, config),
         "setup": setup(records.settings),
         "pipeline": pipeline_status(records.status, final_stage),
         "manifest": {
@@ -368,21 +395,7 @@ def build_report(
             and len((read_json(RunLayout(parent.parent).config) or {}).get("seeds") or []) > 1,
         )
 
-    out_dir = layout.report
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for stage in STAGES:  # never leave a stale figure from an earlier build
-        for old in out_dir.glob(figure_file(stage, "*")):
-            old.unlink()
-    for s, st in stages.items():
-        _draw_stage(st, records.stages[s], out_dir)
-        _draw_resilience(st, records.stages[s], ref_records, out_dir)
-    if report["finetune"] is not None:
-        report["finetune"]["plots"]["loss"] = _draw(
-            finetune_loss_figure(records.finetune, report["finetune"]["task"].get("modality")),
-            out_dir,
-            figure_file("finetune", "loss"),
-        )
-
+    _draw_figures(report, records, ref_records, layout.report)
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)

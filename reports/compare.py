@@ -377,6 +377,89 @@ def _gap_title(methods: list[str]) -> str:
     return f"Held-out loss gap to {short_label(BASELINE)} (%)"
 
 
+def _loss_and_gap(draw, methods: list[str], per: str, loss_title: str, where: str) -> tuple:
+    """``draw(key_of, ylabel, title, which, fmt)`` of the final held-out loss and, with a method
+    besides the baseline, of the loss gap to it (else None); the gap's title ends in ``where``."""
+    loss = draw(lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})", loss_title, methods, "{:.4f}")
+    gaps = [m for m in methods if m != BASELINE]
+    if not gaps:
+        return loss, None
+    ylabel, title = f"loss gap to {short_label(BASELINE)} (%)", f"{_gap_title(gaps)} {where}"
+    return loss, draw(lambda m: f"{m}/loss_gap_pct", ylabel, title, gaps, "{:+.2f} %")
+
+
+def _axis_line(ax, pts: list, done: list[bool], color, ls: str, marker: str, fmt: str | None, below: bool) -> bool:
+    """One line through the mean of the points ``pts`` ((x, y) per run) at each x, every run a small
+    marker where several share an x and a hollow one where it did not complete (``done`` False), the
+    values at the points in ``fmt`` (none when None; up to 8 points). True when a marker is hollow."""
+    avg = pd.Series([y for _, y in pts]).groupby([x for x, _ in pts]).mean()  # sorted by x
+    line_x, line_y = [float(x) for x in avg.index], [float(y) for y in avg]
+    ax.plot(line_x, line_y, ls=ls, color=color, lw=1.8, marker=marker, ms=5)
+    if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
+        ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
+    unfinished = [p for p, d in zip(pts, done) if not d]
+    if unfinished:  # a run that did not complete: a hollow marker
+        ax.scatter(
+            [x for x, _ in unfinished],
+            [y for _, y in unfinished],
+            s=36,
+            facecolors="white",
+            edgecolors=color,
+            linewidths=1.5,
+            zorder=4,
+        )
+    if fmt is not None and len(line_x) <= 8:
+        for x, y in zip(line_x, line_y):
+            ax.annotate(
+                fmt.format(y),
+                xy=(x, y),
+                xytext=(0, -9 if below else 7),
+                textcoords="offset points",
+                ha="center",
+                va="top" if below else "bottom",
+                fontsize=8,
+                color=color,
+            )
+    return bool(unfinished)
+
+
+def _axis_handles(combos: dict, combo_text: dict, colors: list, which: list[str], hollow: bool) -> list:
+    """The legend of an axis figure: a colour per combination (several) or per method (one)."""
+    if len(combos) > 1:
+        handles = [
+            Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
+            for ci, k in enumerate(combos)
+        ]
+        handles += [
+            Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5, label=short_label(m))
+            for m in which
+        ]
+    else:
+        handles = [
+            Line2D(
+                [], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker=_marker(m), label=short_label(m)
+            )
+            for mi, m in enumerate(which)
+        ]
+    if hollow:
+        handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))
+    return handles
+
+
+def _axis_ticks(ax, xs_all: list, numeric: bool, cats: list[str], cat_text: dict[str, str]) -> None:
+    """x ticks at the axis' values (log scale over a 16-fold range or more) or at its categories."""
+    if numeric:
+        values = sorted({float(x) for x in xs_all})
+        if values[0] > 0 and values[-1] / values[0] >= 16:
+            ax.set_xscale("log")
+        if len(values) <= 12:
+            ax.set_xticks(values, [cell(v if not float(v).is_integer() else int(v)) for v in values])
+            ax.minorticks_off()
+    else:
+        ax.set_xticks(range(len(cats)), [cat_text[c] for c in cats])
+        ax.set_xlim(-0.5, len(cats) - 0.5)
+
+
 def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[str], per: str):
     """(loss figure, gap figure or None): one line per combination of the other axes' values (its
     colour) and method (its line style), the mean over runs at one x joined, every run a marker
@@ -396,110 +479,32 @@ def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[st
     def draw(key_of, ylabel: str, title: str, which: list[str], fmt: str):
         fig = new_figure(7.5, 4.6)
         ax = fig.add_subplot()
-        handles, drawn, hollow = [], False, False
+        drawn, hollow = False, False
         means = {m: [r[key_of(m)] for r in rows if _is_number(r.get(key_of(m)))] for m in which}
         lowest = min((m for m in which if means[m]), key=lambda m: sum(means[m]) / len(means[m]), default=None)
         for ci, (_combo, rs) in enumerate(combos.items()):
             for mi, m in enumerate(which):
-                pts = [(pos(r.get(axis)), r[key_of(m)]) for r in rs if _is_number(r.get(key_of(m)))]
-                if not pts:
+                runs = [r for r in rs if _is_number(r.get(key_of(m)))]
+                if not runs:
                     continue
                 drawn = True
                 color = colors[ci % len(colors)] if len(combos) > 1 else series_color(m, mi)
-                avg = pd.Series([y for _, y in pts]).groupby([x for x, _ in pts]).mean()  # sorted by x
-                line_x, line_y = [float(x) for x in avg.index], [float(y) for y in avg]
-                ax.plot(line_x, line_y, ls=_style(m, which), color=color, lw=1.8, marker=_marker(m), ms=5)
-                if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
-                    ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
-                unfinished = [
-                    (pos(r.get(axis)), r[key_of(m)])
-                    for r in rs
-                    if r.get("status") != COMPLETED and _is_number(r.get(key_of(m)))
-                ]
-                if unfinished:  # a run that did not complete: a hollow marker
-                    hollow = True
-                    ax.scatter(
-                        [x for x, _ in unfinished],
-                        [y for _, y in unfinished],
-                        s=36,
-                        facecolors="white",
-                        edgecolors=color,
-                        linewidths=1.5,
-                        zorder=4,
-                    )
-                if len(line_x) <= 8 and len(combos) == 1:  # values at the points (one line per method): the
-                    below = m == lowest and len(which) > 1  # lowest method's below them
-                    for x, y in zip(line_x, line_y):
-                        ax.annotate(
-                            fmt.format(y),
-                            xy=(x, y),
-                            xytext=(0, -9 if below else 7),
-                            textcoords="offset points",
-                            ha="center",
-                            va="top" if below else "bottom",
-                            fontsize=8,
-                            color=color,
-                        )
+                pts = [(pos(r.get(axis)), r[key_of(m)]) for r in runs]
+                done = [r.get("status") == COMPLETED for r in runs]
+                # values at the points (one line per method): the lowest method's below them
+                label = fmt if len(combos) == 1 else None
+                below = m == lowest and len(which) > 1
+                hollow |= _axis_line(ax, pts, done, color, _style(m, which), _marker(m), label, below)
         if not drawn:
             return None
-        if len(combos) > 1:
-            handles += [
-                Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
-                for ci, k in enumerate(combos)
-            ]
-            handles += [
-                Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5, label=short_label(m))
-                for m in which
-            ]
-        else:
-            handles += [
-                Line2D(
-                    [],
-                    [],
-                    color=series_color(m, mi),
-                    ls=_style(m, which),
-                    lw=1.8,
-                    marker=_marker(m),
-                    label=short_label(m),
-                )
-                for mi, m in enumerate(which)
-            ]
-        if hollow:
-            handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))
-        if numeric:
-            values = sorted({float(x) for x in xs_all})
-            if values[0] > 0 and values[-1] / values[0] >= 16:
-                ax.set_xscale("log")
-            if len(values) <= 12:
-                ax.set_xticks(values, [cell(v if not float(v).is_integer() else int(v)) for v in values])
-                ax.minorticks_off()
-        else:
-            ax.set_xticks(range(len(cats)), [cat_text[c] for c in cats])
-            ax.set_xlim(-0.5, len(cats) - 0.5)
+        handles = _axis_handles(combos, combo_text, colors, which, hollow)
+        _axis_ticks(ax, xs_all, numeric, cats, cat_text)
         ax.margins(y=0.15)
         finish_axes(ax, axis, ylabel, title)
         ax.legend(handles=handles, fontsize=8)
         return fig, ax
 
-    loss = draw(
-        lambda m: f"{m}/final_val_loss",
-        f"final held-out loss (nats/{per})",
-        f"Held-out loss vs {axis}",
-        methods,
-        "{:.4f}",
-    )
-    gap_methods = [m for m in methods if m != BASELINE]
-    gap = (
-        draw(
-            lambda m: f"{m}/loss_gap_pct",
-            f"loss gap to {short_label(BASELINE)} (%)",
-            f"{_gap_title(gap_methods)} vs {axis}",
-            gap_methods,
-            "{:+.2f} %",
-        )
-        if gap_methods
-        else None
-    )
+    loss, gap = _loss_and_gap(draw, methods, per, f"Held-out loss vs {axis}", f"vs {axis}")
     if gap is not None:
         gap[1].axhline(0.0, color="0.5", lw=0.8)
     return (loss[0] if loss else None), (gap[0] if gap else None)
@@ -512,7 +517,7 @@ def _bar_figures(rows: list[dict], methods: list[str], per: str):
     width = max(6.0, 1.0 + 1.1 * len(rows))
     rotate = len(rows) > 3 or max(len(x) for x in labels) > 14
 
-    def bars(which: list[str], key_of, ylabel: str, title: str, fmt: str):
+    def bars(key_of, ylabel: str, title: str, which: list[str], fmt: str):
         have = [m for m in which if any(_is_number(r.get(key_of(m))) for r in rows)]
         if not have:
             return None
@@ -547,22 +552,7 @@ def _bar_figures(rows: list[dict], methods: list[str], per: str):
         )  # below the axes, clear of the bars' labels
         return fig
 
-    loss = bars(
-        methods,
-        lambda m: f"{m}/final_val_loss",
-        f"final held-out loss (nats/{per})",
-        "Final held-out loss per run",
-        "{:.4f}",
-    )
-    gaps = [m for m in methods if m != BASELINE]
-    gap = bars(
-        gaps,
-        lambda m: f"{m}/loss_gap_pct",
-        f"loss gap to {short_label(BASELINE)} (%)",
-        f"{_gap_title(gaps)} per run",
-        "{:+.2f} %",
-    )
-    return loss, gap
+    return _loss_and_gap(bars, methods, per, "Final held-out loss per run", "per run")
 
 
 # -- markdown ------------------------------------------------------------------------------------
@@ -626,40 +616,12 @@ def build_comparison(
     config key (or is a section), or labels that do not match the runs. Every check runs before
     anything is written.
     """
-    given = list(run_dirs)
-    if not given:
-        raise ValueError(f"no run directories given; {RUN_HINT}")
-    read, seen = [], {}
-    for g in given:
-        path, config, status, report = _read_run(g)
-        key = path.resolve()
-        if key in seen:
-            raise ReportInputError(path, "is given twice; give each run directory once")
-        seen[key] = path
-        read.append((path, config, status, report))
-    names = _labels([p for p, *_ in read], labels)
-    runs = [_Run(lb, p, c, s, r, flatten(c, sep=".")) for lb, (p, c, s, r) in zip(names, read)]
+    runs = _read_runs(list(run_dirs), labels)
     leaves = [r.leaves for r in runs]
     detected, partial = detect_axes(leaves)
     chosen = detected if axes is None else _check_axes(axes, leaves)
-    out = Path(os.path.abspath(Path(out_dir).expanduser()))
-    if out.exists() and not out.is_dir():
-        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
-    for r in runs:
-        if out == r.path or r.path in out.parents:
-            raise ReportInputError(
-                out,
-                f"is inside the run directory {r.path}, which a comparison never writes "
-                "into; choose a folder outside it",
-            )
-
-    methods_all = ordered_methods(
-        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
-    )
-    rows = [_row(r, chosen, methods_all) for r in runs]
-    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
-    columns = _columns(rows, chosen, methods)
-    rows = [{c["key"]: row.get(c["key"]) for c in columns} for row in rows]
+    out = _out_dir(out_dir, runs)
+    rows, methods, columns = _table(runs, chosen)
     units = list(dict.fromkeys(row["unit"] for row in rows))
     per = " or ".join(per_unit(u) for u in units)
 
@@ -670,19 +632,7 @@ def build_comparison(
         "source": source,
         "stage": STAGE,
         "baseline": BASELINE,
-        "runs": [
-            {
-                "label": r.label,
-                "run_dir": str(r.path),
-                "name": r.config.get("name"),
-                "status": _status_text(r.status),
-                "reason": (r.status or {}).get("reason"),
-                "completed_stages": (r.status or {}).get("completed_stages"),
-                "unit": row["unit"],
-                "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None],
-            }
-            for r, row in zip(runs, rows)
-        ],
+        "runs": [_run_entry(r, row, methods) for r, row in zip(runs, rows)],
         "axes": chosen,
         "axes_detected": axes is None,
         "ignored_keys": list(IGNORED_KEYS),
@@ -705,6 +655,69 @@ def build_comparison(
         },
     }
     comparison["notes"] = not_completed(comparison)
+    return _write_comparison(comparison, out, per)
+
+
+def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
+    """The table's rows (one per run, in column order), its methods (those with a final held-out
+    loss in some run, else every method) and its columns."""
+    methods_all = ordered_methods(
+        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
+    )
+    rows = [_row(r, chosen, methods_all) for r in runs]
+    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
+    columns = _columns(rows, chosen, methods)
+    return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
+
+
+def _read_runs(given: list[str | Path], labels: list[str] | None) -> list[_Run]:
+    """Each run directory read and checked (:func:`_read_run`), each once, with its label."""
+    if not given:
+        raise ValueError(f"no run directories given; {RUN_HINT}")
+    read, seen = [], {}
+    for g in given:
+        path, config, status, report = _read_run(g)
+        key = path.resolve()
+        if key in seen:
+            raise ReportInputError(path, "is given twice; give each run directory once")
+        seen[key] = path
+        read.append((path, config, status, report))
+    names = _labels([p for p, *_ in read], labels)
+    return [_Run(lb, p, c, s, r, flatten(c, sep=".")) for lb, (p, c, s, r) in zip(names, read)]
+
+
+def _out_dir(out_dir: str | Path, runs: list[_Run]) -> Path:
+    """``out_dir`` made absolute; refused when it is a file or lies inside a compared run."""
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    if out.exists() and not out.is_dir():
+        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
+    for r in runs:
+        if out == r.path or r.path in out.parents:
+            raise ReportInputError(
+                out,
+                f"is inside the run directory {r.path}, which a comparison never writes "
+                "into; choose a folder outside it",
+            )
+    return out
+
+
+def _run_entry(r: _Run, row: dict, methods: list[str]) -> dict:
+    """One run of comparison.json's ``runs``."""
+    return {
+        "label": r.label,
+        "run_dir": str(r.path),
+        "name": r.config.get("name"),
+        "status": _status_text(r.status),
+        "reason": (r.status or {}).get("reason"),
+        "completed_stages": (r.status or {}).get("completed_stages"),
+        "unit": row["unit"],
+        "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None],
+    }
+
+
+def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
+    """Write the figures, comparison.json, .csv and .md into ``out``; returns the JSON-safe dict."""
+    rows, chosen, methods, columns = (comparison[k] for k in ("rows", "axes", "methods", "columns"))
 
     # Everything is checked: write.
     out.mkdir(parents=True, exist_ok=True)

@@ -414,6 +414,9 @@ def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | No
     return {"start_s": start, "end_s": end, "length_s": end - start, "clock": "DP clock (s)"}
 
 
+_RESTORED = "restored_at_s restored_step lost_steps restore_s down_s recomputed_until_s recompute_s"
+
+
 def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
     """Each DP failure with its restore and the recomputation after it (docs/report.md)."""
     evs = sorted((e for e in events if _t(e) is not None), key=_t)
@@ -445,13 +448,7 @@ def _restores(events: list[dict], train: list[dict], step_s: float | None, end: 
             "step_at_failure": num(f.get("step")),
             "high_water_step": high,
             "restart_delay_s": num(f.get("restart_delay_s")),
-            "restored_at_s": None,
-            "restored_step": None,
-            "lost_steps": None,
-            "restore_s": None,
-            "down_s": None,
-            "recomputed_until_s": None,
-            "recompute_s": None,
+            **dict.fromkeys(_RESTORED.split()),  # None until restored
         }
         if restore is None:
             rec["down_s"] = (_t(nxt_fail) if nxt_fail else end) - t_f
@@ -500,44 +497,16 @@ def _episode_factor(schedule: dict | None, row: int, workers: int, t: float) -> 
     return f
 
 
-def dp_resilience(
-    events: list[dict] | None,
-    train: list[dict] | None,
-    workers: int | None,
-    schedule: dict | None = None,
-    now: float | None = None,
-) -> dict | None:
-    """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
-    ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
-    ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
-    high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
-    (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
-    span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
-    events, train = events or [], train or []
-    span = dp_span(train, events, now)
-    if span is None:
-        return None
-    W = max(int(workers or 1), 1)
+def _dp_timelines(
+    span: dict,
+    factors: list[tuple[float, float]],
+    stalls: list[tuple[float, float, int]],
+    recomputes: list[tuple[float, float]],
+    schedule: dict | None,
+    W: int,
+) -> tuple[dict[int, list[Interval]], float]:
+    """DP's rows (replica → intervals) and the slowdown seconds the schedule does not attribute."""
     end = span["end_s"]
-    step_s = dp_step_time(train, events)
-    restores = _restores(events, train, step_s, end)
-    # The job's step-time factor over time, from its slowdown events.
-    factors = sorted(
-        ((_t(e), num(e.get("factor")) or 1.0) for e in events if e.get("event") == "slowdown" and _t(e) is not None),
-        key=lambda x: x[0],
-    )
-    stalls = [
-        (
-            x["failed_at_s"],
-            x["restored_at_s"] if x["restored_at_s"] is not None else x["failed_at_s"] + x["down_s"],
-            _row(x["replica"], W),
-        )
-        for x in restores
-    ]
-
-    recomputes = [
-        (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
-    ]
     # Elementary pieces between every change of state, so that each slowdown share lies in its piece.
     cuts = (
         {0.0, end}
@@ -583,23 +552,66 @@ def dp_resilience(
                 ]
     for r in rows:
         rows[r] = merge_adjacent(rows[r])
-    table = []
-    for r, ivs in rows.items():
-        secs = state_seconds(ivs, why=True)
-        useful = secs["running"] + secs["straggling"]
-        table.append(
-            {
-                "replica": r,
-                "allocated_s": span["length_s"],
-                **{f"{s}_s": secs[s] for s in STATES},
-                "waiting_stall_s": secs.get("waiting/stall", 0.0),
-                "waiting_slowest_s": secs.get("waiting/slowest replica", 0.0),
-                "lost_work_s": secs["recomputing"],
-                "useful_s": useful,
-                "goodput": _ratio(useful, span["length_s"]),
-                "failures": sum(1 for x in restores if _row(x["replica"], W) == r),
-            }
+    return rows, unattributed
+
+
+def _dp_replica(r: int, ivs: list[Interval], span: dict, restores: list[dict], W: int) -> dict:
+    """Replica ``r``'s row of DP's goodput table: seconds per state, useful seconds, failures."""
+    secs = state_seconds(ivs, why=True)
+    useful = secs["running"] + secs["straggling"]
+    return {
+        "replica": r,
+        "allocated_s": span["length_s"],
+        **{f"{s}_s": secs[s] for s in STATES},
+        "waiting_stall_s": secs.get("waiting/stall", 0.0),
+        "waiting_slowest_s": secs.get("waiting/slowest replica", 0.0),
+        "lost_work_s": secs["recomputing"],
+        "useful_s": useful,
+        "goodput": _ratio(useful, span["length_s"]),
+        "failures": sum(1 for x in restores if _row(x["replica"], W) == r),
+    }
+
+
+def dp_resilience(
+    events: list[dict] | None,
+    train: list[dict] | None,
+    workers: int | None,
+    schedule: dict | None = None,
+    now: float | None = None,
+) -> dict | None:
+    """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
+    ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
+    ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
+    high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
+    (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
+    span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
+    events, train = events or [], train or []
+    span = dp_span(train, events, now)
+    if span is None:
+        return None
+    W = max(int(workers or 1), 1)
+    end = span["end_s"]
+    step_s = dp_step_time(train, events)
+    restores = _restores(events, train, step_s, end)
+    # The job's step-time factor over time, from its slowdown events.
+    factors = sorted(
+        ((_t(e), num(e.get("factor")) or 1.0) for e in events if e.get("event") == "slowdown" and _t(e) is not None),
+        key=lambda x: x[0],
+    )
+    stalls = [
+        (
+            x["failed_at_s"],
+            x["restored_at_s"] if x["restored_at_s"] is not None else x["failed_at_s"] + x["down_s"],
+            _row(x["replica"], W),
         )
+        for x in restores
+    ]
+
+    recomputes = [
+        (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
+    ]
+    rows, unattributed = _dp_timelines(span, factors, stalls, recomputes, schedule, W)
+    table = [_dp_replica(r, ivs, span, restores, W) for r, ivs in rows.items()]
     alloc = W * span["length_s"]
     useful = sum(x["useful_s"] for x in table)
     advances = [t for x in train if (t := num(x.get("t"))) is not None]
@@ -940,6 +952,10 @@ def _took(
     return False
 
 
+def _slowed(evs: list[dict]) -> int:
+    return sum(1 for e in evs if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0)
+
+
 def schedule_counts(
     schedule: dict | None,
     diloco: dict | None,
@@ -973,49 +989,33 @@ def schedule_counts(
 
     fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
     slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
-    fired_d = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+
+    def counts(drawn: list[dict], at: str, fired_d: int, fired_p: int) -> dict:
+        return {
+            "drawn": len(drawn),
+            "diloco_in_span": sum(1 for x in drawn if in_diloco(x.get("learner"), num(x.get(at)))),
+            "diloco_fired": fired_d if events is not None else None,
+            "dp_in_span": sum(1 for x in drawn if in_dp(num(x.get(at)))) if dp else None,
+            "dp_fired": fired_p if dp else None,
+        }
+
+    fired = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+    kinds = {k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")}
     out = {
-        "failures": {
-            "drawn": len(fails),
-            "diloco_in_span": sum(1 for f in fails if in_diloco(f.get("learner"), num(f.get("at_s")))),
-            "diloco_fired": len(fired_d) if events is not None else None,
-            "dp_in_span": sum(1 for f in fails if in_dp(num(f.get("at_s")))) if dp else None,
-            "dp_fired": sum(1 for e in dp_events or [] if e.get("event") == "failure") if dp else None,
-        },
-        "slowdowns": {
-            "drawn": len(slows),
-            "diloco_in_span": sum(1 for s in slows if in_diloco(s.get("learner"), num(s.get("from_s")))),
-            "diloco_fired": sum(1 for e in own if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0)
-            if events is not None
-            else None,
-            "dp_in_span": sum(1 for s in slows if in_dp(num(s.get("from_s")))) if dp else None,
-            "dp_fired": sum(
-                1 for e in dp_events or [] if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0
-            )
-            if dp
-            else None,
-            "by_kind": {
-                k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")
-            },
-        },
+        "failures": counts(fails, "at_s", len(fired), sum(1 for e in dp_events or [] if e.get("event") == "failure")),
+        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_events or [])), "by_kind": kinds},
     }
-    scav = []
-    for p in sch.get("presence") or []:
-        m = lid(p.get("learner"))
-        j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
-        lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
-        scav.append(
-            {
-                "learner": m,
-                "join_s": num(p.get("join_s")),
-                "leave_s": num(p.get("leave_s")),
-                "joined_at_s": j - t0 if j is not None and t0 is not None else None,
-                "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
-            }
-        )
-    out["scavenged"] = scav
+    out["scavenged"] = [_scavenged(p, own, t0) for p in sch.get("presence") or []]
+    out["corruptions"] = _corruptions(sch, own, events, merges, t0)
+    return out
+
+
+def _corruptions(
+    sch: dict, own: list[dict], events: list[dict] | None, merges: list[dict] | None, t0: float | None
+) -> list[dict]:
+    """Per scheduled corruption (by time): whether it was sent and what became of it."""
     dropped = [e for e in events or [] if e.get("event") == "dropped"]
-    corr, used = [], set()
+    out, used = [], set()
     scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
     for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
         m = lid(c.get("learner"))
@@ -1030,70 +1030,80 @@ def schedule_counts(
             ),
             None,
         )
-        row = {
-            "learner": m,
-            "at_s": num(c.get("at_s")),
-            "kind": c.get("kind"),
-            "sent": ev is not None,
-            "sent_at_s": None,
-            "fragment": None,
-            "step": None,
-            "dropped": None,
-            "reason": None,
-            "merged": None,
-            "resent_by_a_later_attempt": None,
-        }
+        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None}
+        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
+        row["resent_by_a_later_attempt"] = None
         if ev is not None:
             used.add(own.index(ev))
-            frag, step = ev.get("fragment"), num(ev.get("step"))
-            drop = next(
-                (
-                    d
-                    for d in dropped
-                    if lid(d.get("learner")) == m
-                    and d.get("fragment") == frag
-                    and (
-                        d.get("base_version") is None
-                        or ev.get("base_version") is None
-                        or d.get("base_version") == ev.get("base_version")
-                    )
-                    and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6
-                ),
-                None,
-            )
-            base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
-            # A later attempt that resumed before that step sends the same (fragment, local step) again,
-            # possibly from the same base version (nothing merged meanwhile): a merge after its start is
-            # that clean copy's.
-            resent = [
-                _t(e)
-                for e in own
-                if e.get("event") == "start"
-                and lid(e["learner"]) == m
-                and (_t(e) or 0.0) > t_c
-                and (num(e.get("step")) or 0) < (step or 0)
-            ]
-            took = [
-                x
-                for x in merges or []
-                if _took(x, m, frag, step, base, ev.get("attempt")) and (num(x.get("merged_at_s")) or 0.0) > t_c
-            ]
-            if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
-                merged = bool(took)
-            else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
-                merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
-            row["resent_by_a_later_attempt"] = bool(resent)
-            row.update(
-                sent_at_s=(_t(ev) - t0) if _t(ev) is not None and t0 is not None else None,
-                fragment=frag,
-                step=step,
-                dropped=drop is not None,
-                reason=drop.get("reason") if drop else None,
-                merged=merged if merges is not None else None,
-            )
-        corr.append(row)
-    out["corruptions"] = corr
+            row.update(_corruption_fate(ev, m, own, dropped, merges, t0))
+        out.append(row)
     return out
+
+
+def _scavenged(p: dict, own: list[dict], t0: float | None) -> dict:
+    """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
+    m = lid(p.get("learner"))
+    j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
+    lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
+    return {
+        "learner": m,
+        "join_s": num(p.get("join_s")),
+        "leave_s": num(p.get("leave_s")),
+        "joined_at_s": j - t0 if j is not None and t0 is not None else None,
+        "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
+    }
+
+
+def _corruption_fate(
+    ev: dict, m: Any, own: list[dict], dropped: list[dict], merges: list[dict] | None, t0: float | None
+) -> dict:
+    """What became of corrupted submission ``ev`` of learner ``m``: dropped (and why), merged, resent."""
+    frag, step = ev.get("fragment"), num(ev.get("step"))
+    drop = next(
+        (
+            d
+            for d in dropped
+            if lid(d.get("learner")) == m
+            and d.get("fragment") == frag
+            and (
+                d.get("base_version") is None
+                or ev.get("base_version") is None
+                or d.get("base_version") == ev.get("base_version")
+            )
+            and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6
+        ),
+        None,
+    )
+    base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
+    # A later attempt that resumed before that step sends the same (fragment, local step) again,
+    # possibly from the same base version (nothing merged meanwhile): a merge after its start is
+    # that clean copy's.
+    resent = [
+        _t(e)
+        for e in own
+        if e.get("event") == "start"
+        and lid(e["learner"]) == m
+        and (_t(e) or 0.0) > t_c
+        and (num(e.get("step")) or 0) < (step or 0)
+    ]
+    took = [
+        x
+        for x in merges or []
+        if _took(x, m, frag, step, base, ev.get("attempt")) and (num(x.get("merged_at_s")) or 0.0) > t_c
+    ]
+    if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
+        merged = bool(took)
+    else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
+        merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
+    return {
+        "resent_by_a_later_attempt": bool(resent),
+        "sent_at_s": (_t(ev) - t0) if _t(ev) is not None and t0 is not None else None,
+        "fragment": frag,
+        "step": step,
+        "dropped": drop is not None,
+        "reason": drop.get("reason") if drop else None,
+        "merged": merged if merges is not None else None,
+    }
 
 
 # --- everything ----------------------------------------------------------------------------------

@@ -133,83 +133,15 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
     def mean_of(get) -> float | None:
         return mean_interval([get(s) for s in seeds])["mean"]
 
-    bpt = {m: mean_of(lambda s, m=m: s["bytes_per_token"].get(m)) for m in ("diloco", BASELINE)}
-    wall = {m: mean_of(lambda s, m=m: s["modelled_wall_s"].get(m)) for m in ("diloco", BASELINE)}
+    def per_method(key: str) -> dict:
+        return {m: mean_of(lambda s, m=m: s[key].get(m)) for m in ("diloco", BASELINE)}
+
+    bpt, wall, ttl = per_method("bytes_per_token"), per_method("modelled_wall_s"), per_method("time_to_dp_final_s")
     reached = [s["time_to_dp_final_s"].get("diloco") is not None for s in seeds]
-    ttl = {m: mean_of(lambda s, m=m: s["time_to_dp_final_s"].get(m)) for m in ("diloco", BASELINE)}
-    good, up = mean_of(lambda s: s["goodput"]), mean_of(lambda s: s["uptime"])
     if post is None and n == 1 and first.get("post"):
         p = first["post"]
         post = {**(p["difference"] or {}), "metric": p["metric"], "label": p["label"], "scores": p["scores"]}
-    unit = first["unit"].removesuffix("s")
-    over = f"{n} seeds" if n > 1 else "one seed: no interval"
-
-    def ratio(a, b) -> str:
-        return f"{a / b:.2f}×" if a is not None and b else "—"
-
-    def whole(x) -> str:
-        return format_value(x, "{:,.0f}")
-
-    def row(figure: str, diloco: str, dp: str, vs: str) -> dict:
-        return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
-
-    rows = [
-        row(
-            f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
-            _with_ci(loss["diloco"]),
-            _with_ci(loss[BASELINE]),
-            _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
-        ),
-        row(
-            f"published gap at M = {first.get('learners')}, {whole(first.get('params'))} parameters "
-            "(arXiv 2503.09799 fits)",
-            "",
-            "",
-            "not fitted for this M" if pub is None else f"{pub:+.2f} %",
-        ),
-        row(
-            "bytes sent per token (learner→syncer; DP: ring all-reduce)",
-            whole(bpt["diloco"]),
-            whole(bpt[BASELINE]),
-            ratio(bpt["diloco"], bpt[BASELINE]),
-        ),
-    ]
-    if first.get("network"):
-        missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
-        rows += [
-            row(
-                f"{first.get('network_kind', 'modelled')} wall time, s ({first['network']})",
-                whole(wall["diloco"]),
-                whole(wall[BASELINE]),
-                ratio(wall["diloco"], wall[BASELINE]),
-            ),
-            row(
-                f"time to DP's final held-out loss, s ({first['network']})",
-                whole(ttl["diloco"]) if all(reached) else missed,
-                whole(ttl[BASELINE]),
-                ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—",
-            ),
-        ]
-    rows.append(
-        row(
-            "goodput / uptime of the learners (measured; fraction of time)",
-            f"{format_value(good, '{:.3f}')} / {format_value(up, '{:.3f}')}",
-            "",
-            "",
-        )
-    )
-    if post and post.get("metric"):
-        ci, scores = post.get("ci"), post.get("scores") or {}
-        diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
-        rows.append(
-            row(
-                f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
-                format_value(scores.get("diloco"), "{:.4f}"),
-                format_value(scores.get(BASELINE), "{:.4f}"),
-                diff,
-            )
-        )
-    return {
+    v = {
         "seeds": [s["seed"] for s in seeds],
         "n": n,
         "loss": loss,
@@ -220,14 +152,87 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
         "modelled_wall_s": wall,
         "time_to_dp_final_s": ttl,
         "reached_dp_final": reached,
-        "goodput": good,
-        "uptime": up,
+        "goodput": mean_of(lambda s: s["goodput"]),
+        "uptime": mean_of(lambda s: s["uptime"]),
         "network": first.get("network"),
         "assumption": first.get("assumption"),
         "post": post,
-        "rows": rows,
-        "words": _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds),
     }
+    v["rows"] = _rows(v, first)
+    v["words"] = _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds)
+    return v
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}×" if a is not None and b else "—"
+
+
+def _whole(x) -> str:
+    return format_value(x, "{:,.0f}")
+
+
+def _row(figure: str, diloco: str, dp: str, vs: str) -> dict:
+    return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
+
+
+def _rows(v: dict, first: dict) -> list[dict]:
+    """The verdict's table (figure, DiLoCo, DP, DiLoCo vs DP) from :func:`verdict`'s figures."""
+    n, loss, gap, pub, bpt = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"], v["bytes_per_token"]
+    unit = first["unit"].removesuffix("s")
+    over = f"{n} seeds" if n > 1 else "one seed: no interval"
+    rows = [
+        _row(
+            f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
+            _with_ci(loss["diloco"]),
+            _with_ci(loss[BASELINE]),
+            _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
+        ),
+        _row(
+            f"published gap at M = {first.get('learners')}, {_whole(first.get('params'))} parameters "
+            "(arXiv 2503.09799 fits)",
+            "",
+            "",
+            "not fitted for this M" if pub is None else f"{pub:+.2f} %",
+        ),
+        _row(
+            "bytes sent per token (learner→syncer; DP: ring all-reduce)",
+            _whole(bpt["diloco"]),
+            _whole(bpt[BASELINE]),
+            _ratio(bpt["diloco"], bpt[BASELINE]),
+        ),
+    ]
+    if first.get("network"):
+        wall, ttl, reached = v["modelled_wall_s"], v["time_to_dp_final_s"], v["reached_dp_final"]
+        missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
+        rows += [
+            _row(
+                f"{first.get('network_kind', 'modelled')} wall time, s ({first['network']})",
+                _whole(wall["diloco"]),
+                _whole(wall[BASELINE]),
+                _ratio(wall["diloco"], wall[BASELINE]),
+            ),
+            _row(
+                f"time to DP's final held-out loss, s ({first['network']})",
+                _whole(ttl["diloco"]) if all(reached) else missed,
+                _whole(ttl[BASELINE]),
+                _ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—",
+            ),
+        ]
+    good, up = format_value(v["goodput"], "{:.3f}"), format_value(v["uptime"], "{:.3f}")
+    rows.append(_row("goodput / uptime of the learners (measured; fraction of time)", f"{good} / {up}", "", ""))
+    post = v["post"]
+    if post and post.get("metric"):
+        ci, scores = post.get("ci"), post.get("scores") or {}
+        diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
+        rows.append(
+            _row(
+                f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
+                format_value(scores.get("diloco"), "{:.4f}"),
+                format_value(scores.get(BASELINE), "{:.4f}"),
+                diff,
+            )
+        )
+    return rows
 
 
 def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=False) -> str:
