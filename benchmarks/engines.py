@@ -234,6 +234,11 @@ def main() -> None:
                 print(f"{name}: done ({rows[name]['wall_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    print_tables(base, args, rows, latency)
+
+
+def print_tables(base: ExperimentConfig, args: argparse.Namespace, rows: dict, latency: dict) -> None:
+    """The engines table, the start-up table and (with S3 arms) the store latency table."""
     d = base.diloco
     print(
         f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {base.tokens_per_learner_step} "
