@@ -37,7 +37,16 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, ValidationError, ValidationInfo, model_validator
 
 from configs.base import _Strict, field_title
-from configs.faults import CorruptEvent, FailEvent, FaultEvent, KillEvent, PresenceEvent, SlowdownEvent, refuse_old_keys
+from configs.faults import (
+    LEARNER_FAILURES,
+    CorruptEvent,
+    FailEvent,
+    FaultEvent,
+    KillEvent,
+    PresenceEvent,
+    SlowdownEvent,
+    refuse_old_keys,
+)
 
 
 class _Frozen(BaseModel):
@@ -64,33 +73,6 @@ class RestartDelay(_Frozen):
         from scipy import stats
 
         return float(stats.exponweib(self.a, self.c, scale=self.scale_s).mean())
-
-
-class Presence(_Frozen):
-    """A scavenged learner: it trains only from ``join_s`` to ``leave_s`` (unset: to the end) seconds
-    of the training clock; outside the window it holds no devices (and is out of the quorum)."""
-
-    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
-    join_s: float = Field(0.0, ge=0.0, description="seconds of training before it joins")
-    leave_s: PositiveFloat | None = Field(None, description="seconds of training at which it leaves; unset = never")
-
-    @model_validator(mode="after")
-    def _check(self) -> Presence:
-        if self.leave_s is not None and self.leave_s <= self.join_s:
-            raise ValueError(
-                f"a scavenged learner leaves (leave_s {self.leave_s:g}) before it joins (join_s "
-                f"{self.join_s:g}): set leave_s > join_s, or unset it"
-            )
-        return self
-
-
-class Corruption(_Frozen):
-    """Learner ``learner``'s first submission sent at or after ``at_s`` seconds of training is
-    damaged in flight: ``nan`` (one value becomes NaN) or ``shape`` (one tensor loses its last value)."""
-
-    learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
-    at_s: float = Field(ge=0.0, description="seconds of training after which its next submission is damaged")
-    kind: Literal["nan", "shape"] = Field("nan", description="nan: a NaN in the payload; shape: a truncated tensor")
 
 
 class ChaosPlan(_Frozen):
@@ -128,66 +110,79 @@ class ChaosPlan(_Frozen):
         description="permanent step-time multiplier per learner, one per learner (1.0 = full speed; "
         "e.g. [1, 1, 1.18, 1.18]: two learners on an older accelerator generation)",
     )
-    scavenged: list[Presence] = Field(
+    scavenged: list[PresenceEvent] = Field(
         default_factory=list, description="learners that join and leave: [{learner, join_s, leave_s}]"
     )
-    corrupt: list[Corruption] = Field(
-        default_factory=list, description="submissions damaged in flight: [{learner, at_s, kind}]"
+    corrupt: list[CorruptEvent] = Field(
+        default_factory=list, description="submissions damaged in flight: [{learner, at_s, corruption: nan | shape}]"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _corruption_was_kind(cls, data: Any) -> Any:
+        """``corrupt`` entries were written ``{learner, at_s, kind: nan | shape}`` before they were
+        ``chaos.events``' corrupt events: read that spelling (stored configs of earlier runs) as one."""
+        if isinstance(data, dict) and isinstance(data.get("corrupt"), list):
+            old = ("nan", "shape")
+            fix = [
+                {**e, "kind": "corrupt", "corruption": e["kind"]} if isinstance(e, dict) and e.get("kind") in old else e
+                for e in data["corrupt"]
+            ]
+            data = {**data, "corrupt": fix}
+        return data
 
 
 # --- the schedule (explicit events) ------------------------------------------------------------
 
 
-class TimedFailure(_Frozen):
-    """Learner ``learner`` fails at ``at_s`` and is down ``restart_delay_s`` seconds before it may
-    restart; ``how``: raise (an exception) or sigkill (its process)."""
-
-    learner: int = Field(ge=0)
-    at_s: float = Field(ge=0.0)
-    restart_delay_s: float = Field(ge=0.0)
-    how: Literal["raise", "sigkill"] = "raise"
+# the fields of a schedule before it held chaos.events' own events (each entry: _old_entry)
+_OLD_FIELDS = ("failures", "slowdowns", "presence", "corruptions")
 
 
-class Episode(_Frozen):
-    """Learner ``learner`` runs ``factor``× slower from ``from_s`` to ``to_s`` (None: to the end)."""
-
-    learner: int = Field(ge=0)
-    factor: float = Field(gt=1.0)
-    from_s: float = Field(0.0, ge=0.0)
-    to_s: float | None = None
-    kind: Literal["straggler", "heterogeneity"] = "straggler"
+def _old_entry(field: str, e: dict) -> dict:
+    """One entry of an earlier ``chaos.json`` (failures, slowdowns, presence, corruptions) as the event it was."""
+    if field == "failures":
+        return {**{k: v for k, v in e.items() if k != "how"}, "kind": "kill" if e.get("how") == "sigkill" else "fail"}
+    if field == "slowdowns":
+        return {**{k: v for k, v in e.items() if k != "kind"}, "kind": "slowdown", "cause": e.get("kind", "straggler")}
+    if field == "corruptions":
+        return {**{k: v for k, v in e.items() if k != "kind"}, "kind": "corrupt", "corruption": e.get("kind", "nan")}
+    return {**e, "kind": "presence"}
 
 
 class ChaosSchedule(_Frozen):
-    """Explicit chaos events on the training clock (seconds), for ``learners`` learners.
+    """A drawn or replayed chaos schedule: ``events``, the config's own fault events (``configs.faults``:
+    ``fail``/``kill`` at ``at_s`` with a restart delay, ``slowdown``, ``presence``, ``corrupt``) on the
+    training clock (seconds), for ``learners`` learners.
 
-    ``failures`` are sorted by time; per learner, each failure lies after the previous one's
-    restart (a learner that is down cannot fail again). Serialise with :meth:`dumps`, read back
-    with :meth:`loads` or :func:`load_schedule`: the round trip is exact."""
+    Per learner, each failure lies after the previous one's restart (a learner that is down cannot fail
+    again), and a learner has at most one presence window. Serialise with :meth:`dumps`, read back with
+    :meth:`loads` or :func:`load_schedule`: the round trip is exact. A ``chaos.json`` of an earlier
+    run (lists ``failures``, ``slowdowns``, ``presence``, ``corruptions``) reads as the same events."""
 
     learners: int = Field(ge=1)
     seed: int | None = None
     plan: dict | None = None  # the ChaosPlan it was drawn from (JSON), so a replay still knows mtbf_s and the law
-    failures: list[TimedFailure] = Field(default_factory=list)
-    slowdowns: list[Episode] = Field(default_factory=list)
-    presence: list[Presence] = Field(default_factory=list)
-    corruptions: list[Corruption] = Field(default_factory=list)
+    events: list[FaultEvent] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(k in data for k in _OLD_FIELDS):
+            old = [_old_entry(k, e) for k in _OLD_FIELDS for e in data.get(k) or [] if isinstance(e, dict)]
+            data = {k: v for k, v in data.items() if k not in _OLD_FIELDS} | {"events": [*data.get("events", []), *old]}
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ChaosSchedule:
-        for kind, events in (
-            ("failures", self.failures),
-            ("slowdowns", self.slowdowns),
-            ("presence", self.presence),
-            ("corruptions", self.corruptions),
-        ):
-            for i, e in enumerate(events):
-                if e.learner >= self.learners:
-                    raise ValueError(
-                        f"chaos schedule {kind}[{i}].learner ({e.learner}) must be < the "
-                        f"schedule's learners ({self.learners})"
-                    )
+        for i, e in enumerate(self.events):
+            if not hasattr(e, "learner") or e.kind in ("fail", "kill") and e.at_s is None:
+                raise ValueError(f"chaos schedule events[{i}]: a {e.kind} event has no place in a schedule")
+            if e.learner >= self.learners:
+                raise ValueError(
+                    f"chaos schedule events[{i}].learner ({e.learner}) must be < the schedule's learners "
+                    f"({self.learners})"
+                )
         seen: set[int] = set()
         for p in self.presence:
             if p.learner in seen:
@@ -203,54 +198,38 @@ class ChaosSchedule(_Frozen):
                     )
         return self
 
-    # views
-    def learner_failures(self, m: int) -> list[TimedFailure]:
-        return sorted((f for f in self.failures if f.learner == m), key=lambda f: f.at_s)
+    # views of one kind
+    @property
+    def failures(self) -> list[FailEvent | KillEvent]:
+        """The timed failures (``fail``: raise, ``kill``: SIGKILL), by time."""
+        return sorted((e for e in self.events if isinstance(e, LEARNER_FAILURES)), key=lambda f: (f.at_s, f.learner))
 
-    def learner_slowdowns(self, m: int) -> tuple[tuple[float, float, float | None], ...]:
-        """(factor, from_s, to_s) of learner m's slowdowns (``diloco.faults.SlowDown`` events)."""
-        return tuple((e.factor, e.from_s, e.to_s) for e in self.slowdowns if e.learner == m)
+    @property
+    def slowdowns(self) -> list[SlowdownEvent]:
+        return [e for e in self.events if isinstance(e, SlowdownEvent)]
+
+    @property
+    def presence(self) -> list[PresenceEvent]:
+        return [e for e in self.events if isinstance(e, PresenceEvent)]
+
+    @property
+    def corruptions(self) -> list[CorruptEvent]:
+        return sorted((e for e in self.events if isinstance(e, CorruptEvent)), key=lambda c: c.at_s)
+
+    def learner_failures(self, m: int) -> list[FailEvent | KillEvent]:
+        return [f for f in self.failures if f.learner == m]
 
     def window(self, m: int) -> tuple[float, float | None]:
         """Learner m's presence window (join_s, leave_s or None); (0, None) for a permanent learner."""
-        for p in self.presence:
-            if p.learner == m:
-                return p.join_s, p.leave_s
-        return 0.0, None
-
-    def learner_corruptions(self, m: int) -> list[Corruption]:
-        return sorted((c for c in self.corruptions if c.learner == m), key=lambda c: c.at_s)
+        return next(((p.join_s, p.leave_s) for p in self.presence if p.learner == m), (0.0, None))
 
     def dp_factor(self, t: float) -> float:
         """The DP step-time factor at ``t``: the slowest replica sets the pace of a lock-step job."""
         return max((e.factor for e in self.slowdowns if e.from_s <= t and (e.to_s is None or t < e.to_s)), default=1.0)
 
-    def events(self) -> list[FaultEvent]:
-        """The schedule as events of the config's fault language (``chaos.events``, ``configs.faults``):
-        each failure a ``fail`` (how raise) or ``kill`` (how sigkill) at ``at_s`` with its restart
-        delay, then the slowdowns, presence windows and corruptions. A drawn schedule and its replay
-        give the same events."""
-        out: list[FaultEvent] = []
-        for f in self.failures:
-            if f.how == "raise":
-                out.append(FailEvent(kind="fail", learner=f.learner, at_s=f.at_s, restart_delay_s=f.restart_delay_s))
-            else:
-                out.append(KillEvent(kind="kill", learner=f.learner, at_s=f.at_s, restart_delay_s=f.restart_delay_s))
-        out += [
-            SlowdownEvent(kind="slowdown", learner=e.learner, factor=e.factor, from_s=e.from_s, to_s=e.to_s)
-            for e in self.slowdowns
-        ]
-        out += [
-            PresenceEvent(kind="presence", learner=p.learner, join_s=p.join_s, leave_s=p.leave_s) for p in self.presence
-        ]
-        out += [
-            CorruptEvent(kind="corrupt", learner=c.learner, at_s=c.at_s, corruption=c.kind) for c in self.corruptions
-        ]
-        return out
-
     @property
     def empty(self) -> bool:
-        return not (self.failures or self.slowdowns or self.presence or self.corruptions)
+        return not self.events
 
     def dumps(self) -> str:
         """The schedule as indented JSON (what ``RUN/pretrain/chaos.json`` holds)."""
@@ -307,8 +286,9 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
     how = plan.how if plan.how != "auto" else ("raise" if engine == "threads" else "sigkill")
     law = stats.exponweib(plan.restart_delay.a, plan.restart_delay.c, scale=plan.restart_delay.scale_s)
     windows = {p.learner: (p.join_s, p.leave_s) for p in plan.scavenged}
-    failures: list[TimedFailure] = []
-    slowdowns: list[Episode] = []
+    failures: list[FailEvent | KillEvent] = []
+    slowdowns: list[SlowdownEvent] = []
+    failure = FailEvent if how == "raise" else KillEvent
     for m in range(learners):
         join, leave = windows.get(m, (0.0, None))
         end = plan.horizon_s if leave is None else min(plan.horizon_s, leave)
@@ -319,7 +299,7 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
                 if t >= end:
                     break
                 delay = float(law.rvs(random_state=rng))
-                failures.append(TimedFailure(learner=m, at_s=round(t, 3), restart_delay_s=round(delay, 3), how=how))
+                failures.append(failure(learner=m, at_s=round(t, 3), restart_delay_s=round(delay, 3)))
                 t = round(t, 3) + round(delay, 3)
         if plan.straggler_every_s is not None:
             rng, t = _rng(plan.seed, m, 1), 0.0
@@ -329,12 +309,18 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
                     break
                 length = float(rng.exponential(plan.straggler_s))
                 slowdowns.append(
-                    Episode(learner=m, factor=plan.straggler_factor, from_s=round(t, 3), to_s=round(t + length, 3))
+                    SlowdownEvent(
+                        learner=m,
+                        factor=plan.straggler_factor,
+                        from_s=round(t, 3),
+                        to_s=round(t + length, 3),
+                        cause="straggler",
+                    )
                 )
                 t += length
     for m, factor in enumerate(plan.heterogeneity or []):
         if factor > 1.0:
-            slowdowns.append(Episode(learner=m, factor=factor, kind="heterogeneity"))
+            slowdowns.append(SlowdownEvent(learner=m, factor=factor, cause="heterogeneity"))
     if plan.heterogeneity is not None and len(plan.heterogeneity) != learners:
         raise ValueError(
             f"chaos.schedule.heterogeneity lists {len(plan.heterogeneity)} factors for "
@@ -345,10 +331,7 @@ def draw_schedule(plan: ChaosPlan, learners: int, engine: str = "threads") -> Ch
         learners=learners,
         seed=plan.seed,
         plan=plan.model_dump(mode="json"),
-        failures=failures,
-        slowdowns=slowdowns,
-        presence=list(plan.scavenged),
-        corruptions=list(plan.corrupt),
+        events=[*failures, *slowdowns, *plan.scavenged, *plan.corrupt],
     )
 
 

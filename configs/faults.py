@@ -80,7 +80,7 @@ class FailEvent(_LearnerFailure):
     """Learner ``learner`` raises an exception; Prefect retries its task and it rejoins from its last
     resume point (after ``restart_delay_s`` when timed)."""
 
-    kind: Literal["fail"] = Field(description="fail: the learner raises and is retried")
+    kind: Literal["fail"] = Field("fail", description="fail: the learner raises and is retried")
 
 
 class KillEvent(_LearnerFailure):
@@ -88,7 +88,7 @@ class KillEvent(_LearnerFailure):
     engine runs it again in a new process. Needs runtime.engine ray or dask. A step kill tells no one
     (the syncer sees the silence); a timed one reports the learner down first."""
 
-    kind: Literal["kill"] = Field(description="kill: the learner's process is SIGKILLed and re-run")
+    kind: Literal["kill"] = Field("kill", description="kill: the learner's process is SIGKILLed and re-run")
 
 
 class SlowdownEvent(_Event):
@@ -97,11 +97,14 @@ class SlowdownEvent(_Event):
     straggler episode. On a host shared in compute turns it sits out (factor − 1) of a turn per step;
     alone on its device it idles (factor − 1) × each step's compute time; nobody waits for it."""
 
-    kind: Literal["slowdown"] = Field(description="slowdown: a slower device for a while")
+    kind: Literal["slowdown"] = Field("slowdown", description="slowdown: a slower device for a while")
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     factor: float = Field(gt=1.0, description="step-time multiplier (> 1), e.g. 1.18")
     from_s: NonNegativeFloat = Field(0.0, description="seconds of training when it begins")
     to_s: PositiveFloat | None = Field(None, description="seconds of training when it ends; unset = never")
+    cause: Literal["straggler", "heterogeneity"] | None = Field(
+        None, description="what a drawn schedule (chaos.schedule) drew it as: a straggler episode or heterogeneity"
+    )
 
     @model_validator(mode="after")
     def _check(self):
@@ -117,7 +120,7 @@ class CorruptEvent(_Event):
     """Learner ``learner``'s first submission after ``at_s`` is damaged in flight; the syncer must
     quarantine it (``nan``: a NaN in the payload; ``shape``: a truncated tensor)."""
 
-    kind: Literal["corrupt"] = Field(description="corrupt: a submission damaged in flight")
+    kind: Literal["corrupt"] = Field("corrupt", description="corrupt: a submission damaged in flight")
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     at_s: NonNegativeFloat = Field(description="seconds of training after which its next submission is damaged")
     corruption: Literal["nan", "shape"] = Field("nan", description="nan: a NaN; shape: a truncated tensor")
@@ -127,7 +130,7 @@ class PresenceEvent(_Event):
     """A scavenged learner: it trains only from ``join_s`` to ``leave_s`` (unset: to the end); outside
     the window it holds no devices and is out of the quorum."""
 
-    kind: Literal["presence"] = Field(description="presence: a learner that joins late or leaves early")
+    kind: Literal["presence"] = Field("presence", description="presence: a learner that joins late or leaves early")
     learner: int = Field(ge=0, description="learner index m (< diloco.learners)")
     join_s: NonNegativeFloat = Field(0.0, description="seconds of training before it joins")
     leave_s: PositiveFloat | None = Field(None, description="seconds of training at which it leaves; unset = never")
@@ -148,7 +151,7 @@ class SyncerFailEvent(_Event):
     (diloco.syncer_retries) and resumes from its checkpoint and journal. The k-th fires on the
     syncer's k-th attempt. Needs runtime.exchange fsspec; ``how: sigkill`` a process engine."""
 
-    kind: Literal["syncer_fail"] = Field(description="syncer_fail: the syncer fails at a merge")
+    kind: Literal["syncer_fail"] = Field("syncer_fail", description="syncer_fail: the syncer fails at a merge")
     at_merge: PositiveInt = Field(description="the merge (1, 2, … over the run) after which the syncer fails")
     when: Literal["before_publish", "after_publish"] = Field(
         "before_publish",
@@ -167,7 +170,7 @@ class DPFailEvent(_Event):
     exception) and the whole SPMD job goes down with it; in one process (``dp.hosts`` 1) the job raises.
     Either way the job restarts every host from its last checkpoint after ``restart_delay_s``."""
 
-    kind: Literal["dp_fail"] = Field(description="dp_fail: a DP host dies and takes the job down")
+    kind: Literal["dp_fail"] = Field("dp_fail", description="dp_fail: a DP host dies and takes the job down")
     host: int = Field(0, ge=0, description="DP host index (< dp.hosts)")
     at_step: PositiveInt | None = Field(None, description="DP step at which it fails (before taking it)")
     at_s: NonNegativeFloat | None = Field(None, description="seconds of the job's clock after which it fails")

@@ -265,7 +265,7 @@ class ExperimentConfig(_Strict):
         """Every scheduled fault of the run in the one language of ``chaos.events``: the config's
         events, then the drawn or replayed schedule's (``ChaosSchedule.events``)."""
         sched = self.chaos_schedule()
-        return list(self.chaos.events) + (sched.events() if sched is not None else [])
+        return list(self.chaos.events) + (sched.events if sched is not None else [])
 
     def _check_schedule(self) -> None:
         """The chaos schedule fits this run: its learners exist, every learner has a retry for each of

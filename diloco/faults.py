@@ -1,30 +1,34 @@
-"""Faults a learner is scheduled to suffer (chaos testing), as typed events and the hooks that fire them.
+"""Faults a learner, the syncer or a DP host is scheduled to suffer (chaos testing), and the hooks that fire them.
+
+The events are the config's own (``configs.faults``: ``chaos.events``, and the drawn or replayed
+``chaos.schedule``'s, which are the same typed events), read here by their fields alone (diloco
+imports nothing of ours): every event has a ``kind``; per kind, the fields read are
+
+===========================  ======================================================================
+kind                         what happens to learner m
+===========================  ======================================================================
+``fail`` / ``kill``          at local step ``at_step`` (the k-th such failure on its k-th attempt), or
+                             at the first step boundary after ``at_s`` seconds of its training clock:
+                             it raises :class:`InjectedFailure` (``how`` raise, retried by the task
+                             runner) or SIGKILLs its own process (``how`` sigkill: a timed kill reports
+                             itself down first, a step kill tells no one); a timed failure's retry
+                             stays down ``restart_delay_s`` from when it fired
+``slowdown``                 from ``from_s`` to ``to_s`` of its training clock it steps ``factor``×
+                             less often than its peers (:func:`slow_down`)
+``corrupt``                  its first submission after ``at_s`` is damaged in flight
+                             (``corruption``: :func:`corrupt_payload`)
+``presence``                 a scavenged learner: it trains only from ``join_s`` to ``leave_s``
+===========================  ======================================================================
 
 The learner loop (``diloco.learner``) knows nothing of chaos: it calls a :class:`FaultHooks` at its
-boundaries (before its first step, before and after each inner step, on each send) and the hooks
-fail it, kill it, slow it down, hold it out of the run or damage a submission in flight. The events
-are plain frozen values, built by ``training.decoupled.setup.learner_faults`` from the config's events
-(``chaos.events`` and the drawn or replayed ``chaos.schedule``: ``configs.faults``, ``configs.chaos``):
+boundaries (before its first step, before and after each inner step, on each send), and the hooks
+see a :class:`LearnerView` of it, never the learner itself. The syncer's faults (``syncer_fail``)
+enter its loop (``diloco.syncer_loop``) through :class:`SyncerFaults` at merge boundaries, and a DP
+host's (``dp_fail``, and the schedule's failures and slowdowns of replica m on host m mod
+``dp.hosts``) through :class:`HostHooks` at the DP job's step boundaries (``training.dp``).
 
-==================  ===============================================================================
-event               what happens to learner m
-==================  ===============================================================================
-:class:`Fail`       at local step ``at_step`` (the k-th such failure on its k-th attempt), or at the
-                    first step boundary after ``at_s`` seconds of its training clock: it raises
-                    :class:`InjectedFailure` (``how="raise"``, retried by the task runner) or
-                    SIGKILLs its own process (``how="sigkill"``: a timed kill reports itself down
-                    first, a step kill tells no one); a timed failure's retry stays down
-                    ``restart_delay_s`` from when it fired
-:class:`SlowDown`   from ``from_s`` to ``to_s`` of its training clock it steps ``factor``× less
-                    often than its peers (:func:`slow_down`)
-:class:`Corrupt`    its first submission after ``at_s`` is damaged in flight (:func:`corrupt_payload`)
-:class:`Presence`   a scavenged learner: it trains only from ``join_s`` to ``leave_s``
-==================  ===============================================================================
-
-The syncer's faults (``syncer_fail`` events) enter its loop (``diloco.syncer_loop``) the same
-way, through :class:`SyncerFaults` at merge boundaries, and a DP host's (``dp_fail`` events, and the
-schedule's failures and slowdowns of replica m on host m mod ``dp.hosts``) through :class:`HostHooks`
-at the DP job's step boundaries (``training.dp``).
+A new fault kind is written in three files: its event in ``configs/faults.py``, its hook here, and
+what the report shows of it (``reports/``); docs/chaos.md lists them.
 
 The training clock is seconds since the learner's first attempt started (kept by the exchange
 over attempts); the run clock is the exchange's ``clock()``.
@@ -35,15 +39,14 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from diloco.exchange.base import Exchange
-    from diloco.learner import Learner
 
 
 class InjectedFailure(RuntimeError):
@@ -55,83 +58,72 @@ class InjectedFailure(RuntimeError):
         self.record = record
 
 
-@dataclass(frozen=True)
-class Fail:
-    """A scheduled failure at local step ``at_step`` or at ``at_s`` seconds of the training clock
-    (exactly one of the two), by ``how``: ``raise`` or ``sigkill``. ``restart_delay_s`` [s]: how long
-    the retry of a timed failure stays down, counted from when it fired."""
-
-    at_step: int | None = None
-    at_s: float | None = None
-    how: Literal["raise", "sigkill"] = "raise"
-    restart_delay_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        if (self.at_step is None) == (self.at_s is None):
-            raise ValueError("a Fail event needs exactly one of at_step and at_s")
-
-
-@dataclass(frozen=True)
-class SlowDown:
-    """``factor`` (> 1) times slower from ``from_s`` to ``to_s`` (None: the end) of the training clock."""
-
-    factor: float
-    from_s: float = 0.0
-    to_s: float | None = None
-
-
-@dataclass(frozen=True)
-class Corrupt:
-    """The first submission after ``at_s`` of the training clock is damaged: ``nan`` or ``shape``."""
-
-    at_s: float
-    kind: Literal["nan", "shape"] = "nan"
-
-
-@dataclass(frozen=True)
-class Presence:
-    """The learner trains only from ``join_s`` to ``leave_s`` (None: the end) of the training clock."""
-
-    join_s: float = 0.0
-    leave_s: float | None = None
-
-
-LearnerFault = Fail | SlowDown | Corrupt | Presence
+FAILURES = ("fail", "kill")
 
 
 @dataclass(frozen=True)
 class LearnerFaults:
-    """One learner's scheduled faults (any order; at most one :class:`Presence`)."""
+    """One learner's scheduled events (``configs.faults`` events, any order; at most one ``presence``),
+    sorted by kind."""
 
-    events: tuple[LearnerFault, ...] = ()
-    step_failures: tuple[Fail, ...] = field(init=False)  # ascending at_step: the k-th on attempt k
-    timed_failures: tuple[Fail, ...] = field(init=False)  # ascending at_s
-    slowdowns: tuple[SlowDown, ...] = field(init=False)
-    corruptions: tuple[Corrupt, ...] = field(init=False)  # ascending at_s
-    presence: Presence = field(init=False)
+    events: tuple = ()
+    step_failures: tuple = field(init=False)  # ascending at_step: the k-th on attempt k
+    timed_failures: tuple = field(init=False)  # ascending at_s
+    slowdowns: tuple = field(init=False)
+    corruptions: tuple = field(init=False)  # ascending at_s
+    join_s: float = field(init=False)  # the presence window (0, None: always present)
+    leave_s: float | None = field(init=False)
 
     def __post_init__(self) -> None:
-        def of(kind):
-            return [e for e in self.events if isinstance(e, kind)]
+        def of(*kinds):
+            return [e for e in self.events if e.kind in kinds]
 
-        fails = of(Fail)
-        presence = of(Presence)
+        presence = of("presence")
         if len(presence) > 1:
             raise ValueError("a learner has at most one presence window")
         put = object.__setattr__
-        at_steps: dict[int, Fail] = {}  # one failure per step: a kill wins over a raise
-        for f in (f for f in fails if f.at_step is not None):
+        at_steps: dict[int, Any] = {}  # one failure per step: a kill wins over a raise
+        for f in (f for f in of(*FAILURES) if f.at_step is not None):
             if f.at_step not in at_steps or f.how == "sigkill":
                 at_steps[f.at_step] = f
         put(self, "step_failures", tuple(at_steps[k] for k in sorted(at_steps)))
-        put(self, "timed_failures", tuple(sorted((f for f in fails if f.at_s is not None), key=lambda f: f.at_s)))
-        put(self, "slowdowns", tuple(of(SlowDown)))
-        put(self, "corruptions", tuple(sorted(of(Corrupt), key=lambda c: c.at_s)))
-        put(self, "presence", presence[0] if presence else Presence())
+        put(
+            self,
+            "timed_failures",
+            tuple(sorted((f for f in of(*FAILURES) if f.at_s is not None), key=lambda f: f.at_s)),
+        )
+        put(self, "slowdowns", tuple(of("slowdown")))
+        put(self, "corruptions", tuple(sorted(of("corrupt"), key=lambda c: c.at_s)))
+        put(self, "join_s", presence[0].join_s if presence else 0.0)
+        put(self, "leave_s", presence[0].leave_s if presence else None)
 
-    def hooks(self, learner: Learner) -> FaultHooks:
-        """The hooks that fire these faults on one attempt of ``learner``."""
-        return FaultHooks(self, learner)
+    @classmethod
+    def of(cls, events: Sequence, learner: int) -> LearnerFaults:
+        """Learner ``learner``'s among ``events`` (every event of the run: those without a ``learner``
+        belong to the syncer or the DP job)."""
+        return cls(tuple(e for e in events if getattr(e, "learner", None) == learner))
+
+    def hooks(self, view: LearnerView) -> FaultHooks:
+        """The hooks that fire these faults on one attempt of a learner."""
+        return FaultHooks(self, view)
+
+
+@dataclass(frozen=True)
+class LearnerView:
+    """What the fault hooks see of one learner attempt (``diloco.learner.Learner.fault_view``): who it
+    is, its exchange record when the attempt began (``info``: ``failed_t``, ``failed_at_s``,
+    ``corrupted``), its clocks (seconds) and the few things a fault does to it."""
+
+    m: int
+    attempt: int
+    info: Mapping[str, Any]
+    clock: Callable[[], float]  # the training clock
+    run_clock: Callable[[], float]  # the exchange's clock
+    heartbeat: Callable[..., None]  # report fields of this learner to the exchange (status, reason, …)
+    event: Callable[..., None]  # log a learner event: event(name, **fields)
+    wait_until: Callable[[float], None]  # idle until the training clock reaches t (or the run ends for it)
+    turns: Any  # the host's compute turns (diloco.pacing.FairTurns) or None: alone on its device
+    sleep: Callable[[float], None]
 
 
 def kill_self() -> None:
@@ -175,7 +167,7 @@ def wait_until(
 
 
 def slow_down(turns, sleep: Callable[[float], None], extra: float, computed: float, owed: float) -> float:
-    """A slower device (:class:`SlowDown`): after a step of ``computed`` seconds, make this learner
+    """A slower device (a ``slowdown`` event): after a step of ``computed`` seconds, make this learner
     (factor − 1) = ``extra`` steps' worth slower than its peers; returns the part of a turn still owed.
 
     Alone on its device (``turns`` None) it idles ``extra × computed`` seconds. On a host shared in
@@ -225,19 +217,21 @@ class SyncerFaults:
 
 
 class FaultHooks:
-    """Fires one learner attempt's :class:`LearnerFaults` at the loop's boundaries.
+    """Fires one learner attempt's :class:`LearnerFaults` at the loop's boundaries, seeing the
+    learner through a :class:`LearnerView`.
 
-    ``before_start`` (a retry waits out its
-    restart delay; a scavenged learner waits to join), ``before_step`` (True: leave the run; else
-    fails or kills at a due :class:`Fail`), ``after_step`` (slows down), ``on_send`` (damages a
-    payload). ``fired_at``: the run clock when a timed failure fired
-    (its failure event's time), else None."""
+    ``before_start`` (a retry waits out its restart delay; a scavenged learner waits to join),
+    ``before_step`` (True: leave the run; else fails or kills at a due failure), ``after_step``
+    (slows down), ``on_send`` (damages a payload). ``fired_at``: the run clock when a timed failure
+    fired (its failure event's time), else None. ``corrupted``: submissions damaged so far, over
+    attempts (kept in the exchange's record)."""
 
-    def __init__(self, plan: LearnerFaults, learner: Learner) -> None:
-        self.plan, self.l = plan, learner
+    def __init__(self, plan: LearnerFaults, view: LearnerView) -> None:
+        self.plan, self.v = plan, view
         self.fired_at: float | None = None
-        self.pending: list[Fail] = []  # timed failures after this attempt's start, ascending
-        self.slowed, self.owed = 1.0, 0.0  # the current slowdown factor; turns owed (:func:`slow_down`)
+        self.pending: list = []  # timed failures after this attempt's start, ascending
+        self.slowed, self.owed, self.steps = 1.0, 0.0, 0  # the current factor; turns owed; steps this attempt
+        self.corrupted = int(view.info.get("corrupted", 0))
 
     # -- before the first step --------------------------------------------------------------------
     def before_start(self) -> None:
@@ -245,112 +239,108 @@ class FaultHooks:
         moment that failure fired (a failure fires at the first step boundary after its time; a
         compiling first step can make that seconds late); failing again while down extends it (as
         DP). A scavenged learner waits (status ``absent``) until it joins."""
-        lrn, plan = self.l, self.plan
-        if lrn.attempt > 1 and plan.timed_failures:
-            fired = float(lrn.info.get("failed_t", lrn.clock()))
+        v, plan = self.v, self.plan
+        if v.attempt > 1 and plan.timed_failures:
+            fired = float(v.info.get("failed_t", v.clock()))
             due = [f for f in plan.timed_failures if f.at_s <= fired]
             if due:
                 # the failure that fired (the earliest pending one: two can fall due at one step boundary)
-                which = lrn.info.get("failed_at_s")
+                which = v.info.get("failed_at_s")
                 f = next((f for f in due if which is not None and f.at_s == float(which)), due[-1])
                 back = fired + f.restart_delay_s
                 for g in plan.timed_failures:
                     if f.at_s < g.at_s <= back:
                         back = max(back, g.at_s + g.restart_delay_s)
-                if back > lrn.clock():  # still within the restart delay
-                    reason = f"restarting: delay {f.restart_delay_s:g} s after the failure at {f.at_s:g} s"
-                    lrn.ex.heartbeat(lrn.m, status="down", reason=reason)
-                    wait_until(lrn.clock, back, lrn.s.stop, lrn.ex, lrn.s.tokens_per_step)
-        join_s = plan.presence.join_s
-        if lrn.clock() < join_s:
-            lrn.ex.heartbeat(lrn.m, status="absent", pid=os.getpid())
-            wait_until(lrn.clock, join_s, lrn.s.stop, lrn.ex, lrn.s.tokens_per_step)
-            if lrn.clock() >= join_s:  # (else the run ended first: it never joins, and stops at once)
-                lrn.event("join", train_t=lrn.clock())
-        start = lrn.clock()
+                if back > v.clock():  # still within the restart delay
+                    v.heartbeat(
+                        status="down",
+                        reason=f"restarting: delay {f.restart_delay_s:g} s after the failure at {f.at_s:g} s",
+                    )
+                    v.wait_until(back)
+        if v.clock() < plan.join_s:
+            v.heartbeat(status="absent", pid=os.getpid())
+            v.wait_until(plan.join_s)
+            if v.clock() >= plan.join_s:  # (else the run ended first: it never joins, and stops at once)
+                v.event("join", train_t=v.clock())
+        start = v.clock()
         self.pending = [f for f in plan.timed_failures if f.at_s > start]
 
     # -- at step boundaries -----------------------------------------------------------------------
-    def before_step(self) -> bool:
-        """True when the learner leaves the run now (its presence window closed); raises
-        :class:`InjectedFailure` (or SIGKILLs the process) when a :class:`Fail` is due."""
-        lrn, plan = self.l, self.plan
-        leave_s = plan.presence.leave_s
-        if leave_s is not None and lrn.clock() >= leave_s:  # a scavenged learner's devices go back
-            lrn.event("leave", step=lrn.step, train_t=lrn.clock())
+    def before_step(self, step: int) -> bool:
+        """Before local step ``step`` + 1: True when the learner leaves the run now (its presence window
+        closed); raises :class:`InjectedFailure` (or SIGKILLs the process) when a failure is due."""
+        v, plan = self.v, self.plan
+        if plan.leave_s is not None and v.clock() >= plan.leave_s:  # a scavenged learner's devices go back
+            v.event("leave", step=step, train_t=v.clock())
             return True
-        if self.pending and self.pending[0].at_s <= lrn.clock():
+        if self.pending and self.pending[0].at_s <= v.clock():
             f = self.pending.pop(0)
-            self.fired_at = lrn.ex.clock()
-            lrn.ex.heartbeat(lrn.m, failed_t=lrn.clock(), failed_at_s=f.at_s)  # its retry is down from here
-            self._fail(f.how, f"at {f.at_s:g} s of training", report_down=True, train_t=lrn.clock())
-        k = lrn.attempt - 1
-        if k < len(plan.step_failures) and lrn.step + 1 == plan.step_failures[k].at_step:
-            self._fail(plan.step_failures[k].how, f"at local step {lrn.step + 1}")
+            self.fired_at = v.run_clock()
+            v.heartbeat(failed_t=v.clock(), failed_at_s=f.at_s)  # its retry is down from here
+            self._fail(f.how, f"at {f.at_s:g} s of training", step, report_down=True, train_t=v.clock())
+        k = v.attempt - 1
+        if k < len(plan.step_failures) and step + 1 == plan.step_failures[k].at_step:
+            self._fail(plan.step_failures[k].how, f"at local step {step + 1}", step)
         return False
 
-    def _fail(self, how: str, when: str, report_down: bool = False, **fields) -> None:
+    def _fail(self, how: str, when: str, step: int, report_down: bool = False, **fields) -> None:
         """Raise :class:`InjectedFailure`, or (``how`` sigkill) log a ``kill`` event and SIGKILL the
         process, first reporting it down to the exchange when ``report_down`` (a timed failure, whose
         retry waits out a restart delay; a step kill is seen by the syncer as silence)."""
-        lrn = self.l
         if how == "sigkill":
             reason = f"chaos: SIGKILL {when}"
             if report_down:
-                lrn.ex.heartbeat(lrn.m, status="down", reason=reason)
-            lrn.event("kill", step=lrn.step, reason=reason, **fields)
+                self.v.heartbeat(status="down", reason=reason)
+            self.v.event("kill", step=step, reason=reason, **fields)
             kill_self()
-        raise InjectedFailure(f"learner {lrn.m}: injected failure {when}")
+        raise InjectedFailure(f"learner {self.v.m}: injected failure {when}")
 
-    def after_step(self, computed: float) -> None:
-        """Slow the learner down after a step of ``computed`` seconds when a :class:`SlowDown` is on
-        (logging each change of pace once; an attempt's first step, which compiles, is not slowed)."""
-        lrn = self.l
+    def after_step(self, step: int, computed: float) -> None:
+        """Slow the learner down after local step ``step`` took ``computed`` seconds when a slowdown is
+        on (logging each change of pace once; an attempt's first step, which compiles, is not slowed)."""
+        self.steps += 1
         if not self.plan.slowdowns:
             return
-        now = lrn.clock()
+        now = self.v.clock()
         factor = max(
             (e.factor for e in self.plan.slowdowns if e.from_s <= now and (e.to_s is None or now < e.to_s)), default=1.0
         )
         if factor != self.slowed:
-            lrn.event("slowdown", factor=factor, step=lrn.step, train_t=now)
+            self.v.event("slowdown", factor=factor, step=step, train_t=now)
             self.slowed = factor
-        if factor > 1.0 and lrn.steps_this_attempt > 1:
-            self.owed = slow_down(lrn.s.turns, lrn.s.sleep, factor - 1.0, computed, self.owed)
+        if factor > 1.0 and self.steps > 1:
+            self.owed = slow_down(self.v.turns, self.v.sleep, factor - 1.0, computed, self.owed)
 
-    def on_send(self, p: int, payload: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``payload`` of fragment ``p``, damaged when a :class:`Corrupt` is due (counted over attempts
-        in the exchange's ``corrupted``)."""
-        lrn = self.l
-        done = lrn.corrupted
+    def on_send(
+        self, p: int, payload: dict[str, np.ndarray], step: int, version: int, tokens: int
+    ) -> dict[str, np.ndarray]:
+        """``payload`` of fragment ``p`` (sent at local step ``step``, on base ``version``, carrying
+        ``tokens``), damaged when a corruption is due."""
         due = self.plan.corruptions
-        if done < len(due) and due[done].at_s <= lrn.clock():
-            kind = due[done].kind
+        if self.corrupted < len(due) and due[self.corrupted].at_s <= self.v.clock():
+            kind = due[self.corrupted].corruption
             payload = corrupt_payload(payload, kind)
-            lrn.corrupted = done + 1
-            lrn.ex.heartbeat(lrn.m, corrupted=lrn.corrupted)
-            f = lrn.frags[p]
-            lrn.event(
-                "corrupt",
-                fragment=p,
-                kind=kind,
-                step=lrn.step,
-                base_version=f.version,
-                tokens=f.tokens,
-                train_t=lrn.clock(),
+            self.corrupted += 1
+            self.v.heartbeat(corrupted=self.corrupted)
+            self.v.event(
+                "corrupt", fragment=p, kind=kind, step=step, base_version=version, tokens=tokens, train_t=self.v.clock()
             )
         return payload
 
 
 @dataclass(frozen=True)
 class JobFault:
-    """A failure of a synchronous job's host: host ``host`` fails by ``fail``. ``index`` names it over
-    the job's restarts (a fault fires once); ``replica``: the chaos schedule's learner it came from (the
-    report's row), else the host."""
+    """A failure of a synchronous job's host: host ``host`` fails before it takes step ``at_step`` or
+    after ``at_s`` seconds of the job's clock (exactly one), by ``how`` (raise | sigkill), and the job
+    stays down ``restart_delay_s`` seconds. ``index`` names it over the job's restarts (a fault fires
+    once); ``replica``: the chaos schedule's learner it came from (the report's row), else the host."""
 
     index: int
     host: int
-    fail: Fail
+    how: str
+    at_step: int | None = None
+    at_s: float | None = None
+    restart_delay_s: float = 0.0
     replica: int | None = None
 
 
@@ -371,7 +361,7 @@ class HostHooks:
         self,
         host: int,
         failures: tuple[JobFault, ...],
-        slowdowns: tuple[SlowDown, ...],
+        slowdowns: tuple,
         clock: Callable[[], float],
         sleep: Callable[[float], None],
         note: Callable[[dict], None],
@@ -390,23 +380,23 @@ class HostHooks:
             return
         now = self.clock()
         for f in self.failures:
-            timed = f.fail.at_s is not None and self.since_s < f.fail.at_s <= now
-            if timed or f.fail.at_step == step + 1:
-                when = f"at {f.fail.at_s:g} s of training" if timed else f"at step {step + 1}"
-                reason = f"chaos: host {self.host} {'killed' if f.fail.how == 'sigkill' else 'failed'} {when}"
+            timed = f.at_s is not None and self.since_s < f.at_s <= now
+            if timed or f.at_step == step + 1:
+                when = f"at {f.at_s:g} s of training" if timed else f"at step {step + 1}"
+                reason = f"chaos: host {self.host} {'killed' if f.how == 'sigkill' else 'failed'} {when}"
                 record = {
                     "host": self.host,
                     "replica": self.host if f.replica is None else f.replica,
                     "index": f.index,
                     "step": step,
                     "t": now,
-                    "at_s": f.fail.at_s,
-                    "restart_delay_s": f.fail.restart_delay_s,
-                    "how": f.fail.how,
+                    "at_s": f.at_s,
+                    "restart_delay_s": f.restart_delay_s,
+                    "how": f.how,
                     "reason": reason,
                 }
                 self.note(record)
-                if f.fail.how == "sigkill":
+                if f.how == "sigkill":
                     kill_self()
                 raise InjectedFailure(reason, record)
 

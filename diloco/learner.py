@@ -39,6 +39,8 @@ from diloco.faults import (
     FaultHooks,
     InjectedFailure as InjectedFailure,  # re-exported: the task runner's retry reason
     LearnerFaults,
+    LearnerView,
+    wait_until,
 )
 from diloco.fragments import fragments_due
 from diloco.pacing import FairTurns
@@ -201,8 +203,8 @@ class Learner:
     cursor and counters, and the steps of :func:`run_learner` as methods.
 
     Counters carried over attempts come from the exchange's record of the learner (``info``):
-    bytes to and from the syncer (bytes), tokens processed (tokens), seconds waited (seconds),
-    corruptions sent."""
+    bytes to and from the syncer (bytes), tokens processed (tokens), seconds waited (seconds); the
+    fault hooks keep the corruptions sent."""
 
     def __init__(self, s: LearnerSetup) -> None:
         self.s, self.m, self.attempt, self.ex = s, s.learner, s.attempt, s.exchange
@@ -211,7 +213,6 @@ class Learner:
         self.bytes_out = int(self.info.get("bytes_to_syncer", 0))
         self.processed = int(self.info.get("processed", 0))
         self.waited = float(self.info.get("waited_s", 0.0))
-        self.corrupted = int(self.info.get("corrupted", 0))
         self.frags = [FragmentState(list(names)) for names in s.fragments]
         self.in_flight: dict[int, tuple[int, int]] = {}  # fragment → (local step, base version) of its last send
         self.params: dict = {}
@@ -233,6 +234,22 @@ class Learner:
         """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless given)."""
         self.s.log(
             {"event": name, "learner": self.m, "attempt": self.attempt, **fields, "t": fields.get("t", self.ex.clock())}
+        )
+
+    def fault_view(self) -> LearnerView:
+        """What this attempt's fault hooks see of it (``diloco.faults.LearnerView``)."""
+        ex, m, s = self.ex, self.m, self.s
+        return LearnerView(
+            m=m,
+            attempt=self.attempt,
+            info=self.info,
+            clock=self.clock,
+            run_clock=ex.clock,
+            heartbeat=lambda **fields: ex.heartbeat(m, **fields),
+            event=self.event,
+            wait_until=lambda t: wait_until(self.clock, t, s.stop, ex, s.tokens_per_step),
+            turns=s.turns,
+            sleep=s.sleep,
         )
 
     def stopping(self) -> bool:
@@ -311,7 +328,7 @@ class Learner:
         sub = Submission(
             learner=self.m,
             fragment=p,
-            params=faults.on_send(p, payload),
+            params=faults.on_send(p, payload, self.step, f.version, f.tokens),
             tokens=f.tokens,
             steps=f.steps,
             base_version=f.version,
@@ -478,18 +495,19 @@ def run_learner(s: LearnerSetup) -> dict:
     failure, after reporting itself down and logging it; a scheduled kill SIGKILLs the process.
     """
     lrn = Learner(s)
-    faults = s.faults.hooks(lrn)
+    faults = s.faults.hooks(lrn.fault_view())
     try:
         lrn.restore()
         faults.before_start()
         lrn.announce()
         while not lrn.stopping():
-            if faults.before_step():  # leaves the run, or raises at a scheduled failure
+            if faults.before_step(lrn.step):  # leaves the run, or raises at a scheduled failure
                 break
             lrn.refresh()
             if not lrn.ex.claim_tokens(s.tokens_per_step, learner=lrn.m, stop=s.stop):
                 break
-            faults.after_step(lrn.inner_step())
+            computed = lrn.inner_step()
+            faults.after_step(lrn.step, computed)
             lrn.sync(faults)
             lrn.beat()
         return lrn.hand_in(faults)

@@ -9,7 +9,6 @@ Each takes the experiment config and a run directory that already holds the shar
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -24,6 +23,7 @@ from flows.datacenters import emulated
 from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
+from reports.read import read_schedule
 from reports.resilience import diloco_resilience
 from run.atomic import write_json
 from run.control import STOP, graceful_stop
@@ -72,13 +72,11 @@ def _live_resilience(rd: Path, now: float) -> dict | None:
     """Goodput and uptime so far (``reports.resilience.diloco_resilience`` on the logs written up to
     ``now``, the run clock), or None before any learner started or when the logs cannot be read yet."""
     layout = RunLayout(rd)
-    path = layout.chaos_schedule
     try:
-        schedule = json.loads(path.read_text()) if path.exists() else None
         return diloco_resilience(
             read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
             read_jsonl(layout.metrics("pretrain", "diloco", "merges")),
-            schedule,
+            read_schedule(layout.chaos_schedule),
             now=now,
         )
     except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it

@@ -14,8 +14,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
 from upath import UPath
 
+from configs.chaos import ChaosSchedule
 from reports.common import ordered_methods, settings
 
 if TYPE_CHECKING:
@@ -72,7 +74,7 @@ class RunRecords:
     """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
     stages in pipeline order and methods in report order; ``finetune`` maps method →
     :class:`FinetuneRecords` when the run holds a post-training stage (else empty);
-    ``chaos_schedule`` is ``pretrain/chaos.json`` (``configs.chaos.ChaosSchedule`` as JSON) or None.
+    ``chaos_schedule`` is ``pretrain/chaos.json`` read as a ``configs.chaos.ChaosSchedule``, or None.
     ``config`` is config.json as written; ``settings`` the same as the typed config (None without one
     or for a file this schema refuses: ``reports.common.settings``), which the figures read."""
 
@@ -82,7 +84,7 @@ class RunRecords:
     status: dict | None
     stages: dict[str, dict[str, MethodRecords]]
     finetune: dict[str, FinetuneRecords] = field(default_factory=dict)
-    chaos_schedule: dict | None = None
+    chaos_schedule: ChaosSchedule | None = None
 
     @cached_property
     def settings(self) -> ExperimentConfig | None:
@@ -102,6 +104,16 @@ def read_json(path: Path, kind: type = dict) -> Any | None:
     if not isinstance(value, kind):
         raise ReportInputError(path, f"expected a JSON {kind.__name__}, found {type(value).__name__}")
     return value
+
+
+def read_schedule(path: Path) -> ChaosSchedule | None:
+    """``pretrain/chaos.json`` as the typed schedule (an earlier run's form reads as the same events),
+    or ``None`` if it does not exist. Not a schedule → ReportInputError."""
+    raw = read_json(path)
+    try:
+        return None if raw is None else ChaosSchedule.model_validate(raw)
+    except ValidationError as e:
+        raise ReportInputError(path, f"not a chaos schedule ({e.errors()[0]['msg']})") from e
 
 
 def read_jsonl(path: Path, notes: list[str] | None = None, name: str | None = None) -> list[dict] | None:
@@ -303,5 +315,5 @@ def read_run(layout: RunLayout) -> RunRecords:
         status=read_json(layout.status),
         stages=stages,
         finetune=finetune,
-        chaos_schedule=read_json(layout.chaos_schedule),
+        chaos_schedule=read_schedule(layout.chaos_schedule),
     )

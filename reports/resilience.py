@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from configs.chaos import ChaosPlan
+from configs.chaos import ChaosPlan, ChaosSchedule
+from configs.faults import CorruptEvent, PresenceEvent
 from reports.common import lid, num
 from reports.learners import learner_failures
 
@@ -150,12 +151,8 @@ def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | N
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
-def _windows(schedule: dict | None) -> dict[Any, tuple[float, float | None]]:
-    return {
-        lid(p.get("learner")): (num(p.get("join_s")) or 0.0, num(p.get("leave_s")))
-        for p in (schedule or {}).get("presence") or []
-        if isinstance(p, dict)
-    }
+def _windows(schedule: ChaosSchedule | None) -> dict[Any, tuple[float, float | None]]:
+    return {p.learner: (p.join_s, p.leave_s) for p in (schedule.presence if schedule else [])}
 
 
 def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
@@ -281,7 +278,7 @@ def _attempts(evs: list[dict]) -> list[dict]:
 def diloco_resilience(
     events: list[dict] | None,
     merges: list[dict] | None = None,
-    schedule: dict | None = None,
+    schedule: ChaosSchedule | None = None,
     now: float | None = None,
     resume_every_steps: int | None = None,
 ) -> dict | None:
@@ -300,7 +297,7 @@ def diloco_resilience(
     per = learner_events(events)
     windows = _windows(schedule)
     failures = learner_failures(events or [], merges or [])
-    n_learners = int(num((schedule or {}).get("learners")) or 0)
+    n_learners = schedule.learners if schedule else 0
     for m in range(n_learners):  # a scheduled learner that has logged nothing yet (a late scavenged one)
         per.setdefault(m, [])
     rows, timelines = [], {}
@@ -487,13 +484,12 @@ def _row(replica: Any, workers: int) -> int:
     return int(r) % workers if r is not None else 0
 
 
-def _episode_factor(schedule: dict | None, row: int, workers: int, t: float) -> float:
+def _episode_factor(schedule: ChaosSchedule | None, row: int, workers: int, t: float) -> float:
     """The step-time factor of DP replica ``row`` at ``t`` by the schedule's ``slowdowns``."""
     f = 1.0
-    for e in (schedule or {}).get("slowdowns") or []:
-        a, b = num(e.get("from_s")) or 0.0, num(e.get("to_s"))
-        if _row(e.get("learner"), workers) == row and a <= t and (b is None or t < b):
-            f = max(f, num(e.get("factor")) or 1.0)
+    for e in schedule.slowdowns if schedule else []:
+        if _row(e.learner, workers) == row and e.from_s <= t and (e.to_s is None or t < e.to_s):
+            f = max(f, e.factor)
     return f
 
 
@@ -502,7 +498,7 @@ def _dp_timelines(
     factors: list[tuple[float, float]],
     stalls: list[tuple[float, float, int]],
     recomputes: list[tuple[float, float]],
-    schedule: dict | None,
+    schedule: ChaosSchedule | None,
     W: int,
 ) -> tuple[dict[int, list[Interval]], float]:
     """DP's rows (replica → intervals) and the slowdown seconds the schedule does not attribute."""
@@ -515,8 +511,8 @@ def _dp_timelines(
         | {t for a, b in recomputes for t in (a, b)}
         | {span["start_s"]}
     )
-    for e in (schedule or {}).get("slowdowns") or []:
-        cuts |= {t for t in (num(e.get("from_s")), num(e.get("to_s"))) if t is not None}
+    for e in schedule.slowdowns if schedule else []:
+        cuts |= {t for t in (e.from_s, e.to_s) if t is not None}
     cuts = sorted(t for t in cuts if span["start_s"] <= t <= end)
     rows: dict[int, list[Interval]] = {r: [] for r in range(W)}
     unattributed = 0.0
@@ -576,7 +572,7 @@ def dp_resilience(
     events: list[dict] | None,
     train: list[dict] | None,
     workers: int | None,
-    schedule: dict | None = None,
+    schedule: ChaosSchedule | None = None,
     now: float | None = None,
 ) -> dict | None:
     """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
@@ -772,12 +768,12 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 # --- the goodput simulator's prediction ----------------------------------------------------------
 
 
-def _plan(config: ExperimentConfig | None, schedule: dict | None) -> ChaosPlan | None:
+def _plan(config: ExperimentConfig | None, schedule: ChaosSchedule | None) -> ChaosPlan | None:
     """The chaos plan the run's schedule was drawn from: ``chaos.schedule``, or for a replay the
     plan saved with the replayed schedule (``pretrain/chaos.json``'s ``plan``); None otherwise."""
     if config is not None and config.chaos.schedule is not None:
         return config.chaos.schedule
-    saved = (schedule or {}).get("plan")
+    saved = schedule.plan if schedule else None
     if not isinstance(saved, dict):
         return None
     try:
@@ -787,7 +783,10 @@ def _plan(config: ExperimentConfig | None, schedule: dict | None) -> ChaosPlan |
 
 
 def simulator_knobs(
-    config: ExperimentConfig | None, dp: dict | None, dp_summary: dict | None = None, schedule: dict | None = None
+    config: ExperimentConfig | None,
+    dp: dict | None,
+    dp_summary: dict | None = None,
+    schedule: ChaosSchedule | None = None,
 ) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
     ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
@@ -957,7 +956,7 @@ def _slowed(evs: list[dict]) -> int:
 
 
 def schedule_counts(
-    schedule: dict | None,
+    schedule: ChaosSchedule | None,
     diloco: dict | None,
     events: list[dict] | None,
     merges: list[dict] | None,
@@ -969,7 +968,6 @@ def schedule_counts(
     also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
     ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
     ``merged``, ``resent_by_a_later_attempt``)."""
-    sch = schedule or {}
     t0 = (diloco or {}).get("span", {}).get("start_s")
     d_end = (diloco or {}).get("span", {}).get("end_s")
     p_end = (dp or {}).get("span", {}).get("end_s")
@@ -987,38 +985,40 @@ def schedule_counts(
     def in_dp(at: float | None) -> bool | None:
         return None if p_end is None or at is None else at < p_end
 
-    fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
-    slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
+    fails, slows = (schedule.failures, schedule.slowdowns) if schedule else ([], [])
 
-    def counts(drawn: list[dict], at: str, fired_d: int, fired_p: int) -> dict:
+    def counts(drawn: list, at: str, fired_d: int, fired_p: int) -> dict:
         return {
             "drawn": len(drawn),
-            "diloco_in_span": sum(1 for x in drawn if in_diloco(x.get("learner"), num(x.get(at)))),
+            "diloco_in_span": sum(1 for x in drawn if in_diloco(x.learner, getattr(x, at))),
             "diloco_fired": fired_d if events is not None else None,
-            "dp_in_span": sum(1 for x in drawn if in_dp(num(x.get(at)))) if dp else None,
+            "dp_in_span": sum(1 for x in drawn if in_dp(getattr(x, at))) if dp else None,
             "dp_fired": fired_p if dp else None,
         }
 
     fired = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
-    kinds = {k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")}
+    kinds = {k: sum(1 for s in slows if (s.cause or "straggler") == k) for k in ("straggler", "heterogeneity")}
     out = {
         "failures": counts(fails, "at_s", len(fired), sum(1 for e in dp_events or [] if e.get("event") == "failure")),
         "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_events or [])), "by_kind": kinds},
     }
-    out["scavenged"] = [_scavenged(p, own, t0) for p in sch.get("presence") or []]
-    out["corruptions"] = _corruptions(sch, own, events, merges, t0)
+    out["scavenged"] = [_scavenged(p, own, t0) for p in schedule.presence] if schedule else []
+    out["corruptions"] = _corruptions(schedule.corruptions if schedule else [], own, events, merges, t0)
     return out
 
 
 def _corruptions(
-    sch: dict, own: list[dict], events: list[dict] | None, merges: list[dict] | None, t0: float | None
+    scheduled: list[CorruptEvent],
+    own: list[dict],
+    events: list[dict] | None,
+    merges: list[dict] | None,
+    t0: float | None,
 ) -> list[dict]:
     """Per scheduled corruption (by time): whether it was sent and what became of it."""
     dropped = [e for e in events or [] if e.get("event") == "dropped"]
     out, used = [], set()
-    scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
-    for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
-        m = lid(c.get("learner"))
+    for c in scheduled:
+        m = c.learner
         ev = next(
             (
                 e
@@ -1026,11 +1026,11 @@ def _corruptions(
                 if e.get("event") == "corrupt"
                 and lid(e["learner"]) == m
                 and i not in used
-                and (e.get("kind") in (None, c.get("kind")))
+                and (e.get("kind") in (None, c.corruption))
             ),
             None,
         )
-        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None}
+        row = {"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None}
         row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
         row["resent_by_a_later_attempt"] = None
         if ev is not None:
@@ -1040,15 +1040,15 @@ def _corruptions(
     return out
 
 
-def _scavenged(p: dict, own: list[dict], t0: float | None) -> dict:
+def _scavenged(p: PresenceEvent, own: list[dict], t0: float | None) -> dict:
     """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
-    m = lid(p.get("learner"))
+    m = p.learner
     j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
     lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
     return {
         "learner": m,
-        "join_s": num(p.get("join_s")),
-        "leave_s": num(p.get("leave_s")),
+        "join_s": p.join_s,
+        "leave_s": p.leave_s,
         "joined_at_s": j - t0 if j is not None and t0 is not None else None,
         "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
     }
@@ -1120,7 +1120,7 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
 
 def resilience_figures(
     config: ExperimentConfig | None,
-    schedule: dict | None,
+    schedule: ChaosSchedule | None,
     diloco: dict | None,
     dp: dict | None,
     reference: dict | None = None,

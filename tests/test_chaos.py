@@ -13,9 +13,10 @@ import pytest
 from pydantic import ValidationError
 
 from configs.chaos import ChaosPlan, ChaosSchedule, draw_schedule, load_schedule
+from configs.faults import FailEvent, PresenceEvent, SlowdownEvent
 from configs.schema import ExperimentConfig
 from diloco.exchange import InMemoryExchange
-from diloco.faults import Fail, LearnerFaults, Presence, SlowDown, corrupt_payload
+from diloco.faults import LearnerFaults, corrupt_payload
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, run_learner
 from diloco.pacing import FairTurns
@@ -34,7 +35,7 @@ PLAN = {
     "straggler_every_s": 30.0,
     "heterogeneity": [1.0, 1.0, 1.18, 1.18],
     "scavenged": [{"learner": 3, "join_s": 10.0, "leave_s": 60.0}],
-    "corrupt": [{"learner": 1, "at_s": 5.0, "kind": "nan"}],
+    "corrupt": [{"learner": 1, "at_s": 5.0, "corruption": "nan"}],
 }
 
 
@@ -53,7 +54,7 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
         assert all(y.at_s >= x.at_s + x.restart_delay_s for x, y in zip(mine, mine[1:]))
         assert all(0 < f.at_s < 100 and f.restart_delay_s > 0 for f in mine)
     assert all(10.0 <= f.at_s < 60.0 for f in a.learner_failures(3))  # the scavenged learner, in its window
-    assert {(e.learner, e.factor) for e in a.slowdowns if e.kind == "heterogeneity"} == {(2, 1.18), (3, 1.18)}
+    assert {(e.learner, e.factor) for e in a.slowdowns if e.cause == "heterogeneity"} == {(2, 1.18), (3, 1.18)}
     assert a.window(3) == (10.0, 60.0) and a.window(0) == (0.0, None)
     path = tmp_path / "chaos.json"
     path.write_text(a.dumps())
@@ -65,26 +66,43 @@ def test_a_schedule_replays_identically_from_its_seed_and_its_file(tmp_path):
     assert a.dp_factor(0.0) == 1.18
 
 
+def test_an_earlier_runs_chaos_json_and_plan_read_as_the_same_events():
+    """A chaos.json written before schedules held chaos.events' own events (lists failures, slowdowns,
+    presence, corruptions), and a plan's corrupt entries spelled kind: nan, read as those events."""
+    old = {
+        "learners": 2,
+        "failures": [{"learner": 1, "at_s": 3.0, "restart_delay_s": 1.0, "how": "sigkill"}],
+        "slowdowns": [{"learner": 0, "factor": 1.18, "from_s": 0.0, "to_s": None, "kind": "heterogeneity"}],
+        "presence": [{"learner": 1, "join_s": 1.0, "leave_s": None}],
+        "corruptions": [{"learner": 0, "at_s": 2.0, "kind": "shape"}],
+    }
+    s = ChaosSchedule.model_validate(old)
+    assert [e.kind for e in s.events] == ["kill", "slowdown", "presence", "corrupt"]
+    assert (s.failures[0].how, s.failures[0].restart_delay_s) == ("sigkill", 1.0)
+    assert (s.slowdowns[0].cause, s.corruptions[0].corruption, s.window(1)) == ("heterogeneity", "shape", (1.0, None))
+    assert ChaosSchedule.loads(s.dumps()) == s
+    plan = ChaosPlan.model_validate({"corrupt": [{"learner": 1, "at_s": 5.0, "kind": "nan"}]})
+    assert plan.corrupt[0].corruption == "nan"
+
+
 def test_drawn_replayed_and_written_schedules_speak_the_one_fault_language(tmp_path):
     """chaos.schedule, its replay and the same events written by hand in chaos.events give every
     learner the same typed faults (diloco.faults values); a config may mix both."""
-    from training.decoupled.setup import learner_faults
-
     base = {"diloco": {"learners": 4, "quorum": 3, "learner_retries": 9}}
     drawn = ExperimentConfig.model_validate({**base, "chaos": {"schedule": PLAN}})
     path = tmp_path / "chaos.json"
     path.write_text(drawn.chaos_schedule().dumps())
     replayed = ExperimentConfig.model_validate({**base, "chaos": {"replay": str(path)}})
-    events = [e.model_dump() for e in drawn.chaos_schedule().events()]
+    events = [e.model_dump() for e in drawn.chaos_schedule().events]
     written = ExperimentConfig.model_validate({**base, "chaos": {"events": events}})
     kinds = {e["kind"] for e in events}
     assert kinds == {"fail", "slowdown", "corrupt", "presence"}, kinds  # (how auto on threads: raise)
     for m in range(4):
-        faults = learner_faults(drawn.fault_events(), m)
-        assert faults == learner_faults(replayed.fault_events(), m) == learner_faults(written.fault_events(), m)
-    three = learner_faults(drawn.fault_events(), 3)
-    assert (three.presence.join_s, three.presence.leave_s) == (10.0, 60.0)
-    assert [c.at_s for c in learner_faults(drawn.fault_events(), 1).corruptions] == [5.0]
+        faults = LearnerFaults.of(drawn.fault_events(), m)
+        assert faults == LearnerFaults.of(replayed.fault_events(), m) == LearnerFaults.of(written.fault_events(), m)
+    three = LearnerFaults.of(drawn.fault_events(), 3)
+    assert (three.join_s, three.leave_s) == (10.0, 60.0)
+    assert [c.at_s for c in LearnerFaults.of(drawn.fault_events(), 1).corruptions] == [5.0]
     assert all(f.restart_delay_s > 0 and f.at_s is not None for f in three.timed_failures)
 
 
@@ -99,8 +117,10 @@ def test_schedules_and_plans_refuse_what_cannot_happen(tmp_path):
                 ],
             }
         )
-    with pytest.raises(ValidationError, match=r"failures\[0\].learner \(2\) must be < the schedule's learners \(2\)"):
+    with pytest.raises(ValidationError, match=r"events\[0\].learner \(2\) must be < the schedule's learners \(2\)"):
         ChaosSchedule.model_validate({"learners": 2, "failures": [{"learner": 2, "at_s": 1.0, "restart_delay_s": 1.0}]})
+    with pytest.raises(ValidationError, match="a syncer_fail event has no place in a schedule"):
+        ChaosSchedule.model_validate({"learners": 2, "events": [{"kind": "syncer_fail", "at_merge": 3}]})
     with pytest.raises(ValidationError, match="leaves"):
         ChaosPlan.model_validate({"scavenged": [{"learner": 0, "join_s": 5.0, "leave_s": 2.0}]})
     bad = tmp_path / "bad.json"
@@ -212,7 +232,7 @@ def _slow(batches, delay_s=0.01):
 def test_a_timed_failure_fires_once_and_the_retry_waits_out_its_restart_delay():
     trainer, exchange, batches, frags = _world(budget_steps=40)
     events = []
-    kw = dict(faults=LearnerFaults((Fail(at_s=0.15, restart_delay_s=0.4),)), log=events.append)
+    kw = dict(faults=LearnerFaults((FailEvent(learner=0, at_s=0.15, restart_delay_s=0.4),)), log=events.append)
     setup = _setup(trainer, exchange, batches, frags, **kw)
     setup.next_batch = _slow(batches)
     with pytest.raises(InjectedFailure, match="at 0.15 s of training"):
@@ -235,7 +255,14 @@ def test_a_scavenged_learner_trains_only_inside_its_window_and_is_out_of_the_quo
     events = []
     # the window opens 1 s into the learner's training clock: time enough, on a loaded machine, to
     # see its first heartbeat ("absent") before it joins
-    setup = _setup(trainer, exchange, batches, frags, faults=LearnerFaults((Presence(1.0, 1.3),)), log=events.append)
+    setup = _setup(
+        trainer,
+        exchange,
+        batches,
+        frags,
+        faults=LearnerFaults((PresenceEvent(learner=0, join_s=1.0, leave_s=1.3),)),
+        log=events.append,
+    )
     setup.next_batch = _slow(batches)
     seen = {}
 
@@ -513,7 +540,10 @@ def test_a_slowed_learner_on_a_shared_host_steps_factor_times_less_often_than_it
         setup.learner, setup.step = m, slow_step
         outs[m] = run_learner(setup)
 
-    threads = [threading.Thread(target=one, args=(0, ())), threading.Thread(target=one, args=(1, (SlowDown(2.0),)))]
+    threads = [
+        threading.Thread(target=one, args=(0, ())),
+        threading.Thread(target=one, args=(1, (SlowdownEvent(learner=1, factor=2.0),))),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -528,8 +558,8 @@ def test_a_learner_waiting_to_join_or_restart_gives_up_once_the_others_spent_the
     """A scavenged learner whose window opens after the run's end, and a retry whose restart delay
     outlasts the run, stop waiting when no step of the budget is left: the run does not hang."""
     for kw in (
-        dict(faults=LearnerFaults((Presence(1000.0),))),
-        dict(attempt=2, faults=LearnerFaults((Fail(at_s=0.0, restart_delay_s=1000.0),))),
+        dict(faults=LearnerFaults((PresenceEvent(learner=0, join_s=1000.0),))),
+        dict(attempt=2, faults=LearnerFaults((FailEvent(learner=0, at_s=0.0, restart_delay_s=1000.0),))),
     ):
         trainer, exchange, batches, frags = _world(budget_steps=4)
         threading.Timer(0.2, exchange.claim_tokens, (4 * B * L,)).start()  # the others take it all

@@ -19,10 +19,11 @@ import pytest
 from flax import nnx
 from pydantic import BaseModel
 
+from configs.faults import FailEvent, SlowdownEvent
 from configs.load import load_config
 from configs.model import DenseLMConfig
 from diloco.exchange import InMemoryExchange, Submission
-from diloco.faults import Fail, LearnerFaults, SlowDown
+from diloco.faults import LearnerFaults
 from diloco.fragments import balanced_fragments
 from diloco.learner import InjectedFailure, LearnerSetup, ResumePoint, run_learner, tree_digest
 from diloco.pacing import FairTurns, HostTurns
@@ -388,7 +389,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
                     attempt=attempt,
                     resume=store,
                     resume_every=2,
-                    faults=LearnerFaults((Fail(at_step=3), Fail(at_step=7))),
+                    faults=LearnerFaults((FailEvent(learner=0, at_step=3), FailEvent(learner=0, at_step=7))),
                     log=events.append,
                 )
             )
@@ -402,7 +403,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
             attempt=3,
             resume=store,
             resume_every=2,
-            faults=LearnerFaults((Fail(at_step=3), Fail(at_step=7))),
+            faults=LearnerFaults((FailEvent(learner=0, at_step=3), FailEvent(learner=0, at_step=7))),
             log=events.append,
         )
     )
@@ -640,7 +641,10 @@ def test_a_slowed_learner_idles_its_factor_outside_its_turn():
     trainer = tiny_trainer()
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), 2)
-    for window, expect in ((SlowDown(1.5, 0.0), True), (SlowDown(1.5, 1e9), False)):
+    for window, expect in (
+        (SlowdownEvent(learner=0, factor=1.5), True),
+        (SlowdownEvent(learner=0, factor=1.5, from_s=1e9), False),
+    ):
         syncer = Syncer(
             theta0, fragments, SyncerSettings(num_learners=1, quorum=1, merge="mean", outer_lr=1.0, outer_momentum=0.0)
         )

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from configs.chaos import ChaosSchedule
+from configs.faults import CorruptEvent, FailEvent, PresenceEvent, SlowdownEvent
 from reports import build_report
 from reports.resilience import (
     diloco_resilience,
@@ -108,7 +110,7 @@ def test_a_scavenged_learner_is_allocated_only_its_window():
         {"event": "stop", "learner": 1, "attempt": 1, "step": 40, "t": 7.0},
         {"event": "stop", "learner": 0, "attempt": 1, "step": 100, "t": 10.0},
     ]
-    sched = {"learners": 2, "presence": [{"learner": 1, "join_s": 3.0, "leave_s": 7.0}]}
+    sched = ChaosSchedule(learners=2, events=[PresenceEvent(learner=1, join_s=3.0, leave_s=7.0)])
     res = diloco_resilience(events, [], sched)
     r = _row(res, 1)
     assert r["scavenged"] and r["window"] == [3.0, 7.0]
@@ -153,11 +155,13 @@ def test_corrupted_submissions_dropped_and_never_merged():
         {"fragment": 1, "version": 3, "contributors": [0], "local_steps": [7], "stale": [0], "merged_at_s": 2.0},
         {"fragment": 1, "version": 5, "contributors": [0], "local_steps": [3], "stale": [0], "merged_at_s": 2.5},
     ]
-    sched = {
-        "learners": 1,
-        "failures": [{"learner": 0, "at_s": 9.0, "restart_delay_s": 1.0}],
-        "corruptions": [{"learner": 0, "at_s": 0.5, "kind": "nan"}],
-    }
+    sched = ChaosSchedule(
+        learners=1,
+        events=[
+            FailEvent(learner=0, at_s=9.0, restart_delay_s=1.0),
+            CorruptEvent(learner=0, at_s=0.5, corruption="nan"),
+        ],
+    )
     counts = schedule_counts(sched, diloco_resilience(events, merges), events, merges, None, None)
     assert counts["corruptions"] == [
         {
@@ -219,7 +223,7 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
         {"event": "slowdown", "factor": 2.0, "step": 20, "t": 2.0},
         {"event": "slowdown", "factor": 1.0, "step": 40, "t": 6.0},
     ]
-    sched = {"learners": 4, "slowdowns": [{"learner": 2, "factor": 2.0, "from_s": 2.0, "to_s": 6.0}]}
+    sched = ChaosSchedule(learners=4, events=[SlowdownEvent(learner=2, factor=2.0, from_s=2.0, to_s=6.0)])
     res = dp_resilience(events, train, workers=4, schedule=sched)
     by = {r["replica"]: r for r in res["replicas"]}
     assert by[2]["straggling_s"] == pytest.approx(4.0) and by[2]["goodput"] == pytest.approx(1.0)
@@ -238,10 +242,7 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
         {"event": "failure", "replica": 0, "step": 40, "t": 4.0, "at_s": 4.0, "restart_delay_s": 2.0},
         {"event": "restore", "step": 40, "lost_steps": 0, "t": 6.0, "restore_s": 0.0, "down_s": 2.0},
     ]
-    sched = {
-        "learners": 2,
-        "slowdowns": [{"learner": 1, "factor": 2.0, "from_s": 0.0, "to_s": None, "kind": "heterogeneity"}],
-    }
+    sched = ChaosSchedule(learners=2, events=[SlowdownEvent(learner=1, factor=2.0, cause="heterogeneity")])
     r0, r1 = dp_resilience(events, train, workers=2, schedule=sched)["replicas"]
     assert (r0["running_s"], r0["waiting_s"], r0["down_s"]) == pytest.approx((4.0, 4.0, 2.0))
     assert (r1["straggling_s"], r1["waiting_s"], r1["goodput"]) == pytest.approx((8.0, 2.0, 0.8))

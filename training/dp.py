@@ -38,7 +38,7 @@ from configs.faults import DPFailEvent
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
-from diloco.faults import Fail, HostHooks, InjectedFailure, JobFault, SlowDown
+from diloco.faults import HostHooks, InjectedFailure, JobFault
 from diloco.tensors import tensor_bytes, to_numpy
 from run.clock import EpochClock, TrainingClock
 from run.control import STOP
@@ -83,7 +83,7 @@ def dp_devices(cfg: ExperimentConfig, devices: Sequence[jax.Device] | None = Non
     return devices
 
 
-def dp_faults(cfg: ExperimentConfig) -> tuple[tuple[JobFault, ...], dict[int, tuple[SlowDown, ...]]]:
+def dp_faults(cfg: ExperimentConfig) -> tuple[tuple[JobFault, ...], dict[int, tuple]]:
     """The job's scheduled faults: every ``dp_fail`` event of ``chaos.events``, then (with
     ``chaos.against_dp``) the chaos schedule's failures, replica m's on host m mod ``dp.hosts``
     (SIGKILLed with several hosts, raised in one process); and each host's slowdowns (the schedule's
@@ -93,21 +93,18 @@ def dp_faults(cfg: ExperimentConfig) -> tuple[tuple[JobFault, ...], dict[int, tu
     fails: list[JobFault] = []
     for e in cfg.chaos.events:
         if isinstance(e, DPFailEvent):
-            fail = Fail(
-                at_step=e.at_step,
-                at_s=e.at_s,
-                how=how if e.how == "auto" else e.how,
-                restart_delay_s=e.restart_delay_s,
+            fails.append(
+                JobFault(len(fails), e.host, how if e.how == "auto" else e.how, e.at_step, e.at_s, e.restart_delay_s)
             )
-            fails.append(JobFault(len(fails), e.host, fail))
-    slow: dict[int, list[SlowDown]] = {h: [] for h in range(hosts)}
+    slow: dict[int, list] = {h: [] for h in range(hosts)}
     sched = cfg.chaos_schedule() if cfg.chaos.against_dp else None
     if sched is not None:
-        for f in sorted(sched.failures, key=lambda f: f.at_s):
-            fail = Fail(at_s=f.at_s, how=how, restart_delay_s=f.restart_delay_s)
-            fails.append(JobFault(len(fails), f.learner % hosts, fail, replica=f.learner))
+        for f in sched.failures:
+            fails.append(
+                JobFault(len(fails), f.learner % hosts, how, None, f.at_s, f.restart_delay_s, replica=f.learner)
+            )
         for e in sched.slowdowns:
-            slow[e.learner % hosts].append(SlowDown(e.factor, e.from_s, e.to_s))
+            slow[e.learner % hosts].append(e)
     return tuple(fails), {h: tuple(v) for h, v in slow.items()}
 
 
@@ -425,11 +422,11 @@ def run_job(
                 )
             back = f["t"] + float(f.get("restart_delay_s") or 0.0)
             for g in failures:  # other replicas failing while the job is down: back once they are too
-                if g.fail.at_s is not None and g.index not in spent and g.fail.at_s <= back:
+                if g.at_s is not None and g.index not in spent and g.at_s <= back:
                     spent.add(g.index)
-                    while_down = {"replica": g.replica, "host": g.host, "index": g.index, "t": g.fail.at_s}
+                    while_down = {"replica": g.replica, "host": g.host, "index": g.index, "t": g.at_s}
                     events({"event": "failure", **while_down, "step": high, "while_down": True, "reason": "chaos"})
-                    back = max(back, g.fail.at_s + g.fail.restart_delay_s)
+                    back = max(back, g.at_s + g.restart_delay_s)
             while clock() < back and not STOP.is_set():  # (a stop: the hosts restore, then stop at once)
                 clock.sleep(min(0.05, back - clock()))
             gen = Generation(gen.number + 1, origin, clock(), tuple(sorted(spent)), f["t"], high)

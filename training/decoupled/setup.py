@@ -36,7 +36,7 @@ from data.cursor import batch_at
 from data.prepare import load_rows
 from diloco.exchange import InMemoryExchange, open_exchange, register_exchange
 from diloco.exchange.fsspec import FsspecExchange
-from diloco.faults import Corrupt, Fail, LearnerFaults, Presence, SlowDown
+from diloco.faults import LearnerFaults
 from diloco.fragments import balanced_fragments
 from diloco.learner import LearnerSetup, run_learner
 from diloco.pacing import FairTurns, HostTurns
@@ -298,25 +298,6 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     return open_syncer(cfg, run_dir)
 
 
-def learner_faults(events: Sequence, learner: int) -> LearnerFaults:
-    """Learner ``learner``'s scheduled faults among ``events`` (``cfg.fault_events()``: ``chaos.events``
-    and the drawn or replayed ``chaos.schedule``) as ``diloco.faults`` values: ``fail`` and ``kill`` a
-    :class:`Fail` (how raise or sigkill), ``slowdown``, ``corrupt`` and ``presence`` their own."""
-    out: list = []
-    for e in events:
-        if getattr(e, "learner", None) != learner:
-            continue
-        if e.kind in ("fail", "kill"):
-            out.append(Fail(at_step=e.at_step, at_s=e.at_s, how=e.how, restart_delay_s=e.restart_delay_s))
-        elif e.kind == "slowdown":
-            out.append(SlowDown(e.factor, e.from_s, e.to_s))
-        elif e.kind == "corrupt":
-            out.append(Corrupt(e.at_s, e.corruption))
-        elif e.kind == "presence":
-            out.append(Presence(e.join_s, e.leave_s))
-    return LearnerFaults(tuple(out))
-
-
 def learner_setup(
     cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange
 ) -> LearnerSetup:
@@ -343,7 +324,7 @@ def learner_setup(
         stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
-        faults=learner_faults(cfg.fault_events(), learner),
+        faults=LearnerFaults.of(cfg.fault_events(), learner),
         turns=learner_turns(cfg, run_dir, devices),
         overlap_steps=d.overlap_steps,
         wait_timeout_s=d.heartbeat_timeout_s,
