@@ -457,8 +457,8 @@ def test_diloco_under_a_drawn_schedule_keeps_merging_and_balances_its_ledger(
                     "restart_delay": {"scale_s": 0.6},
                     "scavenged": [{"learner": 2, "join_s": 0.5, "leave_s": 30.0}],
                     "corrupt": [
-                        {"learner": 1, "at_s": 0.2, "kind": "nan"},
-                        {"learner": 0, "at_s": 0.4, "kind": "shape"},
+                        {"learner": 1, "at_s": 0.2, "corruption": "nan"},
+                        {"learner": 0, "at_s": 0.4, "corruption": "shape"},
                     ],
                 }
             },

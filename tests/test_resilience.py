@@ -445,7 +445,7 @@ CHAOS = {
     "restart_delay": {"scale_s": 0.5},
     "straggler_every_s": 3,
     "straggler_s": 1.0,
-    "corrupt": [{"learner": 1, "at_s": 0.5, "kind": "nan"}],
+    "corrupt": [{"learner": 1, "at_s": 0.5, "corruption": "nan"}],
 }
 
 
