@@ -26,6 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from configs.data import TextDataConfig
 
 log = logging.getLogger(__name__)
@@ -426,13 +428,55 @@ def check_hf_reachable(
         ) from None
 
 
+def _unique_titles(docs: list[Document]) -> list[Document]:
+    seen: dict[str, int] = {}
+    out = []
+    for d in docs:
+        n = seen.get(d["title"], 0)
+        seen[d["title"]] = n + 1
+        out.append(d if n == 0 else {"title": f"{d['title']}#{n + 1}", "text": d["text"]})
+    return out
+
+
+def split_documents(
+    docs: list[Document], val_docs: int, test_docs: int, seed: int, finetune_docs: int = 0
+) -> dict[str, list[Document]]:
+    """Hold out whole documents: ``{"train": [...], "val": [...], "test": [...], "finetune": [...]}``.
+
+    Documents are sorted by title (repeated titles get ``#2``, ``#3``, ... first); a permutation
+    seeded by ``seed`` picks the first ``val_docs`` for val, the next ``test_docs`` for test and the
+    next ``finetune_docs`` for fine-tuning (never pretrained on, never used to evaluate pretraining;
+    val and test do not depend on ``finetune_docs``). Each split keeps sorted-title order. Same
+    documents and seed → same split.
+
+    Raises ``ValueError`` (naming the ``data.*_docs`` fields) when fewer than
+    ``val_docs + test_docs + finetune_docs + 1`` documents exist.
+    """
+    docs = sorted(_unique_titles(docs), key=lambda d: d["title"])
+    n = len(docs)
+    if n < val_docs + test_docs + finetune_docs + 1:
+        raise ValueError(
+            f"the corpus has {n} documents but data.val_docs ({val_docs}) + data.test_docs "
+            f"({test_docs}) + data.finetune_docs ({finetune_docs}) + 1 training document are needed; "
+            "lower them or add documents"
+        )
+    perm = np.random.default_rng(seed).permutation(n).tolist()
+    held = {i: "val" for i in perm[:val_docs]}
+    held.update({i: "test" for i in perm[val_docs : val_docs + test_docs]})
+    held.update({i: "finetune" for i in perm[val_docs + test_docs : val_docs + test_docs + finetune_docs]})
+    out: dict[str, list[Document]] = {"train": [], "val": [], "test": [], "finetune": []}
+    for i, d in enumerate(docs):
+        out[held.get(i, "train")].append(d)
+    return out
+
+
 def check_corpus(data_cfg: TextDataConfig) -> dict:
     """Every check of the corpus that can run before the pipeline starts; returns counts.
 
     Loads the documents (local files and the embedded corpus; a Hugging Face name is only checked
     for reachability) and checks there are enough non-empty documents to hold out
     ``data.val_docs`` + ``data.test_docs`` and still train on one, then holds documents out as the
-    data task does (``data.text.split_documents``) and checks that the train and val splits can each
+    data task does (:func:`split_documents`) and checks that the train and val splits can each
     fill one sequence of ``data.seq_len + 1`` tokens: a byte-level BPE gives at most one token per
     UTF-8 byte plus one end-of-text token per document, so a split whose bytes + documents fall short
     cannot. Returns ``{"documents": n}`` (``None`` for ``hf``). Raises ``FileNotFoundError``,
@@ -449,8 +493,6 @@ def check_corpus(data_cfg: TextDataConfig) -> dict:
             f"data.test_docs ({data_cfg.test_docs}) + 1 training document = {need} are needed (whole "
             "documents are held out); add documents or lower data.val_docs / data.test_docs"
         )
-    from data.text import split_documents  # (data.text imports this module)
-
     splits = split_documents(docs, data_cfg.val_docs, data_cfg.test_docs, data_cfg.seed, data_cfg.finetune_docs)
     width = data_cfg.seq_len + 1
     for name in ("train", "val"):  # (the splits that are packed into sequences)

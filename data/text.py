@@ -29,53 +29,11 @@ from pathlib import Path
 import numpy as np
 
 from configs.schema import ExperimentConfig
-from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents
+from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents, split_documents
 from data.store import load_manifest
 from run import atomic
 
 log = logging.getLogger(__name__)
-
-
-def _unique_titles(docs: list[Document]) -> list[Document]:
-    seen: dict[str, int] = {}
-    out = []
-    for d in docs:
-        n = seen.get(d["title"], 0)
-        seen[d["title"]] = n + 1
-        out.append(d if n == 0 else {"title": f"{d['title']}#{n + 1}", "text": d["text"]})
-    return out
-
-
-def split_documents(
-    docs: list[Document], val_docs: int, test_docs: int, seed: int, finetune_docs: int = 0
-) -> dict[str, list[Document]]:
-    """Hold out whole documents: ``{"train": [...], "val": [...], "test": [...], "finetune": [...]}``.
-
-    Documents are sorted by title (repeated titles get ``#2``, ``#3``, ... first); a permutation
-    seeded by ``seed`` picks the first ``val_docs`` for val, the next ``test_docs`` for test and the
-    next ``finetune_docs`` for fine-tuning (never pretrained on, never used to evaluate pretraining;
-    val and test do not depend on ``finetune_docs``). Each split keeps sorted-title order. Same
-    documents and seed → same split.
-
-    Raises ``ValueError`` (naming the ``data.*_docs`` fields) when fewer than
-    ``val_docs + test_docs + finetune_docs + 1`` documents exist.
-    """
-    docs = sorted(_unique_titles(docs), key=lambda d: d["title"])
-    n = len(docs)
-    if n < val_docs + test_docs + finetune_docs + 1:
-        raise ValueError(
-            f"the corpus has {n} documents but data.val_docs ({val_docs}) + data.test_docs "
-            f"({test_docs}) + data.finetune_docs ({finetune_docs}) + 1 training document are needed; "
-            "lower them or add documents"
-        )
-    perm = np.random.default_rng(seed).permutation(n).tolist()
-    held = {i: "val" for i in perm[:val_docs]}
-    held.update({i: "test" for i in perm[val_docs : val_docs + test_docs]})
-    held.update({i: "finetune" for i in perm[val_docs + test_docs : val_docs + test_docs + finetune_docs]})
-    out: dict[str, list[Document]] = {"train": [], "val": [], "test": [], "finetune": []}
-    for i, d in enumerate(docs):
-        out[held.get(i, "train")].append(d)
-    return out
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
