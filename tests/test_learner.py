@@ -417,7 +417,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
 # -- a learner from plain inputs in a fresh process ------------------------------------------------
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    from data.text import prepare_data
+    from data.prepare import prepare_data
 
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
@@ -440,6 +440,7 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
     (SIGKILL) part-way; the retry, in another fresh process, resumes at the last saved step with
     exactly the saved optimizer state (moments and counts), not a fresh one."""
     from training.checkpoint import OrbaxResumeStore, latest_step
+    from training.decoupled.plan import DiLoCoPlan
     from training.decoupled.setup import learner_trainer
 
     cfg, run_dir = small_run
@@ -471,7 +472,7 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
         first.wait(30)
 
     saved_step = latest_step(resume_dir)
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     template = trainer.init_opt(trainer.init_params())
     saved = OrbaxResumeStore(resume_dir).load(template)
     assert saved.step == saved_step >= 15 and saved.step % 5 == 0
@@ -534,7 +535,7 @@ def _mlp_objective(model, batch):
 def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     """Registering a kind (its module, objective and builder) is all it takes: the DiLoCo learner,
     the syncer and the DP loop train it unchanged, and its extra metric reaches the learner log."""
-    from data.text import prepare_data
+    from data.prepare import prepare_data
     from run.atomic import write_json
     from training.common import token_budget
     from training.decoupled.setup import learner_attempt, setup_diloco
