@@ -45,6 +45,21 @@ def tiny_trainer(tx=None, microbatches=1) -> Trainer:
     return Trainer(spec, tx or optax.adam(1e-2), microbatches, seed=0)
 
 
+# -- the plan a run's learners and syncer read --------------------------------------------------------
+def test_the_plan_holds_the_derived_values_by_hand():
+    """tiny.yaml: M 3 learners of batch 4 × seq_len 32 = 128 tokens a step; a budget of 24,576 tokens is
+    64 DP steps of 12 × 32 = 384 tokens (24,576 exactly), so 64 inner steps each (24,576 / (3 × 128));
+    the plan's fault events are the config's."""
+    from training.decoupled.plan import DiLoCoPlan
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": [{"kind": "fail", "learner": 1, "at_step": 3}]})
+    plan = DiLoCoPlan.of(cfg)
+    assert (plan.tokens_per_learner_step, plan.learner_steps, plan.token_budget) == (128, 64, 24576)
+    assert (plan.learner_microbatches, plan.learner_processes, plan.unit) == (1, False, "tokens")
+    assert [(e.kind, e.learner, e.at_step) for e in plan.fault_events] == [("fail", 1, 3)]
+    assert plan.diloco is cfg.diloco and plan == DiLoCoPlan.of(cfg)  # one key per config (compiled steps)
+
+
 # -- receipt rules ---------------------------------------------------------------------------------
 def test_receipt_rules_by_hand():
     got = {"w": np.array([4.0, 8.0], np.float32)}  # Θ from the syncer
