@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -82,17 +82,9 @@ class FinetunePlan:
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> FinetunePlan:
-        """``cfg``'s plan."""
-        return cls(
-            model=cfg.model,
-            data=cfg.data,
-            runtime=cfg.runtime,
-            seed=cfg.seed,
-            finetune=cfg.finetune,
-            precision=cfg.precision,
-            microbatch_size=cfg.train.microbatch_size,
-            eval=cfg.eval,
-        )
+        """``cfg``'s plan: each field the config's section of that name, but ``train.microbatch_size``."""
+        own = {"microbatch_size": cfg.train.microbatch_size}
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in own}, **own)
 
     def pretrained_spec(self, run_dir: str | Path) -> ModelSpec:
         """The pretrained model's spec (``training.common.model_spec``)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from configs.data import DataConfig
 from configs.faults import FaultEvent
@@ -40,20 +40,7 @@ class DiLoCoPlan:
 
     @classmethod
     def of(cls, cfg: ExperimentConfig) -> DiLoCoPlan:
-        """``cfg``'s plan (the chaos schedule drawn or replayed once, for ``fault_events``)."""
-        return cls(
-            model=cfg.model,
-            data=cfg.data,
-            diloco=cfg.diloco,
-            train=cfg.train,
-            runtime=cfg.runtime,
-            precision=cfg.precision,
-            seed=cfg.seed,
-            unit=cfg.unit,
-            tokens_per_learner_step=cfg.tokens_per_learner_step,
-            learner_steps=cfg.learner_steps,
-            learner_microbatches=cfg.learner_microbatches,
-            learner_processes=cfg.learner_processes,
-            token_budget=token_budget(cfg),
-            fault_events=tuple(cfg.fault_events()),
-        )
+        """``cfg``'s plan: each field the config's attribute of that name, but the token budget and
+        the fault events (the chaos schedule drawn or replayed once)."""
+        own = {"token_budget": token_budget(cfg), "fault_events": tuple(cfg.fault_events())}
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in own}, **own)
