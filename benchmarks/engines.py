@@ -54,9 +54,10 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 
 from configs.load import parse_overrides  # noqa: E402
+from configs.methods import DiLoCoConfig  # noqa: E402
 from configs.schema import ExperimentConfig  # noqa: E402
 from configs.specs import load_spec  # noqa: E402
-from data.text import prepare_data  # noqa: E402
+from data.prepare import prepare_data  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402
 
@@ -111,12 +112,10 @@ def store_latency(url: str, initial: list[dict], ops: int) -> dict:
     return {**{k: 1e3 * statistics.median(v) for k, v in times.items()}, "bytes": nbytes}
 
 
-def measure(cfg: ExperimentConfig, run_dir: Path) -> dict:
-    from flows.pretrain import pretrain_diloco
-
-    t0 = time.perf_counter()
-    summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=30.0)
-    wall = time.perf_counter() - t0
+def arm_figures(summary: dict, run_dir: Path, wall: float) -> dict:
+    """One arm's row from its DiLoCo stage's ``summary``, its logs in ``run_dir`` and its ``wall``
+    seconds (the flow's call, set-up included): seconds, tokens/s, merges, exchange seconds and bytes,
+    held-out loss, learner processes and the start-up timeline (:func:`startup_timeline`)."""
     layout = RunLayout(run_dir)
     events = read_jsonl(layout.metrics("pretrain", "diloco", "learners"))
     starts = [e["t"] for e in events if e.get("event") == "start"]
@@ -211,9 +210,14 @@ def main() -> None:
             data_dir = root / "data-run"
             prepare_data(base, data_dir)
             if s3 is not None:
-                initial = run_fragments_of(base, data_dir)
+                from training.decoupled.plan import DiLoCoPlan
+                from training.decoupled.setup import initial_fragments
+
+                initial = initial_fragments(DiLoCoPlan.of(base), data_dir)
                 for store, url in (("local folder", str(root / "latency-local")), ("s3", f"{s3}/latency")):
                     latency[store] = store_latency(url, initial, args.ops)
+            from flows.pretrain import pretrain_diloco  # once the arms' Prefect server runs
+
             for name in names:
                 arm = dict(ENGINES[name])
                 use_s3, cluster = arm.pop("s3", False), arm.pop("cluster", None)
@@ -223,25 +227,27 @@ def main() -> None:
                 run_dir = root / name
                 shutil.copytree(data_dir, run_dir)
                 try:
-                    with started_cluster(cluster, base, root / f"{name}-logs") as address:
+                    with started_cluster(cluster, base.diloco.learners, root / f"{name}-logs") as address:
                         if address:
                             runtime["address"] = address
                         cfg = ExperimentConfig.model_validate({**base.model_dump(), "runtime": runtime})
-                        rows[name] = measure(cfg, run_dir)
+                        t0 = time.perf_counter()
+                        summary = pretrain_diloco(config=cfg, run_dir=str(run_dir), progress_every_s=30.0)
+                        rows[name] = arm_figures(summary, run_dir, time.perf_counter() - t0)
                 except Exception as exc:  # noqa: BLE001 - one arm failing leaves the others' figures
                     print(f"{name}: FAILED ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})", flush=True)
                     continue
                 print(f"{name}: done ({rows[name]['wall_s']:.0f} s)", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print_tables(base, args, rows, latency)
+    print_tables(base.diloco, base.tokens_per_learner_step, args, rows, latency)
 
 
-def print_tables(base: ExperimentConfig, args: argparse.Namespace, rows: dict, latency: dict) -> None:
-    """The engines table, the start-up table and (with S3 arms) the store latency table."""
-    d = base.diloco
+def print_tables(d: DiLoCoConfig, step_tokens: int, args: argparse.Namespace, rows: dict, latency: dict) -> None:
+    """The engines table, the start-up table and (with S3 arms) the store latency table, under a line
+    naming the arms' DiLoCo settings ``d`` and their ``step_tokens`` tokens per learner step."""
     print(
-        f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {base.tokens_per_learner_step} "
+        f"\n{args.config}: M={d.learners}, P={d.fragments}, H={d.sync_every}, {step_tokens} "
         f"tokens per learner step, {args.tokens:,} tokens per run, {os.cpu_count()} CPU cores"
     )
     ref = rows.get("threads", {}).get("tokens_per_s")
@@ -286,13 +292,6 @@ def print_tables(base: ExperimentConfig, args: argparse.Namespace, rows: dict, l
         )
 
 
-def run_fragments_of(cfg: ExperimentConfig, run_dir: Path) -> list[dict]:
-    """Θ₀ of the config's model split into its fragments (name → float32 array per fragment)."""
-    from training.decoupled.setup import initial_fragments
-
-    return initial_fragments(cfg, run_dir)
-
-
 @contextlib.contextmanager
 def s3_root(url: str | None, root: Path):
     """The S3 prefix of the S3 arms: ``url`` (checked: one line and exit 2 if it cannot be written),
@@ -316,9 +315,10 @@ def s3_root(url: str | None, root: Path):
 
 
 @contextlib.contextmanager
-def started_cluster(kind: str | None, cfg: ExperimentConfig, logs: Path):
+def started_cluster(kind: str | None, learners: int, logs: Path):
     """``kind`` dask or ray: a cluster started apart from the run (tests/clusters.py, the documented
-    commands) for the block, yielding its address; None: nothing, yielding None."""
+    commands) for the block, with room for ``learners`` learners and the syncer, yielding its
+    address; None: nothing, yielding None."""
     if kind is None:
         yield None
         return
@@ -326,7 +326,7 @@ def started_cluster(kind: str | None, cfg: ExperimentConfig, logs: Path):
 
     logs.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if k.startswith(("AWS_", "PREFECT_API_URL"))}
-    m = cfg.diloco.learners
+    m = learners
     if kind == "dask":
         with clusters.dask_cluster(m + 1, env, logs) as c:
             yield c["address"]

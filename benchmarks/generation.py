@@ -132,12 +132,12 @@ def eval_requests(cfg, run_dir: Path) -> tuple[object, list]:
     from training.finetune import max_gen_tokens
 
     prepare_data(cfg, run_dir)
-    train, test, _ = text_task_pairs(cfg, run_dir)
+    train, test, _ = text_task_pairs(cfg.finetune, cfg.finetune_task, cfg.data.seed, run_dir)
     tok = load_tokenizer(run_dir)
     longest = max(len(tok.encode(p["response"]).ids) for p in train + test)
     kw = {
         "until": [STOP],
-        "max_gen_toks": max_gen_tokens(cfg, {"longest_response_tokens": longest}),
+        "max_gen_toks": max_gen_tokens(cfg.finetune, {"longest_response_tokens": longest}),
         "do_sample": False,
     }
     reqs = [Instance("generate_until", {}, (p["prompt"], dict(kw)), i) for i, p in enumerate(test)]

@@ -40,12 +40,13 @@ import jax.numpy as jnp
 from configs.load import parse_overrides
 from configs.specs import load_spec
 from data.cursor import batch_at
+from data.prepare import prepare_data
 from data.store import load_sequences
-from data.text import prepare_data
 from diloco.merge import merge_mean, merge_rda
 from diloco.outer import make_outer_tx, outer_step
 from diloco.tensors import embedding_names, to_numpy
 from diloco.wire import WireFormat
+from training.decoupled.plan import DiLoCoPlan
 from training.decoupled.setup import learner_trainer
 from training.evaluation import heldout_loss, val_batches
 
@@ -85,7 +86,7 @@ def main() -> None:
         prepare_data(cfg, run_dir)
     # The learners' own compiled step: model spec of this data, inner optimizer and its schedule,
     # microbatches (training.decoupled.setup); one Trainer shared by the M learners, as in the pipeline.
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     theta = to_numpy(trainer.init_params())
     params = [trainer.init_params() for _ in range(M)]  # every learner starts at Θ₀
     opt_states = [trainer.init_opt(p) for p in params]

@@ -47,11 +47,12 @@ import jax.numpy as jnp  # noqa: E402
 from configs.load import parse_overrides  # noqa: E402
 from configs.specs import load_spec  # noqa: E402
 from data.cursor import batch_at  # noqa: E402
+from data.prepare import prepare_data  # noqa: E402
 from data.store import load_sequences  # noqa: E402
-from data.text import prepare_data  # noqa: E402
 from diloco.pacing import FairTurns  # noqa: E402
 from run.layout import RunLayout  # noqa: E402
 from run.metrics import read_jsonl  # noqa: E402
+from training.decoupled.plan import DiLoCoPlan  # noqa: E402
 from training.decoupled.setup import learner_attempt, learner_trainer, learner_turns, setup_diloco  # noqa: E402
 from training.decoupled.syncer import run_syncer_to_end  # noqa: E402
 from training.evaluation import heldout_loss, val_batches  # noqa: E402
@@ -59,7 +60,7 @@ from training.evaluation import heldout_loss, val_batches  # noqa: E402
 
 def raw_tokens_per_s(cfg, run_dir: Path, repeats: int) -> tuple[float, float]:
     """(tokens/s, ms/step) of the learner step alone, after warm-up; also compiles the eval step."""
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     seqs = load_sequences(run_dir, "shard_00")
     batches = [jnp.asarray(batch_at(seqs, 0, 0, cfg.diloco.batch_size, cfg.seed + i)[0]) for i in range(4)]
     params = trainer.init_params()
@@ -101,7 +102,7 @@ def run_tokens_per_s(cfg, run_dir: Path, breakdown: bool = False) -> dict:
     out: dict = {}
     turns_log: list[tuple[float, float, float]] = []
     if breakdown:
-        turns = learner_turns(cfg, run_dir)
+        turns = learner_turns(DiLoCoPlan.of(cfg), run_dir)
         if not isinstance(turns, FairTurns):
             raise SystemExit("--breakdown needs the thread engine's turns (diloco.compute_slots ≥ 1)")
         turns.observer = lambda asked, got, released: turns_log.append((asked, got, released))

@@ -431,13 +431,14 @@ class ExperimentConfig(_Strict):
         }
 
 
-def validate_against_model(cfg: ExperimentConfig, n_tensors: int) -> None:
-    """Checks that need the built model: P must not exceed the number of parameter tensors.
+def validate_against_model(diloco: DiLoCoConfig, n_tensors: int) -> None:
+    """Checks that need the built model: P (``diloco.fragments``) must not exceed the number of
+    parameter tensors.
 
     Raises ``ValueError`` naming ``diloco.fragments``.
     """
-    if cfg.diloco.fragments > n_tensors:
+    if diloco.fragments > n_tensors:
         raise ValueError(
-            f"diloco.fragments (P={cfg.diloco.fragments}) exceeds the model's {n_tensors} "
+            f"diloco.fragments (P={diloco.fragments}) exceeds the model's {n_tensors} "
             "parameter tensors; lower diloco.fragments"
         )

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PositiveInt, model_validator
 
 from configs.base import _Strict
+from configs.eval import EvalConfig
 from configs.load import CONFIG_DIR, apply_overrides, config_path, read_config_file, validated
 from configs.schema import ExperimentConfig
 
@@ -258,9 +259,9 @@ def cell_config(spec: SweepSpec, cell: Cell, base_raw: dict | None = None) -> Ex
     return validated(merged, where)
 
 
-def config_digest(cfg: ExperimentConfig | dict) -> str:
-    """sha256 of a resolved config's canonical JSON: a cell's identity for resuming."""
-    data = cfg.model_dump(mode="json") if isinstance(cfg, ExperimentConfig) else cfg
+def config_digest(data: dict) -> str:
+    """sha256 of a resolved config's canonical JSON (``data``: ``model_dump(mode="json")``, or a
+    stored ``config.json``): a cell's identity for resuming."""
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
@@ -282,10 +283,11 @@ def dp_digest(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
-def dp_eval_digest(cfg: ExperimentConfig) -> str:
-    """sha256 of what DP's evaluation depends on: its result (:func:`dp_digest`) and the ``eval``
-    section. Runs with one digest evaluate DP once (``flows.pipeline``'s ``dp_cache``)."""
-    data = {"dp": dp_digest(cfg), "eval": cfg.eval.model_dump(mode="json")}
+def dp_eval_digest(trained: str, eval_cfg: EvalConfig) -> str:
+    """sha256 of what DP's evaluation depends on: its result (``trained``, its :func:`dp_digest`) and
+    the ``eval`` section ``eval_cfg``. Runs with one digest evaluate DP once (``flows.pipeline``'s
+    ``dp_cache``)."""
+    data = {"dp": trained, "eval": eval_cfg.model_dump(mode="json")}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 

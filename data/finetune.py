@@ -56,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from configs.schema import ExperimentConfig
+from configs.data import DataConfig
+from configs.finetune import FinetuneConfig
 from data.sources import EOT
 from run import atomic
 
@@ -391,21 +392,23 @@ def _sample_test(n: int, limit: int | None, seed: int) -> list[int]:
     return sorted(int(i) for i in np.random.default_rng(seed + 1).permutation(n)[:limit])
 
 
-def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pair], list[Pair], dict]:
-    """``(train pairs, test pairs, task info)`` of ``cfg``'s text fine-tuning task (see module doc).
+def text_task_pairs(
+    ft: FinetuneConfig, task: str, split_seed: int, run_dir: str | Path
+) -> tuple[list[Pair], list[Pair], dict]:
+    """``(train pairs, test pairs, task info)`` of the text fine-tuning task ``task``
+    (``cfg.finetune_task``) of the recipe ``ft`` (see module doc); items split and sampled with
+    ``split_seed`` (``data.seed``).
 
     Raises ``ValueError`` when the task has fewer than 8 train or 4 test pairs, plus the loaders'
     errors.
     """
-    ft = cfg.finetune
-    task = cfg.finetune_task
     info: dict[str, Any] = {"name": task, "modality": "text", "primary": "exact_match"}
     if task == "speakers":
         from data.store import load_heldout
 
         docs = load_heldout(run_dir, "finetune")
         pairs = speaker_pairs(docs, ft.speaker_context, ft.speaker_lines)
-        tr, te = split_items(len(pairs), ft.test_fraction, cfg.data.seed, [p["title"] for p in pairs])
+        tr, te = split_items(len(pairs), ft.test_fraction, split_seed, [p["title"] for p in pairs])
         train, test = [pairs[i] for i in tr], [pairs[i] for i in te]
         info["description"] = (
             "name the character who speaks a line of a play held out of pretraining, "
@@ -430,11 +433,11 @@ def text_task_pairs(cfg: ExperimentConfig, run_dir: str | Path) -> tuple[list[Pa
             )
             where = ft.hf_name
         if test is None:
-            tr, te = split_items(len(train), ft.test_fraction, cfg.data.seed)
+            tr, te = split_items(len(train), ft.test_fraction, split_seed)
             train, test = [train[i] for i in tr], [train[i] for i in te]
         info["description"] = f"prompt/response pairs from {where}"
         info["baselines"] = {}
-    test = [test[i] for i in _sample_test(len(test), ft.max_test_items, cfg.data.seed)]
+    test = [test[i] for i in _sample_test(len(test), ft.max_test_items, split_seed)]
     if len(train) < MIN_TRAIN_ITEMS or len(test) < MIN_TEST_ITEMS:
         raise ValueError(
             f"the fine-tuning task {task} has {len(train)} train and {len(test)} test pairs, fewer than "
@@ -469,8 +472,12 @@ def read_pairs(path: str | Path) -> list[Pair]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: str | Path) -> dict:
-    """Build the fine-tuning task's items into ``out_dir`` (``RUN/finetune/data``); returns its manifest.
+def prepare_finetune_data(
+    ft: FinetuneConfig, task: str, data: DataConfig, run_dir: str | Path, out_dir: str | Path
+) -> dict:
+    """Build the items of the fine-tuning task ``task`` (``cfg.finetune_task``) of the recipe ``ft``
+    into ``out_dir`` (``RUN/finetune/data``), from the data prepared in ``run_dir`` by ``data`` (its
+    modality; ``data.seed`` splits and samples the items); returns its manifest.
 
     The manifest holds the task (``name``, ``modality``, ``primary`` metric, ``description``,
     ``train_items``, ``test_items``, ``baselines``), ``row_len`` and the rows' counts (text), a
@@ -482,15 +489,14 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
 
     out_dir = Path(out_dir)
     data_manifest = load_manifest(run_dir)
-    ft = cfg.finetune
-    record = {"finetune": ft.model_dump(mode="json", exclude={"enabled"}), "seed": cfg.data.seed}
-    if cfg.data.modality == "image":
+    record = {"finetune": ft.model_dump(mode="json", exclude={"enabled"}), "seed": data.seed}
+    if data.modality == "image":
         from data.images import load_image_rows
 
         val, test_rows = load_image_rows(run_dir, "val"), load_image_rows(run_dir, "test")
         tr_x, tr_y = rotate_images(np.asarray(val["image"]))
         te_x, te_y = rotate_images(np.asarray(test_rows["image"]))
-        keep = _sample_test(len(te_y), ft.max_test_items, cfg.data.seed)
+        keep = _sample_test(len(te_y), ft.max_test_items, data.seed)
         te_x, te_y = te_x[keep], te_y[keep]
         manifest = {
             "name": "rotation",
@@ -514,7 +520,7 @@ def prepare_finetune_data(cfg: ExperimentConfig, run_dir: str | Path, out_dir: s
 
         tok = load_tokenizer(run_dir)
         eot = int(tok.token_to_id(EOT))
-        train, test, manifest = text_task_pairs(cfg, run_dir)
+        train, test, manifest = text_task_pairs(ft, task, data.seed, run_dir)
         enc_train = [encode_pair(tok, p) for p in train]
         enc_test = [encode_pair(tok, p) for p in test]
         lengths = [len(a) + len(b) + 1 for a, b in enc_train + enc_test]  # + the closing EOT

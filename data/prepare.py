@@ -28,9 +28,10 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     learner count is reused, and a different one raises ``FileExistsError`` unless ``overwrite``.
     """
     if cfg.data.modality == "text":
-        return prepare_text(cfg, run_dir, overwrite=overwrite)
+        eval_rows = cfg.train.eval_batches * cfg.train.eval_batch_size
+        return prepare_text(cfg.data, cfg.diloco.learners, run_dir, overwrite, eval_rows=eval_rows)
     run_dir = Path(run_dir)
-    record = config_record(cfg)
+    record = config_record(cfg.data, cfg.diloco.learners)
     if (run_dir / DATA_DIR).exists() and not overwrite:
         try:
             old = load_manifest(run_dir)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from configs.schema import ExperimentConfig
+from configs.data import DataConfig, TextDataConfig
 from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents, split_documents
 from data.store import load_manifest
 from run import atomic
@@ -123,11 +123,11 @@ def _sequences_dataset(seqs: np.ndarray):
 # ---------------------------------------------------------------------------------------------
 
 
-def config_record(cfg: ExperimentConfig) -> dict:
-    """What determines the data folder: the data section and the number of learners."""
-    d = cfg.data.model_dump(mode="json")
+def config_record(data: DataConfig, learners: int) -> dict:
+    """What determines the data folder: the ``data`` section and the number of ``learners`` (M)."""
+    d = data.model_dump(mode="json")
     d.pop("cache_dir", None)  # where the archive is cached does not change the data
-    return {"data": d, "learners": cfg.diloco.learners}
+    return {"data": d, "learners": learners}
 
 
 def _write_jsonl(path: Path, docs: list[Document]) -> None:
@@ -136,18 +136,21 @@ def _write_jsonl(path: Path, docs: list[Document]) -> None:
             f.write(json.dumps({"title": d["title"], "text": d["text"]}, ensure_ascii=False) + "\n")
 
 
-def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = False) -> dict:
+def prepare_data(
+    dcfg: TextDataConfig, learners: int, run_dir: str | Path, overwrite: bool = False, *, eval_rows: int
+) -> dict:
     """Build ``RUN/data``: tokenizer, packed train/val sequences, M shards, held-out docs, manifest.
 
     Steps: load the corpus (:func:`load_documents`), hold out whole documents
     (:func:`split_documents`), train the BPE on the training split (:func:`train_tokenizer`),
     tokenize and join with EOT, pack into ``[N, seq_len+1]`` int32 rows, and split the training
-    rows round-robin into ``cfg.diloco.learners`` disjoint shards (``Dataset.shard(...,
+    rows round-robin into ``learners`` (M, ``diloco.learners``) disjoint shards (``Dataset.shard(...,
     contiguous=False)``: shard m holds rows m, m+M, m+2M, ...; so every learner sees every
     document's share and shard sizes differ by at most one).
 
     Everything is built in a temporary folder inside ``run_dir`` and renamed to ``RUN/data`` at
-    the end: a failure never leaves a half-written ``RUN/data``.
+    the end: a failure never leaves a half-written ``RUN/data``. ``eval_rows``: the val sequences one
+    held-out evaluation reads (``train.eval_batches × train.eval_batch_size``); fewer are warned about.
 
     If ``RUN/data`` already holds a manifest built from the same data config and learner count,
     it is reused (returned as is). A different or incomplete ``RUN/data`` raises
@@ -179,13 +182,12 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
 
     run_dir = Path(run_dir)
     final = run_dir / DATA_DIR
-    record = config_record(cfg)
+    record = config_record(dcfg, learners)
     old = _reusable_manifest(run_dir, record, overwrite)
     if old is not None:
         return old
 
-    dcfg = cfg.data
-    M = cfg.diloco.learners
+    M = learners
     T = dcfg.seq_len
     datasets.disable_progress_bars()
 
@@ -210,7 +212,7 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
         _lap("save")
         _save_heldout(tmp, splits, split_info)
 
-        manifest = _data_manifest(cfg, info, record, tok, split_info, shards, stages)
+        manifest = _data_manifest(dcfg, M, eval_rows, info, record, tok, split_info, shards, stages)
         manifest["elapsed_s"] = round(time.perf_counter() - t0, 3)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
 
@@ -222,13 +224,14 @@ def prepare_data(cfg: ExperimentConfig, run_dir: str | Path, overwrite: bool = F
     return manifest
 
 
-def _data_manifest(cfg, info: dict, record: dict, tok, split_info: dict, shards: list, stages: dict) -> dict:
+def _data_manifest(
+    dcfg, learners: int, want: int, info: dict, record: dict, tok, split_info: dict, shards: list, stages: dict
+) -> dict:
     """The manifest of :func:`prepare_data` (``elapsed_s`` left None); warns when val holds fewer
-    sequences than one evaluation reads."""
+    sequences than one evaluation reads (``want``)."""
     import datasets
     import tokenizers
 
-    want = cfg.train.eval_batches * cfg.train.eval_batch_size
     if split_info["val"]["sequences"] < want:
         log.warning(
             "val has %d sequences, fewer than train.eval_batches × train.eval_batch_size = %d",
@@ -239,11 +242,11 @@ def _data_manifest(cfg, info: dict, record: dict, tok, split_info: dict, shards:
         **info,
         "config": record,
         "vocab_size": int(tok.get_vocab_size()),
-        "vocab_size_requested": cfg.data.vocab_size,
+        "vocab_size_requested": dcfg.vocab_size,
         "eot_token": EOT,
         "eot_id": int(tok.token_to_id(EOT)),
-        "seq_len": cfg.data.seq_len,
-        "learners": cfg.diloco.learners,
+        "seq_len": dcfg.seq_len,
+        "learners": learners,
         "tokenizer": f"{DATA_DIR}/tokenizer.json",
         "splits": split_info,
         "shards": shards,

@@ -110,7 +110,7 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     from run.atomic import write_json
 
     dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    key, layout = dp_eval_digest(cfg), RunLayout(rd)
+    key, layout = dp_eval_digest(dp_digest(cfg), cfg.eval), RunLayout(rd)
     dp_cache.evaluation_lock(key).parent.mkdir(parents=True, exist_ok=True)
     entry, flat, outputs = (
         dp_cache.evaluation(key),

@@ -75,7 +75,7 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
         raise ValueError(
             f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a new --run-dir"
         ) from None
-    if old != config_record(cfg):
+    if old != config_record(cfg.data, cfg.diloco.learners):
         raise ValueError(
             f"run directory {path} holds data built from another data config or learner count; choose a new --run-dir"
         )
@@ -103,7 +103,7 @@ def check_model(cfg: ExperimentConfig, shape=None) -> int:
     except ValueError as exc:  # e.g. a patch size that does not divide the images
         raise ValueError(f"model ({cfg.model.kind}) does not fit the data: {exc}") from None
     n = len(params_of(nnx.eval_shape(lambda: spec.init(0))))
-    validate_against_model(cfg, n)
+    validate_against_model(cfg.diloco, n)
     return n
 
 
@@ -637,7 +637,7 @@ def _first_difference(old: dict, new: dict) -> str:
 def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path) -> PlannedCell:
     """A cell's action: ``run`` in a new folder, ``skip`` a completed run of this config with its
     results, ``rerun`` anything else; a completed run of another config is refused."""
-    digest = config_digest(cfg)
+    digest = config_digest(cfg.model_dump(mode="json"))
     if not run_dir.exists():
         check_run_dir(run_dir)
         return PlannedCell(cell, cfg, run_dir, digest, "run")
@@ -886,7 +886,7 @@ def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace:
                 "again (its earlier results are deleted once the new ones are written)"
                 + (", or another --name" if named else "")
             )
-    recipe = finetune_record(cfg)
+    recipe = finetune_record(cfg.finetune, cfg.seed)
     for m in layout.methods("finetune"):
         if m in plan or not layout.summary("finetune", m).is_file():
             continue
@@ -946,7 +946,7 @@ def finetune_preflight(
     from data.store import load_manifest
     from training.common import input_shape
 
-    check_lora_targets(cfg, input_shape(cfg, load_manifest(rd)))
+    check_lora_targets(cfg, input_shape(cfg.data, load_manifest(rd)))
     if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
         raise ValueError(
             f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "

@@ -403,7 +403,7 @@ def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
 
     ensure_fresh(rd, "pretrain", "dp")
     if config.chaos.against_dp:
-        save_chaos_schedule(config, rd)
+        save_chaos_schedule(config.chaos_schedule(), rd)
     prepare_job(config.model_dump_json(), rd)
     origin = time.time()
     clock = EpochClock(origin)
@@ -415,7 +415,7 @@ def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
         config.dp_batch_size,
     )
     with engine_session(config), task_runner_for(config) as runner:
-        launch = launcher(config, rd, runner, clock, dp_progress(config, str(rd)))
+        launch = launcher(config, rd, runner, clock, dp_progress(str(rd), config.name, config.unit))
         summary = run_job(config, rd, launch, clock, origin)
     write_json(RunLayout(rd).summary("pretrain", "dp"), summary)
     return summary

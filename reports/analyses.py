@@ -26,7 +26,7 @@ from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
 from reports.read import MethodRecords
-from reports.wire import BYTE_ROWS, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
+from reports.wire import BYTE_ROWS, ByteSettings, allreduce_bytes, byte_cell, fragments, syncer_bytes, wire_format
 from run.layout import STAGES
 
 if TYPE_CHECKING:
@@ -342,7 +342,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: Experim
         fig = method_figures(rec, notes)
         fig["kind"] = kind
         fig["budget"] = budget_figure(rec.summary, who if first else f"{who} {stage_label(stage).lower()}")
-        cfg = config if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
+        cfg = ByteSettings.of(config) if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
         if kind == "syncer":
             headline_who = who if first else f"{who} {stage_label(stage).lower()}"
             fig.update(
@@ -351,7 +351,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: Experim
                     rec.summary,
                     rec.merges,
                     rec.events,
-                    fragments(cfg, rec.summary),
+                    fragments(cfg and cfg.diloco, rec.summary),
                     rec.files,
                     notes,
                     headline_who,
@@ -359,7 +359,7 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: Experim
             )
             fig["bytes"] = syncer_bytes(cfg, rec.summary, rec.merges, rec.files, notes, who)
         elif kind == "allreduce":
-            fig["bytes"] = allreduce_bytes(config, rec.summary, notes, who)
+            fig["bytes"] = allreduce_bytes(config.diloco.learners if config else None, rec.summary, notes, who)
         else:
             fig["bytes"] = syncer_bytes(None, rec.summary, None, rec.files, notes, who, kind="plain")
         methods[m] = fig
@@ -443,7 +443,7 @@ def setup(config: ExperimentConfig | None) -> dict:
             f"{d.grace_s} s until step times are measured)"
         ),
         "merge rule": d.merge,
-        "wire format (learner→syncer; syncer→learner is float32)": wire_format(config, None),
+        "wire format (learner→syncer; syncer→learner is float32)": wire_format(config.diloco, None),
         f"budget per method ({unit})": config.train.token_budget,
         "data source": config.data.source,
         "sequence length (tokens)": config.data.seq_len if text else None,

@@ -7,14 +7,32 @@ what: ``reports.common.BYTES_CONVENTION``; docs/report.md ("Bytes on the wire").
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from reports.common import NOT_RUN, nested, num
 
 if TYPE_CHECKING:
+    from configs.methods import DiLoCoConfig
     from configs.schema import ExperimentConfig
 
 NO_SYNCER = "n/a (no syncer)"
+
+
+@dataclass(frozen=True)
+class ByteSettings:
+    """What a learners-and-syncer method's byte figures read of the run's config: the ``diloco``
+    section (M, P, the wire format) and DP's ring, to compare with: ``dp.workers`` (W) and the
+    budget units of one DP step (``tokens_per_dp_step``: DP's batch × ``data.seq_len``; images: × 1)."""
+
+    diloco: DiLoCoConfig
+    dp_workers: int
+    tokens_per_dp_step: int
+
+    @classmethod
+    def of(cls, config: ExperimentConfig | None) -> ByteSettings | None:
+        """``config``'s settings; None without a config."""
+        return None if config is None else cls(config.diloco, config.dp.workers, config.tokens_per_dp_step)
 
 
 def _div(x: float | int | None, n: int | None) -> float | int | None:
@@ -32,27 +50,27 @@ def _count(value: int | None, summary: dict | None, hp_key: str) -> int | None:
     return int(v) if v else None
 
 
-def fragments(config: ExperimentConfig | None, summary: dict | None) -> int | None:
-    """P, the number of fragments: ``diloco.fragments`` of the run's config, else the summary."""
-    p = _count(config.diloco.fragments if config else None, summary, "fragments (P)")
+def fragments(diloco: DiLoCoConfig | None, summary: dict | None) -> int | None:
+    """P, the number of fragments: ``diloco.fragments`` of the run's config (``diloco``), else the summary."""
+    p = _count(diloco.fragments if diloco else None, summary, "fragments (P)")
     if p is None and summary is not None and isinstance(summary.get("fragment_bytes"), list):
         p = len(summary["fragment_bytes"]) or None
     return p
 
 
-def wire_format(config: ExperimentConfig | None, summary: dict | None) -> str | None:
+def wire_format(diloco: DiLoCoConfig | None, summary: dict | None) -> str | None:
     """The learners' wire format (``diloco.wire``, e.g. ``int4`` or ``int4:64``): from the run's
-    config, else the summary's hyperparameter; ``float32`` for a config from before wire formats
-    (its ``diloco`` section does not set ``wire``)."""
-    if config is not None and "wire" in config.diloco.model_fields_set:
-        return config.diloco.wire.spec
+    config's ``diloco`` section, else the summary's hyperparameter; ``float32`` for a config from
+    before wire formats (its ``diloco`` section does not set ``wire``)."""
+    if diloco is not None and "wire" in diloco.model_fields_set:
+        return diloco.wire.spec
     hp = nested(summary, ("hyperparameters", "wire format (learner→syncer)"))
     if hp is not None:
         return str(hp)
-    return "float32" if config is not None else None
+    return "float32" if diloco is not None else None
 
 
-def dp_allreduce_per_token(config: ExperimentConfig | None, summary: dict | None) -> dict | None:
+def dp_allreduce_per_token(settings: ByteSettings | None, summary: dict | None) -> dict | None:
     """What DP's per-step ring all-reduce of this model's float32 gradient sends per token: 2(W−1) × G
     bytes a step (W = ``dp.workers``; G = 4 × the summary's ``params``, else the sum of its
     ``fragment_bytes``) over DP's batch × ``units_per_row`` (``data.seq_len`` tokens; images: 1).
@@ -60,16 +78,16 @@ def dp_allreduce_per_token(config: ExperimentConfig | None, summary: dict | None
     params = num(nested(summary, ("params",)))
     frag = summary.get("fragment_bytes") if summary else None
     G = 4 * int(params) if params else (sum(frag) if isinstance(frag, list) and frag else None)
-    if not (G and config is not None):
+    if not (G and settings is not None):
         return None
-    W = config.dp.workers
+    W = settings.dp_workers
     per_step = 2 * (W - 1) * G
-    tokens = config.dp_batch_size * config.units_per_row
+    tokens = settings.tokens_per_dp_step
     return {"sent_per_token": per_step / tokens, "workers": W, "gradient_bytes": int(G), "tokens_per_step": tokens}
 
 
 def syncer_bytes(
-    config: ExperimentConfig | None,
+    settings: ByteSettings | None,
     summary: dict | None,
     merges: list[dict] | None,
     files: dict[str, str],
@@ -83,7 +101,7 @@ def syncer_bytes(
     ``*_recorded`` in how many; without a log the summary's ``bytes_merged``); ``sent_per_token``;
     a syncer method (``kind`` "syncer", not "plain") also ``wire``, ``dp_allreduce``
     (:func:`dp_allreduce_per_token`) and ``sent_vs_dp`` (DP's sent per token ÷ this method's)."""
-    M = _count(config.diloco.learners if config else None, summary, "learners (M)")
+    M = _count(settings.diloco.learners if settings else None, summary, "learners (M)")
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None
     fig: dict[str, Any] = {
@@ -99,8 +117,8 @@ def syncer_bytes(
         "merge_records": len(merges or []),
     }
     if kind == "syncer":
-        fig["wire"] = wire_format(config, summary)
-        fig["dp_allreduce"] = dp_allreduce_per_token(config, summary)
+        fig["wire"] = wire_format(settings.diloco if settings else None, summary)
+        fig["dp_allreduce"] = dp_allreduce_per_token(settings, summary)
         dp = fig["dp_allreduce"]
         fig["sent_vs_dp"] = dp["sent_per_token"] / fig["sent_per_token"] if dp and fig["sent_per_token"] else None
     for key, name in (("merged_in", "bytes_in"), ("published_out", "bytes_out")):
@@ -119,15 +137,15 @@ def syncer_bytes(
     return fig
 
 
-def allreduce_bytes(config: ExperimentConfig | None, summary: dict | None, notes: list[str], who: str) -> dict:
+def allreduce_bytes(learners: int | None, summary: dict | None, notes: list[str], who: str) -> dict:
     """A data-parallel method's byte figures (the ring all-reduce of the gradient, all workers):
     ``sent`` = summary ``bytes_to_syncer``, ``received`` = ``bytes_from_syncer``, ``total`` = their
     sum (= ``allreduce_bytes``); a summary with only ``allreduce_bytes`` is split evenly. Per worker
     = ÷ W (hyperparameter ``simulated workers``, or ``hosts`` for a job of several hosts, else
-    ``diloco.learners``)."""
+    ``learners``: the config's ``diloco.learners``, None without a config)."""
     hp = ("hyperparameters",)
     W = num(nested(summary, (*hp, "simulated workers"))) or num(nested(summary, (*hp, "hosts")))
-    W = W or (config.diloco.learners if config else None)
+    W = W or learners
     W = int(W) if W else None
     sent = num(summary.get("bytes_to_syncer")) if summary else None
     received = num(summary.get("bytes_from_syncer")) if summary else None

@@ -69,6 +69,6 @@ def _track_hparams(run_dir: Path, report: dict) -> None:
 
     try:
         cfg = stored_config(json.loads(RunLayout(run_dir).config.read_text()))
-        run_hparams(cfg, run_dir, report_figures(report))
+        run_hparams(cfg.tracking, cfg.model_dump(mode="json"), run_dir, report_figures(report))
     except Exception as exc:  # noqa: BLE001 - tracking never fails a stage
         get_run_logger().warning("TensorBoard HParams not written for %s: %s: %s", run_dir, type(exc).__name__, exc)

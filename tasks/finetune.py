@@ -27,7 +27,9 @@ def finetune_task_name(parameters: dict) -> str:
 def finetune_data_task(cfg: ExperimentConfig, run_dir: str) -> dict:
     from data.finetune import prepare_finetune_data
 
-    task_info = prepare_finetune_data(cfg, run_dir, RunLayout(run_dir).finetune_data)
+    task_info = prepare_finetune_data(
+        cfg.finetune, cfg.finetune_task, cfg.data, run_dir, RunLayout(run_dir).finetune_data
+    )
     get_run_logger().info(
         "fine-tuning task %s: %d train, %d test items%s",
         task_info["name"],
@@ -65,9 +67,11 @@ def evaluate_finetune_task(
     cfg: ExperimentConfig, run_dir: str, method: str, task_info: dict, checkpoint: str | None = None
 ) -> dict:
     """Score ``method`` on the task before and after fine-tuning (``training.finetune.evaluate_finetune``)."""
-    from training.finetune import evaluate_finetune
+    from training.finetune import FinetunePlan, evaluate_finetune
 
-    result = evaluate_finetune(cfg, run_dir, method, task_info, Path(checkpoint) if checkpoint else None)
+    result = evaluate_finetune(
+        FinetunePlan.of(cfg), run_dir, method, task_info, Path(checkpoint) if checkpoint else None
+    )
     primary = result["task"]["primary"]
     after = [r["metrics"][primary] for r in result["finetuned"]]
     get_run_logger().info(

@@ -80,9 +80,10 @@ def syncer_task(config: ExperimentConfig, run_dir: str) -> dict:
         run.close_logs()
 
 
-def dp_progress(config: ExperimentConfig, run_dir: str):
+def dp_progress(run_dir: str, name: str, unit: str):
     """The DP job's reporter, ``progress(tokens, total, train_loss, heldout_loss)``: a progress line,
-    the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)."""
+    the ``dp-progress`` progress artifact (%) and the live chart (``reports.artifacts.publish_live_chart``)
+    of the run ``name`` whose budget counts ``unit`` (tokens, or images)."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     from reports.artifacts import artifact_key, publish_live_chart, run_slug
@@ -90,12 +91,12 @@ def dp_progress(config: ExperimentConfig, run_dir: str):
 
     logger = get_run_logger()
     progress_id = create_progress_artifact(
-        0.0, key=artifact_key("dp-progress", run_slug(run_dir)), description=f"DP {config.unit} (%)"
+        0.0, key=artifact_key("dp-progress", run_slug(run_dir)), description=f"DP {unit} (%)"
     )
 
     def progress(tokens, total, loss, val):
         logger.info(
-            f"dp: {config.unit} %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
+            f"dp: {unit} %s/%s (%.0f%%)  train loss %.3f  held-out loss %.3f",
             f"{tokens:,}",
             f"{total:,}",
             100 * tokens / total,
@@ -103,8 +104,8 @@ def dp_progress(config: ExperimentConfig, run_dir: str):
             val,
         )
         update_progress_artifact(progress_id, 100.0 * tokens / total)
-        report_progress(Progress("dp", int(tokens), int(total), config.unit, train_loss=loss, heldout_loss=val))
-        publish_live_chart(run_dir, config.name, config.unit)  # DP beside DiLoCo, as its progress lines do
+        report_progress(Progress("dp", int(tokens), int(total), unit, train_loss=loss, heldout_loss=val))
+        publish_live_chart(run_dir, name, unit)  # DP beside DiLoCo, as its progress lines do
 
     return progress
 
@@ -113,7 +114,7 @@ def dp_progress(config: ExperimentConfig, run_dir: str):
 def dp_task(config: ExperimentConfig, run_dir: str) -> dict:
     """The DP baseline in this process (``training.dp.train_dp``, ``dp.hosts`` 1); writes its summary.
     At each evaluation, :func:`dp_progress`."""
-    summary = train_dp(config, Path(run_dir), dp_progress(config, run_dir))
+    summary = train_dp(config, Path(run_dir), dp_progress(run_dir, config.name, config.unit))
     write_json(RunLayout(run_dir).summary("pretrain", "dp"), summary)
     return summary
 

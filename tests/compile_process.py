@@ -28,6 +28,7 @@ jax.monitoring.register_event_listener(lambda name, **kw: EVENTS.update([name]))
 from data.cursor import batch_at  # noqa: E402
 from data.prepare import load_rows  # noqa: E402
 from training import xla  # noqa: E402
+from training.decoupled.plan import DiLoCoPlan  # noqa: E402
 from training.decoupled.setup import learner_trainer, warm_compilation_cache  # noqa: E402
 from training.evaluation import heldout_metrics, val_batches  # noqa: E402
 from training.mesh import learner_devices  # noqa: E402
@@ -39,7 +40,7 @@ if __name__ == "__main__":
     if sys.argv[2] == "warm":
         warm_compilation_cache(cfg, run_dir)
     else:
-        trainer = learner_trainer(cfg, run_dir, learner_devices(1, cfg.runtime.devices_per_learner))
+        trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir, learner_devices(1, cfg.runtime.devices_per_learner))
         params = trainer.init_params()
         opt = trainer.init_opt(params)
         heldout_metrics(trainer.evaluate, params, val_batches(load_rows(run_dir, "val"), 1, cfg.train.eval_batch_size))

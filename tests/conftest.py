@@ -44,7 +44,7 @@ def small_cfg():
 def small_data(tmp_path_factory, small_cfg):
     """A run directory with :func:`small_cfg`'s data prepared once per session (copy it before
     training into it)."""
-    from data.text import prepare_data
+    from data.prepare import prepare_data
 
     run_dir = tmp_path_factory.mktemp("small-data")
     prepare_data(small_cfg, run_dir)
@@ -91,10 +91,10 @@ def jsonl_finetune_run(small_cfg, small_data, tmp_path, **finetune):
     save_checkpoint(
         layout.checkpoints("pretrain", "dp"),
         1,
-        nest(params_of(model_spec(cfg, run_dir).init(cfg.seed))),
+        nest(params_of(model_spec(cfg.model, cfg.data, cfg.runtime, run_dir).init(cfg.seed))),
         {"method": "dp"},
     )
-    task = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+    task = prepare_finetune_data(cfg.finetune, cfg.finetune_task, cfg.data, run_dir, layout.finetune_data)
     return cfg, run_dir, layout, task
 
 

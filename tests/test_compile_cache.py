@@ -36,17 +36,17 @@ def test_where_the_cache_lives(tmp_path, monkeypatch):
 
     monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
     cfg = load_spec("config", ROOT / "configs" / "tiny.yaml", {})
-    assert compilation_cache_dir(cfg, tmp_path) == tmp_path / "cache" / "xla"
+    assert compilation_cache_dir(cfg.runtime, tmp_path) == tmp_path / "cache" / "xla"
     # the seeds of a run of several share the run's cache: they compile the same steps
     assert RunLayout(tmp_path / "seeds" / "seed-1").compile_cache == tmp_path / "cache" / "xla"
     shared = load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": "~/xla-cache"})
-    assert compilation_cache_dir(shared, tmp_path) == Path("~/xla-cache").expanduser()
+    assert compilation_cache_dir(shared.runtime, tmp_path) == Path("~/xla-cache").expanduser()
     off = load_spec("config", ROOT / "configs" / "tiny.yaml", {"runtime.compilation_cache": None})
-    assert compilation_cache_dir(off, tmp_path) is None
+    assert compilation_cache_dir(off.runtime, tmp_path) is None
     # a cache the environment names (the user's, or the test suite's) is the one "run" uses
     monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "mine"))
-    assert compilation_cache_dir(cfg, tmp_path) == tmp_path / "mine"
-    assert compilation_cache_dir(off, tmp_path) is None
+    assert compilation_cache_dir(cfg.runtime, tmp_path) == tmp_path / "mine"
+    assert compilation_cache_dir(off.runtime, tmp_path) is None
 
 
 def _compile_in_a_process(inputs: Path, what: str) -> dict:

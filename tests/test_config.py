@@ -124,7 +124,7 @@ def test_a_run_from_before_chaos_events_still_loads():
 def test_too_many_fragments_for_the_model():
     cfg = ExperimentConfig.model_validate({"diloco": {"fragments": 500}})
     with pytest.raises(ValueError, match="diloco.fragments"):
-        validate_against_model(cfg, n_tensors=20)
+        validate_against_model(cfg.diloco, n_tensors=20)
 
 
 @pytest.mark.process

@@ -21,6 +21,7 @@ import data.text as T
 from configs.data import TextDataConfig
 from configs.methods import DiLoCoConfig
 from configs.schema import ExperimentConfig
+from data.prepare import prepare_data
 
 WORDS = [
     "the",
@@ -102,7 +103,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     cfg = _cfg(_write_txt_corpus(root))
     run = tmp_path_factory.mktemp("run")
-    manifest = T.prepare_data(cfg, run)
+    manifest = prepare_data(cfg, run)
     return cfg, run, manifest
 
 
@@ -327,7 +328,7 @@ def test_heldout_and_tokenizer_trained_on_train_only(built):
     for d in val + test:  # byte-level: held-out text round-trips even with unseen merges
         assert tok.decode(tok.encode(d["text"]).ids) == d["text"]
     # Same config and seed → the same tokenizer and split (deterministic rebuild).
-    again = T.prepare_data(cfg, run.parent / "again")
+    again = prepare_data(cfg, run.parent / "again")
     assert again["splits"] == m["splits"]
     tok_json = (run / "data/tokenizer.json").read_text()
     assert (run.parent / "again/data/tokenizer.json").read_text() == tok_json
@@ -335,18 +336,18 @@ def test_heldout_and_tokenizer_trained_on_train_only(built):
 
 def test_rerun_reuses_or_refuses(built, tmp_path):
     cfg, run, m = built
-    assert T.prepare_data(cfg, run) == m  # same config: reused, nothing rebuilt
+    assert prepare_data(cfg, run) == m  # same config: reused, nothing rebuilt
     other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": 8})})
     with pytest.raises(FileExistsError, match=r"data"):
-        T.prepare_data(other, run)
+        prepare_data(other, run)
 
 
 def test_overwrite_replaces(tmp_path):
     cfg = _cfg(_write_txt_corpus(tmp_path / "c"))
     run = tmp_path / "run"
-    T.prepare_data(cfg, run)
+    prepare_data(cfg, run)
     other = cfg.model_copy(update={"data": cfg.data.model_copy(update={"seq_len": 8})})
-    m = T.prepare_data(other, run, overwrite=True)
+    m = prepare_data(other, run, overwrite=True)
     assert m["seq_len"] == 8 and St.load_sequences(run, "train").shape[1] == 9
     assert sorted(p.name for p in run.iterdir()) == ["data"]
 
@@ -360,7 +361,7 @@ def test_failure_midway_leaves_no_data_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(T, "_write_jsonl", boom)
     with pytest.raises(RuntimeError, match="disk full"):
-        T.prepare_data(cfg, run)
+        prepare_data(cfg, run)
     assert list(run.iterdir()) == []
 
 
@@ -372,7 +373,7 @@ def test_val_too_short_is_an_error(tmp_path):
     docs = S.read_local([str(p) for p in paths + [tiny]])
     seed = next(s for s in range(100) if T.split_documents(docs, 1, 1, s)["val"][0]["title"] == "tiny.txt")
     with pytest.raises(ValueError, match=r"val split.*data\.seq_len"):
-        T.prepare_data(_cfg(paths + [tiny], seed=seed), tmp_path / "run")
+        prepare_data(_cfg(paths + [tiny], seed=seed), tmp_path / "run")
     assert not (tmp_path / "run" / "data").exists()
 
 

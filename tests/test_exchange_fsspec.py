@@ -370,12 +370,12 @@ def test_a_relative_exchange_url_means_the_same_folder_in_every_process(tmp_path
         ("memory://m", None),
     ):
         cfg = load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": given})
-        got = exchange_url(cfg, tmp_path / "runs" / "R")
+        got = exchange_url(cfg.runtime, tmp_path / "runs" / "R")
         assert got == (str(expected / "R") if expected else f"{given}/R"), given
         fixed = with_absolute_exchange(cfg)  # what the flow hands its tasks
         assert fixed.runtime.exchange_url == (str(expected) if expected else given)
         monkeypatch.chdir(tmp_path / "runs" if (tmp_path / "runs").is_dir() else tmp_path.parent)  # a worker elsewhere
-        assert exchange_url(fixed, tmp_path / "runs" / "R") == got, given
+        assert exchange_url(fixed.runtime, tmp_path / "runs" / "R") == got, given
         monkeypatch.chdir(tmp_path)
 
 

@@ -208,16 +208,23 @@ def test_a_lora_run_changes_only_the_adapters(small_cfg, small_data, tmp_path):
     every adapter B moved; the saved model is base + A·B."""
     from tests.conftest import jsonl_finetune_run
     from training.common import model_spec
-    from training.finetune import finetune_run
+    from training.finetune import FinetunePlan, finetune_run
     from training.functional import params_of
 
     cfg, run_dir, layout, task = jsonl_finetune_run(
         small_cfg, small_data, tmp_path, mode="lora", lora_rank=2, steps=6, eval_every_steps=3
     )
-    pretrained = params_of(model_spec(cfg, run_dir).init(cfg.seed))  # what the checkpoint holds
+    # what the checkpoint holds
+    pretrained = params_of(model_spec(cfg.model, cfg.data, cfg.runtime, run_dir).init(cfg.seed))
     assert task["train_items"] == 32 and task["test_items"] == 8
     rec = finetune_run(
-        cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0, keep_params=True
+        FinetunePlan.of(cfg),
+        run_dir,
+        layout.checkpoints("pretrain", "dp"),
+        layout.finetune_data,
+        task,
+        seed=0,
+        keep_params=True,
     )
     assert rec["steps"] == 6 and rec["fresh"] == [] and len(rec["adapted"]) == 5 * cfg.model.n_layers
     assert all(k.endswith(("lora_a", "lora_b")) for k in rec["state"])
@@ -272,11 +279,15 @@ def _fake_run(small_cfg, small_data, tmp_path):
 
     rd, layout = _pretrained_run(small_cfg, small_data, tmp_path)
     ft_cfg = small_cfg.model_copy(update={"finetune": small_cfg.finetune.model_copy(update={"enabled": True})})
-    prepare_finetune_data(ft_cfg, rd, layout.finetune_data)  # the task's items of that recipe
+    prepare_finetune_data(
+        ft_cfg.finetune, ft_cfg.finetune_task, ft_cfg.data, rd, layout.finetune_data
+    )  # the task's items of that recipe
     for m in ("diloco", "dp"):
         layout.metrics("finetune", m, "train").parent.mkdir(parents=True)
         layout.metrics("finetune", m, "train").write_text("")
-        layout.summary("finetune", m).write_text(json.dumps({"finetune_config": finetune_record(small_cfg)}))
+        layout.summary("finetune", m).write_text(
+            json.dumps({"finetune_config": finetune_record(small_cfg.finetune, small_cfg.seed)})
+        )
         layout.eval_result("finetune", m).parent.mkdir(parents=True, exist_ok=True)
         layout.eval_result("finetune", m).write_text(json.dumps({"method": m}))
     return rd, layout
@@ -365,7 +376,7 @@ def test_a_failed_replace_with_another_recipe_restores_the_task_data(small_cfg, 
     seen = {}
 
     def data_task(cfg, run_dir):  # the real data step (the task without Prefect's wrapper)
-        out = prepare_finetune_data(cfg, run_dir, layout.finetune_data)
+        out = prepare_finetune_data(cfg.finetune, cfg.finetune_task, cfg.data, run_dir, layout.finetune_data)
         seen["manifest"] = json.loads((layout.finetune_data / "manifest.json").read_text())
         return out
 

@@ -147,7 +147,9 @@ def test_a_batch_without_a_target_token_is_skipped_and_counted(small_cfg, small_
     assert data["mask"].sum() == 0
     # every batch empty: refused, naming what to fix
     with pytest.raises(ValueError, match="no target token"):
-        T.finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0)
+        T.finetune_run(
+            T.FinetunePlan.of(cfg), run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0
+        )
     # one batch of two empty: skipped and counted, the other trained
     with np.load(layout.finetune_data / "test.npz") as z:
         good = z["mask"][:1].copy()
@@ -165,7 +167,9 @@ def test_a_batch_without_a_target_token_is_skipped_and_counted(small_cfg, small_
         )[1]
 
     monkeypatch.setattr(T, "make_train_step", spy)
-    rec = T.finetune_run(cfg, run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0)
+    rec = T.finetune_run(
+        T.FinetunePlan.of(cfg), run_dir, layout.checkpoints("pretrain", "dp"), layout.finetune_data, task, seed=0
+    )
     assert rec["steps"] == 2 and rec["skipped_empty_batches"] == 1
     assert len(seen) == 1 and seen[0] > 0  # only the batch with targets reached the step
 
@@ -220,7 +224,14 @@ def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_al
     naming both values, by a model with another rank or α."""
     from models.layers.lora import add_lora
     from training.checkpoint import CheckpointError, load_meta
-    from training.finetune import finetune_method, finetune_spec, load_adapters, load_pretrained, model_with
+    from training.finetune import (
+        FinetunePlan,
+        finetune_method,
+        finetune_spec,
+        load_adapters,
+        load_pretrained,
+        model_with,
+    )
     from training.functional import Functional
 
     cfg, run_dir, layout, task = jsonl_finetune_run(
@@ -236,9 +247,9 @@ def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_al
     assert summary["runs"][0]["adapters"] == "finetune/dp/adapters"
     assert summary["recipe"]["lora_alpha"] == 8.0
 
-    spec = finetune_spec(cfg, run_dir, task)
+    spec = finetune_spec(FinetunePlan.of(cfg), run_dir, task)
     ids = jnp.asarray(F.load_finetune_rows(layout.finetune_data, "test")["ids"][:2, :-1])
-    model, _, _ = load_pretrained(cfg, run_dir, layout.checkpoints("pretrain", "dp"), spec, 0)
+    model, _, _ = load_pretrained(FinetunePlan.of(cfg), run_dir, layout.checkpoints("pretrain", "dp"), spec, 0)
     add_lora(model, 2, ["qkv", "down"], nnx.Rngs(5), alpha=8)
     load_adapters(adapters, model)
     merged = model_with(spec, {})
@@ -249,7 +260,7 @@ def test_a_lora_run_writes_an_adapter_checkpoint_that_refuses_another_rank_or_al
     assert any(np.abs(np.asarray(v)).max() > 0 for k, v in Functional.of(model)[1].items() if k.endswith("lora_b"))
 
     for rank, alpha, words in ((4, 8, ["rank 4", "rank 2"]), (2, 2, ["α 2.0", "α 8.0"])):
-        other, _, _ = load_pretrained(cfg, run_dir, layout.checkpoints("pretrain", "dp"), spec, 0)
+        other, _, _ = load_pretrained(FinetunePlan.of(cfg), run_dir, layout.checkpoints("pretrain", "dp"), spec, 0)
         add_lora(other, rank, ["qkv", "down"], nnx.Rngs(5), alpha=alpha)
         with pytest.raises(CheckpointError) as err:
             load_adapters(adapters, other)

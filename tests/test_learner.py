@@ -46,6 +46,21 @@ def tiny_trainer(tx=None, microbatches=1) -> Trainer:
     return Trainer(spec, tx or optax.adam(1e-2), microbatches, seed=0)
 
 
+# -- the plan a run's learners and syncer read --------------------------------------------------------
+def test_the_plan_holds_the_derived_values_by_hand():
+    """tiny.yaml: M 3 learners of batch 4 × seq_len 32 = 128 tokens a step; a budget of 24,576 tokens is
+    64 DP steps of 12 × 32 = 384 tokens (24,576 exactly), so 64 inner steps each (24,576 / (3 × 128));
+    the plan's fault events are the config's."""
+    from training.decoupled.plan import DiLoCoPlan
+
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", {"chaos.events": [{"kind": "fail", "learner": 1, "at_step": 3}]})
+    plan = DiLoCoPlan.of(cfg)
+    assert (plan.tokens_per_learner_step, plan.learner_steps, plan.token_budget) == (128, 64, 24576)
+    assert (plan.learner_microbatches, plan.learner_processes, plan.unit) == (1, False, "tokens")
+    assert [(e.kind, e.learner, e.at_step) for e in plan.fault_events] == [("fail", 1, 3)]
+    assert plan.diloco is cfg.diloco and plan == DiLoCoPlan.of(cfg)  # one key per config (compiled steps)
+
+
 # -- receipt rules ---------------------------------------------------------------------------------
 def test_receipt_rules_by_hand():
     got = {"w": np.array([4.0, 8.0], np.float32)}  # Θ from the syncer
@@ -418,7 +433,7 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
 # -- a learner from plain inputs in a fresh process ------------------------------------------------
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    from data.text import prepare_data
+    from data.prepare import prepare_data
 
     cfg = load_config(
         ROOT / "configs" / "tiny.yaml",
@@ -441,6 +456,7 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
     (SIGKILL) part-way; the retry, in another fresh process, resumes at the last saved step with
     exactly the saved optimizer state (moments and counts), not a fresh one."""
     from training.checkpoint import OrbaxResumeStore, latest_step
+    from training.decoupled.plan import DiLoCoPlan
     from training.decoupled.setup import learner_trainer
 
     cfg, run_dir = small_run
@@ -472,7 +488,7 @@ def test_learner_resumes_in_a_fresh_process_with_its_adam_moments(small_run, tmp
         first.wait(30)
 
     saved_step = latest_step(resume_dir)
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     template = trainer.init_opt(trainer.init_params())
     saved = OrbaxResumeStore(resume_dir).load(template)
     assert saved.step == saved_step >= 15 and saved.step % 5 == 0
@@ -535,7 +551,7 @@ def _mlp_objective(model, batch):
 def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     """Registering a kind (its module, objective and builder) is all it takes: the DiLoCo learner,
     the syncer and the DP loop train it unchanged, and its extra metric reaches the learner log."""
-    from data.text import prepare_data
+    from data.prepare import prepare_data
     from run.atomic import write_json
     from training.common import token_budget
     from training.decoupled.setup import learner_attempt, setup_diloco

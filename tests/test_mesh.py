@@ -201,13 +201,14 @@ def test_thread_learners_take_turns_per_accelerator_slice_but_all_together_on_cp
     round onto one GPU share its turns; CPU devices are the same cores: one set of turns for all."""
     from types import SimpleNamespace
 
+    from training.decoupled.plan import DiLoCoPlan
     from training.decoupled.setup import learner_turns
 
     gpu = [SimpleNamespace(platform="gpu", id=i) for i in range(2)]
     cpu = [SimpleNamespace(platform="cpu", id=i) for i in range(2)]
-    run = tmp_path / "run"
-    on_gpu = [learner_turns(small_cfg, run, [gpu[m % 2]]) for m in range(3)]
+    run, plan = tmp_path / "run", DiLoCoPlan.of(small_cfg)
+    on_gpu = [learner_turns(plan, run, [gpu[m % 2]]) for m in range(3)]
     assert on_gpu[0] is not on_gpu[1] and on_gpu[0] is on_gpu[2]  # learner 2 shares GPU 0 with learner 0
-    on_cpu = [learner_turns(small_cfg, tmp_path / "other", [cpu[m % 2]]) for m in range(3)]
-    assert on_cpu[0] is on_cpu[1] is on_cpu[2] is learner_turns(small_cfg, tmp_path / "other")
+    on_cpu = [learner_turns(plan, tmp_path / "other", [cpu[m % 2]]) for m in range(3)]
+    assert on_cpu[0] is on_cpu[1] is on_cpu[2] is learner_turns(plan, tmp_path / "other")
     assert on_cpu[0] is not None and on_gpu[0] is not on_cpu[0]

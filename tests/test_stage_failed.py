@@ -82,6 +82,7 @@ def test_a_learner_that_fails_before_its_first_step_is_a_failure(small_cfg, smal
 
     from configs.schema import ExperimentConfig
     from reports.learners import learner_failures, learner_table
+    from training.decoupled.plan import DiLoCoPlan
     from training.decoupled.setup import initial_exchange, learner_attempt
 
     run_dir = tmp_path / "run"
@@ -95,7 +96,7 @@ def test_a_learner_that_fails_before_its_first_step_is_a_failure(small_cfg, smal
             "runtime": {"devices_per_learner": d},
         }
     )
-    exchange = initial_exchange(cfg, run_dir)
+    exchange = initial_exchange(DiLoCoPlan.of(cfg), run_dir)
     with pytest.raises(ValueError, match="runtime.devices_per_learner"):
         learner_attempt(cfg, run_dir, 1, 1, exchange=exchange)
     events = read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "learners"))

@@ -187,5 +187,5 @@ def test_report_figures_are_the_verdicts():
     }
     from configs.load import CONFIG_DIR, load_config
 
-    flat = flat_settings(load_config(CONFIG_DIR / "tiny.yaml"))
+    flat = flat_settings(load_config(CONFIG_DIR / "tiny.yaml").model_dump(mode="json"))
     assert flat["diloco.sync_every"] == 4 and flat["tracking.tensorboard"] is True and "seeds" not in flat

@@ -6,6 +6,10 @@ import os
 import threading
 from pathlib import Path
 
+from configs.chaos import ChaosSchedule
+from configs.data import DataConfig
+from configs.model import ModelConfig
+from configs.runtime import RuntimeConfig
 from configs.schema import ExperimentConfig
 from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
@@ -62,42 +66,42 @@ _SPECS: dict[tuple, ModelSpec] = {}
 _SPECS_LOCK = threading.Lock()
 
 
-def input_shape(cfg: ExperimentConfig, manifest: dict) -> InputShape:
-    """What the prepared data (its ``manifest``) fixes about the model: the vocabulary and sequence
-    length, or the image shape, classes and pixel range."""
+def input_shape(data: DataConfig, manifest: dict) -> InputShape:
+    """What the prepared data (its ``manifest``; text: ``data.seq_len``) fixes about the model: the
+    vocabulary and sequence length, or the image shape, classes and pixel range."""
     if manifest.get("modality", "text") == "image":
         return InputShape(
             image_shape=tuple(manifest["image_shape"]),
             num_classes=int(manifest["num_classes"]),
             pixel_max=int(manifest["pixel_max"]),
         )
-    return InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=cfg.data.seq_len)
+    return InputShape(vocab_size=int(manifest["vocab_size"]), seq_len=data.seq_len)
 
 
-def model_spec(cfg: ExperimentConfig, run_dir: str | Path) -> ModelSpec:
-    """The spec of ``cfg.model`` for the data prepared in ``run_dir`` (its vocabulary, or its image
-    shape, classes and pixel range).
+def model_spec(model: ModelConfig, data: DataConfig, runtime: RuntimeConfig, run_dir: str | Path) -> ModelSpec:
+    """The spec of ``model`` for the data prepared in ``run_dir`` (its vocabulary and ``data.seq_len``,
+    or its image shape, classes and pixel range).
 
     Built once per process for each model config and data shape (learner threads share it).
-    ``cfg.model`` may be any registered kind's config object (``models.spec.register``). Every
+    ``model`` may be any registered kind's config object (``models.spec.register``). Every
     path that compiles a model's steps asks for its spec here, so this also points the process's
     JAX compilation cache at the run's (``runtime.compilation_cache``, :func:`compilation_cache_dir`).
     """
-    use_compilation_cache(compilation_cache_dir(cfg, run_dir))
-    shape = input_shape(cfg, load_manifest(run_dir))
-    key = (repr(cfg.model), shape)
+    use_compilation_cache(compilation_cache_dir(runtime, run_dir))
+    shape = input_shape(data, load_manifest(run_dir))
+    key = (repr(model), shape)
     with _SPECS_LOCK:
         if key not in _SPECS:
-            _SPECS[key] = build_model(cfg.model, shape)
+            _SPECS[key] = build_model(model, shape)
         return _SPECS[key]
 
 
-def compilation_cache_dir(cfg: ExperimentConfig, run_dir: str | Path) -> Path | None:
+def compilation_cache_dir(runtime: RuntimeConfig, run_dir: str | Path) -> Path | None:
     """The folder of ``runtime.compilation_cache``: ``run`` = the folder of the environment's
     ``JAX_COMPILATION_CACHE_DIR`` when set (a cache the user or the test suite keeps), else the run's
     ``cache/xla`` (:attr:`run.layout.RunLayout.compile_cache`), or None when the run directory is
     not a local path (object storage: JAX's cache wants a file lock); a folder; None when off."""
-    setting = cfg.runtime.compilation_cache
+    setting = runtime.compilation_cache
     if setting is None:
         return None
     if setting == "run":
@@ -122,11 +126,10 @@ def ensure_fresh(run_dir: str | Path, stage: str, method: str) -> None:
         )
 
 
-def save_chaos_schedule(cfg: ExperimentConfig, run_dir: str | Path):
+def save_chaos_schedule(sched: ChaosSchedule | None, run_dir: str | Path) -> ChaosSchedule | None:
     """Write the run's chaos schedule (``cfg.chaos_schedule()``) to ``RUN/pretrain/chaos.json`` unless
     it is there already (both pretraining methods call this; the first writes, atomically). Returns
-    the schedule, or None when the config has none."""
-    sched = cfg.chaos_schedule()
+    ``sched`` (None: the config has none, nothing written)."""
     if sched is not None:
         path = RunLayout(run_dir).chaos_schedule
         if not path.exists():

@@ -142,7 +142,7 @@ class DPHost:
         self.primary, self.progress, self.on_step = rank == 0, progress, on_step
         self.layout = RunLayout(run_dir)
         self.devices = dp_devices(cfg)
-        spec = self.spec = model_spec(cfg, run_dir)
+        spec = self.spec = model_spec(cfg.model, cfg.data, cfg.runtime, run_dir)
         self.steps, self.tps = cfg.dp_steps, cfg.tokens_per_dp_step
         self.trainer = Trainer(
             spec,
@@ -153,7 +153,7 @@ class DPHost:
             precision=cfg.precision,
         )
         self.params = self.trainer.init_params()
-        validate_against_model(cfg, len(self.params))
+        validate_against_model(cfg.diloco, len(self.params))
         self.opt_state = self.trainer.init_opt(self.params)
         self.seqs = load_rows(run_dir, "train")
         self.val = val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size)
@@ -499,7 +499,7 @@ def train_dp(
     dp_devices(cfg)
     ensure_fresh(run_dir, STAGE, METHOD)
     if cfg.chaos.against_dp:
-        save_chaos_schedule(cfg, run_dir)
+        save_chaos_schedule(cfg.chaos_schedule(), run_dir)
     host = DPHost(cfg, run_dir, clock, 0, progress, on_step)
     origin = time.time()
     if own:  # the job's clock starts with its first measurement, the model and data built

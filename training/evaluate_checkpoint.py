@@ -22,7 +22,7 @@ def evaluate_method(cfg: ExperimentConfig, run_dir: str | Path, method: str, sta
     a missing or incomplete checkpoint.
     """
     layout = RunLayout(run_dir)
-    model = model_spec(cfg, run_dir).init(cfg.seed)
+    model = model_spec(cfg.model, cfg.data, cfg.runtime, run_dir).init(cfg.seed)
     meta = load_into_model(layout.checkpoints(stage, method), model)
     if cfg.data.modality == "image":
         metrics = _evaluate_images(model, run_dir)

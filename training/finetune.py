@@ -31,6 +31,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs.data import DataConfig
+from configs.eval import EvalConfig
+from configs.finetune import FinetuneConfig
+from configs.model import ModelConfig
+from configs.runtime import PrecisionConfig, RuntimeConfig
 from configs.schema import ExperimentConfig
 from data.finetune import load_finetune_rows
 from data.store import load_manifest
@@ -58,20 +64,47 @@ LOG_EVERY = 5  # steps between two train-log lines
 log = logging.getLogger(__name__)
 
 
-def finetune_spec(cfg: ExperimentConfig, run_dir: str | Path, task: Mapping[str, Any]) -> ModelSpec:
+@dataclass(frozen=True)
+class FinetunePlan:
+    """What fine-tuning and its evaluation read of a run's config: the pretrained ``model`` (built
+    for ``data`` with ``runtime.compilation_cache``, initialised with ``seed`` before its checkpoint
+    is loaded), the recipe (``finetune``), the ``precision`` policy, ``train.microbatch_size`` (rows
+    per forward/backward pass; None: the whole batch) and ``eval`` (batch size, the lm-eval tasks)."""
+
+    model: ModelConfig
+    data: DataConfig
+    runtime: RuntimeConfig
+    seed: int
+    finetune: FinetuneConfig
+    precision: PrecisionConfig
+    microbatch_size: int | None
+    eval: EvalConfig
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> FinetunePlan:
+        """``cfg``'s plan: each field the config's section of that name, but ``train.microbatch_size``."""
+        own = {"microbatch_size": cfg.train.microbatch_size}
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in own}, **own)
+
+    def pretrained_spec(self, run_dir: str | Path) -> ModelSpec:
+        """The pretrained model's spec (``training.common.model_spec``)."""
+        return model_spec(self.model, self.data, self.runtime, run_dir)
+
+
+def finetune_spec(plan: FinetunePlan, run_dir: str | Path, task: Mapping[str, Any]) -> ModelSpec:
     """The model to fine-tune: the pretrained model's spec, or for an image task with its own label
     set the same model with a head of ``task["num_classes"]`` classes."""
-    if cfg.data.modality != "image":
-        return model_spec(cfg, run_dir)
+    if plan.data.modality != "image":
+        return plan.pretrained_spec(run_dir)
     m = load_manifest(run_dir)
     shape = InputShape(
         image_shape=tuple(m["image_shape"]), num_classes=int(task["num_classes"]), pixel_max=int(m["pixel_max"])
     )
-    return build_model(cfg.model, shape)
+    return build_model(plan.model, shape)
 
 
 def load_pretrained(
-    cfg: ExperimentConfig, run_dir: str | Path, checkpoint: str | Path, spec: ModelSpec, seed: int
+    plan: FinetunePlan, run_dir: str | Path, checkpoint: str | Path, spec: ModelSpec, seed: int
 ) -> tuple[nnx.Module, list[str], dict]:
     """``spec``'s model (initialised with ``seed``) holding the checkpoint's parameters wherever name
     and shape agree: ``(model, fresh parameter names, checkpoint meta)``. ``fresh`` lists the
@@ -80,7 +113,7 @@ def load_pretrained(
     Raises ``training.checkpoint.CheckpointError`` for a missing, incomplete or mismatched checkpoint,
     and ``ValueError`` when a parameter other than the head would start fresh.
     """
-    source = model_spec(cfg, run_dir).init(cfg.seed)
+    source = plan.pretrained_spec(run_dir).init(plan.seed)
     meta = load_into_model(checkpoint, source)
     pretrained = params_of(source)
     model = spec.init(seed)
@@ -118,7 +151,7 @@ def _batches(rows: Mapping[str, np.ndarray], batch_size: int) -> list[dict]:
 
 
 def finetune_run(
-    cfg: ExperimentConfig,
+    plan: FinetunePlan,
     run_dir: str | Path,
     checkpoint: str | Path,
     data_dir: str | Path,
@@ -142,12 +175,12 @@ def finetune_run(
 
     Raises ``ValueError`` when no train row holds a target token (nothing to learn).
     """
-    ft = cfg.finetune
-    spec = finetune_spec(cfg, run_dir, task)
-    fn, params, frozen, fresh, adapted, compute = _finetune_model(cfg, run_dir, checkpoint, spec, seed)
-    tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), cfg.precision)
+    ft = plan.finetune
+    spec = finetune_spec(plan, run_dir, task)
+    fn, params, frozen, fresh, adapted, compute = _finetune_model(plan, run_dir, checkpoint, spec, seed)
+    tx = wrap_optimizer(make_inner_tx(ft.optimizer, ft.steps), plan.precision)
     lr = lr_schedule(ft.optimizer, ft.steps)
-    mb = cfg.train.microbatch_size
+    mb = plan.microbatch_size
     step_fn = make_train_step(
         fn, spec.objective, tx, ft.batch_size // mb if mb else 1, compute_dtype=compute, targets=spec.count_targets
     )
@@ -217,16 +250,16 @@ def _finetune_data(data_dir, spec, ft, seed: int):
     return rows, test, order
 
 
-def _finetune_model(cfg: ExperimentConfig, run_dir, checkpoint, spec, seed: int):
+def _finetune_model(plan: FinetunePlan, run_dir, checkpoint, spec, seed: int):
     """The pretrained model for fine-tuning (LoRA added in ``lora`` mode, the precision policy
     applied): ``(fn, params, frozen, fresh, adapted, compute_dtype)``, params the trainable flat
     parameters and frozen the rest."""
-    ft = cfg.finetune
-    model, fresh, _ = load_pretrained(cfg, run_dir, checkpoint, spec, seed)
+    ft = plan.finetune
+    model, fresh, _ = load_pretrained(plan, run_dir, checkpoint, spec, seed)
     adapted = (
         add_lora(model, ft.lora_rank, ft.lora_targets, nnx.Rngs(seed), alpha=ft.lora_alpha) if ft.mode == "lora" else []
     )
-    policy = dtypes(cfg.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
+    policy = dtypes(plan.precision)  # as in pretraining: parameters, compute and optimizer-state dtypes
     compute = None if policy is None else policy.compute
     set_compute_dtype(model, compute)
     fn, flat = Functional.of(model)
@@ -280,15 +313,12 @@ def save_finetuned(ckpt_dir: str | Path, record: Mapping[str, Any], meta: Mappin
     )
 
 
-def save_adapters(
-    ckpt_dir: str | Path, record: Mapping[str, Any], cfg: ExperimentConfig, meta: Mapping[str, Any]
-) -> Path:
+def save_adapters(ckpt_dir: str | Path, record: Mapping[str, Any], ft: FinetuneConfig, meta: Mapping[str, Any]) -> Path:
     """Write a LoRA run's adapters alone (``record["trained"]``: every ``lora_a``/``lora_b`` and a new
     head) as an Orbax checkpoint at step = optimizer steps taken, beside the merged model
     (``run.layout.RunLayout.adapters``); returns the step folder. Meta: ``meta`` plus ``lora_rank``,
     ``lora_alpha`` (α; the adapters enter scaled by α/r), ``lora_targets``, ``adapted`` (layer paths),
-    ``fresh``, ``steps``, ``seed``. Raises ``FileExistsError`` for an existing step."""
-    ft = cfg.finetune
+    ``fresh``, ``steps``, ``seed``; ``ft``: the recipe. Raises ``FileExistsError`` for an existing step."""
     return save_checkpoint(
         ckpt_dir,
         int(record["steps"]),
@@ -363,18 +393,17 @@ def logits_fn(model: nnx.Module) -> Callable[[np.ndarray], np.ndarray]:
 # ----------------------------------------------------------------------------------- one method
 
 
-def finetune_record(cfg: ExperimentConfig) -> dict:
-    """The recipe as compared between methods: the ``finetune`` section (``enabled`` aside) and the
-    run's seed. Two methods of one run directory are compared only under one record. An unset
-    ``lora_alpha`` (= the rank) is left out, so a record written before the field existed still
+def finetune_record(ft: FinetuneConfig, seed: int) -> dict:
+    """The recipe as compared between methods: the ``finetune`` section ``ft`` (``enabled`` aside)
+    and the run's ``seed``. Two methods of one run directory are compared only under one record. An
+    unset ``lora_alpha`` (= the rank) is left out, so a record written before the field existed still
     matches."""
-    exclude = {"enabled"} | ({"lora_alpha"} if cfg.finetune.lora_alpha is None else set())
-    return {**cfg.finetune.model_dump(mode="json", exclude=exclude), "seed": cfg.seed}
+    exclude = {"enabled"} | ({"lora_alpha"} if ft.lora_alpha is None else set())
+    return {**ft.model_dump(mode="json", exclude=exclude), "seed": seed}
 
 
-def recipe_of(cfg: ExperimentConfig, task: Mapping[str, Any]) -> dict:
-    """The recipe as the summary and the report state it."""
-    ft = cfg.finetune
+def recipe_of(ft: FinetuneConfig, task: Mapping[str, Any]) -> dict:
+    """The recipe ``ft`` as the summary and the report state it."""
     o = ft.optimizer
     return {
         "task": task["name"],
@@ -419,6 +448,7 @@ def finetune_method(
     layout = RunLayout(run_dir)
     ensure_fresh(run_dir, "finetune", method)
     source = Path(checkpoint) if checkpoint else Path(layout.checkpoints("pretrain", method))
+    plan = FinetunePlan.of(cfg)
     tracker = method_tracker(cfg, run_dir, "finetune", method)
     train_log = JsonlWriter(layout.metrics("finetune", method, "train"), sink=tracker.sink("train"))
     eval_log = JsonlWriter(layout.metrics("finetune", method, "eval"), sink=tracker.sink("eval"))
@@ -428,7 +458,7 @@ def finetune_method(
             if STOP.is_set():
                 break
             rec = finetune_run(
-                cfg, run_dir, source, layout.finetune_data, task, seed, train_log=train_log, eval_log=eval_log
+                plan, run_dir, source, layout.finetune_data, task, seed, train_log=train_log, eval_log=eval_log
             )
             ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
             meta = {
@@ -442,7 +472,7 @@ def finetune_method(
             where = {"checkpoint": ckpt}
             if rec["adapted"]:
                 where["adapters"] = layout.adapters("finetune", method, None if i == 0 else seed)
-                save_adapters(where["adapters"], rec, cfg, meta)
+                save_adapters(where["adapters"], rec, cfg.finetune, meta)
             rec.pop("params")
             rec.pop("trained")
             runs.append(
@@ -463,8 +493,8 @@ def finetune_method(
     summary = {
         "method": method,
         "source_checkpoint": str(source),
-        "recipe": recipe_of(cfg, task),
-        "finetune_config": finetune_record(cfg),
+        "recipe": recipe_of(cfg.finetune, task),
+        "finetune_config": finetune_record(cfg.finetune, cfg.seed),
         "trainable_params": runs[0]["trainable_params"] if runs else None,
         "frozen_params": runs[0]["frozen_params"] if runs else None,
         "interrupted": STOP.is_set(),
@@ -488,9 +518,7 @@ def _task_metrics_meta(task: Mapping[str, Any]) -> dict:
     }
 
 
-def _score(
-    cfg: ExperimentConfig, run_dir: str | Path, model: nnx.Module, task: Mapping[str, Any], out_dir: Path
-) -> dict:
+def _score(plan: FinetunePlan, run_dir: str | Path, model: nnx.Module, task: Mapping[str, Any], out_dir: Path) -> dict:
     """``{"metrics", "per_item"}`` of ``model`` on the task's test items."""
     from run.layout import RunLayout
 
@@ -514,22 +542,22 @@ def _score(
         load_tokenizer(run_dir),
         read_pairs(Path(data_dir) / "pairs_test.jsonl"),
         out_dir,
-        batch_size=cfg.eval.batch_size,
-        max_gen_toks=max_gen_tokens(cfg, task),
-        seed=cfg.seed,
+        batch_size=plan.eval.batch_size,
+        max_gen_toks=max_gen_tokens(plan.finetune, task),
+        seed=plan.seed,
     )
     per_item = {k: v for k, v in res["per_item"].items() if k in ("exact_match", "response_nll")}
     return {"metrics": res["metrics"], "per_item": per_item, "generated": res["per_item"].get("generated")}
 
 
-def max_gen_tokens(cfg: ExperimentConfig, task: Mapping[str, Any]) -> int:
-    """The generation cap of the exact-match task: ``finetune.max_gen_toks``, else the task's longest
-    response (tokens, with its newline) + 2."""
-    return cfg.finetune.max_gen_toks or int(task.get("longest_response_tokens", 14)) + 2
+def max_gen_tokens(ft: FinetuneConfig, task: Mapping[str, Any]) -> int:
+    """The generation cap of the exact-match task: ``finetune.max_gen_toks`` (of ``ft``), else the
+    task's longest response (tokens, with its newline) + 2."""
+    return ft.max_gen_toks or int(task.get("longest_response_tokens", 14)) + 2
 
 
 def evaluate_finetune(
-    cfg: ExperimentConfig,
+    plan: FinetunePlan,
     run_dir: str | Path,
     method: str,
     task: Mapping[str, Any],
@@ -549,20 +577,20 @@ def evaluate_finetune(
     layout = RunLayout(run_dir)
     out_dir = Path(layout.eval_outputs("finetune", method))
     source = Path(checkpoint) if checkpoint else Path(layout.checkpoints("pretrain", method))
-    spec = finetune_spec(cfg, run_dir, task)
+    spec = finetune_spec(plan, run_dir, task)
     t0 = time.monotonic()
-    before, _, _ = load_pretrained(cfg, run_dir, source, spec, cfg.finetune.seeds[0])
-    pretrained = _score(cfg, run_dir, before, task, out_dir / "pretrained")
+    before, _, _ = load_pretrained(plan, run_dir, source, spec, plan.finetune.seeds[0])
+    pretrained = _score(plan, run_dir, before, task, out_dir / "pretrained")
     finetuned = []
     first_model = None
-    for i, seed in enumerate(cfg.finetune.seeds):
+    for i, seed in enumerate(plan.finetune.seeds):
         ckpt = layout.checkpoints("finetune", method, None if i == 0 else seed)
         if not Path(ckpt).exists():
             continue  # a stopped run fine-tuned fewer seeds
         model = spec.init(seed)
         meta = load_into_model(ckpt, model)
         finetuned.append(
-            {"seed": seed, "steps": meta.get("steps"), **_score(cfg, run_dir, model, task, out_dir / f"seed{seed}")}
+            {"seed": seed, "steps": meta.get("steps"), **_score(plan, run_dir, model, task, out_dir / f"seed{seed}")}
         )
         first_model = first_model or model
     result: dict[str, Any] = {
@@ -576,12 +604,12 @@ def evaluate_finetune(
                 if k in task
             },
             "metrics": _task_metrics_meta(task),
-            **({"max_gen_toks": max_gen_tokens(cfg, task)} if task["modality"] == "text" else {}),
+            **({"max_gen_toks": max_gen_tokens(plan.finetune, task)} if task["modality"] == "text" else {}),
         },
         "pretrained": pretrained,
         "finetuned": finetuned,
     }
-    if task["modality"] == "text" and first_model is not None and cfg.eval.enabled:
+    if task["modality"] == "text" and first_model is not None and plan.eval.enabled:
         from data.store import load_heldout, load_tokenizer
         from evals.run_eval import evaluate_lm
 
@@ -590,8 +618,8 @@ def evaluate_finetune(
             load_tokenizer(run_dir),
             load_heldout(run_dir, "test"),
             out_dir / "pretrain_tasks",
-            cfg.eval,
-            seed=cfg.seed,
+            plan.eval,
+            seed=plan.seed,
             name="lm_eval",
         )
         before_path = Path(layout.eval_result("pretrain", method))

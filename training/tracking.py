@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from configs.schema import ExperimentConfig
+from configs.tracking import TrackingConfig
 from run.layout import RunLayout
 from run.tracking import NO_TRACKING, Tracker, write_hparams
 from training.peaks import device_peak_flops
@@ -24,14 +25,15 @@ def run_label(run_dir: str | Path) -> str:
     return f"{p.parent.parent.name}/{p.name}" if p.parent.name == "seeds" else p.name
 
 
-def peak_flops(cfg: ExperimentConfig, devices: int = 1) -> float | None:
+def peak_flops(tracking: TrackingConfig, compute: str, devices: int = 1) -> float | None:
     """Peak FLOP/s of ``devices`` devices like JAX's first one: ``tracking.peak_tflops`` if set, else
-    the datasheet figure for the compute dtype (``training.peaks``); None when unknown (a CPU)."""
-    if cfg.tracking.peak_tflops is not None:
-        return cfg.tracking.peak_tflops * 1e12 * devices
+    the datasheet figure for the ``compute`` dtype (``precision.compute``, ``training.peaks``); None
+    when unknown (a CPU)."""
+    if tracking.peak_tflops is not None:
+        return tracking.peak_tflops * 1e12 * devices
     import jax
 
-    got = device_peak_flops(jax.devices()[0].device_kind, cfg.precision.compute)
+    got = device_peak_flops(jax.devices()[0].device_kind, compute)
     return None if got is None else got[0] * devices
 
 
@@ -71,14 +73,15 @@ def method_tracker(
         Path(layout.tensorboard(stage, method)) if t.tensorboard else None,
         wandb,
         flops_per_token=flops_per_token,
-        peak_flops=peak_flops(cfg, devices) if flops_per_token else None,
+        peak_flops=peak_flops(t, cfg.precision.compute, devices) if flops_per_token else None,
         flush_s=t.flush_s,
     )
 
 
-def flat_settings(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The config's scalar settings as dotted keys (``diloco.sync_every``: 8), the hyperparameters
-    TensorBoard's HParams tab compares runs by; lists and unset values left out."""
+def flat_settings(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's scalar settings (``config``: its JSON form, ``model_dump(mode="json")``) as dotted
+    keys (``diloco.sync_every``: 8), the hyperparameters TensorBoard's HParams tab compares runs by;
+    lists and unset values left out."""
     out: dict[str, Any] = {}
 
     def walk(prefix: str, value: Any) -> None:
@@ -88,7 +91,7 @@ def flat_settings(cfg: ExperimentConfig) -> dict[str, Any]:
         elif isinstance(value, str | bool | int | float):
             out[prefix] = value
 
-    walk("", cfg.model_dump(mode="json"))
+    walk("", config)
     return out
 
 
@@ -118,10 +121,12 @@ def report_figures(report: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def run_hparams(cfg: ExperimentConfig, run_dir: str | Path, metrics: Mapping[str, float]) -> Path | None:
-    """Write the run's settings (:func:`flat_settings`) and ``metrics`` (final figures, e.g.
-    ``final/diloco/test_loss``) to ``RUN/tensorboard/`` for the HParams tab; None when
-    ``tracking.tensorboard`` is off."""
-    if not cfg.tracking.tensorboard:
+def run_hparams(
+    tracking: TrackingConfig, config: Mapping[str, Any], run_dir: str | Path, metrics: Mapping[str, float]
+) -> Path | None:
+    """Write the run's settings (``config``, its JSON form, through :func:`flat_settings`) and
+    ``metrics`` (final figures, e.g. ``final/diloco/test_loss``) to ``RUN/tensorboard/`` for the
+    HParams tab; None when ``tracking.tensorboard`` is off."""
+    if not tracking.tensorboard:
         return None
-    return write_hparams(Path(RunLayout(run_dir).run_tensorboard), flat_settings(cfg), metrics)
+    return write_hparams(Path(RunLayout(run_dir).run_tensorboard), flat_settings(config), metrics)

@@ -75,12 +75,13 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
     from diloco.receipt import receipt_rule
     from diloco.syncer import Syncer, SyncerSettings
     from diloco.tensors import embedding_names, tensor_bytes, to_numpy
+    from training.decoupled.plan import DiLoCoPlan
     from training.decoupled.setup import learner_trainer
     from training.evaluation import heldout_loss, val_batches
 
     d = cfg.diloco
     M = d.learners
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     theta0 = to_numpy(trainer.init_params())
     fragments = balanced_fragments(tensor_bytes(theta0), d.fragments)
     syncer = Syncer(
@@ -155,7 +156,7 @@ def run_lockstep(cfg, run_dir: Path) -> dict:
 
 
 def run_all() -> dict[str, dict]:
-    from data.text import prepare_data
+    from data.prepare import prepare_data
 
     cfg = golden_config()
     with tempfile.TemporaryDirectory(prefix="golden-") as tmp:

@@ -11,8 +11,10 @@ from its checkpoint and journal (``diloco.syncer_journal``).
 everything a learner needs from them, in any process: the model spec and compiled step (shared by
 the learners of one process on the same devices: ``runtime.devices_per_learner`` of them,
 ``training.mesh.learner_devices``), its shard and data cursor, its resume point and the exchange
-handle. ``setup_diloco`` = prepare + open in one process. What this process keeps between calls
-(compiled steps, turns, exchange handles) is one :class:`ProcessCache`, ``CACHE``.
+handle. ``setup_diloco`` = prepare + open in one process. Each of these entry points splits the
+config once (:class:`~training.decoupled.plan.DiLoCoPlan`); what they call reads the plan, or the one
+section it needs. What this process keeps between calls (compiled steps, turns, exchange handles) is
+one :class:`ProcessCache`, ``CACHE``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from configs.runtime import RuntimeConfig
 from configs.schema import ExperimentConfig, validate_against_model
 from data.cursor import batch_at
 from data.prepare import load_rows
@@ -49,8 +52,9 @@ from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore
-from training.common import compilation_cache_dir, ensure_fresh, model_spec, save_chaos_schedule, token_budget
+from training.common import compilation_cache_dir, ensure_fresh, model_spec, save_chaos_schedule
 from training.decoupled import METHOD, STAGE
+from training.decoupled.plan import DiLoCoPlan
 from training.decoupled.syncer import DiLoCoRun, syncer_settings
 from training.evaluation import heldout_metrics, val_batches
 from training.mesh import learner_devices, single_default
@@ -68,7 +72,7 @@ class ProcessCache:
     """What this process keeps for the DiLoCo runs it serves, shared by its threads (the flow, the
     syncer, the learners) under one lock; each entry is made once, threads asking at once wait for it:
 
-    * ``trainers``: the compiled learner step (:func:`learner_trainer`), by (``repr(cfg)``, run
+    * ``trainers``: the compiled learner step (:func:`learner_trainer`), by (``repr(plan)``, run
       directory, device slice as ``(platform, id)`` pairs or None for the default device);
     * ``turns``: the first-come turns of the run's learner threads (:func:`learner_turns`; None:
       unpaced), by (run directory, accelerator slice or None: every CPU learner shares one set);
@@ -116,39 +120,40 @@ def with_absolute_exchange(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg.model_copy(update={"runtime": cfg.runtime.model_copy(update={"exchange_url": _absolute(url)})})
 
 
-def exchange_url(cfg: ExperimentConfig, run_dir: str | Path) -> str:
+def exchange_url(runtime: RuntimeConfig, run_dir: str | Path) -> str:
     """Where the run's fsspec exchange lives: ``runtime.exchange_url``/<run directory name>, or
     ``pretrain/diloco/exchange`` inside the run directory. The flow passes its tasks a config whose
     URL is already absolute (:func:`with_absolute_exchange`) and an absolute run directory."""
-    if cfg.runtime.exchange_url:
-        return f"{_absolute(cfg.runtime.exchange_url)}/{Path(run_dir).absolute().name}"
+    if runtime.exchange_url:
+        return f"{_absolute(runtime.exchange_url)}/{Path(run_dir).absolute().name}"
     return str(RunLayout(Path(run_dir).absolute()).exchange(STAGE, METHOD))
 
 
-def open_run_exchange(cfg: ExperimentConfig, run_dir: str | Path):
-    """This process's handle on the run's exchange (one per run and process, shared by its threads).
+def open_run_exchange(runtime: RuntimeConfig, run_dir: str | Path):
+    """This process's handle on the run's exchange (``runtime.exchange``; one per run and process,
+    shared by its threads).
 
     Raises ``LookupError`` (memory: the run was set up in another process) or ``FileNotFoundError``
     (fsspec: nothing created at the URL yet)."""
-    if cfg.runtime.exchange_kind == "memory":
+    if runtime.exchange_kind == "memory":
         return open_exchange(run_key(run_dir))
-    url = exchange_url(cfg, run_dir)
-    return CACHE.get(CACHE.exchanges, url, lambda: FsspecExchange.open(url, poll_s=cfg.runtime.exchange_poll_s))
+    url = exchange_url(runtime, run_dir)
+    return CACHE.get(CACHE.exchanges, url, lambda: FsspecExchange.open(url, poll_s=runtime.exchange_poll_s))
 
 
-def learner_trainer(cfg: ExperimentConfig, run_dir: str | Path, devices: Sequence[jax.Device] | None = None) -> Trainer:
+def learner_trainer(plan: DiLoCoPlan, run_dir: str | Path, devices: Sequence[jax.Device] | None = None) -> Trainer:
     """One compiled learner step per run, process and device slice, shared by the learners on that
     slice (no recompiles); learners on other devices get their own.
 
     ``devices``: the slice (``training.mesh.learner_devices``); None, or just the default device,
     is the default device (the syncer's side: Θ₀, fragments, held-out evaluation)."""
     placed = None if single_default(devices) else tuple(devices)
-    key = (repr(cfg), run_key(run_dir), None if placed is None else tuple((d.platform, d.id) for d in placed))
+    key = (repr(plan), run_key(run_dir), None if placed is None else tuple((d.platform, d.id) for d in placed))
 
     def make() -> Trainer:
-        tx = make_inner_tx(cfg.diloco.inner, cfg.learner_steps)
-        spec = model_spec(cfg, run_dir)
-        return Trainer(spec, tx, cfg.learner_microbatches, seed=cfg.seed, devices=placed, precision=cfg.precision)
+        tx = make_inner_tx(plan.diloco.inner, plan.learner_steps)
+        spec = model_spec(plan.model, plan.data, plan.runtime, run_dir)
+        return Trainer(spec, tx, plan.learner_microbatches, seed=plan.seed, devices=placed, precision=plan.precision)
 
     return CACHE.get(CACHE.trainers, key, make)
 
@@ -162,7 +167,7 @@ def host_turns_dir(run_dir: str | Path) -> Path:
 
 
 def learner_turns(
-    cfg: ExperimentConfig, run_dir: str | Path, devices: Sequence[jax.Device] | None = None
+    plan: DiLoCoPlan, run_dir: str | Path, devices: Sequence[jax.Device] | None = None
 ) -> FairTurns | HostTurns | None:
     """The turns learner steps take on this host (``diloco.compute_slots``; None when 0): between
     the threads of this process on the thread engine, between the learner processes of this host
@@ -172,13 +177,13 @@ def learner_turns(
     the learners of one slice take turns and those of different slices never wait for each other
     (learner m on GPU m computes while learner m' computes on GPU m'); on CPU every learner takes
     turns with every other (CPU devices, even several, are the same cores)."""
-    slots = cfg.diloco.compute_slots
-    if not cfg.learner_processes or not slots:
+    slots = plan.diloco.compute_slots
+    if not plan.learner_processes or not slots:
         own = None
         if devices is not None and any(d.platform != "cpu" for d in devices):
             own = tuple((d.platform, d.id) for d in devices)
         return CACHE.get(CACHE.turns, (run_key(run_dir), own), lambda: FairTurns(slots) if slots else None)
-    if cfg.runtime.engine == "ray" and _ray_gpu_ids():
+    if plan.runtime.engine == "ray" and _ray_gpu_ids():
         return None  # GPUs of its own (runtime.learner_gpus): nothing on this host to take turns on
     return HostTurns(host_turns_dir(run_dir), slots)
 
@@ -199,13 +204,13 @@ def run_fragments(trainer: Trainer, parts: int) -> list[list[str]]:
     return balanced_fragments(tensor_bytes(trainer.param_shapes), parts)
 
 
-def initial_fragments(cfg: ExperimentConfig, run_dir: str | Path) -> list[dict[str, np.ndarray]]:
+def initial_fragments(plan: DiLoCoPlan, run_dir: str | Path) -> list[dict[str, np.ndarray]]:
     """Θ₀ split into the run's fragments: per fragment, parameter name → float32 array. Raises
     ``ValueError`` if P exceeds the model's tensors."""
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(plan, run_dir)
     theta0 = to_numpy(trainer.init_params())
-    validate_against_model(cfg, len(theta0))
-    return [{k: theta0[k] for k in names} for names in run_fragments(trainer, cfg.diloco.fragments)]
+    validate_against_model(plan.diloco, len(theta0))
+    return [{k: theta0[k] for k in names} for names in run_fragments(trainer, plan.diloco.fragments)]
 
 
 def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
@@ -219,21 +224,22 @@ def prepare_diloco(cfg: ExperimentConfig, run_dir: str | Path):
     """
     run_dir = Path(run_dir)
     ensure_fresh(run_dir, STAGE, METHOD)
-    save_chaos_schedule(cfg, run_dir)
-    if not cfg.learner_processes:  # the learners run in this process: refused before any starts
-        learner_devices(0, cfg.runtime.devices_per_learner)
-    if cfg.runtime.exchange_kind == "memory":
-        exchange = initial_exchange(cfg, run_dir)
+    save_chaos_schedule(cfg.chaos_schedule(), run_dir)
+    plan = DiLoCoPlan.of(cfg)
+    if not plan.learner_processes:  # the learners run in this process: refused before any starts
+        learner_devices(0, plan.runtime.devices_per_learner)
+    if plan.runtime.exchange_kind == "memory":
+        exchange = initial_exchange(plan, run_dir)
         register_exchange(run_key(run_dir), exchange)
         return exchange
     return FsspecExchange.create(
-        exchange_url(cfg, run_dir),
-        initial=initial_fragments(cfg, run_dir),
-        num_learners=cfg.diloco.learners,
-        token_budget=token_budget(cfg),
+        exchange_url(plan.runtime, run_dir),
+        initial=initial_fragments(plan, run_dir),
+        num_learners=plan.diloco.learners,
+        token_budget=plan.token_budget,
         # every learner starts with, and is topped up by, one sync period of inner steps' tokens
-        grant_tokens=cfg.diloco.sync_every * cfg.tokens_per_learner_step,
-        poll_s=cfg.runtime.exchange_poll_s,
+        grant_tokens=plan.diloco.sync_every * plan.tokens_per_learner_step,
+        poll_s=plan.runtime.exchange_poll_s,
     )
 
 
@@ -249,29 +255,29 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
     to the exchange's generation (an engine's re-run of a dead worker), which picks its scheduled
     ``syncer_fail`` event of ``chaos.events``.
     """
-    run_dir = Path(run_dir)
-    layout = RunLayout(run_dir)
-    trainer = learner_trainer(cfg, run_dir)
-    fragments = run_fragments(trainer, cfg.diloco.fragments)
+    run_dir, plan = Path(run_dir), DiLoCoPlan.of(cfg)
+    layout, rt = RunLayout(run_dir), plan.runtime
+    trainer = learner_trainer(plan, run_dir)
+    fragments = run_fragments(trainer, plan.diloco.fragments)
     journal, resumed = None, False
-    if cfg.runtime.exchange_kind == "memory":
-        exchange = open_run_exchange(cfg, run_dir)
+    if rt.exchange_kind == "memory":
+        exchange = open_run_exchange(rt, run_dir)
         generation = exchange.take_office()
         theta = {k: v for p in range(len(fragments)) for k, v in exchange.latest(p)[1].items()}
     else:
-        exchange = FsspecExchange.open(exchange_url(cfg, run_dir), poll_s=cfg.runtime.exchange_poll_s)
+        exchange = FsspecExchange.open(exchange_url(rt, run_dir), poll_s=rt.exchange_poll_s)
         resumed = exchange.generation() > 0
         generation = exchange.take_office()
         theta = {k: v for p in range(len(fragments)) for k, v in exchange.origin(p).items()}
         journal = SyncerJournal(
-            exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)), cfg.diloco.syncer_checkpoint_every_s
+            exchange, OrbaxSyncerStore(layout.syncer_state(STAGE, METHOD)), plan.diloco.syncer_checkpoint_every_s
         )
-    syncer = Syncer(theta, fragments, syncer_settings(cfg), embedding_names(theta))
+    syncer = Syncer(theta, fragments, syncer_settings(plan.diloco), embedding_names(theta))
     merges_path = layout.metrics(STAGE, METHOD, "merges")
     tracker = method_tracker(cfg, run_dir, STAGE, METHOD)
     logged = {(int(r["fragment"]), int(r["version"])) for r in read_jsonl(merges_path)} if resumed else set()
     return DiLoCoRun(
-        cfg=cfg,
+        plan=plan,
         run_dir=run_dir,
         exchange=exchange,
         syncer=syncer,
@@ -280,7 +286,7 @@ def open_syncer(cfg: ExperimentConfig, run_dir: str | Path, attempt: int = 1) ->
         learners_log=JsonlWriter(layout.metrics(STAGE, METHOD, "learners")),
         eval_log=JsonlWriter(layout.metrics(STAGE, METHOD, "eval"), sink=tracker.sink("eval")),
         tracker=tracker,
-        val=val_batches(load_rows(run_dir, "val"), cfg.train.eval_batches, cfg.train.eval_batch_size),
+        val=val_batches(load_rows(run_dir, "val"), plan.train.eval_batches, plan.train.eval_batch_size),
         generation=generation,
         # a syncer whose process died is re-run by the engine without counting a Prefect retry: the
         # exchange's generation counts every syncer that took office in this run
@@ -298,15 +304,13 @@ def setup_diloco(cfg: ExperimentConfig, run_dir: str | Path) -> DiLoCoRun:
     return open_syncer(cfg, run_dir)
 
 
-def learner_setup(
-    cfg: ExperimentConfig, run_dir: str | Path, learner: int, attempt: int, log, exchange
-) -> LearnerSetup:
+def learner_setup(plan: DiLoCoPlan, run_dir: str | Path, learner: int, attempt: int, log, exchange) -> LearnerSetup:
     """Learner ``learner``'s setup for ``attempt`` on ``exchange`` (:func:`learner_attempt` opens it),
     from plain inputs. Its step runs on
     ``learner_devices(learner, runtime.devices_per_learner)`` (``ValueError`` if those do not fit)."""
-    d = cfg.diloco
-    devices = learner_devices(learner, cfg.runtime.devices_per_learner)
-    trainer = learner_trainer(cfg, run_dir, devices)
+    d = plan.diloco
+    devices = learner_devices(learner, plan.runtime.devices_per_learner)
+    trainer = learner_trainer(plan, run_dir, devices)
     seqs = load_rows(run_dir, f"shard_{learner:02d}")
     return LearnerSetup(
         learner=learner,
@@ -314,25 +318,25 @@ def learner_setup(
         step=trainer.step,
         init_params=trainer.init_params,
         init_opt=trainer.init_opt,
-        next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=cfg.seed + 1000 * (learner + 1)),
+        next_batch=partial(batch_at, seqs, batch_size=d.batch_size, seed=plan.seed + 1000 * (learner + 1)),
         fragments=run_fragments(trainer, d.fragments),
         period=d.sync_every,
-        tokens_per_step=cfg.tokens_per_learner_step,
+        tokens_per_step=plan.tokens_per_learner_step,
         receipt=receipt_rule(d.receipt, d.mix_alpha),
         exchange=exchange,
         log=log,
         stop=lambda: STOP.is_set() or exchange.stop_requested(),
         resume=OrbaxResumeStore(RunLayout(run_dir).resume_point(STAGE, METHOD, learner)),
         resume_every=d.resume_every_steps,
-        faults=LearnerFaults.of(cfg.fault_events(), learner),
-        turns=learner_turns(cfg, run_dir, devices),
+        faults=LearnerFaults.of(plan.fault_events, learner),
+        turns=learner_turns(plan, run_dir, devices),
         overlap_steps=d.overlap_steps,
         wait_timeout_s=d.heartbeat_timeout_s,
         num_learners=d.learners,
         # threads of one process start together; processes seconds apart (the gate's docstring)
-        start_wait_s=cfg.runtime.start_wait_s if cfg.learner_processes else 0.0,
+        start_wait_s=plan.runtime.start_wait_s if plan.learner_processes else 0.0,
         wire=WireFormat(d.wire.dtype, d.wire.block_size),
-        lr=lr_schedule(d.inner, cfg.learner_steps),
+        lr=lr_schedule(d.inner, plan.learner_steps),
     )
 
 
@@ -346,10 +350,10 @@ def warm_compilation_cache(cfg: ExperimentConfig, run_dir: str | Path) -> float:
 
     Measured in ``benchmarks/engines.py`` (its ``-uncached`` arms): the saving shows in the training
     seconds, since a learner compiles its step at its first step."""
-    if compilation_cache_dir(cfg, run_dir) is None:
+    if compilation_cache_dir(cfg.runtime, run_dir) is None:
         return 0.0
     t0 = time.perf_counter()
-    trainer = learner_trainer(cfg, run_dir)
+    trainer = learner_trainer(DiLoCoPlan.of(cfg), run_dir)
     params = trainer.init_params()
     opt = trainer.init_opt(params)
     batch, _, _ = batch_at(load_rows(run_dir, "shard_00"), 0, 0, batch_size=cfg.diloco.batch_size, seed=cfg.seed)
@@ -372,18 +376,20 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
     ``down`` to the exchange and logs a ``failure`` event (``before_start``) first, at the local step
     its earlier attempts reached (0 on a first attempt).
     """
-    exchange = exchange if exchange is not None else open_run_exchange(cfg, run_dir)
+    plan = DiLoCoPlan.of(cfg)
+    exchange = exchange if exchange is not None else open_run_exchange(plan.runtime, run_dir)
     began_at = exchange.clock()
     seen = exchange.learners().get(learner, {})
     previous, last_step = seen.get("attempt"), int(seen.get("step") or 0)  # of its earlier attempts
     if previous is not None:
         attempt = max(attempt, int(previous) + 1)
-    flops, devices = model_spec(cfg, run_dir).flops_per_unit, cfg.runtime.devices_per_learner
+    flops = model_spec(plan.model, plan.data, plan.runtime, run_dir).flops_per_unit
+    devices = plan.runtime.devices_per_learner
     tracker = method_tracker(cfg, run_dir, STAGE, METHOD, flops_per_token=flops, devices=devices)
     log = JsonlWriter(RunLayout(run_dir).metrics(STAGE, METHOD, "learners"), sink=tracker.sink("learners"))
     try:
         try:
-            setup = learner_setup(cfg, run_dir, learner, attempt, log, exchange)
+            setup = learner_setup(plan, run_dir, learner, attempt, log, exchange)
             setup.began_at = began_at
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
             why = {"attempt": attempt, "reason": repr(exc), "step": last_step}
@@ -396,11 +402,11 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         tracker.close()
 
 
-def initial_exchange(cfg: ExperimentConfig, run_dir: str | Path) -> InMemoryExchange:
+def initial_exchange(plan: DiLoCoPlan, run_dir: str | Path) -> InMemoryExchange:
     """An exchange holding version 0 of every global fragment (Θ₀) and the run's token budget,
     with no syncer behind it: for a learner run on its own (a check of one learner, a test)."""
-    initial = initial_fragments(cfg, run_dir)
-    exchange = InMemoryExchange(len(initial), token_budget(cfg))
+    initial = initial_fragments(plan, run_dir)
+    exchange = InMemoryExchange(len(initial), plan.token_budget)
     for p, params in enumerate(initial):
         exchange.publish(p, 0, params)
     return exchange

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from configs.schema import ExperimentConfig
+from configs.methods import DiLoCoConfig
 from diloco.exchange import InMemoryExchange
 from diloco.exchange.fsspec import FsspecExchange, StaleSyncerError
 from diloco.faults import SyncerFaults
@@ -32,6 +32,7 @@ from run.metrics import JsonlWriter, read_jsonl
 from run.tracking import NO_TRACKING, Tracker
 from training.checkpoint import save_checkpoint
 from training.decoupled import METHOD, STAGE
+from training.decoupled.plan import DiLoCoPlan
 from training.evaluation import eval_record, final_heldout, heldout_metrics
 from training.functional import nest
 from training.mesh import backend_line
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 class DiLoCoRun:
     """The syncer side of one run (lives in the syncer task's process)."""
 
-    cfg: ExperimentConfig
+    plan: DiLoCoPlan
     run_dir: Path
     exchange: InMemoryExchange | FsspecExchange
     syncer: Syncer
@@ -74,9 +75,8 @@ class DiLoCoRun:
         self.tracker.close()
 
 
-def grace_window(cfg: ExperimentConfig) -> GraceWindow:
+def grace_window(d: DiLoCoConfig) -> GraceWindow:
     """The syncer loop's grace window from ``diloco.grace*`` (τ defaults to H)."""
-    d = cfg.diloco
     return GraceWindow(
         mode=d.grace,
         fixed_s=d.grace_s,
@@ -86,8 +86,8 @@ def grace_window(cfg: ExperimentConfig) -> GraceWindow:
     )
 
 
-def syncer_settings(cfg: ExperimentConfig) -> SyncerSettings:
-    d = cfg.diloco
+def syncer_settings(d: DiLoCoConfig) -> SyncerSettings:
+    """The syncer's settings from the ``diloco`` section ``d``."""
     return SyncerSettings(
         num_learners=d.learners,
         quorum=d.quorum,
@@ -153,15 +153,16 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
 
     if not run.resumed:
         on_eval(run.syncer.params(), 0)
-    poll_s = 0.002 if run.cfg.runtime.exchange_kind == "memory" else run.cfg.runtime.exchange_poll_s
-    grace = grace_window(run.cfg)
+    plan = run.plan
+    poll_s = 0.002 if plan.runtime.exchange_kind == "memory" else plan.runtime.exchange_poll_s
+    grace = grace_window(plan.diloco)
     try:
         result = run_syncer(
             run.syncer,
             run.exchange,
             SyncerHooks(on_merge=on_merge, on_eval=on_eval, on_event=on_event, on_recover=on_recover),
-            eval_every_tokens=run.cfg.train.eval_every_tokens,
-            heartbeat_timeout_s=run.cfg.diloco.heartbeat_timeout_s,
+            eval_every_tokens=plan.train.eval_every_tokens,
+            heartbeat_timeout_s=plan.diloco.heartbeat_timeout_s,
             poll_s=poll_s,
             journal=run.journal,
             grace=grace,
@@ -177,9 +178,9 @@ def run_syncer_to_end(run: DiLoCoRun, on_evaluated: Callable[[], None] | None = 
 
 def syncer_faults(run: DiLoCoRun) -> SyncerFaults:
     """This syncer attempt's injected failure: the ``run.attempt``-th ``syncer_fail`` of ``chaos.events``
-    (in merge order), with a journal only (the fsspec exchange); ``how: sigkill`` logs a
-    ``syncer-kill`` event and SIGKILLs the process instead of raising. None due: no faults."""
-    failures = sorted((e for e in run.cfg.chaos.events if e.kind == "syncer_fail"), key=lambda f: f.at_merge)
+    (in merge order; a drawn schedule has none), with a journal only (the fsspec exchange); ``how:
+    sigkill`` logs a ``syncer-kill`` event and SIGKILLs the process instead of raising. None due: no faults."""
+    failures = sorted((e for e in run.plan.fault_events if e.kind == "syncer_fail"), key=lambda f: f.at_merge)
     if run.journal is None or run.attempt > len(failures):
         return SyncerFaults()
     f = failures[run.attempt - 1]
@@ -197,7 +198,7 @@ def save_diloco(run: DiLoCoRun, wall_s: float, grace: GraceWindow) -> dict:
     """Checkpoint Θ and the outer state (step = tokens claimed); return the summary dict
     (docs/contracts.md, *Summaries*; the flow adds ``budget`` and writes it). ``grace``: the syncer
     loop's window, as the hyperparameters name it."""
-    cfg, s, tokens = run.cfg, run.syncer, run.exchange.claimed_tokens
+    plan, s, tokens = run.plan, run.syncer, run.exchange.claimed_tokens
     learners = run.exchange.learners()
     ledger = _ledger(s, learners)
     meta = {
@@ -212,16 +213,16 @@ def save_diloco(run: DiLoCoRun, wall_s: float, grace: GraceWindow) -> dict:
     # whole val and test splits (the curve's fixed sample is for the cadence): selection reads val,
     # the headline figure is test
     heldout = final_heldout(
-        run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir, cfg.train.eval_batch_size
+        run.trainer.evaluate, {k: jnp.asarray(v) for k, v in theta.items()}, run.run_dir, plan.train.eval_batch_size
     )
     checkpoints = RunLayout(run.run_dir).checkpoints(STAGE, METHOD)
     save_checkpoint(checkpoints, tokens, nest(theta), meta, extra={"outer_state": _outer_state(s)})
-    d, spec = cfg.diloco, run.trainer.spec
+    d, spec = plan.diloco, run.trainer.spec
     return {
         "method": METHOD,
         "interrupted": STOP.is_set() or run.exchange.stop_requested(),
         "work_lost": work_lost(ledger, d.warn_dropped_fraction, d.max_dropped_fraction),
-        "hyperparameters": _hyperparameters(cfg, grace),
+        "hyperparameters": _hyperparameters(plan, grace),
         "tokens": tokens,
         "steps": int(sum(int(v.get("step", 0)) for v in learners.values())),
         "wall_s": wall_s,
@@ -279,15 +280,15 @@ def _ledger(s: Syncer, learners: dict[int, dict]) -> dict[str, dict]:
     return ledger
 
 
-def _hyperparameters(cfg: ExperimentConfig, grace: GraceWindow) -> dict:
+def _hyperparameters(plan: DiLoCoPlan, grace: GraceWindow) -> dict:
     """The summary's ``hyperparameters``: the run's DiLoCo settings, named as the report shows them."""
-    d, text = cfg.diloco, cfg.unit == "tokens"
+    d, text = plan.diloco, plan.unit == "tokens"
     rows = "seqs" if text else "images"
     cap = "one step" if grace.cap_s is None else f"{grace.cap_s:g} s"
     adaptive = f"adaptive (γ {grace.gamma:g}, τ {grace.overlap_steps} steps, cap {cap})"
     return {
         "backend": backend_line(),
-        "precision": cfg.precision.describe(),
+        "precision": plan.precision.describe(),
         "learners (M)": d.learners,
         "fragments (P)": d.fragments,
         "sync every (H)": d.sync_every,
@@ -299,17 +300,17 @@ def _hyperparameters(cfg: ExperimentConfig, grace: GraceWindow) -> dict:
         "outer momentum": d.outer_momentum,
         "nesterov": (d.outer_nesterov if d.outer_momentum else "n/a (no momentum)"),
         f"batch ({rows}/learner step)": d.batch_size,
-        **({"seq len": cfg.data.seq_len} if text else {}),
+        **({"seq len": plan.data.seq_len} if text else {}),
         "inner optimizer": d.inner.name,
         "inner lr": d.inner.lr,
         "warmup steps": d.inner.warmup_steps,
         "weight decay": d.inner.weight_decay,
         "grad clip": d.inner.grad_clip,
-        f"{cfg.unit}/learner step": cfg.tokens_per_learner_step,
+        f"{plan.unit}/learner step": plan.tokens_per_learner_step,
         "on receipt": (f"mix α={d.mix_alpha}" if d.receipt == "mix" else d.receipt.replace("_", " ")),
         "compute slots": d.compute_slots or "unpaced",
-        "devices per learner": cfg.runtime.devices_per_learner,
-        f"microbatch ({rows})": cfg.train.microbatch_size or "whole batch",
+        "devices per learner": plan.runtime.devices_per_learner,
+        f"microbatch ({rows})": plan.train.microbatch_size or "whole batch",
         "resume point every (steps)": d.resume_every_steps or "never",
         "wire format (learner→syncer)": d.wire.spec,
         "overlap τ (steps; a learner waits past it)": d.overlap_steps or "never waits",
