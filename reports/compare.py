@@ -32,7 +32,6 @@ from reports.common import (
     json_safe,
     md_table,
     nested,
-    num,
     ordered_methods,
     per_unit,
     short_label,
@@ -41,6 +40,7 @@ from reports.common import (
 from reports.markdown import render
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
+from reports.table import runs_table, shown, wide
 from run import atomic
 from run.layout import RunLayout
 
@@ -176,106 +176,69 @@ def _status_text(status: dict | None) -> str | None:
     return None if status is None else str(status.get("status") or "unknown")
 
 
-def _verdict_text(v: dict | None) -> str | None:
-    if not isinstance(v, dict):
-        return None
-    if v.get("status") == "better" and v.get("better"):
-        return f"{short_label(v['better'])} better"
-    return v.get("status")
+# The table's columns after the run's: (group, figures of the runs-table, for the baseline too),
+# each figure for each method; the figures in _REQUIRED get a column even where no run has a value.
+_GROUPS = (
+    ("loss", ("val_loss", "test_loss", "test_accuracy"), True),
+    ("loss", ("loss_gap_pct", "loss_gap_pct_ci_low", "loss_gap_pct_ci_high", "seeds"), False),
+    ("cost", ("wall_s", "tokens", "tokens_per_s", "goodput", "bytes_total"), True),
+    ("post", ("post_score",), True),
+    ("post", ("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict"), False),
+)
+_REQUIRED = ("val_loss", "wall_s", "tokens", "tokens_per_s")
+_KEYS = {"val_loss": "final_val_loss"}  # comparison.json/.csv keys that differ from the table's
 
 
-def _interval(ci: Any) -> tuple[float | None, float | None]:
-    """(low, high) of a ``[low, high]`` interval; (None, None) for anything else."""
-    return (num(ci[0]), num(ci[1])) if isinstance(ci, list) and len(ci) == 2 else (None, None)
+def _key(m: str, figure: str) -> str:
+    return f"{m}/{_KEYS.get(figure, figure)}"
 
 
-def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
-    stage = (run.report.get("stages") or {}).get(STAGE) or {}
-    unit = stage.get("unit") or unit_of(run.config)
-    row: dict[str, Any] = {"label": run.label, "status": _status_text(run.status)}
-    row.update({a: run.leaves.get(a) for a in axes})
-    row["unit"] = unit
-    figures = stage.get("methods") or {}
-    for m in methods:
-        f = figures.get(m) or {}
-        # the whole validation split where measured (what selection reads), else the curves' sample
-        row[f"{m}/final_val_loss"] = (
-            num(f.get("val_loss_whole")) if f.get("val_loss_whole") is not None else num(f.get("final_val_loss"))
-        )
-        row.update({f"{m}/{k}": num(f.get(k)) for k in ("test_loss", "wall_s", "tokens", "tokens_per_s", "goodput")})
-        row[f"{m}/test_accuracy"] = num((f.get("eval") or {}).get("test/accuracy"))
-        row[f"{m}/bytes_total"] = num((f.get("bytes") or {}).get("total"))
-    gaps = stage.get("loss_gaps") or {}
-    for m in methods:
-        if m != BASELINE:
-            g = gaps.get(m) or {}
-            row[f"{m}/loss_gap_pct"] = num(g.get("gap_pct")) if g.get("status") == "ok" else None
-            lo, hi = _interval(g.get("ci"))  # over seeds
-            row[f"{m}/loss_gap_pct_ci_low"], row[f"{m}/loss_gap_pct_ci_high"] = lo, hi
-            row[f"{m}/seeds"] = g.get("seeds")
-    ft = run.report.get("finetune") or {}
-    primary = ft.get("primary")
-    row["post/task"] = (ft.get("task") or {}).get("name") if ft else None
-    row["post/metric"] = primary
-    for m in methods:
-        row[f"{m}/post_score"] = num((nested(ft, ("methods", m, "scores", primary)) or {}).get("finetuned"))
-    for m in [m for m in methods if m != BASELINE]:
-        d = nested(ft, ("differences", m, "metrics", primary, "finetuned")) or {}
-        ok = d.get("status") == "ok"
-        row[f"{m}/post_diff"] = num(d.get("difference")) if ok else None
-        row[f"{m}/post_diff_ci_low"], row[f"{m}/post_diff_ci_high"] = _interval(d.get("ci")) if ok else (None, None)
-        row[f"{m}/post_verdict"] = _verdict_text(d.get("verdict")) if ok else (d.get("status") if d else None)
-    row["run_dir"] = str(run.path)
-    return row
+def _rows(runs: list[_Run], axes: list[str]) -> tuple[list[dict], list[str]]:
+    """One row per run (run, status, axes, unit, ``<method>/<figure>`` of the runs-table's
+    pretraining rows, the post-training task and metric, path) and the methods of some run."""
+    t = runs_table({r.label: r.report for r in runs})
+    t = t[t.stage == STAGE]
+    methods = ordered_methods(t.method)
+    figures = [f for _, fs, _ in _GROUPS for f in fs]
+    w = wide(t, figures, methods, [r.label for r in runs])
+    rows = []
+    for r, (_, values) in zip(runs, w.iterrows()):
+        ft = r.report.get("finetune") or {}
+        row = {"label": r.label, "status": _status_text(r.status)} | {a: r.leaves.get(a) for a in axes}
+        row["unit"] = nested(r.report, ("stages", STAGE, "unit")) or unit_of(r.config)
+        row |= {_key(*k.split("/")): v for k, v in values.items()}
+        row |= {"post/task": nested(ft, ("task", "name")), "post/metric": ft.get("primary"), "run_dir": str(r.path)}
+        rows.append(row)
+    return rows, methods
+
+
+def _col(key: str, header: str, group: str, fmt: str = "", unit: str = "") -> dict:
+    return {"key": key, "header": header, "unit": unit, "fmt": fmt, "group": group}
 
 
 def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict]:
     """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``), optional ones only
     where some run has a value."""
     units = list(dict.fromkeys(r["unit"] for r in rows))
-    unit = units[0] if len(units) == 1 else " or ".join(units)
-    per = " or ".join(per_unit(u) for u in units)
-    cols: list[dict] = []
-
-    def add(key, header, group, fmt="", unit_="", optional=True):
-        if not optional or any(r.get(key) is not None for r in rows):
-            cols.append({"key": key, "header": header, "unit": unit_, "fmt": fmt, "group": group})
-
-    add("label", "run", "run", optional=False)
-    add("status", "status", "run", optional=False)
-    for a in axes:
-        add(a, a, "axis", "value", optional=False)
-    add("unit", "unit", "run", optional=False)
-    for m in methods:
-        s = short_label(m)
-        add(f"{m}/final_val_loss", f"{s} validation loss (nats/{per})", "loss", "{:.4f}", f"nats/{per}", optional=False)
-        add(f"{m}/test_loss", f"{s} test loss (nats/{per})", "loss", "{:.4f}", f"nats/{per}")
-        add(f"{m}/test_accuracy", f"{s} test accuracy", "loss", "{:.3f}", "fraction")
-    for m in methods:
-        if m != BASELINE:
-            add(f"{m}/loss_gap_pct", f"{short_label(m)} − {short_label(BASELINE)} loss gap (%)", "loss", "{:+.2f}", "%")
-            add(f"{m}/loss_gap_pct_ci_low", "95 % interval low (seeds)", "loss", "{:+.2f}", "%")
-            add(f"{m}/loss_gap_pct_ci_high", "95 % interval high (seeds)", "loss", "{:+.2f}", "%")
-            add(f"{m}/seeds", "seeds", "loss", "int")
-    for m in methods:
-        s = short_label(m)
-        add(f"{m}/wall_s", f"{s} wall (s)", "cost", "{:,.1f}", "s", optional=False)
-        add(f"{m}/tokens", f"{s} {unit}", "cost", "int", unit, optional=False)
-        add(f"{m}/tokens_per_s", f"{s} {unit}/s", "cost", "{:,.0f}", f"{unit}/s", optional=False)
-        add(f"{m}/goodput", f"{s} goodput", "cost", "{:.3f}", "fraction")
-        add(f"{m}/bytes_total", f"{s} bytes (total)", "cost", "bytes", "bytes")
-    if any(r.get("post/metric") is not None for r in rows):
-        add("post/task", "task", "post", optional=False)
-        add("post/metric", "metric", "post", optional=False)
-        for m in methods:
-            add(f"{m}/post_score", f"{short_label(m)} fine-tuned", "post", "{:.4f}")
-        for m in methods:
-            if m != BASELINE:
-                add(f"{m}/post_diff", f"{short_label(m)} − {short_label(BASELINE)} [95 % interval]", "post", "{:+.4f}")
-                add(f"{m}/post_diff_ci_low", "95 % interval low", "post", "{:+.4f}")
-                add(f"{m}/post_diff_ci_high", "95 % interval high", "post", "{:+.4f}")
-                add(f"{m}/post_verdict", "verdict", "post")
-    add("run_dir", "path", "path", optional=False)
+    unit, per = (units[0] if len(units) == 1 else " or ".join(units)), " or ".join(per_unit(u) for u in units)
+    cols = [_col("label", "run", "run"), _col("status", "status", "run")]
+    cols += [_col(a, a, "axis", "value") for a in axes] + [_col("unit", "unit", "run")]
+    post = any(r.get("post/metric") is not None for r in rows)
+    for group, figures, baseline in _GROUPS:
+        if group == "post" and not post:
+            continue
+        if group == "post" and baseline:
+            cols += [
+                {"key": f"post/{k}", "header": k, "unit": "", "fmt": "", "group": "post"} for k in ("task", "metric")
+            ]
+        for m in [m for m in methods if baseline or m != BASELINE]:
+            for f in figures:
+                key, shown_ = _key(m, f), shown(f, m, per, unit)
+                if f in _REQUIRED or any(r.get(key) is not None for r in rows):
+                    cols.append(
+                        {"key": key, "header": shown_.header, "unit": shown_.unit, "fmt": shown_.fmt, "group": group}
+                    )
+    cols.append({"key": "run_dir", "header": "path", "unit": "", "fmt": "", "group": "path"})
     return cols
 
 
@@ -661,10 +624,7 @@ def build_comparison(
 def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
     """The table's rows (one per run, in column order), its methods (those with a final held-out
     loss in some run, else every method) and its columns."""
-    methods_all = ordered_methods(
-        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
-    )
-    rows = [_row(r, chosen, methods_all) for r in runs]
+    rows, methods_all = _rows(runs, chosen)
     methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
     columns = _columns(rows, chosen, methods)
     return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
