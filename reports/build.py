@@ -29,7 +29,7 @@ from reports.plots import (
 )
 from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
-from reports.verdict import seed_figures, verdict
+from reports.verdict import verdict
 from run import atomic
 from run.layout import STAGES, RunLayout
 
@@ -390,7 +390,7 @@ def build_report(
     if {"diloco", "dp"} <= set(pre.get("methods") or {}):
         parent = layout.root.parent
         report["verdict"] = verdict(
-            [seed_figures(report)],
+            {"run": report},
             part_of_seeds=parent.name == "seeds"
             and len((read_json(RunLayout(parent.parent).config) or {}).get("seeds") or []) > 1,
         )
