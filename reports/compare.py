@@ -7,10 +7,8 @@ What it reads, writes and returns, and the units: docs/report.md ("A comparison 
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import difflib
-import io
 import json
 import math
 import os
@@ -277,10 +275,6 @@ def _md_cell(r: dict, c: dict) -> str:
 def _md_table(cols: list[dict], rows: list[dict]) -> str:
     cols = [c for c in cols if not c["key"].endswith(("_ci_low", "_ci_high"))]  # shown beside their figure
     return md_table([c["header"] for c in cols], [[_md_cell(r, c) for c in cols] for r in rows])
-
-
-def _csv_value(v: Any) -> Any:
-    return "" if v is None else cell(v) if isinstance(v, (list, dict, bool)) else v
 
 
 # -- plots ---------------------------------------------------------------------------------------
@@ -600,10 +594,8 @@ def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
 
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     atomic.write_json(out / COMPARISON_JSON, comparison, newline=True, default=None, allow_nan=False)
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(
-        [[c["key"] for c in columns]] + [[_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]]
-    )
-    atomic.write_text(out / COMPARISON_CSV, buf.getvalue())
+    text = [{k: cell(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()} for r in comparison["rows"]]
+    table = pd.DataFrame(text, columns=[c["key"] for c in columns], dtype=object)  # lists as JSON, true/false
+    atomic.write_text(out / COMPARISON_CSV, table.to_csv(index=False, lineterminator="\n"))
     atomic.write_text(out / COMPARISON_MD, render_comparison(comparison))
     return comparison
