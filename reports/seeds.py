@@ -76,7 +76,7 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
         post.update(metric=primary, label=nested(task, ("metrics", primary, "label")) or primary)
     v = verdict(reports, post) if use else None
     every = runs_table({r["seed"]: r["report_json"] for r in runs if r["report_json"]})
-    every = wide(every[every.stage == "pretrain"], ["loss", "loss_gap_pct"], ["diloco", BASELINE], list(dict.fromkeys(every.run)))
+    every = wide(every[every.stage == "pretrain"], ["loss", "loss_gap_pct"], ["diloco", BASELINE])
     report: dict[str, Any] = {
         "schema": 3,
         "run": {

@@ -147,9 +147,11 @@ def runs_table(reports: dict[Any, dict]) -> pd.DataFrame:
     return t
 
 
-def wide(table: pd.DataFrame, figures: list[str], methods: list[str], runs: list) -> pd.DataFrame:
-    """``table`` (one stage) pivoted to one row per run of ``runs``, one column
-    ``<method>/<figure>`` per method of ``methods`` and figure (None where a run lacks it)."""
+def wide(table: pd.DataFrame, figures: list[str], methods: list[str], runs: list | None = None) -> pd.DataFrame:
+    """``table`` (one stage) pivoted to one row per run of ``runs`` (default: the table's, in
+    order), one column ``<method>/<figure>`` per method of ``methods`` and figure (None where a
+    run lacks it)."""
+    runs = list(dict.fromkeys(table.run)) if runs is None else runs
     w = table.pivot(index="run", columns="method", values=figures).reindex(runs)
     w = w.reindex(columns=pd.MultiIndex.from_product([figures, methods]))
     w.columns = [f"{m}/{k}" for k, m in w.columns]
