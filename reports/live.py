@@ -13,8 +13,9 @@ import io
 import re
 from pathlib import Path
 
+from reports.common import ordered_methods
 from reports.plots import loss_figure
-from run.layout import METHOD_ORDER, RunLayout
+from run.layout import RunLayout
 from run.metrics import read_jsonl
 
 MAX_INLINE_BYTES = 4_000_000  # all of a report's PNGs together; above it the figures stay paths
@@ -51,9 +52,10 @@ def live_chart(run_dir: str | Path, unit: str = "tokens", title: str | None = No
     layout = RunLayout(run_dir)
     curves = {}
     folder = Path(layout.stage_dir("pretrain"))
-    found = sorted(
-        (p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file()) if folder.is_dir() else [],
-        key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m),
+    found = (
+        ordered_methods(p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file())
+        if folder.is_dir()
+        else []
     )
     for m in found:
         try:
