@@ -29,6 +29,7 @@ from reports.common import (
     md_table,
     per_unit,
     short_label,
+    with_ci,
 )
 from reports.verdict import verdict_table
 
@@ -111,18 +112,10 @@ def _pct_ci(d: dict | None, key: str = "goodput") -> str:
     return f"{100 * d[key]:.1f} %" + (f" ± {100 * ci:.1f}" if ci is not None and ci == ci else "")
 
 
-def _ci(ci: list | None, fmt: str) -> str:
-    return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else ""
-
-
-def _score_cell(v: Any, ci: list | None, fmt: str = "{:.4f}") -> str:
-    return "—" if v is None else format_value(v, fmt) + _ci(ci, fmt)
-
-
 def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
     if d.get("status") != "ok":
         return f"{d.get('status')} ({d.get('why')})"
-    return format_value(d["difference"], fmt) + (_ci(d["ci"], fmt) if d.get("ci") else " [interval undefined]")
+    return with_ci(d["difference"], d.get("ci"), fmt) + ("" if d.get("ci") else " [interval undefined]")
 
 
 def recipe_rows(ft: dict) -> list[list[str]]:
@@ -220,7 +213,6 @@ def environment() -> jinja2.Environment:
         COMPLETING_TEXT=COMPLETING_TEXT,
         STALE_DEFINITION=STALE_DEFINITION,
         bytes_or_missing=bytes_or_missing,
-        ci=_ci,
         diff_cell=_diff_cell,
         fv=format_value,
         headlines=headlines,
@@ -230,7 +222,7 @@ def environment() -> jinja2.Environment:
         per_unit=per_unit,
         recipe_rows=recipe_rows,
         s=lambda x: format_value(x, "{:.2f}"),
-        score_cell=_score_cell,
+        with_ci=with_ci,
         short=short_label,
         side_by_side=side_by_side,
         table=md_table,

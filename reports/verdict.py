@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from reports.common import BASELINE, format_value, md_table, nested, num, settings
+from reports.common import BASELINE, format_value, md_table, nested, num, settings, with_ci
 from reports.table import runs_table, wide
 
 _METHODS = ("diloco", BASELINE)
@@ -139,14 +139,6 @@ def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: b
     return v
 
 
-def _with_ci(m: dict, f: str = "{:.4f}") -> str:
-    if m.get("mean") is None:
-        return "—"
-    return format_value(m["mean"], f) + (
-        "" if m.get("ci") is None else f" [{format_value(m['ci'][0], f)}, {format_value(m['ci'][1], f)}]"
-    )
-
-
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}×" if a is not None and b else "—"
 
@@ -167,9 +159,8 @@ def _rows(v: dict, first: dict) -> list[dict]:
     rows = [
         _row(
             f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
-            _with_ci(loss["diloco"]),
-            _with_ci(loss[BASELINE]),
-            _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
+            *(with_ci(loss[m]["mean"], loss[m]["ci"]) for m in _METHODS),
+            with_ci(gap["mean"], gap["ci"], "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
         ),
         _row(
             f"published gap at M = {first.get('learners')}, {_whole(first.get('params'))} parameters "
@@ -206,8 +197,8 @@ def _rows(v: dict, first: dict) -> list[dict]:
     rows.append(_row("goodput / uptime of the learners (measured; fraction of time)", f"{good} / {up}", "", ""))
     post = v["post"]
     if post and post.get("metric"):
-        ci, scores = post.get("ci"), post.get("scores") or {}
-        diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
+        scores = post.get("scores") or {}
+        diff = with_ci(post.get("difference"), post.get("ci"), "{:+.4f}")
         rows.append(
             _row(
                 f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
