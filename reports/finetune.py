@@ -481,26 +481,16 @@ def finetune_loss_figure(records: dict[str, FinetuneRecords], modality: str | No
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for i, (m, train, val) in enumerate(series):
-        color = series_color(m, i)
-        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in train)):
-            pts = sorted((float(r["step"]), float(r["train/loss"])) for r in train if r.get("seed") == s)
-            ax.plot(
-                *zip(*pts),
-                lw=0.8,
-                alpha=0.35,
-                color=color,
-                label=f"{label(m)}: training loss (each seed)" if j == 0 else None,
-            )
-        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in val)):
-            pts = sorted((float(r["step"]), float(r["val/loss"])) for r in val if r.get("seed") == s)
-            ax.plot(
-                *zip(*pts),
-                lw=1.4,
-                marker=MARKERS[i % len(MARKERS)],
-                ms=4,
-                color=color,
-                label=f"{label(m)}: held-out test loss (each seed)" if j == 0 else None,
-            )
+        thin = {"lw": 0.8, "alpha": 0.35}
+        marked = {"lw": 1.4, "marker": MARKERS[i % len(MARKERS)], "ms": 4}
+        for rows, key, what, style in (
+            (train, "train/loss", "training", thin),
+            (val, "val/loss", "held-out test", marked),
+        ):
+            for j, s in enumerate(dict.fromkeys(r.get("seed") for r in rows)):
+                pts = sorted((float(r["step"]), float(r[key])) for r in rows if r.get("seed") == s)
+                text = f"{label(m)}: {what} loss (each seed)" if j == 0 else None
+                ax.plot(*zip(*pts), color=series_color(m, i), label=text, **style)
     unit = "nats/image" if modality == "image" else "nats/token, response tokens"
     ax.set_yscale("log")  # from the pretrained model's ~5 nats down to where the methods differ
     finish_axes(
