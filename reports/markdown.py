@@ -118,44 +118,39 @@ def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
     return with_ci(d["difference"], d.get("ci"), fmt) + ("" if d.get("ci") else " [interval undefined]")
 
 
+RECIPE_LABELS = {  # the recipe's known fields, in this order, then any other by its name
+    "task": "task",
+    "mode": "mode",
+    "lora_rank": "LoRA rank",
+    "lora_alpha": "LoRA α (scale α/r)",
+    "lora_targets": "LoRA targets",
+    "steps": "steps per run",
+    "batch_size": "batch size (examples per step)",
+    "optimizer": "optimizer",
+    "lr": "learning rate",
+    "warmup_steps": "warmup steps",
+    "weight_decay": "weight decay",
+    "seeds": "seeds",
+    "packing": "packing",
+    "row_len": "row length (tokens)",
+}
+
+
 def recipe_rows(ft: dict) -> list[list[str]]:
-    methods = ft["methods"]
-    known = [
-        ("task", "task"),
-        ("mode", "mode"),
-        ("lora_rank", "LoRA rank"),
-        ("lora_alpha", "LoRA α (scale α/r)"),
-        ("lora_targets", "LoRA targets"),
-        ("steps", "steps per run"),
-        ("batch_size", "batch size (examples per step)"),
-        ("optimizer", "optimizer"),
-        ("lr", "learning rate"),
-        ("warmup_steps", "warmup steps"),
-        ("weight_decay", "weight decay"),
-        ("seeds", "seeds"),
-        ("packing", "packing"),
-        ("row_len", "row length (tokens)"),
-    ]
-    keys = list(dict.fromkeys([k for k, _ in known] + [k for f in methods.values() for k in f["recipe"]]))
-    names = dict(known)
-
-    def cell(v: Any) -> str:
-        if isinstance(v, list):
-            return ", ".join(str(x) for x in v) or "—"
-        return format_value(v)
-
+    """The post-training recipe table: one row per recipe field some method recorded (lists joined
+    by ", "), then the parameter counts and the checkpoint each method was fine-tuned from."""
+    methods = ft["methods"].values()
+    keys = list(dict.fromkeys([*RECIPE_LABELS, *(k for f in methods for k in f["recipe"])]))
+    text = lambda v: (", ".join(map(str, v)) or "—") if isinstance(v, list) else format_value(v)  # noqa: E731
     rows = [
-        [names.get(k, k)] + [cell(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN for f in methods.values()]
+        [RECIPE_LABELS.get(k, k)] + [text(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN for f in methods]
         for k in keys
-        if any(f["recipe"].get(k) is not None for f in methods.values())
+        if any(f["recipe"].get(k) is not None for f in methods)
     ]
-    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods.values()])
-    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods.values()])
-    rows.append(
-        ["fine-tuned from"]
-        + [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—" for f in methods.values()]
-    )
-    return rows
+    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods])
+    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods])
+    checkpoints = [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—" for f in methods]
+    return rows + [["fine-tuned from", *checkpoints]]
 
 
 def _ledger_cell(column: str, row: dict) -> str:
