@@ -139,10 +139,6 @@ def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: b
     return v
 
 
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}×" if a is not None and b else "—"
-
-
 def _whole(x) -> str:
     return format_value(x, "{:,.0f}")
 
@@ -151,62 +147,47 @@ def _row(figure: str, diloco: str, dp: str, vs: str) -> dict:
     return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
 
 
+def _ratio_row(figure: str, values: dict, reached: bool = True, missed: str = "") -> dict:
+    """A row of whole numbers per method and DiLoCo's as a multiple of DP's ("0.10×")."""
+    d, p = values["diloco"], values[BASELINE]
+    ratio = f"{d / p:.2f}×" if d is not None and p and reached else "—"
+    return _row(figure, _whole(d) if reached else missed, _whole(p), ratio)
+
+
 def _rows(v: dict, first: dict) -> list[dict]:
     """The verdict's table (figure, DiLoCo, DP, DiLoCo vs DP) from :func:`verdict`'s figures."""
-    n, loss, gap, pub, bpt = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"], v["bytes_per_token"]
-    unit = first["unit"].removesuffix("s")
+    n, loss, gap, pub = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"]
     over = f"{n} seeds" if n > 1 else "one seed: no interval"
+    params = f"{_whole(first.get('params'))} parameters"
     rows = [
         _row(
-            f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
+            f"{first['split']} loss (nats/{first['unit'].removesuffix('s')}; mean [95 % interval], {over})",
             *(with_ci(loss[m]["mean"], loss[m]["ci"]) for m in _METHODS),
             with_ci(gap["mean"], gap["ci"], "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
         ),
         _row(
-            f"published gap at M = {first.get('learners')}, {_whole(first.get('params'))} parameters "
-            "(arXiv 2503.09799 fits)",
+            f"published gap at M = {first.get('learners')}, {params} (arXiv 2503.09799 fits)",
             "",
             "",
             "not fitted for this M" if pub is None else f"{pub:+.2f} %",
         ),
-        _row(
-            "bytes sent per token (learner→syncer; DP: ring all-reduce)",
-            _whole(bpt["diloco"]),
-            _whole(bpt[BASELINE]),
-            _ratio(bpt["diloco"], bpt[BASELINE]),
-        ),
+        _ratio_row("bytes sent per token (learner→syncer; DP: ring all-reduce)", v["bytes_per_token"]),
     ]
     if first.get("network"):
-        wall, ttl, reached = v["modelled_wall_s"], v["time_to_dp_final_s"], v["reached_dp_final"]
+        reached = v["reached_dp_final"]
         missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
-        rows += [
-            _row(
-                f"{first.get('network_kind', 'modelled')} wall time, s ({first['network']})",
-                _whole(wall["diloco"]),
-                _whole(wall[BASELINE]),
-                _ratio(wall["diloco"], wall[BASELINE]),
-            ),
-            _row(
-                f"time to DP's final held-out loss, s ({first['network']})",
-                _whole(ttl["diloco"]) if all(reached) else missed,
-                _whole(ttl[BASELINE]),
-                _ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—",
-            ),
-        ]
+        net, kind = first["network"], first.get("network_kind", "modelled")
+        rows.append(_ratio_row(f"{kind} wall time, s ({net})", v["modelled_wall_s"]))
+        rows.append(
+            _ratio_row(f"time to DP's final held-out loss, s ({net})", v["time_to_dp_final_s"], all(reached), missed)
+        )
     good, up = format_value(v["goodput"], "{:.3f}"), format_value(v["uptime"], "{:.3f}")
     rows.append(_row("goodput / uptime of the learners (measured; fraction of time)", f"{good} / {up}", "", ""))
     post = v["post"]
     if post and post.get("metric"):
-        scores = post.get("scores") or {}
-        diff = with_ci(post.get("difference"), post.get("ci"), "{:+.4f}")
-        rows.append(
-            _row(
-                f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
-                format_value(scores.get("diloco"), "{:.4f}"),
-                format_value(scores.get(BASELINE), "{:.4f}"),
-                diff,
-            )
-        )
+        scores = [format_value((post.get("scores") or {}).get(m), "{:.4f}") for m in _METHODS]
+        figure = f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})"
+        rows.append(_row(figure, *scores, with_ci(post.get("difference"), post.get("ci"), "{:+.4f}")))
     return rows
 
 
