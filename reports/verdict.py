@@ -135,7 +135,7 @@ def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: b
         "post": post,
     }
     v["rows"] = _rows(v, first)
-    v["words"] = _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds)
+    v["words"] = _words(v, first, part_of_seeds)
     return v
 
 
@@ -191,33 +191,28 @@ def _rows(v: dict, first: dict) -> list[dict]:
     return rows
 
 
-def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=False) -> str:
+def _head(g: float, ci: list | None, n: int, first: dict, part_of_seeds: bool) -> str:
+    """The verdict's first sentence: the gap ``g`` (%) with its interval ``ci`` over ``n`` seeds."""
+    loss = f"DiLoCo's {first['split']} loss is {g:+.2f} % against DP's"
+    if ci is None and part_of_seeds:
+        return (
+            f"This is seed {first['seed']} of a run of several seeds: {loss} here; the verdict over seeds, "
+            "with its interval, is the run's report (../../report/report.md)."
+        )
+    if ci is None:
+        no = "one seed gives no interval, so this is no verdict yet (set seeds: [0, 1, 2] for one)"
+        return f"On one seed, {loss}; {no}."
+    said = "no significant difference" if ci[0] <= 0 <= ci[1] else f"{'DP' if g > 0 else 'DiLoCo'} is better"
+    return f"Over {n} seeds, {loss} (95 % interval {ci[0]:+.2f} to {ci[1]:+.2f} %): {said} at equal tokens."
+
+
+def _words(v: dict, first: dict, part_of_seeds: bool = False) -> str:
+    """The verdict in a paragraph from :func:`verdict`'s figures ``v``."""
+    gap, pub, bpt, post = v["gap_pct"], v["published_gap_pct"], v["bytes_per_token"], v["post"]
+    wall, reached = v["modelled_wall_s"], v["reached_dp_final"]
     if gap["mean"] is None:
         return "No verdict: a method has no final held-out loss (see the stages below)."
-    g, ci = gap["mean"], gap["ci"]
-    if ci is None and part_of_seeds:
-        head = (
-            f"This is seed {first['seed']} of a run of several seeds: DiLoCo's {first['split']} loss is "
-            f"{g:+.2f} % against DP's here; the verdict over seeds, with its interval, is the run's report "
-            "(../../report/report.md)."
-        )
-    elif ci is None:
-        head = (
-            f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
-            "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one)."
-        )
-    elif ci[0] <= 0 <= ci[1]:
-        head = (
-            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): no significant difference at equal tokens."
-        )
-    else:
-        better = "DP" if g > 0 else "DiLoCo"
-        head = (
-            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): {better} is better at equal tokens."
-        )
-    parts = [head]
+    parts = [_head(gap["mean"], gap["ci"], v["n"], first, part_of_seeds)]
     if pub is not None:
         parts.append(
             f"The published fits predict {pub:+.2f} % at this size and M = {first.get('learners')} ({PUBLISHED})."
@@ -225,23 +220,15 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=Fal
     if bpt["diloco"] and bpt[BASELINE]:
         parts.append(f"DiLoCo sends {bpt['diloco'] / bpt[BASELINE]:.2f}× DP's bytes per token.")
     if first.get("network") and wall["diloco"] and wall[BASELINE]:
-        t = (
+        reaching = "reaching DP's final held-out loss"
+        if not all(reached):
+            reaching = f"without {reaching}" if not any(reached) else f"{reaching} on {sum(reached)} of {v['n']} seeds"
+        parts.append(
             f"Under the {first.get('network_kind', 'modelled')} network ({first['network']}) it finishes in "
-            f"{wall['diloco'] / wall[BASELINE]:.2f}× "
-            f"DP's time"
+            f"{wall['diloco'] / wall[BASELINE]:.2f}× DP's time, {reaching}."
         )
-        t += (
-            ", reaching DP's final held-out loss."
-            if all(reached)
-            else (
-                ", without reaching DP's final held-out loss."
-                if not any(reached)
-                else f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds."
-            )
-        )
-        parts.append(t)
     scores = (post or {}).get("scores") or {}
-    if post and scores and all(v == 0 for v in scores.values()):
+    if post and scores and all(x == 0 for x in scores.values()):
         parts.append(
             f"Post-training ({post['label']}): both methods score 0 on every test item, so the task "
             "cannot tell them apart at this size."
