@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import pandas as pd
 
-from reports.common import BASELINE, nested, num
+from reports.common import BASELINE, nested, num, short_label
 
 
 class Figure(NamedTuple):
@@ -73,8 +73,6 @@ _OK_ONLY = {  # figures read only where their record's status is "ok" (else None
 
 def shown(figure: str, method: str, per: str = "token", unit: str = "tokens") -> Figure:
     """``figure`` (:data:`FIGURES` or :data:`DERIVED`) with its header and unit for ``method``."""
-    from reports.common import short_label
-
     f = FIGURES.get(figure) or DERIVED[figure]
     words = {"s": short_label(method), "b": short_label(BASELINE), "per": per, "unit": unit}
     return f._replace(header=f.header.format(**words), unit=f.unit.format(**words))
@@ -92,8 +90,6 @@ def _get(d: Any, keys: tuple[str, ...]) -> Any:
 
 def _verdict_text(v: Any) -> str | None:
     """A post-training verdict in a word: "DP better", or its status ("no difference", ...)."""
-    from reports.common import short_label
-
     if not isinstance(v, dict):
         return v if isinstance(v, str) else None
     if v.get("status") == "better" and v.get("better"):
