@@ -224,17 +224,13 @@ def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict
         if group == "post" and not post:
             continue
         if group == "post" and baseline:
-            cols += [
-                {"key": f"post/{k}", "header": k, "unit": "", "fmt": "", "group": "post"} for k in ("task", "metric")
-            ]
+            cols += [_col(f"post/{k}", k, "post") for k in ("task", "metric")]
         for m in [m for m in methods if baseline or m != BASELINE]:
             for f in figures:
-                key, shown_ = _key(m, f), shown(f, m, per, unit)
+                key, fig = _key(m, f), shown(f, m, per, unit)
                 if f in _REQUIRED or any(r.get(key) is not None for r in rows):
-                    cols.append(
-                        {"key": key, "header": shown_.header, "unit": shown_.unit, "fmt": shown_.fmt, "group": group}
-                    )
-    cols.append({"key": "run_dir", "header": "path", "unit": "", "fmt": "", "group": "path"})
+                    cols.append(_col(key, fig.header, group, fig.fmt, fig.unit))
+    cols.append(_col("run_dir", "path", "path"))
     return cols
 
 
