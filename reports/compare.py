@@ -259,13 +259,10 @@ def cell(v: Any, fmt: str = "") -> str:
 
 
 def _md_cell(r: dict, c: dict) -> str:
-    text = cell(r.get(c["key"]), c["fmt"])
-    if (
-        c["key"].endswith(("/post_diff", "/loss_gap_pct")) and r.get(c["key"]) is not None
-    ):  # "−0.1273 [−0.1663, −0.0862]"
-        lo, hi = r.get(c["key"] + "_ci_low"), r.get(c["key"] + "_ci_high")
-        text += f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if lo is not None and hi is not None else ""
-    return text
+    """A cell of comparison.md: a figure with an interval (``<key>_ci_low``/``_high``) as
+    "−0.1273 [−0.1663, −0.0862]"."""
+    v, lo, hi = (r.get(c["key"] + suffix) for suffix in ("", "_ci_low", "_ci_high"))
+    return cell(v, c["fmt"]) + (f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if None not in (v, lo, hi) else "")
 
 
 def _md_table(cols: list[dict], rows: list[dict]) -> str:
