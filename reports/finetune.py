@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from reports.analyses import EVAL_METRIC_NAMES
-from reports.common import BASELINE, NOT_RUN, label, num, short_label
+from reports.common import BASELINE, NOT_RUN, label, nested, num, short_label
 from reports.plots import finish_axes, new_figure, series_color
 from reports.read import FinetuneRecords
 
@@ -281,18 +281,11 @@ def difference(
     for k in metric_keys:
         hib = bool(((task.get("metrics") or {}).get(k) or {}).get("higher_is_better", True))
         row: dict[str, Any] = {"higher_is_better": hib}
-        for what, a, b in (
-            (
-                "pretrained",
-                _finite_list(((a_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
-                _finite_list(((b_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
-            ),
-            (
-                "finetuned",
-                _per_item_matrix(a_res, k, seeds) if seeds else None,
-                _per_item_matrix(b_res, k, seeds) if seeds else None,
-            ),
-        ):
+        pairs = {  # each method's per-item scores
+            "pretrained": [_finite_list(nested(res, ("pretrained", "per_item", k))) for res in (a_res, b_res)],
+            "finetuned": [_per_item_matrix(res, k, seeds) if seeds else None for res in (a_res, b_res)],
+        }
+        for what, (a, b) in pairs.items():
             if a is None or b is None:
                 row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
             elif np.shape(a) != np.shape(b):
