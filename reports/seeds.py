@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from reports.analyses import manifest_items, pipeline_status, setup
 from reports.common import BASELINE, NOT_RUN, json_safe, nested, settings
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
@@ -46,8 +48,6 @@ def _post_over_seeds(seed_dirs: list[Path], primary: str | None) -> dict | None:
         diff = paired_bootstrap_difference(mats["diloco"], mats[BASELINE])
     except ValueError:  # seeds scored different items or fine-tuning seeds: no paired difference
         return None
-    import numpy as np
-
     diff["verdict"] = post_verdict(diff, True, "diloco")
     diff["scores"] = {m: float(np.mean(v)) for m, v in mats.items()}
     return diff
