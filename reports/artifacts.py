@@ -10,8 +10,9 @@ import json
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
-from reports.common import short_label
+from reports.common import nested, short_label
 from reports.compare import cell, render_comparison
 from reports.live import inline_figures, live_chart
 from reports.markdown import render_markdown, row_cell, row_label
@@ -69,47 +70,37 @@ def ledger_table(report: dict) -> list[dict]:
     return rows
 
 
+_FINETUNE_COLUMNS = ("metric", "model", "pretrained", "fine-tuned", "95 % interval", "over")
+
+
 def finetune_table(report: dict) -> list[dict]:
     """The post-training rows: per task metric, each method's pretrained and fine-tuned score (mean
     over seeds) and, for every method against DP, the difference with its 95 % interval."""
     ft = report.get("finetune") or {}
     rows = []
-    for metric in ft.get("metrics", []):
+    for k in ft.get("metrics", []):
         for m, f in ft["methods"].items():
-            sc = (f.get("scores") or {}).get(metric)
-            if sc:
-                rows.append(
-                    {
-                        "metric": metric,
-                        "model": short_label(m),
-                        "pretrained": _num(sc.get("pretrained")),
-                        "fine-tuned": _num(sc.get("finetuned")),
-                        "95 % interval": _ci(sc.get("finetuned_ci")),
-                        "over": sc.get("finetuned_over", ""),
-                    }
-                )
+            if sc := (f.get("scores") or {}).get(k):
+                values = (sc.get("pretrained"), sc.get("finetuned"), sc.get("finetuned_ci"), sc.get("finetuned_over"))
+                rows.append((k, short_label(m), *values, "{:.4f}"))
         for m, d in (ft.get("differences") or {}).items():
-            fd = ((d.get("metrics") or {}).get(metric) or {}).get("finetuned") or {}
+            fd = nested(d, ("metrics", k, "finetuned")) or {}
             if fd.get("status") == "ok":
-                rows.append(
-                    {
-                        "metric": metric,
-                        "model": f"{short_label(m)} − {short_label(d['baseline'])}",
-                        "pretrained": "",
-                        "fine-tuned": _num(fd["difference"], signed=True),
-                        "95 % interval": _ci(fd["ci"], signed=True),
-                        "over": fd.get("over", ""),
-                    }
-                )
-    return rows
+                who = f"{short_label(m)} − {short_label(d['baseline'])}"
+                rows.append((k, who, None, fd["difference"], fd["ci"], fd.get("over"), "{:+.4f}"))
 
+    def text(x: Any, f: str) -> str:
+        return "" if x is None else f.format(x)
 
-def _num(x, signed: bool = False) -> str:
-    return "" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
-
-
-def _ci(ci, signed: bool = False) -> str:
-    return "" if not ci else f"[{_num(ci[0], signed)}, {_num(ci[1], signed)}]"
+    return [
+        dict(
+            zip(
+                _FINETUNE_COLUMNS,
+                (k, who, text(a, f), text(b, f), f"[{text(ci[0], f)}, {text(ci[1], f)}]" if ci else "", over or ""),
+            )
+        )
+        for k, who, a, b, ci, over, f in rows
+    ]
 
 
 def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:

@@ -29,7 +29,7 @@ from reports.plots import (
 )
 from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
 from reports.resilience import curve_points, diloco_training_start, resilience_figures
-from reports.verdict import seed_figures, verdict
+from reports.verdict import verdict
 from run import atomic
 from run.layout import STAGES, RunLayout
 
@@ -229,65 +229,34 @@ def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRec
 def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -> None:
     """The stage's figures into ``out_dir``; their file names into ``stage["plots"]`` and, for the
     merge plots, each method's ``plots``."""
-    name = stage["stage"]
+    name, unit = stage["stage"], stage.get("unit", "tokens")
     curves = {m: rec.curve for m, rec in records.items()}
     finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
-    unit = stage.get("unit", "tokens")
-    stage["plots"]["loss_vs_tokens"] = _draw(
-        loss_figure(
-            curves,
-            "tokens",
-            f"training {unit} (all learners)",
-            f"Held-out loss vs {unit}",
-            finals,
-            unit=unit.removesuffix("s"),
-        ),
-        out_dir,
-        figure_file(name, "loss_vs_tokens"),
-    )
-    stage["plots"]["loss_vs_time"] = _draw(
-        loss_figure(
+    views = [  # (figure, curves, x, x label, title) of the held-out loss
+        ("loss_vs_tokens", curves, "tokens", f"training {unit} (all learners)", f"Held-out loss vs {unit}"),
+        (
+            "loss_vs_time",
             curves,
             "wall_s",
             "wall-clock time since training start (s)",
             "Held-out loss vs wall-clock time",
-            finals,
-            unit=unit.removesuffix("s"),
         ),
-        out_dir,
-        figure_file(name, "loss_vs_time"),
-    )
+    ]
     net = stage.get("interconnect")
     if net and not net["same_host"] and net.get("kind") != "measured":
-        stage["plots"]["loss_vs_modelled_time"] = _draw(
-            loss_figure(
-                {m: f["curve"] for m, f in net["methods"].items()},
-                "modelled_s",
-                "modelled wall-clock time (s)",
-                f"Held-out loss vs modelled time ({net['short']})",
-                finals,
-                unit=unit.removesuffix("s"),
-            ),
-            out_dir,
-            figure_file(name, "loss_vs_modelled_time"),
-        )
+        modelled = {m: f["curve"] for m, f in net["methods"].items()}
+        title = f"Held-out loss vs modelled time ({net['short']})"
+        views.append(("loss_vs_modelled_time", modelled, "modelled_s", "modelled wall-clock time (s)", title))
+    figures = {key: loss_figure(c, x, xl, t, finals, unit=unit.removesuffix("s")) for key, c, x, xl, t in views}
     if unit == "images":
-        stage["plots"]["confusion"] = _draw(
-            confusion_figure({m: rec.eval for m, rec in records.items()}), out_dir, figure_file(name, "confusion")
-        )
+        figures["confusion"] = confusion_figure({m: rec.eval for m, rec in records.items()})
     if stage.get("experts"):  # an MoE model
-        stage["plots"]["expert_load"] = _draw(
-            expert_load_figure(records, unit), out_dir, figure_file(name, "expert_load")
-        )
+        figures["expert_load"] = expert_load_figure(records, unit)
+    stage["plots"].update({key: _draw(fig, out_dir, figure_file(name, key)) for key, fig in figures.items()})
     for m, f in stage["methods"].items():
         if f["kind"] == "syncer":
-            f["plots"] = {
-                "merges_over_time": _draw(
-                    merges_figure(records[m].merges or [], f["failures"], m),
-                    out_dir,
-                    figure_file(name, "merges_over_time", m),
-                )
-            }
+            fig = merges_figure(records[m].merges or [], f["failures"], m)
+            f["plots"] = {"merges_over_time": _draw(fig, out_dir, figure_file(name, "merges_over_time", m))}
 
 
 def _run_meta(layout: RunLayout, config: dict | None) -> dict:
@@ -390,7 +359,7 @@ def build_report(
     if {"diloco", "dp"} <= set(pre.get("methods") or {}):
         parent = layout.root.parent
         report["verdict"] = verdict(
-            [seed_figures(report)],
+            {"run": report},
             part_of_seeds=parent.name == "seeds"
             and len((read_json(RunLayout(parent.parent).config) or {}).get("seeds") or []) > 1,
         )

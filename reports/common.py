@@ -99,6 +99,14 @@ def format_value(v: Any, fmt: str = "") -> str:
     return f"{v:.6g}" if isinstance(v, float) else str(v)
 
 
+def with_ci(v: Any, ci: list | None, fmt: str = "{:.4f}") -> str:
+    """A value and its interval in one cell: "0.2700 [0.2300, 0.3100]" (``format_value`` of each
+    by ``fmt``); "—" for None, no brackets without an interval."""
+    if v is None:
+        return "—"
+    return format_value(v, fmt) + (f" [{format_value(ci[0], fmt)}, {format_value(ci[1], fmt)}]" if ci else "")
+
+
 def label(method: str) -> str:
     """``Decoupled DiLoCo``, ``Data-parallel``, or the method's folder name."""
     return LABELS.get(method, method)

@@ -7,10 +7,8 @@ What it reads, writes and returns, and the units: docs/report.md ("A comparison 
 
 from __future__ import annotations
 
-import csv
 import datetime as _dt
 import difflib
-import io
 import json
 import math
 import os
@@ -21,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 
 from reports.common import (
     BASELINE,
@@ -32,7 +28,6 @@ from reports.common import (
     json_safe,
     md_table,
     nested,
-    num,
     ordered_methods,
     per_unit,
     short_label,
@@ -41,6 +36,7 @@ from reports.common import (
 from reports.markdown import render
 from reports.plots import cycle_colors, finish_axes, new_figure, save_png, series_color
 from reports.read import ReportInputError, read_json
+from reports.table import runs_table, shown, wide
 from run import atomic
 from run.layout import RunLayout
 
@@ -176,106 +172,65 @@ def _status_text(status: dict | None) -> str | None:
     return None if status is None else str(status.get("status") or "unknown")
 
 
-def _verdict_text(v: dict | None) -> str | None:
-    if not isinstance(v, dict):
-        return None
-    if v.get("status") == "better" and v.get("better"):
-        return f"{short_label(v['better'])} better"
-    return v.get("status")
+# The table's columns after the run's: (group, figures of the runs-table, for the baseline too),
+# each figure for each method; the figures in _REQUIRED get a column even where no run has a value.
+_GROUPS = (
+    ("loss", ("val_loss", "test_loss", "test_accuracy"), True),
+    ("loss", ("loss_gap_pct", "loss_gap_pct_ci_low", "loss_gap_pct_ci_high", "seeds"), False),
+    ("cost", ("wall_s", "tokens", "tokens_per_s", "goodput", "bytes_total"), True),
+    ("post", ("post_score",), True),
+    ("post", ("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict"), False),
+)
+_REQUIRED = ("val_loss", "wall_s", "tokens", "tokens_per_s")
+_KEYS = {"val_loss": "final_val_loss"}  # comparison.json/.csv keys that differ from the table's
 
 
-def _interval(ci: Any) -> tuple[float | None, float | None]:
-    """(low, high) of a ``[low, high]`` interval; (None, None) for anything else."""
-    return (num(ci[0]), num(ci[1])) if isinstance(ci, list) and len(ci) == 2 else (None, None)
+def _key(m: str, figure: str) -> str:
+    return f"{m}/{_KEYS.get(figure, figure)}"
 
 
-def _row(run: _Run, axes: list[str], methods: list[str]) -> dict:
-    stage = (run.report.get("stages") or {}).get(STAGE) or {}
-    unit = stage.get("unit") or unit_of(run.config)
-    row: dict[str, Any] = {"label": run.label, "status": _status_text(run.status)}
-    row.update({a: run.leaves.get(a) for a in axes})
-    row["unit"] = unit
-    figures = stage.get("methods") or {}
-    for m in methods:
-        f = figures.get(m) or {}
-        # the whole validation split where measured (what selection reads), else the curves' sample
-        row[f"{m}/final_val_loss"] = (
-            num(f.get("val_loss_whole")) if f.get("val_loss_whole") is not None else num(f.get("final_val_loss"))
-        )
-        row.update({f"{m}/{k}": num(f.get(k)) for k in ("test_loss", "wall_s", "tokens", "tokens_per_s", "goodput")})
-        row[f"{m}/test_accuracy"] = num((f.get("eval") or {}).get("test/accuracy"))
-        row[f"{m}/bytes_total"] = num((f.get("bytes") or {}).get("total"))
-    gaps = stage.get("loss_gaps") or {}
-    for m in methods:
-        if m != BASELINE:
-            g = gaps.get(m) or {}
-            row[f"{m}/loss_gap_pct"] = num(g.get("gap_pct")) if g.get("status") == "ok" else None
-            lo, hi = _interval(g.get("ci"))  # over seeds
-            row[f"{m}/loss_gap_pct_ci_low"], row[f"{m}/loss_gap_pct_ci_high"] = lo, hi
-            row[f"{m}/seeds"] = g.get("seeds")
-    ft = run.report.get("finetune") or {}
-    primary = ft.get("primary")
-    row["post/task"] = (ft.get("task") or {}).get("name") if ft else None
-    row["post/metric"] = primary
-    for m in methods:
-        row[f"{m}/post_score"] = num((nested(ft, ("methods", m, "scores", primary)) or {}).get("finetuned"))
-    for m in [m for m in methods if m != BASELINE]:
-        d = nested(ft, ("differences", m, "metrics", primary, "finetuned")) or {}
-        ok = d.get("status") == "ok"
-        row[f"{m}/post_diff"] = num(d.get("difference")) if ok else None
-        row[f"{m}/post_diff_ci_low"], row[f"{m}/post_diff_ci_high"] = _interval(d.get("ci")) if ok else (None, None)
-        row[f"{m}/post_verdict"] = _verdict_text(d.get("verdict")) if ok else (d.get("status") if d else None)
-    row["run_dir"] = str(run.path)
-    return row
+def _rows(runs: list[_Run], axes: list[str]) -> tuple[list[dict], list[str]]:
+    """One row per run (run, status, axes, unit, ``<method>/<figure>`` of the runs-table's
+    pretraining rows, the post-training task and metric, path) and the methods of some run."""
+    t = runs_table({r.label: r.report for r in runs})
+    t = t[t.stage == STAGE]
+    methods = ordered_methods(t.method)
+    figures = [f for _, fs, _ in _GROUPS for f in fs]
+    w = wide(t, figures, methods, [r.label for r in runs])
+    rows = []
+    for r, (_, values) in zip(runs, w.iterrows()):
+        ft = r.report.get("finetune") or {}
+        row = {"label": r.label, "status": _status_text(r.status)} | {a: r.leaves.get(a) for a in axes}
+        row["unit"] = nested(r.report, ("stages", STAGE, "unit")) or unit_of(r.config)
+        row |= {_key(*k.split("/")): v for k, v in values.items()}
+        row |= {"post/task": nested(ft, ("task", "name")), "post/metric": ft.get("primary"), "run_dir": str(r.path)}
+        rows.append(row)
+    return rows, methods
+
+
+def _col(key: str, header: str, group: str, fmt: str = "", unit: str = "") -> dict:
+    return {"key": key, "header": header, "unit": unit, "fmt": fmt, "group": group}
 
 
 def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict]:
     """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``), optional ones only
     where some run has a value."""
     units = list(dict.fromkeys(r["unit"] for r in rows))
-    unit = units[0] if len(units) == 1 else " or ".join(units)
-    per = " or ".join(per_unit(u) for u in units)
-    cols: list[dict] = []
-
-    def add(key, header, group, fmt="", unit_="", optional=True):
-        if not optional or any(r.get(key) is not None for r in rows):
-            cols.append({"key": key, "header": header, "unit": unit_, "fmt": fmt, "group": group})
-
-    add("label", "run", "run", optional=False)
-    add("status", "status", "run", optional=False)
-    for a in axes:
-        add(a, a, "axis", "value", optional=False)
-    add("unit", "unit", "run", optional=False)
-    for m in methods:
-        s = short_label(m)
-        add(f"{m}/final_val_loss", f"{s} validation loss (nats/{per})", "loss", "{:.4f}", f"nats/{per}", optional=False)
-        add(f"{m}/test_loss", f"{s} test loss (nats/{per})", "loss", "{:.4f}", f"nats/{per}")
-        add(f"{m}/test_accuracy", f"{s} test accuracy", "loss", "{:.3f}", "fraction")
-    for m in methods:
-        if m != BASELINE:
-            add(f"{m}/loss_gap_pct", f"{short_label(m)} − {short_label(BASELINE)} loss gap (%)", "loss", "{:+.2f}", "%")
-            add(f"{m}/loss_gap_pct_ci_low", "95 % interval low (seeds)", "loss", "{:+.2f}", "%")
-            add(f"{m}/loss_gap_pct_ci_high", "95 % interval high (seeds)", "loss", "{:+.2f}", "%")
-            add(f"{m}/seeds", "seeds", "loss", "int")
-    for m in methods:
-        s = short_label(m)
-        add(f"{m}/wall_s", f"{s} wall (s)", "cost", "{:,.1f}", "s", optional=False)
-        add(f"{m}/tokens", f"{s} {unit}", "cost", "int", unit, optional=False)
-        add(f"{m}/tokens_per_s", f"{s} {unit}/s", "cost", "{:,.0f}", f"{unit}/s", optional=False)
-        add(f"{m}/goodput", f"{s} goodput", "cost", "{:.3f}", "fraction")
-        add(f"{m}/bytes_total", f"{s} bytes (total)", "cost", "bytes", "bytes")
-    if any(r.get("post/metric") is not None for r in rows):
-        add("post/task", "task", "post", optional=False)
-        add("post/metric", "metric", "post", optional=False)
-        for m in methods:
-            add(f"{m}/post_score", f"{short_label(m)} fine-tuned", "post", "{:.4f}")
-        for m in methods:
-            if m != BASELINE:
-                add(f"{m}/post_diff", f"{short_label(m)} − {short_label(BASELINE)} [95 % interval]", "post", "{:+.4f}")
-                add(f"{m}/post_diff_ci_low", "95 % interval low", "post", "{:+.4f}")
-                add(f"{m}/post_diff_ci_high", "95 % interval high", "post", "{:+.4f}")
-                add(f"{m}/post_verdict", "verdict", "post")
-    add("run_dir", "path", "path", optional=False)
+    unit, per = (units[0] if len(units) == 1 else " or ".join(units)), " or ".join(per_unit(u) for u in units)
+    cols = [_col("label", "run", "run"), _col("status", "status", "run")]
+    cols += [_col(a, a, "axis", "value") for a in axes] + [_col("unit", "unit", "run")]
+    post = any(r.get("post/metric") is not None for r in rows)
+    for group, figures, baseline in _GROUPS:
+        if group == "post" and not post:
+            continue
+        if group == "post" and baseline:
+            cols += [_col(f"post/{k}", k, "post") for k in ("task", "metric")]
+        for m in [m for m in methods if baseline or m != BASELINE]:
+            for f in figures:
+                key, fig = _key(m, f), shown(f, m, per, unit)
+                if f in _REQUIRED or any(r.get(key) is not None for r in rows):
+                    cols.append(_col(key, fig.header, group, fig.fmt, fig.unit))
+    cols.append(_col("run_dir", "path", "path"))
     return cols
 
 
@@ -304,22 +259,15 @@ def cell(v: Any, fmt: str = "") -> str:
 
 
 def _md_cell(r: dict, c: dict) -> str:
-    text = cell(r.get(c["key"]), c["fmt"])
-    if (
-        c["key"].endswith(("/post_diff", "/loss_gap_pct")) and r.get(c["key"]) is not None
-    ):  # "−0.1273 [−0.1663, −0.0862]"
-        lo, hi = r.get(c["key"] + "_ci_low"), r.get(c["key"] + "_ci_high")
-        text += f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if lo is not None and hi is not None else ""
-    return text
+    """A cell of comparison.md: a figure with an interval (``<key>_ci_low``/``_high``) as
+    "−0.1273 [−0.1663, −0.0862]"."""
+    v, lo, hi = (r.get(c["key"] + suffix) for suffix in ("", "_ci_low", "_ci_high"))
+    return cell(v, c["fmt"]) + (f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if None not in (v, lo, hi) else "")
 
 
 def _md_table(cols: list[dict], rows: list[dict]) -> str:
     cols = [c for c in cols if not c["key"].endswith(("_ci_low", "_ci_high"))]  # shown beside their figure
     return md_table([c["header"] for c in cols], [[_md_cell(r, c) for c in cols] for r in rows])
-
-
-def _csv_value(v: Any) -> Any:
-    return "" if v is None else cell(v) if isinstance(v, (list, dict, bool)) else v
 
 
 # -- plots ---------------------------------------------------------------------------------------
@@ -359,10 +307,6 @@ def _leaf(key: str, keys: list[str]) -> str:
 MARKERS = {"diloco": "o", "dp": "s"}  # a lone point still says its method
 
 
-def _marker(m: str) -> str:
-    return MARKERS.get(m, "^")
-
-
 def _style(m: str, methods: list[str]) -> str:
     if m in LINESTYLES:
         return LINESTYLES[m]
@@ -370,49 +314,92 @@ def _style(m: str, methods: list[str]) -> str:
     return OTHER_LINESTYLES[others.index(m) % len(OTHER_LINESTYLES)]
 
 
-def _gap_title(methods: list[str]) -> str:
-    """ "DiLoCo − DP held-out loss gap (%)", or "Held-out loss gap to DP (%)" for several methods."""
-    if len(methods) == 1:
-        return f"{short_label(methods[0])} − {short_label(BASELINE)} held-out loss gap (%)"
-    return f"Held-out loss gap to {short_label(BASELINE)} (%)"
+def _points(rows: list[dict], axis: str | None, axes: list[str], methods: list[str]) -> pd.DataFrame:
+    """One row per run and method: ``x`` (the run's value of ``axis``; its label when None),
+    ``combo`` (the other axes' values in words), ``method``, ``done``, ``loss`` and ``gap``."""
+    others = [b for b in axes if b != axis] if axis else []
+    return pd.DataFrame(
+        [
+            {
+                "x": r.get(axis) if axis else r["label"],
+                "combo": ", ".join(f"{_leaf(b, axes)}={cell(r.get(b))}" for b in others),
+                "method": m,
+                "done": r.get("status") == COMPLETED,
+                "loss": r.get(f"{m}/final_val_loss"),
+                "gap": r.get(f"{m}/loss_gap_pct"),
+            }
+            for r in rows
+            for m in methods
+        ]
+    )
 
 
-def _loss_and_gap(draw, methods: list[str], per: str, loss_title: str, where: str) -> tuple:
-    """``draw(key_of, ylabel, title, which, fmt)`` of the final held-out loss and, with a method
-    besides the baseline, of the loss gap to it (else None); the gap's title ends in ``where``."""
-    loss = draw(lambda m: f"{m}/final_val_loss", f"final held-out loss (nats/{per})", loss_title, methods, "{:.4f}")
+def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[str], per: str) -> tuple:
+    """(loss figure, gap figure or None) of the final held-out loss and of the gap to the baseline
+    against ``axis`` (None: one x per run): a line per combination of the other axes' values (its
+    colour) and method (its line style; none per run) through the mean over the runs at each x,
+    every run a marker (hollow: it did not complete), the values at up to 8 points."""
+    pts = _points(rows, axis, axes, methods)
+    numeric = axis is not None and all(_is_number(x) for x in pts.x)
+    cats = list(dict.fromkeys(_canon(x) for x in pts.x))
+    pts["pos"] = [float(x) if numeric else float(cats.index(_canon(x))) for x in pts.x]
     gaps = [m for m in methods if m != BASELINE]
-    if not gaps:
-        return loss, None
-    ylabel, title = f"loss gap to {short_label(BASELINE)} (%)", f"{_gap_title(gaps)} {where}"
-    return loss, draw(lambda m: f"{m}/loss_gap_pct", ylabel, title, gaps, "{:+.2f} %")
+    where, b = (f"vs {axis}" if axis else "per run"), short_label(BASELINE)
+    gap = f"{short_label(gaps[0])} − {b} held-out loss gap (%)" if len(gaps) == 1 else f"Held-out loss gap to {b} (%)"
+    loss = f"Held-out loss vs {axis}" if axis else "Final held-out loss per run"
+    specs = [("loss", f"final held-out loss (nats/{per})", loss, methods, "{:.4f}")]
+    specs += [("gap", f"loss gap to {b} (%)", f"{gap} {where}", gaps, "{:+.2f} %")] if gaps else []
+    figs = []
+    for what, ylabel, title, which, fmt in specs:
+        d = pts[pts.method.isin(which) & pts[what].notna()].astype({what: float})
+        if d.empty:
+            figs.append(None)
+            continue
+        fig = new_figure(7.5 if axis else max(7.5, 1.0 + 1.1 * len(cats)), 4.6)
+        ax = fig.add_subplot()
+        _lines(ax, d, what, which, fmt, axis is not None)
+        if numeric and min(pts.pos) > 0 and max(pts.pos) / min(pts.pos) >= 16:
+            ax.set_xscale("log")
+        ticks = sorted(set(pts.pos)) if numeric else range(len(cats))
+        if len(ticks) <= 12 or not numeric:
+            text = (
+                [cell(int(v) if v.is_integer() else v) for v in ticks]
+                if numeric
+                else [cell(json.loads(c)) for c in cats]
+            )
+            ax.set_xticks(list(ticks), text, rotation=0 if axis or len(cats) <= 3 else 20, fontsize=8)
+            ax.minorticks_off()
+        if what == "gap":
+            ax.axhline(0.0, color="0.5", lw=0.8)
+        ax.margins(x=0.1, y=0.15)
+        finish_axes(ax, axis or "run", ylabel, title)
+        ax.legend(fontsize=8, title="hollow: run not completed" if (~d.done.astype(bool)).any() else None)
+        figs.append(fig)
+    return tuple(figs) if gaps else (figs[0], None)
 
 
-def _axis_line(ax, pts: list, done: list[bool], color, ls: str, marker: str, fmt: str | None, below: bool) -> bool:
-    """One line through the mean of the points ``pts`` ((x, y) per run) at each x, every run a small
-    marker where several share an x and a hollow one where it did not complete (``done`` False), the
-    values at the points in ``fmt`` (none when None; up to 8 points). True when a marker is hollow."""
-    avg = pd.Series([y for _, y in pts]).groupby([x for x, _ in pts]).mean()  # sorted by x
-    line_x, line_y = [float(x) for x in avg.index], [float(y) for y in avg]
-    ax.plot(line_x, line_y, ls=ls, color=color, lw=1.8, marker=marker, ms=5)
-    if len(pts) > len(line_x):  # repeated runs at one x: every run a small marker
-        ax.scatter([x for x, _ in pts], [y for _, y in pts], s=14, color=color, alpha=0.6, zorder=3)
-    unfinished = [p for p, d in zip(pts, done) if not d]
-    if unfinished:  # a run that did not complete: a hollow marker
-        ax.scatter(
-            [x for x, _ in unfinished],
-            [y for _, y in unfinished],
-            s=36,
-            facecolors="white",
-            edgecolors=color,
-            linewidths=1.5,
-            zorder=4,
-        )
-    if fmt is not None and len(line_x) <= 8:
-        for x, y in zip(line_x, line_y):
+def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: bool) -> None:
+    """The points ``d`` (:func:`_points`, ``pos`` their x) of figure ``what`` on ``ax``: per
+    combination and method the mean at each x (a line when ``joined``), with its value in ``fmt``."""
+    combos = list(dict.fromkeys(d.combo))
+    lowest = d.groupby("method")[what].mean().idxmin()
+    for (combo, m), g in d.groupby(["combo", "method"], sort=False):
+        ci, mi = combos.index(combo), which.index(m)
+        color = cycle_colors()[ci % 10] if len(combos) > 1 else series_color(m, mi)
+        g = g.assign(pos=g.pos + (0 if joined else 0.15 * (mi - (len(which) - 1) / 2)))  # per run: side by side
+        mean = g.groupby("pos")[what].mean()
+        text = short_label(m) + (f", {combo}" if len(combos) > 1 else "")
+        ls = _style(m, which) if joined else ""
+        ax.plot(mean.index, mean.values, ls=ls, lw=1.8, marker=MARKERS.get(m, "^"), color=color, label=text)
+        if len(g) > len(mean):  # repeated runs at one x: every run a small marker
+            ax.scatter(g.pos, g[what], s=14, color=color, alpha=0.6, zorder=3)
+        late = g[~g.done.astype(bool)]  # a run that did not complete: a hollow marker
+        ax.scatter(late.pos, late[what], s=36, facecolors="white", edgecolors=color, linewidths=1.5, zorder=4)
+        below = m == lowest and len(which) > 1  # the lowest method's values below its points
+        for x, y in mean.items() if len(combos) == 1 and len(mean) <= 8 else ():
             ax.annotate(
                 fmt.format(y),
-                xy=(x, y),
+                (x, y),
                 xytext=(0, -9 if below else 7),
                 textcoords="offset points",
                 ha="center",
@@ -420,139 +407,6 @@ def _axis_line(ax, pts: list, done: list[bool], color, ls: str, marker: str, fmt
                 fontsize=8,
                 color=color,
             )
-    return bool(unfinished)
-
-
-def _axis_handles(combos: dict, combo_text: dict, colors: list, which: list[str], hollow: bool) -> list:
-    """The legend of an axis figure: a colour per combination (several) or per method (one)."""
-    if len(combos) > 1:
-        handles = [
-            Line2D([], [], color=colors[ci % len(colors)], lw=2.5, label=combo_text[k] or "(all)")
-            for ci, k in enumerate(combos)
-        ]
-        handles += [
-            Line2D([], [], color="0.3", ls=_style(m, which), lw=1.8, marker=_marker(m), ms=5, label=short_label(m))
-            for m in which
-        ]
-    else:
-        handles = [
-            Line2D(
-                [], [], color=series_color(m, mi), ls=_style(m, which), lw=1.8, marker=_marker(m), label=short_label(m)
-            )
-            for mi, m in enumerate(which)
-        ]
-    if hollow:
-        handles.append(Line2D([], [], ls="", marker="o", mfc="white", mec="0.3", label="run not completed"))
-    return handles
-
-
-def _axis_ticks(ax, xs_all: list, numeric: bool, cats: list[str], cat_text: dict[str, str]) -> None:
-    """x ticks at the axis' values (log scale over a 16-fold range or more) or at its categories."""
-    if numeric:
-        values = sorted({float(x) for x in xs_all})
-        if values[0] > 0 and values[-1] / values[0] >= 16:
-            ax.set_xscale("log")
-        if len(values) <= 12:
-            ax.set_xticks(values, [cell(v if not float(v).is_integer() else int(v)) for v in values])
-            ax.minorticks_off()
-    else:
-        ax.set_xticks(range(len(cats)), [cat_text[c] for c in cats])
-        ax.set_xlim(-0.5, len(cats) - 0.5)
-
-
-def _axis_figures(rows: list[dict], axis: str, axes: list[str], methods: list[str], per: str):
-    """(loss figure, gap figure or None): one line per combination of the other axes' values (its
-    colour) and method (its line style), the mean over runs at one x joined, every run a marker
-    (hollow: the run did not complete)."""
-    xs_all = [r.get(axis) for r in rows]
-    numeric = all(_is_number(x) for x in xs_all)
-    cats = list(dict.fromkeys(_canon(x) for x in xs_all))
-    cat_text = {_canon(x): cell(x) for x in xs_all}
-    pos = (lambda x: float(x)) if numeric else (lambda x: float(cats.index(_canon(x))))
-    others = [b for b in axes if b != axis]
-    combos: dict[str, list[dict]] = {}
-    for r in rows:
-        combos.setdefault(_canon([r.get(b) for b in others]), []).append(r)
-    combo_text = {k: ", ".join(f"{_leaf(b, axes)}={cell(v)}" for b, v in zip(others, json.loads(k))) for k in combos}
-    colors = cycle_colors()
-
-    def draw(key_of, ylabel: str, title: str, which: list[str], fmt: str):
-        fig = new_figure(7.5, 4.6)
-        ax = fig.add_subplot()
-        drawn, hollow = False, False
-        means = {m: [r[key_of(m)] for r in rows if _is_number(r.get(key_of(m)))] for m in which}
-        lowest = min((m for m in which if means[m]), key=lambda m: sum(means[m]) / len(means[m]), default=None)
-        for ci, (_combo, rs) in enumerate(combos.items()):
-            for mi, m in enumerate(which):
-                runs = [r for r in rs if _is_number(r.get(key_of(m)))]
-                if not runs:
-                    continue
-                drawn = True
-                color = colors[ci % len(colors)] if len(combos) > 1 else series_color(m, mi)
-                pts = [(pos(r.get(axis)), r[key_of(m)]) for r in runs]
-                done = [r.get("status") == COMPLETED for r in runs]
-                # values at the points (one line per method): the lowest method's below them
-                label = fmt if len(combos) == 1 else None
-                below = m == lowest and len(which) > 1
-                hollow |= _axis_line(ax, pts, done, color, _style(m, which), _marker(m), label, below)
-        if not drawn:
-            return None
-        handles = _axis_handles(combos, combo_text, colors, which, hollow)
-        _axis_ticks(ax, xs_all, numeric, cats, cat_text)
-        ax.margins(y=0.15)
-        finish_axes(ax, axis, ylabel, title)
-        ax.legend(handles=handles, fontsize=8)
-        return fig, ax
-
-    loss, gap = _loss_and_gap(draw, methods, per, f"Held-out loss vs {axis}", f"vs {axis}")
-    if gap is not None:
-        gap[1].axhline(0.0, color="0.5", lw=0.8)
-    return (loss[0] if loss else None), (gap[0] if gap else None)
-
-
-def _bar_figures(rows: list[dict], methods: list[str], per: str):
-    """(loss figure, gap figure or None) with one group of bars per run (hatched: the run did not
-    complete)."""
-    labels = [r["label"] for r in rows]
-    width = max(6.0, 1.0 + 1.1 * len(rows))
-    rotate = len(rows) > 3 or max(len(x) for x in labels) > 14
-
-    def bars(key_of, ylabel: str, title: str, which: list[str], fmt: str):
-        have = [m for m in which if any(_is_number(r.get(key_of(m))) for r in rows)]
-        if not have:
-            return None
-        fig = new_figure(width, 4.6)
-        ax = fig.add_subplot()
-        w = 0.8 / len(have)
-        for mi, m in enumerate(have):
-            xs = [i - 0.4 + w * (mi + 0.5) for i in range(len(rows))]
-            ys = [r.get(key_of(m)) if _is_number(r.get(key_of(m))) else 0.0 for r in rows]
-            bs = ax.bar(xs, ys, width=w * 0.95, color=series_color(m, mi), label=short_label(m))
-            for b, r in zip(bs, rows):  # a run that did not complete: hatched
-                if r.get("status") != COMPLETED:
-                    b.set_hatch("//")
-                    b.set_edgecolor("white")
-            ax.bar_label(
-                bs,
-                labels=[fmt.format(r[key_of(m)]) if _is_number(r.get(key_of(m))) else MISSING for r in rows],
-                fontsize=8,
-                padding=2,
-            )
-        ax.set_xticks(
-            range(len(rows)), labels, rotation=20 if rotate else 0, ha="right" if rotate else "center", fontsize=8
-        )
-        ax.axhline(0.0, color="0.5", lw=0.8)
-        ax.margins(y=0.12)
-        finish_axes(ax, "run", ylabel, title, grid_axis="y")
-        handles = ax.get_legend_handles_labels()[0]
-        if any(r.get("status") != COMPLETED for r in rows):
-            handles.append(Patch(facecolor="0.55", edgecolor="white", hatch="//", label="run not completed"))
-        fig.legend(
-            handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False
-        )  # below the axes, clear of the bars' labels
-        return fig
-
-    return _loss_and_gap(bars, methods, per, "Final held-out loss per run", "per run")
 
 
 # -- markdown ------------------------------------------------------------------------------------
@@ -661,10 +515,7 @@ def build_comparison(
 def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
     """The table's rows (one per run, in column order), its methods (those with a final held-out
     loss in some run, else every method) and its columns."""
-    methods_all = ordered_methods(
-        m for r in runs for m in (((r.report.get("stages") or {}).get(STAGE) or {}).get("methods") or {})
-    )
-    rows = [_row(r, chosen, methods_all) for r in runs]
+    rows, methods_all = _rows(runs, chosen)
     methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
     columns = _columns(rows, chosen, methods)
     return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
@@ -725,12 +576,10 @@ def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
         if old.name.startswith(FIGURE_PREFIXES):
             old.unlink()
     axis = comparison["plot_axis"]
-    if axis is not None:
-        figs = _axis_figures(rows, axis, chosen, methods, per)
-        names_ = (f"loss_vs_{slug(axis)}.png", f"gap_vs_{slug(axis)}.png")
-    else:
-        figs = _bar_figures(rows, methods, per)
-        names_ = ("loss_per_run.png", "gap_per_run.png")
+    figs = _figures(rows, axis, chosen, methods, per)
+    names_ = (
+        (f"loss_vs_{slug(axis)}.png", f"gap_vs_{slug(axis)}.png") if axis else ("loss_per_run.png", "gap_per_run.png")
+    )
     for key, fig, name in zip(("loss", "gap"), figs, names_):
         if fig is not None:
             save_png(fig, out / name)
@@ -738,10 +587,8 @@ def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
 
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     atomic.write_json(out / COMPARISON_JSON, comparison, newline=True, default=None, allow_nan=False)
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(
-        [[c["key"] for c in columns]] + [[_csv_value(row.get(c["key"])) for c in columns] for row in comparison["rows"]]
-    )
-    atomic.write_text(out / COMPARISON_CSV, buf.getvalue())
+    text = [{k: cell(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()} for r in comparison["rows"]]
+    table = pd.DataFrame(text, columns=[c["key"] for c in columns], dtype=object)  # lists as JSON, true/false
+    atomic.write_text(out / COMPARISON_CSV, table.to_csv(index=False, lineterminator="\n"))
     atomic.write_text(out / COMPARISON_MD, render_comparison(comparison))
     return comparison

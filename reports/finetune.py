@@ -13,7 +13,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from reports.analyses import EVAL_METRIC_NAMES
-from reports.common import BASELINE, NOT_RUN, label, num, short_label
+from reports.common import BASELINE, NOT_RUN, label, nested, num, short_label
 from reports.plots import finish_axes, new_figure, series_color
 from reports.read import FinetuneRecords
 
@@ -281,18 +281,11 @@ def difference(
     for k in metric_keys:
         hib = bool(((task.get("metrics") or {}).get(k) or {}).get("higher_is_better", True))
         row: dict[str, Any] = {"higher_is_better": hib}
-        for what, a, b in (
-            (
-                "pretrained",
-                _finite_list(((a_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
-                _finite_list(((b_res.get("pretrained") or {}).get("per_item") or {}).get(k)),
-            ),
-            (
-                "finetuned",
-                _per_item_matrix(a_res, k, seeds) if seeds else None,
-                _per_item_matrix(b_res, k, seeds) if seeds else None,
-            ),
-        ):
+        pairs = {  # each method's per-item scores
+            "pretrained": [_finite_list(nested(res, ("pretrained", "per_item", k))) for res in (a_res, b_res)],
+            "finetuned": [_per_item_matrix(res, k, seeds) if seeds else None for res in (a_res, b_res)],
+        }
+        for what, (a, b) in pairs.items():
             if a is None or b is None:
                 row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
             elif np.shape(a) != np.shape(b):
@@ -481,26 +474,16 @@ def finetune_loss_figure(records: dict[str, FinetuneRecords], modality: str | No
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for i, (m, train, val) in enumerate(series):
-        color = series_color(m, i)
-        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in train)):
-            pts = sorted((float(r["step"]), float(r["train/loss"])) for r in train if r.get("seed") == s)
-            ax.plot(
-                *zip(*pts),
-                lw=0.8,
-                alpha=0.35,
-                color=color,
-                label=f"{label(m)}: training loss (each seed)" if j == 0 else None,
-            )
-        for j, s in enumerate(dict.fromkeys(r.get("seed") for r in val)):
-            pts = sorted((float(r["step"]), float(r["val/loss"])) for r in val if r.get("seed") == s)
-            ax.plot(
-                *zip(*pts),
-                lw=1.4,
-                marker=MARKERS[i % len(MARKERS)],
-                ms=4,
-                color=color,
-                label=f"{label(m)}: held-out test loss (each seed)" if j == 0 else None,
-            )
+        thin = {"lw": 0.8, "alpha": 0.35}
+        marked = {"lw": 1.4, "marker": MARKERS[i % len(MARKERS)], "ms": 4}
+        for rows, key, what, style in (
+            (train, "train/loss", "training", thin),
+            (val, "val/loss", "held-out test", marked),
+        ):
+            for j, s in enumerate(dict.fromkeys(r.get("seed") for r in rows)):
+                pts = sorted((float(r["step"]), float(r[key])) for r in rows if r.get("seed") == s)
+                text = f"{label(m)}: {what} loss (each seed)" if j == 0 else None
+                ax.plot(*zip(*pts), color=series_color(m, i), label=text, **style)
     unit = "nats/image" if modality == "image" else "nats/token, response tokens"
     ax.set_yscale("log")  # from the pretrained model's ~5 nats down to where the methods differ
     finish_axes(

@@ -13,8 +13,9 @@ import io
 import re
 from pathlib import Path
 
+from reports.common import ordered_methods
 from reports.plots import loss_figure
-from run.layout import METHOD_ORDER, RunLayout
+from run.layout import RunLayout
 from run.metrics import read_jsonl
 
 MAX_INLINE_BYTES = 4_000_000  # all of a report's PNGs together; above it the figures stay paths
@@ -51,9 +52,10 @@ def live_chart(run_dir: str | Path, unit: str = "tokens", title: str | None = No
     layout = RunLayout(run_dir)
     curves = {}
     folder = Path(layout.stage_dir("pretrain"))
-    found = sorted(
-        (p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file()) if folder.is_dir() else [],
-        key=lambda m: (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m),
+    found = (
+        ordered_methods(p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file())
+        if folder.is_dir()
+        else []
     )
     for m in found:
         try:
@@ -74,30 +76,16 @@ def live_chart(run_dir: str | Path, unit: str = "tokens", title: str | None = No
     return f"![held-out loss against {unit}, live]({data_uri(buf.getvalue())})\n\nLatest held-out loss: {latest}.\n"
 
 
-HTML_STYLE = """
-body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 60rem; margin: 2rem auto;
-       padding: 0 1rem; color: #1d1d1f; }
-table { border-collapse: collapse; margin: 1rem 0; font-size: 13px; }
-th, td { border: 1px solid #d0d0d5; padding: 0.25rem 0.5rem; text-align: left; vertical-align: top; }
-th { background: #f3f3f6; }
-code { background: #f3f3f6; padding: 0 0.2rem; border-radius: 3px; }
-img { max-width: 100%; height: auto; }
-h1, h2, h3 { line-height: 1.25; }
-"""
-
-
 def report_html(markdown_text: str, folder: Path, title: str) -> str:
-    """One self-contained HTML page of a report: ``markdown_text`` (``report.md``) rendered with
-    Python-Markdown (tables, fenced code, heading anchors) and its figures from ``folder`` inlined
-    (:func:`inline_figures`), so the file can be mailed or attached as it is."""
-    import html
-
+    """One self-contained HTML page of a report (``reports/templates/report.html.j2``):
+    ``markdown_text`` (``report.md``) rendered with Python-Markdown (tables, fenced code, heading
+    anchors) and its figures from ``folder`` inlined (:func:`inline_figures`), so the file can be
+    mailed or attached as it is."""
     import markdown
+
+    from reports.markdown import render
 
     body = markdown.markdown(
         inline_figures(markdown_text, folder), extensions=["tables", "fenced_code", "toc", "sane_lists"]
     )
-    return (
-        '<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-        f"<title>{html.escape(title)}</title>\n<style>{HTML_STYLE}</style>\n</head>\n<body>\n{body}\n</body>\n</html>\n"
-    )
+    return render("report.html.j2", title=title, body=body)

@@ -29,6 +29,7 @@ from reports.common import (
     md_table,
     per_unit,
     short_label,
+    with_ci,
 )
 from reports.verdict import verdict_table
 
@@ -111,58 +112,45 @@ def _pct_ci(d: dict | None, key: str = "goodput") -> str:
     return f"{100 * d[key]:.1f} %" + (f" ± {100 * ci:.1f}" if ci is not None and ci == ci else "")
 
 
-def _ci(ci: list | None, fmt: str) -> str:
-    return f" [{fmt.format(ci[0])}, {fmt.format(ci[1])}]" if ci else ""
-
-
-def _score_cell(v: Any, ci: list | None, fmt: str = "{:.4f}") -> str:
-    return "—" if v is None else format_value(v, fmt) + _ci(ci, fmt)
-
-
 def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
     if d.get("status") != "ok":
         return f"{d.get('status')} ({d.get('why')})"
-    return format_value(d["difference"], fmt) + (_ci(d["ci"], fmt) if d.get("ci") else " [interval undefined]")
+    return with_ci(d["difference"], d.get("ci"), fmt) + ("" if d.get("ci") else " [interval undefined]")
+
+
+RECIPE_LABELS = {  # the recipe's known fields, in this order, then any other by its name
+    "task": "task",
+    "mode": "mode",
+    "lora_rank": "LoRA rank",
+    "lora_alpha": "LoRA α (scale α/r)",
+    "lora_targets": "LoRA targets",
+    "steps": "steps per run",
+    "batch_size": "batch size (examples per step)",
+    "optimizer": "optimizer",
+    "lr": "learning rate",
+    "warmup_steps": "warmup steps",
+    "weight_decay": "weight decay",
+    "seeds": "seeds",
+    "packing": "packing",
+    "row_len": "row length (tokens)",
+}
 
 
 def recipe_rows(ft: dict) -> list[list[str]]:
-    methods = ft["methods"]
-    known = [
-        ("task", "task"),
-        ("mode", "mode"),
-        ("lora_rank", "LoRA rank"),
-        ("lora_alpha", "LoRA α (scale α/r)"),
-        ("lora_targets", "LoRA targets"),
-        ("steps", "steps per run"),
-        ("batch_size", "batch size (examples per step)"),
-        ("optimizer", "optimizer"),
-        ("lr", "learning rate"),
-        ("warmup_steps", "warmup steps"),
-        ("weight_decay", "weight decay"),
-        ("seeds", "seeds"),
-        ("packing", "packing"),
-        ("row_len", "row length (tokens)"),
-    ]
-    keys = list(dict.fromkeys([k for k, _ in known] + [k for f in methods.values() for k in f["recipe"]]))
-    names = dict(known)
-
-    def cell(v: Any) -> str:
-        if isinstance(v, list):
-            return ", ".join(str(x) for x in v) or "—"
-        return format_value(v)
-
+    """The post-training recipe table: one row per recipe field some method recorded (lists joined
+    by ", "), then the parameter counts and the checkpoint each method was fine-tuned from."""
+    methods = ft["methods"].values()
+    keys = list(dict.fromkeys([*RECIPE_LABELS, *(k for f in methods for k in f["recipe"])]))
+    text = lambda v: (", ".join(map(str, v)) or "—") if isinstance(v, list) else format_value(v)  # noqa: E731
     rows = [
-        [names.get(k, k)] + [cell(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN for f in methods.values()]
+        [RECIPE_LABELS.get(k, k)] + [text(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN for f in methods]
         for k in keys
-        if any(f["recipe"].get(k) is not None for f in methods.values())
+        if any(f["recipe"].get(k) is not None for f in methods)
     ]
-    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods.values()])
-    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods.values()])
-    rows.append(
-        ["fine-tuned from"]
-        + [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—" for f in methods.values()]
-    )
-    return rows
+    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods])
+    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods])
+    checkpoints = [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—" for f in methods]
+    return rows + [["fine-tuned from", *checkpoints]]
 
 
 def _ledger_cell(column: str, row: dict) -> str:
@@ -220,7 +208,6 @@ def environment() -> jinja2.Environment:
         COMPLETING_TEXT=COMPLETING_TEXT,
         STALE_DEFINITION=STALE_DEFINITION,
         bytes_or_missing=bytes_or_missing,
-        ci=_ci,
         diff_cell=_diff_cell,
         fv=format_value,
         headlines=headlines,
@@ -230,7 +217,7 @@ def environment() -> jinja2.Environment:
         per_unit=per_unit,
         recipe_rows=recipe_rows,
         s=lambda x: format_value(x, "{:.2f}"),
-        score_cell=_score_cell,
+        with_ci=with_ci,
         short=short_label,
         side_by_side=side_by_side,
         table=md_table,

@@ -11,13 +11,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from reports.analyses import manifest_items, pipeline_status, setup
-from reports.common import BASELINE, NOT_RUN, json_safe, settings
+from reports.common import BASELINE, NOT_RUN, json_safe, nested, settings
 from reports.finetune import _per_item_matrix, paired_bootstrap_difference, verdict as post_verdict
 from reports.live import report_html
 from reports.markdown import render
 from reports.read import open_run, read_json, read_run
-from reports.verdict import mean_interval, seed_figures, verdict
+from reports.table import runs_table, wide
+from reports.verdict import context, mean_interval, verdict
 from run import atomic
 from run.layout import RunLayout
 
@@ -45,8 +48,6 @@ def _post_over_seeds(seed_dirs: list[Path], primary: str | None) -> dict | None:
         diff = paired_bootstrap_difference(mats["diloco"], mats[BASELINE])
     except ValueError:  # seeds scored different items or fine-tuning seeds: no paired difference
         return None
-    import numpy as np
-
     diff["verdict"] = post_verdict(diff, True, "diloco")
     diff["scores"] = {m: float(np.mean(v)) for m, v in mats.items()}
     return diff
@@ -58,32 +59,24 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     report is listed as not run; nothing here trains or evaluates."""
     layout = open_run(run_dir)
     status = read_json(layout.status) if layout.status.exists() else None
-    runs, done = [], []
+    runs = []
     for s in config.get("seeds") or []:
         sd = RunLayout(layout.seed_run(s))
-        path = sd.report_json
-        rep = json.loads(path.read_text()) if path.is_file() else None
-        st = read_json(sd.status) if sd.status.is_file() else None
-        fig = seed_figures(rep) if rep else None
-        runs.append(
-            {
-                "seed": s,
-                "status": (st or {}).get("status", NOT_RUN),
-                "run_dir": str(sd.root),
-                "report": f"../seeds/seed-{s}/report/report.md" if rep else None,
-                "figures": fig,
-                "report_json": rep,
-            }
-        )
-        if rep and (st or {}).get("status") == "completed":
-            done.append(runs[-1])
-    use = done or [r for r in runs if r["figures"]]
-    primary = next((((r["report_json"] or {}).get("finetune") or {}).get("primary") for r in use), None)
+        rep = read_json(sd.report_json) if sd.report_json.is_file() else None
+        st = (read_json(sd.status) if sd.status.is_file() else None) or {}
+        report = f"../seeds/seed-{s}/report/report.md" if rep else None
+        runs.append({"seed": s, "status": st.get("status", NOT_RUN), "run_dir": str(sd.root), "report": report})
+        runs[-1]["report_json"] = rep
+    use = [r for r in runs if r["report_json"] and r["status"] == "completed"] or [r for r in runs if r["report_json"]]
+    reports = {r["seed"]: r["report_json"] for r in use}
+    primary = next((nested(rep, ("finetune", "primary")) for rep in reports.values()), None)
     post = _post_over_seeds([Path(r["run_dir"]) for r in use], primary) if primary else None
     if post is not None:
-        task = (use[0]["report_json"].get("finetune") or {}).get("task") or {}
-        post.update(metric=primary, label=((task.get("metrics") or {}).get(primary) or {}).get("label", primary))
-    v = verdict([r["figures"] for r in use], post) if use else None
+        task = nested(use[0]["report_json"], ("finetune", "task")) or {}
+        post.update(metric=primary, label=nested(task, ("metrics", primary, "label")) or primary)
+    v = verdict(reports, post) if use else None
+    every = runs_table({r["seed"]: r["report_json"] for r in runs if r["report_json"]})
+    every = wide(every[every.stage == "pretrain"], ["loss", "loss_gap_pct"], ["diloco", BASELINE])
     report: dict[str, Any] = {
         "schema": 3,
         "run": {
@@ -98,12 +91,8 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
         if layout.manifest.exists()
         else {"status": NOT_RUN, "items": []},
         "verdict": v,
-        "seed_runs": [
-            {k: r[k] for k in ("seed", "status", "run_dir", "report")}
-            | ({"loss": r["figures"]["loss"], "gap_pct": r["figures"]["gap_pct"]} if r["figures"] else {})
-            for r in runs
-        ],
-        "stages": {"pretrain": _mean_stage(use, v)} if use else {},
+        "seed_runs": [{k: r[k] for k in ("seed", "status", "run_dir", "report")} | _seed_row(every, r) for r in runs],
+        "stages": {"pretrain": _mean_stage(reports, v)} if use else {},
         "finetune": _mean_finetune(use, post, primary),
         "config": config,
     }
@@ -117,18 +106,31 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     return report
 
 
-def _mean_stage(use: list[dict], v: dict | None) -> dict:
-    methods: dict[str, dict] = {}
-    for m in ("diloco", BASELINE):
-        rows = [((r["report_json"]["stages"].get("pretrain") or {}).get("methods") or {}).get(m) or {} for r in use]
-        f = {k: mean_interval([x.get(k) for x in rows])["mean"] for k in _MEAN_KEYS}
-        f["test_loss_ci"] = mean_interval([x.get("test_loss") for x in rows])["ci"]
-        f["bytes"] = {"total": mean_interval([(x.get("bytes") or {}).get("total") for x in rows])["mean"]}
-        methods[m] = f
+def _seed_row(every, r: dict) -> dict:
+    """A seed's losses (per method) and DiLoCo − DP gap (%) from the runs-table; {} without a report."""
+    if not r["report_json"]:
+        return {}
+    row = every.loc[r["seed"]]
+    return {"loss": {m: row[f"{m}/loss"] for m in ("diloco", BASELINE)}, "gap_pct": row["diloco/loss_gap_pct"]}
+
+
+def _mean_stage(reports: dict, v: dict | None) -> dict:
+    """The pretraining stage of the report over seeds: each method's figures (:data:`_MEAN_KEYS`)
+    as means over seeds (groupby of the runs-table), and DiLoCo's gap paired over seeds."""
+    t = runs_table(reports)
+    t = t[t.stage == "pretrain"]
+    mean = t.groupby("method")[[*_MEAN_KEYS, "bytes_total"]].agg(lambda x: mean_interval(x)["mean"])
+    ci = t.groupby("method")["test_loss"].agg(lambda x: mean_interval(x)["ci"])
+    mean = mean.reindex(["diloco", BASELINE]).astype(object)
+    methods = {
+        m: {k: f[k] for k in _MEAN_KEYS} | {"test_loss_ci": ci.get(m), "bytes": {"total": f["bytes_total"]}}
+        for m, f in mean.where(mean.notna(), None).iterrows()
+    }
     gap = (v or {}).get("gap_pct") or {}
+    first = context(next(iter(reports.values())))
     return {
         "stage": "pretrain",
-        "unit": use[0]["figures"]["unit"],
+        "unit": first["unit"],
         "methods": methods,
         "loss_gaps": {
             "diloco": {
@@ -136,7 +138,7 @@ def _mean_stage(use: list[dict], v: dict | None) -> dict:
                 "gap_pct": gap.get("mean"),
                 "ci": gap.get("ci"),
                 "seeds": gap.get("n"),
-                "split": use[0]["figures"]["split"],
+                "split": first["split"],
             }
         },
     }

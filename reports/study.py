@@ -16,27 +16,32 @@ from run import atomic
 from run.layout import RunLayout, StudyLayout
 
 
-def history_figure(record: dict):
-    """Validation loss against trial number per method, with the best so far (matplotlib Figure),
-    or None without a completed trial."""
-    from matplotlib.figure import Figure
+def trials_table(record: dict) -> pd.DataFrame:
+    """Every trial of the study (``tune.json``'s record), one row each: ``method``, ``trial``,
+    ``state`` (Optuna's: COMPLETE, RUNNING, ...), ``value`` (validation loss on the whole split,
+    nats per token; None before it completed) and ``params`` (the searched settings)."""
+    rows = [
+        {"method": m, "trial": t["number"], "state": t["state"], "value": t["value"], "params": t["params"]}
+        for m, r in record["methods"].items()
+        for t in r["trials"]
+    ]
+    return pd.DataFrame(rows, columns=["method", "trial", "state", "value", "params"])
 
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    drawn = False
-    for m, r in record["methods"].items():
-        done = [(t["number"], t["value"]) for t in r["trials"] if t["state"] == "COMPLETE"]
-        if not done:
-            continue
-        x, y = zip(*done)
-        line = ax.plot(x, y, "o", alpha=0.6, label=f"{short_label(m)} trials")[0]
-        best = pd.Series(y).cummin()
-        ax.step(x, best, where="post", color=line.get_color(), label=f"{short_label(m)} best so far")
-        drawn = True
-    if not drawn:
-        return None
+
+def history_figure(trials: pd.DataFrame):
+    """Validation loss against trial number per method (:func:`trials_table`), with the best so far
+    (matplotlib Figure), or None without a completed trial."""
+    from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
+    done = trials[trials.state == "COMPLETE"]
+    if done.empty:
+        return None
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
+    for m, t in done.groupby("method", sort=False):
+        line = ax.plot(t.trial, t.value, "o", alpha=0.6, label=f"{short_label(m)} trials")[0]
+        ax.step(t.trial, t.value.cummin(), where="post", color=line.get_color(), label=f"{short_label(m)} best so far")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("trial")
     ax.set_ylabel("validation loss (whole split)")
@@ -45,17 +50,15 @@ def history_figure(record: dict):
     return fig
 
 
-def _trials_table(r: dict) -> str:
-    rows = [
-        {
-            "trial": t["number"],
-            "state": "stopped (tried again on resume)" if t["state"] == "RUNNING" else t["state"].lower(),
-            "validation loss": "—" if t["value"] is None else f"{t['value']:.4f}",
-            **{k: (f"{v:.4g}" if isinstance(v, float) else str(v)) for k, v in t["params"].items()},
-        }
-        for t in r["trials"]
-    ]
-    return md_table(list(rows[0]), [list(r.values()) for r in rows]) if rows else "*no trials yet*"
+def _trials_md(t: pd.DataFrame) -> str:
+    """One method's trials as a markdown table: trial, state, validation loss, then each setting."""
+    if t.empty:
+        return "*no trials yet*"
+    state = t.state.map(lambda x: "stopped (tried again on resume)" if x == "RUNNING" else x.lower())
+    loss = t.value.map(lambda v: "—" if v is None or v != v else f"{v:.4f}")
+    params = pd.DataFrame(list(t.params), index=t.index).map(lambda v: f"{v:.4g}" if isinstance(v, float) else str(v))
+    shown = pd.concat([t.trial.rename("trial"), state, loss.rename("validation loss"), params], axis=1)
+    return md_table(list(shown.columns), shown.values.tolist())
 
 
 def build_study_report(record: dict, study_dir: Path) -> str:
@@ -67,7 +70,8 @@ def build_study_report(record: dict, study_dir: Path) -> str:
     for arm, t in tuned.items():
         path = RunLayout(t["run_dir"]).report_json if t.get("run_dir") else None
         verdicts[arm] = json.loads(path.read_text()).get("verdict") if path and path.is_file() else None
-    fig = history_figure(record)
+    trials = trials_table(record)
+    fig = history_figure(trials)
     if fig is not None:
         save_png(fig, out / "study_history.png")
     text = render(
@@ -76,7 +80,7 @@ def build_study_report(record: dict, study_dir: Path) -> str:
         verdicts=verdicts,
         study_dir=study_dir,
         history=fig is not None,
-        trials_table=_trials_table,
+        trials_table=lambda m: _trials_md(trials[trials.method == m]),
     )
     atomic.write_json(out / "study.json", record, newline=True, default=None)
     atomic.write_text(out / "study.md", text)

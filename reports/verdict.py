@@ -1,19 +1,25 @@
 """The verdict: is Decoupled DiLoCo as good as DP, and what does it buy — one table and a sentence.
 
-Built from one run's ``report.json`` (one seed: figures without an interval) or from the reports of
-every seed of a run of several seeds (mean and 95 % Student-t interval over seeds; the gap paired
-per seed; the published gap from the fits of arXiv 2503.09799). Rows and statistics: docs/verdict.md.
+Built from the runs-table (:mod:`reports.table`) of one run's ``report.json`` (one seed: figures
+without an interval) or of the reports of every seed of a run of several seeds (mean and 95 %
+Student-t interval over seeds; the gap paired per seed; the published gap from the fits of arXiv
+2503.09799). Rows and statistics: docs/verdict.md.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from reports.common import BASELINE, format_value, md_table, num, settings
+from reports.common import BASELINE, format_value, md_table, nested, num, settings, with_ci
+from reports.table import runs_table, wide
+
+_METHODS = ("diloco", BASELINE)
+_FIGURES = ["loss", "bytes_per_token", "modelled_wall_s", "time_to_dp_final_s", "goodput", "uptime", "params"]
 
 CONFIDENCE = 0.95
 # arXiv 2503.09799 ("Scaling Laws for DiLoCo"), power-law fits L = A·N^α of the final evaluation
@@ -38,13 +44,15 @@ def published_gap_pct(learners: int | None, params: float | None) -> float | Non
     return 100.0 * (a * params**al / (b * params**bl) - 1.0)
 
 
-def mean_interval(values: list[float | None], confidence: float = CONFIDENCE) -> dict:
-    """``{"mean", "ci", "n", "sd"}`` of the finite ``values``: the mean and its Student-t interval
-    (``ci`` = [mean − h, mean + h], h = t_{(1+confidence)/2, n−1} · sd / √n, sd with ddof 1); ``ci``
-    is None for fewer than two values, ``mean`` None for none."""
+def mean_interval(values: Iterable[Any], confidence: float = CONFIDENCE) -> dict:
+    """``{"mean", "ci", "n", "sd"}`` of the finite numbers among ``values`` (None, NaN and
+    non-numbers are left out): the mean and its Student-t interval (``ci`` = [mean − h, mean + h],
+    h = t_{(1+confidence)/2, n−1} · sd / √n, sd with ddof 1); ``ci`` is None for fewer than two
+    values, ``mean`` None for none."""
     from scipy.stats import t
 
-    v = np.asarray([x for x in values if x is not None and math.isfinite(x)], dtype=float)
+    v = pd.to_numeric(pd.Series(list(values), dtype=object), errors="coerce").astype(float).to_numpy()
+    v = v[np.isfinite(v)]
     if v.size == 0:
         return {"mean": None, "ci": None, "n": 0, "sd": None}
     if v.size == 1:
@@ -54,95 +62,63 @@ def mean_interval(values: list[float | None], confidence: float = CONFIDENCE) ->
     return {"mean": float(v.mean()), "ci": [float(v.mean() - h), float(v.mean() + h)], "n": int(v.size), "sd": sd}
 
 
-def seed_figures(report: dict) -> dict:
-    """What the verdict reads of one run's ``report.json`` (one seed)."""
+def context(report: dict) -> dict:
+    """What the verdict's words read of a run's report besides its runs-table figures: the seed,
+    unit, the split of the gap, the network the wall times are modelled on, and M."""
     cfg = settings(report.get("config"))
-    pre = (report.get("stages") or {}).get("pretrain") or {}
-    methods = pre.get("methods") or {}
+    pre = nested(report, ("stages", "pretrain")) or {}
     net = pre.get("interconnect") or {}
-    d, p = methods.get("diloco") or {}, methods.get(BASELINE) or {}
-    out: dict[str, Any] = {
+    return {
         "seed": cfg.seed if cfg is not None else None,
-        "status": (report.get("pipeline") or {}).get("status"),
-        "run_dir": (report.get("run") or {}).get("run_dir"),
         "unit": pre.get("unit") or "tokens",
-        "split": ((pre.get("loss_gaps") or {}).get("diloco") or {}).get("split") or "validation sample",
-        "loss": {
-            m: num(f.get("test_loss")) if f.get("test_loss") is not None else num(f.get("final_val_loss"))
-            for m, f in (("diloco", d), (BASELINE, p))
-        },
-        "gap_pct": num(((pre.get("loss_gaps") or {}).get("diloco") or {}).get("gap_pct")),
-        "bytes_per_token": {
-            "diloco": num((d.get("bytes") or {}).get("sent_per_token")),
-            BASELINE: num((p.get("bytes") or {}).get("sent_per_token")),
-        },
+        "split": nested(pre, ("loss_gaps", "diloco", "split")) or "validation sample",
         "network": net.get("short"),
         "network_kind": net.get("kind", "modelled"),
         "assumption": net.get("assumption"),
-        "modelled_wall_s": {m: num(f.get("modelled_wall_s")) for m, f in (net.get("methods") or {}).items()},
-        "time_to_dp_final_s": {m: num(v) for m, v in (net.get("time_to_dp_final_s") or {}).items()},
-        "goodput": num(d.get("goodput")),
-        "uptime": num(d.get("uptime")),
-        "params": num(d.get("params")),
         "learners": cfg.diloco.learners if cfg is not None else None,
     }
+
+
+def _own_post(report: dict) -> dict | None:
+    """The post-training difference of a run's own fine-tuning (its ``finetune``), or None."""
     ft = report.get("finetune") or {}
     primary = ft.get("primary")
-    if primary:
-        diff = (((ft.get("differences") or {}).get("diloco") or {}).get("metrics") or {}).get(primary) or {}
-        out["post"] = {
-            "metric": primary,
-            "label": (((ft.get("task") or {}).get("metrics") or {}).get(primary) or {}).get("label", primary),
-            "scores": {
-                m: num(
-                    ((((ft.get("methods") or {}).get(m) or {}).get("scores") or {}).get(primary) or {}).get("finetuned")
-                )
-                for m in ("diloco", BASELINE)
-            },
-            "difference": diff.get("finetuned") or {},
-        }
-    return out
+    if not primary:
+        return None
+    scores = {m: num(nested(ft, ("methods", m, "scores", primary, "finetuned"))) for m in _METHODS}
+    label = nested(ft, ("task", "metrics", primary, "label")) or primary
+    diff = nested(ft, ("differences", "diloco", "metrics", primary, "finetuned")) or {}
+    return {**diff, "metric": primary, "label": label, "scores": scores}
 
 
-def _with_ci(m: dict, f: str = "{:.4f}") -> str:
-    if m.get("mean") is None:
-        return "—"
-    return format_value(m["mean"], f) + (
-        "" if m.get("ci") is None else f" [{format_value(m['ci'][0], f)}, {format_value(m['ci'][1], f)}]"
-    )
-
-
-def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = False) -> dict:
-    """The verdict over the :func:`seed_figures` of each seed's run (one or more).
+def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: bool = False) -> dict:
+    """The verdict over the report records of each seed's run (one or more; seed → report).
 
     ``post``: the post-training difference over every seed (a dict of
     :func:`reports.finetune.paired_bootstrap_difference` with ``verdict``, ``metric``, ``label`` and
     per method ``scores``); default: the one seed's own. ``part_of_seeds``: the run is one seed of
     a run of several (its words point to the report over seeds). Returns ``seeds`` (the seed values),
-    ``n``, ``loss`` (per method: :func:`mean_interval`), ``gap_pct`` (:func:`mean_interval` of
-    the paired per-seed gaps), ``published_gap_pct``, ``bytes_per_token``, ``modelled_wall_s``,
-    ``time_to_dp_final_s``, ``goodput``, ``uptime`` (means), ``network``, ``post``, ``rows``
-    (the table: figure, DiLoCo, DP, DiLoCo vs DP) and ``words`` (the verdict in a paragraph)."""
-    first = seeds[0]
+    ``n``, ``loss`` (per method: :func:`mean_interval` of the runs-table's ``loss``), ``gap_pct``
+    (:func:`mean_interval` of the paired per-seed gaps), ``published_gap_pct``, ``bytes_per_token``,
+    ``modelled_wall_s``, ``time_to_dp_final_s``, ``goodput``, ``uptime`` (means), ``network``,
+    ``post``, ``rows`` (the table: figure, DiLoCo, DP, DiLoCo vs DP) and ``words`` (the verdict in
+    a paragraph)."""
+    seeds = list(reports)
+    t = runs_table(reports)
+    w = wide(t[t.stage == "pretrain"], _FIGURES, list(_METHODS), seeds)
+    first = context(reports[seeds[0]]) | {"params": w["diloco/params"].iloc[0]}
     n = len(seeds)
-    ok = [s for s in seeds if s["loss"].get("diloco") is not None and s["loss"].get(BASELINE) is not None]
-    loss = {m: mean_interval([s["loss"].get(m) for s in ok]) for m in ("diloco", BASELINE)}
-    gap = mean_interval([100 * (s["loss"]["diloco"] - s["loss"][BASELINE]) / s["loss"][BASELINE] for s in ok])
+    ok = w[w["diloco/loss"].notna() & w[f"{BASELINE}/loss"].notna()]
+    loss = {m: mean_interval(ok[f"{m}/loss"]) for m in _METHODS}
+    gap = mean_interval(100 * (ok["diloco/loss"] - ok[f"{BASELINE}/loss"]) / ok[f"{BASELINE}/loss"])
     pub = published_gap_pct(first.get("learners"), first.get("params"))
-
-    def mean_of(get) -> float | None:
-        return mean_interval([get(s) for s in seeds])["mean"]
-
-    def per_method(key: str) -> dict:
-        return {m: mean_of(lambda s, m=m: s[key].get(m)) for m in ("diloco", BASELINE)}
-
-    bpt, wall, ttl = per_method("bytes_per_token"), per_method("modelled_wall_s"), per_method("time_to_dp_final_s")
-    reached = [s["time_to_dp_final_s"].get("diloco") is not None for s in seeds]
-    if post is None and n == 1 and first.get("post"):
-        p = first["post"]
-        post = {**(p["difference"] or {}), "metric": p["metric"], "label": p["label"], "scores": p["scores"]}
+    means = {k: {m: mean_interval(w[f"{m}/{k}"])["mean"] for m in _METHODS} for k in _FIGURES}
+    bpt, wall, ttl = means["bytes_per_token"], means["modelled_wall_s"], means["time_to_dp_final_s"]
+    reached = [x is not None for x in w["diloco/time_to_dp_final_s"]]
+    if post is None and n == 1:
+        post = _own_post(reports[seeds[0]])
     v = {
-        "seeds": [s["seed"] for s in seeds],
+        "seeds": [context(r)["seed"] for r in reports.values()],
         "n": n,
         "loss": loss,
         "gap_pct": gap,
@@ -152,19 +128,15 @@ def verdict(seeds: list[dict], post: dict | None = None, part_of_seeds: bool = F
         "modelled_wall_s": wall,
         "time_to_dp_final_s": ttl,
         "reached_dp_final": reached,
-        "goodput": mean_of(lambda s: s["goodput"]),
-        "uptime": mean_of(lambda s: s["uptime"]),
+        "goodput": means["goodput"]["diloco"],
+        "uptime": means["uptime"]["diloco"],
         "network": first.get("network"),
         "assumption": first.get("assumption"),
         "post": post,
     }
     v["rows"] = _rows(v, first)
-    v["words"] = _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds)
+    v["words"] = _words(v, first, part_of_seeds)
     return v
-
-
-def _ratio(a, b) -> str:
-    return f"{a / b:.2f}×" if a is not None and b else "—"
 
 
 def _whole(x) -> str:
@@ -175,93 +147,72 @@ def _row(figure: str, diloco: str, dp: str, vs: str) -> dict:
     return {"figure": figure, "DiLoCo": diloco, "DP": dp, "DiLoCo vs DP": vs}
 
 
+def _ratio_row(figure: str, values: dict, reached: bool = True, missed: str = "") -> dict:
+    """A row of whole numbers per method and DiLoCo's as a multiple of DP's ("0.10×")."""
+    d, p = values["diloco"], values[BASELINE]
+    ratio = f"{d / p:.2f}×" if d is not None and p and reached else "—"
+    return _row(figure, _whole(d) if reached else missed, _whole(p), ratio)
+
+
 def _rows(v: dict, first: dict) -> list[dict]:
     """The verdict's table (figure, DiLoCo, DP, DiLoCo vs DP) from :func:`verdict`'s figures."""
-    n, loss, gap, pub, bpt = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"], v["bytes_per_token"]
-    unit = first["unit"].removesuffix("s")
+    n, loss, gap, pub = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"]
     over = f"{n} seeds" if n > 1 else "one seed: no interval"
+    params = f"{_whole(first.get('params'))} parameters"
     rows = [
         _row(
-            f"{first['split']} loss (nats/{unit}; mean [95 % interval], {over})",
-            _with_ci(loss["diloco"]),
-            _with_ci(loss[BASELINE]),
-            _with_ci(gap, "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
+            f"{first['split']} loss (nats/{first['unit'].removesuffix('s')}; mean [95 % interval], {over})",
+            *(with_ci(loss[m]["mean"], loss[m]["ci"]) for m in _METHODS),
+            with_ci(gap["mean"], gap["ci"], "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
         ),
         _row(
-            f"published gap at M = {first.get('learners')}, {_whole(first.get('params'))} parameters "
-            "(arXiv 2503.09799 fits)",
+            f"published gap at M = {first.get('learners')}, {params} (arXiv 2503.09799 fits)",
             "",
             "",
             "not fitted for this M" if pub is None else f"{pub:+.2f} %",
         ),
-        _row(
-            "bytes sent per token (learner→syncer; DP: ring all-reduce)",
-            _whole(bpt["diloco"]),
-            _whole(bpt[BASELINE]),
-            _ratio(bpt["diloco"], bpt[BASELINE]),
-        ),
+        _ratio_row("bytes sent per token (learner→syncer; DP: ring all-reduce)", v["bytes_per_token"]),
     ]
     if first.get("network"):
-        wall, ttl, reached = v["modelled_wall_s"], v["time_to_dp_final_s"], v["reached_dp_final"]
+        reached = v["reached_dp_final"]
         missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
-        rows += [
-            _row(
-                f"{first.get('network_kind', 'modelled')} wall time, s ({first['network']})",
-                _whole(wall["diloco"]),
-                _whole(wall[BASELINE]),
-                _ratio(wall["diloco"], wall[BASELINE]),
-            ),
-            _row(
-                f"time to DP's final held-out loss, s ({first['network']})",
-                _whole(ttl["diloco"]) if all(reached) else missed,
-                _whole(ttl[BASELINE]),
-                _ratio(ttl["diloco"], ttl[BASELINE]) if all(reached) else "—",
-            ),
-        ]
+        net, kind = first["network"], first.get("network_kind", "modelled")
+        rows.append(_ratio_row(f"{kind} wall time, s ({net})", v["modelled_wall_s"]))
+        rows.append(
+            _ratio_row(f"time to DP's final held-out loss, s ({net})", v["time_to_dp_final_s"], all(reached), missed)
+        )
     good, up = format_value(v["goodput"], "{:.3f}"), format_value(v["uptime"], "{:.3f}")
     rows.append(_row("goodput / uptime of the learners (measured; fraction of time)", f"{good} / {up}", "", ""))
     post = v["post"]
     if post and post.get("metric"):
-        ci, scores = post.get("ci"), post.get("scores") or {}
-        diff = format_value(post.get("difference"), "{:+.4f}") + ("" if not ci else f" [{ci[0]:+.4f}, {ci[1]:+.4f}]")
-        rows.append(
-            _row(
-                f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})",
-                format_value(scores.get("diloco"), "{:.4f}"),
-                format_value(scores.get(BASELINE), "{:.4f}"),
-                diff,
-            )
-        )
+        scores = [format_value((post.get("scores") or {}).get(m), "{:.4f}") for m in _METHODS]
+        figure = f"post-training {post['label']} (fine-tuned; paired bootstrap {post.get('over', '')})"
+        rows.append(_row(figure, *scores, with_ci(post.get("difference"), post.get("ci"), "{:+.4f}")))
     return rows
 
 
-def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=False) -> str:
+def _head(g: float, ci: list | None, n: int, first: dict, part_of_seeds: bool) -> str:
+    """The verdict's first sentence: the gap ``g`` (%) with its interval ``ci`` over ``n`` seeds."""
+    loss = f"DiLoCo's {first['split']} loss is {g:+.2f} % against DP's"
+    if ci is None and part_of_seeds:
+        return (
+            f"This is seed {first['seed']} of a run of several seeds: {loss} here; the verdict over seeds, "
+            "with its interval, is the run's report (../../report/report.md)."
+        )
+    if ci is None:
+        no = "one seed gives no interval, so this is no verdict yet (set seeds: [0, 1, 2] for one)"
+        return f"On one seed, {loss}; {no}."
+    said = "no significant difference" if ci[0] <= 0 <= ci[1] else f"{'DP' if g > 0 else 'DiLoCo'} is better"
+    return f"Over {n} seeds, {loss} (95 % interval {ci[0]:+.2f} to {ci[1]:+.2f} %): {said} at equal tokens."
+
+
+def _words(v: dict, first: dict, part_of_seeds: bool = False) -> str:
+    """The verdict in a paragraph from :func:`verdict`'s figures ``v``."""
+    gap, pub, bpt, post = v["gap_pct"], v["published_gap_pct"], v["bytes_per_token"], v["post"]
+    wall, reached = v["modelled_wall_s"], v["reached_dp_final"]
     if gap["mean"] is None:
         return "No verdict: a method has no final held-out loss (see the stages below)."
-    g, ci = gap["mean"], gap["ci"]
-    if ci is None and part_of_seeds:
-        head = (
-            f"This is seed {first['seed']} of a run of several seeds: DiLoCo's {first['split']} loss is "
-            f"{g:+.2f} % against DP's here; the verdict over seeds, with its interval, is the run's report "
-            "(../../report/report.md)."
-        )
-    elif ci is None:
-        head = (
-            f"On one seed, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's; one seed gives no "
-            "interval, so this is no verdict yet (set seeds: [0, 1, 2] for one)."
-        )
-    elif ci[0] <= 0 <= ci[1]:
-        head = (
-            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): no significant difference at equal tokens."
-        )
-    else:
-        better = "DP" if g > 0 else "DiLoCo"
-        head = (
-            f"Over {n} seeds, DiLoCo's {first['split']} loss is {g:+.2f} % against DP's (95 % interval "
-            f"{ci[0]:+.2f} to {ci[1]:+.2f} %): {better} is better at equal tokens."
-        )
-    parts = [head]
+    parts = [_head(gap["mean"], gap["ci"], v["n"], first, part_of_seeds)]
     if pub is not None:
         parts.append(
             f"The published fits predict {pub:+.2f} % at this size and M = {first.get('learners')} ({PUBLISHED})."
@@ -269,23 +220,15 @@ def _words(gap, loss, pub, bpt, wall, reached, post, first, n, part_of_seeds=Fal
     if bpt["diloco"] and bpt[BASELINE]:
         parts.append(f"DiLoCo sends {bpt['diloco'] / bpt[BASELINE]:.2f}× DP's bytes per token.")
     if first.get("network") and wall["diloco"] and wall[BASELINE]:
-        t = (
+        reaching = "reaching DP's final held-out loss"
+        if not all(reached):
+            reaching = f"without {reaching}" if not any(reached) else f"{reaching} on {sum(reached)} of {v['n']} seeds"
+        parts.append(
             f"Under the {first.get('network_kind', 'modelled')} network ({first['network']}) it finishes in "
-            f"{wall['diloco'] / wall[BASELINE]:.2f}× "
-            f"DP's time"
+            f"{wall['diloco'] / wall[BASELINE]:.2f}× DP's time, {reaching}."
         )
-        t += (
-            ", reaching DP's final held-out loss."
-            if all(reached)
-            else (
-                ", without reaching DP's final held-out loss."
-                if not any(reached)
-                else f", reaching DP's final held-out loss on {sum(reached)} of {n} seeds."
-            )
-        )
-        parts.append(t)
     scores = (post or {}).get("scores") or {}
-    if post and scores and all(v == 0 for v in scores.values()):
+    if post and scores and all(x == 0 for x in scores.values()):
         parts.append(
             f"Post-training ({post['label']}): both methods score 0 on every test item, so the task "
             "cannot tell them apart at this size."

@@ -340,3 +340,30 @@ def test_comparison_artifacts(tmp_path, monkeypatch):
     pngs = list((tmp_path / "cmp").glob("*.png"))
     assert pngs and md.count("](data:image/png;base64,") == len(pngs) and "png)" not in md
     assert [r["run"] for r in table] == ["a", "b"] and table[0]["DiLoCo validation loss (nats/token)"] == "4.3000"
+
+
+def test_the_runs_table_holds_each_runs_figures_once(tmp_path):
+    from reports.table import runs_table, shown, wide
+
+    reports = {
+        name: json.loads((make_run(tmp_path / name, finetune=ft, losses=losses) / "report" / "report.json").read_text())
+        for name, ft, losses in (("a", FINETUNE, (4.3, 4.1)), ("b", None, (4.2, None)))
+    }
+    t = runs_table(reports)
+    assert list(zip(t.run, t.stage, t.method)) == [(r, "pretrain", m) for r in "ab" for m in ("diloco", "dp")]
+    a = t[t.run == "a"].set_index("method")
+    assert a.loc["diloco", "val_loss"] == 4.3 and a.loc["dp", "loss"] == 4.1  # no whole split, no test split
+    assert (
+        a.loc["diloco", "loss_gap_pct"] == pytest.approx(100 * (4.3 - 4.1) / 4.1)
+        and a.loc["dp", "loss_gap_pct"] is None
+    )
+    assert (a.loc["dp", "tokens"], a.loc["dp", "wall_s"], a.loc["dp", "bytes_total"]) == (24576, 110.0, 2000)
+    assert (a.loc["dp", "post_score"], a.loc["diloco", "post_diff"]) == (0.40, -0.13)
+    assert (a.loc["diloco", "post_diff_ci_low"], a.loc["diloco", "post_verdict"]) == (-0.17, "DP better")
+    w = wide(t, ["val_loss", "post_score"], ["diloco", "dp"], ["b", "a"])
+    assert w.to_dict("index") == {
+        "b": {"diloco/val_loss": 4.2, "dp/val_loss": None, "diloco/post_score": None, "dp/post_score": None},
+        "a": {"diloco/val_loss": 4.3, "dp/val_loss": 4.1, "diloco/post_score": 0.27, "dp/post_score": 0.40},
+    }
+    f = shown("tokens_per_s", "diloco", "image", "images")
+    assert (f.header, f.unit, f.fmt) == ("DiLoCo images/s", "images/s", "{:,.0f}")
