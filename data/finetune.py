@@ -60,6 +60,7 @@ from configs.data import DataConfig
 from configs.finetune import FinetuneConfig
 from data.sources import EOT
 from run import atomic
+from run.layout import PAIRS_FILE
 
 Pair = dict[str, str]
 MIN_TRAIN_ITEMS, MIN_TEST_ITEMS = 8, 4
@@ -544,8 +545,8 @@ def prepare_finetune_data(
         )
 
         def write(tmp: Path) -> None:
-            _write_pairs(tmp / "pairs_train.jsonl", train)
-            _write_pairs(tmp / "pairs_test.jsonl", test)
+            _write_pairs(tmp / PAIRS_FILE.format(split="train"), train)
+            _write_pairs(tmp / PAIRS_FILE.format(split="test"), test)
             np.savez(tmp / "train.npz", ids=tr_ids, mask=tr_mask)
             np.savez(tmp / "test.npz", ids=te_ids, mask=te_mask)
             (tmp / "manifest.json").write_text(json.dumps({**manifest, "config": record}, indent=2, ensure_ascii=False))

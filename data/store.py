@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from data.sources import DATA_DIR, Document
+from run.layout import HELDOUT_FILE
 
 
 def _data_dir(run_dir: str | Path) -> Path:
@@ -72,7 +73,7 @@ def load_heldout(run_dir: str | Path, split: str) -> list[Document]:
     """
     if split not in ("val", "test", "finetune"):
         raise ValueError(f"held-out split must be 'val', 'test' or 'finetune', not {split!r}")
-    path = _data_dir(run_dir) / f"heldout_{split}.jsonl"
+    path = _data_dir(run_dir) / HELDOUT_FILE.format(split=split)
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: {path.parent} is incomplete; rebuild it")
     with open(path, encoding="utf-8") as f:

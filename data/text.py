@@ -32,6 +32,7 @@ from configs.data import DataConfig, TextDataConfig
 from data.sources import DATA_DIR, EOT, MANIFEST_VERSION, SPLITS, Document, load_documents, split_documents
 from data.store import load_manifest
 from run import atomic
+from run.layout import HELDOUT_FILE
 
 log = logging.getLogger(__name__)
 
@@ -340,10 +341,10 @@ def _save_sequences(tmp: Path, packed: dict[str, np.ndarray], M: int, T: int) ->
 
 def _save_heldout(tmp: Path, splits: dict, split_info: dict[str, dict]) -> None:
     """Write the held-out documents as JSONL; record the fine-tuning split in ``split_info``."""
-    _write_jsonl(tmp / "heldout_val.jsonl", splits["val"])
-    _write_jsonl(tmp / "heldout_test.jsonl", splits["test"])
+    _write_jsonl(tmp / HELDOUT_FILE.format(split="val"), splits["val"])
+    _write_jsonl(tmp / HELDOUT_FILE.format(split="test"), splits["test"])
     if splits["finetune"]:
-        _write_jsonl(tmp / "heldout_finetune.jsonl", splits["finetune"])
+        _write_jsonl(tmp / HELDOUT_FILE.format(split="finetune"), splits["finetune"])
         split_info["finetune"] = {
             "documents": len(splits["finetune"]),
             "titles": [d["title"] for d in splits["finetune"]],

@@ -50,6 +50,8 @@ REUSABLE_ENTRIES = ("data", "config.json")
 REPORT_JSON = "report.json"  # a report's record, beside report.md (RunLayout.report_json)
 SWEEP_RECORD = "sweep.json"  # what makes a folder a sweep (SweepLayout.record)
 STUDY_RECORD = "tune.json"  # what makes a folder a study (StudyLayout.record)
+HELDOUT_FILE = "heldout_{split}.jsonl"  # in RUN/data/: a held-out split's documents as text (RunLayout.heldout)
+PAIRS_FILE = "pairs_{split}.jsonl"  # in RUN/finetune/data/: the fine-tuning task's pairs (RunLayout.finetune_pairs)
 
 
 def _check_name(kind: str, name: str, allowed: tuple[str, ...] | None = None) -> None:
@@ -152,6 +154,16 @@ class RunLayout:
     def finetune_data(self) -> UPath:
         """The fine-tuning task's prepared items (their contents belong to ``data.finetune``)."""
         return self.root / "finetune" / "data"
+
+    def heldout(self, split: str) -> UPath:
+        """A held-out split's documents as text (``data.text``): ``RUN/data/heldout_<split>.jsonl``,
+        split ∈ val, test, finetune."""
+        return self.data / HELDOUT_FILE.format(split=split)
+
+    def finetune_pairs(self, split: str) -> UPath:
+        """The fine-tuning task's prompt/response pairs (``data.finetune``):
+        ``RUN/finetune/data/pairs_<split>.jsonl``, split ∈ train, test."""
+        return self.finetune_data / PAIRS_FILE.format(split=split)
 
     def metrics(self, stage: str, method: str, name: str) -> UPath:
         """``eval`` (held-out loss over tokens), ``train`` (training loss), ``merges`` and

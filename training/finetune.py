@@ -51,6 +51,7 @@ from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
 from models.layers.lora import adapted_layers, add_lora, is_adapter, merge_lora
 from run.control import STOP
+from run.layout import PAIRS_FILE
 from run.metrics import JsonlWriter
 from training.checkpoint import CheckpointError, load_extra, load_into_model, load_meta, save_checkpoint
 from training.common import model_spec
@@ -540,7 +541,7 @@ def _score(plan: FinetunePlan, run_dir: str | Path, model: nnx.Module, task: Map
     res = evaluate_pairs(
         model,
         load_tokenizer(run_dir),
-        read_pairs(Path(data_dir) / "pairs_test.jsonl"),
+        read_pairs(Path(data_dir) / PAIRS_FILE.format(split="test")),
         out_dir,
         batch_size=plan.eval.batch_size,
         max_gen_toks=max_gen_tokens(plan.finetune, task),
