@@ -96,7 +96,7 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     from flows.engines import share_accelerators
     from flows.preflight import preflight
 
-    share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
+    share_accelerators(cfg.runtime)  # before the checks start JAX (they ask for its devices)
     return cfg, _refused(preflight, cfg, run_dir, where=f"{config}: ")
 
 

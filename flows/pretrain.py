@@ -21,7 +21,7 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.datacenters import emulated
-from flows.engines import engine_session, task_options, task_runner_for
+from flows.engines import engine_session, engine_slots, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
 from reports.resilience import diloco_resilience
@@ -171,7 +171,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         retry_condition_fn=retry_syncer,
     )
     with (
-        engine_session(config),
+        engine_session(config.runtime, engine_slots(config)),
         task_runner_for(config) as runner,
         method_tracker(config, rd, "pretrain", "diloco") as tracker,
     ):
@@ -416,7 +416,7 @@ def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
         config.dp_batch_size // config.dp.hosts,
         config.dp_batch_size,
     )
-    with engine_session(config), task_runner_for(config) as runner:
+    with engine_session(config.runtime, engine_slots(config)), task_runner_for(config) as runner:
         launch = launcher(config, rd, runner, clock, dp_progress(config, str(rd)))
         summary = run_job(config, rd, launch, clock, origin)
     write_json(RunLayout(rd).summary("pretrain", "dp"), summary)
