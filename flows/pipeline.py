@@ -197,12 +197,18 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
         if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
             break
         stages.append(name)
-    problem = None if stop_requested() else _run_problem(results)
-    if stop_requested():  # the report shows the run's state at its top
+    return _report(rd, stages, None if stop_requested() else _run_problem(results))
+
+
+def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
+    """Record the run's state so far (``interrupted`` after a stop signal, ``failed`` with
+    ``problem``, else still ``running``: the report shows it at its top), build the report (also
+    after a stop or a failure: the report of what was done) and return ``problem``."""
+    if stop_requested():
         write_status(rd, "interrupted", stages, _signal_reason())
     else:
         write_status(rd, "failed" if problem else "running", stages, problem)
-    report_task(rd)  # also after a stop or a failure: the report of what was done
+    report_task(rd)
     stages.append("report")
     return problem
 
@@ -246,14 +252,7 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
             stages.append(f"seed-{seed}")
         elif out["problem"]:
             problems.append(f"seed {seed}: {out['problem']}")
-    problem = None if stop_requested() or not problems else "; ".join(problems)
-    if stop_requested():
-        write_status(rd, "interrupted", stages, _signal_reason())
-    else:
-        write_status(rd, "failed" if problem else "running", stages, problem)
-    report_task(rd)
-    stages.append("report")
-    return problem
+    return _report(rd, stages, None if stop_requested() or not problems else "; ".join(problems))
 
 
 @flow(name="pipeline", flow_run_name=pipeline_run_name, log_prints=True)
@@ -317,25 +316,14 @@ def pipeline(
                     shutil.rmtree(rd, ignore_errors=True)
                 raise
             stages.append("data")
-            if manifest.get("modality") == "image":
-                logger.info(
-                    "data: %s train images of %s in %d classes, %d shards",
-                    f"{manifest['splits']['train']['images']:,}",
-                    "×".join(map(str, manifest["image_shape"])),
-                    manifest["num_classes"],
-                    len(manifest["shards"]),
-                )
-            else:
-                logger.info(
-                    "data: %s train tokens, %d shards, vocab %d",
-                    f"{manifest['splits']['train']['tokens']:,}",
-                    len(manifest["shards"]),
-                    manifest["vocab_size"],
-                )
-            if len(seeds) == 1:
-                problem = _train_and_report(cfg, rd, dp_cache, stages)
-            else:
-                problem = _train_seeds(cfg, rd, dp_cache, stages)
+            m, train = manifest, manifest["splits"]["train"]
+            logger.info(
+                f"data: {train['images']:,} train images of {'×'.join(map(str, m['image_shape']))} in "
+                f"{m['num_classes']} classes, {len(m['shards'])} shards"
+                if m.get("modality") == "image"
+                else f"data: {train['tokens']:,} train tokens, {len(m['shards'])} shards, vocab {m['vocab_size']}"
+            )
+            problem = (_train_and_report if len(seeds) == 1 else _train_seeds)(cfg, rd, dp_cache, stages)
         except BaseException as exc:
             if stop_requested():
                 return _interrupted(rd, stages)

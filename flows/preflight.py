@@ -493,11 +493,8 @@ class SweepPlan:
 
 
 def default_sweep_dir(spec: SweepSpec) -> Path:
-    root = Path(spec.sweep_root).expanduser()
-    if spec.resume:
-        return (root / spec.name).absolute()
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return (root / f"{spec.name}-{stamp}").absolute()
+    stamp = "" if spec.resume else dt.datetime.now(dt.UTC).strftime("-%Y%m%d-%H%M%S")
+    return (Path(spec.sweep_root).expanduser() / f"{spec.name}{stamp}").absolute()
 
 
 def _check_sweep_dir(path: Path) -> Path:
@@ -559,17 +556,12 @@ def check_deployment(spec: SweepSpec) -> str | None:
 
 def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
-    relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
-    method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
-    :class:`run.layout.RunLayout`."""
-    layout = RunLayout(run_dir)
-    needed = [layout.report_json]
-    seeds = cfg.run_seeds
-    for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
-        needed += [
-            sub.summary("pretrain", m)
-            for m in (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
-        ]
+    relative to it (empty: all there): ``report/report.json`` and each enabled method's
+    ``pretrain/<method>/summary.json`` (each seed's, with several seeds)."""
+    layout, seeds = RunLayout(run_dir), cfg.run_seeds
+    methods = [m for m, on in (("diloco", cfg.diloco.enabled), ("dp", cfg.dp.enabled)) if on]
+    runs = [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]
+    needed = [layout.report_json, *(sub.summary("pretrain", m) for sub in runs for m in methods)]
     return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
 
 
@@ -587,8 +579,9 @@ def _first_difference(old: dict, new: dict) -> str:
 
 
 def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path) -> PlannedCell:
-    """A cell's action: ``run`` in a new folder, ``skip`` a completed run of this config with its
-    results, ``rerun`` anything else; a completed run of another config is refused."""
+    """A cell's action: ``run`` in a new folder, ``skip`` a run whose ``status.json`` says completed,
+    whose ``config.json`` is this config and that holds its results (:func:`missing_results`),
+    ``rerun`` anything else; a completed run of another config is refused."""
     digest = config_digest(cfg)
     if not run_dir.exists():
         check_run_dir(run_dir)
@@ -616,17 +609,10 @@ def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path
 
 
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
-    """Every check of a sweep: with ``launch: deployment`` the Prefect server and the deployment
-    (:func:`check_deployment`), the sweep folder, the base config, each cell's config (schema,
-    model, corpus: :func:`check_config`; the corpus once per distinct data section) and each cell's
-    run directory (:func:`_plan_cell`: new, completed with the same config and its results, or an
-    attempt to redo). A cell is skipped only when its run's ``status.json`` says ``completed``, its
-    ``config.json`` equals the cell's resolved config and it holds its results
-    (:func:`missing_results`). Writes nothing.
-
-    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line naming the sweep,
-    the cell and the field (or the folder) and the fix.
-    """
+    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder, the
+    base config, each cell's config (:func:`check_config`, the corpus once per distinct data section)
+    and run directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError`` in one
+    line naming the sweep, the cell and the field (or the folder) and the fix."""
     warning = check_deployment(spec)
     path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
     base_raw = read_base(spec.base, f"sweep {spec.name}")
@@ -783,15 +769,12 @@ def _checkpoint_method(layout: RunLayout, ckpt: Path, name: str | None, methods:
     if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
         # the report shows a method's fine-tuned figures beside its pretraining: another model's
         # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
-        if name in pretrained:
-            raise ValueError(
-                f"--name {name} is this run's pretrained method (its checkpoint is "
-                f"{layout.checkpoints('pretrain', name)}); pick another name"
-            )
-        raise ValueError(
-            f"--name {name} is a pretraining method's name (the report would show this checkpoint "
-            "as that method); pick another name"
+        why = (
+            f"is this run's pretrained method (its checkpoint is {layout.checkpoints('pretrain', name)})"
+            if name in pretrained
+            else "is a pretraining method's name (the report would show this checkpoint as that method)"
         )
+        raise ValueError(f"--name {name} {why}; pick another name")
     return {name or f"{ckpt.parent.name}-ckpt": str(ckpt)}
 
 
@@ -824,11 +807,10 @@ def _pretrained_methods(rd: Path, methods: list[str] | None) -> dict:
     return {m: None for m in chosen}
 
 
-def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace: bool, named: bool) -> None:
+def _check_earlier_results(rd: Path, recipe: dict, plan: dict, replace: bool, named: bool) -> None:
     """No planned method holds fine-tuning results unless ``replace``; every other method of the run
-    was fine-tuned with this recipe (a run directory compares its methods under one)."""
-    from training.finetune import finetune_record
-
+    was fine-tuned with ``recipe`` (``training.finetune.finetune_record``: a run directory compares
+    its methods under one)."""
     layout = RunLayout(rd)
     for m in plan:
         layout.method_dir("finetune", m)  # a valid method name
@@ -838,7 +820,6 @@ def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace:
                 "again (its earlier results are deleted once the new ones are written)"
                 + (", or another --name" if named else "")
             )
-    recipe = finetune_record(cfg)
     for m in layout.methods("finetune"):
         if m in plan or not layout.summary("finetune", m).is_file():
             continue
@@ -894,7 +875,9 @@ def finetune_preflight(
     raw = apply_overrides(json.loads(layout.config.read_text()), {"finetune.enabled": True})
     cfg = load_spec("config", value=raw, sets=overrides, where="invalid fine-tuning settings")
     plan = _checkpoint_method(layout, ckpt, name, methods) if ckpt else _pretrained_methods(rd, methods)
-    _check_earlier_results(rd, cfg, plan, replace, named=ckpt is not None)
+    from training.finetune import finetune_record
+
+    _check_earlier_results(rd, finetune_record(cfg), plan, replace, named=ckpt is not None)
     from data.store import load_manifest
     from training.common import input_shape
 
