@@ -266,26 +266,26 @@ def learner_gpus(rt: RuntimeConfig, m: int, cluster_gpus: float) -> int:
 
 
 @contextlib.contextmanager
-def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
+def task_options(rt: RuntimeConfig, d: DiLoCoConfig, role: str) -> Iterator[None]:
     """Per-task engine options for ``role`` (learner, syncer or dp-host) around ``runner.submit``: on Ray one
     logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
     (:func:`learner_gpus`; Ray then gives each learner disjoint devices) and Ray's ``SPREAD``
     placement (learners on as many nodes as there are); nothing on the other engines. Enter it
     inside the runner (Ray is started by then)."""
-    if config.runtime.engine != "ray":
+    if rt.engine != "ray":
         yield
         return
     import ray
     from prefect_ray.context import remote_options
 
     cluster = ray.cluster_resources().get("GPU", 0)
-    gpus = learner_gpus(config.runtime, config.diloco.learners, cluster) if role == "learner" else 0
+    gpus = learner_gpus(rt, d.learners, cluster) if role == "learner" else 0
     # learners spread over the cluster's nodes (Ray's SPREAD: best effort, any node when one is full
     # or gone): a lost node takes as few learners as it can, and learners on one host share its
     # compute (diloco.compute_slots) only when there are more learners than nodes
     spread = {"scheduling_strategy": "SPREAD"} if role in ("learner", "dp-host") else {}
     # a DP host's task is never re-run by Ray: its job restarts every host (flows.dp_hosts)
-    retries = 0 if role == "dp-host" else crash_retries(config.diloco, role)
+    retries = 0 if role == "dp-host" else crash_retries(d, role)
     with remote_options(num_cpus=1, num_gpus=gpus, max_retries=retries, **spread):
         yield
 

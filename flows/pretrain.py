@@ -170,9 +170,9 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
             _publish_live_view(config, exchange, rd, tracker)
 
-        with task_options(config, "syncer"):
+        with task_options(config.runtime, config.diloco, "syncer"):
             syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
-        with task_options(config, "learner"):
+        with task_options(config.runtime, config.diloco, "learner"):
             futures = [
                 runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
             ]
@@ -248,8 +248,8 @@ def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_futur
 def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
     """Log the finished run (``u``: the budget's unit), the work the syncer dropped and an early stop."""
     logger.info(
-        f"diloco finished: {summary['tokens']:,} {u} in {summary['wall_s']:.1f} s ({summary['tokens_per_s']:.0f} "
-        f"{u}/s), {summary['merges']} merges, held-out loss {summary['final_val_loss']:.4f}"
+        f"diloco finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
+        *(summary[k] for k in ("wall_s", "tokens_per_s", "merges", "final_val_loss")),
     )
     lost = summary["work_lost"]
     if lost["status"] != "ok":
@@ -292,8 +292,8 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
         summary = dp_task(stage, run_dir) if stage.dp.hosts == 1 else _dp_hosts(stage, Path(run_dir).absolute())
     u, logger = config.unit, get_run_logger()
     logger.info(
-        f"dp finished: {summary['tokens']:,} {u} in {summary['wall_s']:.1f} s ({summary['tokens_per_s']:.0f} "
-        f"{u}/s), held-out loss {summary['final_val_loss']:.4f}"
+        f"dp finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
+        *(summary[k] for k in ("wall_s", "tokens_per_s", "final_val_loss")),
     )
     if summary["budget"]["status"] == "short":
         logger.error(message := f"pretrain-dp {summary['budget']['line']}")

@@ -1,11 +1,8 @@
 """The sweep flow: one pipeline run per cell of a grid of overrides, then one report across cells.
 
-Layout of a sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``)::
-
-    sweep.json            the spec, and per cell: overrides, config digest, run directory, state
-    cells/<cell>/         the cell's pipeline run directory (a whole run: data, pretrain, eval, report)
-    attempts/<cell>-<n>/  an earlier attempt of a cell that did not complete, moved aside (kept)
-    report/               comparison.md, comparison.json, comparison.csv and plots (reports.compare)
+A sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``) is laid
+out as :class:`run.layout.SweepLayout` says: ``sweep.json``, ``cells/<cell>/`` (a whole pipeline run
+each), ``attempts/``, ``dp/`` and ``report/`` (``reports.compare``).
 
 **How cells run** (``launch``):
 
@@ -25,14 +22,11 @@ slot whose holder died (a process killed, a machine gone) comes back well within
 persistent server too: the holder renews its lease and a heartbeat record every few seconds, and
 a cell waiting for a slot releases the leases whose heartbeat stopped (:mod:`flows.slots`).
 
-**Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
-the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
-results it vouches for, survives a new Prefect server or database, and cannot point at results
-that were deleted. A cell whose run directory holds a ``completed`` run of the same config, with its results
-(:func:`flows.preflight.missing_results`), is not run again; one whose run stopped (failed, interrupted, or killed
-while ``running``), or that says ``completed`` but lacks its report or a method's summary, is moved
-aside to ``attempts/`` and run anew; one that completed with another config is refused before anything
-starts (the sweep's spec changed under the same name).
+**Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`); the
+record is the cell's run directory itself, not a Prefect result cache: it sits beside the results it
+vouches for, survives a new Prefect server or database, and cannot point at results that were
+deleted. Which cells are skipped, run again (moved aside to ``attempts/`` first) or refused is
+:func:`flows.preflight._plan_cell`'s decision.
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations

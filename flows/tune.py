@@ -1,16 +1,9 @@
 """The tune flow: one Optuna study per method, the same trials and budget each, then the tuned comparison.
 
-Layout of a study folder (``<study_root>/<name>``)::
-
-    tune.json             the spec, and per method every trial (number, params, value, state, run directory)
-    optuna.log            Optuna's journal storage of every study (``dp``, and ``diloco`` or one
-                          ``diloco-<variant>`` per variant): a stopped study resumes
-    trials/<study>-<n>/   trial n's pipeline run directory (that method alone; ``configs.tune.TuneSpec.trial_config``)
-    dp/                   DP results (and their evaluations, dp/eval/) shared by the tuned comparison's
-                          arms (the pipeline's ``dp_cache``)
-    tuned/<study>/        per DiLoCo study, the tuned comparison: a pipeline run of ``seeds`` with its and DP's best
-                          settings
-    report/               study.md, study.json, study_history.png (``reports.study``)
+A study folder (``<study_root>/<name>``) is laid out as :class:`run.layout.StudyLayout` says:
+``tune.json``, ``optuna.log`` (Optuna's journal storage of every study: ``dp``, and ``diloco`` or one
+``diloco-<variant>`` per variant), ``trials/``, ``tuned/<study>/`` (per DiLoCo study, the tuned
+comparison), ``dp/`` (DP results its arms share: the pipeline's ``dp_cache``) and ``report/``.
 
 A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`: a slot of
 the Prefect global concurrency limit ``tune-<name>`` while it runs (:mod:`flows.slots`), ``concurrency`` trials at
