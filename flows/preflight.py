@@ -79,25 +79,25 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
         )
 
 
-def _input_shape(cfg: ExperimentConfig):
-    """The data's ``InputShape`` where it is known before the data is read: text from the config,
-    digits (8×8 grey, 10 classes, pixels 0-16); None for other images (their headers tell)."""
+def _input_shape(data):
+    """The ``InputShape`` of ``data`` (the config's section) where it is known before the data is read:
+    text's, digits' (8×8 grey, 10 classes, pixels 0-16); None for other images (their headers tell)."""
     from models import InputShape
 
-    if cfg.data.modality != "image":
-        return InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
-    if cfg.data.source == "digits":
-        return InputShape(image_shape=(8, 8, cfg.data.channels or 1), num_classes=10, pixel_max=16)
+    if data.modality != "image":
+        return InputShape(vocab_size=data.vocab_size, seq_len=data.seq_len)
+    if data.source == "digits":
+        return InputShape(image_shape=(8, 8, data.channels or 1), num_classes=10, pixel_max=16)
     return None
 
 
-def _abstract_model(cfg: ExperimentConfig, shape):
-    """The model of ``cfg`` for ``shape``, built abstractly (shapes only, no compute)."""
+def _abstract_model(model, shape):
+    """The model of config section ``model`` for ``shape``, built abstractly (shapes only, no compute)."""
     from flax import nnx
 
     from models import build_model
 
-    return nnx.eval_shape(lambda: build_model(cfg.model, shape).init(0))
+    return nnx.eval_shape(lambda: build_model(model, shape).init(0))
 
 
 def check_model(cfg: ExperimentConfig, shape=None) -> int:
@@ -106,11 +106,11 @@ def check_model(cfg: ExperimentConfig, shape=None) -> int:
     read). Returns the number of parameter tensors (0: not checked). Raises ``ValueError``."""
     from training.functional import params_of
 
-    shape = _input_shape(cfg) if shape is None else shape
+    shape = _input_shape(cfg.data) if shape is None else shape
     if shape is None:
         return 0
     try:
-        n = len(params_of(_abstract_model(cfg, shape)))
+        n = len(params_of(_abstract_model(cfg.model, shape)))
     except ValueError as exc:  # e.g. a patch size that does not divide the images
         raise ValueError(f"model ({cfg.model.kind}) does not fit the data: {exc}") from None
     validate_against_model(cfg, n)
@@ -208,12 +208,12 @@ def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
     model (built abstractly) and the rank is below each one's smaller side. ``shape`` as for
     :func:`check_model`. Raises ``ValueError`` naming the field."""
     ft = cfg.finetune
-    shape = _input_shape(cfg) if shape is None else shape
+    shape = _input_shape(cfg.data) if shape is None else shape
     if ft.mode != "lora" or shape is None:
         return
     from models.layers.lora import linear_layers
 
-    layers = linear_layers(_abstract_model(cfg, shape))
+    layers = linear_layers(_abstract_model(cfg.model, shape))
     names = {n for n, _ in layers.values()}
     missing = [t for t in ft.lora_targets if t not in names]
     if missing:
@@ -844,19 +844,12 @@ def finetune_preflight(
     """Check everything a fine-tuning run needs, write nothing; return the plan.
 
     ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
-    the pretrained methods to fine-tune (default every method with a pretrained checkpoint).
+    the pretrained methods to fine-tune (default every one with a checkpoint: :func:`_pretrained_methods`).
     ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
-    (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
-    ``config.json`` (``configs.specs.load_spec``). ``replace``: delete this run's earlier
-    fine-tuning results first (after every check passed).
-
-    Every checkpoint to fine-tune must hold a complete step (:func:`training.ckpt_steps.complete_steps`:
-    what the loaders would refuse later is refused here). ``name`` may not be a pretraining method's
-    (this run's, or ``diloco``/``dp``) unless ``checkpoint`` is that method's own folder: the report
-    shows a method's fine-tuned figures beside its pretraining.
-
-    Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` with one line naming the
-    argument or field and the fix.
+    (:func:`_checkpoint_method`). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
+    ``config.json``. ``replace``: delete this run's earlier fine-tuning results first (after every
+    check passed). Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` in one line
+    naming the argument or field and the fix.
     """
     overrides = dict(overrides or {})
     _check_finetune_options(overrides, checkpoint, name)

@@ -39,9 +39,10 @@ from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compil
 from training.tracking import method_tracker
 
 
-def _progress_line(config: ExperimentConfig, exchange, eval_path: Path, budget: int) -> str:
-    """The progress line of the log; the same figures go to ``run.progress`` (the terminal's bars)."""
-    info, u, m = exchange.learners(), config.unit, config.diloco.learners
+def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> str:
+    """The progress line of the log (``budget`` in unit ``u``, ``m`` learners); the same figures go to
+    ``run.progress`` (the terminal's bars)."""
+    info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
     loss = sum(losses) / len(losses) if losses else None
@@ -166,7 +167,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     ):
 
         def publish() -> None:  # the log's line, the progress artifact, the live view
-            logger.info(_progress_line(config, exchange, eval_path, budget))
+            logger.info(_progress_line(exchange, eval_path, budget, u, d.learners))
             update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
             _publish_live_view(config, exchange, rd, tracker)
 
