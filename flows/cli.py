@@ -55,7 +55,8 @@ def _main(
 
 
 def _shipped(folder: str) -> str:
-    """The names of the shipped sweeps or studies (``configs/<folder>/*.yaml``), for the help texts."""
+    """The names of the shipped configs, sweeps or studies (``configs/<folder>/*.yaml``), for the help texts
+    (``configs.specs.shipped`` without importing pydantic models: ``--help`` stays fast)."""
     return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
 
 
@@ -133,8 +134,7 @@ def _run_flow(start, report: Path | None = None, label: str = "Report"):
 @app.command()
 def run(
     config: str = typer.Argument(
-        "configs/default.yaml",
-        help="YAML experiment config, or a shipped config's name: default, chaos, failure, moe, tiny, vit, vit_moe",
+        "configs/default.yaml", help=f"YAML experiment config, or a shipped config's name: {_shipped('.')}"
     ),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     run_dir: str | None = typer.Option(
