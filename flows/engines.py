@@ -21,21 +21,17 @@ the re-run (measured with Prefect 3.9.1, prefect-ray 0.6.0, prefect-dask 0.3.7).
 the same number of retries, and the learner counts its attempts from the exchange's heartbeats.
 
 A hard stop. A ``ddiloco`` killed without running its exit handlers (SIGKILL, a time-out, the
-out-of-memory killer) leaves nothing of a local cluster running: each worker process of the local
-Dask cluster holds a pipe from the flow's process and exits as soon as it closes (distributed's
-``AsyncProcess``; measured: gone within seconds, tests/test_run_control.py), and Ray starts a local
-instance's processes (GCS, raylet, …) with kernel fate-sharing (``PR_SET_PDEATHSIG``: SIGKILL when
-the flow's process dies; its workers end with the raylet), but its dashboard and runtime-env agents
-outlive it (measured with Ray 2.60: still there a minute later), so every command-line run starts a
-reaper (``flows.server.start_reaper``) that kills what the run's process started once it is gone.
-Prefect's temporary server ends too (flows/server.py). An existing cluster (``runtime.address``) is
-not the run's and keeps running.
+out-of-memory killer) leaves nothing of a local cluster running: each local Dask worker exits as soon
+as the pipe from the flow's process closes (distributed's ``AsyncProcess``; tests/test_run_control.py),
+and a local Ray instance's processes get kernel fate-sharing (``PR_SET_PDEATHSIG``), but its dashboard
+and runtime-env agents outlive it (Ray 2.60), so every command-line run starts a reaper
+(``flows.server.start_reaper``). An existing cluster (``runtime.address``) is not the run's and
+keeps running.
 
-The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary
-server (no ``PREFECT_API_URL`` set, e.g. a plain ``ddiloco run``) lives in the flow's process
-tree and a worker would start a server of its own and fail; :func:`engine_session` therefore hands the
-workers the temporary server's URL. On a cluster, run a Prefect server the workers can reach and set
-``PREFECT_API_URL`` everywhere.
+The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary server
+(no ``PREFECT_API_URL``, e.g. a plain ``ddiloco run``) lives in the flow's process tree, so
+:func:`engine_session` hands the workers its URL. On a cluster, run a Prefect server the workers can
+reach and set ``PREFECT_API_URL`` everywhere.
 """
 
 from __future__ import annotations
