@@ -20,6 +20,10 @@ from pydantic import ValidationError
 from run.directory import is_run
 from run.layout import GoodputLayout, RunLayout, StudyLayout, SweepLayout
 
+SET_HELP = (
+    "override a field, e.g. --set diloco.learners=2 (the value is YAML; a section's mapping, e.g. --set "
+    "'diloco={learners: 4}', merges into that section; each key once)"
+)
 app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel pretraining pipeline.")
 
 
@@ -51,7 +55,8 @@ def _main(
 
 
 def _shipped(folder: str) -> str:
-    """The names of the shipped sweeps or studies (``configs/<folder>/*.yaml``), for the help texts."""
+    """The names of the shipped configs, sweeps or studies (``configs/<folder>/*.yaml``), for the help texts
+    (``configs.specs.shipped`` without importing pydantic models: ``--help`` stays fast)."""
     return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
 
 
@@ -71,20 +76,23 @@ def _refused(check, *args, where: str = "", **kwargs):
 
 
 def _load(kind: str, source: str | None, **given):
-    """The ``kind`` (config, sweep, study) from ``source`` and the command line's ``--set``,
-    ``--axis`` and options: :func:`configs.specs.load_spec`, refused in one line."""
+    """:func:`configs.specs.load_spec` (imported here: ``--help`` stays fast), refused in one line."""
     from configs.specs import load_spec
 
     return _refused(load_spec, kind, source, **given)
 
 
-def _prefect_logging() -> None:
-    """Set up Prefect's logging before the checks import Orbax: Orbax logs through absl when first
-    imported, and absl then gives the root logger a bare handler, after which Prefect leaves its own
-    console format off (every line of a run read ``INFO:prefect.flow_runs:…``, without a time)."""
+def _preflight(name: str, *args, where: str = ""):
+    """``flows.preflight.<name>(*args)``, refused in one line. Prefect's logging is set up first, before
+    the checks import Orbax: Orbax logs through absl when first imported, and absl then gives the
+    root logger a bare handler, after which Prefect leaves its own console format off (every line of
+    a run read ``INFO:prefect.flow_runs:…``, without a time)."""
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
+    from flows import preflight
+
+    return _refused(getattr(preflight, name), *args, where=where)
 
 
 def _checked(config: str, sets: list[str], run_dir: str | None = None):
@@ -92,12 +100,10 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     run directory, corpus, model, devices), all before Prefect starts; exit 2 with one line on the
     first refusal. Returns (cfg, run dir)."""
     cfg = _load("config", config, sets=sets)
-    _prefect_logging()
     from flows.engines import share_accelerators
-    from flows.preflight import preflight
 
-    share_accelerators(cfg)  # before the checks start JAX (they ask for its devices)
-    return cfg, _refused(preflight, cfg, run_dir, where=f"{config}: ")
+    share_accelerators(cfg.runtime)  # before the checks start JAX (they ask for its devices)
+    return cfg, _preflight("preflight", cfg, run_dir, where=f"{config}: ")
 
 
 def _run_flow(start, report: Path | None = None, label: str = "Report"):
@@ -128,16 +134,9 @@ def _run_flow(start, report: Path | None = None, label: str = "Report"):
 @app.command()
 def run(
     config: str = typer.Argument(
-        "configs/default.yaml",
-        help="YAML experiment config, or a shipped config's name: default, chaos, failure, moe, tiny, vit, vit_moe",
+        "configs/default.yaml", help=f"YAML experiment config, or a shipped config's name: {_shipped('.')}"
     ),
-    set_: list[str] = typer.Option(
-        [],
-        "--set",
-        help="override a field, e.g. --set diloco.learners=2 (the value is "
-        "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
-        "section; each key once)",
-    ),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     run_dir: str | None = typer.Option(
         None, help="run directory (default: <run_root>/<name>-<time>); must be new or empty"
     ),
@@ -201,10 +200,7 @@ def finetune(
 
     overrides = _refused(parse_overrides, set_)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
-    _prefect_logging()
-    from flows.preflight import finetune_preflight
-
-    plan = _refused(finetune_preflight, run_dir, chosen, checkpoint, name, overrides, replace)
+    plan = _preflight("finetune_preflight", run_dir, chosen, checkpoint, name, overrides, replace)
     from flows.finetune import finetune as finetune_flow
 
     out = _run_flow(
@@ -224,13 +220,7 @@ def finetune(
 @app.command()
 def validate(
     config: str = typer.Argument(..., help="YAML experiment config, or a shipped config's name"),
-    set_: list[str] = typer.Option(
-        [],
-        "--set",
-        help="override a field, e.g. --set diloco.learners=2 (the value is "
-        "YAML; a section's mapping, e.g. --set 'diloco={learners: 4}', merges into that "
-        "section; each key once)",
-    ),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="print only the last line (OK: …)"),
 ):
     """Check a config (the model it builds and its corpus) without running anything: prints the
@@ -262,21 +252,13 @@ def report(
 ):
     """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
     run has a chaos schedule)."""
-    from run.directory import NotARunDirectory, readable_run
+    from run.directory import readable_run
 
-    try:
-        readable_run(run_dir)  # before the report's libraries load (seconds)
-    except NotARunDirectory as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+    _refused(readable_run, run_dir)  # before the report's libraries load (seconds)
     from reports import build_report
     from sim.study import simulate_goodput
 
-    try:
-        build_report(run_dir, reference=reference, predict=simulate_goodput)
-    except (FileNotFoundError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2)
+    _refused(build_report, run_dir, reference=reference, predict=simulate_goodput)
     typer.echo(f"Report: {RunLayout(run_dir).report_md}")
 
 
@@ -319,10 +301,7 @@ def sweep(
     """
     options = {"base": base, "name": name, "concurrency": concurrency, "launch": launch, "deployment": deployment}
     spec = _load("sweep", sweep_file, sets=set_, axes=axis, fields=options)
-    _prefect_logging()
-    from flows.preflight import sweep_preflight
-
-    plan = _refused(sweep_preflight, spec, sweep_dir)
+    plan = _preflight("sweep_preflight", spec, sweep_dir)
     for warning in plan.warnings:
         typer.echo(f"warning: {warning}", err=True)
     from flows.sweep import sweep as sweep_flow
@@ -360,10 +339,7 @@ def tune(
     """
     options = {"trials": trials, "name": name, "study_root": study_root, "concurrency": concurrency, "compare": compare}
     spec = _load("study", study_file, sets=set_, fields=options)
-    _prefect_logging()
-    from flows.preflight import tune_preflight
-
-    plan = _refused(tune_preflight, spec)
+    plan = _preflight("tune_preflight", spec)
     from flows.tune import tune as tune_flow
 
     report_md = StudyLayout(plan.study_dir).study_md
@@ -393,11 +369,9 @@ def goodput(
         cfg = GoodputConfig.model_validate(knobs)
     except ValidationError as exc:
         raise _fail("invalid goodput settings: " + "; ".join(validation_lines(exc, knobs)))
-    if out is not None:
-        problem = _out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name"
-        if problem:
-            typer.echo(f"error: --out {out}: {problem}", err=True)
-            raise typer.Exit(2)
+    problem = out is not None and (_out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name")
+    if problem:
+        raise _fail(f"--out {out}: {problem}")
     from flows.goodput import goodput as goodput_flow
     from flows.server import start_temporary_server
 

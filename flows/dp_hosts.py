@@ -50,7 +50,7 @@ def launcher(config: ExperimentConfig, run_dir: Path, runner, clock: TrainingClo
 
     def launch(gen: Generation) -> Outcome:
         files = write_plan(run_dir, gen)
-        with task_options(config, "dp-host"):
+        with task_options(config.runtime, config.diloco, "dp-host"):
             futures = [
                 runner.submit(dp_host_task, {"run_dir": str(run_dir), "rank": r, "generation": gen.number})
                 for r in range(hosts)

@@ -21,21 +21,17 @@ the re-run (measured with Prefect 3.9.1, prefect-ray 0.6.0, prefect-dask 0.3.7).
 the same number of retries, and the learner counts its attempts from the exchange's heartbeats.
 
 A hard stop. A ``ddiloco`` killed without running its exit handlers (SIGKILL, a time-out, the
-out-of-memory killer) leaves nothing of a local cluster running: each worker process of the local
-Dask cluster holds a pipe from the flow's process and exits as soon as it closes (distributed's
-``AsyncProcess``; measured: gone within seconds, tests/test_run_control.py), and Ray starts a local
-instance's processes (GCS, raylet, …) with kernel fate-sharing (``PR_SET_PDEATHSIG``: SIGKILL when
-the flow's process dies; its workers end with the raylet), but its dashboard and runtime-env agents
-outlive it (measured with Ray 2.60: still there a minute later), so every command-line run starts a
-reaper (``flows.server.start_reaper``) that kills what the run's process started once it is gone.
-Prefect's temporary server ends too (flows/server.py). An existing cluster (``runtime.address``) is
-not the run's and keeps running.
+out-of-memory killer) leaves nothing of a local cluster running: each local Dask worker exits as soon
+as the pipe from the flow's process closes (distributed's ``AsyncProcess``; tests/test_run_control.py),
+and a local Ray instance's processes get kernel fate-sharing (``PR_SET_PDEATHSIG``), but its dashboard
+and runtime-env agents outlive it (Ray 2.60), so every command-line run starts a reaper
+(``flows.server.start_reaper``). An existing cluster (``runtime.address``) is not the run's and
+keeps running.
 
-The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary
-server (no ``PREFECT_API_URL`` set, e.g. a plain ``ddiloco run``) lives in the flow's process
-tree and a worker would start a server of its own and fail; :func:`engine_session` therefore hands the
-workers the temporary server's URL. On a cluster, run a Prefect server the workers can reach and set
-``PREFECT_API_URL`` everywhere.
+The Prefect API. Workers report their task runs to the flow's Prefect API. Prefect's temporary server
+(no ``PREFECT_API_URL``, e.g. a plain ``ddiloco run``) lives in the flow's process tree, so
+:func:`engine_session` hands the workers its URL. On a cluster, run a Prefect server the workers can
+reach and set ``PREFECT_API_URL`` everywhere.
 """
 
 from __future__ import annotations
@@ -49,6 +45,8 @@ from collections.abc import Iterator
 
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from configs.methods import DiLoCoConfig
+from configs.runtime import RuntimeConfig
 from configs.schema import ExperimentConfig
 
 # Environment the worker processes inherit from the flow's process (JAX and Prefect settings).
@@ -60,14 +58,14 @@ def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_FORWARD_PREFIXES)}
 
 
-def share_accelerators(config: ExperimentConfig) -> None:
+def share_accelerators(rt: RuntimeConfig) -> None:
     """On a process engine, JAX in each process allocates GPU memory as it needs it
     (``XLA_PYTHON_CLIENT_PREALLOCATE=false``; JAX's default takes 75 % of a GPU per process, so the
     second learner process on a GPU would run out). Set in this process's environment, which the
     worker processes inherit (``forwarded_env``); call it before JAX starts here (the CLI does) so
     the flow's own process does not hold the memory either. A value already set is kept; nothing is
     done for the thread engine (one process: JAX's own pool) or off GPUs (the variable is ignored)."""
-    if config.runtime.engine != "threads":
+    if rt.engine != "threads":
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
@@ -76,11 +74,10 @@ def engine_slots(config: ExperimentConfig) -> int:
     return max(config.diloco.learners + 1, config.dp.hosts if config.dp.enabled else 0)
 
 
-def crash_retries(config: ExperimentConfig, role: str | None = None) -> int:
+def crash_retries(d: DiLoCoConfig, role: str | None = None) -> int:
     """How many times the engine re-runs a task whose process died: ``diloco.learner_retries`` for a
     learner, ``diloco.syncer_retries`` for the syncer, the larger of the two for the whole cluster
     (``role`` None: Dask's limit is one setting per scheduler)."""
-    d = config.diloco
     return {"learner": d.learner_retries, "syncer": d.syncer_retries}.get(
         role, max(d.learner_retries, d.syncer_retries)
     )
@@ -98,7 +95,7 @@ def task_runner_for(config: ExperimentConfig):
         from prefect_ray import RayTaskRunner
 
         # a local instance is started by engine_session (start_local_ray) and only used here
-        return RayTaskRunner(address=rt.address, init_kwargs=ray_init_kwargs(config))
+        return RayTaskRunner(address=rt.address, init_kwargs=ray_init_kwargs(rt, slots))
     import dask
     from prefect_dask import DaskTaskRunner
 
@@ -108,7 +105,7 @@ def task_runner_for(config: ExperimentConfig):
 
     dask.config.set(
         {
-            "distributed.scheduler.allowed-failures": crash_retries(config),
+            "distributed.scheduler.allowed-failures": crash_retries(config.diloco),
             # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536 in their workers, which turns off
             # glibc's dynamic mmap threshold: XLA's large CPU buffers are then mapped and
             # zero-faulted afresh at every step (a 1024² matmul took 18.7 ms instead of 8.4 ms
@@ -133,13 +130,13 @@ def task_runner_for(config: ExperimentConfig):
     )
 
 
-def ray_init_kwargs(config: ExperimentConfig) -> dict:
+def ray_init_kwargs(rt: RuntimeConfig, slots: int) -> dict:
     """``ray.init`` arguments: a local instance (no ``runtime.address``) gets one logical CPU per task
-    (:func:`engine_slots`) and no dashboard, and its workers inherit this process's environment; on an
-    existing cluster the workers get the variables of :func:`forwarded_env`."""
+    (``slots``: :func:`engine_slots`) and no dashboard, and its workers inherit this process's
+    environment; on an existing cluster the workers get the variables of :func:`forwarded_env`."""
     init: dict = {"log_to_driver": False, "logging_level": "ERROR"}
-    if config.runtime.address is None:
-        init.update(num_cpus=engine_slots(config), include_dashboard=False)
+    if rt.address is None:
+        init.update(num_cpus=slots, include_dashboard=False)
     else:
         init["runtime_env"] = {"env_vars": forwarded_env()}
     return init
@@ -248,12 +245,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
-    """GPUs each learner task asks Ray for, on a cluster with ``cluster_gpus`` GPUs in all:
+def learner_gpus(rt: RuntimeConfig, m: int, cluster_gpus: float) -> int:
+    """GPUs each of ``m`` learner tasks asks Ray for, on a cluster with ``cluster_gpus`` GPUs in all:
     ``runtime.learner_gpus``, or when unset ``runtime.devices_per_learner`` if the cluster holds
     that many for every learner, else 0. Raises ``ValueError`` naming the field when an explicit
     request cannot be met (Ray would otherwise leave the tasks pending for ever)."""
-    rt, m = config.runtime, config.diloco.learners
     if rt.learner_gpus is None:
         return rt.devices_per_learner if cluster_gpus >= m * rt.devices_per_learner else 0
     if rt.learner_gpus * m > cluster_gpus:
@@ -266,43 +262,48 @@ def learner_gpus(config: ExperimentConfig, cluster_gpus: float) -> int:
 
 
 @contextlib.contextmanager
-def task_options(config: ExperimentConfig, role: str) -> Iterator[None]:
+def task_options(rt: RuntimeConfig, d: DiLoCoConfig, role: str) -> Iterator[None]:
     """Per-task engine options for ``role`` (learner, syncer or dp-host) around ``runner.submit``: on Ray one
     logical CPU, ``crash_retries`` re-runs after a worker death and, for a learner, its GPUs
     (:func:`learner_gpus`; Ray then gives each learner disjoint devices) and Ray's ``SPREAD``
     placement (learners on as many nodes as there are); nothing on the other engines. Enter it
     inside the runner (Ray is started by then)."""
-    if config.runtime.engine != "ray":
+    if rt.engine != "ray":
         yield
         return
     import ray
     from prefect_ray.context import remote_options
 
-    gpus = learner_gpus(config, ray.cluster_resources().get("GPU", 0)) if role == "learner" else 0
+    cluster = ray.cluster_resources().get("GPU", 0)
+    gpus = learner_gpus(rt, d.learners, cluster) if role == "learner" else 0
     # learners spread over the cluster's nodes (Ray's SPREAD: best effort, any node when one is full
     # or gone): a lost node takes as few learners as it can, and learners on one host share its
     # compute (diloco.compute_slots) only when there are more learners than nodes
     spread = {"scheduling_strategy": "SPREAD"} if role in ("learner", "dp-host") else {}
     # a DP host's task is never re-run by Ray: its job restarts every host (flows.dp_hosts)
-    retries = 0 if role == "dp-host" else crash_retries(config, role)
+    retries = 0 if role == "dp-host" else crash_retries(d, role)
     with remote_options(num_cpus=1, num_gpus=gpus, max_retries=retries, **spread):
         yield
 
 
 @contextlib.contextmanager
-def engine_session(config: ExperimentConfig) -> Iterator[None]:
+def engine_session(rt: RuntimeConfig, slots: int) -> Iterator[None]:
     """Around a process engine's use: workers get the Prefect API URL of Prefect's temporary server
     when no ``PREFECT_API_URL`` is set (see the module docstring), and Ray without ``runtime.address``
-    a local instance (:func:`start_local_ray`), shut down when the block ends. Nothing happens for
-    the thread engine."""
-    if config.runtime.engine == "threads":
+    a local instance of ``slots`` CPUs (:func:`start_local_ray`), shut down when the block ends.
+    Nothing happens for the thread engine."""
+    if rt.engine == "threads":
         yield
         return
-    share_accelerators(config)  # (the workers start from here)
+    share_accelerators(rt)  # (the workers start from here)
+    # the run's own Ray instance, started once the Prefect API URL is set (its workers inherit the
+    # environment); RayTaskRunner then uses it and leaves its shutdown to us
+    local = rt.engine == "ray" and rt.address is None
+    cluster = start_local_ray(ray_init_kwargs(rt, slots)) if local else contextlib.nullcontext()
     from prefect.settings import get_current_settings
 
     if get_current_settings().api.url:
-        with _local_cluster(config):
+        with cluster:
             yield
         return
     from prefect.server.api.server import SubprocessASGIServer
@@ -311,14 +312,5 @@ def engine_session(config: ExperimentConfig) -> Iterator[None]:
 
     server = SubprocessASGIServer()  # the process's temporary server (a singleton), started if need be
     server.start()
-    with api_for_workers(server.api_url), _local_cluster(config):
+    with api_for_workers(server.api_url), cluster:
         yield
-
-
-def _local_cluster(config: ExperimentConfig) -> contextlib.AbstractContextManager:
-    """The run's own Ray instance (:func:`start_local_ray`) when ``runtime.engine`` is ray without an
-    address, started after the Prefect API URL is set (its workers inherit the environment);
-    ``RayTaskRunner`` then uses it and leaves its shutdown to us. Nothing otherwise."""
-    if config.runtime.engine == "ray" and config.runtime.address is None:
-        return start_local_ray(ray_init_kwargs(config))
-    return contextlib.nullcontext()

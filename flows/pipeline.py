@@ -11,6 +11,7 @@ was done, later stages are skipped) or ``failed`` (with the reason).
 # keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
 # cannot be resolved there and every run is refused (tests/test_deployments.py).
 
+import contextlib
 import json
 import math
 import shutil
@@ -59,6 +60,18 @@ def _short_stage(rd: Path, name: str) -> dict | None:
     return summary if (summary.get("budget") or {}).get("status") == "short" else None
 
 
+@contextlib.contextmanager
+def _locked(lock: Path):
+    """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block: another run
+    training or evaluating the same DP waits for its result."""
+    import fcntl
+
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
+
 def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
     """DP's stage: trained (``flows.pretrain.pretrain_dp``), or, with a ``cache`` folder holding a
     completed result of the same DP settings (``configs.sweep.dp_digest``), that result copied in
@@ -66,27 +79,21 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     in the cache. One lock file per digest, so runs side by side train each DP once."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
-    import fcntl
-
     from configs.sweep import dp_digest
-    from run.atomic import write_json
 
-    key, logger = dp_digest(cfg), get_run_logger()
+    key, path = dp_digest(cfg), RunLayout(rd).summary("pretrain", "dp")
     dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    dp_cache.lock(key).parent.mkdir(parents=True, exist_ok=True)
     entry, mine = dp_cache.trained(key), Path(RunLayout(rd).method_dir("pretrain", "dp"))
-    with open(dp_cache.lock(key), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another run training this DP: wait for its result
+    with _locked(dp_cache.lock(key)):
         if dp_cache.trained_summary(key).is_file():
             shutil.copytree(entry, mine, copy_function=link_or_copy)
-            summary = json.loads(RunLayout(rd).summary("pretrain", "dp").read_text())
-            write_json(RunLayout(rd).summary("pretrain", "dp"), {**summary, "reused_from": str(entry)})  # a new file
-            logger.info(
-                "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)",
-                entry,
-                summary.get("final_val_loss"),
+            summary = {**json.loads(path.read_text()), "reused_from": str(entry)}
+            atomic.write_json(path, summary)  # a new file
+            loss = summary.get("final_val_loss")
+            get_run_logger().info(
+                "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)", entry, loss
             )
-            return {**summary, "reused_from": str(entry)}
+            return summary
         summary = pretrain_dp(cfg, str(rd))
         if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
             with atomic.folder(entry) as tmp:  # (replaces an entry without its summary: a copy cut short)
@@ -103,15 +110,12 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     is the cache's."""
     if cache is None:
         return evaluate_task(cfg, rd, "dp")
-    import fcntl
     import os
 
     from configs.sweep import dp_digest, dp_eval_digest
-    from run.atomic import write_json
 
     dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
     key, layout = dp_eval_digest(dp_digest(cfg), cfg.eval), RunLayout(rd)
-    dp_cache.evaluation_lock(key).parent.mkdir(parents=True, exist_ok=True)
     entry, flat, outputs = (
         dp_cache.evaluation(key),
         layout.eval_result("pretrain", "dp"),
@@ -124,15 +128,14 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
         stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_digest(cfg)))
     except (OSError, ValueError):
         same_dp = stored = False
-    with open(dp_cache.evaluation_lock(key), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another run evaluating this DP: wait for its result
+    with _locked(dp_cache.evaluation_lock(key)):
         if same_dp and dp_cache.evaluation_result(key).is_file():
             if dp_cache.evaluation_outputs(key).is_dir():
                 shutil.copytree(
                     dp_cache.evaluation_outputs(key), outputs, copy_function=link_or_copy, dirs_exist_ok=True
                 )
             metrics = {**json.loads(dp_cache.evaluation_result(key).read_text()), "reused_from": str(entry)}
-            write_json(flat, metrics)
+            atomic.write_json(flat, metrics)
             get_run_logger().info("eval dp: reused the evaluation of the same DP result from %s", entry)
             return metrics
         metrics = evaluate_task(cfg, rd, "dp")
@@ -197,12 +200,18 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
         if (results[name] or {}).get("interrupted"):  # stopped part-way: not complete
             break
         stages.append(name)
-    problem = None if stop_requested() else _run_problem(results)
-    if stop_requested():  # the report shows the run's state at its top
+    return _report(rd, stages, None if stop_requested() else _run_problem(results))
+
+
+def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
+    """Record the run's state so far (``interrupted`` after a stop signal, ``failed`` with
+    ``problem``, else still ``running``: the report shows it at its top), build the report (also
+    after a stop or a failure: the report of what was done) and return ``problem``."""
+    if stop_requested():
         write_status(rd, "interrupted", stages, _signal_reason())
     else:
         write_status(rd, "failed" if problem else "running", stages, problem)
-    report_task(rd)  # also after a stop or a failure: the report of what was done
+    report_task(rd)
     stages.append("report")
     return problem
 
@@ -246,14 +255,7 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
             stages.append(f"seed-{seed}")
         elif out["problem"]:
             problems.append(f"seed {seed}: {out['problem']}")
-    problem = None if stop_requested() or not problems else "; ".join(problems)
-    if stop_requested():
-        write_status(rd, "interrupted", stages, _signal_reason())
-    else:
-        write_status(rd, "failed" if problem else "running", stages, problem)
-    report_task(rd)
-    stages.append("report")
-    return problem
+    return _report(rd, stages, None if stop_requested() or not problems else "; ".join(problems))
 
 
 @flow(name="pipeline", flow_run_name=pipeline_run_name, log_prints=True)
@@ -317,25 +319,14 @@ def pipeline(
                     shutil.rmtree(rd, ignore_errors=True)
                 raise
             stages.append("data")
-            if manifest.get("modality") == "image":
-                logger.info(
-                    "data: %s train images of %s in %d classes, %d shards",
-                    f"{manifest['splits']['train']['images']:,}",
-                    "×".join(map(str, manifest["image_shape"])),
-                    manifest["num_classes"],
-                    len(manifest["shards"]),
-                )
-            else:
-                logger.info(
-                    "data: %s train tokens, %d shards, vocab %d",
-                    f"{manifest['splits']['train']['tokens']:,}",
-                    len(manifest["shards"]),
-                    manifest["vocab_size"],
-                )
-            if len(seeds) == 1:
-                problem = _train_and_report(cfg, rd, dp_cache, stages)
-            else:
-                problem = _train_seeds(cfg, rd, dp_cache, stages)
+            m, train = manifest, manifest["splits"]["train"]
+            logger.info(
+                f"data: {train['images']:,} train images of {'×'.join(map(str, m['image_shape']))} in "
+                f"{m['num_classes']} classes, {len(m['shards'])} shards"
+                if m.get("modality") == "image"
+                else f"data: {train['tokens']:,} train tokens, {len(m['shards'])} shards, vocab {m['vocab_size']}"
+            )
+            problem = (_train_and_report if len(seeds) == 1 else _train_seeds)(cfg, rd, dp_cache, stages)
         except BaseException as exc:
             if stop_requested():
                 return _interrupted(rd, stages)

@@ -1,37 +1,30 @@
-"""Every check before any work, in one place: the preflights of a run, a sweep, a study and a
-fine-tuning run.
-
-They have one shape. Each takes what its command or flow was given (a validated config or spec from
-``configs.specs.load_spec``, and folders), checks everything that can be checked before work starts
-(folders, corpus, model, devices, earlier results, a Prefect server where one is needed), writes
-nothing, and returns the plan its flow carries out:
-
-======================================  ==========================================================
-:func:`preflight` (``ddiloco run``)     the run directory to create
-:func:`sweep_preflight`                 a :class:`SweepPlan`: the sweep folder, each cell's config,
-                                        run directory and action (run, skip, rerun)
-:func:`tune_preflight`                  a :class:`StudyPlan`: the study folder and base config
-:func:`finetune_preflight`              a :class:`FinetunePlan`: the config with the recipe, the run
-                                        directory, the methods and their checkpoints
-======================================  ==========================================================
+"""Every check before any work, in one place: the preflights of a run (:func:`preflight`, returns
+the run directory), a sweep (:func:`sweep_preflight`, a :class:`SweepPlan`), a study
+(:func:`tune_preflight`, a :class:`StudyPlan`) and a fine-tuning run (:func:`finetune_preflight`, a
+:class:`FinetunePlan`). Each takes a validated config or spec (``configs.specs.load_spec``) and
+folders, checks what can be checked before work starts (folders, corpus, model, devices, earlier
+results, a Prefect server where one is needed), writes nothing, and returns the plan its flow runs.
 
 A refusal is a ``ValueError`` or an ``OSError`` (``FileNotFoundError``, ``FileExistsError``,
 ``ConnectionError``) whose message is one line naming the field, option or path and the fix: the
 CLI prints it and exits 2 before Prefect starts. The flows call their preflight again first thing
-(a run started from the UI never went through the CLI), so nothing is written to a run, sweep or
-study folder before every check has passed.
+(a run started from the UI never went through the CLI), so nothing is written before every check
+has passed.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from configs.load import apply_overrides
+from configs.runtime import RuntimeConfig
 from configs.schema import ExperimentConfig, validate_against_model
 from configs.specs import load_spec, read_base
 from configs.sweep import Cell, SweepSpec, cell_config, config_digest, expand_cells
@@ -40,13 +33,18 @@ from run.directory import check_run_dir, default_run_dir, is_run, read_status
 from run.layout import METHOD_ORDER, SWEEP_RECORD, RunLayout, StudyLayout, SweepLayout
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
+DIGITS_IMAGES = 1797  # scikit-learn's load_digits
+# Where an s3:// exchange's credentials come from: the environment of every process (never a config,
+# a log or a report), as botocore reads them.
+S3_CREDENTIALS = (
+    "the credentials in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; "
+    "AWS_ENDPOINT_URL_S3 for an S3-compatible server)"
+)
 
 
-def check_local_paths(cfg: ExperimentConfig) -> None:
-    """Local corpus files exist and have a supported suffix (cheap; no file is read)."""
-    if cfg.data.source != "local":
-        return
-    for path in cfg.data.paths:
+def check_local_paths(data) -> None:
+    """``data.paths`` of a local corpus exist as files with a supported suffix (none is read)."""
+    for path in data.paths if data.source == "local" else ():
         p = Path(path).expanduser()
         if p.is_dir():
             raise ValueError(f"data.paths: {path} is a folder; list the files in it")
@@ -81,101 +79,98 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
         )
 
 
-def check_model(cfg: ExperimentConfig, shape=None) -> int:
-    """Build the model abstractly (shapes only, no compute) and check P against its tensors.
-    ``shape``: the data's ``InputShape`` when known (an image folder's, from its headers).
+def _input_shape(data):
+    """The ``InputShape`` of ``data`` (the config's section) where it is known before the data is read:
+    text's, digits' (8×8 grey, 10 classes, pixels 0-16); None for other images (their headers tell)."""
+    from models import InputShape
 
-    Returns the number of parameter tensors. Raises ``ValueError`` naming ``diloco.fragments``.
-    """
+    if data.modality != "image":
+        return InputShape(vocab_size=data.vocab_size, seq_len=data.seq_len)
+    if data.source == "digits":
+        return InputShape(image_shape=(8, 8, data.channels or 1), num_classes=10, pixel_max=16)
+    return None
+
+
+def _abstract_model(model, shape):
+    """The model of config section ``model`` for ``shape``, built abstractly (shapes only, no compute)."""
     from flax import nnx
 
-    from models import InputShape, build_model
+    from models import build_model
+
+    return nnx.eval_shape(lambda: build_model(model, shape).init(0))
+
+
+def check_model(cfg: ExperimentConfig, shape=None) -> int:
+    """Build the model abstractly and check ``diloco.fragments`` against its tensors. ``shape``: the
+    data's ``InputShape`` (default :func:`_input_shape`; images of unknown shape are checked once
+    read). Returns the number of parameter tensors (0: not checked). Raises ``ValueError``."""
     from training.functional import params_of
 
-    if shape is None and cfg.data.modality == "image":
-        shape = _known_image_shape(cfg)
-        if shape is None:  # known only once the images are read (the shard step checks it then)
-            return 0
-    elif shape is None:
-        shape = InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+    shape = _input_shape(cfg.data) if shape is None else shape
+    if shape is None:
+        return 0
     try:
-        spec = build_model(cfg.model, shape)
+        n = len(params_of(_abstract_model(cfg.model, shape)))
     except ValueError as exc:  # e.g. a patch size that does not divide the images
         raise ValueError(f"model ({cfg.model.kind}) does not fit the data: {exc}") from None
-    n = len(params_of(nnx.eval_shape(lambda: spec.init(0))))
     validate_against_model(cfg.diloco, n)
     return n
 
 
-def _known_image_shape(cfg: ExperimentConfig):
-    """The images' InputShape when it is known before reading them: digits (8×8 grey, 10 classes,
-    pixels 0-16); else None."""
+def _check_image_folder(cfg: ExperimentConfig) -> None:
+    """An imagefolder: class folders, optionally below split folders, readable headers of one size
+    (``data.images``), the model and LoRA targets fit, and its val split holds one held-out batch."""
+    import numpy as np
+
+    from data.images import ImageSet, complete_splits, inspect_image_folder, scan_image_folder
     from models import InputShape
 
-    if cfg.data.source == "digits":
-        return InputShape(image_shape=(8, 8, cfg.data.channels or 1), num_classes=10, pixel_max=16)
-    return None
-
-
-DIGITS_IMAGES = 1797  # scikit-learn's load_digits
+    d, batch = cfg.data, cfg.train.eval_batch_size
+    folder = scan_image_folder(d.paths[0])
+    for split in ("val", "test"):
+        name = f"{split}_fraction"
+        if split in folder.files and getattr(d, name) != type(d).model_fields[name].default:
+            raise ValueError(
+                f"data.{name}: {d.paths[0]} has a {split} split folder, which is the {split} split as is; "
+                f"remove data.{name}"
+            )
+    found = inspect_image_folder(folder, d.image_size, d.channels)
+    shape = InputShape(image_shape=found["image_shape"], num_classes=found["num_classes"], pixel_max=255)
+    check_model(cfg, shape)
+    check_lora_targets(cfg, shape)
+    labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
+    images = ImageSet(np.empty(0), labels, folder.classes, 255, {}, given)
+    splits, source = complete_splits(images, d.val_fraction, d.test_fraction, d.seed)
+    if len(splits["val"]) < batch:
+        in_folder = source["val"] == "folder"
+        where = (
+            f"the val split folder of {d.paths[0]}"
+            if in_folder
+            else f"data.val_fraction ({d.val_fraction}) of the "
+            + (f"{len(labels)} images" if given is None else f"{len(given['train'])} train/ images")
+        )
+        raise ValueError(
+            f"{where} holds {len(splits['val'])} validation images, fewer than train.eval_batch_size "
+            f"({batch}) for one held-out batch; "
+            f"{'add validation images' if in_folder else 'raise data.val_fraction'} or lower train.eval_batch_size"
+        )
 
 
 def check_image_source(cfg: ExperimentConfig) -> None:
-    """Cheap checks of an image source: an imagefolder is laid out as class folders, optionally below
-    split folders (``data.images.scan_image_folder``), every image's header is readable and, without
-    ``data.image_size``, all have one size (``data.images.inspect_image_folder``), and the model fits
-    the images' shape; a hub dataset is reachable; where the image count is known before reading
-    (digits, an imagefolder), the validation split holds at least one held-out batch. Raises
-    ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line."""
-    d = cfg.data
-    count = DIGITS_IMAGES if d.source == "digits" else None
+    """Cheap checks of an image source: an imagefolder (:func:`_check_image_folder`), the validation
+    split of digits, a reachable hub dataset. Raises ``ValueError``/``FileNotFoundError``/
+    ``ConnectionError`` in one line."""
+    d, batch = cfg.data, cfg.train.eval_batch_size
     if d.source == "imagefolder":
-        from data.images import inspect_image_folder, scan_image_folder
-        from models import InputShape
-
-        folder = scan_image_folder(d.paths[0])
-        for split in ("val", "test"):
-            field = f"{split}_fraction"
-            if split in folder.files and getattr(d, field) != type(d).model_fields[field].default:
-                raise ValueError(
-                    f"data.{field}: {d.paths[0]} has a {split} split folder, which is the {split} split "
-                    f"as is; remove data.{field}"
-                )
-        found = inspect_image_folder(folder, d.image_size, d.channels)
-        shape = InputShape(image_shape=found["image_shape"], num_classes=found["num_classes"], pixel_max=255)
-        check_model(cfg, shape)
-        check_lora_targets(cfg, shape)
-        import numpy as np
-
-        from data.images import ImageSet, complete_splits
-
-        labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
-        splits, source = complete_splits(
-            ImageSet(np.empty(0), labels, folder.classes, 255, {}, given), d.val_fraction, d.test_fraction, d.seed
+        _check_image_folder(cfg)
+    elif d.source == "digits" and int(DIGITS_IMAGES * d.val_fraction) < batch:
+        # (the stratified split rounds per class, give or take a few)
+        raise ValueError(
+            f"data.val_fraction ({d.val_fraction}) of {DIGITS_IMAGES} images holds about "
+            f"{int(DIGITS_IMAGES * d.val_fraction)} validation images, fewer than train.eval_batch_size "
+            f"({batch}) for one held-out batch; raise data.val_fraction or lower train.eval_batch_size"
         )
-        if len(splits["val"]) < cfg.train.eval_batch_size:
-            where = (
-                f"the val split folder of {d.paths[0]}"
-                if source["val"] == "folder"
-                else f"data.val_fraction ({d.val_fraction}) of the "
-                f"{len(labels) if given is None else len(given['train'])} "
-                f"{'images' if given is None else 'train/ images'}"
-            )
-            raise ValueError(
-                f"{where} holds {len(splits['val'])} validation images, fewer than train.eval_batch_size "
-                f"({cfg.train.eval_batch_size}) for one held-out batch; "
-                f"{'add validation images' if source['val'] == 'folder' else 'raise data.val_fraction'} "
-                "or lower train.eval_batch_size"
-            )
-    if count is not None:
-        val = int(count * d.val_fraction)  # the stratified split rounds per class, give or take a few
-        if val < cfg.train.eval_batch_size:
-            raise ValueError(
-                f"data.val_fraction ({d.val_fraction}) of {count} images holds about {val} validation images, "
-                f"fewer than train.eval_batch_size ({cfg.train.eval_batch_size}) for one held-out batch; raise "
-                "data.val_fraction or lower train.eval_batch_size"
-            )
-    if d.source == "hf_images":
+    elif d.source == "hf_images":
         from data.sources import check_hf_reachable
 
         check_hf_reachable(
@@ -185,20 +180,16 @@ def check_image_source(cfg: ExperimentConfig) -> None:
 
 
 def check_finetune_inputs(cfg: ExperimentConfig) -> None:
-    """The fine-tuning task's own inputs, when the run fine-tunes: the user's JSONL pairs are read and
-    checked (fields, empty files), a hub dataset is reachable. Raises ``ValueError`` /
+    """The fine-tuning task's own inputs: the user's JSONL pairs are read and checked (fields, empty
+    files, enough pairs), a hub dataset is reachable. Raises ``ValueError`` /
     ``FileNotFoundError`` / ``ConnectionError`` in one line."""
-    ft = cfg.finetune
-    task = cfg.finetune_task
+    ft, task = cfg.finetune, cfg.finetune_task
     if task == "jsonl":
         from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pair_files, split_items
 
         pairs = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)  # (ids checked across files)
         counts = [len(p) for p in pairs if p is not None]
-        if len(counts) == 1:
-            train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.data.seed))
-        else:
-            train, test = counts
+        train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.data.seed)) if len(counts) == 1 else counts
         if train < MIN_TRAIN_ITEMS or test < MIN_TEST_ITEMS:
             raise ValueError(
                 f"finetune.paths: {train} train and {test} test pairs, fewer than {MIN_TRAIN_ITEMS} and "
@@ -214,144 +205,107 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
 
 def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
     """With ``finetune.mode: lora``, every name of ``finetune.lora_targets`` is a projection of the
-    model (built abstractly, no compute) and the rank is below each one's smaller side. Raises
-    ``ValueError`` naming the field. ``shape``: the data's ``InputShape`` when known (else the one
-    the config implies; images of unknown shape are checked once the data exists)."""
-    if cfg.finetune.mode != "lora":
+    model (built abstractly) and the rank is below each one's smaller side. ``shape`` as for
+    :func:`check_model`. Raises ``ValueError`` naming the field."""
+    ft = cfg.finetune
+    shape = _input_shape(cfg.data) if shape is None else shape
+    if ft.mode != "lora" or shape is None:
         return
-    from flax import nnx
-
-    from models import InputShape, build_model
     from models.layers.lora import linear_layers
 
-    if shape is None:
-        shape = (
-            _known_image_shape(cfg)
-            if cfg.data.modality == "image"
-            else InputShape(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
-        )
-    if shape is None:
-        return
-    layers = linear_layers(nnx.eval_shape(lambda: build_model(cfg.model, shape).init(0)))
+    layers = linear_layers(_abstract_model(cfg.model, shape))
     names = {n for n, _ in layers.values()}
-    missing = [t for t in cfg.finetune.lora_targets if t not in names]
+    missing = [t for t in ft.lora_targets if t not in names]
     if missing:
         raise ValueError(
             f"finetune.lora_targets: {missing[0]!r} is no projection of a {cfg.model.kind} model; its "
             f"projections are {', '.join(sorted(names))}"
         )
-    small = min(min(io) for n, io in layers.values() if n in cfg.finetune.lora_targets)
-    if cfg.finetune.lora_rank >= small:
+    small = min(min(io) for n, io in layers.values() if n in ft.lora_targets)
+    if ft.lora_rank >= small:
         raise ValueError(
-            f"finetune.lora_rank ({cfg.finetune.lora_rank}) must be below the smallest adapted "
-            f"projection's side ({small})"
+            f"finetune.lora_rank ({ft.lora_rank}) must be below the smallest adapted projection's side ({small})"
         )
 
 
-# Where an s3:// exchange's credentials come from: the environment of every process (never a config,
-# a log or a report), as botocore reads them.
-S3_CREDENTIALS = (
-    "the credentials in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; "
-    "AWS_ENDPOINT_URL_S3 for an S3-compatible server)"
-)
+def _check_writable(key: str, where: str, fix: str) -> None:
+    """``where`` (a folder or fsspec URL) can be created and a probe written, read and deleted there
+    (``training.exchange_checks.check_writable``); else ``ValueError`` starting with ``key``."""
+    from training.exchange_checks import check_writable  # no JAX
+
+    try:
+        check_writable(where)
+    except Exception as exc:  # whatever the filesystem raises (OSError, NotImplementedError, its own)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise ValueError(f"{key}: cannot be created or written here ({type(exc).__name__}: {first}); {fix}") from None
 
 
-def check_runtime(cfg: ExperimentConfig) -> None:
-    """The engine and the exchange, before anything starts: the fsspec exchange URL is of a form the
-    exchange can use (no chained URL), its protocol has an implementation installed here, its root
-    can be created and a probe object written, read and deleted there
-    (``diloco.exchange.fsspec.check_writable``: folders it created are removed again), and an
-    existing cluster's address answers (a TCP connect, 5 s); a ``runtime.compilation_cache`` folder
-    can be created and written the same way.
+def check_runtime(rt: RuntimeConfig) -> None:
+    """The engine and the exchange of ``runtime``, before anything starts: an fsspec exchange URL
+    of a usable form (no chained URL) whose protocol is installed here and whose root can be created
+    and a probe written, read and deleted (``training.exchange_checks.check_writable``: folders it
+    created are removed again); a ``compilation_cache`` folder writable the same way; an existing
+    cluster's ``address`` answers (a TCP connect, 5 s; a Ray cluster accepts our authentication).
 
-    Raises ``ValueError`` (naming ``runtime.exchange_url``: the form, the package to install, or
-    what failed when writing; or ``runtime.compilation_cache``) or ``ConnectionError`` (naming
-    ``runtime.address``)."""
-    rt = cfg.runtime
-    if rt.exchange_kind == "fsspec" and rt.exchange_url:
+    Raises ``ValueError`` naming ``runtime.exchange_url`` or ``runtime.compilation_cache`` (the form,
+    the package to install, or what failed when writing), or ``ConnectionError`` naming
+    ``runtime.address``."""
+    url = rt.exchange_url if rt.exchange_kind == "fsspec" else None
+    if url:
         import fsspec
 
-        from training.exchange_checks import check_url, check_writable  # no JAX
+        from training.exchange_checks import check_url  # no JAX
 
         try:
-            check_url(rt.exchange_url)
+            check_url(url)
         except ValueError as exc:
             raise ValueError(f"runtime.exchange_url {exc}") from None
-        protocol = rt.exchange_url.split("://", 1)[0] if "://" in rt.exchange_url else "file"
+        protocol = url.split("://", 1)[0] if "://" in url else "file"
         try:
             fsspec.get_filesystem_class(protocol)
         except (ImportError, ValueError) as exc:
             raise ValueError(
-                f"runtime.exchange_url {rt.exchange_url}: no fsspec implementation of {protocol}:// "
-                f"here ({str(exc).splitlines()[0]}); install it (`uv sync --extra s3` for s3://, gcsfs for "
+                f"runtime.exchange_url {url}: no fsspec implementation of {protocol}:// here "
+                f"({str(exc).splitlines()[0]}); install it (`uv sync --extra s3` for s3://, gcsfs for "
                 "gs://) or use a shared folder"
             ) from None
-        try:
-            check_writable(rt.exchange_url)
-        except Exception as exc:  # whatever the filesystem raises (OSError, NotImplementedError, its own)
-            first = (str(exc).strip().splitlines() or [""])[0]
-            where = (
-                f"give a prefix of an existing bucket that {S3_CREDENTIALS} can write"
-                if protocol in ("s3", "s3a")
-                else "give a folder or bucket prefix this user can write and every worker can reach"
-            )
-            raise ValueError(
-                f"runtime.exchange_url {rt.exchange_url}: cannot be created or written here "
-                f"({type(exc).__name__}: {first}); {where}, or unset it (the exchange then lives in the "
-                "run directory)"
-            ) from None
-    if rt.compilation_cache not in (None, "run"):
-        from training.exchange_checks import check_writable  # no JAX
-
-        folder = str(Path(rt.compilation_cache).expanduser().absolute())
-        try:
-            check_writable(folder)
-        except Exception as exc:  # whatever the filesystem raises
-            first = (str(exc).strip().splitlines() or [""])[0]
-            raise ValueError(
-                f"runtime.compilation_cache {rt.compilation_cache}: cannot be created or written here "
-                f"({type(exc).__name__}: {first}); give a folder this user can write, or run (the run "
-                "directory's cache/xla), or off"
-            ) from None
-    if rt.address and rt.address != "auto":
-        import socket
-        from urllib.parse import urlsplit
-
-        url = urlsplit(rt.address if "://" in rt.address else f"tcp://{rt.address}")
-        if not url.hostname or not url.port:
-            raise ValueError(
-                f"runtime.address {rt.address}: give host and port, e.g. "
-                f"{'head:6379' if rt.engine == 'ray' else 'tcp://scheduler:8786'}"
-            )
-        try:
-            socket.create_connection((url.hostname, url.port), timeout=5).close()
-        except OSError as exc:
-            raise ConnectionError(
-                f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
-                f"{rt.engine} cluster first or unset runtime.address for a local one"
-            ) from None
-        if rt.engine == "ray" and "://" not in rt.address:
-            check_ray_authentication(rt.address)
-
-
-def check_network(cfg: ExperimentConfig) -> None:
-    """``network.emulate`` can run here: root, iproute2 and util-linux, network namespaces allowed
-    (``run.netem.emulation_problem``), and moto's S3 server installed for DiLoCo's exchange. Raises
-    ``ValueError`` naming ``network.emulate`` and the fix."""
-    if not cfg.network.emulate:
-        return
-    import sys
-
-    from run.netem import emulation_problem
-
-    problem = emulation_problem()
-    if problem:
-        raise ValueError(problem)
-    if cfg.diloco.enabled and not (Path(sys.executable).parent / "moto_server").exists():
-        raise ValueError(
-            "network.emulate puts DiLoCo's exchange on moto's S3 server, which is not installed here: "
-            "uv sync --extra emulate (make setup installs it)"
+        fix = (
+            f"give a prefix of an existing bucket that {S3_CREDENTIALS} can write"
+            if protocol in ("s3", "s3a")
+            else "give a folder or bucket prefix this user can write and every worker can reach"
         )
+        _check_writable(
+            f"runtime.exchange_url {url}", url, f"{fix}, or unset it (the exchange then lives in the run directory)"
+        )
+    if rt.compilation_cache not in (None, "run"):
+        _check_writable(
+            f"runtime.compilation_cache {rt.compilation_cache}",
+            str(Path(rt.compilation_cache).expanduser().absolute()),
+            "give a folder this user can write, or run (the run directory's cache/xla), or off",
+        )
+    if rt.address and rt.address != "auto":
+        _check_address(rt)
+
+
+def _check_address(rt: RuntimeConfig) -> None:
+    """``runtime.address`` is host and port and something answers there; a Ray cluster's GCS accepts
+    this process's authentication (:func:`check_ray_authentication`)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(rt.address if "://" in rt.address else f"tcp://{rt.address}")
+    if not url.hostname or not url.port:
+        example = "head:6379" if rt.engine == "ray" else "tcp://scheduler:8786"
+        raise ValueError(f"runtime.address {rt.address}: give host and port, e.g. {example}")
+    try:
+        socket.create_connection((url.hostname, url.port), timeout=5).close()
+    except OSError as exc:
+        raise ConnectionError(
+            f"runtime.address {rt.address}: nothing answers there ({exc}); start the "
+            f"{rt.engine} cluster first or unset runtime.address for a local one"
+        ) from None
+    if rt.engine == "ray" and "://" not in rt.address:
+        check_ray_authentication(rt.address)
 
 
 def check_ray_authentication(address: str) -> None:
@@ -384,11 +338,22 @@ def check_ray_authentication(address: str) -> None:
         os.close(saved)
 
 
-def check_tracking(cfg: ExperimentConfig) -> None:
-    """``tracking.wandb: true`` needs the wandb package here (looked up, not imported). Raises
-    ``ValueError`` naming the field and how to install it or turn it off."""
-    import importlib.util
+def check_installed(cfg: ExperimentConfig) -> None:
+    """What the config asks of this machine beyond Python packages it always has: ``network.emulate``
+    can run here (root, iproute2, util-linux, namespaces: ``run.netem.emulation_problem``; moto's S3
+    server for DiLoCo's exchange) and ``tracking.wandb`` has its package (looked up, not imported).
+    Raises ``ValueError`` naming the field and the fix."""
+    if cfg.network.emulate:
+        from run.netem import emulation_problem
 
+        problem = emulation_problem()
+        if problem:
+            raise ValueError(problem)
+        if cfg.diloco.enabled and not (Path(sys.executable).parent / "moto_server").exists():
+            raise ValueError(
+                "network.emulate puts DiLoCo's exchange on moto's S3 server, which is not installed here: "
+                "uv sync --extra emulate (make setup installs it)"
+            )
     if cfg.tracking.wandb and importlib.util.find_spec("wandb") is None:
         raise ValueError(
             "tracking.wandb: true needs the wandb package, which is not installed here: "
@@ -396,19 +361,17 @@ def check_tracking(cfg: ExperimentConfig) -> None:
         )
 
 
-def learner_device_pool(cfg: ExperimentConfig) -> tuple[list, str] | None:
-    """The devices each learner's process will see, where that is known before the run starts, and
-    how to name their owner: this process's (thread engine); a local Dask cluster's workers inherit
-    this process's environment, so its devices; a local Ray instance's learner gets the GPUs it asks
-    for (``flows.engines.learner_gpus`` on this host's GPUs: ``ValueError`` naming
-    ``runtime.learner_gpus`` when an explicit request exceeds them), or on a host without GPUs this
-    process's CPU devices. None where it cannot be known in advance: the workers of an existing
-    cluster (``runtime.address``), and a CPU learner of Ray on a GPU host (which devices JAX sees in
-    a Ray worker with no GPU reserved is Ray's setting). There a learner that cannot meet the request
-    fails before its first step, and the DiLoCo stage fails with the reason. Starts JAX's backend."""
+def learner_device_pool(rt: RuntimeConfig, learners: int) -> tuple[list, str] | None:
+    """The devices each of ``learners`` learner processes will see, where known before the run
+    starts, and how to name their owner: this process's (thread engine; a local Dask cluster's
+    workers inherit them); a local Ray instance's learner gets the GPUs it asks for
+    (``flows.engines.learner_gpus``: ``ValueError`` naming ``runtime.learner_gpus`` when an explicit
+    request exceeds this host's GPUs), or without GPUs this process's CPU devices. None where it
+    cannot be known: an existing cluster's workers (``runtime.address``), a CPU learner of Ray on a
+    GPU host (Ray's setting); a learner that cannot meet the request there fails before its first
+    step. Starts JAX's backend."""
     import jax
 
-    rt = cfg.runtime
     devices = jax.devices()
     if rt.engine == "threads":
         return devices, "this process"
@@ -419,7 +382,7 @@ def learner_device_pool(cfg: ExperimentConfig) -> tuple[list, str] | None:
     from flows.engines import learner_gpus
 
     gpus = [d for d in devices if d.platform == "gpu"]
-    g = learner_gpus(cfg, len(gpus))
+    g = learner_gpus(rt, learners, len(gpus))
     if g:
         return gpus[:g], f"each learner's Ray task (its {g} GPU(s): runtime.learner_gpus)"
     if gpus:
@@ -428,17 +391,14 @@ def learner_device_pool(cfg: ExperimentConfig) -> tuple[list, str] | None:
 
 
 def check_devices(cfg: ExperimentConfig) -> None:
-    """``runtime.devices_per_learner`` against the devices each learner's process will have, where
-    known before the run (:func:`learner_device_pool`: the thread engine's, a local Dask or Ray
-    cluster's; not an existing cluster's), and (DP enabled) the DP batch and microbatch against this
-    process's devices, times ``dp.hosts`` (``training.mesh.learner_devices``, ``training.dp.dp_devices``). Asks JAX for
-    its devices, which starts its backend. Raises ``ValueError`` naming the field
-    (``runtime.devices_per_learner``, ``runtime.learner_gpus``, ``dp.batch_size``), the device count
-    and the fix."""
+    """``runtime.devices_per_learner`` against each learner's devices where known
+    (:func:`learner_device_pool`; ``training.mesh.learner_devices``), and (DP enabled) the DP batch
+    and microbatch against this process's devices times ``dp.hosts`` (``training.dp.dp_devices``).
+    Starts JAX's backend. Raises ``ValueError`` naming the field, the device count and the fix."""
     from training.dp import dp_devices
     from training.mesh import learner_devices
 
-    known = learner_device_pool(cfg)
+    known = learner_device_pool(cfg.runtime, cfg.diloco.learners)
     if known is not None:
         learner_devices(0, cfg.runtime.devices_per_learner, known[0], where=known[1])
     if cfg.dp.enabled:
@@ -448,15 +408,13 @@ def check_devices(cfg: ExperimentConfig) -> None:
 
 
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
-    """Every check of a config that needs no run directory: local file paths, the runtime, W&B
-    when ``tracking.wandb`` (:func:`check_tracking`), the model's tensors against
-    ``diloco.fragments``, the devices (:func:`check_devices`), the fine-tuning inputs, then the corpus
-    itself (``data.sources.check_corpus``: encodings, empty or too few documents, a reachable hub
-    dataset) unless ``check_data`` is False. Raises like :func:`preflight`."""
-    check_local_paths(cfg)
-    check_runtime(cfg)
-    check_network(cfg)
-    check_tracking(cfg)
+    """Every check of a config that needs no run directory, cheapest first: local paths, the runtime,
+    what must be installed, the model against ``diloco.fragments``, the devices, the fine-tuning
+    inputs, then the corpus (``data.sources.check_corpus`` or :func:`check_image_source`) unless
+    ``check_data`` is False. Raises like :func:`preflight`."""
+    check_local_paths(cfg.data)
+    check_runtime(cfg.runtime)
+    check_installed(cfg)
     check_model(cfg)
     check_devices(cfg)
     if cfg.finetune.enabled:
@@ -470,17 +428,11 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
         check_corpus(cfg.data)
 
 
-# -- the entry points: one per command (see the module) ----------------------------------------
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
-    """Check the run directory, the corpus and the model; return the run directory to use.
-
-    Order: the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
+    """Check the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
     ``run_dir`` is None), data an earlier run left there (:func:`check_reusable_data`), then
-    :func:`check_config`. Nothing is written anywhere but the corpus download cache.
-
-    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` with one line naming the
-    field or path and the fix.
-    """
+    :func:`check_config`; return the run directory. Writes nothing but the corpus download cache.
+    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` in one line."""
     path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
     check_reusable_data(cfg, path)
     check_config(cfg, check_data)
@@ -541,11 +493,8 @@ class SweepPlan:
 
 
 def default_sweep_dir(spec: SweepSpec) -> Path:
-    root = Path(spec.sweep_root).expanduser()
-    if spec.resume:
-        return (root / spec.name).absolute()
-    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    return (root / f"{spec.name}-{stamp}").absolute()
+    stamp = "" if spec.resume else dt.datetime.now(dt.UTC).strftime("-%Y%m%d-%H%M%S")
+    return (Path(spec.sweep_root).expanduser() / f"{spec.name}{stamp}").absolute()
 
 
 def _check_sweep_dir(path: Path) -> Path:
@@ -607,17 +556,12 @@ def check_deployment(spec: SweepSpec) -> str | None:
 
 def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
     """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
-    relative to it (empty: all there): the report's ``report/report.json`` and each pretraining
-    method's ``pretrain/<method>/summary.json`` (DiLoCo when ``diloco.enabled``, DP when ``dp.enabled``). Paths from
-    :class:`run.layout.RunLayout`."""
-    layout = RunLayout(run_dir)
-    needed = [layout.report_json]
-    seeds = cfg.run_seeds
-    for sub in [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]:
-        needed += [
-            sub.summary("pretrain", m)
-            for m in (["diloco"] if cfg.diloco.enabled else []) + (["dp"] if cfg.dp.enabled else [])
-        ]
+    relative to it (empty: all there): ``report/report.json`` and each enabled method's
+    ``pretrain/<method>/summary.json`` (each seed's, with several seeds)."""
+    layout, seeds = RunLayout(run_dir), cfg.run_seeds
+    methods = [m for m, on in (("diloco", cfg.diloco.enabled), ("dp", cfg.dp.enabled)) if on]
+    runs = [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]
+    needed = [layout.report_json, *(sub.summary("pretrain", m) for sub in runs for m in methods)]
     return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
 
 
@@ -664,17 +608,10 @@ def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path
 
 
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
-    """Every check of a sweep: with ``launch: deployment`` the Prefect server and the deployment
-    (:func:`check_deployment`), the sweep folder, the base config, each cell's config (schema,
-    model, corpus: :func:`check_config`; the corpus once per distinct data section) and each cell's
-    run directory (:func:`_plan_cell`: new, completed with the same config and its results, or an
-    attempt to redo). A cell is skipped only when its run's ``status.json`` says ``completed``, its
-    ``config.json`` equals the cell's resolved config and it holds its results
-    (:func:`missing_results`). Writes nothing.
-
-    Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` in one line naming the sweep,
-    the cell and the field (or the folder) and the fix.
-    """
+    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder, the
+    base config, each cell's config (:func:`check_config`, the corpus once per distinct data section)
+    and run directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError`` in one
+    line naming the sweep, the cell and the field (or the folder) and the fix."""
     warning = check_deployment(spec)
     path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
     base_raw = read_base(spec.base, f"sweep {spec.name}")
@@ -831,15 +768,12 @@ def _checkpoint_method(layout: RunLayout, ckpt: Path, name: str | None, methods:
     if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
         # the report shows a method's fine-tuned figures beside its pretraining: another model's
         # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
-        if name in pretrained:
-            raise ValueError(
-                f"--name {name} is this run's pretrained method (its checkpoint is "
-                f"{layout.checkpoints('pretrain', name)}); pick another name"
-            )
-        raise ValueError(
-            f"--name {name} is a pretraining method's name (the report would show this checkpoint "
-            "as that method); pick another name"
+        why = (
+            f"is this run's pretrained method (its checkpoint is {layout.checkpoints('pretrain', name)})"
+            if name in pretrained
+            else "is a pretraining method's name (the report would show this checkpoint as that method)"
         )
+        raise ValueError(f"--name {name} {why}; pick another name")
     return {name or f"{ckpt.parent.name}-ckpt": str(ckpt)}
 
 
@@ -872,11 +806,10 @@ def _pretrained_methods(rd: Path, methods: list[str] | None) -> dict:
     return {m: None for m in chosen}
 
 
-def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace: bool, named: bool) -> None:
+def _check_earlier_results(rd: Path, recipe: dict, plan: dict, replace: bool, named: bool) -> None:
     """No planned method holds fine-tuning results unless ``replace``; every other method of the run
-    was fine-tuned with this recipe (a run directory compares its methods under one)."""
-    from training.finetune import finetune_record
-
+    was fine-tuned with ``recipe`` (``training.finetune.finetune_record``: a run directory compares
+    its methods under one)."""
     layout = RunLayout(rd)
     for m in plan:
         layout.method_dir("finetune", m)  # a valid method name
@@ -886,7 +819,6 @@ def _check_earlier_results(rd: Path, cfg: ExperimentConfig, plan: dict, replace:
                 "again (its earlier results are deleted once the new ones are written)"
                 + (", or another --name" if named else "")
             )
-    recipe = finetune_record(cfg.finetune, cfg.seed)
     for m in layout.methods("finetune"):
         if m in plan or not layout.summary("finetune", m).is_file():
             continue
@@ -911,19 +843,12 @@ def finetune_preflight(
     """Check everything a fine-tuning run needs, write nothing; return the plan.
 
     ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
-    the pretrained methods to fine-tune (default every method with a pretrained checkpoint).
+    the pretrained methods to fine-tune (default every one with a checkpoint: :func:`_pretrained_methods`).
     ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
-    (default ``<method>-ckpt``). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
-    ``config.json`` (``configs.specs.load_spec``). ``replace``: delete this run's earlier
-    fine-tuning results first (after every check passed).
-
-    Every checkpoint to fine-tune must hold a complete step (:func:`training.ckpt_steps.complete_steps`:
-    what the loaders would refuse later is refused here). ``name`` may not be a pretraining method's
-    (this run's, or ``diloco``/``dp``) unless ``checkpoint`` is that method's own folder: the report
-    shows a method's fine-tuned figures beside its pretraining.
-
-    Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` with one line naming the
-    argument or field and the fix.
+    (:func:`_checkpoint_method`). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
+    ``config.json``. ``replace``: delete this run's earlier fine-tuning results first (after every
+    check passed). Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` in one line
+    naming the argument or field and the fix.
     """
     overrides = dict(overrides or {})
     _check_finetune_options(overrides, checkpoint, name)
@@ -942,7 +867,9 @@ def finetune_preflight(
     raw = apply_overrides(json.loads(layout.config.read_text()), {"finetune.enabled": True})
     cfg = load_spec("config", value=raw, sets=overrides, where="invalid fine-tuning settings")
     plan = _checkpoint_method(layout, ckpt, name, methods) if ckpt else _pretrained_methods(rd, methods)
-    _check_earlier_results(rd, cfg, plan, replace, named=ckpt is not None)
+    from training.finetune import finetune_record
+
+    _check_earlier_results(rd, finetune_record(cfg.finetune, cfg.seed), plan, replace, named=ckpt is not None)
     from data.store import load_manifest
     from training.common import input_shape
 

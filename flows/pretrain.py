@@ -11,6 +11,7 @@ Each takes the experiment config and a run directory that already holds the shar
 
 import shutil
 import time
+from contextlib import closing
 from pathlib import Path
 
 from prefect import flow, get_run_logger
@@ -20,7 +21,7 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.datacenters import emulated
-from flows.engines import engine_session, task_options, task_runner_for
+from flows.engines import engine_session, engine_slots, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
 from reports.read import read_schedule
@@ -38,33 +39,23 @@ from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compil
 from training.tracking import method_tracker
 
 
-def _progress_line(config: ExperimentConfig, exchange, eval_path, budget: int) -> str:
-    """The progress line of the log; the same figures go to ``run.progress`` (the terminal's bars)."""
+def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> str:
+    """The progress line of the log (``budget`` in unit ``u``, ``m`` learners); the same figures go to
+    ``run.progress`` (the terminal's bars)."""
     info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
-    mean_loss = sum(losses) / len(losses) if losses else None
-    tokens = exchange.claimed_tokens
+    loss = sum(losses) / len(losses) if losses else None
     evals = read_jsonl(eval_path)
     val = evals[-1]["val/loss"] if evals else None
-    versions = exchange.versions()
+    tokens, versions = exchange.claimed_tokens, exchange.versions()
     report_progress(
-        Progress(
-            "diloco",
-            int(tokens),
-            int(budget),
-            config.unit,
-            train_loss=mean_loss,
-            heldout_loss=val,
-            learners=(up, config.diloco.learners),
-        )
+        Progress("diloco", int(tokens), int(budget), u, train_loss=loss, heldout_loss=val, learners=(up, m))
     )
-    loss_text = f"{mean_loss:.3f}" if mean_loss is not None else "n/a"
-    val_text = f"{val:.3f}" if val is not None else "n/a"
+    text = {k: "n/a" if v is None else f"{v:.3f}" for k, v in (("loss", loss), ("val", val))}
     return (
-        f"diloco: {config.unit} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  "
-        f"train loss {loss_text}  held-out loss {val_text}  merges {sum(versions)}  "
-        f"learners up {up}/{config.diloco.learners}  versions {versions}"
+        f"diloco: {u} {tokens:,}/{budget:,} ({100 * tokens / budget:.0f}%)  train loss {text['loss']}  "
+        f"held-out loss {text['val']}  merges {sum(versions)}  learners up {up}/{m}  versions {versions}"
     )
 
 
@@ -93,32 +84,30 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tr
     (fractions)."""
     rows, t = live_view(config, exchange, rd)
     res = _live_resilience(rd, exchange.clock())
+    goodput = None if res is None else res["global"]["goodput"]
     live = {"learners/alive": float(t["alive"])}
-    if res is not None and res["global"]["goodput"] is not None:
-        live["resilience/goodput"] = float(res["global"]["goodput"])
-        live["resilience/uptime"] = float(res["uptime"]["uptime"] or 0.0)
+    if goodput is not None:
+        live |= {"resilience/goodput": float(goodput), "resilience/uptime": float(res["uptime"]["uptime"] or 0.0)}
     tracker.scalars(PROGRESS_KEY, int(t["tokens claimed"]), live)
-    if res is not None:
-        per = {r["learner"]: r for r in res["learners"]}
-        for row in rows:
-            g = per.get(row["learner"], {}).get("goodput")
-            row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
-    live = (
+    per = {r["learner"]: r.get("goodput") for r in res["learners"]} if res is not None else {}
+    for row in rows if res is not None else []:
+        g = per.get(row["learner"])
+        row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
+    so_far = (
         ""
-        if res is None or res["global"]["goodput"] is None
-        else f" Goodput so far {100 * res['global']['goodput']:.1f} %, uptime "
-        f"{100 * (res['uptime']['uptime'] or 0):.1f} % (a learner computing and the syncer up)."
+        if goodput is None
+        else f" Goodput so far {100 * goodput:.1f} %, uptime {100 * (res['uptime']['uptime'] or 0):.1f} % "
+        "(a learner computing and the syncer up)."
     )
-    u = config.unit
     create_table_artifact(
         key=artifact_key("diloco-learners", run_slug(rd)),
         table=rows,
         description=(
             f"**DiLoCo, live**: {t['alive']}/{t['learners']} learners alive; {t['merges']} merges, "
-            f"versions {t['versions']}; {t['tokens claimed']:,} {u} claimed, {t['tokens merged']:,} merged "
+            f"versions {t['versions']}; {t['tokens claimed']:,} {config.unit} claimed, {t['tokens merged']:,} merged "
             f"into Θ; {t['bytes merged']:,} submission bytes merged. A learner is dead after "
             f"{config.diloco.heartbeat_timeout_s:g} s without a heartbeat (diloco.heartbeat_timeout_s) "
-            "and left out of the quorum until it beats again." + live
+            "and left out of the quorum until it beats again." + so_far
         ),
     )
 
@@ -155,27 +144,38 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     # paths made absolute here, once: worker processes may start in another folder
     config, rd = with_absolute_exchange(config), rd.absolute()
     exchange = prepare_diloco(config, rd)
-    budget = token_budget(config)
-    d = config.diloco
-    _log_diloco_start(logger, config, exchange, budget)
+    budget, d, rt, u = token_budget(config), config.diloco, config.runtime, config.unit
+    logger.info(
+        f"diloco: M={d.learners} learners, P={d.fragments} fragments, H={d.sync_every}, K={d.quorum}, "
+        f"grace {d.grace_s:.2f}s, merge={d.merge}, budget {budget:,} {u} ({config.tokens_per_learner_step:,} "
+        f"per learner step); engine {rt.engine}, exchange {rt.exchange_kind}"
+        f"{f' at {exchange.url}' if rt.exchange_kind == 'fsspec' else ''}; precision: {config.precision.describe()}"
+    )
     progress_id = create_progress_artifact(
-        0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {config.unit} (%)"
+        0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {u} (%)"
     )
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
     syncer = syncer_task.with_options(
-        retries=d.syncer_retries if config.runtime.exchange_kind == "fsspec" else 0,
+        retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
         retry_delay_seconds=d.retry_delay_s,
         retry_condition_fn=retry_syncer,
     )
+    eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     with (
-        engine_session(config),
+        engine_session(rt, engine_slots(config)),
         task_runner_for(config) as runner,
         method_tracker(config, rd, "pretrain", "diloco") as tracker,
     ):
-        with task_options(config, "syncer"):
+
+        def publish() -> None:  # the log's line, the progress artifact, the live view
+            logger.info(_progress_line(exchange, eval_path, budget, u, d.learners))
+            update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
+            _publish_live_view(config, exchange, rd, tracker)
+
+        with task_options(config.runtime, config.diloco, "syncer"):
             syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
-        with task_options(config, "learner"):
+        with task_options(config.runtime, config.diloco, "learner"):
             futures = [
                 runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
             ]
@@ -186,39 +186,28 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             if warm_s:
                 logger.info("compiled the learner step and evaluation into the run's cache in %.1fs", warm_s)
         try:
-            _wait_for_learners(
-                logger,
-                config,
-                rd,
-                exchange,
-                futures,
-                syncer_future,
-                t_submit,
-                progress_every_s,
-                budget,
-                progress_id,
-                tracker,
-            )
+            _wait_for_learners(config, exchange, futures, syncer_future, t_submit, progress_every_s, publish)
         finally:
             exchange.mark_learners_done()
             shutil.rmtree(host_turns_dir(rd), ignore_errors=True)  # this host's learner turns, if any
-        _log_failed_learners(logger, exchange)
+        for m, info in sorted(exchange.learners().items()):  # (Prefect's future states can lag behind)
+            if info.get("status") != "done":
+                logger.error(
+                    f"learner {m} ended {info.get('status')} after its retries "
+                    f"({info.get('reason', 'no reason recorded')}); the others spent its share of the budget"
+                )
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
         _publish_live_view(config, exchange, rd, tracker)  # the final view: after the syncer's last merges
     learners = exchange.learners()
     finished = any(info.get("status") == "done" for info in learners.values())
+    why = None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries)
     summary["budget"] = budget_status(
-        summary["tokens"],
-        budget,
-        config.unit,
-        interrupted=bool(summary["interrupted"]),
-        finished=finished,
-        why=None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries),
+        summary["tokens"], budget, u, interrupted=bool(summary["interrupted"]), finished=finished, why=why
     )
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
-    _log_diloco_end(logger, summary, budget, config.unit)
+    _log_diloco_end(logger, summary, budget, u)
     if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
         message = f"pretrain-diloco {summary['budget']['line']}"
         logger.error("%s; Θ as it stands is saved and the report can be built", message)
@@ -226,71 +215,32 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     return summary
 
 
-def _log_diloco_start(logger, config: ExperimentConfig, exchange, budget: int) -> None:
-    """Log the DiLoCo run's settings: M, P, H, K, grace, merge, budget, engine, exchange, precision."""
-    d, rt = config.diloco, config.runtime
-    logger.info(
-        "diloco: M=%d learners, P=%d fragments, H=%d, K=%d, grace %.2fs, merge=%s, budget %s %s "
-        "(%s per learner step); engine %s, exchange %s%s; precision: %s",
-        d.learners,
-        d.fragments,
-        d.sync_every,
-        d.quorum,
-        d.grace_s,
-        d.merge,
-        f"{budget:,}",
-        config.unit,
-        f"{config.tokens_per_learner_step:,}",
-        rt.engine,
-        rt.exchange_kind,
-        f" at {exchange.url}" if rt.exchange_kind == "fsspec" else "",
-        config.precision.describe(),
-    )
-
-
-def _wait_for_learners(
-    logger,
-    config: ExperimentConfig,
-    rd: Path,
-    exchange,
-    futures,
-    syncer_future,
-    t_submit: float,
-    progress_every_s: float,
-    budget: int,
-    progress_id,
-    tracker,
-) -> None:
-    """Wait for the learner futures, passing a stop signal to the exchange and reporting progress
-    every ``progress_every_s``. ``RuntimeError`` when the syncer ends first, or (process engines) when
-    no learner reports to the exchange in time."""
-    rt = config.runtime
-    eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
-    next_progress = time.monotonic() + progress_every_s
+def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_future, t_submit, every_s, publish) -> None:
+    """Wait for the learner futures, passing a stop signal to the exchange and calling ``publish()``
+    every ``every_s`` seconds and at the end. ``RuntimeError`` when the syncer ends first, or (process
+    engines) when no learner reports to the exchange in time."""
+    next_progress = time.monotonic() + every_s
     # process engines: a worker that cannot even start the learner task (an import error, a
     # missing package on a node) may be re-run by the engine for ever; no learner up at all
     # after this long fails the run instead of waiting
-    give_up_at = t_submit + max(rt.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
+    give_up_at = t_submit + max(config.runtime.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
     while True:
         # short waits: a stop signal reaches learners in other processes within a second
-        done = wait(futures, timeout=min(1.0, progress_every_s))
+        done = wait(futures, timeout=min(1.0, every_s))
         if STOP.is_set() and not exchange.stop_requested():
             exchange.request_stop()
         if not done.not_done or time.monotonic() >= next_progress:
-            next_progress = time.monotonic() + progress_every_s
-            logger.info(_progress_line(config, exchange, eval_path, budget))
-            update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
-            _publish_live_view(config, exchange, rd, tracker)
+            next_progress = time.monotonic() + every_s
+            publish()
         if not done.not_done:
             break
         if give_up_at is not None and time.monotonic() > give_up_at:
             if not exchange.learners():
                 exchange.request_stop()
                 raise RuntimeError(
-                    f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s "
-                    "on runtime.engine "
-                    f"{rt.engine}: the worker processes could not start the learner task (see the worker "
-                    "errors above: imports, packages, the run directory on every node)"
+                    f"no learner reported to the exchange within {give_up_at - t_submit:.0f} s on runtime.engine "
+                    f"{config.runtime.engine}: the worker processes could not start the learner task (see the "
+                    "worker errors above: imports, packages, the run directory on every node)"
                 )
             give_up_at = None
         if syncer_future.state.is_final():
@@ -298,43 +248,21 @@ def _wait_for_learners(
             raise RuntimeError(f"the syncer ended while learners were running: {syncer_future.state}")
 
 
-def _log_failed_learners(logger, exchange) -> None:
-    """Log each learner that did not end ``done``. The exchange knows how each learner ended
-    (Prefect's future state can lag behind)."""
-    for m, info in sorted(exchange.learners().items()):
-        if info.get("status") != "done":
-            logger.error(
-                "learner %d ended %s after its retries (%s); the others spent its share of the budget",
-                m,
-                info.get("status"),
-                info.get("reason", "no reason recorded"),
-            )
-
-
 def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
     """Log the finished run (``u``: the budget's unit), the work the syncer dropped and an early stop."""
     logger.info(
-        f"diloco finished: %s {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
-        f"{summary['tokens']:,}",
-        summary["wall_s"],
-        summary["tokens_per_s"],
-        summary["merges"],
-        summary["final_val_loss"],
+        f"diloco finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
+        *(summary[k] for k in ("wall_s", "tokens_per_s", "merges", "final_val_loss")),
     )
     lost = summary["work_lost"]
     if lost["status"] != "ok":
         logger.warning(
-            f"diloco: the syncer dropped %.1f %% of the learners' processed {u} (%s of %s; %s)%s",
-            100 * lost["dropped_fraction"],
-            f"{lost['dropped_tokens']:,}",
-            f"{lost['processed_tokens']:,}",
-            dropped_reasons(lost),
-            " — above diloco.max_dropped_fraction: this run fails" if lost["status"] == "failed" else "",
+            f"diloco: the syncer dropped {100 * lost['dropped_fraction']:.1f} % of the learners' processed {u} "
+            f"({lost['dropped_tokens']:,} of {lost['processed_tokens']:,}; {dropped_reasons(lost)})"
+            + (" — above diloco.max_dropped_fraction: this run fails" if lost["status"] == "failed" else "")
         )
     if summary["interrupted"]:
-        logger.warning(
-            f"diloco: stopped early by a signal at %s of %s {u}; state saved", f"{summary['tokens']:,}", f"{budget:,}"
-        )
+        logger.warning(f"diloco: stopped early by a signal at {summary['tokens']:,} of {budget:,} {u}; state saved")
 
 
 def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
@@ -343,28 +271,16 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
     the task's final state message, each also logged as a ``failure`` event at step 0
     (``before_start``, ``source`` flow) in the learners log so the report counts it."""
     known = exchange.learners()
-    out: dict[int, str] = {}
-    events = None
-    for m, future in enumerate(futures):
-        state = future.state
-        if m in known or not (state.is_failed() or state.is_crashed()):
-            continue
-        out[m] = state.message or state.name
-        events = events or JsonlWriter(RunLayout(rd).metrics("pretrain", "diloco", "learners"))
-        events(
-            {
-                "event": "failure",
-                "learner": m,
-                "attempt": 1,
-                "reason": out[m],
-                "step": 0,
-                "t": exchange.clock(),
-                "before_start": True,
-                "source": "flow",
-            }
-        )
-    if events is not None:
-        events.close()
+    out = {
+        m: f.state.message or f.state.name
+        for m, f in enumerate(futures)
+        if m not in known and (f.state.is_failed() or f.state.is_crashed())
+    }
+    if out:
+        with closing(JsonlWriter(RunLayout(rd).metrics("pretrain", "diloco", "learners"))) as events:
+            for m, reason in out.items():
+                event = {"event": "failure", "learner": m, "attempt": 1, "reason": reason, "step": 0}
+                events({**event, "t": exchange.clock(), "before_start": True, "source": "flow"})
     return out
 
 
@@ -377,17 +293,13 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
     ``training.common.budget_status``)."""
     with graceful_stop(), emulated(config, Path(run_dir).absolute(), "dp") as stage:
         summary = dp_task(stage, run_dir) if stage.dp.hosts == 1 else _dp_hosts(stage, Path(run_dir).absolute())
-    u = config.unit
-    get_run_logger().info(
-        f"dp finished: %s {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
-        f"{summary['tokens']:,}",
-        summary["wall_s"],
-        summary["tokens_per_s"],
-        summary["final_val_loss"],
+    u, logger = config.unit, get_run_logger()
+    logger.info(
+        f"dp finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), held-out loss %.4f",
+        *(summary[k] for k in ("wall_s", "tokens_per_s", "final_val_loss")),
     )
     if summary["budget"]["status"] == "short":
-        message = f"pretrain-dp {summary['budget']['line']}"
-        get_run_logger().error(message)
+        logger.error(message := f"pretrain-dp {summary['budget']['line']}")
         return Failed(message=message)
     return summary
 
@@ -407,14 +319,11 @@ def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
     prepare_job(config.model_dump_json(), rd)
     origin = time.time()
     clock = EpochClock(origin)
+    n, batch = config.dp.hosts, config.dp_batch_size
     get_run_logger().info(
-        "dp: %d hosts on runtime.engine %s, %d rows each of a %d-row global batch",
-        config.dp.hosts,
-        config.runtime.engine,
-        config.dp_batch_size // config.dp.hosts,
-        config.dp_batch_size,
+        f"dp: {n} hosts on runtime.engine {config.runtime.engine}, {batch // n} rows each of a {batch}-row global batch"
     )
-    with engine_session(config), task_runner_for(config) as runner:
+    with engine_session(config.runtime, engine_slots(config)), task_runner_for(config) as runner:
         launch = launcher(config, rd, runner, clock, dp_progress(str(rd), config.name, config.unit))
         summary = run_job(config, rd, launch, clock, origin)
     write_json(RunLayout(rd).summary("pretrain", "dp"), summary)

@@ -10,24 +10,17 @@ waiting for a slot releases the lease of any holder whose heartbeat has not chan
 SLOT_STALE_S on the waiter's own clock (a process killed, a machine gone): a dead holder's slot comes
 back within about half a minute, on a persistent server too.
 
-**Why not Prefect's own leases alone** (read in the installed prefect 3.9.1):
-
-- the server refuses a lease shorter than 60 s: ``lease_duration`` is ``Body(300, ge=60,
-  le=86400)`` in ``bulk_increment_active_slots_with_lease`` (``POST
-  /v2/concurrency_limits/increment-with-lease``) and in ``renew_concurrency_lease``
-  (``prefect/server/api/concurrency_limits_v2.py``);
-- an expired lease is revoked by the repossessor service, which looks for expired leases every
-  ``PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS`` (default 15;
-  ``prefect/server/services/repossessor.py``, ``monitor_expired_leases``): a dead holder of the
-  shortest lease keeps its slot up to about 75 s;
-- ``prefect.concurrency.sync.concurrency()`` takes a 300 s lease by default and renews it every
-  0.75 × its duration (``prefect/concurrency/_leases.py``, ``_lease_renewal_loop``): minutes;
-- no API route lists a limit's leases or their holders (the v2 router above has none; the server
-  reads them for itself, ``lease_storage.list_holders_for_limit``, and releases on its own only the
-  tag-limit leases of a task run that leaves Running: ``ReleaseTaskConcurrencySlots`` in
-  ``prefect/server/orchestration/core_policy.py``, which a killed process's run never does), so a
-  waiting process cannot tell a dead holder from a living one through Prefect: hence the heartbeat
-  records.
+**Why not Prefect's own leases alone** (read in the installed prefect 3.9.1): the server refuses a
+lease shorter than 60 s (``lease_duration: Body(300, ge=60, le=86400)`` in
+``prefect/server/api/concurrency_limits_v2.py``, for taking and renewing one); its repossessor
+revokes expired leases every ``PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS`` (15;
+``prefect/server/services/repossessor.py``), so a dead holder keeps even the shortest lease's slot up
+to about 75 s; ``prefect.concurrency.sync.concurrency()`` takes 300 s leases renewed at 0.75 × their
+duration (``prefect/concurrency/_leases.py``): minutes; and no API route lists a limit's leases or
+holders (the server releases on its own only the tag-limit leases of a task run leaving Running,
+``ReleaseTaskConcurrencySlots`` in ``prefect/server/orchestration/core_policy.py``, which a killed
+process's run never does), so a waiter cannot tell a dead holder from a living one through Prefect:
+hence the heartbeat records.
 
 The lease itself stays (the shortest the server takes, renewed at each beat): it frees a dead
 holder's slot on its own when nobody waits, and it is what the limit counts.

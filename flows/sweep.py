@@ -1,11 +1,8 @@
 """The sweep flow: one pipeline run per cell of a grid of overrides, then one report across cells.
 
-Layout of a sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``)::
-
-    sweep.json            the spec, and per cell: overrides, config digest, run directory, state
-    cells/<cell>/         the cell's pipeline run directory (a whole run: data, pretrain, eval, report)
-    attempts/<cell>-<n>/  an earlier attempt of a cell that did not complete, moved aside (kept)
-    report/               comparison.md, comparison.json, comparison.csv and plots (reports.compare)
+A sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``) is laid
+out as :class:`run.layout.SweepLayout` says: ``sweep.json``, ``cells/<cell>/`` (a whole pipeline run
+each), ``attempts/``, ``dp/`` and ``report/`` (``reports.compare``).
 
 **How cells run** (``launch``):
 
@@ -25,14 +22,11 @@ slot whose holder died (a process killed, a machine gone) comes back well within
 persistent server too: the holder renews its lease and a heartbeat record every few seconds, and
 a cell waiting for a slot releases the leases whose heartbeat stopped (:mod:`flows.slots`).
 
-**Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`);
-the record is the cell's run directory itself, not a Prefect result cache: it sits beside the
-results it vouches for, survives a new Prefect server or database, and cannot point at results
-that were deleted. A cell whose run directory holds a ``completed`` run of the same config, with its results
-(:func:`flows.preflight.missing_results`), is not run again; one whose run stopped (failed, interrupted, or killed
-while ``running``), or that says ``completed`` but lacks its report or a method's summary, is moved
-aside to ``attempts/`` and run anew; one that completed with another config is refused before anything
-starts (the sweep's spec changed under the same name).
+**Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`); the
+record is the cell's run directory itself, not a Prefect result cache: it sits beside the results it
+vouches for, survives a new Prefect server or database, and cannot point at results that were
+deleted. Which cells are skipped, run again (moved aside to ``attempts/`` first) or refused is
+:func:`flows.preflight._plan_cell`'s decision.
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
@@ -166,17 +160,15 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     from reports.compare import _read_run, build_comparison
     from reports.read import ReportInputError
 
-    have, none = [], []
+    have, none, log = [], [], run_logger()
     for pc in plan.cells:
-        report = RunLayout(pc.run_dir).report_json
-        why = None
-        if not report.is_file():
-            why = "no report/report.json"
-        else:
-            try:
+        why = "no report/report.json"
+        try:
+            if RunLayout(pc.run_dir).report_json.is_file():
                 _read_run(pc.run_dir)
-            except ReportInputError as exc:  # corrupt or of another schema: shown, not fatal to the others
-                why = str(exc)
+                why = None
+        except ReportInputError as exc:  # corrupt or of another schema: shown, not fatal to the others
+            why = str(exc)
         if why is None:
             have.append(pc)
             continue
@@ -185,19 +177,16 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
             {
                 "label": pc.cell.name,
                 "run_dir": str(pc.run_dir),
-                "status": status.get("status"),
-                "reason": status.get("reason"),
                 "why": why,
+                **{k: status.get(k) for k in ("status", "reason")},
             }
         )
-    log = run_logger()
-    for n in none:
         log.warning(
             "sweep %s: cell %s has no results (%s); status %s",
             plan.spec.name,
-            n["label"],
-            n["why"],
-            n["status"] or "no status.json",
+            pc.cell.name,
+            why,
+            status.get("status") or "no status.json",
         )
     if not have:
         log.warning("sweep %s: no cell has results; no comparison written", plan.spec.name)
@@ -223,7 +212,17 @@ def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict
     spec = plan.spec
     limit = limit_name(spec)
     set_concurrency_limit(limit, spec.concurrency)
-    progress = _Progress(spec, len(plan.cells), len(plan.cells) - len(todo))
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
+    from reports.artifacts import artifact_key
+
+    total, done = len(plan.cells), len(plan.cells) - len(todo)
+    progress = create_progress_artifact(
+        100.0 * done / max(total, 1),
+        key=artifact_key("sweep-progress", spec.name),
+        description=f"sweep {spec.name}: cells finished of {total}",
+    )
+    dp_cache = str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None
     with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
         futures = {
             runner.submit(
@@ -235,7 +234,7 @@ def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict
                     "launch": spec.launch,
                     "deployment": spec.deployment,
                     "limit": limit,
-                    "dp_cache": str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None,
+                    "dp_cache": dp_cache,
                 },
             ): pc.cell.name
             for pc in todo
@@ -245,14 +244,17 @@ def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict
             try:
                 results[name] = {**future.result(), "skipped": False}
             except Exception as exc:  # the cell's own failure is recorded; the others go on
+                status = read_status(SweepLayout(plan.sweep_dir).cell(name)).get("status")
                 results[name] = {
                     "state": "FAILED",
                     "reason": f"{type(exc).__name__}: {exc}",
                     "skipped": False,
-                    "status": read_status(SweepLayout(plan.sweep_dir).cell(name)).get("status"),
+                    "status": status,
                 }
             _write_record(plan, results)
-            progress.advance()
+            done += 1
+            if progress is not None:
+                update_progress_artifact(progress, 100.0 * done / max(total, 1))
 
 
 def _default_spec() -> SweepSpec:
@@ -289,14 +291,8 @@ def sweep(
         return Cancelled(message="stopped before the sweep started; nothing was written")
     todo = [pc for pc in plan.cells if pc.action != "skip"]
     logger.info(
-        "sweep %s: %d cells (%d to run, %d completed before) in %s; at most %d at once (%s)",
-        spec.name,
-        len(plan.cells),
-        len(todo),
-        len(plan.cells) - len(todo),
-        plan.sweep_dir,
-        spec.concurrency,
-        spec.launch,
+        f"sweep {spec.name}: {len(plan.cells)} cells ({len(todo)} to run, {len(plan.cells) - len(todo)} completed "
+        f"before) in {plan.sweep_dir}; at most {spec.concurrency} at once ({spec.launch})"
     )
     prior = _prior_results(plan.sweep_dir, logger)
     results: dict[str, dict] = {
@@ -331,33 +327,6 @@ def sweep(
     return str(plan.sweep_dir)
 
 
-class _Progress:
-    """The sweep's live progress artifact (``sweep-progress-<name>``): the share of cells finished."""
-
-    def __init__(self, spec: SweepSpec, total: int, done: int) -> None:
-        from prefect.artifacts import create_progress_artifact
-
-        from reports.artifacts import artifact_key
-
-        self.total, self.done = total, done
-        self.id = create_progress_artifact(
-            self.percent,
-            key=artifact_key("sweep-progress", spec.name),
-            description=f"sweep {spec.name}: cells finished of {total}",
-        )
-
-    @property
-    def percent(self) -> float:
-        return 100.0 * self.done / max(self.total, 1)
-
-    def advance(self) -> None:
-        from prefect.artifacts import update_progress_artifact
-
-        self.done += 1
-        if self.id is not None:
-            update_progress_artifact(self.id, self.percent)
-
-
 def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
     """The results recorded for each cell by an earlier run of the sweep (empty if none).
 
@@ -370,25 +339,23 @@ def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
         return {}
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
-        problem = None
-    except (ValueError, UnicodeDecodeError):
-        record, problem = None, "not valid JSON"
-    if problem is None and not (
-        isinstance(record, dict)
-        and isinstance(record.get("cells"), list)
-        and all(isinstance(c, dict) and "name" in c for c in record["cells"])
-    ):
-        problem = "no list of cells with names"
-    if problem is not None:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-        kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}")
-        n = 1
-        while kept.exists():
-            n += 1
-            kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
-        os.replace(path, kept)
-        (logger or run_logger()).warning(
-            "%s is not a sweep record (%s); kept as %s, and a new record is written", path, problem, kept.name
+        cells = record["cells"] if isinstance(record, dict) and isinstance(record.get("cells"), list) else None
+        problem = (
+            None
+            if cells is not None and all(isinstance(c, dict) and "name" in c for c in cells)
+            else "no list of cells with names"
         )
-        return {}
-    return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in record["cells"]}
+    except (ValueError, UnicodeDecodeError):
+        problem = "not valid JSON"
+    if problem is None:
+        return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in cells}
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
+    kept, n = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}"), 1
+    while kept.exists():
+        n += 1
+        kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
+    os.replace(path, kept)
+    (logger or run_logger()).warning(
+        "%s is not a sweep record (%s); kept as %s, and a new record is written", path, problem, kept.name
+    )
+    return {}

@@ -1,16 +1,9 @@
 """The tune flow: one Optuna study per method, the same trials and budget each, then the tuned comparison.
 
-Layout of a study folder (``<study_root>/<name>``)::
-
-    tune.json             the spec, and per method every trial (number, params, value, state, run directory)
-    optuna.log            Optuna's journal storage of every study (``dp``, and ``diloco`` or one
-                          ``diloco-<variant>`` per variant): a stopped study resumes
-    trials/<study>-<n>/   trial n's pipeline run directory (that method alone; ``configs.tune.TuneSpec.trial_config``)
-    dp/                   DP results (and their evaluations, dp/eval/) shared by the tuned comparison's
-                          arms (the pipeline's ``dp_cache``)
-    tuned/<study>/        per DiLoCo study, the tuned comparison: a pipeline run of ``seeds`` with its and DP's best
-                          settings
-    report/               study.md, study.json, study_history.png (``reports.study``)
+A study folder (``<study_root>/<name>``) is laid out as :class:`run.layout.StudyLayout` says:
+``tune.json``, ``optuna.log`` (Optuna's journal storage of every study: ``dp``, and ``diloco`` or one
+``diloco-<variant>`` per variant), ``trials/``, ``tuned/<study>/`` (per DiLoCo study, the tuned
+comparison), ``dp/`` (DP results its arms share: the pipeline's ``dp_cache``) and ``report/``.
 
 A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`: a slot of
 the Prefect global concurrency limit ``tune-<name>`` while it runs (:mod:`flows.slots`), ``concurrency`` trials at
@@ -97,14 +90,8 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
     out: dict[str, Any] = {"spec": spec.model_dump(mode="json"), "methods": {}, "tuned": tuned}
     for m, study in studies.items():  # m: the study's name
         trials = [
-            {
-                "number": t.number,
-                "state": t.state.name,
-                "value": t.value,
-                "params": t.params,
-                "run_dir": t.user_attrs.get("run_dir"),
-                "reason": t.user_attrs.get("reason"),
-            }
+            {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params}
+            | {k: t.user_attrs.get(k) for k in ("run_dir", "reason")}
             for t in study.trials
         ]
         done = [t for t in study.trials if t.state == TrialState.COMPLETE]
@@ -142,6 +129,19 @@ def _enqueue_once(study, params: dict) -> bool:
     return True
 
 
+def _cell(name: str, cfg, rd: Path, limit: str, dp_cache: str | None = None) -> dict:
+    """:func:`flows.sweep.sweep_cell`'s parameters for a pipeline run of ``cfg`` in ``rd``, in this process."""
+    return dict(
+        name=name,
+        config=cfg,
+        run_dir=str(rd),
+        launch="subflow",
+        deployment="pipeline/default",
+        limit=limit,
+        dp_cache=dp_cache,
+    )
+
+
 def _run_trials(
     spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str, logger
 ) -> None:
@@ -155,9 +155,7 @@ def _run_trials(
             study.tell(t.number, state=TrialState.FAIL)
             study.enqueue_trial(t.params)
             logger.info(
-                "%s trial %d: left running by an earlier attempt; marked failed, its settings tried again",
-                name,
-                t.number,
+                f"{name} trial {t.number}: left running by an earlier attempt; marked failed, its settings tried again"
             )
     if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and _enqueue_once(study, base):
         logger.info("%s: the base config's settings %s are tried first", name, base)
@@ -179,24 +177,7 @@ def _run_trials(
                     where=f"study {spec.name}, {name} trial",
                 )
                 logger.info("%s trial %d: %s", name, trial.number, trial.params)
-                futures.append(
-                    (
-                        trial,
-                        rd,
-                        runner.submit(
-                            sweep_cell,
-                            {
-                                "name": f"{name}-{trial.number}",
-                                "config": cfg,
-                                "run_dir": str(rd),
-                                "launch": "subflow",
-                                "deployment": "pipeline/default",
-                                "limit": limit,
-                                "dp_cache": None,
-                            },
-                        ),
-                    )
-                )
+                futures.append((trial, rd, runner.submit(sweep_cell, _cell(f"{name}-{trial.number}", cfg, rd, limit))))
             wait([f for _, _, f in futures])
         for trial, rd, _future in futures:
             value = trial_value(rd, method) if read_status(rd).get("status") == "completed" else None
@@ -242,15 +223,7 @@ def _tuned_comparison(
         shutil.move(str(rd), layout.attempt(name, n))
         logger.info("tuned comparison %s: an earlier attempt moved to attempts/tuned-%s-%d", name, name, n)
     logger.info("tuned comparison %s: seeds %s with %s and %s", name, spec.seeds, best["dp"], best[name])
-    out = sweep_cell.submit(
-        name=f"tuned-{name}",
-        config=cfg,
-        run_dir=str(rd),
-        launch="subflow",
-        deployment="pipeline/default",
-        limit=limit,
-        dp_cache=str(layout.dp_cache),
-    ).result()
+    out = sweep_cell.submit(**_cell(f"tuned-{name}", cfg, rd, limit, str(layout.dp_cache))).result()
     return {"run_dir": str(rd), **out}
 
 
@@ -298,12 +271,8 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
         limit = f"tune-{spec.name}"
         set_concurrency_limit(limit, spec.concurrency)
         logger.info(
-            "study %s in %s: studies %s, %d trials each, %d at once",
-            spec.name,
-            study_dir,
-            ", ".join(studies),
-            spec.trials,
-            spec.concurrency,
+            f"study {spec.name} in {study_dir}: studies {', '.join(studies)}, {spec.trials} trials each, "
+            f"{spec.concurrency} at once"
         )
         for arm in arms:
             _run_trials(spec, study_dir, raw, arm, studies[arm[0]], limit, logger)

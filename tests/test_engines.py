@@ -46,21 +46,22 @@ def test_ray_learner_gpu_requests(small_cfg):
     from flows.engines import learner_gpus
 
     def cfg(**runtime):
-        return ExperimentConfig.model_validate(
+        c = ExperimentConfig.model_validate(
             {
                 **small_cfg.model_dump(),
                 "diloco": {**small_cfg.diloco.model_dump(), "learners": 4, "batch_size": 8},
                 "runtime": {"engine": "ray", **runtime},
             }
         )
+        return c.runtime, c.diloco.learners
 
-    assert learner_gpus(cfg(), 0) == 0 and learner_gpus(cfg(), 3) == 0 and learner_gpus(cfg(), 4) == 1
-    assert learner_gpus(cfg(devices_per_learner=2), 8) == 2 and learner_gpus(cfg(devices_per_learner=2), 6) == 0
-    assert learner_gpus(cfg(learner_gpus=0), 8) == 0 and learner_gpus(cfg(learner_gpus=2), 8) == 2
+    assert learner_gpus(*cfg(), 0) == 0 and learner_gpus(*cfg(), 3) == 0 and learner_gpus(*cfg(), 4) == 1
+    assert learner_gpus(*cfg(devices_per_learner=2), 8) == 2 and learner_gpus(*cfg(devices_per_learner=2), 6) == 0
+    assert learner_gpus(*cfg(learner_gpus=0), 8) == 0 and learner_gpus(*cfg(learner_gpus=2), 8) == 2
     with pytest.raises(
         ValueError, match=r"runtime.learner_gpus 1 × diloco.learners 4 needs 4 GPUs; the Ray cluster has 2"
     ):
-        learner_gpus(cfg(learner_gpus=1), 2)
+        learner_gpus(*cfg(learner_gpus=1), 2)
     with pytest.raises(ValidationError, match="runtime.learner_gpus is a Ray resource request"):
         cfg(engine="dask", learner_gpus=1)
 
@@ -71,16 +72,16 @@ def test_process_engines_let_jax_allocate_gpu_memory_as_needed(small_cfg, monkey
     from flows.engines import forwarded_env, share_accelerators
 
     monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
-    share_accelerators(small_cfg)  # threads
+    share_accelerators(small_cfg.runtime)  # threads
     assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ
 
     def on(engine):
         return small_cfg.model_copy(update={"runtime": small_cfg.runtime.model_copy(update={"engine": engine})})
 
-    share_accelerators(on("dask"))
+    share_accelerators(on("dask").runtime)
     assert forwarded_env()["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # what the workers inherit
     monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "true")
-    share_accelerators(on("ray"))
+    share_accelerators(on("ray").runtime)
     assert os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
 
 

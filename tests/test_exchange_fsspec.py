@@ -478,7 +478,9 @@ def test_the_exchange_url_check_leaves_nothing_behind(tmp_path):
     from flows.preflight import check_runtime
 
     root = Path(__file__).resolve().parents[1]
-    check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": str(tmp_path / "new" / "ex")}))
+    check_runtime(
+        load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": str(tmp_path / "new" / "ex")}).runtime
+    )
     assert not (tmp_path / "new").exists()
 
 
@@ -517,13 +519,13 @@ def test_a_cache_folder_that_cannot_be_written_is_refused_before_work_naming_the
         {"runtime.compilation_cache": str(blocker / "xla")},
     )
     with pytest.raises(ValueError, match=r"runtime\.compilation_cache .*: cannot be created or written here"):
-        check_runtime(cfg)
+        check_runtime(cfg.runtime)
     fine = load_spec(
         "config",
         Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml",
         {"runtime.compilation_cache": str(tmp_path / "new" / "xla")},
     )
-    check_runtime(fine)
+    check_runtime(fine.runtime)
     assert not (tmp_path / "new").exists()  # the check leaves nothing of its own
 
 
@@ -541,14 +543,14 @@ def test_an_s3_exchange_with_missing_or_wrong_credentials_is_one_line_before_wor
 
     def refusal(url: str) -> str:
         with pytest.raises(ValueError) as info:
-            check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": url}))
+            check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": url}).runtime)
         msg = str(info.value)
         assert "\n" not in msg and msg.startswith(f"runtime.exchange_url {url}: ")
         assert s3_env["AWS_SECRET_ACCESS_KEY"] not in msg and "wrong-secret" not in msg
         return msg
 
     good = f"s3://{S3_BUCKET}/ex-{uuid.uuid4().hex}"
-    check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": good}))  # passes
+    check_runtime(load_config(root / "configs" / "tiny.yaml", {"runtime.exchange_url": good}).runtime)  # passes
     assert "bucket does not exist" in refusal("s3://no-such-bucket/ex").lower()
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     assert not fs.exists("no-such-bucket")  # the check never creates a bucket

@@ -144,7 +144,7 @@ def test_the_tracking_section_is_validated_and_wandb_refused_when_missing(monkey
     from pydantic import ValidationError
 
     from configs.load import CONFIG_DIR, load_config
-    from flows.preflight import check_tracking
+    from flows.preflight import check_installed
 
     with pytest.raises(ValidationError, match="wandb_mode"):
         load_config(CONFIG_DIR / "tiny.yaml", overrides={"tracking.wandb_mode": "sometimes"})
@@ -154,8 +154,8 @@ def test_the_tracking_section_is_validated_and_wandb_refused_when_missing(monkey
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ValueError, match=r"tracking\.wandb.*uv sync --extra wandb"):
-        check_tracking(cfg)
-    check_tracking(load_config(CONFIG_DIR / "tiny.yaml"))  # off: nothing to check
+        check_installed(cfg)
+    check_installed(load_config(CONFIG_DIR / "tiny.yaml"))  # off: nothing to check
 
 
 def test_report_figures_are_the_verdicts():
