@@ -343,6 +343,21 @@ class ExperimentConfig(_Strict):
         return draw_schedule(self.chaos.schedule, self.diloco.learners, self.runtime.engine)
 
     @property
+    def budget_tokens(self) -> int:
+        """Tokens each method trains on: ``train.token_budget`` rounded up to whole DP steps."""
+        return self.dp_steps * self.tokens_per_dp_step
+
+    @property
+    def engine_slots(self) -> int:
+        """Tasks that run at once: every learner and the syncer, or every DP host when there are more."""
+        return max(self.diloco.learners + 1, self.dp.hosts if self.dp.enabled else 0)
+
+    @property
+    def pretrain_methods(self) -> list[str]:
+        """The pretraining methods this run trains (``diloco``, ``dp``; each when enabled)."""
+        return [m for m, on in (("diloco", self.diloco.enabled), ("dp", self.dp.enabled)) if on]
+
+    @property
     def learner_processes(self) -> bool:
         """Each learner runs in a process of its own: on ``runtime.engine`` ray or dask, or with
         ``network.emulate`` (in its datacenter); else the learners are threads of the flow's process."""

@@ -69,11 +69,6 @@ def share_accelerators(rt: RuntimeConfig) -> None:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 
-def engine_slots(config: ExperimentConfig) -> int:
-    """Tasks that run at once: every learner and the syncer, or every DP host when there are more."""
-    return max(config.diloco.learners + 1, config.dp.hosts if config.dp.enabled else 0)
-
-
 def crash_retries(d: DiLoCoConfig, role: str | None = None) -> int:
     """How many times the engine re-runs a task whose process died: ``diloco.learner_retries`` for a
     learner, ``diloco.syncer_retries`` for the syncer, the larger of the two for the whole cluster
@@ -89,8 +84,8 @@ def task_runner_for(config: ExperimentConfig):
     integration is missing."""
     rt = config.runtime
     if rt.engine == "threads":
-        return ThreadPoolTaskRunner(max_workers=rt.max_workers or engine_slots(config) + 1)
-    slots = engine_slots(config)
+        return ThreadPoolTaskRunner(max_workers=rt.max_workers or config.engine_slots + 1)
+    slots = config.engine_slots
     if rt.engine == "ray":
         from prefect_ray import RayTaskRunner
 
@@ -132,7 +127,7 @@ def task_runner_for(config: ExperimentConfig):
 
 def ray_init_kwargs(rt: RuntimeConfig, slots: int) -> dict:
     """``ray.init`` arguments: a local instance (no ``runtime.address``) gets one logical CPU per task
-    (``slots``: :func:`engine_slots`) and no dashboard, and its workers inherit this process's
+    (``slots``: ``ExperimentConfig.engine_slots``) and no dashboard, and its workers inherit this process's
     environment; on an existing cluster the workers get the variables of :func:`forwarded_env`."""
     init: dict = {"log_to_driver": False, "logging_level": "ERROR"}
     if rt.address is None:

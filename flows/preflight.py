@@ -54,12 +54,12 @@ def check_local_paths(data) -> None:
             raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
 
 
-def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
+def check_reusable_data(path: Path, data, learners: int) -> None:
     """A run directory that already holds ``data/`` (an earlier run's, that never trained) is used
-    only when that data was built from this config's data section and learner count.
+    only when that data was built from the data section ``data`` for ``learners`` learners.
     Raises ``ValueError`` naming the folder and the fix."""
-    data = RunLayout(path).data
-    if not data.exists() and not data.is_symlink():
+    folder = RunLayout(path).data
+    if not folder.exists() and not folder.is_symlink():
         return
     from data.store import load_manifest
     from data.text import config_record
@@ -73,7 +73,7 @@ def check_reusable_data(cfg: ExperimentConfig, path: Path) -> None:
         raise ValueError(
             f"run directory {path} holds a data folder that cannot be reused ({exc}); choose a new --run-dir"
         ) from None
-    if old != config_record(cfg.data, cfg.diloco.learners):
+    if old != config_record(data, learners):
         raise ValueError(
             f"run directory {path} holds data built from another data config or learner count; choose a new --run-dir"
         )
@@ -100,20 +100,19 @@ def _abstract_model(model, shape):
     return nnx.eval_shape(lambda: build_model(model, shape).init(0))
 
 
-def check_model(cfg: ExperimentConfig, shape=None) -> int:
-    """Build the model abstractly and check ``diloco.fragments`` against its tensors. ``shape``: the
-    data's ``InputShape`` (default :func:`_input_shape`; images of unknown shape are checked once
-    read). Returns the number of parameter tensors (0: not checked). Raises ``ValueError``."""
+def check_model(model, diloco, shape) -> int:
+    """Build the model of section ``model`` abstractly and check ``diloco.fragments`` against its
+    tensors. ``shape``: the data's ``InputShape`` (:func:`_input_shape`; None: images of unknown shape,
+    checked once read). Returns the number of parameter tensors (0: not checked). Raises ``ValueError``."""
     from training.functional import params_of
 
-    shape = _input_shape(cfg.data) if shape is None else shape
     if shape is None:
         return 0
     try:
-        n = len(params_of(_abstract_model(cfg.model, shape)))
+        n = len(params_of(_abstract_model(model, shape)))
     except ValueError as exc:  # e.g. a patch size that does not divide the images
-        raise ValueError(f"model ({cfg.model.kind}) does not fit the data: {exc}") from None
-    validate_against_model(cfg.diloco, n)
+        raise ValueError(f"model ({model.kind}) does not fit the data: {exc}") from None
+    validate_against_model(diloco, n)
     return n
 
 
@@ -136,8 +135,8 @@ def _check_image_folder(cfg: ExperimentConfig) -> None:
             )
     found = inspect_image_folder(folder, d.image_size, d.channels)
     shape = InputShape(image_shape=found["image_shape"], num_classes=found["num_classes"], pixel_max=255)
-    check_model(cfg, shape)
-    check_lora_targets(cfg, shape)
+    check_model(cfg.model, cfg.diloco, shape)
+    check_lora_targets(cfg.finetune, cfg.model, shape)
     labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
     images = ImageSet(np.empty(0), labels, folder.classes, 255, {}, given)
     splits, source = complete_splits(images, d.val_fraction, d.test_fraction, d.seed)
@@ -179,17 +178,17 @@ def check_image_source(cfg: ExperimentConfig) -> None:
         )
 
 
-def check_finetune_inputs(cfg: ExperimentConfig) -> None:
-    """The fine-tuning task's own inputs: the user's JSONL pairs are read and checked (fields, empty
-    files, enough pairs), a hub dataset is reachable. Raises ``ValueError`` /
-    ``FileNotFoundError`` / ``ConnectionError`` in one line."""
-    ft, task = cfg.finetune, cfg.finetune_task
+def check_finetune_inputs(ft, task: str, seed: int) -> None:
+    """The inputs of fine-tuning task ``task`` (``cfg.finetune_task``) of recipe ``ft``: the user's JSONL
+    pairs are read and checked (fields, empty files, enough pairs; one file split with ``seed``, the
+    data seed), a hub dataset is reachable. Raises ``ValueError`` / ``FileNotFoundError`` /
+    ``ConnectionError`` in one line."""
     if task == "jsonl":
         from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pair_files, split_items
 
         pairs = load_jsonl_pair_files(ft.paths, ft.prompt_field, ft.response_field)  # (ids checked across files)
         counts = [len(p) for p in pairs if p is not None]
-        train, test = map(len, split_items(counts[0], ft.test_fraction, cfg.data.seed)) if len(counts) == 1 else counts
+        train, test = map(len, split_items(counts[0], ft.test_fraction, seed)) if len(counts) == 1 else counts
         if train < MIN_TRAIN_ITEMS or test < MIN_TEST_ITEMS:
             raise ValueError(
                 f"finetune.paths: {train} train and {test} test pairs, fewer than {MIN_TRAIN_ITEMS} and "
@@ -203,22 +202,20 @@ def check_finetune_inputs(cfg: ExperimentConfig) -> None:
         )
 
 
-def check_lora_targets(cfg: ExperimentConfig, shape=None) -> None:
-    """With ``finetune.mode: lora``, every name of ``finetune.lora_targets`` is a projection of the
-    model (built abstractly) and the rank is below each one's smaller side. ``shape`` as for
-    :func:`check_model`. Raises ``ValueError`` naming the field."""
-    ft = cfg.finetune
-    shape = _input_shape(cfg.data) if shape is None else shape
+def check_lora_targets(ft, model, shape) -> None:
+    """With ``finetune.mode: lora`` (recipe ``ft``), every name of ``finetune.lora_targets`` is a
+    projection of the model of section ``model`` (built abstractly) and the rank is below each one's
+    smaller side. ``shape`` as for :func:`check_model`. Raises ``ValueError`` naming the field."""
     if ft.mode != "lora" or shape is None:
         return
     from models.layers.lora import linear_layers
 
-    layers = linear_layers(_abstract_model(cfg.model, shape))
+    layers = linear_layers(_abstract_model(model, shape))
     names = {n for n, _ in layers.values()}
     missing = [t for t in ft.lora_targets if t not in names]
     if missing:
         raise ValueError(
-            f"finetune.lora_targets: {missing[0]!r} is no projection of a {cfg.model.kind} model; its "
+            f"finetune.lora_targets: {missing[0]!r} is no projection of a {model.kind} model; its "
             f"projections are {', '.join(sorted(names))}"
         )
     small = min(min(io) for n, io in layers.values() if n in ft.lora_targets)
@@ -415,11 +412,12 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
     check_local_paths(cfg.data)
     check_runtime(cfg.runtime)
     check_installed(cfg)
-    check_model(cfg)
+    shape = _input_shape(cfg.data)
+    check_model(cfg.model, cfg.diloco, shape)
     check_devices(cfg)
     if cfg.finetune.enabled:
-        check_finetune_inputs(cfg)
-        check_lora_targets(cfg)
+        check_finetune_inputs(cfg.finetune, cfg.finetune_task, cfg.data.seed)
+        check_lora_targets(cfg.finetune, cfg.model, shape)
     if check_data and cfg.data.modality == "image":
         check_image_source(cfg)
     elif check_data:
@@ -434,7 +432,7 @@ def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_da
     :func:`check_config`; return the run directory. Writes nothing but the corpus download cache.
     Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` in one line."""
     path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
-    check_reusable_data(cfg, path)
+    check_reusable_data(path, cfg.data, cfg.diloco.learners)
     check_config(cfg, check_data)
     return path
 
@@ -554,12 +552,11 @@ def check_deployment(spec: SweepSpec) -> str | None:
     return None
 
 
-def missing_results(run_dir: Path, cfg: ExperimentConfig) -> list[str]:
-    """What a completed pipeline run of ``cfg`` must hold in ``run_dir`` but does not, as paths
-    relative to it (empty: all there): ``report/report.json`` and each enabled method's
-    ``pretrain/<method>/summary.json`` (each seed's, with several seeds)."""
-    layout, seeds = RunLayout(run_dir), cfg.run_seeds
-    methods = [m for m, on in (("diloco", cfg.diloco.enabled), ("dp", cfg.dp.enabled)) if on]
+def missing_results(run_dir: Path, methods: list[str], seeds: list[int]) -> list[str]:
+    """What a completed pipeline run of ``methods`` over ``seeds`` (``ExperimentConfig.pretrain_methods``,
+    ``run_seeds``) must hold in ``run_dir`` but does not, as paths relative to it (empty: all there):
+    ``report/report.json`` and each method's ``pretrain/<method>/summary.json`` (each seed's, with several)."""
+    layout = RunLayout(run_dir)
     runs = [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]
     needed = [layout.report_json, *(sub.summary("pretrain", m) for sub in runs for m in methods)]
     return [p.relative_to(layout.root).as_posix() for p in needed if not p.is_file()]
@@ -599,7 +596,7 @@ def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path
             f"sweep {spec.name}, cell {cell.name}: {run_dir} holds a completed run of another config ({what}); "
             "give the sweep a new name or --sweep-dir, or delete that cell's folder to run it again"
         )
-    missing = missing_results(run_dir, cfg)
+    missing = missing_results(run_dir, cfg.pretrain_methods, cfg.run_seeds)
     if missing:  # status.json vouches for results that are not there: run it again
         return PlannedCell(
             cell, cfg, run_dir, digest, "rerun", f"completed without its results (missing {', '.join(missing)})"
@@ -873,11 +870,11 @@ def finetune_preflight(
     from data.store import load_manifest
     from training.common import input_shape
 
-    check_lora_targets(cfg, input_shape(cfg.data, load_manifest(rd)))
+    check_lora_targets(cfg.finetune, cfg.model, input_shape(cfg.data, load_manifest(rd)))
     if cfg.finetune_task == "speakers" and not (layout.data / "heldout_finetune.jsonl").is_file():
         raise ValueError(
             f"{rd} was prepared with data.finetune_docs: 0, so no play was held out for the speakers task; "
             "use --set finetune.source=jsonl with finetune.paths, or a new run with data.finetune_docs"
         )
-    check_finetune_inputs(cfg)
+    check_finetune_inputs(cfg.finetune, cfg.finetune_task, cfg.data.seed)
     return FinetunePlan(cfg=cfg, run_dir=rd, methods=plan, replace=replace)

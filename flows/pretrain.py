@@ -21,7 +21,7 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.datacenters import emulated
-from flows.engines import engine_session, engine_slots, task_options, task_runner_for
+from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
 from reports.read import read_schedule
@@ -33,7 +33,7 @@ from run.metrics import JsonlWriter, read_jsonl
 from run.progress import Progress, report as report_progress
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
-from training.common import budget_status, token_budget
+from training.common import budget_status
 from training.decoupled.monitor import learners_gone, live_view
 from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compilation_cache, with_absolute_exchange
 from training.tracking import method_tracker
@@ -144,7 +144,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     # paths made absolute here, once: worker processes may start in another folder
     config, rd = with_absolute_exchange(config), rd.absolute()
     exchange = prepare_diloco(config, rd)
-    budget, d, rt, u = token_budget(config), config.diloco, config.runtime, config.unit
+    budget, d, rt, u = config.budget_tokens, config.diloco, config.runtime, config.unit
     logger.info(
         f"diloco: M={d.learners} learners, P={d.fragments} fragments, H={d.sync_every}, K={d.quorum}, "
         f"grace {d.grace_s:.2f}s, merge={d.merge}, budget {budget:,} {u} ({config.tokens_per_learner_step:,} "
@@ -163,7 +163,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     )
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     with (
-        engine_session(rt, engine_slots(config)),
+        engine_session(rt, config.engine_slots),
         task_runner_for(config) as runner,
         method_tracker(config, rd, "pretrain", "diloco") as tracker,
     ):
@@ -323,7 +323,7 @@ def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
     get_run_logger().info(
         f"dp: {n} hosts on runtime.engine {config.runtime.engine}, {batch // n} rows each of a {batch}-row global batch"
     )
-    with engine_session(config.runtime, engine_slots(config)), task_runner_for(config) as runner:
+    with engine_session(config.runtime, config.engine_slots), task_runner_for(config) as runner:
         launch = launcher(config, rd, runner, clock, dp_progress(str(rd), config.name, config.unit))
         summary = run_job(config, rd, launch, clock, origin)
     write_json(RunLayout(rd).summary("pretrain", "dp"), summary)

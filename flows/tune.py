@@ -212,7 +212,7 @@ def _tuned_comparison(
         if (
             read_status(rd).get("status") == "completed"
             and old == cfg.model_dump(mode="json")
-            and not missing_results(rd, cfg)
+            and not missing_results(rd, cfg.pretrain_methods, cfg.run_seeds)
         ):
             logger.info("tuned comparison %s: completed before in %s", name, rd)
             return {"run_dir": str(rd), "status": "completed", "skipped": True}

@@ -20,7 +20,6 @@ from run.layout import RunLayout
 from run.metrics import read_jsonl
 from tests.clusters import DASK_STEPS, RAY_STEPS, dask_cluster, processes_named, ray_cluster
 from tests.conftest import S3_BUCKET, SMALL_DATA
-from training.common import token_budget
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,7 +63,7 @@ def finished(proc, run_dir: Path, secret: str, timeout_s: float = 600) -> tuple[
     layout = RunLayout(run_dir)
     summary = json.loads((layout.root / "pretrain" / "diloco" / "summary.json").read_text())
     cfg = _config(run_dir)
-    assert summary["tokens"] == token_budget(cfg)  # the whole budget
+    assert summary["tokens"] == cfg.budget_tokens  # the whole budget
     _ledger_balanced(summary)
     assert np.isfinite(summary["final_val_loss"])
     return summary, read_jsonl(layout.metrics("pretrain", "diloco", "learners"))

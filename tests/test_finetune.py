@@ -523,7 +523,7 @@ def test_repeated_pair_ids_are_refused_naming_both_lines(tmp_path):
     tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
     cfg = load_config(tiny, {"finetune.source": "jsonl", "finetune.paths": [str(train), str(test)]})
     with pytest.raises(ValueError, match="repeats the id 't9'"):
-        check_finetune_inputs(cfg)
+        check_finetune_inputs(cfg.finetune, cfg.finetune_task, cfg.data.seed)
     plain = [
         _pairs_file(tmp_path / f"{n}.jsonl", [{"prompt": f"q{i}", "response": " a\n"} for i in range(k)])
         for n, k in (("tr", 10), ("te", 5))

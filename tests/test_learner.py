@@ -553,7 +553,6 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
     the syncer and the DP loop train it unchanged, and its extra metric reaches the learner log."""
     from data.prepare import prepare_data
     from run.atomic import write_json
-    from training.common import token_budget
     from training.decoupled.setup import learner_attempt, setup_diloco
     from training.decoupled.syncer import run_syncer_to_end
     from training.dp import train_dp
@@ -603,7 +602,7 @@ def test_a_new_model_kind_trains_through_diloco_and_dp(small_run, tmp_path):
         syncer.join(300)
         run.close_logs()
         summary = outs["syncer"]
-        assert summary["merges"] > 0 and summary["tokens"] == token_budget(cfg)
+        assert summary["merges"] > 0 and summary["tokens"] == cfg.budget_tokens
         evals = read_jsonl(RunLayout(run_dir).metrics("pretrain", "diloco", "eval"))
         assert evals[-1]["val/loss"] < evals[0]["val/loss"]  # it learned (unigram statistics at least)
         steps = [

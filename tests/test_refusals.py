@@ -309,18 +309,15 @@ def test_reused_data_must_match_the_config(tmp_path, small_cfg, small_data):
     from tests.conftest import SMALL_DATA
 
     shutil.copytree(small_data / "data", tmp_path / "R" / "data")
-    check_reusable_data(small_cfg, tmp_path / "R")  # the same data config: reused
+    check_reusable_data(tmp_path / "R", small_cfg.data, small_cfg.diloco.learners)  # the same data config: reused
     other = load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "data.vocab_size": 300})
     with pytest.raises(ValueError, match="holds data built from another data config"):
-        check_reusable_data(other, tmp_path / "R")
+        check_reusable_data(tmp_path / "R", other.data, other.diloco.learners)
     with pytest.raises(ValueError, match="holds data built from another data config or learner count"):
-        check_reusable_data(
-            load_config(ROOT / "configs" / "tiny.yaml", {**SMALL_DATA, "diloco.learners": 2, "diloco.quorum": 2}),
-            tmp_path / "R",
-        )
+        check_reusable_data(tmp_path / "R", small_cfg.data, 2)
     (tmp_path / "S" / "data").mkdir(parents=True)
     with pytest.raises(ValueError, match="holds a data folder that cannot be reused"):
-        check_reusable_data(small_cfg, tmp_path / "S")
+        check_reusable_data(tmp_path / "S", small_cfg.data, small_cfg.diloco.learners)
 
 
 def test_goodput_never_writes_into_a_pipeline_run(tmp_path):

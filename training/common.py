@@ -10,17 +10,11 @@ from configs.chaos import ChaosSchedule
 from configs.data import DataConfig
 from configs.model import ModelConfig
 from configs.runtime import RuntimeConfig
-from configs.schema import ExperimentConfig
 from data.store import load_manifest
 from models import InputShape, ModelSpec, build_model
 from run.atomic import write_json
 from run.layout import RunLayout
 from training.xla import use_compilation_cache
-
-
-def token_budget(cfg: ExperimentConfig) -> int:
-    """Tokens each method trains on: ``train.token_budget`` rounded up to whole DP steps."""
-    return cfg.dp_steps * cfg.tokens_per_dp_step
 
 
 def budget_status(
@@ -29,7 +23,7 @@ def budget_status(
     """Whether a pretraining stage trained its budget, and if not, why (the pipeline fails a ``short`` stage).
 
     ``trained``/``budget``: ``unit`` (tokens, or images) trained and the stage's budget
-    (:func:`token_budget`). ``interrupted``: stopped by a signal. ``finished``: a worker ran to the
+    (``ExperimentConfig.budget_tokens``). ``interrupted``: stopped by a signal. ``finished``: a worker ran to the
     end of the budget (a DiLoCo learner that stopped because no token was left to claim; the DP job
     that took its last step): what then stays unclaimed is the exchange's remainder (less than a
     step, or a grant a dead learner held), not work that could not be done. ``why``: one phrase, why

@@ -10,7 +10,6 @@ from configs.methods import DiLoCoConfig, TrainConfig
 from configs.model import ModelConfig
 from configs.runtime import PrecisionConfig, RuntimeConfig
 from configs.schema import ExperimentConfig
-from training.common import token_budget
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class DiLoCoPlan:
     the init and data-order ``seed``; derived once (``configs.schema.ExperimentConfig``): the budget's
     ``unit`` (tokens or images), units per learner step, each learner's inner steps and
     microbatches per step, whether learners run in processes of their own, the token budget
-    (``training.common.token_budget``) and every scheduled fault (``fault_events()``)."""
+    (``ExperimentConfig.budget_tokens``) and every scheduled fault (``fault_events()``)."""
 
     model: ModelConfig
     data: DataConfig
@@ -42,5 +41,5 @@ class DiLoCoPlan:
     def of(cls, cfg: ExperimentConfig) -> DiLoCoPlan:
         """``cfg``'s plan: each field the config's attribute of that name, but the token budget and
         the fault events (the chaos schedule drawn or replayed once)."""
-        own = {"token_budget": token_budget(cfg), "fault_events": tuple(cfg.fault_events())}
+        own = {"token_budget": cfg.budget_tokens, "fault_events": tuple(cfg.fault_events())}
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if f.name not in own}, **own)
