@@ -298,7 +298,9 @@ class FaultHooks:
             reason = f"chaos: SIGKILL {when}"
             if report_down:
                 lrn.ex.heartbeat(lrn.m, status="down", reason=reason)
-            lrn.event("kill", step=lrn.step, reason=reason, **fields)
+            t = lrn.ex.clock()
+            lrn.event("kill", step=lrn.step, reason=reason, t=t, **fields)
+            lrn.state("down", t, reason)
             kill_self()
         raise InjectedFailure(f"learner {lrn.m}: injected failure {when}")
 

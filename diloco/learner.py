@@ -224,6 +224,7 @@ class Learner:
         # start-up timeline on the run clock (the ``start`` event): process, task, built, gate
         self.began_at = self.ex.clock() if s.began_at is None else s.began_at
         self.ready_at, self.gate_s = self.began_at, 0.0
+        self.current: str | None = None  # the last state logged (:meth:`state`)
 
     def clock(self) -> float:
         """The training clock: seconds since this learner's first attempt started."""
@@ -234,6 +235,17 @@ class Learner:
         self.s.log(
             {"event": name, "learner": self.m, "attempt": self.attempt, **fields, "t": fields.get("t", self.ex.clock())}
         )
+
+    def state(self, state: str, t: float | None = None, reason: str | None = None) -> None:
+        """Log a transition to ``state`` (up, down, restarting, done) at ``t`` (the run clock unless
+        given), unless the learner is in it already: a ``run.records.StateEvent`` (as a dict: this
+        package imports none of the project's others)."""
+        if state == self.current:
+            return
+        self.current = state
+        rec = {"event": "state", "state": state, "learner": self.m, "attempt": self.attempt}
+        rec |= {"host": socket.gethostname(), **({"reason": reason} if reason else {})}
+        self.s.log({**rec, "t": self.ex.clock() if t is None else t})
 
     def stopping(self) -> bool:
         return self.s.stop() or self.ex.is_closed()
@@ -271,8 +283,11 @@ class Learner:
             host=socket.gethostname(),
             started_at=self.ex.clock(),
         )
+        t = self.ex.clock()
+        self.state("up", t)
         self.event(
             "start",
+            t=t,
             step=self.step,
             origin=self.origin,
             pid=os.getpid(),
@@ -433,17 +448,20 @@ class Learner:
         self.ex.heartbeat(self.m, **beat)
 
     # -- the end ----------------------------------------------------------------------------------
-    def hand_in(self, faults: FaultHooks) -> dict:
+    def hand_in(self, faults: FaultHooks, why: str) -> dict:
         """Flush the resume store, send every fragment with unsent progress (unsent, not total: one
         sent and not yet merged back holds no new progress, and sending it again would have the syncer
-        merge the same parameters twice), report ``done``; returns the attempt's summary."""
+        merge the same parameters twice), report ``done`` (``why``: the state event's reason);
+        returns the attempt's summary."""
         if self.s.resume is not None:
             self.s.resume.flush()  # the last resume point is on disk before the learner reports done
         for p, f in enumerate(self.frags):
             if f.unsent_steps > 0:
                 self.send(p, faults)
         self.ex.heartbeat(self.m, status="done", bytes_to_syncer=self.bytes_out, bytes_from_syncer=self.bytes_in)
-        self.event("stop", step=self.step)
+        t = self.ex.clock()
+        self.event("stop", step=self.step, t=t)
+        self.state("done", t, why)
         return {
             "learner": self.m,
             "attempt": self.attempt,
@@ -464,7 +482,9 @@ class Learner:
                 self.s.resume.flush()
         self.ex.heartbeat(self.m, status="down", reason=repr(exc))
         step = self.ex.learners().get(self.m, {}).get("step", 0)
-        self.event("failure", reason=repr(exc), step=step, t=self.ex.clock() if fired_at is None else fired_at)
+        t = self.ex.clock() if fired_at is None else fired_at
+        self.event("failure", reason=repr(exc), step=step, t=t)
+        self.state("down", t, repr(exc))
 
 
 def run_learner(s: LearnerSetup) -> dict:
@@ -479,12 +499,16 @@ def run_learner(s: LearnerSetup) -> dict:
     """
     lrn = Learner(s)
     faults = s.faults.hooks(lrn)
+    why = "budget spent or run closed"
     try:
+        if lrn.attempt > 1:  # a retry: restarting since its task began
+            lrn.state("restarting", lrn.began_at, "retry")
         lrn.restore()
         faults.before_start()
         lrn.announce()
         while not lrn.stopping():
             if faults.before_step():  # leaves the run, or raises at a scheduled failure
+                why = "left"  # a scavenged learner's window closed
                 break
             lrn.refresh()
             if not lrn.ex.claim_tokens(s.tokens_per_step, learner=lrn.m, stop=s.stop):
@@ -492,7 +516,7 @@ def run_learner(s: LearnerSetup) -> dict:
             faults.after_step(lrn.inner_step())
             lrn.sync(faults)
             lrn.beat()
-        return lrn.hand_in(faults)
+        return lrn.hand_in(faults, why)
     except BaseException as exc:
         lrn.failed(exc, faults.fired_at)
         raise
