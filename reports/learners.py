@@ -27,9 +27,8 @@ def _timed(events: list[dict]) -> list[dict]:
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
-    """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``start``, else
-    ``retry``) and the merges during it (docs/report.md, "Learners and syncer"); seconds since
-    training start."""
+    """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``start``) and
+    the merges during it (docs/report.md, "Learners and syncer"); seconds since training start."""
     evs = _timed(events)
     timed_merges = [(t, m) for m in merges if (t := num(m.get("merged_at_s"))) is not None]
     out = []
@@ -46,8 +45,6 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
             return att is None or a is None or a > att
 
         restart = next((e for e in later if e.get("event") == "start" and _after(e)), None)
-        if restart is None:
-            restart = next((e for e in later if e.get("event") == "retry"), None)
         t_restart = num(restart["t"]) if restart else None
         end = t_restart if t_restart is not None else math.inf
         during = [(t, m) for t, m in timed_merges if t_fail <= t < end]

@@ -15,8 +15,24 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from configs.chaos import ChaosPlan
-from reports.common import lid, num
+from reports.common import lid, num, sort_key
 from reports.learners import learner_failures
+from run.records import (
+    DPEvent,
+    DPLine,
+    Failure,
+    LearnersLine,
+    Merge,
+    Presence,
+    Slowdown,
+    Start,
+    StateEvent,
+    StepLine,
+    Stop,
+    TrainRow,
+    Wait,
+    parse,
+)
 
 if TYPE_CHECKING:
     from configs.schema import ExperimentConfig
@@ -26,7 +42,6 @@ USEFUL = ("running", "straggling")
 STALL_FACTOR = 4.0  # a gap between advances > this × the median gap is a stall
 SIM_FAILURES_PER_RUN = 4000  # the simulator's horizon: this many expected interruptions of the cluster
 SIM_SEEDS = 10
-LIFECYCLE = ("start", "failure", "kill", "stop", "slowdown", "join", "leave", "wait", "step")
 
 Interval = dict  # {"state", "start", "end"} (+ "why"), seconds since the method's span start
 
@@ -114,39 +129,39 @@ def _ratio(a: float, b: float) -> float | None:
 
 # --- Decoupled DiLoCo ----------------------------------------------------------------------------
 
+Own = StateEvent | Start | StepLine | Failure | Stop | Wait | Slowdown | Presence
+# each state event as a timeline state: a retry restarting is still down after its failure
+AS_INTERVAL = {
+    "up": ("running", None),
+    "down": ("down", "failure"),
+    "restarting": ("down", "failure"),
+    "done": ("waiting", "done"),
+}
 
-def learner_events(events: list[dict] | None) -> dict[Any, list[dict]]:
-    """Each learner's own events (not the syncer's ``"source": "syncer"`` lines), in time order
-    (stable: ties keep file order)."""
-    per: dict[Any, list[dict]] = {}
-    for e in events or []:
-        if e.get("source") == "syncer" or e.get("role") == "syncer" or e.get("learner") is None:
-            continue
-        if e.get("event") in LIFECYCLE and _t(e) is not None:
-            per.setdefault(lid(e["learner"]), []).append(e)
+
+def learner_events(events: list[dict] | None) -> dict[Any, list[Own]]:
+    """Each learner's own events (``run.records``; not the syncer's or the exchange's), in time order
+    (stable: ties keep file order), learners in id order."""
+    per: dict[Any, list] = {}
+    for e in parse(LearnersLine, events):
+        if isinstance(e, Own) and e.learner is not None:
+            per.setdefault(lid(e.learner), []).append(e)
     for evs in per.values():
-        evs.sort(key=_t)
-    return dict(sorted(per.items(), key=lambda kv: (0, kv[0]) if isinstance(kv[0], int) else (1, str(kv[0]))))
+        evs.sort(key=lambda e: e.t)
+    return dict(sorted(per.items(), key=lambda kv: sort_key(kv[0])))
 
 
 def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
-    """The training span on the run clock: ``start_s`` = the first learner ``start``, ``end_s`` =
-    ``now`` when given, else the last learner event (a ``wait`` counts to its end). None before
-    any learner started. ``length_s`` = end − start (seconds)."""
+    """The training span on the run clock: ``start_s`` = the first learner ``up`` state event,
+    ``end_s`` = ``now`` when given, else the last learner event (a ``wait`` counts to its end). None
+    before any learner was up (or for a run that predates state events). ``length_s`` = end − start (s)."""
     per = learner_events(events)
-    starts = [_t(e) for evs in per.values() for e in evs if e["event"] == "start"]
-    if not starts:
+    ups = [e.t for evs in per.values() for e in evs if isinstance(e, StateEvent) and e.state == "up"]
+    if not ups:
         return None
-    t0 = min(starts)
-    if now is not None:
-        t1 = float(now)
-    else:
-        t1 = max(
-            _t(e) + (num(e.get("wait_s")) or 0.0) if e["event"] == "wait" else _t(e)
-            for evs in per.values()
-            for e in evs
-        )
-    t1 = max(t1, t0)
+    t0 = min(ups)
+    ends = [e.t + (e.wait_s if isinstance(e, Wait) else 0.0) for evs in per.values() for e in evs]
+    t1 = max(float(now) if now is not None else max(ends), t0)
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
@@ -158,90 +173,65 @@ def _windows(schedule: dict | None) -> dict[Any, tuple[float, float | None]]:
     }
 
 
-def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
-    """One learner's intervals on the run clock (docs/report.md) and its allocation
-    ``{"start_s", "end_s"}`` (run clock; None when a scavenged learner has not joined yet)."""
-    has_start = any(e["event"] == "start" for e in evs)
-    has_join = any(e["event"] == "join" for e in evs)
-    state, why = ("absent", None) if scavenged and (has_join or not has_start) else ("down", "start-up")
-    since, out, left = t0, [], False
-    waits = []
-
-    def switch(new: str, t: float, new_why: str | None = None) -> None:
-        nonlocal state, why, since
-        t = min(max(t, t0), t1)
-        if (new, new_why) != (state, why):
-            out.append(_iv(state, since, t, why))
-            state, why, since = new, new_why, t
-
-    join_t = leave_t = None
+def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
+    """One learner's intervals on the run clock from its state events (docs/report.md): ``up`` running
+    (straggling while a slowdown is on), ``down`` and ``restarting`` down, ``done`` waiting (absent once
+    a scavenged learner left); down (start-up) before its first ``up``, absent before a scavenged
+    learner joins; each ``wait`` is waiting. Also its allocation ``{"start_s", "end_s"}`` (run clock;
+    None when a scavenged learner has not joined yet)."""
+    was_up = any(isinstance(e, StateEvent) and e.state == "up" for e in evs)
+    joined = next((e.t for e in evs if isinstance(e, Presence) and e.event == "join"), None)
+    state = ("absent", None) if scavenged and (joined is not None or not was_up) else ("down", "start-up")
+    out, since, left = [], t0, None
     for e in evs:
-        ev, t = e["event"], _t(e)
-        if ev == "join":
-            join_t = t if join_t is None else join_t
-            if state == "absent" and not left:
-                switch("down", t, "start-up")
-        elif ev == "start":
-            if not left:
-                switch("running", t)
-        elif ev == "slowdown":
-            f = num(e.get("factor")) or 1.0
-            if state in USEFUL:
-                switch("straggling" if f > 1.0 else "running", t)
-        elif ev in ("failure", "kill"):
-            if not left:
-                switch("down", t, "failure")
-        elif ev == "leave":
-            left, leave_t = True, t if leave_t is None else leave_t
-            switch("absent", t)
-        elif ev == "stop":
-            if state != "absent":
-                switch("waiting", t, "done")
-        elif ev == "wait":
-            w = num(e.get("wait_s")) or 0.0
-            waits.append((t, t + w))
-    out.append(_iv(state, since, t1, why))
+        new = state
+        if isinstance(e, Presence) and e.event == "join" and state[0] == "absent" and left is None:
+            new = ("down", "start-up")
+        elif isinstance(e, Slowdown) and state[0] in USEFUL:
+            new = ("straggling" if e.factor > 1.0 else "running", None)
+        elif isinstance(e, StateEvent) and left is None:
+            left = e.t if e.state == "done" and e.reason == "left" else None
+            new = ("absent", None) if left is not None else AS_INTERVAL[e.state]
+        if new != state:
+            t = min(max(e.t, t0), t1)
+            out.append(_iv(state[0], since, t, state[1]))
+            state, since = new, t
+    out.append(_iv(state[0], since, t1, state[1]))
     out = merge_adjacent(clip(out, t0, t1))
-    for a, b in waits:
-        out = overlay(out, a, b, "waiting", "merge", replace=USEFUL)
+    for w in (e for e in evs if isinstance(e, Wait)):
+        out = overlay(out, w.t, w.t + w.wait_s, "waiting", "merge", replace=USEFUL)
     if scavenged:
-        start = join_t if join_t is not None else (t0 if has_start else None)
-        alloc = None if start is None else {"start_s": start, "end_s": leave_t if leave_t is not None else t1}
+        start = joined if joined is not None else (t0 if was_up else None)
+        alloc = None if start is None else {"start_s": start, "end_s": left if left is not None else t1}
     else:
         alloc = {"start_s": t0, "end_s": t1}
     return out, alloc
 
 
-def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
+def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
     """Work thrown away by each of a learner's failures (docs/report.md, "Lost work"): per failure
     ``lost_steps`` (its step − the step its next ``start`` resumed from, or from its last resume point
     every ``resume_every_steps``), ``s_per_step`` and ``lost_s`` = their product (seconds)."""
-    starts = [e for e in evs if e["event"] == "start"]
+    starts = [e for e in evs if isinstance(e, Start)]
     useful = [iv for iv in intervals if iv["state"] in USEFUL]
     total_useful = sum(iv["end"] - iv["start"] for iv in useful)
-    steps_total = 0
-    out = []
-    for f in evs:
-        if f["event"] not in ("failure", "kill"):
-            continue
-        att, t_f, s_f = num(f.get("attempt")), _t(f), num(f.get("step")) or 0
-        begun = [s for s in starts if _t(s) <= t_f and (att is None or num(s.get("attempt")) == att)]
-        begun = begun or [s for s in starts if _t(s) <= t_f]
-        b = begun[-1] if begun else None
-        nxt = next((s for s in starts if _t(s) > t_f and (att is None or (num(s.get("attempt")) or 0) > att)), None)
+    steps_total, out = 0, []
+    for f in (e for e in evs if isinstance(e, Failure)):
+        att, s_f = f.attempt, f.step or 0
+        begun = [s for s in starts if s.t <= f.t and (att is None or s.attempt == att)]
+        b = (begun or [s for s in starts if s.t <= f.t] or [None])[-1]
+        nxt = next((s for s in starts if s.t > f.t and (att is None or (s.attempt or 0) > att)), None)
         if nxt is not None:
-            resumed = num(nxt.get("step")) or 0
-        elif resume_every_steps:
-            resumed = s_f - s_f % resume_every_steps
+            resumed = nxt.step or 0
         else:
-            resumed = s_f
-        taken = s_f - (num(b.get("step")) or 0) if b is not None else 0
-        busy = sum(max(0.0, min(iv["end"], t_f) - max(iv["start"], _t(b))) for iv in useful) if b is not None else 0.0
+            resumed = s_f - s_f % resume_every_steps if resume_every_steps else s_f
+        taken = s_f - (b.step or 0) if b is not None else 0
+        busy = sum(max(0.0, min(iv["end"], f.t) - max(iv["start"], b.t)) for iv in useful) if b is not None else 0.0
         steps_total += max(taken, 0)
         out.append(
             {
-                "attempt": f.get("attempt"),
-                "failed_at_s": t_f,
+                "attempt": att,
+                "failed_at_s": f.t,
                 "failed_at_step": s_f,
                 "resumed_from_step": resumed if nxt is not None else None,
                 "lost_steps": max(0, s_f - resumed),
@@ -251,11 +241,11 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
             }
         )
     mean_sps = total_useful / steps_total if steps_total else None
-    logged = [e for e in evs if e["event"] == "step" and _t(e) is not None and num(e.get("step")) is not None]
+    logged = [e for e in evs if isinstance(e, StepLine) and e.step is not None]
     paces = [
-        (_t(b) - _t(a)) / (num(b["step"]) - num(a["step"]))
+        (b.t - a.t) / (b.step - a.step)
         for a, b in zip(logged, logged[1:])
-        if num(b["step"]) > num(a["step"]) and b.get("attempt", a.get("attempt")) == a.get("attempt", b.get("attempt"))
+        if b.step > a.step and (a.attempt is None or b.attempt is None or a.attempt == b.attempt)
     ]
     pace = statistics.median(paces) if paces else None
     for r in out:
@@ -265,16 +255,67 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
     return out
 
 
-def _attempts(evs: list[dict]) -> list[dict]:
+def _attempts(evs: list[Own]) -> list[dict]:
     """A learner's attempts: per ``start``, its ``attempt``, start step and the inner steps it took
     (the step of the attempt's last event − the start's step; recomputed steps included)."""
     out: list[dict] = []
     for e in evs:
-        s = num(e.get("step"))
-        if e["event"] == "start":
-            out.append({"attempt": e.get("attempt"), "from_step": s or 0, "steps": 0})
+        s = getattr(e, "step", None)
+        if isinstance(e, Start):
+            out.append({"attempt": e.attempt, "from_step": s or 0, "steps": 0})
         elif s is not None and out:
             out[-1]["steps"] = max(out[-1]["steps"], int(s - out[-1]["from_step"]))
+    return out
+
+
+def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None, scav: bool, **k) -> dict:
+    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`): its seconds per state
+    inside its allocation, the ``restarting_s`` part of its down time, lost work and goodput."""
+    t0, failures = k["t0"], k["failures"]
+    inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
+    secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
+    lost = lost_work(evs, ivs, k["resume_every_steps"])
+    allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
+    busy = secs["running"] + secs["straggling"]
+    lost_s = min(sum(r["lost_s"] for r in lost), busy)
+    attempts = _attempts(evs)
+    trained = {x["attempt"] for x in attempts if x["steps"] > 0}
+    # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
+    restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
+    states = [e for e in evs if isinstance(e, StateEvent)]
+    restarting = sum(b - a for s, a, b in state_intervals(states, k["t1"]) if s == "restarting")
+    return {
+        "learner": m,
+        "scavenged": scav,
+        "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+        "allocated_s": allocated,
+        **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+        "absent_s": whole["absent"],  # outside its window
+        "down_startup_s": secs.get("down/start-up", 0.0),
+        "restarting_s": restarting,
+        "waiting_done_s": secs.get("waiting/done", 0.0),
+        "lost_work_s": lost_s,
+        "useful_s": busy - lost_s,
+        "goodput": _ratio(busy - lost_s, allocated),
+        "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
+        "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
+        "failures": sum(1 for e in evs if isinstance(e, Failure)),
+        "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
+        "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted) if restarted else None,
+        "lost": lost,
+    }
+
+
+def state_intervals(states: list[StateEvent], end: float) -> list[tuple[str, float, float]]:
+    """(state, start, end) from each state event to the next (the last: to ``end``), run-clock
+    seconds; a repeated state continues its interval."""
+    out: list[tuple[str, float, float]] = []
+    for e, nxt in zip(states, [*states[1:], None]):
+        b = nxt.t if nxt is not None else max(end, e.t)
+        if out and out[-1][0] == e.state:
+            out[-1] = (e.state, out[-1][1], b)
+        else:
+            out.append((e.state, e.t, b))
     return out
 
 
@@ -285,67 +326,37 @@ def diloco_resilience(
     now: float | None = None,
     resume_every_steps: int | None = None,
 ) -> dict | None:
-    """Decoupled DiLoCo's timelines and goodput (docs/report.md); None before any learner started.
-    ``now``: the run clock's present, for a run in progress. Returns ``span`` (:func:`diloco_span`),
-    ``learners`` (one row per learner: ``allocated_s``, seconds per state, ``lost_work_s``, ``useful_s``,
-    ``goodput``, ``failures``, ``restarts``, ``merged_again_after_restart`` (every restarted attempt
-    that took a step was merged again afterwards; None without such a restart), ``steps_taken``,
-    ``s_per_step``, ``scavenged``, ``window`` [join, leave] in span seconds, ``lost``), ``global``
-    (Σ useful / Σ allocated), ``timelines`` (learner → intervals in seconds since the span start) and
-    ``uptime`` (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
+    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md);
+    None before any learner was up, or for a run that predates state events. ``now``: the run clock's
+    present, for a run in progress. Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per
+    learner: ``allocated_s``, seconds per state, ``restarting_s`` (of its down seconds),
+    ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
+    ``merged_again_after_restart`` (every restarted attempt that took a step was merged again
+    afterwards; None without such a restart), ``steps_taken``, ``s_per_step``, ``scavenged``,
+    ``window`` [join, leave] in span seconds, ``lost``), ``global`` (Σ useful / Σ allocated),
+    ``timelines`` (learner → intervals in seconds since the span start) and ``uptime``
+    (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
     span = diloco_span(events, now)
     if span is None:
         return None
     t0, t1 = span["start_s"], span["end_s"]
-    per = learner_events(events)
-    windows = _windows(schedule)
+    per, windows = learner_events(events), _windows(schedule)
     failures = learner_failures(events or [], merges or [])
-    n_learners = int(num((schedule or {}).get("learners")) or 0)
-    for m in range(n_learners):  # a scheduled learner that has logged nothing yet (a late scavenged one)
+    for m in range(int(num((schedule or {}).get("learners")) or 0)):  # scheduled, nothing logged yet
         per.setdefault(m, [])
     rows, timelines = [], {}
     for m, evs in per.items():
-        scav = m in windows or any(e["event"] in ("join", "leave") for e in evs)
+        scav = m in windows or any(isinstance(e, Presence) for e in evs)
         ivs, alloc = learner_timeline(evs, t0, t1, scav)
-        inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
-        secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
-        lost = lost_work(evs, ivs, resume_every_steps)
-        allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
-        busy = secs["running"] + secs["straggling"]
-        lost_s = min(sum(r["lost_s"] for r in lost), busy)
-        useful = busy - lost_s
-        steps = sum(a["steps"] for a in _attempts(evs))  # recomputed steps included
-        mine = [f for f in failures if f["learner"] == m]
-        # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
-        trained = {num(x.get("attempt")) for x in _attempts(evs) if x["steps"] > 0}
-        restarted = [f for f in mine if f["restart_event"] == "start" and num(f["restart_attempt"]) in trained]
         rows.append(
-            {
-                "learner": m,
-                "scavenged": scav,
-                "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
-                "allocated_s": allocated,
-                **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
-                "absent_s": whole["absent"],  # outside its window
-                "down_startup_s": secs.get("down/start-up", 0.0),
-                "waiting_done_s": secs.get("waiting/done", 0.0),
-                "lost_work_s": lost_s,
-                "useful_s": useful,
-                "goodput": _ratio(useful, allocated),
-                "steps_taken": steps,
-                "s_per_step": _ratio(busy, steps),
-                "failures": sum(1 for e in evs if e["event"] in ("failure", "kill")),
-                "restarts": max(0, sum(1 for e in evs if e["event"] == "start") - 1),
-                "merged_again_after_restart": (
-                    all(f["merged_again_after_restart"] for f in restarted) if restarted else None
-                ),
-                "lost": lost,
-            }
+            _learner_row(
+                m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume_every_steps=resume_every_steps
+            )
         )
-        timelines[str(m)] = [{**iv, "start": iv["start"] - t0, "end": iv["end"] - t0} for iv in ivs]
+        timelines[str(m)] = _since(ivs, t0)
     alloc_sum = sum(r["allocated_s"] for r in rows)
     useful_sum = sum(r["useful_s"] for r in rows)
-    merge_times = [t - t0 for x in merges or [] if (t := num(x.get("merged_at_s"))) is not None]
+    merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges)]
     return {
         "span": span,
         "learners": rows,
@@ -355,6 +366,7 @@ def diloco_resilience(
             "useful_s": useful_sum,
             "goodput": _ratio(useful_sum, alloc_sum),
             **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
+            "restarting_s": sum(r["restarting_s"] for r in rows),
             "lost_work_s": sum(r["lost_work_s"] for r in rows),
         },
         "uptime": {
@@ -367,118 +379,121 @@ def diloco_resilience(
 # --- data-parallel baseline ----------------------------------------------------------------------
 
 
-def dp_step_time(train: list[dict] | None, events: list[dict] | None = None) -> float | None:
+def _dp_rows(train: list[dict] | None) -> list[tuple[int, float]]:
+    """(step, t) of DP's ``train.jsonl`` rows, in time order."""
+    return sorted(((r.step, r.t) for r in parse(TrainRow, train) if r.t is not None), key=lambda x: x[1])
+
+
+def dp_step_time(train: list[dict] | None, events: list[DPEvent] = ()) -> float | None:
     """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
     no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
     the median over all pairs when no pair is clean; None with fewer than two rows."""
-    rows = sorted(
-        (
-            (num(r.get("step")), num(r.get("t")))
-            for r in train or []
-            if num(r.get("step")) is not None and num(r.get("t")) is not None
-        ),
-        key=lambda x: x[1],
-    )
-    evs = sorted(((_t(e), e) for e in events or [] if _t(e) is not None), key=lambda x: x[0])
-    factors = [(t, num(e.get("factor")) or 1.0) for t, e in evs if e.get("event") == "slowdown"]
+    rows = _dp_rows(train)
+    factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]
 
     def factor_at(t: float) -> float:
-        f = 1.0
-        for ft, fv in factors:
-            if ft <= t:
-                f = fv
-        return f
+        return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
 
     clean, every = [], []
     for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
         if s2 <= s1 or t2 <= t1:
             continue
-        r = (t2 - t1) / (s2 - s1)
-        every.append(r)
-        if not any(t1 < t <= t2 for t, _ in evs) and factor_at(t1) == 1.0:
-            clean.append(r)
+        every.append((t2 - t1) / (s2 - s1))
+        if not any(t1 < e.t <= t2 for e in events) and factor_at(t1) == 1.0:
+            clean.append(every[-1])
     pick = clean or every
     return statistics.median(pick) if pick else None
 
 
-def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | None = None) -> dict | None:
-    """DP's training span on its own clock: from its job's ``start`` event (the hosts up: as a
-    DiLoCo span starts at its first learner's start; else 0) to ``now``, else to its last
-    ``train.jsonl`` row or event (whichever is later); None with neither."""
-    ts = [num(r.get("t")) for r in train or []] + [_t(e) for e in events or []]
-    ts = [t for t in ts if t is not None]
-    if now is None and not ts:
+def dp_span(train: list[dict] | None, lines: list, now: float | None = None) -> dict | None:
+    """DP's training span on its own clock: from the job's first ``up`` state event (its hosts up: as a
+    DiLoCo span starts at its first learner up) to ``now``, else to its last ``train.jsonl`` row or
+    event (whichever is later); None without state events (a run that predates them)."""
+    ups = [e.t for e in lines if isinstance(e, StateEvent) and e.state == "up"]
+    if not ups:
         return None
-    start = min((_t(e) for e in events or [] if e.get("event") == "start" and _t(e) is not None), default=0.0)
-    end = float(now) if now is not None else max(ts)
-    return {"start_s": start, "end_s": end, "length_s": end - start, "clock": "DP clock (s)"}
+    end = float(now) if now is not None else max([t for _, t in _dp_rows(train)] + [e.t for e in lines])
+    return {"start_s": min(ups), "end_s": end, "length_s": end - min(ups), "clock": "DP clock (s)"}
 
 
 _RESTORED = "restored_at_s restored_step lost_steps restore_s down_s recomputed_until_s recompute_s"
 
 
-def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
+def _recomputed_until(
+    rows: list[tuple[int, float]], t_r: float, back: int, high: int, nxt: DPEvent | None, limit: float, step_s
+) -> float:
+    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``
+    (DP clock, s): measured by the first row past it, else estimated at ``step_s`` a step."""
+    if back >= high:
+        return t_r
+    past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
+    if past is not None:
+        t_c = past[1] - (past[0] - high) * step_s if step_s else past[1]
+    elif nxt is not None and (nxt.step or 0) > high and step_s:
+        t_c = limit - ((nxt.step or 0) - high) * step_s
+    elif nxt is not None:
+        t_c = limit  # interrupted before it was back at the high-water mark
+    else:
+        t_c = min(limit, t_r + (high - back) * step_s) if step_s else limit
+    return min(max(t_c, t_r), limit)
+
+
+def _restores(events: list[DPEvent], rows: list[tuple[int, float]], step_s: float | None, end: float) -> list[dict]:
     """Each DP failure with its restore and the recomputation after it (docs/report.md)."""
-    evs = sorted((e for e in events if _t(e) is not None), key=_t)
-    rows = sorted(
-        (
-            (num(r.get("step")), num(r.get("t")))
-            for r in train
-            if num(r.get("step")) is not None and num(r.get("t")) is not None
-        ),
-        key=lambda x: x[1],
-    )
-    fails = [e for e in evs if e.get("event") == "failure"]
+    fails = [e for e in events if e.event == "failure"]
     high, out = 0, []
     for i, f in enumerate(fails):
-        t_f = _t(f)
-        high = max([high, num(f.get("step")) or 0] + [s for s, t in rows if t <= t_f])
-        nxt_fail = fails[i + 1] if i + 1 < len(fails) else None
-        restore = next(
-            (
-                e
-                for e in evs
-                if e.get("event") == "restore" and _t(e) >= t_f and (nxt_fail is None or _t(e) <= _t(nxt_fail))
-            ),
-            None,
-        )
+        high = max([high, f.step or 0] + [s for s, t in rows if t <= f.t])
+        nxt = fails[i + 1] if i + 1 < len(fails) else None
+        limit = nxt.t if nxt is not None else end
+        restore = next((e for e in events if e.event == "restore" and f.t <= e.t <= limit), None)
         rec = {
-            "replica": f.get("replica"),
-            "failed_at_s": t_f,
-            "step_at_failure": num(f.get("step")),
+            "replica": f.replica,
+            "failed_at_s": f.t,
+            "step_at_failure": f.step,
             "high_water_step": high,
-            "restart_delay_s": num(f.get("restart_delay_s")),
+            "restart_delay_s": f.restart_delay_s,
             **dict.fromkeys(_RESTORED.split()),  # None until restored
         }
         if restore is None:
-            rec["down_s"] = (_t(nxt_fail) if nxt_fail else end) - t_f
-            out.append(rec)
-            continue
-        t_r, back = _t(restore), num(restore.get("step")) or 0
-        rec.update(
-            restored_at_s=t_r,
-            restored_step=back,
-            lost_steps=num(restore.get("lost_steps")),
-            restore_s=num(restore.get("restore_s")),
-            down_s=t_r - t_f,
-        )
-        limit = _t(nxt_fail) if nxt_fail is not None else end
-        if back >= high:
-            t_c = t_r
+            rec["down_s"] = limit - f.t
         else:
-            past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
-            if past is not None:
-                s, t = past
-                t_c = t - (s - high) * step_s if step_s else t
-            elif nxt_fail is not None and (num(nxt_fail.get("step")) or 0) > high and step_s:
-                t_c = limit - ((num(nxt_fail.get("step")) or 0) - high) * step_s
-            elif nxt_fail is not None:
-                t_c = limit  # interrupted before it was back at the high-water mark
-            else:
-                t_c = min(limit, t_r + (high - back) * step_s) if step_s else limit
-            t_c = min(max(t_c, t_r), limit)
-        rec["recomputed_until_s"], rec["recompute_s"] = t_c, t_c - t_r
+            t_c = _recomputed_until(rows, restore.t, restore.step or 0, high, nxt, limit, step_s)
+            rec.update(
+                restored_at_s=restore.t,
+                restored_step=restore.step or 0,
+                lost_steps=restore.lost_steps,
+                restore_s=restore.restore_s,
+                down_s=restore.t - f.t,
+                recomputed_until_s=t_c,
+                recompute_s=t_c - restore.t,
+            )
         out.append(rec)
+    return out
+
+
+def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
+    """(start, end, restarting seconds) of each stretch the DP job was not up: from a ``down`` state
+    event to the next ``up`` (or ``end``), through ``restarting``; DP clock, seconds."""
+    out: list[list[float]] = []
+    for s, a, b in state_intervals(sorted((e for e in lines if isinstance(e, StateEvent)), key=lambda e: e.t), end):
+        if s not in ("down", "restarting"):
+            continue
+        if not (out and out[-1][1] == a):
+            out.append([a, a, 0.0])
+        out[-1][1:] = [b, out[-1][2] + (b - a if s == "restarting" else 0.0)]
+    return [tuple(x) for x in out]
+
+
+def _stalls(outages: list, fails: list[DPEvent], W: int) -> list[tuple[float, float, int]]:
+    """(start, end, row) of each stall: an outage split at each failure met meanwhile, that replica
+    down from it (a failure met while down, scheduled before the job noticed the first, from then)."""
+    out, prev = [], -math.inf
+    for a, b, _ in outages:
+        inside = [f for f in fails if (a <= f.t or (f.while_down and prev <= f.t)) and f.t < b]
+        cuts = [max(f.t, a) for f in inside] + [b]
+        out += [(x, y, _row(f.replica, W)) for f, x, y in zip(inside, cuts, cuts[1:]) if y > x]
+        prev = b
     return out
 
 
@@ -579,34 +594,24 @@ def dp_resilience(
     schedule: dict | None = None,
     now: float | None = None,
 ) -> dict | None:
-    """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
+    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md);
+    None without them (DP logged nothing, or a run that predates state events).
     ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
     ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
     high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
     (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
     span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
-    events, train = events or [], train or []
-    span = dp_span(train, events, now)
+    lines = parse(DPLine, events)
+    span = dp_span(train, lines, now)
     if span is None:
         return None
+    events = sorted((e for e in lines if isinstance(e, DPEvent)), key=lambda e: e.t)
     W = max(int(workers or 1), 1)
-    end = span["end_s"]
     step_s = dp_step_time(train, events)
-    restores = _restores(events, train, step_s, end)
-    # The job's step-time factor over time, from its slowdown events.
-    factors = sorted(
-        ((_t(e), num(e.get("factor")) or 1.0) for e in events if e.get("event") == "slowdown" and _t(e) is not None),
-        key=lambda x: x[0],
-    )
-    stalls = [
-        (
-            x["failed_at_s"],
-            x["restored_at_s"] if x["restored_at_s"] is not None else x["failed_at_s"] + x["down_s"],
-            _row(x["replica"], W),
-        )
-        for x in restores
-    ]
-
+    restores = _restores(events, _dp_rows(train), step_s, span["end_s"])
+    factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]  # the job's pace over time
+    outages = _outages(lines, span["end_s"])
+    stalls = _stalls(outages, [e for e in events if e.event == "failure"], W)
     recomputes = [
         (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
     ]
@@ -614,7 +619,7 @@ def dp_resilience(
     table = [_dp_replica(r, ivs, span, restores, W) for r, ivs in rows.items()]
     alloc = W * span["length_s"]
     useful = sum(x["useful_s"] for x in table)
-    advances = [t for x in train if (t := num(x.get("t"))) is not None]
+    advances = [t for _, t in _dp_rows(train)]
     return {
         "span": span,
         "workers": W,
@@ -623,8 +628,8 @@ def dp_resilience(
         "replicas": table,
         "timelines": {str(r): ivs for r, ivs in rows.items()},
         "slowdown_unattributed_s": unattributed,
-        "checkpoints": sum(1 for e in events if e.get("event") == "checkpoint"),
-        "checkpoint_s": sum(num(e.get("save_s")) or 0.0 for e in events if e.get("event") == "checkpoint"),
+        "checkpoints": sum(1 for e in events if e.event == "checkpoint"),
+        "checkpoint_s": sum(e.save_s or 0.0 for e in events if e.event == "checkpoint"),
         "global": {
             "allocated_s": alloc,
             "useful_s": useful,
@@ -633,7 +638,8 @@ def dp_resilience(
             "failures": len(restores),
             "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
             "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
-            "stall_s": sum(x["down_s"] or 0.0 for x in restores),
+            "stall_s": sum(b - a for a, b, _ in outages),  # Σ down → up, by the state events
+            "restarting_s": sum(r for _, _, r in outages),
         },
         # up while the job computes new steps: a replica running or straggling (a stall leaves none, and
         # recomputing is not up); a slowdown's waiting replicas do not matter, the slowed one computes

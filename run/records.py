@@ -242,8 +242,8 @@ class Merge(Record):
     (``contributors``) its ``tokens``, ``steps``, ``local_steps``, ``attempts`` and ``stale`` (versions
     behind; older logs: a bool); ``bytes_in`` / ``bytes_out`` (bytes)."""
 
-    fragment: int
-    version: int
+    fragment: int | None = None
+    version: int | None = None
     contributors: list[Who] = []
     tokens: list[int] = []
     steps: list[int] = []
@@ -262,7 +262,7 @@ class TrainRow(Record):
 
     step: int
     tokens: int | None = None
-    loss: float = Field(alias="train/loss")
+    loss: float | None = Field(None, alias="train/loss")
     t: float | None = None
 
 
