@@ -15,20 +15,18 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from configs.chaos import ChaosPlan
-from reports.common import lid, num, sort_key
-from reports.learners import learner_failures
+from reports.common import lid, num
+from reports.learners import Own, learner_events, learner_failures, syncer_restarts
 from run.records import (
     DPEvent,
     DPLine,
     Failure,
-    LearnersLine,
     Merge,
     Presence,
     Slowdown,
     Start,
     StateEvent,
     StepLine,
-    Stop,
     TrainRow,
     Wait,
     parse,
@@ -129,7 +127,6 @@ def _ratio(a: float, b: float) -> float | None:
 
 # --- Decoupled DiLoCo ----------------------------------------------------------------------------
 
-Own = StateEvent | Start | StepLine | Failure | Stop | Wait | Slowdown | Presence
 # each state event as a timeline state: a retry restarting is still down after its failure
 AS_INTERVAL = {
     "up": ("running", None),
@@ -137,18 +134,6 @@ AS_INTERVAL = {
     "restarting": ("down", "failure"),
     "done": ("waiting", "done"),
 }
-
-
-def learner_events(events: list[dict] | None) -> dict[Any, list[Own]]:
-    """Each learner's own events (``run.records``; not the syncer's or the exchange's), in time order
-    (stable: ties keep file order), learners in id order."""
-    per: dict[Any, list] = {}
-    for e in parse(LearnersLine, events):
-        if isinstance(e, Own) and e.learner is not None:
-            per.setdefault(lid(e.learner), []).append(e)
-    for evs in per.values():
-        evs.sort(key=lambda e: e.t)
-    return dict(sorted(per.items(), key=lambda kv: sort_key(kv[0])))
 
 
 def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
@@ -694,23 +679,10 @@ def state_uptime(
 def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, float]]:
     """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
     the next ``syncer-resumed`` (still down at the end: to infinity)."""
-    out, down_at = [], None
-    for e in sorted(
-        (
-            e
-            for e in events or []
-            if e.get("event") in ("syncer-failure", "syncer-kill", "syncer-resumed") and _t(e) is not None
-        ),
-        key=lambda e: _t(e),
-    ):
-        if e["event"] != "syncer-resumed":
-            down_at = _t(e) if down_at is None else down_at
-        elif down_at is not None:
-            out.append((down_at - t0, _t(e) - t0))
-            down_at = None
-    if down_at is not None:
-        out.append((down_at - t0, math.inf))
-    return out
+    return [
+        (r["failed_at_s"] - t0, math.inf if r["resumed_at_s"] is None else r["resumed_at_s"] - t0)
+        for r in syncer_restarts(events)
+    ]
 
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:

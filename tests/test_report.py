@@ -380,6 +380,7 @@ def test_downtime_window_is_half_open():
     events = [
         {"event": "failure", "learner": 2, "attempt": 0, "t": 5.0},
         {"event": "start", "learner": 2, "attempt": 1, "t": 9.0},
+        {"event": "state", "state": "up", "learner": 2, "attempt": 1, "t": 9.0},
     ]
     merges = [  # at the failure instant counts, at the restart instant does not
         {"fragment": 0, "merged_at_s": 5.0, "contributors": [0]},
@@ -1383,10 +1384,12 @@ def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     _write(_layout(run).config, cfg)
     path = _layout(run).metrics(PRE, "diloco", "learners")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
-    rows = [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2]
+    rows = [r for r in rows if r["event"] != "failure" and r.get("state") != "down" and r.get("attempt") != 2]
     rows += [
         {"event": "kill", "learner": 1, "attempt": 1, "step": 4, "t": 2.0, "reason": "chaos: SIGKILL at local step 5"},
+        {"event": "state", "state": "down", "learner": 1, "attempt": 1, "t": 2.0},
         {"event": "start", "learner": 1, "attempt": 2, "step": 0, "t": 4.5, "resumed": False},
+        {"event": "state", "state": "up", "learner": 1, "attempt": 2, "t": 4.5},
         {
             "event": "syncer-kill",
             "role": "syncer",
