@@ -18,9 +18,12 @@ from configs.chaos import ChaosPlan
 from reports.common import lid, num
 from reports.learners import Own, learner_events, learner_failures, syncer_restarts
 from run.records import (
+    Corrupt,
     DPEvent,
     DPLine,
+    Dropped,
     Failure,
+    LearnersLine,
     Merge,
     Presence,
     Slowdown,
@@ -115,10 +118,6 @@ def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, flo
             k = f"{iv['state']}/{iv['why']}"
             out[k] = out.get(k, 0.0) + d
     return out
-
-
-def _t(e: dict) -> float | None:
-    return num(e.get("t"))
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -910,28 +909,26 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
 _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
-def _took(
-    merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None, attempt: Any = None
-) -> bool:
-    """Whether ``merge`` took the learner's submission of ``fragment`` at local ``step``: a contributor
-    there whose base version (``version`` − 1 − ``stale``) is ``base`` and whose attempt (``attempts``,
-    where recorded) is ``attempt``, each checked when known (a retry resends a step from a newer base)."""
-    if merge.get("fragment") != fragment:
+def _took(x: Merge, learner: Any, c: Corrupt) -> bool:
+    """Whether merge ``x`` took ``learner``'s submission of fragment ``c.fragment`` at local step
+    ``c.step``: a contributor there whose base version (``version`` − 1 − ``stale``) is
+    ``c.base_version`` and whose attempt (where recorded) is ``c.attempt``, each checked when known (a
+    retry resends a step from a newer base)."""
+    if x.fragment != c.fragment:
         return False
-    version, stale, attempts = num(merge.get("version")), merge.get("stale") or [], merge.get("attempts")
-    for i, (who, s) in enumerate(zip(merge.get("contributors") or [], merge.get("local_steps") or [])):
-        if lid(who) != learner or num(s) != step:
+    for i, (who, s) in enumerate(zip(x.contributors, x.local_steps or [])):
+        if lid(who) != learner or s != c.step:
             continue
-        if attempts is not None and attempt is not None and i < len(attempts) and attempts[i] != attempt:
+        if x.attempts is not None and c.attempt is not None and i < len(x.attempts) and x.attempts[i] != c.attempt:
             continue
-        behind = num(stale[i]) if i < len(stale) and not isinstance(stale[i], bool) else None
-        if base is None or version is None or behind is None or version - 1 - behind == base:
+        behind = x.stale[i] if i < len(x.stale) and not isinstance(x.stale[i], bool) else None
+        if c.base_version is None or x.version is None or behind is None or x.version - 1 - behind == c.base_version:
             return True
     return False
 
 
-def _slowed(evs: list[dict]) -> int:
-    return sum(1 for e in evs if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0)
+def _slowed(evs: list) -> int:
+    return sum(1 for e in evs if isinstance(e, Slowdown | DPEvent) and e.event == "slowdown" and e.factor > 1.0)
 
 
 def schedule_counts(
@@ -947,82 +944,49 @@ def schedule_counts(
     also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
     ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
     ``merged``, ``resent_by_a_later_attempt``)."""
-    sch = schedule or {}
-    t0 = (diloco or {}).get("span", {}).get("start_s")
-    d_end = (diloco or {}).get("span", {}).get("end_s")
-    p_end = (dp or {}).get("span", {}).get("end_s")
-    own = [e for e in events or [] if e.get("source") != "syncer" and e.get("learner") is not None]
-    origins = {}
-    for e in own:
-        if e.get("event") == "start" and num(e.get("origin")) is not None:
-            origins.setdefault(lid(e["learner"]), num(e["origin"]))
+    sch, per = schedule or {}, learner_events(events)
+    t0, d_end = ((diloco or {}).get("span") or {}).get("start_s"), ((diloco or {}).get("span") or {}).get("end_s")
+    p_end = ((dp or {}).get("span") or {}).get("end_s")
+    own = [e for evs in per.values() for e in evs]
+    dp_evs = [e for e in parse(DPLine, dp_events) if isinstance(e, DPEvent)]
+    origins = {m: next(o for o in starts) for m, evs in per.items() if (starts := _origins(evs))}
     fallback = min(origins.values()) if origins else t0
 
     def in_diloco(m: Any, at: float | None) -> bool | None:
         o = origins.get(lid(m), fallback)
         return None if o is None or d_end is None or at is None else o + at < d_end
 
-    def in_dp(at: float | None) -> bool | None:
-        return None if p_end is None or at is None else at < p_end
-
-    fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
-    slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
-
     def counts(drawn: list[dict], at: str, fired_d: int, fired_p: int) -> dict:
         return {
             "drawn": len(drawn),
             "diloco_in_span": sum(1 for x in drawn if in_diloco(x.get("learner"), num(x.get(at)))),
             "diloco_fired": fired_d if events is not None else None,
-            "dp_in_span": sum(1 for x in drawn if in_dp(num(x.get(at)))) if dp else None,
+            "dp_in_span": sum(1 for x in drawn if p_end is not None and (num(x.get(at)) or math.inf) < p_end)
+            if dp
+            else None,
             "dp_fired": fired_p if dp else None,
         }
 
-    fired = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+    fails = [f for f in sch.get("failures") or [] if isinstance(f, dict)]
+    slows = [s for s in sch.get("slowdowns") or [] if isinstance(s, dict)]
+    fired = sum(1 for e in own if isinstance(e, Failure) and _TIMED.search(e.reason or ""))
     kinds = {k: sum(1 for s in slows if s.get("kind", "straggler") == k) for k in ("straggler", "heterogeneity")}
-    out = {
-        "failures": counts(fails, "at_s", len(fired), sum(1 for e in dp_events or [] if e.get("event") == "failure")),
-        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_events or [])), "by_kind": kinds},
+    return {
+        "failures": counts(fails, "at_s", fired, sum(1 for e in dp_evs if e.event == "failure")),
+        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_evs)), "by_kind": kinds},
+        "scavenged": [_scavenged(p, per, t0) for p in sch.get("presence") or []],
+        "corruptions": _corruptions(sch, per, events, merges, t0),
     }
-    out["scavenged"] = [_scavenged(p, own, t0) for p in sch.get("presence") or []]
-    out["corruptions"] = _corruptions(sch, own, events, merges, t0)
-    return out
 
 
-def _corruptions(
-    sch: dict, own: list[dict], events: list[dict] | None, merges: list[dict] | None, t0: float | None
-) -> list[dict]:
-    """Per scheduled corruption (by time): whether it was sent and what became of it."""
-    dropped = [e for e in events or [] if e.get("event") == "dropped"]
-    out, used = [], set()
-    scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
-    for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
-        m = lid(c.get("learner"))
-        ev = next(
-            (
-                e
-                for i, e in enumerate(own)
-                if e.get("event") == "corrupt"
-                and lid(e["learner"]) == m
-                and i not in used
-                and (e.get("kind") in (None, c.get("kind")))
-            ),
-            None,
-        )
-        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None}
-        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
-        row["resent_by_a_later_attempt"] = None
-        if ev is not None:
-            used.add(own.index(ev))
-            row.update(_corruption_fate(ev, m, own, dropped, merges, t0))
-        out.append(row)
-    return out
+def _origins(evs: list) -> list[float]:
+    return [e.origin for e in evs if isinstance(e, Start) and e.origin is not None]
 
 
-def _scavenged(p: dict, own: list[dict], t0: float | None) -> dict:
+def _scavenged(p: dict, per: dict[Any, list], t0: float | None) -> dict:
     """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
     m = lid(p.get("learner"))
-    j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
-    lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
+    j, lv = (next((e.t for e in per.get(m, []) if e.event == k), None) for k in ("join", "leave"))
     return {
         "learner": m,
         "join_s": num(p.get("join_s")),
@@ -1032,54 +996,59 @@ def _scavenged(p: dict, own: list[dict], t0: float | None) -> dict:
     }
 
 
+def _corruptions(
+    sch: dict, per: dict[Any, list], events: list[dict] | None, merges: list[dict] | None, t0: float | None
+) -> list[dict]:
+    """Per scheduled corruption (by time): whether it was sent and what became of it."""
+    dropped = [e for e in parse(LearnersLine, events) if e.event == "dropped"]
+    took = None if merges is None else parse(Merge, merges)
+    out, used = [], set()
+    scheduled = [c for c in sch.get("corruptions") or [] if isinstance(c, dict)]
+    for c in sorted(scheduled, key=lambda c: num(c.get("at_s")) or 0):
+        m = lid(c.get("learner"))
+        mine = [e for e in per.get(m, []) if isinstance(e, Corrupt) and id(e) not in used]
+        ev = next((e for e in mine if e.kind in (None, c.get("kind"))), None)
+        row = {"learner": m, "at_s": num(c.get("at_s")), "kind": c.get("kind"), "sent": ev is not None}
+        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
+        row["resent_by_a_later_attempt"] = None
+        if ev is not None:
+            used.add(id(ev))
+            row.update(_corruption_fate(ev, m, per.get(m, []), dropped, took, t0))
+        out.append(row)
+    return out
+
+
 def _corruption_fate(
-    ev: dict, m: Any, own: list[dict], dropped: list[dict], merges: list[dict] | None, t0: float | None
+    ev: Corrupt, m: Any, mine: list, dropped: list[Dropped], merges: list[Merge] | None, t0: float | None
 ) -> dict:
     """What became of corrupted submission ``ev`` of learner ``m``: dropped (and why), merged, resent."""
-    frag, step = ev.get("fragment"), num(ev.get("step"))
     drop = next(
         (
             d
             for d in dropped
-            if lid(d.get("learner")) == m
-            and d.get("fragment") == frag
-            and (
-                d.get("base_version") is None
-                or ev.get("base_version") is None
-                or d.get("base_version") == ev.get("base_version")
-            )
-            and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6
+            if lid(d.learner) == m
+            and d.fragment == ev.fragment
+            and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
+            and (d.t or 0.0) >= ev.t - 1e-6
         ),
         None,
     )
-    base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
     # A later attempt that resumed before that step sends the same (fragment, local step) again,
     # possibly from the same base version (nothing merged meanwhile): a merge after its start is
     # that clean copy's.
-    resent = [
-        _t(e)
-        for e in own
-        if e.get("event") == "start"
-        and lid(e["learner"]) == m
-        and (_t(e) or 0.0) > t_c
-        and (num(e.get("step")) or 0) < (step or 0)
-    ]
-    took = [
-        x
-        for x in merges or []
-        if _took(x, m, frag, step, base, ev.get("attempt")) and (num(x.get("merged_at_s")) or 0.0) > t_c
-    ]
-    if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
+    resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
+    took = [x for x in merges or [] if _took(x, m, ev) and x.merged_at_s > ev.t]
+    if all(x.attempts is not None for x in took):  # merges name each contributor's attempt: exact
         merged = bool(took)
     else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
-        merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
+        merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in took)
     return {
         "resent_by_a_later_attempt": bool(resent),
-        "sent_at_s": (_t(ev) - t0) if _t(ev) is not None and t0 is not None else None,
-        "fragment": frag,
-        "step": step,
+        "sent_at_s": ev.t - t0 if t0 is not None else None,
+        "fragment": ev.fragment,
+        "step": ev.step,
         "dropped": drop is not None,
-        "reason": drop.get("reason") if drop else None,
+        "reason": drop.reason if drop else None,
         "merged": merged if merges is not None else None,
     }
 
