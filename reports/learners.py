@@ -24,6 +24,7 @@ from run.records import (
     StateEvent,
     StepLine,
     Stop,
+    Summary,
     SyncerEvent,
     Wait,
     parse,
@@ -56,6 +57,7 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
     event of a later attempt) and the merges during it (docs/report.md, "Learners and syncer"); seconds
     since training start, in time order."""
     timed = [(m.merged_at_s, {lid(c) for c in m.contributors}, str(m.fragment)) for m in parse(Merge, merges)]
+    timed = [x for x in timed if x[0] is not None]
     out = []
     for who, evs in learner_events(events).items():
         ups = [e for e in evs if isinstance(e, StateEvent) and e.state == "up"]
@@ -103,30 +105,25 @@ def merge_stats(
     (status "from summary"; a count that disagrees with the log is a note): ``count``,
     ``by_fragment``, ``contributions``, ``stale_contributions``, ``max_stale_versions``, ``first_s`` /
     ``last_s`` (seconds); docs/report.md ("Learners and syncer")."""
-    summary_count = num((summary or {}).get("merges"))
+    summary_count = Summary.model_validate(summary or {}).merges
     if merges is None:
-        status = "from summary" if summary_count is not None else NOT_RUN
         return {
-            "status": status,
-            "count": int(summary_count) if summary_count is not None else None,
+            "status": "from summary" if summary_count is not None else NOT_RUN,
+            "count": summary_count,
             "source": f"{summary_file} (merges)" if summary_count is not None else None,
             "by_fragment": {},
             "contributions": 0,
-            "mean_contributors": None,
+            **dict.fromkeys(("mean_contributors", "stale_contributions", "max_stale_versions", "first_s", "last_s")),
             "stale_contributions": 0,
-            "max_stale_versions": None,
-            "first_s": None,
-            "last_s": None,
         }
-    by_frag = Counter(str(m.get("fragment")) for m in merges)
-    contributors, stale = [], []
-    for m in merges:
-        contributors.append(len(m.get("contributors") or []))
-        stale += [_stale_versions(x) for x in (m.get("stale") or [])]
-    times = [t for m in merges if (t := num(m.get("merged_at_s"))) is not None]
+    typed = parse(Merge, merges)
+    by_frag = Counter(str(m.fragment) for m in typed)
+    contributors = [len(m.contributors) for m in typed]
+    stale = [_stale_versions(x) for m in typed for x in m.stale]
+    times = [m.merged_at_s for m in typed if m.merged_at_s is not None]
     if summary_count is not None and summary_count != len(merges):
         notes.append(
-            f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
+            f"{who} summary says {summary_count} merges but the merge log has {len(merges)} "
             "lines; the report counts the merge log."
         )
     return {

@@ -30,6 +30,7 @@ from run.records import (
     Start,
     StateEvent,
     StepLine,
+    Summary,
     TrainRow,
     Wait,
     parse,
@@ -340,7 +341,7 @@ def diloco_resilience(
         timelines[str(m)] = _since(ivs, t0)
     alloc_sum = sum(r["allocated_s"] for r in rows)
     useful_sum = sum(r["useful_s"] for r in rows)
-    merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges)]
+    merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges) if m.merged_at_s is not None]
     return {
         "span": span,
         "learners": rows,
@@ -785,9 +786,10 @@ def simulator_knobs(
     if not step_s:
         return {"status": "no prediction (no measured DP step time: DP did not run or logged < 2 steps)"}
     notes = []
-    ckpt = num(((dp_summary or {}).get("chaos") or {}).get("checkpoint_every_steps"))
+    summary = Summary.model_validate(dp_summary or {})
+    ckpt = num((summary.chaos or {}).get("checkpoint_every_steps"))
     if not ckpt:
-        ckpt = int(num((dp_summary or {}).get("steps")) or 1)
+        ckpt = summary.steps or 1
         notes.append(
             f"DP took no checkpoints: checkpoint_every_steps = its {ckpt} steps (the closest valid "
             "setting: the simulator needs a positive interval)"
@@ -1037,7 +1039,7 @@ def _corruption_fate(
     # possibly from the same base version (nothing merged meanwhile): a merge after its start is
     # that clean copy's.
     resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
-    took = [x for x in merges or [] if _took(x, m, ev) and x.merged_at_s > ev.t]
+    took = [x for x in merges or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
     if all(x.attempts is not None for x in took):  # merges name each contributor's attempt: exact
         merged = bool(took)
     else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
@@ -1062,7 +1064,7 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
     span = diloco_span(events)
     if span is not None:
         return span["start_s"]
-    return num((summary or {}).get("startup_s")) or 0.0
+    return Summary.model_validate(summary or {}).startup_s or 0.0
 
 
 def resilience_figures(
@@ -1101,7 +1103,7 @@ def resilience_figures(
         else None
     )
     if dp and workers is None:
-        workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
+        workers = num(Summary.model_validate(dp.get("summary") or {}).hyperparameters.get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
     knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)

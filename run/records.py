@@ -251,7 +251,7 @@ class Merge(Record):
     local_steps: list[int] | None = None
     attempts: list[int] | None = None
     quorum_at_s: float | None = None
-    merged_at_s: float
+    merged_at_s: float | None = None  # (always written; hand-made logs may leave it out)
     bytes_in: int | None = None
     bytes_out: int | None = None
     fragment_bytes: int | None = None
