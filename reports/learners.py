@@ -277,6 +277,10 @@ def _idle_attempt(events: list[dict], who: Any, attempt: Any) -> bool:
     return start is not None and stop is not None and stop.step == start.step
 
 
+def _stepped(e: Own) -> bool:
+    return getattr(e, "step", None) is not None
+
+
 def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: list[dict]) -> dict:
     """The step-scheduled failures and the kills of config ``chaos.events`` (``fail`` at a step,
     ``kill``; a run configured before them reads its ``chaos.failures`` and ``chaos.kills`` as
@@ -295,12 +299,9 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
     scheduled += [
         {"kind": "kill", "learner": e.learner, "at_step": e.at_step, "at_s": e.at_s} for e in evs if e.kind == "kill"
     ]
-    last_step: dict[Any, int] = {}
-    for e in events or []:
-        s = num(e.get("step"))
-        if e.get("learner") is not None and s is not None:
-            who = lid(e["learner"])
-            last_step[who] = max(last_step.get(who, 0), int(s))
+    last_step = {
+        m: max(steps) for m, evs in learner_events(events).items() if (steps := [e.step for e in evs if _stepped(e)])
+    }
     used: set[int] = set()
     rows = []
     for spec in scheduled:
