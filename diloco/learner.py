@@ -230,11 +230,14 @@ class Learner:
         """The training clock: seconds since this learner's first attempt started."""
         return self.ex.clock() - self.origin
 
-    def event(self, name: str, **fields) -> None:
-        """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless given)."""
-        self.s.log(
-            {"event": name, "learner": self.m, "attempt": self.attempt, **fields, "t": fields.get("t", self.ex.clock())}
-        )
+    def event(self, name: str, **fields) -> float:
+        """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless
+        given); returns ``t``."""
+        t = fields.pop("t") if "t" in fields else None
+        rec = {"event": name, "learner": self.m, "attempt": self.attempt, **fields}
+        rec["t"] = self.ex.clock() if t is None else t
+        self.s.log(rec)
+        return rec["t"]
 
     def state(self, state: str, t: float | None = None, reason: str | None = None) -> None:
         """Log a transition to ``state`` (up, down, restarting, done) at ``t`` (the run clock unless
@@ -283,11 +286,8 @@ class Learner:
             host=socket.gethostname(),
             started_at=self.ex.clock(),
         )
-        t = self.ex.clock()
-        self.state("up", t)
-        self.event(
+        t = self.event(
             "start",
-            t=t,
             step=self.step,
             origin=self.origin,
             pid=os.getpid(),
@@ -304,6 +304,7 @@ class Learner:
             ready_t=round(self.ready_at, 3),
             gate_s=round(self.gate_s, 3),
         )
+        self.state("up", t)
 
     # -- fragments in and out ---------------------------------------------------------------------
     def pull(self, p: int, version: int, theta: dict[str, np.ndarray]) -> None:
