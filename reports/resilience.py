@@ -1067,6 +1067,19 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
     return Summary.model_validate(summary or {}).startup_s or 0.0
 
 
+def _curves(methods: dict[str, dict | None]) -> dict[str, dict]:
+    """:func:`loss_comparison`'s curves: per method with an eval curve its rows and its training start
+    on their clock (DiLoCo: :func:`diloco_training_start`; DP: 0)."""
+    return {
+        m: {
+            "rows": r["curve"],
+            "start_s": diloco_training_start(r.get("events"), r.get("summary")) if m == "diloco" else 0.0,
+        }
+        for m, r in methods.items()
+        if r and r.get("curve")
+    }
+
+
 def resilience_figures(
     config: ExperimentConfig | None,
     schedule: dict | None,
@@ -1108,32 +1121,14 @@ def resilience_figures(
     knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
 
-    curves = {}
-    if diloco and diloco.get("curve"):
-        curves["diloco"] = {
-            "rows": diloco["curve"],
-            "start_s": d["span"]["start_s"]
-            if d
-            else diloco_training_start(diloco.get("events"), diloco.get("summary")),
-        }
-    if dp and dp.get("curve"):
-        curves["dp"] = {"rows": dp["curve"], "start_s": 0.0}
-    loss = loss_comparison(curves)
+    loss = loss_comparison(_curves({"diloco": diloco, "dp": dp}))
     ref_out = None
     if reference:
-        ref_curves = {}
-        for m in ("diloco", "dp"):
-            r = reference.get(m)
-            if r and r.get("curve"):
-                ref_curves[m] = {
-                    "rows": r["curve"],
-                    "start_s": diloco_training_start(r.get("events"), r.get("summary")) if m == "diloco" else 0.0,
-                }
-        same = loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None
+        ref_curves = _curves({m: reference.get(m) for m in ("diloco", "dp")})
         ref_out = {
             "run_dir": reference.get("run_dir"),
             "methods": list(ref_curves),
-            "at_this_runs_points": same,
+            "at_this_runs_points": loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None,
             "reference_pair": loss_comparison(ref_curves) if ref_curves else None,
         }
     loss["reference"] = ref_out
