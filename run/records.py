@@ -16,12 +16,12 @@ written by each DiLoCo learner and by the DP job at every transition (:class:`St
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter
 
 Who = int | str  # a learner's id: its index (older logs: its index as text)
-STATES = ("up", "down", "restarting", "done")
 
 
 class Record(BaseModel):
@@ -310,11 +310,12 @@ class EvalResult(Record):
     eval_s: float | None = None
 
 
-_ADAPTERS: dict[Any, TypeAdapter] = {}
+@cache
+def _adapter(kind: Any) -> TypeAdapter:
+    return TypeAdapter(list[kind])
 
 
 def parse(kind: Any, rows: list[dict] | None) -> list:
     """``rows`` (a JSONL file's lines) as records of ``kind`` (a model or :data:`LearnersLine` /
     :data:`DPLine`); None reads as []. Raises ``pydantic.ValidationError`` naming the bad field."""
-    adapter = _ADAPTERS.setdefault(id(kind), TypeAdapter(list[kind]))
-    return adapter.validate_python(rows or [])
+    return _adapter(kind).validate_python(rows or [])
