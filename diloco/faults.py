@@ -121,6 +121,7 @@ class LearnerView:
     run_clock: Callable[[], float]  # the exchange's clock
     heartbeat: Callable[..., None]  # report fields of this learner to the exchange (status, reason, …)
     event: Callable[..., None]  # log a learner event: event(name, **fields)
+    state: Callable[..., None]  # log a state transition: state(up | down | restarting | done, t, reason)
     wait_until: Callable[[float], None]  # idle until the training clock reaches t (or the run ends for it)
     turns: Any  # the host's compute turns (diloco.pacing.FairTurns) or None: alone on its device
     sleep: Callable[[float], None]
@@ -291,7 +292,9 @@ class FaultHooks:
             reason = f"chaos: SIGKILL {when}"
             if report_down:
                 self.v.heartbeat(status="down", reason=reason)
-            self.v.event("kill", step=step, reason=reason, **fields)
+            t = self.v.run_clock()
+            self.v.event("kill", step=step, reason=reason, t=t, **fields)
+            self.v.state("down", t, reason)
             kill_self()
         raise InjectedFailure(f"learner {self.v.m}: injected failure {when}")
 

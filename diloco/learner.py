@@ -225,16 +225,31 @@ class Learner:
         # start-up timeline on the run clock (the ``start`` event): process, task, built, gate
         self.began_at = self.ex.clock() if s.began_at is None else s.began_at
         self.ready_at, self.gate_s = self.began_at, 0.0
+        self.current: str | None = None  # the last state logged (:meth:`state`)
 
     def clock(self) -> float:
         """The training clock: seconds since this learner's first attempt started."""
         return self.ex.clock() - self.origin
 
-    def event(self, name: str, **fields) -> None:
-        """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless given)."""
-        self.s.log(
-            {"event": name, "learner": self.m, "attempt": self.attempt, **fields, "t": fields.get("t", self.ex.clock())}
-        )
+    def event(self, name: str, **fields) -> float:
+        """Log ``{"event": name, "learner", "attempt", **fields, "t"}`` (``t``: the run clock unless
+        given); returns ``t``."""
+        t = fields.pop("t") if "t" in fields else None
+        rec = {"event": name, "learner": self.m, "attempt": self.attempt, **fields}
+        rec["t"] = self.ex.clock() if t is None else t
+        self.s.log(rec)
+        return rec["t"]
+
+    def state(self, state: str, t: float | None = None, reason: str | None = None) -> None:
+        """Log a transition to ``state`` (up, down, restarting, done) at ``t`` (the run clock unless
+        given), unless the learner is in it already: a ``run.records.StateEvent`` (as a dict: this
+        package imports none of the project's others)."""
+        if state == self.current:
+            return
+        self.current = state
+        rec = {"event": "state", "state": state, "learner": self.m, "attempt": self.attempt}
+        rec |= {"host": socket.gethostname(), **({"reason": reason} if reason else {})}
+        self.s.log({**rec, "t": self.ex.clock() if t is None else t})
 
     def fault_view(self) -> LearnerView:
         """What this attempt's fault hooks see of it (``diloco.faults.LearnerView``)."""
@@ -247,6 +262,7 @@ class Learner:
             run_clock=ex.clock,
             heartbeat=lambda **fields: ex.heartbeat(m, **fields),
             event=self.event,
+            state=self.state,
             wait_until=lambda t: wait_until(self.clock, t, s.stop, ex, s.tokens_per_step),
             turns=s.turns,
             sleep=s.sleep,
@@ -288,7 +304,7 @@ class Learner:
             host=socket.gethostname(),
             started_at=self.ex.clock(),
         )
-        self.event(
+        t = self.event(
             "start",
             step=self.step,
             origin=self.origin,
@@ -306,6 +322,7 @@ class Learner:
             ready_t=round(self.ready_at, 3),
             gate_s=round(self.gate_s, 3),
         )
+        self.state("up", t)
 
     # -- fragments in and out ---------------------------------------------------------------------
     def pull(self, p: int, version: int, theta: dict[str, np.ndarray]) -> None:
@@ -450,17 +467,20 @@ class Learner:
         self.ex.heartbeat(self.m, **beat)
 
     # -- the end ----------------------------------------------------------------------------------
-    def hand_in(self, faults: FaultHooks) -> dict:
+    def hand_in(self, faults: FaultHooks, why: str) -> dict:
         """Flush the resume store, send every fragment with unsent progress (unsent, not total: one
         sent and not yet merged back holds no new progress, and sending it again would have the syncer
-        merge the same parameters twice), report ``done``; returns the attempt's summary."""
+        merge the same parameters twice), report ``done`` (``why``: the state event's reason);
+        returns the attempt's summary."""
         if self.s.resume is not None:
             self.s.resume.flush()  # the last resume point is on disk before the learner reports done
         for p, f in enumerate(self.frags):
             if f.unsent_steps > 0:
                 self.send(p, faults)
         self.ex.heartbeat(self.m, status="done", bytes_to_syncer=self.bytes_out, bytes_from_syncer=self.bytes_in)
-        self.event("stop", step=self.step)
+        t = self.ex.clock()
+        self.event("stop", step=self.step, t=t)
+        self.state("done", t, why)
         return {
             "learner": self.m,
             "attempt": self.attempt,
@@ -481,7 +501,9 @@ class Learner:
                 self.s.resume.flush()
         self.ex.heartbeat(self.m, status="down", reason=repr(exc))
         step = self.ex.learners().get(self.m, {}).get("step", 0)
-        self.event("failure", reason=repr(exc), step=step, t=self.ex.clock() if fired_at is None else fired_at)
+        t = self.ex.clock() if fired_at is None else fired_at
+        self.event("failure", reason=repr(exc), step=step, t=t)
+        self.state("down", t, repr(exc))
 
 
 def run_learner(s: LearnerSetup) -> dict:
@@ -496,12 +518,16 @@ def run_learner(s: LearnerSetup) -> dict:
     """
     lrn = Learner(s)
     faults = s.faults.hooks(lrn.fault_view())
+    why = "budget spent or run closed"
     try:
+        if lrn.attempt > 1:  # a retry: restarting since its task began
+            lrn.state("restarting", lrn.began_at, "retry")
         lrn.restore()
         faults.before_start()
         lrn.announce()
         while not lrn.stopping():
             if faults.before_step(lrn.step):  # leaves the run, or raises at a scheduled failure
+                why = "left"  # a scavenged learner's window closed
                 break
             lrn.refresh()
             if not lrn.ex.claim_tokens(s.tokens_per_step, learner=lrn.m, stop=s.stop):
@@ -510,7 +536,7 @@ def run_learner(s: LearnerSetup) -> dict:
             faults.after_step(lrn.step, computed)
             lrn.sync(faults)
             lrn.beat()
-        return lrn.hand_in(faults)
+        return lrn.hand_in(faults, why)
     except BaseException as exc:
         lrn.failed(exc, faults.fired_at)
         raise

@@ -179,6 +179,9 @@ def _learner_goodput(records: RunRecords, stages: dict) -> None:
         if f.get("kind") != "syncer" or rec is None or not rec.events:
             continue
         d = diloco_resilience(rec.events, rec.merges, records.chaos_schedule, None, None)
+        if d is None:  # a run before state events (docs/contracts.md): no intervals to sum
+            stages["pretrain"]["notes"].append(f"{m}: its learners log predates state events: no goodput or uptime.")
+            continue
         if f.get("goodput") is None:
             f["goodput"] = (d.get("global") or {}).get("goodput")
         f["uptime"] = (d.get("uptime") or {}).get("uptime")

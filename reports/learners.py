@@ -13,6 +13,22 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from reports.common import NOT_RUN, format_value, lid, num, sort_key
+from run.records import (
+    Corrupt,
+    Failure,
+    LearnersLine,
+    Merge,
+    Presence,
+    Slowdown,
+    Start,
+    StateEvent,
+    StepLine,
+    Stop,
+    Summary,
+    SyncerEvent,
+    Wait,
+    parse,
+)
 
 if TYPE_CHECKING:
     from configs.schema import ExperimentConfig
@@ -21,63 +37,54 @@ INJECTED = "InjectedFailure"  # diloco.learner's exception for a scheduled (chao
 LEDGER_COLUMNS = ("processed", "submitted", "not_submitted", "merged", "recomputed", "dropped", "pending")
 
 
-def _timed(events: list[dict]) -> list[dict]:
-    """The events that carry a time ``t`` (seconds since training start), in time order."""
-    return sorted((e for e in events if num(e.get("t")) is not None), key=lambda e: num(e["t"]))
+Own = StateEvent | Start | StepLine | Failure | Stop | Wait | Slowdown | Presence | Corrupt
+
+
+def learner_events(events: list[dict] | None) -> dict[Any, list[Own]]:
+    """Each learner's own events (``run.records``; not the syncer's or the exchange's), in time order
+    (stable: ties keep file order), learners in id order."""
+    per: dict[Any, list] = {}
+    for e in parse(LearnersLine, events):
+        if isinstance(e, Own) and e.learner is not None:
+            per.setdefault(lid(e.learner), []).append(e)
+    for evs in per.values():
+        evs.sort(key=lambda e: e.t)
+    return dict(sorted(per.items(), key=lambda kv: sort_key(kv[0])))
 
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
-    """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``start``, else
-    ``retry``) and the merges during it (docs/report.md, "Learners and syncer"); seconds since
-    training start."""
-    evs = _timed(events)
-    timed_merges = [(t, m) for m in merges if (t := num(m.get("merged_at_s"))) is not None]
+    """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``up`` state
+    event of a later attempt) and the merges during it (docs/report.md, "Learners and syncer"); seconds
+    since training start, in time order."""
+    timed = [(m.merged_at_s, {lid(c) for c in m.contributors}, str(m.fragment)) for m in parse(Merge, merges)]
+    timed = [x for x in timed if x[0] is not None]
     out = []
-    for i, f in enumerate(evs):
-        if f.get("event") not in ("failure", "kill"):
-            continue
-        who = lid(f.get("learner"))
-        t_fail = num(f["t"])
-        att = num(f.get("attempt"))
-        later = [e for e in evs[i + 1 :] if lid(e.get("learner")) == who]
-
-        def _after(e: dict) -> bool:  # a start of a later attempt (when attempts are logged)
-            a = num(e.get("attempt"))
-            return att is None or a is None or a > att
-
-        restart = next((e for e in later if e.get("event") == "start" and _after(e)), None)
-        if restart is None:
-            restart = next((e for e in later if e.get("event") == "retry"), None)
-        t_restart = num(restart["t"]) if restart else None
-        end = t_restart if t_restart is not None else math.inf
-        during = [(t, m) for t, m in timed_merges if t_fail <= t < end]
-        by_frag = Counter(str(m.get("fragment")) for _, m in during)
-        after = sorted(
-            t
-            for t, m in timed_merges
-            if t_restart is not None and t >= t_restart and who in {lid(c) for c in (m.get("contributors") or [])}
-        )
-        out.append(
-            {
-                "learner": who,
-                "attempt": f.get("attempt"),
-                "failed_at_s": t_fail,
-                "failed_at_step": f.get("step"),
-                "reason": f.get("reason"),
-                "restarted_at_s": t_restart,
-                "restart_attempt": restart.get("attempt") if restart else None,
-                "restart_event": restart.get("event") if restart else None,
-                "downtime_s": (t_restart - t_fail) if t_restart is not None else None,
-                "merges_while_down": len(during),
-                "merges_while_down_by_fragment": dict(sorted(by_frag.items())),
-                "merges_while_down_with_learner": sum(
-                    who in {lid(c) for c in (m.get("contributors") or [])} for _, m in during
-                ),
-                "merged_again_after_restart": bool(after),
-                "first_merge_with_learner_after_restart_s": after[0] if after else None,
-            }
-        )
-    return out
+    for who, evs in learner_events(events).items():
+        ups = [e for e in evs if isinstance(e, StateEvent) and e.state == "up"]
+        for f in (e for e in evs if isinstance(e, Failure)):
+            back = next((u for u in ups if u.t >= f.t and (u.attempt or math.inf) > (f.attempt or 0)), None)
+            end = back.t if back is not None else math.inf
+            during = [(w, p) for t, w, p in timed if f.t <= t < end]
+            after = sorted(t for t, w, _ in timed if back is not None and t >= back.t and who in w)
+            out.append(
+                {
+                    "learner": who,
+                    "attempt": f.attempt,
+                    "failed_at_s": f.t,
+                    "failed_at_step": f.step,
+                    "reason": f.reason,
+                    "restarted_at_s": back.t if back else None,
+                    "restart_attempt": back.attempt if back else None,
+                    "restart_event": "start" if back else None,
+                    "downtime_s": (back.t - f.t) if back else None,
+                    "merges_while_down": len(during),
+                    "merges_while_down_by_fragment": dict(sorted(Counter(p for _, p in during).items())),
+                    "merges_while_down_with_learner": sum(who in w for w, _ in during),
+                    "merged_again_after_restart": bool(after),
+                    "first_merge_with_learner_after_restart_s": after[0] if after else None,
+                }
+            )
+    return sorted(out, key=lambda r: r["failed_at_s"])
 
 
 def _stale_versions(x: Any) -> int:
@@ -98,30 +105,25 @@ def merge_stats(
     (status "from summary"; a count that disagrees with the log is a note): ``count``,
     ``by_fragment``, ``contributions``, ``stale_contributions``, ``max_stale_versions``, ``first_s`` /
     ``last_s`` (seconds); docs/report.md ("Learners and syncer")."""
-    summary_count = num((summary or {}).get("merges"))
+    summary_count = Summary.model_validate(summary or {}).merges
     if merges is None:
-        status = "from summary" if summary_count is not None else NOT_RUN
         return {
-            "status": status,
-            "count": int(summary_count) if summary_count is not None else None,
+            "status": "from summary" if summary_count is not None else NOT_RUN,
+            "count": summary_count,
             "source": f"{summary_file} (merges)" if summary_count is not None else None,
             "by_fragment": {},
             "contributions": 0,
-            "mean_contributors": None,
+            **dict.fromkeys(("mean_contributors", "stale_contributions", "max_stale_versions", "first_s", "last_s")),
             "stale_contributions": 0,
-            "max_stale_versions": None,
-            "first_s": None,
-            "last_s": None,
         }
-    by_frag = Counter(str(m.get("fragment")) for m in merges)
-    contributors, stale = [], []
-    for m in merges:
-        contributors.append(len(m.get("contributors") or []))
-        stale += [_stale_versions(x) for x in (m.get("stale") or [])]
-    times = [t for m in merges if (t := num(m.get("merged_at_s"))) is not None]
+    typed = parse(Merge, merges)
+    by_frag = Counter(str(m.fragment) for m in typed)
+    contributors = [len(m.contributors) for m in typed]
+    stale = [_stale_versions(x) for m in typed for x in m.stale]
+    times = [m.merged_at_s for m in typed if m.merged_at_s is not None]
     if summary_count is not None and summary_count != len(merges):
         notes.append(
-            f"{who} summary says {int(summary_count)} merges but the merge log has {len(merges)} "
+            f"{who} summary says {summary_count} merges but the merge log has {len(merges)} "
             "lines; the report counts the merge log."
         )
     return {
@@ -141,27 +143,21 @@ def merge_stats(
 def learner_table(events: list[dict]) -> list[dict]:
     """Per learner: starts (attempts begun), failures, submissions the syncer dropped, the last
     step seen in any event, and how its last attempt ended."""
-    per: dict[Any, dict] = {}
-    for e in sorted(events, key=lambda e: num(e.get("t")) or 0.0):
-        if e.get("learner") is None:
+    rows: dict[Any, dict] = {}
+    for e in sorted(parse(LearnersLine, events), key=lambda e: e.t or 0.0):
+        if getattr(e, "learner", None) is None:
             continue
-        who = lid(e.get("learner"))
-        row = per.setdefault(
-            who,
-            {"learner": who, "starts": 0, "failures": 0, "dropped_submissions": 0, "last_step": None, "ended": None},
-        )
-        ev = e.get("event")
-        if ev == "start":
-            row["starts"] += 1
-        elif ev in ("failure", "kill"):
-            row["failures"] += 1
-        elif ev == "dropped" and e.get("reason") != "recomputed":  # a re-trained copy of merged steps:
-            row["dropped_submissions"] += 1  # its tokens are recomputed work, not dropped
-        if e.get("step") is not None:
-            row["last_step"] = e.get("step")
-        if ev in ("stop", "failure", "kill"):
-            row["ended"] = ev + (f" ({e['reason']})" if e.get("reason") else "")
-    return [per[k] for k in sorted(per, key=lambda k: (0, k) if isinstance(k, int) else (1, str(k)))]
+        row = rows.setdefault(lid(e.learner), dict.fromkeys(("starts", "failures", "dropped_submissions"), 0))
+        row["starts"] += isinstance(e, Start)
+        row["failures"] += isinstance(e, Failure)
+        # a re-trained copy of merged steps: its tokens are recomputed work, not dropped
+        row["dropped_submissions"] += e.event == "dropped" and e.reason != "recomputed"
+        if getattr(e, "step", None) is not None:
+            row["last_step"] = e.step
+        if isinstance(e, Stop | Failure):
+            row["ended"] = e.event + (f" ({e.reason})" if e.reason else "")
+    ordered = sorted(rows.items(), key=lambda kv: sort_key(kv[0]))
+    return [{"learner": k, **r, "last_step": r.get("last_step"), "ended": r.get("ended")} for k, r in ordered]
 
 
 def _int(x: Any) -> int | None:
@@ -275,10 +271,14 @@ def _killed(at_step: Any, at_s: Any):
 def _idle_attempt(events: list[dict], who: Any, attempt: Any) -> bool:
     """Did learner ``who``'s attempt ``attempt`` stop at the step it started from (it came back to a
     run whose budget was spent)?"""
-    mine = [e for e in events if lid(e.get("learner")) == who and e.get("attempt") == attempt]
-    start = next((e for e in mine if e.get("event") == "start"), None)
-    stop = next((e for e in mine if e.get("event") == "stop"), None)
-    return start is not None and stop is not None and num(stop.get("step")) == num(start.get("step"))
+    mine = [e for e in learner_events(events).get(who, []) if e.attempt == attempt]
+    start = next((e for e in mine if isinstance(e, Start)), None)
+    stop = next((e for e in mine if isinstance(e, Stop)), None)
+    return start is not None and stop is not None and stop.step == start.step
+
+
+def _stepped(e: Own) -> bool:
+    return getattr(e, "step", None) is not None
 
 
 def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: list[dict]) -> dict:
@@ -299,12 +299,9 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
     scheduled += [
         {"kind": "kill", "learner": e.learner, "at_step": e.at_step, "at_s": e.at_s} for e in evs if e.kind == "kill"
     ]
-    last_step: dict[Any, int] = {}
-    for e in events or []:
-        s = num(e.get("step"))
-        if e.get("learner") is not None and s is not None:
-            who = lid(e["learner"])
-            last_step[who] = max(last_step.get(who, 0), int(s))
+    last_step = {
+        m: max(steps) for m, evs in learner_events(events).items() if (steps := [e.step for e in evs if _stepped(e)])
+    }
     used: set[int] = set()
     rows = []
     for spec in scheduled:
@@ -408,25 +405,24 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
 def syncer_restarts(events: list[dict]) -> list[dict]:
     """Each syncer failure (``syncer-failure``, ``syncer-kill``) with the next ``syncer-resumed`` event
     (docs/report.md, "Syncer restarts"); times in seconds since training start."""
-    evs = _timed(events)
+    evs = sorted((e for e in parse(LearnersLine, events) if isinstance(e, SyncerEvent)), key=lambda e: e.t)
     out = []
     for i, e in enumerate(evs):
-        if e.get("event") not in ("syncer-failure", "syncer-kill"):
+        if e.event == "syncer-resumed":
             continue
-        back = next((r for r in evs[i + 1 :] if r.get("event") == "syncer-resumed"), None)
-        t_fail, t_back = num(e["t"]), num(back["t"]) if back else None
+        back = next((r for r in evs[i + 1 :] if r.event == "syncer-resumed"), None)
         out.append(
             {
-                "attempt": e.get("attempt"),
-                "how": "SIGKILL" if e["event"] == "syncer-kill" else "exception",
-                "reason": e.get("reason"),
-                "failed_at_s": t_fail,
-                "merges_before": e.get("merges"),
-                "resumed_at_s": t_back,
-                "downtime_s": (t_back - t_fail) if t_back is not None else None,
-                "generation": back.get("generation") if back else None,
-                "replayed": back.get("replayed") if back else None,
-                "republished": back.get("republished") if back else None,
+                "attempt": e.attempt,
+                "how": "SIGKILL" if e.event == "syncer-kill" else "exception",
+                "reason": e.reason,
+                "failed_at_s": e.t,
+                "merges_before": e.merges,
+                "resumed_at_s": back.t if back else None,
+                "downtime_s": (back.t - e.t) if back else None,
+                "generation": back.generation if back else None,
+                "replayed": back.replayed if back else None,
+                "republished": back.republished if back else None,
             }
         )
     return out

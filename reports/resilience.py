@@ -17,7 +17,25 @@ from pydantic import ValidationError
 from configs.chaos import ChaosPlan, ChaosSchedule
 from configs.faults import CorruptEvent, PresenceEvent
 from reports.common import lid, num
-from reports.learners import learner_failures
+from reports.learners import Own, learner_events, learner_failures, syncer_restarts
+from run.records import (
+    Corrupt,
+    DPEvent,
+    DPLine,
+    Dropped,
+    Failure,
+    LearnersLine,
+    Merge,
+    Presence,
+    Slowdown,
+    Start,
+    StateEvent,
+    StepLine,
+    Summary,
+    TrainRow,
+    Wait,
+    parse,
+)
 
 if TYPE_CHECKING:
     from configs.schema import ExperimentConfig
@@ -27,7 +45,6 @@ USEFUL = ("running", "straggling")
 STALL_FACTOR = 4.0  # a gap between advances > this × the median gap is a stall
 SIM_FAILURES_PER_RUN = 4000  # the simulator's horizon: this many expected interruptions of the cluster
 SIM_SEEDS = 10
-LIFECYCLE = ("start", "failure", "kill", "stop", "slowdown", "join", "leave", "wait", "step")
 
 Interval = dict  # {"state", "start", "end"} (+ "why"), seconds since the method's span start
 
@@ -105,49 +122,32 @@ def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, flo
     return out
 
 
-def _t(e: dict) -> float | None:
-    return num(e.get("t"))
-
-
 def _ratio(a: float, b: float) -> float | None:
     return a / b if b > 0 else None
 
 
 # --- Decoupled DiLoCo ----------------------------------------------------------------------------
 
-
-def learner_events(events: list[dict] | None) -> dict[Any, list[dict]]:
-    """Each learner's own events (not the syncer's ``"source": "syncer"`` lines), in time order
-    (stable: ties keep file order)."""
-    per: dict[Any, list[dict]] = {}
-    for e in events or []:
-        if e.get("source") == "syncer" or e.get("role") == "syncer" or e.get("learner") is None:
-            continue
-        if e.get("event") in LIFECYCLE and _t(e) is not None:
-            per.setdefault(lid(e["learner"]), []).append(e)
-    for evs in per.values():
-        evs.sort(key=_t)
-    return dict(sorted(per.items(), key=lambda kv: (0, kv[0]) if isinstance(kv[0], int) else (1, str(kv[0]))))
+# each state event as a timeline state: a retry restarting is still down after its failure
+AS_INTERVAL = {
+    "up": ("running", None),
+    "down": ("down", "failure"),
+    "restarting": ("down", "failure"),
+    "done": ("waiting", "done"),
+}
 
 
 def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
-    """The training span on the run clock: ``start_s`` = the first learner ``start``, ``end_s`` =
-    ``now`` when given, else the last learner event (a ``wait`` counts to its end). None before
-    any learner started. ``length_s`` = end − start (seconds)."""
+    """The training span on the run clock: ``start_s`` = the first learner ``up`` state event,
+    ``end_s`` = ``now`` when given, else the last learner event (a ``wait`` counts to its end). None
+    before any learner was up (or for a run that predates state events). ``length_s`` = end − start (s)."""
     per = learner_events(events)
-    starts = [_t(e) for evs in per.values() for e in evs if e["event"] == "start"]
-    if not starts:
+    ups = [e.t for evs in per.values() for e in evs if isinstance(e, StateEvent) and e.state == "up"]
+    if not ups:
         return None
-    t0 = min(starts)
-    if now is not None:
-        t1 = float(now)
-    else:
-        t1 = max(
-            _t(e) + (num(e.get("wait_s")) or 0.0) if e["event"] == "wait" else _t(e)
-            for evs in per.values()
-            for e in evs
-        )
-    t1 = max(t1, t0)
+    t0 = min(ups)
+    ends = [e.t + (e.wait_s if isinstance(e, Wait) else 0.0) for evs in per.values() for e in evs]
+    t1 = max(float(now) if now is not None else max(ends), t0)
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
@@ -155,90 +155,65 @@ def _windows(schedule: ChaosSchedule | None) -> dict[Any, tuple[float, float | N
     return {p.learner: (p.join_s, p.leave_s) for p in (schedule.presence if schedule else [])}
 
 
-def learner_timeline(evs: list[dict], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
-    """One learner's intervals on the run clock (docs/report.md) and its allocation
-    ``{"start_s", "end_s"}`` (run clock; None when a scavenged learner has not joined yet)."""
-    has_start = any(e["event"] == "start" for e in evs)
-    has_join = any(e["event"] == "join" for e in evs)
-    state, why = ("absent", None) if scavenged and (has_join or not has_start) else ("down", "start-up")
-    since, out, left = t0, [], False
-    waits = []
-
-    def switch(new: str, t: float, new_why: str | None = None) -> None:
-        nonlocal state, why, since
-        t = min(max(t, t0), t1)
-        if (new, new_why) != (state, why):
-            out.append(_iv(state, since, t, why))
-            state, why, since = new, new_why, t
-
-    join_t = leave_t = None
+def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
+    """One learner's intervals on the run clock from its state events (docs/report.md): ``up`` running
+    (straggling while a slowdown is on), ``down`` and ``restarting`` down, ``done`` waiting (absent once
+    a scavenged learner left); down (start-up) before its first ``up``, absent before a scavenged
+    learner joins; each ``wait`` is waiting. Also its allocation ``{"start_s", "end_s"}`` (run clock;
+    None when a scavenged learner has not joined yet)."""
+    was_up = any(isinstance(e, StateEvent) and e.state == "up" for e in evs)
+    joined = next((e.t for e in evs if isinstance(e, Presence) and e.event == "join"), None)
+    state = ("absent", None) if scavenged and (joined is not None or not was_up) else ("down", "start-up")
+    out, since, left = [], t0, None
     for e in evs:
-        ev, t = e["event"], _t(e)
-        if ev == "join":
-            join_t = t if join_t is None else join_t
-            if state == "absent" and not left:
-                switch("down", t, "start-up")
-        elif ev == "start":
-            if not left:
-                switch("running", t)
-        elif ev == "slowdown":
-            f = num(e.get("factor")) or 1.0
-            if state in USEFUL:
-                switch("straggling" if f > 1.0 else "running", t)
-        elif ev in ("failure", "kill"):
-            if not left:
-                switch("down", t, "failure")
-        elif ev == "leave":
-            left, leave_t = True, t if leave_t is None else leave_t
-            switch("absent", t)
-        elif ev == "stop":
-            if state != "absent":
-                switch("waiting", t, "done")
-        elif ev == "wait":
-            w = num(e.get("wait_s")) or 0.0
-            waits.append((t, t + w))
-    out.append(_iv(state, since, t1, why))
+        new = state
+        if isinstance(e, Presence) and e.event == "join" and state[0] == "absent" and left is None:
+            new = ("down", "start-up")
+        elif isinstance(e, Slowdown) and state[0] in USEFUL:
+            new = ("straggling" if e.factor > 1.0 else "running", None)
+        elif isinstance(e, StateEvent) and left is None:
+            left = e.t if e.state == "done" and e.reason == "left" else None
+            new = ("absent", None) if left is not None else AS_INTERVAL[e.state]
+        if new != state:
+            t = min(max(e.t, t0), t1)
+            out.append(_iv(state[0], since, t, state[1]))
+            state, since = new, t
+    out.append(_iv(state[0], since, t1, state[1]))
     out = merge_adjacent(clip(out, t0, t1))
-    for a, b in waits:
-        out = overlay(out, a, b, "waiting", "merge", replace=USEFUL)
+    for w in (e for e in evs if isinstance(e, Wait)):
+        out = overlay(out, w.t, w.t + w.wait_s, "waiting", "merge", replace=USEFUL)
     if scavenged:
-        start = join_t if join_t is not None else (t0 if has_start else None)
-        alloc = None if start is None else {"start_s": start, "end_s": leave_t if leave_t is not None else t1}
+        start = joined if joined is not None else (t0 if was_up else None)
+        alloc = None if start is None else {"start_s": start, "end_s": left if left is not None else t1}
     else:
         alloc = {"start_s": t0, "end_s": t1}
     return out, alloc
 
 
-def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
+def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
     """Work thrown away by each of a learner's failures (docs/report.md, "Lost work"): per failure
     ``lost_steps`` (its step − the step its next ``start`` resumed from, or from its last resume point
     every ``resume_every_steps``), ``s_per_step`` and ``lost_s`` = their product (seconds)."""
-    starts = [e for e in evs if e["event"] == "start"]
+    starts = [e for e in evs if isinstance(e, Start)]
     useful = [iv for iv in intervals if iv["state"] in USEFUL]
     total_useful = sum(iv["end"] - iv["start"] for iv in useful)
-    steps_total = 0
-    out = []
-    for f in evs:
-        if f["event"] not in ("failure", "kill"):
-            continue
-        att, t_f, s_f = num(f.get("attempt")), _t(f), num(f.get("step")) or 0
-        begun = [s for s in starts if _t(s) <= t_f and (att is None or num(s.get("attempt")) == att)]
-        begun = begun or [s for s in starts if _t(s) <= t_f]
-        b = begun[-1] if begun else None
-        nxt = next((s for s in starts if _t(s) > t_f and (att is None or (num(s.get("attempt")) or 0) > att)), None)
+    steps_total, out = 0, []
+    for f in (e for e in evs if isinstance(e, Failure)):
+        att, s_f = f.attempt, f.step or 0
+        begun = [s for s in starts if s.t <= f.t and (att is None or s.attempt == att)]
+        b = (begun or [s for s in starts if s.t <= f.t] or [None])[-1]
+        nxt = next((s for s in starts if s.t > f.t and (att is None or (s.attempt or 0) > att)), None)
         if nxt is not None:
-            resumed = num(nxt.get("step")) or 0
-        elif resume_every_steps:
-            resumed = s_f - s_f % resume_every_steps
+            resumed = nxt.step or 0
         else:
-            resumed = s_f
-        taken = s_f - (num(b.get("step")) or 0) if b is not None else 0
-        busy = sum(max(0.0, min(iv["end"], t_f) - max(iv["start"], _t(b))) for iv in useful) if b is not None else 0.0
+            resumed = s_f - s_f % resume_every_steps if resume_every_steps else s_f
+        taken = s_f - (b.step or 0) if b is not None else 0
+        busy = sum(max(0.0, min(iv["end"], f.t) - max(iv["start"], b.t)) for iv in useful) if b is not None else 0.0
         steps_total += max(taken, 0)
         out.append(
             {
-                "attempt": f.get("attempt"),
-                "failed_at_s": t_f,
+                "attempt": att,
+                "failed_at_s": f.t,
                 "failed_at_step": s_f,
                 "resumed_from_step": resumed if nxt is not None else None,
                 "lost_steps": max(0, s_f - resumed),
@@ -248,11 +223,11 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
             }
         )
     mean_sps = total_useful / steps_total if steps_total else None
-    logged = [e for e in evs if e["event"] == "step" and _t(e) is not None and num(e.get("step")) is not None]
+    logged = [e for e in evs if isinstance(e, StepLine) and e.step is not None]
     paces = [
-        (_t(b) - _t(a)) / (num(b["step"]) - num(a["step"]))
+        (b.t - a.t) / (b.step - a.step)
         for a, b in zip(logged, logged[1:])
-        if num(b["step"]) > num(a["step"]) and b.get("attempt", a.get("attempt")) == a.get("attempt", b.get("attempt"))
+        if b.step > a.step and (a.attempt is None or b.attempt is None or a.attempt == b.attempt)
     ]
     pace = statistics.median(paces) if paces else None
     for r in out:
@@ -262,16 +237,67 @@ def lost_work(evs: list[dict], intervals: list[Interval], resume_every_steps: in
     return out
 
 
-def _attempts(evs: list[dict]) -> list[dict]:
+def _attempts(evs: list[Own]) -> list[dict]:
     """A learner's attempts: per ``start``, its ``attempt``, start step and the inner steps it took
     (the step of the attempt's last event − the start's step; recomputed steps included)."""
     out: list[dict] = []
     for e in evs:
-        s = num(e.get("step"))
-        if e["event"] == "start":
-            out.append({"attempt": e.get("attempt"), "from_step": s or 0, "steps": 0})
+        s = getattr(e, "step", None)
+        if isinstance(e, Start):
+            out.append({"attempt": e.attempt, "from_step": s or 0, "steps": 0})
         elif s is not None and out:
             out[-1]["steps"] = max(out[-1]["steps"], int(s - out[-1]["from_step"]))
+    return out
+
+
+def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None, scav: bool, **k) -> dict:
+    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`): its seconds per state
+    inside its allocation, the ``restarting_s`` part of its down time, lost work and goodput."""
+    t0, failures = k["t0"], k["failures"]
+    inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
+    secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
+    lost = lost_work(evs, ivs, k["resume_every_steps"])
+    allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
+    busy = secs["running"] + secs["straggling"]
+    lost_s = min(sum(r["lost_s"] for r in lost), busy)
+    attempts = _attempts(evs)
+    trained = {x["attempt"] for x in attempts if x["steps"] > 0}
+    # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
+    restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
+    states = [e for e in evs if isinstance(e, StateEvent)]
+    restarting = sum(b - a for s, a, b in state_intervals(states, k["t1"]) if s == "restarting")
+    return {
+        "learner": m,
+        "scavenged": scav,
+        "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+        "allocated_s": allocated,
+        **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+        "absent_s": whole["absent"],  # outside its window
+        "down_startup_s": secs.get("down/start-up", 0.0),
+        "restarting_s": restarting,
+        "waiting_done_s": secs.get("waiting/done", 0.0),
+        "lost_work_s": lost_s,
+        "useful_s": busy - lost_s,
+        "goodput": _ratio(busy - lost_s, allocated),
+        "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
+        "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
+        "failures": sum(1 for e in evs if isinstance(e, Failure)),
+        "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
+        "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted) if restarted else None,
+        "lost": lost,
+    }
+
+
+def state_intervals(states: list[StateEvent], end: float) -> list[tuple[str, float, float]]:
+    """(state, start, end) from each state event to the next (the last: to ``end``), run-clock
+    seconds; a repeated state continues its interval."""
+    out: list[tuple[str, float, float]] = []
+    for e, nxt in zip(states, [*states[1:], None]):
+        b = nxt.t if nxt is not None else max(end, e.t)
+        if out and out[-1][0] == e.state:
+            out[-1] = (e.state, out[-1][1], b)
+        else:
+            out.append((e.state, e.t, b))
     return out
 
 
@@ -282,67 +308,37 @@ def diloco_resilience(
     now: float | None = None,
     resume_every_steps: int | None = None,
 ) -> dict | None:
-    """Decoupled DiLoCo's timelines and goodput (docs/report.md); None before any learner started.
-    ``now``: the run clock's present, for a run in progress. Returns ``span`` (:func:`diloco_span`),
-    ``learners`` (one row per learner: ``allocated_s``, seconds per state, ``lost_work_s``, ``useful_s``,
-    ``goodput``, ``failures``, ``restarts``, ``merged_again_after_restart`` (every restarted attempt
-    that took a step was merged again afterwards; None without such a restart), ``steps_taken``,
-    ``s_per_step``, ``scavenged``, ``window`` [join, leave] in span seconds, ``lost``), ``global``
-    (Σ useful / Σ allocated), ``timelines`` (learner → intervals in seconds since the span start) and
-    ``uptime`` (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
+    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md);
+    None before any learner was up, or for a run that predates state events. ``now``: the run clock's
+    present, for a run in progress. Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per
+    learner: ``allocated_s``, seconds per state, ``restarting_s`` (of its down seconds),
+    ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
+    ``merged_again_after_restart`` (every restarted attempt that took a step was merged again
+    afterwards; None without such a restart), ``steps_taken``, ``s_per_step``, ``scavenged``,
+    ``window`` [join, leave] in span seconds, ``lost``), ``global`` (Σ useful / Σ allocated),
+    ``timelines`` (learner → intervals in seconds since the span start) and ``uptime``
+    (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
     span = diloco_span(events, now)
     if span is None:
         return None
     t0, t1 = span["start_s"], span["end_s"]
-    per = learner_events(events)
-    windows = _windows(schedule)
+    per, windows = learner_events(events), _windows(schedule)
     failures = learner_failures(events or [], merges or [])
-    n_learners = schedule.learners if schedule else 0
-    for m in range(n_learners):  # a scheduled learner that has logged nothing yet (a late scavenged one)
+    for m in range(schedule.learners if schedule else 0):  # scheduled, nothing logged yet
         per.setdefault(m, [])
     rows, timelines = [], {}
     for m, evs in per.items():
-        scav = m in windows or any(e["event"] in ("join", "leave") for e in evs)
+        scav = m in windows or any(isinstance(e, Presence) for e in evs)
         ivs, alloc = learner_timeline(evs, t0, t1, scav)
-        inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
-        secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
-        lost = lost_work(evs, ivs, resume_every_steps)
-        allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
-        busy = secs["running"] + secs["straggling"]
-        lost_s = min(sum(r["lost_s"] for r in lost), busy)
-        useful = busy - lost_s
-        steps = sum(a["steps"] for a in _attempts(evs))  # recomputed steps included
-        mine = [f for f in failures if f["learner"] == m]
-        # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
-        trained = {num(x.get("attempt")) for x in _attempts(evs) if x["steps"] > 0}
-        restarted = [f for f in mine if f["restart_event"] == "start" and num(f["restart_attempt"]) in trained]
         rows.append(
-            {
-                "learner": m,
-                "scavenged": scav,
-                "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
-                "allocated_s": allocated,
-                **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
-                "absent_s": whole["absent"],  # outside its window
-                "down_startup_s": secs.get("down/start-up", 0.0),
-                "waiting_done_s": secs.get("waiting/done", 0.0),
-                "lost_work_s": lost_s,
-                "useful_s": useful,
-                "goodput": _ratio(useful, allocated),
-                "steps_taken": steps,
-                "s_per_step": _ratio(busy, steps),
-                "failures": sum(1 for e in evs if e["event"] in ("failure", "kill")),
-                "restarts": max(0, sum(1 for e in evs if e["event"] == "start") - 1),
-                "merged_again_after_restart": (
-                    all(f["merged_again_after_restart"] for f in restarted) if restarted else None
-                ),
-                "lost": lost,
-            }
+            _learner_row(
+                m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume_every_steps=resume_every_steps
+            )
         )
-        timelines[str(m)] = [{**iv, "start": iv["start"] - t0, "end": iv["end"] - t0} for iv in ivs]
+        timelines[str(m)] = _since(ivs, t0)
     alloc_sum = sum(r["allocated_s"] for r in rows)
     useful_sum = sum(r["useful_s"] for r in rows)
-    merge_times = [t - t0 for x in merges or [] if (t := num(x.get("merged_at_s"))) is not None]
+    merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges) if m.merged_at_s is not None]
     return {
         "span": span,
         "learners": rows,
@@ -352,6 +348,7 @@ def diloco_resilience(
             "useful_s": useful_sum,
             "goodput": _ratio(useful_sum, alloc_sum),
             **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
+            "restarting_s": sum(r["restarting_s"] for r in rows),
             "lost_work_s": sum(r["lost_work_s"] for r in rows),
         },
         "uptime": {
@@ -364,118 +361,121 @@ def diloco_resilience(
 # --- data-parallel baseline ----------------------------------------------------------------------
 
 
-def dp_step_time(train: list[dict] | None, events: list[dict] | None = None) -> float | None:
+def _dp_rows(train: list[dict] | None) -> list[tuple[int, float]]:
+    """(step, t) of DP's ``train.jsonl`` rows, in time order."""
+    return sorted(((r.step, r.t) for r in parse(TrainRow, train) if r.t is not None), key=lambda x: x[1])
+
+
+def dp_step_time(train: list[dict] | None, events: list[DPEvent] = ()) -> float | None:
     """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
     no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
     the median over all pairs when no pair is clean; None with fewer than two rows."""
-    rows = sorted(
-        (
-            (num(r.get("step")), num(r.get("t")))
-            for r in train or []
-            if num(r.get("step")) is not None and num(r.get("t")) is not None
-        ),
-        key=lambda x: x[1],
-    )
-    evs = sorted(((_t(e), e) for e in events or [] if _t(e) is not None), key=lambda x: x[0])
-    factors = [(t, num(e.get("factor")) or 1.0) for t, e in evs if e.get("event") == "slowdown"]
+    rows = _dp_rows(train)
+    factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]
 
     def factor_at(t: float) -> float:
-        f = 1.0
-        for ft, fv in factors:
-            if ft <= t:
-                f = fv
-        return f
+        return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
 
     clean, every = [], []
     for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
         if s2 <= s1 or t2 <= t1:
             continue
-        r = (t2 - t1) / (s2 - s1)
-        every.append(r)
-        if not any(t1 < t <= t2 for t, _ in evs) and factor_at(t1) == 1.0:
-            clean.append(r)
+        every.append((t2 - t1) / (s2 - s1))
+        if not any(t1 < e.t <= t2 for e in events) and factor_at(t1) == 1.0:
+            clean.append(every[-1])
     pick = clean or every
     return statistics.median(pick) if pick else None
 
 
-def dp_span(train: list[dict] | None, events: list[dict] | None, now: float | None = None) -> dict | None:
-    """DP's training span on its own clock: from its job's ``start`` event (the hosts up: as a
-    DiLoCo span starts at its first learner's start; else 0) to ``now``, else to its last
-    ``train.jsonl`` row or event (whichever is later); None with neither."""
-    ts = [num(r.get("t")) for r in train or []] + [_t(e) for e in events or []]
-    ts = [t for t in ts if t is not None]
-    if now is None and not ts:
+def dp_span(train: list[dict] | None, lines: list, now: float | None = None) -> dict | None:
+    """DP's training span on its own clock: from the job's first ``up`` state event (its hosts up: as a
+    DiLoCo span starts at its first learner up) to ``now``, else to its last ``train.jsonl`` row or
+    event (whichever is later); None without state events (a run that predates them)."""
+    ups = [e.t for e in lines if isinstance(e, StateEvent) and e.state == "up"]
+    if not ups:
         return None
-    start = min((_t(e) for e in events or [] if e.get("event") == "start" and _t(e) is not None), default=0.0)
-    end = float(now) if now is not None else max(ts)
-    return {"start_s": start, "end_s": end, "length_s": end - start, "clock": "DP clock (s)"}
+    end = float(now) if now is not None else max([t for _, t in _dp_rows(train)] + [e.t for e in lines])
+    return {"start_s": min(ups), "end_s": end, "length_s": end - min(ups), "clock": "DP clock (s)"}
 
 
 _RESTORED = "restored_at_s restored_step lost_steps restore_s down_s recomputed_until_s recompute_s"
 
 
-def _restores(events: list[dict], train: list[dict], step_s: float | None, end: float) -> list[dict]:
+def _recomputed_until(
+    rows: list[tuple[int, float]], t_r: float, back: int, high: int, nxt: DPEvent | None, limit: float, step_s
+) -> float:
+    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``
+    (DP clock, s): measured by the first row past it, else estimated at ``step_s`` a step."""
+    if back >= high:
+        return t_r
+    past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
+    if past is not None:
+        t_c = past[1] - (past[0] - high) * step_s if step_s else past[1]
+    elif nxt is not None and (nxt.step or 0) > high and step_s:
+        t_c = limit - ((nxt.step or 0) - high) * step_s
+    elif nxt is not None:
+        t_c = limit  # interrupted before it was back at the high-water mark
+    else:
+        t_c = min(limit, t_r + (high - back) * step_s) if step_s else limit
+    return min(max(t_c, t_r), limit)
+
+
+def _restores(events: list[DPEvent], rows: list[tuple[int, float]], step_s: float | None, end: float) -> list[dict]:
     """Each DP failure with its restore and the recomputation after it (docs/report.md)."""
-    evs = sorted((e for e in events if _t(e) is not None), key=_t)
-    rows = sorted(
-        (
-            (num(r.get("step")), num(r.get("t")))
-            for r in train
-            if num(r.get("step")) is not None and num(r.get("t")) is not None
-        ),
-        key=lambda x: x[1],
-    )
-    fails = [e for e in evs if e.get("event") == "failure"]
+    fails = [e for e in events if e.event == "failure"]
     high, out = 0, []
     for i, f in enumerate(fails):
-        t_f = _t(f)
-        high = max([high, num(f.get("step")) or 0] + [s for s, t in rows if t <= t_f])
-        nxt_fail = fails[i + 1] if i + 1 < len(fails) else None
-        restore = next(
-            (
-                e
-                for e in evs
-                if e.get("event") == "restore" and _t(e) >= t_f and (nxt_fail is None or _t(e) <= _t(nxt_fail))
-            ),
-            None,
-        )
+        high = max([high, f.step or 0] + [s for s, t in rows if t <= f.t])
+        nxt = fails[i + 1] if i + 1 < len(fails) else None
+        limit = nxt.t if nxt is not None else end
+        restore = next((e for e in events if e.event == "restore" and f.t <= e.t <= limit), None)
         rec = {
-            "replica": f.get("replica"),
-            "failed_at_s": t_f,
-            "step_at_failure": num(f.get("step")),
+            "replica": f.replica,
+            "failed_at_s": f.t,
+            "step_at_failure": f.step,
             "high_water_step": high,
-            "restart_delay_s": num(f.get("restart_delay_s")),
+            "restart_delay_s": f.restart_delay_s,
             **dict.fromkeys(_RESTORED.split()),  # None until restored
         }
         if restore is None:
-            rec["down_s"] = (_t(nxt_fail) if nxt_fail else end) - t_f
-            out.append(rec)
-            continue
-        t_r, back = _t(restore), num(restore.get("step")) or 0
-        rec.update(
-            restored_at_s=t_r,
-            restored_step=back,
-            lost_steps=num(restore.get("lost_steps")),
-            restore_s=num(restore.get("restore_s")),
-            down_s=t_r - t_f,
-        )
-        limit = _t(nxt_fail) if nxt_fail is not None else end
-        if back >= high:
-            t_c = t_r
+            rec["down_s"] = limit - f.t
         else:
-            past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
-            if past is not None:
-                s, t = past
-                t_c = t - (s - high) * step_s if step_s else t
-            elif nxt_fail is not None and (num(nxt_fail.get("step")) or 0) > high and step_s:
-                t_c = limit - ((num(nxt_fail.get("step")) or 0) - high) * step_s
-            elif nxt_fail is not None:
-                t_c = limit  # interrupted before it was back at the high-water mark
-            else:
-                t_c = min(limit, t_r + (high - back) * step_s) if step_s else limit
-            t_c = min(max(t_c, t_r), limit)
-        rec["recomputed_until_s"], rec["recompute_s"] = t_c, t_c - t_r
+            t_c = _recomputed_until(rows, restore.t, restore.step or 0, high, nxt, limit, step_s)
+            rec.update(
+                restored_at_s=restore.t,
+                restored_step=restore.step or 0,
+                lost_steps=restore.lost_steps,
+                restore_s=restore.restore_s,
+                down_s=restore.t - f.t,
+                recomputed_until_s=t_c,
+                recompute_s=t_c - restore.t,
+            )
         out.append(rec)
+    return out
+
+
+def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
+    """(start, end, restarting seconds) of each stretch the DP job was not up: from a ``down`` state
+    event to the next ``up`` (or ``end``), through ``restarting``; DP clock, seconds."""
+    out: list[list[float]] = []
+    for s, a, b in state_intervals(sorted((e for e in lines if isinstance(e, StateEvent)), key=lambda e: e.t), end):
+        if s not in ("down", "restarting"):
+            continue
+        if not (out and out[-1][1] == a):
+            out.append([a, a, 0.0])
+        out[-1][1:] = [b, out[-1][2] + (b - a if s == "restarting" else 0.0)]
+    return [tuple(x) for x in out]
+
+
+def _stalls(outages: list, fails: list[DPEvent], W: int) -> list[tuple[float, float, int]]:
+    """(start, end, row) of each stall: an outage split at each failure met meanwhile, that replica
+    down from it (a failure met while down, scheduled before the job noticed the first, from then)."""
+    out, prev = [], -math.inf
+    for a, b, _ in outages:
+        inside = [f for f in fails if (a <= f.t or (f.while_down and prev <= f.t)) and f.t < b]
+        cuts = [max(f.t, a) for f in inside] + [b]
+        out += [(x, y, _row(f.replica, W)) for f, x, y in zip(inside, cuts, cuts[1:]) if y > x]
+        prev = b
     return out
 
 
@@ -575,34 +575,24 @@ def dp_resilience(
     schedule: ChaosSchedule | None = None,
     now: float | None = None,
 ) -> dict | None:
-    """DP's timelines (one row per replica) and goodput (docs/report.md); None when DP logged nothing.
+    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md);
+    None without them (DP logged nothing, or a run that predates state events).
     ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
     ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
     high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
     (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
     span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
-    events, train = events or [], train or []
-    span = dp_span(train, events, now)
+    lines = parse(DPLine, events)
+    span = dp_span(train, lines, now)
     if span is None:
         return None
+    events = sorted((e for e in lines if isinstance(e, DPEvent)), key=lambda e: e.t)
     W = max(int(workers or 1), 1)
-    end = span["end_s"]
     step_s = dp_step_time(train, events)
-    restores = _restores(events, train, step_s, end)
-    # The job's step-time factor over time, from its slowdown events.
-    factors = sorted(
-        ((_t(e), num(e.get("factor")) or 1.0) for e in events if e.get("event") == "slowdown" and _t(e) is not None),
-        key=lambda x: x[0],
-    )
-    stalls = [
-        (
-            x["failed_at_s"],
-            x["restored_at_s"] if x["restored_at_s"] is not None else x["failed_at_s"] + x["down_s"],
-            _row(x["replica"], W),
-        )
-        for x in restores
-    ]
-
+    restores = _restores(events, _dp_rows(train), step_s, span["end_s"])
+    factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]  # the job's pace over time
+    outages = _outages(lines, span["end_s"])
+    stalls = _stalls(outages, [e for e in events if e.event == "failure"], W)
     recomputes = [
         (x["restored_at_s"], x["recomputed_until_s"]) for x in restores if x["recomputed_until_s"] is not None
     ]
@@ -610,7 +600,7 @@ def dp_resilience(
     table = [_dp_replica(r, ivs, span, restores, W) for r, ivs in rows.items()]
     alloc = W * span["length_s"]
     useful = sum(x["useful_s"] for x in table)
-    advances = [t for x in train if (t := num(x.get("t"))) is not None]
+    advances = [t for _, t in _dp_rows(train)]
     return {
         "span": span,
         "workers": W,
@@ -619,8 +609,8 @@ def dp_resilience(
         "replicas": table,
         "timelines": {str(r): ivs for r, ivs in rows.items()},
         "slowdown_unattributed_s": unattributed,
-        "checkpoints": sum(1 for e in events if e.get("event") == "checkpoint"),
-        "checkpoint_s": sum(num(e.get("save_s")) or 0.0 for e in events if e.get("event") == "checkpoint"),
+        "checkpoints": sum(1 for e in events if e.event == "checkpoint"),
+        "checkpoint_s": sum(e.save_s or 0.0 for e in events if e.event == "checkpoint"),
         "global": {
             "allocated_s": alloc,
             "useful_s": useful,
@@ -629,7 +619,8 @@ def dp_resilience(
             "failures": len(restores),
             "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
             "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
-            "stall_s": sum(x["down_s"] or 0.0 for x in restores),
+            "stall_s": sum(b - a for a, b, _ in outages),  # Σ down → up, by the state events
+            "restarting_s": sum(r for _, _, r in outages),
         },
         # up while the job computes new steps: a replica running or straggling (a stall leaves none, and
         # recomputing is not up); a slowdown's waiting replicas do not matter, the slowed one computes
@@ -684,23 +675,10 @@ def state_uptime(
 def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, float]]:
     """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
     the next ``syncer-resumed`` (still down at the end: to infinity)."""
-    out, down_at = [], None
-    for e in sorted(
-        (
-            e
-            for e in events or []
-            if e.get("event") in ("syncer-failure", "syncer-kill", "syncer-resumed") and _t(e) is not None
-        ),
-        key=lambda e: _t(e),
-    ):
-        if e["event"] != "syncer-resumed":
-            down_at = _t(e) if down_at is None else down_at
-        elif down_at is not None:
-            out.append((down_at - t0, _t(e) - t0))
-            down_at = None
-    if down_at is not None:
-        out.append((down_at - t0, math.inf))
-    return out
+    return [
+        (r["failed_at_s"] - t0, math.inf if r["resumed_at_s"] is None else r["resumed_at_s"] - t0)
+        for r in syncer_restarts(events)
+    ]
 
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:
@@ -807,9 +785,10 @@ def simulator_knobs(
     if not step_s:
         return {"status": "no prediction (no measured DP step time: DP did not run or logged < 2 steps)"}
     notes = []
-    ckpt = num(((dp_summary or {}).get("chaos") or {}).get("checkpoint_every_steps"))
+    summary = Summary.model_validate(dp_summary or {})
+    ckpt = num((summary.chaos or {}).get("checkpoint_every_steps"))
     if not ckpt:
-        ckpt = int(num((dp_summary or {}).get("steps")) or 1)
+        ckpt = summary.steps or 1
         notes.append(
             f"DP took no checkpoints: checkpoint_every_steps = its {ckpt} steps (the closest valid "
             "setting: the simulator needs a positive interval)"
@@ -931,28 +910,26 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
 _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
-def _took(
-    merge: dict, learner: Any, fragment: Any, step: float | None, base: float | None, attempt: Any = None
-) -> bool:
-    """Whether ``merge`` took the learner's submission of ``fragment`` at local ``step``: a contributor
-    there whose base version (``version`` − 1 − ``stale``) is ``base`` and whose attempt (``attempts``,
-    where recorded) is ``attempt``, each checked when known (a retry resends a step from a newer base)."""
-    if merge.get("fragment") != fragment:
+def _took(x: Merge, learner: Any, c: Corrupt) -> bool:
+    """Whether merge ``x`` took ``learner``'s submission of fragment ``c.fragment`` at local step
+    ``c.step``: a contributor there whose base version (``version`` − 1 − ``stale``) is
+    ``c.base_version`` and whose attempt (where recorded) is ``c.attempt``, each checked when known (a
+    retry resends a step from a newer base)."""
+    if x.fragment != c.fragment:
         return False
-    version, stale, attempts = num(merge.get("version")), merge.get("stale") or [], merge.get("attempts")
-    for i, (who, s) in enumerate(zip(merge.get("contributors") or [], merge.get("local_steps") or [])):
-        if lid(who) != learner or num(s) != step:
+    for i, (who, s) in enumerate(zip(x.contributors, x.local_steps or [])):
+        if lid(who) != learner or s != c.step:
             continue
-        if attempts is not None and attempt is not None and i < len(attempts) and attempts[i] != attempt:
+        if x.attempts is not None and c.attempt is not None and i < len(x.attempts) and x.attempts[i] != c.attempt:
             continue
-        behind = num(stale[i]) if i < len(stale) and not isinstance(stale[i], bool) else None
-        if base is None or version is None or behind is None or version - 1 - behind == base:
+        behind = x.stale[i] if i < len(x.stale) and not isinstance(x.stale[i], bool) else None
+        if c.base_version is None or x.version is None or behind is None or x.version - 1 - behind == c.base_version:
             return True
     return False
 
 
-def _slowed(evs: list[dict]) -> int:
-    return sum(1 for e in evs if e.get("event") == "slowdown" and (num(e.get("factor")) or 1.0) > 1.0)
+def _slowed(evs: list) -> int:
+    return sum(1 for e in evs if isinstance(e, Slowdown | DPEvent) and e.event == "slowdown" and e.factor > 1.0)
 
 
 def schedule_counts(
@@ -968,83 +945,46 @@ def schedule_counts(
     also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
     ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
     ``merged``, ``resent_by_a_later_attempt``)."""
-    t0 = (diloco or {}).get("span", {}).get("start_s")
-    d_end = (diloco or {}).get("span", {}).get("end_s")
-    p_end = (dp or {}).get("span", {}).get("end_s")
-    own = [e for e in events or [] if e.get("source") != "syncer" and e.get("learner") is not None]
-    origins = {}
-    for e in own:
-        if e.get("event") == "start" and num(e.get("origin")) is not None:
-            origins.setdefault(lid(e["learner"]), num(e["origin"]))
+    per = learner_events(events)
+    t0, d_end = ((diloco or {}).get("span") or {}).get("start_s"), ((diloco or {}).get("span") or {}).get("end_s")
+    p_end = ((dp or {}).get("span") or {}).get("end_s")
+    own = [e for evs in per.values() for e in evs]
+    dp_evs = [e for e in parse(DPLine, dp_events) if isinstance(e, DPEvent)]
+    origins = {m: next(o for o in starts) for m, evs in per.items() if (starts := _origins(evs))}
     fallback = min(origins.values()) if origins else t0
 
     def in_diloco(m: Any, at: float | None) -> bool | None:
         o = origins.get(lid(m), fallback)
         return None if o is None or d_end is None or at is None else o + at < d_end
 
-    def in_dp(at: float | None) -> bool | None:
-        return None if p_end is None or at is None else at < p_end
-
-    fails, slows = (schedule.failures, schedule.slowdowns) if schedule else ([], [])
-
     def counts(drawn: list, at: str, fired_d: int, fired_p: int) -> dict:
         return {
             "drawn": len(drawn),
             "diloco_in_span": sum(1 for x in drawn if in_diloco(x.learner, getattr(x, at))),
             "diloco_fired": fired_d if events is not None else None,
-            "dp_in_span": sum(1 for x in drawn if in_dp(getattr(x, at))) if dp else None,
+            "dp_in_span": sum(1 for x in drawn if p_end is not None and getattr(x, at) < p_end) if dp else None,
             "dp_fired": fired_p if dp else None,
         }
 
-    fired = [e for e in own if e.get("event") in ("failure", "kill") and _TIMED.search(str(e.get("reason") or ""))]
+    fails, slows = (schedule.failures, schedule.slowdowns) if schedule else ([], [])
+    fired = sum(1 for e in own if isinstance(e, Failure) and _TIMED.search(e.reason or ""))
     kinds = {k: sum(1 for s in slows if (s.cause or "straggler") == k) for k in ("straggler", "heterogeneity")}
-    out = {
-        "failures": counts(fails, "at_s", len(fired), sum(1 for e in dp_events or [] if e.get("event") == "failure")),
-        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_events or [])), "by_kind": kinds},
+    return {
+        "failures": counts(fails, "at_s", fired, sum(1 for e in dp_evs if e.event == "failure")),
+        "slowdowns": {**counts(slows, "from_s", _slowed(own), _slowed(dp_evs)), "by_kind": kinds},
+        "scavenged": [_scavenged(p, per, t0) for p in schedule.presence] if schedule else [],
+        "corruptions": _corruptions(schedule.corruptions if schedule else [], per, events, merges, t0),
     }
-    out["scavenged"] = [_scavenged(p, own, t0) for p in schedule.presence] if schedule else []
-    out["corruptions"] = _corruptions(schedule.corruptions if schedule else [], own, events, merges, t0)
-    return out
 
 
-def _corruptions(
-    scheduled: list[CorruptEvent],
-    own: list[dict],
-    events: list[dict] | None,
-    merges: list[dict] | None,
-    t0: float | None,
-) -> list[dict]:
-    """Per scheduled corruption (by time): whether it was sent and what became of it."""
-    dropped = [e for e in events or [] if e.get("event") == "dropped"]
-    out, used = [], set()
-    for c in scheduled:
-        m = c.learner
-        ev = next(
-            (
-                e
-                for i, e in enumerate(own)
-                if e.get("event") == "corrupt"
-                and lid(e["learner"]) == m
-                and i not in used
-                and (e.get("kind") in (None, c.corruption))
-            ),
-            None,
-        )
-        row = {"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None}
-        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
-        row["resent_by_a_later_attempt"] = None
-        if ev is not None:
-            used.add(own.index(ev))
-            row.update(_corruption_fate(ev, m, own, dropped, merges, t0))
-        out.append(row)
-    return out
+def _origins(evs: list) -> list[float]:
+    return [e.origin for e in evs if isinstance(e, Start) and e.origin is not None]
 
 
-def _scavenged(p: PresenceEvent, own: list[dict], t0: float | None) -> dict:
+def _scavenged(p: PresenceEvent, per: dict[Any, list], t0: float | None) -> dict:
     """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
     m = p.learner
-    j = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "join"), None)
-    lv = next((_t(e) for e in own if lid(e["learner"]) == m and e.get("event") == "leave"), None)
+    j, lv = (next((e.t for e in per.get(m, []) if e.event == k), None) for k in ("join", "leave"))
     return {
         "learner": m,
         "join_s": p.join_s,
@@ -1054,54 +994,62 @@ def _scavenged(p: PresenceEvent, own: list[dict], t0: float | None) -> dict:
     }
 
 
+def _corruptions(
+    scheduled: list[CorruptEvent],
+    per: dict[Any, list],
+    events: list[dict] | None,
+    merges: list[dict] | None,
+    t0: float | None,
+) -> list[dict]:
+    """Per scheduled corruption (by time): whether it was sent and what became of it."""
+    dropped = [e for e in parse(LearnersLine, events) if e.event == "dropped"]
+    took = None if merges is None else parse(Merge, merges)
+    out, used = [], set()
+    for c in scheduled:
+        m = c.learner
+        mine = [e for e in per.get(m, []) if isinstance(e, Corrupt) and id(e) not in used]
+        ev = next((e for e in mine if e.kind in (None, c.corruption)), None)
+        row = {"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None}
+        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
+        row["resent_by_a_later_attempt"] = None
+        if ev is not None:
+            used.add(id(ev))
+            row.update(_corruption_fate(ev, m, per.get(m, []), dropped, took, t0))
+        out.append(row)
+    return out
+
+
 def _corruption_fate(
-    ev: dict, m: Any, own: list[dict], dropped: list[dict], merges: list[dict] | None, t0: float | None
+    ev: Corrupt, m: Any, mine: list, dropped: list[Dropped], merges: list[Merge] | None, t0: float | None
 ) -> dict:
     """What became of corrupted submission ``ev`` of learner ``m``: dropped (and why), merged, resent."""
-    frag, step = ev.get("fragment"), num(ev.get("step"))
     drop = next(
         (
             d
             for d in dropped
-            if lid(d.get("learner")) == m
-            and d.get("fragment") == frag
-            and (
-                d.get("base_version") is None
-                or ev.get("base_version") is None
-                or d.get("base_version") == ev.get("base_version")
-            )
-            and (_t(d) or 0.0) >= (_t(ev) or 0.0) - 1e-6
+            if lid(d.learner) == m
+            and d.fragment == ev.fragment
+            and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
+            and (d.t or 0.0) >= ev.t - 1e-6
         ),
         None,
     )
-    base, t_c = num(ev.get("base_version")), _t(ev) or 0.0
     # A later attempt that resumed before that step sends the same (fragment, local step) again,
     # possibly from the same base version (nothing merged meanwhile): a merge after its start is
     # that clean copy's.
-    resent = [
-        _t(e)
-        for e in own
-        if e.get("event") == "start"
-        and lid(e["learner"]) == m
-        and (_t(e) or 0.0) > t_c
-        and (num(e.get("step")) or 0) < (step or 0)
-    ]
-    took = [
-        x
-        for x in merges or []
-        if _took(x, m, frag, step, base, ev.get("attempt")) and (num(x.get("merged_at_s")) or 0.0) > t_c
-    ]
-    if all("attempts" in x for x in took):  # merges name each contributor's attempt: exact
+    resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
+    took = [x for x in merges or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
+    if all(x.attempts is not None for x in took):  # merges name each contributor's attempt: exact
         merged = bool(took)
     else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
-        merged = any(not any(t_r < (num(x.get("merged_at_s")) or 0.0) for t_r in resent) for x in took)
+        merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in took)
     return {
         "resent_by_a_later_attempt": bool(resent),
-        "sent_at_s": (_t(ev) - t0) if _t(ev) is not None and t0 is not None else None,
-        "fragment": frag,
-        "step": step,
+        "sent_at_s": ev.t - t0 if t0 is not None else None,
+        "fragment": ev.fragment,
+        "step": ev.step,
         "dropped": drop is not None,
-        "reason": drop.get("reason") if drop else None,
+        "reason": drop.reason if drop else None,
         "merged": merged if merges is not None else None,
     }
 
@@ -1115,7 +1063,20 @@ def diloco_training_start(events: list[dict] | None, summary: dict | None) -> fl
     span = diloco_span(events)
     if span is not None:
         return span["start_s"]
-    return num((summary or {}).get("startup_s")) or 0.0
+    return Summary.model_validate(summary or {}).startup_s or 0.0
+
+
+def _curves(methods: dict[str, dict | None]) -> dict[str, dict]:
+    """:func:`loss_comparison`'s curves: per method with an eval curve its rows and its training start
+    on their clock (DiLoCo: :func:`diloco_training_start`; DP: 0)."""
+    return {
+        m: {
+            "rows": r["curve"],
+            "start_s": diloco_training_start(r.get("events"), r.get("summary")) if m == "diloco" else 0.0,
+        }
+        for m, r in methods.items()
+        if r and r.get("curve")
+    }
 
 
 def resilience_figures(
@@ -1154,37 +1115,19 @@ def resilience_figures(
         else None
     )
     if dp and workers is None:
-        workers = num(((dp.get("summary") or {}).get("hyperparameters") or {}).get("simulated workers"))
+        workers = num(Summary.model_validate(dp.get("summary") or {}).hyperparameters.get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
     knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
 
-    curves = {}
-    if diloco and diloco.get("curve"):
-        curves["diloco"] = {
-            "rows": diloco["curve"],
-            "start_s": d["span"]["start_s"]
-            if d
-            else diloco_training_start(diloco.get("events"), diloco.get("summary")),
-        }
-    if dp and dp.get("curve"):
-        curves["dp"] = {"rows": dp["curve"], "start_s": 0.0}
-    loss = loss_comparison(curves)
+    loss = loss_comparison(_curves({"diloco": diloco, "dp": dp}))
     ref_out = None
     if reference:
-        ref_curves = {}
-        for m in ("diloco", "dp"):
-            r = reference.get(m)
-            if r and r.get("curve"):
-                ref_curves[m] = {
-                    "rows": r["curve"],
-                    "start_s": diloco_training_start(r.get("events"), r.get("summary")) if m == "diloco" else 0.0,
-                }
-        same = loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None
+        ref_curves = _curves({m: reference.get(m) for m in ("diloco", "dp")})
         ref_out = {
             "run_dir": reference.get("run_dir"),
             "methods": list(ref_curves),
-            "at_this_runs_points": same,
+            "at_this_runs_points": loss_comparison(ref_curves, loss["at_s"], loss["at_tokens"]) if ref_curves else None,
             "reference_pair": loss_comparison(ref_curves) if ref_curves else None,
         }
     loss["reference"] = ref_out

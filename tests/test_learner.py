@@ -424,6 +424,12 @@ def test_scheduled_failures_fire_in_order_one_per_attempt():
     )
     starts = [e["step"] for e in events if e["event"] == "start"]
     assert failed_at == [2, 6] and starts == [0, 2, 6]
+    states = [(e["state"], e["attempt"]) for e in events if e["event"] == "state"]
+    assert states == [("up", 1), ("down", 1), ("restarting", 2), ("up", 2), ("down", 2)] + [
+        ("restarting", 3),
+        ("up", 3),
+        ("done", 3),
+    ]
     # Both failures come right after a save (steps 2 and 6), so nothing is redone: 2 + 4 + 4 steps
     # claim the budget of 10.
     assert out["tokens"] == exchange.claimed_tokens == 10 * B * L

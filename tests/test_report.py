@@ -173,6 +173,11 @@ def _make_run(root: Path) -> Path:
             {"event": "start", "learner": 1, "attempt": 2, "t": 12.0, "step": 39},
             {"event": "stop", "learner": 0, "attempt": 1, "t": 20.0, "step": 144, "reason": "budget"},
             {"event": "stop", "learner": 1, "attempt": 2, "t": 20.0, "step": 112, "reason": "budget"},
+            *(
+                {"event": "state", "state": s, "learner": m, "attempt": a, "t": t}
+                for m, s, a, t in [(0, "up", 1, 0.0), (1, "up", 1, 0.1), (1, "down", 1, 8.0), (1, "restarting", 2, 9.0)]
+                + [(1, "up", 2, 12.0), (0, "done", 1, 20.0), (1, "done", 2, 20.0)]
+            ),
             # The syncer appends its own events (a dropped submission) at the end of the run.
             {
                 "event": "dropped",
@@ -375,6 +380,7 @@ def test_downtime_window_is_half_open():
     events = [
         {"event": "failure", "learner": 2, "attempt": 0, "t": 5.0},
         {"event": "start", "learner": 2, "attempt": 1, "t": 9.0},
+        {"event": "state", "state": "up", "learner": 2, "attempt": 1, "t": 9.0},
     ]
     merges = [  # at the failure instant counts, at the restart instant does not
         {"fragment": 0, "merged_at_s": 5.0, "contributors": [0]},
@@ -979,6 +985,11 @@ def _make_figures_run(root: Path) -> Path:
             {"event": "stop", "learner": 0, "attempt": 1, "step": 12, "t": 6.0},
             {"event": "stop", "learner": 1, "attempt": 1, "step": 11, "t": 6.0},
             {"event": "stop", "learner": 2, "attempt": 2, "step": 9, "t": 6.0},
+            *(
+                {"event": "state", "state": s, "learner": m, "attempt": a, "t": t}
+                for m, s, a, t in [(0, "up", 1, 0.0), (1, "up", 1, 0.0), (2, "up", 1, 0.0), (2, "down", 1, 2.5)]
+                + [(2, "up", 2, 3.5), (0, "done", 1, 6.0), (1, "done", 1, 6.0), (2, "done", 2, 6.0)]
+            ),
             {
                 "event": "dropped",
                 "learner": 1,
@@ -1373,10 +1384,12 @@ def test_sigkilled_learner_and_syncer_in_the_report(tmp_path: Path):
     _write(_layout(run).config, cfg)
     path = _layout(run).metrics(PRE, "diloco", "learners")
     rows = [json.loads(x) for x in path.read_text().splitlines()]
-    rows = [r for r in rows if r["event"] != "failure" and r.get("attempt") != 2]
+    rows = [r for r in rows if r["event"] != "failure" and r.get("state") != "down" and r.get("attempt") != 2]
     rows += [
         {"event": "kill", "learner": 1, "attempt": 1, "step": 4, "t": 2.0, "reason": "chaos: SIGKILL at local step 5"},
+        {"event": "state", "state": "down", "learner": 1, "attempt": 1, "t": 2.0},
         {"event": "start", "learner": 1, "attempt": 2, "step": 0, "t": 4.5, "resumed": False},
+        {"event": "state", "state": "up", "learner": 1, "attempt": 2, "t": 4.5},
         {
             "event": "syncer-kill",
             "role": "syncer",

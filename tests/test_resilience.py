@@ -40,6 +40,12 @@ from run.layout import RunLayout
 from tests.conftest import squash
 
 
+def _state(m: int | None, state: str, t: float, attempt: int | None = 1, **more) -> dict:
+    """A state event (run.records.StateEvent) of learner ``m`` (None: the DP job)."""
+    who = {} if m is None else {"learner": m, "attempt": attempt}
+    return {"event": "state", "state": state, **who, "t": t, **more}
+
+
 def _row(res: dict, m: int) -> dict:
     return next(r for r in res["learners"] if r["learner"] == m)
 
@@ -59,6 +65,11 @@ def test_a_learner_down_two_of_ten_seconds_has_80_percent_goodput():
         {"source": "syncer", "event": "liveness", "learner": 0, "alive": False, "t": 4.0},
         {"event": "start", "learner": 0, "attempt": 2, "step": 40, "t": 6.0},
         {"event": "stop", "learner": 0, "attempt": 2, "step": 80, "t": 10.0},
+        _state(0, "up", 0.0),
+        _state(0, "down", 4.0),
+        _state(0, "restarting", 5.0, 2),
+        _state(0, "up", 6.0, 2),
+        _state(0, "done", 10.0, 2),
     ]
     res = diloco_resilience(events, [{"merged_at_s": 8.0, "fragment": 0, "contributors": [0]}])
     r = _row(res, 0)
@@ -95,6 +106,8 @@ def test_a_wait_is_not_useful_and_a_slowed_learner_is():
         {"event": "slowdown", "learner": 0, "attempt": 1, "factor": 2.0, "step": 20, "t": 5.0},
         {"event": "slowdown", "learner": 0, "attempt": 1, "factor": 1.0, "step": 25, "t": 7.0},
         {"event": "stop", "learner": 0, "attempt": 1, "step": 50, "t": 10.0},
+        _state(0, "up", 0.0),
+        _state(0, "done", 10.0),
     ]
     r = _row(diloco_resilience(events), 0)
     assert (r["waiting_s"], r["straggling_s"], r["running_s"]) == pytest.approx((1.5, 2.0, 6.5))
@@ -104,11 +117,15 @@ def test_a_wait_is_not_useful_and_a_slowed_learner_is():
 def test_a_scavenged_learner_is_allocated_only_its_window():
     events = [
         {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 0.0},
+        _state(0, "up", 0.0),
         {"event": "join", "learner": 1, "attempt": 1, "t": 3.0},
         {"event": "start", "learner": 1, "attempt": 1, "step": 0, "t": 3.0},
         {"event": "leave", "learner": 1, "attempt": 1, "step": 40, "t": 7.0},
         {"event": "stop", "learner": 1, "attempt": 1, "step": 40, "t": 7.0},
         {"event": "stop", "learner": 0, "attempt": 1, "step": 100, "t": 10.0},
+        _state(1, "up", 3.0),
+        _state(1, "done", 7.0, reason="left"),
+        _state(0, "done", 10.0),
     ]
     sched = ChaosSchedule(learners=2, events=[PresenceEvent(learner=1, join_s=3.0, leave_s=7.0)])
     res = diloco_resilience(events, [], sched)
@@ -118,7 +135,7 @@ def test_a_scavenged_learner_is_allocated_only_its_window():
     assert r["goodput"] == 1.0
     assert res["global"]["allocated_s"] == 14.0 and res["global"]["goodput"] == 1.0
     # Live, before it joined: nothing allocated yet, absent so far.
-    live = diloco_resilience(events[:1], [], sched, now=2.0)
+    live = diloco_resilience(events[:2], [], sched, now=2.0)
     assert _row(live, 1)["allocated_s"] == 0.0 and _row(live, 1)["goodput"] is None
     assert _row(live, 1)["absent_s"] == 2.0 and _row(live, 0)["running_s"] == 2.0
 
@@ -127,6 +144,8 @@ def test_a_run_in_progress_ends_at_now():
     events = [
         {"event": "start", "learner": 0, "attempt": 1, "step": 0, "t": 1.0},
         {"event": "failure", "learner": 0, "attempt": 1, "step": 12, "t": 3.0, "reason": "x"},
+        _state(0, "up", 1.0),
+        _state(0, "down", 3.0),
     ]
     res = diloco_resilience(events, now=5.0, resume_every_steps=10)
     r = _row(res, 0)
@@ -148,6 +167,8 @@ def test_corrupted_submissions_dropped_and_never_merged():
             "source": "syncer",
         },
         {"event": "stop", "learner": 0, "attempt": 1, "step": 9, "t": 4.0},
+        _state(0, "up", 0.0),
+        _state(0, "done", 4.0),
     ]
     # A retried attempt sending the same local step again from a newer base (version 5 − 1 − 0 = 4) is
     # another submission.
@@ -202,6 +223,7 @@ def test_dp_failure_stall_and_recomputation():
     events = [
         {"event": "failure", "replica": 1, "step": 25, "t": 2.5, "at_s": 2.5, "restart_delay_s": 2.9},
         {"event": "restore", "step": 20, "lost_steps": 5, "t": 5.5, "restore_s": 0.1, "down_s": 3.0},
+        *(_state(None, s, t) for s, t in (("up", 0.0), ("down", 2.5), ("restarting", 5.4), ("up", 5.5))),
     ]
     res = dp_resilience(events, train, workers=2)
     assert res["step_s"] == pytest.approx(0.1) and res["span"]["length_s"] == pytest.approx(8.5)
@@ -222,6 +244,7 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
     events = [
         {"event": "slowdown", "factor": 2.0, "step": 20, "t": 2.0},
         {"event": "slowdown", "factor": 1.0, "step": 40, "t": 6.0},
+        _state(None, "up", 0.0),
     ]
     sched = ChaosSchedule(learners=4, events=[SlowdownEvent(learner=2, factor=2.0, from_s=2.0, to_s=6.0)])
     res = dp_resilience(events, train, workers=4, schedule=sched)
@@ -241,6 +264,7 @@ def test_dp_slowdown_the_other_replicas_wait_for_the_slowest():
         {"event": "slowdown", "factor": 2.0, "step": 1, "t": 0.0},
         {"event": "failure", "replica": 0, "step": 40, "t": 4.0, "at_s": 4.0, "restart_delay_s": 2.0},
         {"event": "restore", "step": 40, "lost_steps": 0, "t": 6.0, "restore_s": 0.0, "down_s": 2.0},
+        *(_state(None, s, t) for s, t in (("up", 0.0), ("down", 4.0), ("up", 6.0))),
     ]
     sched = ChaosSchedule(learners=2, events=[SlowdownEvent(learner=1, factor=2.0, cause="heterogeneity")])
     r0, r1 = dp_resilience(events, train, workers=2, schedule=sched)["replicas"]
@@ -364,6 +388,7 @@ def _hand_made_run(root: Path, chaos: bool = True) -> Path:
             {"event": "failure", "learner": 0, "attempt": 1, "step": 40, "t": 4.0, "reason": "x at 4 s of training"},
             {"event": "start", "learner": 0, "attempt": 2, "step": 40, "t": 6.0, "origin": 0.0},
             {"event": "stop", "learner": 0, "attempt": 2, "step": 80, "t": 10.0},
+            *(_state(0, s, t, a) for s, t, a in (("up", 0.0, 1), ("down", 4.0, 1), ("up", 6.0, 2), ("done", 10.0, 2))),
         ],
     )
     _jsonl(
@@ -383,7 +408,7 @@ def _hand_made_run(root: Path, chaos: bool = True) -> Path:
                 {"learners": 1, "failures": [{"learner": 0, "at_s": 4.0, "restart_delay_s": 2.0, "how": "raise"}]}
             )
         )
-        _jsonl(lay.metrics("pretrain", "dp", "events"), [])
+        _jsonl(lay.metrics("pretrain", "dp", "events"), [{"event": "start", "t": 0.0}, _state(None, "up", 0.0)])
     return root
 
 

@@ -44,6 +44,7 @@ from run.clock import EpochClock, TrainingClock
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter
+from run.records import StateEvent
 from training.checkpoint import latest_step, load_extra, load_meta, save_checkpoint
 from training.common import budget_status, ensure_fresh, model_spec, save_chaos_schedule
 from training.evaluation import EvalCadence, eval_record, final_heldout, heldout_metrics, val_batches
@@ -186,10 +187,12 @@ class DPHost:
         """Begin ``gen``: a first start measures the initial model; a restart restores the newest
         checkpoint (or, with none yet, the initial state at step 0) and logs a ``restore`` event with
         the steps it lost and the seconds the job was down."""
-        self.high = gen.high
+        self.high, self.generation = gen.high, gen.number
         self.cadence.due(gen.high * self.tps)  # the measurements up to it were made before the failure
         if gen.number == 0:  # up: the job's clock since its launch, the hosts' start-up before it
-            self.events({"event": "start", "generation": 0, "t": self.clock()})
+            now = self.clock()
+            self.events({"event": "start", "generation": 0, "t": now})
+            self.events(StateEvent(state="up", t=now, generation=0).line())
             self.measure()
             return
         t = time.monotonic()
@@ -206,6 +209,7 @@ class DPHost:
                 "down_s": now - gen.failed_s if gen.failed_s is not None else None,
             }
         )
+        self.events(StateEvent(state="up", t=now, generation=gen.number).line())
 
     def _restore(self):
         resume_dir = self.layout.job_resume(STAGE, METHOD)
@@ -285,6 +289,7 @@ class DPHost:
         if self.step < self.steps:
             self.measure()
         wall = self.clock()
+        self.events(StateEvent(state="done", t=wall, generation=self.generation).line())
         # whole val and test splits, after the clock stopped: what selection reads and the headline figure
         heldout = final_heldout(self.trainer.evaluate, self.params, self.run_dir, self.cfg.train.eval_batch_size)
         if not self.primary:
@@ -414,6 +419,8 @@ def run_job(
             spent = {*gen.spent, *([f["index"]] if f.get("index") is not None else [])}
             high = max(gen.high, int(f.get("step") or 0))
             events({"event": "failure", "generation": gen.number, **f, "step": high})
+            host = None if f.get("host") is None else str(f["host"])
+            events(StateEvent(state="down", t=f["t"], generation=gen.number, host=host, reason=f.get("reason")).line())
             unscheduled += f.get("index") is None
             if cfg.dp.restarts is not None and unscheduled > cfg.dp.restarts:
                 raise RuntimeError(
@@ -430,6 +437,7 @@ def run_job(
             while clock() < back and not STOP.is_set():  # (a stop: the hosts restore, then stop at once)
                 clock.sleep(min(0.05, back - clock()))
             gen = Generation(gen.number + 1, origin, clock(), tuple(sorted(spent)), f["t"], high)
+            events(StateEvent(state="restarting", t=gen.started_s, generation=gen.number, reason="restart").line())
     finally:
         events.close()
     return {**out.summary, **job_record(run_dir, cfg)}

@@ -51,6 +51,7 @@ from diloco.wire import WireFormat
 from run.control import STOP
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
+from run.records import StateEvent
 from training.checkpoint import OrbaxResumeStore, OrbaxSyncerStore
 from training.common import compilation_cache_dir, ensure_fresh, model_spec, save_chaos_schedule
 from training.decoupled import METHOD, STAGE
@@ -394,7 +395,9 @@ def learner_attempt(cfg: ExperimentConfig, run_dir: str | Path, learner: int, at
         except BaseException as exc:  # failed before its first step: logged as a failure all the same
             why = {"attempt": attempt, "reason": repr(exc), "step": last_step}
             exchange.heartbeat(learner, status="down", **why, pid=os.getpid())
-            log({"event": "failure", "learner": learner, **why, "t": exchange.clock(), "before_start": True})
+            t = exchange.clock()
+            log({"event": "failure", "learner": learner, **why, "t": t, "before_start": True})
+            log(StateEvent(state="down", t=t, learner=learner, attempt=attempt, reason=why["reason"]).line())
             raise
         return run_learner(setup)
     finally:
