@@ -54,13 +54,15 @@ def learner_events(events: list[dict] | None) -> dict[Any, list[Own]]:
 
 def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
     """Each ``failure`` and ``kill`` event with its downtime (until the learner's next ``up`` state
-    event of a later attempt) and the merges during it (docs/report.md, "Learners and syncer"); seconds
-    since training start, in time order."""
+    event of a later attempt; in a log from before state events, its next ``start``) and the merges
+    during it (docs/report.md, "Learners and syncer"); seconds since training start, in time order."""
     timed = [(m.merged_at_s, {lid(c) for c in m.contributors}, str(m.fragment)) for m in parse(Merge, merges)]
     timed = [x for x in timed if x[0] is not None]
     out = []
     for who, evs in learner_events(events).items():
-        ups = [e for e in evs if isinstance(e, StateEvent) and e.state == "up"]
+        states = [e for e in evs if isinstance(e, StateEvent)]
+        # a log from before state events: each start is the moment its up state records (same t)
+        ups = [e for e in states if e.state == "up"] if states else [e for e in evs if isinstance(e, Start)]
         for f in (e for e in evs if isinstance(e, Failure)):
             back = next((u for u in ups if u.t >= f.t and (u.attempt or math.inf) > (f.attempt or 0)), None)
             end = back.t if back is not None else math.inf
