@@ -31,6 +31,7 @@ from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from run.progress import Progress, report as report_progress
+from run.records import StateEvent
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
 from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
 from training.common import budget_status
@@ -269,7 +270,8 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
     """Learner tasks that ended failed without ever reporting to the exchange (a worker that could not
     import the project or start the task; a learner whose set-up raised reports itself): learner →
     the task's final state message, each also logged as a ``failure`` event at step 0
-    (``before_start``, ``source`` flow) in the learners log so the report counts it."""
+    (``before_start``, ``source`` flow) and a ``down`` state event in the learners log so the report
+    counts it."""
     known = exchange.learners()
     out = {
         m: f.state.message or f.state.name
@@ -279,8 +281,10 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
     if out:
         with closing(JsonlWriter(RunLayout(rd).metrics("pretrain", "diloco", "learners"))) as events:
             for m, reason in out.items():
+                t = exchange.clock()
                 event = {"event": "failure", "learner": m, "attempt": 1, "reason": reason, "step": 0}
-                events({**event, "t": exchange.clock(), "before_start": True, "source": "flow"})
+                events({**event, "t": t, "before_start": True, "source": "flow"})
+                events(StateEvent(state="down", t=t, learner=m, attempt=1, reason=reason).line())
     return out
 
 
