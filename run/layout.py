@@ -212,8 +212,8 @@ class RunLayout:
         return self.method_dir(stage, method) / "hosts"
 
     def network(self, stage: str, method: str) -> UPath:
-        """A stage's emulated datacenters (``network.emulate``, ``flows.datacenters``): ``network.json``
-        (what was emulated and the bytes each link carried), the stage's config and the processes' logs."""
+        """A stage's emulated datacenters (``network.emulate``, ``flows.datacenters``): its files are
+        :class:`NetworkFolder`'s."""
         _check_name("method", method)
         return self.stage_dir(stage) / "network" / method  # (made before the method's own folder)
 
@@ -388,6 +388,10 @@ class StudyLayout(_FolderOfRuns):
     def study_md(self) -> Path:
         return self.report / "study.md"
 
+    @property
+    def study_json(self) -> Path:
+        return self.report / "study.json"
+
 
 @dataclass(frozen=True)
 class GoodputLayout:
@@ -416,3 +420,64 @@ class GoodputLayout:
     @property
     def figure(self) -> Path:
         return Path(self.root) / "goodput.png"
+
+
+@dataclass(frozen=True)
+class NetworkFolder:
+    """A stage's emulated datacenters (``RunLayout.network``; ``flows.datacenters``)::
+
+    NET/network.json                 what was emulated and the bytes each link carried
+    NET/datacenters.json             the namespaces and addresses (``run.netem.Datacenters``)
+    NET/config.json                  DiLoCo's stage config (its exchange URL on the hub's S3 server)
+    NET/store.log                    that S3 server's output
+    NET/learner-<m>-attempt-<a>.json, .log   a learner process's summary and output
+    """
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    record = property(lambda self: self.root / "network.json")
+    datacenters = property(lambda self: self.root / "datacenters.json")
+    config = property(lambda self: self.root / "config.json")
+    store_log = property(lambda self: self.root / "store.log")
+
+    def attempt(self, learner: int, attempt: int, suffix: str) -> Path:
+        """Learner ``learner``'s attempt ``attempt``: ``suffix`` ``.json`` its summary, ``.log`` its output."""
+        return self.root / f"learner-{learner}-attempt-{attempt}{suffix}"
+
+
+@dataclass(frozen=True)
+class HostsFolder:
+    """The shared files of a job of host processes (DP with ``dp.hosts`` > 1; ``RunLayout.job_hosts``,
+    ``training.dp_job``) and of its generation ``generation``::
+
+    HOSTS/config.json, progress.json   the job's config; host 0's last step
+    HOSTS/gen-<g>/plan.json            the generation's plan (``training.dp.Generation``)
+    HOSTS/gen-<g>/coordinator          ``HOST:PORT`` of host 0
+    HOSTS/gen-<g>/stop, abort          ``{"at_step": S}``; the launcher ends the generation
+    HOSTS/gen-<g>/failed-<r>.json      host r's scheduled failure
+    HOSTS/gen-<g>/summary.json, host-<r>.log   host 0's summary; host r's output
+    """
+
+    root: Path
+    generation: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    config = property(lambda self: self.root / "config.json")
+    progress = property(lambda self: self.root / "progress.json")
+    gen = property(lambda self: self.root / f"gen-{self.generation}")
+    plan = property(lambda self: self.gen / "plan.json")
+    coordinator = property(lambda self: self.gen / "coordinator")
+    stop = property(lambda self: self.gen / "stop")
+    abort = property(lambda self: self.gen / "abort")
+    summary = property(lambda self: self.gen / "summary.json")
+
+    def failed(self, rank: int) -> Path:
+        return self.gen / f"failed-{rank}.json"
+
+    def log(self, rank: int) -> Path:
+        return self.gen / f"host-{rank}.log"

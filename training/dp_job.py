@@ -14,11 +14,7 @@ to stop at, written by the launcher, so that all of them leave the SPMD loop at 
 Gloo connects to the address its host's name resolves to: on a cluster, each node's host name must
 resolve to an address the other nodes reach (an emulated datacenter sets it: ``run.netem``).
 
-Files (``RUN/pretrain/dp/hosts/``, :class:`HostFiles`): ``config.json`` (the job's config),
-``progress.json`` (host 0's last step), and per generation ``gen-<g>/``: ``plan.json``
-(``training.dp.Generation``), ``coordinator`` (``HOST:PORT``), ``stop`` (``{"at_step": S}``),
-``abort`` (the launcher ends the generation: agents SIGKILL their hosts), ``failed-<r>.json`` (a
-host's scheduled failure), ``summary.json`` (host 0's) and ``host-<r>.log`` (a host's output).
+Files: ``RUN/pretrain/dp/hosts/`` (:class:`HostFiles`, laid out by ``run.layout.HostsFolder``).
 """
 
 from __future__ import annotations
@@ -35,28 +31,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from run.atomic import write_json
-from run.layout import RunLayout
+from run.layout import HostsFolder, NetworkFolder, RunLayout
 from run.processes import INJECTED_EXIT, python_module, run_watched
 
 COORDINATOR_WAIT_S = 300.0  # how long hosts 1.. wait for host 0's address (and jax.distributed for all)
 
 
-class HostFiles:
-    """The paths of the job's host files (module docstring) in ``run_dir``, of ``generation``."""
+class HostFiles(HostsFolder):
+    """The DP job's host files in ``run_dir``, of ``generation`` (``run.layout.HostsFolder``)."""
 
     def __init__(self, run_dir: str | Path, generation: int = 0):
-        self.root = Path(RunLayout(run_dir).job_hosts("pretrain", "dp"))
-        self.config = self.root / "config.json"
-        self.progress = self.root / "progress.json"
-        self.gen = self.root / f"gen-{generation}"
-        self.plan, self.coordinator = self.gen / "plan.json", self.gen / "coordinator"
-        self.stop, self.abort, self.summary = self.gen / "stop", self.gen / "abort", self.gen / "summary.json"
-
-    def failed(self, rank: int) -> Path:
-        return self.gen / f"failed-{rank}.json"
-
-    def log(self, rank: int) -> Path:
-        return self.gen / f"host-{rank}.log"
+        super().__init__(Path(RunLayout(run_dir).job_hosts("pretrain", "dp")), generation)
 
     def step(self) -> int:
         """Host 0's last completed step (0 before its first)."""
@@ -180,7 +165,7 @@ def run_agent(run_dir: str | Path, rank: int, generation: int, poll_s: float = 0
     out: dict = {"rank": rank, "returncode": None, "failure": None, "summary": None}
     if files.abort.exists():  # an engine re-ran this agent after the generation ended
         return out
-    dcs = Path(RunLayout(run_dir).network("pretrain", "dp")) / "datacenters.json"
+    dcs = NetworkFolder(RunLayout(run_dir).network("pretrain", "dp")).datacenters
     wrap = None
     if dcs.exists():
         from run.netem import Datacenters

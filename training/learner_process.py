@@ -8,9 +8,8 @@ fragment, heartbeat and published Θ crosses its datacenter's link. A scheduled 
 exit code 3 and a SIGKILL kills it; either way the task raises and Prefect's retries
 (``diloco.learner_retries``) start a new process, which resumes from the learner's resume point.
 
-Files (``RUN/pretrain/diloco/network/``, ``run.layout.RunLayout.network``): ``config.json`` (the
-stage's config: its exchange URL), ``datacenters.json`` (``run.netem.Datacenters``) and per attempt
-``learner-<m>-attempt-<a>.json`` (its summary) and ``.log`` (its output).
+Files: ``RUN/pretrain/diloco/network/`` (``run.layout.NetworkFolder``): the stage's config, the
+datacenters, and per attempt its summary and output.
 """
 
 from __future__ import annotations
@@ -24,12 +23,12 @@ import sys
 from pathlib import Path
 
 from run.atomic import write_json
-from run.layout import RunLayout
+from run.layout import NetworkFolder, RunLayout
 from run.processes import INJECTED_EXIT, exit_reason, python_module, run_watched
 
 
-def _folder(run_dir: str | Path) -> Path:
-    return Path(RunLayout(run_dir).network("pretrain", "diloco"))
+def _folder(run_dir: str | Path) -> NetworkFolder:
+    return NetworkFolder(RunLayout(run_dir).network("pretrain", "diloco"))
 
 
 def learner_main(argv: list[str] | None = None) -> int:
@@ -45,13 +44,13 @@ def learner_main(argv: list[str] | None = None) -> int:
     from training.decoupled.setup import learner_attempt
 
     folder = _folder(args.run_dir)
-    cfg = stored_config(json.loads((folder / "config.json").read_text()))
+    cfg = stored_config(json.loads(folder.config.read_text()))
     try:
         out = learner_attempt(cfg, args.run_dir, args.learner, args.attempt)
     except InjectedFailure as exc:
         print(f"learner {args.learner}: {exc}", file=sys.stderr, flush=True)
         os._exit(INJECTED_EXIT)
-    write_json(folder / f"learner-{args.learner}-attempt-{args.attempt}.json", out)
+    write_json(folder.attempt(args.learner, args.attempt, ".json"), out)
     return 0
 
 
@@ -63,13 +62,13 @@ def learner_in_datacenter(run_dir: str | Path, learner: int, attempt: int) -> di
     from run.netem import Datacenters
 
     folder = _folder(run_dir)
-    dcs = Datacenters.load(folder / "datacenters.json")
+    dcs = Datacenters.load(folder.datacenters)
     args = [Path(run_dir).absolute(), "--learner", learner, "--attempt", attempt]
     argv = python_module("training.learner_process", args, functools.partial(dcs.wrap, learner))
-    log = folder / f"learner-{learner}-attempt-{attempt}.log"
+    log = folder.attempt(learner, attempt, ".log")
     code = run_watched(argv, log)
     if code == 0:
-        return json.loads((folder / f"learner-{learner}-attempt-{attempt}.json").read_text())
+        return json.loads(folder.attempt(learner, attempt, ".json").read_text())
     why = f"learner {learner} (attempt {attempt}, datacenter {dcs.addresses[learner]}): {exit_reason(code, log)}"
     if code == INJECTED_EXIT:
         raise InjectedFailure(why)
