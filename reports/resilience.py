@@ -22,7 +22,6 @@ from run.records import (
     Corrupt,
     DPEvent,
     DPLine,
-    Dropped,
     Failure,
     LearnersLine,
     Merge,
@@ -53,10 +52,7 @@ Interval = dict  # {"state", "start", "end"} (+ "why"), seconds since the method
 
 
 def _iv(state: str, a: float, b: float, why: str | None = None) -> Interval:
-    out = {"state": state, "start": a, "end": b}
-    if why is not None:
-        out["why"] = why
-    return out
+    return {"state": state, "start": a, "end": b} | ({} if why is None else {"why": why})
 
 
 def merge_adjacent(intervals: list[Interval]) -> list[Interval]:
@@ -110,8 +106,7 @@ def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
 
 
 def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, float]:
-    """Seconds per state (every state of :data:`STATES`, 0 when absent); ``why``: also
-    ``<state>/<why>`` entries."""
+    """Seconds per state (every state of :data:`STATES`, 0 when absent); ``why``: also ``<state>/<why>``."""
     out = {s: 0.0 for s in STATES}
     for iv in intervals:
         d = iv["end"] - iv["start"]
@@ -138,9 +133,8 @@ AS_INTERVAL = {
 
 
 def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
-    """The training span on the run clock: ``start_s`` = the first learner ``up`` state event,
-    ``end_s`` = ``now`` when given, else the last learner event (a ``wait`` counts to its end). None
-    before any learner was up (or for a run that predates state events). ``length_s`` = end − start (s)."""
+    """The training span on the run clock (s): from the first learner ``up`` state event to ``now``, else
+    to the last learner event (a ``wait`` counts to its end); None before any learner was up."""
     per = learner_events(events)
     ups = [e.t for evs in per.values() for e in evs if isinstance(e, StateEvent) and e.state == "up"]
     if not ups:
@@ -151,16 +145,9 @@ def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | N
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
-def _windows(schedule: ChaosSchedule | None) -> dict[Any, tuple[float, float | None]]:
-    return {p.learner: (p.join_s, p.leave_s) for p in (schedule.presence if schedule else [])}
-
-
 def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
-    """One learner's intervals on the run clock from its state events (docs/report.md): ``up`` running
-    (straggling while a slowdown is on), ``down`` and ``restarting`` down, ``done`` waiting (absent once
-    a scavenged learner left); down (start-up) before its first ``up``, absent before a scavenged
-    learner joins; each ``wait`` is waiting. Also its allocation ``{"start_s", "end_s"}`` (run clock;
-    None when a scavenged learner has not joined yet)."""
+    """One learner's intervals on the run clock from its events (docs/report.md, :data:`AS_INTERVAL`) and
+    its allocation ``{"start_s", "end_s"}`` (None when a scavenged learner has not joined yet)."""
     was_up = any(isinstance(e, StateEvent) and e.state == "up" for e in evs)
     joined = next((e.t for e in evs if isinstance(e, Presence) and e.event == "join"), None)
     state = ("absent", None) if scavenged and (joined is not None or not was_up) else ("down", "start-up")
@@ -238,8 +225,7 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
 
 
 def _attempts(evs: list[Own]) -> list[dict]:
-    """A learner's attempts: per ``start``, its ``attempt``, start step and the inner steps it took
-    (the step of the attempt's last event − the start's step; recomputed steps included)."""
+    """Per ``start``: its ``attempt``, ``from_step`` and the inner ``steps`` it took (recomputed included)."""
     out: list[dict] = []
     for e in evs:
         s = getattr(e, "step", None)
@@ -251,12 +237,11 @@ def _attempts(evs: list[Own]) -> list[dict]:
 
 
 def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None, scav: bool, **k) -> dict:
-    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`): its seconds per state
-    inside its allocation, the ``restarting_s`` part of its down time, lost work and goodput."""
+    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`)."""
     t0, failures = k["t0"], k["failures"]
     inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
     secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
-    lost = lost_work(evs, ivs, k["resume_every_steps"])
+    lost = lost_work(evs, ivs, k["resume"])
     allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
     busy = secs["running"] + secs["straggling"]
     lost_s = min(sum(r["lost_s"] for r in lost), busy)
@@ -289,8 +274,7 @@ def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None
 
 
 def state_intervals(states: list[StateEvent], end: float) -> list[tuple[str, float, float]]:
-    """(state, start, end) from each state event to the next (the last: to ``end``), run-clock
-    seconds; a repeated state continues its interval."""
+    """(state, start, end) from each state event to the next (the last: to ``end``); a repeat continues."""
     out: list[tuple[str, float, float]] = []
     for e, nxt in zip(states, [*states[1:], None]):
         b = nxt.t if nxt is not None else max(end, e.t)
@@ -308,21 +292,17 @@ def diloco_resilience(
     now: float | None = None,
     resume_every_steps: int | None = None,
 ) -> dict | None:
-    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md);
-    None before any learner was up, or for a run that predates state events. ``now``: the run clock's
-    present, for a run in progress. Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per
-    learner: ``allocated_s``, seconds per state, ``restarting_s`` (of its down seconds),
-    ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
-    ``merged_again_after_restart`` (every restarted attempt that took a step was merged again
-    afterwards; None without such a restart), ``steps_taken``, ``s_per_step``, ``scavenged``,
-    ``window`` [join, leave] in span seconds, ``lost``), ``global`` (Σ useful / Σ allocated),
-    ``timelines`` (learner → intervals in seconds since the span start) and ``uptime``
-    (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
+    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md); None
+    before any learner was up. ``now``: the run clock's present, for a run in progress. Returns ``span``
+    (:func:`diloco_span`), ``learners`` (per learner: seconds per state, ``lost_work_s``, ``useful_s``,
+    ``goodput``, failures, restarts, ``window`` [join, leave] in span seconds, ``lost``: :func:`lost_work`),
+    ``global`` (Σ useful / Σ allocated), ``timelines`` (learner → intervals in seconds since the span
+    start) and ``uptime`` (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
     span = diloco_span(events, now)
     if span is None:
         return None
     t0, t1 = span["start_s"], span["end_s"]
-    per, windows = learner_events(events), _windows(schedule)
+    per, windows = learner_events(events), {p.learner for p in (schedule.presence if schedule else [])}
     failures = learner_failures(events or [], merges or [])
     for m in range(schedule.learners if schedule else 0):  # scheduled, nothing logged yet
         per.setdefault(m, [])
@@ -330,11 +310,7 @@ def diloco_resilience(
     for m, evs in per.items():
         scav = m in windows or any(isinstance(e, Presence) for e in evs)
         ivs, alloc = learner_timeline(evs, t0, t1, scav)
-        rows.append(
-            _learner_row(
-                m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume_every_steps=resume_every_steps
-            )
-        )
+        rows.append(_learner_row(m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume=resume_every_steps))
         timelines[str(m)] = _since(ivs, t0)
     alloc_sum = sum(r["allocated_s"] for r in rows)
     useful_sum = sum(r["useful_s"] for r in rows)
@@ -366,31 +342,29 @@ def _dp_rows(train: list[dict] | None) -> list[tuple[int, float]]:
     return sorted(((r.step, r.t) for r in parse(TrainRow, train) if r.t is not None), key=lambda x: x[1])
 
 
+def _factor_at(factors: list[tuple[float, float]], t: float) -> float:
+    return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
+
+
 def dp_step_time(train: list[dict] | None, events: list[DPEvent] = ()) -> float | None:
-    """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
-    no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
-    the median over all pairs when no pair is clean; None with fewer than two rows."""
+    """DP's step time (s): the median Δt / Δstep over consecutive ``train.jsonl`` rows with no DP event
+    between them and no slowdown in force (else over all pairs); None with fewer than two rows."""
     rows = _dp_rows(train)
     factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]
-
-    def factor_at(t: float) -> float:
-        return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
-
     clean, every = [], []
     for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
         if s2 <= s1 or t2 <= t1:
             continue
         every.append((t2 - t1) / (s2 - s1))
-        if not any(t1 < e.t <= t2 for e in events) and factor_at(t1) == 1.0:
+        if not any(t1 < e.t <= t2 for e in events) and _factor_at(factors, t1) == 1.0:
             clean.append(every[-1])
     pick = clean or every
     return statistics.median(pick) if pick else None
 
 
 def dp_span(train: list[dict] | None, lines: list, now: float | None = None) -> dict | None:
-    """DP's training span on its own clock: from the job's first ``up`` state event (its hosts up: as a
-    DiLoCo span starts at its first learner up) to ``now``, else to its last ``train.jsonl`` row or
-    event (whichever is later); None without state events (a run that predates them)."""
+    """DP's training span on its own clock: from the job's first ``up`` state event to ``now``, else to
+    its last ``train.jsonl`` row or event; None without state events."""
     ups = [e.t for e in lines if isinstance(e, StateEvent) and e.state == "up"]
     if not ups:
         return None
@@ -404,8 +378,7 @@ _RESTORED = "restored_at_s restored_step lost_steps restore_s down_s recomputed_
 def _recomputed_until(
     rows: list[tuple[int, float]], t_r: float, back: int, high: int, nxt: DPEvent | None, limit: float, step_s
 ) -> float:
-    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``
-    (DP clock, s): measured by the first row past it, else estimated at ``step_s`` a step."""
+    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``."""
     if back >= high:
         return t_r
     past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
@@ -455,8 +428,7 @@ def _restores(events: list[DPEvent], rows: list[tuple[int, float]], step_s: floa
 
 
 def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
-    """(start, end, restarting seconds) of each stretch the DP job was not up: from a ``down`` state
-    event to the next ``up`` (or ``end``), through ``restarting``; DP clock, seconds."""
+    """(start, end, restarting seconds) of each stretch from a ``down`` state event to the next ``up``."""
     out: list[list[float]] = []
     for s, a, b in state_intervals(sorted((e for e in lines if isinstance(e, StateEvent)), key=lambda e: e.t), end):
         if s not in ("down", "restarting"):
@@ -468,8 +440,7 @@ def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
 
 
 def _stalls(outages: list, fails: list[DPEvent], W: int) -> list[tuple[float, float, int]]:
-    """(start, end, row) of each stall: an outage split at each failure met meanwhile, that replica
-    down from it (a failure met while down, scheduled before the job noticed the first, from then)."""
+    """(start, end, row) of each stall: an outage split at each failure met meanwhile (its replica down)."""
     out, prev = [], -math.inf
     for a, b, _ in outages:
         inside = [f for f in fails if (a <= f.t or (f.while_down and prev <= f.t)) and f.t < b]
@@ -502,35 +473,27 @@ def _dp_timelines(
     W: int,
 ) -> tuple[dict[int, list[Interval]], float]:
     """DP's rows (replica → intervals) and the slowdown seconds the schedule does not attribute."""
-    end = span["end_s"]
+    end, slows = span["end_s"], schedule.slowdowns if schedule else []
     # Elementary pieces between every change of state, so that each slowdown share lies in its piece.
-    cuts = (
-        {0.0, end}
-        | {t for t, _ in factors}
-        | {t for a, b, _ in stalls for t in (a, b)}
-        | {t for a, b in recomputes for t in (a, b)}
-        | {span["start_s"]}
+    cuts = {0.0, end, span["start_s"]} | {t for t, _ in factors} | {t for x in (*stalls, *recomputes) for t in x[:2]}
+    cuts = sorted(
+        t
+        for t in cuts | {t for e in slows for t in (e.from_s, e.to_s)}
+        if t is not None and span["start_s"] <= t <= end
     )
-    for e in schedule.slowdowns if schedule else []:
-        cuts |= {t for t in (e.from_s, e.to_s) if t is not None}
-    cuts = sorted(t for t in cuts if span["start_s"] <= t <= end)
     rows: dict[int, list[Interval]] = {r: [] for r in range(W)}
     unattributed = 0.0
     for a, b in zip(cuts, cuts[1:]):
-        mid = (a + b) / 2
+        mid, f = (a + b) / 2, _factor_at(factors, (a + b) / 2)
         stall = next((x for x in stalls if x[0] <= mid < x[1]), None)
         if stall is not None:  # the whole job is down: the failed replica down, the others waiting
             for r in rows:
                 rows[r].append(_iv("down", a, b, "failure") if r == stall[2] else _iv("waiting", a, b, "stall"))
             continue
-        if any(x0 <= mid < x1 for x0, x1 in recomputes):
+        recomputing = any(x0 <= mid < x1 for x0, x1 in recomputes)
+        if recomputing or f <= 1.0:
             for r in rows:
-                rows[r].append(_iv("recomputing", a, b))
-            continue
-        f = next((fv for ft, fv in reversed(factors) if ft <= mid), 1.0)
-        if f <= 1.0:
-            for r in rows:
-                rows[r].append(_iv("running", a, b))
+                rows[r].append(_iv("recomputing" if recomputing else "running", a, b))
             continue
         g = {r: _episode_factor(schedule, r, W, mid) for r in rows}
         if max(g.values()) < f:  # the schedule does not say who: row 0 is the slowed one
@@ -644,10 +607,9 @@ def state_uptime(
     down: list[tuple[float, float]] = (),
     up_states: tuple[str, ...] = USEFUL,
 ) -> dict:
-    """Share of [0, ``length_s``] in which at least one row of ``timelines`` was in ``up_states`` and
-    no interval of ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (≥ 1
-    learner running, ``sim.jobs.quorum_sweep``). Returns ``uptime`` (None for an empty span),
-    ``up_s``, ``down_s`` and ``outages`` ([start, end] of each interval with nothing up, seconds)."""
+    """Share of [0, ``length_s``] in which a row of ``timelines`` was in ``up_states`` and no interval of
+    ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (``sim.jobs.quorum_sweep``).
+    Returns ``uptime`` (None for an empty span), ``up_s``, ``down_s`` and ``outages`` ([start, end], s)."""
     ups = sorted(
         (iv["start"], iv["end"])
         for ivs in timelines.values()
@@ -673,8 +635,7 @@ def state_uptime(
 
 
 def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, float]]:
-    """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
-    the next ``syncer-resumed`` (still down at the end: to infinity)."""
+    """The syncer's outages (s since ``t0``): each failure or kill to the next resume (else infinity)."""
     return [
         (r["failed_at_s"] - t0, math.inf if r["resumed_at_s"] is None else r["resumed_at_s"] - t0)
         for r in syncer_restarts(events)
@@ -683,45 +644,28 @@ def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, fl
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:
     """Share of the span in which the global model advanced (docs/report.md, "Merge cadence"); seconds.
-
-    ``advances``: the times it advanced (merges; DP steps past the high-water mark); ``uptime`` =
-    1 − Σ (stall − median) / (end − first advance), ``uptime_span`` the same over end − start. Returns
-    ``uptime`` (None with fewer than two advances; 0 with none), ``uptime_span``, ``stalled_s``,
-    ``median_gap_s``, ``threshold_s`` (= factor × median), ``stalls`` ([start, end] of each),
-    ``longest_stall_s`` and ``longest_stall_at_s`` (the longest gap after the first advance, stall or
-    not), ``startup_s``, ``advances``, ``span_s``."""
+    ``advances``: the times it advanced (merges; DP steps past the high-water mark). ``uptime`` = 1 −
+    Σ (stall − median) / (end − first advance) (None with fewer than two advances; 0 with none),
+    ``uptime_span`` the same over end − start; also ``stalls`` ([start, end] of gaps over ``factor`` ×
+    the median), ``longest_stall_s``/``_at_s`` (the longest gap, stall or not) and ``startup_s``."""
     span = end - start
     ts = sorted(t for t in advances if start <= t <= end)
-    out = {
-        "uptime": None,
-        "uptime_span": None,
-        "stalled_s": None,
-        "median_gap_s": None,
-        "threshold_s": None,
-        "factor": factor,
+    out = dict.fromkeys(("uptime", "uptime_span", "stalled_s", "median_gap_s", "threshold_s")) | {"factor": factor}
+    out |= {
         "stalls": [],
         "longest_stall_s": None,
         "longest_stall_at_s": None,
-        "startup_s": (ts[0] - start) if ts else None,
-        "advances": len(ts),
-        "span_s": span,
+        "startup_s": ts[0] - start if ts else None,
     }
+    out |= {"advances": len(ts), "span_s": span}
     if span <= 0:
         return out
-    if not ts:
-        out.update(
-            uptime=0.0,
-            uptime_span=0.0,
-            stalled_s=span,
-            stalls=[[start, end]],
-            longest_stall_s=span,
-            longest_stall_at_s=start,
-        )
-        return out
-    bounds = ts + [end]
-    gaps = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    gaps = list(zip(ts, ts[1:] + [end])) or [(start, end)]  # no advance: the whole span is one stall
     a, b = max(gaps, key=lambda g: g[1] - g[0])
     out["longest_stall_s"], out["longest_stall_at_s"] = b - a, a
+    if not ts:
+        out.update(uptime=0.0, uptime_span=0.0, stalled_s=span, stalls=[[start, end]])
+        return out
     inner = [b - a for a, b in zip(ts, ts[1:])]
     if not inner:
         return out
@@ -747,8 +691,7 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 
 
 def _plan(config: ExperimentConfig | None, schedule: ChaosSchedule | None) -> ChaosPlan | None:
-    """The chaos plan the run's schedule was drawn from: ``chaos.schedule``, or for a replay the
-    plan saved with the replayed schedule (``pretrain/chaos.json``'s ``plan``); None otherwise."""
+    """The chaos plan the schedule was drawn from: ``chaos.schedule``, else the one a replay saved."""
     if config is not None and config.chaos.schedule is not None:
         return config.chaos.schedule
     saved = schedule.plan if schedule else None
@@ -828,12 +771,11 @@ def simulator_prediction(
     resume_every_steps: int | None = None,
 ) -> dict:
     """The simulator's goodput and uptime (fractions, with 95 % half-widths) for ``knobs``
-    (:func:`simulator_knobs`), from ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
-    "uptime", "uptime_ci"}}`` (the caller's simulator; None: status "not computed"), and
-    ``diloco_rollback`` when ``resume_every_steps`` is known (docs/report.md)."""
-    if knobs.get("status") != "ok":
-        return {**knobs, "predicted": {}}
+    (:func:`simulator_knobs`) by ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci", "uptime",
+    "uptime_ci"}}`` (None: not computed), and ``diloco_rollback`` given ``resume_every_steps``."""
     out = {**knobs, "predicted": {}}
+    if knobs.get("status") != "ok":
+        return out
     if predict is None:
         out["status"] = "not computed (the report was built without the simulator; `ddiloco report RUN` runs it)"
         return out
@@ -857,13 +799,11 @@ def simulator_prediction(
 def curve_points(rows: list[dict] | None, x_key: str, start_s: float = 0.0) -> list[tuple[float, float]]:
     """(x, held-out loss) of an eval curve: x = ``tokens``, or ``wall_s`` − ``start_s`` (seconds since
     the method's training start) for ``x_key`` "wall_s"; sorted by x, non-finite losses dropped."""
-    pts = []
-    for r in rows or []:
-        x, y = num(r.get(x_key)), num(r.get("val/loss"))
-        if x is None or y is None or not math.isfinite(y):
-            continue
-        pts.append((x - start_s if x_key == "wall_s" else x, y))
-    return sorted(pts, key=lambda p: p[0])
+    pts = [(num(r.get(x_key)), num(r.get("val/loss"))) for r in rows or []]
+    shift = start_s if x_key == "wall_s" else 0
+    return sorted(
+        ((x - shift, y) for x, y in pts if x is not None and y is not None and math.isfinite(y)), key=lambda p: p[0]
+    )
 
 
 def interpolate(points: list[tuple[float, float]], x: float | None) -> float | None:
@@ -911,10 +851,8 @@ _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
 def _took(x: Merge, learner: Any, c: Corrupt) -> bool:
-    """Whether merge ``x`` took ``learner``'s submission of fragment ``c.fragment`` at local step
-    ``c.step``: a contributor there whose base version (``version`` − 1 − ``stale``) is
-    ``c.base_version`` and whose attempt (where recorded) is ``c.attempt``, each checked when known (a
-    retry resends a step from a newer base)."""
+    """Whether merge ``x`` took ``learner``'s submission ``c``: same fragment and local step, and where known
+    the same base version (``version`` − 1 − ``stale``) and attempt (a retry resends from a newer base)."""
     if x.fragment != c.fragment:
         return False
     for i, (who, s) in enumerate(zip(x.contributors, x.local_steps or [])):
@@ -950,7 +888,11 @@ def schedule_counts(
     p_end = ((dp or {}).get("span") or {}).get("end_s")
     own = [e for evs in per.values() for e in evs]
     dp_evs = [e for e in parse(DPLine, dp_events) if isinstance(e, DPEvent)]
-    origins = {m: next(o for o in starts) for m, evs in per.items() if (starts := _origins(evs))}
+    origins = {
+        m: o[0]
+        for m, evs in per.items()
+        if (o := [e.origin for e in evs if isinstance(e, Start) and e.origin is not None])
+    }
     fallback = min(origins.values()) if origins else t0
 
     def in_diloco(m: Any, at: float | None) -> bool | None:
@@ -977,21 +919,13 @@ def schedule_counts(
     }
 
 
-def _origins(evs: list) -> list[float]:
-    return [e.origin for e in evs if isinstance(e, Start) and e.origin is not None]
-
-
 def _scavenged(p: PresenceEvent, per: dict[Any, list], t0: float | None) -> dict:
     """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
-    m = p.learner
-    j, lv = (next((e.t for e in per.get(m, []) if e.event == k), None) for k in ("join", "leave"))
-    return {
-        "learner": m,
-        "join_s": p.join_s,
-        "leave_s": p.leave_s,
-        "joined_at_s": j - t0 if j is not None and t0 is not None else None,
-        "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
-    }
+    at = [
+        next((e.t - t0 for e in per.get(p.learner, []) if e.event == k and t0 is not None), None)
+        for k in ("join", "leave")
+    ]
+    return {"learner": p.learner, "join_s": p.join_s, "leave_s": p.leave_s, "joined_at_s": at[0], "left_at_s": at[1]}
 
 
 def _corruptions(
@@ -1001,74 +935,61 @@ def _corruptions(
     merges: list[dict] | None,
     t0: float | None,
 ) -> list[dict]:
-    """Per scheduled corruption (by time): whether it was sent and what became of it."""
+    """Per scheduled corruption (by time): whether it was sent, dropped (and why), merged, resent."""
     dropped = [e for e in parse(LearnersLine, events) if e.event == "dropped"]
     took = None if merges is None else parse(Merge, merges)
     out, used = [], set()
     for c in scheduled:
-        m = c.learner
-        mine = [e for e in per.get(m, []) if isinstance(e, Corrupt) and id(e) not in used]
-        ev = next((e for e in mine if e.kind in (None, c.corruption)), None)
-        row = {"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None}
-        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
-        row["resent_by_a_later_attempt"] = None
-        if ev is not None:
-            used.add(id(ev))
-            row.update(_corruption_fate(ev, m, per.get(m, []), dropped, took, t0))
-        out.append(row)
+        m, mine = c.learner, per.get(c.learner, [])
+        ev = next(
+            (e for e in mine if isinstance(e, Corrupt) and id(e) not in used and e.kind in (None, c.corruption)), None
+        )
+        out.append({"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None})
+        out[-1] |= dict.fromkeys(
+            ("sent_at_s", "fragment", "step", "dropped", "reason", "merged", "resent_by_a_later_attempt")
+        )
+        if ev is None:
+            continue
+        used.add(id(ev))
+        drop = next(
+            (
+                d
+                for d in dropped
+                if lid(d.learner) == m
+                and d.fragment == ev.fragment
+                and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
+                and (d.t or 0.0) >= ev.t - 1e-6
+            ),
+            None,
+        )
+        # A later attempt that resumed before that step sends the same (fragment, local step) again,
+        # possibly from the same base version (nothing merged meanwhile): a merge after its start is
+        # that clean copy's.
+        resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
+        hits = [x for x in took or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
+        if all(x.attempts is not None for x in hits):  # merges name each contributor's attempt: exact
+            merged = bool(hits)
+        else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
+            merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in hits)
+        out[-1].update(sent_at_s=ev.t - t0 if t0 is not None else None, fragment=ev.fragment, step=ev.step)
+        out[-1].update(
+            dropped=drop is not None, reason=drop.reason if drop else None, resent_by_a_later_attempt=bool(resent)
+        )
+        out[-1]["merged"] = merged if took is not None else None
     return out
-
-
-def _corruption_fate(
-    ev: Corrupt, m: Any, mine: list, dropped: list[Dropped], merges: list[Merge] | None, t0: float | None
-) -> dict:
-    """What became of corrupted submission ``ev`` of learner ``m``: dropped (and why), merged, resent."""
-    drop = next(
-        (
-            d
-            for d in dropped
-            if lid(d.learner) == m
-            and d.fragment == ev.fragment
-            and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
-            and (d.t or 0.0) >= ev.t - 1e-6
-        ),
-        None,
-    )
-    # A later attempt that resumed before that step sends the same (fragment, local step) again,
-    # possibly from the same base version (nothing merged meanwhile): a merge after its start is
-    # that clean copy's.
-    resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
-    took = [x for x in merges or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
-    if all(x.attempts is not None for x in took):  # merges name each contributor's attempt: exact
-        merged = bool(took)
-    else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
-        merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in took)
-    return {
-        "resent_by_a_later_attempt": bool(resent),
-        "sent_at_s": ev.t - t0 if t0 is not None else None,
-        "fragment": ev.fragment,
-        "step": ev.step,
-        "dropped": drop is not None,
-        "reason": drop.reason if drop else None,
-        "merged": merged if merges is not None else None,
-    }
 
 
 # --- everything ----------------------------------------------------------------------------------
 
 
 def diloco_training_start(events: list[dict] | None, summary: dict | None) -> float:
-    """A DiLoCo run's training start on the run clock: its first learner ``start``, else the
-    summary's ``startup_s``, else 0."""
+    """A DiLoCo run's training start on the run clock: its span's start, else the summary's ``startup_s``, else 0."""
     span = diloco_span(events)
-    if span is not None:
-        return span["start_s"]
-    return Summary.model_validate(summary or {}).startup_s or 0.0
+    return span["start_s"] if span is not None else Summary.model_validate(summary or {}).startup_s or 0.0
 
 
 def _curves(methods: dict[str, dict | None]) -> dict[str, dict]:
-    """:func:`loss_comparison`'s curves: per method with an eval curve its rows and its training start
-    on their clock (DiLoCo: :func:`diloco_training_start`; DP: 0)."""
+    """:func:`loss_comparison`'s curves: per method with an eval curve, its rows and training start."""
     return {
         m: {
             "rows": r["curve"],
@@ -1089,36 +1010,23 @@ def resilience_figures(
     diloco_now: float | None = None,
     dp_now: float | None = None,
 ) -> dict:
-    """The whole Resilience section, once.
-
-    ``diloco``/``dp``: the method's records as dicts (``events`` (DiLoCo: learners.jsonl; DP: its
-    events.jsonl), ``merges``, ``train``, ``curve`` (eval.jsonl), ``summary``), None when it did not
-    run. ``reference``: ``{"run_dir", "diloco", "dp"}`` of a run without chaos (the same dicts;
-    a method it lacks is left out). ``predict``: see :func:`simulator_prediction`. ``diloco_now``,
-    ``dp_now``: the present on each method's clock, for a run in progress.
-
-    Returns ``diloco`` (:func:`diloco_resilience`), ``dp`` (:func:`dp_resilience`), ``simulator``
-    (knobs and prediction), ``loss`` (this run's curves and the reference's, at this run's equal
-    time and tokens, and the reference's own pair ``reference_pair``), ``schedule``
+    """The whole Resilience section, once. ``diloco``/``dp``: the method's records as dicts (``events``
+    (DiLoCo: learners.jsonl; DP: its events.jsonl), ``merges``, ``train``, ``curve`` (eval.jsonl),
+    ``summary``), None when it did not run. ``reference``: ``{"run_dir", "diloco", "dp"}`` of a run
+    without chaos. ``predict``: see :func:`simulator_prediction`. ``diloco_now``, ``dp_now``: the present
+    on each method's clock, for a run in progress. Returns ``diloco`` (:func:`diloco_resilience`),
+    ``dp`` (:func:`dp_resilience`), ``simulator``, ``loss`` (this run's curves and the reference's at this
+    run's equal time and tokens, and the reference's own ``reference_pair``), ``schedule``
     (:func:`schedule_counts`) and ``summary`` (the headline figures)."""
-    resume_every = config.diloco.resume_every_steps if config is not None else None
+    resume = config.diloco.resume_every_steps if config is not None else None
+    resume = int(resume) if resume else None
     workers = config.dp.workers if config is not None else None
-    d = (
-        diloco_resilience(
-            diloco.get("events"),
-            diloco.get("merges"),
-            schedule,
-            diloco_now,
-            int(resume_every) if resume_every else None,
-        )
-        if diloco
-        else None
-    )
+    d = diloco_resilience(diloco.get("events"), diloco.get("merges"), schedule, diloco_now, resume) if diloco else None
     if dp and workers is None:
         workers = num(Summary.model_validate(dp.get("summary") or {}).hyperparameters.get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
     knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
-    sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
+    sim = simulator_prediction(knobs, predict, d, resume)
 
     loss = loss_comparison(_curves({"diloco": diloco, "dp": dp}))
     ref_out = None
