@@ -307,11 +307,8 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
         for k in ("processed_tokens", "dropped_tokens", "dropped_fraction", "warn_above", "fail_above")
     }
     wl["status"] = str(raw.get("status") or "unknown")
-    reasons = raw.get("reasons")
-    if not isinstance(reasons, dict):
-        reasons = (
-            (ledger_figures.get("total") or {}).get("drop_reasons") if ledger_figures.get("status") == "ok" else None
-        )
+    fallback = (ledger_figures.get("total") or {}).get("drop_reasons") if ledger_figures.get("status") == "ok" else None
+    reasons = raw["reasons"] if isinstance(raw.get("reasons"), dict) else fallback
     reasons = {str(k): n for k, v in (reasons or {}).items() if (n := num(v))}
     processed = wl["processed_tokens"]
     wl["drop_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
@@ -320,11 +317,8 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
     frac = wl["dropped_fraction"]
     if wl["status"] != "ok" and frac is not None:
         why = ", ".join(f"{k} {100 * x:.1f} %" for k, x in wl["drop_reason_fractions"].items())
-        counts = (
-            f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
-            if wl["dropped_tokens"] is not None and processed is not None
-            else ""
-        )
+        n = wl["dropped_tokens"]
+        counts = f" ({int(n):,} of {int(processed):,})" if n is not None and processed is not None else ""
         warn = f"diloco.warn_dropped_fraction = {wl['warn_above']:g}" if wl["warn_above"] is not None else None
         fail = f"diloco.max_dropped_fraction = {wl['fail_above']:g}" if wl["fail_above"] is not None else None
         if wl["status"] == "failed":
@@ -335,10 +329,9 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
             verdict = f"above {warn or 'diloco.warn_dropped_fraction'}" + (
                 f"; the run fails above {fail}" if fail else ""
             )
+        why = f" ({why})" if why else ""
         wl["headline"] = (
-            f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped"
-            + (f" ({why})" if why else "")
-            + f"; {verdict}.**"
+            f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped{why}; {verdict}.**"
         )
     return wl
 
@@ -361,9 +354,7 @@ def syncer_restarts(events: list[dict]) -> list[dict]:
                 "merges_before": e.merges,
                 "resumed_at_s": back.t if back else None,
                 "downtime_s": (back.t - e.t) if back else None,
-                "generation": back.generation if back else None,
-                "replayed": back.replayed if back else None,
-                "republished": back.republished if back else None,
+                **{k: getattr(back, k, None) for k in ("generation", "replayed", "republished")},
             }
         )
     return out

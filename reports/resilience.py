@@ -83,16 +83,11 @@ def overlay(
     if b <= a:
         return intervals
     out: list[Interval] = []
-    for iv in intervals:
-        s, e = iv["start"], iv["end"]
-        if e <= a or s >= b or (replace is not None and iv["state"] not in replace):
+    for iv in intervals:  # the parts before a and after b stay (merge_adjacent drops the empty ones)
+        if iv["end"] <= a or iv["start"] >= b or (replace is not None and iv["state"] not in replace):
             out.append(iv)
-            continue
-        if s < a:
-            out.append({**iv, "end": a})
-        out.append(_iv(state, max(s, a), min(e, b), why))
-        if e > b:
-            out.append({**iv, "start": b})
+        else:
+            out += [{**iv, "end": a}, _iv(state, max(iv["start"], a), min(iv["end"], b), why), {**iv, "start": b}]
     return merge_adjacent(out)
 
 
@@ -169,12 +164,8 @@ def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> t
     out = merge_adjacent(clip(out, t0, t1))
     for w in (e for e in evs if isinstance(e, Wait)):
         out = overlay(out, w.t, w.t + w.wait_s, "waiting", "merge", replace=USEFUL)
-    if scavenged:
-        start = joined if joined is not None else (t0 if was_up else None)
-        alloc = None if start is None else {"start_s": start, "end_s": left if left is not None else t1}
-    else:
-        alloc = {"start_s": t0, "end_s": t1}
-    return out, alloc
+    start = joined if scavenged and joined is not None else t0 if not scavenged or was_up else None
+    return out, None if start is None else {"start_s": start, "end_s": left if scavenged and left is not None else t1}
 
 
 def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
@@ -190,10 +181,8 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
         begun = [s for s in starts if s.t <= f.t and (att is None or s.attempt == att)]
         b = (begun or [s for s in starts if s.t <= f.t] or [None])[-1]
         nxt = next((s for s in starts if s.t > f.t and (att is None or (s.attempt or 0) > att)), None)
-        if nxt is not None:
-            resumed = nxt.step or 0
-        else:
-            resumed = s_f - s_f % resume_every_steps if resume_every_steps else s_f
+        rewound = s_f - s_f % resume_every_steps if resume_every_steps else s_f  # to its last resume point
+        resumed = (nxt.step or 0) if nxt is not None else rewound
         taken = s_f - (b.step or 0) if b is not None else 0
         busy = sum(max(0.0, min(iv["end"], f.t) - max(iv["start"], b.t)) for iv in useful) if b is not None else 0.0
         steps_total += max(taken, 0)
@@ -236,43 +225,6 @@ def _attempts(evs: list[Own]) -> list[dict]:
     return out
 
 
-def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None, scav: bool, **k) -> dict:
-    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`)."""
-    t0, failures = k["t0"], k["failures"]
-    inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
-    secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
-    lost = lost_work(evs, ivs, k["resume"])
-    allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
-    busy = secs["running"] + secs["straggling"]
-    lost_s = min(sum(r["lost_s"] for r in lost), busy)
-    attempts = _attempts(evs)
-    trained = {x["attempt"] for x in attempts if x["steps"] > 0}
-    # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
-    restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
-    states = [e for e in evs if isinstance(e, StateEvent)]
-    restarting = sum(b - a for s, a, b in state_intervals(states, k["t1"]) if s == "restarting")
-    return {
-        "learner": m,
-        "scavenged": scav,
-        "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
-        "allocated_s": allocated,
-        **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
-        "absent_s": whole["absent"],  # outside its window
-        "down_startup_s": secs.get("down/start-up", 0.0),
-        "restarting_s": restarting,
-        "waiting_done_s": secs.get("waiting/done", 0.0),
-        "lost_work_s": lost_s,
-        "useful_s": busy - lost_s,
-        "goodput": _ratio(busy - lost_s, allocated),
-        "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
-        "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
-        "failures": sum(1 for e in evs if isinstance(e, Failure)),
-        "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
-        "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted) if restarted else None,
-        "lost": lost,
-    }
-
-
 def state_intervals(states: list[StateEvent], end: float) -> list[tuple[str, float, float]]:
     """(state, start, end) from each state event to the next (the last: to ``end``); a repeat continues."""
     out: list[tuple[str, float, float]] = []
@@ -310,23 +262,47 @@ def diloco_resilience(
     for m, evs in per.items():
         scav = m in windows or any(isinstance(e, Presence) for e in evs)
         ivs, alloc = learner_timeline(evs, t0, t1, scav)
-        rows.append(_learner_row(m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume=resume_every_steps))
         timelines[str(m)] = _since(ivs, t0)
-    alloc_sum = sum(r["allocated_s"] for r in rows)
-    useful_sum = sum(r["useful_s"] for r in rows)
+        inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
+        secs, lost = state_seconds(inside, why=True), lost_work(evs, ivs, resume_every_steps)
+        allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
+        busy = secs["running"] + secs["straggling"]
+        lost_s = min(sum(r["lost_s"] for r in lost), busy)
+        attempts = _attempts(evs)
+        trained = {x["attempt"] for x in attempts if x["steps"] > 0}
+        # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
+        restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
+        states = [e for e in evs if isinstance(e, StateEvent)]
+        rows.append(
+            {
+                "learner": m,
+                "scavenged": scav,
+                "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+                "allocated_s": allocated,
+                **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+                "absent_s": state_seconds(ivs)["absent"],  # outside its window
+                "down_startup_s": secs.get("down/start-up", 0.0),
+                "restarting_s": sum(b - a for s, a, b in state_intervals(states, t1) if s == "restarting"),
+                "waiting_done_s": secs.get("waiting/done", 0.0),
+                "lost_work_s": lost_s,
+                "useful_s": busy - lost_s,
+                "goodput": _ratio(busy - lost_s, allocated),
+                "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
+                "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
+                "failures": sum(1 for f in failures if f["learner"] == m),
+                "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
+                "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted)
+                if restarted
+                else None,
+                "lost": lost,
+            }
+        )
     merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges) if m.merged_at_s is not None]
     return {
         "span": span,
         "learners": rows,
         "timelines": timelines,
-        "global": {
-            "allocated_s": alloc_sum,
-            "useful_s": useful_sum,
-            "goodput": _ratio(useful_sum, alloc_sum),
-            **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
-            "restarting_s": sum(r["restarting_s"] for r in rows),
-            "lost_work_s": sum(r["lost_work_s"] for r in rows),
-        },
+        "global": _global(rows, sum(r["allocated_s"] for r in rows), "restarting_s", "lost_work_s"),
         "uptime": {
             **state_uptime(timelines, span["length_s"], syncer_outages(events, t0)),
             "cadence": uptime(merge_times, 0.0, span["length_s"]),
@@ -538,13 +514,10 @@ def dp_resilience(
     schedule: ChaosSchedule | None = None,
     now: float | None = None,
 ) -> dict | None:
-    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md);
-    None without them (DP logged nothing, or a run that predates state events).
-    ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
-    ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
-    high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
-    (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
-    span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
+    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md); None
+    without them. ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
+    ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure), ``replicas`` (goodput rows), ``global``
+    (Σ useful / (W × span)), ``timelines`` (row → intervals) and ``uptime`` (with the steps' cadence)."""
     lines = parse(DPLine, events)
     span = dp_span(train, lines, now)
     if span is None:
@@ -561,8 +534,6 @@ def dp_resilience(
     ]
     rows, unattributed = _dp_timelines(span, factors, stalls, recomputes, schedule, W)
     table = [_dp_replica(r, ivs, span, restores, W) for r, ivs in rows.items()]
-    alloc = W * span["length_s"]
-    useful = sum(x["useful_s"] for x in table)
     advances = [t for _, t in _dp_rows(train)]
     return {
         "span": span,
@@ -575,10 +546,7 @@ def dp_resilience(
         "checkpoints": sum(1 for e in events if e.event == "checkpoint"),
         "checkpoint_s": sum(e.save_s or 0.0 for e in events if e.event == "checkpoint"),
         "global": {
-            "allocated_s": alloc,
-            "useful_s": useful,
-            "goodput": _ratio(useful, alloc),
-            **{f"{s}_s": sum(x[f"{s}_s"] for x in table) for s in STATES},
+            **_global(table, W * span["length_s"]),
             "failures": len(restores),
             "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
             "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
@@ -591,6 +559,14 @@ def dp_resilience(
             **state_uptime({str(r): _since(ivs, span["start_s"]) for r, ivs in rows.items()}, span["length_s"]),
             "cadence": uptime(advances, span["start_s"], span["end_s"]),
         },
+    }
+
+
+def _global(rows: list[dict], allocated: float, *more: str) -> dict:
+    """A goodput table's ``global`` row: Σ useful / ``allocated``, Σ seconds per state and Σ ``more``."""
+    useful = sum(r["useful_s"] for r in rows)
+    return {"allocated_s": allocated, "useful_s": useful, "goodput": _ratio(useful, allocated)} | {
+        k: sum(r[k] for r in rows) for k in (*(f"{s}_s" for s in STATES), *more)
     }
 
 
@@ -710,10 +686,9 @@ def simulator_knobs(
     schedule: ChaosSchedule | None = None,
 ) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
-    ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
-    law, DP's measured step time, checkpoint interval and mean restore seconds; each knob and the
-    model's limits: docs/report.md ("The simulator's prediction"). ``config``: the run's typed
-    config (``reports.common.settings``)."""
+    ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay law,
+    DP's measured step time, checkpoint interval and mean restore seconds (docs/report.md, "The
+    simulator's prediction")."""
     if config is None:
         return {"status": "no prediction (no config.json)"}
     plan = _plan(config, schedule)
@@ -827,12 +802,9 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
         for k, c in curves.items()
     }
     pts = {k: v for k, v in pts.items() if v[0] or v[1]}
-    if at_s is None and pts:
-        ends = [v[0][-1][0] for v in pts.values() if v[0]]
-        at_s = min(ends) if ends else None
-    if at_tokens is None and pts:
-        ends = [v[1][-1][0] for v in pts.values() if v[1]]
-        at_tokens = min(ends) if ends else None
+    ends = [[v[i][-1][0] for v in pts.values() if v[i]] for i in (0, 1)]
+    at_s = at_s if at_s is not None else min(ends[0], default=None)
+    at_tokens = at_tokens if at_tokens is not None else min(ends[1], default=None)
     per = {}
     for k, (by_t, by_n) in pts.items():
         per[k] = {
@@ -879,20 +851,15 @@ def schedule_counts(
     dp_events: list[dict] | None,
 ) -> dict:
     """The schedule's events, drawn and met by each method (docs/report.md, "The schedule's events"):
-    ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns
-    also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
-    ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
-    ``merged``, ``resent_by_a_later_attempt``)."""
+    ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns also
+    ``by_kind``), ``scavenged`` (per window, span seconds) and ``corruptions`` (per scheduled one)."""
     per = learner_events(events)
     t0, d_end = ((diloco or {}).get("span") or {}).get("start_s"), ((diloco or {}).get("span") or {}).get("end_s")
     p_end = ((dp or {}).get("span") or {}).get("end_s")
     own = [e for evs in per.values() for e in evs]
     dp_evs = [e for e in parse(DPLine, dp_events) if isinstance(e, DPEvent)]
-    origins = {
-        m: o[0]
-        for m, evs in per.items()
-        if (o := [e.origin for e in evs if isinstance(e, Start) and e.origin is not None])
-    }
+    starts = {m: [e.origin for e in evs if isinstance(e, Start) and e.origin is not None] for m, evs in per.items()}
+    origins = {m: o[0] for m, o in starts.items() if o}
     fallback = min(origins.values()) if origins else t0
 
     def in_diloco(m: Any, at: float | None) -> bool | None:
@@ -951,17 +918,8 @@ def _corruptions(
         if ev is None:
             continue
         used.add(id(ev))
-        drop = next(
-            (
-                d
-                for d in dropped
-                if lid(d.learner) == m
-                and d.fragment == ev.fragment
-                and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
-                and (d.t or 0.0) >= ev.t - 1e-6
-            ),
-            None,
-        )
+        drop = [d for d in dropped if lid(d.learner) == m and d.fragment == ev.fragment and (d.t or 0.0) >= ev.t - 1e-6]
+        drop = next((d for d in drop if ev.base_version is None or d.base_version in (None, ev.base_version)), None)
         # A later attempt that resumed before that step sends the same (fragment, local step) again,
         # possibly from the same base version (nothing merged meanwhile): a merge after its start is
         # that clean copy's.
@@ -1021,11 +979,12 @@ def resilience_figures(
     resume = config.diloco.resume_every_steps if config is not None else None
     resume = int(resume) if resume else None
     workers = config.dp.workers if config is not None else None
-    d = diloco_resilience(diloco.get("events"), diloco.get("merges"), schedule, diloco_now, resume) if diloco else None
+    dil, dpr = diloco or {}, dp or {}
+    d = diloco_resilience(dil.get("events"), dil.get("merges"), schedule, diloco_now, resume) if diloco else None
     if dp and workers is None:
         workers = num(Summary.model_validate(dp.get("summary") or {}).hyperparameters.get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
-    knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
+    knobs = simulator_knobs(config, p, dpr.get("summary"), schedule)
     sim = simulator_prediction(knobs, predict, d, resume)
 
     loss = loss_comparison(_curves({"diloco": diloco, "dp": dp}))
@@ -1039,21 +998,19 @@ def resilience_figures(
             "reference_pair": loss_comparison(ref_curves) if ref_curves else None,
         }
     loss["reference"] = ref_out
-    counts = schedule_counts(
-        schedule, d, (diloco or {}).get("events"), (diloco or {}).get("merges"), p, (dp or {}).get("events")
-    )
+    counts = schedule_counts(schedule, d, dil.get("events"), dil.get("merges"), p, dpr.get("events"))
     pred = sim.get("predicted") or {}
     M = (knobs.get("knobs") or {}).get("learners", [None])[0]
+    # the headline: each method's measured uptime and goodput, then the simulator's predicted goodputs
+    measured = {"diloco": d or {}, "dp": p or {}}
     summary = {
-        "diloco_uptime": (d or {}).get("uptime", {}).get("uptime"),
-        "dp_uptime": (p or {}).get("uptime", {}).get("uptime"),
-        "diloco_goodput": (d or {}).get("global", {}).get("goodput"),
-        "dp_goodput": (p or {}).get("global", {}).get("goodput"),
-        "predicted_diloco_goodput": (pred.get(f"diloco-{M}") or {}).get("goodput"),
-        "predicted_dp_goodput": (pred.get("dp") or {}).get("goodput"),
-        "predicted_diloco_rollback_goodput": (pred.get("diloco_rollback") or {}).get("goodput"),
-        "learners": M,
+        f"{m}_{k}": r.get(part, {}).get(k)
+        for k, part in (("uptime", "uptime"), ("goodput", "global"))
+        for m, r in measured.items()
     }
+    predicted = (("diloco", f"diloco-{M}"), ("dp", "dp"), ("diloco_rollback", "diloco_rollback"))
+    summary |= {f"predicted_{k}_goodput": (pred.get(system) or {}).get("goodput") for k, system in predicted}
+    summary["learners"] = M
     return {
         "status": "ok",
         "diloco": d,
