@@ -244,7 +244,7 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
         if (steps := [e.step for e in own if getattr(e, "step", None) is not None])
     }
     used: set[int] = set()
-    rows = []
+    rows, reasons = [], [str(f["reason"] or "") for f in failures]
     for e in [e for e in evs if e.kind == "fail" and e.at_step is not None] + [e for e in evs if e.kind == "kill"]:
         who, at, at_s = lid(e.learner), num(e.at_step), num(e.at_s) if e.kind == "kill" else None
         # a failure reason that names this event: the injected failure at that local step, or the chaos SIGKILL
@@ -255,24 +255,12 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
         else:
             event, needs = f"learner {who} fails at local step {format_value(at)}", INJECTED
             pattern = rf"at local step {int(at)}(?!\d)"
-        row = {
-            "learner": who,
-            "at_step": at,
-            "at_s": at_s,
-            "kind": "kill" if e.kind == "kill" else "failure",
-            "event": event,
-        }
+        kind = "kill" if e.kind == "kill" else "failure"
+        row = {"learner": who, "at_step": at, "at_s": at_s, "kind": kind, "event": event}
         row |= dict.fromkeys(("fired", "fired_at_s", "failed_attempt", "rejoined_at_s", "rejoin_attempt", "note"))
         if events is not None and (at is not None or at_s is not None):
-            reasons = [str(f["reason"] or "") for f in failures]
-            hit = next(
-                (
-                    i
-                    for i, f in enumerate(failures)
-                    if i not in used and f["learner"] == who and needs in reasons[i] and re.search(pattern, reasons[i])
-                ),
-                None,
-            )
+            named = [i for i, r in enumerate(reasons) if needs in r and re.search(pattern, r) and i not in used]
+            hit = next((i for i in named if failures[i]["learner"] == who), None)
             row["fired"] = hit is not None
             if hit is not None:
                 used.add(hit)

@@ -327,14 +327,9 @@ def dp_step_time(train: list[dict] | None, events: list[DPEvent] = ()) -> float 
     between them and no slowdown in force (else over all pairs); None with fewer than two rows."""
     rows = _dp_rows(train)
     factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]
-    clean, every = [], []
-    for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
-        if s2 <= s1 or t2 <= t1:
-            continue
-        every.append((t2 - t1) / (s2 - s1))
-        if not any(t1 < e.t <= t2 for e in events) and _factor_at(factors, t1) == 1.0:
-            clean.append(every[-1])
-    pick = clean or every
+    pairs = [(t1, t2, (t2 - t1) / (s2 - s1)) for (s1, t1), (s2, t2) in zip(rows, rows[1:]) if s2 > s1 and t2 > t1]
+    clean = [x for a, b, x in pairs if not any(a < e.t <= b for e in events) and _factor_at(factors, a) == 1.0]
+    pick = clean or [x for _, _, x in pairs]
     return statistics.median(pick) if pick else None
 
 
@@ -586,12 +581,8 @@ def state_uptime(
     """Share of [0, ``length_s``] in which a row of ``timelines`` was in ``up_states`` and no interval of
     ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (``sim.jobs.quorum_sweep``).
     Returns ``uptime`` (None for an empty span), ``up_s``, ``down_s`` and ``outages`` ([start, end], s)."""
-    ups = sorted(
-        (iv["start"], iv["end"])
-        for ivs in timelines.values()
-        for iv in ivs
-        if iv["state"] in up_states and iv["end"] > iv["start"]
-    )
+    ivs = [iv for row in timelines.values() for iv in row if iv["state"] in up_states and iv["end"] > iv["start"]]
+    ups = sorted((iv["start"], iv["end"]) for iv in ivs)
     merged: list[list[float]] = []
     for a, b in ups:  # the union of every row's up intervals
         if merged and a <= merged[-1][1]:
@@ -627,13 +618,8 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
     span = end - start
     ts = sorted(t for t in advances if start <= t <= end)
     out = dict.fromkeys(("uptime", "uptime_span", "stalled_s", "median_gap_s", "threshold_s")) | {"factor": factor}
-    out |= {
-        "stalls": [],
-        "longest_stall_s": None,
-        "longest_stall_at_s": None,
-        "startup_s": ts[0] - start if ts else None,
-    }
-    out |= {"advances": len(ts), "span_s": span}
+    out |= {"stalls": [], **dict.fromkeys(("longest_stall_s", "longest_stall_at_s"))}
+    out |= {"startup_s": ts[0] - start if ts else None, "advances": len(ts), "span_s": span}
     if span <= 0:
         return out
     gaps = list(zip(ts, ts[1:] + [end])) or [(start, end)]  # no advance: the whole span is one stall
@@ -906,15 +892,11 @@ def _corruptions(
     dropped = [e for e in parse(LearnersLine, events) if e.event == "dropped"]
     took = None if merges is None else parse(Merge, merges)
     out, used = [], set()
+    fate = ("sent_at_s", "fragment", "step", "dropped", "reason", "merged", "resent_by_a_later_attempt")
     for c in scheduled:
-        m, mine = c.learner, per.get(c.learner, [])
-        ev = next(
-            (e for e in mine if isinstance(e, Corrupt) and id(e) not in used and e.kind in (None, c.corruption)), None
-        )
-        out.append({"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None})
-        out[-1] |= dict.fromkeys(
-            ("sent_at_s", "fragment", "step", "dropped", "reason", "merged", "resent_by_a_later_attempt")
-        )
+        m, mine, kinds = c.learner, per.get(c.learner, []), (None, c.corruption)
+        ev = next((e for e in mine if isinstance(e, Corrupt) and id(e) not in used and e.kind in kinds), None)
+        out.append({"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None} | dict.fromkeys(fate))
         if ev is None:
             continue
         used.add(id(ev))
@@ -929,11 +911,10 @@ def _corruptions(
             merged = bool(hits)
         else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
             merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in hits)
+        reason = drop.reason if drop else None
         out[-1].update(sent_at_s=ev.t - t0 if t0 is not None else None, fragment=ev.fragment, step=ev.step)
-        out[-1].update(
-            dropped=drop is not None, reason=drop.reason if drop else None, resent_by_a_later_attempt=bool(resent)
-        )
-        out[-1]["merged"] = merged if took is not None else None
+        out[-1].update(dropped=drop is not None, reason=reason, merged=merged if took is not None else None)
+        out[-1]["resent_by_a_later_attempt"] = bool(resent)
     return out
 
 
