@@ -173,9 +173,7 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
     ``lost_steps`` (its step − the step its next ``start`` resumed from, or from its last resume point
     every ``resume_every_steps``), ``s_per_step`` and ``lost_s`` = their product (seconds)."""
     starts = [e for e in evs if isinstance(e, Start)]
-    useful = [iv for iv in intervals if iv["state"] in USEFUL]
-    total_useful = sum(iv["end"] - iv["start"] for iv in useful)
-    steps_total, out = 0, []
+    useful, out = [iv for iv in intervals if iv["state"] in USEFUL], []
     for f in (e for e in evs if isinstance(e, Failure)):
         att, s_f = f.attempt, f.step or 0
         begun = [s for s in starts if s.t <= f.t and (att is None or s.attempt == att)]
@@ -185,7 +183,6 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
         resumed = (nxt.step or 0) if nxt is not None else rewound
         taken = s_f - (b.step or 0) if b is not None else 0
         busy = sum(max(0.0, min(iv["end"], f.t) - max(iv["start"], b.t)) for iv in useful) if b is not None else 0.0
-        steps_total += max(taken, 0)
         out.append(
             {
                 "attempt": att,
@@ -198,7 +195,8 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
                 "restarted": nxt is not None,
             }
         )
-    mean_sps = total_useful / steps_total if steps_total else None
+    steps_total = sum(max(r["steps_taken"], 0) for r in out)
+    mean_sps = sum(iv["end"] - iv["start"] for iv in useful) / steps_total if steps_total else None
     logged = [e for e in evs if isinstance(e, StepLine) and e.step is not None]
     paces = [
         (b.t - a.t) / (b.step - a.step)
