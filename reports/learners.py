@@ -91,7 +91,7 @@ def learner_failures(events: list[dict], merges: list[dict]) -> list[dict]:
 
 def _stale_versions(x: Any) -> int:
     """A merge record's ``stale`` entry as versions behind (``True`` from older logs counts as 1)."""
-    v = num(x) if not isinstance(x, bool) else int(x)
+    v = num(int(x) if isinstance(x, bool) else x)
     return int(v) if v is not None and math.isfinite(v) else 0
 
 
@@ -107,32 +107,27 @@ def merge_stats(
     (status "from summary"; a count that disagrees with the log is a note): ``count``,
     ``by_fragment``, ``contributions``, ``stale_contributions``, ``max_stale_versions``, ``first_s`` /
     ``last_s`` (seconds); docs/report.md ("Learners and syncer")."""
-    summary_count = Summary.model_validate(summary or {}).merges
-    if merges is None:
-        return {
-            "status": "from summary" if summary_count is not None else NOT_RUN,
-            "count": summary_count,
-            "source": f"{summary_file} (merges)" if summary_count is not None else None,
-            "by_fragment": {},
-            "contributions": 0,
-            **dict.fromkeys(("mean_contributors", "stale_contributions", "max_stale_versions", "first_s", "last_s")),
-            "stale_contributions": 0,
-        }
+    n = Summary.model_validate(summary or {}).merges
+    if merges is not None:
+        status, count, source = "ok", len(merges), log_file
+        if n is not None and n != len(merges):
+            notes.append(
+                f"{who} summary says {n} merges but the merge log has {len(merges)} "
+                "lines; the report counts the merge log."
+            )
+    else:
+        status, count, source = (
+            ("from summary", n, f"{summary_file} (merges)") if n is not None else (NOT_RUN, None, None)
+        )
     typed = parse(Merge, merges)
-    by_frag = Counter(str(m.fragment) for m in typed)
     contributors = [len(m.contributors) for m in typed]
     stale = [_stale_versions(x) for m in typed for x in m.stale]
     times = [m.merged_at_s for m in typed if m.merged_at_s is not None]
-    if summary_count is not None and summary_count != len(merges):
-        notes.append(
-            f"{who} summary says {summary_count} merges but the merge log has {len(merges)} "
-            "lines; the report counts the merge log."
-        )
     return {
-        "status": "ok",
-        "count": len(merges),
-        "source": log_file,
-        "by_fragment": dict(sorted(by_frag.items(), key=lambda kv: sort_key(kv[0]))),
+        "status": status,
+        "count": count,
+        "source": source,
+        "by_fragment": dict(sorted(Counter(str(m.fragment) for m in typed).items(), key=lambda kv: sort_key(kv[0]))),
         "contributions": sum(contributors),
         "mean_contributors": sum(contributors) / len(contributors) if contributors else None,
         "stale_contributions": sum(1 for x in stale if x > 0),
@@ -165,9 +160,7 @@ def learner_table(events: list[dict]) -> list[dict]:
 def _int(x: Any) -> int | None:
     """A ledger count as a whole number of tokens (the syncer's per-fragment averages are rounded)."""
     v = num(x)
-    if v is None or not math.isfinite(v):
-        return None
-    return int(round(v))
+    return int(round(v)) if v is not None and math.isfinite(v) else None
 
 
 def ledger(summary: dict | None, fragments: int | None = None) -> dict:
@@ -176,111 +169,63 @@ def ledger(summary: dict | None, fragments: int | None = None) -> dict:
     dropped + pending within ±P tokens (``tolerance``, P = ``fragments``); docs/report.md ("Token
     ledger"). Returns ``status``, ``columns``, ``rows``, ``total``, ``fragments``, ``tolerance``,
     ``not_submitted_computed`` and ``identity_violations``."""
-    empty = {
-        "columns": [],
-        "rows": [],
-        "total": None,
-        "fragments": fragments,
-        "tolerance": None,
-        "not_submitted_computed": False,
-        "identity_violations": [],
-    }
-    if summary is None:
-        return {"status": NOT_RUN, **empty}
-    raw = summary.get("ledger")
+    raw = (summary or {}).get("ledger")
     if isinstance(raw, dict) and isinstance(raw.get("ledger"), dict):
         raw = raw["ledger"]
-    if not isinstance(raw, dict) or not raw:
-        return {"status": "not recorded", **empty}
-    learners = {k: dict(v) for k, v in raw.items() if isinstance(v, dict)}
+    status = NOT_RUN if summary is None else "ok" if isinstance(raw, dict) and raw else "not recorded"
+    learners = {k: dict(v) for k, v in raw.items() if isinstance(v, dict)} if status == "ok" else {}
     computed = False
     for v in learners.values():
-        if (
-            v.get("not_submitted") is None
-            and num(v.get("processed")) is not None
-            and num(v.get("submitted")) is not None
-        ):
+        if v.get("not_submitted") is None and None not in (num(v.get("processed")), num(v.get("submitted"))):
             v["not_submitted"] = num(v["processed"]) - num(v["submitted"])
             computed = True
     extra = sorted({c for v in learners.values() for c in v} - set(LEDGER_COLUMNS))
     columns = [c for c in LEDGER_COLUMNS if any(c in v for v in learners.values())] + extra
-    dict_cols = {c for c in columns if any(isinstance(v.get(c), dict) for v in learners.values())}
-    rows = []
-    for k in sorted(learners, key=sort_key):
-        v = learners[k]
-        row: dict[str, Any] = {"learner": lid(k)}
-        for c in columns:
-            row[c] = {str(kk): _int(vv) for kk, vv in (v.get(c) or {}).items()} if c in dict_cols else _int(v.get(c))
-        rows.append(row)
+    dicts = {c for c in columns if any(isinstance(v.get(c), dict) for v in learners.values())}
+    rows = [
+        {"learner": lid(k)}
+        | {c: {str(i): _int(x) for i, x in (v.get(c) or {}).items()} if c in dicts else _int(v.get(c)) for c in columns}
+        for k, v in sorted(learners.items(), key=lambda kv: sort_key(kv[0]))
+    ]
     total: dict[str, Any] = {"learner": "total"}
-    for c in columns:
-        if c in dict_cols:
-            acc: dict[str, int] = {}
-            for r in rows:
-                for kk, vv in r[c].items():
-                    acc[kk] = acc.get(kk, 0) + (vv or 0)
-            total[c] = acc
-        else:
-            total[c] = sum(r[c] or 0 for r in rows)
+    for c in columns:  # a dict column (e.g. drop reasons) sums per key, keys in first-seen order
+        keys = dict.fromkeys(i for r in rows for i in r[c]) if c in dicts else None
+        total[c] = (
+            sum(r[c] or 0 for r in rows) if keys is None else {i: sum(r[c].get(i) or 0 for r in rows) for i in keys}
+        )
     for r in [*rows, total]:
         p, mg = r.get("processed"), r.get("merged")
         r["merged_pct"] = 100.0 * mg / p if p and mg is not None else None
-    tol = fragments or 1
-    violations = []
+    tol, violations = fragments or 1, []
     for r in rows:
-        identities = (
+        recomputed = ("recomputed",) if r.get("recomputed") is not None else ()
+        for lhs, parts in (
             ("processed", ("submitted", "not_submitted")),
-            (
-                "submitted",
-                ("merged", *(("recomputed",) if r.get("recomputed") is not None else ()), "dropped", "pending"),
-            ),
-        )
-        for lhs, parts in identities:
+            ("submitted", ("merged", *recomputed, "dropped", "pending")),
+        ):
             vals = [r.get(c) for c in (lhs, *parts)]
-            if any(x is None for x in vals):
-                continue
-            diff = vals[0] - sum(vals[1:])
-            if abs(diff) > tol:
+            if None not in vals and abs(diff := vals[0] - sum(vals[1:])) > tol:
                 violations.append(
                     {"learner": r["learner"], "identity": f"{lhs} = {' + '.join(parts)}", "difference": diff}
                 )
+    ok = status == "ok"
     return {
-        "status": "ok",
+        "status": status,
         "columns": columns,
         "rows": rows,
-        "total": total,
+        "total": total if ok else None,
         "fragments": fragments,
-        "tolerance": tol,
+        "tolerance": tol if ok else None,
         "not_submitted_computed": computed,
         "identity_violations": violations,
     }
 
 
-def _injected_at(reason: Any, at_step: Any) -> bool:
-    """Is ``reason`` the injected (chaos) failure at local step ``at_step``?"""
-    r = str(reason or "")
-    return INJECTED in r and re.search(rf"at local step {int(at_step)}(?!\d)", r) is not None
-
-
-def _killed(at_step: Any, at_s: Any):
-    """A test of a failure reason: the chaos SIGKILL at local step ``at_step`` (or at ``at_s`` s)."""
-    pattern = (
-        rf"SIGKILL at local step {int(at_step)}(?!\d)" if at_step is not None else rf"SIGKILL at {float(at_s):g} s"
-    )
-    return lambda reason: re.search(pattern, str(reason or "")) is not None
-
-
 def _idle_attempt(events: list[dict], who: Any, attempt: Any) -> bool:
-    """Did learner ``who``'s attempt ``attempt`` stop at the step it started from (it came back to a
-    run whose budget was spent)?"""
+    """Did learner ``who``'s attempt ``attempt`` stop at the step it started from (budget spent)?"""
     mine = [e for e in learner_events(events).get(who, []) if e.attempt == attempt]
-    start = next((e for e in mine if isinstance(e, Start)), None)
-    stop = next((e for e in mine if isinstance(e, Stop)), None)
+    start, stop = (next((e for e in mine if isinstance(e, k)), None) for k in (Start, Stop))
     return start is not None and stop is not None and stop.step == start.step
-
-
-def _stepped(e: Own) -> bool:
-    return getattr(e, "step", None) is not None
 
 
 def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: list[dict]) -> dict:
@@ -293,47 +238,29 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
     if config is None:
         return {"status": NOT_RUN + " (no config.json)", "rows": []}
     evs = config.chaos.events
-    scheduled = [
-        {"kind": "failure", "learner": e.learner, "at_step": e.at_step}
-        for e in evs
-        if e.kind == "fail" and e.at_step is not None
-    ]
-    scheduled += [
-        {"kind": "kill", "learner": e.learner, "at_step": e.at_step, "at_s": e.at_s} for e in evs if e.kind == "kill"
-    ]
     last_step = {
-        m: max(steps) for m, evs in learner_events(events).items() if (steps := [e.step for e in evs if _stepped(e)])
+        m: max(steps)
+        for m, own in learner_events(events).items()
+        if (steps := [e.step for e in own if getattr(e, "step", None) is not None])
     }
     used: set[int] = set()
-    rows = []
-    for spec in scheduled:
-        who, at, at_s = lid(spec.get("learner")), num(spec.get("at_step")), num(spec.get("at_s"))
-        if spec["kind"] == "kill":
+    rows, reasons = [], [str(f["reason"] or "") for f in failures]
+    for e in [e for e in evs if e.kind == "fail" and e.at_step is not None] + [e for e in evs if e.kind == "kill"]:
+        who, at, at_s = lid(e.learner), num(e.at_step), num(e.at_s) if e.kind == "kill" else None
+        # a failure reason that names this event: the injected failure at that local step, or the chaos SIGKILL
+        if e.kind == "kill":
             when = f"at local step {format_value(at)}" if at is not None else f"at {format_value(at_s)} s"
-            event, fired_by = f"learner {who}'s process SIGKILLed {when}", _killed(at, at_s)
+            event, needs = f"learner {who}'s process SIGKILLed {when}", ""
+            pattern = rf"SIGKILL at local step {int(at)}(?!\d)" if at is not None else rf"SIGKILL at {float(at_s):g} s"
         else:
-            event, fired_by = (
-                f"learner {who} fails at local step {format_value(at)}",
-                (lambda reason, at=at: _injected_at(reason, at)),
-            )
-        row: dict[str, Any] = {
-            "learner": who,
-            "at_step": at,
-            "at_s": at_s,
-            "kind": spec["kind"],
-            "event": event,
-            "fired": None,
-            "fired_at_s": None,
-            "failed_attempt": None,
-            "rejoined_at_s": None,
-            "rejoin_attempt": None,
-            "note": None,
-        }
+            event, needs = f"learner {who} fails at local step {format_value(at)}", INJECTED
+            pattern = rf"at local step {int(at)}(?!\d)"
+        kind = "kill" if e.kind == "kill" else "failure"
+        row = {"learner": who, "at_step": at, "at_s": at_s, "kind": kind, "event": event}
+        row |= dict.fromkeys(("fired", "fired_at_s", "failed_attempt", "rejoined_at_s", "rejoin_attempt", "note"))
         if events is not None and (at is not None or at_s is not None):
-            hit = next(
-                (i for i, f in enumerate(failures) if i not in used and f["learner"] == who and fired_by(f["reason"])),
-                None,
-            )
+            named = [i for i, r in enumerate(reasons) if needs in r and re.search(pattern, r) and i not in used]
+            hit = next((i for i in named if failures[i]["learner"] == who), None)
             row["fired"] = hit is not None
             if hit is not None:
                 used.add(hit)
@@ -353,7 +280,7 @@ def chaos(config: ExperimentConfig | None, events: list[dict] | None, failures: 
                     else f"no events of learner {who} logged"
                 )
         rows.append(row)
-    return {"status": "ok", "rows": rows, "unscheduled_failures": sum(1 for i in range(len(failures)) if i not in used)}
+    return {"status": "ok", "rows": rows, "unscheduled_failures": len(failures) - len(used)}
 
 
 def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -> dict | None:
@@ -368,11 +295,8 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
         for k in ("processed_tokens", "dropped_tokens", "dropped_fraction", "warn_above", "fail_above")
     }
     wl["status"] = str(raw.get("status") or "unknown")
-    reasons = raw.get("reasons")
-    if not isinstance(reasons, dict):
-        reasons = (
-            (ledger_figures.get("total") or {}).get("drop_reasons") if ledger_figures.get("status") == "ok" else None
-        )
+    fallback = (ledger_figures.get("total") or {}).get("drop_reasons") if ledger_figures.get("status") == "ok" else None
+    reasons = raw["reasons"] if isinstance(raw.get("reasons"), dict) else fallback
     reasons = {str(k): n for k, v in (reasons or {}).items() if (n := num(v))}
     processed = wl["processed_tokens"]
     wl["drop_reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
@@ -381,11 +305,8 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
     frac = wl["dropped_fraction"]
     if wl["status"] != "ok" and frac is not None:
         why = ", ".join(f"{k} {100 * x:.1f} %" for k, x in wl["drop_reason_fractions"].items())
-        counts = (
-            f" ({int(wl['dropped_tokens']):,} of {int(processed):,})"
-            if wl["dropped_tokens"] is not None and processed is not None
-            else ""
-        )
+        n = wl["dropped_tokens"]
+        counts = f" ({int(n):,} of {int(processed):,})" if n is not None and processed is not None else ""
         warn = f"diloco.warn_dropped_fraction = {wl['warn_above']:g}" if wl["warn_above"] is not None else None
         fail = f"diloco.max_dropped_fraction = {wl['fail_above']:g}" if wl["fail_above"] is not None else None
         if wl["status"] == "failed":
@@ -396,10 +317,9 @@ def work_lost(summary: dict | None, ledger_figures: dict, who: str = "DiLoCo") -
             verdict = f"above {warn or 'diloco.warn_dropped_fraction'}" + (
                 f"; the run fails above {fail}" if fail else ""
             )
+        why = f" ({why})" if why else ""
         wl["headline"] = (
-            f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped"
-            + (f" ({why})" if why else "")
-            + f"; {verdict}.**"
+            f"**Warning: {100 * frac:.1f} % of {who}'s processed tokens{counts} were dropped{why}; {verdict}.**"
         )
     return wl
 
@@ -422,9 +342,7 @@ def syncer_restarts(events: list[dict]) -> list[dict]:
                 "merges_before": e.merges,
                 "resumed_at_s": back.t if back else None,
                 "downtime_s": (back.t - e.t) if back else None,
-                "generation": back.generation if back else None,
-                "replayed": back.replayed if back else None,
-                "republished": back.republished if back else None,
+                **{k: getattr(back, k, None) for k in ("generation", "replayed", "republished")},
             }
         )
     return out

@@ -22,7 +22,6 @@ from run.records import (
     Corrupt,
     DPEvent,
     DPLine,
-    Dropped,
     Failure,
     LearnersLine,
     Merge,
@@ -53,10 +52,7 @@ Interval = dict  # {"state", "start", "end"} (+ "why"), seconds since the method
 
 
 def _iv(state: str, a: float, b: float, why: str | None = None) -> Interval:
-    out = {"state": state, "start": a, "end": b}
-    if why is not None:
-        out["why"] = why
-    return out
+    return {"state": state, "start": a, "end": b} | ({} if why is None else {"why": why})
 
 
 def merge_adjacent(intervals: list[Interval]) -> list[Interval]:
@@ -87,16 +83,11 @@ def overlay(
     if b <= a:
         return intervals
     out: list[Interval] = []
-    for iv in intervals:
-        s, e = iv["start"], iv["end"]
-        if e <= a or s >= b or (replace is not None and iv["state"] not in replace):
+    for iv in intervals:  # the parts before a and after b stay (merge_adjacent drops the empty ones)
+        if iv["end"] <= a or iv["start"] >= b or (replace is not None and iv["state"] not in replace):
             out.append(iv)
-            continue
-        if s < a:
-            out.append({**iv, "end": a})
-        out.append(_iv(state, max(s, a), min(e, b), why))
-        if e > b:
-            out.append({**iv, "start": b})
+        else:
+            out += [{**iv, "end": a}, _iv(state, max(iv["start"], a), min(iv["end"], b), why), {**iv, "start": b}]
     return merge_adjacent(out)
 
 
@@ -110,8 +101,7 @@ def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
 
 
 def state_seconds(intervals: list[Interval], why: bool = False) -> dict[str, float]:
-    """Seconds per state (every state of :data:`STATES`, 0 when absent); ``why``: also
-    ``<state>/<why>`` entries."""
+    """Seconds per state (every state of :data:`STATES`, 0 when absent); ``why``: also ``<state>/<why>``."""
     out = {s: 0.0 for s in STATES}
     for iv in intervals:
         d = iv["end"] - iv["start"]
@@ -138,9 +128,8 @@ AS_INTERVAL = {
 
 
 def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | None:
-    """The training span on the run clock: ``start_s`` = the first learner ``up`` state event,
-    ``end_s`` = ``now`` when given, else the last learner event (a ``wait`` counts to its end). None
-    before any learner was up (or for a run that predates state events). ``length_s`` = end − start (s)."""
+    """The training span on the run clock (s): from the first learner ``up`` state event to ``now``, else
+    to the last learner event (a ``wait`` counts to its end); None before any learner was up."""
     per = learner_events(events)
     ups = [e.t for evs in per.values() for e in evs if isinstance(e, StateEvent) and e.state == "up"]
     if not ups:
@@ -151,16 +140,9 @@ def diloco_span(events: list[dict] | None, now: float | None = None) -> dict | N
     return {"start_s": t0, "end_s": t1, "length_s": t1 - t0, "clock": "run clock (s)"}
 
 
-def _windows(schedule: ChaosSchedule | None) -> dict[Any, tuple[float, float | None]]:
-    return {p.learner: (p.join_s, p.leave_s) for p in (schedule.presence if schedule else [])}
-
-
 def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> tuple[list[Interval], dict]:
-    """One learner's intervals on the run clock from its state events (docs/report.md): ``up`` running
-    (straggling while a slowdown is on), ``down`` and ``restarting`` down, ``done`` waiting (absent once
-    a scavenged learner left); down (start-up) before its first ``up``, absent before a scavenged
-    learner joins; each ``wait`` is waiting. Also its allocation ``{"start_s", "end_s"}`` (run clock;
-    None when a scavenged learner has not joined yet)."""
+    """One learner's intervals on the run clock from its events (docs/report.md, :data:`AS_INTERVAL`) and
+    its allocation ``{"start_s", "end_s"}`` (None when a scavenged learner has not joined yet)."""
     was_up = any(isinstance(e, StateEvent) and e.state == "up" for e in evs)
     joined = next((e.t for e in evs if isinstance(e, Presence) and e.event == "join"), None)
     state = ("absent", None) if scavenged and (joined is not None or not was_up) else ("down", "start-up")
@@ -182,12 +164,8 @@ def learner_timeline(evs: list[Own], t0: float, t1: float, scavenged: bool) -> t
     out = merge_adjacent(clip(out, t0, t1))
     for w in (e for e in evs if isinstance(e, Wait)):
         out = overlay(out, w.t, w.t + w.wait_s, "waiting", "merge", replace=USEFUL)
-    if scavenged:
-        start = joined if joined is not None else (t0 if was_up else None)
-        alloc = None if start is None else {"start_s": start, "end_s": left if left is not None else t1}
-    else:
-        alloc = {"start_s": t0, "end_s": t1}
-    return out, alloc
+    start = joined if scavenged and joined is not None else t0 if not scavenged or was_up else None
+    return out, None if start is None else {"start_s": start, "end_s": left if scavenged and left is not None else t1}
 
 
 def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int | None = None) -> list[dict]:
@@ -195,21 +173,16 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
     ``lost_steps`` (its step − the step its next ``start`` resumed from, or from its last resume point
     every ``resume_every_steps``), ``s_per_step`` and ``lost_s`` = their product (seconds)."""
     starts = [e for e in evs if isinstance(e, Start)]
-    useful = [iv for iv in intervals if iv["state"] in USEFUL]
-    total_useful = sum(iv["end"] - iv["start"] for iv in useful)
-    steps_total, out = 0, []
+    useful, out = [iv for iv in intervals if iv["state"] in USEFUL], []
     for f in (e for e in evs if isinstance(e, Failure)):
         att, s_f = f.attempt, f.step or 0
         begun = [s for s in starts if s.t <= f.t and (att is None or s.attempt == att)]
         b = (begun or [s for s in starts if s.t <= f.t] or [None])[-1]
         nxt = next((s for s in starts if s.t > f.t and (att is None or (s.attempt or 0) > att)), None)
-        if nxt is not None:
-            resumed = nxt.step or 0
-        else:
-            resumed = s_f - s_f % resume_every_steps if resume_every_steps else s_f
+        rewound = s_f - s_f % resume_every_steps if resume_every_steps else s_f  # to its last resume point
+        resumed = (nxt.step or 0) if nxt is not None else rewound
         taken = s_f - (b.step or 0) if b is not None else 0
         busy = sum(max(0.0, min(iv["end"], f.t) - max(iv["start"], b.t)) for iv in useful) if b is not None else 0.0
-        steps_total += max(taken, 0)
         out.append(
             {
                 "attempt": att,
@@ -222,7 +195,8 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
                 "restarted": nxt is not None,
             }
         )
-    mean_sps = total_useful / steps_total if steps_total else None
+    steps_total = sum(max(r["steps_taken"], 0) for r in out)
+    mean_sps = sum(iv["end"] - iv["start"] for iv in useful) / steps_total if steps_total else None
     logged = [e for e in evs if isinstance(e, StepLine) and e.step is not None]
     paces = [
         (b.t - a.t) / (b.step - a.step)
@@ -238,8 +212,7 @@ def lost_work(evs: list[Own], intervals: list[Interval], resume_every_steps: int
 
 
 def _attempts(evs: list[Own]) -> list[dict]:
-    """A learner's attempts: per ``start``, its ``attempt``, start step and the inner steps it took
-    (the step of the attempt's last event − the start's step; recomputed steps included)."""
+    """Per ``start``: its ``attempt``, ``from_step`` and the inner ``steps`` it took (recomputed included)."""
     out: list[dict] = []
     for e in evs:
         s = getattr(e, "step", None)
@@ -250,47 +223,8 @@ def _attempts(evs: list[Own]) -> list[dict]:
     return out
 
 
-def _learner_row(m: Any, evs: list[Own], ivs: list[Interval], alloc: dict | None, scav: bool, **k) -> dict:
-    """Learner ``m``'s row of DiLoCo's goodput table (:func:`diloco_resilience`): its seconds per state
-    inside its allocation, the ``restarting_s`` part of its down time, lost work and goodput."""
-    t0, failures = k["t0"], k["failures"]
-    inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
-    secs, whole = state_seconds(inside, why=True), state_seconds(ivs)
-    lost = lost_work(evs, ivs, k["resume_every_steps"])
-    allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
-    busy = secs["running"] + secs["straggling"]
-    lost_s = min(sum(r["lost_s"] for r in lost), busy)
-    attempts = _attempts(evs)
-    trained = {x["attempt"] for x in attempts if x["steps"] > 0}
-    # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
-    restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
-    states = [e for e in evs if isinstance(e, StateEvent)]
-    restarting = sum(b - a for s, a, b in state_intervals(states, k["t1"]) if s == "restarting")
-    return {
-        "learner": m,
-        "scavenged": scav,
-        "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
-        "allocated_s": allocated,
-        **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
-        "absent_s": whole["absent"],  # outside its window
-        "down_startup_s": secs.get("down/start-up", 0.0),
-        "restarting_s": restarting,
-        "waiting_done_s": secs.get("waiting/done", 0.0),
-        "lost_work_s": lost_s,
-        "useful_s": busy - lost_s,
-        "goodput": _ratio(busy - lost_s, allocated),
-        "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
-        "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
-        "failures": sum(1 for e in evs if isinstance(e, Failure)),
-        "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
-        "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted) if restarted else None,
-        "lost": lost,
-    }
-
-
 def state_intervals(states: list[StateEvent], end: float) -> list[tuple[str, float, float]]:
-    """(state, start, end) from each state event to the next (the last: to ``end``), run-clock
-    seconds; a repeated state continues its interval."""
+    """(state, start, end) from each state event to the next (the last: to ``end``); a repeat continues."""
     out: list[tuple[str, float, float]] = []
     for e, nxt in zip(states, [*states[1:], None]):
         b = nxt.t if nxt is not None else max(end, e.t)
@@ -308,21 +242,17 @@ def diloco_resilience(
     now: float | None = None,
     resume_every_steps: int | None = None,
 ) -> dict | None:
-    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md);
-    None before any learner was up, or for a run that predates state events. ``now``: the run clock's
-    present, for a run in progress. Returns ``span`` (:func:`diloco_span`), ``learners`` (one row per
-    learner: ``allocated_s``, seconds per state, ``restarting_s`` (of its down seconds),
-    ``lost_work_s``, ``useful_s``, ``goodput``, ``failures``, ``restarts``,
-    ``merged_again_after_restart`` (every restarted attempt that took a step was merged again
-    afterwards; None without such a restart), ``steps_taken``, ``s_per_step``, ``scavenged``,
-    ``window`` [join, leave] in span seconds, ``lost``), ``global`` (Σ useful / Σ allocated),
-    ``timelines`` (learner → intervals in seconds since the span start) and ``uptime``
-    (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
+    """Decoupled DiLoCo's timelines and goodput from its learners' state events (docs/report.md); None
+    before any learner was up. ``now``: the run clock's present, for a run in progress. Returns ``span``
+    (:func:`diloco_span`), ``learners`` (per learner: seconds per state, ``lost_work_s``, ``useful_s``,
+    ``goodput``, failures, restarts, ``window`` [join, leave] in span seconds, ``lost``: :func:`lost_work`),
+    ``global`` (Σ useful / Σ allocated), ``timelines`` (learner → intervals in seconds since the span
+    start) and ``uptime`` (:func:`state_uptime`, with the merges' :func:`uptime` as ``cadence``)."""
     span = diloco_span(events, now)
     if span is None:
         return None
     t0, t1 = span["start_s"], span["end_s"]
-    per, windows = learner_events(events), _windows(schedule)
+    per, windows = learner_events(events), {p.learner for p in (schedule.presence if schedule else [])}
     failures = learner_failures(events or [], merges or [])
     for m in range(schedule.learners if schedule else 0):  # scheduled, nothing logged yet
         per.setdefault(m, [])
@@ -330,27 +260,47 @@ def diloco_resilience(
     for m, evs in per.items():
         scav = m in windows or any(isinstance(e, Presence) for e in evs)
         ivs, alloc = learner_timeline(evs, t0, t1, scav)
-        rows.append(
-            _learner_row(
-                m, evs, ivs, alloc, scav, t0=t0, t1=t1, failures=failures, resume_every_steps=resume_every_steps
-            )
-        )
         timelines[str(m)] = _since(ivs, t0)
-    alloc_sum = sum(r["allocated_s"] for r in rows)
-    useful_sum = sum(r["useful_s"] for r in rows)
+        inside = clip(ivs, alloc["start_s"], alloc["end_s"]) if alloc else []
+        secs, lost = state_seconds(inside, why=True), lost_work(evs, ivs, resume_every_steps)
+        allocated = (alloc["end_s"] - alloc["start_s"]) if alloc else 0.0
+        busy = secs["running"] + secs["straggling"]
+        lost_s = min(sum(r["lost_s"] for r in lost), busy)
+        attempts = _attempts(evs)
+        trained = {x["attempt"] for x in attempts if x["steps"] > 0}
+        # restarts after which the learner trained (a restart as the budget ran out has nothing to merge)
+        restarted = [f for f in failures if f["learner"] == m and f["restart_attempt"] in trained]
+        states = [e for e in evs if isinstance(e, StateEvent)]
+        rows.append(
+            {
+                "learner": m,
+                "scavenged": scav,
+                "window": [alloc["start_s"] - t0, alloc["end_s"] - t0] if alloc else None,
+                "allocated_s": allocated,
+                **{f"{s}_s": secs[s] for s in STATES if s != "absent"},
+                "absent_s": state_seconds(ivs)["absent"],  # outside its window
+                "down_startup_s": secs.get("down/start-up", 0.0),
+                "restarting_s": sum(b - a for s, a, b in state_intervals(states, t1) if s == "restarting"),
+                "waiting_done_s": secs.get("waiting/done", 0.0),
+                "lost_work_s": lost_s,
+                "useful_s": busy - lost_s,
+                "goodput": _ratio(busy - lost_s, allocated),
+                "steps_taken": sum(a["steps"] for a in attempts),  # recomputed steps included
+                "s_per_step": _ratio(busy, sum(a["steps"] for a in attempts)),
+                "failures": sum(1 for f in failures if f["learner"] == m),
+                "restarts": max(0, sum(1 for e in states if e.state == "up") - 1),
+                "merged_again_after_restart": all(f["merged_again_after_restart"] for f in restarted)
+                if restarted
+                else None,
+                "lost": lost,
+            }
+        )
     merge_times = [m.merged_at_s - t0 for m in parse(Merge, merges) if m.merged_at_s is not None]
     return {
         "span": span,
         "learners": rows,
         "timelines": timelines,
-        "global": {
-            "allocated_s": alloc_sum,
-            "useful_s": useful_sum,
-            "goodput": _ratio(useful_sum, alloc_sum),
-            **{f"{s}_s": sum(r[f"{s}_s"] for r in rows) for s in STATES},
-            "restarting_s": sum(r["restarting_s"] for r in rows),
-            "lost_work_s": sum(r["lost_work_s"] for r in rows),
-        },
+        "global": _global(rows, sum(r["allocated_s"] for r in rows), "restarting_s", "lost_work_s"),
         "uptime": {
             **state_uptime(timelines, span["length_s"], syncer_outages(events, t0)),
             "cadence": uptime(merge_times, 0.0, span["length_s"]),
@@ -366,31 +316,24 @@ def _dp_rows(train: list[dict] | None) -> list[tuple[int, float]]:
     return sorted(((r.step, r.t) for r in parse(TrainRow, train) if r.t is not None), key=lambda x: x[1])
 
 
+def _factor_at(factors: list[tuple[float, float]], t: float) -> float:
+    return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
+
+
 def dp_step_time(train: list[dict] | None, events: list[DPEvent] = ()) -> float | None:
-    """DP's step time (seconds): the median of Δt / Δstep over consecutive ``train.jsonl`` rows with
-    no DP event (failure, restore, checkpoint, slowdown) between them and no slowdown in force;
-    the median over all pairs when no pair is clean; None with fewer than two rows."""
+    """DP's step time (s): the median Δt / Δstep over consecutive ``train.jsonl`` rows with no DP event
+    between them and no slowdown in force (else over all pairs); None with fewer than two rows."""
     rows = _dp_rows(train)
     factors = [(e.t, e.factor) for e in events if e.event == "slowdown"]
-
-    def factor_at(t: float) -> float:
-        return next((f for ft, f in reversed(factors) if ft <= t), 1.0)
-
-    clean, every = [], []
-    for (s1, t1), (s2, t2) in zip(rows, rows[1:]):
-        if s2 <= s1 or t2 <= t1:
-            continue
-        every.append((t2 - t1) / (s2 - s1))
-        if not any(t1 < e.t <= t2 for e in events) and factor_at(t1) == 1.0:
-            clean.append(every[-1])
-    pick = clean or every
+    pairs = [(t1, t2, (t2 - t1) / (s2 - s1)) for (s1, t1), (s2, t2) in zip(rows, rows[1:]) if s2 > s1 and t2 > t1]
+    clean = [x for a, b, x in pairs if not any(a < e.t <= b for e in events) and _factor_at(factors, a) == 1.0]
+    pick = clean or [x for _, _, x in pairs]
     return statistics.median(pick) if pick else None
 
 
 def dp_span(train: list[dict] | None, lines: list, now: float | None = None) -> dict | None:
-    """DP's training span on its own clock: from the job's first ``up`` state event (its hosts up: as a
-    DiLoCo span starts at its first learner up) to ``now``, else to its last ``train.jsonl`` row or
-    event (whichever is later); None without state events (a run that predates them)."""
+    """DP's training span on its own clock: from the job's first ``up`` state event to ``now``, else to
+    its last ``train.jsonl`` row or event; None without state events."""
     ups = [e.t for e in lines if isinstance(e, StateEvent) and e.state == "up"]
     if not ups:
         return None
@@ -404,8 +347,7 @@ _RESTORED = "restored_at_s restored_step lost_steps restore_s down_s recomputed_
 def _recomputed_until(
     rows: list[tuple[int, float]], t_r: float, back: int, high: int, nxt: DPEvent | None, limit: float, step_s
 ) -> float:
-    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``
-    (DP clock, s): measured by the first row past it, else estimated at ``step_s`` a step."""
+    """When the job, restored at ``t_r`` to step ``back``, was back at its high-water step ``high``."""
     if back >= high:
         return t_r
     past = next(((s, t) for s, t in rows if t_r < t <= limit and s > high), None)
@@ -455,8 +397,7 @@ def _restores(events: list[DPEvent], rows: list[tuple[int, float]], step_s: floa
 
 
 def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
-    """(start, end, restarting seconds) of each stretch the DP job was not up: from a ``down`` state
-    event to the next ``up`` (or ``end``), through ``restarting``; DP clock, seconds."""
+    """(start, end, restarting seconds) of each stretch from a ``down`` state event to the next ``up``."""
     out: list[list[float]] = []
     for s, a, b in state_intervals(sorted((e for e in lines if isinstance(e, StateEvent)), key=lambda e: e.t), end):
         if s not in ("down", "restarting"):
@@ -468,8 +409,7 @@ def _outages(lines: list, end: float) -> list[tuple[float, float, float]]:
 
 
 def _stalls(outages: list, fails: list[DPEvent], W: int) -> list[tuple[float, float, int]]:
-    """(start, end, row) of each stall: an outage split at each failure met meanwhile, that replica
-    down from it (a failure met while down, scheduled before the job noticed the first, from then)."""
+    """(start, end, row) of each stall: an outage split at each failure met meanwhile (its replica down)."""
     out, prev = [], -math.inf
     for a, b, _ in outages:
         inside = [f for f in fails if (a <= f.t or (f.while_down and prev <= f.t)) and f.t < b]
@@ -502,35 +442,27 @@ def _dp_timelines(
     W: int,
 ) -> tuple[dict[int, list[Interval]], float]:
     """DP's rows (replica → intervals) and the slowdown seconds the schedule does not attribute."""
-    end = span["end_s"]
+    end, slows = span["end_s"], schedule.slowdowns if schedule else []
     # Elementary pieces between every change of state, so that each slowdown share lies in its piece.
-    cuts = (
-        {0.0, end}
-        | {t for t, _ in factors}
-        | {t for a, b, _ in stalls for t in (a, b)}
-        | {t for a, b in recomputes for t in (a, b)}
-        | {span["start_s"]}
+    cuts = {0.0, end, span["start_s"]} | {t for t, _ in factors} | {t for x in (*stalls, *recomputes) for t in x[:2]}
+    cuts = sorted(
+        t
+        for t in cuts | {t for e in slows for t in (e.from_s, e.to_s)}
+        if t is not None and span["start_s"] <= t <= end
     )
-    for e in schedule.slowdowns if schedule else []:
-        cuts |= {t for t in (e.from_s, e.to_s) if t is not None}
-    cuts = sorted(t for t in cuts if span["start_s"] <= t <= end)
     rows: dict[int, list[Interval]] = {r: [] for r in range(W)}
     unattributed = 0.0
     for a, b in zip(cuts, cuts[1:]):
-        mid = (a + b) / 2
+        mid, f = (a + b) / 2, _factor_at(factors, (a + b) / 2)
         stall = next((x for x in stalls if x[0] <= mid < x[1]), None)
         if stall is not None:  # the whole job is down: the failed replica down, the others waiting
             for r in rows:
                 rows[r].append(_iv("down", a, b, "failure") if r == stall[2] else _iv("waiting", a, b, "stall"))
             continue
-        if any(x0 <= mid < x1 for x0, x1 in recomputes):
+        recomputing = any(x0 <= mid < x1 for x0, x1 in recomputes)
+        if recomputing or f <= 1.0:
             for r in rows:
-                rows[r].append(_iv("recomputing", a, b))
-            continue
-        f = next((fv for ft, fv in reversed(factors) if ft <= mid), 1.0)
-        if f <= 1.0:
-            for r in rows:
-                rows[r].append(_iv("running", a, b))
+                rows[r].append(_iv("recomputing" if recomputing else "running", a, b))
             continue
         g = {r: _episode_factor(schedule, r, W, mid) for r in rows}
         if max(g.values()) < f:  # the schedule does not say who: row 0 is the slowed one
@@ -575,13 +507,10 @@ def dp_resilience(
     schedule: ChaosSchedule | None = None,
     now: float | None = None,
 ) -> dict | None:
-    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md);
-    None without them (DP logged nothing, or a run that predates state events).
-    ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
-    ``workers``, ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure: replica, times,
-    high-water step, restored step, lost steps, down, restore and recompute seconds), ``replicas``
-    (rows: seconds per state, ``useful_s``, ``goodput``, ``failures``), ``global`` (Σ useful / (W ×
-    span)), ``timelines`` (row → intervals) and ``uptime`` (with the ``train.jsonl`` rows' cadence)."""
+    """DP's timelines (one row per replica) and goodput from its job's state events (docs/report.md); None
+    without them. ``now``: DP's clock at present, for a run in progress. Returns ``span`` (:func:`dp_span`),
+    ``step_s`` (:func:`dp_step_time`), ``restores`` (per failure), ``replicas`` (goodput rows), ``global``
+    (Σ useful / (W × span)), ``timelines`` (row → intervals) and ``uptime`` (with the steps' cadence)."""
     lines = parse(DPLine, events)
     span = dp_span(train, lines, now)
     if span is None:
@@ -598,8 +527,6 @@ def dp_resilience(
     ]
     rows, unattributed = _dp_timelines(span, factors, stalls, recomputes, schedule, W)
     table = [_dp_replica(r, ivs, span, restores, W) for r, ivs in rows.items()]
-    alloc = W * span["length_s"]
-    useful = sum(x["useful_s"] for x in table)
     advances = [t for _, t in _dp_rows(train)]
     return {
         "span": span,
@@ -612,10 +539,7 @@ def dp_resilience(
         "checkpoints": sum(1 for e in events if e.event == "checkpoint"),
         "checkpoint_s": sum(e.save_s or 0.0 for e in events if e.event == "checkpoint"),
         "global": {
-            "allocated_s": alloc,
-            "useful_s": useful,
-            "goodput": _ratio(useful, alloc),
-            **{f"{s}_s": sum(x[f"{s}_s"] for x in table) for s in STATES},
+            **_global(table, W * span["length_s"]),
             "failures": len(restores),
             "lost_steps": sum(x["lost_steps"] or 0 for x in restores),
             "recompute_s": sum(x["recompute_s"] or 0.0 for x in restores),
@@ -628,6 +552,14 @@ def dp_resilience(
             **state_uptime({str(r): _since(ivs, span["start_s"]) for r, ivs in rows.items()}, span["length_s"]),
             "cadence": uptime(advances, span["start_s"], span["end_s"]),
         },
+    }
+
+
+def _global(rows: list[dict], allocated: float, *more: str) -> dict:
+    """A goodput table's ``global`` row: Σ useful / ``allocated``, Σ seconds per state and Σ ``more``."""
+    useful = sum(r["useful_s"] for r in rows)
+    return {"allocated_s": allocated, "useful_s": useful, "goodput": _ratio(useful, allocated)} | {
+        k: sum(r[k] for r in rows) for k in (*(f"{s}_s" for s in STATES), *more)
     }
 
 
@@ -644,16 +576,11 @@ def state_uptime(
     down: list[tuple[float, float]] = (),
     up_states: tuple[str, ...] = USEFUL,
 ) -> dict:
-    """Share of [0, ``length_s``] in which at least one row of ``timelines`` was in ``up_states`` and
-    no interval of ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (≥ 1
-    learner running, ``sim.jobs.quorum_sweep``). Returns ``uptime`` (None for an empty span),
-    ``up_s``, ``down_s`` and ``outages`` ([start, end] of each interval with nothing up, seconds)."""
-    ups = sorted(
-        (iv["start"], iv["end"])
-        for ivs in timelines.values()
-        for iv in ivs
-        if iv["state"] in up_states and iv["end"] > iv["start"]
-    )
+    """Share of [0, ``length_s``] in which a row of ``timelines`` was in ``up_states`` and no interval of
+    ``down`` (e.g. the syncer's outages) covered it: the simulator's uptime (``sim.jobs.quorum_sweep``).
+    Returns ``uptime`` (None for an empty span), ``up_s``, ``down_s`` and ``outages`` ([start, end], s)."""
+    ivs = [iv for row in timelines.values() for iv in row if iv["state"] in up_states and iv["end"] > iv["start"]]
+    ups = sorted((iv["start"], iv["end"]) for iv in ivs)
     merged: list[list[float]] = []
     for a, b in ups:  # the union of every row's up intervals
         if merged and a <= merged[-1][1]:
@@ -673,8 +600,7 @@ def state_uptime(
 
 
 def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, float]]:
-    """The syncer's outages in seconds since ``t0``: from each ``syncer-failure``/``syncer-kill`` to
-    the next ``syncer-resumed`` (still down at the end: to infinity)."""
+    """The syncer's outages (s since ``t0``): each failure or kill to the next resume (else infinity)."""
     return [
         (r["failed_at_s"] - t0, math.inf if r["resumed_at_s"] is None else r["resumed_at_s"] - t0)
         for r in syncer_restarts(events)
@@ -683,45 +609,23 @@ def syncer_outages(events: list[dict] | None, t0: float) -> list[tuple[float, fl
 
 def uptime(advances: list[float], start: float, end: float, factor: float = STALL_FACTOR) -> dict:
     """Share of the span in which the global model advanced (docs/report.md, "Merge cadence"); seconds.
-
-    ``advances``: the times it advanced (merges; DP steps past the high-water mark); ``uptime`` =
-    1 − Σ (stall − median) / (end − first advance), ``uptime_span`` the same over end − start. Returns
-    ``uptime`` (None with fewer than two advances; 0 with none), ``uptime_span``, ``stalled_s``,
-    ``median_gap_s``, ``threshold_s`` (= factor × median), ``stalls`` ([start, end] of each),
-    ``longest_stall_s`` and ``longest_stall_at_s`` (the longest gap after the first advance, stall or
-    not), ``startup_s``, ``advances``, ``span_s``."""
+    ``advances``: the times it advanced (merges; DP steps past the high-water mark). ``uptime`` = 1 −
+    Σ (stall − median) / (end − first advance) (None with fewer than two advances; 0 with none),
+    ``uptime_span`` the same over end − start; also ``stalls`` ([start, end] of gaps over ``factor`` ×
+    the median), ``longest_stall_s``/``_at_s`` (the longest gap, stall or not) and ``startup_s``."""
     span = end - start
     ts = sorted(t for t in advances if start <= t <= end)
-    out = {
-        "uptime": None,
-        "uptime_span": None,
-        "stalled_s": None,
-        "median_gap_s": None,
-        "threshold_s": None,
-        "factor": factor,
-        "stalls": [],
-        "longest_stall_s": None,
-        "longest_stall_at_s": None,
-        "startup_s": (ts[0] - start) if ts else None,
-        "advances": len(ts),
-        "span_s": span,
-    }
+    out = dict.fromkeys(("uptime", "uptime_span", "stalled_s", "median_gap_s", "threshold_s")) | {"factor": factor}
+    out |= {"stalls": [], **dict.fromkeys(("longest_stall_s", "longest_stall_at_s"))}
+    out |= {"startup_s": ts[0] - start if ts else None, "advances": len(ts), "span_s": span}
     if span <= 0:
         return out
-    if not ts:
-        out.update(
-            uptime=0.0,
-            uptime_span=0.0,
-            stalled_s=span,
-            stalls=[[start, end]],
-            longest_stall_s=span,
-            longest_stall_at_s=start,
-        )
-        return out
-    bounds = ts + [end]
-    gaps = [(a, b) for a, b in zip(bounds, bounds[1:])]
+    gaps = list(zip(ts, ts[1:] + [end])) or [(start, end)]  # no advance: the whole span is one stall
     a, b = max(gaps, key=lambda g: g[1] - g[0])
     out["longest_stall_s"], out["longest_stall_at_s"] = b - a, a
+    if not ts:
+        out.update(uptime=0.0, uptime_span=0.0, stalled_s=span, stalls=[[start, end]])
+        return out
     inner = [b - a for a, b in zip(ts, ts[1:])]
     if not inner:
         return out
@@ -747,8 +651,7 @@ def uptime(advances: list[float], start: float, end: float, factor: float = STAL
 
 
 def _plan(config: ExperimentConfig | None, schedule: ChaosSchedule | None) -> ChaosPlan | None:
-    """The chaos plan the run's schedule was drawn from: ``chaos.schedule``, or for a replay the
-    plan saved with the replayed schedule (``pretrain/chaos.json``'s ``plan``); None otherwise."""
+    """The chaos plan the schedule was drawn from: ``chaos.schedule``, else the one a replay saved."""
     if config is not None and config.chaos.schedule is not None:
         return config.chaos.schedule
     saved = schedule.plan if schedule else None
@@ -767,10 +670,9 @@ def simulator_knobs(
     schedule: ChaosSchedule | None = None,
 ) -> dict:
     """The goodput simulator's knobs (``sim.config.GoodputConfig`` fields) for this run's chaos, or
-    ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay
-    law, DP's measured step time, checkpoint interval and mean restore seconds; each knob and the
-    model's limits: docs/report.md ("The simulator's prediction"). ``config``: the run's typed
-    config (``reports.common.settings``)."""
+    ``{"status": why not}``: chips = learners = [M], quorum 1, the schedule's MTBF and restart-delay law,
+    DP's measured step time, checkpoint interval and mean restore seconds (docs/report.md, "The
+    simulator's prediction")."""
     if config is None:
         return {"status": "no prediction (no config.json)"}
     plan = _plan(config, schedule)
@@ -828,12 +730,11 @@ def simulator_prediction(
     resume_every_steps: int | None = None,
 ) -> dict:
     """The simulator's goodput and uptime (fractions, with 95 % half-widths) for ``knobs``
-    (:func:`simulator_knobs`), from ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci",
-    "uptime", "uptime_ci"}}`` (the caller's simulator; None: status "not computed"), and
-    ``diloco_rollback`` when ``resume_every_steps`` is known (docs/report.md)."""
-    if knobs.get("status") != "ok":
-        return {**knobs, "predicted": {}}
+    (:func:`simulator_knobs`) by ``predict(knobs, systems) -> {system: {"goodput", "goodput_ci", "uptime",
+    "uptime_ci"}}`` (None: not computed), and ``diloco_rollback`` given ``resume_every_steps``."""
     out = {**knobs, "predicted": {}}
+    if knobs.get("status") != "ok":
+        return out
     if predict is None:
         out["status"] = "not computed (the report was built without the simulator; `ddiloco report RUN` runs it)"
         return out
@@ -857,13 +758,11 @@ def simulator_prediction(
 def curve_points(rows: list[dict] | None, x_key: str, start_s: float = 0.0) -> list[tuple[float, float]]:
     """(x, held-out loss) of an eval curve: x = ``tokens``, or ``wall_s`` − ``start_s`` (seconds since
     the method's training start) for ``x_key`` "wall_s"; sorted by x, non-finite losses dropped."""
-    pts = []
-    for r in rows or []:
-        x, y = num(r.get(x_key)), num(r.get("val/loss"))
-        if x is None or y is None or not math.isfinite(y):
-            continue
-        pts.append((x - start_s if x_key == "wall_s" else x, y))
-    return sorted(pts, key=lambda p: p[0])
+    pts = [(num(r.get(x_key)), num(r.get("val/loss"))) for r in rows or []]
+    shift = start_s if x_key == "wall_s" else 0
+    return sorted(
+        ((x - shift, y) for x, y in pts if x is not None and y is not None and math.isfinite(y)), key=lambda p: p[0]
+    )
 
 
 def interpolate(points: list[tuple[float, float]], x: float | None) -> float | None:
@@ -887,12 +786,9 @@ def loss_comparison(curves: dict[str, dict], at_s: float | None = None, at_token
         for k, c in curves.items()
     }
     pts = {k: v for k, v in pts.items() if v[0] or v[1]}
-    if at_s is None and pts:
-        ends = [v[0][-1][0] for v in pts.values() if v[0]]
-        at_s = min(ends) if ends else None
-    if at_tokens is None and pts:
-        ends = [v[1][-1][0] for v in pts.values() if v[1]]
-        at_tokens = min(ends) if ends else None
+    ends = [[v[i][-1][0] for v in pts.values() if v[i]] for i in (0, 1)]
+    at_s = at_s if at_s is not None else min(ends[0], default=None)
+    at_tokens = at_tokens if at_tokens is not None else min(ends[1], default=None)
     per = {}
     for k, (by_t, by_n) in pts.items():
         per[k] = {
@@ -911,10 +807,8 @@ _TIMED = re.compile(r"at ([0-9.]+) s of training")
 
 
 def _took(x: Merge, learner: Any, c: Corrupt) -> bool:
-    """Whether merge ``x`` took ``learner``'s submission of fragment ``c.fragment`` at local step
-    ``c.step``: a contributor there whose base version (``version`` − 1 − ``stale``) is
-    ``c.base_version`` and whose attempt (where recorded) is ``c.attempt``, each checked when known (a
-    retry resends a step from a newer base)."""
+    """Whether merge ``x`` took ``learner``'s submission ``c``: same fragment and local step, and where known
+    the same base version (``version`` − 1 − ``stale``) and attempt (a retry resends from a newer base)."""
     if x.fragment != c.fragment:
         return False
     for i, (who, s) in enumerate(zip(x.contributors, x.local_steps or [])):
@@ -941,16 +835,15 @@ def schedule_counts(
     dp_events: list[dict] | None,
 ) -> dict:
     """The schedule's events, drawn and met by each method (docs/report.md, "The schedule's events"):
-    ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns
-    also ``by_kind``), ``scavenged`` (per window ``joined_at_s``/``left_at_s``, span seconds) and
-    ``corruptions`` (per scheduled one: ``sent``, ``fragment``, ``step``, ``dropped``, ``reason``,
-    ``merged``, ``resent_by_a_later_attempt``)."""
+    ``failures`` and ``slowdowns`` (``drawn``, ``<method>_in_span``, ``<method>_fired``; slowdowns also
+    ``by_kind``), ``scavenged`` (per window, span seconds) and ``corruptions`` (per scheduled one)."""
     per = learner_events(events)
     t0, d_end = ((diloco or {}).get("span") or {}).get("start_s"), ((diloco or {}).get("span") or {}).get("end_s")
     p_end = ((dp or {}).get("span") or {}).get("end_s")
     own = [e for evs in per.values() for e in evs]
     dp_evs = [e for e in parse(DPLine, dp_events) if isinstance(e, DPEvent)]
-    origins = {m: next(o for o in starts) for m, evs in per.items() if (starts := _origins(evs))}
+    starts = {m: [e.origin for e in evs if isinstance(e, Start) and e.origin is not None] for m, evs in per.items()}
+    origins = {m: o[0] for m, o in starts.items() if o}
     fallback = min(origins.values()) if origins else t0
 
     def in_diloco(m: Any, at: float | None) -> bool | None:
@@ -977,21 +870,13 @@ def schedule_counts(
     }
 
 
-def _origins(evs: list) -> list[float]:
-    return [e.origin for e in evs if isinstance(e, Start) and e.origin is not None]
-
-
 def _scavenged(p: PresenceEvent, per: dict[Any, list], t0: float | None) -> dict:
     """One scheduled presence window with the learner's ``join``/``leave`` (seconds since ``t0``)."""
-    m = p.learner
-    j, lv = (next((e.t for e in per.get(m, []) if e.event == k), None) for k in ("join", "leave"))
-    return {
-        "learner": m,
-        "join_s": p.join_s,
-        "leave_s": p.leave_s,
-        "joined_at_s": j - t0 if j is not None and t0 is not None else None,
-        "left_at_s": lv - t0 if lv is not None and t0 is not None else None,
-    }
+    at = [
+        next((e.t - t0 for e in per.get(p.learner, []) if e.event == k and t0 is not None), None)
+        for k in ("join", "leave")
+    ]
+    return {"learner": p.learner, "join_s": p.join_s, "leave_s": p.leave_s, "joined_at_s": at[0], "left_at_s": at[1]}
 
 
 def _corruptions(
@@ -1001,74 +886,47 @@ def _corruptions(
     merges: list[dict] | None,
     t0: float | None,
 ) -> list[dict]:
-    """Per scheduled corruption (by time): whether it was sent and what became of it."""
+    """Per scheduled corruption (by time): whether it was sent, dropped (and why), merged, resent."""
     dropped = [e for e in parse(LearnersLine, events) if e.event == "dropped"]
     took = None if merges is None else parse(Merge, merges)
     out, used = [], set()
+    fate = ("sent_at_s", "fragment", "step", "dropped", "reason", "merged", "resent_by_a_later_attempt")
     for c in scheduled:
-        m = c.learner
-        mine = [e for e in per.get(m, []) if isinstance(e, Corrupt) and id(e) not in used]
-        ev = next((e for e in mine if e.kind in (None, c.corruption)), None)
-        row = {"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None}
-        row.update(dict.fromkeys(("sent_at_s", "fragment", "step", "dropped", "reason", "merged")))
-        row["resent_by_a_later_attempt"] = None
-        if ev is not None:
-            used.add(id(ev))
-            row.update(_corruption_fate(ev, m, per.get(m, []), dropped, took, t0))
-        out.append(row)
+        m, mine, kinds = c.learner, per.get(c.learner, []), (None, c.corruption)
+        ev = next((e for e in mine if isinstance(e, Corrupt) and id(e) not in used and e.kind in kinds), None)
+        out.append({"learner": m, "at_s": c.at_s, "kind": c.corruption, "sent": ev is not None} | dict.fromkeys(fate))
+        if ev is None:
+            continue
+        used.add(id(ev))
+        drop = [d for d in dropped if lid(d.learner) == m and d.fragment == ev.fragment and (d.t or 0.0) >= ev.t - 1e-6]
+        drop = next((d for d in drop if ev.base_version is None or d.base_version in (None, ev.base_version)), None)
+        # A later attempt that resumed before that step sends the same (fragment, local step) again,
+        # possibly from the same base version (nothing merged meanwhile): a merge after its start is
+        # that clean copy's.
+        resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
+        hits = [x for x in took or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
+        if all(x.attempts is not None for x in hits):  # merges name each contributor's attempt: exact
+            merged = bool(hits)
+        else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
+            merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in hits)
+        reason = drop.reason if drop else None
+        out[-1].update(sent_at_s=ev.t - t0 if t0 is not None else None, fragment=ev.fragment, step=ev.step)
+        out[-1].update(dropped=drop is not None, reason=reason, merged=merged if took is not None else None)
+        out[-1]["resent_by_a_later_attempt"] = bool(resent)
     return out
-
-
-def _corruption_fate(
-    ev: Corrupt, m: Any, mine: list, dropped: list[Dropped], merges: list[Merge] | None, t0: float | None
-) -> dict:
-    """What became of corrupted submission ``ev`` of learner ``m``: dropped (and why), merged, resent."""
-    drop = next(
-        (
-            d
-            for d in dropped
-            if lid(d.learner) == m
-            and d.fragment == ev.fragment
-            and (d.base_version is None or ev.base_version is None or d.base_version == ev.base_version)
-            and (d.t or 0.0) >= ev.t - 1e-6
-        ),
-        None,
-    )
-    # A later attempt that resumed before that step sends the same (fragment, local step) again,
-    # possibly from the same base version (nothing merged meanwhile): a merge after its start is
-    # that clean copy's.
-    resent = [e.t for e in mine if isinstance(e, Start) and e.t > ev.t and (e.step or 0) < (ev.step or 0)]
-    took = [x for x in merges or [] if _took(x, m, ev) and (x.merged_at_s or 0.0) > ev.t]
-    if all(x.attempts is not None for x in took):  # merges name each contributor's attempt: exact
-        merged = bool(took)
-    else:  # an older run: a merge after a later attempt's start is taken as that clean copy's
-        merged = any(not any(t_r < x.merged_at_s for t_r in resent) for x in took)
-    return {
-        "resent_by_a_later_attempt": bool(resent),
-        "sent_at_s": ev.t - t0 if t0 is not None else None,
-        "fragment": ev.fragment,
-        "step": ev.step,
-        "dropped": drop is not None,
-        "reason": drop.reason if drop else None,
-        "merged": merged if merges is not None else None,
-    }
 
 
 # --- everything ----------------------------------------------------------------------------------
 
 
 def diloco_training_start(events: list[dict] | None, summary: dict | None) -> float:
-    """A DiLoCo run's training start on the run clock: its first learner ``start``, else the
-    summary's ``startup_s``, else 0."""
+    """A DiLoCo run's training start on the run clock: its span's start, else the summary's ``startup_s``, else 0."""
     span = diloco_span(events)
-    if span is not None:
-        return span["start_s"]
-    return Summary.model_validate(summary or {}).startup_s or 0.0
+    return span["start_s"] if span is not None else Summary.model_validate(summary or {}).startup_s or 0.0
 
 
 def _curves(methods: dict[str, dict | None]) -> dict[str, dict]:
-    """:func:`loss_comparison`'s curves: per method with an eval curve its rows and its training start
-    on their clock (DiLoCo: :func:`diloco_training_start`; DP: 0)."""
+    """:func:`loss_comparison`'s curves: per method with an eval curve, its rows and training start."""
     return {
         m: {
             "rows": r["curve"],
@@ -1089,36 +947,24 @@ def resilience_figures(
     diloco_now: float | None = None,
     dp_now: float | None = None,
 ) -> dict:
-    """The whole Resilience section, once.
-
-    ``diloco``/``dp``: the method's records as dicts (``events`` (DiLoCo: learners.jsonl; DP: its
-    events.jsonl), ``merges``, ``train``, ``curve`` (eval.jsonl), ``summary``), None when it did not
-    run. ``reference``: ``{"run_dir", "diloco", "dp"}`` of a run without chaos (the same dicts;
-    a method it lacks is left out). ``predict``: see :func:`simulator_prediction`. ``diloco_now``,
-    ``dp_now``: the present on each method's clock, for a run in progress.
-
-    Returns ``diloco`` (:func:`diloco_resilience`), ``dp`` (:func:`dp_resilience`), ``simulator``
-    (knobs and prediction), ``loss`` (this run's curves and the reference's, at this run's equal
-    time and tokens, and the reference's own pair ``reference_pair``), ``schedule``
+    """The whole Resilience section, once. ``diloco``/``dp``: the method's records as dicts (``events``
+    (DiLoCo: learners.jsonl; DP: its events.jsonl), ``merges``, ``train``, ``curve`` (eval.jsonl),
+    ``summary``), None when it did not run. ``reference``: ``{"run_dir", "diloco", "dp"}`` of a run
+    without chaos. ``predict``: see :func:`simulator_prediction`. ``diloco_now``, ``dp_now``: the present
+    on each method's clock, for a run in progress. Returns ``diloco`` (:func:`diloco_resilience`),
+    ``dp`` (:func:`dp_resilience`), ``simulator``, ``loss`` (this run's curves and the reference's at this
+    run's equal time and tokens, and the reference's own ``reference_pair``), ``schedule``
     (:func:`schedule_counts`) and ``summary`` (the headline figures)."""
-    resume_every = config.diloco.resume_every_steps if config is not None else None
+    resume = config.diloco.resume_every_steps if config is not None else None
+    resume = int(resume) if resume else None
     workers = config.dp.workers if config is not None else None
-    d = (
-        diloco_resilience(
-            diloco.get("events"),
-            diloco.get("merges"),
-            schedule,
-            diloco_now,
-            int(resume_every) if resume_every else None,
-        )
-        if diloco
-        else None
-    )
+    dil, dpr = diloco or {}, dp or {}
+    d = diloco_resilience(dil.get("events"), dil.get("merges"), schedule, diloco_now, resume) if diloco else None
     if dp and workers is None:
         workers = num(Summary.model_validate(dp.get("summary") or {}).hyperparameters.get("simulated workers"))
     p = dp_resilience(dp.get("events"), dp.get("train"), int(workers or 1), schedule, dp_now) if dp else None
-    knobs = simulator_knobs(config, p, (dp or {}).get("summary"), schedule)
-    sim = simulator_prediction(knobs, predict, d, int(resume_every) if resume_every else None)
+    knobs = simulator_knobs(config, p, dpr.get("summary"), schedule)
+    sim = simulator_prediction(knobs, predict, d, resume)
 
     loss = loss_comparison(_curves({"diloco": diloco, "dp": dp}))
     ref_out = None
@@ -1131,21 +977,19 @@ def resilience_figures(
             "reference_pair": loss_comparison(ref_curves) if ref_curves else None,
         }
     loss["reference"] = ref_out
-    counts = schedule_counts(
-        schedule, d, (diloco or {}).get("events"), (diloco or {}).get("merges"), p, (dp or {}).get("events")
-    )
+    counts = schedule_counts(schedule, d, dil.get("events"), dil.get("merges"), p, dpr.get("events"))
     pred = sim.get("predicted") or {}
     M = (knobs.get("knobs") or {}).get("learners", [None])[0]
+    # the headline: each method's measured uptime and goodput, then the simulator's predicted goodputs
+    measured = {"diloco": d or {}, "dp": p or {}}
     summary = {
-        "diloco_uptime": (d or {}).get("uptime", {}).get("uptime"),
-        "dp_uptime": (p or {}).get("uptime", {}).get("uptime"),
-        "diloco_goodput": (d or {}).get("global", {}).get("goodput"),
-        "dp_goodput": (p or {}).get("global", {}).get("goodput"),
-        "predicted_diloco_goodput": (pred.get(f"diloco-{M}") or {}).get("goodput"),
-        "predicted_dp_goodput": (pred.get("dp") or {}).get("goodput"),
-        "predicted_diloco_rollback_goodput": (pred.get("diloco_rollback") or {}).get("goodput"),
-        "learners": M,
+        f"{m}_{k}": r.get(part, {}).get(k)
+        for k, part in (("uptime", "uptime"), ("goodput", "global"))
+        for m, r in measured.items()
     }
+    predicted = (("diloco", f"diloco-{M}"), ("dp", "dp"), ("diloco_rollback", "diloco_rollback"))
+    summary |= {f"predicted_{k}_goodput": (pred.get(system) or {}).get("goodput") for k, system in predicted}
+    summary["learners"] = M
     return {
         "status": "ok",
         "diloco": d,
