@@ -11,17 +11,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from reports.common import (
-    BASELINE,
-    NOT_RUN,
-    flatten,
-    label,
-    num,
-    per_unit,
-    safe_exp,
-    short_label,
-    stage_label,
-)
+from reports.common import BASELINE, NOT_RUN, flatten, label, num, per_unit, safe_exp, short_label, stage_label
 from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
