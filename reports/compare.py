@@ -45,6 +45,7 @@ REPORT_SCHEMA = 3  # the report.json layout this module reads
 COMPARISON_MD = "comparison.md"
 COMPARISON_JSON = "comparison.json"
 COMPARISON_CSV = "comparison.csv"
+OUTPUTS = (COMPARISON_MD, COMPARISON_JSON, COMPARISON_CSV)
 STAGE = "pretrain"
 # Config keys that only name or place a run: never detected as axes (they may still be given).
 IGNORED_KEYS = ("name", "run_root", "data.cache_dir")
@@ -73,24 +74,18 @@ def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
     """(absolute path, config, status or None, report) of one run directory; ReportInputError
     (one line: the path, the problem, the fix) otherwise."""
     path = Path(os.path.abspath(Path(given).expanduser()))
-    if not path.exists():
-        raise ReportInputError(path, f"does not exist; {RUN_HINT}")
     if not path.is_dir():
-        raise ReportInputError(path, f"is not a directory; {RUN_HINT}")
+        raise ReportInputError(path, f"{'is not a directory' if path.exists() else 'does not exist'}; {RUN_HINT}")
     layout = RunLayout(path)
     if not layout.config.is_file():
         raise ReportInputError(path, f"is not a run directory (no config.json); {RUN_HINT}")
-    config = read_json(layout.config)
-    report_path = layout.report_json
+    config, report_path = read_json(layout.config), layout.report_json
     if not report_path.is_file():
         raise ReportInputError(path, f"has no report/{REPORT_JSON}; build it with `ddiloco report {path}`")
     report = read_json(report_path)
     if report.get("schema") != REPORT_SCHEMA:
-        raise ReportInputError(
-            report_path,
-            f"report schema {report.get('schema')!r}, a comparison reads schema "
-            f"{REPORT_SCHEMA}; rebuild it with `ddiloco report {path}`",
-        )
+        why = f"report schema {report.get('schema')!r}, a comparison reads schema {REPORT_SCHEMA}"
+        raise ReportInputError(report_path, f"{why}; rebuild it with `ddiloco report {path}`")
     return path, config, read_json(layout.status), report
 
 
@@ -307,39 +302,21 @@ def _leaf(key: str, keys: list[str]) -> str:
 MARKERS = {"diloco": "o", "dp": "s"}  # a lone point still says its method
 
 
-def _style(m: str, methods: list[str]) -> str:
-    if m in LINESTYLES:
-        return LINESTYLES[m]
-    others = [x for x in methods if x not in LINESTYLES]
-    return OTHER_LINESTYLES[others.index(m) % len(OTHER_LINESTYLES)]
-
-
-def _points(rows: list[dict], axis: str | None, axes: list[str], methods: list[str]) -> pd.DataFrame:
-    """One row per run and method: ``x`` (the run's value of ``axis``; its label when None),
-    ``combo`` (the other axes' values in words), ``method``, ``done``, ``loss`` and ``gap``."""
-    others = [b for b in axes if b != axis] if axis else []
-    return pd.DataFrame(
-        [
-            {
-                "x": r.get(axis) if axis else r["label"],
-                "combo": ", ".join(f"{_leaf(b, axes)}={cell(r.get(b))}" for b in others),
-                "method": m,
-                "done": r.get("status") == COMPLETED,
-                "loss": r.get(f"{m}/final_val_loss"),
-                "gap": r.get(f"{m}/loss_gap_pct"),
-            }
-            for r in rows
-            for m in methods
-        ]
-    )
-
-
 def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[str], per: str) -> tuple:
     """(loss figure, gap figure or None) of the final held-out loss and of the gap to the baseline
     against ``axis`` (None: one x per run): a line per combination of the other axes' values (its
     colour) and method (its line style; none per run) through the mean over the runs at each x,
     every run a marker (hollow: it did not complete), the values at up to 8 points."""
-    pts = _points(rows, axis, axes, methods)
+    others = [b for b in axes if b != axis] if axis else []
+    pts = pd.DataFrame(
+        [
+            {"x": r.get(axis) if axis else r["label"], "method": m, "done": r.get("status") == COMPLETED}
+            | {"combo": ", ".join(f"{_leaf(b, axes)}={cell(r.get(b))}" for b in others)}
+            | {"loss": r.get(f"{m}/final_val_loss"), "gap": r.get(f"{m}/loss_gap_pct")}
+            for r in rows
+            for m in methods
+        ]
+    )
     numeric = axis is not None and all(_is_number(x) for x in pts.x)
     cats = list(dict.fromkeys(_canon(x) for x in pts.x))
     pts["pos"] = [float(x) if numeric else float(cats.index(_canon(x))) for x in pts.x]
@@ -379,17 +356,18 @@ def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[
 
 
 def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: bool) -> None:
-    """The points ``d`` (:func:`_points`, ``pos`` their x) of figure ``what`` on ``ax``: per
-    combination and method the mean at each x (a line when ``joined``), with its value in ``fmt``."""
+    """The points ``d`` (``pos`` their x) of figure ``what`` on ``ax``: per combination and method the
+    mean at each x (a line when ``joined``), with its value in ``fmt``."""
     combos = list(dict.fromkeys(d.combo))
     lowest = d.groupby("method")[what].mean().idxmin()
+    unstyled = [x for x in which if x not in LINESTYLES]
     for (combo, m), g in d.groupby(["combo", "method"], sort=False):
         ci, mi = combos.index(combo), which.index(m)
         color = cycle_colors()[ci % 10] if len(combos) > 1 else series_color(m, mi)
         g = g.assign(pos=g.pos + (0 if joined else 0.15 * (mi - (len(which) - 1) / 2)))  # per run: side by side
         mean = g.groupby("pos")[what].mean()
         text = short_label(m) + (f", {combo}" if len(combos) > 1 else "")
-        ls = _style(m, which) if joined else ""
+        ls = (LINESTYLES.get(m) or OTHER_LINESTYLES[unstyled.index(m) % len(OTHER_LINESTYLES)]) if joined else ""
         ax.plot(mean.index, mean.values, ls=ls, lw=1.8, marker=MARKERS.get(m, "^"), color=color, label=text)
         if len(g) > len(mean):  # repeated runs at one x: every run a small marker
             ax.scatter(g.pos, g[what], s=14, color=color, alpha=0.6, zorder=3)
@@ -397,13 +375,14 @@ def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: b
         ax.scatter(late.pos, late[what], s=36, facecolors="white", edgecolors=color, linewidths=1.5, zorder=4)
         below = m == lowest and len(which) > 1  # the lowest method's values below its points
         for x, y in mean.items() if len(combos) == 1 and len(mean) <= 8 else ():
+            dy, va = (-9, "top") if below else (7, "bottom")
             ax.annotate(
                 fmt.format(y),
                 (x, y),
-                xytext=(0, -9 if below else 7),
+                xytext=(0, dy),
                 textcoords="offset points",
                 ha="center",
-                va="top" if below else "bottom",
+                va=va,
                 fontsize=8,
                 color=color,
             )
@@ -451,34 +430,45 @@ def build_comparison(
 ) -> dict:
     """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
 
-    ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
-    and ``report/report.json`` of schema 3. ``axes``: dotted config keys to compare along
-    (``["diloco.learners", "diloco.quorum"]``); None detects them (the keys whose values differ,
-    :data:`IGNORED_KEYS` left out). ``labels``: one row name per run (default: the folder names).
-    ``title``: the markdown's title; ``source``: what built it (shown under the title). ``no_results``:
-    runs meant to be compared that have no results (a sweep's cells without a report), each a dict
-    with ``label``, ``run_dir``, ``status``, ``reason`` and ``why``, listed as "no results".
+    ``run_dirs``: local run directories (``config.json``, optional ``status.json``,
+    ``report/report.json`` of schema 3). ``axes``: dotted config keys to compare along; None detects
+    them (:func:`detect_axes`). ``labels``: one row name per run (default: the folder names).
+    ``title``, ``source``: the markdown's title and what built it. ``no_results``: runs without
+    results to list (dicts with ``label``, ``run_dir``, ``status``, ``reason``, ``why``).
 
-    Returns (and writes as ``comparison.json``) a strict-JSON dict: docs/report.md lists its keys;
-    losses in nats per token (or image), wall time in seconds, gaps in % against DP, bytes as payload
-    bytes, missing values None (shown "—").
-
-    Raises :class:`ReportInputError` (one line naming the path and the fix) for a path that does not
-    exist, is not a directory, holds no config.json, has no report/report.json, or holds a corrupt
-    or other-schema JSON file, for a run directory given twice, and for an ``out_dir`` that is a
-    file or inside a compared run; ``ValueError`` for no run directories, an axis that is not a
-    config key (or is a section), or labels that do not match the runs. Every check runs before
-    anything is written.
+    Returns (and writes as ``comparison.json``) a strict-JSON dict; keys and units: docs/report.md.
+    Raises :class:`ReportInputError` (one line: the path and the fix) for a path that is missing, not
+    a run directory, lacks report/report.json or holds a corrupt or other-schema JSON file, a run
+    given twice, or an ``out_dir`` that is a file or inside a compared run; ``ValueError`` for no run
+    directories, an axis that is not a config key (or is a section), or labels that do not match the
+    runs. Every check runs before anything is written.
     """
-    runs = _read_runs(list(run_dirs), labels)
+    given = list(run_dirs)
+    if not given:
+        raise ValueError(f"no run directories given; {RUN_HINT}")
+    read, seen = [], set()
+    for g in given:
+        read.append(_read_run(g))
+        if read[-1][0].resolve() in seen:
+            raise ReportInputError(read[-1][0], "is given twice; give each run directory once")
+        seen.add(read[-1][0].resolve())
+    names = _labels([p for p, *_ in read], labels)
+    runs = [_Run(lb, p, c, st, r, flatten(c, sep=".")) for lb, (p, c, st, r) in zip(names, read)]
     leaves = [r.leaves for r in runs]
     detected, partial = detect_axes(leaves)
     chosen = detected if axes is None else _check_axes(axes, leaves)
-    out = _out_dir(out_dir, runs)
-    rows, methods, columns = _table(runs, chosen)
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    if out.exists() and not out.is_dir():
+        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
+    for r in runs:
+        if out == r.path or r.path in out.parents:
+            why = f"is inside the run directory {r.path}, which a comparison never writes into"
+            raise ReportInputError(out, f"{why}; choose a folder outside it")
+    rows, methods_all = _rows(runs, chosen)
+    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
+    columns = _columns(rows, chosen, methods)
+    rows = [{c["key"]: row.get(c["key"]) for c in columns} for row in rows]
     units = list(dict.fromkeys(row["unit"] for row in rows))
-    per = " or ".join(per_unit(u) for u in units)
-
     comparison: dict[str, Any] = {
         "schema": SCHEMA,
         "title": title,
@@ -486,7 +476,12 @@ def build_comparison(
         "source": source,
         "stage": STAGE,
         "baseline": BASELINE,
-        "runs": [_run_entry(r, row, methods) for r, row in zip(runs, rows)],
+        "runs": [
+            {"label": r.label, "run_dir": str(r.path), "name": r.config.get("name"), "status": _status_text(r.status)}
+            | {k: (r.status or {}).get(k) for k in ("reason", "completed_stages")}
+            | {"unit": row["unit"], "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None]}
+            for r, row in zip(runs, rows)
+        ],
         "axes": chosen,
         "axes_detected": axes is None,
         "ignored_keys": list(IGNORED_KEYS),
@@ -499,71 +494,12 @@ def build_comparison(
         "plots": {"loss": None, "gap": None},
         "notes": [],
         "no_results": [
-            {k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")} for r in (no_results or [])
+            {k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")} for r in no_results or []
         ],
-        "paths": {
-            "out_dir": str(out),
-            "markdown": str(out / COMPARISON_MD),
-            "json": str(out / COMPARISON_JSON),
-            "csv": str(out / COMPARISON_CSV),
-        },
+        "paths": {"out_dir": str(out)} | {k: str(out / n) for k, n in zip(("markdown", "json", "csv"), OUTPUTS)},
     }
     comparison["notes"] = not_completed(comparison)
-    return _write_comparison(comparison, out, per)
-
-
-def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
-    """The table's rows (one per run, in column order), its methods (those with a final held-out
-    loss in some run, else every method) and its columns."""
-    rows, methods_all = _rows(runs, chosen)
-    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
-    columns = _columns(rows, chosen, methods)
-    return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
-
-
-def _read_runs(given: list[str | Path], labels: list[str] | None) -> list[_Run]:
-    """Each run directory read and checked (:func:`_read_run`), each once, with its label."""
-    if not given:
-        raise ValueError(f"no run directories given; {RUN_HINT}")
-    read, seen = [], {}
-    for g in given:
-        path, config, status, report = _read_run(g)
-        key = path.resolve()
-        if key in seen:
-            raise ReportInputError(path, "is given twice; give each run directory once")
-        seen[key] = path
-        read.append((path, config, status, report))
-    names = _labels([p for p, *_ in read], labels)
-    return [_Run(lb, p, c, s, r, flatten(c, sep=".")) for lb, (p, c, s, r) in zip(names, read)]
-
-
-def _out_dir(out_dir: str | Path, runs: list[_Run]) -> Path:
-    """``out_dir`` made absolute; refused when it is a file or lies inside a compared run."""
-    out = Path(os.path.abspath(Path(out_dir).expanduser()))
-    if out.exists() and not out.is_dir():
-        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
-    for r in runs:
-        if out == r.path or r.path in out.parents:
-            raise ReportInputError(
-                out,
-                f"is inside the run directory {r.path}, which a comparison never writes "
-                "into; choose a folder outside it",
-            )
-    return out
-
-
-def _run_entry(r: _Run, row: dict, methods: list[str]) -> dict:
-    """One run of comparison.json's ``runs``."""
-    return {
-        "label": r.label,
-        "run_dir": str(r.path),
-        "name": r.config.get("name"),
-        "status": _status_text(r.status),
-        "reason": (r.status or {}).get("reason"),
-        "completed_stages": (r.status or {}).get("completed_stages"),
-        "unit": row["unit"],
-        "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None],
-    }
+    return _write_comparison(comparison, out, " or ".join(per_unit(u) for u in units))
 
 
 def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
