@@ -80,20 +80,15 @@ def eval_metrics(raw: dict) -> dict[str, float]:
     """Our flat metrics dict, or lm-eval's ``{"results": {task: {"metric,filter": v}}}`` flattened
     to ``task/metric`` (standard errors kept as ``task/metric_stderr``; aliases and non-numbers
     such as "N/A" dropped)."""
-    if isinstance(raw.get("results"), dict):
-        flat: dict[str, float] = {}
-        for task, metrics in raw["results"].items():
-            if not isinstance(metrics, dict):
-                continue
-            for k, v in metrics.items():
-                metric, _, filt = k.partition(",")
-                if num(v) is None:
-                    continue
+    if not isinstance(raw.get("results"), dict):
+        return {k: num(v) for k, v in raw.items() if num(v) is not None}
+    flat: dict[str, float] = {}
+    for task, metrics in raw["results"].items():
+        for k, v in metrics.items() if isinstance(metrics, dict) else ():
+            metric, _, filt = k.partition(",")
+            if num(v) is not None:
                 flat[f"{task}/{metric}" + (f",{filt}" if filt and filt != "none" else "")] = num(v)
-        if num(raw.get("eval_s")) is not None:
-            flat["eval_s"] = num(raw["eval_s"])
-        return flat
-    return {k: num(v) for k, v in raw.items() if num(v) is not None}
+    return flat | ({"eval_s": num(raw["eval_s"])} if num(raw.get("eval_s")) is not None else {})
 
 
 def curve_summary(rows: list[dict] | None) -> dict:
@@ -247,27 +242,15 @@ def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) ->
     measured there (``split`` "test"), else on the curves' validation sample ("val sample")."""
     key = "test_loss" if all(methods[m].get("test_loss") is not None for m in (method, baseline)) else "final_val_loss"
     lm, lb = methods[method][key], methods[baseline][key]
-    if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
-        return {
-            "status": "ok",
-            "method": method,
-            "baseline": baseline,
-            "method_loss": lm,
-            "baseline_loss": lb,
-            "split": "test" if key == "test_loss" else "val sample",
-            "gap_pct": 100.0 * (lm - lb) / lb,
-            "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss",
-        }
+    ok = lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0
     missing = [label(m) for m, v in ((method, lm), (baseline, lb)) if v is None]
-    return {
-        "status": NOT_RUN if missing else "undefined",
-        "method": method,
-        "baseline": baseline,
-        "missing": missing,
-        "why": f"no final held-out loss for {' and '.join(missing)}"
-        if missing
-        else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)",
-    }
+    out = {"status": "ok" if ok else NOT_RUN if missing else "undefined", "method": method, "baseline": baseline}
+    if ok:
+        out |= {"method_loss": lm, "baseline_loss": lb, "split": "test" if key == "test_loss" else "val sample"}
+        formula = f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss"
+        return out | {"gap_pct": 100.0 * (lm - lb) / lb, "formula": formula}
+    zero = f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)"
+    return out | {"missing": missing, "why": f"no final held-out loss for {' and '.join(missing)}" if missing else zero}
 
 
 def budget_figure(summary: dict | None, who: str) -> dict | None:

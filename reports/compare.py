@@ -71,8 +71,7 @@ class _Run:
 
 
 def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
-    """(absolute path, config, status or None, report) of one run directory; ReportInputError
-    (one line: the path, the problem, the fix) otherwise."""
+    """(absolute path, config, status or None, report) of one run directory, else ReportInputError."""
     path = Path(os.path.abspath(Path(given).expanduser()))
     if not path.is_dir():
         raise ReportInputError(path, f"{'is not a directory' if path.exists() else 'does not exist'}; {RUN_HINT}")
@@ -110,45 +109,29 @@ def detect_axes(leaves: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """(axes, partial keys): the dotted keys present in every run whose values differ (config-file
     order, :data:`IGNORED_KEYS` left out), and the keys present in some runs only (a config written
     by an older schema, or a field of another model family), which are not axes by themselves."""
-    keys = list(dict.fromkeys(k for lv in leaves for k in lv))
-    axes, partial = [], []
-    for k in keys:
-        if k in IGNORED_KEYS:
-            continue
-        if all(k in lv for lv in leaves):
-            if len({_canon(lv[k]) for lv in leaves}) > 1:
-                axes.append(k)
-        else:
-            partial.append(k)
-    return axes, partial
+    keys = [k for k in dict.fromkeys(k for lv in leaves for k in lv) if k not in IGNORED_KEYS]
+    partial = [k for k in keys if any(k not in lv for lv in leaves)]
+    return [k for k in keys if k not in partial and len({_canon(lv[k]) for lv in leaves}) > 1], partial
 
 
 def _check_axes(axes: Iterable[str], leaves: list[dict[str, Any]]) -> list[str]:
     known = list(dict.fromkeys(k for lv in leaves for k in lv))
-    out = []
-    for a in axes:
-        a = str(a).strip()
-        if a in out:
-            continue
-        if a not in known:
-            under = [k for k in known if k.startswith(a + ".")]
-            if under:
-                raise ValueError(
-                    f"axis {a!r} is a config section, not a value; give one of its keys, e.g. {', '.join(under[:3])}"
-                )
-            close = difflib.get_close_matches(a, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+    out = list(dict.fromkeys(str(a).strip() for a in axes))
+    for a in (a for a in out if a not in known):
+        under = [k for k in known if k.startswith(a + ".")][:3]
+        if under:
             raise ValueError(
-                f"axis {a!r} is not a key of the runs' config.json{hint}; give a dotted key such as "
-                "diloco.learners or train.token_budget"
+                f"axis {a!r} is a config section, not a value; give one of its keys, e.g. {', '.join(under)}"
             )
-        out.append(a)
+        close = difflib.get_close_matches(a, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        key = "give a dotted key such as diloco.learners or train.token_budget"
+        raise ValueError(f"axis {a!r} is not a key of the runs' config.json{hint}; {key}")
     return out
 
 
 def _partial_summary(partial: list[str], runs: list[_Run]) -> list[str]:
-    """Keys present in only some runs, a whole section missing from a run shortened to ``section.*``,
-    each with the runs that lack it."""
+    """Keys in only some runs (a section missing whole as ``section.*``), each with the runs lacking it."""
     groups: dict[tuple, list[str]] = {}  # the runs lacking the keys -> the keys
     for k in partial:
         lacking = tuple(r.label for r in runs if k not in r.leaves)
@@ -185,8 +168,7 @@ def _key(m: str, figure: str) -> str:
 
 
 def _rows(runs: list[_Run], axes: list[str]) -> tuple[list[dict], list[str]]:
-    """One row per run (run, status, axes, unit, ``<method>/<figure>`` of the runs-table's
-    pretraining rows, the post-training task and metric, path) and the methods of some run."""
+    """One row per run (label, status, axes, unit, ``<method>/<figure>``, post task and metric, path); methods."""
     t = runs_table({r.label: r.report for r in runs})
     t = t[t.stage == STAGE]
     methods = ordered_methods(t.method)
@@ -208,10 +190,9 @@ def _col(key: str, header: str, group: str, fmt: str = "", unit: str = "") -> di
 
 
 def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict]:
-    """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``), optional ones only
-    where some run has a value."""
+    """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``); optional ones where a run has one."""
     units = list(dict.fromkeys(r["unit"] for r in rows))
-    unit, per = (units[0] if len(units) == 1 else " or ".join(units)), " or ".join(per_unit(u) for u in units)
+    unit, per = " or ".join(units), " or ".join(per_unit(u) for u in units)
     cols = [_col("label", "run", "run"), _col("status", "status", "run")]
     cols += [_col(a, a, "axis", "value") for a in axes] + [_col("unit", "unit", "run")]
     post = any(r.get("post/metric") is not None for r in rows)
@@ -254,8 +235,7 @@ def cell(v: Any, fmt: str = "") -> str:
 
 
 def _md_cell(r: dict, c: dict) -> str:
-    """A cell of comparison.md: a figure with an interval (``<key>_ci_low``/``_high``) as
-    "−0.1273 [−0.1663, −0.0862]"."""
+    """A cell of comparison.md; a figure with ``<key>_ci_low``/``_high`` as "−0.1273 [−0.1663, −0.0862]"."""
     v, lo, hi = (r.get(c["key"] + suffix) for suffix in ("", "_ci_low", "_ci_high"))
     return cell(v, c["fmt"]) + (f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if None not in (v, lo, hi) else "")
 
@@ -303,10 +283,7 @@ MARKERS = {"diloco": "o", "dp": "s"}  # a lone point still says its method
 
 
 def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[str], per: str) -> tuple:
-    """(loss figure, gap figure or None) of the final held-out loss and of the gap to the baseline
-    against ``axis`` (None: one x per run): a line per combination of the other axes' values (its
-    colour) and method (its line style; none per run) through the mean over the runs at each x,
-    every run a marker (hollow: it did not complete), the values at up to 8 points."""
+    """(loss figure, gap figure or None) against ``axis`` (None: per run); figure text: docs/report.md."""
     others = [b for b in axes if b != axis] if axis else []
     pts = pd.DataFrame(
         [
@@ -356,8 +333,7 @@ def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[
 
 
 def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: bool) -> None:
-    """The points ``d`` (``pos`` their x) of figure ``what`` on ``ax``: per combination and method the
-    mean at each x (a line when ``joined``), with its value in ``fmt``."""
+    """Per combination and method of ``d``, the mean of ``what`` at each x (a line when ``joined``)."""
     combos = list(dict.fromkeys(d.combo))
     lowest = d.groupby("method")[what].mean().idxmin()
     unstyled = [x for x in which if x not in LINESTYLES]
@@ -504,27 +480,21 @@ def build_comparison(
 
 def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
     """Write the figures, comparison.json, .csv and .md into ``out``; returns the JSON-safe dict."""
-    rows, chosen, methods, columns = (comparison[k] for k in ("rows", "axes", "methods", "columns"))
-
-    # Everything is checked: write.
-    out.mkdir(parents=True, exist_ok=True)
+    rows, chosen, methods, axis = (comparison[k] for k in ("rows", "axes", "methods", "plot_axis"))
+    out.mkdir(parents=True, exist_ok=True)  # everything is checked: write
     for old in out.glob("*.png"):  # never leave a figure of an earlier comparison in this folder
         if old.name.startswith(FIGURE_PREFIXES):
             old.unlink()
-    axis = comparison["plot_axis"]
-    figs = _figures(rows, axis, chosen, methods, per)
-    names_ = (
-        (f"loss_vs_{slug(axis)}.png", f"gap_vs_{slug(axis)}.png") if axis else ("loss_per_run.png", "gap_per_run.png")
-    )
-    for key, fig, name in zip(("loss", "gap"), figs, names_):
+    for key, fig in zip(("loss", "gap"), _figures(rows, axis, chosen, methods, per)):
         if fig is not None:
+            comparison["plots"][key] = name = f"{key}_vs_{slug(axis)}.png" if axis else f"{key}_per_run.png"
             save_png(fig, out / name)
-            comparison["plots"][key] = name
-
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     atomic.write_json(out / COMPARISON_JSON, comparison, newline=True, default=None, allow_nan=False)
     text = [{k: cell(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()} for r in comparison["rows"]]
-    table = pd.DataFrame(text, columns=[c["key"] for c in columns], dtype=object)  # lists as JSON, true/false
+    table = pd.DataFrame(
+        text, columns=[c["key"] for c in comparison["columns"]], dtype=object
+    )  # lists as JSON, true/false
     atomic.write_text(out / COMPARISON_CSV, table.to_csv(index=False, lineterminator="\n"))
     atomic.write_text(out / COMPARISON_MD, render_comparison(comparison))
     return comparison

@@ -28,8 +28,7 @@ _MEAN_KEYS = ("test_loss", "val_loss_whole", "final_val_loss", "tokens", "wall_s
 
 
 def _post_over_seeds(seed_dirs: list[Path], primary: str | None) -> dict | None:
-    """DiLoCo − DP of the fine-tuned ``primary`` metric over every seed's run: per method a
-    [P pretraining seeds, S fine-tuning seeds, N items] array, one paired bootstrap."""
+    """DiLoCo − DP of the fine-tuned ``primary`` over every seed: [P seeds, S fine-tuning seeds, N items] per method."""
     if not primary or not seed_dirs:
         return None
     mats: dict[str, list] = {"diloco": [], BASELINE: []}
@@ -65,8 +64,9 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
         rep = read_json(sd.report_json) if sd.report_json.is_file() else None
         st = (read_json(sd.status) if sd.status.is_file() else None) or {}
         report = f"../seeds/seed-{s}/report/report.md" if rep else None
-        runs.append({"seed": s, "status": st.get("status", NOT_RUN), "run_dir": str(sd.root), "report": report})
-        runs[-1]["report_json"] = rep
+        runs.append(
+            dict(seed=s, status=st.get("status", NOT_RUN), run_dir=str(sd.root), report=report, report_json=rep)
+        )
     use = [r for r in runs if r["report_json"] and r["status"] == "completed"] or [r for r in runs if r["report_json"]]
     reports = {r["seed"]: r["report_json"] for r in use}
     primary = next((nested(rep, ("finetune", "primary")) for rep in reports.values()), None)
@@ -115,10 +115,8 @@ def _seed_row(every, r: dict) -> dict:
 
 
 def _mean_stage(reports: dict, v: dict | None) -> dict:
-    """The pretraining stage of the report over seeds: each method's figures (:data:`_MEAN_KEYS`)
-    as means over seeds (groupby of the runs-table), and DiLoCo's gap paired over seeds."""
-    t = runs_table(reports)
-    t = t[t.stage == "pretrain"]
+    """The pretraining stage over seeds: each method's :data:`_MEAN_KEYS` means, DiLoCo's paired gap."""
+    t = runs_table(reports).query("stage == 'pretrain'")
     mean = t.groupby("method")[[*_MEAN_KEYS, "bytes_total"]].agg(lambda x: mean_interval(x)["mean"])
     ci = t.groupby("method")["test_loss"].agg(lambda x: mean_interval(x)["ci"])
     mean = mean.reindex(["diloco", BASELINE]).astype(object)

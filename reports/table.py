@@ -123,19 +123,12 @@ def runs_table(reports: dict[Any, dict]) -> pd.DataFrame:
     for run, rep in reports.items():
         ft = rep.get("finetune") or {}
         primary = ft.get("primary")
-        for stage_name, stage in (rep.get("stages") or {}).items():
+        for name, stage in (rep.get("stages") or {}).items():
             for m, f in (stage.get("methods") or {}).items():
-                row = {
-                    "run": run,
-                    "stage": stage_name,
-                    "method": m,
-                    "status": f.get("status"),
-                    "unit": stage.get("unit"),
-                }
+                row = {"run": run, "stage": name, "method": m, "status": f.get("status"), "unit": stage.get("unit")}
                 row["split"] = _get(stage, ("loss_gaps", "diloco", "split"))
                 row.update({k: _value(rep, stage, f, k, m, primary) for k in FIGURES})
-                row.update(post_task=_get(ft, ("task", "name")), post_metric=primary)
-                rows.append(row)
+                rows.append(row | {"post_task": _get(ft, ("task", "name")), "post_metric": primary})
     cols = ["run", "stage", "method", "status", "unit", "split", *FIGURES, "post_task", "post_metric"]
     t = pd.DataFrame(rows, columns=cols, dtype=object)
     t["val_loss"] = t.val_loss_whole.where(t.val_loss_whole.notna(), t.final_val_loss)
