@@ -11,7 +11,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from reports.common import BASELINE, NOT_RUN, flatten, label, num, per_unit, safe_exp, short_label, stage_label
+from reports.common import BASELINE, NOT_RUN, flatten, label, nested, num, per_unit, safe_exp, short_label, stage_label
 from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
@@ -113,15 +113,16 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     """One method's training and evaluation figures (status "not run" without a summary). The final
     held-out loss is the summary's, else the last point of the eval curve (a note when they differ)."""
     summary, curve = rec.summary, curve_summary(rec.curve)
+    s, hp = summary or {}, (summary or {}).get("hyperparameters")
     out: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
-        "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
+        "interrupted": bool(s.get("interrupted")) if summary is not None else None,
         "summary_file": rec.files["summary"],
         "eval_status": "ok" if rec.eval is not None else NOT_RUN,
         "eval": eval_metrics(rec.eval) if rec.eval is not None else {},
         "curve": curve,
-        "hyperparameters": {},
-    } | {key: num((summary or {}).get(key)) for key in SUMMARY_FIELDS}
+        "hyperparameters": flatten(hp) if isinstance(hp, dict) else {},
+    } | {key: num(s.get(key)) for key in SUMMARY_FIELDS}
     cl, final = curve.get("final_loss"), out["final_val_loss"]
     out["final_val_loss_source"] = out["summary_file"] if final is not None else None
     if final is None and cl is not None:
@@ -131,22 +132,17 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
             f"{label(rec.method)}: summary final loss {final:.6f} differs from "
             f"the last eval-curve point {cl:.6f}; the table uses the summary's."
         )
-    held = (summary or {}).get("heldout") or {}  # whole splits after training (training.evaluation.final_heldout)
-    out["test_loss"] = num((held.get("test") or {}).get("loss"))
-    out["val_loss_whole"] = num((held.get("val") or {}).get("loss"))
+    # the whole splits after training (training.evaluation.final_heldout)
+    out["test_loss"], out["val_loss_whole"] = (num(nested(s, ("heldout", k, "loss"))) for k in ("test", "val"))
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
-    if (summary or {}).get("reused_from"):  # DP trained once for runs with the same DP settings
+    if s.get("reused_from"):  # DP trained once for runs with the same DP settings
+        also = "; its evaluation too" if (rec.eval or {}).get("reused_from") else ""
         notes.append(
             f"{label(rec.method)}: the result of another run with the same settings, reused from "
-            f"{summary['reused_from']} (its wall time and throughput are that run's"
-            + ("; its evaluation too" if (rec.eval or {}).get("reused_from") else "")
-            + ")."
+            f"{s['reused_from']} (its wall time and throughput are that run's{also})."
         )
-    if summary is not None:
-        hp = summary.get("hyperparameters")
-        out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}
-        if out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
-            out["tokens_per_s"] = out["tokens"] / out["wall_s"]
+    if summary is not None and out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
+        out["tokens_per_s"] = out["tokens"] / out["wall_s"]
     return out
 
 

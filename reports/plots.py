@@ -185,13 +185,10 @@ def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None
     """One row per DiLoCo learner, then one per DP replica, coloured by state (:data:`STATE_COLORS`)
     against seconds since each method's training start; DiLoCo's merges (``merge_times``, the same
     seconds) as ticks on a row of their own. None when neither method has a timeline."""
-    rows: list[tuple[str, list[dict]]] = []
     d, p = resilience.get("diloco") or {}, resilience.get("dp") or {}
-    for m, ivs in (d.get("timelines") or {}).items():
-        rows.append((f"{short_label('diloco')} learner {m}", ivs))
     dp_rows = list((p.get("timelines") or {}).items())
-    for r, ivs in dp_rows:
-        rows.append((f"{short_label('dp')} replica {r}" if len(dp_rows) > 1 else short_label("dp"), ivs))
+    rows = [(f"{short_label('diloco')} learner {m}", ivs) for m, ivs in (d.get("timelines") or {}).items()]
+    rows += [(f"{short_label('dp')} replica {r}" if len(dp_rows) > 1 else short_label("dp"), ivs) for r, ivs in dp_rows]
     if not rows:
         return None
     ticks = merge_times is not None and bool(d)

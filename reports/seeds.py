@@ -99,7 +99,7 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     layout.report.mkdir(parents=True, exist_ok=True)
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
-    markdown = render_seeds(report)
+    markdown = render("seeds.md.j2", report=report)
     atomic.write_text(layout.report_md, markdown)
     title = f"Run report over seeds: {report['run']['name']}" if report.get("run") else "Run report over seeds"
     atomic.write_text(layout.report_html, report_html(markdown, layout.report, title))
@@ -126,20 +126,9 @@ def _mean_stage(reports: dict, v: dict | None) -> dict:
     }
     gap = (v or {}).get("gap_pct") or {}
     first = context(next(iter(reports.values())))
-    return {
-        "stage": "pretrain",
-        "unit": first["unit"],
-        "methods": methods,
-        "loss_gaps": {
-            "diloco": {
-                "status": "ok" if gap.get("mean") is not None else NOT_RUN,
-                "gap_pct": gap.get("mean"),
-                "ci": gap.get("ci"),
-                "seeds": gap.get("n"),
-                "split": first["split"],
-            }
-        },
-    }
+    g = {"status": "ok" if gap.get("mean") is not None else NOT_RUN, "gap_pct": gap.get("mean"), "ci": gap.get("ci")}
+    g |= {"seeds": gap.get("n"), "split": first["split"]}
+    return {"stage": "pretrain", "unit": first["unit"], "methods": methods, "loss_gaps": {"diloco": g}}
 
 
 def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> dict | None:
@@ -154,8 +143,3 @@ def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> d
             "diloco": {"baseline": BASELINE, "metrics": {primary: {"finetuned": {"status": "ok", **post}}}}
         },
     }
-
-
-def render_seeds(report: dict) -> str:
-    """``report.md`` of a run of several seeds (pure): ``reports/templates/seeds.md.j2``."""
-    return render("seeds.md.j2", report=report)
