@@ -69,10 +69,8 @@ def method_kind(rec: MethodRecords) -> str:
     ``allreduce_bytes``: a ring all-reduce model of its bytes), ``syncer`` (DiLoCo, or any method with
     a merge log, learner events or a token ledger) or ``plain`` (training and evaluation figures only)."""
     s = rec.summary or {}
-    if rec.method in KNOWN_KINDS:
-        return KNOWN_KINDS[rec.method]
-    if "allreduce_bytes" in s:
-        return "allreduce"
+    if rec.method in KNOWN_KINDS or "allreduce_bytes" in s:
+        return KNOWN_KINDS.get(rec.method, "allreduce")
     return "syncer" if rec.merges is not None or rec.events is not None or "ledger" in s else "plain"
 
 
@@ -341,18 +339,15 @@ def setup(config: ExperimentConfig | None) -> dict:
     d, unit = config.diloco, config.unit
     text = unit == "tokens"
     events = Counter(e.kind for e in config.chaos.events)
+    tau = d.grace_overlap_steps or d.sync_every
+    adaptive = f"adaptive, Eq. 3 (γ {d.grace_gamma}, τ {tau} steps; {d.grace_s} s until step times are measured)"
     out = {
         "learners (M)": d.learners,
         "fragments (P)": d.fragments,
         "sync every (H, inner steps)": d.sync_every,
         "quorum (K)": d.quorum,
         "grace window (s)": d.grace_s,
-        "grace window rule": (
-            None
-            if d.grace == "fixed"
-            else f"adaptive, Eq. 3 (γ {d.grace_gamma}, τ {d.grace_overlap_steps or d.sync_every} steps; "
-            f"{d.grace_s} s until step times are measured)"
-        ),
+        "grace window rule": None if d.grace == "fixed" else adaptive,
         "merge rule": d.merge,
         "wire format (learner→syncer; syncer→learner is float32)": wire_format(config.diloco, None),
         f"budget per method ({unit})": config.train.token_budget,
@@ -411,19 +406,12 @@ def pipeline_status(raw: dict | None, final_stage: bool = False) -> dict | None:
     stages = raw.get("completed_stages")
     stages = [str(s) for s in stages] if isinstance(stages, list) else []
     status = str(raw.get("status") or "unknown")
-    out = {
-        "status": "completing" if status == "running" and final_stage else status,
-        "completed_stages": stages,
-        "reason": str(raw["reason"]) if raw.get("reason") else None,
-        "headline": None,
-    }
-    done = ", ".join(stages) or "none"
-    why = f" ({out['reason']})" if out["reason"] else ""
-    if out["status"] == "interrupted":
-        out["headline"] = (
-            f"**Interrupted: this run stopped before it finished{why}; completed stages: "
-            f"{done}. Figures of the stages that did not complete are missing below.**"
-        )
-    elif out["status"] == "failed":
-        out["headline"] = f"**Failed: the pipeline failed{why}; completed stages: {done}.**"
-    return out
+    status = "completing" if status == "running" and final_stage else status
+    reason = str(raw["reason"]) if raw.get("reason") else None
+    done, why = ", ".join(stages) or "none", f" ({reason})" if reason else ""
+    headline = {
+        "interrupted": f"**Interrupted: this run stopped before it finished{why}; completed stages: {done}. "
+        "Figures of the stages that did not complete are missing below.**",
+        "failed": f"**Failed: the pipeline failed{why}; completed stages: {done}.**",
+    }.get(status)
+    return {"status": status, "completed_stages": stages, "reason": reason, "headline": headline}

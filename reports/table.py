@@ -63,12 +63,9 @@ DERIVED: dict[str, Figure] = {  # columns of the table computed from the figures
     # the test split where measured, else the validation sample (the verdict's)
     "loss": Figure((), "{s} held-out loss (nats/{per})", "nats/{per}", "{:.4f}"),
 }
-_OK_ONLY = {  # figures read only where their record's status is "ok" (else None)
-    "loss_gap_pct": _GAP,
-    "loss_gap_pct_ci_low": _GAP,
-    "loss_gap_pct_ci_high": _GAP,
-    **{k: _FT_DIFF for k in ("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict")},
-}
+# figures read only where their record's status is "ok" (else None)
+_OK_ONLY = dict.fromkeys(("loss_gap_pct", "loss_gap_pct_ci_low", "loss_gap_pct_ci_high"), _GAP)
+_OK_ONLY |= dict.fromkeys(("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict"), _FT_DIFF)
 
 
 def shown(figure: str, method: str, per: str = "token", unit: str = "tokens") -> Figure:
