@@ -373,12 +373,11 @@ def not_completed(comparison: dict) -> list[str]:
     out = []
     for run in comparison["runs"]:
         if run["status"] != COMPLETED:
-            what = run["status"] or "no status.json"
             why = f" ({run['reason']})" if run.get("reason") else ""
             done = ", ".join(run.get("completed_stages") or []) or "none"
-            out.append(f"{run['label']}: {what}{why}; completed stages: {done}")
-        for m in run.get("methods_not_run") or []:
-            out.append(f"{run['label']}: {short_label(m)} has no final held-out loss (not run or not finished)")
+            out.append(f"{run['label']}: {run['status'] or 'no status.json'}{why}; completed stages: {done}")
+        no_loss = "has no final held-out loss (not run or not finished)"
+        out += [f"{run['label']}: {short_label(m)} {no_loss}" for m in run.get("methods_not_run") or []]
     for run in comparison.get("no_results") or []:
         why = f" ({run['reason']})" if run.get("reason") else ""
         out.append(f"{run['label']}: no results ({run['why']}); status {run['status'] or 'no status.json'}{why}")

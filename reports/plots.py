@@ -163,9 +163,8 @@ def confusion_figure(evals: dict[str, dict | None]) -> Figure | None:
         ax.set_xticks(range(k), names, fontsize=7)
         ax.set_yticks(range(k), names, fontsize=7)
         acc = e.get("test/accuracy")
-        finish_axes(
-            ax, "predicted class", "true class", f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else "")
-        )
+        title = f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else "")
+        finish_axes(ax, "predicted class", "true class", title)
         ax.grid(False)
     return fig
 
