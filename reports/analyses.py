@@ -11,17 +11,7 @@ import math
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
-from reports.common import (
-    BASELINE,
-    NOT_RUN,
-    flatten,
-    label,
-    num,
-    per_unit,
-    safe_exp,
-    short_label,
-    stage_label,
-)
+from reports.common import BASELINE, NOT_RUN, flatten, label, nested, num, per_unit, safe_exp, short_label, stage_label
 from reports.experts import expert_figures
 from reports.interconnect import interconnect_figures
 from reports.learners import syncer_sections
@@ -79,10 +69,8 @@ def method_kind(rec: MethodRecords) -> str:
     ``allreduce_bytes``: a ring all-reduce model of its bytes), ``syncer`` (DiLoCo, or any method with
     a merge log, learner events or a token ledger) or ``plain`` (training and evaluation figures only)."""
     s = rec.summary or {}
-    if rec.method in KNOWN_KINDS:
-        return KNOWN_KINDS[rec.method]
-    if "allreduce_bytes" in s:
-        return "allreduce"
+    if rec.method in KNOWN_KINDS or "allreduce_bytes" in s:
+        return KNOWN_KINDS.get(rec.method, "allreduce")
     return "syncer" if rec.merges is not None or rec.events is not None or "ledger" in s else "plain"
 
 
@@ -90,20 +78,15 @@ def eval_metrics(raw: dict) -> dict[str, float]:
     """Our flat metrics dict, or lm-eval's ``{"results": {task: {"metric,filter": v}}}`` flattened
     to ``task/metric`` (standard errors kept as ``task/metric_stderr``; aliases and non-numbers
     such as "N/A" dropped)."""
-    if isinstance(raw.get("results"), dict):
-        flat: dict[str, float] = {}
-        for task, metrics in raw["results"].items():
-            if not isinstance(metrics, dict):
-                continue
-            for k, v in metrics.items():
-                metric, _, filt = k.partition(",")
-                if num(v) is None:
-                    continue
+    if not isinstance(raw.get("results"), dict):
+        return {k: num(v) for k, v in raw.items() if num(v) is not None}
+    flat: dict[str, float] = {}
+    for task, metrics in raw["results"].items():
+        for k, v in metrics.items() if isinstance(metrics, dict) else ():
+            metric, _, filt = k.partition(",")
+            if num(v) is not None:
                 flat[f"{task}/{metric}" + (f",{filt}" if filt and filt != "none" else "")] = num(v)
-        if num(raw.get("eval_s")) is not None:
-            flat["eval_s"] = num(raw["eval_s"])
-        return flat
-    return {k: num(v) for k, v in raw.items() if num(v) is not None}
+    return flat | ({"eval_s": num(raw["eval_s"])} if num(raw.get("eval_s")) is not None else {})
 
 
 def curve_summary(rows: list[dict] | None) -> dict:
@@ -128,46 +111,36 @@ def method_figures(rec: MethodRecords, notes: list[str]) -> dict:
     """One method's training and evaluation figures (status "not run" without a summary). The final
     held-out loss is the summary's, else the last point of the eval curve (a note when they differ)."""
     summary, curve = rec.summary, curve_summary(rec.curve)
+    s, hp = summary or {}, (summary or {}).get("hyperparameters")
     out: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
-        "interrupted": bool(summary.get("interrupted")) if summary is not None else None,
+        "interrupted": bool(s.get("interrupted")) if summary is not None else None,
         "summary_file": rec.files["summary"],
         "eval_status": "ok" if rec.eval is not None else NOT_RUN,
         "eval": eval_metrics(rec.eval) if rec.eval is not None else {},
         "curve": curve,
-        "hyperparameters": {},
-    }
-    for key in SUMMARY_FIELDS:
-        out[key] = num(summary.get(key)) if summary is not None else None
-    if out["final_val_loss"] is None and curve.get("final_loss") is not None:
-        out["final_val_loss"] = curve["final_loss"]
-        out["final_val_loss_source"] = f"{rec.files['curve']} (last row)"
-    elif out["final_val_loss"] is not None:
-        out["final_val_loss_source"] = out["summary_file"]
-        cl = curve.get("final_loss")
-        if cl is not None and not math.isclose(cl, out["final_val_loss"], rel_tol=1e-6, abs_tol=1e-9):
-            notes.append(
-                f"{label(rec.method)}: summary final loss {out['final_val_loss']:.6f} differs from "
-                f"the last eval-curve point {cl:.6f}; the table uses the summary's."
-            )
-    else:
-        out["final_val_loss_source"] = None
-    held = (summary or {}).get("heldout") or {}  # whole splits after training (training.evaluation.final_heldout)
-    out["test_loss"] = num((held.get("test") or {}).get("loss"))
-    out["val_loss_whole"] = num((held.get("val") or {}).get("loss"))
+        "hyperparameters": flatten(hp) if isinstance(hp, dict) else {},
+    } | {key: num(s.get(key)) for key in SUMMARY_FIELDS}
+    cl, final = curve.get("final_loss"), out["final_val_loss"]
+    out["final_val_loss_source"] = out["summary_file"] if final is not None else None
+    if final is None and cl is not None:
+        out["final_val_loss"], out["final_val_loss_source"] = cl, f"{rec.files['curve']} (last row)"
+    elif final is not None and cl is not None and not math.isclose(cl, final, rel_tol=1e-6, abs_tol=1e-9):
+        notes.append(
+            f"{label(rec.method)}: summary final loss {final:.6f} differs from "
+            f"the last eval-curve point {cl:.6f}; the table uses the summary's."
+        )
+    # the whole splits after training (training.evaluation.final_heldout)
+    out["test_loss"], out["val_loss_whole"] = (num(nested(s, ("heldout", k, "loss"))) for k in ("test", "val"))
     out["final_val_ppl"] = safe_exp(out["final_val_loss"])
-    if (summary or {}).get("reused_from"):  # DP trained once for runs with the same DP settings
+    if s.get("reused_from"):  # DP trained once for runs with the same DP settings
+        also = "; its evaluation too" if (rec.eval or {}).get("reused_from") else ""
         notes.append(
             f"{label(rec.method)}: the result of another run with the same settings, reused from "
-            f"{summary['reused_from']} (its wall time and throughput are that run's"
-            + ("; its evaluation too" if (rec.eval or {}).get("reused_from") else "")
-            + ")."
+            f"{s['reused_from']} (its wall time and throughput are that run's{also})."
         )
-    if summary is not None:
-        hp = summary.get("hyperparameters")
-        out["hyperparameters"] = flatten(hp) if isinstance(hp, dict) else {}
-        if out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
-            out["tokens_per_s"] = out["tokens"] / out["wall_s"]
+    if summary is not None and out["tokens_per_s"] is None and out["tokens"] and out["wall_s"]:
+        out["tokens_per_s"] = out["tokens"] / out["wall_s"]
     return out
 
 
@@ -175,115 +148,85 @@ def eval_rows(methods: dict[str, dict], notes: list[str]) -> list[dict]:
     """The lm-eval table rows, discovered from the eval keys: ``<task>/<metric>`` (in
     EVAL_TASK_ORDER and EVAL_METRIC_NAMES order, then sorted), then the run-level keys; each with the
     per-method ``stderr`` (``<key>_stderr``) and, for accuracies, the task's ``chance``."""
-    evals = {m: f["eval"] for m, f in methods.items()}
-    ran = {m: f["eval_status"] == "ok" for m, f in methods.items()}
-    keys = set().union(*(e.keys() for e in evals.values()))
-    run_keys = {k for k, *_ in EVAL_RUN_KEYS}
-    metric_keys = [k for k in keys if "/" in k and not k.endswith("_stderr") and not k.endswith("/chance")]
-    known = list(EVAL_METRIC_NAMES)
+    evals = {m: f["eval"] if f["eval_status"] == "ok" else None for m, f in methods.items()}
+    keys = set().union(*(f["eval"] for f in methods.values()))
+    known, tasks = list(EVAL_METRIC_NAMES), len(EVAL_TASK_ORDER)
 
     def order(k: str) -> tuple:
         task, metric = k.split("/", 1)
-        t = EVAL_TASK_ORDER.index(task) if task in EVAL_TASK_ORDER else len(EVAL_TASK_ORDER)
-        mi = known.index(metric) if metric in known else len(known)
-        return (t, task, mi, metric)
+        t = EVAL_TASK_ORDER.index(task) if task in EVAL_TASK_ORDER else tasks
+        return (t, task, known.index(metric) if metric in known else len(known), metric)
 
-    rows: list[dict] = []
-
-    def add(key: str, text: str, unit: str, fmt: str, chance: float | None = None) -> None:
-        row = {"key": key, "label": text, "unit": unit, "fmt": fmt, "group": "eval", "stderr": {}, "chance": chance}
-        for m in methods:
-            row[m] = evals[m].get(key) if ran[m] else NOT_RUN
-            row["stderr"][m] = evals[m].get(f"{key}_stderr") if ran[m] else None
-        rows.append(row)
-
-    for k in sorted(metric_keys, key=order):
+    specs = []  # (key, label, unit, format, chance)
+    for k in sorted((k for k in keys if "/" in k and not k.endswith(("_stderr", "/chance"))), key=order):
         task, metric = k.split("/", 1)
         text, unit, fmt = EVAL_METRIC_NAMES.get(metric, (metric, "", "{:.4f}"))
-        chance = None
-        if metric in CHANCE_METRICS:
-            found = {m: evals[m][f"{task}/chance"] for m in methods if f"{task}/chance" in evals[m]}
-            chance = next(iter(found.values()), None)
-            if len(set(found.values())) > 1:
-                notes.append(
-                    f"{task}: chance accuracy differs between the methods' evals ({found}); the "
-                    f"table shows {short_label(next(iter(found)))}'s."
-                )
-        add(k, f"{task}: {text}", unit, fmt, chance)
-    for k, text, unit, fmt in EVAL_RUN_KEYS:
-        if k in keys:
-            add(k, text, unit, fmt)
-    for k in sorted(keys - run_keys - set(metric_keys)):
-        if "/" not in k and not k.endswith("_stderr"):
-            add(k, k, "", "{:.4f}")
-    return rows
+        chance = f"{task}/chance" if metric in CHANCE_METRICS else None
+        found = {m: e[chance] for m, e in evals.items() if e and chance in e}
+        if len(set(found.values())) > 1:
+            notes.append(
+                f"{task}: chance accuracy differs between the methods' evals ({found}); the "
+                f"table shows {short_label(next(iter(found)))}'s."
+            )
+        specs.append((k, f"{task}: {text}", unit, fmt, next(iter(found.values()), None)))
+    specs += [(k, text, unit, fmt, None) for k, text, unit, fmt in EVAL_RUN_KEYS if k in keys]
+    run_keys = {k for k, *_ in EVAL_RUN_KEYS}
+    specs += [(k, k, "", "{:.4f}", None) for k in sorted(keys - run_keys) if "/" not in k and not k.endswith("_stderr")]
+    return [
+        {"key": k, "label": text, "unit": unit, "fmt": fmt, "group": "eval"}
+        | {"stderr": {m: e.get(f"{k}_stderr") if e is not None else None for m, e in evals.items()}, "chance": chance}
+        | {m: e.get(k) if e is not None else NOT_RUN for m, e in evals.items()}
+        for k, text, unit, fmt, chance in specs
+    ]
 
 
 def comparison(methods: dict[str, dict], rows_eval: list[dict], unit: str = "tokens") -> list[dict]:
     """Rows of the side-by-side tables (a value per method; None = not recorded, "not run"), each
     with a ``group``: "training", "eval" (:func:`eval_rows`) and "bytes" (read from each method's
     ``bytes``, the one computation of every byte figure)."""
-    rows: list[dict] = []
-
-    def add(key: str, text: str, unit: str, fmt: str, values: dict | None = None) -> None:
-        row = {"key": key, "label": text, "unit": unit, "fmt": fmt, "group": "training"}
-        for m, info in methods.items():
-            if values is not None:
-                row[m] = values[m]
-            elif info["status"] == "ok" or info.get(key) is not None:
-                row[m] = info.get(key)  # None: the summary did not record it ("—")
-            else:
-                row[m] = NOT_RUN
-        rows.append(row)
-
-    add("tokens", f"training {unit}", unit, "int")
-    add("steps", "optimizer steps (DiLoCo: inner steps summed over learners)", "steps", "int")
-    add("wall_s", "training wall time", "s", "{:.1f}")
-    add("tokens_per_s", "throughput", f"{unit}/s", "{:,.0f}")
-    if any(f.get("startup_s") is not None for f in methods.values()):
-        add("startup_s", "start-up (set-up to the first learner step; process engines start workers)", "s", "{:.1f}")
-    if any(f.get("exchange_s") or f.get("learner_exchange_s") for f in methods.values()):
-        add("exchange_s", "syncer's time in the exchange (storage calls, encoding, checksums)", "s", "{:.1f}")
-        add("learner_exchange_s", "learners' time in the exchange (summed over their processes)", "s", "{:.1f}")
-    if any(f.get("goodput") is not None for f in methods.values()):
-        add("goodput", "goodput", "fraction", "{:.3f}")
-    if any(f.get("test_loss") is not None for f in methods.values()):
-        add(
-            "test_loss",
-            "final test loss (the whole test split: nothing tuned on it)",
-            f"nats/{per_unit(unit)}",
-            "{:.4f}",
-        )
-        add(
+    per, fs = per_unit(unit), list(methods.values())
+    start, good, test = (any(f.get(k) is not None for f in fs) for k in ("startup_s", "goodput", "test_loss"))
+    exchange = any(f.get("exchange_s") or f.get("learner_exchange_s") for f in fs)
+    active = any(f.get("active_params") not in (None, f.get("params")) for f in fs)
+    nats, s1 = f"nats/{per}", "{:.1f}"
+    specs = [  # (key, label, unit, format, shown)
+        ("tokens", f"training {unit}", unit, "int", True),
+        ("steps", "optimizer steps (DiLoCo: inner steps summed over learners)", "steps", "int", True),
+        ("wall_s", "training wall time", "s", s1, True),
+        ("tokens_per_s", "throughput", f"{unit}/s", "{:,.0f}", True),
+        ("startup_s", "start-up (set-up to the first learner step; process engines start workers)", "s", s1, start),
+        ("exchange_s", "syncer's time in the exchange (storage calls, encoding, checksums)", "s", s1, exchange),
+        ("learner_exchange_s", "learners' time in the exchange (summed over their processes)", "s", s1, exchange),
+        ("goodput", "goodput", "fraction", "{:.3f}", good),
+        ("test_loss", "final test loss (the whole test split: nothing tuned on it)", nats, "{:.4f}", test),
+        (
             "val_loss_whole",
             "final validation loss (the whole validation split: what tuning reads)",
-            f"nats/{per_unit(unit)}",
+            nats,
             "{:.4f}",
-        )
-    add("final_val_loss", "final held-out loss (the curves' validation sample)", f"nats/{per_unit(unit)}", "{:.4f}")
-    add("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}")
-    merges = {}
-    for m, f in methods.items():
-        count = f["merges"]["count"] if "merges" in f else None
-        merges[m] = count if count is not None or f["status"] == "ok" else NOT_RUN
-    add("merges", "merges (DiLoCo)", "merges", "int", merges)
-    add("params", "parameters", "", "int")
-    if any(f.get("active_params") not in (None, f.get("params")) for f in methods.values()):
-        add("active_params", "active parameters per token (MoE: k of E experts)", "", "int")
-    add("flops_per_token", f"training FLOPs per {per_unit(unit)} (active, for MoE)", "FLOPs", "{:.4g}")
+            test,
+        ),
+        ("final_val_loss", "final held-out loss (the curves' validation sample)", nats, "{:.4f}", True),
+        ("final_val_ppl", "final held-out perplexity exp(loss)", "", "{:.3f}", True),
+        ("merges", "merges (DiLoCo)", "merges", "int", True),
+        ("params", "parameters", "", "int", True),
+        ("active_params", "active parameters per token (MoE: k of E experts)", "", "int", active),
+        ("flops_per_token", f"training FLOPs per {per} (active, for MoE)", "FLOPs", "{:.4g}", True),
+    ]
+    rows: list[dict] = []
+    for key, text, u, fmt, show in specs:
+        if show:
+            row = {"key": key, "label": text, "unit": u, "fmt": fmt, "group": "training"}
+            for m, f in methods.items():
+                v = (f.get("merges") or {}).get("count") if key == "merges" else f.get(key)
+                row[m] = v if f["status"] == "ok" or v is not None else NOT_RUN  # None: not recorded ("—")
+            rows.append(row)
     rows += rows_eval
-    for key, text, by, sk, ak, *fmt in BYTE_ROWS:
-        rows.append(
-            {
-                "key": key,
-                "label": text,
-                "unit": "",
-                "fmt": fmt[0] if fmt else "bytes",
-                "group": "bytes",
-                "counted_by": by,
-                **{m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()},
-            }
-        )
+    rows += [
+        {"key": key, "label": text, "unit": "", "fmt": fmt[0] if fmt else "bytes", "group": "bytes", "counted_by": by}
+        | {m: byte_cell(f["bytes"], sk, ak) for m, f in methods.items()}
+        for key, text, by, sk, ak, *fmt in BYTE_ROWS
+    ]
     return rows
 
 
@@ -293,27 +236,15 @@ def loss_gap(methods: dict[str, dict], method: str, baseline: str = BASELINE) ->
     measured there (``split`` "test"), else on the curves' validation sample ("val sample")."""
     key = "test_loss" if all(methods[m].get("test_loss") is not None for m in (method, baseline)) else "final_val_loss"
     lm, lb = methods[method][key], methods[baseline][key]
-    if lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0:
-        return {
-            "status": "ok",
-            "method": method,
-            "baseline": baseline,
-            "method_loss": lm,
-            "baseline_loss": lb,
-            "split": "test" if key == "test_loss" else "val sample",
-            "gap_pct": 100.0 * (lm - lb) / lb,
-            "formula": f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss",
-        }
+    ok = lm is not None and lb is not None and math.isfinite(lm) and math.isfinite(lb) and lb != 0
     missing = [label(m) for m, v in ((method, lm), (baseline, lb)) if v is None]
-    return {
-        "status": NOT_RUN if missing else "undefined",
-        "method": method,
-        "baseline": baseline,
-        "missing": missing,
-        "why": f"no final held-out loss for {' and '.join(missing)}"
-        if missing
-        else f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)",
-    }
+    out = {"status": "ok" if ok else NOT_RUN if missing else "undefined", "method": method, "baseline": baseline}
+    if ok:
+        out |= {"method_loss": lm, "baseline_loss": lb, "split": "test" if key == "test_loss" else "val sample"}
+        formula = f"100 * ({method}_loss - {baseline}_loss) / {baseline}_loss"
+        return out | {"gap_pct": 100.0 * (lm - lb) / lb, "formula": formula}
+    zero = f"a final held-out loss is not finite (or {short_label(baseline)}'s is 0)"
+    return out | {"missing": missing, "why": f"no final held-out loss for {' and '.join(missing)}" if missing else zero}
 
 
 def budget_figure(summary: dict | None, who: str) -> dict | None:
@@ -338,59 +269,37 @@ def stage_figures(stage: str, records: dict[str, MethodRecords], config: Experim
     first = stage == STAGES[0]
     for m, rec in records.items():
         kind, who = method_kind(rec), short_label(m)
+        headline_who = who if first else f"{who} {stage_label(stage).lower()}"
         notes.extend(rec.notes)  # what reading left out (a metrics line cut short)
-        fig = method_figures(rec, notes)
-        fig["kind"] = kind
-        fig["budget"] = budget_figure(rec.summary, who if first else f"{who} {stage_label(stage).lower()}")
-        cfg = ByteSettings.of(config) if kind == "syncer" else None  # config.json's diloco section describes DiLoCo
-        if kind == "syncer":
-            headline_who = who if first else f"{who} {stage_label(stage).lower()}"
-            fig.update(
-                syncer_sections(
-                    config,
-                    rec.summary,
-                    rec.merges,
-                    rec.events,
-                    fragments(cfg and cfg.diloco, rec.summary),
-                    rec.files,
-                    notes,
-                    headline_who,
-                )
-            )
-            fig["bytes"] = syncer_bytes(cfg, rec.summary, rec.merges, rec.files, notes, who)
+        fig = methods[m] = method_figures(rec, notes)
+        fig.update(kind=kind, budget=budget_figure(rec.summary, headline_who))
+        if kind == "syncer":  # config.json's diloco section describes DiLoCo
+            cfg, s = ByteSettings.of(config), rec.summary
+            frags = fragments(cfg and cfg.diloco, s)
+            fig.update(syncer_sections(config, s, rec.merges, rec.events, frags, rec.files, notes, headline_who))
+            fig["bytes"] = syncer_bytes(cfg, s, rec.merges, rec.files, notes, who)
         elif kind == "allreduce":
             fig["bytes"] = allreduce_bytes(config.diloco.learners if config else None, rec.summary, notes, who)
         else:
             fig["bytes"] = syncer_bytes(None, rec.summary, None, rec.files, notes, who, kind="plain")
-        methods[m] = fig
-    rows_eval = eval_rows(methods, notes)
-    hp_keys = sorted(set().union(*(f["hyperparameters"] for f in methods.values())))
     hyper = [
-        {
-            "name": k,
-            **{m: (f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN) for m, f in methods.items()},
-        }
-        for k in hp_keys
+        {"name": k} | {m: f["hyperparameters"].get(k) if f["status"] == "ok" else NOT_RUN for m, f in methods.items()}
+        for k in sorted(set().union(*(f["hyperparameters"] for f in methods.values())))
     ]
-    unit = config.unit if config is not None else "tokens"
-    network = (
-        interconnect_figures(
-            config,
-            *(
-                {"summary": records[m].summary, "curve": records[m].curve} if m in records else None
-                for m in ("dp", "diloco")
-            ),
+    unit, network = config.unit if config is not None else "tokens", None
+    if first and config:
+        curves = (
+            {"summary": records[m].summary, "curve": records[m].curve} if m in records else None
+            for m in ("dp", "diloco")
         )
-        if first and config
-        else None
-    )
+        network = interconnect_figures(config, *curves)
     return {
         "stage": stage,
         "label": stage_label(stage),
         "baseline": BASELINE if BASELINE in methods else None,
         "methods": methods,
         "unit": unit,
-        "comparison": comparison(methods, rows_eval, unit),
+        "comparison": comparison(methods, eval_rows(methods, notes), unit),
         "loss_gaps": {m: loss_gap(methods, m) for m in methods if m != BASELINE and BASELINE in methods},
         "hyperparameters": hyper,
         "experts": expert_figures(records),
@@ -430,18 +339,15 @@ def setup(config: ExperimentConfig | None) -> dict:
     d, unit = config.diloco, config.unit
     text = unit == "tokens"
     events = Counter(e.kind for e in config.chaos.events)
+    tau = d.grace_overlap_steps or d.sync_every
+    adaptive = f"adaptive, Eq. 3 (γ {d.grace_gamma}, τ {tau} steps; {d.grace_s} s until step times are measured)"
     out = {
         "learners (M)": d.learners,
         "fragments (P)": d.fragments,
         "sync every (H, inner steps)": d.sync_every,
         "quorum (K)": d.quorum,
         "grace window (s)": d.grace_s,
-        "grace window rule": (
-            None
-            if d.grace == "fixed"
-            else f"adaptive, Eq. 3 (γ {d.grace_gamma}, τ {d.grace_overlap_steps or d.sync_every} steps; "
-            f"{d.grace_s} s until step times are measured)"
-        ),
+        "grace window rule": None if d.grace == "fixed" else adaptive,
         "merge rule": d.merge,
         "wire format (learner→syncer; syncer→learner is float32)": wire_format(config.diloco, None),
         f"budget per method ({unit})": config.train.token_budget,
@@ -500,19 +406,12 @@ def pipeline_status(raw: dict | None, final_stage: bool = False) -> dict | None:
     stages = raw.get("completed_stages")
     stages = [str(s) for s in stages] if isinstance(stages, list) else []
     status = str(raw.get("status") or "unknown")
-    out = {
-        "status": "completing" if status == "running" and final_stage else status,
-        "completed_stages": stages,
-        "reason": str(raw["reason"]) if raw.get("reason") else None,
-        "headline": None,
-    }
-    done = ", ".join(stages) or "none"
-    why = f" ({out['reason']})" if out["reason"] else ""
-    if out["status"] == "interrupted":
-        out["headline"] = (
-            f"**Interrupted: this run stopped before it finished{why}; completed stages: "
-            f"{done}. Figures of the stages that did not complete are missing below.**"
-        )
-    elif out["status"] == "failed":
-        out["headline"] = f"**Failed: the pipeline failed{why}; completed stages: {done}.**"
-    return out
+    status = "completing" if status == "running" and final_stage else status
+    reason = str(raw["reason"]) if raw.get("reason") else None
+    done, why = ", ".join(stages) or "none", f" ({reason})" if reason else ""
+    headline = {
+        "interrupted": f"**Interrupted: this run stopped before it finished{why}; completed stages: {done}. "
+        "Figures of the stages that did not complete are missing below.**",
+        "failed": f"**Failed: the pipeline failed{why}; completed stages: {done}.**",
+    }.get(status)
+    return {"status": status, "completed_stages": stages, "reason": reason, "headline": headline}

@@ -45,6 +45,7 @@ REPORT_SCHEMA = 3  # the report.json layout this module reads
 COMPARISON_MD = "comparison.md"
 COMPARISON_JSON = "comparison.json"
 COMPARISON_CSV = "comparison.csv"
+OUTPUTS = (COMPARISON_MD, COMPARISON_JSON, COMPARISON_CSV)
 STAGE = "pretrain"
 # Config keys that only name or place a run: never detected as axes (they may still be given).
 IGNORED_KEYS = ("name", "run_root", "data.cache_dir")
@@ -70,27 +71,20 @@ class _Run:
 
 
 def _read_run(given: str | Path) -> tuple[Path, dict, dict | None, dict]:
-    """(absolute path, config, status or None, report) of one run directory; ReportInputError
-    (one line: the path, the problem, the fix) otherwise."""
+    """(absolute path, config, status or None, report) of one run directory, else ReportInputError."""
     path = Path(os.path.abspath(Path(given).expanduser()))
-    if not path.exists():
-        raise ReportInputError(path, f"does not exist; {RUN_HINT}")
     if not path.is_dir():
-        raise ReportInputError(path, f"is not a directory; {RUN_HINT}")
+        raise ReportInputError(path, f"{'is not a directory' if path.exists() else 'does not exist'}; {RUN_HINT}")
     layout = RunLayout(path)
     if not layout.config.is_file():
         raise ReportInputError(path, f"is not a run directory (no config.json); {RUN_HINT}")
-    config = read_json(layout.config)
-    report_path = layout.report_json
+    config, report_path = read_json(layout.config), layout.report_json
     if not report_path.is_file():
         raise ReportInputError(path, f"has no report/{REPORT_JSON}; build it with `ddiloco report {path}`")
     report = read_json(report_path)
     if report.get("schema") != REPORT_SCHEMA:
-        raise ReportInputError(
-            report_path,
-            f"report schema {report.get('schema')!r}, a comparison reads schema "
-            f"{REPORT_SCHEMA}; rebuild it with `ddiloco report {path}`",
-        )
+        why = f"report schema {report.get('schema')!r}, a comparison reads schema {REPORT_SCHEMA}"
+        raise ReportInputError(report_path, f"{why}; rebuild it with `ddiloco report {path}`")
     return path, config, read_json(layout.status), report
 
 
@@ -115,45 +109,29 @@ def detect_axes(leaves: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     """(axes, partial keys): the dotted keys present in every run whose values differ (config-file
     order, :data:`IGNORED_KEYS` left out), and the keys present in some runs only (a config written
     by an older schema, or a field of another model family), which are not axes by themselves."""
-    keys = list(dict.fromkeys(k for lv in leaves for k in lv))
-    axes, partial = [], []
-    for k in keys:
-        if k in IGNORED_KEYS:
-            continue
-        if all(k in lv for lv in leaves):
-            if len({_canon(lv[k]) for lv in leaves}) > 1:
-                axes.append(k)
-        else:
-            partial.append(k)
-    return axes, partial
+    keys = [k for k in dict.fromkeys(k for lv in leaves for k in lv) if k not in IGNORED_KEYS]
+    partial = [k for k in keys if any(k not in lv for lv in leaves)]
+    return [k for k in keys if k not in partial and len({_canon(lv[k]) for lv in leaves}) > 1], partial
 
 
 def _check_axes(axes: Iterable[str], leaves: list[dict[str, Any]]) -> list[str]:
     known = list(dict.fromkeys(k for lv in leaves for k in lv))
-    out = []
-    for a in axes:
-        a = str(a).strip()
-        if a in out:
-            continue
-        if a not in known:
-            under = [k for k in known if k.startswith(a + ".")]
-            if under:
-                raise ValueError(
-                    f"axis {a!r} is a config section, not a value; give one of its keys, e.g. {', '.join(under[:3])}"
-                )
-            close = difflib.get_close_matches(a, known, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
+    out = list(dict.fromkeys(str(a).strip() for a in axes))
+    for a in (a for a in out if a not in known):
+        under = [k for k in known if k.startswith(a + ".")][:3]
+        if under:
             raise ValueError(
-                f"axis {a!r} is not a key of the runs' config.json{hint}; give a dotted key such as "
-                "diloco.learners or train.token_budget"
+                f"axis {a!r} is a config section, not a value; give one of its keys, e.g. {', '.join(under)}"
             )
-        out.append(a)
+        close = difflib.get_close_matches(a, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        key = "give a dotted key such as diloco.learners or train.token_budget"
+        raise ValueError(f"axis {a!r} is not a key of the runs' config.json{hint}; {key}")
     return out
 
 
 def _partial_summary(partial: list[str], runs: list[_Run]) -> list[str]:
-    """Keys present in only some runs, a whole section missing from a run shortened to ``section.*``,
-    each with the runs that lack it."""
+    """Keys in only some runs (a section missing whole as ``section.*``), each with the runs lacking it."""
     groups: dict[tuple, list[str]] = {}  # the runs lacking the keys -> the keys
     for k in partial:
         lacking = tuple(r.label for r in runs if k not in r.leaves)
@@ -190,8 +168,7 @@ def _key(m: str, figure: str) -> str:
 
 
 def _rows(runs: list[_Run], axes: list[str]) -> tuple[list[dict], list[str]]:
-    """One row per run (run, status, axes, unit, ``<method>/<figure>`` of the runs-table's
-    pretraining rows, the post-training task and metric, path) and the methods of some run."""
+    """One row per run (label, status, axes, unit, ``<method>/<figure>``, post task and metric, path); methods."""
     t = runs_table({r.label: r.report for r in runs})
     t = t[t.stage == STAGE]
     methods = ordered_methods(t.method)
@@ -213,10 +190,9 @@ def _col(key: str, header: str, group: str, fmt: str = "", unit: str = "") -> di
 
 
 def _columns(rows: list[dict], axes: list[str], methods: list[str]) -> list[dict]:
-    """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``), optional ones only
-    where some run has a value."""
+    """The table's columns (``key``, ``header``, ``unit``, ``fmt``, ``group``); optional ones where a run has one."""
     units = list(dict.fromkeys(r["unit"] for r in rows))
-    unit, per = (units[0] if len(units) == 1 else " or ".join(units)), " or ".join(per_unit(u) for u in units)
+    unit, per = " or ".join(units), " or ".join(per_unit(u) for u in units)
     cols = [_col("label", "run", "run"), _col("status", "status", "run")]
     cols += [_col(a, a, "axis", "value") for a in axes] + [_col("unit", "unit", "run")]
     post = any(r.get("post/metric") is not None for r in rows)
@@ -259,8 +235,7 @@ def cell(v: Any, fmt: str = "") -> str:
 
 
 def _md_cell(r: dict, c: dict) -> str:
-    """A cell of comparison.md: a figure with an interval (``<key>_ci_low``/``_high``) as
-    "−0.1273 [−0.1663, −0.0862]"."""
+    """A cell of comparison.md; a figure with ``<key>_ci_low``/``_high`` as "−0.1273 [−0.1663, −0.0862]"."""
     v, lo, hi = (r.get(c["key"] + suffix) for suffix in ("", "_ci_low", "_ci_high"))
     return cell(v, c["fmt"]) + (f" [{cell(lo, c['fmt'])}, {cell(hi, c['fmt'])}]" if None not in (v, lo, hi) else "")
 
@@ -307,39 +282,18 @@ def _leaf(key: str, keys: list[str]) -> str:
 MARKERS = {"diloco": "o", "dp": "s"}  # a lone point still says its method
 
 
-def _style(m: str, methods: list[str]) -> str:
-    if m in LINESTYLES:
-        return LINESTYLES[m]
-    others = [x for x in methods if x not in LINESTYLES]
-    return OTHER_LINESTYLES[others.index(m) % len(OTHER_LINESTYLES)]
-
-
-def _points(rows: list[dict], axis: str | None, axes: list[str], methods: list[str]) -> pd.DataFrame:
-    """One row per run and method: ``x`` (the run's value of ``axis``; its label when None),
-    ``combo`` (the other axes' values in words), ``method``, ``done``, ``loss`` and ``gap``."""
+def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[str], per: str) -> tuple:
+    """(loss figure, gap figure or None) against ``axis`` (None: per run); figure text: docs/report.md."""
     others = [b for b in axes if b != axis] if axis else []
-    return pd.DataFrame(
+    pts = pd.DataFrame(
         [
-            {
-                "x": r.get(axis) if axis else r["label"],
-                "combo": ", ".join(f"{_leaf(b, axes)}={cell(r.get(b))}" for b in others),
-                "method": m,
-                "done": r.get("status") == COMPLETED,
-                "loss": r.get(f"{m}/final_val_loss"),
-                "gap": r.get(f"{m}/loss_gap_pct"),
-            }
+            {"x": r.get(axis) if axis else r["label"], "method": m, "done": r.get("status") == COMPLETED}
+            | {"combo": ", ".join(f"{_leaf(b, axes)}={cell(r.get(b))}" for b in others)}
+            | {"loss": r.get(f"{m}/final_val_loss"), "gap": r.get(f"{m}/loss_gap_pct")}
             for r in rows
             for m in methods
         ]
     )
-
-
-def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[str], per: str) -> tuple:
-    """(loss figure, gap figure or None) of the final held-out loss and of the gap to the baseline
-    against ``axis`` (None: one x per run): a line per combination of the other axes' values (its
-    colour) and method (its line style; none per run) through the mean over the runs at each x,
-    every run a marker (hollow: it did not complete), the values at up to 8 points."""
-    pts = _points(rows, axis, axes, methods)
     numeric = axis is not None and all(_is_number(x) for x in pts.x)
     cats = list(dict.fromkeys(_canon(x) for x in pts.x))
     pts["pos"] = [float(x) if numeric else float(cats.index(_canon(x))) for x in pts.x]
@@ -379,17 +333,17 @@ def _figures(rows: list[dict], axis: str | None, axes: list[str], methods: list[
 
 
 def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: bool) -> None:
-    """The points ``d`` (:func:`_points`, ``pos`` their x) of figure ``what`` on ``ax``: per
-    combination and method the mean at each x (a line when ``joined``), with its value in ``fmt``."""
+    """Per combination and method of ``d``, the mean of ``what`` at each x (a line when ``joined``)."""
     combos = list(dict.fromkeys(d.combo))
     lowest = d.groupby("method")[what].mean().idxmin()
+    unstyled = [x for x in which if x not in LINESTYLES]
     for (combo, m), g in d.groupby(["combo", "method"], sort=False):
         ci, mi = combos.index(combo), which.index(m)
         color = cycle_colors()[ci % 10] if len(combos) > 1 else series_color(m, mi)
         g = g.assign(pos=g.pos + (0 if joined else 0.15 * (mi - (len(which) - 1) / 2)))  # per run: side by side
         mean = g.groupby("pos")[what].mean()
         text = short_label(m) + (f", {combo}" if len(combos) > 1 else "")
-        ls = _style(m, which) if joined else ""
+        ls = (LINESTYLES.get(m) or OTHER_LINESTYLES[unstyled.index(m) % len(OTHER_LINESTYLES)]) if joined else ""
         ax.plot(mean.index, mean.values, ls=ls, lw=1.8, marker=MARKERS.get(m, "^"), color=color, label=text)
         if len(g) > len(mean):  # repeated runs at one x: every run a small marker
             ax.scatter(g.pos, g[what], s=14, color=color, alpha=0.6, zorder=3)
@@ -397,13 +351,14 @@ def _lines(ax, d: pd.DataFrame, what: str, which: list[str], fmt: str, joined: b
         ax.scatter(late.pos, late[what], s=36, facecolors="white", edgecolors=color, linewidths=1.5, zorder=4)
         below = m == lowest and len(which) > 1  # the lowest method's values below its points
         for x, y in mean.items() if len(combos) == 1 and len(mean) <= 8 else ():
+            dy, va = (-9, "top") if below else (7, "bottom")
             ax.annotate(
                 fmt.format(y),
                 (x, y),
-                xytext=(0, -9 if below else 7),
+                xytext=(0, dy),
                 textcoords="offset points",
                 ha="center",
-                va="top" if below else "bottom",
+                va=va,
                 fontsize=8,
                 color=color,
             )
@@ -418,12 +373,11 @@ def not_completed(comparison: dict) -> list[str]:
     out = []
     for run in comparison["runs"]:
         if run["status"] != COMPLETED:
-            what = run["status"] or "no status.json"
             why = f" ({run['reason']})" if run.get("reason") else ""
             done = ", ".join(run.get("completed_stages") or []) or "none"
-            out.append(f"{run['label']}: {what}{why}; completed stages: {done}")
-        for m in run.get("methods_not_run") or []:
-            out.append(f"{run['label']}: {short_label(m)} has no final held-out loss (not run or not finished)")
+            out.append(f"{run['label']}: {run['status'] or 'no status.json'}{why}; completed stages: {done}")
+        no_loss = "has no final held-out loss (not run or not finished)"
+        out += [f"{run['label']}: {short_label(m)} {no_loss}" for m in run.get("methods_not_run") or []]
     for run in comparison.get("no_results") or []:
         why = f" ({run['reason']})" if run.get("reason") else ""
         out.append(f"{run['label']}: no results ({run['why']}); status {run['status'] or 'no status.json'}{why}")
@@ -451,34 +405,45 @@ def build_comparison(
 ) -> dict:
     """Compare run directories: one table row per run, plots along an axis, written to ``out_dir``.
 
-    ``run_dirs``: local run directories, each holding ``config.json``, ``status.json`` (optional)
-    and ``report/report.json`` of schema 3. ``axes``: dotted config keys to compare along
-    (``["diloco.learners", "diloco.quorum"]``); None detects them (the keys whose values differ,
-    :data:`IGNORED_KEYS` left out). ``labels``: one row name per run (default: the folder names).
-    ``title``: the markdown's title; ``source``: what built it (shown under the title). ``no_results``:
-    runs meant to be compared that have no results (a sweep's cells without a report), each a dict
-    with ``label``, ``run_dir``, ``status``, ``reason`` and ``why``, listed as "no results".
+    ``run_dirs``: local run directories (``config.json``, optional ``status.json``,
+    ``report/report.json`` of schema 3). ``axes``: dotted config keys to compare along; None detects
+    them (:func:`detect_axes`). ``labels``: one row name per run (default: the folder names).
+    ``title``, ``source``: the markdown's title and what built it. ``no_results``: runs without
+    results to list (dicts with ``label``, ``run_dir``, ``status``, ``reason``, ``why``).
 
-    Returns (and writes as ``comparison.json``) a strict-JSON dict: docs/report.md lists its keys;
-    losses in nats per token (or image), wall time in seconds, gaps in % against DP, bytes as payload
-    bytes, missing values None (shown "—").
-
-    Raises :class:`ReportInputError` (one line naming the path and the fix) for a path that does not
-    exist, is not a directory, holds no config.json, has no report/report.json, or holds a corrupt
-    or other-schema JSON file, for a run directory given twice, and for an ``out_dir`` that is a
-    file or inside a compared run; ``ValueError`` for no run directories, an axis that is not a
-    config key (or is a section), or labels that do not match the runs. Every check runs before
-    anything is written.
+    Returns (and writes as ``comparison.json``) a strict-JSON dict; keys and units: docs/report.md.
+    Raises :class:`ReportInputError` (one line: the path and the fix) for a path that is missing, not
+    a run directory, lacks report/report.json or holds a corrupt or other-schema JSON file, a run
+    given twice, or an ``out_dir`` that is a file or inside a compared run; ``ValueError`` for no run
+    directories, an axis that is not a config key (or is a section), or labels that do not match the
+    runs. Every check runs before anything is written.
     """
-    runs = _read_runs(list(run_dirs), labels)
+    given = list(run_dirs)
+    if not given:
+        raise ValueError(f"no run directories given; {RUN_HINT}")
+    read, seen = [], set()
+    for g in given:
+        read.append(_read_run(g))
+        if read[-1][0].resolve() in seen:
+            raise ReportInputError(read[-1][0], "is given twice; give each run directory once")
+        seen.add(read[-1][0].resolve())
+    names = _labels([p for p, *_ in read], labels)
+    runs = [_Run(lb, p, c, st, r, flatten(c, sep=".")) for lb, (p, c, st, r) in zip(names, read)]
     leaves = [r.leaves for r in runs]
     detected, partial = detect_axes(leaves)
     chosen = detected if axes is None else _check_axes(axes, leaves)
-    out = _out_dir(out_dir, runs)
-    rows, methods, columns = _table(runs, chosen)
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))
+    if out.exists() and not out.is_dir():
+        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
+    for r in runs:
+        if out == r.path or r.path in out.parents:
+            why = f"is inside the run directory {r.path}, which a comparison never writes into"
+            raise ReportInputError(out, f"{why}; choose a folder outside it")
+    rows, methods_all = _rows(runs, chosen)
+    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
+    columns = _columns(rows, chosen, methods)
+    rows = [{c["key"]: row.get(c["key"]) for c in columns} for row in rows]
     units = list(dict.fromkeys(row["unit"] for row in rows))
-    per = " or ".join(per_unit(u) for u in units)
-
     comparison: dict[str, Any] = {
         "schema": SCHEMA,
         "title": title,
@@ -486,7 +451,12 @@ def build_comparison(
         "source": source,
         "stage": STAGE,
         "baseline": BASELINE,
-        "runs": [_run_entry(r, row, methods) for r, row in zip(runs, rows)],
+        "runs": [
+            {"label": r.label, "run_dir": str(r.path), "name": r.config.get("name"), "status": _status_text(r.status)}
+            | {k: (r.status or {}).get(k) for k in ("reason", "completed_stages")}
+            | {"unit": row["unit"], "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None]}
+            for r, row in zip(runs, rows)
+        ],
         "axes": chosen,
         "axes_detected": axes is None,
         "ignored_keys": list(IGNORED_KEYS),
@@ -499,96 +469,31 @@ def build_comparison(
         "plots": {"loss": None, "gap": None},
         "notes": [],
         "no_results": [
-            {k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")} for r in (no_results or [])
+            {k: r.get(k) for k in ("label", "run_dir", "status", "reason", "why")} for r in no_results or []
         ],
-        "paths": {
-            "out_dir": str(out),
-            "markdown": str(out / COMPARISON_MD),
-            "json": str(out / COMPARISON_JSON),
-            "csv": str(out / COMPARISON_CSV),
-        },
+        "paths": {"out_dir": str(out)} | {k: str(out / n) for k, n in zip(("markdown", "json", "csv"), OUTPUTS)},
     }
     comparison["notes"] = not_completed(comparison)
-    return _write_comparison(comparison, out, per)
-
-
-def _table(runs: list[_Run], chosen: list[str]) -> tuple[list[dict], list[str], list[dict]]:
-    """The table's rows (one per run, in column order), its methods (those with a final held-out
-    loss in some run, else every method) and its columns."""
-    rows, methods_all = _rows(runs, chosen)
-    methods = [m for m in methods_all if any(row[f"{m}/final_val_loss"] is not None for row in rows)] or methods_all
-    columns = _columns(rows, chosen, methods)
-    return [{c["key"]: row.get(c["key"]) for c in columns} for row in rows], methods, columns
-
-
-def _read_runs(given: list[str | Path], labels: list[str] | None) -> list[_Run]:
-    """Each run directory read and checked (:func:`_read_run`), each once, with its label."""
-    if not given:
-        raise ValueError(f"no run directories given; {RUN_HINT}")
-    read, seen = [], {}
-    for g in given:
-        path, config, status, report = _read_run(g)
-        key = path.resolve()
-        if key in seen:
-            raise ReportInputError(path, "is given twice; give each run directory once")
-        seen[key] = path
-        read.append((path, config, status, report))
-    names = _labels([p for p, *_ in read], labels)
-    return [_Run(lb, p, c, s, r, flatten(c, sep=".")) for lb, (p, c, s, r) in zip(names, read)]
-
-
-def _out_dir(out_dir: str | Path, runs: list[_Run]) -> Path:
-    """``out_dir`` made absolute; refused when it is a file or lies inside a compared run."""
-    out = Path(os.path.abspath(Path(out_dir).expanduser()))
-    if out.exists() and not out.is_dir():
-        raise ReportInputError(out, "exists and is not a directory; choose a new folder for the comparison")
-    for r in runs:
-        if out == r.path or r.path in out.parents:
-            raise ReportInputError(
-                out,
-                f"is inside the run directory {r.path}, which a comparison never writes "
-                "into; choose a folder outside it",
-            )
-    return out
-
-
-def _run_entry(r: _Run, row: dict, methods: list[str]) -> dict:
-    """One run of comparison.json's ``runs``."""
-    return {
-        "label": r.label,
-        "run_dir": str(r.path),
-        "name": r.config.get("name"),
-        "status": _status_text(r.status),
-        "reason": (r.status or {}).get("reason"),
-        "completed_stages": (r.status or {}).get("completed_stages"),
-        "unit": row["unit"],
-        "methods_not_run": [m for m in methods if row[f"{m}/final_val_loss"] is None],
-    }
+    return _write_comparison(comparison, out, " or ".join(per_unit(u) for u in units))
 
 
 def _write_comparison(comparison: dict, out: Path, per: str) -> dict:
     """Write the figures, comparison.json, .csv and .md into ``out``; returns the JSON-safe dict."""
-    rows, chosen, methods, columns = (comparison[k] for k in ("rows", "axes", "methods", "columns"))
-
-    # Everything is checked: write.
-    out.mkdir(parents=True, exist_ok=True)
+    rows, chosen, methods, axis = (comparison[k] for k in ("rows", "axes", "methods", "plot_axis"))
+    out.mkdir(parents=True, exist_ok=True)  # everything is checked: write
     for old in out.glob("*.png"):  # never leave a figure of an earlier comparison in this folder
         if old.name.startswith(FIGURE_PREFIXES):
             old.unlink()
-    axis = comparison["plot_axis"]
-    figs = _figures(rows, axis, chosen, methods, per)
-    names_ = (
-        (f"loss_vs_{slug(axis)}.png", f"gap_vs_{slug(axis)}.png") if axis else ("loss_per_run.png", "gap_per_run.png")
-    )
-    for key, fig, name in zip(("loss", "gap"), figs, names_):
+    for key, fig in zip(("loss", "gap"), _figures(rows, axis, chosen, methods, per)):
         if fig is not None:
+            comparison["plots"][key] = name = f"{key}_vs_{slug(axis)}.png" if axis else f"{key}_per_run.png"
             save_png(fig, out / name)
-            comparison["plots"][key] = name
-
     comparison = json.loads(json.dumps(json_safe(comparison), allow_nan=False))
     atomic.write_json(out / COMPARISON_JSON, comparison, newline=True, default=None, allow_nan=False)
     text = [{k: cell(v) if isinstance(v, (list, dict, bool)) else v for k, v in r.items()} for r in comparison["rows"]]
-    table = pd.DataFrame(text, columns=[c["key"] for c in columns], dtype=object)  # lists as JSON, true/false
+    table = pd.DataFrame(
+        text, columns=[c["key"] for c in comparison["columns"]], dtype=object
+    )  # lists as JSON, true/false
     atomic.write_text(out / COMPARISON_CSV, table.to_csv(index=False, lineterminator="\n"))
     atomic.write_text(out / COMPARISON_MD, render_comparison(comparison))
     return comparison

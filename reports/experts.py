@@ -39,18 +39,11 @@ def expert_figures(records: dict[str, MethodRecords]) -> dict | None:
         last = rows[-1]
         layers = {}
         for block, loads in sorted(_loads(last).items()):
-            vec = [loads[e] for e in sorted(loads)]
-            layers[block] = {
-                "loads": vec,
-                "busiest": max(vec) * len(vec),
-                "dropped": num(last.get(f"val/moe/{block}/dropped")),
-            }
+            vec, dropped = [loads[e] for e in sorted(loads)], num(last.get(f"val/moe/{block}/dropped"))
+            layers[block] = {"loads": vec, "busiest": max(vec) * len(vec), "dropped": dropped}
         aux = [float(r["val/moe/aux"]) for r in rows if num(r.get("val/moe/aux")) is not None]
-        out[m] = {
-            "layers": layers,
-            "tokens": last.get("tokens"),
-            "aux": {"first": aux[0], "peak": max(aux), "last": aux[-1]} if aux else None,
-        }
+        aux_fig = {"first": aux[0], "peak": max(aux), "last": aux[-1]} if aux else None
+        out[m] = {"layers": layers, "tokens": last.get("tokens"), "aux": aux_fig}
     return out or None
 
 

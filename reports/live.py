@@ -49,15 +49,10 @@ def live_chart(run_dir: str | Path, unit: str = "tokens", title: str | None = No
     """Markdown with the held-out loss of every pretraining method of ``run_dir`` against ``unit``
     (its ``pretrain/<method>/metrics/eval.jsonl`` as they stand) as an inline PNG, and each method's
     latest point in words; None before any method has evaluated."""
-    layout = RunLayout(run_dir)
-    curves = {}
+    layout, curves = RunLayout(run_dir), {}
     folder = Path(layout.stage_dir("pretrain"))
-    found = (
-        ordered_methods(p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file())
-        if folder.is_dir()
-        else []
-    )
-    for m in found:
+    found = [p.name for p in folder.iterdir() if (p / "metrics" / "eval.jsonl").is_file()] if folder.is_dir() else []
+    for m in ordered_methods(found):
         try:
             rows = read_jsonl(layout.metrics("pretrain", m, "eval"))
         except ValueError:  # a line being written at this instant: the next refresh has it

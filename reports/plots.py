@@ -6,6 +6,7 @@ canvas, no pyplot), so they are safe to draw inside threads and tasks.
 from __future__ import annotations
 
 import io
+import itertools
 import math
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from reports.common import label, num, short_label
 DPI = 120
 GRID_ALPHA = 0.3
 METHOD_COLORS = {"diloco": "tab:blue", "dp": "tab:orange"}
+SINCE_START = "seconds since the method's training start"
 
 
 def cycle_colors() -> list[str]:
@@ -73,22 +75,15 @@ def loss_figure(
     Points are sorted stably by ``x_key`` (rows sharing an x keep their file order); the "final"
     label shows ``finals[m]`` (the tables' final loss) when given, else the last point's loss.
     """
-    finals = finals or {}
-    series = {}
+    finals, series = finals or {}, {}
     for m, rows in curves.items():
-        pts = [
-            (num(r.get(x_key)), num(r.get("val/loss")))
-            for r in (rows or [])
-            if num(r.get(x_key)) is not None and num(r.get("val/loss")) is not None
-        ]
+        pts = [(x, y) for r in rows or [] if None not in (x := num(r.get(x_key)), y := num(r.get("val/loss")))]
         if pts:
             series[m] = sorted(pts, key=lambda xy: xy[0])  # stable: ties keep file order
     if not series:
         return None
-    final = {}
-    for m, pts in series.items():
-        f = num(finals.get(m))
-        final[m] = f if f is not None and math.isfinite(f) else pts[-1][1]
+    final = {m: num(finals.get(m)) for m in series}
+    final = {m: f if f is not None and math.isfinite(f) else series[m][-1][1] for m, f in final.items()}
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     lowest = min(series, key=lambda m: final[m])
@@ -96,20 +91,12 @@ def loss_figure(
         xs, ys = zip(*pts)
         color = series_color(m, i)
         ax.plot(xs, ys, marker="o", ms=3, lw=1.6, color=color, label=label(m))
-        # The lowest final value's label below its point, the others above.
-        below = len(series) > 1 and m == lowest
-        ax.annotate(
-            f"final {final[m]:.4f}",
-            xy=(xs[-1], final[m]),
-            xytext=(-8, -14 if below else 10),
-            textcoords="offset points",
-            ha="right",
-            va="top" if below else "bottom",
-            fontsize=9,
-            color=color,
-            bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85},
-            arrowprops={"arrowstyle": "-", "color": color, "lw": 0.8},
-        )
+        dy, va = (-14, "top") if len(series) > 1 and m == lowest else (10, "bottom")  # the lowest below its point
+        box = {"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.85}
+        arrow = {"arrowstyle": "-", "color": color, "lw": 0.8}
+        text, xy = f"final {final[m]:.4f}", (xs[-1], final[m])
+        kw = {"textcoords": "offset points", "ha": "right", "va": va, "fontsize": 9, "color": color}
+        ax.annotate(text, xy=xy, xytext=(-8, dy), bbox=box, arrowprops=arrow, **kw)
     ax.margins(x=0.03, y=0.12)  # room for the annotations inside the frame
     ax.xaxis.set_major_formatter(EngFormatter(unit=""))
     finish_axes(ax, xlabel, f"held-out loss (nats/{unit})", title)
@@ -128,16 +115,9 @@ def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloc
     ypos = {f: i for i, f in enumerate(frag_ids)}
     fig = new_figure(8.0, 1.6 + 0.55 * len(frag_ids))
     ax = fig.add_subplot()
-    sc = ax.scatter(
-        [t for t, _ in pts],
-        [ypos[str(m.get("fragment"))] for _, m in pts],
-        c=[len(m.get("contributors") or []) for _, m in pts],
-        cmap="viridis",
-        marker="D",
-        s=28,
-        zorder=3,
-        vmin=0,
-    )
+    xs, ys = [t for t, _ in pts], [ypos[str(m.get("fragment"))] for _, m in pts]
+    learners = [len(m.get("contributors") or []) for _, m in pts]
+    sc = ax.scatter(xs, ys, c=learners, cmap="viridis", marker="D", s=28, zorder=3, vmin=0)
     cbar = fig.colorbar(sc, ax=ax, pad=0.01)
     cbar.set_label("contributing learners")
     cbar.locator = MaxNLocator(integer=True)
@@ -149,21 +129,13 @@ def merges_figure(merges: list[dict], failures: list[dict], method: str = "diloc
         if t1 is not None:
             ax.axvline(t1, color="tab:green", ls="--", lw=1.2, label="learner restart" if i == 0 else None)
         ax.axvspan(t0, t1 if t1 is not None else max(t_end, t0), color="tab:red", alpha=0.08)
-        ax.annotate(
-            f"learner {f['learner']} down: {f['merges_while_down']} merges",
-            xy=(t0, 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(3, -3 - 11 * (i % 3)),
-            textcoords="offset points",
-            va="top",
-            fontsize=8,
-            color="tab:red",
-        )
+        text, dy = f"learner {f['learner']} down: {f['merges_while_down']} merges", -3 - 11 * (i % 3)
+        kw = {"xycoords": ("data", "axes fraction"), "textcoords": "offset points", "va": "top", "fontsize": 8}
+        ax.annotate(text, xy=(t0, 1.0), xytext=(3, dy), color="tab:red", **kw)
     ax.set_yticks(range(len(frag_ids)), [f"fragment {f}" for f in frag_ids])
     ax.set_ylim(-0.6, len(frag_ids) - 0.4 + 0.5)
-    finish_axes(
-        ax, "time since training start (s)", None, f"{short_label(method)} merges per fragment over time", grid_axis="x"
-    )
+    title = f"{short_label(method)} merges per fragment over time"
+    finish_axes(ax, "time since training start (s)", None, title, grid_axis="x")
     if failures:
         fig.legend(loc="outside lower center", ncols=2, fontsize=8, frameon=False)
     return fig
@@ -183,25 +155,16 @@ def confusion_figure(evals: dict[str, dict | None]) -> Figure | None:
         k = len(counts)
         share = [[c / max(sum(row), 1) for c in row] for row in counts]
         ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
-        for i in range(k):
-            for j in range(k):
-                if counts[i][j]:
-                    ax.text(
-                        j,
-                        i,
-                        str(counts[i][j]),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white" if share[i][j] > 0.5 else "black",
-                    )
+        for i, j in itertools.product(range(k), repeat=2):
+            ink = "white" if share[i][j] > 0.5 else "black"
+            if counts[i][j]:
+                ax.text(j, i, str(counts[i][j]), ha="center", va="center", fontsize=7, color=ink)
         names = e.get("class_names") or [str(i) for i in range(k)]
         ax.set_xticks(range(k), names, fontsize=7)
         ax.set_yticks(range(k), names, fontsize=7)
         acc = e.get("test/accuracy")
-        finish_axes(
-            ax, "predicted class", "true class", f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else "")
-        )
+        title = f"{label(m)}" + (f": accuracy {acc:.3f}" if acc is not None else "")
+        finish_axes(ax, "predicted class", "true class", title)
         ax.grid(False)
     return fig
 
@@ -221,13 +184,10 @@ def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None
     """One row per DiLoCo learner, then one per DP replica, coloured by state (:data:`STATE_COLORS`)
     against seconds since each method's training start; DiLoCo's merges (``merge_times``, the same
     seconds) as ticks on a row of their own. None when neither method has a timeline."""
-    rows: list[tuple[str, list[dict]]] = []
     d, p = resilience.get("diloco") or {}, resilience.get("dp") or {}
-    for m, ivs in (d.get("timelines") or {}).items():
-        rows.append((f"{short_label('diloco')} learner {m}", ivs))
     dp_rows = list((p.get("timelines") or {}).items())
-    for r, ivs in dp_rows:
-        rows.append((f"{short_label('dp')} replica {r}" if len(dp_rows) > 1 else short_label("dp"), ivs))
+    rows = [(f"{short_label('diloco')} learner {m}", ivs) for m, ivs in (d.get("timelines") or {}).items()]
+    rows += [(f"{short_label('dp')} replica {r}" if len(dp_rows) > 1 else short_label("dp"), ivs) for r, ivs in dp_rows]
     if not rows:
         return None
     ticks = merge_times is not None and bool(d)
@@ -253,13 +213,8 @@ def resilience_timeline_figure(resilience: dict, merge_times: list[float] | None
     ax.set_ylim(-0.7, n - 0.3)
     ends = [iv["end"] for _, ivs in rows for iv in ivs]
     ax.set_xlim(0, max(ends, default=1.0) * 1.01 or 1.0)
-    finish_axes(
-        ax,
-        "seconds since the method's training start",
-        None,
-        "Learner and replica states over training (DiLoCo: run clock; DP: its own clock)",
-        grid_axis="x",
-    )
+    title = "Learner and replica states over training (DiLoCo: run clock; DP: its own clock)"
+    finish_axes(ax, SINCE_START, None, title, grid_axis="x")
     handles = [Patch(color=STATE_COLORS[s], label=s) for s in STATE_COLORS if s in seen]
     fig.legend(handles=handles, loc="outside lower center", ncols=len(handles), fontsize=8, frameon=False)
     return fig
@@ -276,24 +231,11 @@ def resilience_loss_figure(series: list[dict], at_s: float | None = None, unit: 
     ax = fig.add_subplot()
     for i, s in enumerate(have):
         xs, ys = zip(*s["points"])
-        ax.plot(
-            xs,
-            ys,
-            ls="--" if s.get("dashed") else "-",
-            marker="o",
-            ms=2.5,
-            lw=1.4,
-            color=series_color(s["method"], i),
-            alpha=0.7 if s.get("dashed") else 1.0,
-            label=s["label"],
-        )
+        style = {"ls": "--", "alpha": 0.7} if s.get("dashed") else {"ls": "-", "alpha": 1.0}
+        ax.plot(xs, ys, marker="o", ms=2.5, lw=1.4, color=series_color(s["method"], i), label=s["label"], **style)
     if at_s is not None:
         ax.axvline(at_s, color="grey", lw=0.8, ls=":", label=f"equal time: {at_s:.1f} s")
-    finish_axes(
-        ax,
-        "seconds since the method's training start",
-        f"held-out loss (nats/{unit})",
-        "Held-out loss vs training time under the chaos schedule",
-    )
+    title = "Held-out loss vs training time under the chaos schedule"
+    finish_axes(ax, SINCE_START, f"held-out loss (nats/{unit})", title)
     ax.legend(fontsize=8)
     return fig

@@ -28,8 +28,7 @@ _MEAN_KEYS = ("test_loss", "val_loss_whole", "final_val_loss", "tokens", "wall_s
 
 
 def _post_over_seeds(seed_dirs: list[Path], primary: str | None) -> dict | None:
-    """DiLoCo − DP of the fine-tuned ``primary`` metric over every seed's run: per method a
-    [P pretraining seeds, S fine-tuning seeds, N items] array, one paired bootstrap."""
+    """DiLoCo − DP of the fine-tuned ``primary`` over every seed: [P seeds, S fine-tuning seeds, N items] per method."""
     if not primary or not seed_dirs:
         return None
     mats: dict[str, list] = {"diloco": [], BASELINE: []}
@@ -65,8 +64,9 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
         rep = read_json(sd.report_json) if sd.report_json.is_file() else None
         st = (read_json(sd.status) if sd.status.is_file() else None) or {}
         report = f"../seeds/seed-{s}/report/report.md" if rep else None
-        runs.append({"seed": s, "status": st.get("status", NOT_RUN), "run_dir": str(sd.root), "report": report})
-        runs[-1]["report_json"] = rep
+        runs.append(
+            dict(seed=s, status=st.get("status", NOT_RUN), run_dir=str(sd.root), report=report, report_json=rep)
+        )
     use = [r for r in runs if r["report_json"] and r["status"] == "completed"] or [r for r in runs if r["report_json"]]
     reports = {r["seed"]: r["report_json"] for r in use}
     primary = next((nested(rep, ("finetune", "primary")) for rep in reports.values()), None)
@@ -99,7 +99,7 @@ def build_seeds_report(run_dir: str | Path, config: dict, final_stage: bool = Fa
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     layout.report.mkdir(parents=True, exist_ok=True)
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
-    markdown = render_seeds(report)
+    markdown = render("seeds.md.j2", report=report)
     atomic.write_text(layout.report_md, markdown)
     title = f"Run report over seeds: {report['run']['name']}" if report.get("run") else "Run report over seeds"
     atomic.write_text(layout.report_html, report_html(markdown, layout.report, title))
@@ -115,10 +115,8 @@ def _seed_row(every, r: dict) -> dict:
 
 
 def _mean_stage(reports: dict, v: dict | None) -> dict:
-    """The pretraining stage of the report over seeds: each method's figures (:data:`_MEAN_KEYS`)
-    as means over seeds (groupby of the runs-table), and DiLoCo's gap paired over seeds."""
-    t = runs_table(reports)
-    t = t[t.stage == "pretrain"]
+    """The pretraining stage over seeds: each method's :data:`_MEAN_KEYS` means, DiLoCo's paired gap."""
+    t = runs_table(reports).query("stage == 'pretrain'")
     mean = t.groupby("method")[[*_MEAN_KEYS, "bytes_total"]].agg(lambda x: mean_interval(x)["mean"])
     ci = t.groupby("method")["test_loss"].agg(lambda x: mean_interval(x)["ci"])
     mean = mean.reindex(["diloco", BASELINE]).astype(object)
@@ -128,20 +126,9 @@ def _mean_stage(reports: dict, v: dict | None) -> dict:
     }
     gap = (v or {}).get("gap_pct") or {}
     first = context(next(iter(reports.values())))
-    return {
-        "stage": "pretrain",
-        "unit": first["unit"],
-        "methods": methods,
-        "loss_gaps": {
-            "diloco": {
-                "status": "ok" if gap.get("mean") is not None else NOT_RUN,
-                "gap_pct": gap.get("mean"),
-                "ci": gap.get("ci"),
-                "seeds": gap.get("n"),
-                "split": first["split"],
-            }
-        },
-    }
+    g = {"status": "ok" if gap.get("mean") is not None else NOT_RUN, "gap_pct": gap.get("mean"), "ci": gap.get("ci")}
+    g |= {"seeds": gap.get("n"), "split": first["split"]}
+    return {"stage": "pretrain", "unit": first["unit"], "methods": methods, "loss_gaps": {"diloco": g}}
 
 
 def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> dict | None:
@@ -156,8 +143,3 @@ def _mean_finetune(use: list[dict], post: dict | None, primary: str | None) -> d
             "diloco": {"baseline": BASELINE, "metrics": {primary: {"finetuned": {"status": "ok", **post}}}}
         },
     }
-
-
-def render_seeds(report: dict) -> str:
-    """``report.md`` of a run of several seeds (pure): ``reports/templates/seeds.md.j2``."""
-    return render("seeds.md.j2", report=report)

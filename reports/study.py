@@ -43,9 +43,7 @@ def history_figure(trials: pd.DataFrame):
         line = ax.plot(t.trial, t.value, "o", alpha=0.6, label=f"{short_label(m)} trials")[0]
         ax.step(t.trial, t.value.cummin(), where="post", color=line.get_color(), label=f"{short_label(m)} best so far")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("trial")
-    ax.set_ylabel("validation loss (whole split)")
-    ax.set_title("Tuning: the same number of trials per method")
+    ax.set(xlabel="trial", ylabel="validation loss (whole split)", title="Tuning: the same number of trials per method")
     ax.legend()
     return fig
 

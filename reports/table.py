@@ -63,12 +63,9 @@ DERIVED: dict[str, Figure] = {  # columns of the table computed from the figures
     # the test split where measured, else the validation sample (the verdict's)
     "loss": Figure((), "{s} held-out loss (nats/{per})", "nats/{per}", "{:.4f}"),
 }
-_OK_ONLY = {  # figures read only where their record's status is "ok" (else None)
-    "loss_gap_pct": _GAP,
-    "loss_gap_pct_ci_low": _GAP,
-    "loss_gap_pct_ci_high": _GAP,
-    **{k: _FT_DIFF for k in ("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict")},
-}
+# figures read only where their record's status is "ok" (else None)
+_OK_ONLY = dict.fromkeys(("loss_gap_pct", "loss_gap_pct_ci_low", "loss_gap_pct_ci_high"), _GAP)
+_OK_ONLY |= dict.fromkeys(("post_diff", "post_diff_ci_low", "post_diff_ci_high", "post_verdict"), _FT_DIFF)
 
 
 def shown(figure: str, method: str, per: str = "token", unit: str = "tokens") -> Figure:
@@ -123,19 +120,12 @@ def runs_table(reports: dict[Any, dict]) -> pd.DataFrame:
     for run, rep in reports.items():
         ft = rep.get("finetune") or {}
         primary = ft.get("primary")
-        for stage_name, stage in (rep.get("stages") or {}).items():
+        for name, stage in (rep.get("stages") or {}).items():
             for m, f in (stage.get("methods") or {}).items():
-                row = {
-                    "run": run,
-                    "stage": stage_name,
-                    "method": m,
-                    "status": f.get("status"),
-                    "unit": stage.get("unit"),
-                }
+                row = {"run": run, "stage": name, "method": m, "status": f.get("status"), "unit": stage.get("unit")}
                 row["split"] = _get(stage, ("loss_gaps", "diloco", "split"))
                 row.update({k: _value(rep, stage, f, k, m, primary) for k in FIGURES})
-                row.update(post_task=_get(ft, ("task", "name")), post_metric=primary)
-                rows.append(row)
+                rows.append(row | {"post_task": _get(ft, ("task", "name")), "post_metric": primary})
     cols = ["run", "stage", "method", "status", "unit", "split", *FIGURES, "post_task", "post_metric"]
     t = pd.DataFrame(rows, columns=cols, dtype=object)
     t["val_loss"] = t.val_loss_whole.where(t.val_loss_whole.notna(), t.final_val_loss)

@@ -96,13 +96,10 @@ def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: b
 
     ``post``: the post-training difference over every seed (a dict of
     :func:`reports.finetune.paired_bootstrap_difference` with ``verdict``, ``metric``, ``label`` and
-    per method ``scores``); default: the one seed's own. ``part_of_seeds``: the run is one seed of
-    a run of several (its words point to the report over seeds). Returns ``seeds`` (the seed values),
-    ``n``, ``loss`` (per method: :func:`mean_interval` of the runs-table's ``loss``), ``gap_pct``
-    (:func:`mean_interval` of the paired per-seed gaps), ``published_gap_pct``, ``bytes_per_token``,
-    ``modelled_wall_s``, ``time_to_dp_final_s``, ``goodput``, ``uptime`` (means), ``network``,
-    ``post``, ``rows`` (the table: figure, DiLoCo, DP, DiLoCo vs DP) and ``words`` (the verdict in
-    a paragraph)."""
+    per method ``scores``); default: the one seed's own. ``part_of_seeds``: the run is one seed of a
+    run of several. Returns the figures (:func:`mean_interval` of the runs-table's ``loss`` per method
+    and of the paired per-seed gaps, means of the others), ``rows`` (the table) and ``words`` (the
+    verdict in a paragraph); keys: docs/contracts.md."""
     seeds = list(reports)
     t = runs_table(reports)
     w = wide(t[t.stage == "pretrain"], _FIGURES, list(_METHODS), seeds)
@@ -113,27 +110,14 @@ def verdict(reports: dict[Any, dict], post: dict | None = None, part_of_seeds: b
     gap = mean_interval(100 * (ok["diloco/loss"] - ok[f"{BASELINE}/loss"]) / ok[f"{BASELINE}/loss"])
     pub = published_gap_pct(first.get("learners"), first.get("params"))
     means = {k: {m: mean_interval(w[f"{m}/{k}"])["mean"] for m in _METHODS} for k in _FIGURES}
-    bpt, wall, ttl = means["bytes_per_token"], means["modelled_wall_s"], means["time_to_dp_final_s"]
-    reached = [x is not None for x in w["diloco/time_to_dp_final_s"]]
     if post is None and n == 1:
         post = _own_post(reports[seeds[0]])
-    v = {
-        "seeds": [context(r)["seed"] for r in reports.values()],
-        "n": n,
-        "loss": loss,
-        "gap_pct": gap,
-        "published_gap_pct": pub,
-        "published": PUBLISHED,
-        "bytes_per_token": bpt,
-        "modelled_wall_s": wall,
-        "time_to_dp_final_s": ttl,
-        "reached_dp_final": reached,
-        "goodput": means["goodput"]["diloco"],
-        "uptime": means["uptime"]["diloco"],
-        "network": first.get("network"),
-        "assumption": first.get("assumption"),
-        "post": post,
-    }
+    v = {"seeds": [context(r)["seed"] for r in reports.values()], "n": n, "loss": loss, "gap_pct": gap}
+    v |= {"published_gap_pct": pub, "published": PUBLISHED}
+    v |= {k: means[k] for k in ("bytes_per_token", "modelled_wall_s", "time_to_dp_final_s")}
+    v |= {"reached_dp_final": [x is not None for x in w["diloco/time_to_dp_final_s"]]}
+    v |= {"goodput": means["goodput"]["diloco"], "uptime": means["uptime"]["diloco"]}
+    v |= {"network": first.get("network"), "assumption": first.get("assumption"), "post": post}
     v["rows"] = _rows(v, first)
     v["words"] = _words(v, first, part_of_seeds)
     return v
@@ -157,20 +141,15 @@ def _ratio_row(figure: str, values: dict, reached: bool = True, missed: str = ""
 def _rows(v: dict, first: dict) -> list[dict]:
     """The verdict's table (figure, DiLoCo, DP, DiLoCo vs DP) from :func:`verdict`'s figures."""
     n, loss, gap, pub = v["n"], v["loss"], v["gap_pct"], v["published_gap_pct"]
-    over = f"{n} seeds" if n > 1 else "one seed: no interval"
-    params = f"{_whole(first.get('params'))} parameters"
+    over, params = (f"{n} seeds" if n > 1 else "one seed: no interval"), f"{_whole(first.get('params'))} parameters"
+    published = "not fitted for this M" if pub is None else f"{pub:+.2f} %"
     rows = [
         _row(
             f"{first['split']} loss (nats/{first['unit'].removesuffix('s')}; mean [95 % interval], {over})",
             *(with_ci(loss[m]["mean"], loss[m]["ci"]) for m in _METHODS),
             with_ci(gap["mean"], gap["ci"], "{:+.2f}") + " %" + (" (paired)" if n > 1 else ""),
         ),
-        _row(
-            f"published gap at M = {first.get('learners')}, {params} (arXiv 2503.09799 fits)",
-            "",
-            "",
-            "not fitted for this M" if pub is None else f"{pub:+.2f} %",
-        ),
+        _row(f"published gap at M = {first.get('learners')}, {params} (arXiv 2503.09799 fits)", "", "", published),
         _ratio_row("bytes sent per token (learner→syncer; DP: ring all-reduce)", v["bytes_per_token"]),
     ]
     if first.get("network"):
@@ -178,9 +157,8 @@ def _rows(v: dict, first: dict) -> list[dict]:
         missed = "not reached" if n == 1 else f"not reached ({sum(not r for r in reached)} of {n} seeds)"
         net, kind = first["network"], first.get("network_kind", "modelled")
         rows.append(_ratio_row(f"{kind} wall time, s ({net})", v["modelled_wall_s"]))
-        rows.append(
-            _ratio_row(f"time to DP's final held-out loss, s ({net})", v["time_to_dp_final_s"], all(reached), missed)
-        )
+        to_final = f"time to DP's final held-out loss, s ({net})"
+        rows.append(_ratio_row(to_final, v["time_to_dp_final_s"], all(reached), missed))
     good, up = format_value(v["goodput"], "{:.3f}"), format_value(v["uptime"], "{:.3f}")
     rows.append(_row("goodput / uptime of the learners (measured; fraction of time)", f"{good} / {up}", "", ""))
     post = v["post"]
