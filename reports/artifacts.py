@@ -142,11 +142,9 @@ def run_slug(run_dir: str | Path) -> str:
 
 
 def publish_live_chart(run_dir: str | Path, name: str, unit: str = "tokens") -> None:
-    """The ``live-<run>`` markdown artifact (``<run>`` the run directory's name, :func:`run_slug`:
-    one key per run, unlike the report's, which versions the runs of one config): the held-out loss
-    of every method trained so far against ``unit`` (:func:`reports.live.live_chart`), a new version
-    at each call (after each evaluation); nothing before the first evaluation. ``name``: the
-    config's, in the chart's title. Inside a Prefect flow or task run."""
+    """The ``live-<run>`` markdown artifact (:func:`run_slug`: one key per run): the held-out loss of every
+    method trained so far against ``unit`` (:func:`reports.live.live_chart`), a new version at each call;
+    nothing before the first evaluation. ``name``: the config's, in the title. Inside a Prefect run."""
     from prefect.artifacts import create_markdown_artifact
 
     chart = live_chart(run_dir, unit, f"{name}: held-out loss while training")
@@ -168,13 +166,10 @@ def comparison_rows(comparison: dict) -> list[dict]:
 
 
 def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
-    """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
-    dict) to the current Prefect flow or task run: ``comparison.md`` (its plots inlined as PNG
-    data, :func:`reports.live.inline_figures`) keyed ``compare-<slug>`` and the table (text cells)
-    keyed ``compare-table-<slug>``, the slug from ``key_name``. Outside a flow or task run nothing
-    is published (no Prefect server is contacted): a warning is logged and False returned; True
-    when published.
-    """
+    """Publish a comparison (:func:`reports.compare.build_comparison`'s dict) to the current Prefect flow
+    or task run: ``comparison.md`` (plots inlined) keyed ``compare-<slug>`` and the table keyed
+    ``compare-table-<slug>``, the slug from ``key_name``. True when published; outside a flow or task
+    run nothing is published (no server contacted): a warning and False."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
     if not _in_prefect_run():
