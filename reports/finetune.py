@@ -247,20 +247,18 @@ def difference(
         row: dict[str, Any] = {"higher_is_better": hib}
         pairs = {  # each method's per-item scores
             "pretrained": [_finite_list(nested(res, ("pretrained", "per_item", k))) for res in (a_res, b_res)],
-            "finetuned": [_per_item_matrix(res, k, seeds) if seeds else None for res in (a_res, b_res)],
+            "finetuned": [_per_item_matrix(res, k, seeds) for res in (a_res, b_res)],
         }
         for what, (a, b) in pairs.items():
             if a is None or b is None:
                 row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
             elif np.shape(a) != np.shape(b):
-                row[what] = {
-                    "status": "not paired",
-                    "why": f"the methods scored different numbers of items ({np.shape(a)[-1]} and {np.shape(b)[-1]})",
-                }
-                notes.append(f"{k} ({what}): {row[what]['why']}; no paired difference.")
+                why = f"the methods scored different numbers of items ({np.shape(a)[-1]} and {np.shape(b)[-1]})"
+                row[what] = {"status": "not paired", "why": why}
+                notes.append(f"{k} ({what}): {why}; no paired difference.")
             else:
                 row[what] = {"status": "ok", **paired_bootstrap_difference(a, b)}
-            row[what]["verdict"] = verdict(row[what] if row[what]["status"] == "ok" else None, hib, method, baseline)
+            row[what]["verdict"] = verdict(row[what], hib, method, baseline)  # no interval: undefined
         out["metrics"][k] = row
     return out
 
