@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,40 +38,36 @@ def comparison_table(report: dict) -> list[dict]:
                 {"stage": stage, "metric": row_label(r), **blank, **{m: row_cell(r, m) for m in st["methods"]}}
             )
         for m, gap in (st.get("loss_gaps") or {}).items():
-            table.append(
-                {
-                    "stage": stage,
-                    "metric": f"loss gap {short_label(m)} vs {short_label(gap.get('baseline', 'dp'))} (%)",
-                    **blank,
-                    m: f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"],
-                }
-            )
+            metric = f"loss gap {short_label(m)} vs {short_label(gap.get('baseline', 'dp'))} (%)"
+            value = f"{gap['gap_pct']:+.2f}" if gap["status"] == "ok" else gap["status"]
+            table.append({"stage": stage, "metric": metric, **blank, m: value})
     return table
 
 
 def ledger_table(report: dict) -> list[dict]:
     """The token ledger rows (tokens) of every learners-and-syncer method, with ``stage`` and
     ``method`` columns; drop reasons as JSON text."""
-    rows = []
-    for stage, st in report["stages"].items():
-        for m, f in st["methods"].items():
-            led = f.get("ledger") or {}
-            if led.get("status") != "ok":
-                continue
-            for r in [*led["rows"], led["total"]]:
-                rows.append(
-                    {
-                        "stage": stage,
-                        "method": m,
-                        "learner": str(r["learner"]),
-                        **{c: (json.dumps(r[c]) if isinstance(r[c], dict) else r[c]) for c in led["columns"]},
-                        "merged_pct": r["merged_pct"],
-                    }
-                )
-    return rows
+    return [
+        {
+            "stage": stage,
+            "method": m,
+            "learner": str(r["learner"]),
+            **{c: (json.dumps(r[c]) if isinstance(r[c], dict) else r[c]) for c in led["columns"]},
+            "merged_pct": r["merged_pct"],
+        }
+        for stage, st in report["stages"].items()
+        for m, f in st["methods"].items()
+        if (led := f.get("ledger") or {}).get("status") == "ok"
+        for r in [*led["rows"], led["total"]]
+    ]
 
 
-_FINETUNE_COLUMNS = ("metric", "model", "pretrained", "fine-tuned", "95 % interval", "over")
+def _finetune_row(
+    metric: str, model: str, before: Any, after: Any, ci: list | None, over: str | None, fmt: str
+) -> dict:
+    text = ["" if x is None else fmt.format(x) for x in (before, after, *(ci or ()))]
+    columns = ("metric", "model", "pretrained", "fine-tuned", "95 % interval", "over")
+    return dict(zip(columns, (metric, model, *text[:2], f"[{text[2]}, {text[3]}]" if ci else "", over or "")))
 
 
 def finetune_table(report: dict) -> list[dict]:
@@ -82,25 +79,24 @@ def finetune_table(report: dict) -> list[dict]:
         for m, f in ft["methods"].items():
             if sc := (f.get("scores") or {}).get(k):
                 values = (sc.get("pretrained"), sc.get("finetuned"), sc.get("finetuned_ci"), sc.get("finetuned_over"))
-                rows.append((k, short_label(m), *values, "{:.4f}"))
+                rows.append(_finetune_row(k, short_label(m), *values, "{:.4f}"))
         for m, d in (ft.get("differences") or {}).items():
             fd = nested(d, ("metrics", k, "finetuned")) or {}
             if fd.get("status") == "ok":
                 who = f"{short_label(m)} − {short_label(d['baseline'])}"
-                rows.append((k, who, None, fd["difference"], fd["ci"], fd.get("over"), "{:+.4f}"))
+                rows.append(_finetune_row(k, who, None, fd["difference"], fd["ci"], fd.get("over"), "{:+.4f}"))
+    return rows
 
-    def text(x: Any, f: str) -> str:
-        return "" if x is None else f.format(x)
 
-    return [
-        dict(
-            zip(
-                _FINETUNE_COLUMNS,
-                (k, who, text(a, f), text(b, f), f"[{text(ci[0], f)}, {text(ci[1], f)}]" if ci else "", over or ""),
-            )
-        )
-        for k, who, a, b, ci, over, f in rows
-    ]
+def _in_prefect_run() -> bool:
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return FlowRunContext.get() is not None or TaskRunContext.get() is not None
+
+
+def _markdown(path: Path, folder: Path, render: Callable[[], str]) -> str:
+    """The markdown file (else ``render()``) with the figures of ``folder`` inlined."""
+    return inline_figures(path.read_text(encoding="utf-8") if path.is_file() else render(), folder)
 
 
 def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
@@ -114,42 +110,29 @@ def publish_report_artifacts(report: dict, run_dir: str | Path) -> None:
     the UI shows them wherever it runs; above its size cap, their paths on the worker's disk).
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
-    from prefect.context import FlowRunContext, TaskRunContext
 
-    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+    if not _in_prefect_run():
         raise RuntimeError("publish_report_artifacts must be called inside a Prefect flow or task run")
     layout = RunLayout(run_dir)
-    md_path = layout.report_md
-    markdown = md_path.read_text() if md_path.is_file() else render_markdown(report)
     folder = layout.report.absolute() if isinstance(layout.report, Path) else layout.report  # or an fsspec UPath
-    markdown = inline_figures(markdown, folder)
     name = report["run"]["name"]
     where = f"run directory {report['run']['run_dir']}"
+    markdown = _markdown(layout.report_md, folder, lambda: render_markdown(report))
     create_markdown_artifact(markdown, key=artifact_key("report", name), description=f"Run report, {where}")
-    if report.get("verdict"):
-        create_table_artifact(
-            report["verdict"]["rows"],
-            key=artifact_key("verdict", name),
-            description=f"The verdict, DiLoCo vs DP: {report['verdict']['words']} ({where})",
-        )
-    create_table_artifact(
-        comparison_table(report),
-        key=artifact_key("comparison", name),
-        description=f"Every method vs DP, per stage, {where}",
-    )
-    post = finetune_table(report)
-    if post:
-        create_table_artifact(
-            post,
-            key=artifact_key("posttraining", name),
-            description=f"Post-training: pretrained → fine-tuned, DiLoCo − DP with 95 % intervals, {where}",
-        )
-    ledger = ledger_table(report)
-    if ledger:
-        unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
-        create_table_artifact(
-            ledger, key=artifact_key("ledger", name), description=f"Ledger per learner ({unit}), {where}"
-        )
+    v = report.get("verdict")
+    unit = next(iter(report["stages"].values()), {}).get("unit", "tokens")
+    tables = {  # key prefix: (rows, description); None: not published
+        "verdict": (v["rows"], f"The verdict, DiLoCo vs DP: {v['words']} ({where})") if v else (None, ""),
+        "comparison": (comparison_table(report), f"Every method vs DP, per stage, {where}"),
+        "posttraining": (
+            finetune_table(report) or None,
+            f"Post-training: pretrained → fine-tuned, DiLoCo − DP with 95 % intervals, {where}",
+        ),
+        "ledger": (ledger_table(report) or None, f"Ledger per learner ({unit}), {where}"),
+    }
+    for prefix, (rows, description) in tables.items():
+        if rows is not None:
+            create_table_artifact(rows, key=artifact_key(prefix, name), description=description)
 
 
 def run_slug(run_dir: str | Path) -> str:
@@ -159,11 +142,9 @@ def run_slug(run_dir: str | Path) -> str:
 
 
 def publish_live_chart(run_dir: str | Path, name: str, unit: str = "tokens") -> None:
-    """The ``live-<run>`` markdown artifact (``<run>`` the run directory's name, :func:`run_slug`:
-    one key per run, unlike the report's, which versions the runs of one config): the held-out loss
-    of every method trained so far against ``unit`` (:func:`reports.live.live_chart`), a new version
-    at each call (after each evaluation); nothing before the first evaluation. ``name``: the
-    config's, in the chart's title. Inside a Prefect flow or task run."""
+    """The ``live-<run>`` markdown artifact (:func:`run_slug`: one key per run): the held-out loss of every
+    method trained so far against ``unit`` (:func:`reports.live.live_chart`), a new version at each call;
+    nothing before the first evaluation. ``name``: the config's, in the title. Inside a Prefect run."""
     from prefect.artifacts import create_markdown_artifact
 
     chart = live_chart(run_dir, unit, f"{name}: held-out loss while training")
@@ -185,17 +166,13 @@ def comparison_rows(comparison: dict) -> list[dict]:
 
 
 def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
-    """Publish a comparison across run directories (:func:`reports.compare.build_comparison`'s
-    dict) to the current Prefect flow or task run: ``comparison.md`` (its plots inlined as PNG
-    data, :func:`reports.live.inline_figures`) keyed ``compare-<slug>`` and the table (text cells)
-    keyed ``compare-table-<slug>``, the slug from ``key_name``. Outside a flow or task run nothing
-    is published (no Prefect server is contacted): a warning is logged and False returned; True
-    when published.
-    """
+    """Publish a comparison (:func:`reports.compare.build_comparison`'s dict) to the current Prefect flow
+    or task run: ``comparison.md`` (plots inlined) keyed ``compare-<slug>`` and the table keyed
+    ``compare-table-<slug>``, the slug from ``key_name``. True when published; outside a flow or task
+    run nothing is published (no server contacted): a warning and False."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
-    from prefect.context import FlowRunContext, TaskRunContext
 
-    if FlowRunContext.get() is None and TaskRunContext.get() is None:
+    if not _in_prefect_run():
         logging.getLogger(__name__).warning(
             "publish_comparison_artifacts: not inside a Prefect flow or task run; no artifacts published "
             "(the comparison is in %s)",
@@ -203,9 +180,7 @@ def publish_comparison_artifacts(comparison: dict, key_name: str) -> bool:
         )
         return False
     out_dir = comparison["paths"]["out_dir"]
-    md_path = Path(comparison["paths"]["markdown"])
-    markdown = md_path.read_text(encoding="utf-8") if md_path.is_file() else render_comparison(comparison)
-    markdown = inline_figures(markdown, Path(out_dir))  # the figures themselves, as in the run report
+    markdown = _markdown(Path(comparison["paths"]["markdown"]), Path(out_dir), lambda: render_comparison(comparison))
     where = f"{len(comparison['rows'])} runs, written to {out_dir}"
     create_markdown_artifact(
         markdown, key=artifact_key("compare", key_name), description=f"{comparison['title']}: {where}"

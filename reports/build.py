@@ -28,7 +28,7 @@ from reports.plots import (
     save_png,
 )
 from reports.read import MethodRecords, ReportInputError, RunRecords, missing_results, open_run, read_json, read_run
-from reports.resilience import curve_points, diloco_training_start, resilience_figures
+from reports.resilience import curve_points, diloco_resilience, diloco_training_start, resilience_figures
 from reports.verdict import verdict
 from run import atomic
 from run.layout import STAGES, RunLayout
@@ -39,33 +39,19 @@ SCHEMA = 3  # report.json layout: 3 = one entry per stage under "stages"
 
 def _git_commit() -> str:
     """Short commit of the code producing the report (``git rev-parse --short HEAD``), or "unknown"."""
+    cmd = ["git", "rev-parse", "--short", "HEAD"]
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        out = subprocess.run(cmd, cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    return (out.stdout.strip() if out.returncode == 0 else "") or "unknown"
 
 
-def _versions() -> dict[str, str]:
-    out = {}
-    for pkg in PACKAGES:
-        try:
-            out[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def _run_dir_text(layout: RunLayout) -> str:
-    """The run directory as shown in the report: an absolute local path, or the URL."""
-    root = layout.root
-    return str(root.resolve()) if isinstance(root, Path) else str(root)
+def _version(pkg: str) -> str:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _draw(fig: Figure | None, out_dir: Path, name: str) -> str | None:
@@ -77,9 +63,7 @@ def _draw(fig: Figure | None, out_dir: Path, name: str) -> str | None:
 
 
 def _method_dict(rec: MethodRecords | None, role: str) -> dict | None:
-    """A method's records as :func:`reports.resilience.resilience_figures` takes them (``role``
-    "diloco": learner events and merges; "dp": its chaos events and training rows); None when it
-    left nothing."""
+    """A method's records as :func:`reports.resilience.resilience_figures` takes them; None when it left nothing."""
     if rec is None or (rec.summary is None and rec.curve is None and rec.events is None and rec.chaos_events is None):
         return None
     if role == "diloco":
@@ -90,9 +74,7 @@ def _method_dict(rec: MethodRecords | None, role: str) -> dict | None:
 def _reference(
     run_dir: str | Path | None, from_config: bool, notes: list[str]
 ) -> tuple[dict | None, RunRecords | None]:
-    """The reference run's pretraining records (``resilience_figures``' ``reference``) and the run
-    records. A path given by the caller must be a run directory (ReportInputError otherwise); one
-    from config.json (``chaos.reference_run``) that no longer is one is a note."""
+    """The reference run (``resilience_figures``' ``reference``) and its records; a bad config.json path: a note."""
     if run_dir is None:
         return None, None
     try:
@@ -103,11 +85,7 @@ def _reference(
         notes.append(f"chaos.reference_run: {exc}; the reference run is left out.")
         return None, None
     pre = recs.stages.get("pretrain") or {}
-    ref = {
-        "run_dir": str(run_dir),
-        "diloco": _method_dict(pre.get("diloco"), "diloco"),
-        "dp": _method_dict(pre.get("dp"), "dp"),
-    }
+    ref = {"run_dir": str(run_dir), **{m: _method_dict(pre.get(m), m) for m in ("diloco", "dp")}}
     if ref["diloco"] is None and ref["dp"] is None:
         notes.append(f"reference run {run_dir} holds no pretraining curve of DiLoCo or DP; left out.")
         return None, None
@@ -117,8 +95,7 @@ def _reference(
 def _resilience(
     records: RunRecords, stages: dict, reference: str | Path | None, predict: Callable | None
 ) -> RunRecords | None:
-    """The Resilience figures into ``stages["pretrain"]["resilience"]`` when the run has a chaos
-    schedule (``pretrain/chaos.json``) or DP met a failure or a slowdown; returns the reference run's records."""
+    """Resilience figures into ``stages["pretrain"]`` under chaos (or a DP failure/slowdown); returns the reference."""
     pre = records.stages.get("pretrain")
     if not pre or "pretrain" not in stages:
         return None
@@ -156,28 +133,16 @@ def _resilience(
         fig = res.get(m) if m in ("diloco", "dp") else None
         goodput[m] = fig["global"]["goodput"] if fig else None
         st["methods"][m]["goodput"] = goodput[m]
-    if any(v is not None for v in goodput.values()) and not any(r.get("key") == "goodput" for r in st["comparison"]):
-        at = next((i + 1 for i, r in enumerate(st["comparison"]) if r.get("key") == "wall_s"), len(st["comparison"]))
-        st["comparison"].insert(
-            at,
-            {
-                "key": "goodput",
-                "label": "goodput (useful / allocated time; Resilience)",
-                "unit": "fraction",
-                "fmt": "{:.3f}",
-                "group": "training",
-                **goodput,
-            },
-        )
+    rows = st["comparison"]
+    if any(v is not None for v in goodput.values()) and not any(r.get("key") == "goodput" for r in rows):
+        at = next((i + 1 for i, r in enumerate(rows) if r.get("key") == "wall_s"), len(rows))
+        what = {"key": "goodput", "label": "goodput (useful / allocated time; Resilience)", "unit": "fraction"}
+        rows.insert(at, {**what, "fmt": "{:.3f}", "group": "training", **goodput})
     return ref_records
 
 
 def _learner_goodput(records: RunRecords, stages: dict) -> None:
-    """Goodput and uptime of every learners-and-syncer method (:func:`reports.resilience.diloco_resilience`
-    on its learner events and merges), for runs without a chaos schedule too: ``goodput`` and
-    ``uptime`` beside the method's other figures (a chaos run's Resilience section set ``goodput``)."""
-    from reports.resilience import diloco_resilience
-
+    """``goodput`` (unless Resilience set it) and ``uptime`` of every learners-and-syncer method, chaos or not."""
     for m, f in ((stages.get("pretrain") or {}).get("methods") or {}).items():
         rec = (records.stages.get("pretrain") or {}).get(m)
         if f.get("kind") != "syncer" or rec is None or not rec.events:
@@ -204,28 +169,18 @@ def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRec
     stage["plots"]["resilience_timeline"] = _draw(
         resilience_timeline_figure(res, merges if d else None), out_dir, figure_file(name, "resilience_timeline")
     )
-    series = []
-    for m, start in (("diloco", t0), ("dp", 0.0)):
-        r = records.get(m)
-        if r is not None and r.curve:
-            series.append(
-                {"method": m, "label": f"{label(m)} (this run)", "points": curve_points(r.curve, "wall_s", start)}
-            )
-    pts = (res["loss"].get("reference") or {}).get("reference_pair")
-    if ref is not None and pts:
+    runs = [("this run", {}, records, {"diloco": t0})]
+    if ref is not None and (res["loss"].get("reference") or {}).get("reference_pair"):
         rpre = ref.stages.get("pretrain") or {}
-        for m in ("diloco", "dp"):
-            r = rpre.get(m)
-            if r is not None and r.curve:
-                start = diloco_training_start(r.events, r.summary) if m == "diloco" else 0.0
-                series.append(
-                    {
-                        "method": m,
-                        "label": f"{label(m)} (reference, no chaos)",
-                        "dashed": True,
-                        "points": curve_points(r.curve, "wall_s", start),
-                    }
-                )
+        r = rpre.get("diloco")
+        start = diloco_training_start(r.events, r.summary) if r is not None and r.curve else 0.0
+        runs.append(("reference, no chaos", {"dashed": True}, rpre, {"diloco": start}))
+    series = [
+        {"method": m, "label": f"{label(m)} ({who})", **style, "points": curve_points(r.curve, "wall_s", t.get(m, 0.0))}
+        for who, style, recs, t in runs
+        for m in ("diloco", "dp")
+        if (r := recs.get(m)) is not None and r.curve
+    ]
     stage["plots"]["resilience_loss"] = _draw(
         resilience_loss_figure(series, res["loss"].get("at_s"), stage.get("unit", "tokens").removesuffix("s")),
         out_dir,
@@ -234,8 +189,7 @@ def _draw_resilience(stage: dict, records: dict[str, MethodRecords], ref: RunRec
 
 
 def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -> None:
-    """The stage's figures into ``out_dir``; their file names into ``stage["plots"]`` and, for the
-    merge plots, each method's ``plots``."""
+    """The stage's figures into ``out_dir``; their names into ``stage["plots"]`` (merge plots: each method's)."""
     name, unit = stage["stage"], stage.get("unit", "tokens")
     curves = {m: rec.curve for m, rec in records.items()}
     finals = {m: f["final_val_loss"] for m, f in stage["methods"].items()}  # the tables' final loss
@@ -267,29 +221,16 @@ def _draw_stage(stage: dict, records: dict[str, MethodRecords], out_dir: Path) -
 
 
 def _run_meta(layout: RunLayout, config: dict | None) -> dict:
-    """report.json's ``run``: name, directory, id, when and from which commit it was built."""
+    """report.json's ``run``: name, directory (absolute path or URL), id, when and from which commit."""
+    root = layout.root
     return {
-        "name": (config or {}).get("name") or layout.root.name,
-        "run_dir": _run_dir_text(layout),
-        "run_id": layout.root.name,
+        "name": (config or {}).get("name") or root.name,
+        "run_dir": str(root.resolve()) if isinstance(root, Path) else str(root),
+        "run_id": root.name,
         "generated_at": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "git_commit": _git_commit(),
-        "versions": _versions(),
+        "versions": {pkg: _version(pkg) for pkg in PACKAGES},
     }
-
-
-def _refuse_missing(layout: RunLayout, records: RunRecords) -> None:
-    """Raise :class:`ReportInputError` when a result the run's record says exists is gone."""
-    missing = missing_results(layout, records.status)
-    if missing:  # "not run" would be wrong: refuse before report/ is touched
-        file, why = missing[0]
-        more = f" (and {len(missing) - 1} more: {', '.join(f for f, _ in missing[1:3])})" if len(missing) > 1 else ""
-        raise ReportInputError(
-            layout.root / file,
-            f"results missing: {why}, but the file is gone{more}; restore it "
-            "(e.g. from a copy of the run) or re-run that stage in a new run directory; report/ "
-            "was left as it was",
-        )
 
 
 def _draw_figures(report: dict, records: RunRecords, ref_records: RunRecords | None, out_dir: Path) -> None:
@@ -343,7 +284,14 @@ def build_report(
 
         return build_seeds_report(run_dir, seeded, final_stage)
     records = read_run(layout)
-    _refuse_missing(layout, records)
+    if missing := missing_results(layout, records.status):  # "not run" would be wrong: refuse, report/ untouched
+        (file, why), rest = missing[0], [f for f, _ in missing[1:]]
+        more = f" (and {len(rest)} more: {', '.join(rest[:2])})" if rest else ""
+        raise ReportInputError(
+            layout.root / file,
+            f"results missing: {why}, but the file is gone{more}; restore it (e.g. from a copy of the run) or "
+            "re-run that stage in a new run directory; report/ was left as it was",
+        )
     config = records.config
     stages = {s: stage_figures(s, recs, records.settings) for s, recs in records.stages.items()}
     ref_records = _resilience(records, stages, reference, predict)
@@ -375,9 +323,7 @@ def build_report(
     # What is on disk is what is returned: round-trip through strict JSON once.
     report = json.loads(json.dumps(json_safe(report), allow_nan=False))
     atomic.write_json(layout.report_json, report, newline=True, default=None, allow_nan=False)
-    markdown = render_markdown(report)
-    atomic.write_text(layout.report_md, markdown)
+    atomic.write_text(layout.report_md, markdown := render_markdown(report))
     # the same report as one file to share: figures inlined (after the PNGs it inlines are written)
-    title = f"Run report: {report['run']['name']}"
-    atomic.write_text(layout.report_html, report_html(markdown, layout.report, title))
+    atomic.write_text(layout.report_html, report_html(markdown, layout.report, f"Run report: {report['run']['name']}"))
     return report

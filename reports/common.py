@@ -1,9 +1,5 @@
-"""Names, definitions and small value helpers shared by the report's modules (pure; no I/O).
-
-Method and stage names are the run directory's (``run.layout``): a stage is ``pretrain`` or
-``finetune``, a method any folder name under it (``diloco``, ``dp``, ...). Every comparison is
-against :data:`BASELINE`. Known methods get a readable label; any other method is shown by its name.
-"""
+"""Names, definitions and small value helpers shared by the report's modules (pure; no I/O). Stage and
+method names are the run directory's (``run.layout``); every comparison is against :data:`BASELINE`."""
 
 from __future__ import annotations
 
@@ -29,8 +25,7 @@ LABELS = {"diloco": "Decoupled DiLoCo", "dp": "Data-parallel"}
 SHORT_LABELS = {"diloco": "DiLoCo", "dp": "DP"}
 STAGE_LABELS = {"pretrain": "Pretraining", "finetune": "Fine-tuning"}
 
-# What each byte figure counts. report.json carries these texts (``definitions``) next to the
-# numbers, and report.md prints them under each bytes table.
+# What each byte figure counts: report.json's ``definitions``, printed under each bytes table.
 BYTES_CONVENTION = (
     "Bytes are payload bytes (tensor bytes, no framing). DiLoCo, counted by the learners: "
     "learner→syncer submission payload bytes (every fragment a learner sent, merged or not, in its "
@@ -52,14 +47,12 @@ STALE_DEFINITION = (
 
 
 def figure_file(stage: str, figure: str, method: str | None = None) -> str:
-    """File name of a figure inside ``RUN/report/``: ``<stage>_<figure>.png`` or, for a figure of
-    one method, ``<stage>_<method>_<figure>.png``."""
+    """File name of a figure inside ``RUN/report/``: ``<stage>[_<method>]_<figure>.png``."""
     return "_".join(x for x in (stage, method, figure) if x) + ".png"
 
 
 def md_table(headers: list[str], rows: Iterable[Iterable[Any]]) -> str:
-    """A markdown (pipe) table by pandas/tabulate; cells as given, as text ("|" escaped, newlines as
-    spaces, numbers not re-parsed)."""
+    """A markdown (pipe) table by pandas/tabulate; cells as text ("|" escaped, newlines as spaces, not re-parsed)."""
     esc = lambda x: str(x).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     return pd.DataFrame([[esc(c) for c in r] for r in rows], columns=[esc(h) for h in headers]).to_markdown(
         index=False, disable_numparse=True
@@ -113,12 +106,10 @@ def label(method: str) -> str:
 
 
 def short_label(method: str) -> str:
-    """``DiLoCo``, ``DP``, or the method's folder name."""
     return SHORT_LABELS.get(method, method)
 
 
 def stage_label(stage: str) -> str:
-    """``Pretraining``, ``Fine-tuning``, or the stage's folder name."""
     return STAGE_LABELS.get(stage, stage)
 
 
@@ -158,11 +149,7 @@ def flatten(d: dict, prefix: str = "", sep: str = "/") -> dict[str, Any]:
     lists and empty dicts are leaves."""
     out: dict[str, Any] = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + sep, sep))
-        else:
-            out[key] = v
+        out |= flatten(v, f"{prefix}{k}{sep}", sep) if isinstance(v, dict) and v else {f"{prefix}{k}": v}
     return out
 
 
@@ -197,10 +184,8 @@ def json_safe(x: Any) -> Any:
 
 
 def settings(config: dict | None) -> ExperimentConfig | None:
-    """A run's ``config.json`` as the typed config (``configs.load.stored_config``): what the report
-    reads of the run's settings, and its derived values (``unit``, ``units_per_row``, …), from the
-    schema instead of from string keys. None without one, or for a file from a version whose keys
-    this schema refuses (the figures that need it then say so)."""
+    """A run's ``config.json`` as the typed config (``configs.load.stored_config``); None without one,
+    or for a file whose keys this schema refuses (the figures that need it then say so)."""
     if not config:
         return None
     try:
@@ -210,8 +195,7 @@ def settings(config: dict | None) -> ExperimentConfig | None:
 
 
 def unit_of(config: dict | None) -> str:
-    """What the run's budget and losses count (``ExperimentConfig.unit``): ``images`` for an image
-    data source, else ``tokens``."""
+    """What the run's budget and losses count (``ExperimentConfig.unit``); ``tokens`` without a config."""
     s = settings(config)
     return s.unit if s is not None else "tokens"
 

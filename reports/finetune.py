@@ -1,8 +1,6 @@
 """The post-training part of the report: every pretrained model fine-tuned with one recipe, scored
-before and after, and each method's difference to the data-parallel baseline with its (paired,
-two-level bootstrap) interval. Inputs, the bootstrap and the verdict: docs/report.md
-("Post-training"). Pure (no I/O) but for :func:`finetune_loss_figure`, which returns a figure.
-"""
+before and after, and each method's difference to the data-parallel baseline with its paired two-level
+bootstrap interval (docs/report.md, "Post-training"). Pure but for :func:`finetune_loss_figure`."""
 
 from __future__ import annotations
 
@@ -32,24 +30,25 @@ BOOTSTRAP_DEFINITION = (
 )
 
 
+def _plural(k: int, what: str) -> str:
+    return f"{k:,} {what}{'s' if k != 1 else ''}"
+
+
 def two_level_bootstrap(
     values: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, confidence: float = CONFIDENCE
 ) -> dict:
-    """Mean of ``values`` (shape [S seeds, N items], [N] for one seed, or [P, S, N] for S fine-tuning
-    seeds of each of P pretraining seeds) with a percentile bootstrap interval over seeds and items.
-    Each of ``resamples`` resamples (``numpy.random.default_rng(seed)``, deterministic) draws the
-    pretraining seeds (P > 1), the seeds (S > 1), then the items with replacement, one item draw shared
-    by all drawn seeds (crossed, not nested), and takes the mean at the drawn indices (``numpy.ix_``);
-    the interval is ``numpy.percentile`` of those means at 100·α/2 and 100·(1 − α/2), α = 1 −
-    ``confidence`` (docs/report.md, "Post-training"). Returns ``estimate``, ``ci`` ([low, high]; None
-    when a value is not finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N] input),
-    ``pretrain_seeds`` (P, [P, S, N] input only), ``items`` (N), ``levels`` and ``over`` ("over N
-    items and S seeds", ...). ``ValueError`` for any other shape or an empty axis.
-    """
+    """Mean of ``values`` (shape [S seeds, N items], [N] for one seed, or [P, S, N]: S fine-tuning
+    seeds of each of P pretraining seeds) with a percentile bootstrap interval (docs/report.md,
+    "Post-training"): each resample (``numpy.random.default_rng(seed)``) draws the pretraining seeds
+    (P > 1), the seeds (S > 1), then the items with replacement, one item draw shared by all drawn
+    seeds (crossed), and takes the mean; the interval is the percentiles 100·α/2 and 100·(1 − α/2) of
+    those means, α = 1 − ``confidence``. Returns ``estimate``, ``ci`` ([low, high]; None when a value
+    is not finite), ``confidence``, ``resamples``, ``seeds`` (S; None for [N]), ``pretrain_seeds``
+    (P; [P, S, N] only), ``items``, ``levels`` and ``over`` ("over N items and S seeds"). ``ValueError``
+    for any other shape or an empty axis."""
     v = np.asarray(values, dtype=float)
     seed_axis = v.ndim >= 2
-    if v.ndim == 1:
-        v = v[None, :]
+    v = v[None, :] if v.ndim == 1 else v
     if v.ndim not in (2, 3) or min(v.shape) < 1:
         raise ValueError(
             f"values must be [seeds, items] or [pretraining seeds, seeds, items] with at least one "
@@ -57,7 +56,7 @@ def two_level_bootstrap(
         )
     *lead, n = v.shape
     s = lead[-1]
-    over = f"over {n:,} item{'s' if n != 1 else ''}"
+    over = f"over {_plural(n, 'item')}"
     out = {
         "estimate": float(v.mean()),
         "ci": None,
@@ -66,14 +65,13 @@ def two_level_bootstrap(
         "seeds": s if seed_axis else None,
         "items": n,
         "levels": "seeds and items" if s > 1 else "items",
-        "over": over + (f" and {s} seed{'s' if s != 1 else ''}" if seed_axis else ""),
+        "over": over + (f" and {_plural(s, 'seed')}" if seed_axis else ""),
     }
     if v.ndim == 3:
         out.update(
             pretrain_seeds=lead[0],
             levels="pretraining seeds, fine-tuning seeds and items",
-            over=f"{over}, {s} fine-tuning seed{'s' if s != 1 else ''} and {lead[0]} pretraining "
-            f"seed{'s' if lead[0] != 1 else ''}",
+            over=f"{over}, {_plural(s, 'fine-tuning seed')} and {_plural(lead[0], 'pretraining seed')}",
         )
     if not np.isfinite(v).all():
         return out
@@ -93,13 +91,9 @@ def two_level_bootstrap(
 def paired_bootstrap_difference(
     a: Any, b: Any, resamples: int = RESAMPLES, seed: int = BOOTSTRAP_SEED, confidence: float = CONFIDENCE
 ) -> dict:
-    """Difference A − B of two methods' per-item scores with a paired two-level bootstrap interval.
-    ``a``, ``b``: shape [S, N] (row s: the model fine-tuned with the s-th common seed; column i: test
-    item i, the same for both), [N] (one model each: items only) or [P, S, N]. D = mean of (a − b);
-    the interval is :func:`two_level_bootstrap` on a − b, so both methods get the same draws and the
-    pairing is kept. Returns its dict with ``difference`` (= ``estimate``). ``ValueError`` when the
-    shapes differ.
-    """
+    """Difference A − B of two methods' per-item scores ([S, N]: row s the s-th common seed, column i
+    test item i; [N]; or [P, S, N]) with the paired interval: :func:`two_level_bootstrap` of a − b.
+    Its dict with ``difference`` (= ``estimate``). ``ValueError`` when the shapes differ."""
     a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
     if a.shape != b.shape:
         raise ValueError(f"paired scores need the same seeds and items: shapes {a.shape} and {b.shape}")
@@ -129,9 +123,6 @@ def verdict(diff: dict | None, higher_is_better: bool, method: str, baseline: st
     }
 
 
-# -- per method ----------------------------------------------------------------------------------
-
-
 def _finite_list(x: Any) -> list[float] | None:
     if not isinstance(x, list) or not x or any(num(v) is None for v in x):
         return None
@@ -144,9 +135,7 @@ def _seed_rows(result: dict) -> list[dict]:
 
 def _score(metrics: dict | None, per_item: list[float] | None, key: str) -> float | None:
     v = num((metrics or {}).get(key))
-    if v is None and per_item:
-        v = float(np.mean(per_item))
-    return v
+    return float(np.mean(per_item)) if v is None and per_item else v
 
 
 def method_scores(result: dict, metric_keys: list[str], notes: list[str], method: str) -> dict:
@@ -159,27 +148,19 @@ def method_scores(result: dict, metric_keys: list[str], notes: list[str], method
     for k in metric_keys:
         pre_items = _finite_list((pre.get("per_item") or {}).get(k))
         pre_v = _score(pre.get("metrics"), pre_items, k)
-        per_seed = []
-        matrix = []
-        for r in rows:
-            items = _finite_list((r.get("per_item") or {}).get(k))
-            v = _score(r.get("metrics"), items, k)
-            if v is not None:
-                per_seed.append({"seed": r.get("seed"), "value": v})
-            matrix.append(items)
+        matrix = [_finite_list((r.get("per_item") or {}).get(k)) for r in rows]
+        scored = [(r.get("seed"), _score(r.get("metrics"), items, k)) for r, items in zip(rows, matrix)]
+        per_seed = [{"seed": seed, "value": v} for seed, v in scored if v is not None]
         ft_v = float(np.mean([p["value"] for p in per_seed])) if per_seed else None
         pre_boot = two_level_bootstrap(pre_items) if pre_items else None
-        ft_boot = None
-        if matrix and all(m is not None for m in matrix) and len({len(m) for m in matrix}) == 1:
-            ft_boot = two_level_bootstrap(matrix)
+        whole = matrix and all(m is not None for m in matrix) and len({len(m) for m in matrix}) == 1
+        ft_boot = two_level_bootstrap(matrix) if whole else None
         for what, value, boot in (("pretrained", pre_v, pre_boot), ("fine-tuned", ft_v, ft_boot)):
-            if boot is not None and not math.isfinite(boot["estimate"]):
+            if boot is None:
+                continue
+            if not math.isfinite(boot["estimate"]):
                 notes.append(f"{label(method)}: the {what} {k} has non-finite per-item values; no interval.")
-            elif (
-                value is not None
-                and boot is not None
-                and not math.isclose(value, boot["estimate"], rel_tol=1e-6, abs_tol=1e-9)
-            ):
+            elif value is not None and not math.isclose(value, boot["estimate"], rel_tol=1e-6, abs_tol=1e-9):
                 notes.append(
                     f"{label(method)}: the {what} {k} ({value:.6g}) is not the mean of its per-item values "
                     f"({boot['estimate']:.6g}); its interval and the differences use the per-item mean."
@@ -197,28 +178,16 @@ def method_scores(result: dict, metric_keys: list[str], notes: list[str], method
     return out
 
 
-def _last(rows: list[dict], key: str, seed: Any) -> float | None:
-    vals = [num(r.get(key)) for r in rows if r.get("seed") == seed and num(r.get(key)) is not None]
-    return vals[-1] if vals else None
-
-
 def curve_summary(rec: FinetuneRecords) -> dict:
     """Points of the fine-tuning curves and, per seed, the first and last held-out loss and the last
     logged training loss."""
     train = [r for r in (rec.train or []) if num(r.get("train/loss")) is not None]
     val = [r for r in (rec.curve or []) if num(r.get("val/loss")) is not None]
-    seeds = list(dict.fromkeys(r.get("seed") for r in [*val, *train]))
     per_seed = []
-    for s in seeds:
-        vs = [num(r["val/loss"]) for r in val if r.get("seed") == s]
-        per_seed.append(
-            {
-                "seed": s,
-                "first_val_loss": vs[0] if vs else None,
-                "last_val_loss": vs[-1] if vs else None,
-                "last_train_loss": _last(train, "train/loss", s),
-            }
-        )
+    for s in dict.fromkeys(r.get("seed") for r in [*val, *train]):
+        vs = [num(r["val/loss"]) for r in val if r.get("seed") == s] or [None]
+        ts = [num(r["train/loss"]) for r in train if r.get("seed") == s] or [None]
+        per_seed.append({"seed": s, "first_val_loss": vs[0], "last_val_loss": vs[-1], "last_train_loss": ts[-1]})
     return {"train_points": len(train), "eval_points": len(val), "per_seed": per_seed}
 
 
@@ -226,26 +195,23 @@ def method_post_training(rec: FinetuneRecords, metric_keys: list[str], notes: li
     """One method's post-training figures: ``status``/``eval_status``, ``interrupted`` (fewer seeds or
     steps), ``source_checkpoint``, ``recipe``, parameter counts, ``runs`` (per seed), ``seeds`` (those
     evaluated), ``scores`` (:func:`method_scores`), ``pretrain_tasks`` and ``curve``."""
-    s, e = rec.summary, rec.eval
-    pretrain_tasks = (e or {}).get("pretrain_tasks")
+    s, e = rec.summary or {}, rec.eval or {}
+    pretrain_tasks, recipe = e.get("pretrain_tasks"), s.get("recipe")
     return {
-        "status": "ok" if s is not None else NOT_RUN,
-        "interrupted": bool(s.get("interrupted")) if s is not None else None,
-        "eval_status": "ok" if e is not None else NOT_RUN,
+        "status": "ok" if rec.summary is not None else NOT_RUN,
+        "interrupted": bool(s.get("interrupted")) if rec.summary is not None else None,
+        "eval_status": "ok" if rec.eval is not None else NOT_RUN,
         "files": rec.files,
-        "source_checkpoint": (s or {}).get("source_checkpoint"),
-        "recipe": (s or {}).get("recipe") if isinstance((s or {}).get("recipe"), dict) else {},
-        "trainable_params": num((s or {}).get("trainable_params")),
-        "frozen_params": num((s or {}).get("frozen_params")),
-        "runs": [r for r in ((s or {}).get("runs") or []) if isinstance(r, dict)],
-        "seeds": [r.get("seed") for r in _seed_rows(e or {})],
-        "scores": method_scores(e, metric_keys, notes, rec.method) if e is not None else {},
+        "source_checkpoint": s.get("source_checkpoint"),
+        "recipe": recipe if isinstance(recipe, dict) else {},
+        "trainable_params": num(s.get("trainable_params")),
+        "frozen_params": num(s.get("frozen_params")),
+        "runs": [r for r in (s.get("runs") or []) if isinstance(r, dict)],
+        "seeds": [r.get("seed") for r in _seed_rows(e)],
+        "scores": method_scores(e, metric_keys, notes, rec.method) if rec.eval is not None else {},
         "pretrain_tasks": pretrain_tasks if isinstance(pretrain_tasks, dict) else None,
         "curve": curve_summary(rec),
     }
-
-
-# -- between methods -------------------------------------------------------------------------------
 
 
 def _per_item_matrix(result: dict, key: str, seeds: list) -> np.ndarray | None:
@@ -268,11 +234,9 @@ def difference(
     """``method − baseline`` for every task metric, pretrained and fine-tuned, with the paired
     bootstrap interval (:func:`paired_bootstrap_difference`) and a :func:`verdict` each; seeds
     paired by value (those both methods were fine-tuned with)."""
-    seeds_a = [r.get("seed") for r in _seed_rows(a_res)]
-    seeds_b = {r.get("seed") for r in _seed_rows(b_res)}
+    seeds_a, seeds_b = [r.get("seed") for r in _seed_rows(a_res)], {r.get("seed") for r in _seed_rows(b_res)}
     seeds = [s for s in seeds_a if s in seeds_b]
-    unpaired = sorted({*seeds_a, *seeds_b} - set(seeds), key=str)
-    if unpaired:
+    if unpaired := sorted({*seeds_a, *seeds_b} - set(seeds), key=str):
         notes.append(
             f"{short_label(method)} − {short_label(baseline)}: seed(s) {', '.join(map(str, unpaired))} "
             "were fine-tuned for only one of the two methods and are left out of the paired difference."
@@ -283,37 +247,28 @@ def difference(
         row: dict[str, Any] = {"higher_is_better": hib}
         pairs = {  # each method's per-item scores
             "pretrained": [_finite_list(nested(res, ("pretrained", "per_item", k))) for res in (a_res, b_res)],
-            "finetuned": [_per_item_matrix(res, k, seeds) if seeds else None for res in (a_res, b_res)],
+            "finetuned": [_per_item_matrix(res, k, seeds) for res in (a_res, b_res)],
         }
         for what, (a, b) in pairs.items():
             if a is None or b is None:
                 row[what] = {"status": NOT_RUN, "why": "per-item scores missing for a method"}
             elif np.shape(a) != np.shape(b):
-                row[what] = {
-                    "status": "not paired",
-                    "why": f"the methods scored different numbers of items ({np.shape(a)[-1]} and {np.shape(b)[-1]})",
-                }
-                notes.append(f"{k} ({what}): {row[what]['why']}; no paired difference.")
+                why = f"the methods scored different numbers of items ({np.shape(a)[-1]} and {np.shape(b)[-1]})"
+                row[what] = {"status": "not paired", "why": why}
+                notes.append(f"{k} ({what}): {why}; no paired difference.")
             else:
                 row[what] = {"status": "ok", **paired_bootstrap_difference(a, b)}
-            row[what]["verdict"] = verdict(row[what] if row[what]["status"] == "ok" else None, hib, method, baseline)
+            row[what]["verdict"] = verdict(row[what], hib, method, baseline)  # no interval: undefined
         out["metrics"][k] = row
     return out
 
 
-# -- the part as a whole ---------------------------------------------------------------------------
-
-
 def _recipe_differences(a: dict | None, b: dict | None) -> list[str]:
-    """The recipe fields two methods' summaries disagree on (the ``finetune_config`` record when both
-    have it, else the ``recipe`` without its seeds; seeds are paired separately)."""
+    """The fields (but seeds) two summaries' ``finetune_config`` (if both have it) or ``recipe`` disagree on."""
     if not a or not b:
         return []
-    ra, rb = (
-        (a.get("finetune_config"), b.get("finetune_config"))
-        if a.get("finetune_config") and b.get("finetune_config")
-        else (a.get("recipe") or {}, b.get("recipe") or {})
-    )
+    key = "finetune_config" if a.get("finetune_config") and b.get("finetune_config") else "recipe"
+    ra, rb = a.get(key) or {}, b.get(key) or {}
     return sorted(k for k in {*ra, *rb} if k != "seeds" and ra.get(k) != rb.get(k))
 
 
@@ -323,8 +278,7 @@ def _task(records: dict[str, FinetuneRecords], notes: list[str]) -> dict:
         return {}
     first = next(iter(tasks.values()))
     for m, t in tasks.items():
-        diff = [k for k in ("name", "train_items", "test_items", "primary") if t.get(k) != first.get(k)]
-        if diff:
+        if diff := [k for k in ("name", "train_items", "test_items", "primary") if t.get(k) != first.get(k)]:
             notes.append(
                 f"{label(m)}'s evaluation describes another task ({', '.join(diff)} differ); the section "
                 f"shows {label(next(iter(tasks)))}'s."
@@ -347,33 +301,33 @@ def _pretrain_task_label(key: str) -> tuple[str, str]:
     return (f"{task}: {text}" if metric else key), ("{:.4f}" if fmt == "int" else fmt)
 
 
+def _task_value(pt: dict, key: str) -> tuple[float | int | None, float | int | None]:
+    return num((pt.get("pretrained") or {}).get(key)), num((pt.get("finetuned") or {}).get(key))
+
+
 def pretrain_task_rows(methods: dict[str, dict]) -> list[dict]:
     """The pretraining tasks before → after fine-tuning: one row per key (``_stderr`` keys attached
-    to their metric; a task's chance level, the same before and after, and word perplexity, which
-    runs to 1e10 once fine-tuning has worn the model down, left out: bits per byte says the same),
-    per method ``pretrained``, ``finetuned``, ``change`` (after − before)."""
+    to their metric; chance levels and word perplexity, which runs to 1e10 once fine-tuning has worn
+    the model down, left out: bits per byte says the same), per method ``pretrained``, ``finetuned``,
+    ``change`` (after − before)."""
     have = {m: f["pretrain_tasks"] for m, f in methods.items() if f.get("pretrain_tasks")}
-    keys: list[str] = []
-    for pt in have.values():
-        for part in ("pretrained", "finetuned"):
-            keys += [
-                k
-                for k, v in (pt.get(part) or {}).items()
-                if k not in keys and not k.endswith(("_stderr", "/chance", "/word_perplexity")) and num(v) is not None
-            ]
+    skip = ("_stderr", "/chance", "/word_perplexity")
+    keys = [
+        k
+        for pt in have.values()
+        for part in ("pretrained", "finetuned")
+        for k, v in (pt.get(part) or {}).items()
+        if not k.endswith(skip) and num(v) is not None
+    ]
     rows = []
-    for k in keys:
+    for k in dict.fromkeys(keys):
         text, fmt = _pretrain_task_label(k)
         row: dict[str, Any] = {"key": k, "label": text, "fmt": fmt}
         for m, pt in have.items():
-            before, after = num((pt.get("pretrained") or {}).get(k)), num((pt.get("finetuned") or {}).get(k))
-            row[m] = {
-                "pretrained": before,
-                "finetuned": after,
-                "change": after - before if before is not None and after is not None else None,
-                "pretrained_stderr": num((pt.get("pretrained") or {}).get(f"{k}_stderr")),
-                "finetuned_stderr": num((pt.get("finetuned") or {}).get(f"{k}_stderr")),
-            }
+            (before, after), (b_se, a_se) = _task_value(pt, k), _task_value(pt, f"{k}_stderr")
+            change = after - before if before is not None and after is not None else None
+            row[m] = {"pretrained": before, "finetuned": after, "change": change}
+            row[m] |= {"pretrained_stderr": b_se, "finetuned_stderr": a_se}
         rows.append(row)
     return rows
 
@@ -411,8 +365,7 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
         if m == BASELINE or base is None or rec.eval is None or base.eval is None:
             continue
         d = difference(rec.eval, base.eval, m, task, keys, notes)
-        differs = _recipe_differences(rec.summary, base.summary)
-        if differs:  # not a comparison of pretrained models any more
+        if differs := _recipe_differences(rec.summary, base.summary):  # no comparison of pretrained models any more
             why = f"the recipes differ ({', '.join(differs[:4])})"
             notes.append(
                 f"{short_label(m)} − {short_label(BASELINE)}: {why}; the fine-tuned difference is shown "
@@ -426,10 +379,8 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
                 }
         differences[m] = d
         if primary is not None:
-            verdicts[m] = {
-                "metric": primary,
-                "finetuned": d["metrics"][primary]["finetuned"]["verdict"],
-                "pretrained": d["metrics"][primary]["pretrained"]["verdict"],
+            verdicts[m] = {"metric": primary} | {
+                w: d["metrics"][primary][w]["verdict"] for w in ("finetuned", "pretrained")
             }
     return {
         "stage": "finetune",
@@ -455,29 +406,24 @@ def post_training_figures(records: dict[str, FinetuneRecords]) -> dict | None:
     }
 
 
-def _point(row: dict, key: str) -> bool:
-    return num(row.get("step")) is not None and num(row.get(key)) is not None
+def _points(rows: list[dict] | None, key: str) -> list[dict]:
+    return [r for r in rows or [] if num(r.get("step")) is not None and num(r.get(key)) is not None]
 
 
 def finetune_loss_figure(records: dict[str, FinetuneRecords], modality: str | None = "text") -> Figure | None:
     """Fine-tuning loss against fine-tuning step, every method on one axes in its own colour:
     the training loss of each seed thin and transparent, the loss on the task's held-out test items
     (``val/loss``, step 0 = the pretrained model) as markers joined by a line. None without a curve."""
-    series = []
-    for m, rec in records.items():
-        train = [r for r in (rec.train or []) if _point(r, "train/loss")]
-        val = [r for r in (rec.curve or []) if _point(r, "val/loss")]
-        if train or val:
-            series.append((m, train, val))
+    series = [(m, _points(r.train, "train/loss"), _points(r.curve, "val/loss")) for m, r in records.items()]
+    series = [x for x in series if x[1] or x[2]]
     if not series:
         return None
     fig = new_figure(7.0, 4.5)
     ax = fig.add_subplot()
     for i, (m, train, val) in enumerate(series):
-        thin = {"lw": 0.8, "alpha": 0.35}
         marked = {"lw": 1.4, "marker": MARKERS[i % len(MARKERS)], "ms": 4}
         for rows, key, what, style in (
-            (train, "train/loss", "training", thin),
+            (train, "train/loss", "training", {"lw": 0.8, "alpha": 0.35}),
             (val, "val/loss", "held-out test", marked),
         ):
             for j, s in enumerate(dict.fromkeys(r.get("seed") for r in rows)):

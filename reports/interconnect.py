@@ -133,16 +133,14 @@ def time_to_loss(curve: list[dict], target: float) -> float | None:
 
 
 def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloco: dict | None) -> dict | None:
-    """Both methods' figures under the run's ``network`` section (``config``: its typed config.json,
-    ``reports.common.settings``): per method
-    ``compute_s`` (measured, per step), ``comm_s`` (DP: the all-reduce; DiLoCo: a fragment's round
-    trip), ``extra_s`` (what the links add to each step), ``step_s``, ``keep_up_gbps``,
+    """Both methods' figures under the run's ``network`` section (``config``: the typed config): per
+    method ``compute_s`` (measured, per step), ``comm_s`` (DP: the all-reduce; DiLoCo: a fragment's
+    round trip), ``extra_s`` (what the links add to each step), ``step_s``, ``keep_up_gbps``,
     ``measured_wall_s``, ``modelled_wall_s`` and ``curve`` (the held-out curve with ``modelled_s``),
     plus ``time_to_dp_final_s`` (modelled seconds to DP's final held-out loss; None: not reached) and
     the ``assumption`` line. ``dp`` / ``diloco``: ``{"summary", "curve"}`` of the method, or None.
-    Returns None without a method to model or a ``network`` section (a config.json from before the
-    section existed does not set it); a method without steps or wall time is left out (nothing is
-    raised)."""
+    None without a ``network`` section or a method to model; a method without steps, wall time or
+    tokens is left out."""
     if config is None or "network" not in config.model_fields_set:
         return None
     net = config.network
@@ -150,15 +148,13 @@ def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloc
     # emulated datacenters (network.emulate): the run trained across the links, its times are measured
     link = None if same_host or net.emulate else Link(net.bandwidth_gbps, net.latency_ms, net.label)
     overlap = net.dp_overlap
-    out: dict = {
-        "same_host": same_host,
-        "kind": "measured" if net.emulate else "modelled",
-        "methods": {},
-        "short": f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links" if link else "this host",
-        "assumption": assumption(link, overlap)
-        if link
-        else "modelled: every worker on this host (no network); the measured figures",
-    }
+    out: dict = {"same_host": same_host, "kind": "measured" if net.emulate else "modelled", "methods": {}}
+    if link:
+        out["short"] = f"{link.bandwidth_gbps:g} Gbit/s, {link.latency_ms:g} ms links"
+        out["assumption"] = assumption(link, overlap)
+    else:
+        out["short"] = "this host"
+        out["assumption"] = "modelled: every worker on this host (no network); the measured figures"
     if net.emulate:
         rate = "unshaped links" if net.bandwidth_gbps is None else f"{net.bandwidth_gbps:g} Gbit/s links"
         out["short"] = f"emulated datacenters, {rate}, latency not emulated"
@@ -172,36 +168,26 @@ def interconnect_figures(config: ExperimentConfig | None, dp: dict | None, diloc
         if not steps or not wall or not tokens:
             continue
         curve = (rec or {}).get("curve") or []
+        sent, received = num(s.get("bytes_to_syncer")) or 0.0, num(s.get("bytes_from_syncer")) or 0.0
         if method == "dp":
             workers = config.dp.workers
-            train_s = wall - sum(num(r.get("eval_s")) or 0.0 for r in curve)  # DP pauses to evaluate
-            compute = train_s / steps
-            sent = num(s.get("bytes_to_syncer")) or 0.0  # DP: every worker's ring sends, 2(W−1)·G a step in all
-            grad = sent / (2 * (workers - 1) * steps) if workers > 1 else 0.0
-            fig = (
-                dp_step_s(compute, grad, workers, link, overlap)
-                if link
-                else {"compute_s": compute, "comm_s": 0.0, "step_s": compute, "keep_up_gbps": None}
-            )
-            per_step_tokens, system_steps = tokens / steps, steps
+            compute = (wall - sum(num(r.get("eval_s")) or 0.0 for r in curve)) / steps  # DP pauses to evaluate
+            grad = sent / (2 * (workers - 1) * steps) if workers > 1 else 0.0  # sent: 2(W−1)·G a step in all
+            fig = dp_step_s(compute, grad, workers, link, overlap) if link else None
+            system_steps = steps
         else:
             d = config.diloco
-            learners = d.learners
-            per_learner = steps / learners  # the summary's steps: all learners' steps together
-            compute = (wall - (num(s.get("startup_s")) or 0.0)) / per_learner
+            system_steps = steps / d.learners  # the summary's steps: all learners' steps together, side by side
+            compute = (wall - (num(s.get("startup_s")) or 0.0)) / system_steps
             fig = (
-                diloco_step_s(
-                    compute,
-                    (num(s.get("bytes_to_syncer")) or 0.0) / steps,
-                    (num(s.get("bytes_from_syncer")) or 0.0) / steps,
-                    d.fragments,
-                    d.sync_every,
-                    link,
-                )
+                diloco_step_s(compute, sent / steps, received / steps, d.fragments, d.sync_every, link)
                 if link
-                else {"compute_s": compute, "comm_s": 0.0, "transfer_s": 0.0, "step_s": compute, "keep_up_gbps": None}
+                else None
             )
-            per_step_tokens, system_steps = tokens / per_learner, per_learner  # M learners step side by side
+        if fig is None:  # same host: the measured figures
+            fig = {"compute_s": compute, "comm_s": 0.0} | ({"transfer_s": 0.0} if method == "diloco" else {})
+            fig |= {"step_s": compute, "keep_up_gbps": None}
+        per_step_tokens = tokens / system_steps
         extra = fig["step_s"] - fig["compute_s"]
         out["methods"][method] = {
             **fig,

@@ -1,10 +1,6 @@
-"""Rendering of the run report: ``report.md`` from the dict that :func:`reports.build_report` returns,
-through the jinja2 templates in ``reports/templates/`` (``report.md.j2`` and the sections it includes).
-
-:func:`render_markdown` computes no figure of its own: every number it prints is read from that
-dict, so ``report.md`` and ``report.json`` cannot disagree. The prose lives in the templates; this
-module holds the environment and the few cell helpers the templates and other modules share.
-Layout: docs/report.md.
+"""``report.md`` from the dict :func:`reports.build_report` returns, through the jinja2 templates in
+``reports/templates/``: every number printed is read from that dict, so ``report.md`` and ``report.json``
+cannot disagree. This module holds the environment and the cell helpers the templates share (docs/report.md).
 """
 
 from __future__ import annotations
@@ -65,8 +61,8 @@ def _pct(x: float | None) -> str:
 
 
 def headlines(report: dict) -> list[str]:
-    """The bold lines right under the title: the pipeline's state, then each method that trained short
-    of its budget (unless the pipeline's reason already says so), then each method's lost work."""
+    """The bold lines under the title: the pipeline's state, each method short of its budget (unless the
+    pipeline's reason says so), each method's lost work."""
     pipeline = report.get("pipeline") or {}
     methods = [f for s in report["stages"].values() for f in s["methods"].values()]
     short = [
@@ -79,8 +75,7 @@ def headlines(report: dict) -> list[str]:
 
 
 def side_by_side(st: dict, group: str, first: list[str], extra: str | None = None) -> tuple[list[str], list[list[str]]]:
-    """A stage's comparison rows of ``group`` as (headers, rows): label, the ``extra`` key's
-    column if given, then one cell per method."""
+    """A stage's comparison rows of ``group`` as (headers, rows): label, [``extra``,] one cell per method."""
     methods = list(st["methods"])
     rows = [
         [row_label(r)] + ([r[extra]] if extra else []) + [row_cell(r, m) for m in methods]
@@ -91,8 +86,7 @@ def side_by_side(st: dict, group: str, first: list[str], extra: str | None = Non
 
 
 def trained_with(report: dict, key: str) -> str:
-    """What the methods trained on or in (``backend``, ``precision``) from their summaries: the one
-    value, or each method's; "" when no summary records it."""
+    """A hyperparameter (``backend``, ``precision``) of the methods: the one value, each method's, or ""."""
     seen = {
         m: f["hyperparameters"][key]
         for s in report["stages"].values()
@@ -112,47 +106,6 @@ def _pct_ci(d: dict | None, key: str = "goodput") -> str:
     return f"{100 * d[key]:.1f} %" + (f" ± {100 * ci:.1f}" if ci is not None and ci == ci else "")
 
 
-def _diff_cell(d: dict, fmt: str = "{:+.4f}") -> str:
-    if d.get("status") != "ok":
-        return f"{d.get('status')} ({d.get('why')})"
-    return with_ci(d["difference"], d.get("ci"), fmt) + ("" if d.get("ci") else " [interval undefined]")
-
-
-RECIPE_LABELS = {  # the recipe's known fields, in this order, then any other by its name
-    "task": "task",
-    "mode": "mode",
-    "lora_rank": "LoRA rank",
-    "lora_alpha": "LoRA α (scale α/r)",
-    "lora_targets": "LoRA targets",
-    "steps": "steps per run",
-    "batch_size": "batch size (examples per step)",
-    "optimizer": "optimizer",
-    "lr": "learning rate",
-    "warmup_steps": "warmup steps",
-    "weight_decay": "weight decay",
-    "seeds": "seeds",
-    "packing": "packing",
-    "row_len": "row length (tokens)",
-}
-
-
-def recipe_rows(ft: dict) -> list[list[str]]:
-    """The post-training recipe table: one row per recipe field some method recorded (lists joined
-    by ", "), then the parameter counts and the checkpoint each method was fine-tuned from."""
-    methods = ft["methods"].values()
-    keys = list(dict.fromkeys([*RECIPE_LABELS, *(k for f in methods for k in f["recipe"])]))
-    text = lambda v: (", ".join(map(str, v)) or "—") if isinstance(v, list) else format_value(v)  # noqa: E731
-    rows = [
-        [RECIPE_LABELS.get(k, k)] + [text(f["recipe"].get(k)) if f["status"] == "ok" else NOT_RUN for f in methods]
-        for k in keys
-        if any(f["recipe"].get(k) is not None for f in methods)
-    ]
-    rows.append(["trainable parameters"] + [format_value(f["trainable_params"], "int") for f in methods])
-    rows.append(["frozen parameters"] + [format_value(f["frozen_params"], "int") for f in methods])
-    checkpoints = [f"`{f['source_checkpoint']}`" if f["source_checkpoint"] else "—" for f in methods]
-    return rows + [["fine-tuned from", *checkpoints]]
-
-
 def _ledger_cell(column: str, row: dict) -> str:
     v = row[column]
     if isinstance(v, dict):  # drop reasons
@@ -160,22 +113,12 @@ def _ledger_cell(column: str, row: dict) -> str:
     return format_value(v, "int")
 
 
-def _before_after(method: str, row: dict) -> str:
-    x = row.get(method)
-    if not x:
-        return NOT_RUN
-    fmt = row["fmt"]
-    change = f" ({x['change']:+.4g})" if x["change"] is not None else ""
-    return f"{format_value(x['pretrained'], fmt)} → {format_value(x['finetuned'], fmt)}{change}"
-
-
 def _join_kv(kv: tuple, prefix: str = "", fmt: str = "") -> str:
     return f"{prefix}{kv[0]}: {format_value(kv[1], fmt) if fmt else kv[1]}"
 
 
 class _Continued(jinja2.FileSystemLoader):
-    """Template source with each line that ends in a backslash joined to the next one (the next
-    line's indentation dropped): a paragraph is written over several lines and comes out as one."""
+    """Template source with a line that ends in a backslash joined to the next (its indentation dropped)."""
 
     def get_source(self, environment, template):
         source, path, uptodate = super().get_source(environment, template)
@@ -184,8 +127,7 @@ class _Continued(jinja2.FileSystemLoader):
 
 @cache
 def environment() -> jinja2.Environment:
-    """The report's jinja2 environment: ``reports/templates``, blocks on lines of their own
-    (``trim_blocks``/``lstrip_blocks``), the ``do`` extension, and the helpers as globals/filters."""
+    """The report's jinja2 environment: ``reports/templates``, block lines trimmed, ``do``, the helpers."""
     env = jinja2.Environment(
         loader=_Continued(Path(__file__).with_name("templates")),
         trim_blocks=True,
@@ -200,22 +142,18 @@ def environment() -> jinja2.Environment:
         NOT_RUN=NOT_RUN,
         PAPER=PAPER,
         PIPELINE_STATES={
-            # the run's own last stage writes this report: once it is written the run has completed
-            # (status.json records "completed" right after)
-            "completing": COMPLETING_TEXT,
+            "completing": COMPLETING_TEXT,  # the run's last stage writes this report; "completed" follows
             "running": "running, or stopped without recording an end (a killed process): status.json says running",
         },
         COMPLETING_TEXT=COMPLETING_TEXT,
         STALE_DEFINITION=STALE_DEFINITION,
         bytes_or_missing=bytes_or_missing,
-        diff_cell=_diff_cell,
         fv=format_value,
         headlines=headlines,
         label=label,
         pct=_pct,
         pct_ci=_pct_ci,
         per_unit=per_unit,
-        recipe_rows=recipe_rows,
         s=lambda x: format_value(x, "{:.2f}"),
         with_ci=with_ci,
         short=short_label,
@@ -225,7 +163,6 @@ def environment() -> jinja2.Environment:
         verdict_table=verdict_table,
     )
     env.filters.update(
-        before_after=_before_after,
         f=lambda x, fmt: fmt.format(x),
         completed=lambda mr: f"{short_label(mr[0])} {mr[1]['completed']}",
         join_kv=_join_kv,
@@ -246,8 +183,7 @@ def environment() -> jinja2.Environment:
 
 
 def render(template: str, **context: Any) -> str:
-    """One template of ``reports/templates`` rendered with ``context`` (a section on its own, e.g.
-    ``render("ledger.md.j2", f=figures, who="DiLoCo", unit="tokens")``)."""
+    """One template of ``reports/templates`` rendered with ``context``."""
     return environment().get_template(template).render(**context)
 
 

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 from run.directory import NotARunDirectory, readable_run
 from run.layout import METHOD_ORDER, STAGES, RunLayout
 
+POST_TRAINING_STAGE = "finetune"
+
 
 class ReportInputError(ValueError):
     """The input cannot be used: the path is not a run directory, or a run-directory file exists
@@ -37,10 +39,9 @@ class ReportInputError(ValueError):
 
 @dataclass
 class MethodRecords:
-    """What one method of one stage left in the run directory (``None``: the file does not exist):
-    the files :func:`read_method` reads (``events``: metrics/learners.jsonl; ``chaos_events``: a
-    synchronous job's metrics/events.jsonl), ``files`` (each source's path relative to the run
-    directory) and ``notes`` (what reading left out: :func:`read_jsonl`)."""
+    """What one method of one stage left (``None``: no such file): ``events`` is metrics/learners.jsonl,
+    ``chaos_events`` a synchronous job's metrics/events.jsonl; ``files``: each source's path relative
+    to the run directory; ``notes``: what reading left out (:func:`read_jsonl`)."""
 
     stage: str
     method: str
@@ -57,9 +58,7 @@ class MethodRecords:
 
 @dataclass
 class FinetuneRecords:
-    """What one method's post-training left in the run directory (``None``: the file does not exist):
-    the files :func:`read_finetune_method` reads (docs/report.md, "Post-training") and ``files``
-    (each source's path relative to the run directory)."""
+    """What one method's post-training left (``None``: no such file; docs/report.md, "Post-training")."""
 
     method: str
     summary: dict | None = None
@@ -71,12 +70,10 @@ class FinetuneRecords:
 
 @dataclass
 class RunRecords:
-    """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`,
-    stages in pipeline order and methods in report order; ``finetune`` maps method →
-    :class:`FinetuneRecords` when the run holds a post-training stage (else empty);
-    ``chaos_schedule`` is ``pretrain/chaos.json`` read as a ``configs.chaos.ChaosSchedule``, or None.
-    ``config`` is config.json as written; ``settings`` the same as the typed config (None without one
-    or for a file this schema refuses: ``reports.common.settings``), which the figures read."""
+    """The whole run directory as read: ``stages`` maps stage → method → :class:`MethodRecords`
+    (pipeline order, report order); ``finetune`` method → :class:`FinetuneRecords` for a post-training
+    stage (else empty); ``chaos_schedule`` is ``pretrain/chaos.json`` or None; ``config`` config.json
+    as written and ``settings`` the typed config (``reports.common.settings``)."""
 
     layout: RunLayout
     config: dict | None
@@ -91,24 +88,29 @@ class RunRecords:
         return settings(self.config)
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ReportInputError(path, f"not UTF-8 text ({e})") from e
+
+
 def read_json(path: Path, kind: type = dict) -> Any | None:
     """The parsed file, or ``None`` if it does not exist. Corrupt or wrong-typed → ReportInputError."""
     if not path.is_file():
         return None
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        value = json.loads(_text(path))
     except json.JSONDecodeError as e:
         raise ReportInputError(path, f"corrupt JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
-    except UnicodeDecodeError as e:
-        raise ReportInputError(path, f"not UTF-8 text ({e})") from e
     if not isinstance(value, kind):
         raise ReportInputError(path, f"expected a JSON {kind.__name__}, found {type(value).__name__}")
     return value
 
 
 def read_schedule(path: Path) -> ChaosSchedule | None:
-    """``pretrain/chaos.json`` as the typed schedule (an earlier run's form reads as the same events),
-    or ``None`` if it does not exist. Not a schedule → ReportInputError."""
+    """``pretrain/chaos.json`` as the typed schedule, or ``None`` if it does not exist. Not a
+    schedule → ReportInputError."""
     raw = read_json(path)
     try:
         return None if raw is None else ChaosSchedule.model_validate(raw)
@@ -124,10 +126,7 @@ def read_jsonl(path: Path, notes: list[str] | None = None, name: str | None = No
     if not path.is_file():
         return None
     rows = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ReportInputError(path, f"not UTF-8 text ({e})") from e
+    text = _text(path)
     lines = text.splitlines()
     for lineno, line in enumerate(lines, start=1):
         if not line.strip():
@@ -163,8 +162,7 @@ def open_run(run_dir: str | Path) -> RunLayout:
     """The layout of ``run_dir`` (a local path or fsspec URL) once it is known to be a run directory.
 
     Raises :class:`ReportInputError` naming the path when it does not exist, is not a directory, or
-    holds neither ``config.json`` nor a stage with a method (nothing is written then;
-    ``run.directory.readable_run``).
+    holds neither ``config.json`` nor a stage with a method (``run.directory.readable_run``).
     """
     try:
         return readable_run(run_dir)
@@ -172,103 +170,70 @@ def open_run(run_dir: str | Path) -> RunLayout:
         raise ReportInputError(e.path, e.problem) from None
 
 
+def _paths(layout: RunLayout, stage: str, method: str, metrics: tuple[str, ...]) -> dict[str, Path]:
+    """summary, eval and the ``metrics`` files (``curve``: metrics/eval.jsonl) of one method."""
+    paths = {"summary": layout.summary(stage, method), "eval": layout.eval_result(stage, method)}
+    return paths | {k: layout.metrics(stage, method, "eval" if k == "curve" else k) for k in metrics}
+
+
 def read_method(layout: RunLayout, stage: str, method: str) -> MethodRecords:
     """Every file the report reads of ``stage``/``method`` (absent files: ``None``)."""
-    paths = {
-        "summary": layout.summary(stage, method),
-        "eval": layout.eval_result(stage, method),
-        "curve": layout.metrics(stage, method, "eval"),
-        "merges": layout.metrics(stage, method, "merges"),
-        "learners": layout.metrics(stage, method, "learners"),
-        "train": layout.metrics(stage, method, "train"),
-        "events": layout.metrics(stage, method, "events"),
-    }
-    notes: list[str] = []
-
-    def lines(key: str) -> list[dict] | None:
-        return read_jsonl(paths[key], notes, relative(layout, paths[key]))
-
+    paths, notes = _paths(layout, stage, method, ("curve", "merges", "learners", "train", "events")), []
+    rows = {k: read_jsonl(p, notes, relative(layout, p)) for k, p in paths.items() if k not in ("summary", "eval")}
     return MethodRecords(
         stage,
         method,
         summary=read_json(paths["summary"]),
         eval=read_json(paths["eval"]),
-        curve=lines("curve"),
-        merges=lines("merges"),
-        events=lines("learners"),
-        train=lines("train"),
-        chaos_events=lines("events"),
+        curve=rows["curve"],
+        merges=rows["merges"],
+        events=rows["learners"],
+        train=rows["train"],
+        chaos_events=rows["events"],
         files={k: relative(layout, p) for k, p in paths.items()},
         notes=notes,
     )
 
 
-POST_TRAINING_STAGE = "finetune"
-
-
 def is_post_training(summary: dict | None, result: dict | None) -> bool:
     """Whether a method's records are the fine-tuning recipe's (a summary with ``recipe`` or
-    ``runs``, or an evaluation with ``finetuned`` or ``pretrained`` scores of a ``task``) rather
-    than a pretraining-style stage's."""
+    ``runs``, or an evaluation with ``finetuned`` scores or a ``task``)."""
     return (isinstance(summary, dict) and ("recipe" in summary or "runs" in summary)) or (
         isinstance(result, dict) and ("finetuned" in result or isinstance(result.get("task"), dict))
     )
 
 
-def read_finetune_method(layout: RunLayout, method: str) -> FinetuneRecords:
-    """Every file the post-training part reads of ``finetune``/``method`` (absent files: ``None``)."""
-    stage = POST_TRAINING_STAGE
-    paths = {
-        "summary": layout.summary(stage, method),
-        "eval": layout.eval_result(stage, method),
-        "train": layout.metrics(stage, method, "train"),
-        "curve": layout.metrics(stage, method, "eval"),
-    }
-    return FinetuneRecords(
-        method,
-        summary=read_json(paths["summary"]),
-        eval=read_json(paths["eval"]),
-        train=read_jsonl(paths["train"]),
-        curve=read_jsonl(paths["curve"]),
-        files={k: relative(layout, p) for k, p in paths.items()},
-    )
-
-
 def read_post_training(layout: RunLayout) -> dict[str, FinetuneRecords]:
-    """method → :class:`FinetuneRecords` for every method of the ``finetune`` stage
-    (``RunLayout.methods``, in report order) when any of them holds post-training records
-    (:func:`is_post_training`); empty otherwise (no stage, or a pretraining-style one)."""
-    methods = layout.methods(POST_TRAINING_STAGE)
-    if not methods:
-        return {}
-    records = {m: read_finetune_method(layout, m) for m in methods}
-    if not any(is_post_training(r.summary, r.eval) for r in records.values()):
-        return {}
-    return records
-
-
-def _has_work(layout: RunLayout, stage: str, method: str) -> bool:
-    """Whether ``stage``/``method`` holds training output: a metrics file or a checkpoint folder."""
-    metrics = layout.metrics(stage, method, "eval").parent
-    return layout.checkpoints(stage, method).exists() or (metrics.is_dir() and any(metrics.glob("*.jsonl")))
+    """method → :class:`FinetuneRecords` for every method of the ``finetune`` stage when any of them
+    holds post-training records (:func:`is_post_training`); empty otherwise."""
+    records = {}
+    for m in layout.methods(POST_TRAINING_STAGE):
+        paths = _paths(layout, POST_TRAINING_STAGE, m, ("train", "curve"))
+        records[m] = FinetuneRecords(
+            m,
+            summary=read_json(paths["summary"]),
+            eval=read_json(paths["eval"]),
+            train=read_jsonl(paths["train"]),
+            curve=read_jsonl(paths["curve"]),
+            files={k: relative(layout, p) for k, p in paths.items()},
+        )
+    return records if any(is_post_training(r.summary, r.eval) for r in records.values()) else {}
 
 
 def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, str]]:
     """Results that the run's record says exist but are gone: ``[(file relative to the run
-    directory, why it should be there)]``, empty when nothing is missing. A method's ``summary.json``
-    is missing when ``status.json`` lists its stage as completed (``<stage>-<method>``, or
-    ``finetune`` for a fine-tuned method with metrics or checkpoints), or
-    when the run completed and the method holds metrics or checkpoints; an evaluation result
+    directory, why it should be there)]``. A method's ``summary.json`` is missing when ``status.json``
+    lists ``<stage>-<method>`` as completed, or when the run completed (or, for ``finetune``, its
+    stage did) and the method holds metrics or checkpoints; an evaluation result
     (``eval/pretrain/<method>.json``) when ``eval-<method>`` is listed. A method of an interrupted or
-    failed stage is not listed, so its results read "not run" as before."""
+    failed stage is not listed (its results read "not run")."""
     status = status if isinstance(status, dict) else {}
-    done = [str(s) for s in status.get("completed_stages") or [] if isinstance(s, str)]
+    done = [s for s in status.get("completed_stages") or [] if isinstance(s, str)]
     completed = status.get("status") == "completed"
     out: list[tuple[str, str]] = []
     for stage in STAGES:
         names = {s[len(stage) + 1 :] for s in done if s.startswith(stage + "-")}
-        base = layout.root / stage
-        if base.is_dir():
+        if (base := layout.root / stage).is_dir():
             names |= {d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")}
         for method in sorted(names):
             try:
@@ -277,24 +242,21 @@ def missing_results(layout: RunLayout, status: dict | None) -> list[tuple[str, s
                 continue
             if summary.exists():
                 continue
+            metrics = layout.metrics(stage, method, "eval").parent
+            has_work = layout.checkpoints(stage, method).exists() or (metrics.is_dir() and any(metrics.glob("*.jsonl")))
             if f"{stage}-{method}" in done:
-                why = f"status.json lists {stage}-{method} as completed"
-            elif _has_work(layout, stage, method) and (completed or (stage == POST_TRAINING_STAGE and stage in done)):
-                why = (
-                    f"the run {'completed' if completed else 'completed its ' + stage + ' stage'} and "
-                    f"{stage}/{method}/ holds its metrics or checkpoints"
-                )
-            else:
-                continue
-            out.append((relative(layout, summary), why))
+                out.append((relative(layout, summary), f"status.json lists {stage}-{method} as completed"))
+            elif has_work and (completed or (stage == POST_TRAINING_STAGE and stage in done)):
+                what = "completed" if completed else f"completed its {stage} stage"
+                why = f"the run {what} and {stage}/{method}/ holds its metrics or checkpoints"
+                out.append((relative(layout, summary), why))
     for s in done:
-        if s.startswith("eval-"):
-            try:
-                result = layout.eval_result("pretrain", s[len("eval-") :])
-            except ValueError:
-                continue
-            if not result.exists():
-                out.append((relative(layout, result), f"status.json lists {s} as completed"))
+        try:
+            result = layout.eval_result("pretrain", s[len("eval-") :]) if s.startswith("eval-") else None
+        except ValueError:
+            continue
+        if result is not None and not result.exists():
+            out.append((relative(layout, result), f"status.json lists {s} as completed"))
     return out
 
 

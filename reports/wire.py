@@ -21,9 +21,8 @@ NO_SYNCER = "n/a (no syncer)"
 
 @dataclass(frozen=True)
 class ByteSettings:
-    """What a learners-and-syncer method's byte figures read of the run's config: the ``diloco``
-    section (M, P, the wire format) and DP's ring, to compare with: ``dp.workers`` (W) and the
-    budget units of one DP step (``tokens_per_dp_step``: DP's batch × ``data.seq_len``; images: × 1)."""
+    """What the byte figures read of the config: ``diloco`` (M, P, the wire format), DP's ``dp.workers``
+    (W) and budget units per DP step (``tokens_per_dp_step``: DP's batch × ``data.seq_len``; images: × 1)."""
 
     diloco: DiLoCoConfig
     dp_workers: int
@@ -31,7 +30,6 @@ class ByteSettings:
 
     @classmethod
     def of(cls, config: ExperimentConfig | None) -> ByteSettings | None:
-        """``config``'s settings; None without a config."""
         return None if config is None else cls(config.diloco, config.dp.workers, config.tokens_per_dp_step)
 
 
@@ -44,9 +42,7 @@ def _div(x: float | int | None, n: int | None) -> float | int | None:
 
 def _count(value: int | None, summary: dict | None, hp_key: str) -> int | None:
     """A count from the run's config (``value``), else the summary's hyperparameter ``hp_key``."""
-    v = num(value)
-    if v is None:
-        v = num(nested(summary, ("hyperparameters", hp_key)))
+    v = num(value) if num(value) is not None else num(nested(summary, ("hyperparameters", hp_key)))
     return int(v) if v else None
 
 
@@ -59,15 +55,12 @@ def fragments(diloco: DiLoCoConfig | None, summary: dict | None) -> int | None:
 
 
 def wire_format(diloco: DiLoCoConfig | None, summary: dict | None) -> str | None:
-    """The learners' wire format (``diloco.wire``, e.g. ``int4`` or ``int4:64``): from the run's
-    config's ``diloco`` section, else the summary's hyperparameter; ``float32`` for a config from
-    before wire formats (its ``diloco`` section does not set ``wire``)."""
+    """The learners' wire format (``diloco.wire``, e.g. ``int4:64``): the config's if it sets one, else
+    the summary's hyperparameter, else ``float32`` with a config (None without)."""
     if diloco is not None and "wire" in diloco.model_fields_set:
         return diloco.wire.spec
     hp = nested(summary, ("hyperparameters", "wire format (learner→syncer)"))
-    if hp is not None:
-        return str(hp)
-    return "float32" if diloco is not None else None
+    return str(hp) if hp is not None else ("float32" if diloco is not None else None)
 
 
 def dp_allreduce_per_token(settings: ByteSettings | None, summary: dict | None) -> dict | None:
@@ -75,14 +68,12 @@ def dp_allreduce_per_token(settings: ByteSettings | None, summary: dict | None) 
     bytes a step (W = ``dp.workers``; G = 4 × the summary's ``params``, else the sum of its
     ``fragment_bytes``) over DP's batch × ``units_per_row`` (``data.seq_len`` tokens; images: 1).
     Returns ``{"sent_per_token", "workers", "gradient_bytes", "tokens_per_step"}``, or None."""
-    params = num(nested(summary, ("params",)))
-    frag = summary.get("fragment_bytes") if summary else None
+    params, frag = num((summary or {}).get("params")), (summary or {}).get("fragment_bytes")
     G = 4 * int(params) if params else (sum(frag) if isinstance(frag, list) and frag else None)
     if not (G and settings is not None):
         return None
-    W = settings.dp_workers
+    W, tokens = settings.dp_workers, settings.tokens_per_dp_step
     per_step = 2 * (W - 1) * G
-    tokens = settings.tokens_per_dp_step
     return {"sent_per_token": per_step / tokens, "workers": W, "gradient_bytes": int(G), "tokens_per_step": tokens}
 
 
@@ -102,8 +93,7 @@ def syncer_bytes(
     a syncer method (``kind`` "syncer", not "plain") also ``wire``, ``dp_allreduce``
     (:func:`dp_allreduce_per_token`) and ``sent_vs_dp`` (DP's sent per token ÷ this method's)."""
     M = _count(settings.diloco.learners if settings else None, summary, "learners (M)")
-    sent = num(summary.get("bytes_to_syncer")) if summary else None
-    received = num(summary.get("bytes_from_syncer")) if summary else None
+    sent, received = num((summary or {}).get("bytes_to_syncer")), num((summary or {}).get("bytes_from_syncer"))
     fig: dict[str, Any] = {
         "status": "ok" if summary is not None else NOT_RUN,
         "kind": kind,
@@ -144,12 +134,11 @@ def allreduce_bytes(learners: int | None, summary: dict | None, notes: list[str]
     = ÷ W (hyperparameter ``simulated workers``, or ``hosts`` for a job of several hosts, else
     ``learners``: the config's ``diloco.learners``, None without a config)."""
     hp = ("hyperparameters",)
-    W = num(nested(summary, (*hp, "simulated workers"))) or num(nested(summary, (*hp, "hosts")))
-    W = W or learners
+    W = num(nested(summary, (*hp, "simulated workers"))) or num(nested(summary, (*hp, "hosts"))) or learners
     W = int(W) if W else None
-    sent = num(summary.get("bytes_to_syncer")) if summary else None
-    received = num(summary.get("bytes_from_syncer")) if summary else None
-    allreduce = num(summary.get("allreduce_bytes")) if summary else None
+    sent, received, allreduce = (
+        num((summary or {}).get(k)) for k in ("bytes_to_syncer", "bytes_from_syncer", "allreduce_bytes")
+    )
     if sent is None and received is None and allreduce is not None:
         sent = received = _div(allreduce, 2)
     total = sent + received if sent is not None and received is not None else allreduce
@@ -174,7 +163,7 @@ def allreduce_bytes(learners: int | None, summary: dict | None, notes: list[str]
 
 def _per_token(sent: float | int | None, summary: dict | None) -> float | None:
     """sent ÷ the summary's training ``tokens`` (budget units); None when either is missing."""
-    tokens = num(summary.get("tokens")) if summary else None
+    tokens = num((summary or {}).get("tokens"))
     return sent / tokens if sent is not None and tokens else None
 
 
@@ -223,9 +212,8 @@ BYTE_ROWS = (  # key, label, counted by, syncer figure, all-reduce figure (None:
 
 
 def byte_cell(fig: dict, syncer_key: str, allreduce_key: str | None) -> Any:
-    """One cell of a bytes row: the method's figure (``syncer_key`` or, for an all-reduce method,
-    ``allreduce_key``), "not run", "n/a (no syncer)", or "not recorded (in n of N merge records)"
-    for a merge-log total some records lack."""
+    """One cell of a bytes row: the method's figure (``syncer_key``; all-reduce: ``allreduce_key``), "not run",
+    "n/a (no syncer)", or "not recorded (in n of N merge records)" for a merge-log total some records lack."""
     if fig["kind"] == "allreduce" and allreduce_key is None:
         return NO_SYNCER
     if fig["status"] != "ok":
