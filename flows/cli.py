@@ -78,15 +78,15 @@ def _load(kind: str, source: str | None, **given):
     return _refused(load_spec, kind, source, **given)
 
 
-def _preflight(name: str, *args, where: str = "", **kwargs):
-    """``flows.preflight.<name>(*args)``, refused in one line. Prefect's logging is set up first: Orbax's
+def _preflight(check: str, *args, where: str = "", **kwargs):
+    """``flows.preflight.<check>(*args, **kwargs)``, refused in one line. Prefect's logging is set up first: Orbax's
     import gives absl's bare handler to the root logger, after which Prefect's format would be lost."""
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
     from flows import preflight
 
-    return _refused(getattr(preflight, name), *args, where=where, **kwargs)
+    return _refused(getattr(preflight, check), *args, where=where, **kwargs)
 
 
 def _checked(config: str, sets: list[str], run_dir: str | None = None):
