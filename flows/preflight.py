@@ -30,20 +30,7 @@ from configs.tune import METHODS, TuneSpec
 from run.directory import check_run_dir, default_run_dir, is_run, read_status
 from run.layout import METHOD_ORDER, SWEEP_RECORD, RunLayout, StudyLayout, SweepLayout
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 DIGITS_IMAGES = 1797  # scikit-learn's load_digits
-
-
-def check_local_paths(data) -> None:
-    """``data.paths`` of a local corpus exist as files with a supported suffix (none is read)."""
-    for path in data.paths if data.source == "local" else ():
-        p = Path(path).expanduser()
-        if p.is_dir():
-            raise ValueError(f"data.paths: {path} is a folder; list the files in it")
-        if not p.is_file():
-            raise FileNotFoundError(f"data.paths: file not found: {path}")
-        if not p.name.lower().endswith(LOCAL_SUFFIXES):
-            raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
 
 
 def check_reusable_data(path: Path, data, learners: int) -> None:
@@ -170,10 +157,9 @@ def check_image_source(cfg: ExperimentConfig) -> None:
 
 
 def check_finetune_inputs(ft, task: str, seed: int) -> None:
-    """The inputs of fine-tuning task ``task`` (``cfg.finetune_task``) of recipe ``ft``: the user's JSONL
-    pairs are read and checked (fields, empty files, enough pairs; one file split with ``seed``, the
-    data seed), a hub dataset is reachable. Raises ``ValueError`` / ``FileNotFoundError`` /
-    ``ConnectionError`` in one line."""
+    """The inputs of fine-tuning task ``task`` (``cfg.finetune_task``) of recipe ``ft``: JSONL pairs are
+    read and counted (one file split with ``seed``, the data seed), a hub dataset is reachable. Raises
+    ``ValueError`` / ``FileNotFoundError`` / ``ConnectionError``."""
     if task == "jsonl":
         from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pair_files, split_items
 
@@ -384,9 +370,9 @@ def check_devices(cfg: ExperimentConfig) -> None:
 
 
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
-    """Every check of a config that needs no run directory, cheapest first: local paths, runtime,
-    installed extras, model, devices, fine-tuning inputs, then the corpus unless ``check_data`` is False."""
-    check_local_paths(cfg.data)
+    """Every check of a config that needs no run directory, cheapest first: runtime, installed extras,
+    model, devices, fine-tuning inputs, then the corpus (local files, a hub's reachability,
+    ``data.sources.check_corpus``; images: :func:`check_image_source`) unless ``check_data`` is False."""
     check_runtime(cfg.runtime)
     check_installed(cfg)
     shape = _input_shape(cfg.data)
@@ -752,16 +738,10 @@ def finetune_preflight(
     overrides: dict[str, Any] | None = None,
     replace: bool = False,
 ) -> FinetunePlan:
-    """Check everything a fine-tuning run needs, write nothing; return the plan.
-
-    ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
-    the pretrained methods to fine-tune (default every one with a checkpoint). ``checkpoint``: instead,
-    one Orbax checkpoint folder of ours, fine-tuned as method ``name``. ``overrides``: dotted
-    ``finetune.*`` keys, applied to the run's ``config.json``. ``replace``: delete earlier fine-tuning
-    results of these methods (after every check passed). Every other method's results must come from
-    the same recipe (``training.finetune.finetune_record``): a run directory compares its methods under
-    one. Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` naming the argument and the fix.
-    """
+    """Check everything a fine-tuning run needs (arguments as :func:`flows.finetune.finetune`), write
+    nothing; return the plan. Every other method's results must come from the same recipe
+    (``training.finetune.finetune_record``): a run directory compares its methods under one. Raises
+    ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` naming the argument and the fix."""
     overrides = dict(overrides or {})
     bad = [k for k in overrides if not str(k).startswith("finetune.")]
     if bad:
