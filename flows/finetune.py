@@ -80,12 +80,9 @@ def _recover_aside(layout: RunLayout) -> list[str]:
 
 def run_finetune_stage(plan: FinetunePlan) -> dict:
     """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
-    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``.
-
-    With ``replace``, earlier results of the planned methods, and the task's items they were made
-    from (``finetune/data``, which a new recipe rebuilds), are put aside first and deleted only once
-    the new ones are written; if the stage fails they are moved back (and a method's partial new
-    results removed), so a failed re-run loses nothing."""
+    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``. With ``replace``,
+    earlier results and the task data they were made from are put aside, deleted once the new ones are
+    written, and moved back (partial new results removed) if the stage fails."""
     import uuid
 
     cfg, rd = plan["cfg"], str(plan["run_dir"])
