@@ -251,7 +251,6 @@ def report(
     run_dir: Path = typer.Argument(..., help="a finished run directory"),
     reference: Path | None = typer.Option(
         None,
-        "--reference",
         help="a run directory of the same experiment without chaos: the Resilience section puts its held-out "
         "loss at equal time and tokens beside this run's (default: the run's chaos.reference_run)",
     ),
@@ -275,7 +274,6 @@ def sweep(
     ),
     axis: list[str] = typer.Option(
         [],
-        "--axis",
         help="a grid axis, e.g. --axis diloco.learners=[2,4,8] (added to the file's grid, or replacing its axis)",
     ),
     base: str | None = typer.Option(
@@ -357,7 +355,7 @@ def tune(
 
 @app.command()
 def goodput(
-    out: str | None = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
+    out: str | None = typer.Option(None, help="run directory (default: runs/goodput-<time>)"),
     set_: list[str] = typer.Option(
         [],
         "--set",
@@ -391,11 +389,11 @@ def goodput(
 
 @app.command()
 def ui(
-    host: str = typer.Option("127.0.0.1", "--host", help="the server's address (0.0.0.0: every interface)"),
-    port: int = typer.Option(4200, "--port", help="the server's port"),
-    deploy: bool = typer.Option(True, "--deploy/--no-deploy", help="create every deployment of prefect.yaml"),
-    worker: bool = typer.Option(True, "--worker/--no-worker", help="start a process worker on local-proc"),
-    log_dir: str = typer.Option("build/ui-stack", "--log-dir", help="where the server, deploy and worker logs go"),
+    host: str = typer.Option("127.0.0.1", help="the server's address (0.0.0.0: every interface)"),
+    port: int = typer.Option(4200, help="the server's port"),
+    deploy: bool = typer.Option(True, help="create every deployment of prefect.yaml"),
+    worker: bool = typer.Option(True, help="start a process worker on local-proc"),
+    log_dir: str = typer.Option("build/ui-stack", help="where the server, deploy and worker logs go"),
 ):
     """The Prefect UI stack: server, work pool, every deployment and a worker, started together;
     Ctrl-C stops them together (what `make ui` runs; docs/ui.md)."""
@@ -422,15 +420,14 @@ def compare(
         help="run directories made by `ddiloco run`, each with report/report.json (`ddiloco report RUN` builds it)",
     ),
     out: str | None = typer.Option(
-        None, "--out", help="folder for the comparison (default: runs/compare-<UTC time>); must be new or empty"
+        None, help="folder for the comparison (default: runs/compare-<UTC time>); must be new or empty"
     ),
     axis: list[str] = typer.Option(
         [],
-        "--axis",
         help="a dotted config key to compare along, e.g. --axis diloco.learners (repeat it; default: the "
         "keys whose values differ)",
     ),
-    title: str = typer.Option("Comparison", "--title", help="the comparison's title"),
+    title: str = typer.Option("Comparison", help="the comparison's title"),
 ):
     """Compare runs: a table row per run (held-out loss, DiLoCo − DP gap, time, tokens, bytes,
     post-training), and the loss and gap plotted along the first axis that varies.

@@ -452,23 +452,6 @@ class SweepPlan:
         }
 
 
-def _check_sweep_dir(path: Path) -> Path:
-    if "://" in str(path):
-        raise ValueError(f"sweep folder {path} is a URL; sweeps are written to a local folder: give a local path")
-    path = Path(os.path.normpath(path.expanduser().absolute()))
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
-    for above in [path, *path.parents]:
-        if is_run(above):
-            raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
-    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
-        raise ValueError(
-            f"sweep folder {path} is not empty and holds no {SWEEP_RECORD} (not a sweep); choose a new "
-            "--sweep-dir or sweep name"
-        )
-    return path
-
-
 def check_deployment(spec: SweepSpec) -> str | None:
     """With ``launch: deployment``: a Prefect server answers and holds the pipeline deployment (else
     ``ValueError``). Returns a warning when no worker polls its work pool, else None."""
@@ -559,14 +542,25 @@ def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path
 
 
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
-    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder, and
-    each cell's config (:func:`check_config`, the corpus once per distinct data section) and run
-    directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError`` naming the cell."""
+    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder (new,
+    empty or a sweep's), and each cell's config (:func:`check_config`, the corpus once per distinct data
+    section) and run directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError``."""
     warning = check_deployment(spec)
     if sweep_dir is None:
         stamp = "" if spec.resume else dt.datetime.now(dt.UTC).strftime("-%Y%m%d-%H%M%S")
         sweep_dir = (Path(spec.sweep_root).expanduser() / f"{spec.name}{stamp}").absolute()
-    path = _check_sweep_dir(Path(sweep_dir))
+    if "://" in str(sweep_dir):
+        raise ValueError(f"sweep folder {sweep_dir} is a URL; sweeps are written to a local folder: give a local path")
+    path = Path(os.path.normpath(Path(sweep_dir).expanduser().absolute()))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
+    if inside := next((above for above in [path, *path.parents] if is_run(above)), None):
+        raise ValueError(f"sweep folder {path} is inside the run directory {inside}; choose a path outside it")
+    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
+        raise ValueError(
+            f"sweep folder {path} is not empty and holds no {SWEEP_RECORD} (not a sweep); choose a new "
+            "--sweep-dir or sweep name"
+        )
     base_raw = read_base(spec.base, f"sweep {spec.name}")
     planned: list[PlannedCell] = []
     checked_data: set[str] = set()
