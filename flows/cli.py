@@ -155,9 +155,7 @@ def run(
         "configs/default.yaml", help=f"YAML experiment config, or a shipped config's name: {_shipped('.')}"
     ),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    run_dir: str | None = typer.Option(
-        None, help="run directory (default: <run_root>/<name>-<time>); must be new or empty"
-    ),
+    run_dir: str | None = typer.Option(None, help="run directory, new or empty (default: <run_root>/<name>-<time>)"),
 ):
     """Shard → DiLoCo and DP pretraining → lm-eval → fine-tuning → report, as one Prefect flow run.
 
@@ -281,9 +279,7 @@ def sweep(
         help="the config every cell starts from (a shipped config's name or a YAML path; default: the file's, "
         "else tiny)",
     ),
-    set_: list[str] = typer.Option(
-        [], "--set", help="a config key set in every cell, e.g. --set train.token_budget=50000"
-    ),
+    set_: list[str] = typer.Option([], "--set", help="a key set in every cell, e.g. --set train.token_budget=50000"),
     name: str | None = typer.Option(None, help="the sweep's name (its folder and concurrency limit)"),
     concurrency: int | None = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
     launch: str | None = typer.Option(
@@ -420,7 +416,7 @@ def compare(
         help="run directories made by `ddiloco run`, each with report/report.json (`ddiloco report RUN` builds it)",
     ),
     out: str | None = typer.Option(
-        None, help="folder for the comparison (default: runs/compare-<UTC time>); must be new or empty"
+        None, help="new or empty folder for the comparison (default: runs/compare-<UTC time>)"
     ),
     axis: list[str] = typer.Option(
         [],
