@@ -58,17 +58,6 @@ def check_reusable_data(path: Path, data, learners: int) -> None:
         )
 
 
-def _input_shape(data):
-    """The data's ``InputShape`` where known before reading it (text, digits); None for other images."""
-    from models import InputShape
-
-    if data.modality != "image":
-        return InputShape(vocab_size=data.vocab_size, seq_len=data.seq_len)
-    if data.source == "digits":
-        return InputShape(image_shape=(8, 8, data.channels or 1), num_classes=10, pixel_max=16)
-    return None
-
-
 def _abstract_model(model, shape):
     """The model of section ``model`` for ``shape``, built abstractly (shapes only, no compute)."""
     from flax import nnx
@@ -79,8 +68,8 @@ def _abstract_model(model, shape):
 
 
 def check_model(model, diloco, shape) -> int:
-    """Build the model of section ``model`` abstractly for ``shape`` (an ``InputShape``; None: not
-    known yet, skipped) and check ``diloco.fragments`` against its tensors. Returns the number of
+    """Build the model of section ``model`` abstractly for ``shape`` (an ``InputShape``; None: images
+    not read yet, skipped) and check ``diloco.fragments`` against its tensors. Returns the number of
     parameter tensors (0: not checked). Raises ``ValueError``."""
     from training.functional import params_of
 
@@ -375,7 +364,13 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
     ``data.sources.check_corpus``; images: :func:`check_image_source`) unless ``check_data`` is False."""
     check_runtime(cfg.runtime)
     check_installed(cfg)
-    shape = _input_shape(cfg.data)
+    from models import InputShape
+
+    d, shape = cfg.data, None  # (other images: their headers tell, check_image_source)
+    if d.modality != "image":
+        shape = InputShape(vocab_size=d.vocab_size, seq_len=d.seq_len)
+    elif d.source == "digits":
+        shape = InputShape(image_shape=(8, 8, d.channels or 1), num_classes=10, pixel_max=16)
     check_model(cfg.model, cfg.diloco, shape)
     check_devices(cfg)
     if cfg.finetune.enabled:
