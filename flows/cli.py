@@ -11,13 +11,13 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 # this when it is first imported, so here (TQDM_DISABLE=0 in the environment brings them back).
 os.environ.setdefault("TQDM_DISABLE", "1")
 
+import inspect
 import json
 from pathlib import Path
 
 import typer
 from pydantic import ValidationError
 
-from run.directory import is_run
 from run.layout import GoodputLayout, RunLayout, StudyLayout, SweepLayout
 
 SET_HELP = (
@@ -28,20 +28,19 @@ app = typer.Typer(add_completion=False, help="Decoupled DiLoCo vs data-parallel 
 
 
 def _version(value: bool) -> None:
-    """``--version``: this package's version and those of the libraries a result depends on, read
-    from the installed distributions' metadata (nothing is imported)."""
+    """``--version``: this package's and its main libraries' versions, from their installed metadata."""
     if not value:
         return
     from importlib.metadata import PackageNotFoundError, version
 
-    def v(dist: str) -> str:
+    found = {}
+    for dist in ("decoupled-diloco-pipeline", "jax", "flax", "optax", "orbax-checkpoint", "prefect", "lm-eval"):
         try:
-            return version(dist)
+            found[dist] = version(dist)
         except PackageNotFoundError:
-            return "not installed"
-
-    libs = ", ".join(f"{d} {v(d)}" for d in ("jax", "flax", "optax", "orbax-checkpoint", "prefect", "lm-eval"))
-    typer.echo(f"ddiloco {v('decoupled-diloco-pipeline')} ({libs})")
+            found[dist] = "not installed"
+    libs = ", ".join(f"{d} {v}" for d, v in list(found.items())[1:])
+    typer.echo(f"ddiloco {found['decoupled-diloco-pipeline']} ({libs})")
     raise typer.Exit(0)
 
 
@@ -55,8 +54,7 @@ def _main(
 
 
 def _shipped(folder: str) -> str:
-    """The names of the shipped configs, sweeps or studies (``configs/<folder>/*.yaml``), for the help texts
-    (``configs.specs.shipped`` without importing pydantic models: ``--help`` stays fast)."""
+    """The shipped configs, sweeps or studies (``configs/<folder>/*.yaml``) without importing pydantic."""
     return ", ".join(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs" / folder).glob("*.yaml")))
 
 
@@ -66,9 +64,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _refused(check, *args, where: str = "", **kwargs):
-    """``check(*args, **kwargs)``: loading a spec (``configs.specs``) or a preflight
-    (``flows.preflight``). Their refusal, a ``ValueError`` or ``OSError`` whose message is one line
-    naming the field and the fix, is printed as ``error: <where><message>`` and exits 2."""
+    """``check(*args, **kwargs)``, its one-line refusal (``ValueError``/``OSError``) printed, exit 2."""
     try:
         return check(*args, **kwargs)
     except (ValueError, OSError) as exc:
@@ -82,23 +78,19 @@ def _load(kind: str, source: str | None, **given):
     return _refused(load_spec, kind, source, **given)
 
 
-def _preflight(name: str, *args, where: str = ""):
-    """``flows.preflight.<name>(*args)``, refused in one line. Prefect's logging is set up first, before
-    the checks import Orbax: Orbax logs through absl when first imported, and absl then gives the
-    root logger a bare handler, after which Prefect leaves its own console format off (every line of
-    a run read ``INFO:prefect.flow_runs:…``, without a time)."""
+def _preflight(check: str, *args, where: str = "", **kwargs):
+    """``flows.preflight.<check>(*args, **kwargs)``, refused in one line. Prefect's logging is set up first: Orbax's
+    import gives absl's bare handler to the root logger, after which Prefect's format would be lost."""
     from prefect.logging.configuration import setup_logging
 
     setup_logging()
     from flows import preflight
 
-    return _refused(getattr(preflight, name), *args, where=where)
+    return _refused(getattr(preflight, check), *args, where=where, **kwargs)
 
 
 def _checked(config: str, sets: list[str], run_dir: str | None = None):
-    """The config with its ``--set`` items, then every check of a run (``flows.preflight.preflight``:
-    run directory, corpus, model, devices), all before Prefect starts; exit 2 with one line on the
-    first refusal. Returns (cfg, run dir)."""
+    """The config with its ``--set`` items and every check of a run, before Prefect starts: (cfg, run dir)."""
     cfg = _load("config", config, sets=sets)
     from flows.engines import share_accelerators
 
@@ -106,10 +98,36 @@ def _checked(config: str, sets: list[str], run_dir: str | None = None):
     return cfg, _preflight("preflight", cfg, run_dir, where=f"{config}: ")
 
 
+def _check_out(out: str, goodput: bool = False) -> Path:
+    """``--out``: a new or empty folder by the run directory's rules (``run.directory.check_run_dir``;
+    goodput's may also hold other files, never a goodput or pipeline run), else exit 2."""
+    from run.directory import check_run_dir
+
+    path, problem = Path(out).expanduser().absolute(), None
+    if not out.strip():
+        problem = "is blank; give a folder name"
+    elif goodput and GoodputLayout(path).result.exists():
+        problem = "already holds a goodput run (goodput.json); choose another directory"
+    elif goodput and (RunLayout(path).status.exists() or (path / "pretrain").exists()):
+        problem = "holds a pipeline run, which is never written into; choose another directory"
+    elif path.is_dir() and any(path.iterdir()):
+        if not goodput:
+            problem = "exists and is not empty; choose a new or empty folder (a comparison never writes over files)"
+        elif not os.access(path, os.W_OK | os.X_OK):
+            problem = "is not a writable directory"
+    else:
+        try:
+            check_run_dir(path)
+        except ValueError as exc:
+            problem = str(exc).replace("--run-dir", "--out")
+    if problem:
+        raise _fail(f"--out {out}: {problem}")
+    return path
+
+
 def _run_flow(start, report: Path | None = None, label: str = "Report"):
-    """Start Prefect's temporary server and return ``start()`` (a flow's call), SIGINT and SIGTERM
-    stopping it gracefully: a stopped flow exits 128 + the signal, a failed one 1 (naming ``report``
-    when it was written), an error escaping it 1 (Prefect logged its traceback above)."""
+    """``start()`` (a flow's call) on Prefect's temporary server, SIGINT/SIGTERM stopping it gracefully:
+    exit 128 + the signal when stopped, 1 when failed (naming ``report`` if written) or on an error."""
     from prefect.exceptions import CancelledRun, FailedRun
 
     from flows.server import start_temporary_server
@@ -137,9 +155,7 @@ def run(
         "configs/default.yaml", help=f"YAML experiment config, or a shipped config's name: {_shipped('.')}"
     ),
     set_: list[str] = typer.Option([], "--set", help=SET_HELP),
-    run_dir: str | None = typer.Option(
-        None, help="run directory (default: <run_root>/<name>-<time>); must be new or empty"
-    ),
+    run_dir: str | None = typer.Option(None, help="run directory, new or empty (default: <run_root>/<name>-<time>)"),
 ):
     """Shard → DiLoCo and DP pretraining → lm-eval → fine-tuning → report, as one Prefect flow run.
 
@@ -163,10 +179,7 @@ def run(
 
 
 def _print_verdict(rd: Path) -> None:
-    """The report's verdict (``report.json``) as a terminal table and a paragraph; nothing when the
-    run has none (a run without DP)."""
-    import json
-
+    """The report's verdict (``report.json``) as a table and a paragraph, if the run has one."""
     from reports.verdict import verdict_table
 
     try:
@@ -198,22 +211,14 @@ def finetune(
     """
     from configs.load import parse_overrides
 
-    overrides = _refused(parse_overrides, set_)
     chosen = [m.strip() for m in methods.split(",") if m.strip()] if methods else None
-    plan = _preflight("finetune_preflight", run_dir, chosen, checkpoint, name, overrides, replace)
+    given = {"methods": chosen, "checkpoint": checkpoint, "name": name, "replace": replace}
+    given["overrides"] = _refused(parse_overrides, set_)
+    plan = _preflight("finetune_preflight", run_dir, **given)
     from flows.finetune import finetune as finetune_flow
 
-    out = _run_flow(
-        lambda: finetune_flow(
-            run_dir=str(plan["run_dir"]),
-            methods=chosen,
-            checkpoint=checkpoint,
-            name=name,
-            overrides=overrides,
-            replace=replace,
-        ),
-        RunLayout(plan["run_dir"]).report_md,
-    )
+    rd = str(plan["run_dir"])
+    out = _run_flow(lambda: finetune_flow(run_dir=rd, **given), RunLayout(rd).report_md)
     typer.echo(f"\nReport: {RunLayout(out).report_md}")
 
 
@@ -244,10 +249,8 @@ def report(
     run_dir: Path = typer.Argument(..., help="a finished run directory"),
     reference: Path | None = typer.Option(
         None,
-        "--reference",
-        help="a run directory of the same experiment without chaos: the Resilience "
-        "section puts its held-out loss at equal time and tokens beside this run's (default: the run's "
-        "chaos.reference_run)",
+        help="a run directory of the same experiment without chaos: the Resilience section puts its held-out "
+        "loss at equal time and tokens beside this run's (default: the run's chaos.reference_run)",
     ),
 ):
     """Rebuild report/ from a run directory's files (with the goodput simulator's prediction when the
@@ -269,18 +272,14 @@ def sweep(
     ),
     axis: list[str] = typer.Option(
         [],
-        "--axis",
-        help="a grid axis, e.g. --axis diloco.learners=[2,4,8] "
-        "(added to the file's grid, or replacing its axis of that key)",
+        help="a grid axis, e.g. --axis diloco.learners=[2,4,8] (added to the file's grid, or replacing its axis)",
     ),
     base: str | None = typer.Option(
         None,
-        help="the config every cell starts from (a shipped config's name or "
-        "a YAML path); default: the file's, else tiny",
+        help="the config every cell starts from (a shipped config's name or a YAML path; default: the file's, "
+        "else tiny)",
     ),
-    set_: list[str] = typer.Option(
-        [], "--set", help="a config key set in every cell, e.g. --set train.token_budget=50000"
-    ),
+    set_: list[str] = typer.Option([], "--set", help="a key set in every cell, e.g. --set train.token_budget=50000"),
     name: str | None = typer.Option(None, help="the sweep's name (its folder and concurrency limit)"),
     concurrency: int | None = typer.Option(None, help="cells at once (a Prefect global concurrency limit)"),
     launch: str | None = typer.Option(
@@ -352,12 +351,12 @@ def tune(
 
 @app.command()
 def goodput(
-    out: str | None = typer.Option(None, "--out", help="run directory (default: runs/goodput-<time>)"),
+    out: str | None = typer.Option(None, help="run directory (default: runs/goodput-<time>)"),
     set_: list[str] = typer.Option(
         [],
         "--set",
-        help="a simulator knob, e.g. --set chip_mtbi_years=0.5 "
-        "--set restart_s=600 --set calibrate=true (see docs/goodput.md)",
+        help="a simulator knob, e.g. --set chip_mtbi_years=0.5 --set restart_s=600 --set calibrate=true "
+        "(docs/goodput.md)",
     ),
 ):
     """Failure simulator: goodput of DP, elastic DP and Decoupled DiLoCo against the paper's Table 1."""
@@ -369,15 +368,13 @@ def goodput(
         cfg = GoodputConfig.model_validate(knobs)
     except ValidationError as exc:
         raise _fail("invalid goodput settings: " + "; ".join(validation_lines(exc, knobs)))
-    problem = out is not None and (_out_dir_problem(Path(out)) if out.strip() else "is blank; give a folder name")
-    if problem:
-        raise _fail(f"--out {out}: {problem}")
+    out_dir = str(_check_out(out, goodput=True)) if out is not None else None
     from flows.goodput import goodput as goodput_flow
     from flows.server import start_temporary_server
 
     try:
         start_temporary_server()
-        table = Path(goodput_flow(config=cfg, out_dir=out))
+        table = Path(goodput_flow(config=cfg, out_dir=out_dir))
     except (OSError, ValueError, RuntimeError) as exc:
         typer.echo(f"\nerror: {exc}", err=True)
         raise typer.Exit(1)
@@ -388,11 +385,11 @@ def goodput(
 
 @app.command()
 def ui(
-    host: str = typer.Option("127.0.0.1", "--host", help="the server's address (0.0.0.0: every interface)"),
-    port: int = typer.Option(4200, "--port", help="the server's port"),
-    deploy: bool = typer.Option(True, "--deploy/--no-deploy", help="create every deployment of prefect.yaml"),
-    worker: bool = typer.Option(True, "--worker/--no-worker", help="start a process worker on local-proc"),
-    log_dir: str = typer.Option("build/ui-stack", "--log-dir", help="where the server, deploy and worker logs go"),
+    host: str = typer.Option("127.0.0.1", help="the server's address (0.0.0.0: every interface)"),
+    port: int = typer.Option(4200, help="the server's port"),
+    deploy: bool = typer.Option(True, help="create every deployment of prefect.yaml"),
+    worker: bool = typer.Option(True, help="start a process worker on local-proc"),
+    log_dir: str = typer.Option("build/ui-stack", help="where the server, deploy and worker logs go"),
 ):
     """The Prefect UI stack: server, work pool, every deployment and a worker, started together;
     Ctrl-C stops them together (what `make ui` runs; docs/ui.md)."""
@@ -412,46 +409,6 @@ def ui(
     raise typer.Exit(run_stack(host, port, deploy=deploy, worker=worker, log_dir=Path(log_dir).absolute(), say=say))
 
 
-def _out_dir_problem(out: Path) -> str | None:
-    """Why ``out`` cannot take a new goodput run (None if it can): checked before Prefect starts."""
-    if out.exists() and not out.is_dir():
-        return "exists and is not a directory; choose a new directory"
-    if GoodputLayout(out).result.exists():
-        return "already holds a goodput run (goodput.json); choose another directory"
-    if RunLayout(out).status.exists() or (out / "pretrain").exists():
-        return "holds a pipeline run, which is never written into; choose another directory"
-    if not (out.is_dir() and any(out.iterdir())):  # a new or empty folder: the run directory's rules
-        from run.directory import check_run_dir
-
-        try:
-            check_run_dir(out)
-        except ValueError as exc:
-            return str(exc).replace("--run-dir", "--out")
-    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not a writable directory"
-    return None
-
-
-# -- ddiloco compare: a comparison across run directories (no Prefect) ---------------------------
-def _compare_out_problem(out: Path) -> str | None:
-    """Why ``out`` cannot take a comparison (None if it can): it must be new or an empty folder,
-    outside every run directory, under a writable folder. Writes nothing."""
-    if out.is_symlink() and not out.exists():
-        return "is a dangling symbolic link; choose a new or empty folder"
-    if out.exists() and not out.is_dir():
-        return "exists and is not a directory; choose a new or empty folder"
-    if out.is_dir() and any(out.iterdir()):
-        return "exists and is not empty; choose a new or empty folder (a comparison never writes over files)"
-    for above in [out, *out.parents]:
-        if is_run(above):
-            return f"is inside the run directory {above}, which only its pipeline writes; choose a folder outside it"
-    parent = next((p for p in out.parents if p.exists()), Path("/")) if not out.exists() else out
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not a writable directory; choose another folder"
-    return None
-
-
 @app.command()
 def compare(
     run_dirs: list[str] | None = typer.Argument(
@@ -459,15 +416,14 @@ def compare(
         help="run directories made by `ddiloco run`, each with report/report.json (`ddiloco report RUN` builds it)",
     ),
     out: str | None = typer.Option(
-        None, "--out", help="folder for the comparison (default: runs/compare-<UTC time>); must be new or empty"
+        None, help="new or empty folder for the comparison (default: runs/compare-<UTC time>)"
     ),
     axis: list[str] = typer.Option(
         [],
-        "--axis",
-        help="a dotted config key to compare along, e.g. --axis "
-        "diloco.learners (repeat it; default: the keys whose values differ)",
+        help="a dotted config key to compare along, e.g. --axis diloco.learners (repeat it; default: the "
+        "keys whose values differ)",
     ),
-    title: str = typer.Option("Comparison", "--title", help="the comparison's title"),
+    title: str = typer.Option("Comparison", help="the comparison's title"),
 ):
     """Compare runs: a table row per run (held-out loss, DiLoCo − DP gap, time, tokens, bytes,
     post-training), and the loss and gap plotted along the first axis that varies.
@@ -480,12 +436,7 @@ def compare(
 
     if not run_dirs:
         raise _fail("no run directories given: ddiloco compare RUN_DIR... (folders made by `ddiloco run`)")
-    if out is not None and not out.strip():
-        raise _fail(f"--out {out!r} is blank; give a folder name")
-    out_dir = Path(out).expanduser().absolute() if out is not None else default_run_dir("runs", "compare")
-    problem = _compare_out_problem(out_dir)
-    if problem:
-        raise _fail(f"--out {out_dir} {problem}")
+    out_dir = _check_out(out if out is not None else str(default_run_dir("runs", "compare")))
     axes = [a.strip() for item in axis for a in item.split(",") if a.strip()] or None
     try:
         result = build_comparison(run_dirs, out_dir, axes=axes, title=title)
@@ -496,17 +447,9 @@ def compare(
     typer.echo(f"Comparison: {result['paths']['markdown']}")
 
 
-def _reflow_help() -> None:
-    """Each command's help from its docstring with a paragraph's line breaks joined: typer 0.29's rich
-    help keeps them after the first paragraph, so the terminal's wrapping broke lines mid-sentence."""
-    import inspect
-
-    for info in app.registered_commands:
-        doc = info.help or inspect.getdoc(info.callback) or ""
-        info.help = "\n\n".join(" ".join(p.split()) for p in doc.split("\n\n"))
-
-
-_reflow_help()
+# typer 0.29's rich help keeps a docstring paragraph's line breaks after the first one: join them
+for _info in app.registered_commands:
+    _info.help = "\n\n".join(" ".join(p.split()) for p in inspect.getdoc(_info.callback).split("\n\n"))
 
 
 def main() -> None:

@@ -30,10 +30,8 @@ CREDENTIALS = ("emulated", "emulated")  # the hub's store accepts any; a key the
 
 @contextlib.contextmanager
 def emulated(config: ExperimentConfig, rd: Path, method: str) -> Iterator[ExperimentConfig]:
-    """The config of pretraining stage ``method`` (diloco or dp) for the block; with
-    ``network.emulate`` its datacenters (and DiLoCo's store) exist for the block (the module
-    docstring), and the block's link bytes are recorded when it ends. Raises ``RuntimeError`` when
-    datacenters cannot be made here (``run.netem.emulation_problem``)."""
+    """The config of pretraining stage ``method`` (diloco or dp) for the block, with its datacenters
+    (module docstring) where ``network.emulate``. Raises ``RuntimeError`` when they cannot be made here."""
     if not config.network.emulate:
         yield config
         return

@@ -1,9 +1,6 @@
-"""The fine-tuning flow: one recipe applied identically to every pretrained model of a run
-directory, evaluated before and after, then the report rebuilt.
-
-Also the pipeline's ``finetune`` stage (as a subflow). Every check runs before anything is written
-(:func:`flows.preflight.finetune_preflight`): the run directory, its config with ``finetune.*``
-overrides, the pretrained checkpoints, existing fine-tuning results and the task's inputs.
+"""The fine-tuning flow (also the pipeline's ``finetune`` stage): one recipe applied identically to
+every pretrained model of a run directory, evaluated before and after, then the report rebuilt.
+Every check runs before anything is written (:func:`flows.preflight.finetune_preflight`).
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
@@ -33,33 +30,19 @@ def _results(layout: RunLayout, method: str) -> list[Path]:
     return out + ([extra] if extra.exists() else [])
 
 
-def _put_data_aside(data: Path, tag: str) -> Path | None:
-    """Keep the task's items ``data`` (``RUN/finetune/data``) as ``.data.replaced-<tag>`` beside it
-    while the folder stays in place: a copy of hard links (no bytes copied; the data step never writes
-    a file in place, it swaps a new folder in), or of bytes where the filesystem has no hard links.
-    Returns the copy, or None when there is no data yet."""
-    if not data.is_dir():
-        return None
-    dst = data.with_name(f".{data.name}.replaced-{tag}")
-    shutil.copytree(data, dst, copy_function=link_or_copy)
-    return dst
+def _remove(p: Path) -> None:
+    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 _ASIDE = re.compile(r"^\.(?P<name>.+)\.replaced-[0-9a-f]{8}$")
 
 
 def _recover_aside(layout: RunLayout) -> list[str]:
-    """Results a ``--replace`` put aside and never got back to (its process was killed: no handler
-    ran). One whose place is empty is moved back (the replace never wrote anything there); one whose
-    place holds newer results is kept where it is, with a warning that names both (whether those are
-    complete cannot be told here, so nothing is deleted). Returns one line per item found."""
+    """Move back results a killed ``--replace`` put aside where their place is empty; where newer results
+    stand, keep both and name them (nothing is deleted). Returns (and logs) one line per item found."""
     lines: list[str] = []
     data = Path(layout.finetune_data)
-    data_asides = (
-        sorted(data.parent.glob(f".{data.name}.replaced-*"), key=lambda p: p.stat().st_mtime)
-        if data.parent.is_dir()
-        else []
-    )  # oldest first
+    data_asides = sorted(data.parent.glob(f".{data.name}.replaced-*"), key=lambda p: p.stat().st_mtime)  # oldest first
     moved = kept = 0
     for folder in (layout.stage_dir("finetune"), layout.eval_dir("finetune")):
         if not folder.is_dir():
@@ -69,8 +52,7 @@ def _recover_aside(layout: RunLayout) -> list[str]:
             if m is None or p in data_asides:
                 continue
             orig = p.with_name(m["name"])
-            kept += orig.exists()
-            moved += not orig.exists()
+            kept, moved = kept + orig.exists(), moved + (not orig.exists())
             if not orig.exists():
                 p.rename(orig)
                 lines.append(
@@ -98,28 +80,25 @@ def _recover_aside(layout: RunLayout) -> list[str]:
 
 def run_finetune_stage(plan: FinetunePlan) -> dict:
     """Prepare the task, fine-tune and evaluate every planned method, in order. Returns
-    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``.
-
-    With ``replace``, earlier results of the planned methods, and the task's items they were made
-    from (``finetune/data``, which a new recipe rebuilds), are put aside first and deleted only once
-    the new ones are written; if the stage fails they are moved back (and a method's partial new
-    results removed), so a failed re-run loses nothing."""
+    ``{"task": …, "methods": {method: {"summary", "eval"}}, "interrupted": bool}``. With ``replace``,
+    earlier results and the task data they were made from are put aside, deleted once the new ones are
+    written, and moved back (partial new results removed) if the stage fails."""
     import uuid
 
     cfg, rd = plan["cfg"], str(plan["run_dir"])
     layout = RunLayout(rd)
     _recover_aside(layout)
-    aside: list[tuple[Path, Path]] = []
-    data = Path(layout.finetune_data)
-    data_aside = None
+    aside: list[tuple[Path, Path]] = []  # (a path, where its earlier content waits)
     if plan.get("replace"):
         tag = uuid.uuid4().hex[:8]
-        data_aside = _put_data_aside(data, tag)
+        data = Path(layout.finetune_data)
+        if data.is_dir():  # a copy of hard links: the data step never writes a file in place, it swaps a folder in
+            aside.append((data, data.with_name(f".{data.name}.replaced-{tag}")))
+            shutil.copytree(data, aside[-1][1], copy_function=link_or_copy)
         for m in plan["methods"]:
             for p in _results(layout, m):
-                dst = p.with_name(f".{p.name}.replaced-{tag}")
-                p.rename(dst)
-                aside.append((p, dst))
+                aside.append((p, p.with_name(f".{p.name}.replaced-{tag}")))
+                p.rename(aside[-1][1])
     out: dict[str, Any] = {"task": None, "methods": {}, "interrupted": False}
     try:
         out["task"] = task_info = finetune_data_task(cfg, rd)
@@ -138,15 +117,13 @@ def run_finetune_stage(plan: FinetunePlan) -> dict:
         if not stop_requested():
             for m in plan["methods"]:  # a failed method's partial results would read as a method
                 for p in _results(layout, m):
-                    shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+                    _remove(p)
             for orig, dst in aside:
+                _remove(orig)
                 dst.rename(orig)
-            if data_aside is not None:
-                shutil.rmtree(data, ignore_errors=True)
-                data_aside.rename(data)
         raise
-    for _, dst in [*aside, *([(data, data_aside)] if data_aside is not None else [])]:
-        shutil.rmtree(dst, ignore_errors=True) if dst.is_dir() else dst.unlink(missing_ok=True)
+    for _, dst in aside:
+        _remove(dst)
     out["interrupted"] = stop_requested()
     return out
 

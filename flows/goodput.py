@@ -1,9 +1,9 @@
 """The goodput flow: simulate the paper's failure study (Table 1) and publish table and plot.
 
-Parameters are the simulator's knobs (:class:`sim.GoodputConfig`, a form in the UI), so a
-run answers "what if chips fail twice as often" (``chip_mtbi_years: 0.5``) or "what if restarts take
-10 minutes" (``restart_s: 600``). Writes ``goodput.json``, ``goodput.md`` and ``goodput.png`` (plus
-the resolved ``config.json``) to a run directory, ``runs/goodput-<UTC time>/`` by default.
+Parameters are the simulator's knobs (:class:`sim.GoodputConfig`, a form in the UI), e.g. chips
+failing twice as often (``chip_mtbi_years: 0.5``) or 10-minute restarts (``restart_s: 600``). Writes
+``goodput.json``, ``goodput.md``, ``goodput.png`` and ``config.json`` to ``runs/goodput-<UTC time>/``
+by default.
 """
 
 # No `from __future__ import annotations` here: Prefect validates flow parameters from the
@@ -23,20 +23,12 @@ from sim import GoodputConfig, n_slices
 from tasks.goodput import simulate_task, write_task
 
 
-def goodput_run_dir(out_dir: str | None = None, run_root: str = "runs") -> Path:
-    """``out_dir``, or ``<run_root>/goodput-<UTC timestamp>``, as an absolute path."""
-    if out_dir is None:
-        stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-        out_dir = str(Path(run_root) / f"goodput-{stamp}")
-    return Path(out_dir).absolute()
-
-
 @flow(name="goodput", log_prints=True)
 def goodput(config: GoodputConfig = GoodputConfig(), out_dir: str | None = None) -> str:
     """Goodput and uptime of DP, elastic DP and Decoupled DiLoCo (M learners) under chip failures,
     against the paper's Table 1; returns the path of ``goodput.md``."""
     logger = get_run_logger()
-    out = goodput_run_dir(out_dir)
+    out = Path(out_dir or f"runs/goodput-{dt.datetime.now(dt.UTC).strftime('%Y%m%d-%H%M%S')}").absolute()
     lay = GoodputLayout(out)
     if lay.result.exists():
         raise FileExistsError(f"{lay.result} exists; choose another out_dir")

@@ -1,11 +1,8 @@
-"""Names of flow runs and task runs as the Prefect UI lists them.
-
-Flow runs are named from what they run, not Prefect's random ``adjective-animal``: a pipeline run
-``<config name>-<UTC start>`` (renamed to its run directory's name once that is known, see
-:func:`rename_flow_run`), ``pretrain-diloco-<run>``, ``pretrain-dp-<run>``, ``finetune-<run>``,
-``sweep-<name>``, ``tune-<study>``. Each function here is a Prefect ``flow_run_name`` callable: it
-reads the run's parameters through ``prefect.runtime`` and never raises (a name is never worth a
-failed start: it falls back to the flow's name and the time).
+"""Names of flow runs as the Prefect UI lists them: a pipeline run ``<config name>-<UTC start>``
+(its run directory's name once known, :func:`rename_flow_run`), ``pretrain-<method>-<run>``,
+``finetune-<run>``, ``sweep-<name>``, ``tune-<study>``. Each function is a Prefect ``flow_run_name``
+callable: it reads the run's parameters through ``prefect.runtime`` and never raises (a name is never
+worth a failed start: it falls back to the flow's name and the time).
 """
 
 from __future__ import annotations
@@ -24,35 +21,31 @@ def _params() -> dict[str, Any]:
         return {}
 
 
-def _field(value: Any, name: str) -> Any:
-    """``value.name`` for a model, ``value[name]`` for a dict, else None."""
-    if isinstance(value, dict):
-        return value.get(name)
-    return getattr(value, name, None)
-
-
 def _stamp() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
 
 
+def _run_dir_name(p: dict[str, Any]) -> str | None:
+    return Path(str(p["run_dir"])).name if p.get("run_dir") else None
+
+
+def _named(p: dict[str, Any], file_key: str, value_key: str) -> str | None:
+    """The stem of parameter ``file_key`` (a shipped spec is named after its file), else the ``name``
+    of parameter ``value_key`` (a model or its dict)."""
+    if p.get(file_key):
+        return Path(str(p[file_key])).stem
+    value = p.get(value_key)
+    return value.get("name") if isinstance(value, dict) else getattr(value, "name", None)
+
+
 def pipeline_run_name() -> str:
-    """The run directory's name when ``run_dir`` is given (``ddiloco run`` always gives it: its log
-    lines then carry the directory's name from the first); else ``<config name>-<UTC time>``, the
-    name from ``overrides``, ``config_file`` (its stem: a shipped config is named after its file) or
-    ``config``: the run directory's form (renamed to the directory's name once it is chosen)."""
+    """The run directory's name when ``run_dir`` is given (``ddiloco run`` always gives it); else
+    ``<name>-<UTC time>``, the name from ``overrides``, ``config_file`` or ``config``."""
     p = _params()
     if given := _run_dir_name(p):
         return given
-    name = (p.get("overrides") or {}).get("name")
-    if not name and p.get("config_file"):
-        name = Path(str(p["config_file"])).stem
-    name = name or _field(p.get("config"), "name") or "pipeline"
+    name = (p.get("overrides") or {}).get("name") or _named(p, "config_file", "config") or "pipeline"
     return f"{name}-{_stamp()}"
-
-
-def _run_dir_name(p: dict[str, Any]) -> str | None:
-    rd = p.get("run_dir")
-    return Path(str(rd)).name if rd else None
 
 
 def pretrain_run_name(method: str):
@@ -72,16 +65,12 @@ def finetune_run_name() -> str:
 
 def sweep_run_name() -> str:
     """``sweep-<sweep name>``: the sweep file's stem when one is given, else the spec's ``name``."""
-    p = _params()
-    name = Path(str(p["sweep_file"])).stem if p.get("sweep_file") else _field(p.get("spec"), "name")
-    return f"sweep-{name or _stamp()}"
+    return f"sweep-{_named(_params(), 'sweep_file', 'spec') or _stamp()}"
 
 
 def tune_run_name() -> str:
     """``tune-<study name>``: the study file's stem when one is given, else the spec's ``name``."""
-    p = _params()
-    name = Path(str(p["study_file"])).stem if p.get("study_file") else _field(p.get("spec"), "name")
-    return f"tune-{name or _stamp()}"
+    return f"tune-{_named(_params(), 'study_file', 'spec') or _stamp()}"
 
 
 def rename_flow_run(name: str) -> None:

@@ -1,15 +1,13 @@
-"""Every check before any work, in one place: the preflights of a run (:func:`preflight`, returns
-the run directory), a sweep (:func:`sweep_preflight`, a :class:`SweepPlan`), a study
-(:func:`tune_preflight`, a :class:`StudyPlan`) and a fine-tuning run (:func:`finetune_preflight`, a
-:class:`FinetunePlan`). Each takes a validated config or spec (``configs.specs.load_spec``) and
-folders, checks what can be checked before work starts (folders, corpus, model, devices, earlier
-results, a Prefect server where one is needed), writes nothing, and returns the plan its flow runs.
+"""Every check before any work: the preflights of a run (:func:`preflight`, returns the run
+directory), a sweep (:func:`sweep_preflight`), a study (:func:`tune_preflight`) and a fine-tuning run
+(:func:`finetune_preflight`). Each takes a validated config or spec (``configs.specs.load_spec``),
+checks folders, corpus, model, devices, earlier results and a Prefect server where one is needed,
+writes nothing, and returns the plan its flow runs.
 
 A refusal is a ``ValueError`` or an ``OSError`` (``FileNotFoundError``, ``FileExistsError``,
 ``ConnectionError``) whose message is one line naming the field, option or path and the fix: the
-CLI prints it and exits 2 before Prefect starts. The flows call their preflight again first thing
-(a run started from the UI never went through the CLI), so nothing is written before every check
-has passed.
+CLI prints it and exits 2. The flows call their preflight again first thing (a run started from the
+UI never went through the CLI).
 """
 
 from __future__ import annotations
@@ -32,32 +30,13 @@ from configs.tune import METHODS, TuneSpec
 from run.directory import check_run_dir, default_run_dir, is_run, read_status
 from run.layout import METHOD_ORDER, SWEEP_RECORD, RunLayout, StudyLayout, SweepLayout
 
-LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 DIGITS_IMAGES = 1797  # scikit-learn's load_digits
-# Where an s3:// exchange's credentials come from: the environment of every process (never a config,
-# a log or a report), as botocore reads them.
-S3_CREDENTIALS = (
-    "the credentials in the environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; "
-    "AWS_ENDPOINT_URL_S3 for an S3-compatible server)"
-)
-
-
-def check_local_paths(data) -> None:
-    """``data.paths`` of a local corpus exist as files with a supported suffix (none is read)."""
-    for path in data.paths if data.source == "local" else ():
-        p = Path(path).expanduser()
-        if p.is_dir():
-            raise ValueError(f"data.paths: {path} is a folder; list the files in it")
-        if not p.is_file():
-            raise FileNotFoundError(f"data.paths: file not found: {path}")
-        if not p.name.lower().endswith(LOCAL_SUFFIXES):
-            raise ValueError(f"data.paths: {path} is not one of {', '.join(LOCAL_SUFFIXES)}")
 
 
 def check_reusable_data(path: Path, data, learners: int) -> None:
     """A run directory that already holds ``data/`` (an earlier run's, that never trained) is used
-    only when that data was built from the data section ``data`` for ``learners`` learners.
-    Raises ``ValueError`` naming the folder and the fix."""
+    only when that data was built from the data section ``data`` for ``learners`` learners; else
+    ``ValueError`` naming the folder and the fix."""
     folder = RunLayout(path).data
     if not folder.exists() and not folder.is_symlink():
         return
@@ -79,20 +58,8 @@ def check_reusable_data(path: Path, data, learners: int) -> None:
         )
 
 
-def _input_shape(data):
-    """The ``InputShape`` of ``data`` (the config's section) where it is known before the data is read:
-    text's, digits' (8×8 grey, 10 classes, pixels 0-16); None for other images (their headers tell)."""
-    from models import InputShape
-
-    if data.modality != "image":
-        return InputShape(vocab_size=data.vocab_size, seq_len=data.seq_len)
-    if data.source == "digits":
-        return InputShape(image_shape=(8, 8, data.channels or 1), num_classes=10, pixel_max=16)
-    return None
-
-
 def _abstract_model(model, shape):
-    """The model of config section ``model`` for ``shape``, built abstractly (shapes only, no compute)."""
+    """The model of section ``model`` for ``shape``, built abstractly (shapes only, no compute)."""
     from flax import nnx
 
     from models import build_model
@@ -101,9 +68,9 @@ def _abstract_model(model, shape):
 
 
 def check_model(model, diloco, shape) -> int:
-    """Build the model of section ``model`` abstractly and check ``diloco.fragments`` against its
-    tensors. ``shape``: the data's ``InputShape`` (:func:`_input_shape`; None: images of unknown shape,
-    checked once read). Returns the number of parameter tensors (0: not checked). Raises ``ValueError``."""
+    """Build the model of section ``model`` abstractly for ``shape`` (an ``InputShape``; None: images
+    not read yet, skipped) and check ``diloco.fragments`` against its tensors. Returns the number of
+    parameter tensors (0: not checked). Raises ``ValueError``."""
     from training.functional import params_of
 
     if shape is None:
@@ -117,8 +84,7 @@ def check_model(model, diloco, shape) -> int:
 
 
 def _check_image_folder(cfg: ExperimentConfig) -> None:
-    """An imagefolder: class folders, optionally below split folders, readable headers of one size
-    (``data.images``), the model and LoRA targets fit, and its val split holds one held-out batch."""
+    """An imagefolder's headers, splits, model and LoRA targets; its val split holds one held-out batch."""
     import numpy as np
 
     from data.images import ImageSet, complete_splits, inspect_image_folder, scan_image_folder
@@ -138,8 +104,9 @@ def _check_image_folder(cfg: ExperimentConfig) -> None:
     check_model(cfg.model, cfg.diloco, shape)
     check_lora_targets(cfg.finetune, cfg.model, shape)
     labels, given = folder.labels_and_splits()  # the data step's exact split, from the file list
-    images = ImageSet(np.empty(0), labels, folder.classes, 255, {}, given)
-    splits, source = complete_splits(images, d.val_fraction, d.test_fraction, d.seed)
+    splits, source = complete_splits(
+        ImageSet(np.empty(0), labels, folder.classes, 255, {}, given), d.val_fraction, d.test_fraction, d.seed
+    )
     if len(splits["val"]) < batch:
         in_folder = source["val"] == "folder"
         where = (
@@ -179,10 +146,9 @@ def check_image_source(cfg: ExperimentConfig) -> None:
 
 
 def check_finetune_inputs(ft, task: str, seed: int) -> None:
-    """The inputs of fine-tuning task ``task`` (``cfg.finetune_task``) of recipe ``ft``: the user's JSONL
-    pairs are read and checked (fields, empty files, enough pairs; one file split with ``seed``, the
-    data seed), a hub dataset is reachable. Raises ``ValueError`` / ``FileNotFoundError`` /
-    ``ConnectionError`` in one line."""
+    """The inputs of fine-tuning task ``task`` (``cfg.finetune_task``) of recipe ``ft``: JSONL pairs are
+    read and counted (one file split with ``seed``, the data seed), a hub dataset is reachable. Raises
+    ``ValueError`` / ``FileNotFoundError`` / ``ConnectionError``."""
     if task == "jsonl":
         from data.finetune import MIN_TEST_ITEMS, MIN_TRAIN_ITEMS, load_jsonl_pair_files, split_items
 
@@ -204,8 +170,8 @@ def check_finetune_inputs(ft, task: str, seed: int) -> None:
 
 def check_lora_targets(ft, model, shape) -> None:
     """With ``finetune.mode: lora`` (recipe ``ft``), every name of ``finetune.lora_targets`` is a
-    projection of the model of section ``model`` (built abstractly) and the rank is below each one's
-    smaller side. ``shape`` as for :func:`check_model`. Raises ``ValueError`` naming the field."""
+    projection of the model of section ``model`` (built abstractly for ``shape``, as
+    :func:`check_model`) and the rank is below each one's smaller side. Raises ``ValueError``."""
     if ft.mode != "lora" or shape is None:
         return
     from models.layers.lora import linear_layers
@@ -226,8 +192,7 @@ def check_lora_targets(ft, model, shape) -> None:
 
 
 def _check_writable(key: str, where: str, fix: str) -> None:
-    """``where`` (a folder or fsspec URL) can be created and a probe written, read and deleted there
-    (``training.exchange_checks.check_writable``); else ``ValueError`` starting with ``key``."""
+    """``where`` (a folder or fsspec URL) takes a probe file (``training.exchange_checks``), else ``ValueError``."""
     from training.exchange_checks import check_writable  # no JAX
 
     try:
@@ -238,15 +203,11 @@ def _check_writable(key: str, where: str, fix: str) -> None:
 
 
 def check_runtime(rt: RuntimeConfig) -> None:
-    """The engine and the exchange of ``runtime``, before anything starts: an fsspec exchange URL
-    of a usable form (no chained URL) whose protocol is installed here and whose root can be created
-    and a probe written, read and deleted (``training.exchange_checks.check_writable``: folders it
-    created are removed again); a ``compilation_cache`` folder writable the same way; an existing
-    cluster's ``address`` answers (a TCP connect, 5 s; a Ray cluster accepts our authentication).
-
-    Raises ``ValueError`` naming ``runtime.exchange_url`` or ``runtime.compilation_cache`` (the form,
-    the package to install, or what failed when writing), or ``ConnectionError`` naming
-    ``runtime.address``."""
+    """The engine and exchange of ``runtime`` before anything starts: an fsspec ``exchange_url`` of a
+    usable form whose protocol is installed and whose root takes a probe file (removed again), a
+    writable ``compilation_cache``, an existing cluster's ``address`` that answers (TCP, 5 s) and, for
+    Ray, accepts our authentication. Raises ``ValueError`` naming the field, or ``ConnectionError``
+    naming ``runtime.address``."""
     url = rt.exchange_url if rt.exchange_kind == "fsspec" else None
     if url:
         import fsspec
@@ -266,8 +227,10 @@ def check_runtime(rt: RuntimeConfig) -> None:
                 f"({str(exc).splitlines()[0]}); install it (`uv sync --extra s3` for s3://, gcsfs for "
                 "gs://) or use a shared folder"
             ) from None
+        # an s3:// exchange's credentials come from every process's environment, as botocore reads them
         fix = (
-            f"give a prefix of an existing bucket that {S3_CREDENTIALS} can write"
+            "give a prefix of an existing bucket that the credentials in the environment (AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE; AWS_ENDPOINT_URL_S3 for an S3-compatible server) can write"
             if protocol in ("s3", "s3a")
             else "give a folder or bucket prefix this user can write and every worker can reach"
         )
@@ -285,8 +248,7 @@ def check_runtime(rt: RuntimeConfig) -> None:
 
 
 def _check_address(rt: RuntimeConfig) -> None:
-    """``runtime.address`` is host and port and something answers there; a Ray cluster's GCS accepts
-    this process's authentication (:func:`check_ray_authentication`)."""
+    """``runtime.address`` is host and port, something answers there, and Ray accepts our authentication."""
     import socket
     from urllib.parse import urlsplit
 
@@ -306,12 +268,10 @@ def _check_address(rt: RuntimeConfig) -> None:
 
 
 def check_ray_authentication(address: str) -> None:
-    """A Ray cluster's GCS at ``address`` (host:port) accepts this process's authentication: Ray 2.60's
-    ``ray start`` turns token authentication on, and a run without the cluster's token in its
-    environment would otherwise fail only when it connects, after ~50 s of retries and after its run
-    directory was set up. One connection of Ray's GCS client (no driver is started; about a second,
-    most of it importing Ray). Raises ``ConnectionError`` naming ``runtime.address`` and the variables
-    to set when the cluster refuses the token (or its absence); anything else is left to the run."""
+    """A Ray cluster's GCS at ``address`` (host:port) accepts this process's authentication (Ray 2.60's
+    ``ray start`` turns token authentication on; without the token a run would fail only after ~50 s of
+    retries): one GCS client connection, no driver. Raises ``ConnectionError`` naming
+    ``runtime.address`` and the variables to set; anything else is left to the run."""
     import ray._raylet
     from ray.exceptions import AuthenticationError
 
@@ -336,10 +296,9 @@ def check_ray_authentication(address: str) -> None:
 
 
 def check_installed(cfg: ExperimentConfig) -> None:
-    """What the config asks of this machine beyond Python packages it always has: ``network.emulate``
-    can run here (root, iproute2, util-linux, namespaces: ``run.netem.emulation_problem``; moto's S3
-    server for DiLoCo's exchange) and ``tracking.wandb`` has its package (looked up, not imported).
-    Raises ``ValueError`` naming the field and the fix."""
+    """What the config asks of this machine beyond the packages it always has: ``network.emulate``
+    can run here (``run.netem.emulation_problem``; moto's S3 server for DiLoCo's exchange) and
+    ``tracking.wandb`` has its package (looked up, not imported). Raises ``ValueError``."""
     if cfg.network.emulate:
         from run.netem import emulation_problem
 
@@ -359,14 +318,10 @@ def check_installed(cfg: ExperimentConfig) -> None:
 
 
 def learner_device_pool(rt: RuntimeConfig, learners: int) -> tuple[list, str] | None:
-    """The devices each of ``learners`` learner processes will see, where known before the run
-    starts, and how to name their owner: this process's (thread engine; a local Dask cluster's
-    workers inherit them); a local Ray instance's learner gets the GPUs it asks for
-    (``flows.engines.learner_gpus``: ``ValueError`` naming ``runtime.learner_gpus`` when an explicit
-    request exceeds this host's GPUs), or without GPUs this process's CPU devices. None where it
-    cannot be known: an existing cluster's workers (``runtime.address``), a CPU learner of Ray on a
-    GPU host (Ray's setting); a learner that cannot meet the request there fails before its first
-    step. Starts JAX's backend."""
+    """The devices each of ``learners`` learner processes will see, and how to name their owner, where
+    known before the run: this process's (threads; a local Dask cluster's workers inherit them), a local
+    Ray learner's requested GPUs (``flows.engines.learner_gpus``), else this process's CPU devices. None
+    for an existing cluster (``runtime.address``) or a CPU learner of Ray on a GPU host. Starts JAX."""
     import jax
 
     devices = jax.devices()
@@ -389,9 +344,8 @@ def learner_device_pool(rt: RuntimeConfig, learners: int) -> tuple[list, str] | 
 
 def check_devices(cfg: ExperimentConfig) -> None:
     """``runtime.devices_per_learner`` against each learner's devices where known
-    (:func:`learner_device_pool`; ``training.mesh.learner_devices``), and (DP enabled) the DP batch
-    and microbatch against this process's devices times ``dp.hosts`` (``training.dp.dp_devices``).
-    Starts JAX's backend. Raises ``ValueError`` naming the field, the device count and the fix."""
+    (:func:`learner_device_pool`; ``training.mesh.learner_devices``), and the DP batch against this
+    process's devices times ``dp.hosts`` (``training.dp.dp_devices``). Starts JAX. Raises ``ValueError``."""
     from training.dp import dp_devices
     from training.mesh import learner_devices
 
@@ -405,14 +359,18 @@ def check_devices(cfg: ExperimentConfig) -> None:
 
 
 def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
-    """Every check of a config that needs no run directory, cheapest first: local paths, the runtime,
-    what must be installed, the model against ``diloco.fragments``, the devices, the fine-tuning
-    inputs, then the corpus (``data.sources.check_corpus`` or :func:`check_image_source`) unless
-    ``check_data`` is False. Raises like :func:`preflight`."""
-    check_local_paths(cfg.data)
+    """Every check of a config that needs no run directory, cheapest first: runtime, installed extras,
+    model, devices, fine-tuning inputs, then the corpus (local files, a hub's reachability,
+    ``data.sources.check_corpus``; images: :func:`check_image_source`) unless ``check_data`` is False."""
     check_runtime(cfg.runtime)
     check_installed(cfg)
-    shape = _input_shape(cfg.data)
+    from models import InputShape
+
+    d, shape = cfg.data, None  # (other images: their headers tell, check_image_source)
+    if d.modality != "image":
+        shape = InputShape(vocab_size=d.vocab_size, seq_len=d.seq_len)
+    elif d.source == "digits":
+        shape = InputShape(image_shape=(8, 8, d.channels or 1), num_classes=10, pixel_max=16)
     check_model(cfg.model, cfg.diloco, shape)
     check_devices(cfg)
     if cfg.finetune.enabled:
@@ -428,9 +386,8 @@ def check_config(cfg: ExperimentConfig, check_data: bool = True) -> None:
 
 def preflight(cfg: ExperimentConfig, run_dir: str | Path | None = None, check_data: bool = True) -> Path:
     """Check the run directory (``run.directory.check_run_dir``; ``<run_root>/<name>-<time>`` when
-    ``run_dir`` is None), data an earlier run left there (:func:`check_reusable_data`), then
-    :func:`check_config`; return the run directory. Writes nothing but the corpus download cache.
-    Raises ``ValueError``, ``FileNotFoundError`` or ``ConnectionError`` in one line."""
+    ``run_dir`` is None), data an earlier run left there, then :func:`check_config`; return the run
+    directory. Writes nothing but the corpus download cache. Raises ``ValueError`` or ``OSError``."""
     path = check_run_dir(run_dir if run_dir is not None else default_run_dir(cfg.run_root, cfg.name))
     check_reusable_data(path, cfg.data, cfg.diloco.learners)
     check_config(cfg, check_data)
@@ -490,33 +447,9 @@ class SweepPlan:
         }
 
 
-def default_sweep_dir(spec: SweepSpec) -> Path:
-    stamp = "" if spec.resume else dt.datetime.now(dt.UTC).strftime("-%Y%m%d-%H%M%S")
-    return (Path(spec.sweep_root).expanduser() / f"{spec.name}{stamp}").absolute()
-
-
-def _check_sweep_dir(path: Path) -> Path:
-    if "://" in str(path):
-        raise ValueError(f"sweep folder {path} is a URL; sweeps are written to a local folder: give a local path")
-    path = Path(os.path.normpath(path.expanduser().absolute()))
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
-    for above in [path, *path.parents]:
-        if is_run(above):
-            raise ValueError(f"sweep folder {path} is inside the run directory {above}; choose a path outside it")
-    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
-        raise ValueError(
-            f"sweep folder {path} is not empty and holds no {SWEEP_RECORD} (not a sweep); choose a new "
-            "--sweep-dir or sweep name"
-        )
-    return path
-
-
 def check_deployment(spec: SweepSpec) -> str | None:
-    """With ``launch: deployment``: a Prefect server is configured and answers, and the pipeline
-    deployment exists on it; raises ``ValueError`` in one line naming the server or ``deployment``
-    otherwise. Returns a warning when no worker polls the deployment's work pool (its cells would
-    wait for one), else None."""
+    """With ``launch: deployment``: a Prefect server answers and holds the pipeline deployment (else
+    ``ValueError``). Returns a warning when no worker polls its work pool, else None."""
     if spec.launch != "deployment":
         return None
     from prefect.client.orchestration import get_client
@@ -553,9 +486,8 @@ def check_deployment(spec: SweepSpec) -> str | None:
 
 
 def missing_results(run_dir: Path, methods: list[str], seeds: list[int]) -> list[str]:
-    """What a completed pipeline run of ``methods`` over ``seeds`` (``ExperimentConfig.pretrain_methods``,
-    ``run_seeds``) must hold in ``run_dir`` but does not, as paths relative to it (empty: all there):
-    ``report/report.json`` and each method's ``pretrain/<method>/summary.json`` (each seed's, with several)."""
+    """What a completed pipeline run of ``methods`` over ``seeds`` must hold in ``run_dir`` but does not,
+    as relative paths (empty: all there): ``report/report.json`` and each (seed's) method's summary."""
     layout = RunLayout(run_dir)
     runs = [layout] if len(seeds) == 1 else [RunLayout(layout.seed_run(s)) for s in seeds]
     needed = [layout.report_json, *(sub.summary("pretrain", m) for sub in runs for m in methods)]
@@ -567,7 +499,7 @@ def _first_difference(old: dict, new: dict) -> str:
     from reports.common import flatten
 
     a, b = flatten(old, sep="."), flatten(new, sep=".")
-    for key in list(a) + [k for k in b if k not in a]:
+    for key in dict.fromkeys([*a, *b]):
         if key not in a or key not in b:
             return key
         if a[key] != b[key]:
@@ -605,12 +537,25 @@ def _plan_cell(spec: SweepSpec, cell: Cell, cfg: ExperimentConfig, run_dir: Path
 
 
 def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> SweepPlan:
-    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder, the
-    base config, each cell's config (:func:`check_config`, the corpus once per distinct data section)
-    and run directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError`` in one
-    line naming the sweep, the cell and the field (or the folder) and the fix."""
+    """Every check of a sweep: the Prefect server (:func:`check_deployment`), the sweep folder (new,
+    empty or a sweep's), and each cell's config (:func:`check_config`, the corpus once per distinct data
+    section) and run directory (:func:`_plan_cell`). Writes nothing. Raises ``ValueError``/``OSError``."""
     warning = check_deployment(spec)
-    path = _check_sweep_dir(Path(sweep_dir) if sweep_dir else default_sweep_dir(spec))
+    if sweep_dir is None:
+        stamp = "" if spec.resume else dt.datetime.now(dt.UTC).strftime("-%Y%m%d-%H%M%S")
+        sweep_dir = (Path(spec.sweep_root).expanduser() / f"{spec.name}{stamp}").absolute()
+    if "://" in str(sweep_dir):
+        raise ValueError(f"sweep folder {sweep_dir} is a URL; sweeps are written to a local folder: give a local path")
+    path = Path(os.path.normpath(Path(sweep_dir).expanduser().absolute()))
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"sweep folder {path} exists and is not a folder; choose another --sweep-dir")
+    if inside := next((above for above in [path, *path.parents] if is_run(above)), None):
+        raise ValueError(f"sweep folder {path} is inside the run directory {inside}; choose a path outside it")
+    if path.is_dir() and any(path.iterdir()) and not SweepLayout(path).record.is_file():
+        raise ValueError(
+            f"sweep folder {path} is not empty and holds no {SWEEP_RECORD} (not a sweep); choose a new "
+            "--sweep-dir or sweep name"
+        )
     base_raw = read_base(spec.base, f"sweep {spec.name}")
     planned: list[PlannedCell] = []
     checked_data: set[str] = set()
@@ -627,9 +572,8 @@ def sweep_preflight(spec: SweepSpec, sweep_dir: str | Path | None = None) -> Swe
 
 
 # -- a tuning study ------------------------------------------------------------------------------
-# The spec fields a resumed study may change: how many trials, whether to compare, how many at once,
-# whether its next trial tries the base config's settings (an extra trial, never a different objective),
-# and where the study folder lies (a moved folder resumes).
+# The spec fields a resumed study may change (never its objective): trials, compare, concurrency,
+# from_base and where the study folder lies (a moved folder resumes).
 MAY_CHANGE = ("trials", "compare", "concurrency", "from_base", "study_root")
 
 
@@ -642,31 +586,11 @@ class StudyPlan:
     base: dict[str, Any]
 
 
-def _check_study_dir(spec: TuneSpec, study_dir: Path) -> None:
-    """A study folder is new, empty, or holds a study of this spec (up to :data:`MAY_CHANGE`)."""
-    record = StudyLayout(study_dir).record
-    if record.exists():
-        old = json.loads(record.read_text()).get("spec") or {}
-        new = spec.model_dump(mode="json")
-        differs = sorted(k for k in {*old, *new} if k not in MAY_CHANGE and old.get(k) != new.get(k))
-        if differs:
-            raise ValueError(
-                f"study {spec.name}: {study_dir} holds a study of another spec ({', '.join(differs)} "
-                "differ); give the study a new name or study_root, or delete that folder"
-            )
-    elif study_dir.exists() and any(study_dir.iterdir()):
-        raise ValueError(
-            f"study {spec.name}: {study_dir} exists and is not a study folder (no {record.name}); give "
-            "the study a new name or study_root"
-        )
-
-
 def tune_preflight(spec: TuneSpec) -> StudyPlan:
     """Every check of a study: each searched value in a trial config of its method (the others at
-    their first value), the tuned comparison's config, the corpus and devices
-    (:func:`check_config`), and the study folder (one of another spec is refused). Writes nothing.
-    Raises ``ValueError`` in one line naming the study, the key and the value, or
-    ``FileNotFoundError`` for a missing base config."""
+    their first value), the tuned comparison's config, the corpus and devices (:func:`check_config`),
+    and the study folder (new, empty, or a study of this spec up to :data:`MAY_CHANGE`). Writes
+    nothing. Raises ``ValueError`` naming the study, key and value, or ``FileNotFoundError``."""
     where = f"study {spec.name}"
     raw = read_base(spec.base, where)
     first = {m: {k: r.values()[0] for k, r in spec.space[m].items()} for m in METHODS}
@@ -690,8 +614,23 @@ def tune_preflight(spec: TuneSpec) -> StudyPlan:
                 value=spec.final_config(first["dp"], first["diloco"], raw, variant, name),
                 where=f"{where}, the tuned comparison of {name}",
             )
-    _check_study_dir(spec, spec.study_dir())
-    return StudyPlan(spec, spec.study_dir(), raw)
+    study_dir = spec.study_dir()
+    record = StudyLayout(study_dir).record
+    if record.exists():
+        old = json.loads(record.read_text()).get("spec") or {}
+        new = spec.model_dump(mode="json")
+        differs = sorted(k for k in {*old, *new} if k not in MAY_CHANGE and old.get(k) != new.get(k))
+        if differs:
+            raise ValueError(
+                f"{where}: {study_dir} holds a study of another spec ({', '.join(differs)} "
+                "differ); give the study a new name or study_root, or delete that folder"
+            )
+    elif study_dir.exists() and any(study_dir.iterdir()):
+        raise ValueError(
+            f"{where}: {study_dir} exists and is not a study folder (no {record.name}); give "
+            "the study a new name or study_root"
+        )
+    return StudyPlan(spec, study_dir, raw)
 
 
 # -- fine-tuning a run's models ------------------------------------------------------------------
@@ -700,34 +639,24 @@ class FinetunePlan(dict):
     None}), ``replace``."""
 
 
-def _check_finetune_options(overrides: dict[str, Any], checkpoint: str | None, name: str | None) -> None:
-    bad = [k for k in overrides if not str(k).startswith("finetune.")]
-    if bad:
-        raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
-    if "finetune.enabled" in overrides:
-        raise ValueError(
-            "--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
-            "pipeline's stage (ddiloco run)"
-        )
-    if name and not checkpoint:
-        raise ValueError("--name names the results of --checkpoint; give both, or neither")
+def _is_prepared(p: Path) -> bool:
+    return RunLayout(p).config.is_file() and RunLayout(p).manifest.is_file()
 
 
-def _run_root_of(checkpoint: Path) -> Path:
-    for p in [checkpoint, *checkpoint.parents]:
-        if RunLayout(p).config.is_file() and RunLayout(p).manifest.is_file():
-            return p
-    raise ValueError(
-        f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
-        "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints"
-    )
+def _incomplete(ckpt: Path) -> str | None:
+    """Why checkpoint folder ``ckpt`` has no step the loaders would restore (None: it has one)."""
+    from training.ckpt_steps import complete_steps, step_folders
+
+    if complete_steps(ckpt):
+        return None
+    found = ", ".join(step_folders(ckpt)[:3])
+    return f"holds no complete checkpoint step ({f'only partial steps: {found}' if found else 'it is empty'})"
 
 
-def _check_checkpoint(checkpoint: str, run_dir: str | None) -> tuple[Path, str]:
-    """``--checkpoint``: an Orbax checkpoint folder of ours (not one step of it) with a complete step,
-    inside a run directory (``run_dir``'s, when given). Returns (the folder, its run directory)."""
-    from training.ckpt_steps import LOADED_ITEMS, complete_steps, step_folders
-
+def _checkpoint_method(checkpoint: str, run_dir: str | None, name: str | None) -> tuple[str, dict]:
+    """``--checkpoint``: an Orbax checkpoint folder of ours with a complete step, inside a run directory
+    (``run_dir``, when given), and ``--name`` (default ``<method>-ckpt``) no other pretraining method's.
+    Returns (its run directory, ``{name: checkpoint}``)."""
     ckpt = Path(checkpoint).expanduser().resolve()
     if not ckpt.is_dir():
         raise FileNotFoundError(
@@ -739,46 +668,35 @@ def _check_checkpoint(checkpoint: str, run_dir: str | None) -> tuple[Path, str]:
             f"--checkpoint {checkpoint} is one step of a checkpoint folder; give the folder that "
             f"holds the steps: {ckpt.parent}"
         )
-    if not any(p.name.isdigit() and p.is_dir() for p in ckpt.iterdir()):
+    if problem := _incomplete(ckpt):
         raise FileNotFoundError(
-            f"--checkpoint {checkpoint} holds no checkpoint step (numbered folders); give an "
-            "Orbax checkpoint folder such as RUN/pretrain/dp/checkpoints"
+            f"--checkpoint {checkpoint} {problem}; give a complete Orbax checkpoint folder such as "
+            "RUN/pretrain/dp/checkpoints, or re-run pretraining for that method"
         )
-    if not complete_steps(ckpt):
-        raise FileNotFoundError(
-            f"--checkpoint {checkpoint} holds no complete checkpoint step (its step folders "
-            f"{', '.join(step_folders(ckpt)[:3])} lack {' or '.join(i + '/' for i in LOADED_ITEMS)}: an "
-            "interrupted save); give a complete checkpoint folder, or re-run pretraining for that method"
+    root = next((p for p in [ckpt, *ckpt.parents] if _is_prepared(p)), None)
+    if root is None:
+        raise ValueError(
+            f"--checkpoint {checkpoint}: no run directory above it (a folder with config.json and "
+            "data/manifest.json); give a checkpoint folder of one of our runs, e.g. RUN/pretrain/dp/checkpoints"
         )
-    root = _run_root_of(ckpt)
     if run_dir and Path(run_dir).resolve() != root:
         raise ValueError(f"--checkpoint {checkpoint} belongs to {root}, not {run_dir}; give one of them")
-    return ckpt, str(root)
-
-
-def _checkpoint_method(layout: RunLayout, ckpt: Path, name: str | None, methods: list[str] | None) -> dict:
-    """``{method: checkpoint}`` for ``--checkpoint``: ``name`` (default ``<method>-ckpt``) may not be a
-    pretraining method's unless the checkpoint is that method's own folder."""
-    if methods:
-        raise ValueError("give --checkpoint or --methods, not both")
+    layout = RunLayout(root)
     pretrained = layout.methods("pretrain")
+    # the report shows a method's fine-tuned figures beside its pretraining: another model's checkpoint
+    # under that name would compare, e.g., DP with DP under DiLoCo's heading
     if name in {*METHOD_ORDER, *pretrained} and ckpt != Path(layout.checkpoints("pretrain", name)).resolve():
-        # the report shows a method's fine-tuned figures beside its pretraining: another model's
-        # checkpoint under that name would compare, e.g., DP with DP under DiLoCo's heading
         why = (
             f"is this run's pretrained method (its checkpoint is {layout.checkpoints('pretrain', name)})"
             if name in pretrained
             else "is a pretraining method's name (the report would show this checkpoint as that method)"
         )
         raise ValueError(f"--name {name} {why}; pick another name")
-    return {name or f"{ckpt.parent.name}-ckpt": str(ckpt)}
+    return str(root), {name or f"{ckpt.parent.name}-ckpt": str(ckpt)}
 
 
 def _pretrained_methods(rd: Path, methods: list[str] | None) -> dict:
-    """``{method: None}``: ``methods`` (default every pretrained method with a checkpoint), each with
-    a complete checkpoint step (what the loaders would refuse later is refused here)."""
-    from training.ckpt_steps import complete_steps, step_folders
-
+    """``{method: None}``: ``methods`` (default every pretrained one with a checkpoint), each complete."""
     layout = RunLayout(rd)
     have = [m for m in layout.methods("pretrain") if layout.checkpoints("pretrain", m).is_dir()]
     chosen = methods or have
@@ -789,33 +707,69 @@ def _pretrained_methods(rd: Path, methods: list[str] | None) -> dict:
         )
     if not chosen:
         raise FileNotFoundError(f"{rd} holds no pretrained checkpoint yet; pretrain first (`ddiloco run`)")
-    usable = [m for m in chosen if complete_steps(layout.checkpoints("pretrain", m))]
-    for m in chosen:
-        if m not in usable:  # the loader would refuse it only after the data step and the server
-            found = step_folders(layout.checkpoints("pretrain", m))
+    problems = {m: _incomplete(layout.checkpoints("pretrain", m)) for m in chosen}
+    usable = [m for m, p in problems.items() if p is None]
+    for m, problem in problems.items():
+        if problem:  # the loader would refuse it only after the data step and the server
             raise FileNotFoundError(
-                f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) holds no complete "
-                "checkpoint step ("
-                + (f"only partial steps: {', '.join(found[:3])}" if found else "it is empty")
-                + f"); re-run pretraining of {m}"
+                f"{rd}: the pretrained checkpoint of {m} ({layout.checkpoints('pretrain', m)}) {problem}; "
+                f"re-run pretraining of {m}"
                 + (f", or fine-tune the others alone with --methods {','.join(usable)}" if usable else "")
             )
     return {m: None for m in chosen}
 
 
-def _check_earlier_results(rd: Path, recipe: dict, plan: dict, replace: bool, named: bool) -> None:
-    """No planned method holds fine-tuning results unless ``replace``; every other method of the run
-    was fine-tuned with ``recipe`` (``training.finetune.finetune_record``: a run directory compares
-    its methods under one)."""
+def finetune_preflight(
+    run_dir: str | None,
+    methods: list[str] | None = None,
+    checkpoint: str | None = None,
+    name: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    replace: bool = False,
+) -> FinetunePlan:
+    """Check everything a fine-tuning run needs (arguments as :func:`flows.finetune.finetune`), write
+    nothing; return the plan. Every other method's results must come from the same recipe
+    (``training.finetune.finetune_record``): a run directory compares its methods under one. Raises
+    ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` naming the argument and the fix."""
+    overrides = dict(overrides or {})
+    bad = [k for k in overrides if not str(k).startswith("finetune.")]
+    if bad:
+        raise ValueError(f"--set {bad[0]}: only finetune.* fields can change after pretraining")
+    if "finetune.enabled" in overrides:
+        raise ValueError(
+            "--set finetune.enabled: `ddiloco finetune` always fine-tunes; the field switches the "
+            "pipeline's stage (ddiloco run)"
+        )
+    if name and not checkpoint:
+        raise ValueError("--name names the results of --checkpoint; give both, or neither")
+    if checkpoint and methods:
+        raise ValueError("give --checkpoint or --methods, not both")
+    if checkpoint:
+        run_dir, plan = _checkpoint_method(checkpoint, run_dir, name)
+    if not run_dir:
+        raise ValueError("give a run directory (or --checkpoint)")
+    rd = Path(run_dir)
     layout = RunLayout(rd)
+    if not _is_prepared(rd):
+        raise FileNotFoundError(
+            f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
+            "give a directory made by `ddiloco run`"
+        )
+    raw = apply_overrides(json.loads(layout.config.read_text()), {"finetune.enabled": True})
+    cfg = load_spec("config", value=raw, sets=overrides, where="invalid fine-tuning settings")
+    if not checkpoint:
+        plan = _pretrained_methods(rd, methods)
+    from training.finetune import finetune_record
+
     for m in plan:
         layout.method_dir("finetune", m)  # a valid method name
         if layout.holds_results("finetune", m) and not replace:
             raise FileExistsError(
                 f"{rd} already holds fine-tuning results of {m}; pass --replace to fine-tune it "
                 "again (its earlier results are deleted once the new ones are written)"
-                + (", or another --name" if named else "")
+                + (", or another --name" if checkpoint else "")
             )
+    recipe = finetune_record(cfg.finetune, cfg.seed)
     for m in layout.methods("finetune"):
         if m in plan or not layout.summary("finetune", m).is_file():
             continue
@@ -827,46 +781,6 @@ def _check_earlier_results(rd: Path, recipe: dict, plan: dict, replace: bool, na
                 "directory compares its methods under one recipe: fine-tune every method again "
                 "(no --methods) with --replace, or keep the recipe"
             )
-
-
-def finetune_preflight(
-    run_dir: str | None,
-    methods: list[str] | None = None,
-    checkpoint: str | None = None,
-    name: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    replace: bool = False,
-) -> FinetunePlan:
-    """Check everything a fine-tuning run needs, write nothing; return the plan.
-
-    ``run_dir``: the run to fine-tune (optional with ``checkpoint``: the run holding it). ``methods``:
-    the pretrained methods to fine-tune (default every one with a checkpoint: :func:`_pretrained_methods`).
-    ``checkpoint``: instead, one Orbax checkpoint folder of ours, fine-tuned as method ``name``
-    (:func:`_checkpoint_method`). ``overrides``: dotted ``finetune.*`` keys, applied to the run's
-    ``config.json``. ``replace``: delete this run's earlier fine-tuning results first (after every
-    check passed). Raises ``ValueError`` / ``FileNotFoundError`` / ``FileExistsError`` in one line
-    naming the argument or field and the fix.
-    """
-    overrides = dict(overrides or {})
-    _check_finetune_options(overrides, checkpoint, name)
-    ckpt = None
-    if checkpoint:
-        ckpt, run_dir = _check_checkpoint(checkpoint, run_dir)
-    if not run_dir:
-        raise ValueError("give a run directory (or --checkpoint)")
-    rd = Path(run_dir)
-    layout = RunLayout(rd)
-    if not layout.config.is_file() or not layout.manifest.is_file():
-        raise FileNotFoundError(
-            f"{rd} is not a run directory with prepared data (config.json and data/manifest.json); "
-            "give a directory made by `ddiloco run`"
-        )
-    raw = apply_overrides(json.loads(layout.config.read_text()), {"finetune.enabled": True})
-    cfg = load_spec("config", value=raw, sets=overrides, where="invalid fine-tuning settings")
-    plan = _checkpoint_method(layout, ckpt, name, methods) if ckpt else _pretrained_methods(rd, methods)
-    from training.finetune import finetune_record
-
-    _check_earlier_results(rd, finetune_record(cfg.finetune, cfg.seed), plan, replace, named=ckpt is not None)
     from data.store import load_manifest
     from training.common import input_shape
 

@@ -1,10 +1,8 @@
-"""``ddiloco run``'s progress display in a terminal: one rich progress bar per pretraining method.
-
-Each bar shows the units trained of the budget, units per second, the time left (ETA), the latest
-training and held-out loss and, for DiLoCo, the learners up; below 120 columns a shorter bar and the
-held-out loss and learners only, so that a line fits 80 columns. The bars share Prefect's own console
-(its log lines print above them, not through them); they are drawn only when stderr is a terminal,
-so a piped or logged run is plain lines as before.
+"""``ddiloco run``'s progress display in a terminal: one rich progress bar per pretraining method,
+showing units trained of the budget, units per second, time left, the latest training and held-out
+loss and DiLoCo's learners up (below 120 columns a shorter bar without the training loss, so that a
+line fits 80 columns). The bars share Prefect's console (its log lines print above them); they are
+drawn only when stderr is a terminal, so a piped or logged run is plain lines.
 """
 
 from __future__ import annotations
@@ -42,9 +40,7 @@ def _prefect_console():
 def progress_display(enabled: bool | None = None, console=None) -> Iterator[None]:
     """While open, draw every :func:`run.progress.report` as a bar (``enabled``: default, when
     stderr is a terminal) on ``console`` (default: Prefect's, else a rich console on stderr)."""
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
+    if not (sys.stderr.isatty() if enabled is None else enabled):
         yield
         return
     from rich.console import Console
@@ -86,7 +82,7 @@ def progress_display(enabled: bool | None = None, console=None) -> Iterator[None
         task = ids[p.method]
         count = f"{compact(p.done)}/{compact(p.total)} {p.unit}"
         bars.update(task, completed=p.done, total=p.total, count=count, figures="  ".join(figures))
-        speed = bars.tasks[[t.id for t in bars.tasks].index(task)].speed
+        speed = next(t.speed for t in bars.tasks if t.id == task)
         bars.update(task, rate=f"{compact(speed)} {p.unit}/s" if speed else "")
 
     unsubscribe = subscribe(show)
