@@ -37,7 +37,7 @@ def _pool() -> dict[str, Any]:
 # Schedules of the shipped sweeps' deployments, all inactive as shipped: `prefect deployment
 # schedule ls sweep/nightly`, then `prefect deployment schedule resume sweep/nightly <id>` turns one on.
 SWEEP_SCHEDULES: dict[str, list[dict[str, Any]]] = {
-    "nightly": [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}],
+    "nightly": [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
 }
 FIRST = "default"  # listed first: what `make run` runs
 

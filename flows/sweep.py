@@ -263,9 +263,7 @@ def _default_spec() -> SweepSpec:
 
 @flow(name="sweep", flow_run_name=sweep_run_name, log_prints=True)
 def sweep(
-    spec: SweepSpec = _default_spec(),
-    sweep_file: str | None = None,
-    sweep_dir: str | None = None,
+    spec: SweepSpec = _default_spec(), sweep_file: str | None = None, sweep_dir: str | None = None
 ) -> str | State:
     """Run every cell of a sweep through the pipeline, then build the sweep's comparison report.
 
