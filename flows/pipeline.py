@@ -6,10 +6,9 @@ SIGINT: the current stage stops at its next step boundary and saves, the report 
 was done, later stages are skipped) or ``failed`` (with the reason).
 """
 
-# No `from __future__ import annotations` here: Prefect validates flow parameters from the
-# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
-# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
-# cannot be resolved there and every run is refused (tests/test_deployments.py).
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the annotations,
+# and `flow.serve()` cloudpickles the flow by value, keeping only the globals its body uses: string
+# annotations then cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import contextlib
 import json
@@ -48,8 +47,7 @@ def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
 
 
 def _short_stage(rd: Path, name: str) -> dict | None:
-    """The summary of pretraining stage ``name`` when that stage ended Failed because it trained less
-    than its budget (its flow wrote the summary first: ``budget`` status ``short``), else None."""
+    """The summary of pretraining stage ``name`` when it failed short of its budget, else None."""
     if not name.startswith("pretrain-"):
         return None
     path = RunLayout(rd).summary("pretrain", name.removeprefix("pretrain-"))
@@ -62,8 +60,7 @@ def _short_stage(rd: Path, name: str) -> dict | None:
 
 @contextlib.contextmanager
 def _locked(lock: Path):
-    """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block: another run
-    training or evaluating the same DP waits for its result."""
+    """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block."""
     import fcntl
 
     lock.parent.mkdir(parents=True, exist_ok=True)
@@ -73,10 +70,8 @@ def _locked(lock: Path):
 
 
 def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's stage: trained (``flows.pretrain.pretrain_dp``), or, with a ``cache`` folder holding a
-    completed result of the same DP settings (``configs.sweep.dp_digest``), that result copied in
-    (hard links; its summary gets ``reused_from``). A run that trains a complete result stores it
-    in the cache. One lock file per digest, so runs side by side train each DP once."""
+    """DP's stage: trained, or copied (hard links, ``reused_from``) from ``cache``'s result of the same DP
+    settings (``configs.sweep.dp_digest``); a complete result trained here is stored there (locked per digest)."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
     from configs.sweep import dp_digest
@@ -102,30 +97,25 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
 
 
 def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's evaluation: lm-eval (or the image metrics) on its checkpoint (``tasks.evaluate``), or,
-    with a ``cache`` folder holding the evaluation of the same DP result under the same ``eval``
-    section (``configs.sweep.dp_eval_digest``) and this run's DP result copied from that cache,
-    that evaluation copied in (hard links; its ``eval/pretrain/dp.json`` gets ``reused_from``). An
-    evaluation is stored in the cache (``<cache>/eval/<digest>``) only when the DP result it scored
-    is the cache's."""
+    """DP's evaluation (``tasks.evaluate``), or, when this run's DP result is ``cache``'s, that result's
+    evaluation under the same ``eval`` section (``configs.sweep.dp_eval_digest``) copied in (hard links,
+    ``reused_from``); an evaluation of the cache's DP result is stored there."""
     if cache is None:
         return evaluate_task(cfg, rd, "dp")
     import os
 
     from configs.sweep import dp_digest, dp_eval_digest
 
-    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    key, layout = dp_eval_digest(dp_digest(cfg), cfg.eval), RunLayout(rd)
+    dp_cache, layout, dp_key = DPCacheLayout(Path(cache).expanduser().absolute()), RunLayout(rd), dp_digest(cfg)
+    key = dp_eval_digest(dp_key, cfg.eval)
     entry, flat, outputs = (
         dp_cache.evaluation(key),
-        layout.eval_result("pretrain", "dp"),
-        layout.eval_outputs("pretrain", "dp"),
+        *(f("pretrain", "dp") for f in (layout.eval_result, layout.eval_outputs)),
     )
-    trained = dp_cache.trained(dp_digest(cfg))
     mine = layout.summary("pretrain", "dp")
     try:  # this run's DP is the cache's: copied from it, or the training stored there (hard links)
-        same_dp = json.loads(mine.read_text()).get("reused_from") == str(trained)
-        stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_digest(cfg)))
+        same_dp = json.loads(mine.read_text()).get("reused_from") == str(dp_cache.trained(dp_key))
+        stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_key))
     except (OSError, ValueError):
         same_dp = stored = False
     with _locked(dp_cache.evaluation_lock(key)):
@@ -148,10 +138,8 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
 
 
 def _run_problem(results: dict[str, Any]) -> str | None:
-    """The one-line reason to fail a run, else None: a pretraining stage that trained less than its
-    budget because its workers were gone (summary ``budget``, ``training.common.budget_status``), a
-    method whose final held-out loss is not finite (it diverged), or DiLoCo losing more work than
-    allowed."""
+    """The one-line reason to fail a run, else None: a stage short of its budget, a non-finite final
+    held-out loss (divergence), or DiLoCo losing more work than allowed."""
     for stage in ("pretrain-diloco", "pretrain-dp"):
         budget = (results.get(stage) or {}).get("budget") or {}
         if budget.get("status") == "short":
@@ -171,9 +159,8 @@ def _run_problem(results: dict[str, Any]) -> str | None:
 
 
 def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """One seed's stages after the data: pretrain DiLoCo and DP, evaluate, fine-tune, report, each
-    appended to ``stages`` when completed; ``status.json`` says ``running`` (or ``failed`` /
-    ``interrupted``) when the report is built. Returns the one-line reason to fail the run, or None."""
+    """One seed's stages after the data (each appended to ``stages`` when completed), then the report;
+    returns the one-line reason to fail the run, or None."""
     steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
     if cfg.dp.enabled:
         steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
@@ -204,9 +191,8 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
 
 
 def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
-    """Record the run's state so far (``interrupted`` after a stop signal, ``failed`` with
-    ``problem``, else still ``running``: the report shows it at its top), build the report (also
-    after a stop or a failure: the report of what was done) and return ``problem``."""
+    """Record the run's state so far (``interrupted``, ``failed`` with ``problem``, else ``running``),
+    build the report of what was done and return ``problem``."""
     if stop_requested():
         write_status(rd, "interrupted", stages, _signal_reason())
     else:
@@ -218,11 +204,9 @@ def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
 
 @flow(name="pipeline-seed", flow_run_name="seed-{seed}", log_prints=True)
 def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, dp_cache: str | None = None) -> dict:
-    """One seed of a run of several seeds, as a child flow run of the pipeline: ``run_dir``
-    (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its
-    data hard links to ``data_dir`` (sharded once for every seed), and its stages run as in a run
-    of one seed (:func:`_train_and_report`). Returns ``{"seed", "status", "problem"}``; raises what
-    a stage raises (the run directory's status then says ``failed``)."""
+    """One seed of a run of several seeds, a child flow run of the pipeline: ``run_dir``
+    (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its data
+    hard links to ``data_dir``. Returns ``{"seed", "status", "problem"}``; raises what a stage raises."""
     cfg, rd = config.for_seed(seed), Path(run_dir)
     make_run_dir(cfg, rd)
     shutil.copytree(data_dir, RunLayout(rd).data, copy_function=link_or_copy)
@@ -239,10 +223,8 @@ def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, d
 
 
 def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """Every seed of ``cfg.seeds`` in turn (:func:`seed_run`, a child flow run each, in
-    ``RUN/seeds/seed-<s>``; ``seed-<s>`` appended to ``stages`` when that seed's run completed),
-    then the report over seeds. A seed whose run fails a check (a short budget, divergence, lost
-    work) does not stop the next; the run then fails with the first such reason. Returns it, or None."""
+    """Every seed in turn (:func:`seed_run`), then the report over seeds; a seed that fails a check does
+    not stop the next. Returns the reasons to fail the run, or None."""
     layout, problems = RunLayout(rd), []
     for seed in cfg.run_seeds:
         if stop_requested():
@@ -262,36 +244,30 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
     config_file: str | None = None,
-    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
-    # dict/None switch with nothing to edit)
+    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict has none)
     overrides: dict[str, Any] = {},  # noqa: B006
     run_dir: str | None = None,
     dp_cache: str | None = None,
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
-    pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
-    ``flows.finetune``), report. With ``seeds: [...]`` (two or more) the data is sharded once and
-    every seed's stages run in turn as a child flow run (``pipeline-seed``, named ``seed-<s>``) into
-    ``RUN/seeds/seed-<s>/``, a whole run directory each; the report at the top is the verdict over
-    seeds (``reports.seeds``: means, 95 % intervals, the paired gap DiLoCo − DP).
+    pretrain DiLoCo and DP, evaluate both, fine-tune both (``flows.finetune``), report. With two or more
+    ``seeds`` the data is sharded once and each seed runs as a child flow run (``pipeline-seed``) into
+    ``RUN/seeds/seed-<s>/``, a whole run directory each; the top report is the verdict over seeds
+    (``reports.seeds``: means, 95 % intervals, the paired gap DiLoCo − DP).
 
     Args:
         config: the experiment, field by field (the UI form).
-        config_file: instead of ``config``: a shipped config's name (``default``, ``tiny``,
-            ``failure``) or the path of a YAML config.
+        config_file: instead of ``config``: a shipped config's name (``default``, ``tiny``, …) or a YAML path.
         overrides: dotted keys applied last, e.g. ``{"diloco.learners": 8}``.
         run_dir: where to write (default ``<run_root>/<name>-<UTC time>``); it must not hold a run.
-        dp_cache: a folder of DP results shared by runs (a sweep's ``dp/``): a run whose DP settings
-            (``configs.sweep.dp_digest``) match a completed result there copies it instead of
-            training DP again, and a run that trains one stores it there.
+        dp_cache: a folder of DP results shared by runs (a sweep's ``dp/``): a result of the same DP
+            settings there is copied instead of trained, and one trained here is stored there.
 
     Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks (before anything
-    is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work
-    than ``diloco.max_dropped_fraction``, or when a pretraining stage trained less than its budget
-    because its workers were gone (every DiLoCo learner used up its retries or failed before its
-    first step: that stage ends Failed, later stages are skipped; the reason gives the share trained
-    and why). Calling the flow then raises Prefect's ``CancelledRun`` / ``FailedRun`` with the
-    one-line reason; the report is written either way.
+    is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work than
+    ``diloco.max_dropped_fraction``, diverged, or a pretraining stage trained less than its budget
+    because its workers were gone (later stages are skipped); calling the flow then raises Prefect's
+    ``CancelledRun`` / ``FailedRun`` with the one-line reason. The report is written either way.
     """
     logger = get_run_logger()
     cfg = load_spec("config", config_file, overrides, value=config)
@@ -351,6 +327,5 @@ def _signal_reason() -> str:
 def _interrupted(rd: Path, stages: list[str]) -> State:
     reason = _signal_reason()
     write_status(rd, "interrupted", stages, reason)
-    return Cancelled(
-        message=f"stopped: {reason}; completed stages: {', '.join(stages) or 'none'} (recorded in {rd / 'status.json'})"
-    )
+    done = ", ".join(stages) or "none"
+    return Cancelled(message=f"stopped: {reason}; completed stages: {done} (recorded in {rd / 'status.json'})")

@@ -4,10 +4,8 @@ Each takes the experiment config and a run directory that already holds the shar
 (``flows.pipeline`` makes one), so either can be re-run alone from the Prefect UI.
 """
 
-# No `from __future__ import annotations` here: Prefect validates flow parameters from the
-# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
-# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
-# cannot be resolved there and every run is refused (tests/test_deployments.py).
+# No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
+# (see flows/pipeline.py).
 
 import shutil
 import time
@@ -41,8 +39,7 @@ from training.tracking import method_tracker
 
 
 def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> str:
-    """The progress line of the log (``budget`` in unit ``u``, ``m`` learners); the same figures go to
-    ``run.progress`` (the terminal's bars)."""
+    """The log's progress line (``budget`` in unit ``u``, ``m`` learners), also sent to ``run.progress``."""
     info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
@@ -60,46 +57,29 @@ def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> st
     )
 
 
-def _live_resilience(rd: Path, now: float) -> dict | None:
-    """Goodput and uptime so far (``reports.resilience.diloco_resilience`` on the logs written up to
-    ``now``, the run clock), or None before any learner started or when the logs cannot be read yet."""
-    layout = RunLayout(rd)
-    try:
-        return diloco_resilience(
-            read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
-            read_jsonl(layout.metrics("pretrain", "diloco", "merges")),
-            read_schedule(layout.chaos_schedule),
-            now=now,
-        )
-    except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
-        return None
-
-
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
-    """The ``diloco-learners-<run>`` table artifact (``<run>``: the run directory's name): the
-    syncer's view of every learner and the totals (``training.decoupled.monitor.live_view``), with each
-    learner's goodput so far and the global goodput and uptime (``reports.resilience``, the report's
-    definitions), a new version at every progress line.
-    The same figures go to ``tracker``'s ``progress`` writer (this process's, beside the syncer's) at
-    the tokens claimed so far: ``learners/alive``, ``resilience/goodput`` and ``resilience/uptime``
-    (fractions)."""
+    """The ``diloco-learners-<run>`` table artifact: the syncer's view of every learner and the totals
+    (``training.decoupled.monitor.live_view``) with goodput and uptime so far (``reports.resilience``);
+    the same figures go to ``tracker``'s ``progress`` writer (``learners/alive``, ``resilience/goodput``,
+    ``resilience/uptime``: fractions) at the tokens claimed so far."""
     rows, t = live_view(config, exchange, rd)
-    res = _live_resilience(rd, exchange.clock())
-    goodput = None if res is None else res["global"]["goodput"]
+    layout, goodput, so_far = RunLayout(rd), None, ""
+    try:
+        logs = [read_jsonl(layout.metrics("pretrain", "diloco", name)) for name in ("learners", "merges")]
+        res = diloco_resilience(*logs, read_schedule(layout.chaos_schedule), now=exchange.clock())
+    except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
+        res = None
+    if res is not None:
+        goodput, uptime = res["global"]["goodput"], res["uptime"]["uptime"] or 0.0
+        per = {r["learner"]: r.get("goodput") for r in res["learners"]}
+        for row in rows:
+            row["goodput so far (%)"] = None if per.get(row["learner"]) is None else round(100 * per[row["learner"]], 1)
     live = {"learners/alive": float(t["alive"])}
     if goodput is not None:
-        live |= {"resilience/goodput": float(goodput), "resilience/uptime": float(res["uptime"]["uptime"] or 0.0)}
+        live |= {"resilience/goodput": float(goodput), "resilience/uptime": float(uptime)}
+        so_far = f" Goodput so far {100 * goodput:.1f} %, uptime {100 * uptime:.1f} % "
+        so_far += "(a learner computing and the syncer up)."
     tracker.scalars(PROGRESS_KEY, int(t["tokens claimed"]), live)
-    per = {r["learner"]: r.get("goodput") for r in res["learners"]} if res is not None else {}
-    for row in rows if res is not None else []:
-        g = per.get(row["learner"])
-        row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
-    so_far = (
-        ""
-        if goodput is None
-        else f" Goodput so far {100 * goodput:.1f} %, uptime {100 * (res['uptime']['uptime'] or 0):.1f} % "
-        "(a learner computing and the syncer up)."
-    )
     create_table_artifact(
         key=artifact_key("diloco-learners", run_slug(rd)),
         table=rows,
@@ -117,26 +97,18 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tr
 def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: float = 10.0) -> dict:
     """Decoupled DiLoCo: one syncer task and M learner tasks (retries) on the configured runner.
 
-    Learners never wait for each other; the syncer merges fragments as they arrive (quorum K,
-    grace window). A learner that fails is retried by Prefect and rejoins from its resume point and
-    the current global fragments while the others and the syncer keep going. With the fsspec
-    exchange the syncer is retried too (``diloco.syncer_retries``) and resumes from its checkpoint
-    and journal without losing or repeating a merge. Writes
-    ``pretrain/diloco/`` (summary, metrics, checkpoints, resume points); returns the summary.
-
-    When every learner ended before the budget was spent (each used up ``diloco.learner_retries``,
-    or failed before its first step) and no stop signal came, the stage ends ``Failed`` with the
-    share trained and how each learner ended (summary ``budget``: ``training.common.budget_status``;
-    a learner task that never reported to the exchange is logged as a failure at step 0); its summary
-    and Θ as it stands are written all the same.
+    A failed learner is retried by Prefect and rejoins from its resume point while the others and the
+    syncer go on; with the fsspec exchange the syncer is retried too (``diloco.syncer_retries``) and
+    resumes from its checkpoint and journal. Writes ``pretrain/diloco/``; returns the summary. When
+    every learner ended before the budget was spent and no stop signal came, the stage ends ``Failed``
+    (summary ``budget``: ``training.common.budget_status``); its summary and Θ are written all the same.
     """
     with graceful_stop(), emulated(config, Path(run_dir).absolute(), "diloco") as stage:
         return _pretrain_diloco(stage, Path(run_dir), progress_every_s)
 
 
 def dropped_reasons(work_lost: dict) -> str:
-    """The syncer's reasons for dropped work in words, e.g. ``stale 12,288, quorum 4,096`` (tokens
-    per reason, from the summary's ``work_lost.reasons``), or ``no reason logged``."""
+    """The summary's ``work_lost.reasons`` in words, e.g. ``stale 12,288, quorum 4,096``, or ``no reason logged``."""
     return ", ".join(f"{r} {n:,}" for r, n in (work_lost.get("reasons") or {}).items()) or "no reason logged"
 
 
@@ -217,13 +189,10 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
 
 
 def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_future, t_submit, every_s, publish) -> None:
-    """Wait for the learner futures, passing a stop signal to the exchange and calling ``publish()``
-    every ``every_s`` seconds and at the end. ``RuntimeError`` when the syncer ends first, or (process
-    engines) when no learner reports to the exchange in time."""
+    """Wait for the learners, passing on a stop signal and calling ``publish()`` every ``every_s`` s.
+    ``RuntimeError`` when the syncer ends first, or (process engines) no learner reports in time."""
     next_progress = time.monotonic() + every_s
-    # process engines: a worker that cannot even start the learner task (an import error, a
-    # missing package on a node) may be re-run by the engine for ever; no learner up at all
-    # after this long fails the run instead of waiting
+    # a worker that cannot start the learner task may be re-run by a process engine for ever
     give_up_at = t_submit + max(config.runtime.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
     while True:
         # short waits: a stop signal reaches learners in other processes within a second
@@ -250,7 +219,7 @@ def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_futur
 
 
 def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
-    """Log the finished run (``u``: the budget's unit), the work the syncer dropped and an early stop."""
+    """Log the finished run, the work the syncer dropped and an early stop."""
     logger.info(
         f"diloco finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
         *(summary[k] for k in ("wall_s", "tokens_per_s", "merges", "final_val_loss")),
@@ -267,11 +236,8 @@ def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
 
 
 def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
-    """Learner tasks that ended failed without ever reporting to the exchange (a worker that could not
-    import the project or start the task; a learner whose set-up raised reports itself): learner →
-    the task's final state message, each also logged as a ``failure`` event at step 0
-    (``before_start``, ``source`` flow) and a ``down`` state event in the learners log so the report
-    counts it."""
+    """Learner → final state message of the tasks that failed without ever reporting to the exchange,
+    each also logged as a ``failure`` (step 0, ``before_start``) and a ``down`` state event for the report."""
     known = exchange.learners()
     out = {
         m: f.state.message or f.state.name
@@ -290,11 +256,9 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
 
 @flow(name="pretrain-dp", flow_run_name=pretrain_run_name("dp"), log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
-    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``):
-    in this flow's process, or with ``dp.hosts`` > 1 as that many host processes on ``runtime.engine``
-    (``flows.dp_hosts``), restarted from the last checkpoint when one dies. Ends ``Failed`` (its summary
-    written) when the job stopped short of its budget without a stop signal (summary ``budget``:
-    ``training.common.budget_status``)."""
+    """The data-parallel baseline on the same data and budget: in this process, or ``dp.hosts`` > 1 host
+    processes on ``runtime.engine`` (``flows.dp_hosts``). Ends ``Failed`` (its summary written) when the
+    job stopped short of its budget without a stop signal (summary ``budget``)."""
     with graceful_stop(), emulated(config, Path(run_dir).absolute(), "dp") as stage:
         summary = dp_task(stage, run_dir) if stage.dp.hosts == 1 else _dp_hosts(stage, Path(run_dir).absolute())
     u, logger = config.unit, get_run_logger()
@@ -309,7 +273,7 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
 
 
 def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
-    """The DP job as ``dp.hosts`` processes (``flows.dp_hosts``); writes and returns its summary."""
+    """The DP job as ``dp.hosts`` processes; writes and returns its summary."""
     from flows.dp_hosts import launcher
     from run.clock import EpochClock
     from tasks.pretrain import dp_progress
