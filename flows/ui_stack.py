@@ -1,22 +1,21 @@
 """The Prefect UI stack in one command (``make ui`` / ``ddiloco ui``): server, work pool,
 deployments and a worker, started together and stopped together.
 
-1. ``prefect server start`` on ``host:port`` (analytics off, promotional content off; its database
-   is Prefect's, ``~/.prefect/prefect.db`` unless ``PREFECT_HOME`` or
-   ``PREFECT_API_DATABASE_CONNECTION_URL`` say otherwise), waited for until ``/api/health`` answers;
-2. the process work pool (``local-proc``, what prefect.yaml's deployments name), created if missing;
-3. ``prefect --no-prompt deploy --all`` from the repository's prefect.yaml (every pipeline, sweep,
-   tune and single-stage deployment);
+1. ``prefect server start`` on ``host:port`` (analytics and promotional content off; Prefect's own
+   database), waited for until ``/api/health`` answers;
+2. the process work pool ``local-proc`` (what prefect.yaml names), created if missing;
+3. ``prefect --no-prompt deploy --all`` from the repository's prefect.yaml;
 4. ``prefect worker start --pool local-proc``.
 
-Each child runs in a session of its own (its flow runs too), so SIGINT or SIGTERM to the stack, or
-a child that dies, stops every other: the worker first (its running flow runs with it), then the
-server. Nothing here imports JAX. Exit status: 0 after a stop signal, 1 when a part failed to start
-or died (its log's tail is printed), 2 for a port that is taken.
+Each child runs in a session of its own, so SIGINT or SIGTERM to the stack, or a child that dies,
+stops every other: the worker first (its running flow runs with it), then the server. Exit status: 0
+after a stop signal, 1 when a part failed to start or died (its log's tail is printed), 2 for a port
+that is taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -54,15 +53,8 @@ class Stack:
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=self.env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            io = {"stdout": fh, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+            proc = subprocess.Popen(args, cwd=ROOT, env=self.env, start_new_session=True, **io)
         self.children.append((name, proc, log))
         return proc
 
@@ -83,9 +75,8 @@ class Stack:
 
 
 def stop_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
-    """End ``proc``'s process group (it was started in a session of its own): SIGTERM, SIGKILL
-    after ``term_wait_s`` seconds, then SIGKILL to whatever of the group outlived its leader (a
-    flow-run process)."""
+    """End ``proc``'s process group: SIGTERM, SIGKILL after ``term_wait_s`` s, then SIGKILL to what of the
+    group outlived its leader (a flow-run process)."""
     for sig, wait_s in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -96,10 +87,8 @@ def stop_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def tail(log: Path, n: int = 3000) -> str:
@@ -142,10 +131,8 @@ def run_stack(
     stop: threading.Event | None = None,
 ) -> int:
     """Start the stack and keep it up until SIGINT/SIGTERM (or ``stop`` is set), then stop it all.
-
-    ``deploy``/``worker`` False leave those parts out (a server and pool only). ``log_dir``: where
-    each part's log goes (default ``build/ui-stack/``). Returns the exit status (see the module).
-    """
+    ``deploy``/``worker`` False leave those parts out; ``log_dir``: the parts' logs (default
+    ``build/ui-stack/``). Returns the exit status (see the module)."""
     if port_taken(host, port):
         free = "4300" if port != 4300 else "4301"
         say(
@@ -183,10 +170,7 @@ def run_stack(
                 return 1
             time.sleep(0.5)
         say(f"server: {base} (API {api}; log {log_dir / 'server.log'})")
-        if ensure_pool(api):
-            say(f"work pool {POOL}: created (process)")
-        else:
-            say(f"work pool {POOL}: exists")
+        say(f"work pool {POOL}: " + ("created (process)" if ensure_pool(api) else "exists"))
         if deploy and not stop.is_set():
             say("deploying prefect.yaml (every deployment; about 30 s) ...")
             proc = stack.start("deploy", [_prefect(), "--no-prompt", "deploy", "--all"])
