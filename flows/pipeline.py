@@ -11,9 +11,12 @@ was done, later stages are skipped) or ``failed`` (with the reason).
 # annotations then cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import contextlib
+import fcntl
 import json
 import math
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +26,7 @@ from prefect.states import Cancelled, Failed, State
 
 from configs.schema import ExperimentConfig
 from configs.specs import load_spec
+from configs.sweep import dp_digest, dp_eval_digest
 from flows.finetune import run_finetune_stage
 from flows.naming import pipeline_run_name, rename_flow_run
 from flows.preflight import finetune_preflight, preflight
@@ -61,8 +65,6 @@ def _short_stage(rd: Path, name: str) -> dict | None:
 @contextlib.contextmanager
 def _locked(lock: Path):
     """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block."""
-    import fcntl
-
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -74,8 +76,6 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     settings (``configs.sweep.dp_digest``); a complete result trained here is stored there (locked per digest)."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
-    from configs.sweep import dp_digest
-
     key, path = dp_digest(cfg), RunLayout(rd).summary("pretrain", "dp")
     dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
     entry, mine = dp_cache.trained(key), Path(RunLayout(rd).method_dir("pretrain", "dp"))
@@ -102,10 +102,6 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     ``reused_from``); an evaluation of the cache's DP result is stored there."""
     if cache is None:
         return evaluate_task(cfg, rd, "dp")
-    import os
-
-    from configs.sweep import dp_digest, dp_eval_digest
-
     dp_cache, layout, dp_key = DPCacheLayout(Path(cache).expanduser().absolute()), RunLayout(rd), dp_digest(cfg)
     key = dp_eval_digest(dp_key, cfg.eval)
     entry, flat, outputs = (
@@ -319,8 +315,6 @@ def pipeline(
 
 
 def _signal_reason() -> str:
-    import signal
-
     return f"{signal.Signals(stop_signal() or signal.SIGTERM).name} received"
 
 

@@ -19,22 +19,26 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.datacenters import emulated
+from flows.dp_hosts import launcher
 from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
 from reports.read import read_schedule
 from reports.resilience import diloco_resilience
 from run.atomic import write_json
+from run.clock import EpochClock
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from run.progress import Progress, report as report_progress
 from run.records import StateEvent
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
-from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
-from training.common import budget_status
+from tasks.pretrain import dp_progress, dp_task, learner_task, retry_syncer, syncer_task
+from training.common import budget_status, ensure_fresh, save_chaos_schedule
 from training.decoupled.monitor import learners_gone, live_view
 from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compilation_cache, with_absolute_exchange
+from training.dp import run_job
+from training.dp_job import prepare_job
 from training.tracking import method_tracker
 
 
@@ -274,13 +278,6 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
 
 def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
     """The DP job as ``dp.hosts`` processes; writes and returns its summary."""
-    from flows.dp_hosts import launcher
-    from run.clock import EpochClock
-    from tasks.pretrain import dp_progress
-    from training.common import ensure_fresh, save_chaos_schedule
-    from training.dp import run_job
-    from training.dp_job import prepare_job
-
     ensure_fresh(rd, "pretrain", "dp")
     if config.chaos.against_dp:
         save_chaos_schedule(config.chaos_schedule(), rd)

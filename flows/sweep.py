@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 
 from prefect import flow, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
 from prefect.futures import as_completed
-from prefect.states import Cancelled, Failed, State
+from prefect.states import Cancelled, Cancelling, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig
@@ -39,6 +42,7 @@ from flows import run_logger
 from flows.naming import sweep_run_name
 from flows.preflight import PlannedCell, SweepPlan, sweep_preflight
 from flows.slots import set_concurrency_limit, slot
+from reports.artifacts import artifact_key, publish_comparison_artifacts
 from run import atomic
 from run.control import graceful_stop, stop_requested
 from run.directory import read_status
@@ -66,10 +70,6 @@ def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
 
 def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2.0):
     """Run ``deployment`` as a child of this task run: (final state, flow run id); cancelled on a stop signal."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
-
     flow_run = run_deployment(deployment, parameters=parameters, timeout=0)
     with get_client(sync_client=True) as client:
         cancelled = False
@@ -133,7 +133,6 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
     """The comparison across the cells that have a report (:func:`reports.compare.build_comparison`) in
     ``<sweep>/report/``, published as artifacts; a cell without a readable ``report/report.json`` is
     listed as "no results" (with a warning); ``{}`` (nothing written) when no cell has one."""
-    from reports.artifacts import publish_comparison_artifacts
     from reports.compare import _read_run, build_comparison
     from reports.read import ReportInputError
 
@@ -176,10 +175,6 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
 def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict]) -> None:
     """Run the cells ``todo`` in grid order, ``concurrency`` at once; each result goes into ``results`` and
     ``sweep.json`` as it finishes."""
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    from reports.artifacts import artifact_key
-
     spec, limit = plan.spec, limit_name(plan.spec)
     set_concurrency_limit(limit, spec.concurrency)
     total, done = len(plan.cells), len(plan.cells) - len(todo)

@@ -19,10 +19,16 @@ comparison is skipped when ``tuned/`` holds a completed run of the same config (
 
 import itertools
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
 
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -45,8 +51,6 @@ __all__ = ["tune", "trial_value"]
 
 
 def _distributions(space: dict) -> dict:
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
     out = {}
     for key, r in space.items():
         if r.choices is not None:
@@ -61,8 +65,6 @@ def _distributions(space: dict) -> dict:
 def trial_value(run_dir: Path, method: str) -> float | None:
     """The trial's objective: its method's loss on the whole validation split (nats per token or
     image; ``heldout.val.loss`` of ``pretrain/<method>/summary.json``), None when it has none."""
-    import math
-
     try:
         summary = json.loads(RunLayout(run_dir).summary("pretrain", method).read_text())
     except (OSError, ValueError):
@@ -73,8 +75,6 @@ def trial_value(run_dir: Path, method: str) -> float | None:
 
 def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None = None) -> dict:
     """Write ``tune.json``: the spec, per study its trials and best, and ``tuned`` (an earlier attempt's if None)."""
-    from optuna.trial import TrialState
-
     record = StudyLayout(study_dir).record
     if tuned is None and record.is_file():  # an earlier attempt's tuned comparison, kept
         tuned = json.loads(record.read_text()).get("tuned")
@@ -107,8 +107,6 @@ def tune_report(record: dict, study_dir: str) -> str:
 def _enqueue_once(study, params: dict) -> bool:
     """Enqueue a trial of ``params`` unless one is completed or waiting with them; True when enqueued
     (a waiting trial's settings are its ``fixed_params`` system attribute: its ``params`` are empty)."""
-    from optuna.trial import TrialState
-
     planned = [
         t.system_attrs.get("fixed_params", t.params)
         for t in study.trials
@@ -130,8 +128,6 @@ def _run_trials(
     spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str, logger
 ) -> None:
     """Ask, run and tell trials of one study until ``trials`` completed (at most ``trials`` failures more)."""
-    from optuna.trial import TrialState
-
     name, method, variant = arm
     for t in study.trials:  # left running by a stopped study: failed, and its settings asked again first
         if t.state == TrialState.RUNNING:
@@ -215,10 +211,6 @@ def tune(spec: TuneSpec = load_spec("study", "tune_tiny"), study_file: str | Non
     stop signal (run it again to resume) and ``Failed`` when a method has no completed trial or
     the tuned comparison did not complete.
     """
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
     logger = run_logger()
     spec = load_spec("study", study_file, value=spec)
     plan = tune_preflight(spec)
