@@ -173,12 +173,18 @@ def start_local_ray(init_kwargs: dict, wait_s: float = RAY_REGISTER_WAIT_S) -> I
                     raise
                 msg = "Ray's local node did not register within Ray's 30 s (a busy host); waiting up to %.0f s more"
                 logging.getLogger(__name__).warning(msg, wait_s)
-                _connect_when_registered(
-                    f"{ray.util.get_node_ip_address()}:{port}",
-                    {k: v for k, v in init_kwargs.items() if k in _RAY_CONNECT_KWARGS},
-                    wait_s,
-                    on_give_up=lambda: end(leftovers()),
-                )
+                address, deadline = f"{ray.util.get_node_ip_address()}:{port}", time.monotonic() + wait_s
+                while True:  # each try waits for the node to register itself
+                    try:
+                        ray.init(address=address, **{k: v for k, v in init_kwargs.items() if k in _RAY_CONNECT_KWARGS})
+                        break
+                    except Exception:
+                        with contextlib.suppress(Exception):
+                            ray.shutdown()
+                        if time.monotonic() > deadline:
+                            end(leftovers())
+                            raise
+                        time.sleep(1.0)
                 adopted = leftovers()
     finally:
         if saved is None:
@@ -190,24 +196,6 @@ def start_local_ray(init_kwargs: dict, wait_s: float = RAY_REGISTER_WAIT_S) -> I
     finally:
         ray.shutdown()
         end(adopted)
-
-
-def _connect_when_registered(address: str, connect_kwargs: dict, wait_s: float, on_give_up) -> None:
-    """``ray.init(address=…)`` until the node registered, for at most ``wait_s`` s (then ``on_give_up()``; raises)."""
-    import ray
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            ray.init(address=address, **connect_kwargs)
-            return
-        except Exception:
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            if time.monotonic() > deadline:
-                on_give_up()
-                raise
-            time.sleep(1.0)
 
 
 def learner_gpus(rt: RuntimeConfig, m: int, cluster_gpus: float) -> int:

@@ -76,18 +76,19 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
     settings (``configs.sweep.dp_digest``); a complete result trained here is stored there (locked per digest)."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
-    key, path = dp_digest(cfg), RunLayout(rd).summary("pretrain", "dp")
-    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    entry, mine = dp_cache.trained(key), Path(RunLayout(rd).method_dir("pretrain", "dp"))
+    key, layout, dp_cache = dp_digest(cfg), RunLayout(rd), DPCacheLayout(Path(cache).expanduser().absolute())
+    path, entry, mine = (
+        layout.summary("pretrain", "dp"),
+        dp_cache.trained(key),
+        Path(layout.method_dir("pretrain", "dp")),
+    )
     with _locked(dp_cache.lock(key)):
         if dp_cache.trained_summary(key).is_file():
             shutil.copytree(entry, mine, copy_function=link_or_copy)
             summary = {**json.loads(path.read_text()), "reused_from": str(entry)}
             atomic.write_json(path, summary)  # a new file
-            loss = summary.get("final_val_loss")
-            get_run_logger().info(
-                "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)", entry, loss
-            )
+            msg = "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)"
+            get_run_logger().info(msg, entry, summary.get("final_val_loss"))
             return summary
         summary = pretrain_dp(cfg, str(rd))
         if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
@@ -104,23 +105,19 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
         return evaluate_task(cfg, rd, "dp")
     dp_cache, layout, dp_key = DPCacheLayout(Path(cache).expanduser().absolute()), RunLayout(rd), dp_digest(cfg)
     key = dp_eval_digest(dp_key, cfg.eval)
-    entry, flat, outputs = (
-        dp_cache.evaluation(key),
-        *(f("pretrain", "dp") for f in (layout.eval_result, layout.eval_outputs)),
-    )
-    mine = layout.summary("pretrain", "dp")
+    entry, mine = dp_cache.evaluation(key), layout.summary("pretrain", "dp")
+    flat, outputs = layout.eval_result("pretrain", "dp"), layout.eval_outputs("pretrain", "dp")
+    cached_flat, cached_outputs = dp_cache.evaluation_result(key), dp_cache.evaluation_outputs(key)
     try:  # this run's DP is the cache's: copied from it, or the training stored there (hard links)
         same_dp = json.loads(mine.read_text()).get("reused_from") == str(dp_cache.trained(dp_key))
         stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_key))
     except (OSError, ValueError):
         same_dp = stored = False
     with _locked(dp_cache.evaluation_lock(key)):
-        if same_dp and dp_cache.evaluation_result(key).is_file():
-            if dp_cache.evaluation_outputs(key).is_dir():
-                shutil.copytree(
-                    dp_cache.evaluation_outputs(key), outputs, copy_function=link_or_copy, dirs_exist_ok=True
-                )
-            metrics = {**json.loads(dp_cache.evaluation_result(key).read_text()), "reused_from": str(entry)}
+        if same_dp and cached_flat.is_file():
+            if cached_outputs.is_dir():
+                shutil.copytree(cached_outputs, outputs, copy_function=link_or_copy, dirs_exist_ok=True)
+            metrics = {**json.loads(cached_flat.read_text()), "reused_from": str(entry)}
             atomic.write_json(flat, metrics)
             get_run_logger().info("eval dp: reused the evaluation of the same DP result from %s", entry)
             return metrics
@@ -128,8 +125,8 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
         if stored:
             with atomic.folder(entry) as tmp:  # the entry's files, under their names in the cache
                 if outputs.is_dir():
-                    shutil.copytree(outputs, tmp / dp_cache.evaluation_outputs(key).name, copy_function=link_or_copy)
-                link_or_copy(str(flat), str(tmp / dp_cache.evaluation_result(key).name))
+                    shutil.copytree(outputs, tmp / cached_outputs.name, copy_function=link_or_copy)
+                link_or_copy(str(flat), str(tmp / cached_flat.name))
         return metrics
 
 
@@ -160,11 +157,10 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
     steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
     if cfg.dp.enabled:
         steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
-    if cfg.eval.enabled:
-        if cfg.diloco.enabled:
-            steps.append(("eval-diloco", lambda: evaluate_task(cfg, rd, "diloco")))
-        if cfg.dp.enabled:
-            steps.append(("eval-dp", lambda: _evaluate_dp_once(cfg, rd, dp_cache)))
+    if cfg.eval.enabled and cfg.diloco.enabled:
+        steps.append(("eval-diloco", lambda: evaluate_task(cfg, rd, "diloco")))
+    if cfg.eval.enabled and cfg.dp.enabled:
+        steps.append(("eval-dp", lambda: _evaluate_dp_once(cfg, rd, dp_cache)))
     if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
         steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
     results: dict[str, Any] = {}
@@ -226,9 +222,8 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
         if stop_requested():
             break
         write_status(rd, "running", stages)
-        out = seed_run(
-            config=cfg, seed=seed, run_dir=str(layout.seed_run(seed)), data_dir=str(layout.data), dp_cache=dp_cache
-        )
+        seed_dir, data = str(layout.seed_run(seed)), str(layout.data)
+        out = seed_run(config=cfg, seed=seed, run_dir=seed_dir, data_dir=data, dp_cache=dp_cache)
         if out["status"] == "completed":
             stages.append(f"seed-{seed}")
         elif out["problem"]:
