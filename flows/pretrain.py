@@ -128,15 +128,13 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         f"per learner step); engine {rt.engine}, exchange {rt.exchange_kind}"
         f"{f' at {exchange.url}' if rt.exchange_kind == 'fsspec' else ''}; precision: {config.precision.describe()}"
     )
-    progress_id = create_progress_artifact(
-        0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {u} (%)"
-    )
+    key = artifact_key("diloco-progress", run_slug(rd))
+    progress_id = create_progress_artifact(0.0, key=key, description=f"DiLoCo {u} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
+    retries = d.syncer_retries if rt.exchange_kind == "fsspec" else 0
     syncer = syncer_task.with_options(
-        retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
-        retry_delay_seconds=d.retry_delay_s,
-        retry_condition_fn=retry_syncer,
+        retries=retries, retry_delay_seconds=d.retry_delay_s, retry_condition_fn=retry_syncer
     )
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     with (
@@ -150,12 +148,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
             _publish_live_view(config, exchange, rd, tracker)
 
+        run = {"config": config, "run_dir": str(rd)}
         with task_options(config.runtime, config.diloco, "syncer"):
-            syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
+            syncer_future = runner.submit(syncer, run)
         with task_options(config.runtime, config.diloco, "learner"):
-            futures = [
-                runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
-            ]
+            futures = [runner.submit(learner, run | {"learner": m}) for m in range(d.learners)]
         t_submit = time.monotonic()
         if config.learner_processes:
             # while the worker processes import, compile their steps once into the run's cache
@@ -180,9 +177,8 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     learners = exchange.learners()
     finished = any(info.get("status") == "done" for info in learners.values())
     why = None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries)
-    summary["budget"] = budget_status(
-        summary["tokens"], budget, u, interrupted=bool(summary["interrupted"]), finished=finished, why=why
-    )
+    interrupted = bool(summary["interrupted"])
+    summary["budget"] = budget_status(summary["tokens"], budget, u, interrupted=interrupted, finished=finished, why=why)
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     _log_diloco_end(logger, summary, budget, u)
     if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed

@@ -50,16 +50,12 @@ from run.layout import RunLayout, StudyLayout
 __all__ = ["tune", "trial_value"]
 
 
-def _distributions(space: dict) -> dict:
-    out = {}
-    for key, r in space.items():
-        if r.choices is not None:
-            out[key] = CategoricalDistribution(r.choices)
-        elif r.is_int:
-            out[key] = IntDistribution(int(r.low), int(r.high), log=r.log, step=int(r.step or 1))
-        else:
-            out[key] = FloatDistribution(r.low, r.high, log=r.log, step=r.step)
-    return out
+def _distribution(r):
+    if r.choices is not None:
+        return CategoricalDistribution(r.choices)
+    if r.is_int:
+        return IntDistribution(int(r.low), int(r.high), log=r.log, step=int(r.step or 1))
+    return FloatDistribution(r.low, r.high, log=r.log, step=r.step)
 
 
 def trial_value(run_dir: Path, method: str) -> float | None:
@@ -87,11 +83,8 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
         ]
         done = [t for t in study.trials if t.state == TrialState.COMPLETE]
         best = min(done, key=lambda t: t.value) if done else None
-        out["methods"][m] = {
-            "trials": trials,
-            "completed": len(done),
-            "best": {"number": best.number, "value": best.value, "params": best.params} if best else None,
-        }
+        best = {"number": best.number, "value": best.value, "params": best.params} if best else None
+        out["methods"][m] = {"trials": trials, "completed": len(done), "best": best}
     atomic.write_json(record, out, newline=True, default=None)
     return out
 
@@ -140,7 +133,7 @@ def _run_trials(
             )
     if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and _enqueue_once(study, base):
         logger.info("%s: the base config's settings %s are tried first", name, base)
-    dists = _distributions(spec.space[method])
+    dists = {key: _distribution(r) for key, r in spec.space[method].items()}
     failed = 0
     while not stop_requested():
         done = sum(t.state == TrialState.COMPLETE for t in study.trials)
