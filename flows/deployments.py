@@ -236,12 +236,8 @@ def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[s
     if not isinstance(have, dict):
         return [f"{path}: the top level is not a mapping"]
     want = expected(config_dir)
-    out = [
-        f"top level: {line}"
-        for key in want
-        if key != "deployments"
-        for line in _diff_keys(want[key], have.get(key), key)
-    ]
+    tops = [k for k in want if k != "deployments"]
+    out = [f"top level: {line}" for key in tops for line in _diff_keys(want[key], have.get(key), key)]
     have_deps = {d.get("name"): d for d in have.get("deployments") or [] if isinstance(d, dict)}
     want_deps = {d["name"]: d for d in want["deployments"]}
     for name, dep in want_deps.items():

@@ -95,9 +95,7 @@ def _result(future) -> dict:
 
 
 def _first_death(done: list, files: HostFiles, clock: TrainingClock) -> dict | None:
-    """The failure record of the first host that ended badly among ``done`` (``(rank, future)``): a host's
-    own note of a scheduled failure first, then a host killed by a signal, then any other bad end; None
-    while every ended host finished."""
+    """The failure record of the first host that ended badly among ``done`` (``(rank, future)``), or None."""
     bad = [o for rank, f in done if (o := {**_result(f), "rank": rank}).get("returncode") != 0 or "state" in o]
     if not bad:
         return None

@@ -72,8 +72,7 @@ def _locked(lock: Path):
 
 
 def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's stage: trained, or copied (hard links, ``reused_from``) from ``cache``'s result of the same DP
-    settings (``configs.sweep.dp_digest``); a complete result trained here is stored there (locked per digest)."""
+    """DP's stage: trained (and stored in ``cache``), or copied from ``cache``'s result of the same DP settings."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
     key, layout, dp_cache = dp_digest(cfg), RunLayout(rd), DPCacheLayout(Path(cache).expanduser().absolute())
@@ -98,9 +97,7 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
 
 
 def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's evaluation (``tasks.evaluate``), or, when this run's DP result is ``cache``'s, that result's
-    evaluation under the same ``eval`` section (``configs.sweep.dp_eval_digest``) copied in (hard links,
-    ``reused_from``); an evaluation of the cache's DP result is stored there."""
+    """DP's evaluation, or, when this run's DP result is ``cache``'s, its evaluation of the same ``eval`` copied in."""
     if cache is None:
         return evaluate_task(cfg, rd, "dp")
     dp_cache, layout, dp_key = DPCacheLayout(Path(cache).expanduser().absolute()), RunLayout(rd), dp_digest(cfg)
@@ -131,8 +128,7 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
 
 
 def _run_problem(results: dict[str, Any]) -> str | None:
-    """The one-line reason to fail a run, else None: a stage short of its budget, a non-finite final
-    held-out loss (divergence), or DiLoCo losing more work than allowed."""
+    """The reason to fail a run (short budget, divergence, too much work lost), else None."""
     for stage in ("pretrain-diloco", "pretrain-dp"):
         budget = (results.get(stage) or {}).get("budget") or {}
         if budget.get("status") == "short":
@@ -152,8 +148,7 @@ def _run_problem(results: dict[str, Any]) -> str | None:
 
 
 def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """One seed's stages after the data (each appended to ``stages`` when completed), then the report;
-    returns the one-line reason to fail the run, or None."""
+    """One seed's stages after the data, then the report; returns the reason to fail the run, or None."""
     steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
     if cfg.dp.enabled:
         steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
@@ -183,8 +178,7 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
 
 
 def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
-    """Record the run's state so far (``interrupted``, ``failed`` with ``problem``, else ``running``),
-    build the report of what was done and return ``problem``."""
+    """Record the run's state so far, build the report of what was done and return ``problem``."""
     if stop_requested():
         write_status(rd, "interrupted", stages, _signal_reason())
     else:
@@ -215,8 +209,7 @@ def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, d
 
 
 def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """Every seed in turn (:func:`seed_run`), then the report over seeds; a seed that fails a check does
-    not stop the next. Returns the reasons to fail the run, or None."""
+    """Every seed in turn (:func:`seed_run`), then the report over seeds; returns the reasons to fail, or None."""
     layout, problems = RunLayout(rd), []
     for seed in cfg.run_seeds:
         if stop_requested():

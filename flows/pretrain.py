@@ -62,10 +62,7 @@ def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> st
 
 
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
-    """The ``diloco-learners-<run>`` table artifact: the syncer's view of every learner and the totals
-    (``training.decoupled.monitor.live_view``) with goodput and uptime so far (``reports.resilience``);
-    the same figures go to ``tracker``'s ``progress`` writer (``learners/alive``, ``resilience/goodput``,
-    ``resilience/uptime``: fractions) at the tokens claimed so far."""
+    """The ``diloco-learners-<run>`` table artifact (with goodput and uptime so far), also to ``tracker``."""
     rows, t = live_view(config, exchange, rd)
     layout, goodput, so_far = RunLayout(rd), None, ""
     try:
@@ -189,8 +186,7 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
 
 
 def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_future, t_submit, every_s, publish) -> None:
-    """Wait for the learners, passing on a stop signal and calling ``publish()`` every ``every_s`` s.
-    ``RuntimeError`` when the syncer ends first, or (process engines) no learner reports in time."""
+    """Wait for the learners, passing on a stop signal and calling ``publish()`` every ``every_s`` s."""
     next_progress = time.monotonic() + every_s
     # a worker that cannot start the learner task may be re-run by a process engine for ever
     give_up_at = t_submit + max(config.runtime.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
@@ -236,8 +232,7 @@ def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
 
 
 def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
-    """Learner → final state message of the tasks that failed without ever reporting to the exchange,
-    each also logged as a ``failure`` (step 0, ``before_start``) and a ``down`` state event for the report."""
+    """Learner → state message of the tasks that failed before reporting, logged as failure and down events."""
     known = exchange.learners()
     out = {
         m: f.state.message or f.state.name

@@ -62,21 +62,19 @@ def _pdeathsig(command: list[str]) -> list[str]:
     return command
 
 
-def server_command(args: list[str]) -> list[str]:
-    """Prefect's server command ``[python, -m, uvicorn, …]`` with the parent-death signal in front and
-    the watchdog (:data:`WATCHDOG`) in place of ``-m uvicorn``; any other command unchanged."""
-    args = list(args)
-    return _pdeathsig([args[0], "-c", WATCHDOG, *args[3:]]) if args[1:3] == ["-m", "uvicorn"] else args
-
-
 _Popen = subprocess.Popen  # (the real one: the server's start patches subprocess.Popen)
 
 
 def start_server_process(args: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
-    """``subprocess.Popen`` of :func:`server_command`, in a new session, with this PID for the watchdog."""
+    """``subprocess.Popen`` of Prefect's server command ``[python, -m, uvicorn, …]`` with the parent-death
+    signal in front and the watchdog (:data:`WATCHDOG`, given this PID) in place of ``-m uvicorn``, in a
+    new session; any other command unchanged."""
+    args = list(args)
+    if args[1:3] == ["-m", "uvicorn"]:
+        args = _pdeathsig([args[0], "-c", WATCHDOG, *args[3:]])
     env = {**(os.environ if env is None else env), "DDILOCO_SERVER_PARENT": str(os.getpid())}
     # setsid() in C: no fork hazard; setpriv and the watchdog act after exec
-    return _Popen(server_command(args), env=env, start_new_session=True, **kwargs)
+    return _Popen(args, env=env, start_new_session=True, **kwargs)
 
 
 class _OwnSessionServer(SubprocessASGIServer):

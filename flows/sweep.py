@@ -40,6 +40,7 @@ from configs.specs import load_spec
 from configs.sweep import SweepSpec
 from flows import run_logger
 from flows.naming import sweep_run_name
+from flows.pipeline import pipeline
 from flows.preflight import PlannedCell, SweepPlan, sweep_preflight
 from flows.slots import set_concurrency_limit, slot
 from reports.artifacts import artifact_key, publish_comparison_artifacts
@@ -107,12 +108,9 @@ def sweep_cell(
         t0 = time.perf_counter()
         logger.info("cell %s: %s in %s", name, launch, run_dir)
         if launch == "deployment":
-            state, run_id = _run_through_deployment(
-                deployment, {"config": config.model_dump(mode="json"), "run_dir": run_dir, "dp_cache": dp_cache}
-            )
+            parameters = {"config": config.model_dump(mode="json"), "run_dir": run_dir, "dp_cache": dp_cache}
+            state, run_id = _run_through_deployment(deployment, parameters)
         else:
-            from flows.pipeline import pipeline
-
             state = pipeline(config=config, run_dir=run_dir, dp_cache=dp_cache, return_state=True)
             run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         wall = time.perf_counter() - t0
@@ -173,8 +171,7 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
 
 
 def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict]) -> None:
-    """Run the cells ``todo`` in grid order, ``concurrency`` at once; each result goes into ``results`` and
-    ``sweep.json`` as it finishes."""
+    """Run the cells ``todo`` in grid order; each result goes into ``results`` and ``sweep.json`` as it ends."""
     spec, limit = plan.spec, limit_name(plan.spec)
     set_concurrency_limit(limit, spec.concurrency)
     total, done = len(plan.cells), len(plan.cells) - len(todo)
@@ -269,8 +266,7 @@ def sweep(
 
 
 def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
-    """The results an earlier run of the sweep recorded per cell (empty if none); a ``sweep.json`` that is
-    not a sweep record is renamed ``sweep.json.corrupt-<UTC time>``, with a warning on ``logger``."""
+    """Each cell's earlier results; a ``sweep.json`` that is not a sweep record is kept aside, with a warning."""
     path = SweepLayout(sweep_dir).record
     if not path.is_file():
         return {}

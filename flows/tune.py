@@ -98,8 +98,7 @@ def tune_report(record: dict, study_dir: str) -> str:
 
 
 def _enqueue_once(study, params: dict) -> bool:
-    """Enqueue a trial of ``params`` unless one is completed or waiting with them; True when enqueued
-    (a waiting trial's settings are its ``fixed_params`` system attribute: its ``params`` are empty)."""
+    """Enqueue a trial of ``params`` unless one is completed or waiting with them; True when enqueued."""
     planned = [
         t.system_attrs.get("fixed_params", t.params)
         for t in study.trials
