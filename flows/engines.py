@@ -62,9 +62,8 @@ def share_accelerators(rt: RuntimeConfig) -> None:
 def crash_retries(d: DiLoCoConfig, role: str | None = None) -> int:
     """How many times the engine re-runs a task whose process died: the ``role``'s retries, or the larger
     of the learner's and the syncer's for the whole cluster (``role`` None: Dask's one setting)."""
-    return {"learner": d.learner_retries, "syncer": d.syncer_retries}.get(
-        role, max(d.learner_retries, d.syncer_retries)
-    )
+    retries = {"learner": d.learner_retries, "syncer": d.syncer_retries}
+    return retries.get(role, max(retries.values()))
 
 
 def task_runner_for(config: ExperimentConfig):
@@ -86,30 +85,17 @@ def task_runner_for(config: ExperimentConfig):
     for name in ("distributed", *[n for n in logging.root.manager.loggerDict if n.startswith("distributed.")]):
         logging.getLogger(name).setLevel(logging.WARNING)
 
-    dask.config.set(
-        {
-            "distributed.scheduler.allowed-failures": crash_retries(config.diloco),
-            # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's dynamic mmap
-            # threshold: XLA's CPU buffers are then mapped afresh at every step (a 1024² matmul took
-            # 18.7 ms instead of 8.4 ms). Unset for the local cluster.
-            "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_": None,
-        }
-    )
+    # Dask's nannies set MALLOC_TRIM_THRESHOLD_=65536, which turns off glibc's dynamic mmap threshold: XLA's
+    # CPU buffers are then mapped afresh at every step (a 1024² matmul took 18.7 ms instead of 8.4 ms)
+    malloc = "distributed.nanny.pre-spawn-environ.MALLOC_TRIM_THRESHOLD_"
+    dask.config.set({"distributed.scheduler.allowed-failures": crash_retries(config.diloco), malloc: None})
     if rt.address is not None:
         return DaskTaskRunner(address=rt.address)
     # memory_limit 0: no nanny restarts on a per-worker memory share (JAX holds its buffers);
     # preload: run.control's dask_setup in every worker process (a terminal's Ctrl-C must not kill them)
-    return DaskTaskRunner(
-        cluster_kwargs={
-            "n_workers": slots,
-            "threads_per_worker": 1,
-            "processes": True,
-            "dashboard_address": None,
-            "memory_limit": 0,
-            "env": forwarded_env(),
-            "preload": ["run.control"],
-        }
-    )
+    cluster = {"n_workers": slots, "threads_per_worker": 1, "processes": True, "dashboard_address": None}
+    cluster |= {"memory_limit": 0, "env": forwarded_env(), "preload": ["run.control"]}
+    return DaskTaskRunner(cluster_kwargs=cluster)
 
 
 def ray_init_kwargs(rt: RuntimeConfig, slots: int) -> dict:

@@ -214,23 +214,18 @@ def tune(spec: TuneSpec = load_spec("study", "tune_tiny"), study_file: str | Non
         study_dir.mkdir(parents=True, exist_ok=True)
         storage = JournalStorage(JournalFileBackend(str(StudyLayout(study_dir).journal)))
         arms = spec.arms()
-        studies = {
-            a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize", load_if_exists=True)
-            for a in arms
-        }
+        kw = {"storage": storage, "direction": "minimize", "load_if_exists": True}
+        studies = {a[0]: optuna.create_study(study_name=a[0], **kw) for a in arms}
         for study in studies.values():  # a resumed study's sampler continues from another seed: no repeated draws
             study.sampler = optuna.samplers.TPESampler(seed=spec.sampler_seed + len(study.trials))
         _record(spec, study_dir, studies)
         limit = f"tune-{spec.name}"
         set_concurrency_limit(limit, spec.concurrency)
-        logger.info(
-            f"study {spec.name} in {study_dir}: studies {', '.join(studies)}, {spec.trials} trials each, "
-            f"{spec.concurrency} at once"
-        )
+        at_once = f"{spec.trials} trials each, {spec.concurrency} at once"
+        logger.info(f"study {spec.name} in {study_dir}: studies {', '.join(studies)}, {at_once}")
         for arm in arms:
             _run_trials(spec, study_dir, raw, arm, studies[arm[0]], limit, logger)
-            _record(spec, study_dir, studies)
-        record = _record(spec, study_dir, studies)
+            record = _record(spec, study_dir, studies)
         best = {a: (record["methods"][a]["best"] or {}).get("params") for a in studies}
         missing = [a for a in studies if best[a] is None]
         tuned: dict = dict(record.get("tuned") or {})
@@ -243,10 +238,8 @@ def tune(spec: TuneSpec = load_spec("study", "tune_tiny"), study_file: str | Non
     if stop_requested():
         return Cancelled(message=f"stopped; run the study again to resume ({study_dir})")
     if missing:
-        return Failed(
-            message=f"study {spec.name}: no completed trial of {', '.join(missing)} "
-            f"(see {StudyLayout(study_dir).record})"
-        )
+        see = StudyLayout(study_dir).record
+        return Failed(message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {see})")
     bad = [a for a, t in tuned.items() if spec.compare and t.get("status") != "completed"]
     if bad:
         return Failed(
