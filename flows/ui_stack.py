@@ -32,10 +32,6 @@ POOL = "local-proc"
 HEALTH_WAIT_S = 180.0
 
 
-def _prefect() -> str:
-    return str(Path(sys.executable).with_name("prefect"))
-
-
 def port_taken(host: str, port: int) -> bool:
     """Whether something already listens on ``host:port``."""
     with socket.socket() as s:
@@ -51,7 +47,8 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen, Path]] = []
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = self.log_dir / f"{name}.log"
+        """Start ``prefect <args>`` as the part ``name``, logging to ``<log_dir>/<name>.log``."""
+        log, args = self.log_dir / f"{name}.log", [str(Path(sys.executable).with_name("prefect")), *args]
         with open(log, "ab") as fh:
             io = {"stdout": fh, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
             proc = subprocess.Popen(args, cwd=ROOT, env=self.env, start_new_session=True, **io)
@@ -60,10 +57,10 @@ class Stack:
 
     def died(self) -> tuple[str, int, Path] | None:
         """The first child of the long-running ones (server, worker) that exited: (name, code, log)."""
-        for name, proc, log in self.children:
-            if name in ("server", "worker") and proc.poll() is not None:
-                return name, proc.returncode, log
-        return None
+        gone = [
+            (n, p.returncode, log) for n, p, log in self.children if n in ("server", "worker") and p.poll() is not None
+        ]
+        return gone[0] if gone else None
 
     def stop(self) -> None:
         for name, proc, _ in reversed(self.children):
@@ -135,10 +132,8 @@ def run_stack(
     ``build/ui-stack/``). Returns the exit status (see the module)."""
     if port_taken(host, port):
         free = "4300" if port != 4300 else "4301"
-        say(
-            f"error: {host}:{port} is taken (another Prefect server?); stop it or pick another port: "
-            f"ddiloco ui --port {free} (make ui UI_PORT={free})"
-        )
+        hint = f"stop it or pick another port: ddiloco ui --port {free} (make ui UI_PORT={free})"
+        say(f"error: {host}:{port} is taken (another Prefect server?); {hint}")
         return 2
     log_dir = log_dir or ROOT / "build" / "ui-stack"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -160,7 +155,7 @@ def run_stack(
             signal.signal(s, lambda *_: stop.set())
     stack = Stack(env, log_dir, say)
     try:
-        server = stack.start("server", [_prefect(), "server", "start", "--host", host, "--port", str(port)])
+        server = stack.start("server", ["server", "start", "--host", host, "--port", str(port)])
         end = time.monotonic() + HEALTH_WAIT_S
         while not _healthy(api):
             if server.poll() is not None or time.monotonic() > end or stop.is_set():
@@ -173,7 +168,7 @@ def run_stack(
         say(f"work pool {POOL}: " + ("created (process)" if ensure_pool(api) else "exists"))
         if deploy and not stop.is_set():
             say("deploying prefect.yaml (every deployment; about 30 s) ...")
-            proc = stack.start("deploy", [_prefect(), "--no-prompt", "deploy", "--all"])
+            proc = stack.start("deploy", ["--no-prompt", "deploy", "--all"])
             while proc.poll() is None and not stop.is_set():
                 time.sleep(0.5)
             if stop.is_set():
@@ -183,7 +178,7 @@ def run_stack(
                 return 1
             say("deployments: created from prefect.yaml")
         if worker and not stop.is_set():
-            stack.start("worker", [_prefect(), "worker", "start", "--pool", POOL])
+            stack.start("worker", ["worker", "start", "--pool", POOL])
             say(f"worker: polling {POOL} (log {log_dir / 'worker.log'})")
         say(f"ready: open {base} (Ctrl-C stops the server, the worker and its runs)")
         while not stop.wait(1.0):
