@@ -48,9 +48,8 @@ def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> st
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
     loss = sum(losses) / len(losses) if losses else None
-    evals = read_jsonl(eval_path)
+    evals, tokens, versions = read_jsonl(eval_path), exchange.claimed_tokens, exchange.versions()
     val = evals[-1]["val/loss"] if evals else None
-    tokens, versions = exchange.claimed_tokens, exchange.versions()
     report_progress(
         Progress("diloco", int(tokens), int(budget), u, train_loss=loss, heldout_loss=val, learners=(up, m))
     )
@@ -163,10 +162,8 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             shutil.rmtree(host_turns_dir(rd), ignore_errors=True)  # this host's learner turns, if any
         for m, info in sorted(exchange.learners().items()):  # (Prefect's future states can lag behind)
             if info.get("status") != "done":
-                logger.error(
-                    f"learner {m} ended {info.get('status')} after its retries "
-                    f"({info.get('reason', 'no reason recorded')}); the others spent its share of the budget"
-                )
+                why = f"{info.get('status')} after its retries ({info.get('reason', 'no reason recorded')})"
+                logger.error(f"learner {m} ended {why}; the others spent its share of the budget")
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()

@@ -61,14 +61,6 @@ def _write_record(plan: SweepPlan, results: dict[str, dict]) -> None:
     atomic.write_json(SweepLayout(plan.sweep_dir).record, plan.record(results), newline=True, default=None)
 
 
-def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
-    attempts = SweepLayout(sweep_dir).attempts
-    attempts.mkdir(parents=True, exist_ok=True)
-    target = next(t for n in itertools.count(1) if not (t := attempts / f"{pc.cell.name}-{n}").exists())
-    shutil.move(str(pc.run_dir), str(target))
-    return target
-
-
 def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2.0):
     """Run ``deployment`` as a child of this task run: (final state, flow run id); cancelled on a stop signal."""
     flow_run = run_deployment(deployment, parameters=parameters, timeout=0)
@@ -233,17 +225,16 @@ def sweep(
         f"before) in {plan.sweep_dir}; at most {spec.concurrency} at once ({spec.launch})"
     )
     prior = _prior_results(plan.sweep_dir, logger)
-    results: dict[str, dict] = {
-        pc.cell.name: {**prior.get(pc.cell.name, {}), "status": "completed", "state": "COMPLETED", "skipped": True}
-        for pc in plan.cells
-        if pc.action == "skip"
-    }
+    skipped = {"status": "completed", "state": "COMPLETED", "skipped": True}
+    results = {pc.cell.name: prior.get(pc.cell.name, {}) | skipped for pc in plan.cells if pc.action == "skip"}
     with graceful_stop():
+        attempts = SweepLayout(plan.sweep_dir).attempts
         plan.sweep_dir.mkdir(parents=True, exist_ok=True)
-        for pc in todo:
-            if pc.action == "rerun":
-                moved = _move_aside(pc, plan.sweep_dir)
-                logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
+        for pc in (pc for pc in todo if pc.action == "rerun"):
+            attempts.mkdir(parents=True, exist_ok=True)
+            moved = next(t for n in itertools.count(1) if not (t := attempts / f"{pc.cell.name}-{n}").exists())
+            shutil.move(str(pc.run_dir), str(moved))
+            logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
         _write_record(plan, results)
         _run_cells(plan, todo, results)
         comparison = sweep_report(plan, results)
