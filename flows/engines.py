@@ -36,6 +36,7 @@ import time
 import warnings
 from collections.abc import Iterator
 
+from prefect.settings import get_current_settings
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.methods import DiLoCoConfig
@@ -233,17 +234,14 @@ def engine_session(rt: RuntimeConfig, slots: int) -> Iterator[None]:
     # the run's own Ray instance (RayTaskRunner uses it and leaves its shutdown to us)
     local = rt.engine == "ray" and rt.address is None
     cluster = start_local_ray(ray_init_kwargs(rt, slots)) if local else contextlib.nullcontext()
-    from prefect.settings import get_current_settings
+    api = contextlib.nullcontext()
+    if not get_current_settings().api.url:  # the process's temporary server (a singleton), started if need be
+        from prefect.server.api.server import SubprocessASGIServer
 
-    if get_current_settings().api.url:
-        with cluster:
-            yield
-        return
-    from prefect.server.api.server import SubprocessASGIServer
+        from flows.server import api_for_workers
 
-    from flows.server import api_for_workers
-
-    server = SubprocessASGIServer()  # the process's temporary server (a singleton), started if need be
-    server.start()
-    with api_for_workers(server.api_url), cluster:
+        server = SubprocessASGIServer()
+        server.start()
+        api = api_for_workers(server.api_url)
+    with api, cluster:
         yield

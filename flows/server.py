@@ -158,11 +158,8 @@ def start_temporary_server() -> str | None:
 def temporary_server_for_workers() -> Iterator[None]:
     """For the block, a Prefect API that other processes (a cluster's workers) can be handed: the one
     ``PREFECT_API_URL`` names, or the temporary server's, then put in :func:`api_for_workers`."""
-    url = start_temporary_server()
-    if url is None:  # PREFECT_API_URL is set: its server
-        yield
-        return
-    with api_for_workers(url):
+    url = start_temporary_server()  # None: PREFECT_API_URL is set, its server
+    with contextlib.nullcontext() if url is None else api_for_workers(url):
         yield
 
 
