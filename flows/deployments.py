@@ -1,12 +1,9 @@
 """prefect.yaml's deployments, generated from the shipped configs (``configs/*.yaml``).
 
-One ``pipeline/<name>`` deployment per shipped config, whose ``parameters.config`` is that file's
-loaded values, so the UI form of ``pipeline/default`` is exactly what ``make run`` runs; plus
-``pretrain-diloco/pretrain-diloco``, ``pretrain-dp/pretrain-dp``, ``finetune/finetune`` and
-``goodput/goodput``; one ``sweep/<name>`` deployment per shipped sweep (``configs/sweeps/*.yaml``,
-``parameters.spec``), with the schedules of :data:`SWEEP_SCHEDULES` (inactive: a user turns one on);
-and one ``tune/<name>`` deployment per shipped study (``configs/studies/*.yaml``). The copied values
-are never edited by hand:
+One ``pipeline/<name>`` deployment per shipped config (``parameters.config``: the file's loaded values,
+so the form of ``pipeline/default`` is what ``make run`` runs), the single-stage ones of
+:data:`OTHER_DEPLOYMENTS`, one ``sweep/<name>`` per shipped sweep (with :data:`SWEEP_SCHEDULES`,
+inactive) and one ``tune/<name>`` per shipped study. The copied values are never edited by hand:
 
     python -m flows.deployments           # (re)write prefect.yaml
     python -m flows.deployments --check   # exit 1 naming what is out of date (tests run this)
@@ -37,7 +34,7 @@ def _pool() -> dict[str, Any]:
 # Schedules of the shipped sweeps' deployments, all inactive as shipped: `prefect deployment
 # schedule ls sweep/nightly`, then `prefect deployment schedule resume sweep/nightly <id>` turns one on.
 SWEEP_SCHEDULES: dict[str, list[dict[str, Any]]] = {
-    "nightly": [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}],
+    "nightly": [{"cron": "0 3 * * *", "timezone": "UTC", "active": False}]
 }
 FIRST = "default"  # listed first: what `make run` runs
 
@@ -133,8 +130,7 @@ def shipped_configs(config_dir: Path = CONFIG_DIR) -> list[Path]:
 
 
 def _expectation(path: Path) -> str:
-    """The ``# Expect:`` entry of a config's leading comment block (its indented continuation lines
-    included), as one line without its final full stop; '' if there is none."""
+    """The ``# Expect:`` entry of a config's leading comments as one line without its full stop, or ''."""
     lines: list[str] = []
     for line in path.read_text().splitlines():
         if not line.startswith("#"):
@@ -201,8 +197,7 @@ def render(config_dir: Path = CONFIG_DIR) -> str:
 
 
 def _label(dep: dict[str, Any]) -> str:
-    """``flow/deployment`` as the UI and ``prefect deployment run`` name it (our flows are named
-    after their functions, ``_`` → ``-``)."""
+    """``flow/deployment`` as the UI names it (our flows are named after their functions, ``_`` → ``-``)."""
     func = str(dep.get("entrypoint", "?")).rsplit(":", 1)[-1]
     return f"{func.replace('_', '-')}/{dep.get('name')}"
 
@@ -215,16 +210,10 @@ def _diff_keys(want: Any, have: Any, prefix: str = "") -> list[str]:
         text = repr(value)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    def flat(x: Any) -> dict[str, Any]:
-        return (
-            flatten(x, f"{prefix}." if prefix else "", ".")
-            if isinstance(x, dict)
-            else {prefix: x}
-            if x is not None
-            else {}
-        )
-
-    a, b = flat(want), flat(have)
+    a, b = (
+        {} if x is None else flatten(x, prefix and f"{prefix}.", ".") if isinstance(x, dict) else {prefix: x}
+        for x in (want, have)
+    )
     out = []
     for key in [*a, *(k for k in b if k not in a)]:
         if key not in b:
@@ -237,8 +226,7 @@ def _diff_keys(want: Any, have: Any, prefix: str = "") -> list[str]:
 
 
 def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[str]:
-    """What in ``path`` differs from what the configs generate (empty when in sync); one line each,
-    naming the deployment and the keys."""
+    """What in ``path`` differs from what the configs generate, one line per deployment (empty: in sync)."""
     if not path.is_file():
         return [f"{path} does not exist"]
     try:
@@ -248,12 +236,8 @@ def problems(path: Path = PREFECT_YAML, config_dir: Path = CONFIG_DIR) -> list[s
     if not isinstance(have, dict):
         return [f"{path}: the top level is not a mapping"]
     want = expected(config_dir)
-    out = [
-        f"top level: {line}"
-        for key in want
-        if key != "deployments"
-        for line in _diff_keys(want[key], have.get(key), key)
-    ]
+    tops = [k for k in want if k != "deployments"]
+    out = [f"top level: {line}" for key in tops for line in _diff_keys(want[key], have.get(key), key)]
     have_deps = {d.get("name"): d for d in have.get("deployments") or [] if isinstance(d, dict)}
     want_deps = {d["name"]: d for d in want["deployments"]}
     for name, dep in want_deps.items():

@@ -1,14 +1,11 @@
 """The DP job of several hosts (``dp.hosts`` > 1) on ``runtime.engine``: an elastic launcher.
 
-Each generation of the job is ``dp.hosts`` Prefect tasks (``tasks.pretrain.dp_host_task``), one per
-host, on the run's task runner: threads of the flow's process that start local host processes, or
-tasks on Ray or Dask workers that start a host process on their node (a DP host is a JAX process
-of its own, joined to the others by ``jax.distributed``; ``training.dp_job``). When one host ends
-badly (killed, crashed, its worker or node lost, a scheduled failure) the SPMD job cannot go on:
-the launcher aborts the generation (every other host is SIGKILLed), and ``training.dp.run_job``
-starts the next one from the last checkpoint after the failure's restart delay. A stop signal
-becomes a step every host stops at. The failure's time is when the launcher saw the host end
-(polled every 0.1 s) unless the host noted a scheduled failure itself.
+Each generation of the job is ``dp.hosts`` Prefect tasks (``tasks.pretrain.dp_host_task``) on the run's
+task runner, each starting a host process (a JAX process joined to the others by ``jax.distributed``;
+``training.dp_job``). When one host ends badly the SPMD job cannot go on: the launcher aborts the
+generation (every other host is SIGKILLed) and ``training.dp.run_job`` starts the next one from the
+last checkpoint. A stop signal becomes a step every host stops at. The failure's time is when the
+launcher saw the host end (polled every 0.1 s) unless the host noted a scheduled failure itself.
 """
 
 from __future__ import annotations
@@ -33,16 +30,14 @@ from training.dp_job import HostFiles, write_plan
 
 def launcher(config: ExperimentConfig, run_dir: Path, runner, clock: TrainingClock, progress=None, every_s=10.0):
     """``launch(generation) -> training.dp.Outcome`` for ``training.dp.run_job``: the generation's host
-    tasks submitted to ``runner``, waited for, aborted at the first host that ends badly. ``progress``
-    (``tasks.pretrain.dp_progress``'s reporter) gets host 0's newest evaluation every ``every_s``."""
+    tasks on ``runner``, aborted at the first host that ends badly; ``progress``
+    (``tasks.pretrain.dp_progress``) gets host 0's newest evaluation every ``every_s`` s."""
     hosts = config.dp.hosts
     reported = [0]
 
     def report() -> None:
-        if progress is None:
-            return
         rows, train = _rows(run_dir, "eval"), _rows(run_dir, "train")
-        if rows and rows[-1]["tokens"] > reported[0]:
+        if progress is not None and rows and rows[-1]["tokens"] > reported[0]:
             r = rows[-1]
             reported[0] = r["tokens"]
             budget = config.dp_steps * config.tokens_per_dp_step
@@ -71,11 +66,8 @@ def launcher(config: ExperimentConfig, run_dir: Path, runner, clock: TrainingClo
                 break
         report()
         if failure is not None:
-            get_run_logger().warning(
-                "dp: %s (%s steps done); every host of the job restarts from its last checkpoint",
-                failure.get("reason"),
-                failure.get("step"),
-            )
+            msg = "dp: %s (%s steps done); every host of the job restarts from its last checkpoint"
+            get_run_logger().warning(msg, failure.get("reason"), failure.get("step"))
             return Outcome(failure=failure)
         summary = _result(futures[0])["summary"]
         if summary is None:
@@ -99,26 +91,12 @@ def _result(future) -> dict:
     try:
         return future.result()
     except BaseException as exc:  # noqa: BLE001 - the agent's worker died, or the task failed
-        return {
-            "rank": None,
-            "returncode": None,
-            "failure": None,
-            "summary": None,
-            "state": f"{type(exc).__name__}: {exc}",
-        }
+        return dict.fromkeys(("rank", "returncode", "failure", "summary")) | {"state": f"{type(exc).__name__}: {exc}"}
 
 
 def _first_death(done: list, files: HostFiles, clock: TrainingClock) -> dict | None:
-    """The failure record of the generation's first host that ended badly, among the ``done`` agent
-    futures (``(rank, future)``): a host's own note of a scheduled failure first, then a host killed
-    by a signal, then any other bad end (an exception, a lost worker). None while every ended host
-    finished (exit 0)."""
-    bad = []
-    for rank, future in done:
-        out = {**_result(future), "rank": rank}
-        if out.get("returncode") == 0 and "state" not in out:
-            continue
-        bad.append(out)
+    """The failure record of the first host that ended badly among ``done`` (``(rank, future)``), or None."""
+    bad = [o for rank, f in done if (o := {**_result(f), "rank": rank}).get("returncode") != 0 or "state" in o]
     if not bad:
         return None
     noted = [o["failure"] for o in bad if o.get("failure")]
@@ -128,17 +106,7 @@ def _first_death(done: list, files: HostFiles, clock: TrainingClock) -> dict | N
     killed = [o for o in bad if (o.get("returncode") or 0) < 0]
     out = (killed or bad)[0]
     rc, rank = out.get("returncode"), out.get("rank")
-    why = (
-        exit_reason(rc, files.log(rank))
-        if rc is not None
-        else (f"its task ended {out.get('state', 'without a report')} (a lost worker or node)")
-    )
-    return {
-        "host": rank,
-        "replica": rank,
-        "index": None,
-        "step": step,
-        "t": now,
-        "restart_delay_s": 0.0,
-        "reason": f"DP host {rank}: {why}",
-    }
+    lost = f"its task ended {out.get('state', 'without a report')} (a lost worker or node)"
+    why = exit_reason(rc, files.log(rank)) if rc is not None else lost
+    record = {"host": rank, "replica": rank, "index": None, "step": step, "t": now, "restart_delay_s": 0.0}
+    return record | {"reason": f"DP host {rank}: {why}"}

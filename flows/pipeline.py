@@ -6,15 +6,17 @@ SIGINT: the current stage stops at its next step boundary and saves, the report 
 was done, later stages are skipped) or ``failed`` (with the reason).
 """
 
-# No `from __future__ import annotations` here: Prefect validates flow parameters from the
-# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
-# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
-# cannot be resolved there and every run is refused (tests/test_deployments.py).
+# No `from __future__ import annotations` here: Prefect validates flow parameters from the annotations,
+# and `flow.serve()` cloudpickles the flow by value, keeping only the globals its body uses: string
+# annotations then cannot be resolved there and every run is refused (tests/test_deployments.py).
 
 import contextlib
+import fcntl
 import json
 import math
+import os
 import shutil
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from prefect.states import Cancelled, Failed, State
 
 from configs.schema import ExperimentConfig
 from configs.specs import load_spec
+from configs.sweep import dp_digest, dp_eval_digest
 from flows.finetune import run_finetune_stage
 from flows.naming import pipeline_run_name, rename_flow_run
 from flows.preflight import finetune_preflight, preflight
@@ -48,8 +51,7 @@ def make_run_dir(cfg: ExperimentConfig, path: Path) -> Path:
 
 
 def _short_stage(rd: Path, name: str) -> dict | None:
-    """The summary of pretraining stage ``name`` when that stage ended Failed because it trained less
-    than its budget (its flow wrote the summary first: ``budget`` status ``short``), else None."""
+    """The summary of pretraining stage ``name`` when it failed short of its budget, else None."""
     if not name.startswith("pretrain-"):
         return None
     path = RunLayout(rd).summary("pretrain", name.removeprefix("pretrain-"))
@@ -62,10 +64,7 @@ def _short_stage(rd: Path, name: str) -> dict | None:
 
 @contextlib.contextmanager
 def _locked(lock: Path):
-    """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block: another run
-    training or evaluating the same DP waits for its result."""
-    import fcntl
-
+    """Hold an exclusive ``flock`` on ``lock`` (created with its folder) for the block."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     with open(lock, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -73,26 +72,22 @@ def _locked(lock: Path):
 
 
 def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's stage: trained (``flows.pretrain.pretrain_dp``), or, with a ``cache`` folder holding a
-    completed result of the same DP settings (``configs.sweep.dp_digest``), that result copied in
-    (hard links; its summary gets ``reused_from``). A run that trains a complete result stores it
-    in the cache. One lock file per digest, so runs side by side train each DP once."""
+    """DP's stage: trained (and stored in ``cache``), or copied from ``cache``'s result of the same DP settings."""
     if cache is None:
         return pretrain_dp(cfg, str(rd))
-    from configs.sweep import dp_digest
-
-    key, path = dp_digest(cfg), RunLayout(rd).summary("pretrain", "dp")
-    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    entry, mine = dp_cache.trained(key), Path(RunLayout(rd).method_dir("pretrain", "dp"))
+    key, layout, dp_cache = dp_digest(cfg), RunLayout(rd), DPCacheLayout(Path(cache).expanduser().absolute())
+    path, entry, mine = (
+        layout.summary("pretrain", "dp"),
+        dp_cache.trained(key),
+        Path(layout.method_dir("pretrain", "dp")),
+    )
     with _locked(dp_cache.lock(key)):
         if dp_cache.trained_summary(key).is_file():
             shutil.copytree(entry, mine, copy_function=link_or_copy)
             summary = {**json.loads(path.read_text()), "reused_from": str(entry)}
             atomic.write_json(path, summary)  # a new file
-            loss = summary.get("final_val_loss")
-            get_run_logger().info(
-                "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)", entry, loss
-            )
+            msg = "dp: reused the result of the same DP settings from %s (final held-out loss %.4f)"
+            get_run_logger().info(msg, entry, summary.get("final_val_loss"))
             return summary
         summary = pretrain_dp(cfg, str(rd))
         if (summary.get("budget") or {}).get("status") == "complete" and not summary.get("interrupted"):
@@ -102,39 +97,24 @@ def _pretrain_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
 
 
 def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dict:
-    """DP's evaluation: lm-eval (or the image metrics) on its checkpoint (``tasks.evaluate``), or,
-    with a ``cache`` folder holding the evaluation of the same DP result under the same ``eval``
-    section (``configs.sweep.dp_eval_digest``) and this run's DP result copied from that cache,
-    that evaluation copied in (hard links; its ``eval/pretrain/dp.json`` gets ``reused_from``). An
-    evaluation is stored in the cache (``<cache>/eval/<digest>``) only when the DP result it scored
-    is the cache's."""
+    """DP's evaluation, or, when this run's DP result is ``cache``'s, its evaluation of the same ``eval`` copied in."""
     if cache is None:
         return evaluate_task(cfg, rd, "dp")
-    import os
-
-    from configs.sweep import dp_digest, dp_eval_digest
-
-    dp_cache = DPCacheLayout(Path(cache).expanduser().absolute())
-    key, layout = dp_eval_digest(dp_digest(cfg), cfg.eval), RunLayout(rd)
-    entry, flat, outputs = (
-        dp_cache.evaluation(key),
-        layout.eval_result("pretrain", "dp"),
-        layout.eval_outputs("pretrain", "dp"),
-    )
-    trained = dp_cache.trained(dp_digest(cfg))
-    mine = layout.summary("pretrain", "dp")
+    dp_cache, layout, dp_key = DPCacheLayout(Path(cache).expanduser().absolute()), RunLayout(rd), dp_digest(cfg)
+    key = dp_eval_digest(dp_key, cfg.eval)
+    entry, mine = dp_cache.evaluation(key), layout.summary("pretrain", "dp")
+    flat, outputs = layout.eval_result("pretrain", "dp"), layout.eval_outputs("pretrain", "dp")
+    cached_flat, cached_outputs = dp_cache.evaluation_result(key), dp_cache.evaluation_outputs(key)
     try:  # this run's DP is the cache's: copied from it, or the training stored there (hard links)
-        same_dp = json.loads(mine.read_text()).get("reused_from") == str(trained)
-        stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_digest(cfg)))
+        same_dp = json.loads(mine.read_text()).get("reused_from") == str(dp_cache.trained(dp_key))
+        stored = same_dp or os.path.samefile(mine, dp_cache.trained_summary(dp_key))
     except (OSError, ValueError):
         same_dp = stored = False
     with _locked(dp_cache.evaluation_lock(key)):
-        if same_dp and dp_cache.evaluation_result(key).is_file():
-            if dp_cache.evaluation_outputs(key).is_dir():
-                shutil.copytree(
-                    dp_cache.evaluation_outputs(key), outputs, copy_function=link_or_copy, dirs_exist_ok=True
-                )
-            metrics = {**json.loads(dp_cache.evaluation_result(key).read_text()), "reused_from": str(entry)}
+        if same_dp and cached_flat.is_file():
+            if cached_outputs.is_dir():
+                shutil.copytree(cached_outputs, outputs, copy_function=link_or_copy, dirs_exist_ok=True)
+            metrics = {**json.loads(cached_flat.read_text()), "reused_from": str(entry)}
             atomic.write_json(flat, metrics)
             get_run_logger().info("eval dp: reused the evaluation of the same DP result from %s", entry)
             return metrics
@@ -142,16 +122,13 @@ def _evaluate_dp_once(cfg: ExperimentConfig, rd: Path, cache: str | None) -> dic
         if stored:
             with atomic.folder(entry) as tmp:  # the entry's files, under their names in the cache
                 if outputs.is_dir():
-                    shutil.copytree(outputs, tmp / dp_cache.evaluation_outputs(key).name, copy_function=link_or_copy)
-                link_or_copy(str(flat), str(tmp / dp_cache.evaluation_result(key).name))
+                    shutil.copytree(outputs, tmp / cached_outputs.name, copy_function=link_or_copy)
+                link_or_copy(str(flat), str(tmp / cached_flat.name))
         return metrics
 
 
 def _run_problem(results: dict[str, Any]) -> str | None:
-    """The one-line reason to fail a run, else None: a pretraining stage that trained less than its
-    budget because its workers were gone (summary ``budget``, ``training.common.budget_status``), a
-    method whose final held-out loss is not finite (it diverged), or DiLoCo losing more work than
-    allowed."""
+    """The reason to fail a run (short budget, divergence, too much work lost), else None."""
     for stage in ("pretrain-diloco", "pretrain-dp"):
         budget = (results.get(stage) or {}).get("budget") or {}
         if budget.get("status") == "short":
@@ -171,17 +148,14 @@ def _run_problem(results: dict[str, Any]) -> str | None:
 
 
 def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """One seed's stages after the data: pretrain DiLoCo and DP, evaluate, fine-tune, report, each
-    appended to ``stages`` when completed; ``status.json`` says ``running`` (or ``failed`` /
-    ``interrupted``) when the report is built. Returns the one-line reason to fail the run, or None."""
+    """One seed's stages after the data, then the report; returns the reason to fail the run, or None."""
     steps = [("pretrain-diloco", lambda: pretrain_diloco(cfg, str(rd)))] if cfg.diloco.enabled else []
     if cfg.dp.enabled:
         steps.append(("pretrain-dp", lambda: _pretrain_dp_once(cfg, rd, dp_cache)))
-    if cfg.eval.enabled:
-        if cfg.diloco.enabled:
-            steps.append(("eval-diloco", lambda: evaluate_task(cfg, rd, "diloco")))
-        if cfg.dp.enabled:
-            steps.append(("eval-dp", lambda: _evaluate_dp_once(cfg, rd, dp_cache)))
+    if cfg.eval.enabled and cfg.diloco.enabled:
+        steps.append(("eval-diloco", lambda: evaluate_task(cfg, rd, "diloco")))
+    if cfg.eval.enabled and cfg.dp.enabled:
+        steps.append(("eval-dp", lambda: _evaluate_dp_once(cfg, rd, dp_cache)))
     if cfg.finetune.enabled:  # the finetune flow's stage, on every pretrained model
         steps.append(("finetune", lambda: run_finetune_stage(finetune_preflight(str(rd)))))
     results: dict[str, Any] = {}
@@ -204,9 +178,7 @@ def _train_and_report(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, sta
 
 
 def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
-    """Record the run's state so far (``interrupted`` after a stop signal, ``failed`` with
-    ``problem``, else still ``running``: the report shows it at its top), build the report (also
-    after a stop or a failure: the report of what was done) and return ``problem``."""
+    """Record the run's state so far, build the report of what was done and return ``problem``."""
     if stop_requested():
         write_status(rd, "interrupted", stages, _signal_reason())
     else:
@@ -218,11 +190,9 @@ def _report(rd: Path, stages: list[str], problem: str | None) -> str | None:
 
 @flow(name="pipeline-seed", flow_run_name="seed-{seed}", log_prints=True)
 def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, dp_cache: str | None = None) -> dict:
-    """One seed of a run of several seeds, as a child flow run of the pipeline: ``run_dir``
-    (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its
-    data hard links to ``data_dir`` (sharded once for every seed), and its stages run as in a run
-    of one seed (:func:`_train_and_report`). Returns ``{"seed", "status", "problem"}``; raises what
-    a stage raises (the run directory's status then says ``failed``)."""
+    """One seed of a run of several seeds, a child flow run of the pipeline: ``run_dir``
+    (``RUN/seeds/seed-<seed>``) becomes a whole run directory of ``config`` with ``seed`` set, its data
+    hard links to ``data_dir``. Returns ``{"seed", "status", "problem"}``; raises what a stage raises."""
     cfg, rd = config.for_seed(seed), Path(run_dir)
     make_run_dir(cfg, rd)
     shutil.copytree(data_dir, RunLayout(rd).data, copy_function=link_or_copy)
@@ -239,18 +209,14 @@ def seed_run(config: ExperimentConfig, seed: int, run_dir: str, data_dir: str, d
 
 
 def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: list[str]) -> str | None:
-    """Every seed of ``cfg.seeds`` in turn (:func:`seed_run`, a child flow run each, in
-    ``RUN/seeds/seed-<s>``; ``seed-<s>`` appended to ``stages`` when that seed's run completed),
-    then the report over seeds. A seed whose run fails a check (a short budget, divergence, lost
-    work) does not stop the next; the run then fails with the first such reason. Returns it, or None."""
+    """Every seed in turn (:func:`seed_run`), then the report over seeds; returns the reasons to fail, or None."""
     layout, problems = RunLayout(rd), []
     for seed in cfg.run_seeds:
         if stop_requested():
             break
         write_status(rd, "running", stages)
-        out = seed_run(
-            config=cfg, seed=seed, run_dir=str(layout.seed_run(seed)), data_dir=str(layout.data), dp_cache=dp_cache
-        )
+        seed_dir, data = str(layout.seed_run(seed)), str(layout.data)
+        out = seed_run(config=cfg, seed=seed, run_dir=seed_dir, data_dir=data, dp_cache=dp_cache)
         if out["status"] == "completed":
             stages.append(f"seed-{seed}")
         elif out["problem"]:
@@ -262,36 +228,30 @@ def _train_seeds(cfg: ExperimentConfig, rd: Path, dp_cache: str | None, stages: 
 def pipeline(
     config: ExperimentConfig = ExperimentConfig(),
     config_file: str | None = None,
-    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict shows as a
-    # dict/None switch with nothing to edit)
+    # a plain dict, never mutated: the UI form gives it a JSON editor (an Optional dict has none)
     overrides: dict[str, Any] = {},  # noqa: B006
     run_dir: str | None = None,
     dp_cache: str | None = None,
 ) -> str | State:
     """Run the whole experiment and return the run directory (the report is in ``report/``): shard,
-    pretrain DiLoCo and DP, evaluate both, fine-tune both with one recipe (``finetune.enabled``;
-    ``flows.finetune``), report. With ``seeds: [...]`` (two or more) the data is sharded once and
-    every seed's stages run in turn as a child flow run (``pipeline-seed``, named ``seed-<s>``) into
-    ``RUN/seeds/seed-<s>/``, a whole run directory each; the report at the top is the verdict over
-    seeds (``reports.seeds``: means, 95 % intervals, the paired gap DiLoCo − DP).
+    pretrain DiLoCo and DP, evaluate both, fine-tune both (``flows.finetune``), report. With two or more
+    ``seeds`` the data is sharded once and each seed runs as a child flow run (``pipeline-seed``) into
+    ``RUN/seeds/seed-<s>/``, a whole run directory each; the top report is the verdict over seeds
+    (``reports.seeds``: means, 95 % intervals, the paired gap DiLoCo − DP).
 
     Args:
         config: the experiment, field by field (the UI form).
-        config_file: instead of ``config``: a shipped config's name (``default``, ``tiny``,
-            ``failure``) or the path of a YAML config.
+        config_file: instead of ``config``: a shipped config's name (``default``, ``tiny``, …) or a YAML path.
         overrides: dotted keys applied last, e.g. ``{"diloco.learners": 8}``.
         run_dir: where to write (default ``<run_root>/<name>-<UTC time>``); it must not hold a run.
-        dp_cache: a folder of DP results shared by runs (a sweep's ``dp/``): a run whose DP settings
-            (``configs.sweep.dp_digest``) match a completed result there copies it instead of
-            training DP again, and a run that trains one stores it there.
+        dp_cache: a folder of DP results shared by runs (a sweep's ``dp/``): a result of the same DP
+            settings there is copied instead of trained, and one trained here is stored there.
 
     Raises ``ValueError``/``FileNotFoundError``/``ConnectionError`` from the checks (before anything
-    is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work
-    than ``diloco.max_dropped_fraction``, or when a pretraining stage trained less than its budget
-    because its workers were gone (every DiLoCo learner used up its retries or failed before its
-    first step: that stage ends Failed, later stages are skipped; the reason gives the share trained
-    and why). Calling the flow then raises Prefect's ``CancelledRun`` / ``FailedRun`` with the
-    one-line reason; the report is written either way.
+    is written). Ends ``Cancelled`` after a stop signal and ``Failed`` when the run lost more work than
+    ``diloco.max_dropped_fraction``, diverged, or a pretraining stage trained less than its budget
+    because its workers were gone (later stages are skipped); calling the flow then raises Prefect's
+    ``CancelledRun`` / ``FailedRun`` with the one-line reason. The report is written either way.
     """
     logger = get_run_logger()
     cfg = load_spec("config", config_file, overrides, value=config)
@@ -343,14 +303,11 @@ def pipeline(
 
 
 def _signal_reason() -> str:
-    import signal
-
     return f"{signal.Signals(stop_signal() or signal.SIGTERM).name} received"
 
 
 def _interrupted(rd: Path, stages: list[str]) -> State:
     reason = _signal_reason()
     write_status(rd, "interrupted", stages, reason)
-    return Cancelled(
-        message=f"stopped: {reason}; completed stages: {', '.join(stages) or 'none'} (recorded in {rd / 'status.json'})"
-    )
+    done = ", ".join(stages) or "none"
+    return Cancelled(message=f"stopped: {reason}; completed stages: {done} (recorded in {rd / 'status.json'})")

@@ -4,10 +4,8 @@ Each takes the experiment config and a run directory that already holds the shar
 (``flows.pipeline`` makes one), so either can be re-run alone from the Prefect UI.
 """
 
-# No `from __future__ import annotations` here: Prefect validates flow parameters from the
-# annotations, and `flow.serve()` cloudpickles the flow function by value into its run process,
-# keeping only the globals the body uses; string annotations (ExperimentConfig, Optional) then
-# cannot be resolved there and every run is refused (tests/test_deployments.py).
+# No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
+# (see flows/pipeline.py).
 
 import shutil
 import time
@@ -21,35 +19,37 @@ from prefect.states import Failed
 
 from configs.schema import ExperimentConfig
 from flows.datacenters import emulated
+from flows.dp_hosts import launcher
 from flows.engines import engine_session, task_options, task_runner_for
 from flows.naming import pretrain_run_name
 from reports.artifacts import artifact_key, run_slug
 from reports.read import read_schedule
 from reports.resilience import diloco_resilience
 from run.atomic import write_json
+from run.clock import EpochClock
 from run.control import STOP, graceful_stop
 from run.layout import RunLayout
 from run.metrics import JsonlWriter, read_jsonl
 from run.progress import Progress, report as report_progress
 from run.records import StateEvent
 from run.tracking import NO_TRACKING, PROGRESS_KEY, Tracker
-from tasks.pretrain import dp_task, learner_task, retry_syncer, syncer_task
-from training.common import budget_status
+from tasks.pretrain import dp_progress, dp_task, learner_task, retry_syncer, syncer_task
+from training.common import budget_status, ensure_fresh, save_chaos_schedule
 from training.decoupled.monitor import learners_gone, live_view
 from training.decoupled.setup import host_turns_dir, prepare_diloco, warm_compilation_cache, with_absolute_exchange
+from training.dp import run_job
+from training.dp_job import prepare_job
 from training.tracking import method_tracker
 
 
 def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> str:
-    """The progress line of the log (``budget`` in unit ``u``, ``m`` learners); the same figures go to
-    ``run.progress`` (the terminal's bars)."""
+    """The log's progress line (``budget`` in unit ``u``, ``m`` learners), also sent to ``run.progress``."""
     info = exchange.learners()
     up = sum(1 for v in info.values() if v.get("status") == "running")
     losses = [v["loss"] for v in info.values() if "loss" in v]
     loss = sum(losses) / len(losses) if losses else None
-    evals = read_jsonl(eval_path)
+    evals, tokens, versions = read_jsonl(eval_path), exchange.claimed_tokens, exchange.versions()
     val = evals[-1]["val/loss"] if evals else None
-    tokens, versions = exchange.claimed_tokens, exchange.versions()
     report_progress(
         Progress("diloco", int(tokens), int(budget), u, train_loss=loss, heldout_loss=val, learners=(up, m))
     )
@@ -60,46 +60,26 @@ def _progress_line(exchange, eval_path: Path, budget: int, u: str, m: int) -> st
     )
 
 
-def _live_resilience(rd: Path, now: float) -> dict | None:
-    """Goodput and uptime so far (``reports.resilience.diloco_resilience`` on the logs written up to
-    ``now``, the run clock), or None before any learner started or when the logs cannot be read yet."""
-    layout = RunLayout(rd)
-    try:
-        return diloco_resilience(
-            read_jsonl(layout.metrics("pretrain", "diloco", "learners")),
-            read_jsonl(layout.metrics("pretrain", "diloco", "merges")),
-            read_schedule(layout.chaos_schedule),
-            now=now,
-        )
-    except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
-        return None
-
-
 def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tracker = NO_TRACKING) -> None:
-    """The ``diloco-learners-<run>`` table artifact (``<run>``: the run directory's name): the
-    syncer's view of every learner and the totals (``training.decoupled.monitor.live_view``), with each
-    learner's goodput so far and the global goodput and uptime (``reports.resilience``, the report's
-    definitions), a new version at every progress line.
-    The same figures go to ``tracker``'s ``progress`` writer (this process's, beside the syncer's) at
-    the tokens claimed so far: ``learners/alive``, ``resilience/goodput`` and ``resilience/uptime``
-    (fractions)."""
+    """The ``diloco-learners-<run>`` table artifact (with goodput and uptime so far), also to ``tracker``."""
     rows, t = live_view(config, exchange, rd)
-    res = _live_resilience(rd, exchange.clock())
-    goodput = None if res is None else res["global"]["goodput"]
+    layout, goodput, so_far = RunLayout(rd), None, ""
+    try:
+        logs = [read_jsonl(layout.metrics("pretrain", "diloco", name)) for name in ("learners", "merges")]
+        res = diloco_resilience(*logs, read_schedule(layout.chaos_schedule), now=exchange.clock())
+    except (ValueError, KeyError, OSError):  # a line half-written at this instant: the next view has it
+        res = None
+    if res is not None:
+        goodput, uptime = res["global"]["goodput"], res["uptime"]["uptime"] or 0.0
+        per = {r["learner"]: r.get("goodput") for r in res["learners"]}
+        for row in rows:
+            row["goodput so far (%)"] = None if per.get(row["learner"]) is None else round(100 * per[row["learner"]], 1)
     live = {"learners/alive": float(t["alive"])}
     if goodput is not None:
-        live |= {"resilience/goodput": float(goodput), "resilience/uptime": float(res["uptime"]["uptime"] or 0.0)}
+        live |= {"resilience/goodput": float(goodput), "resilience/uptime": float(uptime)}
+        so_far = f" Goodput so far {100 * goodput:.1f} %, uptime {100 * uptime:.1f} % "
+        so_far += "(a learner computing and the syncer up)."
     tracker.scalars(PROGRESS_KEY, int(t["tokens claimed"]), live)
-    per = {r["learner"]: r.get("goodput") for r in res["learners"]} if res is not None else {}
-    for row in rows if res is not None else []:
-        g = per.get(row["learner"])
-        row["goodput so far (%)"] = None if g is None else round(100 * g, 1)
-    so_far = (
-        ""
-        if goodput is None
-        else f" Goodput so far {100 * goodput:.1f} %, uptime {100 * (res['uptime']['uptime'] or 0):.1f} % "
-        "(a learner computing and the syncer up)."
-    )
     create_table_artifact(
         key=artifact_key("diloco-learners", run_slug(rd)),
         table=rows,
@@ -117,26 +97,18 @@ def _publish_live_view(config: ExperimentConfig, exchange, rd: Path, tracker: Tr
 def pretrain_diloco(config: ExperimentConfig, run_dir: str, progress_every_s: float = 10.0) -> dict:
     """Decoupled DiLoCo: one syncer task and M learner tasks (retries) on the configured runner.
 
-    Learners never wait for each other; the syncer merges fragments as they arrive (quorum K,
-    grace window). A learner that fails is retried by Prefect and rejoins from its resume point and
-    the current global fragments while the others and the syncer keep going. With the fsspec
-    exchange the syncer is retried too (``diloco.syncer_retries``) and resumes from its checkpoint
-    and journal without losing or repeating a merge. Writes
-    ``pretrain/diloco/`` (summary, metrics, checkpoints, resume points); returns the summary.
-
-    When every learner ended before the budget was spent (each used up ``diloco.learner_retries``,
-    or failed before its first step) and no stop signal came, the stage ends ``Failed`` with the
-    share trained and how each learner ended (summary ``budget``: ``training.common.budget_status``;
-    a learner task that never reported to the exchange is logged as a failure at step 0); its summary
-    and Θ as it stands are written all the same.
+    A failed learner is retried by Prefect and rejoins from its resume point while the others and the
+    syncer go on; with the fsspec exchange the syncer is retried too (``diloco.syncer_retries``) and
+    resumes from its checkpoint and journal. Writes ``pretrain/diloco/``; returns the summary. When
+    every learner ended before the budget was spent and no stop signal came, the stage ends ``Failed``
+    (summary ``budget``: ``training.common.budget_status``); its summary and Θ are written all the same.
     """
     with graceful_stop(), emulated(config, Path(run_dir).absolute(), "diloco") as stage:
         return _pretrain_diloco(stage, Path(run_dir), progress_every_s)
 
 
 def dropped_reasons(work_lost: dict) -> str:
-    """The syncer's reasons for dropped work in words, e.g. ``stale 12,288, quorum 4,096`` (tokens
-    per reason, from the summary's ``work_lost.reasons``), or ``no reason logged``."""
+    """The summary's ``work_lost.reasons`` in words, e.g. ``stale 12,288, quorum 4,096``, or ``no reason logged``."""
     return ", ".join(f"{r} {n:,}" for r, n in (work_lost.get("reasons") or {}).items()) or "no reason logged"
 
 
@@ -152,15 +124,13 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
         f"per learner step); engine {rt.engine}, exchange {rt.exchange_kind}"
         f"{f' at {exchange.url}' if rt.exchange_kind == 'fsspec' else ''}; precision: {config.precision.describe()}"
     )
-    progress_id = create_progress_artifact(
-        0.0, key=artifact_key("diloco-progress", run_slug(rd)), description=f"DiLoCo {u} (%)"
-    )
+    key = artifact_key("diloco-progress", run_slug(rd))
+    progress_id = create_progress_artifact(0.0, key=key, description=f"DiLoCo {u} (%)")
     learner = learner_task.with_options(retries=d.learner_retries, retry_delay_seconds=d.retry_delay_s)
     # the syncer is retried only where it can resume (checkpoint + journal in the fsspec exchange)
+    retries = d.syncer_retries if rt.exchange_kind == "fsspec" else 0
     syncer = syncer_task.with_options(
-        retries=d.syncer_retries if rt.exchange_kind == "fsspec" else 0,
-        retry_delay_seconds=d.retry_delay_s,
-        retry_condition_fn=retry_syncer,
+        retries=retries, retry_delay_seconds=d.retry_delay_s, retry_condition_fn=retry_syncer
     )
     eval_path = RunLayout(rd).metrics("pretrain", "diloco", "eval")
     with (
@@ -174,12 +144,11 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             update_progress_artifact(progress_id, 100.0 * exchange.claimed_tokens / budget)
             _publish_live_view(config, exchange, rd, tracker)
 
+        run = {"config": config, "run_dir": str(rd)}
         with task_options(config.runtime, config.diloco, "syncer"):
-            syncer_future = runner.submit(syncer, {"config": config, "run_dir": str(rd)})
+            syncer_future = runner.submit(syncer, run)
         with task_options(config.runtime, config.diloco, "learner"):
-            futures = [
-                runner.submit(learner, {"config": config, "run_dir": str(rd), "learner": m}) for m in range(d.learners)
-            ]
+            futures = [runner.submit(learner, run | {"learner": m}) for m in range(d.learners)]
         t_submit = time.monotonic()
         if config.learner_processes:
             # while the worker processes import, compile their steps once into the run's cache
@@ -193,10 +162,8 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
             shutil.rmtree(host_turns_dir(rd), ignore_errors=True)  # this host's learner turns, if any
         for m, info in sorted(exchange.learners().items()):  # (Prefect's future states can lag behind)
             if info.get("status") != "done":
-                logger.error(
-                    f"learner {m} ended {info.get('status')} after its retries "
-                    f"({info.get('reason', 'no reason recorded')}); the others spent its share of the budget"
-                )
+                why = f"{info.get('status')} after its retries ({info.get('reason', 'no reason recorded')})"
+                logger.error(f"learner {m} ended {why}; the others spent its share of the budget")
         unreported = _unreported_failures(futures, exchange, rd)
         summary = syncer_future.result()
         exchange.refresh()
@@ -204,9 +171,8 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
     learners = exchange.learners()
     finished = any(info.get("status") == "done" for info in learners.values())
     why = None if finished else learners_gone(learners, d.learners, unreported, d.learner_retries)
-    summary["budget"] = budget_status(
-        summary["tokens"], budget, u, interrupted=bool(summary["interrupted"]), finished=finished, why=why
-    )
+    interrupted = bool(summary["interrupted"])
+    summary["budget"] = budget_status(summary["tokens"], budget, u, interrupted=interrupted, finished=finished, why=why)
     write_json(RunLayout(rd).summary("pretrain", "diloco"), summary)
     _log_diloco_end(logger, summary, budget, u)
     if summary["budget"]["status"] == "short":  # no learner left to train: the stage failed
@@ -217,13 +183,9 @@ def _pretrain_diloco(config: ExperimentConfig, rd: Path, progress_every_s: float
 
 
 def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_future, t_submit, every_s, publish) -> None:
-    """Wait for the learner futures, passing a stop signal to the exchange and calling ``publish()``
-    every ``every_s`` seconds and at the end. ``RuntimeError`` when the syncer ends first, or (process
-    engines) when no learner reports to the exchange in time."""
+    """Wait for the learners, passing on a stop signal and calling ``publish()`` every ``every_s`` s."""
     next_progress = time.monotonic() + every_s
-    # process engines: a worker that cannot even start the learner task (an import error, a
-    # missing package on a node) may be re-run by the engine for ever; no learner up at all
-    # after this long fails the run instead of waiting
+    # a worker that cannot start the learner task may be re-run by a process engine for ever
     give_up_at = t_submit + max(config.runtime.start_wait_s, 60.0) + 120.0 if config.learner_processes else None
     while True:
         # short waits: a stop signal reaches learners in other processes within a second
@@ -250,7 +212,7 @@ def _wait_for_learners(config: ExperimentConfig, exchange, futures, syncer_futur
 
 
 def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
-    """Log the finished run (``u``: the budget's unit), the work the syncer dropped and an early stop."""
+    """Log the finished run, the work the syncer dropped and an early stop."""
     logger.info(
         f"diloco finished: {summary['tokens']:,} {u} in %.1f s (%.0f {u}/s), %d merges, held-out loss %.4f",
         *(summary[k] for k in ("wall_s", "tokens_per_s", "merges", "final_val_loss")),
@@ -267,11 +229,7 @@ def _log_diloco_end(logger, summary: dict, budget: int, u: str) -> None:
 
 
 def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
-    """Learner tasks that ended failed without ever reporting to the exchange (a worker that could not
-    import the project or start the task; a learner whose set-up raised reports itself): learner →
-    the task's final state message, each also logged as a ``failure`` event at step 0
-    (``before_start``, ``source`` flow) and a ``down`` state event in the learners log so the report
-    counts it."""
+    """Learner → state message of the tasks that failed before reporting, logged as failure and down events."""
     known = exchange.learners()
     out = {
         m: f.state.message or f.state.name
@@ -290,11 +248,9 @@ def _unreported_failures(futures, exchange, rd: Path) -> dict[int, str]:
 
 @flow(name="pretrain-dp", flow_run_name=pretrain_run_name("dp"), log_prints=True)
 def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
-    """The data-parallel baseline on the same data and token budget (global batch ``dp.batch_size``):
-    in this flow's process, or with ``dp.hosts`` > 1 as that many host processes on ``runtime.engine``
-    (``flows.dp_hosts``), restarted from the last checkpoint when one dies. Ends ``Failed`` (its summary
-    written) when the job stopped short of its budget without a stop signal (summary ``budget``:
-    ``training.common.budget_status``)."""
+    """The data-parallel baseline on the same data and budget: in this process, or ``dp.hosts`` > 1 host
+    processes on ``runtime.engine`` (``flows.dp_hosts``). Ends ``Failed`` (its summary written) when the
+    job stopped short of its budget without a stop signal (summary ``budget``)."""
     with graceful_stop(), emulated(config, Path(run_dir).absolute(), "dp") as stage:
         summary = dp_task(stage, run_dir) if stage.dp.hosts == 1 else _dp_hosts(stage, Path(run_dir).absolute())
     u, logger = config.unit, get_run_logger()
@@ -309,14 +265,7 @@ def pretrain_dp(config: ExperimentConfig, run_dir: str) -> dict:
 
 
 def _dp_hosts(config: ExperimentConfig, rd: Path) -> dict:
-    """The DP job as ``dp.hosts`` processes (``flows.dp_hosts``); writes and returns its summary."""
-    from flows.dp_hosts import launcher
-    from run.clock import EpochClock
-    from tasks.pretrain import dp_progress
-    from training.common import ensure_fresh, save_chaos_schedule
-    from training.dp import run_job
-    from training.dp_job import prepare_job
-
+    """The DP job as ``dp.hosts`` processes; writes and returns its summary."""
     ensure_fresh(rd, "pretrain", "dp")
     if config.chaos.against_dp:
         save_chaos_schedule(config.chaos_schedule(), rd)

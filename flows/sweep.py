@@ -1,38 +1,25 @@
 """The sweep flow: one pipeline run per cell of a grid of overrides, then one report across cells.
 
 A sweep folder (``<sweep_root>/<name>``, or ``<name>-<UTC time>`` with ``resume: false``) is laid
-out as :class:`run.layout.SweepLayout` says: ``sweep.json``, ``cells/<cell>/`` (a whole pipeline run
-each), ``attempts/``, ``dp/`` and ``report/`` (``reports.compare``).
-
-**How cells run** (``launch``):
-
-* ``subflow`` (the default): each cell is a child flow run of the ``pipeline`` flow, called from a
-  ``sweep-cell`` task of the sweep's own flow run, in the sweep's process. It needs no work pool or
-  worker, so ``ddiloco sweep`` runs anywhere; the UI shows each cell as a flow run nested under
-  its task, with the pipeline's learner and syncer tasks inside.
-* ``deployment``: each cell is a run of a pipeline deployment (``run_deployment``, linked as a
-  child run), executed by a worker of that deployment's pool in a process of its own: cells on
-  several machines, or isolated from each other's crashes.
-
-Either way at most ``concurrency`` cells run at once, taken in grid order by a Prefect
-``ThreadPoolTaskRunner`` of that many threads, and each ``sweep-cell`` task holds a slot of the
-Prefect global concurrency limit ``sweep-<name>`` (created, or updated to ``concurrency``, when the
-sweep starts) while its cell runs, so sweeps of one name share the limit, wherever they run. A
-slot whose holder died (a process killed, a machine gone) comes back well within a minute, on a
-persistent server too: the holder renews its lease and a heartbeat record every few seconds, and
-a cell waiting for a slot releases the leases whose heartbeat stopped (:mod:`flows.slots`).
+out as :class:`run.layout.SweepLayout` says. **How cells run** (``launch``): ``subflow`` (the
+default) runs each cell as a child flow run of ``pipeline`` from a ``sweep-cell`` task, in the
+sweep's process (no work pool or worker needed); ``deployment`` runs each as a run of a pipeline
+deployment (``run_deployment``, linked as a child run) by a worker of its pool: cells on several
+machines, or isolated from each other's crashes. At most ``concurrency`` cells run at once, in grid
+order (a ``ThreadPoolTaskRunner``), each holding a slot of the Prefect global concurrency limit
+``sweep-<name>`` (:mod:`flows.slots`: a dead holder's slot comes back well within a minute).
 
 **Resuming.** A cell is identified by its resolved config (:func:`configs.sweep.config_digest`); the
 record is the cell's run directory itself, not a Prefect result cache: it sits beside the results it
-vouches for, survives a new Prefect server or database, and cannot point at results that were
-deleted. Which cells are skipped, run again (moved aside to ``attempts/`` first) or refused is
-:func:`flows.preflight._plan_cell`'s decision.
+vouches for and survives a new Prefect server. Which cells are skipped, run again (moved aside to
+``attempts/`` first) or refused is :func:`flows.preflight._plan_cell`'s decision.
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
 # (see flows/pipeline.py).
 
 import datetime as dt
+import itertools
 import json
 import os
 import shutil
@@ -40,9 +27,12 @@ import time
 from pathlib import Path
 
 from prefect import flow, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.deployments import run_deployment
 from prefect.futures import as_completed
-from prefect.states import Cancelled, Failed, State
+from prefect.states import Cancelled, Cancelling, Failed, State
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from configs.schema import ExperimentConfig
@@ -50,8 +40,10 @@ from configs.specs import load_spec
 from configs.sweep import SweepSpec
 from flows import run_logger
 from flows.naming import sweep_run_name
+from flows.pipeline import pipeline
 from flows.preflight import PlannedCell, SweepPlan, sweep_preflight
 from flows.slots import set_concurrency_limit, slot
+from reports.artifacts import artifact_key, publish_comparison_artifacts
 from run import atomic
 from run.control import graceful_stop, stop_requested
 from run.directory import read_status
@@ -69,24 +61,8 @@ def _write_record(plan: SweepPlan, results: dict[str, dict]) -> None:
     atomic.write_json(SweepLayout(plan.sweep_dir).record, plan.record(results), newline=True, default=None)
 
 
-def _move_aside(pc: PlannedCell, sweep_dir: Path) -> Path:
-    attempts = SweepLayout(sweep_dir).attempts
-    attempts.mkdir(parents=True, exist_ok=True)
-    n = 1
-    while (attempts / f"{pc.cell.name}-{n}").exists():
-        n += 1
-    target = attempts / f"{pc.cell.name}-{n}"
-    shutil.move(str(pc.run_dir), str(target))
-    return target
-
-
 def _run_through_deployment(deployment: str, parameters: dict, poll_s: float = 2.0):
-    """Start a run of ``deployment`` (a child of this task run) and wait for its final state; on a stop
-    signal ask it to cancel and return. Returns (state, flow run id)."""
-    from prefect.client.orchestration import get_client
-    from prefect.deployments import run_deployment
-    from prefect.states import Cancelling
-
+    """Run ``deployment`` as a child of this task run: (final state, flow run id); cancelled on a stop signal."""
     flow_run = run_deployment(deployment, parameters=parameters, timeout=0)
     with get_client(sync_client=True) as client:
         cancelled = False
@@ -114,13 +90,9 @@ def sweep_cell(
     dp_cache: str | None = None,
 ) -> dict:
     """Run one cell's pipeline while holding a slot of the global concurrency limit ``limit``;
-    ``dp_cache``: the sweep's shared DP results (the pipeline's ``dp_cache``: DP trained once per
-    DP setting).
-
-    Returns ``{"state": <Prefect state type>, "status": <the run's status.json status>, "reason",
-    "wall_s" [s], "flow_run_id"}``; a cell that fails is recorded, not raised, so the other cells
-    go on.
-    """
+    ``dp_cache``: the pipeline's shared DP results. Returns ``{"state": <Prefect state type>, "status":
+    <the run's status.json status>, "reason", "wall_s" [s], "flow_run_id"}``; a failure is recorded,
+    not raised, so the other cells go on."""
     logger = run_logger()
     with slot(limit) as held:
         if not held:
@@ -128,12 +100,9 @@ def sweep_cell(
         t0 = time.perf_counter()
         logger.info("cell %s: %s in %s", name, launch, run_dir)
         if launch == "deployment":
-            state, run_id = _run_through_deployment(
-                deployment, {"config": config.model_dump(mode="json"), "run_dir": run_dir, "dp_cache": dp_cache}
-            )
+            parameters = {"config": config.model_dump(mode="json"), "run_dir": run_dir, "dp_cache": dp_cache}
+            state, run_id = _run_through_deployment(deployment, parameters)
         else:
-            from flows.pipeline import pipeline
-
             state = pipeline(config=config, run_dir=run_dir, dp_cache=dp_cache, return_state=True)
             run_id = str(state.state_details.flow_run_id) if state.state_details.flow_run_id else None
         wall = time.perf_counter() - t0
@@ -151,12 +120,9 @@ def sweep_cell(
 
 @task(name="sweep-report", cache_policy=NO_CACHE)
 def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
-    """The comparison across the cells that have a report (:func:`reports.compare.build_comparison`),
-    written to ``<sweep>/report/`` and published as artifacts. Every planned cell is listed: one
-    without a readable ``report/report.json`` (failed before its report, or damaged) is shown as
-    "no results" with its status and a warning is logged; with no cell to compare nothing is written
-    and ``{}`` is returned."""
-    from reports.artifacts import publish_comparison_artifacts
+    """The comparison across the cells that have a report (:func:`reports.compare.build_comparison`) in
+    ``<sweep>/report/``, published as artifacts; a cell without a readable ``report/report.json`` is
+    listed as "no results" (with a warning); ``{}`` (nothing written) when no cell has one."""
     from reports.compare import _read_run, build_comparison
     from reports.read import ReportInputError
 
@@ -174,31 +140,22 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
             continue
         status = read_status(pc.run_dir) if pc.run_dir.is_dir() else {}
         none.append(
-            {
-                "label": pc.cell.name,
-                "run_dir": str(pc.run_dir),
-                "why": why,
-                **{k: status.get(k) for k in ("status", "reason")},
-            }
+            {"label": pc.cell.name, "run_dir": str(pc.run_dir), "why": why}
+            | {k: status.get(k) for k in ("status", "reason")}
         )
-        log.warning(
-            "sweep %s: cell %s has no results (%s); status %s",
-            plan.spec.name,
-            pc.cell.name,
-            why,
-            status.get("status") or "no status.json",
-        )
+        state = status.get("status") or "no status.json"
+        log.warning("sweep %s: cell %s has no results (%s); status %s", plan.spec.name, pc.cell.name, why, state)
     if not have:
         log.warning("sweep %s: no cell has results; no comparison written", plan.spec.name)
         return {}
-    axes = list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides))
+    layout = SweepLayout(plan.sweep_dir)
     comparison = build_comparison(
         [pc.run_dir for pc in have],
-        SweepLayout(plan.sweep_dir).report,
-        axes=axes,
+        layout.report,
+        axes=list(dict.fromkeys(k for pc in plan.cells for k in pc.cell.overrides)),
         labels=[pc.cell.name for pc in have],
         title=f"Sweep {plan.spec.name}",
-        source=f"the sweep flow (`{SweepLayout(plan.sweep_dir).record}`)",
+        source=f"the sweep flow (`{layout.record}`)",
         no_results=none,
     )
     publish_comparison_artifacts(comparison, plan.spec.name)
@@ -206,16 +163,9 @@ def sweep_report(plan: SweepPlan, results: dict[str, dict]) -> dict:
 
 
 def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict]) -> None:
-    """Run the cells ``todo``, ``concurrency`` threads taking them in grid order, each holding a slot of
-    the sweep's global limit (which holds them to ``concurrency`` at once across every sweep of this
-    name); each cell's result goes into ``results`` and ``sweep.json`` as it finishes."""
-    spec = plan.spec
-    limit = limit_name(spec)
+    """Run the cells ``todo`` in grid order; each result goes into ``results`` and ``sweep.json`` as it ends."""
+    spec, limit = plan.spec, limit_name(plan.spec)
     set_concurrency_limit(limit, spec.concurrency)
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-    from reports.artifacts import artifact_key
-
     total, done = len(plan.cells), len(plan.cells) - len(todo)
     progress = create_progress_artifact(
         100.0 * done / max(total, 1),
@@ -224,21 +174,9 @@ def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict
     )
     dp_cache = str(SweepLayout(plan.sweep_dir).dp_cache) if spec.reuse_dp else None
     with ThreadPoolTaskRunner(max_workers=spec.concurrency) as runner:
-        futures = {
-            runner.submit(
-                sweep_cell,
-                {
-                    "name": pc.cell.name,
-                    "config": pc.cfg,
-                    "run_dir": str(pc.run_dir),
-                    "launch": spec.launch,
-                    "deployment": spec.deployment,
-                    "limit": limit,
-                    "dp_cache": dp_cache,
-                },
-            ): pc.cell.name
-            for pc in todo
-        }
+        shared = {"launch": spec.launch, "deployment": spec.deployment, "limit": limit, "dp_cache": dp_cache}
+        cells = [{"name": pc.cell.name, "config": pc.cfg, "run_dir": str(pc.run_dir)} | shared for pc in todo]
+        futures = {runner.submit(sweep_cell, cell): cell["name"] for cell in cells}
         for future in as_completed(list(futures)):
             name = futures[future]
             try:
@@ -257,23 +195,15 @@ def _run_cells(plan: SweepPlan, todo: list[PlannedCell], results: dict[str, dict
                 update_progress_artifact(progress, 100.0 * done / max(total, 1))
 
 
-def _default_spec() -> SweepSpec:
-    return load_spec("sweep", "tiny_grid")
-
-
 @flow(name="sweep", flow_run_name=sweep_run_name, log_prints=True)
 def sweep(
-    spec: SweepSpec = _default_spec(),
-    sweep_file: str | None = None,
-    sweep_dir: str | None = None,
+    spec: SweepSpec = load_spec("sweep", "tiny_grid"), sweep_file: str | None = None, sweep_dir: str | None = None
 ) -> str | State:
     """Run every cell of a sweep through the pipeline, then build the sweep's comparison report.
 
     Args:
-        spec: the sweep, field by field (the UI form): base config, shared overrides, grid and/or
-            cells, concurrency, launch, sweep_root, resume (:class:`configs.sweep.SweepSpec`).
-        sweep_file: instead of ``spec``: a shipped sweep's name (``configs/sweeps/<name>.yaml``) or
-            the path of a sweep YAML file.
+        spec: the sweep, field by field (the UI form; :class:`configs.sweep.SweepSpec`).
+        sweep_file: instead of ``spec``: a shipped sweep's name (``configs/sweeps/<name>.yaml``) or a YAML path.
         sweep_dir: the sweep's folder (default ``<sweep_root>/<name>``, or ``<name>-<UTC time>``
             when ``resume`` is false); an existing sweep folder is resumed.
 
@@ -295,17 +225,16 @@ def sweep(
         f"before) in {plan.sweep_dir}; at most {spec.concurrency} at once ({spec.launch})"
     )
     prior = _prior_results(plan.sweep_dir, logger)
-    results: dict[str, dict] = {
-        pc.cell.name: {**prior.get(pc.cell.name, {}), "status": "completed", "state": "COMPLETED", "skipped": True}
-        for pc in plan.cells
-        if pc.action == "skip"
-    }
+    skipped = {"status": "completed", "state": "COMPLETED", "skipped": True}
+    results = {pc.cell.name: prior.get(pc.cell.name, {}) | skipped for pc in plan.cells if pc.action == "skip"}
     with graceful_stop():
+        attempts = SweepLayout(plan.sweep_dir).attempts
         plan.sweep_dir.mkdir(parents=True, exist_ok=True)
-        for pc in todo:
-            if pc.action == "rerun":
-                moved = _move_aside(pc, plan.sweep_dir)
-                logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
+        for pc in (pc for pc in todo if pc.action == "rerun"):
+            attempts.mkdir(parents=True, exist_ok=True)
+            moved = next(t for n in itertools.count(1) if not (t := attempts / f"{pc.cell.name}-{n}").exists())
+            shutil.move(str(pc.run_dir), str(moved))
+            logger.info("cell %s: the earlier attempt (%s) moved to %s", pc.cell.name, pc.previous, moved)
         _write_record(plan, results)
         _run_cells(plan, todo, results)
         comparison = sweep_report(plan, results)
@@ -314,9 +243,9 @@ def sweep(
     if comparison:
         logger.info("sweep report: %s", report)
     if stop_requested():
+        n = sum(r.get("status") == "completed" for r in results.values())
         return Cancelled(
-            message=f"stopped: cells completed: {sum(r.get('status') == 'completed' for r in results.values())} "
-            f"of {len(plan.cells)}; re-run the sweep to resume ({plan.sweep_dir})"
+            message=f"stopped: cells completed: {n} of {len(plan.cells)}; re-run the sweep to resume ({plan.sweep_dir})"
         )
     if failed:
         return Failed(
@@ -328,32 +257,22 @@ def sweep(
 
 
 def _prior_results(sweep_dir: Path, logger=None) -> dict[str, dict]:
-    """The results recorded for each cell by an earlier run of the sweep (empty if none).
-
-    A ``sweep.json`` that is not a sweep record (not UTF-8 JSON, or not an object whose ``cells``
-    is a list of objects with a ``name``) is not overwritten silently: it is renamed
-    ``sweep.json.corrupt-<UTC time>`` beside it and a warning naming both is logged (on
-    ``logger``, default the run's or this module's); the sweep then starts a new record."""
+    """Each cell's earlier results; a ``sweep.json`` that is not a sweep record is kept aside, with a warning."""
     path = SweepLayout(sweep_dir).record
     if not path.is_file():
         return {}
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
         cells = record["cells"] if isinstance(record, dict) and isinstance(record.get("cells"), list) else None
-        problem = (
-            None
-            if cells is not None and all(isinstance(c, dict) and "name" in c for c in cells)
-            else "no list of cells with names"
-        )
+        ok = cells is not None and all(isinstance(c, dict) and "name" in c for c in cells)
+        problem = None if ok else "no list of cells with names"
     except (ValueError, UnicodeDecodeError):
         problem = "not valid JSON"
     if problem is None:
         return {c["name"]: {k: c[k] for k in ("wall_s", "flow_run_id") if k in c} for c in cells}
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
-    kept, n = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}"), 1
-    while kept.exists():
-        n += 1
-        kept = path.with_name(f"{SWEEP_JSON}.corrupt-{stamp}-{n}")
+    names = (f"{SWEEP_JSON}.corrupt-{stamp}" + (f"-{n}" if n > 1 else "") for n in itertools.count(1))
+    kept = next(k for name in names if not (k := path.with_name(name)).exists())
     os.replace(path, kept)
     (logger or run_logger()).warning(
         "%s is not a sweep record (%s); kept as %s, and a new record is written", path, problem, kept.name

@@ -1,33 +1,34 @@
 """The tune flow: one Optuna study per method, the same trials and budget each, then the tuned comparison.
 
-A study folder (``<study_root>/<name>``) is laid out as :class:`run.layout.StudyLayout` says:
-``tune.json``, ``optuna.log`` (Optuna's journal storage of every study: ``dp``, and ``diloco`` or one
-``diloco-<variant>`` per variant), ``trials/``, ``tuned/<study>/`` (per DiLoCo study, the tuned
-comparison), ``dp/`` (DP results its arms share: the pipeline's ``dp_cache``) and ``report/``.
+A study folder (``<study_root>/<name>``) is laid out as :class:`run.layout.StudyLayout` says (``optuna.log``:
+Optuna's journal storage of every study: ``dp``, and ``diloco`` or ``diloco-<variant>`` per variant).
+A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`, holding a slot
+of the limit ``tune-<name>``: ``concurrency`` trials at once), scored by its method's loss on the whole
+validation split: selection never reads the test split, which only the tuned comparison reports. Each
+study gets ``trials`` completed trials from a TPE sampler of the same seed; a failed trial is recorded
+as failed and another is asked, at most ``trials`` more.
 
-A trial is a pipeline run through the sweep's cell task (:func:`flows.sweep.sweep_cell`: a slot of
-the Prefect global concurrency limit ``tune-<name>`` while it runs (:mod:`flows.slots`), ``concurrency`` trials at
-once) and is scored by its method's loss on the whole validation split (``heldout.val`` of its
-summary): selection never reads the test split, which only the tuned comparison reports. Both
-methods get ``trials`` completed trials from a TPE sampler of the same seed; a failed trial is
-recorded as failed in the study and another is asked, at most ``trials`` more.
-
-**Resuming**: running the study again (same name) loads both Optuna studies from ``optuna.log``;
-trials a stopped study left running are marked failed and their settings are asked again first
-(``Study.enqueue_trial``), completed trials count, and the tuned
+**Resuming**: running the study again (same name) loads the studies from ``optuna.log``; trials a
+stopped study left running are marked failed and their settings asked again first, and the tuned
 comparison is skipped when ``tuned/`` holds a completed run of the same config (else moved to
-``attempts/``). A study folder of another spec (other base, space, overrides or seeds) is refused
-(:func:`flows.preflight.tune_preflight`, before anything is written).
+``attempts/``). A study folder of another spec is refused (:func:`flows.preflight.tune_preflight`).
 """
 
 # No `from __future__ import annotations`: Prefect validates flow parameters from the annotations
 # (see flows/pipeline.py).
 
+import itertools
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
 
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.storages import JournalStorage
+from optuna.storages.journal import JournalFileBackend
+from optuna.trial import TrialState
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import wait
@@ -49,27 +50,17 @@ from run.layout import RunLayout, StudyLayout
 __all__ = ["tune", "trial_value"]
 
 
-def _distributions(space: dict) -> dict:
-    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
-
-    out = {}
-    for key, r in space.items():
-        if r.choices is not None:
-            out[key] = CategoricalDistribution(r.choices)
-        elif r.is_int:
-            out[key] = IntDistribution(int(r.low), int(r.high), log=r.log, step=int(r.step or 1))
-        else:
-            out[key] = FloatDistribution(r.low, r.high, log=r.log, step=r.step)
-    return out
+def _distribution(r):
+    if r.choices is not None:
+        return CategoricalDistribution(r.choices)
+    if r.is_int:
+        return IntDistribution(int(r.low), int(r.high), log=r.log, step=int(r.step or 1))
+    return FloatDistribution(r.low, r.high, log=r.log, step=r.step)
 
 
 def trial_value(run_dir: Path, method: str) -> float | None:
     """The trial's objective: its method's loss on the whole validation split (nats per token or
     image; ``heldout.val.loss`` of ``pretrain/<method>/summary.json``), None when it has none."""
-    import math
-
-    from run.layout import RunLayout
-
     try:
         summary = json.loads(RunLayout(run_dir).summary("pretrain", method).read_text())
     except (OSError, ValueError):
@@ -79,11 +70,7 @@ def trial_value(run_dir: Path, method: str) -> float | None:
 
 
 def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None = None) -> dict:
-    """``tune.json``: the spec, per study (``dp``, ``diloco`` or ``diloco-<variant>``) its trials
-    and best, and ``tuned`` (per DiLoCo study, its tuned comparison's run directory and state;
-    an earlier attempt's is kept when this one has none)."""
-    from optuna.trial import TrialState
-
+    """Write ``tune.json``: the spec, per study its trials and best, and ``tuned`` (an earlier attempt's if None)."""
     record = StudyLayout(study_dir).record
     if tuned is None and record.is_file():  # an earlier attempt's tuned comparison, kept
         tuned = json.loads(record.read_text()).get("tuned")
@@ -96,11 +83,8 @@ def _record(spec: TuneSpec, study_dir: Path, studies: dict, tuned: dict | None =
         ]
         done = [t for t in study.trials if t.state == TrialState.COMPLETE]
         best = min(done, key=lambda t: t.value) if done else None
-        out["methods"][m] = {
-            "trials": trials,
-            "completed": len(done),
-            "best": {"number": best.number, "value": best.value, "params": best.params} if best else None,
-        }
+        best = {"number": best.number, "value": best.value, "params": best.params} if best else None
+        out["methods"][m] = {"trials": trials, "completed": len(done), "best": best}
     atomic.write_json(record, out, newline=True, default=None)
     return out
 
@@ -114,16 +98,13 @@ def tune_report(record: dict, study_dir: str) -> str:
 
 
 def _enqueue_once(study, params: dict) -> bool:
-    """Enqueue a trial of ``params`` unless one is already completed or waiting with them; True when
-    enqueued. (A waiting trial's ``params`` are empty until it starts: its settings are Optuna's
-    ``fixed_params`` system attribute. Reading ``params`` alone enqueued the base settings again at
-    every resume, so one study ran them three times.)"""
-    from optuna.trial import TrialState
-
-    def planned(t) -> dict:
-        return t.system_attrs.get("fixed_params", t.params)
-
-    if any(planned(t) == params for t in study.trials if t.state in (TrialState.COMPLETE, TrialState.WAITING)):
+    """Enqueue a trial of ``params`` unless one is completed or waiting with them; True when enqueued."""
+    planned = [
+        t.system_attrs.get("fixed_params", t.params)
+        for t in study.trials
+        if t.state in (TrialState.COMPLETE, TrialState.WAITING)
+    ]
+    if params in planned:
         return False
     study.enqueue_trial(params)  # the shipped settings first: tuning never ends worse than them
     return True
@@ -131,35 +112,27 @@ def _enqueue_once(study, params: dict) -> bool:
 
 def _cell(name: str, cfg, rd: Path, limit: str, dp_cache: str | None = None) -> dict:
     """:func:`flows.sweep.sweep_cell`'s parameters for a pipeline run of ``cfg`` in ``rd``, in this process."""
-    return dict(
-        name=name,
-        config=cfg,
-        run_dir=str(rd),
-        launch="subflow",
-        deployment="pipeline/default",
-        limit=limit,
-        dp_cache=dp_cache,
-    )
+    parameters = {"name": name, "config": cfg, "run_dir": str(rd), "launch": "subflow", "limit": limit}
+    return parameters | {"deployment": "pipeline/default", "dp_cache": dp_cache}
 
 
 def _run_trials(
     spec: TuneSpec, study_dir: Path, raw: dict, arm: tuple[str, str, dict], study, limit: str, logger
 ) -> None:
-    """Ask, run and tell trials of one study until it has ``trials`` completed ones (at most
-    ``trials`` failures more), ``concurrency`` at a time."""
-    from optuna.trial import TrialState
-
+    """Ask, run and tell trials of one study until ``trials`` completed (at most ``trials`` failures more)."""
     name, method, variant = arm
     for t in study.trials:  # left running by a stopped study: failed, and its settings asked again first
         if t.state == TrialState.RUNNING:
             study.tell(t.number, state=TrialState.FAIL)
             study.enqueue_trial(t.params)
             logger.info(
-                f"{name} trial {t.number}: left running by an earlier attempt; marked failed, its settings tried again"
+                "%s trial %d: left running by an earlier attempt; marked failed, its settings tried again",
+                name,
+                t.number,
             )
     if spec.from_base and (base := spec.base_params(method, raw, variant)) is not None and _enqueue_once(study, base):
         logger.info("%s: the base config's settings %s are tried first", name, base)
-    dists = _distributions(spec.space[method])
+    dists = {key: _distribution(r) for key, r in spec.space[method].items()}
     failed = 0
     while not stop_requested():
         done = sum(t.state == TrialState.COMPLETE for t in study.trials)
@@ -171,11 +144,8 @@ def _run_trials(
             for trial in batch:
                 rd = StudyLayout(study_dir).trial(name, trial.number)
                 trial.set_user_attr("run_dir", str(rd))
-                cfg = load_spec(
-                    "config",
-                    value=spec.trial_config(method, trial.params, raw, variant),
-                    where=f"study {spec.name}, {name} trial",
-                )
+                value = spec.trial_config(method, trial.params, raw, variant)
+                cfg = load_spec("config", value=value, where=f"study {spec.name}, {name} trial")
                 logger.info("%s trial %d: %s", name, trial.number, trial.params)
                 futures.append((trial, rd, runner.submit(sweep_cell, _cell(f"{name}-{trial.number}", cfg, rd, limit))))
             wait([f for _, _, f in futures])
@@ -195,15 +165,10 @@ def _run_trials(
 def _tuned_comparison(
     spec: TuneSpec, study_dir: Path, raw: dict, best: dict, arm: tuple[str, str, dict], limit: str, logger
 ) -> dict:
-    """The tuned comparison of one DiLoCo study against the tuned DP, over ``seeds``, in
-    ``tuned/<study>/`` (DP's seeds shared through ``<study folder>/dp``): skipped when that folder
-    holds a completed run of the same config, else an earlier attempt is moved to ``attempts/``."""
+    """The tuned comparison of one DiLoCo study against the tuned DP over ``seeds``, in ``tuned/<study>/``."""
     name, _, variant = arm
-    cfg = load_spec(
-        "config",
-        value=spec.final_config(best["dp"], best[name], raw, variant, name),
-        where=f"study {spec.name}, the tuned comparison of {name}",
-    )
+    value = spec.final_config(best["dp"], best[name], raw, variant, name)
+    cfg = load_spec("config", value=value, where=f"study {spec.name}, the tuned comparison of {name}")
     layout = StudyLayout(study_dir)
     rd = layout.tuned(name)
     if rd.exists():
@@ -216,9 +181,7 @@ def _tuned_comparison(
         ):
             logger.info("tuned comparison %s: completed before in %s", name, rd)
             return {"run_dir": str(rd), "status": "completed", "skipped": True}
-        n = 1
-        while layout.attempt(name, n).exists():
-            n += 1
+        n = next(n for n in itertools.count(1) if not layout.attempt(name, n).exists())
         layout.attempt(name, n).parent.mkdir(exist_ok=True)
         shutil.move(str(rd), layout.attempt(name, n))
         logger.info("tuned comparison %s: an earlier attempt moved to attempts/tuned-%s-%d", name, name, n)
@@ -227,29 +190,19 @@ def _tuned_comparison(
     return {"run_dir": str(rd), **out}
 
 
-def _default_spec() -> TuneSpec:
-    return load_spec("study", "tune_tiny")
-
-
 @flow(name="tune", flow_run_name=tune_run_name, log_prints=True)
-def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str | State:
-    """Tune DP and DiLoCo with the same number of trials and the same budget per trial, then run
-    both methods' best settings over ``seeds`` (see the module).
+def tune(spec: TuneSpec = load_spec("study", "tune_tiny"), study_file: str | None = None) -> str | State:
+    """Tune DP and DiLoCo with the same trials and budget each, then run their best settings over ``seeds``.
 
     Args:
         spec: the study, field by field (the UI form; :class:`configs.tune.TuneSpec`).
-        study_file: instead of ``spec``: a shipped study's name (``configs/studies/<name>.yaml``) or
-            the path of a study YAML file.
+        study_file: instead of ``spec``: a shipped study's name (``configs/studies/<name>.yaml``) or a YAML path.
 
     Returns the study folder (its report is ``report/study.md``). Raises ``ValueError`` /
     ``FileNotFoundError`` from the checks, before anything is written. Ends ``Cancelled`` after a
     stop signal (run it again to resume) and ``Failed`` when a method has no completed trial or
     the tuned comparison did not complete.
     """
-    import optuna
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
-
     logger = run_logger()
     spec = load_spec("study", study_file, value=spec)
     plan = tune_preflight(spec)
@@ -261,23 +214,18 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
         study_dir.mkdir(parents=True, exist_ok=True)
         storage = JournalStorage(JournalFileBackend(str(StudyLayout(study_dir).journal)))
         arms = spec.arms()
-        studies = {
-            a[0]: optuna.create_study(study_name=a[0], storage=storage, direction="minimize", load_if_exists=True)
-            for a in arms
-        }
+        kw = {"storage": storage, "direction": "minimize", "load_if_exists": True}
+        studies = {a[0]: optuna.create_study(study_name=a[0], **kw) for a in arms}
         for study in studies.values():  # a resumed study's sampler continues from another seed: no repeated draws
             study.sampler = optuna.samplers.TPESampler(seed=spec.sampler_seed + len(study.trials))
         _record(spec, study_dir, studies)
         limit = f"tune-{spec.name}"
         set_concurrency_limit(limit, spec.concurrency)
-        logger.info(
-            f"study {spec.name} in {study_dir}: studies {', '.join(studies)}, {spec.trials} trials each, "
-            f"{spec.concurrency} at once"
-        )
+        at_once = f"{spec.trials} trials each, {spec.concurrency} at once"
+        logger.info(f"study {spec.name} in {study_dir}: studies {', '.join(studies)}, {at_once}")
         for arm in arms:
             _run_trials(spec, study_dir, raw, arm, studies[arm[0]], limit, logger)
-            _record(spec, study_dir, studies)
-        record = _record(spec, study_dir, studies)
+            record = _record(spec, study_dir, studies)
         best = {a: (record["methods"][a]["best"] or {}).get("params") for a in studies}
         missing = [a for a in studies if best[a] is None]
         tuned: dict = dict(record.get("tuned") or {})
@@ -290,10 +238,8 @@ def tune(spec: TuneSpec = _default_spec(), study_file: str | None = None) -> str
     if stop_requested():
         return Cancelled(message=f"stopped; run the study again to resume ({study_dir})")
     if missing:
-        return Failed(
-            message=f"study {spec.name}: no completed trial of {', '.join(missing)} "
-            f"(see {StudyLayout(study_dir).record})"
-        )
+        see = StudyLayout(study_dir).record
+        return Failed(message=f"study {spec.name}: no completed trial of {', '.join(missing)} (see {see})")
     bad = [a for a, t in tuned.items() if spec.compare and t.get("status") != "completed"]
     if bad:
         return Failed(

@@ -1,22 +1,21 @@
 """The Prefect UI stack in one command (``make ui`` / ``ddiloco ui``): server, work pool,
 deployments and a worker, started together and stopped together.
 
-1. ``prefect server start`` on ``host:port`` (analytics off, promotional content off; its database
-   is Prefect's, ``~/.prefect/prefect.db`` unless ``PREFECT_HOME`` or
-   ``PREFECT_API_DATABASE_CONNECTION_URL`` say otherwise), waited for until ``/api/health`` answers;
-2. the process work pool (``local-proc``, what prefect.yaml's deployments name), created if missing;
-3. ``prefect --no-prompt deploy --all`` from the repository's prefect.yaml (every pipeline, sweep,
-   tune and single-stage deployment);
+1. ``prefect server start`` on ``host:port`` (analytics and promotional content off; Prefect's own
+   database), waited for until ``/api/health`` answers;
+2. the process work pool ``local-proc`` (what prefect.yaml names), created if missing;
+3. ``prefect --no-prompt deploy --all`` from the repository's prefect.yaml;
 4. ``prefect worker start --pool local-proc``.
 
-Each child runs in a session of its own (its flow runs too), so SIGINT or SIGTERM to the stack, or
-a child that dies, stops every other: the worker first (its running flow runs with it), then the
-server. Nothing here imports JAX. Exit status: 0 after a stop signal, 1 when a part failed to start
-or died (its log's tail is printed), 2 for a port that is taken.
+Each child runs in a session of its own, so SIGINT or SIGTERM to the stack, or a child that dies,
+stops every other: the worker first (its running flow runs with it), then the server. Exit status: 0
+after a stop signal, 1 when a part failed to start or died (its log's tail is printed), 2 for a port
+that is taken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -31,10 +30,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 POOL = "local-proc"
 HEALTH_WAIT_S = 180.0
-
-
-def _prefect() -> str:
-    return str(Path(sys.executable).with_name("prefect"))
 
 
 def port_taken(host: str, port: int) -> bool:
@@ -52,26 +47,20 @@ class Stack:
         self.children: list[tuple[str, subprocess.Popen, Path]] = []
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen:
-        log = self.log_dir / f"{name}.log"
+        """Start ``prefect <args>`` as the part ``name``, logging to ``<log_dir>/<name>.log``."""
+        log, args = self.log_dir / f"{name}.log", [str(Path(sys.executable).with_name("prefect")), *args]
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(
-                args,
-                cwd=ROOT,
-                env=self.env,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-            )
+            io = {"stdout": fh, "stderr": subprocess.STDOUT, "stdin": subprocess.DEVNULL}
+            proc = subprocess.Popen(args, cwd=ROOT, env=self.env, start_new_session=True, **io)
         self.children.append((name, proc, log))
         return proc
 
     def died(self) -> tuple[str, int, Path] | None:
         """The first child of the long-running ones (server, worker) that exited: (name, code, log)."""
-        for name, proc, log in self.children:
-            if name in ("server", "worker") and proc.poll() is not None:
-                return name, proc.returncode, log
-        return None
+        gone = [
+            (n, p.returncode, log) for n, p, log in self.children if n in ("server", "worker") and p.poll() is not None
+        ]
+        return gone[0] if gone else None
 
     def stop(self) -> None:
         for name, proc, _ in reversed(self.children):
@@ -83,9 +72,8 @@ class Stack:
 
 
 def stop_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
-    """End ``proc``'s process group (it was started in a session of its own): SIGTERM, SIGKILL
-    after ``term_wait_s`` seconds, then SIGKILL to whatever of the group outlived its leader (a
-    flow-run process)."""
+    """End ``proc``'s process group: SIGTERM, SIGKILL after ``term_wait_s`` s, then SIGKILL to what of the
+    group outlived its leader (a flow-run process)."""
     for sig, wait_s in ((signal.SIGTERM, term_wait_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -96,10 +84,8 @@ def stop_group(proc: subprocess.Popen, term_wait_s: float = 15.0) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def tail(log: Path, n: int = 3000) -> str:
@@ -142,16 +128,12 @@ def run_stack(
     stop: threading.Event | None = None,
 ) -> int:
     """Start the stack and keep it up until SIGINT/SIGTERM (or ``stop`` is set), then stop it all.
-
-    ``deploy``/``worker`` False leave those parts out (a server and pool only). ``log_dir``: where
-    each part's log goes (default ``build/ui-stack/``). Returns the exit status (see the module).
-    """
+    ``deploy``/``worker`` False leave those parts out; ``log_dir``: the parts' logs (default
+    ``build/ui-stack/``). Returns the exit status (see the module)."""
     if port_taken(host, port):
         free = "4300" if port != 4300 else "4301"
-        say(
-            f"error: {host}:{port} is taken (another Prefect server?); stop it or pick another port: "
-            f"ddiloco ui --port {free} (make ui UI_PORT={free})"
-        )
+        hint = f"stop it or pick another port: ddiloco ui --port {free} (make ui UI_PORT={free})"
+        say(f"error: {host}:{port} is taken (another Prefect server?); {hint}")
         return 2
     log_dir = log_dir or ROOT / "build" / "ui-stack"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -173,7 +155,7 @@ def run_stack(
             signal.signal(s, lambda *_: stop.set())
     stack = Stack(env, log_dir, say)
     try:
-        server = stack.start("server", [_prefect(), "server", "start", "--host", host, "--port", str(port)])
+        server = stack.start("server", ["server", "start", "--host", host, "--port", str(port)])
         end = time.monotonic() + HEALTH_WAIT_S
         while not _healthy(api):
             if server.poll() is not None or time.monotonic() > end or stop.is_set():
@@ -183,13 +165,10 @@ def run_stack(
                 return 1
             time.sleep(0.5)
         say(f"server: {base} (API {api}; log {log_dir / 'server.log'})")
-        if ensure_pool(api):
-            say(f"work pool {POOL}: created (process)")
-        else:
-            say(f"work pool {POOL}: exists")
+        say(f"work pool {POOL}: " + ("created (process)" if ensure_pool(api) else "exists"))
         if deploy and not stop.is_set():
             say("deploying prefect.yaml (every deployment; about 30 s) ...")
-            proc = stack.start("deploy", [_prefect(), "--no-prompt", "deploy", "--all"])
+            proc = stack.start("deploy", ["--no-prompt", "deploy", "--all"])
             while proc.poll() is None and not stop.is_set():
                 time.sleep(0.5)
             if stop.is_set():
@@ -199,7 +178,7 @@ def run_stack(
                 return 1
             say("deployments: created from prefect.yaml")
         if worker and not stop.is_set():
-            stack.start("worker", [_prefect(), "worker", "start", "--pool", POOL])
+            stack.start("worker", ["worker", "start", "--pool", POOL])
             say(f"worker: polling {POOL} (log {log_dir / 'worker.log'})")
         say(f"ready: open {base} (Ctrl-C stops the server, the worker and its runs)")
         while not stop.wait(1.0):
