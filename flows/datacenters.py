@@ -22,7 +22,7 @@ from unittest import mock
 
 from configs.schema import ExperimentConfig
 from run.atomic import write_json
-from run.layout import RunLayout
+from run.layout import NetworkFolder, RunLayout
 
 BUCKET = "ddiloco"
 CREDENTIALS = ("emulated", "emulated")  # the hub's store accepts any; a key the clients can send
@@ -41,22 +41,22 @@ def emulated(config: ExperimentConfig, rd: Path, method: str) -> Iterator[Experi
     if problem:
         raise RuntimeError(problem)
     layout = RunLayout(rd)
-    folder = Path(layout.network("pretrain", method))
-    folder.mkdir(parents=True, exist_ok=True)
+    net = NetworkFolder(layout.network("pretrain", method))
+    net.root.mkdir(parents=True, exist_ok=True)
     count = config.diloco.learners if method == "diloco" else config.dp.hosts
     with datacenters(count, config.network.bandwidth_gbps) as dcs, contextlib.ExitStack() as stack:
         stage = config
         if method == "diloco":
             from run.s3_server import S3Server
 
-            s3 = stack.enter_context(S3Server(log=folder / "store.log", host=dcs.hub, credentials=CREDENTIALS))
+            s3 = stack.enter_context(S3Server(log=net.store_log, host=dcs.hub, credentials=CREDENTIALS))
             stack.enter_context(mock.patch.dict(os.environ, s3.env))
             s3.create_bucket(BUCKET)
             raw = config.model_dump(mode="json")
             raw["runtime"] = {**raw["runtime"], "exchange": "fsspec", "exchange_url": f"s3://{BUCKET}/{rd.name}"}
             stage = ExperimentConfig.model_validate_json(json.dumps(raw), context={"stored": True})
-            (folder / "config.json").write_text(stage.model_dump_json())
-        dcs.save(folder / "datacenters.json")
+            net.config.write_text(stage.model_dump_json())
+        dcs.save(net.datacenters)
         before = dcs.link_bytes()
         try:
             yield stage
@@ -67,7 +67,7 @@ def emulated(config: ExperimentConfig, rd: Path, method: str) -> Iterator[Experi
             record["received_bytes"] = sum(x["received"] for x in links)
             if method == "diloco":
                 record["store"] = f"moto S3 server on the hub ({s3.endpoint})"
-            write_json(folder / "network.json", record)
+            write_json(net.record, record)
             summary = layout.summary("pretrain", method)
             if Path(summary).exists():
                 write_json(summary, {**json.loads(Path(summary).read_text()), "network": record})

@@ -61,7 +61,8 @@ def _trials_md(t: pd.DataFrame) -> str:
 
 def build_study_report(record: dict, study_dir: Path) -> str:
     """Write the study's report from its ``tune.json`` record; returns the path of ``study.md``."""
-    out = StudyLayout(study_dir).report
+    layout = StudyLayout(study_dir)
+    out = layout.report
     out.mkdir(parents=True, exist_ok=True)
     tuned = record.get("tuned") or {}
     verdicts = {}
@@ -80,6 +81,6 @@ def build_study_report(record: dict, study_dir: Path) -> str:
         history=fig is not None,
         trials_table=lambda m: _trials_md(trials[trials.method == m]),
     )
-    atomic.write_json(out / "study.json", record, newline=True, default=None)
-    atomic.write_text(out / "study.md", text)
-    return str(out / "study.md")
+    atomic.write_json(layout.study_json, record, newline=True, default=None)
+    atomic.write_text(layout.study_md, text)
+    return str(layout.study_md)
