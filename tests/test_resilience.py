@@ -75,7 +75,7 @@ def test_a_learner_down_two_of_ten_seconds_has_80_percent_goodput():
     r = _row(res, 0)
     assert res["span"] == {"start_s": 0.0, "end_s": 10.0, "length_s": 10.0, "clock": "run clock (s)"}
     assert (r["allocated_s"], r["down_s"], r["running_s"], r["lost_work_s"]) == (10.0, 2.0, 8.0, 0.0)
-    assert r["goodput"] == pytest.approx(0.8)
+    assert r["restarting_s"] == 1.0 and r["goodput"] == pytest.approx(0.8)
     assert (r["failures"], r["restarts"], r["merged_again_after_restart"]) == (1, 1, True)
     assert res["timelines"]["0"] == [
         {"state": "running", "start": 0.0, "end": 4.0},
@@ -388,7 +388,16 @@ def _hand_made_run(root: Path, chaos: bool = True) -> Path:
             {"event": "failure", "learner": 0, "attempt": 1, "step": 40, "t": 4.0, "reason": "x at 4 s of training"},
             {"event": "start", "learner": 0, "attempt": 2, "step": 40, "t": 6.0, "origin": 0.0},
             {"event": "stop", "learner": 0, "attempt": 2, "step": 80, "t": 10.0},
-            *(_state(0, s, t, a) for s, t, a in (("up", 0.0, 1), ("down", 4.0, 1), ("up", 6.0, 2), ("done", 10.0, 2))),
+            *(
+                _state(0, s, t, a)
+                for s, t, a in (
+                    ("up", 0.0, 1),
+                    ("down", 4.0, 1),
+                    ("restarting", 5.5, 2),
+                    ("up", 6.0, 2),
+                    ("done", 10.0, 2),
+                )
+            ),
         ],
     )
     _jsonl(
@@ -431,7 +440,7 @@ def test_the_resilience_section_of_a_hand_made_run(tmp_path: Path):
     assert plots["resilience_loss"] == "pretrain_resilience_loss.png"
     assert (RunLayout(run).report / plots["resilience_timeline"]).is_file()
     md = squash(RunLayout(run).report_md.read_text())
-    assert "### Resilience" in md and "DiLoCo uptime" in md and "| 0 | 10.00 | 8.00 | 0.00 | 0.00 | 2.00 |" in md
+    assert "### Resilience" in md and "DiLoCo uptime" in md and "| 0 | 10.00 | 8.00 | 0.00 | 0.00 | 2.00 | 0.50 |" in md
     assert json.loads((RunLayout(run).report / "report.json").read_text()) == report
     # Without a schedule or DP events: no section, no figures.
     plain = build_report(_hand_made_run(tmp_path / "plain", chaos=False))
